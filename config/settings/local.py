@@ -1,0 +1,9 @@
+"""One machine, no services: SQLite and a local Celery transport unless configured."""
+
+from config.env import env_bool, env_str
+from config.settings.base import *  # noqa: F403
+from config.settings.base import DATA_DIR
+
+DEBUG = env_bool("DJANGO_DEBUG", True)
+SECRET_KEY = env_str("DJANGO_SECRET_KEY", "harli-local-development-only")
+DATA_DIR.mkdir(parents=True, exist_ok=True)

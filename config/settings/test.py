@@ -1,0 +1,14 @@
+"""The test suite: real PostgreSQL, fast password hashing."""
+
+import dj_database_url
+
+from config.env import env_str
+from config.settings.base import *  # noqa: F403
+
+SECRET_KEY = "harli-test-only"
+DATABASES = {
+    "default": dj_database_url.parse(
+        env_str("DATABASE_URL", "postgres://postgres@127.0.0.1:5432/test"), conn_max_age=0
+    )
+}
+PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]

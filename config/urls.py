@@ -1,0 +1,5 @@
+"""Root URL configuration."""
+
+from django.urls import URLPattern, URLResolver
+
+urlpatterns: list[URLPattern | URLResolver] = []
