@@ -18,6 +18,7 @@ INSTALLED_APPS = [
     "django.contrib.staticfiles",
     "rest_framework",
     "drf_spectacular",
+    "drf_spectacular_sidecar",
     "api",
     "console",
     "workers",
@@ -67,6 +68,9 @@ DATABASES = {
     else {"ENGINE": "django.db.backends.sqlite3", "NAME": DATA_DIR / "harli.sqlite3"}
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
+AUTH_USER_MODEL = "api.User"
+LOGIN_URL = "rest_framework:login"
+LOGIN_REDIRECT_URL = "/api/docs/"
 
 LANGUAGE_CODE = "en-us"
 TIME_ZONE = "UTC"
@@ -77,8 +81,11 @@ STATIC_URL = "static/"
 STATIC_ROOT = BASE_DIR / "staticfiles"
 STATICFILES_DIRS = [d for d in [BASE_DIR / "frontend" / "dist"] if d.exists()]
 
-# Celery: a local transport when no broker is configured.
-CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "")
+# Celery: with no broker configured, kombu's in-memory transport (`memory://`), which reaches
+# only consumers inside the same process; config.settings.local then runs tasks eagerly.
+CELERY_BROKER_URL = env_str("CELERY_BROKER_URL", "") or "memory://"
+CELERY_BROKER_CONFIGURED = bool(env_str("CELERY_BROKER_URL", ""))
+CELERY_TASK_ALWAYS_EAGER = False
 CELERY_TASK_ACKS_LATE = True
 CELERY_TASK_REJECT_ON_WORKER_LOST = True
 CELERY_WORKER_PREFETCH_MULTIPLIER = 1
@@ -86,3 +93,33 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 
 HARLI_MAX_UPLOAD_BYTES = env_int("HARLI_MAX_UPLOAD_BYTES", 512 * 1024 * 1024)
+# Uploaded file bytes (api.storage.LocalStorage). Relative paths are taken from the repo root.
+HARLI_STORAGE_DIR = BASE_DIR / env_str("HARLI_STORAGE_DIR", "var/storage")
+
+REST_FRAMEWORK = {
+    "DEFAULT_AUTHENTICATION_CLASSES": [
+        "api.authentication.ApiKeyAuthentication",
+        "rest_framework.authentication.SessionAuthentication",
+    ],
+    "DEFAULT_PERMISSION_CLASSES": ["api.permissions.IsOperator"],
+    "DEFAULT_RENDERER_CLASSES": [
+        "rest_framework.renderers.JSONRenderer",
+        "rest_framework.renderers.BrowsableAPIRenderer",
+    ],
+    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "EXCEPTION_HANDLER": "api.errors.exception_handler",
+}
+
+SPECTACULAR_SETTINGS = {
+    "TITLE": "Harli control plane API",
+    "DESCRIPTION": (
+        "Tenant API at /v1 (OpenAI fine-tuning shape, bearer API key) and operator API at "
+        "/api/ops/ (operator role: session or an operator's API key)."
+    ),
+    "VERSION": "0.1.0",
+    "SERVE_INCLUDE_SCHEMA": False,
+    "SWAGGER_UI_DIST": "SIDECAR",
+    "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
+    "REDOC_DIST": "SIDECAR",
+    "COMPONENT_SPLIT_REQUEST": True,
+}

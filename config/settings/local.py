@@ -2,8 +2,12 @@
 
 from config.env import env_bool, env_str
 from config.settings.base import *  # noqa: F403
-from config.settings.base import DATA_DIR
+from config.settings.base import CELERY_BROKER_CONFIGURED, DATA_DIR
 
 DEBUG = env_bool("DJANGO_DEBUG", True)
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", "harli-local-development-only")
 DATA_DIR.mkdir(parents=True, exist_ok=True)
+
+# No broker configured: the in-memory transport reaches no separate worker process, so tasks run
+# inline in the caller. With CELERY_BROKER_URL set, tasks go to the broker as in production.
+CELERY_TASK_ALWAYS_EAGER = not CELERY_BROKER_CONFIGURED

@@ -1,0 +1,162 @@
+"""Parsing of a job's training settings: OpenAI's hyperparameters and our LoRA options.
+
+Hyperparameters come either at the top level (`hyperparameters`, OpenAI's older shape) or in
+`method = {"type": "supervised", "supervised": {"hyperparameters": {...}}}`. Each of `n_epochs`,
+`batch_size` and `learning_rate_multiplier` is a number in range or "auto" (the default).
+LoRA options come in an extension object `lora = {"rank", "alpha", "dropout", "target_modules"}`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from api.errors import HarliError
+from api.models.finetune import DEFAULT_LORA_TARGET_MODULES
+
+AUTO = "auto"
+N_EPOCHS_RANGE = (1, 50)
+BATCH_SIZE_RANGE = (1, 256)
+LEARNING_RATE_MULTIPLIER_RANGE = (1e-6, 10.0)
+LORA_RANK_RANGE = (1, 256)
+SUFFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+MODULE_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
+SEED_RANGE = (0, 2**31 - 1)
+
+
+def _invalid(param: str, message: str) -> HarliError:
+    return HarliError(message, param=param, code="invalid_hyperparameters")
+
+
+def _int_or_auto(value: Any, *, param: str, bounds: tuple[int, int]) -> int | str:
+    if value is None or value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _invalid(param, f"{param} must be an integer or 'auto', got {value!r}.")
+    low, high = bounds
+    if not low <= value <= high:
+        raise _invalid(param, f"{param} must be between {low} and {high}, got {value}.")
+    return value
+
+
+def _float_or_auto(value: Any, *, param: str, bounds: tuple[float, float]) -> float | str:
+    if value is None or value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid(param, f"{param} must be a number or 'auto', got {value!r}.")
+    low, high = bounds
+    if not low <= float(value) <= high:
+        raise _invalid(param, f"{param} must be between {low} and {high}, got {value}.")
+    return float(value)
+
+
+def parse_hyperparameters(hyperparameters: Any, method: Any) -> dict[str, int | float | str]:
+    """Return `{"n_epochs", "batch_size", "learning_rate_multiplier"}` with "auto" defaults."""
+    if method is not None:
+        if not isinstance(method, dict):
+            raise HarliError("method must be an object.", param="method")
+        if method.get("type") != "supervised":
+            raise HarliError(
+                f"Only method type 'supervised' is supported, got {method.get('type')!r}.",
+                param="method.type",
+                code="unsupported_method",
+            )
+        supervised = method.get("supervised") or {}
+        if not isinstance(supervised, dict):
+            raise HarliError("method.supervised must be an object.", param="method.supervised")
+        from_method = supervised.get("hyperparameters")
+        if from_method is not None and hyperparameters is not None:
+            raise HarliError(
+                "Give hyperparameters either at the top level or in method, not both.",
+                param="hyperparameters",
+            )
+        hyperparameters = from_method if from_method is not None else hyperparameters
+    hyperparameters = hyperparameters or {}
+    if not isinstance(hyperparameters, dict):
+        raise _invalid("hyperparameters", "hyperparameters must be an object.")
+    known = {"n_epochs", "batch_size", "learning_rate_multiplier"}
+    unknown = sorted(set(hyperparameters) - known)
+    if unknown:
+        raise _invalid(
+            f"hyperparameters.{unknown[0]}", f"Unknown hyperparameter(s): {', '.join(unknown)}."
+        )
+    return {
+        "n_epochs": _int_or_auto(
+            hyperparameters.get("n_epochs"), param="n_epochs", bounds=N_EPOCHS_RANGE
+        ),
+        "batch_size": _int_or_auto(
+            hyperparameters.get("batch_size"), param="batch_size", bounds=BATCH_SIZE_RANGE
+        ),
+        "learning_rate_multiplier": _float_or_auto(
+            hyperparameters.get("learning_rate_multiplier"),
+            param="learning_rate_multiplier",
+            bounds=LEARNING_RATE_MULTIPLIER_RANGE,
+        ),
+    }
+
+
+@dataclass(frozen=True)
+class LoraOptions:
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: tuple[str, ...] = tuple(DEFAULT_LORA_TARGET_MODULES)
+
+
+def parse_lora(lora: Any) -> LoraOptions:
+    """Validate the `lora` extension object; missing keys take LoraOptions' defaults."""
+    if lora is None:
+        return LoraOptions()
+    if not isinstance(lora, dict):
+        raise _invalid("lora", "lora must be an object.")
+    unknown = sorted(set(lora) - {"rank", "alpha", "dropout", "target_modules"})
+    if unknown:
+        raise _invalid(f"lora.{unknown[0]}", f"Unknown LoRA option(s): {', '.join(unknown)}.")
+    defaults = LoraOptions()
+    rank = lora.get("rank", defaults.rank)
+    if isinstance(rank, bool) or not isinstance(rank, int):
+        raise _invalid("lora.rank", f"lora.rank must be an integer, got {rank!r}.")
+    if not LORA_RANK_RANGE[0] <= rank <= LORA_RANK_RANGE[1]:
+        raise _invalid("lora.rank", f"lora.rank must be between 1 and 256, got {rank}.")
+    alpha = lora.get("alpha", defaults.alpha)
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
+        raise _invalid("lora.alpha", f"lora.alpha must be a positive number, got {alpha!r}.")
+    dropout = lora.get("dropout", defaults.dropout)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+        raise _invalid("lora.dropout", f"lora.dropout must be a number, got {dropout!r}.")
+    if not 0.0 <= dropout < 1.0:
+        raise _invalid("lora.dropout", f"lora.dropout must be in [0, 1), got {dropout}.")
+    modules = lora.get("target_modules", list(defaults.target_modules))
+    if (
+        not isinstance(modules, list)
+        or not modules
+        or not all(isinstance(m, str) and MODULE_PATTERN.match(m) for m in modules)
+    ):
+        raise _invalid(
+            "lora.target_modules",
+            f"lora.target_modules must be a non-empty list of module names, got {modules!r}.",
+        )
+    return LoraOptions(
+        rank=rank, alpha=float(alpha), dropout=float(dropout), target_modules=tuple(modules)
+    )
+
+
+def parse_suffix(suffix: Any) -> str:
+    if suffix is None or suffix == "":
+        return ""
+    if not isinstance(suffix, str) or not SUFFIX_PATTERN.match(suffix):
+        raise HarliError(
+            f"suffix must be 1-64 of A-Z, a-z, 0-9, '_' and '-', got {suffix!r}.", param="suffix"
+        )
+    return suffix
+
+
+def parse_seed(seed: Any) -> int | None:
+    if seed is None:
+        return None
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise HarliError(f"seed must be an integer, got {seed!r}.", param="seed")
+    if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
+        raise HarliError(f"seed must be between 0 and {SEED_RANGE[1]}, got {seed}.", param="seed")
+    return seed

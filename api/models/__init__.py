@@ -1,0 +1,49 @@
+"""The control plane's domain models; import them from here (`from api.models import File`)."""
+
+from api.models.finetune import (
+    DEFAULT_LORA_TARGET_MODULES,
+    OPEN_PLACEMENT_STATES,
+    Adapter,
+    EventLevel,
+    EventType,
+    File,
+    FileFormat,
+    FilePurpose,
+    FileStatus,
+    FinetuneJob,
+    JobCheckpoint,
+    JobEvent,
+    JobStatus,
+    Placement,
+    PlacementState,
+)
+from api.models.fleet import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
+from api.models.tenancy import ApiKey, Tenant, User, UserRole
+
+__all__ = [
+    "DEFAULT_LORA_TARGET_MODULES",
+    "OPEN_PLACEMENT_STATES",
+    "Adapter",
+    "ApiKey",
+    "Architecture",
+    "BaseModel",
+    "Deployment",
+    "Dtype",
+    "EventLevel",
+    "EventType",
+    "File",
+    "FileFormat",
+    "FilePurpose",
+    "FileStatus",
+    "FinetuneJob",
+    "GpuHost",
+    "HostStatus",
+    "JobCheckpoint",
+    "JobEvent",
+    "JobStatus",
+    "Placement",
+    "PlacementState",
+    "Tenant",
+    "User",
+    "UserRole",
+]

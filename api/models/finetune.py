@@ -1,0 +1,220 @@
+"""Tenants' finetuning: training files, jobs, their events and checkpoints, adapters, placements.
+
+A job's `status` changes only through `api.services.jobs.finetune_job_transition`, which checks
+`api.transitions.JOB_TRANSITIONS`. Nothing else may assign `FinetuneJob.status`.
+"""
+
+from __future__ import annotations
+
+from django.core.validators import MinValueValidator
+from django.db import models
+
+from api.models.fleet import BaseModel, GpuHost
+from api.models.ids import (
+    PUBLIC_ID_MAX_LENGTH,
+    new_checkpoint_id,
+    new_event_id,
+    new_file_id,
+    new_job_id,
+)
+from api.models.tenancy import Tenant
+
+
+class FilePurpose(models.TextChoices):
+    FINE_TUNE = "fine-tune", "fine-tune"
+
+
+class FileStatus(models.TextChoices):
+    UPLOADED = "uploaded", "Uploaded"  # bytes stored, not validated yet
+    PROCESSED = "processed", "Processed"  # validated; usable as a training file
+    ERROR = "error", "Error"  # validation failed (see status_details)
+
+
+class FileFormat(models.TextChoices):
+    CHAT = "chat", "Chat messages"
+    PROMPT_COMPLETION = "prompt_completion", "Prompt / completion"
+
+
+class File(models.Model):
+    """An uploaded training file. Its bytes live in `api.storage` under `storage_key`."""
+
+    id = models.CharField(primary_key=True, max_length=PUBLIC_ID_MAX_LENGTH, default=new_file_id)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="files")
+    filename = models.CharField(max_length=255)
+    purpose = models.CharField(max_length=32, choices=FilePurpose.choices)
+    bytes = models.BigIntegerField()
+    line_count = models.PositiveIntegerField(default=0)
+    format = models.CharField(max_length=32, choices=FileFormat.choices, blank=True)
+    status = models.CharField(max_length=16, choices=FileStatus.choices)
+    status_details = models.TextField(blank=True)
+    storage_key = models.CharField(max_length=255, unique=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+
+class JobStatus(models.TextChoices):
+    VALIDATING_FILES = "validating_files", "Validating files"
+    QUEUED = "queued", "Queued"
+    RUNNING = "running", "Running"
+    PAUSED = "paused", "Paused"
+    SUCCEEDED = "succeeded", "Succeeded"
+    FAILED = "failed", "Failed"
+    CANCELLED = "cancelled", "Cancelled"
+
+
+DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
+
+def default_lora_target_modules() -> list[str]:
+    return list(DEFAULT_LORA_TARGET_MODULES)
+
+
+class FinetuneJob(models.Model):
+    """A LoRA finetuning job, in the lifecycle of OpenAI's fine-tuning jobs plus `paused`.
+
+    `hyperparameters` holds what the tenant asked for: `n_epochs`, `batch_size` and
+    `learning_rate_multiplier`, each a number or the string "auto". `error` is null or
+    `{"code", "message", "param"}`. `fine_tuned_model` is set on success, named
+    `ft:<base>:<tenant>:<suffix>:<job id>`. The training files are referenced without a database
+    constraint so that deleting a file after the job ended keeps the job's record intact.
+    """
+
+    id = models.CharField(primary_key=True, max_length=PUBLIC_ID_MAX_LENGTH, default=new_job_id)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="jobs")
+    base_model = models.ForeignKey(BaseModel, on_delete=models.PROTECT, related_name="jobs")
+    training_file = models.ForeignKey(
+        File, on_delete=models.DO_NOTHING, db_constraint=False, related_name="training_jobs"
+    )
+    validation_file = models.ForeignKey(
+        File,
+        null=True,
+        blank=True,
+        on_delete=models.DO_NOTHING,
+        db_constraint=False,
+        related_name="validation_jobs",
+    )
+    status = models.CharField(
+        max_length=20, choices=JobStatus.choices, default=JobStatus.VALIDATING_FILES
+    )
+    hyperparameters = models.JSONField()
+    lora_rank = models.PositiveIntegerField(default=16, validators=[MinValueValidator(1)])
+    lora_alpha = models.FloatField(default=32.0)
+    lora_dropout = models.FloatField(default=0.05)
+    lora_target_modules = models.JSONField(default=default_lora_target_modules)
+    suffix = models.CharField(max_length=64, blank=True)
+    seed = models.BigIntegerField()
+    metadata = models.JSONField(null=True, blank=True)
+    trained_tokens = models.BigIntegerField(null=True, blank=True)
+    fine_tuned_model = models.CharField(max_length=255, null=True, blank=True, unique=True)
+    error = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    finished_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        indexes = [models.Index(fields=["tenant", "-created_at"]), models.Index(fields=["status"])]
+
+    def __str__(self) -> str:
+        return self.id
+
+
+class EventLevel(models.TextChoices):
+    INFO = "info", "info"
+    WARN = "warn", "warn"
+    ERROR = "error", "error"
+
+
+class EventType(models.TextChoices):
+    MESSAGE = "message", "message"
+    METRICS = "metrics", "metrics"
+
+
+class JobEvent(models.Model):
+    """One line of a job's history, as shown by `GET /v1/fine_tuning/jobs/{id}/events`."""
+
+    id = models.CharField(primary_key=True, max_length=PUBLIC_ID_MAX_LENGTH, default=new_event_id)
+    job = models.ForeignKey(FinetuneJob, on_delete=models.CASCADE, related_name="events")
+    level = models.CharField(max_length=8, choices=EventLevel.choices, default=EventLevel.INFO)
+    type = models.CharField(max_length=16, choices=EventType.choices, default=EventType.MESSAGE)
+    message = models.TextField()
+    data = models.JSONField(null=True, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+
+class JobCheckpoint(models.Model):
+    """An adapter checkpoint saved at `step`; `metrics` holds `train_loss`, `valid_loss`, ...
+
+    `path` is where the host stored the PEFT adapter; a job that loses its host resumes from its
+    latest checkpoint.
+    """
+
+    id = models.CharField(
+        primary_key=True, max_length=PUBLIC_ID_MAX_LENGTH, default=new_checkpoint_id
+    )
+    job = models.ForeignKey(FinetuneJob, on_delete=models.CASCADE, related_name="checkpoints")
+    step = models.PositiveIntegerField()
+    metrics = models.JSONField(default=dict)
+    path = models.CharField(max_length=1024, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-step", "-created_at"]
+        constraints = [
+            models.UniqueConstraint(fields=["job", "step"], name="job_checkpoint_unique_step")
+        ]
+
+
+class Adapter(models.Model):
+    """A finished LoRA adapter a tenant can call by `name` (the job's `fine_tuned_model`)."""
+
+    name = models.CharField(max_length=255, unique=True)
+    tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="adapters")
+    job = models.OneToOneField(FinetuneJob, on_delete=models.CASCADE, related_name="adapter")
+    base_model = models.ForeignKey(BaseModel, on_delete=models.PROTECT, related_name="adapters")
+    path = models.CharField(max_length=1024, blank=True)
+    created_at = models.DateTimeField(auto_now_add=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+
+    def __str__(self) -> str:
+        return self.name
+
+
+class PlacementState(models.TextChoices):
+    PENDING = "pending", "Pending"  # sent to the host, not yet acknowledged
+    ACTIVE = "active", "Active"  # the host runs the job
+    RELEASED = "released", "Released"  # ended normally (job finished, paused or cancelled)
+    LOST = "lost", "Lost"  # the host was lost; the job must resume elsewhere
+
+
+OPEN_PLACEMENT_STATES = (PlacementState.PENDING, PlacementState.ACTIVE)
+
+
+class Placement(models.Model):
+    """A job assigned to a host. At most one open (pending or active) placement per job."""
+
+    job = models.ForeignKey(FinetuneJob, on_delete=models.CASCADE, related_name="placements")
+    host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="placements")
+    state = models.CharField(
+        max_length=16, choices=PlacementState.choices, default=PlacementState.PENDING
+    )
+    created_at = models.DateTimeField(auto_now_add=True)
+    started_at = models.DateTimeField(null=True, blank=True)
+    ended_at = models.DateTimeField(null=True, blank=True)
+
+    class Meta:
+        ordering = ["-created_at", "-id"]
+        constraints = [
+            models.UniqueConstraint(
+                fields=["job"],
+                condition=models.Q(state__in=["pending", "active"]),
+                name="placement_one_open_per_job",
+            )
+        ]

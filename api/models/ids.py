@@ -1,0 +1,34 @@
+"""Public identifiers of tenant-visible objects, in the OpenAI style (`file-...`, `ftjob-...`).
+
+Identifiers are random (not sequential) so that one tenant cannot enumerate another's objects.
+Each generator is a module-level function because migrations reference defaults by import path.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+_TOKEN_LENGTH = 24
+PUBLIC_ID_MAX_LENGTH = 40
+
+
+def random_token(length: int = _TOKEN_LENGTH) -> str:
+    """Return `length` characters drawn uniformly from [a-zA-Z0-9] by a CSPRNG."""
+    return "".join(secrets.choice(_ALPHABET) for _ in range(length))
+
+
+def new_file_id() -> str:
+    return f"file-{random_token()}"
+
+
+def new_job_id() -> str:
+    return f"ftjob-{random_token()}"
+
+
+def new_event_id() -> str:
+    return f"ftevent-{random_token()}"
+
+
+def new_checkpoint_id() -> str:
+    return f"ftckpt-{random_token()}"

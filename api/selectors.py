@@ -1,0 +1,143 @@
+"""Every read the APIs and CLI do. Tenant-facing selectors always take the tenant.
+
+A `*_get` for a tenant raises NotFoundError both when the object does not exist and when it
+belongs to another tenant; the two cases are indistinguishable to the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db.models import QuerySet
+
+from api.errors import NotFoundError
+from api.models import (
+    Adapter,
+    ApiKey,
+    BaseModel,
+    Deployment,
+    File,
+    FinetuneJob,
+    GpuHost,
+    JobCheckpoint,
+    JobEvent,
+    Placement,
+    Tenant,
+)
+
+BASE_MODEL_OWNER = "harli"
+
+
+def file_list(*, tenant: Tenant, purpose: str | None = None) -> QuerySet[File]:
+    files = File.objects.filter(tenant=tenant)
+    return files.filter(purpose=purpose) if purpose else files
+
+
+def file_get(*, tenant: Tenant, file_id: str) -> File:
+    file = File.objects.filter(tenant=tenant, pk=file_id).first()
+    if file is None:
+        raise NotFoundError(f"No such File object: {file_id}", param="file_id")
+    return file
+
+
+def finetune_job_list(*, tenant: Tenant | None, status: str | None = None) -> QuerySet[FinetuneJob]:
+    """Jobs of `tenant`; `tenant=None` means every tenant and is for operator views only."""
+    jobs = FinetuneJob.objects.select_related("tenant", "base_model")
+    if tenant is not None:
+        jobs = jobs.filter(tenant=tenant)
+    return jobs.filter(status=status) if status else jobs
+
+
+def finetune_job_get(*, tenant: Tenant | None, job_id: str) -> FinetuneJob:
+    job = finetune_job_list(tenant=tenant).filter(pk=job_id).first()
+    if job is None:
+        raise NotFoundError(f"No such fine-tuning job: {job_id}", param="fine_tuning_job_id")
+    return job
+
+
+def job_event_list(*, job: FinetuneJob) -> QuerySet[JobEvent]:
+    return JobEvent.objects.filter(job=job)
+
+
+def job_checkpoint_list(*, job: FinetuneJob) -> QuerySet[JobCheckpoint]:
+    return JobCheckpoint.objects.filter(job=job).select_related("job")
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One entry of `GET /v1/models`: a base model or one of the tenant's adapters."""
+
+    id: str
+    created: datetime
+    owned_by: str
+
+
+def model_list(*, tenant: Tenant) -> list[ModelEntry]:
+    """Base models, then the tenant's finished adapters (newest first)."""
+    entries = [
+        ModelEntry(id=m.name, created=m.created_at, owned_by=BASE_MODEL_OWNER)
+        for m in BaseModel.objects.order_by("name")
+    ]
+    entries += [
+        ModelEntry(id=a.name, created=a.created_at, owned_by=tenant.name)
+        for a in Adapter.objects.filter(tenant=tenant)
+    ]
+    return entries
+
+
+def model_get(*, tenant: Tenant, model_id: str) -> ModelEntry:
+    base_model = BaseModel.objects.filter(name=model_id).first()
+    if base_model is not None:
+        return ModelEntry(
+            id=base_model.name, created=base_model.created_at, owned_by=BASE_MODEL_OWNER
+        )
+    adapter = Adapter.objects.filter(tenant=tenant, name=model_id).first()
+    if adapter is None:
+        raise NotFoundError(f"The model {model_id!r} does not exist.", param="model")
+    return ModelEntry(id=adapter.name, created=adapter.created_at, owned_by=tenant.name)
+
+
+# Operator reads: the whole fleet, every tenant.
+
+
+def tenant_list() -> QuerySet[Tenant]:
+    return Tenant.objects.all()
+
+
+def tenant_get(*, name: str) -> Tenant:
+    tenant = Tenant.objects.filter(name=name).first()
+    if tenant is None:
+        raise NotFoundError(f"No tenant named {name!r}.", param="tenant")
+    return tenant
+
+
+def api_key_list(*, tenant: Tenant | None = None) -> QuerySet[ApiKey]:
+    keys = ApiKey.objects.select_related("user", "user__tenant")
+    return keys.filter(user__tenant=tenant) if tenant is not None else keys
+
+
+def base_model_list() -> QuerySet[BaseModel]:
+    return BaseModel.objects.all()
+
+
+def deployment_list() -> QuerySet[Deployment]:
+    return Deployment.objects.select_related("base_model")
+
+
+def host_list(*, status: str | None = None) -> QuerySet[GpuHost]:
+    hosts = GpuHost.objects.select_related("deployment")
+    return hosts.filter(status=status) if status else hosts
+
+
+def placement_list(
+    *, job_id: str | None = None, host: str | None = None, state: str | None = None
+) -> QuerySet[Placement]:
+    placements = Placement.objects.select_related("job", "host")
+    if job_id:
+        placements = placements.filter(job_id=job_id)
+    if host:
+        placements = placements.filter(host__name=host)
+    if state:
+        placements = placements.filter(state=state)
+    return placements

@@ -1,0 +1,136 @@
+"""Training files: validated before any byte is stored, stored before the row commits.
+
+Order in `file_create`: validate the upload (nothing written) -> store bytes under a fresh key ->
+insert the row. If storing or the transaction fails, the stored bytes are removed, so neither a
+row without bytes nor bytes without a row survive an error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from django.conf import settings
+from django.core.files.uploadedfile import UploadedFile
+from django.db import transaction
+from django.db.models import Q
+
+from api.errors import ConflictError, HarliError
+from api.models import File, FilePurpose, FileStatus, FinetuneJob, Tenant
+from api.models.ids import new_file_id
+from api.storage import get_storage
+from api.training_files import check_training_lines
+from api.transitions import TERMINAL_STATUSES
+
+MAX_FILENAME_LENGTH = 255
+
+
+class UploadSource:
+    """What the service needs from an upload: its name, size and a way to read lines and chunks.
+
+    Django's `UploadedFile` fits via `UploadSource.from_django`; tests and the CLI can pass bytes.
+    """
+
+    def __init__(
+        self, *, filename: str, size: int, lines: Iterable[bytes], chunks: Iterable[bytes]
+    ):
+        self.filename = filename
+        self.size = size
+        self._lines = lines
+        self._chunks = chunks
+
+    @classmethod
+    def from_bytes(cls, *, filename: str, data: bytes) -> UploadSource:
+        return cls(filename=filename, size=len(data), lines=data.splitlines(), chunks=[data])
+
+    @classmethod
+    def from_django(cls, uploaded: UploadedFile) -> UploadSource:
+        """Wrap an upload; each read starts from the beginning (Django's chunks() seeks to 0)."""
+
+        def lines() -> Iterator[bytes]:
+            yield from uploaded
+
+        def chunks() -> Iterator[bytes]:
+            yield from uploaded.chunks()
+
+        return cls(
+            filename=uploaded.name or "", size=uploaded.size or 0, lines=lines(), chunks=chunks()
+        )
+
+    def lines(self) -> Iterable[bytes]:
+        return self._lines
+
+    def chunks(self) -> Iterable[bytes]:
+        return self._chunks
+
+
+def file_create(*, tenant: Tenant, purpose: str, upload: UploadSource) -> File:
+    """Validate and store a training file for `tenant`. Raises HarliError (4xx) on bad input."""
+    if purpose != FilePurpose.FINE_TUNE:
+        raise HarliError(
+            f"Unsupported purpose {purpose!r}; this server accepts only 'fine-tune'.",
+            param="purpose",
+            code="invalid_purpose",
+        )
+    if upload.size == 0:
+        raise HarliError("The uploaded file is empty.", param="file", code="empty_file")
+    limit = int(settings.HARLI_MAX_UPLOAD_BYTES)
+    if upload.size > limit:
+        raise HarliError(
+            f"The uploaded file has {upload.size} bytes; the limit is {limit}.",
+            param="file",
+            code="file_too_large",
+            http_status=413,
+        )
+    filename = (upload.filename or "upload.jsonl").replace("/", "_")[:MAX_FILENAME_LENGTH]
+    report = check_training_lines(upload.lines())
+
+    file_id = new_file_id()
+    storage_key = f"files/{tenant.pk}/{file_id}.jsonl"
+    storage = get_storage()
+    try:
+        written = storage.save(storage_key, upload.chunks())
+        if written != upload.size:
+            raise HarliError(
+                f"Stored {written} bytes but the upload declared {upload.size}.",
+                param="file",
+                code="upload_size_mismatch",
+            )
+        with transaction.atomic():
+            return File.objects.create(
+                id=file_id,
+                tenant=tenant,
+                filename=filename,
+                purpose=purpose,
+                bytes=written,
+                line_count=report.example_count,
+                format=report.format or "",
+                status=FileStatus.PROCESSED,
+                storage_key=storage_key,
+            )
+    except BaseException:
+        storage.delete(storage_key)
+        raise
+
+
+def file_delete(*, file: File) -> None:
+    """Delete the row now and the bytes after commit. Refused while an unfinished job uses it."""
+    in_use = (
+        FinetuneJob.objects.filter(tenant=file.tenant)
+        .exclude(status__in=TERMINAL_STATUSES)
+        .filter(Q(training_file_id=file.pk) | Q(validation_file_id=file.pk))
+    )
+    if in_use.exists():
+        raise ConflictError(
+            f"File {file.pk} is used by an unfinished fine-tuning job; cancel it first.",
+            param="file_id",
+            code="file_in_use",
+        )
+    storage_key = file.storage_key
+    with transaction.atomic():
+        file.delete()
+        transaction.on_commit(lambda: get_storage().delete(storage_key))
+
+
+def file_content_chunks(*, file: File) -> Iterator[bytes]:
+    """The stored bytes of `file`."""
+    return get_storage().read_chunks(file.storage_key)

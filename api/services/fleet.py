@@ -1,0 +1,157 @@
+"""Operator writes: base models, deployments and GPU hosts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.exceptions import ValidationError as DjangoValidationError
+from django.db import models, transaction
+
+from api.errors import ConflictError, HarliError, NotFoundError
+from api.models import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
+from api.presets import PRESETS
+
+
+def _clean(instance: models.Model, *, kind: str) -> None:
+    """Run model validation; raise HarliError naming the first bad field (409 if taken)."""
+    try:
+        instance.full_clean()
+    except DjangoValidationError as exc:
+        field, messages = next(iter(exc.message_dict.items()))
+        message = "; ".join(messages)
+        if "already exists" in message:
+            raise ConflictError(f"{kind}: {message}", code=f"{kind}_exists", param=field) from None
+        param = None if field == "__all__" else field
+        raise HarliError(f"Invalid {kind} {field}: {message}", param=param) from None
+
+
+@transaction.atomic
+def base_model_register(
+    *,
+    name: str,
+    checkpoint_dir: str = "",
+    preset: str = "",
+    architecture: str | None = None,
+    dtype: str = Dtype.BFLOAT16,
+    context_length: int | None = None,
+) -> BaseModel:
+    """Register a base model from a local checkpoint directory or a preset (exactly one).
+
+    With a preset, architecture and context length default to the preset's; with a checkpoint,
+    both must be given (the runtime reads the rest from the checkpoint's config.json).
+    """
+    if bool(checkpoint_dir) == bool(preset):
+        raise HarliError(
+            "Give exactly one of a checkpoint directory or a preset.", param="checkpoint_dir"
+        )
+    config: dict[str, Any] | None = None
+    if preset:
+        if preset not in PRESETS:
+            raise HarliError(
+                f"Unknown preset {preset!r}; known: {', '.join(sorted(PRESETS))}.",
+                param="preset",
+                code="unknown_preset",
+            )
+        spec = PRESETS[preset]
+        config = dict(spec.config)
+        architecture = architecture or spec.architecture
+        context_length = context_length or spec.context_length
+    if not architecture or architecture not in Architecture.values:
+        raise HarliError(
+            f"Architecture must be one of {', '.join(Architecture.values)}, got {architecture!r}.",
+            param="architecture",
+        )
+    if context_length is None or context_length < 1:
+        raise HarliError("Context length must be a positive integer.", param="context_length")
+    base_model = BaseModel(
+        name=name,
+        architecture=architecture,
+        checkpoint_dir=checkpoint_dir,
+        preset=preset,
+        config=config,
+        dtype=dtype,
+        context_length=context_length,
+    )
+    _clean(base_model, kind="base_model")
+    base_model.save()
+    return base_model
+
+
+def base_model_get(*, name: str) -> BaseModel:
+    base_model = BaseModel.objects.filter(name=name).first()
+    if base_model is None:
+        raise NotFoundError(f"No base model named {name!r}.", param="base_model")
+    return base_model
+
+
+@transaction.atomic
+def deployment_create(
+    *,
+    name: str,
+    base_model: BaseModel,
+    tpot_slo_ms: float,
+    ttft_slo_ms: float,
+    slo_attainment_target_pct: float = 99.0,
+) -> Deployment:
+    """Serve `base_model` under a TPOT/TTFT SLO with an attainment target in percent."""
+    deployment = Deployment(
+        name=name,
+        base_model=base_model,
+        tpot_slo_ms=tpot_slo_ms,
+        ttft_slo_ms=ttft_slo_ms,
+        slo_attainment_target_pct=slo_attainment_target_pct,
+    )
+    _clean(deployment, kind="deployment")
+    deployment.save()
+    return deployment
+
+
+def deployment_get(*, name: str) -> Deployment:
+    deployment = Deployment.objects.filter(name=name).first()
+    if deployment is None:
+        raise NotFoundError(f"No deployment named {name!r}.", param="deployment")
+    return deployment
+
+
+@transaction.atomic
+def host_register(
+    *,
+    name: str,
+    gpu_kind: str,
+    gpu_memory_bytes: int,
+    gpu_count: int = 1,
+    deployment: Deployment | None = None,
+) -> GpuHost:
+    """Register a runtime host. It starts `offline`; its first heartbeat brings it online."""
+    host = GpuHost(
+        name=name,
+        gpu_kind=gpu_kind,
+        gpu_memory_bytes=gpu_memory_bytes,
+        gpu_count=gpu_count,
+        deployment=deployment,
+        status=HostStatus.OFFLINE,
+    )
+    _clean(host, kind="host")
+    host.save()
+    return host
+
+
+def host_get(*, name: str) -> GpuHost:
+    host = GpuHost.objects.filter(name=name).first()
+    if host is None:
+        raise NotFoundError(f"No host named {name!r}.", param="host")
+    return host
+
+
+@transaction.atomic
+def host_drain(*, host: GpuHost) -> GpuHost:
+    """Stop placing new jobs on the host; what runs there finishes. Lost hosts cannot drain."""
+    locked = GpuHost.objects.select_for_update().get(pk=host.pk)
+    if locked.status == HostStatus.LOST:
+        raise ConflictError(
+            f"Host {locked.name!r} is lost; it cannot drain.", code="host_lost", param="host"
+        )
+    if locked.status != HostStatus.DRAINING:
+        locked.status = HostStatus.DRAINING
+        locked.save(update_fields=["status"])
+    return locked

@@ -1,0 +1,289 @@
+"""Fine-tuning jobs: creation, every status change (through one function), events, checkpoints.
+
+`finetune_job_transition` is the only code that assigns `FinetuneJob.status`; it checks
+`api.transitions.JOB_TRANSITIONS` under a row lock and records a JobEvent for every change.
+"""
+
+from __future__ import annotations
+
+import secrets
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from api.errors import ConflictError, HarliError
+from api.hyperparameters import parse_hyperparameters, parse_lora, parse_seed, parse_suffix
+from api.models import (
+    OPEN_PLACEMENT_STATES,
+    Adapter,
+    BaseModel,
+    EventLevel,
+    EventType,
+    File,
+    FilePurpose,
+    FileStatus,
+    FinetuneJob,
+    JobCheckpoint,
+    JobEvent,
+    JobStatus,
+    Placement,
+    PlacementState,
+    Tenant,
+)
+from api.transitions import TERMINAL_STATUSES, is_legal_transition
+
+# Leaving these statuses ends the job's hold on a host, so its open placement is released.
+_RELEASES_PLACEMENT = TERMINAL_STATUSES | {JobStatus.PAUSED}
+
+
+def fine_tuned_model_name(*, job: FinetuneJob) -> str:
+    """`ft:<base>:<tenant>:<suffix>:<job id>` (suffix may be empty, as in OpenAI's names)."""
+    return f"ft:{job.base_model.name}:{job.tenant.name}:{job.suffix}:{job.id}"
+
+
+def _training_file(*, tenant: Tenant, file_id: Any, param: str) -> File:
+    """The tenant's usable training file; another tenant's file reads as nonexistent."""
+    if not isinstance(file_id, str) or not file_id:
+        raise HarliError(f"{param} must be a file id.", param=param, code="invalid_file")
+    file = File.objects.filter(tenant=tenant, pk=file_id).first()
+    if file is None:
+        raise HarliError(f"No such file: {file_id}.", param=param, code="invalid_file")
+    if file.purpose != FilePurpose.FINE_TUNE:
+        raise HarliError(
+            f"File {file_id} has purpose {file.purpose!r}, not 'fine-tune'.",
+            param=param,
+            code="invalid_file",
+        )
+    return file
+
+
+def job_event_record(
+    *,
+    job: FinetuneJob,
+    message: str,
+    level: str = EventLevel.INFO,
+    type: str = EventType.MESSAGE,
+    data: dict[str, Any] | None = None,
+) -> JobEvent:
+    """Append an event to the job's history."""
+    return JobEvent.objects.create(job=job, message=message, level=level, type=type, data=data)
+
+
+def finetune_job_transition(
+    *,
+    job: FinetuneJob,
+    to: str,
+    message: str,
+    level: str = EventLevel.INFO,
+    error: dict[str, Any] | None = None,
+) -> FinetuneJob:
+    """Move `job` to status `to`, or raise ConflictError when the table forbids it.
+
+    Sets `started_at` on the first `running`, `finished_at` on a terminal status, `error` on
+    `failed`, releases the open placement when the job stops holding a host, and records `message`
+    as a JobEvent. Returns the refreshed job.
+    """
+    with transaction.atomic():
+        locked = (
+            FinetuneJob.objects.select_for_update()
+            .select_related("tenant", "base_model")
+            .get(pk=job.pk)
+        )
+        if not is_legal_transition(locked.status, to):
+            raise ConflictError(
+                f"Job {locked.id} is {locked.status}; it cannot become {to}.",
+                code="invalid_job_state",
+                param="status",
+            )
+        now = timezone.now()
+        locked.status = to
+        fields = ["status"]
+        if to == JobStatus.RUNNING and locked.started_at is None:
+            locked.started_at = now
+            fields.append("started_at")
+        if to in TERMINAL_STATUSES:
+            locked.finished_at = now
+            fields.append("finished_at")
+        if to == JobStatus.FAILED:
+            locked.error = error or {"code": "failed", "message": message, "param": None}
+            fields.append("error")
+        locked.save(update_fields=fields)
+        if to in _RELEASES_PLACEMENT:
+            Placement.objects.filter(job=locked, state__in=OPEN_PLACEMENT_STATES).update(
+                state=PlacementState.RELEASED, ended_at=now
+            )
+        job_event_record(job=locked, message=message, level=level)
+    return locked
+
+
+def finetune_job_dispatch(*, job_id: str) -> None:
+    """Hand a queued job to placement. Called through `transaction.on_commit`.
+
+    Placement on a host is not built yet: today this only records the "queued" event. The
+    placement work replaces the body with a Celery task (id-based) that picks a host.
+    """
+    job = FinetuneJob.objects.filter(pk=job_id).first()
+    if job is None or job.status != JobStatus.QUEUED:
+        return
+    job_event_record(
+        job=job, message="Job queued; waiting for a host", data={"status": JobStatus.QUEUED}
+    )
+
+
+def finetune_job_create(
+    *,
+    tenant: Tenant,
+    model: Any,
+    training_file: Any,
+    validation_file: Any = None,
+    hyperparameters: Any = None,
+    method: Any = None,
+    lora: Any = None,
+    suffix: Any = None,
+    seed: Any = None,
+    metadata: Any = None,
+) -> FinetuneJob:
+    """Create a job for `tenant`, check its files, and queue it (dispatch after commit).
+
+    Every argument is checked before anything is written; a failure leaves no row behind.
+    """
+    if not isinstance(model, str) or not model:
+        raise HarliError("model must be a model name.", param="model", code="model_not_found")
+    base_model = BaseModel.objects.filter(name=model).first()
+    if base_model is None:
+        raise HarliError(
+            f"The model {model!r} does not exist or cannot be fine-tuned.",
+            param="model",
+            code="model_not_found",
+        )
+    hyper = parse_hyperparameters(hyperparameters, method)
+    lora_options = parse_lora(lora)
+    clean_suffix = parse_suffix(suffix)
+    clean_seed = parse_seed(seed)
+    if metadata is not None and (
+        not isinstance(metadata, dict)
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
+    ):
+        raise HarliError("metadata must map strings to strings.", param="metadata")
+    train = _training_file(tenant=tenant, file_id=training_file, param="training_file")
+    valid = (
+        _training_file(tenant=tenant, file_id=validation_file, param="validation_file")
+        if validation_file is not None
+        else None
+    )
+    with transaction.atomic():
+        job = FinetuneJob.objects.create(
+            tenant=tenant,
+            base_model=base_model,
+            training_file=train,
+            validation_file=valid,
+            status=JobStatus.VALIDATING_FILES,
+            hyperparameters=hyper,
+            lora_rank=lora_options.rank,
+            lora_alpha=lora_options.alpha,
+            lora_dropout=lora_options.dropout,
+            lora_target_modules=list(lora_options.target_modules),
+            suffix=clean_suffix,
+            seed=clean_seed if clean_seed is not None else secrets.randbelow(2**31),
+            metadata=metadata,
+        )
+        job_event_record(job=job, message=f"Created fine-tuning job: {job.id}")
+        job_event_record(job=job, message=f"Validating training file: {train.id}")
+        # Files are validated at upload; re-check that they are still usable now.
+        unusable = [f for f in (train, valid) if f is not None and f.status != FileStatus.PROCESSED]
+        if unusable:
+            raise HarliError(
+                f"File {unusable[0].id} is {unusable[0].status}, not processed.",
+                param="training_file" if unusable[0] is train else "validation_file",
+                code="invalid_file",
+            )
+        job = finetune_job_transition(
+            job=job, to=JobStatus.QUEUED, message="Files validated; job queued"
+        )
+        job_id = job.id
+        transaction.on_commit(lambda: finetune_job_dispatch(job_id=job_id))
+    return job
+
+
+def finetune_job_cancel(*, job: FinetuneJob) -> FinetuneJob:
+    return finetune_job_transition(job=job, to=JobStatus.CANCELLED, message="Job cancelled")
+
+
+def finetune_job_pause(*, job: FinetuneJob) -> FinetuneJob:
+    return finetune_job_transition(job=job, to=JobStatus.PAUSED, message="Job paused")
+
+
+def finetune_job_resume(*, job: FinetuneJob) -> FinetuneJob:
+    """Paused -> queued, then dispatch again after commit (it resumes from its checkpoint)."""
+    with transaction.atomic():
+        job = finetune_job_transition(job=job, to=JobStatus.QUEUED, message="Job resumed; queued")
+        job_id = job.id
+        transaction.on_commit(lambda: finetune_job_dispatch(job_id=job_id))
+    return job
+
+
+def finetune_job_start(*, job: FinetuneJob) -> FinetuneJob:
+    """A host began training the job."""
+    return finetune_job_transition(job=job, to=JobStatus.RUNNING, message="Fine-tuning started")
+
+
+def finetune_job_fail(
+    *, job: FinetuneJob, code: str, message: str, param: str | None = None
+) -> FinetuneJob:
+    return finetune_job_transition(
+        job=job,
+        to=JobStatus.FAILED,
+        message=f"Job failed: {message}",
+        level=EventLevel.ERROR,
+        error={"code": code, "message": message, "param": param},
+    )
+
+
+def finetune_job_succeed(
+    *, job: FinetuneJob, trained_tokens: int, adapter_path: str
+) -> FinetuneJob:
+    """Finish the job: name the fine-tuned model and register its adapter, atomically."""
+    if trained_tokens < 0:
+        raise HarliError("trained_tokens must be >= 0.", param="trained_tokens")
+    with transaction.atomic():
+        job = finetune_job_transition(
+            job=job, to=JobStatus.SUCCEEDED, message="The job has successfully completed"
+        )
+        job.fine_tuned_model = fine_tuned_model_name(job=job)
+        job.trained_tokens = trained_tokens
+        job.save(update_fields=["fine_tuned_model", "trained_tokens"])
+        Adapter.objects.create(
+            name=job.fine_tuned_model,
+            tenant=job.tenant,
+            job=job,
+            base_model=job.base_model,
+            path=adapter_path,
+        )
+        job_event_record(job=job, message=f"New fine-tuned model created: {job.fine_tuned_model}")
+    return job
+
+
+def job_checkpoint_record(
+    *, job: FinetuneJob, step: int, metrics: dict[str, Any], path: str = ""
+) -> JobCheckpoint:
+    """Record an adapter checkpoint at `step` (unique per job) with its metrics."""
+    if step < 0:
+        raise HarliError("step must be >= 0.", param="step")
+    with transaction.atomic():
+        if JobCheckpoint.objects.filter(job=job, step=step).exists():
+            raise ConflictError(
+                f"Job {job.id} already has a checkpoint at step {step}.",
+                code="checkpoint_exists",
+                param="step",
+            )
+        checkpoint = JobCheckpoint.objects.create(
+            job=job, step=step, metrics={"step": step, **metrics}, path=path
+        )
+        job_event_record(
+            job=job,
+            message=f"Checkpoint saved at step {step}",
+            type=EventType.METRICS,
+            data={"step": step, **metrics},
+        )
+    return checkpoint
