@@ -56,9 +56,9 @@ def load_driver() -> Any:
 def _check(driver: Any, call: str, result: Any) -> Any:
     """Unwrap a cuda-bindings ``(CUresult, *values)`` tuple, raising on error."""
     status = result[0] if isinstance(result, tuple) else result
-    if int(status) != 0:
+    if int(getattr(status, "value", status)) != 0:
         _, name = driver.cuGetErrorName(status)
-        raise GreenContextError(f"{call} failed: {name.decode() if name else int(status)}")
+        raise GreenContextError(f"{call} failed: {name.decode() if name else status}")
     if not isinstance(result, tuple) or len(result) == 1:
         return None
     return result[1] if len(result) == 2 else result[1:]
