@@ -55,7 +55,7 @@ def load_driver() -> Any:
 
 def _check(driver: Any, call: str, result: Any) -> Any:
     """Unwrap a cuda-bindings ``(CUresult, *values)`` tuple, raising on error."""
-    status = result[0] if isinstance(result, tuple) else result
+    status: Any = result[0] if isinstance(result, tuple) else result
     if int(getattr(status, "value", status)) != 0:
         _, name = driver.cuGetErrorName(status)
         raise GreenContextError(f"{call} failed: {name.decode() if name else status}")
