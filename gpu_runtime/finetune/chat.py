@@ -1,0 +1,120 @@
+"""Rendering chat conversations to text, and finding the assistant spans inside that text.
+
+The tokenizer's own chat template (``tokenizer.apply_chat_template``) is used when the tokenizer
+has one. When it has none, a documented fallback is used (ChatML-shaped)::
+
+    {bos}<|im_start|>{role}\\n{content}{end_of_turn}\\n      (one block per message)
+    <|im_start|>assistant\\n                                 (generation prompt)
+
+where ``{bos}`` is the tokenizer's BOS token (empty when it has none) and ``{end_of_turn}`` is the
+tokenizer's EOS token, or the literal ``<|im_end|>`` when it has none. Ending assistant turns with
+EOS teaches a model without a chat template to stop where the decode engine stops.
+
+Assistant spans are found by rendering prefixes of the conversation: the characters that
+``render(messages[:i+1])`` adds after ``render(messages[:i], add_generation_prompt=True)`` are the
+i-th message's assistant text (its end-of-turn marker included, so the model learns to stop). This
+needs the template to be *prefix-stable* (a shorter conversation renders to a prefix of a longer
+one), which the Llama 3 and Qwen2 templates are; a template that is not raises
+:class:`ChatTemplateError` rather than training on misplaced labels.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+FALLBACK_TURN_START = "<|im_start|>"
+FALLBACK_END_OF_TURN = "<|im_end|>"
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class ChatTemplateError(ValueError):
+    """The chat template cannot be used to locate assistant tokens."""
+
+
+class ChatTokenizer(Protocol):
+    """The part of a Hugging Face fast tokenizer the finetune data path uses."""
+
+    chat_template: Any
+    bos_token: Any
+    eos_token: Any
+    eos_token_id: Any
+
+    def apply_chat_template(self, conversation: Any, **kwargs: Any) -> Any: ...
+
+    def __call__(self, text: Any, **kwargs: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One validated message: ``role`` in :data:`CHAT_ROLES`; ``weight`` 0 excludes an
+    assistant message from the loss (OpenAI's per-message ``weight``), 1 includes it."""
+
+    role: str
+    content: str
+    weight: int = 1
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A conversation rendered to text plus the ``[start, end)`` character spans that train."""
+
+    text: str
+    loss_spans: tuple[tuple[int, int], ...]
+
+
+def has_chat_template(tokenizer: ChatTokenizer) -> bool:
+    """Whether the tokenizer carries its own chat template."""
+    return bool(getattr(tokenizer, "chat_template", None))
+
+
+def _fallback_render(
+    tokenizer: ChatTokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool
+) -> str:
+    bos = tokenizer.bos_token or ""
+    end_of_turn = tokenizer.eos_token or FALLBACK_END_OF_TURN
+    parts = [bos]
+    for message in messages:
+        parts.append(f"{FALLBACK_TURN_START}{message.role}\n{message.content}{end_of_turn}\n")
+    if add_generation_prompt:
+        parts.append(f"{FALLBACK_TURN_START}assistant\n")
+    return "".join(parts)
+
+
+def render_chat_text(
+    tokenizer: ChatTokenizer, messages: Sequence[ChatMessage], add_generation_prompt: bool
+) -> str:
+    """Render messages to one string with the tokenizer's template, or the fallback."""
+    if not has_chat_template(tokenizer):
+        return _fallback_render(tokenizer, messages, add_generation_prompt)
+    rendered = tokenizer.apply_chat_template(
+        [{"role": m.role, "content": m.content} for m in messages],
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+    )
+    if not isinstance(rendered, str):
+        raise ChatTemplateError(f"chat template rendered {type(rendered).__name__}, not text")
+    return rendered
+
+
+def render_chat_with_loss_spans(
+    tokenizer: ChatTokenizer, messages: Sequence[ChatMessage]
+) -> RenderedChat:
+    """Render a conversation and locate the characters of every trained assistant message."""
+    full = render_chat_text(tokenizer, messages, add_generation_prompt=False)
+    spans: list[tuple[int, int]] = []
+    for i, message in enumerate(messages):
+        if message.role != "assistant" or message.weight == 0:
+            continue
+        before = render_chat_text(tokenizer, messages[:i], add_generation_prompt=True)
+        through = render_chat_text(tokenizer, messages[: i + 1], add_generation_prompt=False)
+        if not through.startswith(before) or not full.startswith(through):
+            raise ChatTemplateError(
+                f"chat template is not prefix-stable at message {i}: rendering a shorter "
+                "conversation does not give a prefix of the longer one, so assistant tokens "
+                "cannot be located"
+            )
+        if len(through) > len(before):
+            spans.append((len(before), len(through)))
+    return RenderedChat(text=full, loss_spans=tuple(spans))
