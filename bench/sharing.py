@@ -315,19 +315,50 @@ def _guard(notes: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
     return value
 
 
+def probe(groups: tuple[int, ...] | None) -> None:
+    """Create the partitions, run a decode-shaped bf16 GEMM on every stream; exit 1 on error."""
+    device = torch.device("cuda", 0)
+    stage = "create"
+    try:
+        sharing = SmPartitioner(device, groups)
+        x = torch.randn(DECODE_BATCH, HIDDEN, device=device, dtype=torch.bfloat16)
+        w = torch.randn(HIDDEN, INTER, device=device, dtype=torch.bfloat16)
+        stage = "default stream"
+        reference = (x @ w).float()
+        torch.cuda.synchronize()
+        for k in sharing.table.choices:
+            for side, stream in zip(("decode", "finetune"), sharing.partition(k), strict=True):
+                stage = f"{side} stream of split {k}"
+                with torch.cuda.stream(stream):
+                    out = (x @ w).float()
+                stream.synchronize()
+                torch.testing.assert_close(out, reference, rtol=1e-2, atol=1e-1)
+        sharing.close()
+    except Exception as exc:
+        print(f"PROBE groups={groups} FAIL at {stage}: {type(exc).__name__}: {str(exc)[:300]}")
+        raise SystemExit(1) from exc
+    print(f"PROBE groups={groups} OK granted={sharing.granted}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=None)
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--groups", default="", help="decode SM groups k (k*8 SMs), e.g. 2,4,6")
+    parser.add_argument("--probe", action="store_true", help="only check creation + a bf16 GEMM")
     args = parser.parse_args()
+    groups = tuple(int(k) for k in args.groups.split(",")) if args.groups else None
+    if args.probe:
+        probe(groups)
+        return
     device = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(device)
     notes: dict[str, Any] = {}
     reps = args.reps
 
     t0 = time.perf_counter()
-    sharing = SmPartitioner(device)
+    sharing = SmPartitioner(device, groups)
     notes["partition_creation_s_total"] = time.perf_counter() - t0
     notes["partition_creation_s_contexts"] = sharing.creation_s
     notes["partitions_created"] = len(sharing.table.decode_sms_options)
