@@ -61,7 +61,7 @@ def job_event_list(*, job: FinetuneJob) -> QuerySet[JobEvent]:
 
 
 def job_checkpoint_list(*, job: FinetuneJob) -> QuerySet[JobCheckpoint]:
-    return JobCheckpoint.objects.filter(job=job).select_related("job")
+    return JobCheckpoint.objects.filter(job=job).select_related("job__tenant", "job__base_model")
 
 
 @dataclass(frozen=True)

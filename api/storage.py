@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterable, Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Protocol
 
 from django.conf import settings
@@ -38,8 +38,8 @@ class LocalStorage:
         self.root = Path(root)
 
     def _path(self, key: str) -> Path:
-        parts = PurePosixPath(key).parts
-        if not parts or key.startswith("/") or any(p in {"..", "."} for p in parts):
+        parts = key.split("/")
+        if any(part in {"", ".", ".."} for part in parts):
             raise ValueError(f"invalid storage key {key!r}")
         return self.root.joinpath(*parts)
 

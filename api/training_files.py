@@ -119,13 +119,6 @@ def validate_training_lines(lines: Iterable[bytes]) -> TrainingFileReport:
                 line_number, "expected a chat example ('messages') or 'prompt' and 'completion'"
             )
             continue
-        if report.format is None:
-            report.format = line_format
-        elif line_format != report.format:
-            report.add_error(
-                line_number, f"format {line_format} differs from earlier lines ({report.format})"
-            )
-            continue
         problem = (
             _chat_error(example)
             if line_format == FileFormat.CHAT
@@ -133,6 +126,14 @@ def validate_training_lines(lines: Iterable[bytes]) -> TrainingFileReport:
         )
         if problem:
             report.add_error(line_number, problem)
+            continue
+        # The first valid example fixes the file's format.
+        if report.format is None:
+            report.format = line_format
+        elif line_format != report.format:
+            report.add_error(
+                line_number, f"format {line_format} differs from earlier lines ({report.format})"
+            )
             continue
         report.example_count += 1
     return report

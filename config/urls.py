@@ -1,5 +1,17 @@
-"""Root URL configuration."""
+"""Root URL configuration: tenant API, operator API, OpenAPI schema and docs, operator login."""
 
-from django.urls import URLPattern, URLResolver
+from django.urls import URLPattern, URLResolver, include, path
+from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
-urlpatterns: list[URLPattern | URLResolver] = []
+from api.urls import ops_urlpatterns, v1_urlpatterns
+
+urlpatterns: list[URLPattern | URLResolver] = [
+    path("v1/", include((v1_urlpatterns, "v1"))),
+    path("api/ops/", include((ops_urlpatterns, "ops"))),
+    path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
+    path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    path("api/auth/", include("rest_framework.urls")),
+]
+
+handler404 = "api.errors.not_found_view"
+handler500 = "api.errors.server_error_view"

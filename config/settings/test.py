@@ -12,3 +12,6 @@ DATABASES = {
     )
 }
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
+
+# WhiteNoise warns when the collected-static directory is missing; tests never collect static.
+WHITENOISE_AUTOREFRESH = True

@@ -1,0 +1,1 @@
+"""DRF views: one class per operation. Tenant views derive from `TenantScopedAPIView`."""

@@ -1,0 +1,313 @@
+"""`/api/ops/`: the operator API over the fleet and every tenant's jobs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
+from rest_framework import serializers, status
+from rest_framework.request import Request
+from rest_framework.response import Response
+
+from api.apis.base import OperatorAPIView
+from api.apis.files import PAGING_PARAMETERS
+from api.apis.ops_serializers import (
+    ApiKeyOpsSerializer,
+    BaseModelOpsSerializer,
+    DeploymentOpsSerializer,
+    FinetuneJobOpsSerializer,
+    GpuHostOpsSerializer,
+    PlacementOpsSerializer,
+    TenantOpsSerializer,
+)
+from api.errors import HarliError, NotFoundError
+from api.models import Architecture, Dtype, HostStatus, JobStatus, PlacementState, User, UserRole
+from api.pagination import cursor_page, page_body, parse_limit
+from api.presets import PRESETS
+from api.selectors import (
+    api_key_list,
+    base_model_list,
+    deployment_list,
+    finetune_job_get,
+    finetune_job_list,
+    host_list,
+    placement_list,
+    tenant_get,
+    tenant_list,
+)
+from api.serializers import ErrorSerializer
+from api.services.apikeys import api_key_issue, api_key_issue_for_tenant, api_key_revoke
+from api.services.fleet import (
+    base_model_get,
+    base_model_register,
+    deployment_create,
+    deployment_get,
+    host_drain,
+    host_get,
+    host_register,
+)
+from api.services.jobs import finetune_job_cancel
+from api.services.tenants import tenant_create
+
+
+def _valid(serializer_class: type[serializers.Serializer], data: Any) -> dict[str, Any]:
+    serializer = serializer_class(data=data)
+    serializer.is_valid(raise_exception=True)
+    return dict(serializer.validated_data)
+
+
+def _listing(data: Any) -> dict[str, Any]:
+    return {"object": "list", "data": list(data)}
+
+
+class TenantsApi(OperatorAPIView):
+    class CreateSerializer(serializers.Serializer):
+        name = serializers.CharField()
+
+    @extend_schema(operation_id="ops_tenants_list", responses={200: TenantOpsSerializer(many=True)})
+    def get(self, request: Request) -> Response:
+        return Response(_listing(TenantOpsSerializer(tenant_list(), many=True).data))
+
+    @extend_schema(
+        operation_id="ops_tenants_create",
+        request=CreateSerializer,
+        responses={201: TenantOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
+    )
+    def post(self, request: Request) -> Response:
+        tenant = tenant_create(**_valid(self.CreateSerializer, request.data))
+        return Response(TenantOpsSerializer(tenant).data, status=status.HTTP_201_CREATED)
+
+
+class TenantDetailApi(OperatorAPIView):
+    @extend_schema(operation_id="ops_tenants_retrieve", responses={200: TenantOpsSerializer})
+    def get(self, request: Request, name: str) -> Response:
+        return Response(TenantOpsSerializer(tenant_get(name=name)).data)
+
+
+class ApiKeysApi(OperatorAPIView):
+    class IssueSerializer(serializers.Serializer):
+        tenant = serializers.CharField(required=False, help_text="issue for this tenant")
+        operator = serializers.CharField(required=False, help_text="or for this operator")
+        name = serializers.CharField(required=False, allow_blank=True, default="")
+
+    @extend_schema(
+        operation_id="ops_apikeys_list",
+        parameters=[OpenApiParameter("tenant", str)],
+        responses={200: ApiKeyOpsSerializer(many=True)},
+    )
+    def get(self, request: Request) -> Response:
+        tenant_name = request.query_params.get("tenant")
+        tenant = tenant_get(name=tenant_name) if tenant_name else None
+        return Response(_listing(ApiKeyOpsSerializer(api_key_list(tenant=tenant), many=True).data))
+
+    @extend_schema(
+        operation_id="ops_apikeys_issue",
+        request=IssueSerializer,
+        responses={
+            201: inline_serializer(
+                "IssuedApiKey", {"key": serializers.CharField(), "api_key": ApiKeyOpsSerializer()}
+            ),
+            400: ErrorSerializer,
+        },
+    )
+    def post(self, request: Request) -> Response:
+        data = _valid(self.IssueSerializer, request.data)
+        if bool(data.get("tenant")) == bool(data.get("operator")):
+            raise HarliError("Give exactly one of 'tenant' or 'operator'.", param="tenant")
+        if data.get("tenant"):
+            issued = api_key_issue_for_tenant(
+                tenant=tenant_get(name=data["tenant"]), name=data["name"]
+            )
+        else:
+            operator = User.objects.filter(
+                username=data["operator"], role=UserRole.OPERATOR
+            ).first()
+            if operator is None:
+                raise NotFoundError(f"No operator named {data['operator']!r}.", param="operator")
+            issued = api_key_issue(user=operator, name=data["name"])
+        body = {"key": issued.key, "api_key": ApiKeyOpsSerializer(issued.api_key).data}
+        return Response(body, status=status.HTTP_201_CREATED)
+
+
+class ApiKeyRevokeApi(OperatorAPIView):
+    @extend_schema(
+        operation_id="ops_apikeys_revoke",
+        request=None,
+        responses={200: ApiKeyOpsSerializer, 404: ErrorSerializer},
+    )
+    def post(self, request: Request, key_id: int) -> Response:
+        return Response(ApiKeyOpsSerializer(api_key_revoke(prefix_or_id=str(key_id))).data)
+
+
+class BaseModelsApi(OperatorAPIView):
+    class RegisterSerializer(serializers.Serializer):
+        name = serializers.CharField()
+        checkpoint_dir = serializers.CharField(required=False, default="")
+        preset = serializers.ChoiceField(choices=sorted(PRESETS), required=False, default="")
+        architecture = serializers.ChoiceField(choices=Architecture.values, required=False)
+        dtype = serializers.ChoiceField(choices=Dtype.values, default=Dtype.BFLOAT16)
+        context_length = serializers.IntegerField(min_value=1, required=False)
+
+    @extend_schema(
+        operation_id="ops_basemodels_list", responses={200: BaseModelOpsSerializer(many=True)}
+    )
+    def get(self, request: Request) -> Response:
+        return Response(_listing(BaseModelOpsSerializer(base_model_list(), many=True).data))
+
+    @extend_schema(
+        operation_id="ops_basemodels_register",
+        request=RegisterSerializer,
+        responses={201: BaseModelOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
+    )
+    def post(self, request: Request) -> Response:
+        base_model = base_model_register(**_valid(self.RegisterSerializer, request.data))
+        return Response(BaseModelOpsSerializer(base_model).data, status=status.HTTP_201_CREATED)
+
+
+class BaseModelDetailApi(OperatorAPIView):
+    @extend_schema(operation_id="ops_basemodels_retrieve", responses={200: BaseModelOpsSerializer})
+    def get(self, request: Request, name: str) -> Response:
+        return Response(BaseModelOpsSerializer(base_model_get(name=name)).data)
+
+
+class DeploymentsApi(OperatorAPIView):
+    class CreateSerializer(serializers.Serializer):
+        name = serializers.CharField()
+        base_model = serializers.CharField()
+        tpot_slo_ms = serializers.FloatField(min_value=0.001)
+        ttft_slo_ms = serializers.FloatField(min_value=0.001)
+        slo_attainment_target_pct = serializers.FloatField(
+            min_value=0.0, max_value=100.0, default=99.0
+        )
+
+    @extend_schema(
+        operation_id="ops_deployments_list", responses={200: DeploymentOpsSerializer(many=True)}
+    )
+    def get(self, request: Request) -> Response:
+        return Response(_listing(DeploymentOpsSerializer(deployment_list(), many=True).data))
+
+    @extend_schema(
+        operation_id="ops_deployments_create",
+        request=CreateSerializer,
+        responses={201: DeploymentOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
+    )
+    def post(self, request: Request) -> Response:
+        data = _valid(self.CreateSerializer, request.data)
+        data["base_model"] = base_model_get(name=data["base_model"])
+        deployment = deployment_create(**data)
+        return Response(DeploymentOpsSerializer(deployment).data, status=status.HTTP_201_CREATED)
+
+
+class DeploymentDetailApi(OperatorAPIView):
+    @extend_schema(
+        operation_id="ops_deployments_retrieve", responses={200: DeploymentOpsSerializer}
+    )
+    def get(self, request: Request, name: str) -> Response:
+        return Response(DeploymentOpsSerializer(deployment_get(name=name)).data)
+
+
+class HostsApi(OperatorAPIView):
+    class RegisterSerializer(serializers.Serializer):
+        name = serializers.CharField()
+        gpu_kind = serializers.CharField()
+        gpu_memory_bytes = serializers.IntegerField(min_value=1)
+        gpu_count = serializers.IntegerField(min_value=1, default=1)
+        deployment = serializers.CharField(required=False)
+
+    @extend_schema(
+        operation_id="ops_hosts_list",
+        parameters=[OpenApiParameter("status", str, enum=HostStatus.values)],
+        responses={200: GpuHostOpsSerializer(many=True)},
+    )
+    def get(self, request: Request) -> Response:
+        hosts = host_list(status=request.query_params.get("status"))
+        return Response(_listing(GpuHostOpsSerializer(hosts, many=True).data))
+
+    @extend_schema(
+        operation_id="ops_hosts_register",
+        request=RegisterSerializer,
+        responses={201: GpuHostOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
+    )
+    def post(self, request: Request) -> Response:
+        data = _valid(self.RegisterSerializer, request.data)
+        if data.get("deployment"):
+            data["deployment"] = deployment_get(name=data["deployment"])
+        host = host_register(**data)
+        return Response(GpuHostOpsSerializer(host).data, status=status.HTTP_201_CREATED)
+
+
+class HostDetailApi(OperatorAPIView):
+    @extend_schema(operation_id="ops_hosts_retrieve", responses={200: GpuHostOpsSerializer})
+    def get(self, request: Request, name: str) -> Response:
+        return Response(GpuHostOpsSerializer(host_get(name=name)).data)
+
+
+class HostDrainApi(OperatorAPIView):
+    @extend_schema(
+        operation_id="ops_hosts_drain",
+        request=None,
+        responses={200: GpuHostOpsSerializer, 409: ErrorSerializer},
+    )
+    def post(self, request: Request, name: str) -> Response:
+        return Response(GpuHostOpsSerializer(host_drain(host=host_get(name=name))).data)
+
+
+class PlacementsApi(OperatorAPIView):
+    @extend_schema(
+        operation_id="ops_placements_list",
+        parameters=[
+            OpenApiParameter("job", str),
+            OpenApiParameter("host", str),
+            OpenApiParameter("state", str, enum=PlacementState.values),
+        ],
+        responses={200: PlacementOpsSerializer(many=True)},
+    )
+    def get(self, request: Request) -> Response:
+        placements = placement_list(
+            job_id=request.query_params.get("job"),
+            host=request.query_params.get("host"),
+            state=request.query_params.get("state"),
+        )
+        return Response(_listing(PlacementOpsSerializer(placements, many=True).data))
+
+
+class JobsApi(OperatorAPIView):
+    @extend_schema(
+        operation_id="ops_jobs_list",
+        parameters=[
+            *PAGING_PARAMETERS,
+            OpenApiParameter("tenant", str),
+            OpenApiParameter("status", str, enum=JobStatus.values),
+        ],
+        responses={200: FinetuneJobOpsSerializer(many=True)},
+    )
+    def get(self, request: Request) -> Response:
+        tenant_name = request.query_params.get("tenant")
+        jobs = finetune_job_list(
+            tenant=tenant_get(name=tenant_name) if tenant_name else None,
+            status=request.query_params.get("status"),
+        )
+        page = cursor_page(
+            jobs,
+            after=request.query_params.get("after"),
+            limit=parse_limit(request.query_params.get("limit")),
+            order=("created_at", "id"),
+        )
+        return Response(page_body(page, list(FinetuneJobOpsSerializer(page.items, many=True).data)))
+
+
+class JobDetailOpsApi(OperatorAPIView):
+    @extend_schema(operation_id="ops_jobs_retrieve", responses={200: FinetuneJobOpsSerializer})
+    def get(self, request: Request, job_id: str) -> Response:
+        return Response(FinetuneJobOpsSerializer(finetune_job_get(tenant=None, job_id=job_id)).data)
+
+
+class JobCancelOpsApi(OperatorAPIView):
+    @extend_schema(
+        operation_id="ops_jobs_cancel",
+        request=None,
+        responses={200: FinetuneJobOpsSerializer, 404: ErrorSerializer, 409: ErrorSerializer},
+    )
+    def post(self, request: Request, job_id: str) -> Response:
+        job = finetune_job_cancel(job=finetune_job_get(tenant=None, job_id=job_id))
+        return Response(FinetuneJobOpsSerializer(job).data)

@@ -1,0 +1,134 @@
+"""Output shapes of the operator API (plain records of the fleet and of every tenant's jobs)."""
+
+from __future__ import annotations
+
+from rest_framework import serializers
+
+from api.models import ApiKey, BaseModel, Deployment, FinetuneJob, GpuHost, Placement, Tenant
+
+
+class TenantOpsSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = Tenant
+        fields = ["id", "name", "created_at"]
+
+
+class ApiKeyOpsSerializer(serializers.ModelSerializer):
+    username = serializers.CharField(source="user.username")
+    role = serializers.CharField(source="user.role")
+    tenant = serializers.SerializerMethodField()
+
+    class Meta:
+        model = ApiKey
+        fields = [
+            "id",
+            "prefix",
+            "name",
+            "username",
+            "role",
+            "tenant",
+            "created_at",
+            "last_used_at",
+            "revoked_at",
+        ]
+
+    def get_tenant(self, api_key: ApiKey) -> str | None:
+        tenant = api_key.user.tenant
+        return tenant.name if tenant is not None else None
+
+
+class BaseModelOpsSerializer(serializers.ModelSerializer):
+    class Meta:
+        model = BaseModel
+        fields = [
+            "id",
+            "name",
+            "architecture",
+            "checkpoint_dir",
+            "preset",
+            "config",
+            "dtype",
+            "context_length",
+            "created_at",
+        ]
+
+
+class DeploymentOpsSerializer(serializers.ModelSerializer):
+    base_model = serializers.CharField(source="base_model.name")
+
+    class Meta:
+        model = Deployment
+        fields = [
+            "id",
+            "name",
+            "base_model",
+            "tpot_slo_ms",
+            "ttft_slo_ms",
+            "slo_attainment_target_pct",
+            "created_at",
+        ]
+
+
+class GpuHostOpsSerializer(serializers.ModelSerializer):
+    deployment = serializers.SerializerMethodField()
+    queue_name = serializers.CharField()
+
+    class Meta:
+        model = GpuHost
+        fields = [
+            "id",
+            "name",
+            "gpu_kind",
+            "gpu_count",
+            "gpu_memory_bytes",
+            "deployment",
+            "status",
+            "last_heartbeat_at",
+            "predictor_version",
+            "predictor_mape",
+            "queue_name",
+            "created_at",
+        ]
+
+    def get_deployment(self, host: GpuHost) -> str | None:
+        return host.deployment.name if host.deployment is not None else None
+
+
+class PlacementOpsSerializer(serializers.ModelSerializer):
+    job = serializers.CharField(source="job_id")
+    host = serializers.CharField(source="host.name")
+
+    class Meta:
+        model = Placement
+        fields = ["id", "job", "host", "state", "created_at", "started_at", "ended_at"]
+
+
+class FinetuneJobOpsSerializer(serializers.ModelSerializer):
+    tenant = serializers.CharField(source="tenant.name")
+    base_model = serializers.CharField(source="base_model.name")
+    training_file = serializers.CharField(source="training_file_id")
+    validation_file = serializers.CharField(source="validation_file_id", allow_null=True)
+
+    class Meta:
+        model = FinetuneJob
+        fields = [
+            "id",
+            "tenant",
+            "base_model",
+            "status",
+            "training_file",
+            "validation_file",
+            "hyperparameters",
+            "lora_rank",
+            "lora_alpha",
+            "lora_dropout",
+            "lora_target_modules",
+            "suffix",
+            "seed",
+            "trained_tokens",
+            "fine_tuned_model",
+            "error",
+            "created_at",
+            "started_at",
+            "finished_at",
+        ]

@@ -1,0 +1,201 @@
+"""Output shapes of the tenant API, as OpenAI's objects (files, jobs, events, checkpoints, models).
+
+Timestamps are Unix seconds. These serializers only render; input checks live in the services.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from rest_framework import serializers
+
+from api.models import File, FinetuneJob, JobCheckpoint, JobEvent
+from api.services.jobs import fine_tuned_model_name
+
+
+def unix(moment: datetime | None) -> int | None:
+    return int(moment.timestamp()) if moment is not None else None
+
+
+class ErrorDetailSerializer(serializers.Serializer):
+    message = serializers.CharField()
+    type = serializers.CharField()
+    param = serializers.CharField(allow_null=True)
+    code = serializers.CharField(allow_null=True)
+
+
+class ErrorSerializer(serializers.Serializer):
+    """The one error body of both APIs."""
+
+    error = ErrorDetailSerializer()
+
+
+class FileObjectSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.SerializerMethodField()
+    bytes = serializers.IntegerField()
+    created_at = serializers.SerializerMethodField()
+    expires_at = serializers.SerializerMethodField()
+    filename = serializers.CharField()
+    purpose = serializers.CharField()
+    status = serializers.CharField()
+    status_details = serializers.SerializerMethodField()
+
+    def get_object(self, file: File) -> str:
+        return "file"
+
+    def get_created_at(self, file: File) -> int:
+        return int(file.created_at.timestamp())
+
+    def get_expires_at(self, file: File) -> int | None:
+        return None
+
+    def get_status_details(self, file: File) -> str | None:
+        return file.status_details or None
+
+
+class FileDeletedSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(default="file")
+    deleted = serializers.BooleanField()
+
+
+class HyperparametersSerializer(serializers.Serializer):
+    n_epochs = serializers.JSONField(help_text='an integer or "auto"')
+    batch_size = serializers.JSONField(help_text='an integer or "auto"')
+    learning_rate_multiplier = serializers.JSONField(help_text='a number or "auto"')
+
+
+class FineTuningJobSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.SerializerMethodField()
+    created_at = serializers.SerializerMethodField()
+    error = serializers.JSONField(allow_null=True)
+    fine_tuned_model = serializers.CharField(allow_null=True)
+    finished_at = serializers.SerializerMethodField()
+    hyperparameters = HyperparametersSerializer()
+    method = serializers.SerializerMethodField()
+    lora = serializers.SerializerMethodField()
+    model = serializers.SerializerMethodField()
+    organization_id = serializers.SerializerMethodField()
+    result_files = serializers.SerializerMethodField()
+    seed = serializers.IntegerField()
+    status = serializers.CharField()
+    trained_tokens = serializers.IntegerField(allow_null=True)
+    training_file = serializers.CharField(source="training_file_id")
+    validation_file = serializers.CharField(source="validation_file_id", allow_null=True)
+    user_provided_suffix = serializers.SerializerMethodField()
+    metadata = serializers.JSONField(allow_null=True)
+    integrations = serializers.SerializerMethodField()
+    estimated_finish = serializers.SerializerMethodField()
+
+    def get_object(self, job: FinetuneJob) -> str:
+        return "fine_tuning.job"
+
+    def get_created_at(self, job: FinetuneJob) -> int:
+        return int(job.created_at.timestamp())
+
+    def get_finished_at(self, job: FinetuneJob) -> int | None:
+        return unix(job.finished_at)
+
+    def get_method(self, job: FinetuneJob) -> dict[str, Any]:
+        return {"type": "supervised", "supervised": {"hyperparameters": job.hyperparameters}}
+
+    def get_lora(self, job: FinetuneJob) -> dict[str, Any]:
+        return {
+            "rank": job.lora_rank,
+            "alpha": job.lora_alpha,
+            "dropout": job.lora_dropout,
+            "target_modules": job.lora_target_modules,
+        }
+
+    def get_model(self, job: FinetuneJob) -> str:
+        return job.base_model.name
+
+    def get_organization_id(self, job: FinetuneJob) -> str:
+        return job.tenant.name
+
+    def get_result_files(self, job: FinetuneJob) -> list[str]:
+        return []
+
+    def get_user_provided_suffix(self, job: FinetuneJob) -> str | None:
+        return job.suffix or None
+
+    def get_integrations(self, job: FinetuneJob) -> list[Any]:
+        return []
+
+    def get_estimated_finish(self, job: FinetuneJob) -> int | None:
+        return None
+
+
+class JobEventSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.SerializerMethodField()
+    created_at = serializers.SerializerMethodField()
+    level = serializers.CharField()
+    message = serializers.CharField()
+    type = serializers.CharField()
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        # `data` is declared here because a class attribute would shadow Serializer.data.
+        fields = super().get_fields()
+        fields["data"] = serializers.JSONField(allow_null=True)
+        return fields
+
+    def get_object(self, event: JobEvent) -> str:
+        return "fine_tuning.job.event"
+
+    def get_created_at(self, event: JobEvent) -> int:
+        return int(event.created_at.timestamp())
+
+
+class JobCheckpointSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.SerializerMethodField()
+    created_at = serializers.SerializerMethodField()
+    fine_tuned_model_checkpoint = serializers.SerializerMethodField()
+    fine_tuning_job_id = serializers.CharField(source="job_id")
+    metrics = serializers.JSONField()
+    step_number = serializers.IntegerField(source="step")
+
+    def get_object(self, checkpoint: JobCheckpoint) -> str:
+        return "fine_tuning.job.checkpoint"
+
+    def get_created_at(self, checkpoint: JobCheckpoint) -> int:
+        return int(checkpoint.created_at.timestamp())
+
+    def get_fine_tuned_model_checkpoint(self, checkpoint: JobCheckpoint) -> str:
+        return f"{fine_tuned_model_name(job=checkpoint.job)}:ckpt-step-{checkpoint.step}"
+
+
+class ModelObjectSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.SerializerMethodField()
+    created = serializers.SerializerMethodField()
+    owned_by = serializers.CharField()
+
+    def get_object(self, entry: Any) -> str:
+        return "model"
+
+    def get_created(self, entry: Any) -> int:
+        return int(entry.created.timestamp())
+
+
+def list_serializer(item: type[serializers.Serializer], name: str) -> type[serializers.Serializer]:
+    """A schema-only serializer for `{"object": "list", "data": [item], "has_more": ...}`."""
+    fields: dict[str, Any] = {
+        "object": serializers.CharField(default="list"),
+        "data": item(many=True),
+        "has_more": serializers.BooleanField(required=False),
+        "first_id": serializers.CharField(allow_null=True, required=False),
+        "last_id": serializers.CharField(allow_null=True, required=False),
+    }
+    return type(name, (serializers.Serializer,), fields)
+
+
+FileListSerializer = list_serializer(FileObjectSerializer, "FileList")
+FineTuningJobListSerializer = list_serializer(FineTuningJobSerializer, "FineTuningJobList")
+JobEventListSerializer = list_serializer(JobEventSerializer, "FineTuningJobEventList")
+JobCheckpointListSerializer = list_serializer(JobCheckpointSerializer, "FineTuningCheckpointList")
+ModelListSerializer = list_serializer(ModelObjectSerializer, "ModelList")

@@ -1,0 +1,45 @@
+"""Routes of the tenant API (`/v1`, namespace `v1`) and the operator API (`/api/ops/`, `ops`).
+
+Tenant routes have no trailing slash, as OpenAI's; the official client builds them that way.
+"""
+
+from __future__ import annotations
+
+from django.urls import URLPattern, path
+
+from api.apis import files, jobs, models, ops
+
+JOB = "fine_tuning/jobs/<str:fine_tuning_job_id>"
+
+v1_urlpatterns: list[URLPattern] = [
+    path("files", files.FileCollectionApi.as_view(), name="files"),
+    path("files/<str:file_id>", files.FileDetailApi.as_view(), name="file"),
+    path("files/<str:file_id>/content", files.FileContentApi.as_view(), name="file-content"),
+    path("fine_tuning/jobs", jobs.JobCollectionApi.as_view(), name="jobs"),
+    path(JOB, jobs.JobDetailApi.as_view(), name="job"),
+    path(f"{JOB}/cancel", jobs.JobCancelApi.as_view(), name="job-cancel"),
+    path(f"{JOB}/pause", jobs.JobPauseApi.as_view(), name="job-pause"),
+    path(f"{JOB}/resume", jobs.JobResumeApi.as_view(), name="job-resume"),
+    path(f"{JOB}/events", jobs.JobEventsApi.as_view(), name="job-events"),
+    path(f"{JOB}/checkpoints", jobs.JobCheckpointsApi.as_view(), name="job-checkpoints"),
+    path("models", models.ModelCollectionApi.as_view(), name="models"),
+    path("models/<str:model>", models.ModelDetailApi.as_view(), name="model"),
+]
+
+ops_urlpatterns: list[URLPattern] = [
+    path("tenants", ops.TenantsApi.as_view(), name="tenants"),
+    path("tenants/<str:name>", ops.TenantDetailApi.as_view(), name="tenant"),
+    path("apikeys", ops.ApiKeysApi.as_view(), name="apikeys"),
+    path("apikeys/<int:key_id>/revoke", ops.ApiKeyRevokeApi.as_view(), name="apikey-revoke"),
+    path("basemodels", ops.BaseModelsApi.as_view(), name="basemodels"),
+    path("basemodels/<str:name>", ops.BaseModelDetailApi.as_view(), name="basemodel"),
+    path("deployments", ops.DeploymentsApi.as_view(), name="deployments"),
+    path("deployments/<str:name>", ops.DeploymentDetailApi.as_view(), name="deployment"),
+    path("hosts", ops.HostsApi.as_view(), name="hosts"),
+    path("hosts/<str:name>", ops.HostDetailApi.as_view(), name="host"),
+    path("hosts/<str:name>/drain", ops.HostDrainApi.as_view(), name="host-drain"),
+    path("placements", ops.PlacementsApi.as_view(), name="placements"),
+    path("jobs", ops.JobsApi.as_view(), name="jobs"),
+    path("jobs/<str:job_id>", ops.JobDetailOpsApi.as_view(), name="job"),
+    path("jobs/<str:job_id>/cancel", ops.JobCancelOpsApi.as_view(), name="job-cancel"),
+]
