@@ -120,7 +120,7 @@ class SmPartitioner(GpuSharing):
             props.multi_processor_count,
             decode_groups,
             granularity=sm_granularity(props.major),
-            min_finetune_sms=sm_granularity(props.major),
+            min_finetune_sms=2 * sm_granularity(props.major),
         )
         super().__init__(table, device)
         self._driver = load_driver()

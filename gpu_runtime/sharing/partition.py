@@ -14,6 +14,11 @@ from dataclasses import dataclass
 SM_GRANULARITY_HOPPER = 8
 """SM groups on compute capability 9.x come in multiples of this many SMs."""
 
+MIN_FINETUNE_SMS_HOPPER = 16
+"""Smallest remainder kept for finetune. Measured on an H200 (bench/sharing.py --probe): a
+120/12 split is created, but a bf16 cuBLAS GEMM on the 12-SM side fails with
+CUBLAS_STATUS_EXECUTION_FAILED, while every split up to 112/20 runs it correctly."""
+
 
 class PartitionError(ValueError):
     """A requested SM split does not exist in the table or cannot exist on the device."""
@@ -55,7 +60,7 @@ class PartitionTable:
     total_sms: int
     decode_sms_options: tuple[int, ...]
     granularity: int = SM_GRANULARITY_HOPPER
-    min_finetune_sms: int = SM_GRANULARITY_HOPPER
+    min_finetune_sms: int = MIN_FINETUNE_SMS_HOPPER
 
     def __post_init__(self) -> None:
         if self.total_sms <= 0:
@@ -85,12 +90,12 @@ class PartitionTable:
         total_sms: int,
         decode_groups: tuple[int, ...] | None = None,
         granularity: int = SM_GRANULARITY_HOPPER,
-        min_finetune_sms: int = SM_GRANULARITY_HOPPER,
+        min_finetune_sms: int = MIN_FINETUNE_SMS_HOPPER,
     ) -> PartitionTable:
         """Table whose decode sides are ``k * granularity`` SMs for each ``k`` in decode_groups.
 
         ``decode_groups=None`` creates every ``k`` that leaves ``min_finetune_sms`` for finetune
-        (k = 1..15 on a 132-SM H200).
+        (k = 1..14 on a 132-SM H200).
         """
         if decode_groups is None:
             max_k = (total_sms - min_finetune_sms) // granularity

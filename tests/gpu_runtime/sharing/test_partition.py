@@ -18,7 +18,7 @@ from gpu_runtime.sharing.green import green_context_unavailable_reason, sm_granu
 
 def test_h200_table_has_every_multiple_of_eight_leaving_finetune_sms() -> None:
     table = PartitionTable.build(132)
-    assert table.decode_sms_options == tuple(range(8, 121, 8))
+    assert table.decode_sms_options == tuple(range(8, 113, 8))
     assert table.choices[-1] == 132
     part = table.get(48)
     assert (part.decode_sms, part.finetune_sms, part.spatial) == (48, 84, True)
@@ -54,6 +54,7 @@ def test_at_least_rounds_up_to_created_split() -> None:
     [
         ((12,), "not a positive multiple of granularity 8"),
         ((128,), "leaves 4 SMs for finetune"),
+        ((120,), "leaves 12 SMs for finetune; at least 16"),
         ((16, 8), "strictly ascending"),
         ((0,), "not a positive multiple"),
     ],
@@ -65,7 +66,9 @@ def test_invalid_tables_are_rejected_with_values(options: tuple[int, ...], messa
 
 def test_granularity_by_architecture() -> None:
     assert [sm_granularity(m) for m in (7, 8, 9, 10)] == [2, 4, 8, 8]
-    assert PartitionTable.build(108, granularity=4, min_finetune_sms=4).decode_sms_options[-1] == 104
+    assert (
+        PartitionTable.build(108, granularity=4, min_finetune_sms=4).decode_sms_options[-1] == 104
+    )
 
 
 def test_mechanism_choice() -> None:
