@@ -54,7 +54,7 @@ def test_at_least_rounds_up_to_created_split() -> None:
     [
         ((12,), "not a positive multiple of granularity 8"),
         ((128,), "leaves 4 SMs for finetune"),
-        ((120,), "leaves 12 SMs for finetune; at least 16"),
+        ((120,), "leaves 12 SMs for finetune on a 132-SM device; at least 16"),
         ((16, 8), "strictly ascending"),
         ((0,), "not a positive multiple"),
     ],
