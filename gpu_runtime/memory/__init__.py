@@ -1,0 +1,44 @@
+"""Unified memory: one pool for the KV cache and finetune memory, decode first.
+
+`PagePool` (ledger over a `PageBackend`: `CudaVmmBackend` on GPUs, `CpuPageBackend` on CPU) and
+`MemoryManager` (watermarks, reclaim, hysteresis). See README.md in this directory.
+"""
+
+from gpu_runtime.memory.backend import CpuPageBackend, PageBackend
+from gpu_runtime.memory.counters import LatencySamples, MemoryCounters
+from gpu_runtime.memory.factory import create_page_pool
+from gpu_runtime.memory.layout import (
+    CUDA_PAGE_BYTES,
+    FinetuneBudgetExceeded,
+    KVLayout,
+    MemoryPoolError,
+    PhysicalMemoryUnavailable,
+    kv_block_bytes,
+)
+from gpu_runtime.memory.policy import (
+    DecodeDemand,
+    DecodeGrant,
+    MemoryManager,
+    MemoryPolicyConfig,
+)
+from gpu_runtime.memory.pool import MemorySplit, PagePool
+
+__all__ = [
+    "CUDA_PAGE_BYTES",
+    "CpuPageBackend",
+    "DecodeDemand",
+    "DecodeGrant",
+    "FinetuneBudgetExceeded",
+    "KVLayout",
+    "LatencySamples",
+    "MemoryCounters",
+    "MemoryManager",
+    "MemoryPolicyConfig",
+    "MemoryPoolError",
+    "MemorySplit",
+    "PageBackend",
+    "PagePool",
+    "PhysicalMemoryUnavailable",
+    "create_page_pool",
+    "kv_block_bytes",
+]

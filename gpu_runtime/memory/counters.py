@@ -1,0 +1,93 @@
+"""Counters and latency samples of the memory policy (one object per manager, no globals)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class LatencySamples:
+    """The last `capacity` durations (seconds) of one kind of event, with percentiles in ms."""
+
+    def __init__(self, capacity: int = 100_000) -> None:
+        if capacity <= 0:
+            raise ValueError(f"capacity must be positive, got {capacity}")
+        self._samples: deque[float] = deque(maxlen=capacity)
+
+    def add(self, seconds: float) -> None:
+        if seconds < 0 or math.isnan(seconds):
+            raise ValueError(f"a duration must be >= 0, got {seconds}")
+        self._samples.append(seconds)
+
+    def __len__(self) -> int:
+        return len(self._samples)
+
+    def values_ms(self) -> list[float]:
+        return [s * 1e3 for s in self._samples]
+
+    def percentile_ms(self, q: float) -> float:
+        """Nearest-rank percentile `q` in [0, 100] in milliseconds; NaN when empty."""
+        if not 0 <= q <= 100:
+            raise ValueError(f"q must be in [0, 100], got {q}")
+        if not self._samples:
+            return math.nan
+        ordered = sorted(self._samples)
+        rank = max(math.ceil(q / 100 * len(ordered)), 1)
+        return ordered[rank - 1] * 1e3
+
+
+@dataclass
+class MemoryCounters:
+    """Every transition of the memory policy, counted. Pages are pool pages."""
+
+    iterations: int = 0
+    """Decode iterations seen (`MemoryManager.before_step` calls)."""
+    urgent_maps: int = 0
+    """Times decode's next step needed blocks beyond the mapped free ones (mapped inline)."""
+    urgent_pages: int = 0
+    """Pages mapped inline for those."""
+    refill_maps: int = 0
+    """Reserve refills done off the critical path (`maintain`)."""
+    refill_pages: int = 0
+    decode_pages_mapped: int = 0
+    """All pages mapped for decode (urgent + refill)."""
+    decode_pages_unmapped: int = 0
+    """All KV pages handed back by decode (load fell)."""
+    kv_shrinks: int = 0
+    """Times decode's KV range shrank."""
+    finetune_shrinks: int = 0
+    """Times the finetune budget was lowered (reclaims)."""
+    finetune_reclaimed_pages: int = 0
+    finetune_grows: int = 0
+    """Times the finetune budget was raised."""
+    finetune_grown_pages: int = 0
+    preemptions: int = 0
+    """Times decode had to preempt its own requests (nothing left to reclaim)."""
+    preempted_blocks: int = 0
+    """Blocks decode was short at those times."""
+    map_failures: int = 0
+    """Maps that got less physical memory than the ledger promised."""
+    finetune_quanta: int = 0
+    finetune_budget_violations: int = 0
+    """Quanta whose reported peak exceeded the budget (a sizing bug on the finetune side)."""
+    finetune_ooms: int = 0
+    """Quanta the finetune side reported as failed for lack of memory."""
+    reclaim_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
+    """Host time of every move that took pages back from finetuning (cache flush + maps)."""
+    map_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
+    """Host time of every decode map, reclaim included."""
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat numbers for metrics: every counter plus reclaim/map p50 and p99 (ms)."""
+        out: dict[str, float] = {
+            f.name: getattr(self, f.name)
+            for f in dataclasses.fields(self)
+            if not isinstance(getattr(self, f.name), LatencySamples)
+        }
+        for name, samples in (("reclaim", self.reclaim_latency), ("map", self.map_latency)):
+            out[f"{name}_ms_p50"] = samples.percentile_ms(50)
+            out[f"{name}_ms_p99"] = samples.percentile_ms(99)
+            out[f"{name}_count"] = len(samples)
+        return out

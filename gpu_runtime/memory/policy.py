@@ -1,0 +1,342 @@
+"""`MemoryManager`: decode-first policy over the unified pool.
+
+Call order, once per engine iteration (one thread; no call is made from a kernel or a callback):
+1. `before_step(demand)` before the decode scheduler allocates blocks for the next step. It
+   makes sure `demand.next_step_blocks` fit (critical path: maps inline only when the reserve
+   was too small, reclaiming from finetuning first) and returns a `DecodeGrant`: the usable block
+   count the block manager must apply, and how many blocks decode is still short (it preempts
+   its own requests for those only; that happens only when finetuning holds nothing reclaimable).
+2. The engine launches the decode step (and a finetune quantum, if the scheduler picked one).
+3. `maintain(demand)` while the GPU runs: moves at most `max_step_pages` pages, refilling decode's
+   reserve of mapped free pages up to the low watermark (+ waiting requests), giving KV pages
+   back when the reserve stayed above the high watermark for `shrink_after_iterations`
+   iterations, and lending idle pages to finetuning `grow_hold_iterations` after the last
+   reclaim (hysteresis). The demand passed here is read after the step's block allocation, so
+   `top_used_block` covers every block the in-flight step can read.
+Finetune side: read `finetune_budget_bytes` before each quantum and fit its peak in it; after
+the quantum call `finetune_quantum_done(peak_bytes=..., resident_bytes=...)`.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from gpu_runtime.memory.counters import MemoryCounters
+from gpu_runtime.memory.layout import FinetuneBudgetExceeded, KVLayout, MemoryPoolError
+from gpu_runtime.memory.pool import MemorySplit, PagePool
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemoryPolicyConfig:
+    """Watermarks, step size and hysteresis of the decode-first policy (units: pool pages)."""
+
+    reserve_low_pages: int = 64
+    """Decode's mapped free pages are refilled up to this (plus waiting requests' needs)."""
+    reserve_high_pages: int = 512
+    """Above this many mapped free pages for `shrink_after_iterations`, decode gives pages back."""
+    max_step_pages: int = 64
+    """Most pages one `maintain` call maps, unmaps, lends or reclaims (small steps)."""
+    shrink_after_iterations: int = 50
+    """Consecutive iterations above the high watermark before KV pages go back."""
+    grow_hold_iterations: int = 50
+    """Iterations after the last reclaim before finetuning may grow again."""
+    min_decode_pages: int = 1
+    """Pages decode always keeps mapped (page 0 holds the padding block CUDA graphs read)."""
+    max_waiting_pages: int = 1024
+    """Cap on the pages the reserve grows by for queued requests."""
+
+    def __post_init__(self) -> None:
+        for name in (
+            "reserve_low_pages",
+            "reserve_high_pages",
+            "shrink_after_iterations",
+            "grow_hold_iterations",
+            "max_waiting_pages",
+        ):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_step_pages <= 0:
+            raise ValueError(f"max_step_pages must be positive, got {self.max_step_pages}")
+        if self.min_decode_pages < 1:
+            raise ValueError(f"min_decode_pages must be >= 1, got {self.min_decode_pages}")
+        if self.reserve_high_pages <= self.reserve_low_pages:
+            raise ValueError(
+                f"reserve_high_pages ({self.reserve_high_pages}) must exceed "
+                f"reserve_low_pages ({self.reserve_low_pages})"
+            )
+
+
+@dataclass(frozen=True)
+class DecodeDemand:
+    """Decode's block usage as its block manager and scheduler see it now."""
+
+    used_blocks: int
+    """Blocks held by running requests."""
+    top_used_block: int
+    """One past the highest block id in use (0 when none): blocks below it can't be unmapped."""
+    next_step_blocks: int = 0
+    """Blocks the next step will allocate (tokens crossing a block edge, admitted prefills)."""
+    waiting_blocks: int = 0
+    """Blocks the queued (not yet admitted) requests would need: grows the reserve ahead."""
+
+    def __post_init__(self) -> None:
+        for name in ("used_blocks", "top_used_block", "next_step_blocks", "waiting_blocks"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.top_used_block < self.used_blocks:
+            raise ValueError(
+                f"top_used_block ({self.top_used_block}) < used_blocks ({self.used_blocks})"
+            )
+
+
+@dataclass(frozen=True)
+class DecodeGrant:
+    """What the decode block manager applies before allocating for the next step."""
+
+    usable_blocks: int
+    """Block ids `[0, usable_blocks)` are backed by memory; allocate only below this."""
+    short_blocks: int
+    """Blocks the next step wants beyond `usable_blocks`: preempt requests to free them."""
+
+
+class MemoryManager:
+    """Decode-first policy over a `PagePool`; every transition is logged and counted."""
+
+    def __init__(
+        self,
+        pool: PagePool,
+        layout: KVLayout,
+        config: MemoryPolicyConfig | None = None,
+        *,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        if layout.page_bytes != pool.page_bytes:
+            raise ValueError(
+                f"layout page_bytes {layout.page_bytes} != pool page_bytes {pool.page_bytes}"
+            )
+        self.config = config or MemoryPolicyConfig()
+        if self.config.min_decode_pages > pool.num_pages:
+            raise ValueError(
+                f"min_decode_pages {self.config.min_decode_pages} > pool pages {pool.num_pages}"
+            )
+        self.pool = pool
+        self.layout = layout
+        self.counters = MemoryCounters()
+        self._clock = clock
+        self._finetune_demand_pages = 0
+        self._iterations_above_high = 0
+        self._iterations_since_reclaim = self.config.grow_hold_iterations
+        initial = min(
+            max(self.config.min_decode_pages, self.config.reserve_low_pages), pool.num_pages
+        )
+        self._grow_decode(initial, reason="initial")
+
+    # ---- decode side -------------------------------------------------------------------
+    @property
+    def usable_blocks(self) -> int:
+        """KV blocks backed by mapped pages: ids `[0, usable_blocks)`."""
+        return self.layout.blocks_in_pages(self.pool.decode_pages)
+
+    def before_step(self, demand: DecodeDemand) -> DecodeGrant:
+        """Make room for the next step's blocks; returns the usable count and any shortfall."""
+        self.counters.iterations += 1
+        self._iterations_since_reclaim += 1
+        self._check_demand(demand)
+        wanted = demand.used_blocks + demand.next_step_blocks
+        if wanted > self.usable_blocks:
+            need = self.layout.pages_for_blocks(wanted) - self.pool.decode_pages
+            got = self._grow_decode(need, reason="urgent")
+            self.counters.urgent_maps += 1
+            self.counters.urgent_pages += got
+        short = max(wanted - self.usable_blocks, 0)
+        if short:
+            self.counters.preemptions += 1
+            self.counters.preempted_blocks += short
+            logger.warning(
+                "decode short of %d blocks: free %d pages, finetune reclaimable %d pages; "
+                "decode must preempt",
+                short,
+                self.pool.free_pages,
+                self.pool.finetune_reclaimable_pages(),
+            )
+        return DecodeGrant(usable_blocks=self.usable_blocks, short_blocks=short)
+
+    def maintain(self, demand: DecodeDemand) -> None:
+        """One small step off the critical path: refill, shrink KV, or lend to finetuning."""
+        self._check_demand(demand)
+        cfg = self.config
+        layout = self.layout
+        free_blocks = self.usable_blocks - demand.used_blocks
+        waiting_pages = min(layout.pages_for_blocks(demand.waiting_blocks), cfg.max_waiting_pages)
+        target_pages = cfg.reserve_low_pages + waiting_pages
+        low_blocks = layout.blocks_in_pages(target_pages)
+        high_blocks = layout.blocks_in_pages(cfg.reserve_high_pages + waiting_pages)
+        if free_blocks < low_blocks:
+            self._iterations_above_high = 0
+            need = layout.pages_for_blocks(demand.used_blocks + low_blocks) - self.pool.decode_pages
+            got = self._grow_decode(min(need, cfg.max_step_pages), reason="refill")
+            if got:
+                self.counters.refill_maps += 1
+                self.counters.refill_pages += got
+        elif free_blocks > high_blocks:
+            self._iterations_above_high += 1
+            if self._iterations_above_high >= cfg.shrink_after_iterations:
+                self._shrink_decode(demand, target_pages, high_blocks)
+        else:
+            self._iterations_above_high = 0
+        self._return_unwanted_budget()
+        if free_blocks >= low_blocks:
+            self._lend_idle_pages()
+
+    def _shrink_decode(self, demand: DecodeDemand, target_pages: int, high_blocks: int) -> None:
+        cfg = self.config
+        mid_blocks = (self.layout.blocks_in_pages(target_pages) + high_blocks) // 2
+        keep = max(
+            cfg.min_decode_pages,
+            self.layout.pages_for_blocks(demand.top_used_block),
+            self.layout.pages_for_blocks(demand.used_blocks + mid_blocks),
+        )
+        count = min(cfg.max_step_pages, self.pool.decode_pages - keep)
+        if count <= 0:
+            return
+        before = self.pool.decode_pages
+        self.pool.shrink_decode(count)
+        self.counters.kv_shrinks += 1
+        self.counters.decode_pages_unmapped += count
+        logger.info(
+            "decode KV shrinks %d -> %d pages (reserve above high watermark for %d iterations)",
+            before,
+            self.pool.decode_pages,
+            self._iterations_above_high,
+        )
+
+    # ---- finetune side -----------------------------------------------------------------
+    @property
+    def finetune_budget_bytes(self) -> int:
+        """Bytes the next finetune quantum may peak at (live state included)."""
+        return self.pool.finetune_budget_bytes
+
+    def finetune_headroom_bytes(self) -> int:
+        """Budget left for the next quantum's activations after its live state."""
+        live = self.pool.backend.finetune_allocated_bytes()
+        return max(self.pool.finetune_budget_bytes - live, 0)
+
+    def set_finetune_demand(self, nbytes: int) -> None:
+        """Most memory finetuning can use now (0: no job). Budget grows toward it, never past."""
+        if nbytes < 0:
+            raise ValueError(f"finetune demand must be >= 0, got {nbytes}")
+        self._finetune_demand_pages = nbytes // self.pool.page_bytes
+        logger.info("finetune demand set to %d B (%d pages)", nbytes, self._finetune_demand_pages)
+
+    def finetune_quantum_done(self, *, peak_bytes: int, resident_bytes: int) -> None:
+        """Account a finished quantum; raises `FinetuneBudgetExceeded` if it broke the budget."""
+        self.counters.finetune_quanta += 1
+        try:
+            self.pool.backend.record_finetune_usage(
+                peak_bytes=peak_bytes, resident_bytes=resident_bytes
+            )
+        except FinetuneBudgetExceeded:
+            self.counters.finetune_budget_violations += 1
+            logger.error(
+                "finetune quantum peaked at %d B over its budget %d B",
+                peak_bytes,
+                self.finetune_budget_bytes,
+            )
+            raise
+
+    def record_finetune_oom(self) -> None:
+        """The finetune side lost a quantum to an out-of-memory error under its cap."""
+        self.counters.finetune_ooms += 1
+        logger.warning(
+            "finetune quantum ran out of memory under budget %d B", self.finetune_budget_bytes
+        )
+
+    def split(self) -> MemorySplit:
+        return self.pool.split()
+
+    # ---- moves -------------------------------------------------------------------------
+    def _grow_decode(self, pages: int, *, reason: str) -> int:
+        """Map `pages` more KV pages: from free pages first, then reclaimed finetune budget."""
+        if pages <= 0:
+            return 0
+        start = self._clock()
+        reclaimed = 0
+        short = pages - self.pool.free_pages
+        if short > 0:
+            reclaimed = min(short, self.pool.finetune_reclaimable_pages())
+            if reclaimed:
+                before = self.pool.finetune_pages
+                self.pool.reclaim_from_finetune(reclaimed)
+                self._iterations_since_reclaim = 0
+                self.counters.finetune_shrinks += 1
+                self.counters.finetune_reclaimed_pages += reclaimed
+                logger.info(
+                    "finetune budget shrinks %d -> %d pages for decode (%s)",
+                    before,
+                    self.pool.finetune_pages,
+                    reason,
+                )
+        want = min(pages, self.pool.free_pages)
+        before = self.pool.decode_pages
+        got = self.pool.grow_decode(want)
+        elapsed = self._clock() - start
+        self.counters.decode_pages_mapped += got
+        self.counters.map_latency.add(elapsed)
+        if reclaimed:
+            self.counters.reclaim_latency.add(elapsed)
+        if got < want:
+            self.counters.map_failures += 1
+            logger.warning("mapped %d of %d pages: device out of physical memory", got, want)
+        if got:
+            logger.info(
+                "decode KV grows %d -> %d pages (%s, %.3f ms)",
+                before,
+                self.pool.decode_pages,
+                reason,
+                elapsed * 1e3,
+            )
+        return got
+
+    def _lend_idle_pages(self) -> None:
+        if self._iterations_since_reclaim < self.config.grow_hold_iterations:
+            return
+        count = min(
+            self.config.max_step_pages,
+            self.pool.free_pages,
+            self._finetune_demand_pages - self.pool.finetune_pages,
+        )
+        if count <= 0:
+            return
+        before = self.pool.finetune_pages
+        self.pool.lend_to_finetune(count)
+        self.counters.finetune_grows += 1
+        self.counters.finetune_grown_pages += count
+        logger.info("finetune budget grows %d -> %d pages", before, self.pool.finetune_pages)
+
+    def _return_unwanted_budget(self) -> None:
+        """Budget above finetune's demand is idle: take it back in one step (no decode need)."""
+        excess = self.pool.finetune_pages - self._finetune_demand_pages
+        count = min(excess, self.pool.finetune_reclaimable_pages(), self.config.max_step_pages)
+        if count <= 0:
+            return
+        before = self.pool.finetune_pages
+        self.pool.reclaim_from_finetune(count)
+        self.counters.finetune_shrinks += 1
+        self.counters.finetune_reclaimed_pages += count
+        logger.info(
+            "finetune budget shrinks %d -> %d pages (above its demand)",
+            before,
+            self.pool.finetune_pages,
+        )
+
+    def _check_demand(self, demand: DecodeDemand) -> None:
+        if demand.top_used_block > self.usable_blocks:
+            raise MemoryPoolError(
+                f"decode uses block {demand.top_used_block - 1} but only "
+                f"{self.usable_blocks} blocks are mapped"
+            )

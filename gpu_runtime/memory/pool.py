@@ -1,0 +1,183 @@
+"""`PagePool`: the ledger of the unified pool, over a `PageBackend`.
+
+Every page of the pool has exactly one owner at any time:
+- DECODE: a KV slot with physical memory mapped under it. Decode owns a prefix `[0, m)` of the
+  KV range, so the usable KV blocks are the first `KVLayout.blocks_in_pages(m)` blocks.
+- FINETUNE: part of the finetune budget; its physical memory is the finetune allocator's to take.
+- FREE: physical memory nobody was given (released to the device, mappable at once).
+
+`decode_pages + finetune_pages + free_pages == num_pages` always. The pool only moves pages;
+when to move them is `MemoryManager`'s (policy) business.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from gpu_runtime.memory.layout import MemoryPoolError
+
+if TYPE_CHECKING:
+    import torch
+
+    from gpu_runtime.memory.backend import PageBackend
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class MemorySplit:
+    """One reading of the pool, for metrics and heartbeats (bytes)."""
+
+    pool_bytes: int
+    decode_bytes: int
+    finetune_budget_bytes: int
+    free_bytes: int
+    finetune_reserved_bytes: int
+    finetune_allocated_bytes: int
+
+
+class PagePool:
+    """Ledger of page owners over a backend; every transition checks its preconditions."""
+
+    def __init__(self, backend: PageBackend) -> None:
+        self._backend = backend
+        self._decode_pages = 0
+        self._finetune_pages = 0
+        backend.set_finetune_cap(0)
+
+    @property
+    def backend(self) -> PageBackend:
+        return self._backend
+
+    @property
+    def page_bytes(self) -> int:
+        return self._backend.page_bytes
+
+    @property
+    def num_pages(self) -> int:
+        return self._backend.num_pages
+
+    @property
+    def decode_pages(self) -> int:
+        """Mapped KV pages: the prefix `[0, decode_pages)` of the KV range."""
+        return self._decode_pages
+
+    @property
+    def finetune_pages(self) -> int:
+        """Pages in the finetune budget."""
+        return self._finetune_pages
+
+    @property
+    def free_pages(self) -> int:
+        """Pages owned by nobody."""
+        return self.num_pages - self._decode_pages - self._finetune_pages
+
+    @property
+    def finetune_budget_bytes(self) -> int:
+        return self._finetune_pages * self.page_bytes
+
+    def kv_storage(self) -> torch.Tensor:
+        """The whole KV byte range (uint8); only the mapped prefix may be touched."""
+        return self._backend.kv_storage()
+
+    def grow_decode(self, count: int) -> int:
+        """FREE -> DECODE: map the next `count` KV slots. Returns how many got memory.
+
+        Fewer than `count` means the device had no physical memory for the rest (the finetune
+        allocator still caches it); those pages stay FREE.
+        """
+        if count < 0 or count > self.free_pages:
+            raise MemoryPoolError(f"cannot map {count} pages: {self.free_pages} are free")
+        if count == 0:
+            return 0
+        mapped = self._backend.map_range(self._decode_pages, count)
+        self._decode_pages += mapped
+        return mapped
+
+    def shrink_decode(self, count: int) -> None:
+        """DECODE -> FREE: unmap the top `count` KV slots. The caller guarantees no KV block on
+        them is in use (and that no in-flight kernel reads them)."""
+        if count < 0 or count > self._decode_pages:
+            raise MemoryPoolError(f"cannot unmap {count} pages: {self._decode_pages} are mapped")
+        if count == 0:
+            return
+        self._backend.unmap_range(self._decode_pages - count, count)
+        self._decode_pages -= count
+
+    def lend_to_finetune(self, count: int) -> None:
+        """FREE -> FINETUNE: raise the finetune budget by `count` pages."""
+        if count < 0 or count > self.free_pages:
+            raise MemoryPoolError(f"cannot lend {count} pages: {self.free_pages} are free")
+        if count == 0:
+            return
+        self._finetune_pages += count
+        self._backend.set_finetune_cap(self.finetune_budget_bytes)
+
+    def finetune_resident_pages(self) -> int:
+        """Pages the finetune side's live tensors need (not reclaimable before they are freed)."""
+        allocated = self._backend.finetune_allocated_bytes()
+        return -(-allocated // self.page_bytes)
+
+    def finetune_reclaimable_pages(self) -> int:
+        """Budget pages that can come back now: the budget less the live finetune tensors."""
+        return max(self._finetune_pages - self.finetune_resident_pages(), 0)
+
+    def reclaim_from_finetune(self, count: int) -> None:
+        """FINETUNE -> FREE: lower the budget by `count` pages and flush the finetune cache.
+
+        Precondition: the finetune side is between quanta and its live tensors fit the new
+        budget (`count <= finetune_reclaimable_pages()`).
+        """
+        if count < 0 or count > self.finetune_reclaimable_pages():
+            raise MemoryPoolError(
+                f"cannot reclaim {count} pages: budget {self._finetune_pages} pages, "
+                f"{self.finetune_resident_pages()} held by live finetune tensors"
+            )
+        if count == 0:
+            return
+        self._finetune_pages -= count
+        self._backend.set_finetune_cap(self.finetune_budget_bytes)
+        reserved = self._backend.release_finetune_cache()
+        if reserved > self.finetune_budget_bytes:
+            logger.warning(
+                "finetune allocator still holds %d B after its cache flush, budget is %d B",
+                reserved,
+                self.finetune_budget_bytes,
+            )
+
+    def split(self) -> MemorySplit:
+        page = self.page_bytes
+        return MemorySplit(
+            pool_bytes=self.num_pages * page,
+            decode_bytes=self._decode_pages * page,
+            finetune_budget_bytes=self._finetune_pages * page,
+            free_bytes=self.free_pages * page,
+            finetune_reserved_bytes=self._backend.finetune_reserved_bytes(),
+            finetune_allocated_bytes=self._backend.finetune_allocated_bytes(),
+        )
+
+    def check(self) -> None:
+        """Raise `MemoryPoolError` unless the ledger agrees with the backend's physical state."""
+        if min(self._decode_pages, self._finetune_pages, self.free_pages) < 0:
+            raise MemoryPoolError(
+                f"negative page count: decode {self._decode_pages}, "
+                f"finetune {self._finetune_pages}, free {self.free_pages}"
+            )
+        mapped = self._backend.mapped_slots()
+        if mapped != frozenset(range(self._decode_pages)):
+            raise MemoryPoolError(
+                f"ledger says slots [0, {self._decode_pages}) are mapped, backend has "
+                f"{len(mapped)} mapped slots"
+            )
+        reserved = self._backend.finetune_reserved_bytes()
+        if reserved > self.finetune_budget_bytes:
+            raise MemoryPoolError(
+                f"finetune holds {reserved} B, over its budget {self.finetune_budget_bytes} B"
+            )
+
+    def close(self) -> None:
+        self._backend.close()
+        self._decode_pages = 0
+        self._finetune_pages = 0

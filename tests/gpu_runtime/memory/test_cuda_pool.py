@@ -1,0 +1,106 @@
+"""The CUDA pool on a real GPU: maps, the KV view, the finetune cap, a reclaim. Skipped in CI."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_runtime.memory import (
+    DecodeDemand,
+    KVLayout,
+    MemoryManager,
+    MemoryPolicyConfig,
+    create_page_pool,
+    kv_block_bytes,
+)
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+pytestmark = pytest.mark.gpu
+
+
+def _llama3_8b_layout(page_bytes: int) -> KVLayout:
+    block = kv_block_bytes(
+        block_tokens=16, num_layers=32, num_kv_heads=8, head_dim=128, dtype_bytes=2
+    )
+    return KVLayout(page_bytes=page_bytes, block_bytes=block)
+
+
+def test_llama3_8b_block_is_one_cuda_page() -> None:
+    pool = create_page_pool(device="cuda", pool_bytes=64 * MIB)
+    try:
+        assert pool.page_bytes == 2 * MIB
+        assert _llama3_8b_layout(pool.page_bytes).block_bytes == pool.page_bytes
+    finally:
+        pool.close()
+
+
+def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
+    torch.cuda.empty_cache()
+    pool = create_page_pool(device="cuda", pool_bytes=2 * GIB, torch_headroom_bytes=64 * MIB)
+    layout = _llama3_8b_layout(pool.page_bytes)
+    config = MemoryPolicyConfig(
+        reserve_low_pages=8,
+        reserve_high_pages=32,
+        max_step_pages=256,
+        shrink_after_iterations=2,
+        grow_hold_iterations=1,
+    )
+    manager = MemoryManager(pool, layout, config)
+    try:
+        kv = pool.kv_storage()
+        assert kv.dtype == torch.uint8 and kv.is_cuda
+        assert kv.numel() == pool.num_pages * pool.page_bytes
+        blocks = kv.view(pool.num_pages, pool.page_bytes // 2).view(torch.bfloat16)
+        # Decode holds 8 blocks with known data.
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        held = torch.randn((8, pool.page_bytes // 2), generator=gen, device="cuda")
+        blocks[:8].copy_(held.to(torch.bfloat16))
+        demand = DecodeDemand(used_blocks=8, top_used_block=8)
+        assert manager.before_step(demand).short_blocks == 0
+
+        # Finetuning wants 1.5 GiB; idle pages are lent to it over a few maintain steps.
+        manager.set_finetune_demand(1536 * MIB)
+        for _ in range(8):
+            manager.maintain(demand)
+        assert manager.finetune_budget_bytes == 1536 * MIB
+        # The cap is real: a tensor beyond budget + headroom fails, one inside it fits.
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(1700 * MIB, dtype=torch.uint8, device="cuda")
+        activations = torch.empty(1200 * MIB, dtype=torch.uint8, device="cuda")
+        activations.fill_(1)
+        lora_state = torch.ones(32 * MIB, dtype=torch.uint8, device="cuda")
+        del activations
+        manager.finetune_quantum_done(peak_bytes=1232 * MIB, resident_bytes=32 * MIB)
+
+        # A burst: decode's next step needs 900 more blocks; the pool reclaims from finetuning.
+        burst = DecodeDemand(used_blocks=8, top_used_block=8, next_step_blocks=900)
+        grant = manager.before_step(burst)
+        assert grant.short_blocks == 0
+        assert grant.usable_blocks >= 908
+        assert manager.counters.finetune_shrinks >= 1
+        assert manager.counters.reclaim_latency.percentile_ms(99) > 0
+        pool.check()
+        # Every new block gets its own value (small integers are exact in bf16); written and
+        # compared in chunks, since the test's own tensors also live under the finetune cap.
+        tags = (torch.arange(900, device="cuda") % 251 + 1).to(torch.bfloat16).view(-1, 1)
+        blocks[8:908].copy_(tags.expand(900, pool.page_bytes // 2))
+        torch.cuda.synchronize()
+        assert torch.equal(blocks[:8], held.to(torch.bfloat16))
+        for start in range(0, 900, 50):
+            chunk = blocks[8 + start : 8 + start + 50]
+            assert bool((chunk == tags[start : start + 50]).all())
+        assert bool((lora_state == 1).all())
+        # Finetuning's smaller budget is enforced on its next quantum.
+        assert manager.finetune_budget_bytes < 1232 * MIB
+        with pytest.raises(torch.OutOfMemoryError):
+            torch.empty(manager.finetune_budget_bytes + 128 * MIB, dtype=torch.uint8, device="cuda")
+        del lora_state
+    finally:
+        pool.close()
+    # The closed pool gives all of its memory back to the device.
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    big = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
+    assert big.numel() == 2 * GIB and free > 2 * GIB
