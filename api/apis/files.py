@@ -30,13 +30,13 @@ PAGING_PARAMETERS = [
 class FileCollectionApi(TenantScopedAPIView):
     parser_classes = [MultiPartParser, FormParser]
 
-    class UploadSerializer(serializers.Serializer):
+    class FileUploadSerializer(serializers.Serializer):
         file = serializers.FileField(help_text="JSONL training file")
         purpose = serializers.CharField(help_text="must be 'fine-tune'")
 
     @extend_schema(
         operation_id="files_create",
-        request=UploadSerializer,
+        request=FileUploadSerializer,
         responses={200: FileObjectSerializer, 400: ErrorSerializer, 413: ErrorSerializer},
     )
     def post(self, request: Request) -> Response:

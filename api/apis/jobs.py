@@ -36,7 +36,7 @@ from api.services.jobs import (
 class JobCollectionApi(TenantScopedAPIView):
     parser_classes = [JSONParser]
 
-    class CreateSerializer(serializers.Serializer):
+    class JobCreateSerializer(serializers.Serializer):
         """Schema of the body; the service checks every field (OpenAI's names, plus `lora`)."""
 
         model = serializers.CharField()
@@ -53,7 +53,7 @@ class JobCollectionApi(TenantScopedAPIView):
 
     @extend_schema(
         operation_id="fine_tuning_jobs_create",
-        request=CreateSerializer,
+        request=JobCreateSerializer,
         responses={200: FineTuningJobSerializer, 400: ErrorSerializer},
     )
     def post(self, request: Request) -> Response:

@@ -61,7 +61,7 @@ def _listing(data: Any) -> dict[str, Any]:
 
 
 class TenantsApi(OperatorAPIView):
-    class CreateSerializer(serializers.Serializer):
+    class TenantCreateSerializer(serializers.Serializer):
         name = serializers.CharField()
 
     @extend_schema(operation_id="ops_tenants_list", responses={200: TenantOpsSerializer(many=True)})
@@ -70,11 +70,11 @@ class TenantsApi(OperatorAPIView):
 
     @extend_schema(
         operation_id="ops_tenants_create",
-        request=CreateSerializer,
+        request=TenantCreateSerializer,
         responses={201: TenantOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
     )
     def post(self, request: Request) -> Response:
-        tenant = tenant_create(**_valid(self.CreateSerializer, request.data))
+        tenant = tenant_create(**_valid(self.TenantCreateSerializer, request.data))
         return Response(TenantOpsSerializer(tenant).data, status=status.HTTP_201_CREATED)
 
 
@@ -85,7 +85,7 @@ class TenantDetailApi(OperatorAPIView):
 
 
 class ApiKeysApi(OperatorAPIView):
-    class IssueSerializer(serializers.Serializer):
+    class ApiKeyIssueSerializer(serializers.Serializer):
         tenant = serializers.CharField(required=False, help_text="issue for this tenant")
         operator = serializers.CharField(required=False, help_text="or for this operator")
         name = serializers.CharField(required=False, allow_blank=True, default="")
@@ -102,7 +102,7 @@ class ApiKeysApi(OperatorAPIView):
 
     @extend_schema(
         operation_id="ops_apikeys_issue",
-        request=IssueSerializer,
+        request=ApiKeyIssueSerializer,
         responses={
             201: inline_serializer(
                 "IssuedApiKey", {"key": serializers.CharField(), "api_key": ApiKeyOpsSerializer()}
@@ -111,7 +111,7 @@ class ApiKeysApi(OperatorAPIView):
         },
     )
     def post(self, request: Request) -> Response:
-        data = _valid(self.IssueSerializer, request.data)
+        data = _valid(self.ApiKeyIssueSerializer, request.data)
         if bool(data.get("tenant")) == bool(data.get("operator")):
             raise HarliError("Give exactly one of 'tenant' or 'operator'.", param="tenant")
         if data.get("tenant"):
@@ -140,7 +140,7 @@ class ApiKeyRevokeApi(OperatorAPIView):
 
 
 class BaseModelsApi(OperatorAPIView):
-    class RegisterSerializer(serializers.Serializer):
+    class BaseModelRegisterSerializer(serializers.Serializer):
         name = serializers.CharField()
         checkpoint_dir = serializers.CharField(required=False, default="")
         preset = serializers.ChoiceField(choices=sorted(PRESETS), required=False, default="")
@@ -156,11 +156,11 @@ class BaseModelsApi(OperatorAPIView):
 
     @extend_schema(
         operation_id="ops_basemodels_register",
-        request=RegisterSerializer,
+        request=BaseModelRegisterSerializer,
         responses={201: BaseModelOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
     )
     def post(self, request: Request) -> Response:
-        base_model = base_model_register(**_valid(self.RegisterSerializer, request.data))
+        base_model = base_model_register(**_valid(self.BaseModelRegisterSerializer, request.data))
         return Response(BaseModelOpsSerializer(base_model).data, status=status.HTTP_201_CREATED)
 
 
@@ -171,7 +171,7 @@ class BaseModelDetailApi(OperatorAPIView):
 
 
 class DeploymentsApi(OperatorAPIView):
-    class CreateSerializer(serializers.Serializer):
+    class DeploymentCreateSerializer(serializers.Serializer):
         name = serializers.CharField()
         base_model = serializers.CharField()
         tpot_slo_ms = serializers.FloatField(min_value=0.001)
@@ -188,11 +188,11 @@ class DeploymentsApi(OperatorAPIView):
 
     @extend_schema(
         operation_id="ops_deployments_create",
-        request=CreateSerializer,
+        request=DeploymentCreateSerializer,
         responses={201: DeploymentOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
     )
     def post(self, request: Request) -> Response:
-        data = _valid(self.CreateSerializer, request.data)
+        data = _valid(self.DeploymentCreateSerializer, request.data)
         data["base_model"] = base_model_get(name=data["base_model"])
         deployment = deployment_create(**data)
         return Response(DeploymentOpsSerializer(deployment).data, status=status.HTTP_201_CREATED)
@@ -207,7 +207,7 @@ class DeploymentDetailApi(OperatorAPIView):
 
 
 class HostsApi(OperatorAPIView):
-    class RegisterSerializer(serializers.Serializer):
+    class HostRegisterSerializer(serializers.Serializer):
         name = serializers.CharField()
         gpu_kind = serializers.CharField()
         gpu_memory_bytes = serializers.IntegerField(min_value=1)
@@ -225,11 +225,11 @@ class HostsApi(OperatorAPIView):
 
     @extend_schema(
         operation_id="ops_hosts_register",
-        request=RegisterSerializer,
+        request=HostRegisterSerializer,
         responses={201: GpuHostOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
     )
     def post(self, request: Request) -> Response:
-        data = _valid(self.RegisterSerializer, request.data)
+        data = _valid(self.HostRegisterSerializer, request.data)
         if data.get("deployment"):
             data["deployment"] = deployment_get(name=data["deployment"])
         host = host_register(**data)

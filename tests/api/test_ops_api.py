@@ -1,0 +1,115 @@
+"""`/api/ops/`: the operator's view of the fleet and of every tenant's jobs; schema and docs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from django.test import Client
+
+from api.models import File, GpuHost, Tenant
+from api.services.jobs import finetune_job_create
+from tests.api.conftest import ApiClient, assert_error
+
+pytestmark = pytest.mark.django_db
+
+
+def test_fleet_registration_and_listing(ops: ApiClient) -> None:
+    created = ops.post("/api/ops/basemodels", {"name": "tiny", "preset": "tiny"})
+    assert created.status_code == 201, created.content
+    assert created.json()["config"]["hidden_size"] == 64
+    assert_error(ops.post("/api/ops/basemodels", {"name": "x"}), 400)
+    deployment = ops.post(
+        "/api/ops/deployments",
+        {"name": "tiny-chat", "base_model": "tiny", "tpot_slo_ms": 50, "ttft_slo_ms": 500},
+    )
+    assert deployment.status_code == 201, deployment.content
+    assert deployment.json()["slo_attainment_target_pct"] == 99.0
+    host = ops.post(
+        "/api/ops/hosts",
+        {
+            "name": "gpu-0",
+            "gpu_kind": "H200",
+            "gpu_memory_bytes": 141 * 2**30,
+            "deployment": "tiny-chat",
+        },
+    ).json()
+    assert host["status"] == "offline" and host["queue_name"] == "host.gpu-0"
+    assert host["predictor_version"] is None
+    drained = ops.post("/api/ops/hosts/gpu-0/drain").json()
+    assert drained["status"] == "draining"
+    assert GpuHost.objects.get().status == "draining"
+    assert [h["name"] for h in ops.get("/api/ops/hosts?status=draining").json()["data"]] == [
+        "gpu-0"
+    ]
+    assert [d["name"] for d in ops.get("/api/ops/deployments").json()["data"]] == ["tiny-chat"]
+    assert ops.get("/api/ops/basemodels/tiny").json()["architecture"] == "llama"
+    assert ops.get("/api/ops/placements").json()["data"] == []
+
+
+def test_tenants_and_keys(ops: ApiClient) -> None:
+    assert ops.post("/api/ops/tenants", {"name": "initech"}).status_code == 201
+    issued = ops.post("/api/ops/apikeys", {"tenant": "initech", "name": "ci"}).json()
+    key = issued["key"]
+    assert key.startswith(issued["api_key"]["prefix"])
+    assert ApiClient(key).get("/v1/models").status_code == 200
+    listed = ops.get("/api/ops/apikeys?tenant=initech").json()["data"]
+    assert [k["prefix"] for k in listed] == [issued["api_key"]["prefix"]]
+    assert "key" not in listed[0] and "digest" not in listed[0]
+    revoked = ops.post(f"/api/ops/apikeys/{issued['api_key']['id']}/revoke").json()
+    assert revoked["revoked_at"] is not None
+    assert ApiClient(key).get("/v1/models").status_code == 401
+    assert_error(ops.post("/api/ops/apikeys", {"tenant": "initech", "operator": "ops"}), 400)
+
+
+def test_jobs_of_every_tenant(
+    ops: ApiClient,
+    tenant: Tenant,
+    other_tenant: Tenant,
+    training_file: File,
+    tiny: object,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    from api.services.files import UploadSource, file_create
+    from tests.api.conftest import VALID_JSONL
+
+    other_file = file_create(
+        tenant=other_tenant,
+        purpose="fine-tune",
+        upload=UploadSource.from_bytes(filename="t.jsonl", data=VALID_JSONL),
+    )
+    mine = finetune_job_create(tenant=tenant, model="tiny", training_file=training_file.id)
+    theirs = finetune_job_create(tenant=other_tenant, model="tiny", training_file=other_file.id)
+    listed = ops.get("/api/ops/jobs").json()["data"]
+    assert {j["id"] for j in listed} == {mine.id, theirs.id}
+    only = ops.get("/api/ops/jobs?tenant=globex").json()["data"]
+    assert [j["id"] for j in only] == [theirs.id]
+    assert ops.get(f"/api/ops/jobs/{mine.id}").json()["tenant"] == "acme"
+    assert ops.post(f"/api/ops/jobs/{mine.id}/cancel").json()["status"] == "cancelled"
+    assert_error(ops.post(f"/api/ops/jobs/{mine.id}/cancel"), 409)
+
+
+def test_schema_and_swagger_ui_are_served_offline() -> None:
+    schema = Client().get("/api/schema/?format=json")
+    assert schema.status_code == 200
+    paths = schema.json()["paths"]
+    for route in (
+        "/v1/files",
+        "/v1/fine_tuning/jobs/{fine_tuning_job_id}/checkpoints",
+        "/v1/models",
+        "/api/ops/hosts/{name}/drain",
+    ):
+        assert route in paths
+    docs = Client().get("/api/docs/")
+    assert docs.status_code == 200
+    html = docs.content.decode()
+    assert "swagger-ui" in html and "/static/drf_spectacular_sidecar/" in html
+    assert "cdn.jsdelivr" not in html
+
+
+def test_schema_generates_without_warnings(tmp_path: Any) -> None:
+    from django.core.management import call_command
+
+    out = tmp_path / "schema.yml"
+    call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(out))
+    assert "/v1/fine_tuning/jobs:" in out.read_text()
