@@ -1,0 +1,1 @@
+"""Decode-latency prediction on the runtime host: schema, artifact loading, ONNX inference."""

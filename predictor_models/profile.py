@@ -1,0 +1,373 @@
+"""Profiler: decode-iteration latency alone (stage 1) and beside a finetune quantum (stage 2).
+
+Run on the GPU host::
+
+    PYTHONPATH=. python3 -m predictor_models.profile --model llama3-8b --out DIR \
+        --stage1-s 50 --stage2-s 70 --commit <sha>
+
+It samples random configurations (seeded) until each stage's time budget is spent, so whole
+configurations (not rows of one) differ: batch size log-uniform in 1..256, mean context
+log-uniform in 32..4096 with per-sequence jitter of +-50%, a chunked-prefill piece of 0/64/256/512
+tokens, and a decode SM count from the partition table (or the whole device, time-shared).
+Each sample captures one decode iteration as a CUDA graph on the partition's decode stream and
+times ``--iters`` replays (after 3 warm-ups) with CUDA events: one stage-1 row (median, p90).
+Stage 2 then runs a LoRA quantum (tokens, sequence length, rank drawn at random) on the finetune
+stream, forward then backward, repeated so that it covers every timed decode replay: both streams
+are released together by a sleep kernel that outlasts the host's enqueueing. One stage-2 row per
+phase, with the quantum's own duration alone and beside decode.
+
+Writes ``profile-<gpu>-<model>.csv`` (columns: ``ROW_FIELDS``) and ``.meta.json`` (GPU, model
+shape, commit, source of the decode workload, sharing mechanism, budgets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime as dt
+import json
+import math
+import random
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_runtime.model import ModelConfig, build_random_model
+from gpu_runtime.predictor.schema import NO_FINETUNE_ROW, STAGE2_FEATURES, ModelShape
+from gpu_runtime.sharing import GpuSharing, create_sharing
+from predictor_models.standin import LoraQuantum, StandInDecode
+
+EXTRA_FIELDS = (
+    "stage",
+    "source",
+    "mechanism",
+    "decode_sms",
+    "total_sms",
+    "latency_ms",
+    "latency_ms_p90",
+    "n_iters",
+    "ft_quantum_ms_alone",
+    "ft_quantum_ms_colocated",
+)
+ROW_FIELDS: tuple[str, ...] = STAGE2_FEATURES + EXTRA_FIELDS
+DECODE_GROUPS = (4, 6, 8, 10, 12, 14)  # decode 32..112 SMs in steps of 16, plus the device
+SOURCE = (
+    "stand-in: gpu_runtime.model CausalLM forward + padded grouped-query KV attention, "
+    "CUDA graph per (config, partition); finetune = peft LoRA fwd/bwd on shared weights"
+)
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
+
+
+def sample_decode(rng: random.Random, max_kv_tokens: int) -> tuple[list[int], int]:
+    """Per-sequence contexts and prefill-chunk tokens of one random iteration."""
+    while True:
+        batch = max(1, round(math.exp(rng.uniform(0.0, math.log(256)))))
+        mean = math.exp(rng.uniform(math.log(32), math.log(4096)))
+        contexts = [max(1, round(mean * rng.uniform(0.5, 1.5))) for _ in range(batch)]
+        if batch * (max(contexts) + 1) <= max_kv_tokens:
+            return contexts, rng.choice((0, 0, 0, 0, 64, 256, 512))
+
+
+def sample_finetune(rng: random.Random) -> tuple[int, int, int]:
+    """(tokens, seq_len, lora_rank) of one random quantum (tokens <= 4096)."""
+    seq_len = rng.choice((256, 512, 1024, 2048))
+    micro_batch = rng.choice([m for m in (1, 2, 4, 8) if m * seq_len <= 4096])
+    return micro_batch * seq_len, seq_len, rng.choice((8, 16, 64))
+
+
+def time_graph(
+    graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, iters: int, warmup: int = 3
+) -> list[float]:
+    """Milliseconds of each of ``iters`` replays on ``stream`` after ``warmup`` replays."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            graph.replay()
+        events[0].record(stream)
+        for i in range(iters):
+            graph.replay()
+            events[i + 1].record(stream)
+    stream.synchronize()
+    return [events[i].elapsed_time(events[i + 1]) for i in range(iters)]
+
+
+def time_fn(fn: Callable[[], None], stream: torch.cuda.Stream, reps: int) -> tuple[float, float]:
+    """(median GPU ms, median host enqueue ms) of ``fn`` on ``stream`` after one warm-up."""
+    gpu, host = [], []
+    with torch.cuda.stream(stream):
+        fn()
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            stream.synchronize()
+            t0 = time.perf_counter()
+            start.record(stream)
+            fn()
+            end.record(stream)
+            host.append((time.perf_counter() - t0) * 1e3)
+            stream.synchronize()
+            gpu.append(start.elapsed_time(end))
+    return statistics.median(gpu), statistics.median(host)
+
+
+class Profiler:
+    """Drives decode graphs and LoRA quanta on the streams of one ``GpuSharing``."""
+
+    def __init__(
+        self, model_name: str, sharing: GpuSharing, max_kv_tokens: int, iters: int, seed: int
+    ) -> None:
+        self.device = sharing.device
+        config = ModelConfig.preset(model_name)
+        self.shape = ModelShape.from_model_config(config, name=model_name)
+        self.model = build_random_model(config, seed=seed, device=self.device, dtype=torch.bfloat16)
+        self.model.fuse_projections()
+        self.decode = StandInDecode(self.model, max_kv_tokens, seed=seed)
+        self.sharing = sharing
+        self.iters = iters
+        self.trees: dict[int, Any] = {}
+        self.rows: list[dict[str, Any]] = []
+        self.sleep_cycles_per_ms = self._calibrate_sleep()
+
+    def _calibrate_sleep(self) -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(10_000_000)
+        end.record()
+        end.synchronize()
+        return 10_000_000 / start.elapsed_time(end)
+
+    def _tree(self, rank: int) -> Any:
+        if rank not in self.trees:
+            from gpu_runtime.finetune.hparams import LoraSpec
+            from gpu_runtime.finetune.lora import build_training_model
+
+            self.trees[rank] = build_training_model(self.model, LoraSpec(rank=rank), seed=rank)
+        return self.trees[rank]
+
+    def _row(
+        self,
+        stage: int,
+        decode_sms: int,
+        contexts: list[int],
+        prefill: int,
+        times: list[float],
+        ft: tuple[float, ...] = NO_FINETUNE_ROW,
+        ft_ms: tuple[float | str, float | str] = ("", ""),
+    ) -> dict[str, Any]:
+        info = self.sharing.info(decode_sms)
+        total = self.sharing.table.total_sms
+        features = [
+            len(contexts),
+            sum(contexts),
+            sum(contexts) / len(contexts),
+            max(contexts),
+            prefill,
+            decode_sms / total,
+            *ft,
+        ]
+        row: dict[str, Any] = dict(zip(STAGE2_FEATURES, features, strict=True))
+        row.update(
+            stage=stage,
+            source="standin",
+            mechanism=self.sharing.mechanism if info.spatial else "streams",
+            decode_sms=decode_sms,
+            total_sms=total,
+            latency_ms=statistics.median(times),
+            latency_ms_p90=_pct(times, 0.9),
+            n_iters=len(times),
+            ft_quantum_ms_alone=ft_ms[0],
+            ft_quantum_ms_colocated=ft_ms[1],
+        )
+        self.rows.append(row)
+        return row
+
+    def stage1_sample(self, rng: random.Random) -> tuple[Any, ...]:
+        """Capture and time one random decode configuration alone; returns what stage 2 needs."""
+        decode_sms = rng.choice(self.sharing.table.choices)
+        contexts, prefill = sample_decode(rng, self.decode.max_kv_tokens)
+        ds, fs = self.sharing.partition(decode_sms)
+        graph = self.decode.capture(contexts, prefill, ds)
+        times = time_graph(graph, ds, self.iters)
+        self._row(1, decode_sms, contexts, prefill, times)
+        return graph, decode_sms, contexts, prefill, statistics.median(times)
+
+    def stage2_sample(self, rng: random.Random) -> None:
+        """One decode configuration beside a random LoRA quantum, forward then backward."""
+        graph, decode_sms, contexts, prefill, decode_ms = self.stage1_sample(rng)
+        tokens, seq_len, rank = sample_finetune(rng)
+        ds, fs = self.sharing.partition(decode_sms)
+        info = self.sharing.info(decode_sms)
+        ft_share = info.finetune_sms / self.sharing.table.total_sms if info.spatial else 1.0
+        quantum = LoraQuantum(self._tree(rank), tokens, seq_len, seed=tokens + rank)
+        try:
+            fwd = time_fn(quantum.forward_only, fs, 1)
+            with torch.cuda.stream(fs):
+                quantum.prepare_backward()
+            bwd = time_fn(quantum.backward, fs, 1)
+            for backward, (alone_ms, host_ms), fn in (
+                (0, fwd, quantum.forward_only),
+                (1, bwd, quantum.backward),
+            ):
+                times, colocated = self._corun(graph, ds, fs, fn, alone_ms, host_ms, decode_ms)
+                ft = (float(tokens), float(seq_len), float(rank), float(backward), ft_share)
+                self._row(2, decode_sms, contexts, prefill, times, ft, (alone_ms, colocated))
+        finally:
+            quantum.release()
+            del graph
+
+    def _corun(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        ds: torch.cuda.Stream,
+        fs: torch.cuda.Stream,
+        fn: Callable[[], None],
+        ft_ms: float,
+        host_ms: float,
+        decode_ms: float,
+    ) -> tuple[list[float], float | str]:
+        """Decode replays while ``fn`` repeats on ``fs``; both released by one sleep kernel."""
+        warm = 3
+        window = (warm + self.iters) * decode_ms * 2.5
+        reps = max(1, min(40, math.ceil(window / max(ft_ms, 1e-3))))
+        gate_ms = reps * host_ms * 1.3 + (warm + self.iters) * 0.2 + 5.0
+        released = torch.cuda.Event()
+        ft_events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
+        dec_events = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters + 1)]
+        torch.cuda.synchronize()
+        with torch.cuda.stream(fs):
+            torch.cuda._sleep(int(gate_ms * self.sleep_cycles_per_ms))
+            released.record(fs)
+            ft_events[0].record(fs)
+            for i in range(reps):
+                fn()
+                ft_events[i + 1].record(fs)
+        ds.wait_event(released)
+        with torch.cuda.stream(ds):
+            for _ in range(warm):
+                graph.replay()
+            dec_events[0].record(ds)
+            for i in range(self.iters):
+                graph.replay()
+                dec_events[i + 1].record(ds)
+        torch.cuda.synchronize()
+        times = [dec_events[i].elapsed_time(dec_events[i + 1]) for i in range(self.iters)]
+        decode_end = ft_events[0].elapsed_time(dec_events[-1])
+        inside = [
+            ft_events[i].elapsed_time(ft_events[i + 1])
+            for i in range(reps)
+            if ft_events[0].elapsed_time(ft_events[i + 1]) <= decode_end
+        ]
+        if ft_events[0].elapsed_time(ft_events[-1]) < decode_end:
+            raise RuntimeError(
+                f"finetune queue ({reps} x {ft_ms:.2f} ms) ended before decode "
+                f"replays ({decode_end:.2f} ms): the co-run row would be wrong"
+            )
+        return times, statistics.median(inside) if inside else ""
+
+
+def _commit(arg: str | None) -> str:
+    if arg:
+        return arg
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, stem: str) -> Path:
+    """Write the CSV and its ``.meta.json``; returns the CSV path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{stem}.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=ROW_FIELDS)
+        writer.writeheader()
+        for row in rows:
+            writer.writerow(
+                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
+            )
+    (out / f"{stem}.meta.json").write_text(json.dumps(meta, indent=1))
+    return path
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--model", default="llama3-8b")
+    parser.add_argument("--out", default="predictor_models/data")
+    parser.add_argument("--stage1-s", type=float, default=50.0)
+    parser.add_argument("--stage2-s", type=float, default=70.0)
+    parser.add_argument("--iters", type=int, default=12)
+    parser.add_argument("--max-kv-tokens", type=int, default=262144)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--commit", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda", 0)
+    sharing = create_sharing(device, decode_groups=DECODE_GROUPS)
+    profiler = Profiler(args.model, sharing, args.max_kv_tokens, args.iters, args.seed)
+    props = torch.cuda.get_device_properties(device)
+    rng = random.Random(args.seed)
+    errors: list[str] = []
+    for stage, budget in ((1, args.stage1_s), (2, args.stage2_s)):
+        deadline = time.monotonic() + budget
+        while time.monotonic() < deadline:
+            try:
+                profiler.stage1_sample(rng) if stage == 1 else profiler.stage2_sample(rng)
+            except (RuntimeError, ValueError) as exc:  # keep the data gathered so far
+                errors.append(f"stage {stage}: {type(exc).__name__}: {str(exc)[:300]}")
+                torch.cuda.synchronize()
+            if len(errors) > 10:
+                break
+    gpu = props.name.split()[-1].lower()
+    meta = {
+        "gpu": props.name,
+        "gpu_key": gpu,
+        "sms": props.multi_processor_count,
+        "torch": torch.__version__,
+        "commit": _commit(args.commit),
+        "created": dt.datetime.now(dt.UTC).isoformat(),
+        "model": args.model,
+        "model_shape": profiler.shape.as_dict(),
+        "source": SOURCE,
+        "sharing": sharing.mechanism,
+        "decode_sms_choices": list(sharing.table.choices),
+        "iters_per_row": args.iters,
+        "seed": args.seed,
+        "budgets_s": [args.stage1_s, args.stage2_s],
+        "errors": errors,
+        "fields": list(ROW_FIELDS),
+    }
+    path = write(profiler.rows, meta, Path(args.out), f"profile-{gpu}-{args.model}")
+    n1 = sum(1 for r in profiler.rows if r["stage"] == 1)
+    print(
+        f"wrote {path}: {n1} stage-1 rows, {len(profiler.rows) - n1} stage-2 rows, "
+        f"{len(errors)} errors"
+    )
+    for err in errors:
+        print("  ", err)
+    for row in profiler.rows[:: max(1, len(profiler.rows) // 25)]:
+        print(
+            {
+                k: row[k]
+                for k in (
+                    "stage",
+                    "decode_sms",
+                    "batch_size",
+                    "context_tokens_mean",
+                    "prefill_chunk_tokens",
+                    "ft_tokens",
+                    "ft_backward",
+                    "latency_ms",
+                )
+            }
+        )
+
+
+if __name__ == "__main__":
+    main()
