@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 from django.core.exceptions import ValidationError as DjangoValidationError
@@ -25,6 +27,26 @@ def _clean(instance: models.Model, *, kind: str) -> None:
         raise HarliError(f"Invalid {kind} {field}: {message}", param=param) from None
 
 
+_MODEL_TYPES = {"llama": Architecture.LLAMA, "qwen2": Architecture.QWEN2}
+
+
+def _read_checkpoint_config(directory: Path) -> tuple[str | None, int | None]:
+    """Architecture and context length from `directory/config.json`, where present and known."""
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        return None, None
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as exc:
+        raise HarliError(f"Cannot read {config_path}: {exc}", param="checkpoint_dir") from None
+    if not isinstance(config, dict):
+        raise HarliError(f"{config_path} is not a JSON object.", param="checkpoint_dir")
+    context = config.get("max_position_embeddings")
+    return _MODEL_TYPES.get(str(config.get("model_type"))), context if isinstance(
+        context, int
+    ) else None
+
+
 @transaction.atomic
 def base_model_register(
     *,
@@ -45,6 +67,10 @@ def base_model_register(
             "Give exactly one of a checkpoint directory or a preset.", param="checkpoint_dir"
         )
     config: dict[str, Any] | None = None
+    if checkpoint_dir and (architecture is None or context_length is None):
+        found_architecture, found_context = _read_checkpoint_config(Path(checkpoint_dir))
+        architecture = architecture or found_architecture
+        context_length = context_length or found_context
     if preset:
         if preset not in PRESETS:
             raise HarliError(
@@ -58,11 +84,16 @@ def base_model_register(
         context_length = context_length or spec.context_length
     if not architecture or architecture not in Architecture.values:
         raise HarliError(
-            f"Architecture must be one of {', '.join(Architecture.values)}, got {architecture!r}.",
+            f"Architecture must be one of {', '.join(Architecture.values)}, got {architecture!r} "
+            "(give it explicitly when the checkpoint's config.json does not name it).",
             param="architecture",
         )
     if context_length is None or context_length < 1:
-        raise HarliError("Context length must be a positive integer.", param="context_length")
+        raise HarliError(
+            f"Context length must be a positive integer, got {context_length!r} (give it "
+            "explicitly when the checkpoint's config.json has no max_position_embeddings).",
+            param="context_length",
+        )
     base_model = BaseModel(
         name=name,
         architecture=architecture,

@@ -1,0 +1,77 @@
+"""`manage.py hosts register NAME ... | drain NAME | list`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.core.management.base import CommandError
+
+from api.management.base import NounCommand
+from api.models import HostStatus
+from api.selectors import host_list
+from api.services.fleet import deployment_get, host_drain, host_get, host_register
+
+GIB = 2**30
+
+
+class Command(NounCommand):
+    help = "Register, drain and list GPU runtime hosts."
+
+    def add_actions(self, subparsers: Any) -> None:
+        register = subparsers.add_parser("register", help="register a runtime host")
+        register.add_argument("name", help="host name; its Celery queue is host.<name>")
+        register.add_argument("--gpu-kind", required=True, help="e.g. H200")
+        register.add_argument(
+            "--gpu-memory-gb", type=float, required=True, help="memory of one GPU, GiB"
+        )
+        register.add_argument("--gpu-count", type=int, default=1, help="GPUs driven by the host")
+        register.add_argument("--deployment", help="the deployment the host serves")
+        drain = subparsers.add_parser("drain", help="stop placing new jobs on a host")
+        drain.add_argument("name")
+        listing = subparsers.add_parser("list", help="list hosts")
+        listing.add_argument("--status", choices=HostStatus.values)
+
+    def action_register(
+        self,
+        *,
+        name: str,
+        gpu_kind: str,
+        gpu_memory_gb: float,
+        gpu_count: int,
+        deployment: str | None,
+        **_: Any,
+    ) -> None:
+        if gpu_memory_gb <= 0:
+            raise CommandError(f"--gpu-memory-gb must be positive, got {gpu_memory_gb}.")
+        host = host_register(
+            name=name,
+            gpu_kind=gpu_kind,
+            gpu_memory_bytes=int(gpu_memory_gb * GIB),
+            gpu_count=gpu_count,
+            deployment=deployment_get(name=deployment) if deployment else None,
+        )
+        self.stdout.write(
+            f"Registered host {host.name} ({host.gpu_count}x {host.gpu_kind}), status "
+            f"{host.status}, queue {host.queue_name}."
+        )
+
+    def action_drain(self, *, name: str, **_: Any) -> None:
+        host = host_drain(host=host_get(name=name))
+        self.stdout.write(f"Host {host.name} is {host.status}.")
+
+    def action_list(self, *, status: str | None, **_: Any) -> None:
+        rows = [
+            (
+                h.name,
+                f"{h.gpu_count}x {h.gpu_kind}",
+                f"{h.gpu_memory_bytes / GIB:.0f}",
+                h.deployment.name if h.deployment else None,
+                h.status,
+                h.last_heartbeat_at.isoformat(timespec="seconds") if h.last_heartbeat_at else None,
+                h.predictor_version,
+            )
+            for h in host_list(status=status)
+        ]
+        self.table(
+            ["NAME", "GPUS", "GIB/GPU", "DEPLOYMENT", "STATUS", "HEARTBEAT", "PREDICTOR"], rows
+        )

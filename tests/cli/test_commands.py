@@ -1,0 +1,178 @@
+"""The admin CLI: each noun's subcommands, their errors, and `apikeys issue` in a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from django.core.management import call_command
+from django.core.management.base import CommandError
+
+from api.models import ApiKey, BaseModel, Deployment, FinetuneJob, GpuHost, Tenant, User
+from api.services.apikeys import api_key_authenticate
+from api.services.files import UploadSource, file_create
+from api.services.jobs import finetune_job_create
+
+ROOT = Path(__file__).resolve().parents[2]
+NOUNS = ["tenants", "apikeys", "basemodels", "hosts", "deployments", "jobs", "operators"]
+
+
+def run(*args: str) -> str:
+    out = StringIO()
+    call_command(*args, stdout=out)
+    return out.getvalue()
+
+
+@pytest.mark.parametrize("noun", NOUNS)
+def test_every_command_has_help(noun: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        call_command(noun, "--help")
+    assert exited.value.code == 0
+    assert "ACTION" in capsys.readouterr().out
+
+
+@pytest.mark.django_db
+def test_tenants_and_apikeys() -> None:
+    assert "Created tenant acme" in run("tenants", "create", "acme")
+    assert "acme" in run("tenants", "list")
+    with pytest.raises(CommandError, match="already exists"):
+        run("tenants", "create", "acme")
+    with pytest.raises(CommandError, match="Invalid tenant name"):
+        run("tenants", "create", "Not Valid")
+
+    output = run("apikeys", "issue", "--tenant", "acme", "--name", "ci")
+    key = output.strip().splitlines()[-1]
+    api_key = api_key_authenticate(key=key)
+    assert api_key is not None and api_key.user.tenant == Tenant.objects.get(name="acme")
+    listing = run("apikeys", "list", "--tenant", "acme")
+    assert api_key.prefix in listing and "active" in listing and key not in listing
+    assert "Revoked" in run("apikeys", "revoke", api_key.prefix)
+    assert api_key_authenticate(key=key) is None
+    assert "revoked" in run("apikeys", "list")
+    with pytest.raises(CommandError, match="No API key"):
+        run("apikeys", "revoke", "hk-nothing")
+    with pytest.raises(CommandError, match="No tenant named"):
+        run("apikeys", "issue", "--tenant", "nobody")
+    with pytest.raises(CommandError):
+        run("apikeys", "issue")
+
+
+@pytest.mark.django_db
+def test_fleet_commands(tmp_path: Path) -> None:
+    assert "preset tiny" in run("basemodels", "register", "tiny", "--preset", "tiny")
+    checkpoint = tmp_path / "ckpt"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(
+        json.dumps({"model_type": "qwen2", "max_position_embeddings": 4096})
+    )
+    run("basemodels", "register", "local-qwen", "--checkpoint", str(checkpoint))
+    local = BaseModel.objects.get(name="local-qwen")
+    assert (local.architecture, local.context_length, local.config) == ("qwen2", 4096, None)
+    with pytest.raises(CommandError, match="Architecture must be one of"):
+        run("basemodels", "register", "bare", "--checkpoint", str(tmp_path / "missing"))
+    with pytest.raises(CommandError):
+        run("basemodels", "register", "both", "--preset", "tiny", "--checkpoint", "/x")
+    assert "local-qwen" in run("basemodels", "list")
+
+    run("deployments", "create", "chat", "--base-model", "tiny", "--tpot-slo-ms", "40",
+        "--ttft-slo-ms", "400")  # fmt: skip
+    assert Deployment.objects.get().slo_attainment_target_pct == 99.0
+    with pytest.raises(CommandError, match="No base model"):
+        run("deployments", "create", "x", "--base-model", "nope", "--tpot-slo-ms", "1",
+            "--ttft-slo-ms", "1")  # fmt: skip
+    with pytest.raises(CommandError, match="tpot_slo_ms"):
+        run("deployments", "create", "y", "--base-model", "tiny", "--tpot-slo-ms", "0",
+            "--ttft-slo-ms", "1")  # fmt: skip
+    assert "chat" in run("deployments", "list")
+
+    output = run("hosts", "register", "gpu-0", "--gpu-kind", "H200", "--gpu-memory-gb", "141",
+                 "--deployment", "chat")  # fmt: skip
+    assert "queue host.gpu-0" in output
+    assert GpuHost.objects.get().gpu_memory_bytes == 141 * 2**30
+    assert "draining" in run("hosts", "drain", "gpu-0")
+    assert "gpu-0" in run("hosts", "list", "--status", "draining")
+    with pytest.raises(CommandError, match="No host named"):
+        run("hosts", "drain", "gpu-9")
+    with pytest.raises(CommandError, match="must be positive"):
+        run("hosts", "register", "gpu-1", "--gpu-kind", "H200", "--gpu-memory-gb", "0")
+
+
+@pytest.mark.django_db
+def test_jobs_and_operators(monkeypatch: pytest.MonkeyPatch) -> None:
+    run("tenants", "create", "acme")
+    run("basemodels", "register", "tiny", "--preset", "tiny")
+    line = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    file = file_create(
+        tenant=Tenant.objects.get(),
+        purpose="fine-tune",
+        upload=UploadSource.from_bytes(filename="t.jsonl", data=json.dumps(line).encode()),
+    )
+    job = finetune_job_create(tenant=Tenant.objects.get(), model="tiny", training_file=file.id)
+    assert job.id in run("jobs", "list", "--tenant", "acme", "--status", "queued")
+    assert "cancelled" in run("jobs", "cancel", job.id)
+    assert FinetuneJob.objects.get().status == "cancelled"
+    with pytest.raises(CommandError, match="cannot become cancelled"):
+        run("jobs", "cancel", job.id)
+    with pytest.raises(CommandError, match="No such fine-tuning job"):
+        run("jobs", "cancel", "ftjob-nope")
+
+    monkeypatch.delenv("HARLI_OPERATOR_PASSWORD", raising=False)
+    with pytest.raises(CommandError, match="HARLI_OPERATOR_PASSWORD"):
+        run("operators", "create", "alice", "--no-input")
+    monkeypatch.setenv("HARLI_OPERATOR_PASSWORD", "pw-123456")
+    assert "Created operator alice" in run("operators", "create", "alice", "--no-input")
+    alice = User.objects.get(username="alice")
+    assert alice.is_operator and alice.check_password("pw-123456")
+    with pytest.raises(CommandError, match="already exists"):
+        run("operators", "create", "alice", "--no-input")
+    with pytest.raises(CommandError, match="must be non-empty and not start with"):
+        run("operators", "create", "tenant.acme", "--no-input")
+    key = run("apikeys", "issue", "--operator", "alice").strip().splitlines()[-1]
+    assert ApiKey.objects.get(prefix=key[:11]).user == alice
+
+
+@pytest.mark.django_db(transaction=True)
+def test_apikeys_issue_in_a_subprocess_prints_the_key_last() -> None:
+    """The real `python manage.py` entry point, on the test database."""
+    from django.db import connection
+
+    Tenant.objects.all().delete()
+    call_command("tenants", "create", "acme", stdout=StringIO())
+    db = connection.settings_dict
+    env = {
+        **os.environ,
+        "DJANGO_SETTINGS_MODULE": "config.settings.test",
+        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+    }
+    result = subprocess.run(
+        [sys.executable, "manage.py", "apikeys", "issue", "--tenant", "acme"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert len(lines) >= 2 and lines[-1].startswith("hk-")
+    api_key = api_key_authenticate(key=lines[-1])
+    assert api_key is not None and api_key.user.tenant is not None
+    assert api_key.user.tenant.name == "acme"
+
+    failing = subprocess.run(
+        [sys.executable, "manage.py", "apikeys", "issue", "--tenant", "nobody"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert failing.returncode == 1
+    assert "No tenant named 'nobody'" in failing.stderr
