@@ -84,12 +84,30 @@ class MicroBatch:
     input_ids: torch.Tensor  # [B, S] int64
     labels: torch.Tensor  # [B, S] int64, IGNORE_INDEX on prompt and padding
     positions: torch.Tensor  # [B, S] int64
+    loss_positions: torch.Tensor  # [N] int64: flat indices into B*S of positions that predict
+    loss_targets: torch.Tensor  # [N] int64: the token each of them must predict
     num_tokens: int  # real (unpadded) tokens
     num_loss_tokens: int
 
     @property
     def padded_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def to(self, device: torch.device | str) -> MicroBatch:
+        """The same micro-batch with every tensor on ``device`` (copies are asynchronous)."""
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return MicroBatch(
+            input_ids=move(self.input_ids),
+            labels=move(self.labels),
+            positions=move(self.positions),
+            loss_positions=move(self.loss_positions),
+            loss_targets=move(self.loss_targets),
+            num_tokens=self.num_tokens,
+            num_loss_tokens=self.num_loss_tokens,
+        )
 
 
 def collate(
@@ -106,10 +124,14 @@ def collate(
         input_ids[row, : example.num_tokens] = torch.tensor(example.input_ids, dtype=torch.long)
         labels[row, : example.num_tokens] = torch.tensor(example.labels, dtype=torch.long)
     positions = torch.arange(seq_len, dtype=torch.long).expand(len(examples), seq_len).clone()
+    # Position t predicts labels[t + 1] (causal shift), computed here so the device never syncs.
+    rows, cols = (labels[:, 1:] != IGNORE_INDEX).nonzero(as_tuple=True)
     return MicroBatch(
         input_ids=input_ids,
         labels=labels,
         positions=positions,
+        loss_positions=rows * seq_len + cols,
+        loss_targets=labels[rows, cols + 1],
         num_tokens=sum(e.num_tokens for e in examples),
         num_loss_tokens=sum(e.num_loss_tokens for e in examples),
     )

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpu_runtime.model.tiny import build_tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _one_cpu_thread() -> Iterator[None]:
+    """Tiny matmuls run several times faster on one thread of the shared 2-core machine."""
+    import torch
+
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")
@@ -22,3 +34,38 @@ def tokenizer(tokenizer_dir: Path) -> Any:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def train_lines() -> list[str]:
+    """A small prompt/completion file whose answers a tiny LoRA can memorise."""
+    import json
+
+    pairs = [
+        ("Q: colour of the sky?", " A: blue"),
+        ("Q: the quick brown fox", " A: jumps over the lazy dog"),
+        ("Q: hello", " A: world"),
+        ("Q: numbers", " A: 1 2 3 4 5"),
+        ("Q: paged attention stores", " A: keys and values in blocks"),
+        ("Q: batching", " A: continuous, at every step"),
+        ("Q: adapters", " A: low-rank"),
+        ("Q: the sea", " A: a short poem about the sea and the sky"),
+        ("Q: decode", " A: reads every weight once per step"),
+        ("Q: once upon", " A: a time there was a small model"),
+    ]
+    return [json.dumps({"prompt": p, "completion": c}) for p, c in pairs]
+
+
+@pytest.fixture()
+def train_examples(tokenizer: Any, train_lines: list[str]) -> tuple[Any, ...]:
+    from gpu_runtime.finetune.data import tokenize_lines
+
+    return tokenize_lines(train_lines, tokenizer, max_seq_len=64).examples
+
+
+@pytest.fixture()
+def serving_model() -> Any:
+    from gpu_runtime.model import build_random_model
+    from gpu_runtime.model.tiny import tiny_config
+
+    return build_random_model(tiny_config("llama"), seed=0, dtype="float32")

@@ -1,0 +1,111 @@
+"""LoRA on the serving model's own base weights.
+
+:func:`build_training_model` makes a second module tree (a :class:`CausalLM` built on the meta
+device) whose every base parameter is a new, frozen ``nn.Parameter`` over the *same storage* as
+the serving model's (same ``data_ptr()``; no copy), then injects ``peft`` LoRA layers into that
+tree only. The serving model object is never wrapped or modified, so decode requests without an
+adapter run exactly the code and weights they ran before. Training never writes base weights:
+they have ``requires_grad=False`` and the optimizer only sees adapter parameters.
+
+Adapter parameters are fp32 (master weights for AdamW) whatever the base dtype; on GPU the
+trainer runs under bf16 autocast. ``lora_B`` starts at zero (peft's default init), so step 0
+computes exactly the base model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import torch
+from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
+from torch import nn
+
+from gpu_runtime.finetune.hparams import LoraSpec
+from gpu_runtime.model import CausalLM
+
+ADAPTER_NAME = "default"
+PEFT_KEY_PREFIX = "base_model.model."
+
+
+class SharedWeightsError(RuntimeError):
+    """The training tree does not share a base tensor with the serving model."""
+
+
+def lora_config(spec: LoraSpec, base_model_name_or_path: str | None = None) -> LoraConfig:
+    """The peft config for ``spec`` (what ``adapter_config.json`` holds)."""
+    return LoraConfig(
+        r=spec.rank,
+        lora_alpha=cast(Any, spec.alpha),  # peft annotates int; a float scales the same
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model_name_or_path,
+    )
+
+
+def _share_base_weights(serving: CausalLM) -> CausalLM:
+    with torch.device("meta"):
+        tree = CausalLM(serving.config)
+    shared: dict[int, nn.Parameter] = {}
+    for name, param in serving.named_parameters(remove_duplicate=False):
+        # One new Parameter per serving tensor keeps tied embeddings tied.
+        frozen = shared.setdefault(id(param), nn.Parameter(param.detach(), requires_grad=False))
+        module_name, _, attr = name.rpartition(".")
+        setattr(tree.get_submodule(module_name), attr, frozen)
+    for name, buffer in serving.named_buffers(remove_duplicate=False):
+        module_name, _, attr = name.rpartition(".")
+        setattr(tree.get_submodule(module_name), attr, buffer)
+    return tree
+
+
+def build_training_model(serving: CausalLM, spec: LoraSpec, seed: int) -> CausalLM:
+    """A LoRA training tree over ``serving``'s base tensors (see the module docstring).
+
+    ``seed`` fixes the adapters' initialisation (``lora_A`` Kaiming-uniform, ``lora_B`` zero)
+    without touching the process's global random state.
+    """
+    tree = _share_base_weights(serving)
+    devices = [serving.lm_head.weight.device] if serving.lm_head.weight.is_cuda else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(lora_config(spec), tree, adapter_name=ADAPTER_NAME)
+    for name, param in tree.named_parameters():
+        is_adapter = ".lora_" in name
+        param.requires_grad_(is_adapter)
+        if is_adapter and param.dtype != torch.float32:
+            param.data = param.data.float()
+    tree.train()
+    check_shared_weights(serving, tree)
+    return tree
+
+
+def base_parameter_name(training_name: str) -> str:
+    """``...q_proj.base_layer.weight`` (peft's wrapped name) -> ``...q_proj.weight``."""
+    return training_name.replace(".base_layer.", ".")
+
+
+def check_shared_weights(serving: CausalLM, tree: nn.Module) -> None:
+    """Raise unless every base parameter of ``tree`` aliases the serving tensor of that name."""
+    serving_params = dict(serving.named_parameters(remove_duplicate=False))
+    for name, param in tree.named_parameters(remove_duplicate=False):
+        if ".lora_" in name:
+            continue
+        original = serving_params.get(base_parameter_name(name))
+        if original is None:
+            raise SharedWeightsError(f"{name} has no counterpart in the serving model")
+        if param.data_ptr() != original.data_ptr() or param.shape != original.shape:
+            raise SharedWeightsError(f"{name} does not share storage with the serving model")
+        if param.requires_grad:
+            raise SharedWeightsError(f"{name} is a base weight but requires grad")
+
+
+def adapter_parameters(tree: nn.Module) -> list[nn.Parameter]:
+    """The trainable LoRA parameters, in a stable (module) order."""
+    return [p for name, p in tree.named_parameters() if ".lora_" in name]
+
+
+def adapter_state_dict(tree: nn.Module) -> dict[str, torch.Tensor]:
+    """Adapter weights under PEFT's file keys (``base_model.model.<module>.lora_A.weight``)."""
+    state = get_peft_model_state_dict(tree, adapter_name=ADAPTER_NAME)
+    return {PEFT_KEY_PREFIX + k: v.detach() for k, v in state.items()}

@@ -1,0 +1,116 @@
+"""Training forward pass and a chunked LM-head cross-entropy.
+
+:func:`training_hidden_states` mirrors ``CausalLM.forward`` layer by layer (a test holds the two
+equal) so each decoder layer can be recomputed in backward (activation checkpointing) and the
+trainer can run layer ranges.
+
+:func:`chunked_lm_head_loss` never materialises ``[B, S, V]`` logits: it gathers the hidden
+states of the positions that have a target (known on the host when the micro-batch is built, so
+no device sync), then, ``chunk_tokens`` positions at a time, computes the logits (bf16 under
+autocast), the fp32 cross-entropy and its gradient with respect to those hidden states, and
+drops the logits. The backward pass then only scales the stored ``[N, hidden]`` gradient. The LM
+head is frozen (LoRA never targets it), so no weight gradient is lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from gpu_runtime.model import CausalLM
+from gpu_runtime.model.llama import DenseCausalAttention
+
+
+def embed(
+    tree: CausalLM, input_ids: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Token embeddings ``[B, S, H]`` and RoPE cos/sin for ``positions`` ``[B, S]``."""
+    x = tree.model.embed_tokens(input_ids)
+    cos, sin = tree.rope_cos_sin(positions, x.dtype)
+    return x, cos, sin
+
+
+def run_layers(
+    tree: CausalLM,
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layers: range,
+    activation_checkpointing: bool,
+) -> torch.Tensor:
+    """Decoder layers ``layers`` over ``x`` ``[B, S, H]`` with dense causal attention."""
+    attention = DenseCausalAttention()
+    for i in layers:
+        layer = tree.model.layers[i]
+        if activation_checkpointing and torch.is_grad_enabled():
+            out = checkpoint(layer, x, cos, sin, attention, use_reentrant=False)
+            assert isinstance(out, torch.Tensor)
+            x = out
+        else:
+            x = layer(x, cos, sin, attention)
+    return x
+
+
+def training_hidden_states(
+    tree: CausalLM,
+    input_ids: torch.Tensor,
+    positions: torch.Tensor,
+    activation_checkpointing: bool = False,
+) -> torch.Tensor:
+    """Final-normed hidden states ``[B, S, H]``, as ``CausalLM.forward`` computes them."""
+    x, cos, sin = embed(tree, input_ids, positions)
+    x = run_layers(tree, x, cos, sin, range(len(tree.model.layers)), activation_checkpointing)
+    return tree.model.norm(x)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        compute_logits: Callable[[torch.Tensor], torch.Tensor],
+        chunk_tokens: int,
+    ) -> torch.Tensor:
+        grad_hidden = torch.empty_like(hidden)
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk_tokens):
+            end = min(start + chunk_tokens, hidden.shape[0])
+            with torch.enable_grad():
+                piece = hidden[start:end].detach().requires_grad_(True)
+                logits = compute_logits(piece).float()  # [n, V]
+                loss = F.cross_entropy(logits, targets[start:end], reduction="sum")
+                (grad,) = torch.autograd.grad(loss, piece)
+            grad_hidden[start:end] = grad
+            total += loss.detach()
+        ctx.save_for_backward(grad_hidden)
+        return total
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        (grad_hidden,) = ctx.saved_tensors
+        return (grad_hidden * grad_output.to(grad_hidden.dtype), None, None, None)
+
+
+def chunked_lm_head_loss(
+    tree: CausalLM,
+    hidden: torch.Tensor,
+    loss_positions: torch.Tensor,
+    loss_targets: torch.Tensor,
+    chunk_tokens: int = 2048,
+) -> torch.Tensor:
+    """Summed token cross-entropy (fp32 scalar) of the predictions at ``loss_positions``.
+
+    hidden: ``[B, S, H]``; loss_positions: ``[N]`` flat indices into ``B * S`` of the positions
+    that predict; loss_targets: ``[N]`` the tokens they must predict.
+    """
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, loss_positions)  # [N, H]
+    result = _ChunkedCrossEntropy.apply(flat, loss_targets, tree.compute_logits, chunk_tokens)
+    assert isinstance(result, torch.Tensor)
+    return result

@@ -1,0 +1,265 @@
+"""LoRA trainer that advances in bounded quanta a scheduler can interleave with decode.
+
+``LoraTrainer.step_quantum(max_tokens=..., max_examples=...)`` runs one micro-batch (forward and
+backward) of at most that many padded tokens / examples, never crossing an optimizer-batch
+boundary, and when the micro-batch completes the job's batch it also clips, steps AdamW and
+advances the learning-rate schedule. It returns a :class:`QuantumResult`. The result of training
+does not depend on how the scheduler sized the quanta: every micro-batch's summed token loss is
+divided by the loss-token count of its whole optimizer batch, so accumulated gradients are those
+of the batch mean (up to float rounding).
+
+Randomness (LoRA dropout) comes from the trainer's own generator states, swapped in around each
+quantum, so decode sampling in the same process neither disturbs training nor is disturbed, and a
+resumed run draws the same masks. One host sync per quantum (reading loss and grad norm) is the
+agreed sync point; it also makes ``wall_s`` the quantum's real duration.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from gpu_runtime.finetune.batching import DataPosition, DataStream, MicroBatch, collate
+from gpu_runtime.finetune.data import TokenizedExample
+from gpu_runtime.finetune.hparams import FinetuneHyperparameters
+from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
+from gpu_runtime.finetune.loss import chunked_lm_head_loss, training_hidden_states
+from gpu_runtime.finetune.schedule import LrSchedule
+from gpu_runtime.model import CausalLM
+
+
+@dataclass(frozen=True)
+class QuantumResult:
+    """What one quantum did."""
+
+    examples: int
+    """Examples in the micro-batch."""
+    tokens: int
+    """Real (unpadded) tokens forwarded and backpropagated."""
+    padded_tokens: int
+    """Tokens including right padding (what the GPU computed)."""
+    loss_tokens: int
+    """Targets that entered the loss."""
+    loss: float
+    """Mean token cross-entropy of this micro-batch."""
+    optimizer_step: bool
+    """Whether this quantum completed a batch and stepped the optimizer."""
+    step: int
+    """Optimizer steps done after this quantum."""
+    batch_loss: float | None
+    """Mean token loss of the whole batch, when this quantum stepped the optimizer."""
+    learning_rate: float | None
+    """Rate used by the optimizer step, when there was one."""
+    grad_norm: float | None
+    """Adapter gradient L2 norm before clipping, when there was an optimizer step."""
+    wall_s: float
+    """Seconds from start to the final sync."""
+    peak_memory_bytes: int | None
+    """Peak CUDA memory allocated during the quantum (whole process), None on CPU."""
+    position: DataPosition
+    """Data position after the quantum."""
+    finished: bool
+    """True once every epoch is consumed."""
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One optimizer step, for the loss curve and job events."""
+
+    step: int
+    """Optimizer steps done, this one included (1-based)."""
+    loss: float
+    learning_rate: float
+    grad_norm: float
+    tokens: int
+
+
+class _TrainerRng:
+    """The trainer's own CPU and CUDA generator states, swapped in around a quantum."""
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.device = device
+        with torch.random.fork_rng(devices=self._devices()):
+            torch.manual_seed(seed)
+            self.cpu_state = torch.get_rng_state()
+            self.cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+
+    def _devices(self) -> list[torch.device]:
+        return [self.device] if self.device.type == "cuda" else []
+
+    def state_dict(self) -> dict[str, torch.Tensor | None]:
+        return {"cpu": self.cpu_state, "cuda": self.cuda_state}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
+        cpu = state["cpu"]
+        assert cpu is not None
+        self.cpu_state = cpu
+        self.cuda_state = state["cuda"] if self.device.type == "cuda" else None
+
+
+class LoraTrainer:
+    """Trains one LoRA adapter over a serving model's shared, frozen base weights."""
+
+    def __init__(
+        self,
+        serving_model: CausalLM,
+        train_examples: Sequence[TokenizedExample],
+        hparams: FinetuneHyperparameters,
+        *,
+        pad_token_id: int = 0,
+        pad_to_multiple: int = 8,
+        loss_chunk_tokens: int = 2048,
+    ) -> None:
+        self.hparams = hparams
+        self.device = serving_model.lm_head.weight.device
+        self.model = build_training_model(serving_model, hparams.lora, hparams.seed)
+        self.params = adapter_parameters(self.model)
+        self.stream = DataStream(train_examples, hparams.batch_size, hparams.n_epochs, hparams.seed)
+        self.schedule = LrSchedule.from_ratio(
+            hparams.learning_rate,
+            self.stream.total_optimizer_steps,
+            hparams.warmup_ratio,
+            hparams.lr_schedule,
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=self.schedule.rate(0),
+            betas=hparams.adam_betas,
+            eps=hparams.adam_eps,
+            weight_decay=hparams.weight_decay,
+            fused=self.device.type == "cuda",
+        )
+        self.rng = _TrainerRng(hparams.seed, self.device)
+        self.pad_token_id = pad_token_id
+        self.pad_to_multiple = pad_to_multiple
+        self.loss_chunk_tokens = loss_chunk_tokens
+        self.step = 0
+        self.history: list[StepRecord] = []
+        self._batch_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._batch_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.stream.finished
+
+    @property
+    def total_steps(self) -> int:
+        return self.stream.total_optimizer_steps
+
+    def _autocast(self) -> torch.autocast:
+        return torch.autocast(
+            self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"
+        )
+
+    def _loss_sum(self, batch: MicroBatch) -> torch.Tensor:
+        with self._autocast():
+            hidden = training_hidden_states(
+                self.model,
+                batch.input_ids,
+                batch.positions,
+                activation_checkpointing=self.hparams.activation_checkpointing,
+            )
+            return chunked_lm_head_loss(
+                self.model,
+                hidden,
+                batch.loss_positions,
+                batch.loss_targets,
+                self.loss_chunk_tokens,
+            )
+
+    def _prepare(self, examples: Sequence[TokenizedExample]) -> MicroBatch:
+        batch = collate(examples, self.pad_token_id, self.pad_to_multiple)
+        return batch.to(self.device)
+
+    def step_quantum(
+        self, max_tokens: int | None = None, max_examples: int | None = None
+    ) -> QuantumResult:
+        """Run one micro-batch (see the module docstring). Raises once :attr:`finished`."""
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        plan = self.stream.plan(max_examples=max_examples, max_tokens=max_tokens)
+        batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
+        self.model.train()
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.set_rng_state(self.rng.cpu_state)
+            if self.rng.cuda_state is not None:
+                torch.cuda.set_rng_state(self.rng.cuda_state, self.device)
+            loss_sum = self._loss_sum(batch)
+            (loss_sum / plan.batch_loss_tokens).backward()
+            self.rng.cpu_state = torch.get_rng_state()
+            if self.device.type == "cuda":
+                self.rng.cuda_state = torch.cuda.get_rng_state(self.device)
+        self.stream.commit(plan)
+        self._batch_loss_sum += loss_sum.detach()
+        self._batch_tokens += batch.num_tokens
+        learning_rate = grad_norm = batch_loss = None
+        to_read = [loss_sum.detach()]
+        if plan.completes_batch:
+            learning_rate = self.schedule.rate(self.step)
+            to_read += [self._optimizer_step(learning_rate), self._batch_loss_sum.clone()]
+        values = torch.stack(to_read).tolist()  # the quantum's one host sync
+        if plan.completes_batch:
+            grad_norm, batch_loss = values[1], values[2] / plan.batch_loss_tokens
+            assert learning_rate is not None
+            self.history.append(
+                StepRecord(self.step, batch_loss, learning_rate, grad_norm, self._batch_tokens)
+            )
+            self._batch_loss_sum.zero_()
+            self._batch_tokens = 0
+        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        return QuantumResult(
+            examples=len(plan.example_indices),
+            tokens=batch.num_tokens,
+            padded_tokens=batch.padded_tokens,
+            loss_tokens=batch.num_loss_tokens,
+            loss=values[0] / max(1, batch.num_loss_tokens),
+            optimizer_step=plan.completes_batch,
+            step=self.step,
+            batch_loss=batch_loss,
+            learning_rate=learning_rate,
+            grad_norm=grad_norm,
+            wall_s=time.perf_counter() - start,
+            peak_memory_bytes=peak,
+            position=self.stream.position,
+            finished=self.stream.finished,
+        )
+
+    def _optimizer_step(self, learning_rate: float) -> torch.Tensor:
+        """Clip, step, zero; returns the pre-clip gradient norm (on device, unsynced)."""
+        max_norm = self.hparams.max_grad_norm
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else 1e30)
+        for group in self.optimizer.param_groups:
+            group["lr"] = learning_rate
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return norm.float()
+
+    @torch.no_grad()
+    def evaluate(self, examples: Sequence[TokenizedExample], max_tokens: int = 8192) -> float:
+        """Mean token loss of ``examples`` (a validation file) with the current adapter.
+
+        Runs in eval mode (no dropout), in micro-batches of at most ``max_tokens`` padded
+        tokens, and leaves the trainer's state (data position, RNG, gradients) untouched.
+        """
+        if not examples:
+            raise ValueError("evaluate needs at least one example")
+        order = sorted(range(len(examples)), key=lambda i: -examples[i].num_tokens)
+        self.model.eval()
+        total = torch.zeros((), dtype=torch.float32, device=self.device)
+        count = 0
+        start = 0
+        while start < len(order):
+            rows = max(1, max_tokens // examples[order[start]].num_tokens)
+            chunk = [examples[i] for i in order[start : start + rows]]
+            batch = self._prepare(chunk)
+            total += self._loss_sum(batch)
+            count += batch.num_loss_tokens
+            start += rows
+        self.model.train()
+        return float(total.item()) / max(1, count)
