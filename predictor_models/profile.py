@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime as dt
+import faulthandler
 import json
 import math
 import random
@@ -134,6 +135,7 @@ class Profiler:
         self.iters = iters
         self.trees: dict[int, Any] = {}
         self.rows: list[dict[str, Any]] = []
+        self.trace = False
         self.sleep_cycles_per_ms = self._calibrate_sleep()
 
     def _calibrate_sleep(self) -> float:
@@ -143,6 +145,10 @@ class Profiler:
         end.record()
         end.synchronize()
         return 10_000_000 / start.elapsed_time(end)
+
+    def _log(self, message: str) -> None:
+        if self.trace:
+            print(f"[{time.monotonic():.1f}] {message}", flush=True)
 
     def _tree(self, rank: int) -> Any:
         if rank not in self.trees:
@@ -194,8 +200,12 @@ class Profiler:
         decode_sms = rng.choice(self.sharing.table.choices)
         contexts, prefill = sample_decode(rng, self.decode.max_kv_tokens)
         ds, fs = self.sharing.partition(decode_sms)
+        self._log(
+            f"capture sms={decode_sms} batch={len(contexts)} max={max(contexts)} prefill={prefill}"
+        )
         graph = self.decode.capture(contexts, prefill, ds)
         times = time_graph(graph, ds, self.iters)
+        self._log(f"decode alone {statistics.median(times):.3f} ms")
         self._row(1, decode_sms, contexts, prefill, times)
         return graph, decode_sms, contexts, prefill, statistics.median(times)
 
@@ -206,17 +216,22 @@ class Profiler:
         ds, fs = self.sharing.partition(decode_sms)
         info = self.sharing.info(decode_sms)
         ft_share = info.finetune_sms / self.sharing.table.total_sms if info.spatial else 1.0
+        self._log(f"quantum tokens={tokens} seq={seq_len} rank={rank}")
         quantum = LoraQuantum(self._tree(rank), tokens, seq_len, seed=tokens + rank)
         try:
             fwd = time_fn(quantum.forward_only, fs, 1)
+            self._log(f"forward alone {fwd}")
             with torch.cuda.stream(fs):
                 quantum.prepare_backward()
+            self._log("prepared backward")
             bwd = time_fn(quantum.backward, fs, 1)
+            self._log(f"backward alone {bwd}")
             for backward, (alone_ms, host_ms), fn in (
                 (0, fwd, quantum.forward_only),
                 (1, bwd, quantum.backward),
             ):
                 times, colocated = self._corun(graph, ds, fs, fn, alone_ms, host_ms, decode_ms)
+                self._log(f"co-run backward={backward} {statistics.median(times):.3f} ms")
                 ft = (float(tokens), float(seq_len), float(rank), float(backward), ft_share)
                 self._row(2, decode_sms, contexts, prefill, times, ft, (alone_ms, colocated))
         finally:
@@ -282,49 +297,50 @@ def _commit(arg: str | None) -> str:
         return "unknown"
 
 
-def write(rows: list[dict[str, Any]], meta: dict[str, Any], out: Path, stem: str) -> Path:
-    """Write the CSV and its ``.meta.json``; returns the CSV path."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{stem}.csv"
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=ROW_FIELDS)
-        writer.writeheader()
-        for row in rows:
-            writer.writerow(
-                {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
-            )
-    (out / f"{stem}.meta.json").write_text(json.dumps(meta, indent=1))
-    return path
+class RowWriter:
+    """Appends rows to ``<stem>.csv`` as they are measured (a crash keeps what was written)."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.path = path
+        with path.open("w", newline="") as handle:
+            csv.DictWriter(handle, fieldnames=ROW_FIELDS).writeheader()
+        self.written = 0
+
+    def flush(self, rows: list[dict[str, Any]]) -> None:
+        with self.path.open("a", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=ROW_FIELDS)
+            for row in rows[self.written :]:
+                writer.writerow(
+                    {k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in row.items()}
+                )
+        self.written = len(rows)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--out", default="predictor_models/data")
+    parser.add_argument("--stages", default="12", help="which stages to run: 1, 2 or 12")
     parser.add_argument("--stage1-s", type=float, default=50.0)
     parser.add_argument("--stage2-s", type=float, default=70.0)
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--max-kv-tokens", type=int, default=262144)
+    parser.add_argument("--sharing", default="green_context", choices=("green_context", "streams"))
+    parser.add_argument("--tag", default="", help="suffix of the output file names")
+    parser.add_argument("--trace", action="store_true", help="print each step of each sample")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--commit", default=None)
     args = parser.parse_args()
+    faulthandler.enable()  # a native crash still prints where it happened
     device = torch.device("cuda", 0)
-    sharing = create_sharing(device, decode_groups=DECODE_GROUPS)
+    sharing = create_sharing(device, prefer=args.sharing, decode_groups=DECODE_GROUPS)
     profiler = Profiler(args.model, sharing, args.max_kv_tokens, args.iters, args.seed)
+    profiler.trace = args.trace
     props = torch.cuda.get_device_properties(device)
-    rng = random.Random(args.seed)
-    errors: list[str] = []
-    for stage, budget in ((1, args.stage1_s), (2, args.stage2_s)):
-        deadline = time.monotonic() + budget
-        while time.monotonic() < deadline:
-            try:
-                profiler.stage1_sample(rng) if stage == 1 else profiler.stage2_sample(rng)
-            except (RuntimeError, ValueError) as exc:  # keep the data gathered so far
-                errors.append(f"stage {stage}: {type(exc).__name__}: {str(exc)[:300]}")
-                torch.cuda.synchronize()
-            if len(errors) > 10:
-                break
     gpu = props.name.split()[-1].lower()
+    stem = f"profile-{gpu}-{args.model}{'-' + args.tag if args.tag else ''}"
+    out = Path(args.out)
     meta = {
         "gpu": props.name,
         "gpu_key": gpu,
@@ -339,19 +355,36 @@ def main() -> None:
         "decode_sms_choices": list(sharing.table.choices),
         "iters_per_row": args.iters,
         "seed": args.seed,
+        "stages": args.stages,
         "budgets_s": [args.stage1_s, args.stage2_s],
-        "errors": errors,
         "fields": list(ROW_FIELDS),
+        "errors": [],
     }
-    path = write(profiler.rows, meta, Path(args.out), f"profile-{gpu}-{args.model}")
+    (out / f"{stem}.meta.json").parent.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.meta.json").write_text(json.dumps(meta, indent=1))
+    writer = RowWriter(out / f"{stem}.csv")
+    rng = random.Random(args.seed * 1000 + int(args.stages))
+    errors: list[str] = []
+    meta["errors"] = errors
+    for stage, budget in ((1, args.stage1_s), (2, args.stage2_s)):
+        if str(stage) not in args.stages:
+            continue
+        deadline = time.monotonic() + budget
+        while time.monotonic() < deadline and len(errors) <= 10:
+            try:
+                profiler.stage1_sample(rng) if stage == 1 else profiler.stage2_sample(rng)
+            except (RuntimeError, ValueError) as exc:  # keep the data gathered so far
+                errors.append(f"stage {stage}: {type(exc).__name__}: {str(exc)[:300]}")
+                print("ERROR", errors[-1], flush=True)
+                torch.cuda.synchronize()
+            writer.flush(profiler.rows)
+    (out / f"{stem}.meta.json").write_text(json.dumps(meta, indent=1))
     n1 = sum(1 for r in profiler.rows if r["stage"] == 1)
     print(
-        f"wrote {path}: {n1} stage-1 rows, {len(profiler.rows) - n1} stage-2 rows, "
+        f"wrote {writer.path}: {n1} stage-1 rows, {len(profiler.rows) - n1} stage-2 rows, "
         f"{len(errors)} errors"
     )
-    for err in errors:
-        print("  ", err)
-    for row in profiler.rows[:: max(1, len(profiler.rows) // 25)]:
+    for row in profiler.rows[:: max(1, len(profiler.rows) // 20)]:
         print(
             {
                 k: row[k]
