@@ -19,10 +19,12 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from gpu_runtime.finetune.batching import DataPosition, DataStream, MicroBatch, collate
+from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
@@ -63,6 +65,8 @@ class QuantumResult:
     """Data position after the quantum."""
     finished: bool
     """True once every epoch is consumed."""
+    checkpoint: Path | None = None
+    """The checkpoint this quantum wrote (every ``checkpoint_every_steps`` and at the end)."""
 
 
 @dataclass(frozen=True)
@@ -112,8 +116,14 @@ class LoraTrainer:
         pad_token_id: int = 0,
         pad_to_multiple: int = 8,
         loss_chunk_tokens: int = 2048,
+        checkpoint_root: str | Path | None = None,
+        base_model_name_or_path: str | None = None,
     ) -> None:
+        """``checkpoint_root``: where automatic checkpoints go (none when None);
+        ``base_model_name_or_path`` is recorded in each adapter's config."""
         self.hparams = hparams
+        self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
+        self.base_model_name_or_path = base_model_name_or_path
         self.device = serving_model.lm_head.weight.device
         self.model = build_training_model(serving_model, hparams.lora, hparams.seed)
         self.params = adapter_parameters(self.model)
@@ -148,6 +158,27 @@ class LoraTrainer:
     @property
     def total_steps(self) -> int:
         return self.stream.total_optimizer_steps
+
+    @property
+    def has_pending_gradients(self) -> bool:
+        """True between the first micro-batch of a batch and its optimizer step."""
+        return self._batch_tokens > 0
+
+    def restore_progress(self, step: int, history: Sequence[dict[str, float]]) -> None:
+        """Set the step count and loss history (used by checkpoint loading)."""
+        if self.has_pending_gradients:
+            raise RuntimeError("cannot restore progress while a batch is half accumulated")
+        self.step = step
+        self.history = [
+            StepRecord(
+                step=int(h["step"]),
+                loss=float(h["loss"]),
+                learning_rate=float(h["learning_rate"]),
+                grad_norm=float(h["grad_norm"]),
+                tokens=int(h["tokens"]),
+            )
+            for h in history
+        ]
 
     def _autocast(self) -> torch.autocast:
         return torch.autocast(
@@ -212,6 +243,13 @@ class LoraTrainer:
             self._batch_loss_sum.zero_()
             self._batch_tokens = 0
         peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        written = None
+        every = self.hparams.checkpoint_every_steps
+        due = plan.completes_batch and (
+            self.stream.finished or (every > 0 and self.step % every == 0)
+        )
+        if due and self.checkpoint_root is not None:
+            written = save_checkpoint(self, self.checkpoint_root, self.base_model_name_or_path)
         return QuantumResult(
             examples=len(plan.example_indices),
             tokens=batch.num_tokens,
@@ -227,6 +265,7 @@ class LoraTrainer:
             peak_memory_bytes=peak,
             position=self.stream.position,
             finished=self.stream.finished,
+            checkpoint=written,
         )
 
     def _optimizer_step(self, learning_rate: float) -> torch.Tensor:
