@@ -18,6 +18,7 @@ from api.models.finetune import (
     PlacementState,
 )
 from api.models.fleet import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
+from api.models.metrics import DeploymentMetric, HostMetric, JobMetric
 from api.models.tenancy import ApiKey, Tenant, User, UserRole
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "Architecture",
     "BaseModel",
     "Deployment",
+    "DeploymentMetric",
     "Dtype",
     "EventLevel",
     "EventType",
@@ -37,9 +39,11 @@ __all__ = [
     "FileStatus",
     "FinetuneJob",
     "GpuHost",
+    "HostMetric",
     "HostStatus",
     "JobCheckpoint",
     "JobEvent",
+    "JobMetric",
     "JobStatus",
     "Placement",
     "PlacementState",

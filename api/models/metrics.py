@@ -1,0 +1,76 @@
+"""Time series the runtime hosts report (written by the metrics ingestion in `workers/`).
+
+One row per report. `ts` is when the host measured it. Fractions are 0..1, times in ms, sizes
+in bytes, rates per second. The console reads these; nothing else in the control plane does.
+"""
+
+from __future__ import annotations
+
+from django.db import models
+
+from api.models.finetune import FinetuneJob
+from api.models.fleet import Deployment, GpuHost
+
+
+class HostMetric(models.Model):
+    """A host's GPU memory split and harvested finetune throughput at `ts`."""
+
+    host = models.ForeignKey(GpuHost, on_delete=models.CASCADE, related_name="metrics")
+    ts = models.DateTimeField()
+    weights_bytes = models.BigIntegerField()
+    kv_used_bytes = models.BigIntegerField()
+    finetune_lent_bytes = models.BigIntegerField()
+    free_bytes = models.BigIntegerField()
+    finetune_tokens_per_s = models.FloatField(default=0.0)
+
+    class Meta:
+        ordering = ["-ts", "-id"]
+        indexes = [models.Index(fields=["host", "-ts"]), models.Index(fields=["ts"])]
+
+
+class DeploymentMetric(models.Model):
+    """Decode figures of one deployment on one host over a reporting window ending at `ts`.
+
+    `slo_attainment` is the fraction of decode iterations whose TPOT met the deployment's
+    `tpot_slo_ms`. `predicted_iter_ms` / `observed_iter_ms` pair the host's latency predictor
+    (version `predictor_version`) with what happened, for the predictor-accuracy view.
+    """
+
+    deployment = models.ForeignKey(Deployment, on_delete=models.CASCADE, related_name="metrics")
+    host = models.ForeignKey(
+        GpuHost, null=True, blank=True, on_delete=models.SET_NULL, related_name="deployment_metrics"
+    )
+    ts = models.DateTimeField()
+    tpot_p50_ms = models.FloatField()
+    tpot_p99_ms = models.FloatField()
+    slo_attainment = models.FloatField()
+    goodput_tokens_per_s = models.FloatField(default=0.0)
+    request_rate = models.FloatField(default=0.0)
+    predicted_iter_ms = models.FloatField(null=True, blank=True)
+    observed_iter_ms = models.FloatField(null=True, blank=True)
+    predictor_version = models.CharField(max_length=64, null=True, blank=True)
+
+    class Meta:
+        ordering = ["-ts", "-id"]
+        indexes = [models.Index(fields=["deployment", "ts"]), models.Index(fields=["ts"])]
+        constraints = [
+            models.CheckConstraint(
+                name="deployment_metric_attainment_fraction",
+                condition=models.Q(slo_attainment__gte=0, slo_attainment__lte=1),
+            )
+        ]
+
+
+class JobMetric(models.Model):
+    """A finetune job's training progress at optimizer step `step`."""
+
+    job = models.ForeignKey(FinetuneJob, on_delete=models.CASCADE, related_name="metrics")
+    ts = models.DateTimeField()
+    step = models.PositiveIntegerField()
+    train_loss = models.FloatField()
+    valid_loss = models.FloatField(null=True, blank=True)
+    tokens_per_s = models.FloatField(default=0.0)
+
+    class Meta:
+        ordering = ["ts", "step"]
+        indexes = [models.Index(fields=["job", "ts"])]
