@@ -1,0 +1,36 @@
+"""Decode engine: block manager, scheduler, model runner, sampler, `Engine.step()`."""
+
+from gpu_runtime.engine.block_manager import BlockManager, NoFreeBlocksError
+from gpu_runtime.engine.config import EngineConfig, EngineConfigError
+from gpu_runtime.engine.engine import Engine, UnknownAdapterError
+from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
+from gpu_runtime.engine.request import (
+    Request,
+    RequestOutput,
+    RequestStatus,
+    SamplingParams,
+    SamplingParamsError,
+    TokenLogprob,
+)
+from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler, Scheduler, SchedulerOutput
+
+__all__ = [
+    "BlockManager",
+    "ContinuousBatchingScheduler",
+    "Engine",
+    "EngineConfig",
+    "EngineConfigError",
+    "KVStorageFactory",
+    "NoFreeBlocksError",
+    "PagedKVCache",
+    "Request",
+    "RequestOutput",
+    "RequestStatus",
+    "SamplingParams",
+    "SamplingParamsError",
+    "Scheduler",
+    "SchedulerOutput",
+    "TokenLogprob",
+    "UnknownAdapterError",
+    "default_kv_storage",
+]

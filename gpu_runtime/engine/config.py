@@ -1,0 +1,118 @@
+"""Validated configuration of the decode engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+
+class EngineConfigError(ValueError):
+    """An engine configuration is invalid; the message names the fields and values."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Capacity, batching and execution settings of one decode engine."""
+
+    num_kv_blocks: int
+    """KV-cache blocks the block manager may hand out at start (adjustable at run time by
+    `Engine.grow_kv_blocks` / `Engine.shrink_kv_blocks` within `kv_block_capacity`)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    kv_block_capacity: int | None = None
+    """Blocks the KV storage is created with (>= num_kv_blocks); None means num_kv_blocks.
+    Blocks beyond num_kv_blocks are storage the block manager may be given later."""
+    max_num_seqs: int = 256
+    """Most requests running in one step (decode batch size limit)."""
+    max_num_batched_tokens: int = 2048
+    """Token budget of one step (decode tokens + prefill chunk tokens)."""
+    max_model_len: int = 4096
+    """Longest sequence (prompt + output) admitted; fixes the block-table width."""
+    enable_chunked_prefill: bool = True
+    """Split long prompts over several steps within max_num_batched_tokens; when False a prompt
+    longer than the budget is rejected."""
+    device: str = "cpu"
+    """torch device of weights, KV cache and sampling ("cpu", "cuda", "cuda:1")."""
+    kv_dtype: str | None = None
+    """KV-cache dtype name; None means the model's dtype."""
+    attention_backend: str = "auto"
+    """"torch" (gather + SDPA; CPU and reference), "triton" (paged decode kernel, CUDA only) or
+    "auto" (triton on CUDA, torch otherwise)."""
+    use_cuda_graphs: bool = True
+    """Capture the decode step per batch bucket (CUDA only; ignored on CPU)."""
+    cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
+    """Batch buckets captured; a decode batch is padded up to the smallest bucket that fits."""
+    seed: int = 0
+    """Seed of the sampler's generator for requests without their own seed."""
+    max_logprobs: int = 20
+    """Most top logprobs a request may ask for."""
+    extra: dict[str, str] = field(default_factory=dict, compare=False)
+    """Free-form labels carried into metrics (e.g. deployment name)."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_kv_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise EngineConfigError(f"{name}={value!r} must be a positive integer")
+        if self.block_size & (self.block_size - 1):
+            raise EngineConfigError(f"block_size={self.block_size} must be a power of two")
+        capacity = self.kv_block_capacity
+        if capacity is not None and capacity < self.num_kv_blocks:
+            raise EngineConfigError(
+                f"kv_block_capacity={capacity} < num_kv_blocks={self.num_kv_blocks}"
+            )
+        if self.max_model_len < 2:
+            raise EngineConfigError(f"max_model_len={self.max_model_len} must be >= 2")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise EngineConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < "
+                f"max_num_seqs={self.max_num_seqs}: a full decode batch would not fit"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise EngineConfigError(
+                f"without chunked prefill max_num_batched_tokens={self.max_num_batched_tokens} "
+                f"must be >= max_model_len={self.max_model_len}"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise EngineConfigError(
+                f"attention_backend={self.attention_backend!r} not in auto, torch, triton"
+            )
+        if self.attention_backend == "triton" and not self.device.startswith("cuda"):
+            raise EngineConfigError(f"attention_backend='triton' needs CUDA, device={self.device}")
+        sizes = self.cuda_graph_batch_sizes
+        if any(s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
+            raise EngineConfigError(
+                f"cuda_graph_batch_sizes={sizes} must be increasing positive integers"
+            )
+        if not 0 <= self.max_logprobs <= 100:
+            raise EngineConfigError(f"max_logprobs={self.max_logprobs} must be in [0, 100]")
+
+    @property
+    def storage_blocks(self) -> int:
+        """Blocks the KV storage holds for requests (excludes the runner's padding block)."""
+        return self.kv_block_capacity or self.num_kv_blocks
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        """Width of a block table."""
+        return -(-self.max_model_len // self.block_size)
+
+    @property
+    def is_cuda(self) -> bool:
+        """True when the engine runs on a CUDA device."""
+        return self.device.startswith("cuda")
+
+    @property
+    def resolved_attention_backend(self) -> str:
+        """ "triton" or "torch" after resolving "auto"."""
+        if self.attention_backend == "auto":
+            return "triton" if self.is_cuda else "torch"
+        return self.attention_backend
+
+    def graph_batch_sizes(self) -> tuple[int, ...]:
+        """Buckets actually captured: those <= max_num_seqs, plus max_num_seqs when larger."""
+        sizes = [s for s in self.cuda_graph_batch_sizes if s <= self.max_num_seqs]
+        if not sizes or sizes[-1] < self.max_num_seqs:
+            sizes.append(self.max_num_seqs)
+        return tuple(sizes)

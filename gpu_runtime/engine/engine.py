@@ -1,0 +1,171 @@
+"""`Engine`: wires block manager, scheduler, model runner and stop checks; `step()` runs one
+iteration. Not thread-safe: one thread owns an engine (the server runs it in a loop thread)."""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Hashable, Sequence
+from pathlib import Path
+from typing import Any
+
+from gpu_runtime.engine.block_manager import BlockManager
+from gpu_runtime.engine.config import EngineConfig
+from gpu_runtime.engine.kv_cache import KVStorageFactory, default_kv_storage
+from gpu_runtime.engine.model_runner import ModelRunner
+from gpu_runtime.engine.request import Request, RequestOutput, SamplingParams
+from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler, Scheduler
+from gpu_runtime.engine.stopping import StopChecker
+from gpu_runtime.model.llama import CausalLM
+from gpu_runtime.model.loader import load_model, load_tokenizer
+
+AdapterResolver = Callable[[str], bool]
+"""Returns True when an adapter of that name can be served (filled in by the finetune side)."""
+
+
+class UnknownAdapterError(ValueError):
+    """A request named an adapter the engine cannot serve."""
+
+
+class Engine:
+    """One model, one KV cache, continuous batching."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        tokenizer: Any | None = None,
+        kv_storage_factory: KVStorageFactory = default_kv_storage,
+        scheduler_factory: Callable[[EngineConfig, BlockManager], Scheduler] | None = None,
+        adapter_resolver: AdapterResolver | None = None,
+    ) -> None:
+        if config.max_model_len > model.config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len={config.max_model_len} > model max_position_embeddings="
+                f"{model.config.max_position_embeddings}"
+            )
+        self.config = config
+        self.model_config = model.config
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(
+            config.num_kv_blocks, config.block_size, capacity=config.storage_blocks
+        )
+        factory = scheduler_factory or ContinuousBatchingScheduler
+        self.scheduler: Scheduler = factory(config, self.block_manager)
+        self.runner = ModelRunner(model, config, kv_storage_factory)
+        eos = list(model.config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.append(int(tokenizer.eos_token_id))
+        self.stop_checker = StopChecker(tokenizer, eos, config.max_model_len)
+        self.adapter_resolver = adapter_resolver
+        self._ids = itertools.count()
+        self.last_step_seconds = 0.0
+
+    @classmethod
+    def from_directory(
+        cls, directory: str | Path, config: EngineConfig, dtype: str | None = None, **kwargs: Any
+    ) -> Engine:
+        """Load model and tokenizer from a HF-format directory."""
+        model = load_model(directory, device=config.device, dtype=dtype)
+        return cls(model, config, tokenizer=load_tokenizer(directory), **kwargs)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        lora_name: str | None = None,
+    ) -> str:
+        """Queue a request; returns its id. Raises ValueError for prompts that cannot fit."""
+        params = params or SamplingParams()
+        if lora_name is not None and not (
+            self.adapter_resolver and self.adapter_resolver(lora_name)
+        ):
+            raise UnknownAdapterError(f"adapter {lora_name!r} is not available on this engine")
+        if lora_name is not None:
+            raise UnknownAdapterError("per-request adapters are not applied by this runner yet")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("a text prompt needs a tokenizer")
+            token_ids = list(self.tokenizer(prompt)["input_ids"])
+        else:
+            token_ids = [int(t) for t in prompt]
+        vocab = self.model_config.vocab_size
+        if any(not 0 <= t < vocab for t in token_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
+            raise ValueError(
+                f"logprobs={params.logprobs} > max_logprobs={self.config.max_logprobs}"
+            )
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        request_id = request_id or f"req-{next(self._ids)}"
+        self.scheduler.add_request(Request(request_id, token_ids, params, lora_name=lora_name))
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        """Drop a request wherever it is; unknown ids are ignored."""
+        self.scheduler.abort_request(request_id)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished_requests()
+
+    # ---- the loop ---------------------------------------------------------------------------
+    def step(self, partition: Hashable = None) -> list[RequestOutput]:
+        """Schedule, execute, sample, apply stop rules; returns outputs of sampled requests."""
+        started = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan.is_empty:
+            self.last_step_seconds = time.perf_counter() - started
+            return []
+        result = self.runner.execute(plan, partition)
+        self.scheduler.update_from_output(plan, result.sampled)
+        outputs: list[RequestOutput] = []
+        for request_id, token in result.sampled.items():
+            request = self.scheduler.get_request(request_id)
+            decision = self.stop_checker.check(request)
+            if decision.status is not None:
+                self.scheduler.finish_request(request_id, decision.status)
+                request.stop_reason = decision.reason
+            logprob = result.logprobs.get(request_id)
+            outputs.append(
+                RequestOutput(
+                    request_id=request_id,
+                    new_token_ids=[token],
+                    output_token_ids=list(request.output_token_ids),
+                    text=decision.text,
+                    finished=decision.status is not None,
+                    finish_reason=decision.status.value if decision.status else None,
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    new_logprobs=[logprob] if logprob is not None else [],
+                )
+            )
+        self.last_step_seconds = time.perf_counter() - started
+        return outputs
+
+    def generate(
+        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
+    ) -> list[RequestOutput]:
+        """Run prompts to completion (all queued at once); final outputs in prompt order."""
+        ids = [self.add_request(p, params) for p in prompts]
+        final: dict[str, RequestOutput] = {}
+        while self.has_unfinished_requests():
+            for out in self.step():
+                if out.finished:
+                    final[out.request_id] = out
+        return [final[i] for i in ids]
+
+    def capture_cuda_graphs(self, **kwargs: Any) -> list[int]:
+        """Capture decode graphs (see `ModelRunner.capture_cuda_graphs`)."""
+        return self.runner.capture_cuda_graphs(**kwargs)
+
+    # ---- KV capacity (memory pool hand-over) ------------------------------------------------
+    def grow_kv_blocks(self, block_ids: list[int]) -> None:
+        """Make storage blocks usable again (ids < config.storage_blocks)."""
+        self.block_manager.grow(block_ids)
+
+    def shrink_kv_blocks(self, num_blocks: int) -> list[int]:
+        """Take up to `num_blocks` free blocks out of use, highest ids first; returns them."""
+        return self.block_manager.shrink(num_blocks)

@@ -1,0 +1,298 @@
+"""Model runner: weights, KV-cache tensors, input preparation, paged attention, CUDA graphs,
+sampling.
+
+It executes one `SchedulerOutput` per call. Its per-request state (tokens, block table row) is
+built from the scheduler's full data once, then updated by diffs. Decode-only batches on CUDA go
+through the Triton paged-decode kernel, padded to a batch bucket and replayed from a CUDA graph;
+everything else (prefill chunks, mixed batches, CPU) uses gather + SDPA. The only host sync is
+the copy of the sampled tokens at the end of `execute`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_runtime.engine.attention.metadata import AttentionMetadata
+from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
+from gpu_runtime.engine.config import EngineConfig
+from gpu_runtime.engine.cuda_graphs import DecodeGraphs
+from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
+from gpu_runtime.engine.request import SamplingParams, TokenLogprob
+from gpu_runtime.engine.sampler import Sampler, SamplingBatch
+from gpu_runtime.engine.scheduler import SchedulerOutput
+from gpu_runtime.model.llama import CausalLM
+from gpu_runtime.model.loader import torch_dtype
+
+
+@dataclass
+class _RequestState:
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    num_output_tokens: int
+    row: int
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Host results of one step, for requests that were sampled."""
+
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    used_cuda_graph: bool = False
+    batch_bucket: int = 0
+
+
+class ModelRunner:
+    """Runs the model over paged KV storage taken from `kv_storage_factory`."""
+
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        kv_storage_factory: KVStorageFactory = default_kv_storage,
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.device = torch.device(config.device)
+        self.model.fuse_projections()
+        weight_dtype = model.model.embed_tokens.weight.dtype
+        kv_dtype = torch_dtype(config.kv_dtype) if config.kv_dtype else weight_dtype
+        self.block_size = config.block_size
+        self.kv_cache = PagedKVCache(
+            model.config,
+            config.storage_blocks,
+            config.block_size,
+            kv_dtype,
+            self.device,
+            kv_storage_factory,
+        )
+        self.sampler = Sampler(self.device, config.seed)
+        self.states: dict[str, _RequestState] = {}
+        rows = config.max_num_seqs + 1
+        self._free_rows = list(range(rows - 1, -1, -1))
+        pin = self.device.type == "cuda"
+        width = config.max_blocks_per_seq
+        self._table_cpu = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
+        self.use_triton = config.resolved_attention_backend == "triton"
+        self._graphs: DecodeGraphs | None = None
+        self._buckets = config.graph_batch_sizes()
+        if self.use_triton:
+            self._init_decode_buffers(pin)
+
+    # ---- request state ----------------------------------------------------------------------
+    def _sync_states(self, output: SchedulerOutput) -> None:
+        for request_id in output.finished_request_ids:
+            state = self.states.pop(request_id, None)
+            if state is not None:
+                self._free_rows.append(state.row)
+        for new in output.new_requests:
+            if not self._free_rows:
+                raise RuntimeError("more live requests than max_num_seqs + 1 rows")
+            row = self._free_rows.pop()
+            state = _RequestState(
+                list(new.token_ids),
+                list(new.block_ids),
+                new.num_computed_tokens,
+                new.sampling_params,
+                new.num_output_tokens,
+                row,
+            )
+            self.states[new.request_id] = state
+            self._table_cpu[row, : len(state.block_ids)] = torch.tensor(
+                state.block_ids, dtype=torch.int32
+            )
+        for cached in output.cached_requests:
+            state = self.states[cached.request_id]
+            if cached.new_block_ids:
+                start = len(state.block_ids)
+                state.block_ids.extend(cached.new_block_ids)
+                self._table_cpu[state.row, start : len(state.block_ids)] = torch.tensor(
+                    cached.new_block_ids, dtype=torch.int32
+                )
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    # ---- execution --------------------------------------------------------------------------
+    @torch.no_grad()
+    def execute(self, output: SchedulerOutput, partition: Hashable = None) -> ModelRunnerOutput:
+        """Run one step; `partition` selects the CUDA graph captured for that SM partition."""
+        self._sync_states(output)
+        order = list(output.num_scheduled_tokens.items())
+        if not order:
+            return ModelRunnerOutput()
+        decode_only = all(count == 1 for _, count in order) and all(
+            self.states[rid].num_computed_tokens + 1 == len(self.states[rid].token_ids)
+            for rid, _ in order
+        )
+        result = ModelRunnerOutput()
+        if decode_only and self.use_triton and len(order) <= self._buckets[-1]:
+            logits, sampled_ids, bucket, used_graph = self._decode_logits(order, partition)
+            result.used_cuda_graph = used_graph
+            result.batch_bucket = bucket
+        else:
+            logits, sampled_ids = self._general_logits(order)
+        for rid, count in order:
+            self.states[rid].num_computed_tokens += count
+        if not sampled_ids:
+            return result
+        states = [self.states[rid] for rid in sampled_ids]
+        batch = SamplingBatch(
+            [s.sampling_params for s in states], [s.num_output_tokens for s in states]
+        )
+        sample = self.sampler.sample(logits, batch)
+        host = [sample.token_ids, sample.logprobs, sample.top_token_ids, sample.top_logprobs]
+        copies = [t.to("cpu", non_blocking=True) if t is not None else None for t in host]
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        tokens = copies[0].tolist()  # type: ignore[union-attr]
+        for i, (rid, state) in enumerate(zip(sampled_ids, states, strict=True)):
+            state.token_ids.append(tokens[i])
+            state.num_output_tokens += 1
+            result.sampled[rid] = tokens[i]
+            if state.sampling_params.logprobs is not None and copies[1] is not None:
+                top: tuple[tuple[int, float], ...] = ()
+                wanted = state.sampling_params.logprobs
+                if wanted and copies[2] is not None and copies[3] is not None:
+                    top = tuple(
+                        zip(
+                            copies[2][i, :wanted].tolist(),
+                            copies[3][i, :wanted].tolist(),
+                            strict=True,
+                        )
+                    )
+                result.logprobs[rid] = TokenLogprob(tokens[i], float(copies[1][i]), top)
+        return result
+
+    def _general_logits(self, order: list[tuple[str, int]]) -> tuple[torch.Tensor, list[str]]:
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        blocks: list[int] = []
+        offsets: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        rows: list[int] = []
+        sample_index: list[int] = []
+        sampled_ids: list[str] = []
+        for rid, count in order:
+            state = self.states[rid]
+            start = state.num_computed_tokens
+            end = start + count
+            tokens.extend(state.token_ids[start:end])
+            span = range(start, end)
+            positions.extend(span)
+            blocks.extend(state.block_ids[p // bs] for p in span)
+            offsets.extend(p % bs for p in span)
+            query_lens.append(count)
+            seq_lens.append(end)
+            rows.append(state.row)
+            if end == len(state.token_ids):
+                sample_index.append(len(tokens) - 1)
+                sampled_ids.append(rid)
+        dev = self.device
+        metadata = AttentionMetadata(
+            slot_blocks=torch.tensor(blocks, device=dev),
+            slot_offsets=torch.tensor(offsets, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            block_tables=self._table_cpu[rows].to(dev),
+            query_lens_host=query_lens,
+            seq_lens_host=seq_lens,
+        )
+        compute_dtype = torch.float32 if dev.type == "cpu" else None
+        attention = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
+        ids = torch.tensor(tokens, device=dev)
+        hidden = self.model(ids, torch.tensor(positions, device=dev), attention)
+        index = torch.tensor(sample_index, dtype=torch.long, device=dev)
+        return self.model.compute_logits(hidden.index_select(0, index)), sampled_ids
+
+    # ---- decode fast path (CUDA) ------------------------------------------------------------
+    def _init_decode_buffers(self, pin: bool) -> None:
+        size = self._buckets[-1]
+        dev = self.device
+        width = self.config.max_blocks_per_seq
+        self._stage_ints = torch.zeros(4, size, dtype=torch.int64, pin_memory=pin)
+        self._stage_seq_lens = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
+        self._stage_table = torch.zeros(size, width, dtype=torch.int32, pin_memory=pin)
+        self._buf_ints = torch.zeros(4, size, dtype=torch.int64, device=dev)
+        self._buf_ints[2].fill_(self.kv_cache.pad_block)
+        self._buf_seq_lens = torch.zeros(size, dtype=torch.int32, device=dev)
+        self._buf_table = torch.zeros(size, width, dtype=torch.int32, device=dev)
+        props = torch.cuda.get_device_properties(dev)
+        self._num_sms = int(props.multi_processor_count)
+
+    def decode_forward(self, bucket: int) -> torch.Tensor:
+        """Logits `[bucket, vocab]` of a decode step over the static buffers (graph body)."""
+        from gpu_runtime.engine.attention.triton_decode import (
+            TritonDecodeAttention,
+            choose_num_splits,
+        )
+
+        metadata = AttentionMetadata(
+            slot_blocks=self._buf_ints[2, :bucket],
+            slot_offsets=self._buf_ints[3, :bucket],
+            seq_lens=self._buf_seq_lens[:bucket],
+            block_tables=self._buf_table[:bucket],
+        )
+        splits = choose_num_splits(bucket, self.model.config.num_key_value_heads, self._num_sms)
+        attention = TritonDecodeAttention(self.kv_cache, metadata, splits)
+        hidden = self.model(self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], attention)
+        return self.model.compute_logits(hidden)
+
+    def capture_cuda_graphs(
+        self,
+        batch_sizes: tuple[int, ...] | None = None,
+        partition: Hashable = None,
+        stream: torch.cuda.Stream | None = None,
+    ) -> list[int]:
+        """Capture the decode step for each bucket (largest first); returns those captured.
+
+        `partition`/`stream` key and place the capture for one SM partition.
+        """
+        if not (self.use_triton and self.config.use_cuda_graphs):
+            return []
+        if self._graphs is None:
+            self._graphs = DecodeGraphs(self.decode_forward)
+        sizes = sorted(batch_sizes or self._buckets, reverse=True)
+        for size in sizes:
+            if size not in self._buckets:
+                raise ValueError(f"batch size {size} is not a bucket of {self._buckets}")
+            self._graphs.capture(size, partition, stream)
+        return sizes
+
+    def _decode_logits(
+        self, order: list[tuple[str, int]], partition: Hashable
+    ) -> tuple[torch.Tensor, list[str], int, bool]:
+        batch = len(order)
+        bucket = next(b for b in self._buckets if b >= batch)
+        bs = self.block_size
+        states = [self.states[rid] for rid, _ in order]
+        pos = [s.num_computed_tokens for s in states]
+        pad = bucket - batch
+        ints = self._stage_ints
+        ints[0, :bucket] = torch.tensor(
+            [s.token_ids[p] for s, p in zip(states, pos, strict=True)] + [0] * pad
+        )
+        ints[1, :bucket] = torch.tensor(pos + [0] * pad)
+        ints[2, :bucket] = torch.tensor(
+            [s.block_ids[p // bs] for s, p in zip(states, pos, strict=True)]
+            + [self.kv_cache.pad_block] * pad
+        )
+        ints[3, :bucket] = torch.tensor([p % bs for p in pos] + [0] * pad)
+        self._stage_seq_lens[:bucket] = torch.tensor([p + 1 for p in pos] + [0] * pad)
+        rows = torch.tensor([s.row for s in states] + [states[0].row] * pad)
+        torch.index_select(self._table_cpu, 0, rows, out=self._stage_table[:bucket])
+        self._buf_ints[:, :bucket].copy_(ints[:, :bucket], non_blocking=True)
+        self._buf_seq_lens[:bucket].copy_(self._stage_seq_lens[:bucket], non_blocking=True)
+        self._buf_table[:bucket].copy_(self._stage_table[:bucket], non_blocking=True)
+        graphs = self._graphs
+        if graphs is not None and graphs.has(bucket, partition):
+            logits = graphs.replay(bucket, partition)
+            used = True
+        else:
+            logits = self.decode_forward(bucket)
+            used = False
+        return logits[:batch], [rid for rid, _ in order], bucket, used

@@ -1,0 +1,134 @@
+"""Token sampling on the logits' device: greedy, temperature, top-k, top-p, per-request seeds,
+logprobs.
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p
+exactly. A request with a seed gets its noise from a generator seeded with (seed, output
+index), so its tokens do not depend on the batch it ran in or on preemptions. Work that no row
+needs (sorting for top-k/top-p, log-softmax for logprobs) is skipped; whether it is needed is
+known on the host from the parameters, so no device sync is involved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from gpu_runtime.engine.request import SamplingParams
+
+_SEED_MIX = 0x9E3779B97F4A7C15
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling parameters of one step (host side)."""
+
+    params: list[SamplingParams]
+    output_indices: list[int]
+    """Index of the token being sampled in each request's output (seeds the per-request noise)."""
+
+    @property
+    def all_greedy(self) -> bool:
+        """Every row is greedy."""
+        return all(p.greedy for p in self.params)
+
+    @property
+    def needs_sort(self) -> bool:
+        """Some sampled row uses top-k or top-p."""
+        return any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in self.params)
+
+    @property
+    def max_num_logprobs(self) -> int | None:
+        """Largest top-logprob count asked for, or None when no row wants logprobs."""
+        asked = [p.logprobs for p in self.params if p.logprobs is not None]
+        return max(asked) if asked else None
+
+
+@dataclass
+class SamplerOutput:
+    """Device tensors; the runner copies them to the host in one sync."""
+
+    token_ids: torch.Tensor
+    """`[B]` int64 sampled tokens."""
+    logprobs: torch.Tensor | None = None
+    """`[B]` fp32 logprob of each sampled token (raw distribution), if any row asked."""
+    top_token_ids: torch.Tensor | None = None
+    """`[B, k]` int64 most likely tokens, k = largest count asked."""
+    top_logprobs: torch.Tensor | None = None
+    """`[B, k]` fp32 their logprobs."""
+
+
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> torch.Tensor:
+    """Set logits outside each row's top-k / nucleus to -inf.
+
+    logits `[B, V]` fp32; top_k `[B]` int64 (V means off); top_p `[B]` fp32 (1 means off).
+    The most likely token is always kept.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    drop = ranks >= top_k[:, None]
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    drop |= mass_before > top_p[:, None]
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+class Sampler:
+    """Samples one token per row of a logits batch."""
+
+    def __init__(self, device: torch.device, seed: int = 0) -> None:
+        self.device = device
+        self.generator = torch.Generator(device=device).manual_seed(seed)
+
+    def _noise(self, shape: tuple[int, int], batch: SamplingBatch) -> torch.Tensor:
+        noise = torch.empty(shape, device=self.device, dtype=torch.float32)
+        noise.exponential_(generator=self.generator)
+        for row, (params, index) in enumerate(zip(batch.params, batch.output_indices, strict=True)):
+            if params.seed is not None:
+                row_seed = (params.seed * _SEED_MIX + index) % (1 << 63)
+                gen = torch.Generator(device=self.device).manual_seed(row_seed)
+                noise[row].exponential_(generator=gen)
+        return noise
+
+    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+        """logits `[B, V]` (any float dtype) -> sampled tokens and optional logprobs."""
+        rows = logits.shape[0]
+        if rows != len(batch.params):
+            raise ValueError(f"{rows} logit rows for {len(batch.params)} sampling rows")
+        if batch.all_greedy:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            temps = [p.temperature if not p.greedy else 1.0 for p in batch.params]
+            temperature = torch.tensor(temps, device=self.device, dtype=torch.float32)
+            scaled = logits.float() / temperature[:, None]
+            if batch.needs_sort:
+                vocab = logits.shape[-1]
+                top_k = torch.tensor(
+                    [p.top_k if p.top_k > 0 else vocab for p in batch.params], device=self.device
+                )
+                top_p = torch.tensor(
+                    [p.top_p for p in batch.params], device=self.device, dtype=torch.float32
+                )
+                scaled = apply_top_k_top_p(scaled, top_k, top_p)
+            probs = scaled.softmax(dim=-1)
+            sampled = (probs / self._noise((rows, logits.shape[-1]), batch)).argmax(dim=-1)
+            greedy_rows = [p.greedy for p in batch.params]
+            if any(greedy_rows):
+                is_greedy = torch.tensor(greedy_rows, device=self.device)
+                sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
+            token_ids = sampled
+        output = SamplerOutput(token_ids=token_ids)
+        top = batch.max_num_logprobs
+        if top is not None:
+            logprobs = logits.float().log_softmax(dim=-1)
+            output.logprobs = logprobs.gather(-1, token_ids[:, None])[:, 0]
+            if top > 0:
+                values, indices = logprobs.topk(top, dim=-1)
+                output.top_token_ids = indices
+                output.top_logprobs = values
+        return output

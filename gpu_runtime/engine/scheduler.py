@@ -1,0 +1,261 @@
+"""Scheduler contract and the continuous-batching implementation.
+
+The scheduler decides, each step, which requests run and how many of their tokens are computed;
+it owns the block manager and the requests' block tables. It hands the runner one
+`SchedulerOutput`: requests the runner has not seen (or must rebuild) in full, the others as
+diffs, and the ids whose runner state must be dropped.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections import deque
+from dataclasses import dataclass, field
+
+from gpu_runtime.engine.block_manager import BlockManager
+from gpu_runtime.engine.config import EngineConfig
+from gpu_runtime.engine.request import Request, RequestStatus, SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """A request the runner must (re)build: every known token and its whole block table."""
+
+    request_id: str
+    token_ids: list[int]
+    block_ids: list[int]
+    num_computed_tokens: int
+    sampling_params: SamplingParams
+    num_output_tokens: int
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True)
+class CachedRequestData:
+    """A request the runner already holds: blocks added since last step."""
+
+    request_id: str
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One step's plan. `num_scheduled_tokens` is in batch order (its key order)."""
+
+    new_requests: list[NewRequestData]
+    cached_requests: list[CachedRequestData]
+    num_scheduled_tokens: dict[str, int]
+    finished_request_ids: set[str] = field(default_factory=set)
+    """Requests finished, aborted or preempted since the last step: drop their runner state."""
+    preempted_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        """Tokens computed this step."""
+        return sum(self.num_scheduled_tokens.values())
+
+    @property
+    def is_empty(self) -> bool:
+        """Nothing to compute."""
+        return not self.num_scheduled_tokens
+
+
+class Scheduler(ABC):
+    """Contract between the engine and a scheduling policy.
+
+    - `add_request` queues a request (status WAITING); `abort_request` removes it from any state
+      and frees its blocks.
+    - `schedule` returns the step's plan; every scheduled request has blocks for
+      `num_computed_tokens + num_scheduled_tokens` tokens. It never schedules more than the
+      config's token budget or sequence limit.
+    - After the runner executed the plan, `update_from_output` advances each scheduled request's
+      `num_computed_tokens` and appends the sampled tokens. A request is sampled iff this step
+      computed its last known token.
+    - `finish_request` ends a request (stop/length) and frees its blocks.
+    """
+
+    @abstractmethod
+    def add_request(self, request: Request) -> None: ...
+
+    @abstractmethod
+    def abort_request(self, request_id: str) -> None: ...
+
+    @abstractmethod
+    def schedule(self) -> SchedulerOutput: ...
+
+    @abstractmethod
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None: ...
+
+    @abstractmethod
+    def finish_request(self, request_id: str, status: RequestStatus) -> None: ...
+
+    @abstractmethod
+    def get_request(self, request_id: str) -> Request: ...
+
+    @abstractmethod
+    def has_unfinished_requests(self) -> bool: ...
+
+
+class ContinuousBatchingScheduler(Scheduler):
+    """FCFS continuous batching with chunked prefill and preemption by recomputation.
+
+    Each step first serves running requests in arrival order (one decode token, or the next
+    prefill chunk); when a running request needs a block and none is free, the latest-arrived
+    running request is preempted (blocks freed, recomputed later from its tokens). Then waiting
+    requests are admitted while the token budget, the sequence limit and free blocks for their
+    first chunk allow (none are admitted in a step that preempted).
+    """
+
+    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._known_to_runner: set[str] = set()
+        self._drop_from_runner: set[str] = set()
+
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} already exists")
+        total = len(request.prompt_token_ids) + request.sampling_params.max_tokens
+        if not request.prompt_token_ids:
+            raise ValueError("prompt must contain at least one token")
+        if total > self.config.max_model_len:
+            raise ValueError(
+                f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
+                f"({request.sampling_params.max_tokens}) = {total} > max_model_len="
+                f"{self.config.max_model_len}"
+            )
+        needed = self.block_manager.blocks_for_tokens(total)
+        if needed > self.block_manager.num_usable_blocks:
+            raise ValueError(
+                f"request needs {needed} KV blocks, the cache has "
+                f"{self.block_manager.num_usable_blocks}"
+            )
+        if (
+            not self.config.enable_chunked_prefill
+            and len(request.prompt_token_ids) > self.config.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"prompt of {len(request.prompt_token_ids)} tokens exceeds "
+                f"max_num_batched_tokens={self.config.max_num_batched_tokens}"
+            )
+        request.status = RequestStatus.WAITING
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def get_request(self, request_id: str) -> Request:
+        return self.requests[request_id]
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _release(self, request: Request) -> None:
+        self.block_manager.free(request.block_table)
+        request.block_table = []
+        if request.request_id in self._known_to_runner:
+            self._known_to_runner.discard(request.request_id)
+            self._drop_from_runner.add(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.PREEMPTED
+        request.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> None:
+        if not status.finished:
+            raise ValueError(f"{status} is not a finished status")
+        request = self.requests.pop(request_id)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self._release(request)
+        request.status = status
+
+    def abort_request(self, request_id: str) -> None:
+        if request_id in self.requests:
+            self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        num_scheduled: dict[str, int] = {}
+        new_data: list[NewRequestData] = []
+        cached_data: list[CachedRequestData] = []
+        preempted: list[str] = []
+        bm = self.block_manager
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            count = min(request.num_tokens - request.num_computed_tokens, budget)
+            target = request.num_computed_tokens + count
+            needed = bm.num_new_blocks(request.block_table, target)
+            self_preempted = False
+            while not bm.can_allocate(needed):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim.request_id)
+                if victim is request:
+                    self_preempted = True
+                    break
+            if self_preempted:
+                break
+            new_blocks = bm.append_slots(request.block_table, target)
+            num_scheduled[request.request_id] = count
+            budget -= count
+            if request.request_id in self._known_to_runner:
+                cached_data.append(
+                    CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
+                )
+            else:
+                new_data.append(self._new_request_data(request))
+            index += 1
+
+        while (
+            self.waiting
+            and budget > 0
+            and not preempted
+            and len(self.running) < self.config.max_num_seqs
+        ):
+            request = self.waiting[0]
+            count = min(request.num_tokens, budget)
+            if not bm.can_allocate(bm.blocks_for_tokens(count)):
+                break
+            self.waiting.popleft()
+            bm.append_slots(request.block_table, count)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            num_scheduled[request.request_id] = count
+            budget -= count
+            new_data.append(self._new_request_data(request))
+
+        finished = self._drop_from_runner
+        self._drop_from_runner = set()
+        return SchedulerOutput(new_data, cached_data, num_scheduled, finished, preempted)
+
+    def _new_request_data(self, request: Request) -> NewRequestData:
+        self._known_to_runner.add(request.request_id)
+        return NewRequestData(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids,
+            block_ids=list(request.block_table),
+            num_computed_tokens=request.num_computed_tokens,
+            sampling_params=request.sampling_params,
+            num_output_tokens=len(request.output_token_ids),
+            lora_name=request.lora_name,
+        )
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        for request_id, count in output.num_scheduled_tokens.items():
+            request = self.requests.get(request_id)
+            if request is None or request.status.finished:
+                continue
+            request.num_computed_tokens += count
+            token = sampled.get(request_id)
+            if token is not None:
+                request.output_token_ids.append(token)

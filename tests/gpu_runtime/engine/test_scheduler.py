@@ -1,0 +1,113 @@
+from __future__ import annotations
+
+from gpu_runtime.engine.block_manager import BlockManager
+from gpu_runtime.engine.config import EngineConfig
+from gpu_runtime.engine.request import Request, RequestStatus, SamplingParams
+from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler, SchedulerOutput
+
+
+def _scheduler(blocks: int, budget: int = 16, seqs: int = 4) -> ContinuousBatchingScheduler:
+    config = EngineConfig(
+        num_kv_blocks=blocks,
+        block_size=4,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=64,
+    )
+    return ContinuousBatchingScheduler(config, BlockManager(blocks, 4))
+
+
+def _request(rid: str, prompt_len: int, max_tokens: int = 8) -> Request:
+    return Request(rid, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens))
+
+
+def _run(s: ContinuousBatchingScheduler, plan: SchedulerOutput, token: int = 7) -> None:
+    sampled = {
+        rid: token
+        for rid, n in plan.num_scheduled_tokens.items()
+        if s.requests[rid].num_computed_tokens + n == s.requests[rid].num_tokens
+    }
+    s.update_from_output(plan, sampled)
+
+
+def test_chunked_prefill_then_decode_with_diffs() -> None:
+    s = _scheduler(blocks=16, budget=8)
+    s.add_request(_request("a", 10))
+    s.add_request(_request("b", 3))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 8}
+    assert [n.request_id for n in plan.new_requests] == ["a"]
+    assert plan.new_requests[0].block_ids == [0, 1]
+    _run(s, plan)
+    plan = s.schedule()
+    # a finishes its prompt (2 tokens, one more block), b is admitted with the rest of the budget
+    assert plan.num_scheduled_tokens == {"a": 2, "b": 3}
+    assert plan.cached_requests[0].new_block_ids == [2]
+    assert plan.new_requests[0].request_id == "b" and plan.new_requests[0].block_ids == [3]
+    _run(s, plan)
+    assert s.requests["a"].output_token_ids == [7] and s.requests["b"].output_token_ids == [7]
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert not plan.new_requests
+    assert [c.new_block_ids for c in plan.cached_requests] == [[], []]
+
+
+def test_admission_waits_for_free_blocks_and_sequence_limit() -> None:
+    s = _scheduler(blocks=4, budget=32, seqs=2)
+    s.add_request(_request("a", 8, max_tokens=4))
+    s.add_request(_request("b", 8, max_tokens=4))
+    s.add_request(_request("c", 1, max_tokens=1))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 8, "b": 8}  # c: sequence limit
+    _run(s, plan)
+    s.finish_request("a", RequestStatus.FINISHED_STOPPED)
+    plan = s.schedule()
+    assert plan.finished_request_ids == {"a"}
+    assert plan.num_scheduled_tokens == {"b": 1, "c": 1}
+    assert s.block_manager.ref_count(0) == 1  # a's block 1 went to b, block 0 to c
+
+
+def test_preemption_recomputes_latest_request() -> None:
+    s = _scheduler(blocks=4, budget=16, seqs=4)
+    s.add_request(_request("a", 4, max_tokens=8))
+    s.add_request(_request("b", 4, max_tokens=8))
+    s.add_request(_request("c", 4, max_tokens=8))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 4, "b": 4, "c": 4}
+    _run(s, plan)
+    # each needs a 2nd block for its 5th token and one block is free: a takes it, b preempts
+    # the latest request (c) and takes its block
+    plan = s.schedule()
+    assert plan.preempted_request_ids == ["c"] and plan.finished_request_ids == {"c"}
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert s.requests["c"].num_computed_tokens == 0 and s.requests["c"].num_preemptions == 1
+    assert [r.request_id for r in s.waiting] == ["c"]
+    assert s.requests["b"].block_table == [1, 2]
+    _run(s, plan)
+    s.finish_request("a", RequestStatus.FINISHED_LENGTH)
+    plan = s.schedule()
+    assert plan.finished_request_ids == {"a"}
+    # c comes back as new data with prompt + generated token, recomputed from scratch
+    assert plan.new_requests[0].request_id == "c"
+    assert plan.new_requests[0].token_ids == [1, 2, 3, 4, 7]
+    assert plan.num_scheduled_tokens == {"b": 1, "c": 5}
+    # a running request that cannot grow with nothing else to preempt preempts itself
+    s2 = _scheduler(blocks=2, budget=16)
+    s2.add_request(_request("x", 4, max_tokens=2))
+    _run(s2, s2.schedule())
+    assert s2.block_manager.shrink(1) == [1]
+    plan = s2.schedule()
+    assert plan.preempted_request_ids == ["x"] and plan.is_empty
+
+
+def test_abort_frees_blocks_everywhere() -> None:
+    s = _scheduler(blocks=8)
+    s.add_request(_request("a", 6))
+    s.add_request(_request("b", 30, max_tokens=2))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 6, "b": 10}
+    s.abort_request("b")
+    s.abort_request("missing")
+    assert s.block_manager.num_free_blocks == 6
+    assert not any(r.request_id == "b" for r in s.running)
+    assert s.schedule().finished_request_ids == {"b"}
