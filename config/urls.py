@@ -1,6 +1,7 @@
 """Root URL configuration: tenant API, operator API, OpenAPI schema and docs, operator login."""
 
 from django.urls import URLPattern, URLResolver, include, path
+from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from api.urls import ops_urlpatterns, v1_urlpatterns
@@ -12,6 +13,7 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
     path("api/auth/", include("rest_framework.urls")),
     path("console/", include("console.urls")),
+    path("", RedirectView.as_view(pattern_name="console:fleet", permanent=False), name="home"),
 ]
 
 handler404 = "api.errors.not_found_view"
