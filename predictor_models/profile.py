@@ -41,7 +41,7 @@ import torch
 from gpu_runtime.model import ModelConfig, build_random_model
 from gpu_runtime.predictor.schema import NO_FINETUNE_ROW, STAGE2_FEATURES, ModelShape
 from gpu_runtime.sharing import GpuSharing, create_sharing
-from predictor_models.standin import LoraQuantum, StandInDecode
+from predictor_models.standin import CapturedStep, LoraQuantum, StandInDecode
 
 EXTRA_FIELDS = (
     "stage",
@@ -86,7 +86,7 @@ def sample_finetune(rng: random.Random) -> tuple[int, int, int]:
 
 
 def time_graph(
-    graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, iters: int, warmup: int = 3
+    graph: CapturedStep, stream: torch.cuda.Stream, iters: int, warmup: int = 3
 ) -> list[float]:
     """Milliseconds of each of ``iters`` replays on ``stream`` after ``warmup`` replays."""
     events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
@@ -240,7 +240,7 @@ class Profiler:
 
     def _corun(
         self,
-        graph: torch.cuda.CUDAGraph,
+        graph: CapturedStep,
         ds: torch.cuda.Stream,
         fs: torch.cuda.Stream,
         fn: Callable[[], None],

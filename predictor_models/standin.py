@@ -131,7 +131,7 @@ class StandInDecode:
 
     def capture(
         self, contexts: list[int], prefill_tokens: int, stream: torch.cuda.Stream
-    ) -> torch.cuda.CUDAGraph:
+    ) -> CapturedStep:
         """A graph of one iteration captured on ``stream`` (it replays on that stream's SMs)."""
         step = self.build_step(contexts, prefill_tokens)
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -141,7 +141,23 @@ class StandInDecode:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=stream):
                 step()
-        return graph
+        return CapturedStep(graph, step)
+
+
+class CapturedStep:
+    """A captured iteration and the closure owning its static input tensors.
+
+    The graph reads and writes those tensors by address, so they must live as long as the
+    graph: dropping the closure would free them to the caching allocator while replays still
+    use them.
+    """
+
+    def __init__(self, graph: torch.cuda.CUDAGraph, step: Callable[[], torch.Tensor]) -> None:
+        self.graph = graph
+        self.step = step
+
+    def replay(self) -> None:
+        self.graph.replay()
 
 
 class LoraQuantum:
