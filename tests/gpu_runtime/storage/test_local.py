@@ -1,0 +1,59 @@
+"""The local-directory storage backend: keys, atomic writes, trees and location parsing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime.storage import LocalStorage, StorageError, open_storage
+
+
+def test_roundtrip_list_and_bad_keys(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path)
+    assert storage.save("files/t1/a.jsonl", [b"ab", b"cd"]) == 4
+    assert b"".join(storage.read_chunks("files/t1/a.jsonl", chunk_size=3)) == b"abcd"
+    storage.save("files/t1/b.jsonl", [b"x"])
+    assert storage.list_keys("files") == ["files/t1/a.jsonl", "files/t1/b.jsonl"]
+    assert storage.list_keys("nothing/here") == []
+    storage.delete("files/t1/a.jsonl")
+    storage.delete("files/t1/a.jsonl")
+    assert not storage.exists("files/t1/a.jsonl")
+    with pytest.raises(FileNotFoundError):
+        list(storage.read_chunks("files/t1/a.jsonl"))
+    for bad in ("../escape", "/abs", "a/./b", "", "a//b", "a\\b"):
+        with pytest.raises(StorageError):
+            storage.save(bad, [b"x"])
+
+
+def test_tree_is_invisible_until_complete(tmp_path: Path) -> None:
+    storage = LocalStorage(tmp_path / "store")
+    source = tmp_path / "ckpt"
+    (source / "sub").mkdir(parents=True)
+    (source / "adapter_model.safetensors").write_bytes(b"w" * 3000)
+    (source / "sub" / "state.pt").write_bytes(b"s")
+    with pytest.raises(FileNotFoundError):
+        storage.get_tree("checkpoints/j/step-000002", tmp_path / "out")
+    keys = storage.put_tree("checkpoints/j/step-000002", source)
+    assert keys == [
+        "checkpoints/j/step-000002/adapter_model.safetensors",
+        "checkpoints/j/step-000002/sub/state.pt",
+    ]
+    out = storage.get_tree("checkpoints/j/step-000002", tmp_path / "out")
+    assert (out / "adapter_model.safetensors").read_bytes() == b"w" * 3000
+    assert (out / "sub" / "state.pt").read_bytes() == b"s"
+    assert not (out / ".complete").exists()
+    # A half-written tree (marker removed while rewriting) reads as absent.
+    storage.delete("checkpoints/j/step-000002/.complete")
+    with pytest.raises(FileNotFoundError):
+        storage.get_tree("checkpoints/j/step-000002", tmp_path / "out2")
+
+
+def test_open_storage_locations(tmp_path: Path) -> None:
+    assert isinstance(open_storage(tmp_path), LocalStorage)
+    backend = open_storage(f"file://{tmp_path}")
+    assert isinstance(backend, LocalStorage) and backend.root == tmp_path
+    with pytest.raises(StorageError, match="unsupported storage location"):
+        open_storage("ftp://example/x")
+    with pytest.raises(StorageError, match="empty"):
+        open_storage("")
