@@ -44,7 +44,8 @@ def lora_config(spec: LoraSpec, base_model_name_or_path: str | None = None) -> L
     )
 
 
-def _share_base_weights(serving: CausalLM) -> CausalLM:
+def share_base_weights(serving: CausalLM) -> CausalLM:
+    """A fresh ``CausalLM`` tree whose parameters and buffers alias ``serving``'s (frozen)."""
     with torch.device("meta"):
         tree = CausalLM(serving.config)
     shared: dict[int, nn.Parameter] = {}
@@ -65,7 +66,7 @@ def build_training_model(serving: CausalLM, spec: LoraSpec, seed: int) -> Causal
     ``seed`` fixes the adapters' initialisation (``lora_A`` Kaiming-uniform, ``lora_B`` zero)
     without touching the process's global random state.
     """
-    tree = _share_base_weights(serving)
+    tree = share_base_weights(serving)
     devices = [serving.lm_head.weight.device] if serving.lm_head.weight.is_cuda else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)

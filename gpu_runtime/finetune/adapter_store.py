@@ -1,0 +1,183 @@
+"""Finished adapters by name: a registry on disk, an LRU in host memory, and GPU slots.
+
+:class:`AdapterManager` is what the decode engine calls:
+
+* ``register(name, directory)`` — a PEFT adapter directory becomes servable as ``name``
+  (listed by :meth:`names`, for ``/v1/models``);
+* ``acquire(name) -> slot`` when a request for ``name`` is admitted, ``release(name)`` when it
+  finishes. An adapter already in a slot is reused (reference-counted); otherwise it goes to a
+  free slot, or evicts the least recently used slot that no running request holds. When every
+  slot is held, :class:`NoFreeAdapterSlotError` tells the scheduler to keep the request waiting.
+* Host copies (pinned on CUDA) of at most ``max_host_adapters`` adapters are kept in LRU order,
+  so a re-acquired adapter is copied to the GPU without touching the disk.
+
+The manager holds plain bookkeeping; the tensors live in :class:`StackedLoraWeights`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from gpu_runtime.finetune.checkpoint import read_adapter
+from gpu_runtime.finetune.hparams import LoraSpec
+from gpu_runtime.finetune.lora import PEFT_KEY_PREFIX
+from gpu_runtime.model import ModelConfig
+
+if TYPE_CHECKING:
+    from gpu_runtime.finetune.multi_lora import StackedLoraWeights
+
+
+def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
+    """``module -> (in_features, out_features)`` for every projection of one layer."""
+    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
+    return {
+        "q_proj": (h, config.num_attention_heads * d),
+        "k_proj": (h, config.num_key_value_heads * d),
+        "v_proj": (h, config.num_key_value_heads * d),
+        "o_proj": (config.num_attention_heads * d, h),
+        "gate_proj": (h, i),
+        "up_proj": (h, i),
+        "down_proj": (i, h),
+    }
+
+
+class UnknownAdapterError(KeyError):
+    """No adapter is registered under that name."""
+
+
+class NoFreeAdapterSlotError(RuntimeError):
+    """Every GPU slot holds an adapter that running requests use."""
+
+
+@dataclass(frozen=True)
+class HostAdapter:
+    """One adapter in host memory: ``weights[(layer, module)] = (A [r, in], B [out, r])``."""
+
+    name: str
+    spec: LoraSpec
+    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+
+    @property
+    def rank(self) -> int:
+        return self.spec.rank
+
+    @property
+    def scaling(self) -> float:
+        return self.spec.scaling
+
+    @classmethod
+    def from_directory(
+        cls, name: str, directory: str | Path, config: ModelConfig, pin: bool = False
+    ) -> HostAdapter:
+        """Read a PEFT adapter and check every tensor against the model's shapes."""
+        spec, tensors = read_adapter(directory)
+        shapes = projection_shapes(config)
+        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+        for key, tensor in tensors.items():
+            parts = key.removeprefix(PEFT_KEY_PREFIX).split(".")
+            # model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
+            if len(parts) != 7 or parts[:2] != ["model", "layers"] or parts[4] not in shapes:
+                raise ValueError(f"adapter {name}: unexpected tensor {key}")
+            layer, module, which = int(parts[2]), parts[4], parts[5]
+            if not 0 <= layer < config.num_hidden_layers or which not in ("lora_A", "lora_B"):
+                raise ValueError(f"adapter {name}: unexpected tensor {key}")
+            fan_in, fan_out = shapes[module]
+            expected = (spec.rank, fan_in) if which == "lora_A" else (fan_out, spec.rank)
+            if tuple(tensor.shape) != expected:
+                raise ValueError(
+                    f"adapter {name}: {key} has shape {tuple(tensor.shape)}, expected {expected}"
+                )
+            host = tensor.float().contiguous()
+            pairs.setdefault((layer, module), {})[which] = host.pin_memory() if pin else host
+        weights = {}
+        for projection, pair in pairs.items():
+            if set(pair) != {"lora_A", "lora_B"}:
+                raise ValueError(f"adapter {name}: {projection} lacks lora_A or lora_B")
+            weights[projection] = (pair["lora_A"], pair["lora_B"])
+        return cls(name=name, spec=spec, weights=weights)
+
+
+class AdapterManager:
+    """Registry + host LRU + GPU slot table for one decode engine (see the module docstring)."""
+
+    def __init__(self, weights: StackedLoraWeights, max_host_adapters: int = 32) -> None:
+        if max_host_adapters < 1:
+            raise ValueError(f"max_host_adapters must be >= 1, got {max_host_adapters}")
+        self.weights = weights
+        self.max_host_adapters = max_host_adapters
+        self._directories: dict[str, Path] = {}
+        self._host: OrderedDict[str, HostAdapter] = OrderedDict()  # oldest first
+        self._slot_of: dict[str, int] = {}
+        self._name_in_slot: list[str | None] = [None] * weights.num_slots
+        self._refs: list[int] = [0] * weights.num_slots
+        self._slot_lru: OrderedDict[int, None] = OrderedDict(
+            (s, None) for s in range(weights.num_slots)
+        )
+        self.disk_loads = 0
+
+    def register(self, name: str, directory: str | Path) -> None:
+        """Make ``name`` servable (read and checked now, so a bad adapter fails here)."""
+        if name in self._directories:
+            raise ValueError(f"adapter {name!r} is already registered")
+        self._directories[name] = Path(directory)
+        self._host_adapter(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._directories)
+
+    def slot_of(self, name: str) -> int | None:
+        return self._slot_of.get(name)
+
+    def host_names(self) -> list[str]:
+        """Adapters in host memory, least recently used first."""
+        return list(self._host)
+
+    def _host_adapter(self, name: str) -> HostAdapter:
+        if name not in self._directories:
+            raise UnknownAdapterError(name)
+        if name in self._host:
+            self._host.move_to_end(name)
+            return self._host[name]
+        adapter = HostAdapter.from_directory(
+            name,
+            self._directories[name],
+            self.weights.config,
+            pin=self.weights.device.type == "cuda",
+        )
+        self.disk_loads += 1
+        self._host[name] = adapter
+        while len(self._host) > self.max_host_adapters:
+            self._host.popitem(last=False)
+        return adapter
+
+    def acquire(self, name: str) -> int:
+        """The slot serving ``name`` for one more request, loading it if needed."""
+        slot = self._slot_of.get(name)
+        if slot is None:
+            free = [s for s in self._slot_lru if self._refs[s] == 0]
+            if not free:
+                raise NoFreeAdapterSlotError(
+                    f"all {self.weights.num_slots} adapter slots are in use; {name!r} must wait"
+                )
+            slot = free[0]
+            self.weights.write_slot(slot, self._host_adapter(name))  # checks before it writes
+            evicted = self._name_in_slot[slot]
+            if evicted is not None:
+                del self._slot_of[evicted]
+            self._name_in_slot[slot] = name
+            self._slot_of[name] = slot
+        self._refs[slot] += 1
+        self._slot_lru.move_to_end(slot)
+        return slot
+
+    def release(self, name: str) -> None:
+        """One request for ``name`` finished."""
+        slot = self._slot_of.get(name)
+        if slot is None or self._refs[slot] == 0:
+            raise RuntimeError(f"adapter {name!r} released more often than acquired")
+        self._refs[slot] -= 1

@@ -1,0 +1,175 @@
+"""Several adapters by name beside base requests in one batch; slots and host LRU."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_runtime.finetune.adapter_store import (
+    AdapterManager,
+    HostAdapter,
+    NoFreeAdapterSlotError,
+    UnknownAdapterError,
+)
+from gpu_runtime.finetune.checkpoint import save_adapter
+from gpu_runtime.finetune.hparams import LoraSpec
+from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
+from gpu_runtime.finetune.multi_lora import (
+    StackedLoraWeights,
+    build_multi_lora_model,
+    gathered_lora_delta,
+)
+from gpu_runtime.model import CausalLM, build_random_model
+from gpu_runtime.model.tiny import tiny_config
+
+
+def _write_adapter(serving: CausalLM, spec: LoraSpec, directory: Path, seed: int) -> None:
+    tree = build_training_model(serving, spec, seed=seed)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in adapter_parameters(tree):
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.1)
+    save_adapter(tree, spec, directory)
+
+
+@torch.no_grad()
+def _merged(serving: CausalLM, adapter: HostAdapter) -> CausalLM:
+    merged = copy.deepcopy(serving)
+    for (layer, module), (a, b) in adapter.weights.items():
+        block = merged.model.layers[layer]
+        parent = (
+            block.self_attn
+            if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
+            else block.mlp
+        )
+        getattr(parent, module).weight.add_(adapter.scaling * (b @ a))
+    return merged
+
+
+@pytest.fixture()
+def adapters(tmp_path: Path) -> tuple[CausalLM, dict[str, Path]]:
+    serving = build_random_model(tiny_config("qwen2"), seed=4, dtype="float32")
+    paths = {
+        "support-bot": tmp_path / "x",
+        "poet": tmp_path / "y",
+        "coder": tmp_path / "z",
+    }
+    _write_adapter(serving, LoraSpec(rank=4, alpha=8), paths["support-bot"], seed=1)
+    _write_adapter(
+        serving, LoraSpec(rank=8, alpha=8, target_modules=("all-linear",)), paths["poet"], 2
+    )
+    _write_adapter(
+        serving, LoraSpec(rank=2, alpha=4, target_modules=("v_proj",)), paths["coder"], 3
+    )
+    return serving, paths
+
+
+def test_mixed_batch_matches_merged_weights(adapters: tuple[CausalLM, dict[str, Path]]) -> None:
+    serving, paths = adapters
+    seq = 10
+    weights = StackedLoraWeights(
+        serving.config, num_slots=3, max_rank=8, max_tokens=4 * seq, dtype=torch.float32
+    )
+    manager = AdapterManager(weights)
+    for adapter_name, path in paths.items():
+        manager.register(adapter_name, path)
+    tree = build_multi_lora_model(serving, weights)
+    rows: list[str | None] = [
+        None,
+        "support-bot",
+        "poet",
+        "support-bot",
+    ]  # base and adapters in ONE batch
+    slots = [-1 if name is None else manager.acquire(name) for name in rows]
+    ids = torch.randint(0, 400, (len(rows), seq), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq).expand(len(rows), seq)
+    weights.set_token_slots(torch.tensor(slots).repeat_interleave(seq))
+    with torch.no_grad():
+        logits = tree.compute_logits(tree(ids, positions))
+        base = serving.compute_logits(serving(ids, positions))
+    assert torch.equal(logits[0], base[0])  # base request: exactly the serving model's output
+    for row, name in enumerate(rows):
+        if name is None:
+            continue
+        merged = _merged(serving, HostAdapter.from_directory(name, paths[name], serving.config))
+        with torch.no_grad():
+            expected = merged.compute_logits(merged(ids[row : row + 1], positions[:1]))[0]
+        assert not torch.allclose(expected, base[row], atol=1e-3)
+        torch.testing.assert_close(logits[row], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gathered_form_equals_masked_form() -> None:
+    config = tiny_config("llama")
+    weights = StackedLoraWeights(
+        config, num_slots=4, max_rank=4, max_tokens=16, dtype=torch.float32
+    )
+    generator = torch.Generator().manual_seed(0)
+    for key in weights.a:
+        weights.a[key].copy_(torch.randn(weights.a[key].shape, generator=generator))
+        weights.b[key].copy_(torch.randn(weights.b[key].shape, generator=generator))
+    slots = torch.tensor([-1, 0, 3, 1, 1, -1, 2])
+    weights.set_token_slots(slots)
+    x = torch.randn(7, config.hidden_size, generator=generator)
+    masked = weights.delta(1, "q_proj", x)
+    assert masked is not None
+    gathered = gathered_lora_delta(x, weights.a[(1, "q_proj")], weights.b[(1, "q_proj")], slots, 4)
+    torch.testing.assert_close(masked, gathered, rtol=1e-5, atol=1e-5)
+    assert masked[0].abs().max() == 0 and masked[5].abs().max() == 0
+
+
+def test_slots_are_reference_counted_and_evicted_lru(
+    adapters: tuple[CausalLM, dict[str, Path]],
+) -> None:
+    serving, paths = adapters
+    weights = StackedLoraWeights(
+        serving.config, num_slots=2, max_rank=8, max_tokens=8, dtype=torch.float32
+    )
+    manager = AdapterManager(weights, max_host_adapters=2)
+    for name in ("support-bot", "poet", "coder"):
+        manager.register(name, paths[name])
+    assert manager.names() == ["coder", "poet", "support-bot"]
+    assert manager.host_names() == ["poet", "coder"]  # support-bot fell out of the host LRU
+    assert manager.disk_loads == 3
+    assert manager.acquire("support-bot") == 0  # read from disk again
+    assert manager.disk_loads == 4
+    assert manager.acquire("poet") == 1
+    assert manager.acquire("support-bot") == 0  # already resident: shared, no copy
+    with pytest.raises(NoFreeAdapterSlotError):
+        manager.acquire("coder")  # both slots held by running requests
+    manager.release("poet")
+    assert manager.acquire("coder") == 1  # poet's slot was the only free one
+    assert manager.slot_of("poet") is None
+    manager.release("support-bot")
+    manager.release("support-bot")
+    manager.release("coder")
+    # both free now; slot 0 (support-bot) was used least recently
+    assert manager.acquire("poet") == 0
+    assert manager.slot_of("support-bot") is None and manager.slot_of("coder") == 1
+    with pytest.raises(RuntimeError, match="released more often"):
+        manager.release("coder")  # acquired once, released once already
+    with pytest.raises(UnknownAdapterError):
+        manager.acquire("nobody")
+
+
+def test_adapter_too_large_for_slots_is_rejected(
+    adapters: tuple[CausalLM, dict[str, Path]],
+) -> None:
+    serving, paths = adapters
+    small = StackedLoraWeights(
+        serving.config,
+        num_slots=1,
+        max_rank=4,
+        max_tokens=4,
+        dtype=torch.float32,
+        target_modules=("q_proj", "k_proj", "v_proj", "o_proj"),
+    )
+    manager = AdapterManager(small)
+    manager.register("poet", paths["poet"])
+    with pytest.raises(ValueError, match="rank 8 > 4"):
+        manager.acquire("poet")
+    other = build_random_model(tiny_config("llama", hidden_size=32, head_dim=8), dtype="float32")
+    with pytest.raises(ValueError, match="expected"):
+        HostAdapter.from_directory("poet", paths["poet"], other.config)
