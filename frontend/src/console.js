@@ -12,6 +12,7 @@
  *   data-state   loading | ready | empty | error
  *   data-loads   how many refreshes have completed (successfully or not)
  * The time range (15m, 1h, 6h, 24h) comes from `?range=` and the `.range-selector` buttons.
+ * Forms with `data-confirm` ask the question before they submit.
  */
 (function () {
   "use strict";
@@ -116,6 +117,13 @@
   for (const button of rangeButtons) {
     button.setAttribute("aria-pressed", String(button.dataset.range === range));
     button.addEventListener("click", () => selectRange(button.dataset.range));
+  }
+
+  // Destructive forms ask first: <form data-confirm="question">.
+  for (const form of document.querySelectorAll("form[data-confirm]")) {
+    form.addEventListener("submit", (event) => {
+      if (!window.confirm(form.dataset.confirm)) event.preventDefault();
+    });
   }
 
   if (charts.length > 0) {

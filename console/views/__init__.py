@@ -1,0 +1,1 @@
+"""The console's views, one module per area; every view derives from `console.access`."""

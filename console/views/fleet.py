@@ -1,0 +1,122 @@
+"""Fleet overview, deployment detail, hosts (drain), base models and predictors."""
+
+from __future__ import annotations
+
+from django.contrib import messages
+from django.db.models import Count
+from django.http import HttpRequest, HttpResponse
+from django.shortcuts import redirect
+from django.utils import timezone
+
+from api import selectors as api_selectors
+from api.errors import HarliError
+from api.models import Deployment, FinetuneJob, GpuHost, HostStatus, JobStatus
+from api.services.fleet import host_drain
+from console import selectors as console_selectors
+from console.access import OperatorView
+from console.views.common import not_found, page_range, render_page
+
+
+def _host_rows(hosts: list[GpuHost]) -> list[dict[str, object]]:
+    """Hosts with their newest fresh metric row (or None)."""
+    latest = console_selectors.host_memory_latest()
+    return [{"host": h, "metric": latest.get(h.pk)} for h in hosts]
+
+
+class FleetView(OperatorView):
+    """Hosts, memory split, harvested finetune throughput and SLO attainment of the fleet."""
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        _, _, since = page_range(request)
+        hosts = list(api_selectors.host_list())
+        host_rows = _host_rows(hosts)
+        summaries = console_selectors.deployment_summaries(since=since)
+        fresh = [m for m in console_selectors.host_memory_latest().values()]
+        job_counts = dict(
+            FinetuneJob.objects.values_list("status").annotate(n=Count("id")).order_by()
+        )
+        context = {
+            "host_rows": host_rows,
+            "hosts_online": sum(1 for h in hosts if h.status == HostStatus.ONLINE),
+            "fleet_finetune_tokens_per_s": (
+                sum(m.finetune_tokens_per_s for m in fresh) if fresh else None
+            ),
+            "summaries": summaries,
+            "deployments_meeting": sum(1 for s in summaries if s.meets_target),
+            "deployments_reporting": sum(1 for s in summaries if s.meets_target is not None),
+            "jobs_running": job_counts.get(JobStatus.RUNNING, 0),
+            "jobs_queued": job_counts.get(JobStatus.QUEUED, 0),
+            "now": timezone.now(),
+        }
+        return render_page(request, "console/fleet.html", context, section="fleet", ranged=True)
+
+
+class DeploymentView(OperatorView):
+    """One deployment: TPOT against its SLO, attainment, goodput, request rate, predictor."""
+
+    def get(self, request: HttpRequest, name: str) -> HttpResponse:
+        deployment = Deployment.objects.select_related("base_model").filter(name=name).first()
+        if deployment is None:
+            return not_found(request, what=f"deployment {name!r}", section="fleet")
+        _, _, since = page_range(request)
+        columns = console_selectors.deployment_series(deployment=deployment, since=since)
+        summary = console_selectors.summarize(deployment=deployment, columns=columns)
+        context = {
+            "deployment": deployment,
+            "summary": summary,
+            "hosts": list(deployment.hosts.order_by("name")),
+        }
+        return render_page(
+            request, "console/deployment.html", context, section="fleet", ranged=True
+        )
+
+
+class HostsView(OperatorView):
+    """Every host with status, heartbeat, memory and predictor; drain buttons."""
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        hosts = list(api_selectors.host_list())
+        return render_page(
+            request, "console/hosts.html", {"host_rows": _host_rows(hosts)}, section="hosts"
+        )
+
+
+class HostDrainView(OperatorView):
+    """POST: drain a host through `api.services.fleet.host_drain` (as the API does)."""
+
+    def post(self, request: HttpRequest, name: str) -> HttpResponse:
+        host = GpuHost.objects.filter(name=name).first()
+        if host is None:
+            return not_found(request, what=f"host {name!r}", section="hosts")
+        try:
+            host_drain(host=host)
+        except HarliError as exc:
+            messages.error(request, exc.message)
+        else:
+            messages.success(request, f"Host {name} is draining: it takes no new jobs.")
+        return redirect("console:hosts")
+
+
+class BaseModelsView(OperatorView):
+    """Base models and the deployments serving them."""
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        context = {
+            "base_models": list(api_selectors.base_model_list().annotate(job_count=Count("jobs"))),
+            "deployments": list(api_selectors.deployment_list()),
+        }
+        return render_page(request, "console/models.html", context, section="models")
+
+
+class PredictorsView(OperatorView):
+    """Latency predictor accuracy per host and version, and predicted against observed."""
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        _, _, since = page_range(request)
+        context = {
+            "accuracy": console_selectors.predictor_accuracy(since=since),
+            "hosts": list(api_selectors.host_list()),
+        }
+        return render_page(
+            request, "console/predictors.html", context, section="predictors", ranged=True
+        )
