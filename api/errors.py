@@ -129,13 +129,13 @@ def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | Non
 API_PATH_PREFIXES = ("/v1/", "/api/")
 
 
-def _is_api_path(request: HttpRequest) -> bool:
+def is_api_path(request: HttpRequest) -> bool:
     return request.path == "/v1" or request.path.startswith(API_PATH_PREFIXES)
 
 
 def not_found_view(request: HttpRequest, exception: Exception | None = None) -> HttpResponse:
     """handler404: unknown URLs under the APIs get the uniform body; pages get Django's page."""
-    if not _is_api_path(request):
+    if not is_api_path(request):
         return defaults.page_not_found(request, exception or Http404())
     return JsonResponse(
         error_body(
@@ -149,7 +149,7 @@ def not_found_view(request: HttpRequest, exception: Exception | None = None) -> 
 
 def server_error_view(request: HttpRequest) -> HttpResponse:
     """handler500: an unexpected failure, without internals in the body."""
-    if not _is_api_path(request):
+    if not is_api_path(request):
         return defaults.server_error(request)
     return JsonResponse(
         error_body(

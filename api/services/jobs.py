@@ -120,8 +120,8 @@ def finetune_job_transition(
 def finetune_job_dispatch(*, job_id: str) -> None:
     """Hand a queued job to placement. Called through `transaction.on_commit`.
 
-    Placement on a host is not built yet: today this only records the "queued" event. The
-    placement work replaces the body with a Celery task (id-based) that picks a host.
+    Records the "queued" event and queues the `workers.place_job` task (id-based), which picks
+    a host and sends the placement to its queue after its own commit.
     """
     job = FinetuneJob.objects.filter(pk=job_id).first()
     if job is None or job.status != JobStatus.QUEUED:
@@ -129,6 +129,9 @@ def finetune_job_dispatch(*, job_id: str) -> None:
     job_event_record(
         job=job, message="Job queued; waiting for a host", data={"status": JobStatus.QUEUED}
     )
+    from workers.tasks import place_job
+
+    place_job.delay(job_id)
 
 
 def finetune_job_create(

@@ -79,3 +79,10 @@ def test_keys_are_stored_hashed(tenant_key: str) -> None:
     stored = ApiKey.objects.get()
     assert tenant_key.startswith(stored.prefix)
     assert tenant_key not in {stored.digest, stored.name}
+
+
+def test_unknown_api_url_is_json_even_in_debug(settings: object) -> None:
+    settings.DEBUG = True  # type: ignore[attr-defined]
+    response = Client().get("/v1/nothing-here")
+    assert_error(response, 404)
+    assert response["Content-Type"] == "application/json"

@@ -37,6 +37,7 @@ OPERATOR_ONLY_PREFIXES = ("api/ops/", "console/")
 # A tenant key on an operator-only route: refused, or sent to the operator login page.
 OPERATOR_ONLY_REFUSALS = {302, 401, 403}
 EXEMPT = {
+    "": "redirects to the operator console; no data",
     "api/schema/": "the public OpenAPI document; describes routes, holds no tenant data",
     "api/docs/": "Swagger UI page; loads the public schema only",
     "api/auth/login/": "operator session login form; no tenant data",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from io import StringIO
@@ -176,3 +177,31 @@ def test_apikeys_issue_in_a_subprocess_prints_the_key_last() -> None:
     )
     assert failing.returncode == 1
     assert "No tenant named 'nobody'" in failing.stderr
+
+
+@pytest.mark.django_db
+def test_seed_demo_is_idempotent_and_prints_working_credentials(
+    monkeypatch: pytest.MonkeyPatch, settings: object, tmp_path: Path
+) -> None:
+    settings.DATA_DIR = tmp_path  # type: ignore[attr-defined]
+    monkeypatch.delenv("HARLI_OPERATOR_PASSWORD", raising=False)
+    first = run("seed_demo", "--url", "http://127.0.0.1:9999")
+    password = re.search(r"user admin, password (\S+)\)", first)
+    assert password is not None
+    assert User.objects.get(username="admin").check_password(password.group(1))
+    key = re.search(r"api_key=\"(hk-\w+)\"", first)
+    assert key is not None and api_key_authenticate(key=key.group(1)) is not None
+    assert 'base_url="http://127.0.0.1:9999/v1"' in first
+    assert (tmp_path / "demo" / "train.jsonl").read_text().count("\n") == 3
+
+    monkeypatch.setenv("HARLI_OPERATOR_PASSWORD", "from-env-1")
+    second = run("seed_demo")
+    new_key = re.search(r"api_key=\"(hk-\w+)\"", second)
+    assert new_key is not None and new_key.group(1) != key.group(1)
+    assert api_key_authenticate(key=key.group(1)) is None  # the earlier demo key is revoked
+    assert User.objects.get(username="admin").check_password("from-env-1")
+    assert (Tenant.objects.count(), BaseModel.objects.count(), Deployment.objects.count()) == (
+        1,
+        1,
+        1,
+    )
