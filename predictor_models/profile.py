@@ -12,9 +12,10 @@ tokens, and a decode SM count from the partition table (or the whole device, tim
 Each sample captures one decode iteration as a CUDA graph on the partition's decode stream and
 times ``--iters`` replays (after 3 warm-ups) with CUDA events: one stage-1 row (median, p90).
 Stage 2 then runs a LoRA quantum (tokens, sequence length, rank drawn at random) on the finetune
-stream, forward then backward, repeated so that it covers every timed decode replay: both streams
-are released together by a sleep kernel that outlasts the host's enqueueing. One stage-2 row per
-phase, with the quantum's own duration alone and beside decode.
+stream, forward (a captured CUDA graph) then backward (eager autograd), repeated two in flight
+until every timed decode replay has finished; a row is kept only if the finetune stream had work
+during at least 80% of the decode window (``ft_busy_frac``). One stage-2 row per phase, with the
+quantum's own duration alone and beside decode.
 
 Writes ``profile-<gpu>-<model>.csv`` (columns: ``ROW_FIELDS``) and ``.meta.json`` (GPU, model
 shape, commit, source of the decode workload, sharing mechanism, budgets).
@@ -54,6 +55,7 @@ EXTRA_FIELDS = (
     "n_iters",
     "ft_quantum_ms_alone",
     "ft_quantum_ms_colocated",
+    "ft_busy_frac",
 )
 ROW_FIELDS: tuple[str, ...] = STAGE2_FEATURES + EXTRA_FIELDS
 DECODE_GROUPS = (4, 6, 8, 10, 12, 14)  # decode 32..112 SMs in steps of 16, plus the device
@@ -136,15 +138,6 @@ class Profiler:
         self.trees: dict[int, Any] = {}
         self.rows: list[dict[str, Any]] = []
         self.trace = False
-        self.sleep_cycles_per_ms = self._calibrate_sleep()
-
-    def _calibrate_sleep(self) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.cuda._sleep(10_000_000)
-        end.record()
-        end.synchronize()
-        return 10_000_000 / start.elapsed_time(end)
 
     def _log(self, message: str) -> None:
         if self.trace:
@@ -191,6 +184,7 @@ class Profiler:
             n_iters=len(times),
             ft_quantum_ms_alone=ft_ms[0],
             ft_quantum_ms_colocated=ft_ms[1],
+            ft_busy_frac="",
         )
         self.rows.append(row)
         return row
@@ -219,21 +213,27 @@ class Profiler:
         self._log(f"quantum tokens={tokens} seq={seq_len} rank={rank}")
         quantum = LoraQuantum(self._tree(rank), tokens, seq_len, seed=tokens + rank)
         try:
-            fwd = time_fn(quantum.forward_only, fs, 1)
+            forward = quantum.capture_forward(fs)
+            fwd = time_fn(forward, fs, 1)
             self._log(f"forward alone {fwd}")
             with torch.cuda.stream(fs):
                 quantum.prepare_backward()
-            self._log("prepared backward")
             bwd = time_fn(quantum.backward, fs, 1)
             self._log(f"backward alone {bwd}")
-            for backward, (alone_ms, host_ms), fn in (
-                (0, fwd, quantum.forward_only),
-                (1, bwd, quantum.backward),
-            ):
-                times, colocated = self._corun(graph, ds, fs, fn, alone_ms, host_ms, decode_ms)
-                self._log(f"co-run backward={backward} {statistics.median(times):.3f} ms")
+            for backward, alone_ms, fn in ((0, fwd[0], forward), (1, bwd[0], quantum.backward)):
+                times, colocated, busy = self._corun(graph, ds, fs, fn)
+                self._log(
+                    f"co-run backward={backward} {statistics.median(times):.3f} ms "
+                    f"(alone {decode_ms:.3f}), finetune busy {busy:.2f}"
+                )
+                if busy < 0.8:
+                    raise RuntimeError(
+                        f"finetune stream busy only {busy:.2f} of the decode "
+                        "window: co-run row dropped"
+                    )
                 ft = (float(tokens), float(seq_len), float(rank), float(backward), ft_share)
-                self._row(2, decode_sms, contexts, prefill, times, ft, (alone_ms, colocated))
+                row = self._row(2, decode_sms, contexts, prefill, times, ft, (alone_ms, colocated))
+                row["ft_busy_frac"] = busy
         finally:
             quantum.release()
             del graph
@@ -244,48 +244,58 @@ class Profiler:
         ds: torch.cuda.Stream,
         fs: torch.cuda.Stream,
         fn: Callable[[], None],
-        ft_ms: float,
-        host_ms: float,
-        decode_ms: float,
-    ) -> tuple[list[float], float | str]:
-        """Decode replays while ``fn`` repeats on ``fs``; both released by one sleep kernel."""
-        warm = 3
-        window = (warm + self.iters) * decode_ms * 2.5
-        reps = max(1, min(40, math.ceil(window / max(ft_ms, 1e-3))))
-        gate_ms = reps * host_ms * 1.3 + (warm + self.iters) * 0.2 + 5.0
-        released = torch.cuda.Event()
-        ft_events = [torch.cuda.Event(enable_timing=True) for _ in range(reps + 1)]
-        dec_events = [torch.cuda.Event(enable_timing=True) for _ in range(self.iters + 1)]
+    ) -> tuple[list[float], float, float]:
+        """Decode replays on ``ds`` while quanta ``fn`` keep ``fs`` busy until they finish.
+
+        Decode replays are enqueued at once (gated on the first quantum's start); quanta are
+        enqueued two in flight until the last decode replay completes. Returns the decode
+        iteration times, the median quantum time inside the decode window, and the fraction
+        of that window during which the finetune stream had work.
+        """
+        warm, iters = 3, self.iters
+        timing = {"enable_timing": True}
+        starts: list[torch.cuda.Event] = []
+        ends: list[torch.cuda.Event] = []
+        dec_events = [torch.cuda.Event(**timing) for _ in range(iters + 1)]
         torch.cuda.synchronize()
-        with torch.cuda.stream(fs):
-            torch.cuda._sleep(int(gate_ms * self.sleep_cycles_per_ms))
-            released.record(fs)
-            ft_events[0].record(fs)
-            for i in range(reps):
+
+        def enqueue_quantum() -> None:
+            start, end = torch.cuda.Event(**timing), torch.cuda.Event(**timing)
+            with torch.cuda.stream(fs):
+                start.record(fs)
                 fn()
-                ft_events[i + 1].record(fs)
-        ds.wait_event(released)
+                end.record(fs)
+            starts.append(start)
+            ends.append(end)
+
+        enqueue_quantum()
+        ds.wait_event(starts[0])
         with torch.cuda.stream(ds):
             for _ in range(warm):
                 graph.replay()
             dec_events[0].record(ds)
-            for i in range(self.iters):
+            for i in range(iters):
                 graph.replay()
                 dec_events[i + 1].record(ds)
+        while not dec_events[-1].query() and len(ends) < 400:
+            if len(ends) >= 2 and not ends[-2].query():
+                time.sleep(0.0002)  # keep two quanta in flight
+                continue
+            enqueue_quantum()
         torch.cuda.synchronize()
-        times = [dec_events[i].elapsed_time(dec_events[i + 1]) for i in range(self.iters)]
-        decode_end = ft_events[0].elapsed_time(dec_events[-1])
-        inside = [
-            ft_events[i].elapsed_time(ft_events[i + 1])
-            for i in range(reps)
-            if ft_events[0].elapsed_time(ft_events[i + 1]) <= decode_end
-        ]
-        if ft_events[0].elapsed_time(ft_events[-1]) < decode_end:
-            raise RuntimeError(
-                f"finetune queue ({reps} x {ft_ms:.2f} ms) ended before decode "
-                f"replays ({decode_end:.2f} ms): the co-run row would be wrong"
-            )
-        return times, statistics.median(inside) if inside else ""
+        times = [dec_events[i].elapsed_time(dec_events[i + 1]) for i in range(iters)]
+        origin = starts[0]
+        win_start = origin.elapsed_time(dec_events[0])
+        win_end = origin.elapsed_time(dec_events[-1])
+        busy, inside = 0.0, []
+        for start, end in zip(starts, ends, strict=True):
+            s_ms, e_ms = origin.elapsed_time(start), origin.elapsed_time(end)
+            busy += max(0.0, min(e_ms, win_end) - max(s_ms, win_start))
+            if s_ms >= win_start and e_ms <= win_end:
+                inside.append(e_ms - s_ms)
+        all_quanta = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
+        colocated = statistics.median(inside) if inside else statistics.median(all_quanta)
+        return times, colocated, busy / max(win_end - win_start, 1e-6)
 
 
 def _commit(arg: str | None) -> str:
