@@ -1,0 +1,163 @@
+"""The messages between the control plane and the host agents (JSON, ids and plain data).
+
+Both directions travel as Celery task messages (protocol 2, JSON body `[[payload], {}, {}]`),
+so the control plane publishes with `app.send_task` and its workers execute reports as ordinary
+tasks, while an agent consumes its queue with a plain kombu consumer and imports no Django.
+
+Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
+
+* `{"command": "apply_placement", "command_id", "placement_id", "job": JobSpec}` — train a job;
+  `job.resume_from` is `{"step", "storage_key"}` when it continues from a checkpoint.
+* `{"command": "pause" | "cancel", "command_id", "placement_id", "job_id"}` — stop training and
+  release the job (pause writes a checkpoint first).
+* `{"command": "load_adapter", "command_id", "name", "storage_key"}` — serve an adapter by name.
+* `{"command": "drain", "command_id"}` — accept no new placement; finish what runs.
+
+JobSpec: `{"id", "base_model", "training_file_key", "validation_file_key" (or null),
+"hyperparameters": {"n_epochs", "batch_size", "learning_rate_multiplier"} (numbers or "auto"),
+"lora": {"rank", "alpha", "dropout", "target_modules"}, "seed", "checkpoint_every_steps",
+"fine_tuned_model", "resume_from" (or null)}`.
+
+Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict with
+`{"message_id" (unique, the dedupe key), "kind", "host", "sent_at" (Unix s)}` plus, by kind:
+
+* `heartbeat`: `base_model`, `server_url`, `draining`, `total_bytes`, `free_bytes`,
+  `harvestable_tokens_per_s`, `placements` (ids the host trains), `adapters` (names it serves).
+* `job_started`: `placement_id`, `job_id`, `resumed_from_step` (0 for a fresh start),
+  `total_steps`.
+* `job_progress`: `placement_id`, `job_id`, `step`, `total_steps`, `train_loss`,
+  `learning_rate`, `tokens_per_s`, `trained_tokens`.
+* `checkpoint`: `placement_id`, `job_id`, `step`, `storage_key`, `metrics` (`train_loss`, ...).
+* `job_succeeded`: `placement_id`, `job_id`, `trained_tokens`, `adapter_key`, `train_loss`.
+* `job_failed`: `placement_id`, `job_id`, `code`, `message`.
+* `job_stopped`: `placement_id`, `job_id`, `reason` ("paused" | "cancelled"), `step`.
+* `metrics`: `window_s`, `host_metrics` (`weights_bytes`, `kv_used_bytes`,
+  `finetune_lent_bytes`, `free_bytes`, `finetune_tokens_per_s`) and `deployment_metrics` (null
+  or `tpot_p50_ms`, `tpot_p99_ms`, `slo_attainment`, `goodput_tokens_per_s`, `request_rate`,
+  `predicted_iter_ms`, `observed_iter_ms`, `predictor_version`).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any
+
+HOST_COMMAND_TASK = "harli.agent.command"
+HOST_REPORT_TASK = "workers.host_report"
+CONTROL_QUEUE = "control"
+
+COMMANDS = frozenset({"apply_placement", "pause", "cancel", "load_adapter", "drain"})
+REPORT_KINDS = frozenset(
+    {
+        "heartbeat",
+        "job_started",
+        "job_progress",
+        "checkpoint",
+        "job_succeeded",
+        "job_failed",
+        "job_stopped",
+        "metrics",
+    }
+)
+_REQUIRED: dict[str, tuple[str, ...]] = {
+    "heartbeat": ("free_bytes", "total_bytes", "placements"),
+    "job_started": ("placement_id", "job_id", "resumed_from_step"),
+    "job_progress": ("placement_id", "job_id", "step", "train_loss"),
+    "checkpoint": ("placement_id", "job_id", "step", "storage_key", "metrics"),
+    "job_succeeded": ("placement_id", "job_id", "trained_tokens", "adapter_key"),
+    "job_failed": ("placement_id", "job_id", "code", "message"),
+    "job_stopped": ("placement_id", "job_id", "reason"),
+    "metrics": ("host_metrics",),
+    "apply_placement": ("placement_id", "job"),
+    "pause": ("placement_id", "job_id"),
+    "cancel": ("placement_id", "job_id"),
+    "load_adapter": ("name", "storage_key"),
+    "drain": (),
+}
+JOB_SPEC_FIELDS = (
+    "id",
+    "base_model",
+    "training_file_key",
+    "hyperparameters",
+    "lora",
+    "seed",
+    "fine_tuned_model",
+)
+
+
+class ProtocolError(ValueError):
+    """A message that does not follow this module's formats; the text names what is wrong."""
+
+
+def host_queue(host: str) -> str:
+    """The Celery queue an agent consumes."""
+    return f"host.{host}"
+
+
+def checkpoint_key(job_id: str, step: int) -> str:
+    """Storage prefix of a job's checkpoint at `step`."""
+    return f"checkpoints/{job_id}/step-{step:06d}"
+
+
+def adapter_key(job_id: str) -> str:
+    """Storage prefix of a job's finished adapter."""
+    return f"adapters/{job_id}"
+
+
+def new_message_id() -> str:
+    return uuid.uuid4().hex
+
+
+def report(kind: str, host: str, **fields: Any) -> dict[str, Any]:
+    """A control-queue report with a fresh message id (checked with :func:`check_report`)."""
+    message = {
+        "message_id": new_message_id(),
+        "kind": kind,
+        "host": host,
+        "sent_at": time.time(),
+        **fields,
+    }
+    check_report(message)
+    return message
+
+
+def _check_fields(message: dict[str, Any], name: str) -> None:
+    missing = [f for f in _REQUIRED[name] if f not in message]
+    if missing:
+        raise ProtocolError(f"{name} message lacks {missing}: {sorted(message)}")
+
+
+def check_report(message: Any) -> dict[str, Any]:
+    """Return `message` when it is a well-formed report, else raise ProtocolError."""
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a report is a JSON object, got {type(message).__name__}")
+    for field in ("message_id", "kind", "host"):
+        if not isinstance(message.get(field), str) or not message[field]:
+            raise ProtocolError(f"report field {field!r} must be a non-empty string")
+    if message["kind"] not in REPORT_KINDS:
+        raise ProtocolError(
+            f"unknown report kind {message['kind']!r}; known: {sorted(REPORT_KINDS)}"
+        )
+    _check_fields(message, message["kind"])
+    return message
+
+
+def check_command(message: Any) -> dict[str, Any]:
+    """Return `message` when it is a well-formed host command, else raise ProtocolError."""
+    if not isinstance(message, dict):
+        raise ProtocolError(f"a command is a JSON object, got {type(message).__name__}")
+    command = message.get("command")
+    if command not in COMMANDS:
+        raise ProtocolError(f"unknown command {command!r}; known: {sorted(COMMANDS)}")
+    if not isinstance(message.get("command_id"), str):
+        raise ProtocolError(f"{command} lacks a string command_id")
+    _check_fields(message, command)
+    if command == "apply_placement":
+        job = message["job"]
+        if not isinstance(job, dict):
+            raise ProtocolError("apply_placement.job must be an object")
+        missing = [f for f in JOB_SPEC_FIELDS if f not in job]
+        if missing:
+            raise ProtocolError(f"apply_placement.job lacks {missing}")
+    return message

@@ -1,0 +1,96 @@
+"""Messages to a host's queue `host.<name>` (formats in `gpu_runtime.agent.protocol`).
+
+Every sender here publishes; callers run it from `transaction.on_commit` so a host never hears
+of a row that was rolled back.
+"""
+
+from __future__ import annotations
+
+import uuid
+from typing import Any
+
+from api.models import FinetuneJob, GpuHost, JobCheckpoint, Placement
+from config.celery import app
+from gpu_runtime.agent.protocol import HOST_COMMAND_TASK, adapter_key, check_command, host_queue
+from workers.conf import worker_settings
+
+
+def job_spec(*, job: FinetuneJob, resume: JobCheckpoint | None) -> dict[str, Any]:
+    """The JobSpec of an apply_placement command (see the protocol module)."""
+    from api.services.jobs import fine_tuned_model_name
+
+    return {
+        "id": job.id,
+        "base_model": job.base_model.name,
+        "training_file_key": job.training_file.storage_key,
+        "validation_file_key": job.validation_file.storage_key if job.validation_file else None,
+        "hyperparameters": dict(job.hyperparameters),
+        "lora": {
+            "rank": job.lora_rank,
+            "alpha": job.lora_alpha,
+            "dropout": job.lora_dropout,
+            "target_modules": list(job.lora_target_modules),
+        },
+        "seed": job.seed,
+        "checkpoint_every_steps": worker_settings().checkpoint_every_steps,
+        "fine_tuned_model": fine_tuned_model_name(job=job),
+        "adapter_key": adapter_key(job.id),
+        "resume_from": (
+            {"step": resume.step, "storage_key": resume.path} if resume is not None else None
+        ),
+    }
+
+
+def send_host_command(*, host_name: str, command: str, **fields: Any) -> dict[str, Any]:
+    """Publish one command to `host.<host_name>`; returns the message sent."""
+    message = check_command({"command": command, "command_id": uuid.uuid4().hex, **fields})
+    app.send_task(
+        HOST_COMMAND_TASK,
+        args=[message],
+        queue=host_queue(host_name),
+        routing_key=host_queue(host_name),
+        retry=True,
+        retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5},
+    )
+    return message
+
+
+def placement_command(*, placement: Placement) -> dict[str, Any]:
+    """apply_placement for `placement`, resuming from the job's latest checkpoint if any."""
+    job = placement.job
+    resume = JobCheckpoint.objects.filter(job=job).exclude(path="").order_by("-step").first()
+    return {"placement_id": placement.pk, "job": job_spec(job=job, resume=resume)}
+
+
+def send_placement(*, placement_id: int) -> None:
+    """Send (or send again) an open placement to its host; a closed one is not sent."""
+    from django.db.models import F
+    from django.utils import timezone
+
+    from api.models import OPEN_PLACEMENT_STATES
+    from workers.models import PlacementDecision
+
+    placement = (
+        Placement.objects.select_related(
+            "host", "job", "job__base_model", "job__tenant", "job__training_file"
+        )
+        .filter(pk=placement_id, state__in=OPEN_PLACEMENT_STATES)
+        .first()
+    )
+    if placement is None:
+        return
+    send_host_command(
+        host_name=placement.host.name,
+        command="apply_placement",
+        **placement_command(placement=placement),
+    )
+    PlacementDecision.objects.filter(placement=placement).update(
+        last_dispatched_at=timezone.now(), dispatch_count=F("dispatch_count") + 1
+    )
+
+
+def send_stop(*, host: GpuHost, placement_id: int, job_id: str, command: str) -> None:
+    """Tell a host to pause or cancel a placement."""
+    send_host_command(
+        host_name=host.name, command=command, placement_id=placement_id, job_id=job_id
+    )

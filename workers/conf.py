@@ -1,0 +1,37 @@
+"""The workers' tunables, read from the environment (parsed by `config.env`) at call time.
+
+* `HARLI_HOST_LOST_AFTER_S` (default 30): a host whose last heartbeat is older is lost.
+* `HARLI_RECONCILE_INTERVAL_S` (default 5): how often beat runs the reconciliation.
+* `HARLI_REDISPATCH_AFTER_S` (default 15): a pending placement the host has not started after
+  this long is sent again (the agent drops duplicates by placement id).
+* `HARLI_CHECKPOINT_EVERY_STEPS` (default 10): optimizer steps between checkpoints of a job.
+
+Read at call time so tests and the run command can shorten them per process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from config.env import env_int
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    host_lost_after_s: int
+    reconcile_interval_s: int
+    redispatch_after_s: int
+    checkpoint_every_steps: int
+
+
+def worker_settings() -> WorkerSettings:
+    values = WorkerSettings(
+        host_lost_after_s=env_int("HARLI_HOST_LOST_AFTER_S", 30),
+        reconcile_interval_s=env_int("HARLI_RECONCILE_INTERVAL_S", 5),
+        redispatch_after_s=env_int("HARLI_REDISPATCH_AFTER_S", 15),
+        checkpoint_every_steps=env_int("HARLI_CHECKPOINT_EVERY_STEPS", 10),
+    )
+    for name, value in vars(values).items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    return values

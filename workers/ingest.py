@@ -1,0 +1,287 @@
+"""Applying host reports (heartbeats, job progress, checkpoints, outcomes, metrics).
+
+:func:`host_report_apply` is what the `workers.host_report` task calls. Each report is applied
+at most once: its `message_id` is inserted into `ProcessedReport` in the same transaction as its
+effect, so a redelivered copy (acks_late, broker restart) changes nothing. A report about a
+placement that is no longer open (the job moved after its host was declared lost, or was paused
+or cancelled) is stale: it is ignored, and the host is told to cancel that placement.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from django.db import IntegrityError, transaction
+from django.utils import timezone
+
+from api.errors import ConflictError
+from api.models import (
+    OPEN_PLACEMENT_STATES,
+    DeploymentMetric,
+    EventType,
+    FinetuneJob,
+    GpuHost,
+    HostMetric,
+    HostStatus,
+    JobMetric,
+    JobStatus,
+    Placement,
+    PlacementState,
+)
+from api.services.jobs import (
+    finetune_job_fail,
+    finetune_job_succeed,
+    finetune_job_transition,
+    job_checkpoint_record,
+    job_event_record,
+)
+from gpu_runtime.agent.protocol import check_report
+from workers.models import HostAgentState, ProcessedReport, RollupSeries
+from workers.rollups import rollup_add
+
+
+def _ts(message: dict[str, Any]) -> datetime:
+    sent = message.get("sent_at")
+    if isinstance(sent, (int, float)):
+        return datetime.fromtimestamp(float(sent), tz=UTC)
+    return timezone.now()
+
+
+def host_report_apply(*, message: dict[str, Any]) -> str:
+    """Apply one report; returns "applied", "duplicate", "stale" or "unknown_host"."""
+    check_report(message)
+    with transaction.atomic():
+        try:
+            with transaction.atomic():
+                ProcessedReport.objects.create(
+                    message_id=message["message_id"], kind=message["kind"], host=message["host"]
+                )
+        except IntegrityError:
+            return "duplicate"
+        host = GpuHost.objects.select_for_update().filter(name=message["host"]).first()
+        if host is None:
+            return "unknown_host"
+        handler = _HANDLERS[message["kind"]]
+        return handler(host, message)
+
+
+def _heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
+    now = timezone.now()
+    fields = ["last_heartbeat_at"]
+    host.last_heartbeat_at = now
+    if host.status in (HostStatus.OFFLINE, HostStatus.LOST):
+        host.status = HostStatus.ONLINE
+        fields.append("status")
+    host.save(update_fields=fields)
+    HostAgentState.objects.update_or_create(
+        host=host,
+        defaults={
+            "base_model": str(message.get("base_model", "")),
+            "server_url": str(message.get("server_url", "")),
+            "draining": bool(message.get("draining", False)),
+            "total_bytes": int(message["total_bytes"]),
+            "free_bytes": int(message["free_bytes"]),
+            "harvestable_tokens_per_s": float(message.get("harvestable_tokens_per_s", 0.0)),
+            "placements": list(message["placements"]),
+            "adapters": list(message.get("adapters", [])),
+            "reported_at": now,
+        },
+    )
+    # A host back from the dead may still train placements that moved elsewhere: stop them.
+    reported = [int(p) for p in message["placements"]]
+    stale = Placement.objects.filter(pk__in=reported).exclude(
+        host=host, state__in=OPEN_PLACEMENT_STATES
+    )
+    for placement in stale.select_related("job"):
+        _cancel_on_commit(host, placement.pk, placement.job_id)
+    return "applied"
+
+
+def _cancel_on_commit(host: GpuHost, placement_id: int, job_id: str) -> None:
+    def send() -> None:
+        from workers.commands import send_stop
+
+        send_stop(host=host, placement_id=placement_id, job_id=job_id, command="cancel")
+
+    transaction.on_commit(send)
+
+
+def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
+    """The open placement the report is about, or None (stale; the host is told to cancel)."""
+    placement = (
+        Placement.objects.select_for_update()
+        .filter(pk=int(message["placement_id"]), job_id=message["job_id"], host=host)
+        .first()
+    )
+    if placement is None or placement.state not in OPEN_PLACEMENT_STATES:
+        if placement is not None and message["kind"] not in ("job_stopped",):
+            _cancel_on_commit(host, placement.pk, placement.job_id)
+        return None
+    return placement
+
+
+def _job(message: dict[str, Any]) -> FinetuneJob:
+    return FinetuneJob.objects.select_related("tenant", "base_model").get(pk=message["job_id"])
+
+
+def _job_started(host: GpuHost, message: dict[str, Any]) -> str:
+    placement = _open_placement(host, message)
+    if placement is None:
+        return "stale"
+    if placement.state == PlacementState.PENDING:
+        placement.state = PlacementState.ACTIVE
+        placement.started_at = timezone.now()
+        placement.save(update_fields=["state", "started_at"])
+    job = _job(message)
+    step = int(message["resumed_from_step"])
+    if job.status == JobStatus.QUEUED:
+        text = (
+            f"Fine-tuning resumed on host {host.name} from checkpoint step {step}"
+            if step
+            else f"Fine-tuning started on host {host.name}"
+        )
+        finetune_job_transition(job=job, to=JobStatus.RUNNING, message=text)
+    return "applied"
+
+
+def _job_progress(host: GpuHost, message: dict[str, Any]) -> str:
+    if _open_placement(host, message) is None:
+        return "stale"
+    job = _job(message)
+    ts = _ts(message)
+    step, loss = int(message["step"]), float(message["train_loss"])
+    tokens_per_s = float(message.get("tokens_per_s", 0.0))
+    JobMetric.objects.create(
+        job=job, ts=ts, step=step, train_loss=loss, tokens_per_s=tokens_per_s,
+        valid_loss=message.get("valid_loss"),
+    )  # fmt: skip
+    total = message.get("total_steps")
+    job_event_record(
+        job=job,
+        message=f"Step {step}/{total}: training loss={loss:.4f}",
+        type=EventType.METRICS,
+        data={
+            "step": step,
+            "total_steps": total,
+            "train_loss": loss,
+            "learning_rate": message.get("learning_rate"),
+            "tokens_per_s": tokens_per_s,
+            "host": host.name,
+        },
+    )
+    rollup_add(
+        series=RollupSeries.JOB,
+        key=job.id,
+        ts=ts,
+        values={"train_loss": loss, "tokens_per_s": tokens_per_s, "step": step},
+    )
+    return "applied"
+
+
+def _checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
+    if _open_placement(host, message) is None:
+        return "stale"
+    job = _job(message)
+    metrics = {k: v for k, v in dict(message["metrics"]).items() if k != "step"}
+    try:
+        job_checkpoint_record(
+            job=job, step=int(message["step"]), metrics=metrics, path=message["storage_key"]
+        )
+    except ConflictError:
+        # The same step again (written before a failover): keep the first record.
+        return "duplicate"
+    return "applied"
+
+
+def _job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
+    if _open_placement(host, message) is None:
+        return "stale"
+    job = finetune_job_succeed(
+        job=_job(message),
+        trained_tokens=int(message["trained_tokens"]),
+        adapter_path=str(message["adapter_key"]),
+    )
+    name, key, base = job.fine_tuned_model, str(message["adapter_key"]), job.base_model_id
+    hosts = list(
+        GpuHost.objects.filter(
+            status__in=(HostStatus.ONLINE, HostStatus.DRAINING), deployment__base_model_id=base
+        )
+    )
+
+    def announce() -> None:
+        from workers.commands import send_host_command
+
+        for target in hosts:
+            send_host_command(
+                host_name=target.name, command="load_adapter", name=name, storage_key=key
+            )
+
+    transaction.on_commit(announce)
+    return "applied"
+
+
+def _job_failed(host: GpuHost, message: dict[str, Any]) -> str:
+    if _open_placement(host, message) is None:
+        return "stale"
+    finetune_job_fail(job=_job(message), code=str(message["code"]), message=str(message["message"]))
+    return "applied"
+
+
+def _job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
+    job = _job(message)
+    job_event_record(
+        job=job,
+        message=f"Host {host.name} stopped training ({message['reason']}) at step "
+        f"{message.get('step', '?')}",
+        data={"host": host.name, "reason": message["reason"], "step": message.get("step")},
+    )
+    return "applied"
+
+
+def _metrics(host: GpuHost, message: dict[str, Any]) -> str:
+    ts = _ts(message)
+    hm = dict(message["host_metrics"])
+    HostMetric.objects.create(
+        host=host,
+        ts=ts,
+        weights_bytes=int(hm["weights_bytes"]),
+        kv_used_bytes=int(hm["kv_used_bytes"]),
+        finetune_lent_bytes=int(hm["finetune_lent_bytes"]),
+        free_bytes=int(hm["free_bytes"]),
+        finetune_tokens_per_s=float(hm.get("finetune_tokens_per_s", 0.0)),
+    )
+    rollup_add(series=RollupSeries.HOST, key=host.name, ts=ts, values=hm)
+    dm = message.get("deployment_metrics")
+    if dm and host.deployment_id is not None:
+        DeploymentMetric.objects.create(
+            deployment_id=host.deployment_id,
+            host=host,
+            ts=ts,
+            tpot_p50_ms=float(dm["tpot_p50_ms"]),
+            tpot_p99_ms=float(dm["tpot_p99_ms"]),
+            slo_attainment=min(1.0, max(0.0, float(dm["slo_attainment"]))),
+            goodput_tokens_per_s=float(dm.get("goodput_tokens_per_s", 0.0)),
+            request_rate=float(dm.get("request_rate", 0.0)),
+            predicted_iter_ms=dm.get("predicted_iter_ms"),
+            observed_iter_ms=dm.get("observed_iter_ms"),
+            predictor_version=dm.get("predictor_version"),
+        )
+        key = f"{host.deployment.name if host.deployment else host.deployment_id}@{host.name}"
+        numeric: dict[str, float | None] = {
+            str(k): float(v) for k, v in dm.items() if isinstance(v, (int, float))
+        }
+        rollup_add(series=RollupSeries.DEPLOYMENT, key=key, ts=ts, values=numeric)
+    return "applied"
+
+
+_HANDLERS = {
+    "heartbeat": _heartbeat,
+    "job_started": _job_started,
+    "job_progress": _job_progress,
+    "checkpoint": _checkpoint,
+    "job_succeeded": _job_succeeded,
+    "job_failed": _job_failed,
+    "job_stopped": _job_stopped,
+    "metrics": _metrics,
+}

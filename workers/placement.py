@@ -1,0 +1,175 @@
+"""Placement: put a queued job on an online host that serves its base model.
+
+A host is eligible when it is `online`, serves a deployment of the job's base model, heartbeated
+within `HARLI_HOST_LOST_AFTER_S`, is not draining, and reports at least the job's estimated
+finetune memory free (:func:`finetune_memory_estimate`). Among eligible hosts the one with the
+highest share of harvestable finetune throughput wins: the host predictor's estimate
+`harvestable_tokens_per_s` divided by (1 + jobs already placed there); ties go to the larger
+memory headroom, then the name. Every candidate and why it was or was not taken is stored in
+`PlacementDecision.reasons`. The placement is sent to the host only after the transaction
+commits.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from api.models import (
+    OPEN_PLACEMENT_STATES,
+    EventLevel,
+    FinetuneJob,
+    GpuHost,
+    HostStatus,
+    JobEvent,
+    JobStatus,
+    Placement,
+)
+from api.services.jobs import job_event_record
+from workers.conf import worker_settings
+from workers.models import HostAgentState, PlacementDecision
+
+MIB = 2**20
+# Activation bytes per (token x hidden unit x layer) of LoRA training without recomputation.
+ACTIVATION_BYTES_PER_UNIT = 34
+# Adapter weight + gradient + two AdamW moments, fp32.
+ADAPTER_BYTES_PER_PARAM = 16
+MIN_FINETUNE_BYTES = 64 * MIB
+_PROJECTION_DIMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def finetune_memory_estimate(*, job: FinetuneJob) -> int:
+    """Bytes a job borrows on its host: adapter state plus one micro-batch of activations.
+
+    Uses the base model's config (preset models); a checkpoint-dir model without a stored
+    config is charged :data:`MIN_FINETUNE_BYTES`. Sequences count at min(context, 2048).
+    """
+    config = job.base_model.config
+    if not config:
+        return MIN_FINETUNE_BYTES
+    hidden = int(config["hidden_size"])
+    layers = int(config["num_hidden_layers"])
+    heads = int(config["num_attention_heads"])
+    kv_heads = int(config.get("num_key_value_heads", heads))
+    head_dim = int(config.get("head_dim") or hidden // heads)
+    inter = int(config["intermediate_size"])
+    dims = {
+        "q_proj": (hidden, heads * head_dim),
+        "k_proj": (hidden, kv_heads * head_dim),
+        "v_proj": (hidden, kv_heads * head_dim),
+        "o_proj": (heads * head_dim, hidden),
+        "gate_proj": (hidden, inter),
+        "up_proj": (hidden, inter),
+        "down_proj": (inter, hidden),
+    }
+    targets = list(job.lora_target_modules)
+    if targets == ["all-linear"]:
+        targets = list(_PROJECTION_DIMS)
+    rank = job.lora_rank
+    adapter_params = layers * sum(rank * sum(dims[t]) for t in targets if t in dims)
+    batch = job.hyperparameters.get("batch_size")
+    micro_batch = batch if isinstance(batch, int) else 1
+    tokens = micro_batch * min(job.base_model.context_length, 2048)
+    activations = tokens * hidden * layers * ACTIVATION_BYTES_PER_UNIT
+    return max(MIN_FINETUNE_BYTES, adapter_params * ADAPTER_BYTES_PER_PARAM + activations)
+
+
+def _candidate(
+    host: GpuHost, job: FinetuneJob, need: int, fresh_after: Any, load: dict[int, int]
+) -> dict[str, Any]:
+    state: HostAgentState | None = getattr(host, "agent_state", None)
+    row: dict[str, Any] = {
+        "host": host.name,
+        "status": host.status,
+        "free_bytes": state.free_bytes if state else None,
+        "harvestable_tokens_per_s": state.harvestable_tokens_per_s if state else None,
+        "open_placements": load.get(host.pk, 0),
+        "eligible": False,
+    }
+    deployment = host.deployment
+    if host.status != HostStatus.ONLINE:
+        row["why"] = f"host is {host.status}"
+    elif deployment is None or deployment.base_model_id != job.base_model_id:
+        row["why"] = f"does not serve {job.base_model.name}"
+    elif state is None or state.reported_at is None or state.reported_at < fresh_after:
+        row["why"] = "no recent heartbeat"
+    elif state.draining:
+        row["why"] = "agent is draining"
+    elif state.free_bytes < need:
+        row["why"] = f"free {state.free_bytes} B < needed {need} B"
+    else:
+        row["eligible"] = True
+        row["score"] = state.harvestable_tokens_per_s / (1 + row["open_placements"])
+        row["why"] = "eligible"
+    return row
+
+
+def job_place(*, job_id: str) -> Placement | None:
+    """Place a queued job without an open placement; None when it needs none or no host fits.
+
+    Idempotent: a job that is not queued, or already has an open placement, is left alone.
+    """
+    with transaction.atomic():
+        job = (
+            FinetuneJob.objects.select_for_update()
+            .select_related("base_model", "tenant")
+            .filter(pk=job_id)
+            .first()
+        )
+        if job is None or job.status != JobStatus.QUEUED:
+            return None
+        if Placement.objects.filter(job=job, state__in=OPEN_PLACEMENT_STATES).exists():
+            return None
+        need = finetune_memory_estimate(job=job)
+        fresh_after = timezone.now() - timedelta(seconds=worker_settings().host_lost_after_s)
+        load: dict[int, int] = {}
+        for host_id in Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES).values_list(
+            "host_id", flat=True
+        ):
+            load[host_id] = load.get(host_id, 0) + 1
+        hosts = GpuHost.objects.select_related("deployment", "agent_state").order_by("name")
+        rows = [_candidate(h, job, need, fresh_after, load) for h in hosts]
+        eligible = [r for r in rows if r["eligible"]]
+        if not eligible:
+            _note_waiting(job=job, rows=rows)
+            return None
+        best = min(eligible, key=lambda r: (-r["score"], -r["free_bytes"], r["host"]))
+        host = next(h for h in hosts if h.name == best["host"])
+        placement = Placement.objects.create(job=job, host=host)
+        latest = job.checkpoints.exclude(path="").order_by("-step").first()
+        reasons = {
+            "policy": "max harvestable_tokens_per_s / (1 + open placements), then free memory",
+            "needed_bytes": need,
+            "chosen": host.name,
+            "candidates": rows,
+        }
+        PlacementDecision.objects.create(
+            placement=placement, reasons=reasons, resume_step=latest.step if latest else None
+        )
+        resume = f", resuming from step {latest.step}" if latest else ""
+        job_event_record(
+            job=job,
+            message=f"Placed on host {host.name}{resume}",
+            data={"placement_id": placement.pk, "host": host.name, "reasons": reasons},
+        )
+        placement_id = placement.pk
+
+        def dispatch() -> None:
+            from workers.commands import send_placement
+
+            send_placement(placement_id=placement_id)
+
+        transaction.on_commit(dispatch)
+        return placement
+
+
+def _note_waiting(*, job: FinetuneJob, rows: list[dict[str, Any]]) -> None:
+    """Record why no host fits, once per distinct reason set (reconciliation retries often)."""
+    summary = "; ".join(f"{r['host']}: {r['why']}" for r in rows) or "no hosts registered"
+    message = f"Waiting for a host ({summary})"
+    last = JobEvent.objects.filter(job=job).order_by("-created_at", "-id").first()
+    if last is None or last.message != message:
+        job_event_record(job=job, message=message, level=EventLevel.WARN)

@@ -1,0 +1,108 @@
+"""Reconciliation, run by beat every `HARLI_RECONCILE_INTERVAL_S` seconds.
+
+1. A host `online` or `draining` whose last heartbeat is older than `HARLI_HOST_LOST_AFTER_S`
+   is `lost`: its open placements become `lost`, and each of their running jobs goes back to
+   `queued` with an event naming the host and the checkpoint step it will resume from.
+2. Every queued job without an open placement is placed (`workers.placement.job_place`).
+3. A pending placement its host has not started within `HARLI_REDISPATCH_AFTER_S` is sent
+   again (a lost broker message); the agent drops duplicates by placement id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+from django.db import transaction
+from django.db.models import Q
+from django.utils import timezone
+
+from api.models import (
+    OPEN_PLACEMENT_STATES,
+    EventLevel,
+    FinetuneJob,
+    GpuHost,
+    HostStatus,
+    JobStatus,
+    Placement,
+    PlacementState,
+)
+from api.services.jobs import finetune_job_transition, job_event_record
+from workers.conf import worker_settings
+from workers.placement import job_place
+
+
+@dataclass
+class ReconcileResult:
+    lost_hosts: list[str] = field(default_factory=list)
+    requeued_jobs: list[str] = field(default_factory=list)
+    placed_jobs: list[str] = field(default_factory=list)
+    redispatched: list[int] = field(default_factory=list)
+
+
+def host_mark_lost(*, host_id: int, silent_s: float) -> list[str]:
+    """Declare a host lost and queue its running jobs again; returns the requeued job ids."""
+    requeued: list[str] = []
+    with transaction.atomic():
+        host = GpuHost.objects.select_for_update().get(pk=host_id)
+        if host.status not in (HostStatus.ONLINE, HostStatus.DRAINING):
+            return requeued
+        host.status = HostStatus.LOST
+        host.save(update_fields=["status"])
+        now = timezone.now()
+        for placement in Placement.objects.select_for_update().filter(
+            host=host, state__in=OPEN_PLACEMENT_STATES
+        ):
+            placement.state = PlacementState.LOST
+            placement.ended_at = now
+            placement.save(update_fields=["state", "ended_at"])
+            job = FinetuneJob.objects.select_for_update().get(pk=placement.job_id)
+            latest = job.checkpoints.exclude(path="").order_by("-step").first()
+            step = latest.step if latest else 0
+            text = (
+                f"Host {host.name} lost (no heartbeat for {silent_s:.0f} s); the job resumes "
+                f"from checkpoint step {step} on another host"
+            )
+            if job.status == JobStatus.RUNNING:
+                finetune_job_transition(
+                    job=job, to=JobStatus.QUEUED, message=text, level=EventLevel.WARN
+                )
+                requeued.append(job.id)
+            elif job.status == JobStatus.QUEUED:
+                job_event_record(job=job, message=text, level=EventLevel.WARN)
+                requeued.append(job.id)
+    return requeued
+
+
+def reconcile() -> ReconcileResult:
+    """One reconciliation pass (see the module docstring)."""
+    conf = worker_settings()
+    result = ReconcileResult()
+    now = timezone.now()
+    cutoff = now - timedelta(seconds=conf.host_lost_after_s)
+    silent = GpuHost.objects.filter(status__in=(HostStatus.ONLINE, HostStatus.DRAINING)).filter(
+        Q(last_heartbeat_at__lt=cutoff) | Q(last_heartbeat_at__isnull=True)
+    )
+    for host in silent:
+        since = host.last_heartbeat_at or host.created_at
+        result.requeued_jobs += host_mark_lost(
+            host_id=host.pk, silent_s=(now - since).total_seconds()
+        )
+        result.lost_hosts.append(host.name)
+    open_jobs = Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES).values("job_id")
+    waiting = FinetuneJob.objects.filter(status=JobStatus.QUEUED).exclude(pk__in=open_jobs)
+    for job_id in waiting.order_by("created_at").values_list("pk", flat=True):
+        if job_place(job_id=job_id) is not None:
+            result.placed_jobs.append(job_id)
+    resend_before = now - timedelta(seconds=conf.redispatch_after_s)
+    stuck = Placement.objects.filter(
+        state=PlacementState.PENDING,
+        host__status=HostStatus.ONLINE,
+        decision__last_dispatched_at__lt=resend_before,
+    )
+    from workers.commands import send_placement
+
+    for placement_id in stuck.values_list("pk", flat=True):
+        send_placement(placement_id=placement_id)
+        result.redispatched.append(placement_id)
+    return result

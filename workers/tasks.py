@@ -1,0 +1,58 @@
+"""Celery tasks of the control plane: thin, id- or message-based, idempotent.
+
+Every task: `acks_late` (a task lost with its worker runs again), retries only for transient
+database/broker errors (`autoretry_for`), soft and hard time limits. Idempotence: placement
+skips jobs already placed; host reports are deduplicated by message id; reconciliation only
+moves rows whose state still calls for it.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict
+from typing import Any
+
+from django.db import InterfaceError, OperationalError
+from kombu.exceptions import OperationalError as BrokerOperationalError
+
+from config.celery import app
+from gpu_runtime.agent.protocol import HOST_REPORT_TASK, ProtocolError
+from workers.ingest import host_report_apply
+from workers.placement import job_place
+from workers.reconcile import reconcile
+
+logger = logging.getLogger(__name__)
+
+TRANSIENT = (OperationalError, InterfaceError, BrokerOperationalError, ConnectionError)
+COMMON: dict[str, Any] = {
+    "acks_late": True,
+    "reject_on_worker_lost": True,
+    "autoretry_for": TRANSIENT,
+    "retry_backoff": 0.5,
+    "retry_backoff_max": 10,
+    "retry_jitter": True,
+    "max_retries": 8,
+}
+
+
+@app.task(name="workers.place_job", soft_time_limit=30, time_limit=60, **COMMON)
+def place_job(job_id: str) -> int | None:
+    """Place a queued job; returns the placement id, or None (placed already / no host fits)."""
+    placement = job_place(job_id=job_id)
+    return placement.pk if placement is not None else None
+
+
+@app.task(name=HOST_REPORT_TASK, soft_time_limit=30, time_limit=60, **COMMON)
+def host_report(message: dict[str, Any]) -> str:
+    """Apply one report from a host agent (see `workers.ingest`); malformed ones are dropped."""
+    try:
+        return host_report_apply(message=message)
+    except ProtocolError as exc:
+        logger.error("dropping malformed host report: %s", exc)
+        return "malformed"
+
+
+@app.task(name="workers.reconcile", soft_time_limit=60, time_limit=120, **COMMON)
+def reconcile_fleet() -> dict[str, Any]:
+    """One reconciliation pass (see `workers.reconcile`)."""
+    return asdict(reconcile())
