@@ -1,0 +1,395 @@
+"""`HostLoop`: one decode engine, the host's finetune jobs, a policy; one iteration at a time.
+
+Each ``run_iteration()``:
+1. collects quanta that finished since the last iteration (accounting tokens, memory, job state);
+2. reads the coming decode work from the engine's scheduler and asks the policy for a plan;
+3. starts the plan's CONCURRENT quantum on the finetune stream of the chosen split (a worker
+   thread on GPU; inline right after decode on CPU), runs the decode step on the decode stream
+   (``engine.step(partition=decode_sms)``, so CUDA graphs captured for that split replay), then
+   any AFTER_DECODE quantum inline on the whole device;
+4. times every token against its request's previous one and emits an ``IterationRecord`` to the
+   metrics sink and to ``policy.observe``.
+Not thread-safe: one thread owns the loop and its engine (the finetune worker thread only runs
+``step_quantum`` of the job it was handed).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from gpu_runtime.colocation.executor import (
+    QuantumExecutor,
+    QuantumTask,
+    QuantumTrainer,
+    SequentialExecutor,
+    ThreadedExecutor,
+)
+from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
+from gpu_runtime.colocation.snapshot import decode_snapshot, describe_trainer
+from gpu_runtime.colocation.types import (
+    FinishedRequest,
+    InFlightQuantum,
+    IterationContext,
+    IterationPlan,
+    IterationRecord,
+    JobView,
+    LaunchMode,
+    QuantumReport,
+)
+from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
+
+
+class FinetuneMemory(Protocol):
+    """The unified pool as the loop uses it (see ``gpu_runtime.colocation.memory``)."""
+
+    def before_decode(self) -> None:
+        """Critical path, before the decode step: make the step's KV blocks usable."""
+
+    def after_decode(self) -> None:
+        """Off the critical path: refill / shrink / lend pages."""
+
+    def finetune_budget_bytes(self) -> int:
+        """Bytes the next quantum may peak at."""
+
+    def lent_bytes(self) -> int:
+        """Bytes currently lent to finetuning."""
+
+    def quantum_done(self, *, peak_bytes: int, resident_bytes: int) -> None:
+        """Account a finished quantum's peak and what it keeps between quanta."""
+
+
+class JobError(KeyError):
+    """Unknown or duplicate job id."""
+
+
+@dataclass
+class JobState:
+    """The loop's view of one finetune job (read it with ``HostLoop.job_state``)."""
+
+    job_id: str
+    trainer: QuantumTrainer
+    seq_len: int
+    max_seq_len: int
+    lora_rank: int
+    paused: bool = False
+    failed: str | None = None
+    tokens_trained: int = 0
+    quanta: int = 0
+    last_loss: float | None = None
+    step: int = 0
+    bytes_per_token: float | None = None
+    solo_tokens_per_s: float | None = None
+    reports: list[QuantumReport] = field(default_factory=list, repr=False)
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.trainer.finished)
+
+    @property
+    def runnable(self) -> bool:
+        return not (self.paused or self.failed or self.finished)
+
+    def view(self) -> JobView:
+        return JobView(
+            self.job_id,
+            self.seq_len,
+            self.max_seq_len,
+            self.lora_rank,
+            self.bytes_per_token,
+            self.solo_tokens_per_s,
+        )
+
+
+@dataclass
+class _RequestTiming:
+    arrival: float | None
+    first: float | None = None
+    last: float | None = None
+    tokens: int = 0
+
+
+class HostLoop:
+    """Runs decode iterations and finetune quanta as a `CoLocationPolicy` plans them."""
+
+    def __init__(
+        self,
+        engine: Engine,
+        policy: CoLocationPolicy,
+        *,
+        tpot_slo_ms: float,
+        sharing: Any = None,
+        memory: FinetuneMemory | None = None,
+        metrics_sink: Callable[[IterationRecord], None] | None = None,
+        output_sink: Callable[[list[RequestOutput]], None] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        executor: QuantumExecutor | None = None,
+    ) -> None:
+        """``sharing``: a ``gpu_runtime.sharing.GpuSharing`` (None on CPU or to run decode on
+        the current stream); ``memory``: the unified pool's adapter (None: no budget)."""
+        if tpot_slo_ms <= 0:
+            raise ValueError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
+        self.engine = engine
+        self.policy = policy
+        self.tpot_slo_ms = tpot_slo_ms
+        self.sharing = sharing
+        self.memory = memory
+        self.metrics_sink = metrics_sink
+        self.output_sink = output_sink
+        self.clock = clock
+        if executor is None:
+            executor = (ThreadedExecutor if engine.config.is_cuda else SequentialExecutor)(clock)
+        self.executor = executor
+        self._jobs: dict[str, JobState] = {}
+        self._order: list[str] = []
+        self._timing: dict[str, _RequestTiming] = {}
+        self._index = 0
+        self._in_flight_since: float | None = None
+        self._in_flight_sms: int | None = None
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        arrival: float | None = None,
+    ) -> str:
+        """Queue a decode request (``Engine.add_request``) and start its latency clock."""
+        request_id = self.engine.add_request(prompt, params, request_id)
+        self._timing[request_id] = _RequestTiming(self.clock() if arrival is None else arrival)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        self.engine.abort_request(request_id)
+        self._timing.pop(request_id, None)
+
+    # ---- jobs -------------------------------------------------------------------------------
+    def add_job(self, job_id: str, trainer: QuantumTrainer) -> JobState:
+        """Register a finetune job; it runs when the policy gives it quanta."""
+        if job_id in self._jobs:
+            raise JobError(f"job {job_id!r} is already on this loop")
+        seq_len, max_seq_len, rank = describe_trainer(trainer)
+        state = JobState(job_id, trainer, seq_len, max_seq_len, rank)
+        self._jobs[job_id] = state
+        self._order.append(job_id)
+        return state
+
+    def pause_job(self, job_id: str) -> None:
+        """No new quanta for the job (a quantum in flight completes normally)."""
+        self.job_state(job_id).paused = True
+
+    def resume_job(self, job_id: str) -> None:
+        self.job_state(job_id).paused = False
+
+    def remove_job(self, job_id: str) -> QuantumTrainer:
+        """Take the job off the loop (waiting for its in-flight quantum); returns its trainer."""
+        state = self.job_state(job_id)
+        task = self.executor.in_flight
+        if task is not None and task.job_id == job_id:
+            self.executor.wait()
+            self._collect()
+        del self._jobs[job_id]
+        self._order.remove(job_id)
+        return state.trainer
+
+    def job_state(self, job_id: str) -> JobState:
+        try:
+            return self._jobs[job_id]
+        except KeyError:
+            raise JobError(f"no job {job_id!r} on this loop") from None
+
+    @property
+    def job_ids(self) -> list[str]:
+        return list(self._order)
+
+    # ---- the iteration ----------------------------------------------------------------------
+    def has_work(self) -> bool:
+        """Decode requests pending, a quantum in flight, or a runnable job."""
+        return (
+            self.engine.has_unfinished_requests()
+            or self.executor.in_flight is not None
+            or any(self._jobs[j].runnable for j in self._order)
+        )
+
+    def run_iteration(self) -> IterationRecord:
+        """Plan, launch, decode, account (see the module docstring); returns the record."""
+        started = self.clock()
+        reports = self._collect()
+        snapshot = decode_snapshot(self.engine)
+        ctx = self._context(started, snapshot)
+        plan = self.policy.plan(ctx)
+        validate_plan(plan, ctx)
+        decode_stream = finetune_stream = None
+        if self.sharing is not None and plan.decode_sms is not None:
+            decode_stream, finetune_stream = self.sharing.partition(plan.decode_sms)
+        in_flight = self.executor.in_flight is not None
+        for launch in plan.launches:
+            if launch.mode is LaunchMode.CONCURRENT:
+                self.executor.submit(self._task(launch.job_id, launch, plan, finetune_stream))
+                self._in_flight_sms = plan.decode_sms
+                in_flight = True
+        if self.memory is not None:
+            self.memory.before_decode()
+        decode_start = self.clock()
+        outputs = self._decode(decode_stream, plan.decode_sms)
+        emitted = self.clock()
+        for launch in plan.launches:
+            if launch.mode is LaunchMode.AFTER_DECODE:
+                report = self.executor.run_now(self._task(launch.job_id, launch, plan))
+                self._account(report, alone=True)
+                reports.append(report)
+        observed_ms = (self.clock() - decode_start) * 1e3
+        self.executor.after_decode()
+        if self.memory is not None:
+            self.memory.after_decode()
+        reports += self._collect()
+        samples, finished = self._time_tokens(outputs, emitted)
+        if self.output_sink is not None and outputs:
+            self.output_sink(outputs)
+        record = IterationRecord(
+            index=self._index,
+            timestamp=started,
+            policy=self.policy.name,
+            decode_batch=snapshot.batch_size,
+            prefill_tokens=snapshot.prefill_tokens,
+            decode_tokens=len(outputs),
+            observed_ms=observed_ms,
+            iteration_ms=(self.clock() - started) * 1e3,
+            predicted_ms=plan.predicted_ms,
+            predicted_solo_ms=plan.predicted_solo_ms,
+            margin=plan.margin,
+            decode_sms=plan.decode_sms,
+            total_sms=ctx.total_sms,
+            finetune_launched=plan.launches,
+            finetune_tokens=sum(r.tokens for r in reports),
+            quanta=tuple(reports),
+            memory_lent_bytes=None if self.memory is None else self.memory.lent_bytes(),
+            tpot_samples_ms=tuple(samples),
+            finished=tuple(finished),
+            paused=plan.paused,
+            note=plan.note,
+            in_flight=in_flight,
+        )
+        self._index += 1
+        self.policy.observe(record)
+        if self.metrics_sink is not None:
+            self.metrics_sink(record)
+        return record
+
+    def run_until_idle(self, max_iterations: int = 1_000_000) -> list[IterationRecord]:
+        """Iterate until no request is pending and no job can run (tests, batch runs)."""
+        records: list[IterationRecord] = []
+        while self.has_work() and len(records) < max_iterations:
+            records.append(self.run_iteration())
+        self.executor.wait()
+        return records
+
+    def close(self) -> None:
+        """Wait for the in-flight quantum, account it, stop the worker."""
+        self.executor.wait()
+        self._collect()
+        self.executor.close()
+
+    # ---- internals --------------------------------------------------------------------------
+    def _context(self, now: float, snapshot: Any) -> IterationContext:
+        options: tuple[int, ...] = ()
+        total = None
+        spatial = False
+        if self.sharing is not None:
+            options = tuple(self.sharing.table.choices)
+            total = int(self.sharing.table.total_sms)
+            spatial = bool(self.sharing.spatial)
+        task = self.executor.in_flight
+        in_flight = None
+        if task is not None:
+            in_flight = InFlightQuantum(
+                task.job_id, task.max_tokens, task.decode_sms, self.executor.submitted_at or now
+            )
+        runnable = [self._jobs[j].view() for j in self._order if self._jobs[j].runnable]
+        return IterationContext(
+            now=now,
+            decode=snapshot,
+            total_sms=total,
+            decode_sms_options=options,
+            spatial=spatial,
+            jobs=tuple(runnable),
+            in_flight=in_flight,
+            finetune_budget_bytes=(
+                None if self.memory is None else self.memory.finetune_budget_bytes()
+            ),
+            tpot_slo_ms=self.tpot_slo_ms,
+        )
+
+    def _task(
+        self, job_id: str, launch: Any, plan: IterationPlan, stream: Any = None
+    ) -> QuantumTask:
+        # Round robin: the launched job goes to the back of the order.
+        self._order.remove(job_id)
+        self._order.append(job_id)
+        trainer = self._jobs[job_id].trainer
+        return QuantumTask(job_id, trainer, launch.max_tokens, launch.mode, plan.decode_sms, stream)
+
+    def _decode(self, stream: Any, decode_sms: int | None) -> list[RequestOutput]:
+        if stream is None:
+            return self.engine.step(partition=decode_sms)
+        import torch
+
+        with torch.cuda.stream(stream):
+            return self.engine.step(partition=decode_sms)
+
+    def _collect(self) -> list[QuantumReport]:
+        """Account the reports of concurrent quanta that finished since the last poll."""
+        reports = self.executor.poll()
+        for report in reports:
+            self._account(report, alone=False)
+        return reports
+
+    def _account(self, report: QuantumReport, *, alone: bool) -> None:
+        state = self._jobs.get(report.job_id)
+        if state is None:
+            return
+        state.quanta += 1
+        state.reports.append(report)
+        del state.reports[:-64]
+        if report.error is not None:
+            state.failed = report.error
+            return
+        state.tokens_trained += report.tokens
+        state.last_loss = report.loss
+        state.step = report.step if report.step is not None else state.step
+        if report.peak_memory_bytes is not None and report.tokens:
+            state.bytes_per_token = report.peak_memory_bytes / report.tokens
+            if self.memory is not None:
+                self.memory.quantum_done(peak_bytes=report.peak_memory_bytes, resident_bytes=0)
+        if alone and report.duration_ms > 0 and report.tokens:
+            state.solo_tokens_per_s = report.tokens / (report.duration_ms / 1e3)
+
+    def _time_tokens(
+        self, outputs: list[RequestOutput], emitted: float
+    ) -> tuple[list[float], list[FinishedRequest]]:
+        samples: list[float] = []
+        finished: list[FinishedRequest] = []
+        for out in outputs:
+            timing = self._timing.setdefault(out.request_id, _RequestTiming(None))
+            count = len(out.new_token_ids)
+            if timing.first is None:
+                timing.first = emitted
+            elif timing.last is not None and count:
+                samples.append((emitted - timing.last) * 1e3 / count)
+            timing.last = emitted
+            timing.tokens += count
+            if out.finished:
+                self._timing.pop(out.request_id, None)
+                tpot = None
+                if timing.tokens > 1 and timing.first is not None:
+                    tpot = (emitted - timing.first) * 1e3 / (timing.tokens - 1)
+                ttft = None
+                if timing.arrival is not None and timing.first is not None:
+                    ttft = (timing.first - timing.arrival) * 1e3
+                finished.append(
+                    FinishedRequest(out.request_id, timing.tokens, tpot, ttft, out.finish_reason)
+                )
+        return samples, finished

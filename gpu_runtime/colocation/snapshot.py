@@ -1,0 +1,51 @@
+"""Read what a policy needs from the decode engine and from a trainer, without changing them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_runtime.colocation.types import DecodeSnapshot
+
+
+def decode_snapshot(engine: Any) -> DecodeSnapshot:
+    """The coming iteration's decode work, from the scheduler's running and waiting queues.
+
+    A running request whose every token but the last is cached decodes one token; one with
+    more uncached tokens is mid-prefill. Prefill tokens (running chunks, then waiting prompts)
+    are capped by what the step's token budget leaves after the decode tokens. Schedulers that
+    do not expose ``running``/``waiting`` (not the continuous-batching one) read as idle.
+    """
+    scheduler = engine.scheduler
+    running = list(getattr(scheduler, "running", ()))
+    waiting = list(getattr(scheduler, "waiting", ()))
+    contexts: list[int] = []
+    prefill = 0
+    for request in running:
+        uncached = request.num_tokens - request.num_computed_tokens
+        if uncached <= 1:
+            contexts.append(request.num_computed_tokens)
+        else:
+            prefill += uncached
+    budget = max(int(engine.config.max_num_batched_tokens) - len(contexts), 0)
+    prefill += sum(request.num_tokens for request in waiting)
+    return DecodeSnapshot.from_contexts(contexts, min(prefill, budget), len(waiting))
+
+
+def describe_trainer(trainer: Any) -> tuple[int, int, int]:
+    """(mean example tokens, longest example tokens, LoRA rank) of a ``LoraTrainer``.
+
+    Anything else must carry ``seq_len``, ``max_seq_len`` and ``lora_rank`` attributes.
+    """
+    stream = getattr(trainer, "stream", None)
+    examples = getattr(stream, "examples", None)
+    if examples:
+        lengths = [example.num_tokens for example in examples]
+        rank = int(trainer.hparams.lora.rank)
+        return round(sum(lengths) / len(lengths)), max(lengths), rank
+    try:
+        return int(trainer.seq_len), int(trainer.max_seq_len), int(trainer.lora_rank)
+    except AttributeError:
+        raise TypeError(
+            f"{type(trainer).__name__} is neither a LoraTrainer nor carries seq_len, "
+            "max_seq_len and lora_rank"
+        ) from None

@@ -1,0 +1,252 @@
+"""Typed records the co-location loop and its policies exchange (pure Python, no torch).
+
+One iteration: the loop builds an :class:`IterationContext` (what decode is about to do, which
+finetune jobs can run, what is in flight, the memory budget), the policy answers with an
+:class:`IterationPlan` (decode SM share, finetune quanta to launch and how), the loop executes it
+and emits an :class:`IterationRecord` (what was predicted, what was observed) to its metrics sink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class PlanError(ValueError):
+    """A policy returned a plan the loop cannot execute; the message names the field."""
+
+
+class LaunchMode(Enum):
+    """How a finetune quantum shares the GPU with the decode iteration it is launched with."""
+
+    CONCURRENT = "concurrent"
+    """On the finetune stream beside decode (spatially split when a partitioner exists); the
+    quantum may outlast the iteration. On CPU the loop runs it right after the decode step."""
+    AFTER_DECODE = "after_decode"
+    """Time slicing: after the decode step has finished, on the whole device, and the loop
+    waits for it before the iteration ends (it counts towards this iteration's TPOT)."""
+
+
+@dataclass(frozen=True)
+class DecodeSnapshot:
+    """Decode work of the coming iteration, read from the engine's scheduler before it runs.
+
+    Attributes:
+        batch_size: running sequences that will decode one token each.
+        context_tokens_total: sum of their cached tokens.
+        context_tokens_max: longest of those contexts.
+        prefill_tokens: prompt tokens expected in the same iteration (chunked prefill).
+        waiting_requests: requests queued and not yet admitted.
+    """
+
+    batch_size: int
+    context_tokens_total: int
+    context_tokens_max: int
+    prefill_tokens: int = 0
+    waiting_requests: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "context_tokens_total", "prefill_tokens", "waiting_requests"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"DecodeSnapshot.{name} must be >= 0, got {getattr(self, name)}")
+        if self.context_tokens_max * self.batch_size < self.context_tokens_total:
+            raise ValueError(
+                f"context_tokens_max {self.context_tokens_max} x batch {self.batch_size} < "
+                f"total {self.context_tokens_total}"
+            )
+
+    @property
+    def is_idle(self) -> bool:
+        """No decode or prefill work: the iteration computes nothing."""
+        return self.batch_size == 0 and self.prefill_tokens == 0
+
+    @classmethod
+    def from_contexts(
+        cls, contexts: list[int], prefill_tokens: int = 0, waiting_requests: int = 0
+    ) -> DecodeSnapshot:
+        """From the per-sequence context lengths of the decode batch."""
+        return cls(
+            len(contexts), sum(contexts), max(contexts, default=0), prefill_tokens, waiting_requests
+        )
+
+
+@dataclass(frozen=True)
+class JobView:
+    """A runnable finetune job as a policy sees it.
+
+    Attributes:
+        job_id: the loop's key for the job.
+        seq_len: typical (mean) example length in tokens, for the predictor's ``ft_seq_len``.
+        max_seq_len: longest example; a quantum needs at least this many tokens of budget.
+        lora_rank: adapter rank, for the predictor's ``ft_lora_rank``.
+        bytes_per_token: observed peak finetune bytes per quantum token (None until measured).
+        tokens_per_s_solo: observed tokens/s of its quanta when nothing else ran (None until
+            measured).
+    """
+
+    job_id: str
+    seq_len: int
+    max_seq_len: int
+    lora_rank: int
+    bytes_per_token: float | None = None
+    tokens_per_s_solo: float | None = None
+
+
+@dataclass(frozen=True)
+class InFlightQuantum:
+    """A concurrent quantum launched earlier that has not finished yet."""
+
+    job_id: str
+    max_tokens: int
+    decode_sms: int | None
+    started_at: float
+
+
+@dataclass(frozen=True)
+class IterationContext:
+    """Everything a policy may read to plan one iteration.
+
+    Attributes:
+        now: the loop clock (seconds).
+        decode: the coming decode work.
+        total_sms: SMs of the device (None on CPU / without a partitioner).
+        decode_sms_options: decode SM counts the partitioner can give (ascending, the last one
+            being ``total_sms``: no spatial split); empty without a partitioner.
+        spatial: True when the options above are disjoint SM splits (green contexts).
+        jobs: runnable (not paused, not finished) finetune jobs, in round-robin order.
+        in_flight: the concurrent quantum still running, if any (one at a time).
+        finetune_budget_bytes: memory a quantum may peak at (None: no memory manager).
+        tpot_slo_ms: the decode TPOT SLO this loop serves.
+    """
+
+    now: float
+    decode: DecodeSnapshot
+    total_sms: int | None
+    decode_sms_options: tuple[int, ...]
+    spatial: bool
+    jobs: tuple[JobView, ...]
+    in_flight: InFlightQuantum | None
+    finetune_budget_bytes: int | None
+    tpot_slo_ms: float
+
+
+@dataclass(frozen=True)
+class FinetuneLaunch:
+    """One quantum to start: ``LoraTrainer.step_quantum(max_tokens=max_tokens)``."""
+
+    job_id: str
+    max_tokens: int
+    mode: LaunchMode = LaunchMode.CONCURRENT
+    predicted_ms: float | None = None
+    """Predicted duration of the quantum itself, when the policy has a model for it."""
+
+    def __post_init__(self) -> None:
+        if self.max_tokens < 1:
+            raise PlanError(f"FinetuneLaunch.max_tokens must be >= 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class IterationPlan:
+    """A policy's decision for one iteration.
+
+    Attributes:
+        decode_sms: SMs decode runs on (one of ``decode_sms_options``); None without a
+            partitioner (whole device / CPU).
+        launches: quanta to start (at most one CONCURRENT, only when nothing is in flight).
+        predicted_ms: predicted TPOT of this iteration under the plan (decode plus whatever the
+            plan puts beside or after it); None when the policy has no predictor.
+        predicted_solo_ms: stage-1 prediction of decode alone on ``decode_sms`` (None if none).
+        margin: the safety margin the decision used (fraction of the SLO), if any.
+        paused: True when the policy wanted finetuning but judged no choice safe.
+        note: free-form reason, kept in the record.
+    """
+
+    decode_sms: int | None = None
+    launches: tuple[FinetuneLaunch, ...] = ()
+    predicted_ms: float | None = None
+    predicted_solo_ms: float | None = None
+    margin: float | None = None
+    paused: bool = False
+    note: str = ""
+
+    @property
+    def finetune_tokens_planned(self) -> int:
+        """Sum of the launches' token caps."""
+        return sum(launch.max_tokens for launch in self.launches)
+
+
+@dataclass(frozen=True)
+class QuantumReport:
+    """A quantum that completed (or failed) during an iteration."""
+
+    job_id: str
+    tokens: int
+    duration_ms: float
+    mode: LaunchMode
+    decode_sms: int | None
+    loss: float | None = None
+    step: int | None = None
+    optimizer_step: bool = False
+    job_finished: bool = False
+    peak_memory_bytes: int | None = None
+    checkpoint: str | None = None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class FinishedRequest:
+    """A decode request that finished this iteration, with its TPOT."""
+
+    request_id: str
+    output_tokens: int
+    tpot_ms: float | None
+    """Mean gap between its output tokens (None with a single token)."""
+    ttft_ms: float | None
+    """Arrival to first token (None when the loop did not see it arrive)."""
+    finish_reason: str | None = None
+
+
+@dataclass(frozen=True)
+class IterationRecord:
+    """What one iteration did: exported to the metrics sink, aggregated for the host agent.
+
+    Times are in ms; ``timestamp`` is the loop clock (s) at the iteration's start.
+    """
+
+    index: int
+    timestamp: float
+    policy: str
+    decode_batch: int
+    prefill_tokens: int
+    decode_tokens: int
+    """Tokens emitted by decode this iteration."""
+    observed_ms: float
+    """Wall time of the decode step (plus an AFTER_DECODE quantum, which is part of TPOT)."""
+    iteration_ms: float
+    """Wall time of the whole iteration (planning and bookkeeping included)."""
+    predicted_ms: float | None
+    predicted_solo_ms: float | None
+    margin: float | None
+    decode_sms: int | None
+    total_sms: int | None
+    finetune_launched: tuple[FinetuneLaunch, ...]
+    finetune_tokens: int
+    """Tokens of quanta that completed during this iteration."""
+    quanta: tuple[QuantumReport, ...]
+    memory_lent_bytes: int | None
+    tpot_samples_ms: tuple[float, ...]
+    """Gap since the previous token, for each token emitted this iteration (first tokens
+    excluded)."""
+    finished: tuple[FinishedRequest, ...] = ()
+    paused: bool = False
+    note: str = ""
+    in_flight: bool = False
+    """A concurrent quantum was running while decode ran."""
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def decode_sm_share(self) -> float | None:
+        """Decode SMs / device SMs, when known."""
+        if self.decode_sms is None or not self.total_sms:
+            return None
+        return self.decode_sms / self.total_sms

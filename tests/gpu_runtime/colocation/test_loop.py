@@ -1,0 +1,158 @@
+"""HostLoop end to end on CPU: real tiny-model decode and real tiny LoRA quanta."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from gpu_runtime.colocation import (
+    CoLocationPolicy,
+    DecodeOnlyPolicy,
+    FinetuneLaunch,
+    HostLoop,
+    IterationContext,
+    IterationPlan,
+    IterationRecord,
+    JobError,
+    MetricsAggregator,
+    NaivePolicy,
+    PlanError,
+)
+from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+from gpu_runtime.finetune.trainer import LoraTrainer
+from gpu_runtime.model import build_random_model
+from gpu_runtime.model.tiny import tiny_config
+
+PROMPTS = [[5, 6, 7, 8, 9], [11, 12, 13], list(range(20, 40)), [3, 4]]
+PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _engine() -> Engine:
+    model = build_random_model(tiny_config("llama"), seed=3, dtype="float32")
+    config = EngineConfig(
+        num_kv_blocks=32,
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=256,
+    )
+    return Engine(model, config)
+
+
+def _trainer(engine: Engine, examples: Any, epochs: int = 1) -> LoraTrainer:
+    hparams = resolve_hyperparameters(
+        n_train_examples=len(examples),
+        n_epochs=epochs,
+        batch_size=4,
+        lora=LoraSpec(rank=4, alpha=8, dropout=0.0),
+        seed=0,
+        warmup_ratio=0.0,
+    )
+    return LoraTrainer(engine.runner.model, examples, hparams)
+
+
+def _decode_alone() -> list[list[int]]:
+    engine = _engine()
+    return [out.output_token_ids for out in engine.generate(PROMPTS, PARAMS)]
+
+
+def test_naive_loop_runs_decode_and_quanta_end_to_end(train_examples: Any) -> None:
+    engine = _engine()
+    trainer = _trainer(engine, train_examples)
+    metrics = MetricsAggregator(tpot_slo_ms=1e6)
+    outputs: dict[str, list[int]] = {}
+
+    def keep(batch: list[Any]) -> None:
+        for out in batch:
+            outputs[out.request_id] = out.output_token_ids
+
+    loop = HostLoop(
+        engine,
+        NaivePolicy(quantum_examples=2),
+        tpot_slo_ms=1e6,
+        metrics_sink=metrics.add,
+        output_sink=keep,
+    )
+    ids = [loop.add_request(p, PARAMS) for p in PROMPTS]
+    loop.add_job("job-a", trainer)
+    records = loop.run_until_idle(max_iterations=200)
+    loop.close()
+
+    # Decode is unchanged by the LoRA quanta that ran beside it.
+    assert [outputs[i] for i in ids] == _decode_alone()
+    # Every example was trained once; the job finished after its 2 optimizer steps.
+    state = loop.job_state("job-a")
+    assert state.finished and state.step == 2 and state.failed is None
+    assert state.tokens_trained == sum(e.num_tokens for e in train_examples)
+    assert sum(r.finetune_tokens for r in records) == state.tokens_trained
+    # One TPOT sample per token after each request's first; every request finished.
+    assert sum(len(r.tpot_samples_ms) for r in records) == len(PROMPTS) * (PARAMS.max_tokens - 1)
+    finished = [f for r in records for f in r.finished]
+    assert sorted(f.request_id for f in finished) == sorted(ids)
+    assert all(f.output_tokens == PARAMS.max_tokens and f.tpot_ms and f.ttft_ms for f in finished)
+    interval = metrics.flush(loop.clock())
+    assert interval.finished_requests == len(PROMPTS)
+    assert interval.slo_attainment == 1.0
+    assert interval.finetune_tokens == state.tokens_trained
+    assert interval.tpot_ms_p50 is not None and interval.tpot_ms_p99 is not None
+    assert interval.goodput_tokens_per_s > 0
+
+
+def test_decode_only_never_trains_and_jobs_can_be_paused(train_examples: Any) -> None:
+    engine = _engine()
+    loop = HostLoop(engine, NaivePolicy(quantum_examples=1), tpot_slo_ms=1e6)
+    loop.add_job("job-a", _trainer(engine, train_examples))
+    loop.pause_job("job-a")
+    assert not loop.has_work()
+    loop.add_request(PROMPTS[0], PARAMS)
+    records = loop.run_until_idle(max_iterations=50)
+    assert all(not r.quanta and not r.finetune_launched for r in records)
+    loop.resume_job("job-a")
+    record = loop.run_iteration()
+    assert record.finetune_launched and record.finetune_tokens > 0
+    trainer = loop.remove_job("job-a")
+    assert isinstance(trainer, LoraTrainer) and loop.job_ids == []
+    with pytest.raises(JobError):
+        loop.pause_job("job-a")
+
+    only = HostLoop(_engine(), DecodeOnlyPolicy(), tpot_slo_ms=1e6)
+    only.add_job("job-b", _trainer(only.engine, train_examples))
+    only.add_request(PROMPTS[1], PARAMS)
+    for _ in range(10):
+        assert only.run_iteration().finetune_tokens == 0
+    assert only.job_state("job-b").tokens_trained == 0
+
+
+class _BadPolicy(CoLocationPolicy):
+    name = "bad"
+
+    def plan(self, ctx: IterationContext) -> IterationPlan:
+        return IterationPlan(launches=(FinetuneLaunch("nobody", 64),))
+
+
+def test_loop_rejects_plans_that_break_the_contract() -> None:
+    loop = HostLoop(_engine(), _BadPolicy(), tpot_slo_ms=10.0)
+    loop.add_request(PROMPTS[0], PARAMS)
+    with pytest.raises(PlanError, match="nobody"):
+        loop.run_iteration()
+
+
+def test_records_carry_plan_and_observation(train_examples: Any) -> None:
+    seen: list[IterationRecord] = []
+    engine = _engine()
+    loop = HostLoop(
+        engine, NaivePolicy(quantum_examples=1), tpot_slo_ms=50.0, metrics_sink=seen.append
+    )
+    loop.add_job("j", _trainer(engine, train_examples))
+    loop.add_request(PROMPTS[2], PARAMS)
+    record = loop.run_iteration()
+    assert seen == [record]
+    assert record.policy == "naive" and record.index == 0
+    assert record.prefill_tokens == len(PROMPTS[2]) and record.decode_batch == 0
+    assert record.decode_tokens == 1 and record.observed_ms > 0
+    assert record.iteration_ms >= record.observed_ms
+    assert record.finetune_launched[0].job_id == "j" and record.quanta[0].tokens > 0
+    second = loop.run_iteration()
+    assert second.decode_batch == 1 and len(second.tpot_samples_ms) == 1
