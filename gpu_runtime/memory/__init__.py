@@ -7,6 +7,7 @@
 from gpu_runtime.memory.backend import CpuPageBackend, PageBackend
 from gpu_runtime.memory.counters import LatencySamples, MemoryCounters
 from gpu_runtime.memory.factory import create_page_pool
+from gpu_runtime.memory.kv_binding import BlockManagerLike, KVPoolBinding
 from gpu_runtime.memory.layout import (
     CUDA_PAGE_BYTES,
     FinetuneBudgetExceeded,
@@ -24,6 +25,8 @@ from gpu_runtime.memory.policy import (
 from gpu_runtime.memory.pool import MemorySplit, PagePool
 
 __all__ = [
+    "BlockManagerLike",
+    "KVPoolBinding",
     "CUDA_PAGE_BYTES",
     "CpuPageBackend",
     "DecodeDemand",

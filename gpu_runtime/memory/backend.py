@@ -42,17 +42,23 @@ class PageBackend(Protocol):
         """Pages of physical memory the pool owns; also the number of KV slots."""
         ...
 
+    @property
+    def map_unit_pages(self) -> int:
+        """Pages mapped or unmapped together (one physical chunk); ranges align to it."""
+        ...
+
     def map_range(self, first: int, count: int) -> int:
         """Back KV slots `[first, first+count)` with physical memory, in order.
 
-        Returns how many slots were mapped: fewer than `count` only when the device ran out of
-        physical memory (the mapped ones form a prefix of the range). Mapped slots must be
-        unmapped before; anything else raises `MemoryPoolError`.
+        `first` and `count` are multiples of `map_unit_pages`. Returns how many slots were
+        mapped: fewer than `count` only when the device ran out of physical memory (the mapped
+        ones form a unit-aligned prefix of the range). Mapped slots must be unmapped before;
+        anything else raises `MemoryPoolError`.
         """
         ...
 
     def unmap_range(self, first: int, count: int) -> None:
-        """Unmap KV slots `[first, first+count)` and give their physical memory back."""
+        """Unmap KV slots `[first, first+count)` (unit-aligned) and give the memory back."""
         ...
 
     def mapped_slots(self) -> frozenset[int]:
@@ -97,11 +103,24 @@ class PageBackend(Protocol):
 class CpuPageBackend:
     """Accounting backend: physical pages are simulated ids, KV storage optionally real."""
 
-    def __init__(self, *, num_pages: int, page_bytes: int, materialize_kv: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_bytes: int,
+        materialize_kv: bool = False,
+        map_unit_pages: int = 1,
+    ) -> None:
         if num_pages <= 0:
             raise ValueError(f"num_pages must be positive, got {num_pages}")
         if page_bytes <= 0:
             raise ValueError(f"page_bytes must be positive, got {page_bytes}")
+        if map_unit_pages <= 0 or num_pages % map_unit_pages:
+            raise ValueError(
+                f"map_unit_pages ({map_unit_pages}) must be positive and divide "
+                f"num_pages ({num_pages})"
+            )
+        self._unit = map_unit_pages
         self._num_pages = num_pages
         self._page_bytes = page_bytes
         # Physical page ids 0..num_pages-1; lowest id handed out first (deterministic).
@@ -125,6 +144,10 @@ class CpuPageBackend:
     def num_pages(self) -> int:
         return self._num_pages
 
+    @property
+    def map_unit_pages(self) -> int:
+        return self._unit
+
     def _check_open(self) -> None:
         if self._closed:
             raise MemoryPoolError("backend is closed")
@@ -134,6 +157,10 @@ class CpuPageBackend:
             raise MemoryPoolError(
                 f"slot range [{first}, {first + count}) outside [0, {self._num_pages})"
             )
+        if first % self._unit or count % self._unit:
+            raise MemoryPoolError(
+                f"slot range [{first}, {first + count}) is not aligned to {self._unit} pages"
+            )
 
     def map_range(self, first: int, count: int) -> int:
         self._check_open()
@@ -141,10 +168,11 @@ class CpuPageBackend:
         for slot in range(first, first + count):
             if slot in self._slot_to_physical:
                 raise MemoryPoolError(f"slot {slot} is already mapped")
-        for done, slot in enumerate(range(first, first + count)):
-            if not self._free_physical:
+        for done in range(0, count, self._unit):
+            if len(self._free_physical) < self._unit:
                 return done
-            self._slot_to_physical[slot] = self._free_physical.pop()
+            for slot in range(first + done, first + done + self._unit):
+                self._slot_to_physical[slot] = self._free_physical.pop()
         return count
 
     def unmap_range(self, first: int, count: int) -> None:

@@ -3,8 +3,13 @@
 Mechanism (CUDA virtual memory management through `cuda-bindings`, imported lazily):
 - `cuMemAddressReserve` reserves `num_pages * page_bytes` of address space once; the KV cache is
   a torch uint8 view of the whole range (`__cuda_array_interface__`), so its address never moves.
-- Mapping a page: `cuMemCreate` (physical chunk) + `cuMemMap` + `cuMemSetAccess`. Unmapping:
-  `cuMemUnmap` + `cuMemRelease`, which returns the physical memory to the device at once.
+- Pages are 2 MiB (the driver's granularity, the accounting unit) but physical memory moves in
+  chunks of `chunk_bytes` (default 32 MiB = 16 pages): each driver call costs about the same
+  whatever the size (measured on H200: ~44 us per create+map+access, ~34 us per
+  unmap+release), so 32 MiB chunks move 1 GiB about 12x faster than 2 MiB ones.
+- Mapping a chunk: `cuMemCreate` + `cuMemMap`, then one `cuMemSetAccess` over the whole run of
+  new chunks. Unmapping: `cuMemUnmap` + `cuMemRelease`, which returns the physical memory to the
+  device at once (torch can allocate it right after). Neither waits for in-flight kernels.
 - Finetune tensors come from torch's caching allocator. Its budget is enforced as a cap on
   torch's reserved memory (`torch.cuda.set_per_process_memory_fraction`): the cap is the torch
   baseline (weights, decode buffers, taken at construction or `reset_torch_baseline`) plus a
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from gpu_runtime.memory.layout import GIB, FinetuneBudgetExceeded, MemoryPoolError
+from gpu_runtime.memory.layout import GIB, MIB, FinetuneBudgetExceeded, MemoryPoolError
 
 if TYPE_CHECKING:
     import torch
@@ -47,13 +52,15 @@ class CudaVmmBackend:
         pool_bytes: int | None = None,
         leave_free_bytes: int = 4 * GIB,
         torch_headroom_bytes: int = 1 * GIB,
+        chunk_bytes: int = 32 * MIB,
         access_per_page: bool = False,
     ) -> None:
         """Reserve the range. `pool_bytes` defaults to the device's free memory less
         `leave_free_bytes` (room for decode's own torch allocations: graphs, workspace).
         `torch_headroom_bytes` is what torch may grow by beyond its baseline outside the
-        finetune budget. `access_per_page` sets access per mapped page instead of once per
-        mapped run (kept to compare the two by measurement)."""
+        finetune budget. `chunk_bytes` (a multiple of the granularity) is the map unit.
+        `access_per_page` sets access per mapped chunk instead of once per mapped run (kept to
+        compare the two by measurement)."""
         import torch
         from cuda.bindings import driver as cu
 
@@ -79,6 +86,12 @@ class CudaVmmBackend:
             )
         )
         self._page_bytes = int(granularity)
+        if chunk_bytes <= 0 or chunk_bytes % self._page_bytes:
+            raise MemoryPoolError(
+                f"chunk_bytes {chunk_bytes} is not a multiple of the granularity {self._page_bytes}"
+            )
+        self._chunk_bytes = chunk_bytes
+        self._unit = chunk_bytes // self._page_bytes
         access = cu.CUmemAccessDesc()
         access.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
         access.location.id = device
@@ -88,9 +101,9 @@ class CudaVmmBackend:
         if pool_bytes is None:
             free, _total = torch.cuda.mem_get_info(device)
             pool_bytes = free - leave_free_bytes
-        if pool_bytes < self._page_bytes:
-            raise MemoryPoolError(f"pool of {pool_bytes} B is smaller than one page")
-        self._num_pages = pool_bytes // self._page_bytes
+        if pool_bytes < chunk_bytes:
+            raise MemoryPoolError(f"pool of {pool_bytes} B is smaller than one chunk")
+        self._num_pages = (pool_bytes // chunk_bytes) * self._unit
         self._range_bytes = self._num_pages * self._page_bytes
         (base,) = self._call(cu.cuMemAddressReserve(self._range_bytes, self._page_bytes, 0, 0))
         self._base = int(base)
@@ -125,47 +138,54 @@ class CudaVmmBackend:
     def num_pages(self) -> int:
         return self._num_pages
 
+    @property
+    def map_unit_pages(self) -> int:
+        return self._unit
+
     def map_range(self, first: int, count: int) -> int:
         self._check_range(first, count)
         cu = self._cu
-        for slot in range(first, first + count):
+        unit = self._unit
+        chunks = range(first, first + count, unit)
+        for slot in chunks:
             if slot in self._handles:
                 raise MemoryPoolError(f"slot {slot} is already mapped")
         mapped = 0
-        for slot in range(first, first + count):
-            result = cu.cuMemCreate(self._page_bytes, self._prop, 0)
+        for slot in chunks:
+            result = cu.cuMemCreate(self._chunk_bytes, self._prop, 0)
             if result[0] == cu.CUresult.CUDA_ERROR_OUT_OF_MEMORY:
                 break
             (handle,) = self._call(result)
             try:
-                self._call(cu.cuMemMap(self._address(slot), self._page_bytes, 0, handle, 0))
+                self._call(cu.cuMemMap(self._address(slot), self._chunk_bytes, 0, handle, 0))
             except MemoryPoolError:
                 self._call(cu.cuMemRelease(handle))
                 raise
             self._handles[slot] = handle
-            mapped += 1
+            mapped += unit
             if self._access_per_page:
                 address = self._address(slot)
-                self._call(cu.cuMemSetAccess(address, self._page_bytes, self._access, 1))
+                self._call(cu.cuMemSetAccess(address, self._chunk_bytes, self._access, 1))
         if mapped and not self._access_per_page:
             # One access call for the whole newly mapped run (a range of several mappings).
-            self._call(
-                cu.cuMemSetAccess(self._address(first), mapped * self._page_bytes, self._access, 1)
-            )
+            nbytes = mapped * self._page_bytes
+            self._call(cu.cuMemSetAccess(self._address(first), nbytes, self._access, 1))
         return mapped
 
     def unmap_range(self, first: int, count: int) -> None:
         self._check_range(first, count)
         cu = self._cu
-        for slot in range(first, first + count):
+        chunks = range(first, first + count, self._unit)
+        for slot in chunks:
             if slot not in self._handles:
                 raise MemoryPoolError(f"slot {slot} is not mapped")
-        for slot in range(first, first + count):
-            self._call(cu.cuMemUnmap(self._address(slot), self._page_bytes))
+        for slot in chunks:
+            self._call(cu.cuMemUnmap(self._address(slot), self._chunk_bytes))
             self._call(cu.cuMemRelease(self._handles.pop(slot)))
 
     def mapped_slots(self) -> frozenset[int]:
-        return frozenset(self._handles)
+        unit = self._unit
+        return frozenset(page for slot in self._handles for page in range(slot, slot + unit))
 
     def kv_storage(self) -> torch.Tensor:
         """The uint8 view of the whole range; needs slot 0 mapped when first called."""
@@ -221,7 +241,7 @@ class CudaVmmBackend:
         cu = self._cu
         self._view = None
         for slot in sorted(self._handles):
-            self._call(cu.cuMemUnmap(self._address(slot), self._page_bytes))
+            self._call(cu.cuMemUnmap(self._address(slot), self._chunk_bytes))
             self._call(cu.cuMemRelease(self._handles.pop(slot)))
         self._call(cu.cuMemAddressFree(self._cu.CUdeviceptr(self._base), self._range_bytes))
         self._torch.cuda.set_per_process_memory_fraction(1.0, self._device)
@@ -233,4 +253,8 @@ class CudaVmmBackend:
         if count < 0 or first < 0 or first + count > self._num_pages:
             raise MemoryPoolError(
                 f"slot range [{first}, {first + count}) outside [0, {self._num_pages})"
+            )
+        if first % self._unit or count % self._unit:
+            raise MemoryPoolError(
+                f"slot range [{first}, {first + count}) is not aligned to {self._unit} pages"
             )

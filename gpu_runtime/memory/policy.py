@@ -77,18 +77,20 @@ class DecodeDemand:
 
     used_blocks: int
     """Blocks held by running requests."""
-    top_used_block: int
-    """One past the highest block id in use (0 when none): blocks below it can't be unmapped."""
     next_step_blocks: int = 0
     """Blocks the next step will allocate (tokens crossing a block edge, admitted prefills)."""
     waiting_blocks: int = 0
     """Blocks the queued (not yet admitted) requests would need: grows the reserve ahead."""
+    top_used_block: int | None = None
+    """One past the highest block id in use (0 when none), if known; blocks below it can't be
+    unmapped. Costly to compute, so `maintain` also takes it as a callable, asked only when
+    decode is about to give pages back."""
 
     def __post_init__(self) -> None:
-        for name in ("used_blocks", "top_used_block", "next_step_blocks", "waiting_blocks"):
+        for name in ("used_blocks", "next_step_blocks", "waiting_blocks"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.top_used_block < self.used_blocks:
+        if self.top_used_block is not None and self.top_used_block < self.used_blocks:
             raise ValueError(
                 f"top_used_block ({self.top_used_block}) < used_blocks ({self.used_blocks})"
             )
@@ -120,9 +122,15 @@ class MemoryManager:
                 f"layout page_bytes {layout.page_bytes} != pool page_bytes {pool.page_bytes}"
             )
         self.config = config or MemoryPolicyConfig()
-        if self.config.min_decode_pages > pool.num_pages:
+        if self.config.min_decode_pages > pool.prefix_limit_pages:
             raise ValueError(
-                f"min_decode_pages {self.config.min_decode_pages} > pool pages {pool.num_pages}"
+                f"min_decode_pages {self.config.min_decode_pages} > the pool's KV prefix limit "
+                f"({pool.prefix_limit_pages} pages)"
+            )
+        if self.config.max_step_pages < pool.map_unit_pages:
+            raise ValueError(
+                f"max_step_pages {self.config.max_step_pages} < the pool's map unit "
+                f"({pool.map_unit_pages} pages)"
             )
         self.pool = pool
         self.layout = layout
@@ -132,7 +140,8 @@ class MemoryManager:
         self._iterations_above_high = 0
         self._iterations_since_reclaim = self.config.grow_hold_iterations
         initial = min(
-            max(self.config.min_decode_pages, self.config.reserve_low_pages), pool.num_pages
+            max(self.config.min_decode_pages, self.config.reserve_low_pages),
+            pool.prefix_limit_pages,
         )
         self._grow_decode(initial, reason="initial")
 
@@ -140,7 +149,7 @@ class MemoryManager:
     @property
     def usable_blocks(self) -> int:
         """KV blocks backed by mapped pages: ids `[0, usable_blocks)`."""
-        return self.layout.blocks_in_pages(self.pool.decode_pages)
+        return self.layout.blocks_in_pages(self.pool.kv_prefix_pages)
 
     def before_step(self, demand: DecodeDemand) -> DecodeGrant:
         """Make room for the next step's blocks; returns the usable count and any shortfall."""
@@ -149,7 +158,7 @@ class MemoryManager:
         self._check_demand(demand)
         wanted = demand.used_blocks + demand.next_step_blocks
         if wanted > self.usable_blocks:
-            need = self.layout.pages_for_blocks(wanted) - self.pool.decode_pages
+            need = self.layout.pages_for_blocks(wanted) - self.pool.kv_prefix_pages
             got = self._grow_decode(need, reason="urgent")
             self.counters.urgent_maps += 1
             self.counters.urgent_pages += got
@@ -166,8 +175,14 @@ class MemoryManager:
             )
         return DecodeGrant(usable_blocks=self.usable_blocks, short_blocks=short)
 
-    def maintain(self, demand: DecodeDemand) -> None:
-        """One small step off the critical path: refill, shrink KV, or lend to finetuning."""
+    def maintain(
+        self, demand: DecodeDemand, *, top_used_block: Callable[[], int] | None = None
+    ) -> None:
+        """One small step off the critical path: refill, shrink KV, or lend to finetuning.
+
+        `top_used_block` is asked (only when decode is about to give pages back) when the
+        demand does not carry it; one of the two is needed for a shrink.
+        """
         self._check_demand(demand)
         cfg = self.config
         layout = self.layout
@@ -178,7 +193,8 @@ class MemoryManager:
         high_blocks = layout.blocks_in_pages(cfg.reserve_high_pages + waiting_pages)
         if free_blocks < low_blocks:
             self._iterations_above_high = 0
-            need = layout.pages_for_blocks(demand.used_blocks + low_blocks) - self.pool.decode_pages
+            prefix = self.pool.kv_prefix_pages
+            need = layout.pages_for_blocks(demand.used_blocks + low_blocks) - prefix
             got = self._grow_decode(min(need, cfg.max_step_pages), reason="refill")
             if got:
                 self.counters.refill_maps += 1
@@ -186,32 +202,42 @@ class MemoryManager:
         elif free_blocks > high_blocks:
             self._iterations_above_high += 1
             if self._iterations_above_high >= cfg.shrink_after_iterations:
-                self._shrink_decode(demand, target_pages, high_blocks)
+                top = demand.top_used_block
+                if top is None:
+                    if top_used_block is None:
+                        raise MemoryPoolError(
+                            "a KV shrink needs top_used_block (value or callable)"
+                        )
+                    top = top_used_block()
+                    self._check_top(top, demand.used_blocks)
+                self._shrink_decode(demand.used_blocks, top, target_pages, high_blocks)
         else:
             self._iterations_above_high = 0
         self._return_unwanted_budget()
         if free_blocks >= low_blocks:
             self._lend_idle_pages()
 
-    def _shrink_decode(self, demand: DecodeDemand, target_pages: int, high_blocks: int) -> None:
+    def _shrink_decode(
+        self, used_blocks: int, top_used_block: int, target_pages: int, high_blocks: int
+    ) -> None:
         cfg = self.config
         mid_blocks = (self.layout.blocks_in_pages(target_pages) + high_blocks) // 2
         keep = max(
             cfg.min_decode_pages,
-            self.layout.pages_for_blocks(demand.top_used_block),
-            self.layout.pages_for_blocks(demand.used_blocks + mid_blocks),
+            self.layout.pages_for_blocks(top_used_block),
+            self.layout.pages_for_blocks(used_blocks + mid_blocks),
         )
-        count = min(cfg.max_step_pages, self.pool.decode_pages - keep)
+        count = self._round_down(min(cfg.max_step_pages, self.pool.kv_prefix_pages - keep))
         if count <= 0:
             return
-        before = self.pool.decode_pages
+        before = self.pool.kv_prefix_pages
         self.pool.shrink_decode(count)
         self.counters.kv_shrinks += 1
         self.counters.decode_pages_unmapped += count
         logger.info(
             "decode KV shrinks %d -> %d pages (reserve above high watermark for %d iterations)",
             before,
-            self.pool.decode_pages,
+            self.pool.kv_prefix_pages,
             self._iterations_above_high,
         )
 
@@ -261,9 +287,17 @@ class MemoryManager:
 
     # ---- moves -------------------------------------------------------------------------
     def _grow_decode(self, pages: int, *, reason: str) -> int:
-        """Map `pages` more KV pages: from free pages first, then reclaimed finetune budget."""
+        """Map `pages` more KV pages (rounded up to the map unit, or down to what can be had):
+        from free pages first, then reclaimed finetune budget."""
         if pages <= 0:
             return 0
+        room = self.pool.prefix_limit_pages - self.pool.kv_prefix_pages
+        pages = min(self._round_up(pages), self._round_down(room))
+        available = self.pool.free_pages + self.pool.finetune_reclaimable_pages()
+        if pages > available:
+            pages = self._round_down(available)
+            if pages == 0:
+                return 0
         start = self._clock()
         reclaimed = 0
         short = pages - self.pool.free_pages
@@ -281,8 +315,8 @@ class MemoryManager:
                     self.pool.finetune_pages,
                     reason,
                 )
-        want = min(pages, self.pool.free_pages)
-        before = self.pool.decode_pages
+        want = self._round_down(min(pages, self.pool.free_pages))
+        before = self.pool.kv_prefix_pages
         got = self.pool.grow_decode(want)
         elapsed = self._clock() - start
         self.counters.decode_pages_mapped += got
@@ -296,11 +330,19 @@ class MemoryManager:
             logger.info(
                 "decode KV grows %d -> %d pages (%s, %.3f ms)",
                 before,
-                self.pool.decode_pages,
+                self.pool.kv_prefix_pages,
                 reason,
                 elapsed * 1e3,
             )
         return got
+
+    def _round_up(self, pages: int) -> int:
+        unit = self.pool.map_unit_pages
+        return -(-pages // unit) * unit
+
+    def _round_down(self, pages: int) -> int:
+        unit = self.pool.map_unit_pages
+        return pages // unit * unit
 
     def _lend_idle_pages(self) -> None:
         if self._iterations_since_reclaim < self.config.grow_hold_iterations:
@@ -335,8 +377,15 @@ class MemoryManager:
         )
 
     def _check_demand(self, demand: DecodeDemand) -> None:
-        if demand.top_used_block > self.usable_blocks:
+        if demand.used_blocks > self.usable_blocks:
             raise MemoryPoolError(
-                f"decode uses block {demand.top_used_block - 1} but only "
-                f"{self.usable_blocks} blocks are mapped"
+                f"decode uses {demand.used_blocks} blocks but only {self.usable_blocks} are mapped"
+            )
+        if demand.top_used_block is not None:
+            self._check_top(demand.top_used_block, demand.used_blocks)
+
+    def _check_top(self, top_used_block: int, used_blocks: int) -> None:
+        if not used_blocks <= top_used_block <= self.usable_blocks:
+            raise MemoryPoolError(
+                f"top_used_block {top_used_block} outside [{used_blocks}, {self.usable_blocks}]"
             )

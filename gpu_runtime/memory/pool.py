@@ -2,7 +2,9 @@
 
 Every page of the pool has exactly one owner at any time:
 - DECODE: a KV slot with physical memory mapped under it. Decode owns a prefix `[0, m)` of the
-  KV range, so the usable KV blocks are the first `KVLayout.blocks_in_pages(m)` blocks.
+  KV range, so the usable KV blocks are the first `KVLayout.blocks_in_pages(m)` blocks, plus an
+  optional pinned tail `[num_pages - t, num_pages)` that stays mapped for the pool's lifetime
+  (the decode engine's padding block lives past its last real block).
 - FINETUNE: part of the finetune budget; its physical memory is the finetune allocator's to take.
 - FREE: physical memory nobody was given (released to the device, mappable at once).
 
@@ -41,11 +43,23 @@ class MemorySplit:
 class PagePool:
     """Ledger of page owners over a backend; every transition checks its preconditions."""
 
-    def __init__(self, backend: PageBackend) -> None:
+    def __init__(self, backend: PageBackend, *, pinned_tail_pages: int = 0) -> None:
+        """`pinned_tail_pages` (rounded up to the map unit) are mapped now and never unmapped."""
+        if pinned_tail_pages < 0:
+            raise MemoryPoolError(f"pinned_tail_pages must be >= 0, got {pinned_tail_pages}")
+        unit = backend.map_unit_pages
+        tail = -(-pinned_tail_pages // unit) * unit
+        if tail >= backend.num_pages:
+            raise MemoryPoolError(
+                f"pinned tail of {tail} pages leaves nothing of {backend.num_pages} pages"
+            )
         self._backend = backend
         self._decode_pages = 0
         self._finetune_pages = 0
+        self._tail_pages = tail
         backend.set_finetune_cap(0)
+        if tail and backend.map_range(backend.num_pages - tail, tail) != tail:
+            raise MemoryPoolError(f"no physical memory for the pinned tail of {tail} pages")
 
     @property
     def backend(self) -> PageBackend:
@@ -60,9 +74,28 @@ class PagePool:
         return self._backend.num_pages
 
     @property
+    def map_unit_pages(self) -> int:
+        """Decode grows and shrinks in multiples of this many pages (one physical chunk)."""
+        return self._backend.map_unit_pages
+
+    @property
     def decode_pages(self) -> int:
-        """Mapped KV pages: the prefix `[0, decode_pages)` of the KV range."""
+        """All pages decode owns: the mapped prefix plus the pinned tail."""
+        return self._decode_pages + self._tail_pages
+
+    @property
+    def kv_prefix_pages(self) -> int:
+        """Mapped prefix `[0, kv_prefix_pages)` of the KV range: where usable blocks live."""
         return self._decode_pages
+
+    @property
+    def prefix_limit_pages(self) -> int:
+        """Most pages the prefix can reach (the pinned tail starts there)."""
+        return self.num_pages - self._tail_pages
+
+    @property
+    def pinned_tail_pages(self) -> int:
+        return self._tail_pages
 
     @property
     def finetune_pages(self) -> int:
@@ -72,7 +105,7 @@ class PagePool:
     @property
     def free_pages(self) -> int:
         """Pages owned by nobody."""
-        return self.num_pages - self._decode_pages - self._finetune_pages
+        return self.num_pages - self.decode_pages - self._finetune_pages
 
     @property
     def finetune_budget_bytes(self) -> int:
@@ -90,6 +123,12 @@ class PagePool:
         """
         if count < 0 or count > self.free_pages:
             raise MemoryPoolError(f"cannot map {count} pages: {self.free_pages} are free")
+        if self._decode_pages + count > self.prefix_limit_pages:
+            raise MemoryPoolError(
+                f"cannot map {count} pages: prefix at {self._decode_pages} of "
+                f"{self.prefix_limit_pages}"
+            )
+        self._check_unit(count)
         if count == 0:
             return 0
         mapped = self._backend.map_range(self._decode_pages, count)
@@ -101,10 +140,17 @@ class PagePool:
         them is in use (and that no in-flight kernel reads them)."""
         if count < 0 or count > self._decode_pages:
             raise MemoryPoolError(f"cannot unmap {count} pages: {self._decode_pages} are mapped")
+        self._check_unit(count)
         if count == 0:
             return
         self._backend.unmap_range(self._decode_pages - count, count)
         self._decode_pages -= count
+
+    def _check_unit(self, count: int) -> None:
+        if count % self.map_unit_pages:
+            raise MemoryPoolError(
+                f"{count} pages is not a multiple of the map unit ({self.map_unit_pages} pages)"
+            )
 
     def lend_to_finetune(self, count: int) -> None:
         """FREE -> FINETUNE: raise the finetune budget by `count` pages."""
@@ -151,7 +197,7 @@ class PagePool:
         page = self.page_bytes
         return MemorySplit(
             pool_bytes=self.num_pages * page,
-            decode_bytes=self._decode_pages * page,
+            decode_bytes=self.decode_pages * page,
             finetune_budget_bytes=self._finetune_pages * page,
             free_bytes=self.free_pages * page,
             finetune_reserved_bytes=self._backend.finetune_reserved_bytes(),
@@ -166,10 +212,13 @@ class PagePool:
                 f"finetune {self._finetune_pages}, free {self.free_pages}"
             )
         mapped = self._backend.mapped_slots()
-        if mapped != frozenset(range(self._decode_pages)):
+        expected = frozenset(range(self._decode_pages)) | frozenset(
+            range(self.prefix_limit_pages, self.num_pages)
+        )
+        if mapped != expected:
             raise MemoryPoolError(
-                f"ledger says slots [0, {self._decode_pages}) are mapped, backend has "
-                f"{len(mapped)} mapped slots"
+                f"ledger says slots [0, {self._decode_pages}) and the {self._tail_pages}-page "
+                f"tail are mapped, backend has {len(mapped)} mapped slots"
             )
         reserved = self._backend.finetune_reserved_bytes()
         if reserved > self.finetune_budget_bytes:

@@ -1,0 +1,269 @@
+"""Property-based tests of the unified pool: random decode and finetune demands, every step.
+
+A small decode engine model (requests that arrive, grow by one block per iteration, finish, or
+get preempted) and a finetune trainer model (fits each quantum into the budget it reads) drive
+`KVPoolBinding` + `MemoryManager` + `PagePool` over the CPU backend, whose physical pages are
+individually tracked. After every step: no physical page has two owners, the ledger sums to the
+pool and agrees with the backend, the block manager's usable ids are exactly the mapped blocks,
+no request is lost, decode is short of blocks only when finetuning holds nothing reclaimable,
+and finetuning never exceeds its budget.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from hypothesis import HealthCheck, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from gpu_runtime.memory import (
+    CpuPageBackend,
+    KVLayout,
+    KVPoolBinding,
+    MemoryManager,
+    MemoryPolicyConfig,
+    PagePool,
+)
+
+PAGE = 4096
+
+
+class LowestFirstBlocks:
+    """A block manager in plain integers: usable ids `[0, n)` grow/shrink at the top; the
+    lowest free id is allocated first."""
+
+    def __init__(self, num_blocks: int, capacity: int) -> None:
+        self.capacity = capacity
+        self._free = set(range(num_blocks))
+        self._used: set[int] = set()
+
+    @property
+    def num_used_blocks(self) -> int:
+        return len(self._used)
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_usable_blocks(self) -> int:
+        return len(self._free) + len(self._used)
+
+    def free_block_ids(self) -> list[int]:
+        return sorted(self._free)
+
+    def allocate(self, count: int) -> list[int]:
+        assert count <= len(self._free), "allocation beyond the free blocks"
+        out = sorted(self._free)[:count]
+        self._free -= set(out)
+        self._used |= set(out)
+        return out
+
+    def free(self, ids: list[int]) -> None:
+        assert set(ids) <= self._used
+        self._used -= set(ids)
+        self._free |= set(ids)
+
+    def grow(self, block_ids: list[int]) -> None:
+        assert not set(block_ids) & (self._free | self._used)
+        assert all(0 <= b < self.capacity for b in block_ids)
+        self._free |= set(block_ids)
+
+    def remove(self, block_ids: list[int]) -> None:
+        assert set(block_ids) <= self._free, "removing a block that is in use"
+        self._free -= set(block_ids)
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_blocks: int
+    total_blocks: int
+    blocks: list[int] = field(default_factory=list)
+
+
+class UnifiedPoolMachine(RuleBasedStateMachine):
+    @initialize(
+        units=st.integers(4, 24),
+        unit=st.sampled_from([1, 2, 4]),
+        block_ratio=st.sampled_from([(1, 1), (1, 2), (3, 2)]),
+        pinned=st.booleans(),
+        low=st.integers(0, 6),
+        spread=st.integers(1, 12),
+        step_units=st.integers(1, 4),
+        shrink_after=st.integers(0, 4),
+        grow_hold=st.integers(0, 4),
+    )
+    def setup(
+        self,
+        units: int,
+        unit: int,
+        block_ratio: tuple[int, int],
+        pinned: bool,
+        low: int,
+        spread: int,
+        step_units: int,
+        shrink_after: int,
+        grow_hold: int,
+    ) -> None:
+        num_pages = units * unit
+        block_bytes = PAGE * block_ratio[0] // block_ratio[1]
+        self.backend = CpuPageBackend(num_pages=num_pages, page_bytes=PAGE, map_unit_pages=unit)
+        # The engine's padding block lives in the pinned tail: room for two blocks at least.
+        tail = -(-2 * block_bytes // PAGE) + (unit if pinned else 0)
+        self.pool = PagePool(self.backend, pinned_tail_pages=tail)
+        self.layout = KVLayout(page_bytes=PAGE, block_bytes=block_bytes)
+        config = MemoryPolicyConfig(
+            reserve_low_pages=low,
+            reserve_high_pages=low + spread,
+            max_step_pages=step_units * unit,
+            shrink_after_iterations=shrink_after,
+            grow_hold_iterations=grow_hold,
+            min_decode_pages=1,
+        )
+        self.manager = MemoryManager(self.pool, self.layout, config)
+        self.binding = KVPoolBinding(self.manager)
+        self.blocks = LowestFirstBlocks(self.binding.initial_blocks, self.binding.capacity_blocks)
+        self.binding.attach(self.blocks)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.finished: list[Request] = []
+        self.arrived = 0
+        self.finetune_resident = 0
+        self.finetune_want_peak = 0
+
+    # ---- decode ---------------------------------------------------------------------------
+    @rule(burst=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 8)), min_size=1, max_size=5))
+    def arrive(self, burst: list[tuple[int, int]]) -> None:
+        capacity = self.layout.blocks_in_pages(self.pool.prefix_limit_pages)
+        for prompt, extra in burst:
+            total = min(prompt + extra, capacity)
+            self.waiting.append(Request(self.arrived, min(prompt, total), total))
+            self.arrived += 1
+
+    @rule(iterations=st.integers(1, 8))
+    def decode_iterations(self, iterations: int) -> None:
+        for _ in range(iterations):
+            self.decode_iteration()
+            self.usable_blocks_are_exactly_the_mapped_ones()
+            self.no_page_owned_twice()
+
+    def decode_iteration(self) -> None:
+        growing = [r for r in self.running if len(r.blocks) < r.total_blocks]
+        waiting_blocks = sum(r.prompt_blocks for r in self.waiting)
+        grant = self.binding.before_step(
+            next_step_blocks=len(growing), waiting_blocks=waiting_blocks
+        )
+        if grant.short_blocks:
+            # Decode may be short only when finetuning holds nothing it could give back.
+            obtainable = self.pool.free_pages + self.pool.finetune_reclaimable_pages()
+            room = self.pool.prefix_limit_pages - self.pool.kv_prefix_pages
+            assert min(obtainable, room) < self.pool.map_unit_pages or (
+                self.layout.blocks_in_pages(self.pool.kv_prefix_pages + self.pool.map_unit_pages)
+                == self.manager.usable_blocks
+            )
+        preempted = False
+        # Running requests grow by one block; preempt the latest arrivals when blocks lack.
+        for request in list(self.running):
+            if request not in self.running or len(request.blocks) >= request.total_blocks:
+                continue
+            while self.blocks.num_free_blocks < 1 and self.running:
+                victim = self.running.pop()
+                self.blocks.free(victim.blocks)
+                victim.blocks = []
+                self.waiting.appendleft(victim)
+                preempted = True
+            if request in self.running:
+                request.blocks += self.blocks.allocate(1)
+        for request in [r for r in self.running if len(r.blocks) >= r.total_blocks]:
+            self.running.remove(request)
+            self.blocks.free(request.blocks)
+            self.finished.append(request)
+        while (
+            not preempted
+            and self.waiting
+            and self.blocks.num_free_blocks >= self.waiting[0].prompt_blocks
+        ):
+            request = self.waiting.popleft()
+            request.blocks = self.blocks.allocate(request.prompt_blocks)
+            self.running.append(request)
+        self.binding.maintain(waiting_blocks=sum(r.prompt_blocks for r in self.waiting))
+
+    # ---- finetune -------------------------------------------------------------------------
+    @rule(pages=st.integers(0, 200))
+    def finetune_demand(self, pages: int) -> None:
+        self.manager.set_finetune_demand(pages * PAGE)
+        self.finetune_want_peak = pages * PAGE
+
+    @rule(resident_share=st.floats(0, 0.5), peak_share=st.floats(0, 1))
+    def finetune_quantum(self, resident_share: float, peak_share: float) -> None:
+        budget = self.manager.finetune_budget_bytes
+        if budget == 0:
+            return
+        # The trainer sizes its quantum to the budget it reads: state kept plus activations.
+        resident = min(int(budget * resident_share), budget)
+        resident = max(resident, min(self.finetune_resident, budget))
+        peak = min(max(int(self.finetune_want_peak * peak_share), resident), budget)
+        self.manager.finetune_quantum_done(peak_bytes=peak, resident_bytes=resident)
+        self.finetune_resident = resident
+
+    @rule()
+    def finetune_job_ends(self) -> None:
+        self.manager.set_finetune_demand(0)
+        self.finetune_want_peak = 0
+        if self.manager.finetune_budget_bytes:
+            self.manager.finetune_quantum_done(peak_bytes=0, resident_bytes=0)
+        self.finetune_resident = 0
+
+    def teardown(self) -> None:
+        counters = self.manager.counters
+        for name in ("finetune_shrinks", "kv_shrinks", "finetune_grows", "preemptions"):
+            event(f"{name} {'> 0' if getattr(counters, name) else '= 0'}")
+
+    # ---- invariants -----------------------------------------------------------------------
+    @invariant()
+    def no_page_owned_twice(self) -> None:
+        owners = self.backend.physical_owners()
+        assert len(owners) == self.pool.num_pages
+        kv = sum(1 for owner in owners.values() if owner.startswith("kv:"))
+        assert kv == self.pool.decode_pages
+
+    @invariant()
+    def accounting_sums_to_the_pool(self) -> None:
+        pool = self.pool
+        assert pool.decode_pages + pool.finetune_pages + pool.free_pages == pool.num_pages
+        assert min(pool.decode_pages, pool.finetune_pages, pool.free_pages) >= 0
+        pool.check()
+        split = pool.split()
+        assert split.decode_bytes + split.finetune_budget_bytes + split.free_bytes == (
+            split.pool_bytes
+        )
+
+    @invariant()
+    def usable_blocks_are_exactly_the_mapped_ones(self) -> None:
+        assert self.blocks.num_usable_blocks == self.manager.usable_blocks
+        held = [b for r in self.running for b in r.blocks]
+        assert len(held) == len(set(held)) == self.blocks.num_used_blocks
+        assert all(b < self.manager.usable_blocks for b in held)
+
+    @invariant()
+    def no_request_is_dropped(self) -> None:
+        ids = [r.rid for r in (*self.waiting, *self.running, *self.finished)]
+        assert sorted(ids) == list(range(self.arrived))
+
+    @invariant()
+    def finetune_within_budget(self) -> None:
+        assert self.manager.counters.finetune_budget_violations == 0
+        assert self.backend.finetune_reserved_bytes() <= self.manager.finetune_budget_bytes
+        assert self.backend.finetune_allocated_bytes() <= self.manager.finetune_budget_bytes
+
+
+UnifiedPoolMachine.TestCase.settings = settings(
+    max_examples=120,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestUnifiedPool = UnifiedPoolMachine.TestCase

@@ -1,0 +1,204 @@
+"""Exact tests of the decode-first policy: watermarks, reclaim, hysteresis, logs, counters."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from gpu_runtime.memory import (
+    CpuPageBackend,
+    DecodeDemand,
+    FinetuneBudgetExceeded,
+    KVLayout,
+    MemoryManager,
+    MemoryPolicyConfig,
+    MemoryPoolError,
+    PagePool,
+)
+
+PAGE = 4096
+LOGGER = "gpu_runtime.memory.policy"
+
+
+def _manager(
+    num_pages: int = 64, unit: int = 1, tail: int = 0, **config: int
+) -> tuple[MemoryManager, PagePool]:
+    pool = PagePool(
+        CpuPageBackend(num_pages=num_pages, page_bytes=PAGE, map_unit_pages=unit),
+        pinned_tail_pages=tail,
+    )
+    defaults = {
+        "reserve_low_pages": 4,
+        "reserve_high_pages": 12,
+        "max_step_pages": 4,
+        "shrink_after_iterations": 3,
+        "grow_hold_iterations": 2,
+    }
+    cfg = MemoryPolicyConfig(**{**defaults, **config})
+    return MemoryManager(pool, KVLayout(page_bytes=PAGE, block_bytes=PAGE), cfg), pool
+
+
+def _steps(manager: MemoryManager, demand: DecodeDemand, n: int) -> None:
+    for _ in range(n):
+        manager.before_step(demand)
+        manager.maintain(demand)
+
+
+def test_starts_with_the_low_watermark_mapped_and_refills_in_steps() -> None:
+    manager, pool = _manager()
+    assert manager.usable_blocks == 4 and pool.free_pages == 60
+    # 3 blocks used: free 1 < low 4 -> refill by at most max_step_pages per maintain.
+    demand = DecodeDemand(used_blocks=3, top_used_block=3, waiting_blocks=6)
+    assert manager.before_step(demand).short_blocks == 0
+    manager.maintain(demand)
+    assert manager.usable_blocks == 8  # target used 3 + low 4 + waiting 6 = 13: one step of 4
+    manager.maintain(demand)
+    assert manager.usable_blocks == 12
+    manager.maintain(demand)
+    assert manager.usable_blocks == 13
+    assert manager.counters.refill_maps == 3 and manager.counters.refill_pages == 9
+    assert manager.counters.urgent_maps == 0
+
+
+def test_urgent_need_is_mapped_inline_and_counted() -> None:
+    manager, pool = _manager()
+    grant = manager.before_step(DecodeDemand(used_blocks=4, top_used_block=4, next_step_blocks=10))
+    assert grant.usable_blocks == 14 and grant.short_blocks == 0
+    assert manager.counters.urgent_maps == 1 and manager.counters.urgent_pages == 10
+    assert len(manager.counters.map_latency) == 2  # initial + urgent
+    assert len(manager.counters.reclaim_latency) == 0
+
+
+def test_decode_reclaims_from_finetuning_before_it_preempts(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    manager, pool = _manager(num_pages=32, grow_hold_iterations=0)
+    manager.set_finetune_demand(24 * PAGE)
+    idle = DecodeDemand(used_blocks=0, top_used_block=0)
+    _steps(manager, idle, 6)
+    assert pool.finetune_pages == 24 and pool.free_pages == 4
+    manager.finetune_quantum_done(peak_bytes=20 * PAGE, resident_bytes=6 * PAGE)
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    # Burst: 20 blocks next step; 4 mapped + 4 free, so 12 pages come back from finetuning.
+    grant = manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=20))
+    assert grant.short_blocks == 0 and grant.usable_blocks == 20
+    assert pool.finetune_pages == 12
+    assert manager.counters.finetune_shrinks == 1
+    assert manager.counters.finetune_reclaimed_pages == 12
+    assert len(manager.counters.reclaim_latency) == 1
+    assert "finetune budget shrinks 24 -> 12 pages for decode (urgent)" in caplog.text
+    assert "decode KV grows 4 -> 20 pages (urgent" in caplog.text
+    pool.check()
+    # Another burst: finetuning keeps 6 pages of live state; it gives the other 6, then decode
+    # preempts for the rest.
+    grant = manager.before_step(
+        DecodeDemand(used_blocks=20, top_used_block=20, next_step_blocks=12)
+    )
+    assert pool.finetune_pages == 6 and pool.free_pages == 0
+    assert grant.usable_blocks == 26 and grant.short_blocks == 6
+    assert manager.counters.preemptions == 1 and manager.counters.preempted_blocks == 6
+    assert "decode short of 6 blocks" in caplog.text
+    assert manager.finetune_headroom_bytes() == 0
+
+
+def test_kv_shrinks_only_after_the_hysteresis_and_never_below_used_blocks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    manager, pool = _manager(max_step_pages=8)
+    manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=40))
+    assert manager.usable_blocks == 40
+    caplog.set_level(logging.INFO, logger=LOGGER)
+    low_load = DecodeDemand(used_blocks=5, top_used_block=30)
+    manager.maintain(low_load)
+    manager.maintain(low_load)
+    assert manager.usable_blocks == 40  # two iterations above high: not yet
+    manager.maintain(DecodeDemand(used_blocks=30, top_used_block=30))  # load back: count resets
+    manager.maintain(low_load)
+    manager.maintain(low_load)
+    assert manager.usable_blocks == 40
+    manager.maintain(low_load)  # third consecutive: give back one step of 8 pages
+    assert manager.usable_blocks == 32
+    manager.maintain(low_load)  # block 29 is in use: keep [0, 30)
+    assert manager.usable_blocks == 30
+    assert manager.counters.kv_shrinks == 2 and manager.counters.decode_pages_unmapped == 10
+    assert "decode KV shrinks 40 -> 32 pages" in caplog.text
+    # Without top_used_block the shrink asks the callable, and needs one of the two.
+    calls: list[int] = []
+
+    def top() -> int:
+        calls.append(1)
+        return 5
+
+    manager.maintain(DecodeDemand(used_blocks=5), top_used_block=top)
+    assert calls == [1] and manager.usable_blocks == 22
+    with pytest.raises(MemoryPoolError, match="needs top_used_block"):
+        manager.maintain(DecodeDemand(used_blocks=5))
+
+
+def test_finetune_grows_back_with_hysteresis_and_returns_what_it_does_not_want() -> None:
+    manager, pool = _manager(num_pages=32, grow_hold_iterations=3)
+    manager.set_finetune_demand(12 * PAGE)
+    idle = DecodeDemand(used_blocks=0, top_used_block=0)
+    _steps(manager, idle, 3)
+    assert pool.finetune_pages == 12  # three steps of 4
+    manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=30))
+    assert pool.finetune_pages < 12
+    reclaimed_to = pool.finetune_pages
+    busy = DecodeDemand(used_blocks=0, top_used_block=0)
+    manager.maintain(busy)
+    manager.before_step(busy)
+    manager.maintain(busy)
+    assert pool.finetune_pages == reclaimed_to  # held for grow_hold_iterations
+    assert manager.counters.finetune_grows == 3
+    # Demand drops: the unused budget goes back at once (no decode need).
+    manager.set_finetune_demand(PAGE)
+    manager.maintain(busy)
+    assert pool.finetune_pages == 1
+    assert manager.counters.finetune_shrinks == 2
+
+
+def test_moves_are_whole_map_units() -> None:
+    manager, pool = _manager(num_pages=64, unit=4, tail=4, reserve_low_pages=2, max_step_pages=8)
+    assert pool.kv_prefix_pages == 4  # low watermark 2 rounded up to a unit
+    grant = manager.before_step(DecodeDemand(used_blocks=3, top_used_block=3, next_step_blocks=3))
+    assert grant.usable_blocks == 8
+    manager.set_finetune_demand(50 * PAGE)
+    for _ in range(10):
+        manager.maintain(DecodeDemand(used_blocks=3, top_used_block=3))
+    assert pool.finetune_pages == 50 and pool.free_pages == 2
+    # 9 more blocks: 3 pages short of a unit boundary -> one unit of 4 from 2 free + 2 reclaimed.
+    grant = manager.before_step(DecodeDemand(used_blocks=3, top_used_block=3, next_step_blocks=6))
+    assert grant.usable_blocks == 12 and pool.finetune_pages == 48 and pool.free_pages == 0
+    pool.check()
+
+
+def test_budget_violations_and_ooms_are_counted() -> None:
+    manager, pool = _manager(num_pages=16, grow_hold_iterations=0)
+    manager.set_finetune_demand(4 * PAGE)
+    manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
+    with pytest.raises(FinetuneBudgetExceeded):
+        manager.finetune_quantum_done(peak_bytes=5 * PAGE, resident_bytes=0)
+    manager.record_finetune_oom()
+    counters = manager.counters.as_dict()
+    assert counters["finetune_budget_violations"] == 1
+    assert counters["finetune_ooms"] == 1
+    assert counters["finetune_quanta"] == 1
+    assert counters["map_count"] == 1
+    assert set(counters) >= {"reclaim_ms_p50", "reclaim_ms_p99", "map_ms_p99", "iterations"}
+
+
+def test_demands_and_configs_are_validated() -> None:
+    manager, _ = _manager()
+    with pytest.raises(MemoryPoolError, match="only 4 are mapped"):
+        manager.before_step(DecodeDemand(used_blocks=5))
+    with pytest.raises(ValueError, match="top_used_block"):
+        DecodeDemand(used_blocks=3, top_used_block=2)
+    with pytest.raises(ValueError, match="next_step_blocks must be >= 0"):
+        DecodeDemand(used_blocks=0, next_step_blocks=-1)
+    with pytest.raises(ValueError, match="must exceed"):
+        MemoryPolicyConfig(reserve_low_pages=8, reserve_high_pages=8)
+    with pytest.raises(ValueError, match="map unit"):
+        _manager(num_pages=16, unit=4, max_step_pages=2)
+    with pytest.raises(ValueError, match="finetune demand"):
+        manager.set_finetune_demand(-1)
