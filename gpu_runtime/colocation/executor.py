@@ -18,32 +18,10 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from gpu_runtime.colocation.types import LaunchMode, QuantumReport
-
-
-class QuantumResultLike(Protocol):
-    """The fields of ``gpu_runtime.finetune.trainer.QuantumResult`` the loop reads."""
-
-    tokens: int
-    loss: float
-    step: int
-    optimizer_step: bool
-    finished: bool
-    peak_memory_bytes: int | None
-    checkpoint: Any
-
-
-class QuantumTrainer(Protocol):
-    """What the loop needs of a trainer (``LoraTrainer`` satisfies it)."""
-
-    @property
-    def finished(self) -> bool: ...
-
-    def step_quantum(
-        self, max_tokens: int | None = None, max_examples: int | None = None
-    ) -> QuantumResultLike: ...
+from gpu_runtime.finetune.trainer import LoraTrainer
 
 
 @dataclass(frozen=True)
@@ -51,7 +29,7 @@ class QuantumTask:
     """One quantum to run: which trainer, how big, on which stream."""
 
     job_id: str
-    trainer: QuantumTrainer
+    trainer: LoraTrainer
     max_tokens: int
     mode: LaunchMode
     decode_sms: int | None

@@ -23,7 +23,6 @@ from typing import Any, Protocol
 from gpu_runtime.colocation.executor import (
     QuantumExecutor,
     QuantumTask,
-    QuantumTrainer,
     SequentialExecutor,
     ThreadedExecutor,
 )
@@ -40,6 +39,7 @@ from gpu_runtime.colocation.types import (
     QuantumReport,
 )
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
+from gpu_runtime.finetune.trainer import LoraTrainer
 
 
 class FinetuneMemory(Protocol):
@@ -70,7 +70,7 @@ class JobState:
     """The loop's view of one finetune job (read it with ``HostLoop.job_state``)."""
 
     job_id: str
-    trainer: QuantumTrainer
+    trainer: LoraTrainer
     seq_len: int
     max_seq_len: int
     lora_rank: int
@@ -167,7 +167,7 @@ class HostLoop:
         self._timing.pop(request_id, None)
 
     # ---- jobs -------------------------------------------------------------------------------
-    def add_job(self, job_id: str, trainer: QuantumTrainer) -> JobState:
+    def add_job(self, job_id: str, trainer: LoraTrainer) -> JobState:
         """Register a finetune job; it runs when the policy gives it quanta."""
         if job_id in self._jobs:
             raise JobError(f"job {job_id!r} is already on this loop")
@@ -184,7 +184,7 @@ class HostLoop:
     def resume_job(self, job_id: str) -> None:
         self.job_state(job_id).paused = False
 
-    def remove_job(self, job_id: str) -> QuantumTrainer:
+    def remove_job(self, job_id: str) -> LoraTrainer:
         """Take the job off the loop (waiting for its in-flight quantum); returns its trainer."""
         state = self.job_state(job_id)
         task = self.executor.in_flight
