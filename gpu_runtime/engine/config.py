@@ -39,6 +39,9 @@ class EngineConfig:
     attention_backend: str = "auto"
     """"torch" (gather + SDPA; CPU and reference), "triton" (paged decode kernel, CUDA only) or
     "auto" (triton on CUDA, torch otherwise)."""
+    fused_decode_kernels: bool = True
+    """On CUDA, run the decode step through fused Triton kernels (RMSNorm, RoPE + cache write,
+    SwiGLU); False runs `CausalLM.forward` with the Triton attention only."""
     use_cuda_graphs: bool = True
     """Capture the decode step per batch bucket (CUDA only; ignored on CPU)."""
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES

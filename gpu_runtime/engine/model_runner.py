@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from gpu_runtime.engine.sampler import Sampler, SamplingBatch
 from gpu_runtime.engine.scheduler import SchedulerOutput
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import torch_dtype
+
+if TYPE_CHECKING:
+    from gpu_runtime.engine.fast_decode import FusedDecodeForward as FusedDecodeForwardType
 
 
 @dataclass
@@ -223,6 +227,11 @@ class ModelRunner:
         self._buf_table = torch.zeros(size, width, dtype=torch.int32, device=dev)
         props = torch.cuda.get_device_properties(dev)
         self._num_sms = int(props.multi_processor_count)
+        self._fused: FusedDecodeForwardType | None = None
+        if self.config.fused_decode_kernels:
+            from gpu_runtime.engine.fast_decode import FusedDecodeForward
+
+            self._fused = FusedDecodeForward(self.model, self.kv_cache, self.config.max_model_len)
 
     def decode_forward(self, bucket: int) -> torch.Tensor:
         """Logits `[bucket, vocab]` of a decode step over the static buffers (graph body)."""
@@ -238,6 +247,10 @@ class ModelRunner:
             block_tables=self._buf_table[:bucket],
         )
         splits = choose_num_splits(bucket, self.model.config.num_key_value_heads, self._num_sms)
+        if self._fused is not None:
+            return self._fused(
+                self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], metadata, splits
+            )
         attention = TritonDecodeAttention(self.kv_cache, metadata, splits)
         hidden = self.model(self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], attention)
         return self.model.compute_logits(hidden)

@@ -85,6 +85,13 @@ class Sampler:
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
 
+    def _to_device(self, values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
+        """Host list -> device tensor without a blocking copy (pinned staging on CUDA)."""
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=dtype, device=self.device)
+        staged = torch.tensor(values, dtype=dtype).pin_memory()
+        return staged.to(self.device, non_blocking=True)
+
     def _noise(self, shape: tuple[int, int], batch: SamplingBatch) -> torch.Tensor:
         noise = torch.empty(shape, device=self.device, dtype=torch.float32)
         noise.exponential_(generator=self.generator)
@@ -104,22 +111,20 @@ class Sampler:
             token_ids = logits.argmax(dim=-1)
         else:
             temps = [p.temperature if not p.greedy else 1.0 for p in batch.params]
-            temperature = torch.tensor(temps, device=self.device, dtype=torch.float32)
+            temperature = self._to_device(temps, torch.float32)
             scaled = logits.float() / temperature[:, None]
             if batch.needs_sort:
                 vocab = logits.shape[-1]
-                top_k = torch.tensor(
-                    [p.top_k if p.top_k > 0 else vocab for p in batch.params], device=self.device
+                top_k = self._to_device(
+                    [p.top_k if p.top_k > 0 else vocab for p in batch.params], torch.int64
                 )
-                top_p = torch.tensor(
-                    [p.top_p for p in batch.params], device=self.device, dtype=torch.float32
-                )
+                top_p = self._to_device([p.top_p for p in batch.params], torch.float32)
                 scaled = apply_top_k_top_p(scaled, top_k, top_p)
             probs = scaled.softmax(dim=-1)
             sampled = (probs / self._noise((rows, logits.shape[-1]), batch)).argmax(dim=-1)
             greedy_rows = [p.greedy for p in batch.params]
             if any(greedy_rows):
-                is_greedy = torch.tensor(greedy_rows, device=self.device)
+                is_greedy = self._to_device([int(g) for g in greedy_rows], torch.int64) > 0
                 sampled = torch.where(is_greedy, logits.argmax(dim=-1), sampled)
             token_ids = sampled
         output = SamplerOutput(token_ids=token_ids)

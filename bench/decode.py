@@ -1,0 +1,460 @@
+"""Decode speed on one GPU: our engine vs HF transformers (eager; static cache + torch.compile)
+vs the HBM floor, for Llama-3-8B and Qwen2.5-7B shapes with random bf16 weights.
+
+Per model: build seeded random weights; our engine with CUDA graphs captured per batch bucket;
+for each (batch, context) inject `batch` sequences whose first `context - 1` tokens already sit
+in the KV cache (filled with random values, never zeros), then time `Engine.step()` end to end
+(scheduler, input preparation, graph replay, sampling, the one host sync) over many decode
+steps; also the graph replay alone with CUDA events. HF runs on the same weight tensors. The
+floor is (weight bytes read once + the batch's KV bytes) / device-to-device copy bandwidth
+measured in the same run.
+
+Run: `PYTHONPATH=. python3 bench/decode.py` (see --help; --quick for a smoke run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_runtime.engine import Engine, EngineConfig, Request, RequestStatus, SamplingParams
+from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler
+from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
+from gpu_runtime.model.tiny import tiny_config
+
+DEVICE = torch.device("cuda")
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def copy_bandwidth(gigabytes: float = 4.0, iters: int = 20) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = int(gigabytes * 1e9 / 2)
+    src = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    del src, dst
+    return 2 * n * 2 / statistics.median(times)
+
+
+def weight_bytes_read(config: ModelConfig) -> int:
+    """Bytes a decode step reads from weights: everything but the embedding table (only B rows
+    of it are read), unless the table is also the LM head."""
+    params = config.num_parameters()
+    if not config.tie_word_embeddings:
+        params -= config.vocab_size * config.hidden_size
+    return params * 2
+
+
+def hf_model(model: CausalLM) -> torch.nn.Module:
+    """A HF model whose parameters are `model`'s tensors (no copy)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**model.config.to_hf_config())
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    hf.load_state_dict(model.state_dict(), assign=True, strict=False)
+    hf.tie_weights()
+    rotary = hf.model.rotary_emb
+    with torch.device(DEVICE):
+        hf.model.rotary_emb = type(rotary)(config=hf.config)
+    return hf.eval()
+
+
+@torch.no_grad()
+def check_correctness() -> dict[str, Any]:
+    """Our CUDA-graph decode path vs HF bf16 on a small model: logprobs of our greedy tokens."""
+    results: dict[str, Any] = {}
+    for arch in ("llama", "qwen2"):
+        config = tiny_config(
+            arch,
+            hidden_size=1024,
+            intermediate_size=2816,
+            num_hidden_layers=4,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            head_dim=128,
+            vocab_size=4096,
+        ).replace(dtype="bfloat16")
+        model = build_random_model(config, seed=1, device=DEVICE)
+        engine = Engine(
+            model,
+            EngineConfig(
+                num_kv_blocks=128,
+                max_num_seqs=8,
+                max_model_len=512,
+                max_num_batched_tokens=1024,
+                device="cuda",
+            ),
+        )
+        engine.capture_cuda_graphs()
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(0, 4096, (n,), generator=gen).tolist() for n in (7, 100, 300)]
+        params = SamplingParams(
+            max_tokens=16, temperature=0.0, logprobs=0, detokenize=False, ignore_eos=True
+        )
+        ids = [engine.add_request(p, params) for p in prompts]
+        toks: dict[str, list[int]] = {i: [] for i in ids}
+        lps: dict[str, list[float]] = {i: [] for i in ids}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                toks[out.request_id] += out.new_token_ids
+                lps[out.request_id] += [lp.logprob for lp in out.new_logprobs]
+        hf = hf_model(model)
+        max_diff, agree, total = 0.0, 0, 0
+        for rid, prompt in zip(ids, prompts, strict=True):
+            ref = hf(torch.tensor([prompt + toks[rid]], device=DEVICE)).logits.float()
+            ref = ref.log_softmax(-1)[0, len(prompt) - 1 : -1]
+            chosen = torch.tensor(toks[rid], device=DEVICE)
+            theirs = ref.gather(-1, chosen[:, None])[:, 0]
+            max_diff = max(
+                max_diff, float((torch.tensor(lps[rid], device=DEVICE) - theirs).abs().max())
+            )
+            agree += int((ref.argmax(-1) == chosen).sum())
+            total += len(chosen)
+        results[arch] = {"max_logprob_abs_diff": max_diff, "greedy_argmax_agreement": agree / total}
+        del engine, model, hf
+        torch.cuda.empty_cache()
+    return results
+
+
+def inject(engine: Engine, batch: int, context: int, max_tokens: int, seed: int) -> list[str]:
+    """Put `batch` running sequences into the scheduler whose first context-1 tokens are
+    treated as cached (the KV storage holds random values): the next step is a decode step."""
+    scheduler = engine.scheduler
+    assert isinstance(scheduler, ContinuousBatchingScheduler)
+    gen = torch.Generator().manual_seed(seed)
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.8, ignore_eos=True, detokenize=False
+    )
+    ids = []
+    for i in range(batch):
+        rid = f"bench-{seed}-{i}"
+        request = Request(rid, torch.randint(0, vocab, (context,), generator=gen).tolist(), params)
+        engine.block_manager.append_slots(request.block_table, context)
+        request.num_computed_tokens = context - 1
+        request.status = RequestStatus.RUNNING
+        scheduler.requests[rid] = request
+        scheduler.running.append(request)
+        ids.append(rid)
+    return ids
+
+
+def time_engine(
+    engine: Engine, batch: int, context: int, warmup: int, steps: int
+) -> dict[str, Any]:
+    ids = inject(engine, batch, context, warmup + steps + 2, seed=batch * 100000 + context)
+    for _ in range(warmup):
+        engine.step()
+    step_ms = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        outputs = engine.step()
+        step_ms.append((time.perf_counter() - start) * 1e3)
+        assert len(outputs) == batch
+    bucket = next(b for b in engine.runner._buckets if b >= batch)
+    graph_ms = []
+    graphs = engine.runner._graphs
+    if graphs is not None and graphs.has(bucket):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(steps):
+            s.record()
+            graphs.replay(bucket)
+            e.record()
+            e.synchronize()
+            graph_ms.append(s.elapsed_time(e))
+    for rid in ids:
+        engine.abort_request(rid)
+    mean_len = context + warmup + steps / 2
+    return {"step_ms": step_ms, "graph_ms": graph_ms, "mean_context": mean_len, "bucket": bucket}
+
+
+@torch.no_grad()
+def time_hf(
+    model: CausalLM, hf: torch.nn.Module, batch: int, context: int, steps: int, compiled: bool
+) -> dict[str, Any]:
+    from transformers import StaticCache
+
+    gen = torch.Generator().manual_seed(batch + context)
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), generator=gen).to(DEVICE)
+    warmup = 3 if compiled else 2
+    if compiled:
+        cache = StaticCache(config=hf.config, max_cache_len=context + warmup + steps + 1)  # type: ignore[arg-type]
+        forward = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        out = hf(
+            ids,
+            past_key_values=cache,
+            use_cache=True,
+            cache_position=torch.arange(context, device=DEVICE),
+        )
+    else:
+        out = hf(ids, use_cache=True)
+        cache = out.past_key_values
+        forward = hf.forward
+    token = out.logits[:, -1:].argmax(-1)
+    del out
+    times = []
+    for step in range(warmup + steps):
+        position = torch.tensor([context + step], device=DEVICE)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        if compiled:
+            logits = forward(
+                token, past_key_values=cache, use_cache=True, cache_position=position
+            ).logits
+        else:
+            logits = forward(token, past_key_values=cache, use_cache=True).logits
+        token = logits[:, -1:].argmax(-1).clone()
+        torch.cuda.synchronize()
+        if step >= warmup:
+            times.append((time.perf_counter() - start) * 1e3)
+    del cache
+    return {"step_ms": times, "mean_context": context + warmup + steps / 2}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--models", default="llama3-8b,qwen2.5-7b")
+    parser.add_argument("--batches", default="1,8,32,64,128,256")
+    parser.add_argument("--contexts", default="512,2048")
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--hf-eager", default="1,8,64", help="batches for HF eager (ctx 512)")
+    parser.add_argument("--hf-compile", default="1,64", help="batches for HF compile (ctx 512)")
+    parser.add_argument("--hf-compile-models", default="llama3-8b")
+    parser.add_argument("--hf-context", type=int, default=512)
+    parser.add_argument("--hf-steps", type=int, default=10)
+    parser.add_argument("--budget-s", type=float, default=400.0, help="skip HF compile past this")
+    parser.add_argument("--no-fused", action="store_true", help="plain model forward in graphs")
+    parser.add_argument("--quick", action="store_true", help="smoke: llama, batch 8/64, ctx 512")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    args = parser.parse_args()
+    if args.quick:
+        args.models, args.batches, args.contexts = "llama3-8b", "8,64", "512"
+        args.hf_eager, args.hf_compile, args.steps = "64", "", 20
+    started = time.perf_counter()
+    models = [m for m in args.models.split(",") if m]
+    batches = [int(b) for b in args.batches.split(",") if b]
+    contexts = [int(c) for c in args.contexts.split(",") if c]
+    hf_eager = [int(b) for b in args.hf_eager.split(",") if b]
+    hf_compile = [int(b) for b in args.hf_compile.split(",") if b]
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    correctness = check_correctness()
+    print("correctness", correctness, flush=True)
+    rows: list[dict[str, Any]] = []
+    notes: list[str] = []
+
+    def add_row(
+        model_name: str,
+        system: str,
+        batch: int,
+        context: int,
+        res: dict[str, Any],
+        config: ModelConfig,
+    ) -> None:
+        floor_bytes = (
+            weight_bytes_read(config) + batch * res["mean_context"] * config.kv_bytes_per_token()
+        )
+        floor_ms = floor_bytes / bandwidth * 1e3
+        p50 = statistics.median(res["step_ms"])
+        row = {
+            "model": model_name,
+            "system": system,
+            "batch": batch,
+            "context": context,
+            "tpot_ms_p50": round(p50, 4),
+            "tpot_ms_p99": round(percentile(res["step_ms"], 99), 4),
+            "floor_ms": round(floor_ms, 4),
+            "bandwidth_frac": round(floor_ms / p50, 4),
+            "n_steps": len(res["step_ms"]),
+            "raw_step_ms": [round(x, 4) for x in res["step_ms"]],
+        }
+        if res.get("graph_ms"):
+            row["graph_replay_ms_p50"] = round(statistics.median(res["graph_ms"]), 4)
+            row["graph_replay_bandwidth_frac"] = round(floor_ms / row["graph_replay_ms_p50"], 4)
+        rows.append(row)
+        print(
+            f"{model_name:11s} {system:10s} b={batch:3d} ctx={context:4d} p50={p50:8.3f} "
+            f"floor={floor_ms:7.3f} frac={floor_ms / p50:.3f} "
+            f"graph={row.get('graph_replay_ms_p50')}",
+            flush=True,
+        )
+
+    for name in models:
+        try:
+            config = ModelConfig.preset(name)
+            model = build_random_model(config, seed=0, device=DEVICE, dtype="bfloat16")
+            max_ctx = max(contexts + [args.hf_context])
+            extra = args.warmup + args.steps + 8
+            blocks = max(batches) * (-(-(max_ctx + extra) // 16)) + 16
+
+            def random_storage(
+                shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+            ) -> torch.Tensor:
+                return torch.empty(shape, dtype=dtype, device=device).normal_()
+
+            engine_config = EngineConfig(
+                num_kv_blocks=blocks,
+                block_size=16,
+                max_num_seqs=max(batches),
+                max_num_batched_tokens=max(2048, max(batches)),
+                max_model_len=max_ctx + extra + 16,
+                device="cuda",
+                fused_decode_kernels=not args.no_fused,
+            )
+            engine = Engine(model, engine_config, kv_storage_factory=random_storage)
+            t0 = time.perf_counter()
+            buckets = sorted({next(b for b in engine.runner._buckets if b >= x) for x in batches})
+            engine.capture_cuda_graphs(batch_sizes=tuple(buckets))
+            print(f"{name}: captured {buckets} in {time.perf_counter() - t0:.1f}s", flush=True)
+            for context in contexts:
+                for batch in batches:
+                    res = time_engine(engine, batch, context, args.warmup, args.steps)
+                    add_row(name, "harli", batch, context, res, config)
+            del engine
+            torch.cuda.empty_cache()
+            hf = hf_model(model)
+            for batch in hf_eager:
+                res = time_hf(model, hf, batch, args.hf_context, args.hf_steps, compiled=False)
+                add_row(name, "hf_eager", batch, args.hf_context, res, config)
+                torch.cuda.empty_cache()
+            if name in args.hf_compile_models.split(","):
+                for batch in hf_compile:
+                    if time.perf_counter() - started > args.budget_s:
+                        notes.append(f"hf_compile {name} batch {batch} skipped: time budget")
+                        continue
+                    try:
+                        res = time_hf(
+                            model, hf, batch, args.hf_context, args.hf_steps, compiled=True
+                        )
+                        add_row(name, "hf_compile", batch, args.hf_context, res, config)
+                    except Exception as exc:  # report, do not hide: the row is missing for a reason
+                        notes.append(
+                            f"hf_compile {name} batch {batch} failed: {type(exc).__name__}: {exc}"[
+                                :400
+                            ]
+                        )
+                    torch._dynamo.reset()
+                    torch.cuda.empty_cache()
+            del hf, model
+            torch.cuda.empty_cache()
+        except Exception as exc:  # keep the other model's rows; say what broke
+            import traceback
+
+            notes.append(f"{name} failed: {type(exc).__name__}: {exc}"[:600])
+            traceback.print_exc()
+            torch.cuda.empty_cache()
+
+    for row in list(rows):
+        if row["system"] == "harli":
+            rows.append(
+                {k: row[k] for k in ("model", "batch", "context", "floor_ms")}
+                | {
+                    "system": "floor",
+                    "tpot_ms_p50": row["floor_ms"],
+                    "tpot_ms_p99": row["floor_ms"],
+                    "bandwidth_frac": 1.0,
+                }
+            )
+    ratios = []
+    for row in rows:
+        if row["system"] in ("hf_eager", "hf_compile"):
+            ours = [
+                r
+                for r in rows
+                if r["system"] == "harli"
+                and r["model"] == row["model"]
+                and r["batch"] == row["batch"]
+                and r["context"] == row["context"]
+            ]
+            if ours:
+                ratios.append(
+                    {
+                        "model": row["model"],
+                        "batch": row["batch"],
+                        "context": row["context"],
+                        "vs": row["system"],
+                        "speedup": round(row["tpot_ms_p50"] / ours[0]["tpot_ms_p50"], 2),
+                    }
+                )
+    result = {
+        "name": "decode",
+        "commit": args.commit,
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "created": datetime.datetime.now(datetime.UTC).isoformat(),
+        "config": {
+            "models": models,
+            "batches": batches,
+            "contexts": contexts,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "hf_eager_batches": hf_eager,
+            "hf_compile_batches": hf_compile,
+            "hf_compile_models": args.hf_compile_models,
+            "hf_context": args.hf_context,
+            "hf_steps": args.hf_steps,
+            "block_size": 16,
+            "dtype": "bfloat16",
+            "sampling": "temperature 0.8 (ours); greedy argmax (HF)",
+            "fused_decode_kernels": not args.no_fused,
+            "tpot": "wall time of Engine.step() incl. scheduling, input copy, graph replay, "
+            "sampling and the host sync; graph_replay_ms is the graph alone (CUDA events)",
+            "floor": "(weights except embedding table + batch KV at mean context) / copy bandwidth",
+        },
+        "copy_bandwidth_tb_s": round(bandwidth / 1e12, 4),
+        "correctness": correctness,
+        "rows": rows,
+        "speedups": ratios,
+        "notes": notes,
+        "wall_s": round(time.perf_counter() - started, 1),
+    }
+    day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    out = Path(args.out) / f"decode-h200-{day}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out}; notes: {notes}")
+    print(
+        f"{'model':11s} {'system':10s} {'batch':>5s} {'ctx':>5s} {'p50 ms':>8s} {'p99 ms':>8s} "
+        f"{'floor':>7s} {'frac':>6s} {'graph':>7s}"
+    )
+    for r in rows:
+        if r["system"] == "floor":
+            continue
+        print(
+            f"{r['model']:11s} {r['system']:10s} {r['batch']:5d} {r['context']:5d} "
+            f"{r['tpot_ms_p50']:8.3f} {r['tpot_ms_p99']:8.3f} {r['floor_ms']:7.3f} "
+            f"{r['bandwidth_frac']:6.3f} {r.get('graph_replay_ms_p50', 0):7.3f}"
+        )
+    for s in ratios:
+        print(f"speedup {s['model']} b={s['batch']} vs {s['vs']}: {s['speedup']}x")
+
+
+if __name__ == "__main__":
+    main()

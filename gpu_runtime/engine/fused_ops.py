@@ -1,0 +1,193 @@
+"""Fused Triton kernels of the CUDA decode step (imported only on CUDA).
+
+Each replaces a chain of small torch kernels, which dominate a decode step's launch count:
+- `rms_norm`: optional residual add, then RMSNorm (HF rounding order), one pass.
+- `rope_and_cache_write`: RoPE on q and k straight from the fused qkv output, q written out,
+  k and v written into the paged cache.
+- `silu_and_mul`: SwiGLU activation on the fused gate/up output.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    residual_ptr,
+    weight_ptr,
+    out_ptr,
+    residual_out_ptr,
+    eps,
+    hidden,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_ro,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    variance = tl.sum(xf * xf, 0) / hidden
+    normed = (xf * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
+    y = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x `[T, hidden]`. Returns (norm(x + residual), x + residual); without a residual the
+    second item is x itself."""
+    rows, hidden = x.shape
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(x) if residual is not None else x
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(rows,)](
+        x,
+        res,
+        weight,
+        out,
+        residual_out,
+        eps,
+        hidden,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        residual_out.stride(0),
+        HAS_RESIDUAL=residual is not None,
+        BLOCK=triton.next_power_of_2(hidden),
+        num_warps=8 if hidden >= 4096 else 4,
+    )
+    return out, residual_out
+
+
+@triton.jit
+def _rope_cache_kernel(
+    qkv_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    slot_blocks_ptr,
+    slot_offsets_ptr,
+    stride_qkv,
+    stride_qo_t,
+    stride_qo_h,
+    stride_cb,
+    stride_ch,
+    stride_ct,
+    num_heads,
+    num_kv_heads,
+    HALF: tl.constexpr,
+):
+    token = tl.program_id(0)
+    head = tl.program_id(1)  # 0..H-1: q heads, H..H+Hkv-1: k heads (v copied alongside)
+    offs = tl.arange(0, HALF)
+    pos = tl.load(positions_ptr + token)
+    cos = tl.load(cos_ptr + pos * HALF + offs).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HALF + offs).to(tl.float32)
+    base = qkv_ptr + token * stride_qkv + head * (2 * HALF)
+    x1 = tl.load(base + offs).to(tl.float32)
+    x2 = tl.load(base + HALF + offs).to(tl.float32)
+    dtype = qkv_ptr.dtype.element_ty
+    y1 = (x1 * cos - x2 * sin).to(dtype)
+    y2 = (x2 * cos + x1 * sin).to(dtype)
+    if head < num_heads:
+        q_base = q_out_ptr + token * stride_qo_t + head * stride_qo_h
+        tl.store(q_base + offs, y1)
+        tl.store(q_base + HALF + offs, y2)
+    else:
+        kv_head = head - num_heads
+        block = tl.load(slot_blocks_ptr + token)
+        offset = tl.load(slot_offsets_ptr + token)
+        dest = block * stride_cb + kv_head * stride_ch + offset * stride_ct
+        tl.store(k_cache_ptr + dest + offs, y1.to(k_cache_ptr.dtype.element_ty))
+        tl.store(k_cache_ptr + dest + HALF + offs, y2.to(k_cache_ptr.dtype.element_ty))
+        v_base = qkv_ptr + token * stride_qkv + (num_heads + num_kv_heads + kv_head) * (2 * HALF)
+        v1 = tl.load(v_base + offs)
+        v2 = tl.load(v_base + HALF + offs)
+        tl.store(v_cache_ptr + dest + offs, v1.to(v_cache_ptr.dtype.element_ty))
+        tl.store(v_cache_ptr + dest + HALF + offs, v2.to(v_cache_ptr.dtype.element_ty))
+
+
+def rope_and_cache_write(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_blocks: torch.Tensor,
+    slot_offsets: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """qkv `[T, (H + 2 Hkv) * D]` -> rotated q `[T, H, D]`; rotated k and v go to the cache
+    (`[num_blocks, Hkv, block_size, D]` views) at (slot_blocks, slot_offsets).
+
+    cos_table/sin_table: `[max_positions, D / 2]` contiguous (the model's RoPE, in its dtype).
+    """
+    tokens = qkv.shape[0]
+    q_out = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    _rope_cache_kernel[(tokens, num_heads + num_kv_heads)](
+        qkv,
+        positions,
+        cos_table,
+        sin_table,
+        q_out,
+        key_cache,
+        value_cache,
+        slot_blocks,
+        slot_offsets,
+        qkv.stride(0),
+        q_out.stride(0),
+        q_out.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        num_heads,
+        num_kv_heads,
+        HALF=head_dim // 2,
+        num_warps=1,
+    )
+    return q_out
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < inter
+    gate = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * stride_gu + inter + offs, mask=mask, other=0.0)
+    act = (gate / (1.0 + tl.exp(-gate))).to(gu_ptr.dtype.element_ty)
+    y = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """`[T, 2 I]` (gate then up) -> silu(gate) * up `[T, I]`."""
+    rows, width = gate_up.shape
+    inter = width // 2
+    out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
+    return out

@@ -1,0 +1,166 @@
+"""CUDA-only checks: Triton kernels against torch references, the CUDA-graph decode path against
+HF transformers (bf16). Skipped without CUDA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.model import build_random_model
+from gpu_runtime.model.llama import apply_rope
+from gpu_runtime.model.tiny import tiny_config
+
+pytestmark = pytest.mark.gpu
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+@pytest.mark.parametrize(("heads", "kv_heads", "splits"), [(32, 8, 1), (28, 4, 8), (8, 8, 4)])
+def test_paged_decode_kernel_matches_gather_reference(
+    heads: int, kv_heads: int, splits: int
+) -> None:
+    from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
+
+    torch.manual_seed(0)
+    dev, dt, bs, dim = torch.device("cuda"), torch.bfloat16, 16, 128
+    seq_lens = [1, 17, 0, 300, 1000, 64]
+    width = 64
+    blocks = 6 * width + 1
+    cache = torch.randn(blocks, 2, kv_heads, bs, dim, device=dev, dtype=dt)
+    key_cache, value_cache = cache[:, 0], cache[:, 1]
+    table = torch.randperm(blocks - 1, device=dev)[: 6 * width].view(6, width).int()
+    q = torch.randn(6, heads, dim, device=dev, dtype=dt)
+    lens = torch.tensor(seq_lens, device=dev, dtype=torch.int32)
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(q, key_cache, value_cache, table, lens, bs, splits, out=out)
+    for i, length in enumerate(seq_lens):
+        if length == 0:
+            assert torch.all(out[i] == 0)
+            continue
+        ids = table[i, : -(-length // bs)].long()
+        k = key_cache[ids].transpose(1, 2).reshape(-1, kv_heads, dim)[:length].double()
+        v = value_cache[ids].transpose(1, 2).reshape(-1, kv_heads, dim)[:length].double()
+        k = k.repeat_interleave(heads // kv_heads, 1)
+        v = v.repeat_interleave(heads // kv_heads, 1)
+        scores = torch.einsum("hd,lhd->hl", q[i].double(), k) * dim**-0.5
+        ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+        assert _rel_err(out[i], ref) < 1e-2, (i, length)
+
+
+def test_fused_ops_match_torch() -> None:
+    from gpu_runtime.engine.fused_ops import rms_norm, rope_and_cache_write, silu_and_mul
+    from gpu_runtime.model.llama import RMSNorm
+
+    torch.manual_seed(1)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    x = torch.randn(5, 4096, device=dev, dtype=dt)
+    r = torch.randn(5, 4096, device=dev, dtype=dt)
+    norm = RMSNorm(4096, 1e-5, device=dev, dtype=dt)
+    norm.weight.data.normal_(1.0, 0.1)
+    out, res = rms_norm(x, norm.weight, 1e-5, r)
+    assert torch.equal(res, x + r)
+    assert _rel_err(out, norm(x + r)) < 1e-2
+    out, same = rms_norm(x, norm.weight, 1e-5)
+    assert same is x and _rel_err(out, norm(x)) < 1e-2
+    gu = torch.randn(5, 2 * 1000, device=dev, dtype=dt)
+    ref = torch.nn.functional.silu(gu[:, :1000]) * gu[:, 1000:]
+    assert _rel_err(silu_and_mul(gu), ref) < 1e-2
+    heads, kv, dim, bs = 8, 2, 128, 16
+    model = build_random_model(
+        tiny_config("llama", num_attention_heads=heads, num_key_value_heads=kv, head_dim=dim),
+        seed=0,
+        device=dev,
+        dtype=dt,
+    )
+    qkv = torch.randn(5, (heads + 2 * kv) * dim, device=dev, dtype=dt)
+    positions = torch.tensor([0, 3, 100, 7, 511], device=dev)
+    cos, sin = model.rope_cos_sin(torch.arange(512, device=dev), dt)
+    cache = torch.zeros(10, 2, kv, bs, dim, device=dev, dtype=dt)
+    slot_blocks = torch.tensor([1, 2, 3, 4, 9], device=dev)
+    slot_offsets = torch.tensor([0, 5, 15, 1, 2], device=dev)
+    q = rope_and_cache_write(
+        qkv,
+        positions,
+        cos[:, 0, : dim // 2].contiguous(),
+        sin[:, 0, : dim // 2].contiguous(),
+        cache[:, 0],
+        cache[:, 1],
+        slot_blocks,
+        slot_offsets,
+        heads,
+        kv,
+        dim,
+    )
+    c, s = model.rope_cos_sin(positions, dt)
+    q_ref = apply_rope(qkv[:, : heads * dim].view(5, heads, dim), c, s)
+    k_ref = apply_rope(qkv[:, heads * dim : (heads + kv) * dim].view(5, kv, dim), c, s)
+    v_ref = qkv[:, (heads + kv) * dim :].view(5, kv, dim)
+    assert _rel_err(q, q_ref) < 1e-2
+    assert _rel_err(cache[slot_blocks, 0, :, slot_offsets], k_ref) < 1e-2
+    assert torch.equal(cache[slot_blocks, 1, :, slot_offsets], v_ref)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_cuda_graph_engine_logprobs_match_hf_bf16(architecture: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dev = torch.device("cuda")
+    config = tiny_config(
+        architecture,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+    )
+    model = build_random_model(config, seed=4, device=dev, dtype="bfloat16")
+    hf = (
+        AutoModelForCausalLM.from_config(
+            AutoConfig.for_model(**config.to_hf_config()), dtype=torch.bfloat16
+        )
+        .to(dev)
+        .eval()
+    )
+    hf.load_state_dict(model.state_dict(), strict=False)
+    engine = Engine(
+        model,
+        EngineConfig(
+            num_kv_blocks=256,
+            block_size=16,
+            max_num_seqs=8,
+            max_model_len=256,
+            max_num_batched_tokens=512,
+            device="cuda",
+        ),
+    )
+    assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77)]
+    params = SamplingParams(
+        max_tokens=12, temperature=0.0, logprobs=1, detokenize=False, ignore_eos=True
+    )
+    ids = [engine.add_request(p, params) for p in prompts]
+    logprobs: dict[str, list[float]] = {i: [] for i in ids}
+    tokens: dict[str, list[int]] = {i: [] for i in ids}
+    graph_steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id].extend(out.new_token_ids)
+            logprobs[out.request_id].extend(lp.logprob for lp in out.new_logprobs)
+        graph_steps += int(engine.runner._graphs is not None)
+    agree = total = 0
+    for rid, prompt in zip(ids, prompts, strict=True):
+        full = torch.tensor([prompt + tokens[rid]], device=dev)
+        with torch.no_grad():
+            ref = hf(full).logits.float().log_softmax(-1)[0, len(prompt) - 1 : -1]
+        ours = torch.tensor(logprobs[rid], device=dev)
+        theirs = ref.gather(-1, torch.tensor(tokens[rid], device=dev)[:, None])[:, 0]
+        assert torch.allclose(ours, theirs, atol=0.1), (ours, theirs)
+        agree += int((ref.argmax(-1).cpu() == torch.tensor(tokens[rid])).sum())
+        total += len(tokens[rid])
+    assert agree >= 0.9 * total
