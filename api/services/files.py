@@ -63,6 +63,14 @@ class UploadSource:
         return self._chunks
 
 
+def _clean_filename(name: str) -> str:
+    """The base name, without path separators, quotes or control characters (it is echoed in
+    a Content-Disposition header)."""
+    base = name.replace("\\", "/").rsplit("/", 1)[-1]
+    cleaned = "".join("_" if ch in '"' or ord(ch) < 32 or ord(ch) == 127 else ch for ch in base)
+    return cleaned.strip()[:MAX_FILENAME_LENGTH] or "upload.jsonl"
+
+
 def file_create(*, tenant: Tenant, purpose: str, upload: UploadSource) -> File:
     """Validate and store a training file for `tenant`. Raises HarliError (4xx) on bad input."""
     if purpose != FilePurpose.FINE_TUNE:
@@ -81,7 +89,7 @@ def file_create(*, tenant: Tenant, purpose: str, upload: UploadSource) -> File:
             code="file_too_large",
             http_status=413,
         )
-    filename = (upload.filename or "upload.jsonl").replace("/", "_")[:MAX_FILENAME_LENGTH]
+    filename = _clean_filename(upload.filename)
     report = check_training_lines(upload.lines())
 
     file_id = new_file_id()
