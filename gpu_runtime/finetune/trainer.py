@@ -26,6 +26,7 @@ import torch
 from gpu_runtime.finetune.batching import DataPosition, DataStream, MicroBatch, collate
 from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
+from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import chunked_lm_head_loss, training_hidden_states
@@ -118,15 +119,18 @@ class LoraTrainer:
         loss_chunk_tokens: int = 2048,
         checkpoint_root: str | Path | None = None,
         base_model_name_or_path: str | None = None,
+        fused_forward: bool = True,
     ) -> None:
         """``checkpoint_root``: where automatic checkpoints go (none when None);
-        ``base_model_name_or_path`` is recorded in each adapter's config."""
+        ``base_model_name_or_path`` is recorded in each adapter's config; ``fused_forward``
+        selects :class:`FusedTrainingForward` (default) over calling the peft-wrapped tree."""
         self.hparams = hparams
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self.base_model_name_or_path = base_model_name_or_path
         self.device = serving_model.lm_head.weight.device
         self.model = build_training_model(serving_model, hparams.lora, hparams.seed)
         self.params = adapter_parameters(self.model)
+        self._fused = FusedTrainingForward(self.model, serving_model) if fused_forward else None
         self.stream = DataStream(train_examples, hparams.batch_size, hparams.n_epochs, hparams.seed)
         self.schedule = LrSchedule.from_ratio(
             hparams.learning_rate,
@@ -186,13 +190,14 @@ class LoraTrainer:
         )
 
     def _loss_sum(self, batch: MicroBatch) -> torch.Tensor:
+        checkpointing = self.hparams.activation_checkpointing
         with self._autocast():
-            hidden = training_hidden_states(
-                self.model,
-                batch.input_ids,
-                batch.positions,
-                activation_checkpointing=self.hparams.activation_checkpointing,
-            )
+            if self._fused is not None:
+                hidden = self._fused(batch.input_ids, batch.positions, checkpointing)
+            else:
+                hidden = training_hidden_states(
+                    self.model, batch.input_ids, batch.positions, checkpointing
+                )
             return chunked_lm_head_loss(
                 self.model,
                 hidden,

@@ -1,0 +1,175 @@
+"""The trainer's fast forward pass: same math as the peft-wrapped tree, fewer and larger kernels.
+
+The peft layers stay in the tree (their ``lora_A``/``lora_B`` parameters are what trains, is
+saved and loads into ``PeftModel``); only the forward computation is arranged differently:
+
+* base projections use the serving model's fused ``q|k|v`` and ``gate|up`` weights when it has
+  them (the decode engine fuses them), so each is one GEMM;
+* the adapters of projections that share an input share one ``lora_A`` GEMM (the A matrices
+  concatenated) and add their ``scaling * lora_B`` term through one ``addmm`` whose epilogue does
+  the add: no per-module scale and add passes, no fp32 copy of the activations;
+* LoRA dropout draws **one mask per shared input** (q/k/v share one, gate/up another), where peft
+  draws one per module — the same distribution per module, correlated across modules;
+* RMSNorm uses ``torch.nn.functional.rms_norm`` (fused on CUDA), attention SDPA with
+  ``enable_gqa`` (no repeated K/V).
+
+With dropout 0 the result equals the peft path up to float rounding (a test holds it there).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from gpu_runtime.finetune.lora import ADAPTER_NAME
+from gpu_runtime.model import CausalLM
+from gpu_runtime.model.llama import apply_rope
+
+
+@dataclass
+class _Projection:
+    """One projection in the training tree: base weight/bias and its LoRA (if targeted)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    lora_a: nn.Parameter | None
+    lora_b: nn.Parameter | None
+    scaling: float
+    dropout: float
+
+
+def _projection(module: Any) -> _Projection:
+    if hasattr(module, "base_layer"):  # peft lora.Linear
+        base = module.base_layer
+        return _Projection(
+            weight=base.weight,
+            bias=base.bias,
+            lora_a=module.lora_A[ADAPTER_NAME].weight,
+            lora_b=module.lora_B[ADAPTER_NAME].weight,
+            scaling=float(module.scaling[ADAPTER_NAME]),
+            dropout=float(getattr(module.lora_dropout[ADAPTER_NAME], "p", 0.0)),
+        )
+    assert isinstance(module, nn.Linear)
+    return _Projection(module.weight, module.bias, None, None, 0.0, 0.0)
+
+
+@dataclass
+class _Group:
+    """Projections reading the same input, computed as one base GEMM plus one LoRA update."""
+
+    projections: list[_Projection]
+    fused_weight: torch.Tensor | None  # rows of all projections, when the serving model fused them
+    fused_bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor, training: bool) -> torch.Tensor:
+        """``[..., in] -> [..., sum(out)]``, the outputs concatenated in group order."""
+        if self.fused_weight is not None:
+            out = F.linear(x, self.fused_weight, self.fused_bias)
+        else:
+            outs = [F.linear(x, p.weight, p.bias) for p in self.projections]
+            out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+        adapted = [p for p in self.projections if p.lora_a is not None]
+        if not adapted:
+            return out
+        dropout = adapted[0].dropout
+        x_in = F.dropout(x, dropout) if training and dropout > 0 else x
+        a_list: list[torch.Tensor] = [p.lora_a for p in adapted if p.lora_a is not None]
+        a_cat = torch.cat(a_list) if len(a_list) > 1 else a_list[0]
+        shrink = F.linear(x_in, a_cat)  # [..., sum(r)]
+        # [sum(out), sum(r)]: each adapter's scaling * B in its own row and column block
+        widths = [p.weight.shape[0] for p in self.projections]
+        ranks = [p.lora_a.shape[0] for p in adapted if p.lora_a is not None]
+        b_full = a_cat.new_zeros(sum(widths), sum(ranks))  # adapter (master) dtype
+        row = col = 0
+        for p, width in zip(self.projections, widths, strict=True):
+            if p.lora_b is not None:
+                rank = p.lora_b.shape[1]
+                b_full[row : row + width, col : col + rank] = p.lora_b * p.scaling
+                col += rank
+            row += width
+        flat = torch.addmm(
+            out.reshape(-1, out.shape[-1]),
+            shrink.reshape(-1, shrink.shape[-1]),
+            b_full.T.to(out.dtype),
+        )
+        return flat.reshape(out.shape)
+
+
+class FusedTrainingForward:
+    """Callable ``(input_ids [B, S], positions [B, S]) -> hidden [B, S, H]`` over a LoRA tree."""
+
+    def __init__(self, tree: CausalLM, serving: CausalLM) -> None:
+        self.tree = tree
+        self.config = tree.config
+        self.layers: list[tuple[_Group, _Group, _Group, _Group]] = []
+        layer: Any
+        served: Any
+        for layer, served in zip(tree.model.layers, serving.model.layers, strict=True):
+            attn, mlp = layer.self_attn, layer.mlp
+            qkv = _Group(
+                [_projection(attn.q_proj), _projection(attn.k_proj), _projection(attn.v_proj)],
+                served.self_attn.qkv_weight,
+                served.self_attn.qkv_bias,
+            )
+            gate_up = _Group(
+                [_projection(mlp.gate_proj), _projection(mlp.up_proj)],
+                served.mlp.gate_up_weight,
+                None,
+            )
+            o = _Group([_projection(attn.o_proj)], None, None)
+            down = _Group([_projection(mlp.down_proj)], None, None)
+            self.layers.append((qkv, o, gate_up, down))
+
+    @staticmethod
+    def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+
+    def _layer(
+        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        config, training = self.config, self.tree.training
+        block: Any = self.tree.model.layers[index]
+        qkv, o, gate_up, down = self.layers[index]
+        batch, seq = x.shape[:2]
+        heads, kv_heads, dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+        )
+        h = self._norm(x, block.input_layernorm.weight, config.rms_norm_eps)
+        q, k, v = qkv.forward(h, training).split(
+            [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
+        )
+        q = apply_rope(q.reshape(batch, seq, heads, dim), cos, sin).transpose(1, 2)
+        k = apply_rope(k.reshape(batch, seq, kv_heads, dim), cos, sin).transpose(1, 2)
+        v = v.reshape(batch, seq, kv_heads, dim).transpose(1, 2)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        attn = attn.transpose(1, 2).reshape(batch, seq, heads * dim)
+        x = x + o.forward(attn, training)
+        h = self._norm(x, block.post_attention_layernorm.weight, config.rms_norm_eps)
+        gate, up = gate_up.forward(h, training).chunk(2, dim=-1)
+        return x + down.forward(F.silu(gate) * up, training)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        activation_checkpointing: bool = False,
+    ) -> torch.Tensor:
+        tree = self.tree
+        x = tree.model.embed_tokens(input_ids)
+        cos, sin = tree.rope_cos_sin(positions, x.dtype)
+        for i in range(len(self.layers)):
+            if activation_checkpointing and torch.is_grad_enabled():
+                out = checkpoint(self._layer, i, x, cos, sin, use_reentrant=False)
+                assert isinstance(out, torch.Tensor)
+                x = out
+            else:
+                x = self._layer(i, x, cos, sin)
+        return self._norm(x, tree.model.norm.weight, self.config.rms_norm_eps)
