@@ -35,7 +35,7 @@ from api.selectors import (
     tenant_get,
     tenant_list,
 )
-from api.serializers import ErrorSerializer
+from api.serializers import ErrorSerializer, list_serializer
 from api.services.apikeys import api_key_issue, api_key_issue_for_tenant, api_key_revoke
 from api.services.fleet import (
     base_model_get,
@@ -48,6 +48,19 @@ from api.services.fleet import (
 )
 from api.services.jobs import finetune_job_cancel
 from api.services.tenants import tenant_create
+
+LISTS = {
+    item: list_serializer(item, item.__name__.replace("Serializer", "List"))
+    for item in (
+        TenantOpsSerializer,
+        ApiKeyOpsSerializer,
+        BaseModelOpsSerializer,
+        DeploymentOpsSerializer,
+        GpuHostOpsSerializer,
+        PlacementOpsSerializer,
+        FinetuneJobOpsSerializer,
+    )
+}
 
 
 def _valid(serializer_class: type[serializers.Serializer], data: Any) -> dict[str, Any]:
@@ -64,7 +77,7 @@ class TenantsApi(OperatorAPIView):
     class TenantCreateSerializer(serializers.Serializer):
         name = serializers.CharField()
 
-    @extend_schema(operation_id="ops_tenants_list", responses={200: TenantOpsSerializer(many=True)})
+    @extend_schema(operation_id="ops_tenants_list", responses={200: LISTS[TenantOpsSerializer]})
     def get(self, request: Request) -> Response:
         return Response(_listing(TenantOpsSerializer(tenant_list(), many=True).data))
 
@@ -93,7 +106,7 @@ class ApiKeysApi(OperatorAPIView):
     @extend_schema(
         operation_id="ops_apikeys_list",
         parameters=[OpenApiParameter("tenant", str)],
-        responses={200: ApiKeyOpsSerializer(many=True)},
+        responses={200: LISTS[ApiKeyOpsSerializer]},
     )
     def get(self, request: Request) -> Response:
         tenant_name = request.query_params.get("tenant")
@@ -149,7 +162,7 @@ class BaseModelsApi(OperatorAPIView):
         context_length = serializers.IntegerField(min_value=1, required=False)
 
     @extend_schema(
-        operation_id="ops_basemodels_list", responses={200: BaseModelOpsSerializer(many=True)}
+        operation_id="ops_basemodels_list", responses={200: LISTS[BaseModelOpsSerializer]}
     )
     def get(self, request: Request) -> Response:
         return Response(_listing(BaseModelOpsSerializer(base_model_list(), many=True).data))
@@ -181,7 +194,7 @@ class DeploymentsApi(OperatorAPIView):
         )
 
     @extend_schema(
-        operation_id="ops_deployments_list", responses={200: DeploymentOpsSerializer(many=True)}
+        operation_id="ops_deployments_list", responses={200: LISTS[DeploymentOpsSerializer]}
     )
     def get(self, request: Request) -> Response:
         return Response(_listing(DeploymentOpsSerializer(deployment_list(), many=True).data))
@@ -217,7 +230,7 @@ class HostsApi(OperatorAPIView):
     @extend_schema(
         operation_id="ops_hosts_list",
         parameters=[OpenApiParameter("status", str, enum=HostStatus.values)],
-        responses={200: GpuHostOpsSerializer(many=True)},
+        responses={200: LISTS[GpuHostOpsSerializer]},
     )
     def get(self, request: Request) -> Response:
         hosts = host_list(status=request.query_params.get("status"))
@@ -260,7 +273,7 @@ class PlacementsApi(OperatorAPIView):
             OpenApiParameter("host", str),
             OpenApiParameter("state", str, enum=PlacementState.values),
         ],
-        responses={200: PlacementOpsSerializer(many=True)},
+        responses={200: LISTS[PlacementOpsSerializer]},
     )
     def get(self, request: Request) -> Response:
         placements = placement_list(
@@ -279,7 +292,7 @@ class JobsApi(OperatorAPIView):
             OpenApiParameter("tenant", str),
             OpenApiParameter("status", str, enum=JobStatus.values),
         ],
-        responses={200: FinetuneJobOpsSerializer(many=True)},
+        responses={200: LISTS[FinetuneJobOpsSerializer]},
     )
     def get(self, request: Request) -> Response:
         tenant_name = request.query_params.get("tenant")
