@@ -22,6 +22,7 @@ from api.models import Tenant
 from api.permissions import IsOperator, IsTenantUser, request_tenant
 
 _SEALED = (
+    "dispatch",
     "initial",
     "tenant",
     "get_queryset",

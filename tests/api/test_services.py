@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from django.core.exceptions import ImproperlyConfigured
+from django.db import IntegrityError
 from rest_framework import exceptions
 
 from api.apis.base import TenantScopedAPIView
 from api.errors import ConflictError, HarliError
-from api.models import GpuHost, HostStatus, Tenant, User, UserRole
+from api.models import File, GpuHost, HostStatus, Tenant, User, UserRole
 from api.services.apikeys import api_key_authenticate, api_key_issue_for_tenant
 from api.services.files import UploadSource, file_create
 from api.services.fleet import base_model_register, deployment_create, host_drain, host_register
@@ -16,7 +19,9 @@ from api.services.tenants import operator_create, tenant_create
 from tests.api.conftest import VALID_JSONL
 
 
-@pytest.mark.parametrize("method", ["get_queryset", "initial", "tenant", "permission_classes"])
+@pytest.mark.parametrize(
+    "method", ["get_queryset", "dispatch", "initial", "tenant", "permission_classes"]
+)
 def test_tenant_view_cannot_be_bypassed(method: str) -> None:
     with pytest.raises(ImproperlyConfigured, match=method):
         type("Sneaky", (TenantScopedAPIView,), {method: lambda self: None})
@@ -86,3 +91,17 @@ def test_uploaded_filename_is_reduced_to_a_safe_base_name(tenant: Tenant) -> Non
         upload=UploadSource.from_bytes(filename='../../etc/"x"\n.jsonl', data=VALID_JSONL),
     )
     assert file.filename == "_x__.jsonl"
+
+
+@pytest.mark.django_db(transaction=True)
+def test_failed_insert_removes_the_stored_bytes(storage_dir: Path) -> None:
+    """The row fails at commit (its tenant does not exist): the stored bytes are removed too."""
+    ghost = Tenant(pk=987654, name="ghost")
+    with pytest.raises(IntegrityError):
+        file_create(
+            tenant=ghost,
+            purpose="fine-tune",
+            upload=UploadSource.from_bytes(filename="t.jsonl", data=VALID_JSONL),
+        )
+    assert not File.objects.exists()
+    assert [p for p in storage_dir.rglob("*") if p.is_file()] == []
