@@ -6,6 +6,7 @@
 
 from gpu_runtime.memory.backend import CpuPageBackend, PageBackend
 from gpu_runtime.memory.counters import LatencySamples, MemoryCounters
+from gpu_runtime.memory.engine_memory import EngineMemory, engine_kv_layout, scheduler_block_demand
 from gpu_runtime.memory.factory import create_page_pool
 from gpu_runtime.memory.kv_binding import BlockManagerLike, KVPoolBinding
 from gpu_runtime.memory.layout import (
@@ -31,6 +32,7 @@ __all__ = [
     "CpuPageBackend",
     "DecodeDemand",
     "DecodeGrant",
+    "EngineMemory",
     "FinetuneBudgetExceeded",
     "KVLayout",
     "LatencySamples",
@@ -43,5 +45,7 @@ __all__ = [
     "PagePool",
     "PhysicalMemoryUnavailable",
     "create_page_pool",
+    "engine_kv_layout",
     "kv_block_bytes",
+    "scheduler_block_demand",
 ]

@@ -1,0 +1,140 @@
+"""`EngineMemory`: the unified pool wired to one decode `Engine` and the host loop.
+
+It implements the host loop's `FinetuneMemory` contract (`gpu_runtime.colocation.loop`):
+`before_decode()` on the critical path before the decode step, `after_decode()` off it,
+`finetune_budget_bytes()` read before every quantum, `lent_bytes()`, and `quantum_done(...)` after
+every quantum. The decode side's demand is read from the engine's scheduler (running requests'
+next chunk or token; waiting prompts' first chunk), mirroring `ContinuousBatchingScheduler`.
+
+Build order on a host: load weights; `pool = create_page_pool(device=..., pinned_tail_pages=...)`;
+`memory = EngineMemory.prepare(pool, model_config, engine_config_kwargs)` gives the engine config
+and storage factory; build the `Engine` with them; `memory.attach(engine)`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+from gpu_runtime.memory.kv_binding import KVPoolBinding
+from gpu_runtime.memory.layout import KVLayout, MemoryPoolError, kv_block_bytes
+from gpu_runtime.memory.policy import DecodeGrant, MemoryManager, MemoryPolicyConfig
+
+if TYPE_CHECKING:
+    from gpu_runtime.memory.pool import PagePool
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+def engine_kv_layout(
+    model_config: Any, *, block_size: int, dtype: str, page_bytes: int
+) -> KVLayout:
+    """The KV layout of the decode engine's block-major storage for a `ModelConfig`."""
+    if dtype not in _DTYPE_BYTES:
+        raise ValueError(f"KV dtype {dtype!r} not in {sorted(_DTYPE_BYTES)}")
+    block = kv_block_bytes(
+        block_tokens=block_size,
+        num_layers=model_config.num_hidden_layers,
+        num_kv_heads=model_config.num_key_value_heads,
+        head_dim=model_config.head_dim,
+        dtype_bytes=_DTYPE_BYTES[dtype],
+    )
+    return KVLayout(page_bytes=page_bytes, block_bytes=block)
+
+
+def scheduler_block_demand(engine: Any) -> tuple[int, int]:
+    """(blocks the running requests need next step, blocks the waiting ones' first chunk need).
+
+    Mirrors the continuous-batching scheduler: running requests in order take their next chunk
+    (one token when decoding) out of the step's token budget; waiting prompts come after.
+    """
+    scheduler = engine.scheduler
+    block_manager = engine.block_manager
+    budget = int(engine.config.max_num_batched_tokens)
+    running = 0
+    for request in getattr(scheduler, "running", ()):
+        if budget <= 0:
+            break
+        count = min(request.num_tokens - request.num_computed_tokens, budget)
+        target = request.num_computed_tokens + count
+        running += block_manager.num_new_blocks(request.block_table, target)
+        budget -= count
+    waiting = 0
+    for request in getattr(scheduler, "waiting", ()):
+        chunk = min(request.num_tokens - request.num_computed_tokens, max(budget, 1))
+        waiting += block_manager.blocks_for_tokens(request.num_computed_tokens + chunk)
+        budget -= chunk
+    return running, waiting
+
+
+class EngineMemory:
+    """Pool + policy + binding for one engine; the host loop's memory adapter."""
+
+    def __init__(self, manager: MemoryManager, binding: KVPoolBinding) -> None:
+        self.manager = manager
+        self.binding = binding
+        self._engine: Any = None
+        self.last_grant: DecodeGrant | None = None
+
+    @classmethod
+    def prepare(
+        cls,
+        pool: PagePool,
+        model_config: Any,
+        *,
+        block_size: int,
+        kv_dtype: str,
+        max_model_len: int,
+        policy: MemoryPolicyConfig | None = None,
+    ) -> EngineMemory:
+        """Manager and binding for an engine of this model; decode always keeps enough pages
+        for one request of `max_model_len` tokens (the engine rejects longer ones)."""
+        layout = engine_kv_layout(
+            model_config, block_size=block_size, dtype=kv_dtype, page_bytes=pool.page_bytes
+        )
+        policy = policy or MemoryPolicyConfig()
+        one_request = layout.pages_for_blocks(-(-max_model_len // block_size))
+        if one_request > policy.min_decode_pages:
+            policy = dataclasses.replace(policy, min_decode_pages=one_request)
+        manager = MemoryManager(pool, layout, policy)
+        return cls(manager, KVPoolBinding(manager))
+
+    def engine_config_fields(self) -> dict[str, int]:
+        """`num_kv_blocks` and `kv_block_capacity` for the engine's `EngineConfig`."""
+        return {
+            "num_kv_blocks": self.binding.initial_blocks,
+            "kv_block_capacity": self.binding.capacity_blocks,
+        }
+
+    def attach(self, engine: Any) -> None:
+        """Bind the engine built with `engine_config_fields()` and `binding.storage_factory`."""
+        if engine.runner.kv_cache.storage.data_ptr() != self.manager.pool.kv_storage().data_ptr():
+            raise MemoryPoolError("the engine's KV storage is not the pool's range")
+        self.binding.attach(engine.block_manager)
+        self._engine = engine
+
+    # ---- FinetuneMemory (gpu_runtime.colocation.loop) ---------------------------------
+    def before_decode(self) -> None:
+        running, waiting = scheduler_block_demand(self._bound())
+        self.last_grant = self.binding.before_step(next_step_blocks=running, waiting_blocks=waiting)
+
+    def after_decode(self) -> None:
+        _, waiting = scheduler_block_demand(self._bound())
+        self.binding.maintain(waiting_blocks=waiting)
+
+    def finetune_budget_bytes(self) -> int:
+        return self.manager.finetune_budget_bytes
+
+    def lent_bytes(self) -> int:
+        return self.manager.pool.finetune_budget_bytes
+
+    def quantum_done(self, *, peak_bytes: int, resident_bytes: int) -> None:
+        self.manager.finetune_quantum_done(peak_bytes=peak_bytes, resident_bytes=resident_bytes)
+
+    def _bound(self) -> Any:
+        if self._engine is None:
+            raise MemoryPoolError("attach the engine first")
+        return self._engine

@@ -1,0 +1,115 @@
+"""The pool wired to the real decode engine on CPU: same tokens as a plain engine while KV pages
+move between decode and a finetune budget (unmapped CPU pages are poisoned with NaN)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.memory import (
+    EngineMemory,
+    MemoryPolicyConfig,
+    MemoryPoolError,
+    create_page_pool,
+    engine_kv_layout,
+    scheduler_block_demand,
+)
+from gpu_runtime.model import CausalLM, build_random_model
+from gpu_runtime.model.tiny import tiny_config
+
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False, ignore_eos=True)
+ENGINE = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=64)
+
+
+@pytest.fixture(scope="module")
+def model() -> CausalLM:
+    return build_random_model(tiny_config("llama"), seed=11)
+
+
+def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 480, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _pooled_engine(model: CausalLM, pages: int) -> tuple[Engine, EngineMemory]:
+    layout = engine_kv_layout(model.config, block_size=4, dtype="float32", page_bytes=1)
+    page = layout.block_bytes  # one block per page
+    pool = create_page_pool(
+        device="cpu",
+        pool_bytes=pages * page,
+        page_bytes=page,
+        map_unit_pages=2,
+        pinned_tail_pages=2,
+    )
+    policy = MemoryPolicyConfig(
+        reserve_low_pages=2,
+        reserve_high_pages=6,
+        max_step_pages=4,
+        shrink_after_iterations=2,
+        grow_hold_iterations=1,
+    )
+    memory = EngineMemory.prepare(
+        pool, model.config, block_size=4, kv_dtype="float32", max_model_len=64, policy=policy
+    )
+    config = EngineConfig(**ENGINE, **memory.engine_config_fields())  # type: ignore[arg-type]
+    engine = Engine(model, config, kv_storage_factory=memory.binding.storage_factory)
+    memory.attach(engine)
+    return engine, memory
+
+
+def test_tokens_match_a_plain_engine_while_memory_moves(model: CausalLM) -> None:
+    prompts = _prompts(3, (5, 30, 12, 2, 44, 8, 17, 3))
+    plain = Engine(model, EngineConfig(num_kv_blocks=128, **ENGINE))  # type: ignore[arg-type]
+    expected = [o.output_token_ids for o in plain.generate(prompts, GREEDY)]
+
+    engine, memory = _pooled_engine(model, pages=48)
+    pool = memory.manager.pool
+    page = pool.page_bytes
+    assert memory.manager.usable_blocks >= 16  # one max_model_len request always fits
+    memory.manager.set_finetune_demand(40 * page)
+    finished: dict[str, list[int]] = {}
+    ids: list[str] = []
+    pending = list(prompts)
+    step = 0
+    while pending or engine.has_unfinished_requests() or step < 40:
+        if pending and step % 3 == 0:  # bursts of two, then quiet
+            ids += [engine.add_request(p, GREEDY) for p in pending[:2]]
+            pending = pending[2:]
+        memory.before_decode()
+        for out in engine.step():
+            if out.finished:
+                finished[out.request_id] = out.output_token_ids
+        memory.after_decode()
+        # A finetune quantum fitted to the budget it reads, keeping one page of state.
+        budget = memory.finetune_budget_bytes()
+        if budget >= page:
+            memory.quantum_done(peak_bytes=budget, resident_bytes=page)
+        assert engine.block_manager.num_usable_blocks == memory.manager.usable_blocks
+        pool.check()
+        step += 1
+    assert [finished[i] for i in ids] == expected
+    counters = memory.manager.counters
+    assert counters.finetune_grows > 0 and counters.finetune_shrinks > 0
+    assert counters.kv_shrinks > 0 and counters.decode_pages_mapped > 0
+    assert counters.finetune_budget_violations == 0
+    assert memory.lent_bytes() == pool.finetune_budget_bytes > 0
+
+
+def test_scheduler_demand_counts_next_chunks_and_waiting_prompts(model: CausalLM) -> None:
+    engine, memory = _pooled_engine(model, pages=48)
+    engine.add_request(list(range(1, 10)), GREEDY)  # 9 tokens: 3 blocks
+    engine.add_request(list(range(1, 30)), GREEDY)  # first chunk 24 - 9 = 15 tokens: 4 blocks
+    assert scheduler_block_demand(engine) == (0, 7)
+    memory.before_decode()
+    engine.step()  # admits the first prompt whole and 15 tokens of the second
+    running, waiting = scheduler_block_demand(engine)
+    # First: one decode token inside its 3 blocks; second: its last 14 tokens, 29 in 8 blocks.
+    assert (running, waiting) == (4, 0)
+
+
+def test_attach_rejects_an_engine_not_built_on_the_pool(model: CausalLM) -> None:
+    _, memory = _pooled_engine(model, pages=48)
+    other = Engine(model, EngineConfig(num_kv_blocks=8, **ENGINE))  # type: ignore[arg-type]
+    with pytest.raises(MemoryPoolError, match="not the pool's range"):
+        memory.attach(other)
