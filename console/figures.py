@@ -90,7 +90,13 @@ def _base_layout(*, uirevision: str, y_title: str, x_title: str = "time (UTC)") 
         "uirevision": uirevision,
         "margin": {"l": 60, "r": 24, "t": 16, "b": 48},
         "font": {"family": "system-ui, -apple-system, Segoe UI, Roboto, sans-serif", "size": 12},
-        "legend": {"orientation": "h", "x": 0, "y": 1.02, "yanchor": "bottom"},
+        "legend": {
+            "orientation": "h",
+            "x": 0,
+            "y": 1.02,
+            "yanchor": "bottom",
+            "traceorder": "normal",
+        },
         "hovermode": "x unified",
         "xaxis": {"title": {"text": x_title}, "gridcolor": "#eef0f3", "zeroline": False},
         "yaxis": {"title": {"text": y_title}, "gridcolor": "#eef0f3", "zeroline": False},
@@ -172,6 +178,7 @@ def goodput_figure(*, goodput: TimeSeries, request_rate: TimeSeries) -> Figure:
         "side": "right",
         "showgrid": False,
         "rangemode": "tozero",
+        "tickformat": ".1f",
     }
     layout["margin"]["r"] = 60
     figure = go.Figure(layout=layout)
@@ -276,7 +283,7 @@ def predictor_scatter_figure(*, per_host: Sequence[LatencyPairs]) -> Figure:
     layout = _base_layout(uirevision="predictor", y_title="observed (ms)", x_title="predicted (ms)")
     layout["hovermode"] = "closest"
     figure = go.Figure(layout=layout)
-    highest = 0.0
+    values: list[float] = []
     for index, one in enumerate(per_host):
         figure.add_trace(
             go.Scatter(
@@ -287,15 +294,17 @@ def predictor_scatter_figure(*, per_host: Sequence[LatencyPairs]) -> Figure:
                 marker={"color": PALETTE[index % len(PALETTE)], "size": 6, "opacity": 0.75},
             )
         )
-        highest = max([highest, *one.predicted_ms, *one.observed_ms])
-    figure.add_shape(
-        type="line",
-        x0=0,
-        y0=0,
-        x1=highest,
-        y1=highest,
-        line={"color": "#9ca3af", "dash": "dot", "width": 1},
-    )
+        values += [*one.predicted_ms, *one.observed_ms]
+    if values:
+        low, high = min(values), max(values)
+        figure.add_shape(
+            type="line",
+            x0=low,
+            y0=low,
+            x1=high,
+            y1=high,
+            line={"color": "#9ca3af", "dash": "dot", "width": 1},
+        )
     return _as_dict(figure)
 
 

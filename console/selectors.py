@@ -26,6 +26,7 @@ from api.models import (
     GpuHost,
     HostMetric,
     JobMetric,
+    JobStatus,
     Placement,
     PlacementState,
 )
@@ -321,10 +322,14 @@ def job_progress_map(*, jobs: Sequence[FinetuneJob]) -> dict[str, JobProgress]:
     )
     for job_id, ts, step in rows:
         points[job_id].append((ts, step))
-    return {
-        job.pk: progress_from(points=points[job.pk], total_steps=estimated_total_steps(job=job))
-        for job in jobs
-    }
+    result = {}
+    for job in jobs:
+        total = estimated_total_steps(job=job)
+        progress = progress_from(points=points[job.pk], total_steps=total)
+        if job.status == JobStatus.SUCCEEDED and total is not None:
+            progress = JobProgress(step=total, total_steps=total, eta_seconds=0.0)
+        result[job.pk] = progress
+    return result
 
 
 # Predictors

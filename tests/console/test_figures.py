@@ -97,13 +97,14 @@ def test_loss_figure_keeps_train_and_validation_apart() -> None:
         figures.loss_figure(train_steps=[1], train_loss=[], valid_steps=[], valid_loss=[])
 
 
-def test_predictor_scatter_draws_the_diagonal_to_the_largest_value() -> None:
+def test_predictor_scatter_draws_the_diagonal_over_the_data() -> None:
     fig = figures.predictor_scatter_figure(
         per_host=[LatencyPairs("gpu-a (v1)", [10.0, 12.0], [11.0, 30.0])]
     )
     assert fig["data"][0]["mode"] == "markers"
     diagonal = fig["layout"]["shapes"][0]
-    assert (diagonal["x0"], diagonal["y0"], diagonal["x1"], diagonal["y1"]) == (0, 0, 30.0, 30.0)
+    assert (diagonal["x0"], diagonal["y0"], diagonal["x1"], diagonal["y1"]) == (10, 10, 30, 30)
+    assert "shapes" not in figures.predictor_scatter_figure(per_host=[])["layout"]
 
 
 def test_mismatched_series_are_rejected_with_the_lengths() -> None:
