@@ -3,7 +3,7 @@
     python3 bench/memory.py mechanism [--out DIR]   # facts the pool is built on (about 60 s)
 
 `mechanism` measures the CUDA virtual-memory mechanism under `gpu_runtime/memory`: map/unmap cost
-per 2 MiB page (per driver call, per-page vs batched access, 2 MiB vs 32 MiB chunks), the time
+per 2 MiB page (per driver call, per-page vs batched access, chunks of 2 to 128 MiB), the time
 to move 1 GiB between KV and torch in both directions, that unmapped memory is usable by torch at
 once (and that the finetune cap holds), whether map/unmap/empty_cache wait for in-flight kernels,
 that the KV view keeps its data across remaps, and the caching allocator's cache-flush costs with
@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
 MIB = 1 << 20
 GIB = 1 << 30
 PAGE = 2 * MIB
+CHUNK_SWEEP_MIB = (2, 8, 32, 128)
 
 
 def _commit() -> str:
@@ -92,7 +93,7 @@ def _driver_costs(rec: Recorder, pages: int = 512, rounds: int = 3) -> None:
     from gpu_runtime.memory.cuda_backend import CudaVmmBackend
 
     # The backend's constructor makes the context current and builds prop/access.
-    probe = CudaVmmBackend(pool_bytes=PAGE)
+    probe = CudaVmmBackend(pool_bytes=PAGE, chunk_bytes=PAGE)
     prop, access, call = probe._prop, probe._access, probe._call
     t0 = time.perf_counter()
     (base,) = call(cu.cuMemAddressReserve(100 * GIB, PAGE, 0, 0))
@@ -111,8 +112,6 @@ def _driver_costs(rec: Recorder, pages: int = 512, rounds: int = 3) -> None:
             "map_per_page_access",
             "map_batched_access",
             "unmap",
-            "map_32MiB_chunks",
-            "unmap_32MiB_chunks",
         )
     }
     for _ in range(rounds):
@@ -157,22 +156,25 @@ def _driver_costs(rec: Recorder, pages: int = 512, rounds: int = 3) -> None:
         for i, h in enumerate(handles):
             call(cu.cuMemUnmap(addr(i * PAGE), PAGE))
             call(cu.cuMemRelease(h))
-        # 32 MiB chunks: 16x fewer driver calls for the same bytes.
-        chunk = 32 * MIB
-        n_chunks = pages * PAGE // chunk
-        handles = []
-        start = time.perf_counter()
-        for i in range(n_chunks):
-            (h,) = call(cu.cuMemCreate(chunk, prop, 0))
-            call(cu.cuMemMap(addr(i * chunk), chunk, 0, h, 0))
-            call(cu.cuMemSetAccess(addr(i * chunk), chunk, access, 1))
-            handles.append(h)
-        totals["map_32MiB_chunks"].append(time.perf_counter() - start)
-        start = time.perf_counter()
-        for i, h in enumerate(handles):
-            call(cu.cuMemUnmap(addr(i * chunk), chunk))
-            call(cu.cuMemRelease(h))
-        totals["unmap_32MiB_chunks"].append(time.perf_counter() - start)
+        # Bigger chunks: fewer driver calls for the same bytes.
+        for chunk_mib in CHUNK_SWEEP_MIB:
+            chunk = chunk_mib * MIB
+            n_chunks = pages * PAGE // chunk
+            handles = []
+            start = time.perf_counter()
+            for i in range(n_chunks):
+                (h,) = call(cu.cuMemCreate(chunk, prop, 0))
+                call(cu.cuMemMap(addr(i * chunk), chunk, 0, h, 0))
+                handles.append(h)
+            call(cu.cuMemSetAccess(addr(0), pages * PAGE, access, 1))
+            totals.setdefault(f"map_{chunk_mib}MiB_chunks", []).append(time.perf_counter() - start)
+            start = time.perf_counter()
+            for i, h in enumerate(handles):
+                call(cu.cuMemUnmap(addr(i * chunk), chunk))
+                call(cu.cuMemRelease(h))
+            totals.setdefault(f"unmap_{chunk_mib}MiB_chunks", []).append(
+                time.perf_counter() - start
+            )
     rec.check("driver", "batched cuMemSetAccess over many mappings works", ok)
     for name, samples in per_call.items():
         rec.value("driver", f"{name}_per_2MiB_p50", _median(samples) * 1e6, "us")
@@ -203,10 +205,11 @@ def _view_correctness(rec: Recorder) -> None:
 
     for per_page in (False, True):
         backend = CudaVmmBackend(pool_bytes=4 * GIB, access_per_page=per_page)
+        backend.set_finetune_cap(2 * GIB)
         try:
             assert backend.map_range(0, 64) == 64
             view = backend.kv_storage()
-            pages = view[: 64 * PAGE].view(64, PAGE // 2).view(torch.bfloat16)
+            pages = view[: 64 * PAGE].view(64, PAGE).view(torch.bfloat16)
             gen = torch.Generator(device="cuda").manual_seed(1)
             data = torch.randn(pages.shape, generator=gen, device="cuda", dtype=torch.bfloat16)
             pages.copy_(data)
@@ -329,40 +332,46 @@ def _usable_at_once(rec: Recorder) -> None:
 
 
 def _move_one_gib(rec: Recorder, rounds: int = 5) -> None:
+    """KV -> torch: unmap 1 GiB, allocate and fill it. torch -> KV: free, flush the cache,
+    map 1 GiB. Whole pool mapped first, so the memory really has to move."""
     import torch
 
     from gpu_runtime.memory.cuda_backend import CudaVmmBackend
 
-    torch.cuda.empty_cache()
-    free, _ = torch.cuda.mem_get_info()
-    backend = CudaVmmBackend(pool_bytes=free - 2 * GIB)
-    to_torch: list[float] = []
-    to_kv: list[float] = []
-    try:
-        n = backend.num_pages
-        backend.map_range(0, n)
-        backend.set_finetune_cap(2 * GIB)
-        k = GIB // PAGE
-        for _ in range(rounds):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            backend.unmap_range(n - k, k)
-            t = torch.empty(GIB, dtype=torch.uint8, device="cuda")
-            t.fill_(1)
-            torch.cuda.synchronize()
-            to_torch.append(time.perf_counter() - start)
-            start = time.perf_counter()
-            del t
-            torch.cuda.empty_cache()
-            got = backend.map_range(n - k, k)
-            to_kv.append(time.perf_counter() - start)
-            if got != k:
-                raise RuntimeError(f"re-mapped {got} of {k} pages")
-        rec.value("move", "kv_to_torch_1GiB_p50", _median(to_torch) * 1e3, "ms")
-        rec.value("move", "torch_to_kv_1GiB_p50", _median(to_kv) * 1e3, "ms")
-        rec.value("move", "torch_to_kv_1GiB_max", max(to_kv) * 1e3, "ms")
-    finally:
-        backend.close()
+    for chunk_mib in (2, 32):
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        backend = CudaVmmBackend(pool_bytes=free - 2 * GIB, chunk_bytes=chunk_mib * MIB)
+        samples: dict[str, list[float]] = {"unmap": [], "torch_alloc": [], "flush": [], "map": []}
+        try:
+            n = backend.num_pages
+            backend.map_range(0, n)
+            backend.set_finetune_cap(2 * GIB)
+            k = GIB // PAGE
+            for _ in range(rounds):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                backend.unmap_range(n - k, k)
+                t1 = time.perf_counter()
+                t = torch.empty(GIB, dtype=torch.uint8, device="cuda")
+                t.fill_(1)
+                torch.cuda.synchronize()
+                t2 = time.perf_counter()
+                del t
+                torch.cuda.empty_cache()
+                t3 = time.perf_counter()
+                got = backend.map_range(n - k, k)
+                t4 = time.perf_counter()
+                if got != k:
+                    raise RuntimeError(f"re-mapped {got} of {k} pages")
+                for key, value in zip(samples, (t1 - t0, t2 - t1, t3 - t2, t4 - t3), strict=True):
+                    samples[key].append(value)
+        finally:
+            backend.close()
+        for key, values in samples.items():
+            rec.value("move", f"1GiB_{key}_p50", _median(values) * 1e3, "ms", chunk_mib=chunk_mib)
+        to_kv = [a + b for a, b in zip(samples["flush"], samples["map"], strict=True)]
+        rec.value("move", "1GiB_torch_to_kv_max", max(to_kv) * 1e3, "ms", chunk_mib=chunk_mib)
 
 
 # ---- caching allocator: flush and refill, default vs expandable segments ------------------
@@ -473,7 +482,9 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             print(f"{flag:6} {row['section']:10} {row['check']}  {row.get('detail', '')}")
     for row in rows:
         if "measure" in row:
-            tag = row.get("allocator", "")
+            tag = row.get("allocator", "") or (
+                f"{row['chunk_mib']} MiB" if "chunk_mib" in row else ""
+            )
             name = f"{row['section']:10} {row['measure']:34} {tag:10}"
             print(f"{name} {row['value']:12.3f} {row['unit']}")
 

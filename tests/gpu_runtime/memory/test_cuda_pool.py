@@ -104,3 +104,58 @@ def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
     free, _ = torch.cuda.mem_get_info()
     big = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
     assert big.numel() == 2 * GIB and free > 2 * GIB
+
+
+def test_engine_over_the_cuda_pool_matches_a_plain_engine() -> None:
+    from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+    from gpu_runtime.memory import EngineMemory
+    from gpu_runtime.model import build_random_model
+    from gpu_runtime.model.tiny import tiny_config
+
+    shape = dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+    )
+    model = build_random_model(
+        tiny_config("llama", **shape), seed=4, device="cuda", dtype="bfloat16"
+    )
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
+    fields = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 70, 12, 33)]
+    plain = Engine(model, EngineConfig(num_kv_blocks=64, device="cuda", **fields))  # type: ignore[arg-type]
+    plain.capture_cuda_graphs()
+    expected = [o.output_token_ids for o in plain.generate(prompts, greedy)]
+    del plain
+    torch.cuda.empty_cache()
+
+    pool = create_page_pool(device="cuda", pool_bytes=512 * MIB, pinned_tail_pages=1)
+    try:
+        config = MemoryPolicyConfig(reserve_low_pages=16, reserve_high_pages=64, max_step_pages=16)
+        memory = EngineMemory.prepare(
+            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, policy=config
+        )
+        engine_config = EngineConfig(device="cuda", **fields, **memory.engine_config_fields())  # type: ignore[arg-type]
+        engine = Engine(model, engine_config, kv_storage_factory=memory.binding.storage_factory)
+        memory.attach(engine)
+        engine.capture_cuda_graphs()  # graphs bake in KV addresses: the pool's never move
+        memory.manager.set_finetune_demand(256 * MIB)
+        ids = [engine.add_request(p, greedy) for p in prompts]
+        finished: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            memory.before_decode()
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.output_token_ids
+            memory.after_decode()
+        assert [finished[i] for i in ids] == expected
+        pool.check()
+        assert memory.lent_bytes() > 0
+        del engine
+    finally:
+        pool.close()
