@@ -1,0 +1,440 @@
+"""LoRA finetune speed and memory on one GPU: our trainer vs HF transformers + PEFT, plus the
+cost of batched multi-LoRA in a decode step.
+
+Training (per LoRA targets x sequence length x micro-batch): Llama-3-8B shape, seeded random bf16
+weights, rank 16, alpha 32, dropout 0.05, bf16 autocast, fused AdamW over fp32 adapter
+parameters, gradient clipping at 1.0, one optimizer step per micro-batch, every token but the
+first a loss target. Ours: `LoraTrainer.step_quantum` over the serving model's own tensors
+(fused q|k|v and gate|up, as the decode engine keeps them). Reference: a plain torch loop over
+`peft.get_peft_model(LlamaForCausalLM)` built on the same tensors (no second copy in this run;
+a separate HF+PEFT process would need its own copy of the base weights, hence
+`extra_mem_on_decode_gpu_gb`). Both see the same token ids. Before timing, the first losses of
+both (adapters start at B = 0, so both equal the base model's loss) are compared.
+
+Timing: `--warmup` steps, then `--steps` steps each timed on the host after the step's sync
+(ours syncs once per quantum; HF reads `loss.item()`); tokens/s = tokens per step / median step.
+
+Multi-LoRA decode: one decode step's weight-bound part (batch 32, one new token per sequence,
+no KV context) replayed from a CUDA graph: the serving model vs the multi-LoRA tree with 8
+adapters (rank 16) spread over the batch.
+
+Run: `PYTHONPATH=. python3 bench/finetune.py` (see --help; `--model tiny --device cpu` is a
+smoke run). Writes `<out>/finetune-h200-<yyyymmdd>.json` after every row and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_runtime.finetune.adapter_store import AdapterManager, HostAdapter
+from gpu_runtime.finetune.batching import epoch_order
+from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
+from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+from gpu_runtime.finetune.multi_lora import StackedLoraWeights, build_multi_lora_model
+from gpu_runtime.finetune.trainer import LoraTrainer
+from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
+
+TARGETS = {"qkvo": ("q_proj", "k_proj", "v_proj", "o_proj"), "all": ("all-linear",)}
+GB = 1e9
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
+
+
+def mem_ratio(row: dict[str, Any], ref: dict[str, Any], key: str) -> float | None:
+    return round(row[key] / ref[key], 3) if ref[key] else None
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def reset_peak(device: torch.device) -> int:
+    """Clear the peak counter; returns bytes allocated now (the row's baseline)."""
+    gc.collect()
+    if device.type != "cuda":
+        return 0
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
+
+
+def peak(device: torch.device) -> int:
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+
+
+def random_examples(vocab: int, count: int, seq: int, seed: int) -> list[TokenizedExample]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (count, seq), generator=generator).tolist()
+    return [TokenizedExample(tuple(row), (IGNORE_INDEX, *row[1:])) for row in ids]
+
+
+def hf_peft_model(serving: CausalLM, spec: LoraSpec, device: torch.device) -> Any:
+    """`get_peft_model(LlamaForCausalLM)` whose base parameters are `serving`'s tensors."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_config = AutoConfig.for_model(**serving.config.to_hf_config())
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=serving.lm_head.weight.dtype)
+    hf.load_state_dict(serving.state_dict(), assign=True, strict=False)
+    hf.tie_weights()
+    rotary = hf.model.rotary_emb
+    with torch.device(device):
+        hf.model.rotary_emb = type(rotary)(config=hf.config)
+    hf.config.use_cache = False
+    config = LoraConfig(
+        r=spec.rank,
+        lora_alpha=int(spec.alpha),
+        lora_dropout=spec.dropout,
+        target_modules=list(spec.target_modules),
+        task_type="CAUSAL_LM",
+    )
+    return get_peft_model(hf, config).train()
+
+
+def run_ours(
+    serving: CausalLM,
+    spec: LoraSpec,
+    examples: list[TokenizedExample],
+    micro: int,
+    warmup: int,
+    fused: bool,
+) -> tuple[list[float], list[float]]:
+    hparams = resolve_hyperparameters(
+        n_train_examples=len(examples), n_epochs=1, batch_size=micro, lora=spec, seed=0
+    )
+    trainer = LoraTrainer(serving, examples, hparams, fused_forward=fused)
+    times, losses = [], []
+    while not trainer.finished:
+        start = time.perf_counter()
+        result = trainer.step_quantum(max_examples=micro)
+        times.append(time.perf_counter() - start)
+        losses.append(result.loss)
+        assert result.optimizer_step and result.examples == micro
+    del trainer
+    return times[warmup:], losses
+
+
+def run_hf(
+    serving: CausalLM,
+    spec: LoraSpec,
+    examples: list[TokenizedExample],
+    micro: int,
+    warmup: int,
+    device: torch.device,
+) -> tuple[list[float], list[float]]:
+    model = hf_peft_model(serving, spec, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=2e-4, fused=device.type == "cuda")
+    # the order our trainer draws (seed 0), so both see the same batches
+    order = epoch_order([e.num_tokens for e in examples], micro, seed=0, epoch=0)
+    ids = torch.tensor([examples[i].input_ids for i in order], dtype=torch.long)
+    times, losses = [], []
+    for start_row in range(0, len(examples), micro):
+        batch = ids[start_row : start_row + micro].to(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss.item()))
+        times.append(time.perf_counter() - start)
+    del model, optimizer, params
+    return times[warmup:], losses
+
+
+@torch.no_grad()
+def multi_lora_decode(
+    serving: CausalLM, batch: int, adapters: int, rank: int, iters: int, device: torch.device
+) -> list[dict[str, Any]]:
+    """Graph-replayed decode-step forward (no KV context): base vs multi-LoRA trees."""
+    import tempfile
+
+    from gpu_runtime.finetune.checkpoint import save_adapter
+    from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
+
+    ids = torch.randint(0, serving.config.vocab_size, (batch, 1), device=device)
+    positions = torch.full((batch, 1), 700, device=device)
+    slots_of_rows = torch.arange(batch) % adapters
+    rows: list[dict[str, Any]] = []
+
+    def time_fn(fn: Any) -> tuple[float, bool]:
+        for _ in range(3):
+            fn()
+        sync(device)
+        graph_used = False
+        runner = fn
+        if device.type == "cuda":
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(3):
+                        fn()
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    fn()
+                runner, graph_used = graph.replay, True
+            except RuntimeError as exc:  # fall back to eager timing, recorded in the row
+                print(f"graph capture failed: {exc}")
+        samples = []
+        for _ in range(iters):
+            sync(device)
+            start = time.perf_counter()
+            runner()
+            sync(device)
+            samples.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(samples), graph_used
+
+    base_ms, base_graph = time_fn(lambda: serving.compute_logits(serving(ids, positions)))
+    rows.append(
+        {
+            "system": "harli_base",
+            "adapters": 0,
+            "targets": "-",
+            "step_ms_p50": base_ms,
+            "cuda_graph": base_graph,
+            "overhead_frac": 0.0,
+        }
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, targets in TARGETS.items():
+            spec = LoraSpec(rank=rank, alpha=2 * rank, dropout=0.0, target_modules=targets)
+            weights = StackedLoraWeights(
+                serving.config,
+                num_slots=adapters,
+                max_rank=rank,
+                max_tokens=batch,
+                target_modules=spec.target_modules,
+                device=device,
+                dtype=serving.lm_head.weight.dtype,
+            )
+            manager = AdapterManager(weights, max_host_adapters=adapters)
+            tree = build_training_model(serving, spec, seed=0)
+            for index in range(adapters):
+                for p in adapter_parameters(tree):
+                    p.normal_(0, 0.01)
+                save_adapter(tree, spec, Path(tmp) / f"{name}-{index}")
+                manager.register(f"{name}-{index}", Path(tmp) / f"{name}-{index}")
+                manager.acquire(f"{name}-{index}")
+            del tree
+            model = build_multi_lora_model(serving, weights)
+            weights.set_token_slots(slots_of_rows)
+            # correctness: row 0 (adapter 0) vs the merged weights for adapter 0, first layer q
+            adapter = HostAdapter.from_directory(
+                f"{name}-0", Path(tmp) / f"{name}-0", serving.config
+            )
+            x = torch.randn(batch, serving.config.hidden_size, device=device, dtype=weights.dtype)
+            a, b = adapter.weights[(0, "q_proj")]
+            merged = x[:1].float() @ (adapter.scaling * (b @ a)).T.to(device)
+            delta = weights.delta(0, "q_proj", x)
+            assert delta is not None
+            err = float((delta[:1].float() - merged).abs().max() / merged.abs().max())
+            ms, graph_used = time_fn(lambda m=model: m.compute_logits(m(ids, positions)))
+            rows.append(
+                {
+                    "system": "harli_multi_lora",
+                    "adapters": adapters,
+                    "targets": name,
+                    "step_ms_p50": ms,
+                    "cuda_graph": graph_used,
+                    "overhead_frac": ms / base_ms - 1.0,
+                    "delta_rel_err_vs_merged": err,
+                    "slot_mem_gb": weights.nbytes / GB,
+                }
+            )
+            del model, weights, manager
+    for row in rows:
+        row.update({"batch": batch, "lora_rank": rank})
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="llama3-8b", help="ModelConfig preset")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--targets", default="qkvo,all")
+    parser.add_argument("--seq", default="512,2048")
+    parser.add_argument("--micro", default="1,2,4,8")
+    parser.add_argument("--max-tokens", type=int, default=8192, help="skip seq*micro above")
+    parser.add_argument("--systems", default="harli,hf_peft")
+    parser.add_argument("--ablation", action="store_true", help="also ours via the peft tree")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--no-decode", action="store_true", help="skip the multi-LoRA decode part")
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    args = parser.parse_args()
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    if device.type == "cpu":
+        torch.set_num_threads(1)  # smoke runs on a shared machine
+    config = ModelConfig.preset(args.model).replace(dtype="bfloat16")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    serving = build_random_model(config, seed=0, device=device, dtype=dtype)
+    serving.fuse_projections()  # as the decode engine keeps it
+    base_bytes = sum(p.numel() * p.element_size() for p in serving.parameters())
+    systems = args.systems.split(",")
+    rows: list[dict[str, Any]] = []
+    decode_rows: list[dict[str, Any]] = []
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    out = Path(args.out) / f"finetune-h200-{day}.json"
+
+    def write() -> dict[str, Any]:
+        ratios = []
+        for row in rows:
+            if row["system"] != "harli" or row["status"] != "ok":
+                continue
+            for ref in rows:
+                same = all(ref[k] == row[k] for k in ("targets", "seq_len", "micro_batch"))
+                if same and ref["system"] == "hf_peft" and ref["status"] == "ok":
+                    ratios.append(
+                        {
+                            "targets": row["targets"],
+                            "seq_len": row["seq_len"],
+                            "micro_batch": row["micro_batch"],
+                            "speedup": round(row["tokens_per_s"] / ref["tokens_per_s"], 3),
+                            "peak_mem_ratio": mem_ratio(row, ref, "peak_mem_gb"),
+                            "extra_mem_ratio": mem_ratio(row, ref, "extra_mem_on_decode_gpu_gb"),
+                        }
+                    )
+        result = {
+            "name": "finetune",
+            "commit": args.commit,
+            "gpu": gpu,
+            "torch": torch.__version__,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(),
+            "config": {
+                **vars(args),
+                "model_config": config.to_hf_config(),
+                "lora": "rank 16, alpha 32, dropout 0.05; AdamW fused, lr 2e-4, clip 1.0",
+                "base_weights_gb": base_bytes / GB,
+            },
+            "rows": rows,
+            "multi_lora_decode": decode_rows,
+            "ratios": ratios,
+            "wall_s": round(time.perf_counter() - started, 1),
+        }
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        return result
+
+    plan: list[tuple[str, int, int, str]] = []
+    for targets in args.targets.split(","):
+        for seq in map(int, args.seq.split(",")):
+            for micro in map(int, args.micro.split(",")):
+                if seq * micro > args.max_tokens:
+                    continue
+                for system in systems:
+                    plan.append((targets, seq, micro, system))
+                if args.ablation and seq == 512 and micro == 4:
+                    plan.append((targets, seq, micro, "harli_peft_tree"))
+    first_losses: dict[tuple[str, int, int], float] = {}
+    for targets, seq, micro, system in plan:
+        spec = LoraSpec(
+            rank=args.rank, alpha=2 * args.rank, dropout=0.05, target_modules=TARGETS[targets]
+        )
+        count = micro * (args.warmup + args.steps)
+        examples = random_examples(config.vocab_size, count, seq, seed=seq + micro)
+        baseline = reset_peak(device)
+        row: dict[str, Any] = {
+            "model": args.model,
+            "system": system,
+            "targets": targets,
+            "seq_len": seq,
+            "micro_batch": micro,
+            "lora_rank": args.rank,
+        }
+        try:
+            if system == "hf_peft":
+                times, losses = run_hf(serving, spec, examples, micro, args.warmup, device)
+            else:
+                times, losses = run_ours(
+                    serving, spec, examples, micro, args.warmup, fused=system == "harli"
+                )
+            step = statistics.median(times)
+            peak_bytes = peak(device)
+            training = (peak_bytes - baseline) / GB
+            row.update(
+                {
+                    "status": "ok",
+                    "tokens_per_s": round(micro * seq / step, 1),
+                    "step_ms_p50": round(step * 1e3, 2),
+                    "step_ms_p99": round(percentile(times, 99) * 1e3, 2),
+                    "peak_mem_gb": round(peak_bytes / GB, 3),
+                    "training_mem_gb": round(training, 3),
+                    "extra_mem_on_decode_gpu_gb": round(
+                        training + (base_bytes / GB if system == "hf_peft" else 0.0), 3
+                    ),
+                    "first_loss": round(losses[0], 5),
+                    "last_loss": round(losses[-1], 5),
+                }
+            )
+            key = (targets, seq, micro)
+            if key in first_losses:
+                row["first_loss_rel_diff"] = abs(losses[0] - first_losses[key]) / first_losses[key]
+            else:
+                first_losses[key] = losses[0]
+        except torch.cuda.OutOfMemoryError:
+            row["status"] = "oom"
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+        write()
+    if not args.no_decode:
+        reset_peak(device)
+        decode_rows.extend(multi_lora_decode(serving, 32, 8, args.rank, 50, device))
+        for row in decode_rows:
+            print(json.dumps(row), flush=True)
+    result = write()
+    print(f"\nwrote {out} in {result['wall_s']} s")
+    print(
+        f"{'targets':7s} {'seq':>5s} {'mb':>3s} {'system':16s} {'tok/s':>9s} {'step ms':>8s} "
+        f"{'peak GB':>8s} {'extra GB':>8s} {'loss0':>7s}"
+    )
+    for r in rows:
+        if r["status"] != "ok":
+            print(
+                f"{r['targets']:7s} {r['seq_len']:5d} {r['micro_batch']:3d} {r['system']:16s} "
+                f"{r['status']}"
+            )
+            continue
+        print(
+            f"{r['targets']:7s} {r['seq_len']:5d} {r['micro_batch']:3d} {r['system']:16s} "
+            f"{r['tokens_per_s']:9.0f} {r['step_ms_p50']:8.1f} {r['peak_mem_gb']:8.2f} "
+            f"{r['extra_mem_on_decode_gpu_gb']:8.2f} {r['first_loss']:7.3f}"
+        )
+    for ratio in result["ratios"]:
+        print(
+            f"speedup {ratio['targets']} seq {ratio['seq_len']} mb {ratio['micro_batch']}: "
+            f"{ratio['speedup']:.2f}x tokens/s, peak mem {ratio['peak_mem_ratio']}x, "
+            f"extra mem on a decode GPU {ratio['extra_mem_ratio']}x"
+        )
+    for d in decode_rows:
+        print(
+            f"decode batch {d['batch']} {d['system']:16s} adapters {d['adapters']} "
+            f"{d['targets']:4s} {d['step_ms_p50']:.3f} ms (+{100 * d['overhead_frac']:.1f}%) "
+            f"graph={d['cuda_graph']}"
+        )
+
+
+if __name__ == "__main__":
+    main()
