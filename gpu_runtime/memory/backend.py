@@ -80,6 +80,11 @@ class PageBackend(Protocol):
         """Physical bytes the finetune allocator holds now (live tensors plus its cache)."""
         ...
 
+    def reset_baseline(self) -> None:
+        """Count what the process allocated so far (weights, decode buffers, CUDA graphs) as
+        not finetune's. Call after decode warm-up, while no finetune tensor is alive."""
+        ...
+
     def finetune_allocated_bytes(self) -> int:
         """Bytes of live finetune tensors now (what survives between quanta)."""
         ...
@@ -204,6 +209,10 @@ class CpuPageBackend:
 
     def finetune_reserved_bytes(self) -> int:
         return len(self._finetune_physical) * self._page_bytes
+
+    def reset_baseline(self) -> None:
+        """Nothing to do: the simulated finetune allocator holds only what was recorded."""
+        self._check_open()
 
     def finetune_allocated_bytes(self) -> int:
         return self._finetune_allocated_bytes

@@ -12,7 +12,7 @@ Mechanism (CUDA virtual memory management through `cuda-bindings`, imported lazi
   device at once (torch can allocate it right after). Neither waits for in-flight kernels.
 - Finetune tensors come from torch's caching allocator. Its budget is enforced as a cap on
   torch's reserved memory (`torch.cuda.set_per_process_memory_fraction`): the cap is the torch
-  baseline (weights, decode buffers, taken at construction or `reset_torch_baseline`) plus a
+  baseline (weights, decode buffers, taken at construction or `reset_baseline`) plus a
   headroom plus the finetune budget. Over the cap torch frees its cache and retries, then raises
   `torch.OutOfMemoryError` in the finetune quantum, never in a decode map. Lowering the budget
   flushes the cache (`torch.cuda.empty_cache`) so the memory can be mapped for KV.
@@ -112,7 +112,7 @@ class CudaVmmBackend:
         self._total_bytes = torch.cuda.get_device_properties(device).total_memory
         self._torch_headroom_bytes = torch_headroom_bytes
         self._cap_bytes = 0
-        self.reset_torch_baseline()
+        self.reset_baseline()
         self._closed = False
 
     # ---- driver helpers ----------------------------------------------------------------
@@ -205,7 +205,7 @@ class CudaVmmBackend:
         fraction = min(limit / self._total_bytes, 1.0)
         self._torch.cuda.set_per_process_memory_fraction(fraction, self._device)
 
-    def reset_torch_baseline(self) -> None:
+    def reset_baseline(self) -> None:
         """Take torch's current reserved/allocated bytes as not-finetune (call after decode
         warm-up and graph capture, while no finetune tensor is alive)."""
         cuda = self._torch.cuda

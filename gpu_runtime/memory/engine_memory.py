@@ -8,7 +8,9 @@ next chunk or token; waiting prompts' first chunk), mirroring `ContinuousBatchin
 
 Build order on a host: load weights; `pool = create_page_pool(device=..., pinned_tail_pages=...)`;
 `memory = EngineMemory.prepare(pool, model_config, engine_config_kwargs)` gives the engine config
-and storage factory; build the `Engine` with them; `memory.attach(engine)`.
+and storage factory; build the `Engine` with them; `memory.attach(engine)`; warm the engine up
+(CUDA graphs); `memory.decode_ready()` so torch's decode allocations are not charged to
+finetuning.
 """
 
 from __future__ import annotations
@@ -115,6 +117,12 @@ class EngineMemory:
             raise MemoryPoolError("the engine's KV storage is not the pool's range")
         self.binding.attach(engine.block_manager)
         self._engine = engine
+
+    def decode_ready(self) -> None:
+        """Decode's own torch memory is allocated (warm-up, graphs): charge finetuning only
+        for what comes after."""
+        self.manager.pool.reset_baseline()
+        logger.info("decode ready: finetune accounting starts from here")
 
     # ---- FinetuneMemory (gpu_runtime.colocation.loop) ---------------------------------
     def before_decode(self) -> None:

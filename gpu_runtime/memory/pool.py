@@ -193,6 +193,10 @@ class PagePool:
                 self.finetune_budget_bytes,
             )
 
+    def reset_baseline(self) -> None:
+        """See `PageBackend.reset_baseline`: after decode warm-up, before finetuning starts."""
+        self._backend.reset_baseline()
+
     def split(self) -> MemorySplit:
         page = self.page_bytes
         return MemorySplit(

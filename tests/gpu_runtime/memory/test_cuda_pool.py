@@ -144,6 +144,7 @@ def test_engine_over_the_cuda_pool_matches_a_plain_engine() -> None:
         engine = Engine(model, engine_config, kv_storage_factory=memory.binding.storage_factory)
         memory.attach(engine)
         engine.capture_cuda_graphs()  # graphs bake in KV addresses: the pool's never move
+        memory.decode_ready()
         memory.manager.set_finetune_demand(256 * MIB)
         ids = [engine.add_request(p, greedy) for p in prompts]
         finished: dict[str, list[int]] = {}
