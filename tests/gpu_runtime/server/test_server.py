@@ -1,0 +1,181 @@
+"""The server under uvicorn on a free port, driven by the official `openai` client."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import uvicorn
+from openai.types.chat import ChatCompletionMessageParam
+
+from gpu_runtime.engine import Engine, EngineConfig
+from gpu_runtime.model.tiny import build_tiny_model_dir
+from gpu_runtime.server import EngineLoop, MetricsCollector, create_app, static_key_checker
+
+KEY = "sk-test-key"
+MODEL = "tiny-llama"
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, MetricsCollector]]:
+    model_dir: Path = build_tiny_model_dir(tmp_path_factory.mktemp("srv"), "llama", seed=3)
+    engine = Engine.from_directory(
+        model_dir,
+        EngineConfig(
+            num_kv_blocks=256,
+            block_size=8,
+            max_num_seqs=8,
+            max_num_batched_tokens=256,
+            max_model_len=256,
+        ),
+    )
+    loop = EngineLoop(engine)
+    loop.start()
+    metrics = MetricsCollector()
+    app = create_app(loop, MODEL, static_key_checker([KEY]), metrics)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1", metrics
+    server.should_exit = True
+    thread.join(10)
+    loop.stop()
+
+
+def _client(base: str, key: str = KEY) -> openai.OpenAI:
+    return openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30)
+
+
+def test_models_and_completions(served: tuple[str, MetricsCollector]) -> None:
+    base, metrics = served
+    client = _client(base)
+    assert [m.id for m in client.models.list()] == [MODEL]
+    first = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=12, temperature=0.0
+    )
+    again = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=12, temperature=0.0, logprobs=2
+    )
+    assert first.choices[0].text == again.choices[0].text
+    assert first.choices[0].finish_reason in ("length", "stop")
+    assert first.usage is not None and first.usage.prompt_tokens > 0
+    assert 1 <= first.usage.completion_tokens <= 12
+    lp = again.choices[0].logprobs
+    assert lp is not None and lp.token_logprobs is not None
+    assert len(lp.token_logprobs) == again.usage.completion_tokens  # type: ignore[union-attr]
+    many = client.completions.create(
+        model=MODEL, prompt=["Hello world", "Once upon"], max_tokens=4, temperature=0.0
+    )
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == first.choices[0].text[: len(many.choices[0].text)]
+    records = metrics.snapshot()
+    assert len(records) >= 4
+    assert all(r.ttft_s > 0 and r.e2e_s >= r.ttft_s for r in records)
+    assert any(r.tpot_s is not None and r.tpot_s > 0 for r in records)
+
+
+def test_chat_and_streaming_with_usage(served: tuple[str, MetricsCollector]) -> None:
+    client = _client(served[0])
+    messages: list[ChatCompletionMessageParam] = [
+        {"role": "user", "content": "Write a short poem about the sea."}
+    ]
+    full = client.chat.completions.create(
+        model=MODEL,
+        messages=messages,
+        max_tokens=16,
+        temperature=0.0,
+    )
+    assert full.choices[0].message.role == "assistant"
+    text = full.choices[0].message.content or ""
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL,
+            messages=messages,
+            max_tokens=16,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == text
+    finishes = [
+        c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason
+    ]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens  # type: ignore[union-attr]
+    pieces = list(
+        client.completions.create(
+            model=MODEL, prompt="Hello world", max_tokens=12, temperature=0.0, stream=True
+        )
+    )
+    plain = client.completions.create(
+        model=MODEL, prompt="Hello world", max_tokens=12, temperature=0.0
+    )
+    assert "".join(p.choices[0].text for p in pieces) == plain.choices[0].text
+
+
+def test_stop_strings_cut_the_stream(served: tuple[str, MetricsCollector]) -> None:
+    client = _client(served[0])
+    plain = (
+        client.completions.create(model=MODEL, prompt="Once upon", max_tokens=20, temperature=0.0)
+        .choices[0]
+        .text
+    )
+    assert len(plain) > 4
+    stop = plain[2:4]
+    cut = client.completions.create(
+        model=MODEL, prompt="Once upon", max_tokens=20, temperature=0.0, stop=[stop]
+    )
+    assert cut.choices[0].text == plain[: plain.index(stop)]
+    assert cut.choices[0].finish_reason == "stop"
+    pieces = list(
+        client.completions.create(
+            model=MODEL,
+            prompt="Once upon",
+            max_tokens=20,
+            temperature=0.0,
+            stop=[stop],
+            stream=True,
+        )
+    )
+    assert "".join(p.choices[0].text for p in pieces) == cut.choices[0].text
+
+
+def test_errors_have_openai_shape(served: tuple[str, MetricsCollector]) -> None:
+    base = served[0]
+    with pytest.raises(openai.AuthenticationError) as auth:
+        _client(base, key="wrong").models.list()
+    assert auth.value.status_code == 401
+    client = _client(base)
+    with pytest.raises(openai.NotFoundError) as missing:
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    assert missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=0)
+    assert "max_tokens" in str(bad.value)
+    with pytest.raises(openai.BadRequestError, match="max_model_len=256"):
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=1000)
+    with pytest.raises(openai.BadRequestError, match="max_model_len=256"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1000, stream=True
+        )
+    with pytest.raises(openai.BadRequestError, match="messages"):
+        client.chat.completions.create(model=MODEL, messages=[])
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=5.0
+        )
