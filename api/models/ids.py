@@ -7,6 +7,7 @@ Each generator is a module-level function because migrations reference defaults 
 from __future__ import annotations
 
 import secrets
+import time
 
 _ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 _TOKEN_LENGTH = 24
@@ -27,7 +28,9 @@ def new_job_id() -> str:
 
 
 def new_event_id() -> str:
-    return f"ftevent-{random_token()}"
+    """Time-ordered (16 hex digits of nanoseconds, then random), so that events created within
+    one clock tick still sort in creation order under `(created_at, id)`."""
+    return f"ftevent-{time.time_ns():016x}{random_token(8)}"
 
 
 def new_checkpoint_id() -> str:
