@@ -2,25 +2,54 @@
 
 from __future__ import annotations
 
+from datetime import datetime
+from typing import Any
+
 from django.contrib import messages
 from django.db.models import Count
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
-from django.utils import timezone
 
 from api import selectors as api_selectors
 from api.errors import HarliError
-from api.models import Deployment, FinetuneJob, GpuHost, HostStatus, JobStatus
+from api.models import Deployment, FinetuneJob, GpuHost, HostMetric, HostStatus, JobStatus
 from api.services.fleet import host_drain
 from console import selectors as console_selectors
-from console.access import OperatorView
+from console.access import OperatorJsonView, OperatorView
+from console.live import parts_response, render_parts
 from console.views.common import not_found, page_range, render_page
 
 
-def _host_rows(hosts: list[GpuHost]) -> list[dict[str, object]]:
+def _host_rows(hosts: list[GpuHost], latest: dict[int, HostMetric]) -> list[dict[str, object]]:
     """Hosts with their newest fresh metric row (or None)."""
-    latest = console_selectors.host_memory_latest()
     return [{"host": h, "metric": latest.get(h.pk)} for h in hosts]
+
+
+FLEET_PARTS = {
+    "kpis": "console/parts/fleet_kpis.html",
+    "hosts": "console/parts/fleet_hosts.html",
+    "deployments": "console/parts/fleet_deployments.html",
+}
+
+
+def fleet_context(*, since: datetime) -> dict[str, Any]:
+    """Everything the fleet page's live parts show, over the window starting at `since`."""
+    hosts = list(api_selectors.host_list())
+    latest = console_selectors.host_memory_latest()
+    summaries = console_selectors.deployment_summaries(since=since)
+    job_counts = dict(FinetuneJob.objects.values_list("status").annotate(n=Count("id")).order_by())
+    return {
+        "host_rows": _host_rows(hosts, latest),
+        "hosts_online": sum(1 for h in hosts if h.status == HostStatus.ONLINE),
+        "fleet_finetune_tokens_per_s": (
+            sum(m.finetune_tokens_per_s for m in latest.values()) if latest else None
+        ),
+        "summaries": summaries,
+        "deployments_meeting": sum(1 for s in summaries if s.meets_target),
+        "deployments_reporting": sum(1 for s in summaries if s.meets_target is not None),
+        "jobs_running": job_counts.get(JobStatus.RUNNING, 0),
+        "jobs_queued": job_counts.get(JobStatus.QUEUED, 0),
+    }
 
 
 class FleetView(OperatorView):
@@ -28,27 +57,18 @@ class FleetView(OperatorView):
 
     def get(self, request: HttpRequest) -> HttpResponse:
         _, _, since = page_range(request)
-        hosts = list(api_selectors.host_list())
-        host_rows = _host_rows(hosts)
-        summaries = console_selectors.deployment_summaries(since=since)
-        fresh = [m for m in console_selectors.host_memory_latest().values()]
-        job_counts = dict(
-            FinetuneJob.objects.values_list("status").annotate(n=Count("id")).order_by()
+        parts = render_parts(request, FLEET_PARTS, fleet_context(since=since))
+        return render_page(
+            request, "console/fleet.html", {"parts": parts}, section="fleet", ranged=True
         )
-        context = {
-            "host_rows": host_rows,
-            "hosts_online": sum(1 for h in hosts if h.status == HostStatus.ONLINE),
-            "fleet_finetune_tokens_per_s": (
-                sum(m.finetune_tokens_per_s for m in fresh) if fresh else None
-            ),
-            "summaries": summaries,
-            "deployments_meeting": sum(1 for s in summaries if s.meets_target),
-            "deployments_reporting": sum(1 for s in summaries if s.meets_target is not None),
-            "jobs_running": job_counts.get(JobStatus.RUNNING, 0),
-            "jobs_queued": job_counts.get(JobStatus.QUEUED, 0),
-            "now": timezone.now(),
-        }
-        return render_page(request, "console/fleet.html", context, section="fleet", ranged=True)
+
+
+class FleetLiveView(OperatorJsonView):
+    """The fleet page's live parts, as JSON (see `console.live`)."""
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        _, _, since = page_range(request)
+        return parts_response(render_parts(request, FLEET_PARTS, fleet_context(since=since)))
 
 
 class DeploymentView(OperatorView):
@@ -76,9 +96,8 @@ class HostsView(OperatorView):
 
     def get(self, request: HttpRequest) -> HttpResponse:
         hosts = list(api_selectors.host_list())
-        return render_page(
-            request, "console/hosts.html", {"host_rows": _host_rows(hosts)}, section="hosts"
-        )
+        rows = _host_rows(hosts, console_selectors.host_memory_latest())
+        return render_page(request, "console/hosts.html", {"host_rows": rows}, section="hosts")
 
 
 class HostDrainView(OperatorView):

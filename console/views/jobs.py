@@ -8,20 +8,22 @@ events and placement release behave exactly as there.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from urllib.parse import urlencode
 
 from django.contrib import messages
 from django.core.paginator import Paginator
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 
 from api import selectors as api_selectors
-from api.errors import HarliError
+from api.errors import HarliError, error_body
 from api.models import FinetuneJob, JobStatus
 from api.services.jobs import finetune_job_cancel, finetune_job_pause, finetune_job_resume
 from api.transitions import is_legal_transition
 from console import selectors as console_selectors
-from console.access import OperatorView
+from console.access import OperatorJsonView, OperatorView
+from console.live import parts_response, render_parts
 from console.views.common import not_found, render_page
 
 PAGE_SIZE = 50
@@ -82,27 +84,60 @@ class JobListView(OperatorView):
         return render_page(request, "console/jobs.html", context, section="jobs")
 
 
+JOB_PARTS = {
+    "status": "console/parts/job_status.html",
+    "progress": "console/parts/job_progress.html",
+    "placements": "console/parts/job_placements.html",
+    "events": "console/parts/job_events.html",
+    "checkpoints": "console/parts/job_checkpoints.html",
+}
+
+
+def _job(job_id: str) -> FinetuneJob | None:
+    return (
+        FinetuneJob.objects.select_related("tenant", "base_model", "training_file")
+        .filter(pk=job_id)
+        .first()
+    )
+
+
+def job_context(*, job: FinetuneJob) -> dict[str, Any]:
+    """What the job page's live parts show."""
+    return {
+        "job": job,
+        "progress": console_selectors.job_progress_map(jobs=[job])[job.pk],
+        "events": list(api_selectors.job_event_list(job=job)[:EVENTS_SHOWN]),
+        "checkpoints": list(api_selectors.job_checkpoint_list(job=job)),
+        "placements": list(api_selectors.placement_list(job_id=job.pk)),
+    }
+
+
 class JobDetailView(OperatorView):
     """A job: settings, progress, loss and throughput charts, events, checkpoints, placements."""
 
     def get(self, request: HttpRequest, job_id: str) -> HttpResponse:
-        job = (
-            FinetuneJob.objects.select_related("tenant", "base_model", "training_file")
-            .filter(pk=job_id)
-            .first()
-        )
+        job = _job(job_id)
         if job is None:
             return not_found(request, what=f"job {job_id!r}", section="jobs")
-        progress = console_selectors.job_progress_map(jobs=[job])[job.pk]
         context = {
             "job": job,
-            "progress": progress,
             "actions": allowed_actions(job),
-            "events": list(api_selectors.job_event_list(job=job)[:EVENTS_SHOWN]),
-            "checkpoints": list(api_selectors.job_checkpoint_list(job=job)),
-            "placements": list(api_selectors.placement_list(job_id=job.pk)),
+            "parts": render_parts(request, JOB_PARTS, job_context(job=job)),
         }
         return render_page(request, "console/job.html", context, section="jobs")
+
+
+class JobLiveView(OperatorJsonView):
+    """The job page's live parts, as JSON (see `console.live`)."""
+
+    def get(self, request: HttpRequest, job_id: str) -> HttpResponse:
+        job = _job(job_id)
+        if job is None:
+            return JsonResponse(
+                error_body(f"No fine-tuning job {job_id!r}.", type_="invalid_request_error"),
+                status=404,
+            )
+        return parts_response(render_parts(request, JOB_PARTS, job_context(job=job)))
 
 
 class JobActionView(OperatorView):

@@ -13,6 +13,10 @@
  *   data-loads   how many refreshes have completed (successfully or not)
  * The time range (15m, 1h, 6h, 24h) comes from `?range=` and the `.range-selector` buttons.
  * Forms with `data-confirm` ask the question before they submit.
+ *
+ * Live parts: `<main data-live-url>` answers {"parts": {name: {"html", "version"}}}; each
+ * `[data-part=name]` element is replaced when its `data-version` differs (see console/live.py).
+ * `<main>` carries `data-live-state` (ready | error) and `data-live-loads` like a chart.
  */
 (function () {
   "use strict";
@@ -98,8 +102,49 @@
     }
   }
 
+  const main = document.querySelector("main[data-live-url]");
+  const liveNote = document.createElement("p");
+  liveNote.className = "chart-message chart-message--error live-note";
+  liveNote.hidden = true;
+  if (main) main.prepend(liveNote);
+
+  async function refreshParts() {
+    if (!main || main.dataset.busy === "1") return;
+    main.dataset.busy = "1";
+    try {
+      const url = new URL(main.dataset.liveUrl, window.location.href);
+      url.searchParams.set("range", range);
+      const response = await fetch(url.toString(), {
+        headers: { Accept: "application/json" },
+        credentials: "same-origin",
+        cache: "no-store",
+      });
+      const payload = await readJson(response);
+      if (!response.ok || payload === null || !payload.parts) {
+        const reason = payload && payload.error ? payload.error.message : "HTTP " + response.status;
+        throw new Error(reason);
+      }
+      for (const [name, part] of Object.entries(payload.parts)) {
+        const el = main.querySelector('[data-part="' + name + '"]');
+        if (el && el.dataset.version !== part.version) {
+          el.innerHTML = part.html;
+          el.dataset.version = part.version;
+        }
+      }
+      main.dataset.liveState = "ready";
+      liveNote.hidden = true;
+    } catch (err) {
+      main.dataset.liveState = "error";
+      liveNote.textContent = "Could not refresh this page's figures: " + err.message + ". Retrying.";
+      liveNote.hidden = false;
+    } finally {
+      main.dataset.busy = "0";
+      main.dataset.liveLoads = String(Number(main.dataset.liveLoads || 0) + 1);
+    }
+  }
+
   function refreshAll() {
-    return Promise.all(charts.map(refresh));
+    return Promise.all([refreshParts(), ...charts.map(refresh)]);
   }
 
   function selectRange(next) {
@@ -126,22 +171,25 @@
     });
   }
 
-  if (charts.length > 0) {
-    if (typeof window.Plotly === "undefined") {
-      for (const el of charts) {
-        el.dataset.state = "error";
-        showMessage(el, "error", "The charting library did not load; run the set-up (npm run build).");
-      }
-    } else {
-      refreshAll();
-      window.setInterval(() => {
-        if (!document.hidden) refreshAll();
-      }, refreshMs);
-      document.addEventListener("visibilitychange", () => {
-        if (!document.hidden) refreshAll();
-      });
-    }
+  function startTimer() {
+    window.setInterval(() => {
+      if (!document.hidden) refreshAll();
+    }, refreshMs);
+    document.addEventListener("visibilitychange", () => {
+      if (!document.hidden) refreshAll();
+    });
   }
+
+  if (charts.length > 0 && typeof window.Plotly === "undefined") {
+    for (const el of charts) {
+      el.dataset.state = "error";
+      showMessage(el, "error", "The charting library did not load; run the set-up (npm run build).");
+    }
+    charts.length = 0;
+  }
+  if (charts.length > 0) refreshAll();
+  // Parts arrive rendered with the page: the first refresh waits for the first tick.
+  if (charts.length > 0 || main) startTimer();
 
   window.harliConsole = { refreshAll, selectRange, get range() { return range; } };
 })();

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from api.models import DeploymentMetric, FinetuneJob, JobStatus
+from api.models import DeploymentMetric, FinetuneJob, GpuHost, HostStatus, JobStatus
 from tests.console.seed import (
     DEPLOYMENT_OLD_POINTS,
     DEPLOYMENT_POINTS,
@@ -232,9 +232,21 @@ def test_live_refresh_and_inline_errors(page: Any, fleet: Seeded) -> None:
     )
     assert page.evaluate("window.__stillHere") is True
 
-    # A failing data endpoint is reported inline on the chart, which keeps its last plot.
+    # Figures outside the charts (KPIs, host table) refresh in place too.
+    page.goto("/console/")
+    assert page.inner_text("#kpi-hosts") == "2 / 3"
+    page.evaluate("window.__stillHere = true")
+    GpuHost.objects.filter(name="gpu-c").update(status=HostStatus.ONLINE)
+    page.wait_for_function(
+        "() => document.getElementById('kpi-hosts').textContent === '3 / 3'", timeout=12_000
+    )
+    assert page.evaluate("window.__stillHere") is True
+
+    # A failing data endpoint is reported inline on the chart, which keeps its last plot, and
+    # a failing live-parts endpoint above the page.
+    assert plot(page, "chart-finetune")["points"]["gpu-a"] == HOST_A_POINTS
     page.route(
-        "**/console/charts/**",
+        re.compile(r".*/console/(charts|live)/.*"),
         lambda route: route.fulfill(
             status=500,
             content_type="application/json",
@@ -242,11 +254,13 @@ def test_live_refresh_and_inline_errors(page: Any, fleet: Seeded) -> None:
         ),
     )
     page.evaluate("window.harliConsole.refreshAll()")
-    page.wait_for_selector("#chart-tpot[data-state=error]", state="attached")
-    message = page.inner_text(".chart-card:has(#chart-tpot) .chart-message")
+    page.wait_for_selector("#chart-finetune[data-state=error]", state="attached")
+    message = page.inner_text(".chart-card:has(#chart-finetune) .chart-message")
     assert "metrics store unavailable" in message
-    assert page.evaluate(PLOT_STATE, "chart-tpot")["points"]["TPOT p50"] == DEPLOYMENT_POINTS + 1
-    shot(page, "chart-error")
+    assert page.evaluate(PLOT_STATE, "chart-finetune")["points"]["gpu-a"] == HOST_A_POINTS
+    page.wait_for_selector("main[data-live-state=error]", state="attached")
+    assert "metrics store unavailable" in page.inner_text(".live-note")
+    shot(page, "errors")
 
 
 def test_tenant_key_is_refused(page: Any, fleet: Seeded) -> None:

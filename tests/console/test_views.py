@@ -146,6 +146,27 @@ def test_job_and_predictor_charts(operator_client: Client, seeded: Seeded) -> No
     }
 
 
+def test_live_parts_match_the_page_and_change_with_the_data(
+    operator_client: Client, seeded: Seeded
+) -> None:
+    page = operator_client.get("/console/").content.decode()
+    status, body = _json(operator_client, "/console/live/fleet")
+    assert status == 200 and set(body["parts"]) == {"kpis", "hosts", "deployments"}
+    kpis = body["parts"]["kpis"]
+    assert f'data-version="{kpis["version"]}"' in page  # unchanged data: same version
+    GpuHost.objects.filter(name="gpu-c").update(status=HostStatus.ONLINE)
+    _, after = _json(operator_client, "/console/live/fleet")
+    assert after["parts"]["kpis"]["version"] != kpis["version"]
+    assert "3 / 3" in after["parts"]["kpis"]["html"]
+    assert "csrfmiddlewaretoken" not in "".join(p["html"] for p in after["parts"].values())
+
+    _, job_parts = _json(operator_client, f"/console/live/jobs/{seeded.running_job.pk}")
+    assert set(job_parts["parts"]) == {"status", "progress", "placements", "events", "checkpoints"}
+    assert "Running" in job_parts["parts"]["status"]["html"]
+    assert _json(operator_client, "/console/live/jobs/ftjob-nope")[0] == 404
+    assert _json(Client(), "/console/live/fleet")[0] == 401
+
+
 def test_job_list_filters_and_progress(operator_client: Client, seeded: Seeded) -> None:
     page = operator_client.get("/console/jobs/?host=gpu-a").content.decode()
     assert seeded.running_job.pk in page and seeded.queued_job.pk not in page
