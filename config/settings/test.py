@@ -14,9 +14,7 @@ DATABASES = {
     )
 }
 # One test database per pytest process, so concurrent runs on one server do not collide.
-DATABASES["default"]["TEST"] = {
-    "NAME": env_str("HARLI_TEST_DATABASE", f"test_harli_{os.getpid()}")
-}
+DATABASES["default"]["TEST"] = {"NAME": env_str("HARLI_TEST_DATABASE", f"test_harli_{os.getpid()}")}
 PASSWORD_HASHERS = ["django.contrib.auth.hashers.MD5PasswordHasher"]
 
 # WhiteNoise warns when the collected-static directory is missing; tests never collect static.
