@@ -1,0 +1,3 @@
+from gpu_runtime.agent.cli import main
+
+main()

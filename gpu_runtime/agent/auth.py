@@ -1,0 +1,93 @@
+"""Tenants' API keys, checked against the control plane and cached with a TTL.
+
+The agent asks the control plane's public `GET /v1/models` with the tenant's key: 200 means
+the key is active, and its list is exactly the models that tenant may call (base models and
+its own adapters), so the same call authenticates and authorises. 401/403 means the key is
+bad or revoked. Answers are cached by the key's SHA-256 for `ttl_s` seconds (failures for
+`min(ttl_s, negative_ttl_s)`), so a revoked key stops working on a host at most `ttl_s` seconds
+after revocation, and the control plane sees at most one check per key per TTL per host.
+When the control plane cannot be reached, the key is refused (fail closed).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+class KeyRejected(PermissionError):
+    """The key is missing, unknown, revoked, or cannot be checked now."""
+
+
+@dataclass(frozen=True)
+class KeyGrant:
+    """An accepted key: the models its tenant may call."""
+
+    models: frozenset[str]
+
+
+class KeyVerifier:
+    """See the module docstring. Thread-safe."""
+
+    def __init__(
+        self,
+        control_url: str,
+        ttl_s: float = 10.0,
+        negative_ttl_s: float = 2.0,
+        timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if ttl_s < 0 or negative_ttl_s < 0:
+            raise ValueError(f"TTLs must be >= 0, got {ttl_s}, {negative_ttl_s}")
+        self.control_url = control_url.rstrip("/")
+        self.ttl_s = ttl_s
+        self.negative_ttl_s = min(ttl_s, negative_ttl_s)
+        self.timeout_s = timeout_s
+        self.clock = clock
+        self._cache: dict[str, tuple[float, KeyGrant | None]] = {}
+        self._lock = threading.Lock()
+        self.lookups = 0
+
+    def check(self, key: str) -> KeyGrant:
+        """The key's grant, or KeyRejected."""
+        if not key:
+            raise KeyRejected("missing API key")
+        digest = hashlib.sha256(key.encode()).hexdigest()
+        now = self.clock()
+        with self._lock:
+            cached = self._cache.get(digest)
+        if cached is not None and cached[0] > now:
+            grant = cached[1]
+        else:
+            grant = self._lookup(key)
+            ttl = self.ttl_s if grant is not None else self.negative_ttl_s
+            with self._lock:
+                self._cache[digest] = (now + ttl, grant)
+                if len(self._cache) > 10_000:
+                    self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
+        if grant is None:
+            raise KeyRejected("Incorrect API key provided.")
+        return grant
+
+    def _lookup(self, key: str) -> KeyGrant | None:
+        self.lookups += 1
+        request = urllib.request.Request(
+            f"{self.control_url}/v1/models", headers={"Authorization": f"Bearer {key}"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                body = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            if exc.code in (401, 403):
+                return None
+            raise KeyRejected(f"the control plane answered {exc.code}; try again") from exc
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise KeyRejected(f"cannot reach the control plane to check the key: {exc}") from exc
+        models = frozenset(str(entry["id"]) for entry in body.get("data", []))
+        return KeyGrant(models=models)

@@ -1,0 +1,216 @@
+"""`python -m gpu_runtime.agent --host NAME ...`: one host agent process.
+
+Starts, in this order: the report sender (control queue), the engine loop thread (model,
+`HostLoop`, adapter engines), the OpenAI-compatible server, the host-queue consumer; then sends
+heartbeats from the main thread until SIGTERM or SIGINT, and stops everything in reverse order.
+Without `--model-dir` it builds the tiny built-in model (random weights, seed 0) under
+`--work-dir`, so every agent started that way serves identical weights.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import threading
+from pathlib import Path
+from typing import Any
+
+from gpu_runtime.agent.config import (
+    GIB,
+    AgentConfig,
+    AgentConfigError,
+    broker_transport_options,
+    env_broker_url,
+)
+
+logger = logging.getLogger("gpu_runtime.agent")
+
+
+def parse_args(argv: list[str] | None = None) -> AgentConfig:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="python -m gpu_runtime.agent", description=__doc__)
+    p.add_argument("--host", required=True, help="host name registered in the control plane")
+    p.add_argument("--base-model", default=env("HARLI_BASE_MODEL", "tiny"))
+    p.add_argument("--model-dir", default=env("HARLI_MODEL_DIR") or None,
+                   help="HF model directory (default: the tiny built-in model)")  # fmt: skip
+    p.add_argument("--device", default=env("HARLI_DEVICE", "cpu"))
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--broker", default=env_broker_url(), help="Celery broker URL")
+    p.add_argument("--broker-dir", default=env("HARLI_BROKER_DIR") or None)
+    p.add_argument("--storage", default=env("HARLI_STORAGE_DIR", "var/storage"))
+    p.add_argument("--work-dir", default=None, help="default: var/agents/<host>")
+    p.add_argument("--control-url", default=env("HARLI_CONTROL_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--listen", default="127.0.0.1:8100", help="inference server host:port")
+    p.add_argument("--heartbeat-s", type=float, default=float(env("HARLI_HEARTBEAT_S", "2")))
+    p.add_argument("--metrics-interval-s", type=float,
+                   default=float(env("HARLI_METRICS_INTERVAL_S", "5")))  # fmt: skip
+    p.add_argument("--key-cache-ttl-s", type=float,
+                   default=float(env("HARLI_KEY_CACHE_TTL_S", "10")))  # fmt: skip
+    p.add_argument("--tpot-slo-ms", type=float, default=50.0)
+    p.add_argument("--policy", choices=["naive", "decode_only"], default="naive")
+    p.add_argument("--memory-gb", type=float, default=16.0, help="host memory to report on CPU")
+    p.add_argument("--num-kv-blocks", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=512)
+    args = p.parse_args(argv)
+    bind_host, _, port = args.listen.rpartition(":")
+    try:
+        return AgentConfig(
+            host=args.host,
+            broker_url=args.broker,
+            storage=args.storage,
+            work_dir=Path(args.work_dir or f"var/agents/{args.host}"),
+            base_model=args.base_model,
+            model_dir=Path(args.model_dir) if args.model_dir else None,
+            device=args.device,
+            dtype=args.dtype,
+            control_url=args.control_url,
+            server_host=bind_host or "127.0.0.1",
+            server_port=int(port),
+            heartbeat_s=args.heartbeat_s,
+            metrics_interval_s=args.metrics_interval_s,
+            key_cache_ttl_s=args.key_cache_ttl_s,
+            tpot_slo_ms=args.tpot_slo_ms,
+            policy=args.policy,
+            memory_bytes=int(args.memory_gb * GIB),
+            num_kv_blocks=args.num_kv_blocks,
+            max_model_len=args.max_model_len,
+            broker_dir=Path(args.broker_dir) if args.broker_dir else None,
+        )
+    except (AgentConfigError, ValueError) as exc:
+        p.error(str(exc))
+        raise
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _policy(name: str) -> Any:
+    from gpu_runtime.colocation import DecodeOnlyPolicy, NaivePolicy
+
+    if name == "decode_only":
+        return DecodeOnlyPolicy()
+    return NaivePolicy(quantum_examples=4)
+
+
+def run_agent(config: AgentConfig, stop: threading.Event) -> None:
+    """Run until `stop` is set (see the module docstring)."""
+    import torch
+    from kombu import Connection
+
+    from gpu_runtime.agent.adapters import AdapterEngines
+    from gpu_runtime.agent.auth import KeyVerifier
+    from gpu_runtime.agent.channel import CommandConsumer, ReportSender
+    from gpu_runtime.agent.http import InferenceServer, build_app
+    from gpu_runtime.agent.protocol import report
+    from gpu_runtime.agent.runtime import HostRuntime
+    from gpu_runtime.engine import Engine, EngineConfig
+    from gpu_runtime.model.loader import load_model, load_tokenizer
+    from gpu_runtime.model.tiny import build_tiny_model_dir
+    from gpu_runtime.storage import open_storage
+
+    work_dir = config.work_dir
+    work_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = config.model_dir
+    if model_dir is None:
+        model_dir = work_dir / "tiny-model"
+        if not (model_dir / "config.json").is_file():
+            build_tiny_model_dir(model_dir, seed=0)
+    model = load_model(model_dir, device=config.device, dtype=config.dtype)
+    tokenizer = load_tokenizer(model_dir)
+    max_len = min(config.max_model_len, model.config.max_position_embeddings)
+    engine_config = EngineConfig(
+        num_kv_blocks=config.num_kv_blocks,
+        block_size=16,
+        max_num_seqs=16,
+        max_num_batched_tokens=max(256, max_len),
+        max_model_len=max_len,
+        device=config.device,
+    )
+    engine = Engine(model, engine_config, tokenizer=tokenizer)
+    storage = open_storage(config.storage)
+    options = broker_transport_options(config.broker_url, config.broker_dir)
+    sender = ReportSender(config.broker_url, options)
+    sender.start()
+    total = (
+        int(torch.cuda.get_device_properties(torch.device(config.device)).total_memory)
+        if config.device.startswith("cuda")
+        else config.memory_bytes
+    )
+    adapters = AdapterEngines(
+        model, engine_config, tokenizer, storage, work_dir, max(16, config.num_kv_blocks // 4)
+    )
+    runtime = HostRuntime(
+        host=config.host,
+        engine=engine,
+        policy=_policy(config.policy),
+        tpot_slo_ms=config.tpot_slo_ms,
+        adapters=adapters,
+        tokenizer=tokenizer,
+        storage=storage,
+        work_dir=work_dir,
+        send=sender.send,
+        total_bytes=total,
+        max_model_len=max_len,
+        base_model_path=str(model_dir),
+        metrics_interval_s=config.metrics_interval_s,
+    )
+    runtime.start()
+    port = config.server_port or _free_port(config.server_host)
+    verifier = KeyVerifier(config.control_url, ttl_s=config.key_cache_ttl_s)
+    server = InferenceServer(
+        build_app(runtime, verifier, config.base_model), config.server_host, port
+    )
+    server.start()
+    server_url = config.advertise_url or f"http://{config.server_host}:{port}/v1"
+    consumer = CommandConsumer(
+        Connection(config.broker_url, transport_options=options), config.host,
+        runtime.submit_command,
+    )  # fmt: skip
+    consumer.start()
+    logger.info("agent %s serving %s at %s", config.host, config.base_model, server_url)
+    print(f"agent {config.host} ready: {server_url}", flush=True)
+    try:
+        while not stop.is_set():
+            status = runtime.status()
+            sender.send(
+                report(
+                    "heartbeat",
+                    config.host,
+                    base_model=config.base_model,
+                    server_url=server_url,
+                    draining=status.draining,
+                    total_bytes=status.total_bytes,
+                    free_bytes=status.free_bytes,
+                    harvestable_tokens_per_s=status.harvestable_tokens_per_s,
+                    placements=status.placements,
+                    adapters=status.adapters,
+                )
+            )
+            stop.wait(config.heartbeat_s)
+    finally:
+        consumer.stop()
+        server.stop()
+        runtime.stop()
+        sender.stop()
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(
+        level=os.environ.get("HARLI_LOG_LEVEL", "INFO"),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    config = parse_args(argv)
+    if config.device == "cpu" and "HARLI_TORCH_THREADS" in os.environ:
+        import torch
+
+        torch.set_num_threads(int(os.environ["HARLI_TORCH_THREADS"]))
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    run_agent(config, stop)

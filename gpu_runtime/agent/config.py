@@ -1,0 +1,111 @@
+"""The host agent's settings (command line and environment; validated)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+GIB = 2**30
+
+
+class AgentConfigError(ValueError):
+    """A setting out of range or missing; the message names it and its value."""
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Everything one agent process needs. Times in seconds."""
+
+    host: str
+    """Host name as registered in the control plane; the agent consumes `host.<host>`."""
+    broker_url: str
+    """Celery broker shared with the control plane (`redis://`, `amqp://`, `filesystem://`)."""
+    storage: str
+    """Storage location shared with the control plane (`gpu_runtime.storage.open_storage`)."""
+    work_dir: Path
+    """Scratch directory for downloaded files, checkpoints and adapters of this host."""
+    base_model: str
+    """Name of the base model this host serves (the control plane's BaseModel.name)."""
+    model_dir: Path | None = None
+    """HF-format model directory; None builds the tiny built-in model into `work_dir`."""
+    device: str = "cpu"
+    """torch device for the engine and training."""
+    dtype: str | None = None
+    """Weights dtype (None: the checkpoint's)."""
+    control_url: str = "http://127.0.0.1:8000"
+    """The control plane's base URL, for checking tenants' API keys."""
+    server_host: str = "127.0.0.1"
+    server_port: int = 8100
+    """Where the OpenAI-compatible inference server listens (0: any free port)."""
+    advertise_url: str | None = None
+    """URL reported to the control plane for the server (default http://host:port)."""
+    heartbeat_s: float = 2.0
+    metrics_interval_s: float = 5.0
+    key_cache_ttl_s: float = 10.0
+    """A revoked API key stops working on this host at most this long after revocation."""
+    tpot_slo_ms: float = 50.0
+    policy: str = "naive"
+    memory_bytes: int = 16 * GIB
+    """Memory the host reports as its total on CPU (on CUDA the device's total is used)."""
+    num_kv_blocks: int = 256
+    block_size: int = 16
+    max_model_len: int = 512
+    broker_dir: Path | None = None
+    """Folder of the `filesystem://` transport (shared with the control plane)."""
+
+    def __post_init__(self) -> None:
+        checks = [
+            (bool(self.host), "host must be non-empty"),
+            (bool(self.broker_url), "broker_url must be set (--broker or CELERY_BROKER_URL)"),
+            (bool(self.base_model), "base_model must be non-empty"),
+            (self.heartbeat_s > 0, f"heartbeat_s must be > 0, got {self.heartbeat_s}"),
+            (
+                self.metrics_interval_s > 0,
+                f"metrics_interval_s must be > 0, got {self.metrics_interval_s}",
+            ),
+            (
+                self.key_cache_ttl_s >= 0,
+                f"key_cache_ttl_s must be >= 0, got {self.key_cache_ttl_s}",
+            ),
+            (self.tpot_slo_ms > 0, f"tpot_slo_ms must be > 0, got {self.tpot_slo_ms}"),
+            (0 <= self.server_port < 65536, f"server_port out of range: {self.server_port}"),
+            (self.memory_bytes > 0, f"memory_bytes must be > 0, got {self.memory_bytes}"),
+            (
+                not self.broker_url.startswith("filesystem://") or self.broker_dir is not None,
+                "a filesystem:// broker needs broker_dir (--broker-dir or HARLI_BROKER_DIR)",
+            ),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise AgentConfigError(message)
+        if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
+            raise AgentConfigError(f"model_dir {self.model_dir} has no config.json")
+
+
+def broker_transport_options(broker_url: str, broker_dir: Path | None) -> dict[str, object]:
+    """Transport options for `broker_url`: the folders of a `filesystem://` broker, else none.
+
+    The control plane builds the same options from `HARLI_BROKER_DIR`, so both sides use the
+    same folders: one `queue/` folder for every queue's messages, `processed/` for consumed ones.
+    """
+    if not broker_url.startswith("filesystem://"):
+        return {}
+    if broker_dir is None:
+        raise AgentConfigError("a filesystem:// broker needs a broker directory")
+    queue = Path(broker_dir) / "queue"
+    processed = Path(broker_dir) / "processed"
+    control = Path(broker_dir) / "control"
+    for folder in (queue, processed, control):
+        folder.mkdir(parents=True, exist_ok=True)
+    return {
+        "data_folder_in": str(queue),
+        "data_folder_out": str(queue),
+        "processed_folder": str(processed),
+        "control_folder": str(control),
+        "store_processed": False,
+    }
+
+
+def env_broker_url() -> str:
+    return os.environ.get("HARLI_BROKER_URL") or os.environ.get("CELERY_BROKER_URL", "")

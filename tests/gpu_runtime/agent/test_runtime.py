@@ -1,0 +1,128 @@
+"""The engine-loop thread on CPU: a placement trains to the end, checkpoints reach storage
+before they are reported, a resumed run continues exactly, pause and cancel release the job,
+and the finished adapter answers generations by name."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_runtime.agent.runtime import Generation
+from gpu_runtime.engine import SamplingParams
+from gpu_runtime.storage import LocalStorage
+from tests.gpu_runtime.agent.conftest import Reports, job_spec, make_runtime
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _place(runtime: Any, placement_id: int, **spec: Any) -> None:
+    runtime.submit_command(
+        {
+            "command": "apply_placement",
+            "command_id": f"c{placement_id}",
+            "placement_id": placement_id,
+            "job": job_spec(**spec),
+        }  # fmt: skip
+    )
+
+
+def test_placement_runs_to_success_with_checkpoints_in_storage(
+    runtime: Any, reports: Reports, storage: LocalStorage
+) -> None:
+    _place(runtime, 1)
+    _place(runtime, 1)  # a redelivered placement is ignored
+    started = reports.wait_for("job_started")
+    assert started["resumed_from_step"] == 0 and started["total_steps"] == 6
+    done = reports.wait_for("job_succeeded")
+    kinds = reports.kinds()
+    assert kinds.count("job_started") == 1
+    assert kinds.count("job_progress") == 6
+    checkpoints = [m for m in reports.seen if m["kind"] == "checkpoint"]
+    assert [c["step"] for c in checkpoints] == [2, 4, 6]
+    for checkpoint in checkpoints:
+        assert storage.exists(f"{checkpoint['storage_key']}/.complete")
+    assert done["adapter_key"] == "adapters/ftjob-1"
+    assert storage.exists("adapters/ftjob-1/adapter_model.safetensors")
+    progress = [m["train_loss"] for m in reports.seen if m["kind"] == "job_progress"]
+    assert done["train_loss"] == progress[-1]
+    assert done["trained_tokens"] > 0
+    assert runtime.status().placements == []
+    # The adapter answers by name, and its model differs from the base model's.
+    name = "ft:tiny:t1::ftjob-1"
+    assert runtime.served_models() == [name]
+    ids = torch.tensor([[5, 6, 7, 8]])
+    positions = torch.arange(4)[None]
+    with torch.no_grad():
+        tuned_model = runtime.adapters.get(name).runner.model
+        base_model = runtime.engine.runner.model
+        delta = tuned_model(ids, positions) - base_model(ids, positions)
+    assert float(delta.abs().max()) > 1e-4
+    tuned = runtime.submit_generation(Generation(name, "Q: hello", GREEDY)).result(30)
+    base = runtime.submit_generation(Generation("tiny", "Q: hello", GREEDY)).result(30)
+    assert len(tuned.output_token_ids) == 6 and len(base.output_token_ids) == 6
+
+
+def test_resume_from_a_checkpoint_matches_an_uninterrupted_run(
+    tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path, runtime: Any, reports: Reports
+) -> None:
+    _place(runtime, 1)
+    full = reports.wait_for("job_succeeded")
+    losses = {m["step"]: m["train_loss"] for m in reports.seen if m["kind"] == "job_progress"}
+    # A second host resumes the same job from the step-2 checkpoint.
+    other = Reports()
+    second = make_runtime(tiny_model_dir, storage, tmp_path / "work2", other)
+    second.start()
+    try:
+        resume = {"step": 2, "storage_key": "checkpoints/ftjob-1/step-000002"}
+        _place(second, 2, resume_from=resume)
+        assert other.wait_for("job_started")["resumed_from_step"] == 2
+        done = other.wait_for("job_succeeded")
+    finally:
+        second.stop()
+    resumed = {m["step"]: m["train_loss"] for m in other.seen if m["kind"] == "job_progress"}
+    assert sorted(resumed) == [3, 4, 5, 6]
+    for step, loss in resumed.items():
+        assert abs(loss - losses[step]) < 1e-5
+    assert abs(done["train_loss"] - full["train_loss"]) < 1e-5
+    assert done["trained_tokens"] == full["trained_tokens"]
+
+
+def test_pause_checkpoints_at_a_batch_boundary_and_cancel_stops(
+    runtime: Any, reports: Reports, storage: LocalStorage
+) -> None:
+    _place(runtime, 1, hyperparameters={"n_epochs": 10, "batch_size": 2})
+    reports.wait_for("job_progress")
+    runtime.submit_command(
+        {"command": "pause", "command_id": "p", "placement_id": 1, "job_id": "ftjob-1"}
+    )
+    stopped = reports.wait_for("job_stopped")
+    assert stopped["reason"] == "paused"
+    checkpoint = [m for m in reports.seen if m["kind"] == "checkpoint"][-1]
+    assert checkpoint["step"] == stopped["step"]
+    assert storage.exists(f"{checkpoint['storage_key']}/.complete")
+    assert runtime.status().placements == []
+    _place(runtime, 2, job_id="ftjob-2", hyperparameters={"n_epochs": 10, "batch_size": 2})
+    reports.wait_for("job_started")
+    runtime.submit_command(
+        {"command": "cancel", "command_id": "c", "placement_id": 2, "job_id": "ftjob-2"}
+    )
+    assert reports.wait_for("job_stopped")["reason"] == "cancelled"
+    assert "job_succeeded" not in reports.kinds()
+
+
+def test_bad_training_file_fails_the_job(runtime: Any, reports: Reports) -> None:
+    _place(runtime, 1, training_file_key="files/t1/missing.jsonl")
+    failed = reports.wait_for("job_failed")
+    assert failed["code"] == "job_setup_failed" and "missing.jsonl" in failed["message"]
+
+
+def test_metrics_and_status(runtime: Any, reports: Reports) -> None:
+    out = runtime.submit_generation(Generation("tiny", [5, 6, 7, 8], GREEDY)).result(30)
+    assert len(out.output_token_ids) == 6
+    metrics = reports.wait_for("metrics", timeout=10)
+    host = metrics["host_metrics"]
+    assert host["weights_bytes"] > 0 and 0 < host["free_bytes"] < 2**30
+    status = runtime.status()
+    assert status.total_bytes == 2**30 and status.placements == []
