@@ -52,7 +52,7 @@ def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
         kv = pool.kv_storage()
         assert kv.dtype == torch.uint8 and kv.is_cuda
         assert kv.numel() == pool.num_pages * pool.page_bytes
-        blocks = kv.view(pool.num_pages, pool.page_bytes // 2).view(torch.bfloat16)
+        blocks = kv.view(pool.num_pages, pool.page_bytes).view(torch.bfloat16)
         # Decode holds 8 blocks with known data.
         gen = torch.Generator(device="cuda").manual_seed(0)
         held = torch.randn((8, pool.page_bytes // 2), generator=gen, device="cuda")
