@@ -17,8 +17,10 @@ from gpu_runtime.colocation.executor import (
     SequentialExecutor,
     ThreadedExecutor,
 )
+from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy, MarginTracker
 from gpu_runtime.colocation.loop import FinetuneMemory, HostLoop, JobError, JobState
 from gpu_runtime.colocation.metrics import IntervalMetrics, MetricsAggregator, summarize
+from gpu_runtime.colocation.online import OnlineLatencyModel
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
 from gpu_runtime.colocation.predictor import (
     AnalyticLatencyModel,
@@ -47,6 +49,8 @@ __all__ = [
     "FinetuneLaunch",
     "FinetuneMemory",
     "FinishedRequest",
+    "HarliConfig",
+    "HarliPolicy",
     "HostLoop",
     "IntervalMetrics",
     "IterationContext",
@@ -56,8 +60,10 @@ __all__ = [
     "JobState",
     "JobView",
     "LaunchMode",
+    "MarginTracker",
     "MetricsAggregator",
     "NaivePolicy",
+    "OnlineLatencyModel",
     "PlanError",
     "QuantumExecutor",
     "QuantumReport",

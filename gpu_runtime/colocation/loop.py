@@ -146,8 +146,6 @@ class HostLoop:
         self._order: list[str] = []
         self._timing: dict[str, _RequestTiming] = {}
         self._index = 0
-        self._in_flight_since: float | None = None
-        self._in_flight_sms: int | None = None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -225,12 +223,10 @@ class HostLoop:
         decode_stream = finetune_stream = None
         if self.sharing is not None and plan.decode_sms is not None:
             decode_stream, finetune_stream = self.sharing.partition(plan.decode_sms)
-        in_flight = self.executor.in_flight is not None
         for launch in plan.launches:
             if launch.mode is LaunchMode.CONCURRENT:
                 self.executor.submit(self._task(launch.job_id, launch, plan, finetune_stream))
-                self._in_flight_sms = plan.decode_sms
-                in_flight = True
+        beside = self.executor.in_flight
         if self.memory is not None:
             self.memory.before_decode()
         decode_start = self.clock()
@@ -255,6 +251,8 @@ class HostLoop:
             policy=self.policy.name,
             decode_batch=snapshot.batch_size,
             prefill_tokens=snapshot.prefill_tokens,
+            context_tokens_total=snapshot.context_tokens_total,
+            context_tokens_max=snapshot.context_tokens_max,
             decode_tokens=len(outputs),
             observed_ms=observed_ms,
             iteration_ms=(self.clock() - started) * 1e3,
@@ -271,7 +269,9 @@ class HostLoop:
             finished=tuple(finished),
             paused=plan.paused,
             note=plan.note,
-            in_flight=in_flight,
+            in_flight=beside is not None,
+            beside_tokens=0 if beside is None else beside.max_tokens,
+            beside_decode_sms=None if beside is None else beside.decode_sms,
         )
         self._index += 1
         self.policy.observe(record)

@@ -218,6 +218,8 @@ class IterationRecord:
     policy: str
     decode_batch: int
     prefill_tokens: int
+    context_tokens_total: int
+    context_tokens_max: int
     decode_tokens: int
     """Tokens emitted by decode this iteration."""
     observed_ms: float
@@ -242,6 +244,10 @@ class IterationRecord:
     note: str = ""
     in_flight: bool = False
     """A concurrent quantum was running while decode ran."""
+    beside_tokens: int = 0
+    """Token cap of the concurrent quantum that ran beside decode (0: none)."""
+    beside_decode_sms: int | None = None
+    """The split that quantum was launched with (its SMs are the rest of the device)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -156,3 +156,29 @@ def test_records_carry_plan_and_observation(train_examples: Any) -> None:
     assert record.finetune_launched[0].job_id == "j" and record.quanta[0].tokens > 0
     second = loop.run_iteration()
     assert second.decode_batch == 1 and len(second.tpot_samples_ms) == 1
+
+
+def test_harli_on_the_loop_trains_under_a_loose_slo_and_pauses_under_an_impossible_one(
+    train_examples: Any,
+) -> None:
+    from gpu_runtime.colocation import AnalyticLatencyModel, HarliPolicy, OnlineLatencyModel
+
+    engine = _engine()
+    model = OnlineLatencyModel(AnalyticLatencyModel(base_ms=1.0))
+    loose = HostLoop(engine, HarliPolicy(model), tpot_slo_ms=1e4)
+    loose.add_job("j", _trainer(engine, train_examples))
+    long = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    for p in PROMPTS:
+        loose.add_request(p, long)
+    records = loose.run_until_idle(max_iterations=100)
+    assert loose.job_state("j").finished
+    assert all(r.predicted_ms is not None for r in records if r.decode_batch)
+    assert model.fitted_shares == [1.0]  # fitted from the loop's own decode-alone iterations
+
+    engine = _engine()
+    strict = HostLoop(engine, HarliPolicy(AnalyticLatencyModel()), tpot_slo_ms=0.01)
+    strict.add_job("j", _trainer(engine, train_examples))
+    strict.add_request(PROMPTS[0], PARAMS)
+    strict.run_iteration()  # prefill while decode is idle: a quantum may run
+    busy = [strict.run_iteration() for _ in range(4)]
+    assert all(r.paused and not r.finetune_launched for r in busy)

@@ -1,0 +1,340 @@
+"""The Harli policy: maximise finetune tokens/s subject to predicted TPOT <= SLO x (1 - margin).
+
+Before every decode iteration it enumerates the choices the device offers:
+
+* **spatial**: decode on ``d`` SMs and a quantum of ``k`` examples on the other ``T - d`` SMs
+  (every split of the partitioner, every ``k`` of ``quantum_examples`` the memory budget allows);
+* **shared**: a quantum beside decode on the whole device (stream sharing);
+* **slice**: a quantum after the decode step, alone on the device (time slicing).
+
+For each it asks the latency model (stage 1 for decode alone, stage 2 with the quantum beside
+it) for the iteration's TPOT, keeps the choices under ``tpot_slo_ms x (1 - margin)``, and takes
+the one with the highest expected finetune tokens/s (per-choice rates learned from its own
+quanta; before any is observed, proportional to the SMs the quantum gets). Bigger quanta run
+more efficiently but hold a split longer, so a quantum is capped to ``max_quantum_iterations``
+predicted iterations. When nothing is safe, finetuning pauses for that iteration (decode gets the
+whole device) and the plan says so.
+
+While a quantum is in flight its SMs are taken: the policy only picks the decode split with the
+lowest predicted TPOT given that quantum (no new launch).
+
+The margin adapts: ``base_margin`` plus the ``error_quantile`` of recent relative prediction
+errors ``(observed - predicted) / predicted`` (only under-predictions count), capped at
+``max_margin``; an observed TPOT above the SLO adds ``violation_step`` that decays by
+``violation_decay`` per iteration.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from gpu_runtime.colocation.baselines import memory_cap_tokens
+from gpu_runtime.colocation.online import OnlineLatencyModel, beside_quantum
+from gpu_runtime.colocation.policy import CoLocationPolicy
+from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
+from gpu_runtime.colocation.types import (
+    FinetuneLaunch,
+    IterationContext,
+    IterationPlan,
+    IterationRecord,
+    JobView,
+    LaunchMode,
+)
+from gpu_runtime.predictor.schema import FinetuneQuantum
+
+PRIOR_SOLO_TOKENS_PER_S = 10_000.0
+"""Rate assumed for a job before any of its quanta was timed (only ratios between choices
+matter until then)."""
+
+
+@dataclass(frozen=True)
+class HarliConfig:
+    """Knobs of the Harli policy (see the module docstring)."""
+
+    base_margin: float = 0.03
+    """Margin kept even when predictions have been exact (fraction of the SLO)."""
+    max_margin: float = 0.5
+    """Cap on the adaptive margin."""
+    error_quantile: float = 0.98
+    """Quantile of recent relative under-prediction errors added to the margin."""
+    error_window: int = 256
+    """Iterations the error quantile is taken over."""
+    min_error_samples: int = 8
+    """Below this many observations the margin is ``initial_margin``."""
+    initial_margin: float = 0.15
+    """Margin used before enough errors were observed."""
+    violation_step: float = 0.05
+    """Margin added when an iteration's observed TPOT exceeds the SLO."""
+    violation_decay: float = 0.98
+    """Per-iteration decay factor of that extra margin."""
+    quantum_examples: tuple[int, ...] = (1, 2, 4, 8)
+    """Quantum sizes considered, in examples of the job's longest length."""
+    idle_quantum_examples: int = 8
+    """Quantum size when decode has nothing to do."""
+    max_quantum_iterations: float = 6.0
+    """Cap on a concurrent quantum's expected duration, in predicted decode iterations."""
+    allow_shared: bool = True
+    """Consider a quantum beside decode on the whole device (no spatial split)."""
+    allow_slice: bool = True
+    """Consider a quantum after the decode step (time slicing)."""
+    rate_smoothing: float = 0.3
+    """EMA weight of a new rate observation."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.base_margin <= self.max_margin < 1:
+            raise ValueError(
+                f"need 0 <= base_margin ({self.base_margin}) <= max_margin ({self.max_margin}) < 1"
+            )
+        if not 0 <= self.initial_margin < 1:
+            raise ValueError(f"initial_margin must be in [0, 1), got {self.initial_margin}")
+        if not 0.5 <= self.error_quantile <= 1.0:
+            raise ValueError(f"error_quantile must be in [0.5, 1], got {self.error_quantile}")
+        if not self.quantum_examples or min(self.quantum_examples) < 1:
+            raise ValueError(f"quantum_examples must be positive, got {self.quantum_examples}")
+        if self.max_quantum_iterations <= 0 or not 0 < self.rate_smoothing <= 1:
+            raise ValueError("max_quantum_iterations and rate_smoothing must be positive")
+
+
+class MarginTracker:
+    """The adaptive safety margin (fraction of the SLO)."""
+
+    def __init__(self, config: HarliConfig) -> None:
+        self.config = config
+        self._errors: deque[float] = deque(maxlen=config.error_window)
+        self._violation = 0.0
+
+    def observe(self, predicted_ms: float, observed_ms: float, tpot_slo_ms: float) -> None:
+        self._violation *= self.config.violation_decay
+        if predicted_ms > 0:
+            self._errors.append((observed_ms - predicted_ms) / predicted_ms)
+        if observed_ms > tpot_slo_ms:
+            self._violation += self.config.violation_step
+
+    @property
+    def margin(self) -> float:
+        cfg = self.config
+        if len(self._errors) < cfg.min_error_samples:
+            base = cfg.initial_margin
+        else:
+            ordered = sorted(self._errors)
+            index = min(len(ordered) - 1, int(cfg.error_quantile * len(ordered)))
+            base = cfg.base_margin + max(ordered[index], 0.0)
+        return min(base + self._violation, cfg.max_margin)
+
+
+class FinetuneRates:
+    """Expected finetune tokens/s per choice (decode_sms, mode), learned from finished quanta."""
+
+    def __init__(self, smoothing: float) -> None:
+        self.smoothing = smoothing
+        self._rates: dict[tuple[int | None, LaunchMode], float] = {}
+
+    def observe(self, decode_sms: int | None, mode: LaunchMode, tokens: int, ms: float) -> None:
+        if tokens <= 0 or ms <= 0:
+            return
+        rate = tokens / (ms / 1e3)
+        key = (decode_sms, mode)
+        old = self._rates.get(key)
+        self._rates[key] = rate if old is None else old + self.smoothing * (rate - old)
+
+    def solo(self, job: JobView) -> float:
+        """Rate alone on the device: observed slices, else the job's own figure, else a prior."""
+        sliced = self._rates.get((None, LaunchMode.AFTER_DECODE))
+        return sliced or job.tokens_per_s_solo or PRIOR_SOLO_TOKENS_PER_S
+
+    def rate(self, job: JobView, decode_sms: int | None, mode: LaunchMode, share: float) -> float:
+        """tokens/s of a quantum run with this choice (``share``: its fraction of the SMs)."""
+        learned = self._rates.get((decode_sms, mode))
+        if learned is not None:
+            return learned
+        return self.solo(job) * share * (0.5 if mode is LaunchMode.CONCURRENT and share >= 1 else 1)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    decode_sms: int | None
+    mode: LaunchMode | None
+    examples: int
+    predicted_ms: float
+    value: float
+    quantum_ms: float | None
+
+
+class HarliPolicy(CoLocationPolicy):
+    """QoS-guaranteed, throughput-maximising co-location (see the module docstring)."""
+
+    name = "harli"
+
+    def __init__(self, latency: DecodeLatencyModel, config: HarliConfig | None = None) -> None:
+        self.latency = latency
+        self.config = config or HarliConfig()
+        self.margins = MarginTracker(self.config)
+        self.rates = FinetuneRates(self.config.rate_smoothing)
+        self._jobs: dict[str, JobView] = {}
+        self._slo_ms: float | None = None
+        self.decisions = 0
+        self.pauses = 0
+
+    # ---- planning -----------------------------------------------------------------------
+    def plan(self, ctx: IterationContext) -> IterationPlan:
+        self.decisions += 1
+        self._slo_ms = ctx.tpot_slo_ms
+        for job in ctx.jobs:
+            self._jobs[job.job_id] = job
+        options = ctx.decode_sms_options
+        full = options[-1] if options else None
+        margin = self.margins.margin
+        if ctx.decode.is_idle:
+            return self._idle_plan(ctx, full, margin)
+        bound = ctx.tpot_slo_ms * (1.0 - margin)
+        total = ctx.total_sms
+        solo_full = self.latency.predict_ms(decode_iteration(ctx.decode, 1.0), None)
+        if ctx.in_flight is not None:
+            return self._in_flight_plan(ctx, full, margin, bound)
+        if not ctx.jobs:
+            return IterationPlan(full, (), solo_full, solo_full, margin, note="no job")
+        job = ctx.jobs[0]
+        cap = memory_cap_tokens(job, ctx.finetune_budget_bytes)
+        sizes = [
+            k for k in self.config.quantum_examples if cap is None or k * job.max_seq_len <= cap
+        ]
+        if not sizes:
+            return IterationPlan(
+                full,
+                (),
+                solo_full,
+                solo_full,
+                margin,
+                paused=True,
+                note="memory budget below one example",
+            )
+        choices: list[_Choice] = []
+        if total and ctx.spatial:
+            for d in options[:-1]:
+                choices += self._spatial(ctx, job, d, total, sizes, bound)
+        if self.config.allow_shared:
+            choices += self._spatial(ctx, job, full, total, sizes, bound)
+        if self.config.allow_slice:
+            choices += self._slices(ctx, job, full, sizes, bound, solo_full)
+        if not choices:
+            self.pauses += 1
+            return IterationPlan(
+                full, (), solo_full, solo_full, margin, paused=True, note="no safe choice"
+            )
+        best = max(choices, key=lambda c: (c.value, -c.predicted_ms))
+        assert best.mode is not None
+        launch = FinetuneLaunch(
+            job.job_id, best.examples * job.max_seq_len, best.mode, best.quantum_ms
+        )
+        share = 1.0 if not total or best.decode_sms is None else best.decode_sms / total
+        solo = self.latency.predict_ms(decode_iteration(ctx.decode, share), None)
+        return IterationPlan(
+            best.decode_sms,
+            (launch,),
+            best.predicted_ms,
+            solo,
+            margin,
+            note=f"{best.mode.value} k={best.examples}",
+        )
+
+    def _spatial(
+        self,
+        ctx: IterationContext,
+        job: JobView,
+        d: int | None,
+        total: int | None,
+        sizes: list[int],
+        bound: float,
+    ) -> list[_Choice]:
+        share = 1.0 if not total or d is None else d / total
+        ft_share = 1.0 if share >= 1.0 else 1.0 - share
+        iteration = decode_iteration(ctx.decode, share)
+        rate = self.rates.rate(job, d, LaunchMode.CONCURRENT, ft_share)
+        out: list[_Choice] = []
+        for k in sizes:
+            tokens = k * job.max_seq_len
+            quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
+            predicted = self.latency.predict_ms(iteration, quantum)
+            if predicted > bound:
+                continue
+            quantum_ms = k * job.seq_len / rate * 1e3
+            if quantum_ms > self.config.max_quantum_iterations * predicted and k != sizes[0]:
+                continue
+            out.append(_Choice(d, LaunchMode.CONCURRENT, k, predicted, rate + k * 1e-6, quantum_ms))
+        return out
+
+    def _slices(
+        self,
+        ctx: IterationContext,
+        job: JobView,
+        full: int | None,
+        sizes: list[int],
+        bound: float,
+        solo_full: float,
+    ) -> list[_Choice]:
+        rate = self.rates.solo(job)
+        out: list[_Choice] = []
+        for k in sizes:
+            quantum_ms = k * job.seq_len / rate * 1e3
+            predicted = solo_full + quantum_ms
+            if predicted <= bound:
+                value = k * job.seq_len / (predicted / 1e3)
+                out.append(_Choice(full, LaunchMode.AFTER_DECODE, k, predicted, value, quantum_ms))
+        return out
+
+    def _in_flight_plan(
+        self, ctx: IterationContext, full: int | None, margin: float, bound: float
+    ) -> IterationPlan:
+        flight = ctx.in_flight
+        assert flight is not None
+        job = self._jobs.get(flight.job_id)
+        seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
+        quantum = beside_quantum(flight.max_tokens, flight.decode_sms, ctx.total_sms, seq_len, rank)
+        best: tuple[float, int | None] | None = None
+        candidates: tuple[int | None, ...] = ctx.decode_sms_options or (None,)
+        if flight.decode_sms is not None and flight.decode_sms in candidates:
+            # Keep the split unless another one is predicted faster with that quantum beside it.
+            candidates = (flight.decode_sms, *[c for c in candidates if c != flight.decode_sms])
+        for d in candidates:
+            share = 1.0 if not ctx.total_sms or d is None else d / ctx.total_sms
+            predicted = self.latency.predict_ms(decode_iteration(ctx.decode, share), quantum)
+            if best is None or predicted < best[0] - 1e-9:
+                best = (predicted, d)
+        assert best is not None
+        predicted, d = best
+        share = 1.0 if not ctx.total_sms or d is None else d / ctx.total_sms
+        solo = self.latency.predict_ms(decode_iteration(ctx.decode, share), None)
+        note = "quantum in flight" + (" (predicted over bound)" if predicted > bound else "")
+        return IterationPlan(d, (), predicted, solo, margin, note=note)
+
+    def _idle_plan(self, ctx: IterationContext, full: int | None, margin: float) -> IterationPlan:
+        """Decode has nothing to do: give finetuning the most SMs."""
+        if not ctx.jobs or ctx.in_flight is not None:
+            return IterationPlan(full, (), None, None, margin, note="idle")
+        job = ctx.jobs[0]
+        cap = memory_cap_tokens(job, ctx.finetune_budget_bytes)
+        k = self.config.idle_quantum_examples
+        while k > 1 and cap is not None and k * job.max_seq_len > cap:
+            k //= 2
+        d = ctx.decode_sms_options[0] if ctx.spatial and ctx.decode_sms_options else full
+        launch = FinetuneLaunch(job.job_id, k * job.max_seq_len, LaunchMode.CONCURRENT)
+        return IterationPlan(d, (launch,), None, None, margin, note="decode idle")
+
+    # ---- feedback -----------------------------------------------------------------------
+    def observe(self, record: IterationRecord) -> None:
+        for quantum in record.quanta:
+            if quantum.error is None:
+                key = None if quantum.mode is LaunchMode.AFTER_DECODE else quantum.decode_sms
+                self.rates.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
+        busy = record.decode_batch or record.prefill_tokens
+        if busy and record.predicted_ms is not None and self._slo_ms is not None:
+            self.margins.observe(record.predicted_ms, record.iteration_ms, self._slo_ms)
+        if isinstance(self.latency, OnlineLatencyModel):
+            job = self._jobs.get(record.quanta[0].job_id) if record.quanta else None
+            seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
+            self.latency.observe_record(record, seq_len, rank)
+
+    def describe(self) -> dict[str, Any]:
+        return {"policy": self.name, **asdict(self.config)}

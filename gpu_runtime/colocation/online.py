@@ -1,0 +1,190 @@
+"""A stage-1/2 decode latency model fitted from the loop's own iteration records.
+
+Used where no trained predictor artifact exists (and by ``bench/colocate.py`` when it profiles
+before the traces): for every decode split ``s`` (decode SM count) it fits, by ridge-regularised
+least squares over the iterations observed **without** a finetune quantum beside decode,
+
+    stage1_s(ms) = a_s + b_s * batch + c_s * context_kilotokens + d_s * prefill_kilotokens
+
+and, from iterations **with** a quantum beside decode, an interference ratio per
+(split, whether the quantum had its own SMs): the median of observed / stage1_s. Splits never
+observed fall back to the ``prior`` model (or, without one, to the nearest observed split scaled
+by SM share). Targets are whole-iteration times (``IterationRecord.iteration_ms``), i.e. the
+token-to-token latency requests see, host work included.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from gpu_runtime.colocation.predictor import DecodeLatencyModel
+from gpu_runtime.colocation.types import IterationRecord
+from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
+
+_SHARE_KEY_DIGITS = 4
+
+
+def _key(share: float) -> float:
+    return round(share, _SHARE_KEY_DIGITS)
+
+
+def _features(iteration: DecodeIteration) -> list[float]:
+    return [
+        1.0,
+        float(iteration.batch_size),
+        iteration.context_tokens_total / 1e3,
+        iteration.prefill_chunk_tokens / 1e3,
+    ]
+
+
+@dataclass
+class _Fit:
+    coef: np.ndarray
+    samples: int
+
+
+class OnlineLatencyModel:
+    """Stage-1/2 model per decode split, refitted as observations arrive (see module doc)."""
+
+    def __init__(
+        self,
+        prior: DecodeLatencyModel | None = None,
+        *,
+        window: int = 2000,
+        min_samples: int = 8,
+        ridge: float = 1e-3,
+        refit_every: int = 16,
+    ) -> None:
+        self.prior = prior
+        self.min_samples = min_samples
+        self.ridge = ridge
+        self.refit_every = refit_every
+        self._solo: dict[float, deque[tuple[list[float], float]]] = defaultdict(
+            lambda: deque(maxlen=window)
+        )
+        self._ratios: dict[tuple[float, bool], deque[float]] = defaultdict(
+            lambda: deque(maxlen=window)
+        )
+        self._pending: list[tuple[DecodeIteration, FinetuneQuantum | None, float]] = []
+        self._fits: dict[float, _Fit] = {}
+        self._since_fit: dict[float, int] = defaultdict(int)
+
+    # ---- observations -----------------------------------------------------------------------
+    def observe(
+        self, iteration: DecodeIteration, quantum: FinetuneQuantum | None, observed_ms: float
+    ) -> None:
+        """Add one observed iteration (quantum None: nothing ran beside decode)."""
+        if observed_ms <= 0:
+            return
+        key = _key(iteration.decode_sm_share)
+        if quantum is None or quantum.tokens == 0:
+            self._solo[key].append((_features(iteration), observed_ms))
+            self._since_fit[key] += 1
+            if key not in self._fits or self._since_fit[key] >= self.refit_every:
+                self._refit(key)
+            return
+        self._pending.append((iteration, quantum, observed_ms))
+        self._drain_pending()
+
+    def observe_record(self, record: IterationRecord, seq_len: int = 512, rank: int = 16) -> None:
+        """Add a loop record (ignored when decode was idle or the device size is unknown)."""
+        if not (record.decode_batch or record.prefill_tokens):
+            return
+        total = record.total_sms
+        share = 1.0 if not total or record.decode_sms is None else record.decode_sms / total
+        iteration = DecodeIteration(
+            record.decode_batch,
+            record.context_tokens_total,
+            record.context_tokens_max,
+            record.prefill_tokens,
+            share,
+        )
+        quantum = None
+        if record.beside_tokens:
+            quantum = beside_quantum(
+                record.beside_tokens, record.beside_decode_sms, total, seq_len, rank
+            )
+        self.observe(iteration, quantum, record.iteration_ms)
+
+    def _drain_pending(self) -> None:
+        keep = []
+        for iteration, quantum, observed in self._pending:
+            key = _key(iteration.decode_sm_share)
+            if key in self._fits:
+                assert quantum is not None
+                solo = self._stage1(iteration)
+                self._ratios[(key, _disjoint(iteration, quantum))].append(observed / solo)
+            else:
+                keep.append((iteration, quantum, observed))
+        self._pending = keep[-1000:]
+
+    def _refit(self, key: float) -> None:
+        samples = self._solo[key]
+        self._since_fit[key] = 0
+        if len(samples) < self.min_samples:
+            return
+        x = np.array([f for f, _ in samples], dtype=np.float64)
+        y = np.array([ms for _, ms in samples], dtype=np.float64)
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-9)
+        xs = x / scale
+        gram = xs.T @ xs + self.ridge * len(y) * np.eye(xs.shape[1])
+        coef = np.linalg.solve(gram, xs.T @ y) / scale
+        self._fits[key] = _Fit(coef, len(y))
+        self._drain_pending()
+
+    # ---- prediction -------------------------------------------------------------------------
+    @property
+    def fitted_shares(self) -> list[float]:
+        return sorted(self._fits)
+
+    def _stage1(self, iteration: DecodeIteration) -> float:
+        key = _key(iteration.decode_sm_share)
+        fit = self._fits.get(key)
+        if fit is not None:
+            return max(float(np.dot(fit.coef, _features(iteration))), 0.1)
+        if self.prior is not None:
+            return self.prior.predict_ms(iteration, None)
+        if not self._fits:
+            raise LookupError("no split has been observed and there is no prior model")
+        nearest = min(self._fits, key=lambda s: abs(s - key))
+        coef = self._fits[nearest].coef
+        return max(float(np.dot(coef, _features(iteration))), 0.1) * (nearest / key) ** 0.5
+
+    def interference_ratio(self, share: float, disjoint: bool) -> float | None:
+        """Median observed / stage-1 with a quantum beside decode (None: never observed)."""
+        ratios = self._ratios.get((_key(share), disjoint))
+        if not ratios:
+            return None
+        return float(np.median(np.fromiter(ratios, dtype=np.float64)))
+
+    def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
+        solo = self._stage1(iteration)
+        if quantum is None or quantum.tokens == 0:
+            return solo
+        ratio = self.interference_ratio(iteration.decode_sm_share, _disjoint(iteration, quantum))
+        if ratio is not None:
+            return solo * max(ratio, 1.0)
+        if self.prior is not None:
+            solo_prior = self.prior.predict_ms(iteration, None)
+            return solo * self.prior.predict_ms(iteration, quantum) / solo_prior
+        return solo * (1.1 if _disjoint(iteration, quantum) else 2.0)
+
+
+def _disjoint(iteration: DecodeIteration, quantum: FinetuneQuantum) -> bool:
+    return quantum.sm_share + iteration.decode_sm_share <= 1.0 + 1e-9
+
+
+def beside_quantum(
+    tokens: int, launch_decode_sms: int | None, total_sms: int | None, seq_len: int, rank: int
+) -> FinetuneQuantum:
+    """The stage-2 row of a quantum launched with split ``launch_decode_sms``."""
+    if not total_sms or launch_decode_sms is None or launch_decode_sms >= total_sms:
+        share = 1.0
+    else:
+        share = (total_sms - launch_decode_sms) / total_sms
+    return FinetuneQuantum(
+        tokens=tokens, seq_len=max(seq_len, 1), lora_rank=rank, backward=True, sm_share=share
+    )

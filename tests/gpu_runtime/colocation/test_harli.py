@@ -1,0 +1,153 @@
+"""Harli's decisions on a fake clock with a known analytic predictor."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, LaunchMode
+from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy
+from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.types import InFlightQuantum
+from gpu_runtime.predictor.schema import FinetuneQuantum
+
+from .sim import JOB, OPTIONS, TOTAL_SMS, FakeGpu, context, record
+
+MODEL = AnalyticLatencyModel()
+
+
+def _predicted(decode: DecodeSnapshot, decode_sms: int, mode: LaunchMode, tokens: int) -> float:
+    share = decode_sms / TOTAL_SMS
+    iteration = decode_iteration(decode, share)
+    if mode is LaunchMode.AFTER_DECODE:
+        return MODEL.predict_ms(iteration, None)
+    ft_share = 1.0 if share >= 1 else 1 - share
+    quantum = FinetuneQuantum(tokens, JOB.seq_len, JOB.lora_rank, True, ft_share)
+    return MODEL.predict_ms(iteration, quantum)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    batch=st.integers(1, 256),
+    context_mean=st.integers(16, 4096),
+    prefill=st.sampled_from([0, 0, 128, 1024]),
+    slo_ms=st.floats(4.0, 60.0),
+)
+def test_never_picks_a_choice_predicted_to_break_the_slo(
+    batch: int, context_mean: int, prefill: int, slo_ms: float
+) -> None:
+    policy = HarliPolicy(MODEL)
+    decode = DecodeSnapshot.from_contexts([context_mean] * batch, prefill)
+    plan = policy.plan(context(decode, slo_ms))
+    assert plan.margin is not None
+    bound = slo_ms * (1 - plan.margin)
+    if not plan.launches:
+        assert plan.paused and plan.decode_sms == TOTAL_SMS
+        # Paused only when truly nothing is safe: the best split with the smallest quantum.
+        assert all(
+            _predicted(decode, d, LaunchMode.CONCURRENT, JOB.max_seq_len) > bound for d in OPTIONS
+        )
+        return
+    (launch,) = plan.launches
+    assert plan.decode_sms is not None
+    assert plan.predicted_ms is not None and plan.predicted_ms <= bound
+    independent = _predicted(decode, plan.decode_sms, launch.mode, launch.max_tokens)
+    assert independent <= bound
+    if launch.mode is LaunchMode.CONCURRENT and plan.decode_sms < TOTAL_SMS:
+        # Throughput-maximising: no smaller decode share would have been safe.
+        smaller = [d for d in OPTIONS if d < plan.decode_sms]
+        assert all(
+            _predicted(decode, d, LaunchMode.CONCURRENT, JOB.max_seq_len) > bound for d in smaller
+        )
+
+
+def test_pauses_when_nothing_is_safe_and_resumes_when_it_is() -> None:
+    policy = HarliPolicy(MODEL)
+    decode = DecodeSnapshot.from_contexts([1024] * 64)
+    solo = MODEL.predict_ms(decode_iteration(decode, 1.0), None)
+    tight = policy.plan(context(decode, slo_ms=solo * 1.01))
+    assert tight.paused and not tight.launches and tight.decode_sms == TOTAL_SMS
+    assert "no safe choice" in tight.note
+    loose = policy.plan(context(decode, slo_ms=solo * 3))
+    assert not loose.paused and loose.launches
+    assert policy.pauses == 1
+
+
+def test_margin_grows_when_observations_exceed_predictions() -> None:
+    policy = HarliPolicy(MODEL, HarliConfig(initial_margin=0.05, min_error_samples=4))
+    decode = DecodeSnapshot.from_contexts([512] * 32)
+    slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 2.5
+    first = policy.plan(context(decode, slo))
+    assert first.margin == pytest.approx(0.05)
+    assert first.predicted_ms is not None
+    for i in range(50):
+        plan = policy.plan(context(decode, slo))
+        assert plan.predicted_ms is not None
+        policy.observe(record(plan, decode, plan.predicted_ms * 1.3, index=i))
+    later = policy.plan(context(decode, slo))
+    assert later.margin is not None and later.margin >= 0.3 + 0.03 - 1e-9
+    assert first.decode_sms is not None and later.decode_sms is not None
+    # A larger margin leaves less room: decode gets at least as many SMs as before.
+    assert later.decode_sms >= first.decode_sms
+    assert later.predicted_ms is not None and later.predicted_ms <= slo * (1 - later.margin)
+
+
+def test_adapts_on_a_fake_gpu_that_is_slower_than_predicted() -> None:
+    """The predictor says 1.0x, the GPU does 1.25x: after a short warm-up the SLO holds."""
+    truth = AnalyticLatencyModel(
+        base_ms=6.25,
+        per_seq_ms=0.025,
+        per_ctx_token_us=0.0625,
+        per_prefill_token_us=25.0,
+        spatial_interference=0.1,
+    )
+    gpu = FakeGpu(truth)
+    policy = HarliPolicy(
+        MODEL, HarliConfig(initial_margin=0.0, base_margin=0.0, min_error_samples=4)
+    )
+    decode = DecodeSnapshot.from_contexts([700] * 48)
+    slo = truth.predict_ms(decode_iteration(decode, 1.0), None) * 1.6
+    for _ in range(400):
+        gpu.step(policy, decode, slo)
+    late = gpu.tpots[100:]
+    assert sum(t <= slo for t in late) / len(late) >= 0.99
+    assert gpu.finetune_tokens > 0
+    assert policy.margins.margin >= 0.2
+
+
+def test_memory_budget_limits_the_quantum_and_pauses_below_one_example() -> None:
+    policy = HarliPolicy(MODEL, HarliConfig(max_quantum_iterations=1e9))
+    decode = DecodeSnapshot.from_contexts([256] * 8)
+    job = JOB.__class__("job", 256, 256, 16, bytes_per_token=1000.0)
+    roomy = policy.plan(context(decode, 100.0, jobs=(job,), budget=10**9))
+    assert roomy.launches[0].max_tokens == max(HarliConfig().quantum_examples) * 256
+    small = policy.plan(context(decode, 100.0, jobs=(job,), budget=2 * 256 * 1000))
+    assert small.launches[0].max_tokens <= 2 * 256
+    none = policy.plan(context(decode, 100.0, jobs=(job,), budget=100 * 1000))
+    assert none.paused and not none.launches and "memory" in none.note
+
+
+def test_in_flight_quantum_keeps_its_split_and_blocks_new_launches() -> None:
+    policy = HarliPolicy(MODEL)
+    decode = DecodeSnapshot.from_contexts([512] * 16)
+    flight = InFlightQuantum("job", 512, 64, 0.0)
+    plan = policy.plan(context(decode, 100.0, in_flight=flight))
+    assert plan.launches == () and plan.decode_sms == 64 and "in flight" in plan.note
+
+
+def test_idle_decode_gives_finetuning_the_most_sms() -> None:
+    policy = HarliPolicy(MODEL)
+    plan = policy.plan(context(DecodeSnapshot(0, 0, 0), 20.0))
+    assert plan.decode_sms == OPTIONS[0]
+    assert plan.launches[0].mode is LaunchMode.CONCURRENT
+    assert plan.launches[0].max_tokens == HarliConfig().idle_quantum_examples * JOB.max_seq_len
+
+
+def test_without_a_partitioner_only_shared_or_sliced_choices_exist() -> None:
+    policy = HarliPolicy(MODEL)
+    decode = DecodeSnapshot.from_contexts([128] * 4)
+    plan = policy.plan(context(decode, 200.0, spatial=False))
+    assert plan.decode_sms is None and plan.launches
+    assert plan.predicted_ms is not None and plan.margin is not None
+    assert plan.predicted_ms <= 200.0 * (1 - plan.margin)

@@ -1,0 +1,42 @@
+"""The online-fitted stage-1/2 model recovers a known linear latency law."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from gpu_runtime.colocation import AnalyticLatencyModel
+from gpu_runtime.colocation.online import OnlineLatencyModel
+from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
+
+
+def test_fits_stage_one_per_split_and_interference_ratios() -> None:
+    truth = AnalyticLatencyModel(share_exponent=0.5, spatial_interference=0.07)
+    model = OnlineLatencyModel(min_samples=8)
+    rng = random.Random(0)
+    for share in (0.5, 1.0):
+        for _ in range(60):
+            batch = rng.randint(1, 128)
+            ctx = batch * rng.randint(64, 2048)
+            it = DecodeIteration(batch, ctx, ctx, rng.choice([0, 0, 256]), share)
+            model.observe(it, None, truth.predict_ms(it, None) * rng.uniform(0.99, 1.01))
+    quantum = FinetuneQuantum(1024, 256, 16, True, 0.5)
+    for _ in range(20):
+        it = DecodeIteration(32, 32 * 600, 600, 0, 0.5)
+        model.observe(it, quantum, truth.predict_ms(it, quantum))
+    probe = DecodeIteration(64, 64 * 1000, 1000, 0, 0.5)
+    assert model.predict_ms(probe, None) == pytest.approx(truth.predict_ms(probe, None), rel=0.03)
+    assert model.predict_ms(probe, quantum) == pytest.approx(
+        truth.predict_ms(probe, quantum), rel=0.03
+    )
+    assert model.interference_ratio(0.5, disjoint=True) == pytest.approx(1.07, rel=0.02)
+    assert model.fitted_shares == [0.5, 1.0]
+
+
+def test_unobserved_split_uses_the_prior_or_refuses() -> None:
+    it = DecodeIteration(8, 800, 100, 0, 0.25)
+    with pytest.raises(LookupError):
+        OnlineLatencyModel().predict_ms(it, None)
+    prior = AnalyticLatencyModel()
+    assert OnlineLatencyModel(prior).predict_ms(it, None) == prior.predict_ms(it, None)
