@@ -60,6 +60,8 @@ class MemoryCounters:
     finetune_shrinks: int = 0
     """Times the finetune budget was lowered (reclaims)."""
     finetune_reclaimed_pages: int = 0
+    deferred_reclaims: int = 0
+    """Refills that needed finetune pages while a quantum was in flight (taken later)."""
     finetune_grows: int = 0
     """Times the finetune budget was raised."""
     finetune_grown_pages: int = 0

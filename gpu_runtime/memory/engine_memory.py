@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.memory.kv_binding import KVPoolBinding
@@ -75,9 +76,17 @@ def scheduler_block_demand(engine: Any) -> tuple[int, int]:
 class EngineMemory:
     """Pool + policy + binding for one engine; the host loop's memory adapter."""
 
-    def __init__(self, manager: MemoryManager, binding: KVPoolBinding) -> None:
+    def __init__(
+        self,
+        manager: MemoryManager,
+        binding: KVPoolBinding,
+        finetune_busy: Callable[[], bool] | None = None,
+    ) -> None:
+        """`finetune_busy` tells whether a finetune quantum is still running on the device
+        (e.g. `lambda: loop.executor.in_flight is not None`); None means never."""
         self.manager = manager
         self.binding = binding
+        self.finetune_busy = finetune_busy
         self._engine: Any = None
         self.last_grant: DecodeGrant | None = None
 
@@ -131,7 +140,8 @@ class EngineMemory:
 
     def after_decode(self) -> None:
         _, waiting = scheduler_block_demand(self._bound())
-        self.binding.maintain(waiting_blocks=waiting)
+        busy = self.finetune_busy() if self.finetune_busy is not None else False
+        self.binding.maintain(waiting_blocks=waiting, finetune_busy=busy)
 
     def finetune_budget_bytes(self) -> int:
         return self.manager.finetune_budget_bytes

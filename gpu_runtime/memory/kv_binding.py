@@ -120,11 +120,13 @@ class KVPoolBinding:
         self._sync()
         return grant
 
-    def maintain(self, *, waiting_blocks: int = 0) -> None:
+    def maintain(self, *, waiting_blocks: int = 0, finetune_busy: bool = False) -> None:
         """Off the critical path (see `MemoryManager.maintain`)."""
         bm = self._bound()
         demand = DecodeDemand(used_blocks=bm.num_used_blocks, waiting_blocks=waiting_blocks)
-        self.manager.maintain(demand, top_used_block=self._top_used_block)
+        self.manager.maintain(
+            demand, top_used_block=self._top_used_block, finetune_busy=finetune_busy
+        )
         self._sync()
 
     def _top_used_block(self) -> int:

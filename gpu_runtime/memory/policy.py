@@ -176,12 +176,19 @@ class MemoryManager:
         return DecodeGrant(usable_blocks=self.usable_blocks, short_blocks=short)
 
     def maintain(
-        self, demand: DecodeDemand, *, top_used_block: Callable[[], int] | None = None
+        self,
+        demand: DecodeDemand,
+        *,
+        top_used_block: Callable[[], int] | None = None,
+        finetune_busy: bool = False,
     ) -> None:
         """One small step off the critical path: refill, shrink KV, or lend to finetuning.
 
         `top_used_block` is asked (only when decode is about to give pages back) when the
-        demand does not carry it; one of the two is needed for a shrink.
+        demand does not carry it; one of the two is needed for a shrink. `finetune_busy`: a
+        finetune quantum is still running on the device; a reclaim flushes torch's cache, which
+        waits for that quantum, so the refill then takes free pages only and the reclaim waits
+        for a later call (counted as `deferred_reclaims`).
         """
         self._check_demand(demand)
         cfg = self.config
@@ -195,7 +202,9 @@ class MemoryManager:
             self._iterations_above_high = 0
             prefix = self.pool.kv_prefix_pages
             need = layout.pages_for_blocks(demand.used_blocks + low_blocks) - prefix
-            got = self._grow_decode(min(need, cfg.max_step_pages), reason="refill")
+            got = self._grow_decode(
+                min(need, cfg.max_step_pages), reason="refill", allow_reclaim=not finetune_busy
+            )
             if got:
                 self.counters.refill_maps += 1
                 self.counters.refill_pages += got
@@ -213,7 +222,8 @@ class MemoryManager:
                 self._shrink_decode(demand.used_blocks, top, target_pages, high_blocks)
         else:
             self._iterations_above_high = 0
-        self._return_unwanted_budget()
+        if not finetune_busy:
+            self._return_unwanted_budget()
         if free_blocks >= low_blocks:
             self._lend_idle_pages()
 
@@ -286,14 +296,19 @@ class MemoryManager:
         return self.pool.split()
 
     # ---- moves -------------------------------------------------------------------------
-    def _grow_decode(self, pages: int, *, reason: str) -> int:
+    def _grow_decode(self, pages: int, *, reason: str, allow_reclaim: bool = True) -> int:
         """Map `pages` more KV pages (rounded up to the map unit, or down to what can be had):
-        from free pages first, then reclaimed finetune budget."""
+        from free pages first, then (if allowed) reclaimed finetune budget."""
         if pages <= 0:
             return 0
         room = self.pool.prefix_limit_pages - self.pool.kv_prefix_pages
         pages = min(self._round_up(pages), self._round_down(room))
-        available = self.pool.free_pages + self.pool.finetune_reclaimable_pages()
+        reclaimable = self.pool.finetune_reclaimable_pages()
+        if not allow_reclaim:
+            if reclaimable and pages > self.pool.free_pages:
+                self.counters.deferred_reclaims += 1
+            reclaimable = 0
+        available = self.pool.free_pages + reclaimable
         if pages > available:
             pages = self._round_down(available)
             if pages == 0:

@@ -143,14 +143,14 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
             self.waiting.append(Request(self.arrived, min(prompt, total), total))
             self.arrived += 1
 
-    @rule(iterations=st.integers(1, 8))
-    def decode_iterations(self, iterations: int) -> None:
+    @rule(iterations=st.integers(1, 8), finetune_busy=st.booleans())
+    def decode_iterations(self, iterations: int, finetune_busy: bool) -> None:
         for _ in range(iterations):
-            self.decode_iteration()
+            self.decode_iteration(finetune_busy)
             self.usable_blocks_are_exactly_the_mapped_ones()
             self.no_page_owned_twice()
 
-    def decode_iteration(self) -> None:
+    def decode_iteration(self, finetune_busy: bool) -> None:
         growing = [r for r in self.running if len(r.blocks) < r.total_blocks]
         waiting_blocks = sum(r.prompt_blocks for r in self.waiting)
         grant = self.binding.before_step(
@@ -189,7 +189,9 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
             request = self.waiting.popleft()
             request.blocks = self.blocks.allocate(request.prompt_blocks)
             self.running.append(request)
-        self.binding.maintain(waiting_blocks=sum(r.prompt_blocks for r in self.waiting))
+        self.binding.maintain(
+            waiting_blocks=sum(r.prompt_blocks for r in self.waiting), finetune_busy=finetune_busy
+        )
 
     # ---- finetune -------------------------------------------------------------------------
     @rule(pages=st.integers(0, 200))
@@ -261,7 +263,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
 
 
 UnifiedPoolMachine.TestCase.settings = settings(
-    max_examples=120,
+    max_examples=100,
     stateful_step_count=50,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],

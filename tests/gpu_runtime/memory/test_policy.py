@@ -202,3 +202,19 @@ def test_demands_and_configs_are_validated() -> None:
         _manager(num_pages=16, unit=4, max_step_pages=2)
     with pytest.raises(ValueError, match="finetune demand"):
         manager.set_finetune_demand(-1)
+
+
+def test_refill_defers_reclaims_while_a_finetune_quantum_runs() -> None:
+    manager, pool = _manager(num_pages=16, grow_hold_iterations=0, max_step_pages=8)
+    manager.set_finetune_demand(12 * PAGE)
+    idle = DecodeDemand(used_blocks=0, top_used_block=0)
+    manager.maintain(idle)
+    manager.maintain(idle)
+    assert pool.finetune_pages == 12 and pool.free_pages == 0
+    loaded = DecodeDemand(used_blocks=3, top_used_block=3)  # reserve 1 < low 4
+    manager.maintain(loaded, finetune_busy=True)
+    assert pool.finetune_pages == 12 and manager.usable_blocks == 4
+    assert manager.counters.deferred_reclaims == 1 and manager.counters.finetune_shrinks == 0
+    manager.maintain(loaded)  # the quantum ended: now the pages come back
+    assert pool.finetune_pages == 9 and manager.usable_blocks == 7
+    assert manager.counters.finetune_shrinks == 1
