@@ -18,6 +18,7 @@ from django.utils import timezone
 from api.errors import ConflictError
 from api.models import (
     OPEN_PLACEMENT_STATES,
+    Adapter,
     DeploymentMetric,
     EventType,
     FinetuneJob,
@@ -94,15 +95,50 @@ def _heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
         host=host, state__in=OPEN_PLACEMENT_STATES
     )
     for placement in stale.select_related("job"):
-        _cancel_on_commit(host, placement.pk, placement.job_id)
+        _stop_on_commit(host, placement)
+    _offer_missing_adapters(host, set(message.get("adapters", [])))
     return "applied"
 
 
-def _cancel_on_commit(host: GpuHost, placement_id: int, job_id: str) -> None:
+def _offer_missing_adapters(host: GpuHost, served: set[str]) -> None:
+    """Send `load_adapter` for finished adapters of the host's base model it does not serve."""
+    if host.deployment_id is None or host.status != HostStatus.ONLINE:
+        return
+    missing = list(
+        Adapter.objects.filter(base_model__deployments__hosts=host)
+        .exclude(name__in=served)
+        .exclude(path="")
+        .values_list("name", "path")
+    )
+    if not missing:
+        return
+
+    def send() -> None:
+        from workers.commands import send_host_command
+
+        for name, key in missing:
+            send_host_command(
+                host_name=host.name, command="load_adapter", name=name, storage_key=key
+            )
+
+    transaction.on_commit(send)
+
+
+def _stop_on_commit(host: GpuHost, placement: Placement) -> None:
+    """Tell the host to stop a placement that is no longer open: pause when the job is
+    paused (the host checkpoints first), cancel otherwise."""
+    placement_id, job_id = placement.pk, placement.job_id
+    paused = placement.job.status == JobStatus.PAUSED
+
     def send() -> None:
         from workers.commands import send_stop
 
-        send_stop(host=host, placement_id=placement_id, job_id=job_id, command="cancel")
+        send_stop(
+            host=host,
+            placement_id=placement_id,
+            job_id=job_id,
+            command="pause" if paused else "cancel",
+        )
 
     transaction.on_commit(send)
 
@@ -111,14 +147,18 @@ def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
     """The open placement the report is about, or None (stale; the host is told to cancel)."""
     placement = (
         Placement.objects.select_for_update()
+        .select_related("job")
         .filter(pk=int(message["placement_id"]), job_id=message["job_id"], host=host)
         .first()
     )
-    if placement is None or placement.state not in OPEN_PLACEMENT_STATES:
-        if placement is not None and message["kind"] not in ("job_stopped",):
-            _cancel_on_commit(host, placement.pk, placement.job_id)
+    if placement is None:
         return None
-    return placement
+    if placement.state in OPEN_PLACEMENT_STATES:
+        return placement
+    if message["kind"] == "checkpoint" and placement.job.status == JobStatus.PAUSED:
+        return placement  # the checkpoint a pause writes arrives after the release
+    _stop_on_commit(host, placement)
+    return None
 
 
 def _job(message: dict[str, Any]) -> FinetuneJob:

@@ -1,0 +1,217 @@
+"""Placement, report ingestion and reconciliation against the real database and broker client."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from django.utils import timezone
+
+from api.models import (
+    Adapter,
+    Deployment,
+    FinetuneJob,
+    GpuHost,
+    HostMetric,
+    HostStatus,
+    JobCheckpoint,
+    JobMetric,
+    JobStatus,
+    Placement,
+    PlacementState,
+)
+from api.services.fleet import base_model_register, deployment_create
+from api.services.jobs import finetune_job_pause
+from gpu_runtime.agent.protocol import report
+from tests.workers.conftest import GIB, drain_host_queue, heartbeat, make_host
+from workers.ingest import host_report_apply
+from workers.models import MetricRollup, PlacementDecision
+from workers.placement import job_place
+from workers.reconcile import reconcile
+
+pytestmark = pytest.mark.django_db
+
+
+@pytest.fixture
+def fleet(deployment: Deployment) -> dict[str, GpuHost]:
+    other = base_model_register(name="other", preset="tiny")
+    other_dep = deployment_create(name="other-chat", base_model=other, tpot_slo_ms=5,
+                                  ttft_slo_ms=50)  # fmt: skip
+    hosts = {
+        "h1": make_host("h1", deployment),
+        "h2": make_host("h2", deployment),
+        "h3": make_host("h3", other_dep),
+        "h4": make_host("h4", deployment),
+    }
+    heartbeat("h1", harvestable_tokens_per_s=100.0)
+    heartbeat("h2", harvestable_tokens_per_s=300.0)
+    heartbeat("h3", harvestable_tokens_per_s=900.0)
+    heartbeat("h4", harvestable_tokens_per_s=900.0, free_bytes=1024)
+    for name in hosts:
+        drain_host_queue(name)
+    return hosts
+
+
+def _place(job: FinetuneJob, capture: Any) -> Placement | None:
+    with capture(execute=True):
+        return job_place(job_id=job.id)
+
+
+def test_placement_chooses_by_throughput_share_and_headroom(
+    fleet: dict[str, GpuHost], job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    placement = _place(job, django_capture_on_commit_callbacks)
+    assert placement is not None and placement.host.name == "h2"
+    reasons = PlacementDecision.objects.get(placement=placement).reasons
+    why = {row["host"]: row["why"] for row in reasons["candidates"]}
+    assert why["h1"] == why["h2"] == "eligible"
+    assert why["h3"] == "does not serve tiny"
+    assert why["h4"].startswith("free 1024 B < needed")
+    assert reasons["chosen"] == "h2"
+    (command,) = drain_host_queue("h2")
+    assert command["command"] == "apply_placement"
+    assert command["placement_id"] == placement.pk
+    assert command["job"]["id"] == job.id
+    assert command["job"]["training_file_key"] == job.training_file.storage_key
+    assert command["job"]["resume_from"] is None
+    assert drain_host_queue("h1") == []
+    # Placing again is a no-op: one open placement per job.
+    assert _place(job, django_capture_on_commit_callbacks) is None
+    assert drain_host_queue("h2") == []
+    assert job.events.filter(message="Placed on host h2").count() == 1
+
+
+def test_no_eligible_host_waits_with_one_event(
+    deployment: Deployment, job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    make_host("h1", deployment)  # registered, never heartbeated: offline
+    assert _place(job, django_capture_on_commit_callbacks) is None
+    assert _place(job, django_capture_on_commit_callbacks) is None
+    waiting = job.events.filter(message__startswith="Waiting for a host")
+    assert [e.message for e in waiting] == ["Waiting for a host (h1: host is offline)"]
+
+
+def _started(placement: Placement, **fields: Any) -> dict[str, Any]:
+    ids = {"placement_id": placement.pk, "job_id": placement.job_id}
+    return report("job_started", placement.host.name, resumed_from_step=0, total_steps=4,
+                  **ids, **fields)  # fmt: skip
+
+
+def test_reports_apply_once_and_success_registers_the_adapter(
+    fleet: dict[str, GpuHost], job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    placement = _place(job, django_capture_on_commit_callbacks)
+    assert placement is not None
+    assert [c["command"] for c in drain_host_queue("h2")] == ["apply_placement"]
+    started = _started(placement)
+    assert host_report_apply(message=started) == "applied"
+    assert host_report_apply(message=started) == "duplicate"
+    job.refresh_from_db()
+    placement.refresh_from_db()
+    assert job.status == JobStatus.RUNNING and placement.state == PlacementState.ACTIVE
+    ids = {"placement_id": placement.pk, "job_id": job.id}
+    for step, loss in ((1, 2.5), (2, 2.0)):
+        progress = report("job_progress", "h2", step=step, total_steps=2, train_loss=loss,
+                          tokens_per_s=50.0, **ids)  # fmt: skip
+        assert host_report_apply(message=progress) == "applied"
+    assert list(JobMetric.objects.filter(job=job).values_list("step", "train_loss")) == [
+        (1, 2.5),
+        (2, 2.0),
+    ]
+    assert job.events.filter(message="Step 2/2: training loss=2.0000").exists()
+    rollup = MetricRollup.objects.get(series="job", key=job.id)
+    assert rollup.samples == 2 and rollup.sums["train_loss"] == 4.5
+    assert rollup.maxima["train_loss"] == 2.5
+    ckpt = report("checkpoint", "h2", step=2, storage_key=f"checkpoints/{job.id}/step-000002",
+                  metrics={"train_loss": 2.0}, **ids)  # fmt: skip
+    with django_capture_on_commit_callbacks(execute=True):
+        assert host_report_apply(message=ckpt) == "applied"
+        done = report("job_succeeded", "h2", trained_tokens=123,
+                      adapter_key=f"adapters/{job.id}", **ids)  # fmt: skip
+        assert host_report_apply(message=done) == "applied"
+    job.refresh_from_db()
+    assert job.status == JobStatus.SUCCEEDED and job.trained_tokens == 123
+    assert JobCheckpoint.objects.get(job=job).metrics == {"step": 2, "train_loss": 2.0}
+    adapter = Adapter.objects.get(job=job)
+    assert adapter.name == job.fine_tuned_model and adapter.path == f"adapters/{job.id}"
+    # Every host serving the base model is told to load it; h3 serves another model.
+    for name in ("h1", "h2", "h4"):
+        (command,) = drain_host_queue(name)
+        assert command == {**command, "command": "load_adapter", "name": adapter.name}
+    assert drain_host_queue("h3") == []
+
+
+def test_stale_reports_are_ignored_and_the_host_told_to_stop(
+    fleet: dict[str, GpuHost], job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    placement = _place(job, django_capture_on_commit_callbacks)
+    assert placement is not None
+    host_report_apply(message=_started(placement))
+    drain_host_queue("h2")
+    finetune_job_pause(job=job)
+    ids = {"placement_id": placement.pk, "job_id": job.id}
+    with django_capture_on_commit_callbacks(execute=True):
+        progress = report("job_progress", "h2", step=1, train_loss=1.0, **ids)
+        assert host_report_apply(message=progress) == "stale"
+        assert heartbeat("h2", placements=[placement.pk]) == "applied"
+    commands = drain_host_queue("h2")
+    assert [c["command"] for c in commands] == ["pause", "pause"]
+    assert not JobMetric.objects.filter(job=job).exists()
+    # The pause's own checkpoint is still recorded after the placement was released.
+    ckpt = report("checkpoint", "h2", step=1, storage_key="checkpoints/x/step-000001",
+                  metrics={"train_loss": 1.0}, **ids)  # fmt: skip
+    assert host_report_apply(message=ckpt) == "applied"
+
+
+def test_reconcile_requeues_a_silent_hosts_job_and_resumes_it_elsewhere(
+    fleet: dict[str, GpuHost], job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    placement = _place(job, django_capture_on_commit_callbacks)
+    assert placement is not None and placement.host.name == "h2"
+    host_report_apply(message=_started(placement))
+    ids = {"placement_id": placement.pk, "job_id": job.id}
+    host_report_apply(message=report("checkpoint", "h2", step=4, storage_key="ck/4",
+                                     metrics={"train_loss": 1.5}, **ids))  # fmt: skip
+    drain_host_queue("h2")
+    stale = timezone.now() - timedelta(seconds=120)
+    GpuHost.objects.filter(name__in=["h2", "h3", "h4"]).update(last_heartbeat_at=stale)
+    with django_capture_on_commit_callbacks(execute=True):
+        result = reconcile()
+    assert sorted(result.lost_hosts) == ["h2", "h3", "h4"]
+    assert result.requeued_jobs == [job.id] and result.placed_jobs == [job.id]
+    placement.refresh_from_db()
+    assert placement.state == PlacementState.LOST
+    assert GpuHost.objects.get(name="h2").status == HostStatus.LOST
+    new = Placement.objects.get(job=job, state=PlacementState.PENDING)
+    assert new.host.name == "h1"
+    (command,) = drain_host_queue("h1")
+    assert command["job"]["resume_from"] == {"step": 4, "storage_key": "ck/4"}
+    messages = list(job.events.order_by("created_at", "id").values_list("message", flat=True))
+    assert any(m.startswith("Host h2 lost (no heartbeat for 12") for m in messages)
+    assert "Placed on host h1, resuming from step 4" in messages
+    # The lost host comes back: it is online again and told to drop the moved placement.
+    with django_capture_on_commit_callbacks(execute=True):
+        heartbeat("h2", placements=[placement.pk])
+    assert GpuHost.objects.get(name="h2").status == HostStatus.ONLINE
+    assert [c["command"] for c in drain_host_queue("h2")] == ["cancel"]
+
+
+def test_metrics_rows_and_minute_rollups(fleet: dict[str, GpuHost]) -> None:
+    hm = {"weights_bytes": GIB, "kv_used_bytes": 10, "finetune_lent_bytes": 20,
+          "free_bytes": 30, "finetune_tokens_per_s": 100.0}  # fmt: skip
+    dm = {"tpot_p50_ms": 10.0, "tpot_p99_ms": 20.0, "slo_attainment": 1.0,
+          "goodput_tokens_per_s": 5.0, "request_rate": 1.0}  # fmt: skip
+    now = timezone.now().replace(second=10).timestamp()
+    for offset, rate in ((0.0, 100.0), (20.0, 300.0)):
+        message = report("metrics", "h1", window_s=5, host_metrics={**hm,
+                         "finetune_tokens_per_s": rate}, deployment_metrics=dm)  # fmt: skip
+        message["sent_at"] = now + offset
+        assert host_report_apply(message=message) == "applied"
+    assert HostMetric.objects.filter(host__name="h1").count() == 2
+    rollup = MetricRollup.objects.get(series="host", key="h1")
+    assert rollup.samples == 2
+    assert rollup.sums["finetune_tokens_per_s"] / rollup.samples == 200.0
+    assert rollup.maxima["finetune_tokens_per_s"] == 300.0
+    dep = MetricRollup.objects.get(series="deployment", key="tiny-chat@h1")
+    assert dep.samples == 2 and dep.sums["tpot_p99_ms"] == 40.0
