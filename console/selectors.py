@@ -296,14 +296,21 @@ def estimated_total_steps(*, job: FinetuneJob) -> int | None:
     return resolved.n_epochs * math.ceil(examples / resolved.batch_size)
 
 
+# The ETA's rate is measured over this many latest reports, so a pause long ago or a change of
+# host (and speed) weighs no more than the recent pace.
+ETA_WINDOW_REPORTS = 20
+
+
 def progress_from(
     *, points: Sequence[tuple[datetime, int]], total_steps: int | None
 ) -> JobProgress:
     """Progress from `(ts, step)` reports (oldest first): the rate is steps per second between
-    the first and the last report; the ETA is the remaining steps at that rate."""
+    the first and the last of the latest ETA_WINDOW_REPORTS reports; the ETA is the remaining
+    steps at that rate."""
     if not points:
         return JobProgress(step=0, total_steps=total_steps, eta_seconds=None)
-    (first_ts, first_step), (last_ts, last_step) = points[0], points[-1]
+    recent = points[-ETA_WINDOW_REPORTS:]
+    (first_ts, first_step), (last_ts, last_step) = recent[0], recent[-1]
     eta = None
     elapsed = (last_ts - first_ts).total_seconds()
     if total_steps is not None and elapsed > 0 and last_step > first_step:
@@ -370,7 +377,8 @@ def predictor_pairs(*, since: datetime) -> dict[tuple[str, str], tuple[list[floa
 
 
 def predictor_accuracy(*, since: datetime) -> list[PredictorAccuracy]:
-    """MAPE and p95 absolute percentage error per (host, version); zero observations skipped."""
+    """MAPE and p95 absolute percentage error (nearest rank) per (host, version), in percent;
+    observations of 0 ms are skipped. `GpuHost.predictor_mape` is read as a fraction 0..1."""
     reported = dict(GpuHost.objects.values_list("name", "predictor_mape"))
     result = []
     for (host, version), (predicted, observed) in predictor_pairs(since=since).items():

@@ -56,6 +56,11 @@ def test_progress_rate_and_eta_come_from_first_and_last_reports() -> None:
     assert (progress.step, progress.percent, progress.eta_seconds) == (20, 50, 100.0)
     assert progress_from(points=[], total_steps=40).eta_seconds is None
     assert progress_from(points=points, total_steps=None).fraction is None
+    # Only the latest reports set the pace: a slow start does not stretch the ETA.
+    slow_then_fast = [(T0 + timedelta(seconds=1000 * i), i) for i in range(5)]
+    last_ts = slow_then_fast[-1][0]
+    slow_then_fast += [(last_ts + timedelta(seconds=i + 1), 5 + i) for i in range(30)]
+    assert progress_from(points=slow_then_fast, total_steps=100).eta_seconds == pytest.approx(66.0)
 
 
 def test_seeded_series_counts_and_ranges(seeded: Seeded) -> None:

@@ -90,6 +90,13 @@ def test_operator_signs_in_and_lands_on_the_fleet(seeded: Seeded) -> None:
     assert response.status_code == 302 and response["Location"] == "/console/"
 
 
+def test_sign_out_is_a_post(operator_client: Client) -> None:
+    assert operator_client.get("/console/logout/").status_code == 405
+    response = operator_client.post("/console/logout/")
+    assert response.status_code == 302 and response["Location"] == "/console/login/"
+    assert operator_client.get("/console/").status_code == 302
+
+
 @pytest.mark.parametrize("url", PAGES)
 def test_every_page_renders_for_an_operator(operator_client: Client, url: str) -> None:
     response = operator_client.get(url)
