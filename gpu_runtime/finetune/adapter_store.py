@@ -155,6 +155,10 @@ class AdapterManager:
             self._host.popitem(last=False)
         return adapter
 
+    def has_free_slot(self) -> bool:
+        """Whether some slot is held by no running request (so it can take a new adapter)."""
+        return any(refs == 0 for refs in self._refs)
+
     def acquire(self, name: str) -> int:
         """The slot serving ``name`` for one more request, loading it if needed."""
         slot = self._slot_of.get(name)

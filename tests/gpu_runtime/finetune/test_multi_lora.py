@@ -17,9 +17,9 @@ from gpu_runtime.finetune.adapter_store import (
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
+from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.finetune.multi_lora import (
     StackedLoraWeights,
-    build_multi_lora_model,
     gathered_lora_delta,
 )
 from gpu_runtime.model import CausalLM, build_random_model
@@ -70,25 +70,19 @@ def adapters(tmp_path: Path) -> tuple[CausalLM, dict[str, Path]]:
 def test_mixed_batch_matches_merged_weights(adapters: tuple[CausalLM, dict[str, Path]]) -> None:
     serving, paths = adapters
     seq = 10
-    weights = StackedLoraWeights(
-        serving.config, num_slots=3, max_rank=8, max_tokens=4 * seq, dtype=torch.float32
-    )
-    manager = AdapterManager(weights)
+    runtime = MultiLoraRuntime(serving, max_tokens=4 * seq, num_slots=3, max_rank=8)
     for adapter_name, path in paths.items():
-        manager.register(adapter_name, path)
-    tree = build_multi_lora_model(serving, weights)
-    rows: list[str | None] = [
-        None,
-        "support-bot",
-        "poet",
-        "support-bot",
-    ]  # base and adapters in ONE batch
-    slots = [-1 if name is None else manager.acquire(name) for name in rows]
+        runtime.register(adapter_name, path)
+    assert runtime.names() == ["coder", "poet", "support-bot"] and runtime.has("poet")
+    rows: list[str | None] = [None, "support-bot", "poet", "support-bot"]  # ONE batch
+    for i, name in enumerate(rows):
+        if name is not None:
+            runtime.attach(f"req-{i}", name)
+    assert runtime.set_batch([(f"req-{i}", seq) for i in range(len(rows))])
     ids = torch.randint(0, 400, (len(rows), seq), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(seq).expand(len(rows), seq)
-    weights.set_token_slots(torch.tensor(slots).repeat_interleave(seq))
     with torch.no_grad():
-        logits = tree.compute_logits(tree(ids, positions))
+        logits = runtime.model.compute_logits(runtime.model(ids, positions))
         base = serving.compute_logits(serving(ids, positions))
     assert torch.equal(logits[0], base[0])  # base request: exactly the serving model's output
     for row, name in enumerate(rows):
@@ -99,6 +93,11 @@ def test_mixed_batch_matches_merged_weights(adapters: tuple[CausalLM, dict[str, 
             expected = merged.compute_logits(merged(ids[row : row + 1], positions[:1]))[0]
         assert not torch.allclose(expected, base[row], atol=1e-3)
         torch.testing.assert_close(logits[row], expected, rtol=1e-5, atol=1e-5)
+    for i in (1, 2, 3):
+        runtime.detach(f"req-{i}")
+    runtime.detach("req-0")  # no adapter: ignored
+    assert not runtime.set_batch([("req-1", seq)])  # detached: base model again
+    assert runtime.manager.has_free_slot() and runtime.can_admit("coder")
 
 
 def test_gathered_form_equals_masked_form() -> None:

@@ -1,0 +1,95 @@
+"""What a decode engine holds to serve finished adapters by name beside base-model requests.
+
+:class:`MultiLoraRuntime` bundles the GPU slots (:class:`StackedLoraWeights`), the registry and
+host LRU (:class:`AdapterManager`) and the module tree whose projections add the per-token LoRA
+term (:func:`build_multi_lora_model`, over the serving model's own tensors). The engine:
+
+1. asks :meth:`has` to validate a request's ``lora_name`` and :meth:`names` for ``/v1/models``;
+2. admits a waiting request with an adapter only when :meth:`can_admit` is true, then
+   :meth:`attach` es it (takes a slot reference); :meth:`detach` on finish, abort or preemption;
+3. per step calls :meth:`set_batch` with the step's ``(request_id, num_tokens)`` in token order;
+   when it returns True (some token uses an adapter) it runs :attr:`model` instead of the
+   serving model — same parameter names, same ``forward``/``compute_logits``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from gpu_runtime.finetune.adapter_store import AdapterManager, UnknownAdapterError
+from gpu_runtime.finetune.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from gpu_runtime.finetune.multi_lora import StackedLoraWeights, build_multi_lora_model
+from gpu_runtime.model import CausalLM
+
+
+class MultiLoraRuntime:
+    """Adapters by name for one serving model (see the module docstring)."""
+
+    def __init__(
+        self,
+        serving: CausalLM,
+        *,
+        max_tokens: int,
+        num_slots: int = 8,
+        max_rank: int = 64,
+        target_modules: tuple[str, ...] = ATTENTION_PROJECTIONS + MLP_PROJECTIONS,
+        max_host_adapters: int = 32,
+    ) -> None:
+        """``max_tokens``: most tokens in one engine step (its batched-token budget)."""
+        weight = serving.lm_head.weight
+        self.weights = StackedLoraWeights(
+            serving.config,
+            num_slots=num_slots,
+            max_rank=max_rank,
+            max_tokens=max_tokens,
+            target_modules=target_modules,
+            device=weight.device,
+            dtype=weight.dtype,
+        )
+        self.manager = AdapterManager(self.weights, max_host_adapters)
+        self.model = build_multi_lora_model(serving, self.weights)
+        self._attached: dict[str, str] = {}  # request id -> adapter name
+
+    def register(self, name: str, directory: str | Path) -> None:
+        self.manager.register(name, directory)
+
+    def names(self) -> list[str]:
+        return self.manager.names()
+
+    def has(self, name: str) -> bool:
+        return name in self.manager.names()
+
+    def can_admit(self, name: str) -> bool:
+        """Whether :meth:`attach` would succeed now (resident, or a slot no request holds)."""
+        if not self.has(name):
+            raise UnknownAdapterError(name)
+        return self.manager.slot_of(name) is not None or self.manager.has_free_slot()
+
+    def attach(self, request_id: str, name: str) -> int:
+        """Reference ``name``'s slot for ``request_id`` (loading it if needed); returns the slot."""
+        if request_id in self._attached:
+            raise ValueError(f"request {request_id!r} already uses {self._attached[request_id]!r}")
+        slot = self.manager.acquire(name)
+        self._attached[request_id] = name
+        return slot
+
+    def detach(self, request_id: str) -> None:
+        """Drop ``request_id``'s reference; requests without an adapter are ignored."""
+        name = self._attached.pop(request_id, None)
+        if name is not None:
+            self.manager.release(name)
+
+    def set_batch(self, order: Sequence[tuple[str, int]]) -> bool:
+        """Per-token slots for this step's tokens, ``order`` = ``(request_id, num_tokens)`` in
+        the order the tokens are laid out. Returns whether any token uses an adapter."""
+        slots: list[int] = []
+        for request_id, count in order:
+            name = self._attached.get(request_id)
+            slot = -1 if name is None else self.manager.slot_of(name)
+            assert slot is not None, f"{name!r} attached but not resident"
+            slots.extend([slot] * count)
+        self.weights.set_token_slots(torch.tensor(slots, dtype=torch.long))
+        return any(s >= 0 for s in slots)
