@@ -8,13 +8,17 @@ it or choose who may call (`__init_subclass__` raises), so no subclass can bypas
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 from django.core.exceptions import ImproperlyConfigured
 from rest_framework import exceptions
 from rest_framework.authentication import SessionAuthentication
-from rest_framework.renderers import BrowsableAPIRenderer, JSONRenderer
+from rest_framework.negotiation import BaseContentNegotiation
+from rest_framework.parsers import BaseParser
+from rest_framework.renderers import BaseRenderer, BrowsableAPIRenderer, JSONRenderer
 from rest_framework.request import Request
+from rest_framework.utils.mediatypes import media_type_matches
 from rest_framework.views import APIView
 
 from api.authentication import ApiKeyAuthentication
@@ -37,9 +41,34 @@ _SEALED = (
 )
 
 
+class IgnoreAcceptNegotiation(BaseContentNegotiation):
+    """Answer with the view's first renderer whatever `Accept` says, as OpenAI's API does.
+
+    (The `openai` client asks for `application/binary` when it downloads file content; an error
+    must still come back as the JSON error body, not as a 406.)
+    """
+
+    def select_parser(self, request: Request, parsers: Iterable[BaseParser]) -> BaseParser | None:
+        content_type = request.content_type
+        for parser in parsers:
+            if media_type_matches(parser.media_type, content_type):
+                return parser
+        return None
+
+    def select_renderer(
+        self,
+        request: Request,
+        renderers: Iterable[BaseRenderer],
+        format_suffix: str | None = None,
+    ) -> tuple[BaseRenderer, str]:
+        renderer = next(iter(renderers))
+        return renderer, renderer.media_type
+
+
 class TenantScopedAPIView(APIView):
     """Base of every `/v1` view: bearer API key of a tenant user; data of that tenant only."""
 
+    content_negotiation_class = IgnoreAcceptNegotiation
     authentication_classes = [ApiKeyAuthentication]
     permission_classes = [IsTenantUser]
     renderer_classes = [JSONRenderer]

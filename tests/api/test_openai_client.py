@@ -61,6 +61,14 @@ def test_openai_client_drives_files_jobs_checkpoints_models(live_server: object)
     assert events.data[-1].message == f"Created fine-tuning job: {job.id}"
     assert all(e.object == "fine_tuning.job.event" for e in events.data)
 
+    assert client.fine_tuning.jobs.pause(second.id).status == "paused"
+    assert client.fine_tuning.jobs.resume(second.id).status == "queued"
+    assert client.fine_tuning.jobs.cancel(second.id).status == "cancelled"
+    assert [f.id for f in client.files.list()] == [uploaded.id]
+    assert client.files.retrieve(uploaded.id).filename == "train.jsonl"
+    assert client.files.content(uploaded.id).read() == VALID_JSONL
+    assert client.files.delete(uploaded.id).deleted is True
+
     assert [m.id for m in client.models.list()] == ["tiny"]
     with pytest.raises(openai.NotFoundError):
         client.fine_tuning.jobs.retrieve("ftjob-doesnotexist")
