@@ -5,11 +5,15 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
+from django.conf import settings
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import render
 from django.utils import timezone
 
 from console.selectors import DEFAULT_RANGE, RANGES
+
+# How often pages refresh their charts and live parts; `HARLI_CONSOLE_REFRESH_MS` overrides.
+DEFAULT_REFRESH_MS = 5000
 
 NAV = (
     ("fleet", "Fleet", "console:fleet"),
@@ -46,6 +50,7 @@ def render_page(
         "section": section,
         "ranges": list(RANGES),
         "range_name": range_name,
+        "refresh_ms": int(getattr(settings, "HARLI_CONSOLE_REFRESH_MS", DEFAULT_REFRESH_MS)),
         **context,
     }
     return render(request, template, full, status=status)

@@ -210,7 +210,8 @@ def test_operator_tour_of_every_page(page: Any, fleet: Seeded) -> None:
     shot(page, "predictors")
 
 
-def test_live_refresh_and_inline_errors(page: Any, fleet: Seeded) -> None:
+def test_live_refresh_and_inline_errors(page: Any, fleet: Seeded, settings: Any) -> None:
+    settings.HARLI_CONSOLE_REFRESH_MS = 1000
     login(page)
     page.goto("/console/deployments/chat-tiny/?range=15m")
     assert plot(page, "chart-tpot")["points"]["TPOT p50"] == DEPLOYMENT_POINTS
@@ -224,11 +225,10 @@ def test_live_refresh_and_inline_errors(page: Any, fleet: Seeded) -> None:
         goodput_tokens_per_s=6000.0,
         request_rate=14.0,
     )
-    # The next timed refresh (every 5 s) brings the new point without reloading the page.
+    # The next timed refresh (every second here) brings the new point without a page reload.
     page.wait_for_function(
         "n => document.getElementById('chart-tpot').data[0].x.length === n",
         arg=DEPLOYMENT_POINTS + 1,
-        timeout=12_000,
     )
     assert page.evaluate("window.__stillHere") is True
 
@@ -237,9 +237,7 @@ def test_live_refresh_and_inline_errors(page: Any, fleet: Seeded) -> None:
     assert page.inner_text("#kpi-hosts") == "2 / 3"
     page.evaluate("window.__stillHere = true")
     GpuHost.objects.filter(name="gpu-c").update(status=HostStatus.ONLINE)
-    page.wait_for_function(
-        "() => document.getElementById('kpi-hosts').textContent === '3 / 3'", timeout=12_000
-    )
+    page.wait_for_function("() => document.getElementById('kpi-hosts').textContent === '3 / 3'")
     assert page.evaluate("window.__stillHere") is True
 
     # A failing data endpoint is reported inline on the chart, which keeps its last plot, and
