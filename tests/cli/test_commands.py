@@ -205,3 +205,14 @@ def test_seed_demo_is_idempotent_and_prints_working_credentials(
         1,
         1,
     )
+
+
+@pytest.mark.django_db
+def test_operators_create_prompts_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    answers = iter(["pw-one", "pw-two", "pw-ok", "pw-ok"])
+    monkeypatch.setattr("getpass.getpass", lambda prompt="": next(answers))
+    with pytest.raises(CommandError, match="differ"):
+        run("operators", "create", "bob")
+    assert not User.objects.filter(username="bob").exists()
+    assert "Created operator bob" in run("operators", "create", "bob")
+    assert User.objects.get(username="bob").check_password("pw-ok")
