@@ -80,6 +80,11 @@ class PageBackend(Protocol):
         """Physical bytes the finetune allocator holds now (live tensors plus its cache)."""
         ...
 
+    def finetune_baseline_bytes(self) -> int:
+        """Bytes of live non-finetune tensors at the last `reset_baseline` (0 on CPU): what a
+        process-wide allocation figure must be reduced by to give finetune's share."""
+        ...
+
     def reset_baseline(self) -> None:
         """Count what the process allocated so far (weights, decode buffers, CUDA graphs) as
         not finetune's. Call after decode warm-up, while no finetune tensor is alive."""
@@ -213,6 +218,9 @@ class CpuPageBackend:
     def reset_baseline(self) -> None:
         """Nothing to do: the simulated finetune allocator holds only what was recorded."""
         self._check_open()
+
+    def finetune_baseline_bytes(self) -> int:
+        return 0
 
     def finetune_allocated_bytes(self) -> int:
         return self._finetune_allocated_bytes

@@ -60,6 +60,8 @@ class MemoryCounters:
     finetune_shrinks: int = 0
     """Times the finetune budget was lowered (reclaims)."""
     finetune_reclaimed_pages: int = 0
+    finetune_waits: int = 0
+    """Urgent reclaims that first waited for a running finetune quantum to end."""
     deferred_reclaims: int = 0
     """Refills that needed finetune pages while a quantum was in flight (taken later)."""
     finetune_grows: int = 0

@@ -213,6 +213,9 @@ class CudaVmmBackend:
         self._baseline_allocated = cuda.memory_allocated(self._device)
         self.set_finetune_cap(self._cap_bytes)
 
+    def finetune_baseline_bytes(self) -> int:
+        return int(self._baseline_allocated)
+
     def finetune_reserved_bytes(self) -> int:
         reserved = self._torch.cuda.memory_reserved(self._device)
         return max(reserved - self._baseline_reserved, 0)

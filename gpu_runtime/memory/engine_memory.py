@@ -21,7 +21,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.memory.kv_binding import KVPoolBinding
-from gpu_runtime.memory.layout import KVLayout, MemoryPoolError, kv_block_bytes
+from gpu_runtime.memory.layout import (
+    FinetuneBudgetExceeded,
+    KVLayout,
+    MemoryPoolError,
+    kv_block_bytes,
+)
 from gpu_runtime.memory.policy import DecodeGrant, MemoryManager, MemoryPolicyConfig
 
 if TYPE_CHECKING:
@@ -81,14 +86,20 @@ class EngineMemory:
         manager: MemoryManager,
         binding: KVPoolBinding,
         finetune_busy: Callable[[], bool] | None = None,
+        wait_for_finetune: Callable[[], None] | None = None,
     ) -> None:
         """`finetune_busy` tells whether a finetune quantum is still running on the device
-        (e.g. `lambda: loop.executor.in_flight is not None`); None means never."""
+        (e.g. `lambda: loop.executor.in_flight is not None`; None means never) and
+        `wait_for_finetune` waits for it (e.g. `loop.executor.wait`). Set them after the host
+        loop exists (they are plain attributes)."""
         self.manager = manager
         self.binding = binding
         self.finetune_busy = finetune_busy
+        self.wait_for_finetune = wait_for_finetune
         self._engine: Any = None
         self.last_grant: DecodeGrant | None = None
+        self.process_wide_peaks = False
+        """True when `quantum_done` peaks count the whole process (set by `attach` on CUDA)."""
 
     @classmethod
     def prepare(
@@ -126,6 +137,7 @@ class EngineMemory:
             raise MemoryPoolError("the engine's KV storage is not the pool's range")
         self.binding.attach(engine.block_manager)
         self._engine = engine
+        self.process_wide_peaks = bool(engine.config.is_cuda)
 
     def decode_ready(self) -> None:
         """Decode's own torch memory is allocated (warm-up, graphs): charge finetuning only
@@ -140,8 +152,7 @@ class EngineMemory:
 
     def after_decode(self) -> None:
         _, waiting = scheduler_block_demand(self._bound())
-        busy = self.finetune_busy() if self.finetune_busy is not None else False
-        self.binding.maintain(waiting_blocks=waiting, finetune_busy=busy)
+        self.binding.maintain(waiting_blocks=waiting, finetune_busy=self._busy())
 
     def finetune_budget_bytes(self) -> int:
         return self.manager.finetune_budget_bytes
@@ -150,7 +161,21 @@ class EngineMemory:
         return self.manager.pool.finetune_budget_bytes
 
     def quantum_done(self, *, peak_bytes: int, resident_bytes: int) -> None:
-        self.manager.finetune_quantum_done(peak_bytes=peak_bytes, resident_bytes=resident_bytes)
+        """Account a quantum. With `process_wide_peaks` (the `LoraTrainer` reports
+        `torch.cuda.max_memory_allocated`, weights included) the decode baseline is taken off
+        first. A peak over budget is counted and logged, not raised: on CUDA the torch cap is
+        the enforcement, and the host loop must keep running."""
+        if self.process_wide_peaks:
+            baseline = self.manager.pool.backend.finetune_baseline_bytes()
+            peak_bytes = max(peak_bytes - baseline, 0)
+        resident_bytes = min(resident_bytes, peak_bytes)
+        try:
+            self.manager.finetune_quantum_done(peak_bytes=peak_bytes, resident_bytes=resident_bytes)
+        except FinetuneBudgetExceeded as exc:
+            logger.warning("finetune quantum over budget: %s", exc)
+
+    def _busy(self) -> bool:
+        return bool(self.finetune_busy()) if self.finetune_busy is not None else False
 
     def _bound(self) -> Any:
         if self._engine is None:

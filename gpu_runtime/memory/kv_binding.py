@@ -18,6 +18,7 @@ so usable ids are always `[0, manager.usable_blocks)`.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from gpu_runtime.memory.layout import MemoryPoolError
@@ -107,7 +108,14 @@ class KVPoolBinding:
             )
         self._block_manager = block_manager
 
-    def before_step(self, *, next_step_blocks: int, waiting_blocks: int = 0) -> DecodeGrant:
+    def before_step(
+        self,
+        *,
+        next_step_blocks: int,
+        waiting_blocks: int = 0,
+        finetune_busy: bool = False,
+        wait_for_finetune: Callable[[], None] | None = None,
+    ) -> DecodeGrant:
         """Critical path: make the next step's blocks usable (see `MemoryManager.before_step`)."""
         bm = self._bound()
         grant = self.manager.before_step(
@@ -115,7 +123,9 @@ class KVPoolBinding:
                 used_blocks=bm.num_used_blocks,
                 next_step_blocks=next_step_blocks,
                 waiting_blocks=waiting_blocks,
-            )
+            ),
+            finetune_busy=finetune_busy,
+            wait_for_finetune=wait_for_finetune,
         )
         self._sync()
         return grant

@@ -151,14 +151,34 @@ class MemoryManager:
         """KV blocks backed by mapped pages: ids `[0, usable_blocks)`."""
         return self.layout.blocks_in_pages(self.pool.kv_prefix_pages)
 
-    def before_step(self, demand: DecodeDemand) -> DecodeGrant:
-        """Make room for the next step's blocks; returns the usable count and any shortfall."""
+    def before_step(
+        self,
+        demand: DecodeDemand,
+        *,
+        finetune_busy: bool = False,
+        wait_for_finetune: Callable[[], None] | None = None,
+    ) -> DecodeGrant:
+        """Make room for the next step's blocks; returns the usable count and any shortfall.
+
+        When the free pages do not cover the need and a finetune quantum is in flight
+        (`finetune_busy`), `wait_for_finetune` is called first (counted as
+        `finetune_waits`): cutting the budget under a running quantum could make it run out of
+        memory, and the cache flush would wait for it anyway.
+        """
         self.counters.iterations += 1
         self._iterations_since_reclaim += 1
         self._check_demand(demand)
         wanted = demand.used_blocks + demand.next_step_blocks
         if wanted > self.usable_blocks:
             need = self.layout.pages_for_blocks(wanted) - self.pool.kv_prefix_pages
+            if (
+                finetune_busy
+                and wait_for_finetune is not None
+                and self._round_up(need) > self.pool.free_pages
+            ):
+                self.counters.finetune_waits += 1
+                logger.info("decode needs finetune pages: waiting for the running quantum")
+                wait_for_finetune()
             got = self._grow_decode(need, reason="urgent")
             self.counters.urgent_maps += 1
             self.counters.urgent_pages += got

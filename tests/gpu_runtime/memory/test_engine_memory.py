@@ -108,6 +108,13 @@ def test_scheduler_demand_counts_next_chunks_and_waiting_prompts(model: CausalLM
     assert (running, waiting) == (4, 0)
 
 
+def test_an_over_budget_quantum_is_counted_not_raised(model: CausalLM) -> None:
+    _, memory = _pooled_engine(model, pages=48)
+    assert not memory.process_wide_peaks  # CPU: peaks are the trainer's own
+    memory.quantum_done(peak_bytes=memory.finetune_budget_bytes() + 1, resident_bytes=0)
+    assert memory.manager.counters.finetune_budget_violations == 1
+
+
 def test_attach_rejects_an_engine_not_built_on_the_pool(model: CausalLM) -> None:
     _, memory = _pooled_engine(model, pages=48)
     other = Engine(model, EngineConfig(num_kv_blocks=8, **ENGINE))  # type: ignore[arg-type]

@@ -218,3 +218,21 @@ def test_refill_defers_reclaims_while_a_finetune_quantum_runs() -> None:
     manager.maintain(loaded)  # the quantum ended: now the pages come back
     assert pool.finetune_pages == 9 and manager.usable_blocks == 7
     assert manager.counters.finetune_shrinks == 1
+
+
+def test_an_urgent_reclaim_waits_for_the_running_quantum_first() -> None:
+    manager, pool = _manager(num_pages=16, grow_hold_iterations=0, max_step_pages=8)
+    manager.set_finetune_demand(12 * PAGE)
+    idle = DecodeDemand(used_blocks=0, top_used_block=0)
+    manager.maintain(idle)
+    manager.maintain(idle)
+    waits: list[int] = []
+    burst = DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=4)
+    manager.before_step(burst, finetune_busy=True, wait_for_finetune=lambda: waits.append(1))
+    assert waits == []  # the 4 mapped pages suffice: nobody waits
+    burst = DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=6)
+    grant = manager.before_step(
+        burst, finetune_busy=True, wait_for_finetune=lambda: waits.append(1)
+    )
+    assert waits == [1] and grant.short_blocks == 0 and pool.finetune_pages == 10
+    assert manager.counters.finetune_waits == 1
