@@ -123,23 +123,25 @@ class Engine:
         result = self.runner.execute(plan, partition)
         self.scheduler.update_from_output(plan, result.sampled)
         outputs: list[RequestOutput] = []
+        get_request, check = self.scheduler.get_request, self.stop_checker.check
+        logprobs = result.logprobs
         for request_id, token in result.sampled.items():
-            request = self.scheduler.get_request(request_id)
-            decision = self.stop_checker.check(request)
-            if decision.status is not None:
-                self.scheduler.finish_request(request_id, decision.status)
-                request.stop_reason = decision.reason
-            logprob = result.logprobs.get(request_id)
+            request = get_request(request_id)
+            text, status, reason = check(request)
+            if status is not None:
+                self.scheduler.finish_request(request_id, status)
+                request.stop_reason = reason
+            logprob = logprobs.get(request_id) if logprobs else None
             outputs.append(
                 RequestOutput(
-                    request_id=request_id,
-                    new_token_ids=[token],
-                    output_token_ids=list(request.output_token_ids),
-                    text=decision.text,
-                    finished=decision.status is not None,
-                    finish_reason=decision.status.value if decision.status else None,
-                    num_prompt_tokens=len(request.prompt_token_ids),
-                    new_logprobs=[logprob] if logprob is not None else [],
+                    request_id,
+                    [token],
+                    request.output_token_ids,
+                    text,
+                    status is not None,
+                    status.value if status is not None else None,
+                    len(request.prompt_token_ids),
+                    [logprob] if logprob is not None else [],
                 )
             )
         self.last_step_seconds = time.perf_counter() - started

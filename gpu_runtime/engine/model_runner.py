@@ -14,6 +14,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
@@ -82,6 +83,7 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         width = config.max_blocks_per_seq
         self._table_cpu = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
+        self._table_np = self._table_cpu.numpy()
         self.use_triton = config.resolved_attention_backend == "triton"
         self._graphs: DecodeGraphs | None = None
         self._buckets = config.graph_batch_sizes()
@@ -107,17 +109,13 @@ class ModelRunner:
                 row,
             )
             self.states[new.request_id] = state
-            self._table_cpu[row, : len(state.block_ids)] = torch.tensor(
-                state.block_ids, dtype=torch.int32
-            )
+            self._table_np[row, : len(state.block_ids)] = state.block_ids
         for cached in output.cached_requests:
             state = self.states[cached.request_id]
             if cached.new_block_ids:
                 start = len(state.block_ids)
                 state.block_ids.extend(cached.new_block_ids)
-                self._table_cpu[state.row, start : len(state.block_ids)] = torch.tensor(
-                    cached.new_block_ids, dtype=torch.int32
-                )
+                self._table_np[state.row, start : len(state.block_ids)] = cached.new_block_ids
             state.num_computed_tokens = cached.num_computed_tokens
 
     # ---- execution --------------------------------------------------------------------------
@@ -128,22 +126,24 @@ class ModelRunner:
         order = list(output.num_scheduled_tokens.items())
         if not order:
             return ModelRunnerOutput()
+        states = [self.states[rid] for rid, _ in order]
         decode_only = all(count == 1 for _, count in order) and all(
-            self.states[rid].num_computed_tokens + 1 == len(self.states[rid].token_ids)
-            for rid, _ in order
+            s.num_computed_tokens + 1 == len(s.token_ids) for s in states
         )
         result = ModelRunnerOutput()
         if decode_only and self.use_triton and len(order) <= self._buckets[-1]:
-            logits, sampled_ids, bucket, used_graph = self._decode_logits(order, partition)
+            logits, bucket, used_graph = self._decode_logits(states, partition)
+            sampled_ids = [rid for rid, _ in order]
             result.used_cuda_graph = used_graph
             result.batch_bucket = bucket
         else:
             logits, sampled_ids = self._general_logits(order)
-        for rid, count in order:
-            self.states[rid].num_computed_tokens += count
+        for state, (_, count) in zip(states, order, strict=True):
+            state.num_computed_tokens += count
         if not sampled_ids:
             return result
-        states = [self.states[rid] for rid in sampled_ids]
+        if not decode_only:
+            states = [self.states[rid] for rid in sampled_ids]
         batch = SamplingBatch(
             [s.sampling_params for s in states], [s.num_output_tokens for s in states]
         )
@@ -153,11 +153,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         tokens = copies[0].tolist()  # type: ignore[union-attr]
-        for i, (rid, state) in enumerate(zip(sampled_ids, states, strict=True)):
-            state.token_ids.append(tokens[i])
+        sampled = result.sampled
+        for rid, state, token in zip(sampled_ids, states, tokens, strict=True):
+            state.token_ids.append(token)
             state.num_output_tokens += 1
-            result.sampled[rid] = tokens[i]
-            if state.sampling_params.logprobs is not None and copies[1] is not None:
+            sampled[rid] = token
+        if copies[1] is None:
+            return result
+        for i, (rid, state) in enumerate(zip(sampled_ids, states, strict=True)):
+            if state.sampling_params.logprobs is not None:
                 top: tuple[tuple[int, float], ...] = ()
                 wanted = state.sampling_params.logprobs
                 if wanted and copies[2] is not None and copies[3] is not None:
@@ -221,6 +225,10 @@ class ModelRunner:
         self._stage_ints = torch.zeros(4, size, dtype=torch.int64, pin_memory=pin)
         self._stage_seq_lens = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self._stage_table = torch.zeros(size, width, dtype=torch.int32, pin_memory=pin)
+        # numpy views of the pinned staging buffers (shared memory) for vectorised filling
+        self._stage_ints_np = self._stage_ints.numpy()
+        self._stage_seq_lens_np = self._stage_seq_lens.numpy()
+        self._stage_table_np = self._stage_table.numpy()
         self._buf_ints = torch.zeros(4, size, dtype=torch.int64, device=dev)
         self._buf_ints[2].fill_(self.kv_cache.pad_block)
         self._buf_seq_lens = torch.zeros(size, dtype=torch.int32, device=dev)
@@ -277,28 +285,26 @@ class ModelRunner:
         return sizes
 
     def _decode_logits(
-        self, order: list[tuple[str, int]], partition: Hashable
-    ) -> tuple[torch.Tensor, list[str], int, bool]:
-        batch = len(order)
+        self, states: list[_RequestState], partition: Hashable
+    ) -> tuple[torch.Tensor, int, bool]:
+        """Stage one decode token per state (vectorised), copy, replay; logits `[B, V]`."""
+        batch = len(states)
         bucket = next(b for b in self._buckets if b >= batch)
         bs = self.block_size
-        states = [self.states[rid] for rid, _ in order]
-        pos = [s.num_computed_tokens for s in states]
-        pad = bucket - batch
-        ints = self._stage_ints
-        ints[0, :bucket] = torch.tensor(
-            [s.token_ids[p] for s, p in zip(states, pos, strict=True)] + [0] * pad
-        )
-        ints[1, :bucket] = torch.tensor(pos + [0] * pad)
-        ints[2, :bucket] = torch.tensor(
-            [s.block_ids[p // bs] for s, p in zip(states, pos, strict=True)]
-            + [self.kv_cache.pad_block] * pad
-        )
-        ints[3, :bucket] = torch.tensor([p % bs for p in pos] + [0] * pad)
-        self._stage_seq_lens[:bucket] = torch.tensor([p + 1 for p in pos] + [0] * pad)
-        rows = torch.tensor([s.row for s in states] + [states[0].row] * pad)
-        torch.index_select(self._table_cpu, 0, rows, out=self._stage_table[:bucket])
-        self._buf_ints[:, :bucket].copy_(ints[:, :bucket], non_blocking=True)
+        rows = np.fromiter((s.row for s in states), np.int64, batch)
+        pos = np.fromiter((s.num_computed_tokens for s in states), np.int64, batch)
+        ints = self._stage_ints_np
+        ints[0, :batch] = np.fromiter((s.token_ids[-1] for s in states), np.int64, batch)
+        ints[1, :batch] = pos
+        ints[2, :batch] = self._table_np[rows, pos // bs]
+        ints[3, :batch] = pos % bs
+        ints[:, batch:bucket] = 0
+        ints[2, batch:bucket] = self.kv_cache.pad_block
+        seq_lens = self._stage_seq_lens_np
+        seq_lens[:batch] = pos + 1
+        seq_lens[batch:bucket] = 0  # padded slots attend to nothing
+        np.take(self._table_np, rows, axis=0, out=self._stage_table_np[:batch])
+        self._buf_ints[:, :bucket].copy_(self._stage_ints[:, :bucket], non_blocking=True)
         self._buf_seq_lens[:bucket].copy_(self._stage_seq_lens[:bucket], non_blocking=True)
         self._buf_table[:bucket].copy_(self._stage_table[:bucket], non_blocking=True)
         graphs = self._graphs
@@ -308,4 +314,4 @@ class ModelRunner:
         else:
             logits = self.decode_forward(bucket)
             used = False
-        return logits[:batch], [rid for rid, _ in order], bucket, used
+        return logits[:batch], bucket, used

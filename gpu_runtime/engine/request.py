@@ -120,9 +120,13 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...]
 
 
-@dataclass
+@dataclass(slots=True)
 class RequestOutput:
-    """A request's state after a step: new tokens of this step and everything so far."""
+    """A request's state after a step: new tokens of this step and everything so far.
+
+    `output_token_ids` is the request's own list (not a copy, to keep steps O(batch)): it keeps
+    growing while the request runs and is final on the output with `finished=True`.
+    """
 
     request_id: str
     new_token_ids: list[int]

@@ -32,7 +32,8 @@ class NewRequestData:
 
 @dataclass(frozen=True)
 class CachedRequestData:
-    """A request the runner already holds: blocks added since last step."""
+    """A request the runner already holds that got new blocks this step (requests without new
+    blocks appear only in `num_scheduled_tokens`; the runner advances them itself)."""
 
     request_id: str
     new_block_ids: list[int]
@@ -189,31 +190,40 @@ class ContinuousBatchingScheduler(Scheduler):
         preempted: list[str] = []
         bm = self.block_manager
 
+        block_size = bm.block_size
+        known = self._known_to_runner
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            count = min(request.num_tokens - request.num_computed_tokens, budget)
-            target = request.num_computed_tokens + count
-            needed = bm.num_new_blocks(request.block_table, target)
-            self_preempted = False
-            while not bm.can_allocate(needed):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted.append(victim.request_id)
-                if victim is request:
-                    self_preempted = True
+            computed = request.num_computed_tokens
+            count = request.num_tokens - computed
+            if count > budget:
+                count = budget
+            target = computed + count
+            table = request.block_table
+            needed = -(-target // block_size) - len(table)
+            if needed > 0:
+                self_preempted = False
+                while not bm.can_allocate(needed):
+                    victim = self.running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim.request_id)
+                    if victim is request:
+                        self_preempted = True
+                        break
+                if self_preempted:
                     break
-            if self_preempted:
-                break
-            new_blocks = bm.append_slots(request.block_table, target)
-            num_scheduled[request.request_id] = count
-            budget -= count
-            if request.request_id in self._known_to_runner:
-                cached_data.append(
-                    CachedRequestData(request.request_id, new_blocks, request.num_computed_tokens)
-                )
+                new_blocks = bm.allocate(needed)
+                table.extend(new_blocks)
             else:
+                new_blocks = []
+            rid = request.request_id
+            num_scheduled[rid] = count
+            budget -= count
+            if rid not in known:
                 new_data.append(self._new_request_data(request))
+            elif new_blocks:
+                cached_data.append(CachedRequestData(rid, new_blocks, computed))
             index += 1
 
         while (
@@ -251,9 +261,10 @@ class ContinuousBatchingScheduler(Scheduler):
         )
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
+        requests = self.requests  # finished and aborted requests are no longer in it
         for request_id, count in output.num_scheduled_tokens.items():
-            request = self.requests.get(request_id)
-            if request is None or request.status.finished:
+            request = requests.get(request_id)
+            if request is None:
                 continue
             request.num_computed_tokens += count
             token = sampled.get(request_id)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpu_runtime.engine.request import Request, RequestStatus
 
 
-@dataclass(frozen=True)
-class StopDecision:
+class StopDecision(NamedTuple):
     """Output text so far (cut before a stop string) and the finish status, if any."""
 
     text: str
@@ -38,7 +36,7 @@ class StopChecker:
         output = request.output_token_ids
         text = self.decode(output) if params.detokenize else ""
         last = output[-1]
-        if last in params.stop_token_ids:
+        if params.stop_token_ids and last in params.stop_token_ids:
             return StopDecision(text, RequestStatus.FINISHED_STOPPED, last)
         if not params.ignore_eos and last in self.eos_token_ids:
             return StopDecision(text, RequestStatus.FINISHED_STOPPED, last)
@@ -47,6 +45,13 @@ class StopChecker:
             if hits:
                 index, stop = min(hits)
                 return StopDecision(text[:index], RequestStatus.FINISHED_STOPPED, stop)
-        if len(output) >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        count = len(output)
+        if (
+            count >= params.max_tokens
+            or count + len(request.prompt_token_ids) >= self.max_model_len
+        ):
             return StopDecision(text, RequestStatus.FINISHED_LENGTH)
-        return StopDecision(text, None)
+        return _CONTINUE_WITHOUT_TEXT if not text else StopDecision(text, None)
+
+
+_CONTINUE_WITHOUT_TEXT = StopDecision("", None)
