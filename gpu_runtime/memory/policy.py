@@ -49,6 +49,9 @@ class MemoryPolicyConfig:
     """Pages decode always keeps mapped (page 0 holds the padding block CUDA graphs read)."""
     max_waiting_pages: int = 1024
     """Cap on the pages the reserve grows by for queued requests."""
+    reclaim_from_finetune: bool = True
+    """False turns the pool into a static split: pages lent to finetuning never come back to
+    decode, which preempts instead (the baseline the benchmark compares with)."""
 
     def __post_init__(self) -> None:
         for name in (
@@ -324,7 +327,9 @@ class MemoryManager:
         room = self.pool.prefix_limit_pages - self.pool.kv_prefix_pages
         pages = min(self._round_up(pages), self._round_down(room))
         reclaimable = self.pool.finetune_reclaimable_pages()
-        if not allow_reclaim:
+        if not self.config.reclaim_from_finetune:
+            reclaimable = 0
+        elif not allow_reclaim:
             if reclaimable and pages > self.pool.free_pages:
                 self.counters.deferred_reclaims += 1
             reclaimable = 0

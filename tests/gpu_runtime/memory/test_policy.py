@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import pytest
 
@@ -22,7 +23,7 @@ LOGGER = "gpu_runtime.memory.policy"
 
 
 def _manager(
-    num_pages: int = 64, unit: int = 1, tail: int = 0, **config: int
+    num_pages: int = 64, unit: int = 1, tail: int = 0, **config: Any
 ) -> tuple[MemoryManager, PagePool]:
     pool = PagePool(
         CpuPageBackend(num_pages=num_pages, page_bytes=PAGE, map_unit_pages=unit),
@@ -236,3 +237,16 @@ def test_an_urgent_reclaim_waits_for_the_running_quantum_first() -> None:
     )
     assert waits == [1] and grant.short_blocks == 0 and pool.finetune_pages == 10
     assert manager.counters.finetune_waits == 1
+
+
+def test_a_static_split_never_takes_finetune_pages_back() -> None:
+    manager, pool = _manager(
+        num_pages=16, grow_hold_iterations=0, max_step_pages=8, reclaim_from_finetune=False
+    )
+    manager.set_finetune_demand(12 * PAGE)
+    idle = DecodeDemand(used_blocks=0, top_used_block=0)
+    manager.maintain(idle)
+    manager.maintain(idle)
+    grant = manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=6))
+    assert grant.short_blocks == 2 and pool.finetune_pages == 12
+    assert manager.counters.preemptions == 1 and manager.counters.finetune_shrinks == 0
