@@ -78,8 +78,9 @@ class StaticSplitPolicy(CoLocationPolicy):
 
     name = "static_split"
 
-    def __init__(self, decode_sms: int, quantum_examples: int = 4) -> None:
-        if decode_sms < 1 or quantum_examples < 1:
+    def __init__(self, decode_sms: int | None, quantum_examples: int = 4) -> None:
+        """``decode_sms`` None: no partitioner (then it behaves as ``naive``)."""
+        if (decode_sms is not None and decode_sms < 1) or quantum_examples < 1:
             raise ValueError(f"decode_sms={decode_sms}, quantum_examples={quantum_examples}")
         self.decode_sms = decode_sms
         self.quantum_examples = quantum_examples
