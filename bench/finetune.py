@@ -123,6 +123,7 @@ def run_ours(
         start = time.perf_counter()
         result = trainer.step_quantum(max_examples=micro)
         times.append(time.perf_counter() - start)
+        assert result.loss is not None
         losses.append(result.loss)
         assert result.optimizer_step and result.examples == micro
     del trainer

@@ -156,20 +156,45 @@ class FusedTrainingForward:
         gate, up = gate_up.forward(h, training).chunk(2, dim=-1)
         return x + down.forward(F.silu(gate) * up, training)
 
-    def __call__(
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token embeddings ``[B, S, H]`` and RoPE cos/sin for ``positions``."""
+        x = self.tree.model.embed_tokens(input_ids)
+        cos, sin = self.tree.rope_cos_sin(positions, x.dtype)
+        return x, cos, sin
+
+    def run_layers(
         self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        activation_checkpointing: bool = False,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layers: range,
+        activation_checkpointing: bool,
     ) -> torch.Tensor:
-        tree = self.tree
-        x = tree.model.embed_tokens(input_ids)
-        cos, sin = tree.rope_cos_sin(positions, x.dtype)
-        for i in range(len(self.layers)):
+        for i in layers:
             if activation_checkpointing and torch.is_grad_enabled():
                 out = checkpoint(self._layer, i, x, cos, sin, use_reentrant=False)
                 assert isinstance(out, torch.Tensor)
                 x = out
             else:
                 x = self._layer(i, x, cos, sin)
-        return self._norm(x, tree.model.norm.weight, self.config.rms_norm_eps)
+        return x
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        return self._norm(x, self.tree.model.norm.weight, self.config.rms_norm_eps)
+
+    def __call__(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        activation_checkpointing: bool = False,
+    ) -> torch.Tensor:
+        """Final-normed hidden states ``[B, S, H]``."""
+        x, cos, sin = self.embed(input_ids, positions)
+        x = self.run_layers(x, cos, sin, range(self.num_layers), activation_checkpointing)
+        return self.final_norm(x)

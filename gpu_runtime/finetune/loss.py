@@ -67,6 +67,37 @@ def training_hidden_states(
     return tree.model.norm(x)
 
 
+class PeftTreeStack:
+    """The peft-wrapped tree as a layer stack (for layer-sliced quanta without the fused path)."""
+
+    def __init__(self, tree: CausalLM) -> None:
+        self.tree = tree
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.tree.model.layers)
+
+    def embed(
+        self, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return embed(self.tree, input_ids, positions)
+
+    def run_layers(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layers: range,
+        activation_checkpointing: bool,
+    ) -> torch.Tensor:
+        return run_layers(self.tree, x, cos, sin, layers, activation_checkpointing)
+
+    def final_norm(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.tree.model.norm(x)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(

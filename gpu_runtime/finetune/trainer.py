@@ -3,7 +3,9 @@
 ``LoraTrainer.step_quantum(max_tokens=..., max_examples=...)`` runs one micro-batch (forward and
 backward) of at most that many padded tokens / examples, never crossing an optimizer-batch
 boundary, and when the micro-batch completes the job's batch it also clips, steps AdamW and
-advances the learning-rate schedule. It returns a :class:`QuantumResult`. The result of training
+advances the learning-rate schedule. With ``max_layers=k`` a quantum is smaller still: ``k``
+decoder-layer passes (forward or backward) of the micro-batch in progress
+(:mod:`gpu_runtime.finetune.sliced`), with identical results. It returns a :class:`QuantumResult`. The result of training
 does not depend on how the scheduler sized the quanta: every micro-batch's summed token loss is
 divided by the loss-token count of its whole optimizer batch, so accumulated gradients are those
 of the batch mean (up to float rounding).
@@ -16,93 +18,39 @@ agreed sync point; it also makes ``wall_s`` the quantum's real duration.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
-from gpu_runtime.finetune.batching import DataPosition, DataStream, MicroBatch, collate
+from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan, collate
 from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.loss import chunked_lm_head_loss, training_hidden_states
+from gpu_runtime.finetune.loss import PeftTreeStack, chunked_lm_head_loss, training_hidden_states
+from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, TrainerRng
 from gpu_runtime.finetune.schedule import LrSchedule
+from gpu_runtime.finetune.sliced import SlicedMicroBatch
 from gpu_runtime.model import CausalLM
 
 
-@dataclass(frozen=True)
-class QuantumResult:
-    """What one quantum did."""
-
-    examples: int
-    """Examples in the micro-batch."""
-    tokens: int
-    """Real (unpadded) tokens forwarded and backpropagated."""
-    padded_tokens: int
-    """Tokens including right padding (what the GPU computed)."""
-    loss_tokens: int
-    """Targets that entered the loss."""
-    loss: float
-    """Mean token cross-entropy of this micro-batch."""
-    optimizer_step: bool
-    """Whether this quantum completed a batch and stepped the optimizer."""
-    step: int
-    """Optimizer steps done after this quantum."""
-    batch_loss: float | None
-    """Mean token loss of the whole batch, when this quantum stepped the optimizer."""
-    learning_rate: float | None
-    """Rate used by the optimizer step, when there was one."""
-    grad_norm: float | None
-    """Adapter gradient L2 norm before clipping, when there was an optimizer step."""
-    wall_s: float
-    """Seconds from start to the final sync."""
-    peak_memory_bytes: int | None
-    """Peak CUDA memory allocated during the quantum (whole process), None on CPU."""
-    position: DataPosition
-    """Data position after the quantum."""
-    finished: bool
-    """True once every epoch is consumed."""
-    checkpoint: Path | None = None
-    """The checkpoint this quantum wrote (every ``checkpoint_every_steps`` and at the end)."""
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One optimizer step, for the loss curve and job events."""
-
-    step: int
-    """Optimizer steps done, this one included (1-based)."""
-    loss: float
-    learning_rate: float
-    grad_norm: float
-    tokens: int
-
-
-class _TrainerRng:
-    """The trainer's own CPU and CUDA generator states, swapped in around a quantum."""
-
-    def __init__(self, seed: int, device: torch.device) -> None:
-        self.device = device
-        with torch.random.fork_rng(devices=self._devices()):
-            torch.manual_seed(seed)
-            self.cpu_state = torch.get_rng_state()
-            self.cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    def _devices(self) -> list[torch.device]:
-        return [self.device] if self.device.type == "cuda" else []
-
-    def state_dict(self) -> dict[str, torch.Tensor | None]:
-        return {"cpu": self.cpu_state, "cuda": self.cuda_state}
-
-    def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
-        cpu = state["cpu"]
-        assert cpu is not None
-        self.cpu_state = cpu
-        self.cuda_state = state["cuda"] if self.device.type == "cuda" else None
+@contextlib.contextmanager
+def _swapped_rng(rng: TrainerRng) -> Iterator[None]:
+    """Run with the trainer's generator states; save them back; restore the process's."""
+    devices = [rng.device] if rng.device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.set_rng_state(rng.cpu_state)
+        if rng.cuda_state is not None:
+            torch.cuda.set_rng_state(rng.cuda_state, rng.device)
+        yield
+        rng.cpu_state = torch.get_rng_state()
+        if rng.cuda_state is not None:
+            rng.cuda_state = torch.cuda.get_rng_state(rng.device)
 
 
 class LoraTrainer:
@@ -146,7 +94,7 @@ class LoraTrainer:
             weight_decay=hparams.weight_decay,
             fused=self.device.type == "cuda",
         )
-        self.rng = _TrainerRng(hparams.seed, self.device)
+        self.rng = TrainerRng(hparams.seed, self.device)
         self.pad_token_id = pad_token_id
         self.pad_to_multiple = pad_to_multiple
         self.loss_chunk_tokens = loss_chunk_tokens
@@ -154,6 +102,7 @@ class LoraTrainer:
         self.history: list[StepRecord] = []
         self._batch_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._batch_tokens = 0
+        self._pending: tuple[MicroBatchPlan, MicroBatch, SlicedMicroBatch] | None = None
 
     @property
     def finished(self) -> bool:
@@ -166,7 +115,7 @@ class LoraTrainer:
     @property
     def has_pending_gradients(self) -> bool:
         """True between the first micro-batch of a batch and its optimizer step."""
-        return self._batch_tokens > 0
+        return self._batch_tokens > 0 or self._pending is not None
 
     def restore_progress(self, step: int, history: Sequence[dict[str, float]]) -> None:
         """Set the step count and loss history (used by checkpoint loading)."""
@@ -198,38 +147,97 @@ class LoraTrainer:
                 hidden = training_hidden_states(
                     self.model, batch.input_ids, batch.positions, checkpointing
                 )
-            return chunked_lm_head_loss(
-                self.model,
-                hidden,
-                batch.loss_positions,
-                batch.loss_targets,
-                self.loss_chunk_tokens,
-            )
+            return self._chunked_loss(batch, hidden)
+
+    def _chunked_loss(self, batch: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
+        return chunked_lm_head_loss(
+            self.model, hidden, batch.loss_positions, batch.loss_targets, self.loss_chunk_tokens
+        )
 
     def _prepare(self, examples: Sequence[TokenizedExample]) -> MicroBatch:
         batch = collate(examples, self.pad_token_id, self.pad_to_multiple)
         return batch.to(self.device)
 
+    def _rng_swap(self) -> contextlib.AbstractContextManager[None]:
+        return _swapped_rng(self.rng)
+
     def step_quantum(
-        self, max_tokens: int | None = None, max_examples: int | None = None
+        self,
+        max_tokens: int | None = None,
+        max_examples: int | None = None,
+        max_layers: int | None = None,
     ) -> QuantumResult:
-        """Run one micro-batch (see the module docstring). Raises once :attr:`finished`."""
+        """One bounded unit of training (see the module docstring). Raises once finished.
+
+        ``max_layers=None``: a whole micro-batch (forward and backward). ``max_layers=k``: up to
+        ``k`` decoder-layer passes of the micro-batch in progress (starting one if none is);
+        ``max_tokens``/``max_examples`` size a micro-batch when one starts.
+        """
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        plan = self.stream.plan(max_examples=max_examples, max_tokens=max_tokens)
-        batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
         self.model.train()
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.set_rng_state(self.rng.cpu_state)
-            if self.rng.cuda_state is not None:
-                torch.cuda.set_rng_state(self.rng.cuda_state, self.device)
-            loss_sum = self._loss_sum(batch)
-            (loss_sum / plan.batch_loss_tokens).backward()
-            self.rng.cpu_state = torch.get_rng_state()
+        if max_layers is None and self._pending is None:
+            plan = self.stream.plan(max_examples=max_examples, max_tokens=max_tokens)
+            batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
+            with self._rng_swap():
+                loss_sum = self._loss_sum(batch)
+                (loss_sum / plan.batch_loss_tokens).backward()
+            return self._finish_micro_batch(plan, batch, loss_sum, start, 0)
+        if self._pending is None:
+            plan = self.stream.plan(max_examples=max_examples, max_tokens=max_tokens)
+            batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
+            stack = self._fused if self._fused is not None else PeftTreeStack(self.model)
+            sliced = SlicedMicroBatch(
+                stack,
+                batch.input_ids,
+                batch.positions,
+                functools.partial(self._chunked_loss, batch),
+                plan.batch_loss_tokens,
+                self.hparams.activation_checkpointing,
+            )
+            self._pending = (plan, batch, sliced)
+        plan, batch, sliced = self._pending
+        budget = max_layers if max_layers is not None else sliced.total_layer_passes
+        with self._rng_swap(), self._autocast():
+            passes = sliced.advance(budget)
+        if not sliced.done:
             if self.device.type == "cuda":
-                self.rng.cuda_state = torch.cuda.get_rng_state(self.device)
+                torch.cuda.synchronize(self.device)
+            return QuantumResult(
+                examples=0,
+                tokens=0,
+                padded_tokens=0,
+                loss_tokens=0,
+                loss=None,
+                optimizer_step=False,
+                step=self.step,
+                batch_loss=None,
+                learning_rate=None,
+                grad_norm=None,
+                wall_s=time.perf_counter() - start,
+                peak_memory_bytes=self._peak(),
+                position=self.stream.position,
+                finished=False,
+                layer_passes=passes,
+                micro_batch_done=False,
+            )
+        self._pending = None
+        assert sliced.loss_sum is not None
+        return self._finish_micro_batch(plan, batch, sliced.loss_sum, start, passes)
+
+    def _peak(self) -> int | None:
+        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+
+    def _finish_micro_batch(
+        self,
+        plan: MicroBatchPlan,
+        batch: MicroBatch,
+        loss_sum: torch.Tensor,
+        start: float,
+        layer_passes: int,
+    ) -> QuantumResult:
+        """Commit the data position, accumulate, step the optimizer at a batch's end, report."""
         self.stream.commit(plan)
         self._batch_loss_sum += loss_sum.detach()
         self._batch_tokens += batch.num_tokens
@@ -247,7 +255,7 @@ class LoraTrainer:
             )
             self._batch_loss_sum.zero_()
             self._batch_tokens = 0
-        peak = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+        peak = self._peak()
         written = None
         every = self.hparams.checkpoint_every_steps
         due = plan.completes_batch and (
@@ -271,6 +279,7 @@ class LoraTrainer:
             position=self.stream.position,
             finished=self.stream.finished,
             checkpoint=written,
+            layer_passes=layer_passes,
         )
 
     def _optimizer_step(self, learning_rate: float) -> torch.Tensor:

@@ -67,7 +67,7 @@ def test_quantum_results_and_bounds(serving_model: CausalLM, train_examples: Any
     assert sum(r.loss_tokens for r in results) == sum(e.num_loss_tokens for e in train_examples)
     for r in results:
         assert r.tokens <= r.padded_tokens
-        assert r.wall_s > 0 and math.isfinite(r.loss)
+        assert r.wall_s > 0 and r.loss is not None and math.isfinite(r.loss)
         assert r.peak_memory_bytes is None  # CPU
         assert (r.grad_norm is not None) == r.optimizer_step == (r.learning_rate is not None)
     assert results[-1].finished and results[-1].position.epoch == 1
@@ -147,7 +147,7 @@ def test_trainer_randomness_is_isolated_from_global_rng(
     hparams = _hparams(len(train_examples), lora=LoraSpec(dropout=0.5))
     first = LoraTrainer(serving_model, train_examples, hparams)
     second = LoraTrainer(serving_model, train_examples, hparams)
-    losses: list[list[float]] = []
+    losses: list[list[float | None]] = []
     for trainer in (first, second):
         torch.manual_seed(len(losses) * 1000 + 7)  # e.g. decode sampling between quanta
         losses.append([trainer.step_quantum(max_examples=2).loss for _ in range(4)])
@@ -176,3 +176,40 @@ def test_auto_hyperparameters_resolve_as_documented() -> None:
         LoraSpec(target_modules=("q_proj", "lm_head"))
     with pytest.raises(HyperparameterError, match="batch_size"):
         resolve_hyperparameters(n_train_examples=5, batch_size=0)
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_layer_sliced_quanta_equal_whole_micro_batches(
+    serving_model: CausalLM, train_examples: Any, fused: bool
+) -> None:
+    hparams = _hparams(len(train_examples), batch_size=4, lora=LoraSpec(rank=4, dropout=0.3))
+    whole = LoraTrainer(serving_model, train_examples, hparams, fused_forward=fused)
+    sliced = LoraTrainer(serving_model, train_examples, hparams, fused_forward=fused)
+    while not whole.finished:
+        whole.step_quantum(max_examples=2)
+    layers = serving_model.config.num_hidden_layers  # 2
+    results = []
+    while not sliced.finished:
+        results.append(sliced.step_quantum(max_examples=2, max_layers=1))
+    # per micro-batch: forward layer 0, forward layer 1 + loss, backward 1, backward 0
+    assert len(results) == 2 * layers * 5  # 10 examples in micro-batches of 2
+    done = [r for r in results if r.micro_batch_done]
+    assert len(done) == 5 and all(r.examples == 2 and r.loss is not None for r in done)
+    partial = [r for r in results if not r.micro_batch_done]
+    assert all(r.tokens == 0 and r.loss is None and r.layer_passes == 1 for r in partial)
+    for a, b in zip(whole.history, sliced.history, strict=True):
+        assert a.loss == pytest.approx(b.loss, rel=1e-6)
+    for p, q in zip(whole.params, sliced.params, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7)
+
+
+def test_no_checkpoint_mid_micro_batch(serving_model: CausalLM, train_examples: Any) -> None:
+    from gpu_runtime.finetune.checkpoint import CheckpointError, save_checkpoint
+
+    trainer = LoraTrainer(serving_model, train_examples, _hparams(len(train_examples)))
+    result = trainer.step_quantum(max_examples=4, max_layers=3)  # forward 2 layers + loss
+    assert not result.micro_batch_done and result.layer_passes == 2
+    with pytest.raises(CheckpointError, match="mid-batch"):
+        save_checkpoint(trainer, "/nonexistent")
+    result = trainer.step_quantum(max_layers=8)
+    assert result.micro_batch_done and result.optimizer_step and result.layer_passes == 2
