@@ -24,7 +24,13 @@ urlpatterns: list[URLPattern] = [
     path("tenants/<str:name>/keys/", tenants.ApiKeyIssueView.as_view(), name="key-issue"),
     path("keys/<int:key_id>/revoke/", tenants.ApiKeyRevokeView.as_view(), name="key-revoke"),
     path("live/fleet", fleet.FleetLiveView.as_view(), name="live-fleet"),
+    path("live/jobs", jobs.JobListLiveView.as_view(), name="live-jobs"),
     path("live/jobs/<str:job_id>", jobs.JobLiveView.as_view(), name="live-job"),
+    path(
+        "live/deployments/<str:name>",
+        fleet.DeploymentLiveView.as_view(),
+        name="live-deployment",
+    ),
     path("charts/fleet/<str:chart>", charts.FleetChartView.as_view(), name="chart-fleet"),
     path(
         "charts/deployments/<str:name>/<str:chart>",

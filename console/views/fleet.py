@@ -7,11 +7,11 @@ from typing import Any
 
 from django.contrib import messages
 from django.db.models import Count
-from django.http import HttpRequest, HttpResponse
+from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.shortcuts import redirect
 
 from api import selectors as api_selectors
-from api.errors import HarliError
+from api.errors import HarliError, error_body
 from api.models import Deployment, FinetuneJob, GpuHost, HostMetric, HostStatus, JobStatus
 from api.services.fleet import host_drain
 from console import selectors as console_selectors
@@ -71,6 +71,17 @@ class FleetLiveView(OperatorJsonView):
         return parts_response(render_parts(request, FLEET_PARTS, fleet_context(since=since)))
 
 
+DEPLOYMENT_PARTS = {"kpis": "console/parts/deployment_kpis.html"}
+
+
+def deployment_context(*, deployment: Deployment, since: datetime) -> dict[str, Any]:
+    columns = console_selectors.deployment_series(deployment=deployment, since=since)
+    return {
+        "deployment": deployment,
+        "summary": console_selectors.summarize(deployment=deployment, columns=columns),
+    }
+
+
 class DeploymentView(OperatorView):
     """One deployment: TPOT against its SLO, attainment, goodput, request rate, predictor."""
 
@@ -79,16 +90,33 @@ class DeploymentView(OperatorView):
         if deployment is None:
             return not_found(request, what=f"deployment {name!r}", section="fleet")
         _, _, since = page_range(request)
-        columns = console_selectors.deployment_series(deployment=deployment, since=since)
-        summary = console_selectors.summarize(deployment=deployment, columns=columns)
         context = {
             "deployment": deployment,
-            "summary": summary,
             "hosts": list(deployment.hosts.order_by("name")),
+            "parts": render_parts(
+                request,
+                DEPLOYMENT_PARTS,
+                deployment_context(deployment=deployment, since=since),
+            ),
         }
         return render_page(
             request, "console/deployment.html", context, section="fleet", ranged=True
         )
+
+
+class DeploymentLiveView(OperatorJsonView):
+    """The deployment page's live parts, as JSON (see `console.live`)."""
+
+    def get(self, request: HttpRequest, name: str) -> HttpResponse:
+        deployment = Deployment.objects.filter(name=name).first()
+        if deployment is None:
+            return JsonResponse(
+                error_body(f"No deployment named {name!r}.", type_="invalid_request_error"),
+                status=404,
+            )
+        _, _, since = page_range(request)
+        context = deployment_context(deployment=deployment, since=since)
+        return parts_response(render_parts(request, DEPLOYMENT_PARTS, context))
 
 
 class HostsView(OperatorView):

@@ -48,40 +48,65 @@ def allowed_actions(job: FinetuneJob) -> list[str]:
     ]
 
 
+JOB_LIST_PARTS = {"table": "console/parts/jobs_table.html"}
+
+
+def job_list_context(request: HttpRequest) -> tuple[dict[str, Any], str | None]:
+    """The jobs table for the request's filters and page, and a warning for a bad filter."""
+    filters = {
+        "tenant": request.GET.get("tenant", ""),
+        "status": request.GET.get("status", ""),
+        "host": request.GET.get("host", ""),
+    }
+    warning = None
+    if filters["status"] and filters["status"] not in JobStatus.values:
+        warning = f"Unknown status {filters['status']!r}; filter ignored."
+        filters["status"] = ""
+    jobs = console_selectors.job_list(
+        tenant=filters["tenant"] or None,
+        status=filters["status"] or None,
+        host=filters["host"] or None,
+    ).select_related("training_file")
+    page = Paginator(jobs, PAGE_SIZE).get_page(request.GET.get("page"))
+    page_jobs = list(page.object_list)
+    progress = console_selectors.job_progress_map(jobs=page_jobs)
+    hosts = console_selectors.current_hosts(job_ids=[j.pk for j in page_jobs])
+    context = {
+        "rows": [
+            {"job": j, "progress": progress[j.pk], "host": hosts.get(j.pk)} for j in page_jobs
+        ],
+        "page": page,
+        "filters": filters,
+        "query": urlencode({k: v for k, v in filters.items() if v}),
+        "any_jobs": FinetuneJob.objects.exists(),
+    }
+    return context, warning
+
+
 class JobListView(OperatorView):
     """Jobs of every tenant, filtered by tenant, status and host, newest first."""
 
     def get(self, request: HttpRequest) -> HttpResponse:
-        filters = {
-            "tenant": request.GET.get("tenant", ""),
-            "status": request.GET.get("status", ""),
-            "host": request.GET.get("host", ""),
-        }
-        if filters["status"] and filters["status"] not in JobStatus.values:
-            messages.error(request, f"Unknown status {filters['status']!r}; filter ignored.")
-            filters["status"] = ""
-        jobs = console_selectors.job_list(
-            tenant=filters["tenant"] or None,
-            status=filters["status"] or None,
-            host=filters["host"] or None,
-        ).select_related("training_file")
-        page = Paginator(jobs, PAGE_SIZE).get_page(request.GET.get("page"))
-        page_jobs = list(page.object_list)
-        progress = console_selectors.job_progress_map(jobs=page_jobs)
-        hosts = console_selectors.current_hosts(job_ids=[j.pk for j in page_jobs])
-        rows = [{"job": j, "progress": progress[j.pk], "host": hosts.get(j.pk)} for j in page_jobs]
-        query = urlencode({k: v for k, v in filters.items() if v})
-        context = {
-            "rows": rows,
-            "page": page,
-            "filters": filters,
-            "query": query,
+        context, warning = job_list_context(request)
+        if warning:
+            messages.error(request, warning)
+        page_context = {
+            "filters": context["filters"],
+            "query": context["query"],
+            "parts": render_parts(request, JOB_LIST_PARTS, context),
             "tenants": list(api_selectors.tenant_list().values_list("name", flat=True)),
             "statuses": JobStatus.choices,
             "host_names": list(api_selectors.host_list().values_list("name", flat=True)),
-            "any_jobs": FinetuneJob.objects.exists(),
         }
-        return render_page(request, "console/jobs.html", context, section="jobs")
+        return render_page(request, "console/jobs.html", page_context, section="jobs")
+
+
+class JobListLiveView(OperatorJsonView):
+    """The jobs table (same filters and page as the page's URL), as a live part."""
+
+    def get(self, request: HttpRequest) -> HttpResponse:
+        context, _ = job_list_context(request)
+        return parts_response(render_parts(request, JOB_LIST_PARTS, context))
 
 
 JOB_PARTS = {

@@ -171,6 +171,12 @@ def test_live_parts_match_the_page_and_change_with_the_data(
     assert set(job_parts["parts"]) == {"status", "progress", "placements", "events", "checkpoints"}
     assert "Running" in job_parts["parts"]["status"]["html"]
     assert _json(operator_client, "/console/live/jobs/ftjob-nope")[0] == 404
+    _, jobs = _json(operator_client, "/console/live/jobs?tenant=globex")
+    assert seeded.queued_job.pk in jobs["parts"]["table"]["html"]
+    assert seeded.running_job.pk not in jobs["parts"]["table"]["html"]
+    _, deployment = _json(operator_client, "/console/live/deployments/chat-tiny?range=1h")
+    assert "99.25%" in deployment["parts"]["kpis"]["html"]
+    assert _json(operator_client, "/console/live/deployments/nope")[0] == 404
     assert _json(Client(), "/console/live/fleet")[0] == 401
 
 
