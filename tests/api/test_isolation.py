@@ -90,9 +90,9 @@ class Victim:
 
 
 @pytest.fixture
-def victim(tiny: object) -> Victim:
+def victim(tiny: object, other_tenant: Tenant) -> Victim:
     """Another tenant with one object of every kind a tenant route can name."""
-    tenant = Tenant.objects.get(name="globex")
+    tenant = other_tenant
     file = file_create(
         tenant=tenant,
         purpose="fine-tune",
