@@ -151,6 +151,8 @@ def paged_decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -202,8 +204,8 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        num_warps=4,
-        num_stages=2,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
