@@ -59,6 +59,13 @@ EXTRA_FIELDS = (
 )
 ROW_FIELDS: tuple[str, ...] = STAGE2_FEATURES + EXTRA_FIELDS
 DECODE_GROUPS = (4, 6, 8, 10, 12, 14)  # decode 32..112 SMs in steps of 16, plus the device
+SOURCES = {
+    "engine": (
+        "engine: gpu_runtime.engine ModelRunner decode step (fused Triton kernels, Triton paged "
+        "attention, block size 16) replayed from its CUDA graph per (bucket, partition); no "
+        "prefill chunks; finetune = peft LoRA fwd/bwd on shared weights"
+    ),
+}
 SOURCE = (
     "stand-in: gpu_runtime.model CausalLM forward + padded grouped-query KV attention, "
     "CUDA graph per (config, partition); finetune = peft LoRA fwd/bwd on shared weights"
@@ -70,14 +77,18 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def sample_decode(rng: random.Random, max_kv_tokens: int) -> tuple[list[int], int]:
+def sample_decode(
+    rng: random.Random,
+    max_kv_tokens: int,
+    prefill_choices: tuple[int, ...] = (0, 0, 0, 0, 64, 256, 512),
+) -> tuple[list[int], int]:
     """Per-sequence contexts and prefill-chunk tokens of one random iteration."""
     while True:
         batch = max(1, round(math.exp(rng.uniform(0.0, math.log(256)))))
         mean = math.exp(rng.uniform(math.log(32), math.log(4096)))
         contexts = [max(1, round(mean * rng.uniform(0.5, 1.5))) for _ in range(batch)]
         if batch * (max(contexts) + 1) <= max_kv_tokens:
-            return contexts, rng.choice((0, 0, 0, 0, 64, 256, 512))
+            return contexts, rng.choice(prefill_choices)
 
 
 def sample_finetune(rng: random.Random) -> tuple[int, int, int]:
@@ -125,14 +136,31 @@ class Profiler:
     """Drives decode graphs and LoRA quanta on the streams of one ``GpuSharing``."""
 
     def __init__(
-        self, model_name: str, sharing: GpuSharing, max_kv_tokens: int, iters: int, seed: int
+        self,
+        model_name: str,
+        sharing: GpuSharing,
+        max_kv_tokens: int,
+        iters: int,
+        seed: int,
+        source: str = "standin",
     ) -> None:
         self.device = sharing.device
         config = ModelConfig.preset(model_name)
         self.shape = ModelShape.from_model_config(config, name=model_name)
         self.model = build_random_model(config, seed=seed, device=self.device, dtype=torch.bfloat16)
         self.model.fuse_projections()
-        self.decode = StandInDecode(self.model, max_kv_tokens, seed=seed)
+        self.source = source
+        self.decode: Any
+        if source == "engine":
+            from predictor_models.engine_source import EngineDecode
+
+            self.decode = EngineDecode(self.model, max_kv_tokens, seed=seed)
+            self.prefill_choices: tuple[int, ...] = (0,)
+        elif source == "standin":
+            self.decode = StandInDecode(self.model, max_kv_tokens, seed=seed)
+            self.prefill_choices = (0, 0, 0, 0, 64, 256, 512)
+        else:
+            raise ValueError(f"unknown decode source {source!r}; expected engine or standin")
         self.sharing = sharing
         self.iters = iters
         self.trees: dict[int, Any] = {}
@@ -175,7 +203,7 @@ class Profiler:
         row: dict[str, Any] = dict(zip(STAGE2_FEATURES, features, strict=True))
         row.update(
             stage=stage,
-            source="standin",
+            source=self.source,
             mechanism=self.sharing.mechanism if info.spatial else "streams",
             decode_sms=decode_sms,
             total_sms=total,
@@ -192,12 +220,13 @@ class Profiler:
     def stage1_sample(self, rng: random.Random) -> tuple[Any, ...]:
         """Capture and time one random decode configuration alone; returns what stage 2 needs."""
         decode_sms = rng.choice(self.sharing.table.choices)
-        contexts, prefill = sample_decode(rng, self.decode.max_kv_tokens)
+        contexts, prefill = sample_decode(rng, self.decode.max_kv_tokens, self.prefill_choices)
         ds, fs = self.sharing.partition(decode_sms)
         self._log(
             f"capture sms={decode_sms} batch={len(contexts)} max={max(contexts)} prefill={prefill}"
         )
-        graph = self.decode.capture(contexts, prefill, ds)
+        graph = self.decode.capture(contexts, prefill, ds, partition=decode_sms)
+        ds.wait_stream(torch.cuda.current_stream(self.device))  # staged inputs before replays
         times = time_graph(graph, ds, self.iters)
         self._log(f"decode alone {statistics.median(times):.3f} ms")
         self._row(1, decode_sms, contexts, prefill, times)
@@ -337,6 +366,7 @@ def main() -> None:
     parser.add_argument("--iters", type=int, default=12)
     parser.add_argument("--max-kv-tokens", type=int, default=262144)
     parser.add_argument("--sharing", default="green_context", choices=("green_context", "streams"))
+    parser.add_argument("--decode-source", default="engine", choices=("engine", "standin"))
     parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--trace", action="store_true", help="print each step of each sample")
     parser.add_argument("--seed", type=int, default=0)
@@ -345,7 +375,9 @@ def main() -> None:
     faulthandler.enable()  # a native crash still prints where it happened
     device = torch.device("cuda", 0)
     sharing = create_sharing(device, prefer=args.sharing, decode_groups=DECODE_GROUPS)
-    profiler = Profiler(args.model, sharing, args.max_kv_tokens, args.iters, args.seed)
+    profiler = Profiler(
+        args.model, sharing, args.max_kv_tokens, args.iters, args.seed, args.decode_source
+    )
     profiler.trace = args.trace
     props = torch.cuda.get_device_properties(device)
     gpu = props.name.split()[-1].lower()
@@ -360,7 +392,7 @@ def main() -> None:
         "created": dt.datetime.now(dt.UTC).isoformat(),
         "model": args.model,
         "model_shape": profiler.shape.as_dict(),
-        "source": SOURCE,
+        "source": SOURCES.get(args.decode_source, SOURCE),
         "sharing": sharing.mechanism,
         "decode_sms_choices": list(sharing.table.choices),
         "iters_per_row": args.iters,
@@ -380,7 +412,7 @@ def main() -> None:
         if str(stage) not in args.stages:
             continue
         deadline = time.monotonic() + budget
-        while time.monotonic() < deadline and len(errors) <= 10:
+        while time.monotonic() < deadline and len(errors) <= 20:
             try:
                 profiler.stage1_sample(rng) if stage == 1 else profiler.stage2_sample(rng)
             except (RuntimeError, ValueError) as exc:  # keep the data gathered so far

@@ -130,9 +130,16 @@ class StandInDecode:
         return step
 
     def capture(
-        self, contexts: list[int], prefill_tokens: int, stream: torch.cuda.Stream
+        self,
+        contexts: list[int],
+        prefill_tokens: int,
+        stream: torch.cuda.Stream,
+        partition: object = None,
     ) -> CapturedStep:
-        """A graph of one iteration captured on ``stream`` (it replays on that stream's SMs)."""
+        """A graph of one iteration captured on ``stream`` (it replays on that stream's SMs).
+
+        ``partition`` is accepted for interface parity with the engine source; each call
+        captures a fresh graph."""
         step = self.build_step(contexts, prefill_tokens)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.no_grad(), torch.cuda.stream(stream):

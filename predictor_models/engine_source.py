@@ -1,0 +1,135 @@
+"""Profiling workload from the real decode engine: its ``ModelRunner`` decode step.
+
+``EngineDecode.capture(contexts, 0, stream)`` stages one decode iteration into the runner's static
+buffers exactly as ``ModelRunner._decode_logits`` does (token, position, KV slot, sequence length
+and block table per sequence, padded up to the batch bucket), captures the runner's decode graph
+for (bucket, partition) on the partition's stream through ``ModelRunner.capture_cuda_graphs``, and
+replays it: fused Triton decode kernels, Triton paged attention over a block-major KV cache, the
+LM head. Sampling and the host copy of the sampled ids are not part of the timed graph.
+
+Chunked-prefill iterations run eagerly in the engine (no graph) and are not profiled here: rows
+from this source have ``prefill_chunk_tokens == 0``.
+
+The runner's staging buffers are private attributes (``_buf_ints``, ``_buf_seq_lens``,
+``_buf_table``, ``_buckets``, ``_graphs``); a missing one raises ``EngineSourceError`` naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from gpu_runtime.model import CausalLM
+
+BLOCK_SIZE = 16
+MAX_MODEL_LEN = 8192
+
+
+class EngineSourceError(RuntimeError):
+    """The decode engine lacks what the profiler drives."""
+
+
+class EngineStep:
+    """Replays the runner's graph for (bucket, partition) after restaging this config."""
+
+    def __init__(
+        self, source: EngineDecode, bucket: int, partition: int, staged: dict[str, torch.Tensor]
+    ) -> None:
+        self.source, self.bucket, self.partition, self.staged = source, bucket, partition, staged
+
+    def stage(self) -> None:
+        runner = self.source.runner
+        runner._buf_ints[:, : self.bucket].copy_(self.staged["ints"])
+        runner._buf_seq_lens[: self.bucket].copy_(self.staged["seq_lens"])
+        runner._buf_table[: self.bucket].copy_(self.staged["table"])
+
+    def replay(self) -> None:
+        graphs = self.source.runner._graphs
+        if graphs is None:
+            raise EngineSourceError("no decode graph was captured")
+        graphs.replay(self.bucket, self.partition)
+
+
+class EngineDecode:
+    """The decode engine's model runner over a KV cache of ``max_kv_tokens`` tokens."""
+
+    def __init__(self, model: CausalLM, max_kv_tokens: int, seed: int = 0) -> None:
+        from gpu_runtime.engine.config import EngineConfig
+        from gpu_runtime.engine.model_runner import ModelRunner
+
+        device = model.lm_head.weight.device
+        config = EngineConfig(
+            num_kv_blocks=max_kv_tokens // BLOCK_SIZE,
+            block_size=BLOCK_SIZE,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            max_model_len=MAX_MODEL_LEN,
+            device=str(device),
+            attention_backend="triton",
+            use_cuda_graphs=True,
+        )
+        self.runner = ModelRunner(model, config)
+        for name in ("_buf_ints", "_buf_seq_lens", "_buf_table", "_buckets"):
+            if not hasattr(self.runner, name):
+                raise EngineSourceError(f"ModelRunner has no {name}; the profiler cannot stage")
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.runner.kv_cache.storage.normal_(generator=gen)  # never time zeros
+        self.model = model
+        self.device = device
+        # room for rounding every one of up to 256 sequences up to whole blocks
+        self.max_kv_tokens = (max_kv_tokens // BLOCK_SIZE - 256) * BLOCK_SIZE
+        self.rng = np.random.default_rng(seed)
+
+    def _staged(self, contexts: list[int], bucket: int) -> dict[str, torch.Tensor]:
+        runner = self.runner
+        batch, width = len(contexts), runner._buf_table.shape[1]
+        pos = np.asarray(contexts, dtype=np.int64)  # the new token's position
+        n_blocks = -(-(pos + 1) // BLOCK_SIZE)
+        if int(n_blocks.sum()) > runner.kv_cache.num_blocks:
+            raise ValueError(
+                f"{int(n_blocks.sum())} KV blocks needed, {runner.kv_cache.num_blocks} exist"
+            )
+        if int(n_blocks.max()) > width:
+            raise ValueError(f"context {int(pos.max())} exceeds max_model_len {MAX_MODEL_LEN}")
+        table = np.zeros((bucket, width), dtype=np.int32)
+        starts = np.concatenate([[0], np.cumsum(n_blocks)[:-1]])
+        for i in range(batch):
+            table[i, : n_blocks[i]] = np.arange(starts[i], starts[i] + n_blocks[i])
+        ints = np.zeros((4, bucket), dtype=np.int64)
+        ints[0, :batch] = self.rng.integers(0, self.model.config.vocab_size, batch)
+        ints[1, :batch] = pos
+        ints[2, :batch] = table[np.arange(batch), pos // BLOCK_SIZE]
+        ints[3, :batch] = pos % BLOCK_SIZE
+        ints[2, batch:] = runner.kv_cache.pad_block
+        seq_lens = np.zeros(bucket, dtype=np.int32)
+        seq_lens[:batch] = pos + 1
+        dev = self.device
+        return {
+            "ints": torch.from_numpy(ints).to(dev),
+            "table": torch.from_numpy(table).to(dev),
+            "seq_lens": torch.from_numpy(seq_lens).to(dev),
+        }
+
+    def capture(
+        self,
+        contexts: list[int],
+        prefill_tokens: int,
+        stream: torch.cuda.Stream,
+        partition: Any = None,
+    ) -> EngineStep:
+        """Stage ``contexts`` and return the step for ``partition`` (captured on ``stream``)."""
+        if prefill_tokens:
+            raise ValueError("the engine's decode graphs carry no prefill chunk")
+        runner = self.runner
+        bucket = next((b for b in runner._buckets if b >= len(contexts)), None)
+        if bucket is None:
+            raise ValueError(f"batch {len(contexts)} exceeds the largest bucket")
+        step = EngineStep(self, bucket, partition, self._staged(contexts, bucket))
+        step.stage()
+        graphs = runner._graphs
+        if graphs is None or not graphs.has(bucket, partition):
+            runner.capture_cuda_graphs((bucket,), partition=partition, stream=stream)
+            step.stage()  # warm-up runs wrote the buffers' KV slots; restage for timing
+        return step
