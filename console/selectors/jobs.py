@@ -1,0 +1,124 @@
+"""Reads of finetune jobs for the console: filtered lists, current hosts, progress and ETA."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+
+from django.db.models import QuerySet
+
+from api import selectors as api_selectors
+from api.models import FinetuneJob, GpuHost, JobMetric, JobStatus, Placement, PlacementState
+from gpu_runtime.finetune.hparams import HyperparameterError, resolve_hyperparameters
+
+# Jobs
+
+
+def job_list(
+    *, tenant: str | None = None, status: str | None = None, host: str | None = None
+) -> QuerySet[FinetuneJob]:
+    """Every tenant's jobs (operator view), filtered by tenant name, status, and a host the job
+    has ever been placed on."""
+    jobs = api_selectors.finetune_job_list(tenant=None, status=status or None)
+    if tenant:
+        jobs = jobs.filter(tenant__name=tenant)
+    if host:
+        jobs = jobs.filter(placements__host__name=host).distinct()
+    return jobs
+
+
+def current_hosts(*, job_ids: Sequence[str]) -> dict[str, GpuHost]:
+    """The host of each job's open (pending or active) placement."""
+    placements = Placement.objects.filter(
+        job_id__in=list(job_ids), state__in=[PlacementState.PENDING, PlacementState.ACTIVE]
+    ).select_related("host")
+    return {p.job_id: p.host for p in placements}
+
+
+def job_series(*, job: FinetuneJob) -> list[JobMetric]:
+    """Every metric row of the job, oldest first (a job's history is short enough to plot)."""
+    return list(JobMetric.objects.filter(job=job).order_by("ts", "step"))
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """How far a job is: `step` of `total_steps` (None when unknown), and an ETA in seconds."""
+
+    step: int
+    total_steps: int | None
+    eta_seconds: float | None
+
+    @property
+    def fraction(self) -> float | None:
+        if not self.total_steps:
+            return None
+        return min(1.0, self.step / self.total_steps)
+
+    @property
+    def percent(self) -> int | None:
+        fraction = self.fraction
+        return None if fraction is None else round(100 * fraction)
+
+
+def estimated_total_steps(*, job: FinetuneJob) -> int | None:
+    """Optimizer steps the runtime will take: epochs x ceil(examples / batch size), with "auto"
+    resolved by the runtime's own rule (`gpu_runtime.finetune.hparams`). None if unknowable."""
+    examples = job.training_file.line_count if job.training_file_id else 0
+    if examples < 1:
+        return None
+    hyper = job.hyperparameters or {}
+    try:
+        resolved = resolve_hyperparameters(
+            n_train_examples=examples,
+            n_epochs=hyper.get("n_epochs", "auto"),
+            batch_size=hyper.get("batch_size", "auto"),
+        )
+    except HyperparameterError:
+        return None
+    return resolved.n_epochs * math.ceil(examples / resolved.batch_size)
+
+
+# The ETA's rate is measured over this many latest reports, so a pause long ago or a change of
+# host (and speed) weighs no more than the recent pace.
+ETA_WINDOW_REPORTS = 20
+
+
+def progress_from(
+    *, points: Sequence[tuple[datetime, int]], total_steps: int | None
+) -> JobProgress:
+    """Progress from `(ts, step)` reports (oldest first): the rate is steps per second between
+    the first and the last of the latest ETA_WINDOW_REPORTS reports; the ETA is the remaining
+    steps at that rate."""
+    if not points:
+        return JobProgress(step=0, total_steps=total_steps, eta_seconds=None)
+    recent = points[-ETA_WINDOW_REPORTS:]
+    (first_ts, first_step), (last_ts, last_step) = recent[0], recent[-1]
+    eta = None
+    elapsed = (last_ts - first_ts).total_seconds()
+    if total_steps is not None and elapsed > 0 and last_step > first_step:
+        rate = (last_step - first_step) / elapsed
+        eta = max(0.0, (total_steps - last_step) / rate)
+    return JobProgress(step=last_step, total_steps=total_steps, eta_seconds=eta)
+
+
+def job_progress_map(*, jobs: Sequence[FinetuneJob]) -> dict[str, JobProgress]:
+    """Progress of each job in `jobs` from its metric rows."""
+    points: dict[str, list[tuple[datetime, int]]] = defaultdict(list)
+    rows = (
+        JobMetric.objects.filter(job_id__in=[j.pk for j in jobs])
+        .order_by("job_id", "ts")
+        .values_list("job_id", "ts", "step")
+    )
+    for job_id, ts, step in rows:
+        points[job_id].append((ts, step))
+    result = {}
+    for job in jobs:
+        total = estimated_total_steps(job=job)
+        progress = progress_from(points=points[job.pk], total_steps=total)
+        if job.status == JobStatus.SUCCEEDED and total is not None:
+            progress = JobProgress(step=total, total_steps=total, eta_seconds=0.0)
+        result[job.pk] = progress
+    return result
