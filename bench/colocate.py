@@ -41,10 +41,11 @@ from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/traces.py beside this file
 
-from bench.traces import TraceRequest, generate, preset  # noqa: E402
-from gpu_runtime.colocation import (  # noqa: E402
+from traces import TraceRequest, generate, preset
+
+from gpu_runtime.colocation import (
     CoLocationPolicy,
     DecodeOnlyPolicy,
     HarliConfig,
@@ -60,14 +61,14 @@ from gpu_runtime.colocation import (  # noqa: E402
     TimeSlicePolicy,
     summarize,
 )
-from gpu_runtime.colocation.online import beside_quantum  # noqa: E402
-from gpu_runtime.colocation.predictor import decode_iteration  # noqa: E402
-from gpu_runtime.colocation.types import DecodeSnapshot  # noqa: E402
-from gpu_runtime.engine import Engine, EngineConfig, SamplingParams  # noqa: E402
-from gpu_runtime.finetune.data import TokenizedExample  # noqa: E402
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters  # noqa: E402
-from gpu_runtime.finetune.trainer import LoraTrainer  # noqa: E402
-from gpu_runtime.model import ModelConfig, build_random_model  # noqa: E402
+from gpu_runtime.colocation.online import beside_quantum
+from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.types import DecodeSnapshot
+from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.finetune.data import TokenizedExample
+from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+from gpu_runtime.finetune.trainer import LoraTrainer
+from gpu_runtime.model import ModelConfig, build_random_model
 
 POLICIES = ("decode_only", "naive", "time_slice", "static_split", "harli")
 BASELINES = ("naive", "time_slice", "static_split")
@@ -168,9 +169,11 @@ def check_outputs(engine: Engine, sharing: Any, trainer: LoraTrainer, vocab: int
             loop.add_request(p, params, f"check-{policy.name}-{i}") for i, p in enumerate(prompts)
         ]
         tokens: dict[str, list[int]] = {}
-        loop.output_sink = lambda outs: tokens.update(
-            {o.request_id: o.output_token_ids for o in outs}
-        )
+
+        def keep(outs: list[Any], into: dict[str, list[int]] = tokens) -> None:
+            into.update({o.request_id: o.output_token_ids for o in outs})
+
+        loop.output_sink = keep
         while engine.has_unfinished_requests():
             loop.run_iteration()
         loop.close()
@@ -387,8 +390,8 @@ def main() -> None:
     results: dict[tuple[str, str], tuple[CoLocationPolicy, list, float, float]] = {}
     slo_trace = "medium" if "medium" in traces else traces[0]
     for trace in [slo_trace] + [t for t in traces if t != slo_trace]:
-        policy = DecodeOnlyPolicy()
-        results[trace, policy.name] = (policy, *run(trace, policy, 1e9))
+        only = DecodeOnlyPolicy()
+        results[trace, only.name] = (only, *run(trace, only, 1e9))
     base = summarize(
         results[slo_trace, "decode_only"][1],
         1e9,
@@ -428,7 +431,7 @@ def main() -> None:
                 for rec in calib_records:
                     for q in rec.quanta:
                         if q.mode is LaunchMode.CONCURRENT and not q.error:
-                            harli.rates.observe(q.decode_sms, q.mode, q.tokens, q.duration_ms)
+                            harli.durations.observe(q.decode_sms, q.mode, q.tokens, q.duration_ms)
                 policy = harli
             results[trace, name] = (policy, *run(trace, policy, slo_ms))
             r = row_for(args.model, trace, policy, *results[trace, name][1:], slo_ms, solo_tps)

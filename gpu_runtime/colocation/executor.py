@@ -64,7 +64,7 @@ def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
         duration_ms=(clock() - start) * 1e3,
         mode=task.mode,
         decode_sms=task.decode_sms,
-        loss=float(result.loss),
+        loss=None if result.loss is None else float(result.loss),
         step=int(result.step),
         optimizer_step=bool(result.optimizer_step),
         job_finished=bool(result.finished),

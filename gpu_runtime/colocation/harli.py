@@ -9,11 +9,14 @@ Before every decode iteration it enumerates the choices the device offers:
 
 For each it asks the latency model (stage 1 for decode alone, stage 2 with the quantum beside
 it) for the iteration's TPOT, keeps the choices under ``tpot_slo_ms x (1 - margin)``, and takes
-the one with the highest expected finetune tokens/s (per-choice rates learned from its own
-quanta; before any is observed, proportional to the SMs the quantum gets). Bigger quanta run
-more efficiently but hold a split longer, so a quantum is capped to ``max_quantum_iterations``
-predicted iterations. When nothing is safe, finetuning pauses for that iteration (decode gets the
-whole device) and the plan says so.
+the one with the highest expected finetune tokens/s: a quantum's tokens over its expected
+duration plus half a decode iteration (the relaunch gap); durations are fitted per choice from its
+own quanta as ``overhead + tokens / rate`` (before any is observed, the solo rate scaled by the
+SMs the quantum gets). Bigger quanta amortise the per-quantum overhead but hold a split longer,
+so a quantum is capped at ``max_quantum_ms`` (the smallest size is always allowed). A quantum
+that will hold the split is checked against the batch the queue will bring in (running plus
+waiting requests), not only the current one. When nothing is safe, finetuning pauses for that
+iteration (decode gets the whole device) and the plan says so.
 
 While a quantum is in flight its SMs are taken: the policy only picks the decode split with the
 lowest predicted TPOT given that quantum (no new launch).
@@ -35,6 +38,7 @@ from gpu_runtime.colocation.online import OnlineLatencyModel, beside_quantum
 from gpu_runtime.colocation.policy import CoLocationPolicy
 from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.types import (
+    DecodeSnapshot,
     FinetuneLaunch,
     IterationContext,
     IterationPlan,
@@ -73,14 +77,14 @@ class HarliConfig:
     """Quantum sizes considered, in examples of the job's longest length."""
     idle_quantum_examples: int = 8
     """Quantum size when decode has nothing to do."""
-    max_quantum_iterations: float = 6.0
-    """Cap on a concurrent quantum's expected duration, in predicted decode iterations."""
+    max_quantum_ms: float = 250.0
+    """Cap on a quantum's expected duration (the smallest size is exempt)."""
+    prior_quantum_overhead_ms: float = 0.0
+    """Fixed cost per quantum assumed before two quantum sizes were timed on a choice."""
     allow_shared: bool = True
     """Consider a quantum beside decode on the whole device (no spatial split)."""
     allow_slice: bool = True
     """Consider a quantum after the decode step (time slicing)."""
-    rate_smoothing: float = 0.3
-    """EMA weight of a new rate observation."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_margin <= self.max_margin < 1:
@@ -93,8 +97,27 @@ class HarliConfig:
             raise ValueError(f"error_quantile must be in [0.5, 1], got {self.error_quantile}")
         if not self.quantum_examples or min(self.quantum_examples) < 1:
             raise ValueError(f"quantum_examples must be positive, got {self.quantum_examples}")
-        if self.max_quantum_iterations <= 0 or not 0 < self.rate_smoothing <= 1:
-            raise ValueError("max_quantum_iterations and rate_smoothing must be positive")
+        if self.max_quantum_ms <= 0 or self.prior_quantum_overhead_ms < 0:
+            raise ValueError(
+                f"max_quantum_ms ({self.max_quantum_ms}) must be > 0 and "
+                f"prior_quantum_overhead_ms ({self.prior_quantum_overhead_ms}) >= 0"
+            )
+
+
+def lookahead(decode: DecodeSnapshot) -> DecodeSnapshot:
+    """The batch once the waiting requests have joined (at the running requests' mean context;
+    their prompts' prefill is already in ``prefill_tokens``)."""
+    if not decode.waiting_requests:
+        return decode
+    mean = decode.context_tokens_total // decode.batch_size if decode.batch_size else 0
+    extra = decode.waiting_requests
+    return DecodeSnapshot(
+        decode.batch_size + extra,
+        decode.context_tokens_total + extra * mean,
+        decode.context_tokens_max,
+        decode.prefill_tokens,
+        0,
+    )
 
 
 class MarginTracker:
@@ -124,32 +147,61 @@ class MarginTracker:
         return min(base + self._violation, cfg.max_margin)
 
 
-class FinetuneRates:
-    """Expected finetune tokens/s per choice (decode_sms, mode), learned from finished quanta."""
+class QuantumDurations:
+    """Expected quantum duration per choice (decode_sms, mode): ``overhead_ms + tokens / rate``.
 
-    def __init__(self, smoothing: float) -> None:
-        self.smoothing = smoothing
-        self._rates: dict[tuple[int | None, LaunchMode], float] = {}
+    Fitted per choice from its last ``window`` quanta (least squares over token counts when
+    at least two sizes were seen, else the prior overhead and the observed mean rate); a choice
+    never observed scales the solo rate by the SMs it gets (half the device's throughput when it
+    shares all SMs with decode).
+    """
+
+    def __init__(self, prior_overhead_ms: float = 0.0, window: int = 32) -> None:
+        self.prior_overhead_ms = prior_overhead_ms
+        self._obs: dict[tuple[int | None, LaunchMode], deque[tuple[int, float]]] = {}
+        self._window = window
 
     def observe(self, decode_sms: int | None, mode: LaunchMode, tokens: int, ms: float) -> None:
         if tokens <= 0 or ms <= 0:
             return
-        rate = tokens / (ms / 1e3)
         key = (decode_sms, mode)
-        old = self._rates.get(key)
-        self._rates[key] = rate if old is None else old + self.smoothing * (rate - old)
+        self._obs.setdefault(key, deque(maxlen=self._window)).append((tokens, ms))
 
-    def solo(self, job: JobView) -> float:
-        """Rate alone on the device: observed slices, else the job's own figure, else a prior."""
-        sliced = self._rates.get((None, LaunchMode.AFTER_DECODE))
-        return sliced or job.tokens_per_s_solo or PRIOR_SOLO_TOKENS_PER_S
+    def _fit(self, key: tuple[int | None, LaunchMode]) -> tuple[float, float] | None:
+        """(overhead ms, ms per token) of a choice, None if never observed."""
+        obs = self._obs.get(key)
+        if not obs:
+            return None
+        tokens = [t for t, _ in obs]
+        times = [ms for _, ms in obs]
+        mean_t, mean_ms = sum(tokens) / len(tokens), sum(times) / len(times)
+        var = sum((t - mean_t) ** 2 for t in tokens)
+        if var > 0:
+            slope = sum((t - mean_t) * (ms - mean_ms) for t, ms in obs) / var
+            overhead = mean_ms - slope * mean_t
+            if slope > 0 and overhead >= 0:
+                return overhead, slope
+        overhead = min(self.prior_overhead_ms, 0.9 * mean_ms)
+        return overhead, (mean_ms - overhead) / mean_t
 
-    def rate(self, job: JobView, decode_sms: int | None, mode: LaunchMode, share: float) -> float:
-        """tokens/s of a quantum run with this choice (``share``: its fraction of the SMs)."""
-        learned = self._rates.get((decode_sms, mode))
-        if learned is not None:
-            return learned
-        return self.solo(job) * share * (0.5 if mode is LaunchMode.CONCURRENT and share >= 1 else 1)
+    def solo_rate(self, job: JobView) -> float:
+        """Tokens/s alone on the device: observed slices, else the job's figure, else a prior."""
+        fit = self._fit((None, LaunchMode.AFTER_DECODE))
+        if fit is not None:
+            return 1e3 / fit[1]
+        return job.tokens_per_s_solo or PRIOR_SOLO_TOKENS_PER_S
+
+    def duration_ms(
+        self, job: JobView, decode_sms: int | None, mode: LaunchMode, share: float, tokens: int
+    ) -> float:
+        """Expected duration of a ``tokens``-token quantum (``share``: its fraction of SMs)."""
+        fit = self._fit((decode_sms, mode))
+        if fit is None:
+            effective = 0.5 if mode is LaunchMode.CONCURRENT and share >= 1.0 else share
+            rate = self.solo_rate(job) * max(effective, 1e-3)
+            return self.prior_overhead_ms + tokens / rate * 1e3
+        overhead, per_token = fit
+        return overhead + per_token * tokens
 
 
 @dataclass(frozen=True)
@@ -171,7 +223,7 @@ class HarliPolicy(CoLocationPolicy):
         self.latency = latency
         self.config = config or HarliConfig()
         self.margins = MarginTracker(self.config)
-        self.rates = FinetuneRates(self.config.rate_smoothing)
+        self.durations = QuantumDurations(self.config.prior_quantum_overhead_ms)
         self._jobs: dict[str, JobView] = {}
         self._slo_ms: float | None = None
         self.decisions = 0
@@ -250,19 +302,24 @@ class HarliPolicy(CoLocationPolicy):
     ) -> list[_Choice]:
         share = 1.0 if not total or d is None else d / total
         ft_share = 1.0 if share >= 1.0 else 1.0 - share
-        iteration = decode_iteration(ctx.decode, share)
-        rate = self.rates.rate(job, d, LaunchMode.CONCURRENT, ft_share)
+        # The quantum holds this split for its whole duration: check the batch the queue brings.
+        now = decode_iteration(ctx.decode, share)
+        ahead = decode_iteration(lookahead(ctx.decode), share)
         out: list[_Choice] = []
         for k in sizes:
             tokens = k * job.max_seq_len
             quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
-            predicted = self.latency.predict_ms(iteration, quantum)
-            if predicted > bound:
+            predicted = self.latency.predict_ms(now, quantum)
+            worst = max(predicted, self.latency.predict_ms(ahead, quantum))
+            if worst > bound:
                 continue
-            quantum_ms = k * job.seq_len / rate * 1e3
-            if quantum_ms > self.config.max_quantum_iterations * predicted and k != sizes[0]:
+            quantum_ms = self.durations.duration_ms(
+                job, d, LaunchMode.CONCURRENT, ft_share, k * job.seq_len
+            )
+            if quantum_ms > self.config.max_quantum_ms and k != sizes[0]:
                 continue
-            out.append(_Choice(d, LaunchMode.CONCURRENT, k, predicted, rate + k * 1e-6, quantum_ms))
+            value = k * job.seq_len / ((quantum_ms + predicted / 2) / 1e3)
+            out.append(_Choice(d, LaunchMode.CONCURRENT, k, predicted, value, quantum_ms))
         return out
 
     def _slices(
@@ -274,10 +331,11 @@ class HarliPolicy(CoLocationPolicy):
         bound: float,
         solo_full: float,
     ) -> list[_Choice]:
-        rate = self.rates.solo(job)
         out: list[_Choice] = []
         for k in sizes:
-            quantum_ms = k * job.seq_len / rate * 1e3
+            quantum_ms = self.durations.duration_ms(
+                job, None, LaunchMode.AFTER_DECODE, 1.0, k * job.seq_len
+            )
             predicted = solo_full + quantum_ms
             if predicted <= bound:
                 value = k * job.seq_len / (predicted / 1e3)
@@ -327,7 +385,7 @@ class HarliPolicy(CoLocationPolicy):
         for quantum in record.quanta:
             if quantum.error is None:
                 key = None if quantum.mode is LaunchMode.AFTER_DECODE else quantum.decode_sms
-                self.rates.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
+                self.durations.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
         busy = record.decode_batch or record.prefill_tokens
         if busy and record.predicted_ms is not None and self._slo_ms is not None:
             self.margins.observe(record.predicted_ms, record.iteration_ms, self._slo_ms)

@@ -117,7 +117,9 @@ def test_adapts_on_a_fake_gpu_that_is_slower_than_predicted() -> None:
 
 
 def test_memory_budget_limits_the_quantum_and_pauses_below_one_example() -> None:
-    policy = HarliPolicy(MODEL, HarliConfig(max_quantum_iterations=1e9))
+    policy = HarliPolicy(
+        MODEL, HarliConfig(max_quantum_ms=1e9, allow_slice=False, allow_shared=False)
+    )
     decode = DecodeSnapshot.from_contexts([256] * 8)
     job = JOB.__class__("job", 256, 256, 16, bytes_per_token=1000.0)
     roomy = policy.plan(context(decode, 100.0, jobs=(job,), budget=10**9))
@@ -151,3 +153,21 @@ def test_without_a_partitioner_only_shared_or_sliced_choices_exist() -> None:
     assert plan.decode_sms is None and plan.launches
     assert plan.predicted_ms is not None and plan.margin is not None
     assert plan.predicted_ms <= 200.0 * (1 - plan.margin)
+
+
+def test_quantum_durations_fit_overhead_and_rate_per_choice() -> None:
+    from gpu_runtime.colocation.harli import QuantumDurations
+
+    durations = QuantumDurations(prior_overhead_ms=10.0)
+    job = JOB.__class__("job", 256, 256, 16, tokens_per_s_solo=10_000.0)
+    # Never observed: prior overhead + tokens at the solo rate scaled by the SM share.
+    assert durations.duration_ms(job, 64, LaunchMode.CONCURRENT, 0.5, 1000) == pytest.approx(
+        10.0 + 1000 / 5000 * 1e3
+    )
+    for tokens in (256, 512, 1024, 256, 2048):
+        durations.observe(64, LaunchMode.CONCURRENT, tokens, 30.0 + tokens / 8000 * 1e3)
+    assert durations.duration_ms(job, 64, LaunchMode.CONCURRENT, 0.5, 4096) == pytest.approx(
+        30.0 + 4096 / 8000 * 1e3
+    )
+    durations.observe(None, LaunchMode.AFTER_DECODE, 1000, 110.0)
+    assert durations.solo_rate(job) == pytest.approx(1000 / 0.1)  # (110 - 10) ms per 1000
