@@ -150,9 +150,9 @@ def paged_decode_attention(
     block_size: int,
     num_splits: int,
     out: torch.Tensor | None = None,
-    block_n: int = 64,
+    block_n: int | None = None,
     num_warps: int = 4,
-    num_stages: int = 2,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -169,6 +169,12 @@ def paged_decode_attention(
         raise ValueError("last dims of q and caches must be contiguous")
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key and value caches must have equal strides")
+    # Tiles from the H200 sweep in bench/results/decode-profile-h200-20261130.json: one long
+    # split per sequence streams best with 64-token tiles, 3 stages; split contexts with 32.
+    if block_n is None:
+        block_n = 64 if num_splits == 1 else 32
+    if num_stages is None:
+        num_stages = 3 if num_splits == 1 else 2
     block_n = max(16, min(block_n, 128))
     group_pad = max(16, triton.next_power_of_2(group))
     if num_splits > 1:
