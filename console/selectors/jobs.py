@@ -8,10 +8,20 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime
 
-from django.db.models import QuerySet
+from django.db.models import F, OuterRef, QuerySet, Subquery, Window
+from django.db.models.functions import RowNumber
 
 from api import selectors as api_selectors
-from api.models import FinetuneJob, GpuHost, JobMetric, JobStatus, Placement, PlacementState
+from api.models import (
+    EventType,
+    FinetuneJob,
+    GpuHost,
+    JobEvent,
+    JobMetric,
+    JobStatus,
+    Placement,
+    PlacementState,
+)
 from gpu_runtime.finetune.hparams import HyperparameterError, resolve_hyperparameters
 
 # Jobs
@@ -104,19 +114,42 @@ def progress_from(
     return JobProgress(step=last_step, total_steps=total_steps, eta_seconds=eta)
 
 
-def job_progress_map(*, jobs: Sequence[FinetuneJob]) -> dict[str, JobProgress]:
-    """Progress of each job in `jobs` from its metric rows."""
-    points: dict[str, list[tuple[datetime, int]]] = defaultdict(list)
+def reported_total_steps(*, job_ids: Sequence[str]) -> dict[str, int]:
+    """The step count each job's host announced (the newest progress event's `total_steps`).
+
+    Hosts count the steps of the data they actually load, so this beats the estimate."""
+    newest = (
+        JobEvent.objects.filter(
+            job=OuterRef("pk"), type=EventType.METRICS, data__has_key="total_steps"
+        )
+        .order_by("-created_at", "-id")
+        .values("data__total_steps")[:1]
+    )
     rows = (
-        JobMetric.objects.filter(job_id__in=[j.pk for j in jobs])
-        .order_by("job_id", "ts")
+        FinetuneJob.objects.filter(pk__in=list(job_ids))
+        .annotate(total=Subquery(newest))
+        .values_list("pk", "total")
+    )
+    return {pk: int(total) for pk, total in rows if isinstance(total, int) and total > 0}
+
+
+def job_progress_map(*, jobs: Sequence[FinetuneJob]) -> dict[str, JobProgress]:
+    """Progress of each job: its latest ETA_WINDOW_REPORTS metric rows, and its step count as
+    its host reported it, else as estimated from its settings."""
+    ids = [j.pk for j in jobs]
+    points: dict[str, list[tuple[datetime, int]]] = defaultdict(list)
+    latest_first = (
+        JobMetric.objects.filter(job_id__in=ids)
+        .annotate(rank=Window(RowNumber(), partition_by=[F("job_id")], order_by=F("ts").desc()))
+        .filter(rank__lte=ETA_WINDOW_REPORTS)
         .values_list("job_id", "ts", "step")
     )
-    for job_id, ts, step in rows:
+    for job_id, ts, step in sorted(latest_first, key=lambda row: (row[0], row[1])):
         points[job_id].append((ts, step))
+    reported = reported_total_steps(job_ids=ids)
     result = {}
     for job in jobs:
-        total = estimated_total_steps(job=job)
+        total = reported.get(job.pk) or estimated_total_steps(job=job)
         progress = progress_from(points=points[job.pk], total_steps=total)
         if job.status == JobStatus.SUCCEEDED and total is not None:
             progress = JobProgress(step=total, total_steps=total, eta_seconds=0.0)
