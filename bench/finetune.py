@@ -112,16 +112,27 @@ def run_ours(
     examples: list[TokenizedExample],
     micro: int,
     warmup: int,
-    fused: bool,
+    variant: str,
 ) -> tuple[list[float], list[float]]:
+    """variant: "harli" (fused forward), "harli_peft_tree" (peft modules' own forward),
+    "harli_sliced4" (quanta of 4 decoder-layer passes; one timed step = a whole micro-batch),
+    "harli_ckpt" (activation checkpointing)."""
     hparams = resolve_hyperparameters(
-        n_train_examples=len(examples), n_epochs=1, batch_size=micro, lora=spec, seed=0
+        n_train_examples=len(examples),
+        n_epochs=1,
+        batch_size=micro,
+        lora=spec,
+        seed=0,
+        activation_checkpointing=variant == "harli_ckpt",
     )
-    trainer = LoraTrainer(serving, examples, hparams, fused_forward=fused)
+    trainer = LoraTrainer(serving, examples, hparams, fused_forward=variant != "harli_peft_tree")
+    max_layers = 4 if variant == "harli_sliced4" else None
     times, losses = [], []
     while not trainer.finished:
         start = time.perf_counter()
-        result = trainer.step_quantum(max_examples=micro)
+        result = trainer.step_quantum(max_examples=micro, max_layers=max_layers)
+        while not result.micro_batch_done:
+            result = trainer.step_quantum(max_examples=micro, max_layers=max_layers)
         times.append(time.perf_counter() - start)
         assert result.loss is not None
         losses.append(result.loss)
@@ -229,19 +240,17 @@ def multi_lora_decode(
             )
             manager = AdapterManager(weights, max_host_adapters=adapters)
             tree = build_training_model(serving, spec, seed=0)
-            for index in range(adapters):
-                for p in adapter_parameters(tree):
-                    p.normal_(0, 0.01)
-                save_adapter(tree, spec, Path(tmp) / f"{name}-{index}")
-                manager.register(f"{name}-{index}", Path(tmp) / f"{name}-{index}")
-                manager.acquire(f"{name}-{index}")
+            for p in adapter_parameters(tree):
+                p.normal_(0, 0.01)
+            save_adapter(tree, spec, Path(tmp) / name)
             del tree
+            for index in range(adapters):  # one file, 8 names: 8 slots filled, 8 host copies
+                manager.register(f"{name}-{index}", Path(tmp) / name)
+                manager.acquire(f"{name}-{index}")
             model = build_multi_lora_model(serving, weights)
             weights.set_token_slots(slots_of_rows)
             # correctness: row 0 (adapter 0) vs the merged weights for adapter 0, first layer q
-            adapter = HostAdapter.from_directory(
-                f"{name}-0", Path(tmp) / f"{name}-0", serving.config
-            )
+            adapter = HostAdapter.from_directory(f"{name}-0", Path(tmp) / name, serving.config)
             x = torch.randn(batch, serving.config.hidden_size, device=device, dtype=weights.dtype)
             a, b = adapter.weights[(0, "q_proj")]
             merged = x[:1].float() @ (adapter.scaling * (b @ a)).T.to(device)
@@ -280,6 +289,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--time-budget-s", type=float, default=150.0, help="skip rows after")
     parser.add_argument("--no-decode", action="store_true", help="skip the multi-LoRA decode part")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
@@ -340,6 +350,7 @@ def main() -> None:
         return result
 
     plan: list[tuple[str, int, int, str]] = []
+    ablations: list[tuple[str, int, int, str]] = []
     for targets in args.targets.split(","):
         for seq in map(int, args.seq.split(",")):
             for micro in map(int, args.micro.split(",")):
@@ -348,7 +359,11 @@ def main() -> None:
                 for system in systems:
                     plan.append((targets, seq, micro, system))
                 if args.ablation and seq == 512 and micro == 4:
-                    plan.append((targets, seq, micro, "harli_peft_tree"))
+                    for variant in ("harli_peft_tree", "harli_sliced4", "harli_ckpt"):
+                        ablations.append((targets, seq, micro, variant))
+    # the issue's headline setting first, ablations last, so a time-boxed run keeps what matters
+    plan.sort(key=lambda item: (item[0], item[1], item[2]) != ("qkvo", 512, 4))
+    plan += ablations
     first_losses: dict[tuple[str, int, int], float] = {}
     for targets, seq, micro, system in plan:
         spec = LoraSpec(
@@ -365,12 +380,16 @@ def main() -> None:
             "micro_batch": micro,
             "lora_rank": args.rank,
         }
+        if time.perf_counter() - started > args.time_budget_s:
+            row["status"] = "skipped: time budget"
+            rows.append(row)
+            continue
         try:
             if system == "hf_peft":
                 times, losses = run_hf(serving, spec, examples, micro, args.warmup, device)
             else:
                 times, losses = run_ours(
-                    serving, spec, examples, micro, args.warmup, fused=system == "harli"
+                    serving, spec, examples, micro, args.warmup, variant=system
                 )
             step = statistics.median(times)
             peak_bytes = peak(device)
@@ -397,12 +416,17 @@ def main() -> None:
                 first_losses[key] = losses[0]
         except torch.cuda.OutOfMemoryError:
             row["status"] = "oom"
+        except Exception as exc:  # keep the other rows of a one-shot GPU run
+            row["status"] = f"error: {type(exc).__name__}: {exc}"[:300]
         print(json.dumps(row), flush=True)
         rows.append(row)
         write()
     if not args.no_decode:
         reset_peak(device)
-        decode_rows.extend(multi_lora_decode(serving, 32, 8, args.rank, 50, device))
+        try:
+            decode_rows.extend(multi_lora_decode(serving, 32, 8, args.rank, 50, device))
+        except Exception as exc:  # keep the training rows
+            decode_rows.append({"system": "harli_multi_lora", "status": f"error: {exc}"[:300]})
         for row in decode_rows:
             print(json.dumps(row), flush=True)
     result = write()
@@ -430,6 +454,9 @@ def main() -> None:
             f"extra mem on a decode GPU {ratio['extra_mem_ratio']}x"
         )
     for d in decode_rows:
+        if "step_ms_p50" not in d:
+            print(f"decode: {d}")
+            continue
         print(
             f"decode batch {d['batch']} {d['system']:16s} adapters {d['adapters']} "
             f"{d['targets']:4s} {d['step_ms_p50']:.3f} ms (+{100 * d['overhead_frac']:.1f}%) "

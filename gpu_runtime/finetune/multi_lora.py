@@ -22,6 +22,8 @@ cross-check and for comparison in the benchmark.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -172,10 +174,22 @@ class MultiLoraLinear(nn.Module):
 
 def build_multi_lora_model(serving: CausalLM, weights: StackedLoraWeights) -> CausalLM:
     """A module tree over ``serving``'s tensors whose targeted projections add the multi-LoRA
-    term. Its q/k/v and gate/up run as separate GEMMs (the fused path would skip the adapters);
-    the serving model itself is left untouched."""
+    term. Targeted q/k/v and gate/up run as separate GEMMs (the fused path would skip the
+    adapters); untargeted groups keep the serving model's fused weights. The serving model itself
+    is left untouched."""
     tree = share_base_weights(serving)
-    for layer_idx, layer in enumerate(tree.model.layers):
+    targets = set(weights.target_modules)
+    layer: Any
+    served: Any
+    for layer_idx, (layer, served) in enumerate(
+        zip(tree.model.layers, serving.model.layers, strict=True)
+    ):
+        # projections groups without adapters keep the serving model's fused GEMM
+        if not targets & {"q_proj", "k_proj", "v_proj"}:
+            layer.self_attn.qkv_weight = served.self_attn.qkv_weight
+            layer.self_attn.qkv_bias = served.self_attn.qkv_bias
+        if not targets & {"gate_proj", "up_proj"}:
+            layer.mlp.gate_up_weight = served.mlp.gate_up_weight
         for module in weights.target_modules:
             parent = layer.self_attn if module in ATTENTION_PROJECTIONS else layer.mlp
             base = getattr(parent, module)

@@ -5,10 +5,10 @@ backward) of at most that many padded tokens / examples, never crossing an optim
 boundary, and when the micro-batch completes the job's batch it also clips, steps AdamW and
 advances the learning-rate schedule. With ``max_layers=k`` a quantum is smaller still: ``k``
 decoder-layer passes (forward or backward) of the micro-batch in progress
-(:mod:`gpu_runtime.finetune.sliced`), with identical results. It returns a :class:`QuantumResult`. The result of training
-does not depend on how the scheduler sized the quanta: every micro-batch's summed token loss is
-divided by the loss-token count of its whole optimizer batch, so accumulated gradients are those
-of the batch mean (up to float rounding).
+(:mod:`gpu_runtime.finetune.sliced`), with identical results. It returns a
+:class:`QuantumResult`. The result of training does not depend on how the scheduler sized the
+quanta: every micro-batch's summed token loss is divided by the loss-token count of its whole
+optimizer batch, so accumulated gradients are those of the batch mean (up to float rounding).
 
 Randomness (LoRA dropout) comes from the trainer's own generator states, swapped in around each
 quantum, so decode sampling in the same process neither disturbs training nor is disturbed, and a
