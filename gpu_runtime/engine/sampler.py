@@ -120,8 +120,10 @@ class Sampler:
                 )
                 top_p = self._to_device([p.top_p for p in batch.params], torch.float32)
                 scaled = apply_top_k_top_p(scaled, top_k, top_p)
-            probs = scaled.softmax(dim=-1)
-            sampled = (probs / self._noise((rows, logits.shape[-1]), batch)).argmax(dim=-1)
+            # argmax(p / E) == argmax(log p - log E); log p = scaled - logsumexp(row), so the
+            # softmax is not needed.
+            noise = self._noise((rows, logits.shape[-1]), batch)
+            sampled = (scaled - noise.log_()).argmax(dim=-1)
             greedy_rows = [p.greedy for p in batch.params]
             if any(greedy_rows):
                 is_greedy = self._to_device([int(g) for g in greedy_rows], torch.int64) > 0

@@ -133,8 +133,13 @@ def _merge_splits_kernel(
 
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """Splits per sequence so that about 8 programs per SM run (power of two, 1..64)."""
-    target = -(-8 * num_sms // max(1, batch * num_kv_heads))
+    """Splits per sequence so that about 3 programs per SM run (power of two, 1..64).
+
+    The H200 sweep (bench/results/decode-profile-h200-20261130.json) showed one split per
+    sequence streaming best once batch x KV heads fills the chip; splitting further only adds
+    the merge kernel's cost.
+    """
+    target = -(-3 * num_sms // max(1, batch * num_kv_heads))
     splits = 1
     while splits < target and splits < 64:
         splits *= 2
