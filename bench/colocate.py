@@ -36,12 +36,14 @@ import statistics
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/traces.py beside this file
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root
 
 from traces import TraceRequest, generate, preset
 
@@ -142,15 +144,21 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def solo_finetune(trainer: LoraTrainer, tokens: int, seconds: float, device: torch.device) -> float:
+def solo_finetune(
+    trainer: LoraTrainer, tokens: int, seconds: float, device: torch.device
+) -> tuple[float, float]:
+    """(tokens/s, median ms per quantum) of ``tokens``-token quanta back to back, alone."""
     for _ in range(2):
         trainer.step_quantum(max_tokens=tokens)
     sync(device)
     done = 0
+    times: list[float] = []
     start = time.perf_counter()
-    while time.perf_counter() - start < seconds:
+    while time.perf_counter() - start < seconds or len(times) < 3:
+        t0 = time.perf_counter()
         done += trainer.step_quantum(max_tokens=tokens).tokens
-    return done / (time.perf_counter() - start)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return done / (time.perf_counter() - start), statistics.median(times)
 
 
 def check_outputs(engine: Engine, sharing: Any, trainer: LoraTrainer, vocab: int) -> dict:
@@ -294,6 +302,29 @@ def row_for(
     }
 
 
+def make_policy(
+    name: str,
+    latency: OnlineLatencyModel,
+    static_d: int | None,
+    harli_config: HarliConfig,
+    calib_records: list[IterationRecord],
+) -> CoLocationPolicy:
+    if name == "decode_only":
+        return DecodeOnlyPolicy()
+    if name == "naive":
+        return NaivePolicy(quantum_examples=4)
+    if name == "time_slice":
+        return TimeSlicePolicy(latency, margin=0.1, max_quantum_examples=8)
+    if name == "static_split":
+        return StaticSplitPolicy(static_d, quantum_examples=2)
+    harli = HarliPolicy(latency, harli_config)
+    for record in calib_records:  # quanta timed during calibration seed its duration model
+        for q in record.quanta:
+            if q.mode is LaunchMode.CONCURRENT and not q.error:
+                harli.durations.observe(q.decode_sms, q.mode, q.tokens, q.duration_ms)
+    return harli
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="llama3-8b", help="preset: llama3-8b, qwen2.5-7b, tiny")
@@ -306,6 +337,13 @@ def main() -> None:
     parser.add_argument("--decode-groups", default="6,8,10,12", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument("--calibrate-s", type=float, default=8.0)
+    parser.add_argument("--max-quantum-ms", type=float, default=150.0)
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="skip runs that would end past this many seconds of wall time",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=None)
@@ -327,18 +365,16 @@ def main() -> None:
     model = build_random_model(config, seed=args.seed, device=device, dtype=dtype)
     vocab = config.vocab_size
     buckets = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
-    engine = Engine(
-        model,
-        EngineConfig(
-            num_kv_blocks=4096 if device.type == "cuda" else 512,
-            block_size=16,
-            max_num_seqs=128,
-            max_num_batched_tokens=512,
-            max_model_len=2048,
-            device=str(device),
-            cuda_graph_batch_sizes=buckets,
-        ),
+    engine_config = EngineConfig(
+        num_kv_blocks=4096 if device.type == "cuda" else 512,
+        block_size=16,
+        max_num_seqs=128,
+        max_num_batched_tokens=512,
+        max_model_len=2048,
+        device=str(device),
+        cuda_graph_batch_sizes=buckets,
     )
+    engine = Engine(model, engine_config)
     sharing = None
     capture_s = 0.0
     if device.type == "cuda":
@@ -364,43 +400,132 @@ def main() -> None:
     examples = synthetic_examples(2048, args.ft_seq_len, vocab, args.seed + 1)
     trainer = LoraTrainer(model, examples, hparams)
     check = check_outputs(engine, sharing, trainer, vocab)
-    quantum_tokens = 4 * args.ft_seq_len
-    solo_tps = solo_finetune(trainer, quantum_tokens, 2.0, device)
+    one_tps, one_ms = solo_finetune(trainer, args.ft_seq_len, 1.0, device)
+    solo_tps, eight_ms = solo_finetune(trainer, 8 * args.ft_seq_len, 2.0, device)
+    overhead_ms = max(0.0, (8 * one_ms - eight_ms) / 7)
+    solo = {
+        "tokens_per_s_8_examples": solo_tps,
+        "ms_8_examples": eight_ms,
+        "tokens_per_s_1_example": one_tps,
+        "ms_1_example": one_ms,
+        "quantum_overhead_ms": overhead_ms,
+    }
     print(
-        f"setup {time.perf_counter() - wall:.1f}s capture {capture_s:.1f}s "
-        f"solo {solo_tps:.0f} tok/s check {check}",
+        f"setup {time.perf_counter() - wall:.1f}s capture {capture_s:.1f}s solo {solo} "
+        f"check {check}",
         flush=True,
     )
     latency, calib_records, calib_info = calibrate(
         engine, sharing, trainer, vocab, args.calibrate_s, args.ft_seq_len, rank
     )
-    print(f"calibrated {calib_info}", flush=True)
+    print(f"calibrated {calib_info} at {time.perf_counter() - wall:.1f}s", flush=True)
+    harli_config = HarliConfig(
+        quantum_examples=(1, 2, 4, 8),
+        max_quantum_ms=args.max_quantum_ms,
+        prior_quantum_overhead_ms=overhead_ms,
+    )
 
     specs = {t: preset(t, args.duration, args.rate_scale) for t in traces}
     trace_reqs = {t: generate(spec, args.seed) for t, spec in specs.items()}
     prompts = {t: [r.prompt_ids(vocab) for r in reqs] for t, reqs in trace_reqs.items()}
+    results: dict[tuple[str, str], tuple[CoLocationPolicy, list, float, float]] = {}
+    skipped: list[str] = []
+    slo_ms = 1e9
+    static_d: int | None = None
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    gpu_key = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
+    today = datetime.datetime.now(datetime.UTC)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"colocate-{gpu_key}-{today:%Y%m%d}.json"
 
-    def run(trace: str, policy: CoLocationPolicy, slo: float) -> tuple[list, float, float]:
-        loop = HostLoop(engine, policy, tpot_slo_ms=slo, sharing=sharing)
-        if not isinstance(policy, DecodeOnlyPolicy):
+    def run(trace: str, name: str) -> None:
+        if time.perf_counter() - wall + specs[trace].duration_s + 1.0 > args.budget_s:
+            skipped.append(f"{trace}/{name}")
+            return
+        policy = make_policy(name, latency, static_d, harli_config, calib_records)
+        loop = HostLoop(engine, policy, tpot_slo_ms=slo_ms, sharing=sharing)
+        if name != "decode_only":
             loop.add_job("ft", trainer)
             loop.job_state("ft").solo_tokens_per_s = solo_tps
-        return drive(loop, trace_reqs[trace], prompts[trace], specs[trace].duration_s)
+        records, start, end = drive(
+            loop, trace_reqs[trace], prompts[trace], specs[trace].duration_s
+        )
+        results[trace, name] = (policy, records, start, end)
+        r = row_for(args.model, trace, policy, records, start, end, slo_ms, solo_tps)
+        print(
+            f"  {trace:7s} {name:12s} att={r['slo_attainment']} "
+            f"ft={r['finetune_tokens_per_s']} p50={r['tpot_ms_p50']} p99={r['tpot_ms_p99']} "
+            f"t={time.perf_counter() - wall:.0f}s",
+            flush=True,
+        )
 
-    results: dict[tuple[str, str], tuple[CoLocationPolicy, list, float, float]] = {}
+    def write() -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        rows = [
+            row_for(args.model, t, pol, recs, s, e, slo_ms, solo_tps)
+            for (t, _), (pol, recs, s, e) in results.items()
+        ]
+        rows.sort(key=lambda r: (traces.index(r["trace"]), POLICIES.index(r["policy"])))
+        comparisons = compare(rows, traces)
+        result = {
+            "name": "colocate",
+            "commit": args.commit or _git_commit(),
+            "gpu": gpu,
+            "torch": torch.__version__,
+            "created": today.isoformat(timespec="seconds"),
+            "config": {
+                **{k: v for k, v in vars(args).items() if k != "out"},
+                "traces": {t: s.as_dict() for t, s in specs.items()},
+                "engine": {
+                    "max_num_seqs": engine_config.max_num_seqs,
+                    "max_num_batched_tokens": engine_config.max_num_batched_tokens,
+                    "buckets": buckets,
+                    "block_size": engine_config.block_size,
+                    "num_kv_blocks": engine_config.num_kv_blocks,
+                },
+                "finetune": {
+                    "lora_rank": rank,
+                    "alpha": 32,
+                    "dropout": 0.05,
+                    "targets": "q,k,v,o",
+                    "seq_len": args.ft_seq_len,
+                    "optimizer_batch": 8,
+                },
+                "solo_finetune": solo,
+                "sharing": None
+                if sharing is None
+                else {"mechanism": sharing.mechanism, "choices": list(sharing.table.choices)},
+                "tpot_slo_ms": slo_ms,
+                "slo_definition": f"{args.slo_factor} x decode_only TPOT p50 on the medium trace",
+                "static_split_decode_sms": static_d,
+                "static_split_selection": "smallest split whose predicted TPOT beside a "
+                "2-example quantum is <= 0.95 x SLO on >= 99% of decode_only's iterations",
+                "harli_config": asdict(harli_config),
+                "harli_predictor": "OnlineLatencyModel fitted in this run from a calibration "
+                "phase (separate seeded high-load trace: decode alone on every split, then "
+                "2-example quanta beside decode on every split), updated online during Harli's "
+                "runs; no trained predictor artifact was used",
+                "calibration": calib_info,
+                "graph_capture_s": capture_s,
+                "skipped_runs": skipped,
+            },
+            "check": check,
+            "rows": rows,
+            "comparisons": comparisons,
+            "wall_s": round(time.perf_counter() - wall, 1),
+        }
+        path.write_text(json.dumps(result, indent=1, default=str))
+        return rows, comparisons
+
     slo_trace = "medium" if "medium" in traces else traces[0]
     for trace in [slo_trace] + [t for t in traces if t != slo_trace]:
-        only = DecodeOnlyPolicy()
-        results[trace, only.name] = (only, *run(trace, only, 1e9))
-    base = summarize(
-        results[slo_trace, "decode_only"][1],
-        1e9,
-        start=results[slo_trace, "decode_only"][2],
-        end=results[slo_trace, "decode_only"][3],
-    )
-    if base.tpot_ms_p50 is None:
-        raise SystemExit(f"decode_only on {slo_trace} produced no TPOT sample: {base}")
-    slo_ms = args.slo_factor * base.tpot_ms_p50
+        run(trace, "decode_only")
+        if trace == slo_trace:
+            _, recs, s0, e0 = results[trace, "decode_only"]
+            base = summarize(recs, 1e9, start=s0, end=e0)
+            if base.tpot_ms_p50 is None:
+                raise SystemExit(f"decode_only on {slo_trace} gave no TPOT sample: {base}")
+            slo_ms = args.slo_factor * base.tpot_ms_p50
     static_d = choose_static_split(
         latency,
         sharing,
@@ -410,91 +535,15 @@ def main() -> None:
         args.ft_seq_len,
         rank,
     )
-    print(
-        f"SLO {slo_ms:.2f} ms (= {args.slo_factor} x decode_only p50 {base.tpot_ms_p50:.2f} on "
-        f"{slo_trace}); static split {static_d}",
-        flush=True,
-    )
+    print(f"SLO {slo_ms:.2f} ms; static split {static_d}", flush=True)
+    write()
     for trace in traces:
         for name in policies:
-            if name == "decode_only":
-                continue
-            policy: CoLocationPolicy
-            if name == "naive":
-                policy = NaivePolicy(quantum_examples=4)
-            elif name == "time_slice":
-                policy = TimeSlicePolicy(latency, margin=0.1, max_quantum_examples=8)
-            elif name == "static_split":
-                policy = StaticSplitPolicy(static_d, quantum_examples=2)
-            else:
-                harli = HarliPolicy(latency, HarliConfig(quantum_examples=(1, 2, 4)))
-                for rec in calib_records:
-                    for q in rec.quanta:
-                        if q.mode is LaunchMode.CONCURRENT and not q.error:
-                            harli.durations.observe(q.decode_sms, q.mode, q.tokens, q.duration_ms)
-                policy = harli
-            results[trace, name] = (policy, *run(trace, policy, slo_ms))
-            r = row_for(args.model, trace, policy, *results[trace, name][1:], slo_ms, solo_tps)
-            print(
-                f"  {trace:7s} {name:12s} att={r['slo_attainment']} "
-                f"ft={r['finetune_tokens_per_s']} p99={r['tpot_ms_p99']}",
-                flush=True,
-            )
-
-    rows = [
-        row_for(args.model, t, pol, recs, s, e, slo_ms, solo_tps)
-        for (t, _), (pol, recs, s, e) in results.items()
-    ]
-    rows.sort(key=lambda r: (traces.index(r["trace"]), POLICIES.index(r["policy"])))
-    comparisons = compare(rows, traces)
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    gpu_key = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
-    commit = args.commit or _git_commit()
-    today = datetime.datetime.now(datetime.UTC)
-    result = {
-        "name": "colocate",
-        "commit": commit,
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "created": today.isoformat(timespec="seconds"),
-        "config": {
-            **{k: v for k, v in vars(args).items() if k != "out"},
-            "traces": {t: s.as_dict() for t, s in specs.items()},
-            "engine": {
-                "max_num_seqs": 128,
-                "max_num_batched_tokens": 512,
-                "buckets": buckets,
-                "block_size": 16,
-            },
-            "finetune": {
-                "lora_rank": rank,
-                "alpha": 32,
-                "targets": "q,k,v,o",
-                "seq_len": args.ft_seq_len,
-                "batch_size": 8,
-                "solo_quantum_tokens": quantum_tokens,
-            },
-            "sharing": None
-            if sharing is None
-            else {"mechanism": sharing.mechanism, "choices": list(sharing.table.choices)},
-            "tpot_slo_ms": slo_ms,
-            "slo_definition": f"{args.slo_factor} x decode_only TPOT p50 on {slo_trace}",
-            "static_split_decode_sms": static_d,
-            "harli_predictor": "OnlineLatencyModel fitted in this run from a calibration phase "
-            "(separate seeded trace) and updated online; no trained artifact",
-            "calibration": calib_info,
-            "graph_capture_s": capture_s,
-        },
-        "check": check,
-        "rows": rows,
-        "comparisons": comparisons,
-        "wall_s": round(time.perf_counter() - wall, 1),
-    }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"colocate-{gpu_key}-{today:%Y%m%d}.json"
-    path.write_text(json.dumps(result, indent=1, default=str))
-    print(f"wrote {path} ({result['wall_s']} s)")
+            if name != "decode_only":
+                run(trace, name)
+                write()
+    rows, comparisons = write()
+    print(f"wrote {path} ({time.perf_counter() - wall:.0f} s)")
     print_table(rows, comparisons, slo_ms)
     if sharing is not None:
         sharing.close()
