@@ -1,6 +1,19 @@
 """Unified memory benchmarks on an H200.
 
-    python3 bench/memory.py mechanism [--out DIR]   # facts the pool is built on (about 60 s)
+    python3 bench/memory.py mechanism [--out DIR]   # facts the pool is built on (about 40 s)
+    python3 bench/memory.py trace [--duration 60 --pool-gib 80]   # unified vs static split
+    python3 bench/memory.py trace --model tiny --device cpu ...   # smoke run (see --help)
+
+`trace` (Llama-3-8B shape, seeded random bf16 weights): a bursty decode trace (`memory-bursty`:
+Poisson bursts of 45 requests/s for 4 s, 6 s quiet; prompts log-normal median 1536 tokens in
+[256, 3072], outputs median 256 in [32, 768]; seeded, identical for both phases) runs through the
+host loop with one LoRA job (rank 16, q/k/v/o, synthetic `--ft-seq-len`-token examples) whose
+quanta are sized to the budget they read. Phase `unified`: the pool moves pages both ways.
+Phase `static_split`: decode keeps the KV peak `unified` measured (plus the low watermark) and
+finetuning gets the rest for good. Per phase: OOMs (finetune quanta lost to out-of-memory),
+dropped requests (rejected, or unfinished `--drain` s after the last arrival), reclaim latency
+p50/p99, decode iteration time p50/p99, finetune memory borrowed (mean, max, and a time series)
+and finetune tokens/s. Writes `memory-<gpu>-<yyyymmdd>.json`.
 
 `mechanism` measures the CUDA virtual-memory mechanism under `gpu_runtime/memory`: map/unmap cost
 per 2 MiB page (per driver call, per-page vs batched access, chunks of 2 to 128 MiB), the time
@@ -489,15 +502,423 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
             print(f"{name} {row['value']:12.3f} {row['unit']}")
 
 
+# ---- trace: unified pool vs static split under a bursty decode load with a LoRA job --------
+def _bench_module(name: str) -> Any:
+    """A sibling benchmark module (traces, colocate), imported by name: `bench/` is scripts,
+    not a package mypy can map."""
+    import importlib
+
+    return importlib.import_module(f"bench.{name}")
+
+
+def _trace_spec(tiny: bool, duration_s: float, rate_scale: float) -> Any:
+    """Bursty decode load: Poisson bursts of `on_s` s, quiet `off_s` s; long prompts.
+
+    Llama-3-8B on an H200: about 45 arrivals/s in a burst with ~5 s requests swings the decode
+    batch between a handful and ~200 sequences of ~1.5k-token contexts (~50 GB of KV at peak)."""
+    traces = _bench_module("traces")
+    LengthDistribution, TraceSpec = traces.LengthDistribution, traces.TraceSpec
+
+    if tiny:
+        prompt = LengthDistribution(median=48, sigma=0.4, minimum=8, maximum=120)
+        output = LengthDistribution(median=16, sigma=0.4, minimum=4, maximum=40)
+        return TraceSpec(
+            "memory-bursty",
+            "onoff",
+            12.0 * rate_scale,
+            duration_s,
+            prompt,
+            output,
+            on_s=1.0,
+            off_s=1.5,
+        )
+    prompt = LengthDistribution(median=1536, sigma=0.4, minimum=256, maximum=3072)
+    output = LengthDistribution(median=256, sigma=0.5, minimum=32, maximum=768)
+    return TraceSpec(
+        "memory-bursty", "onoff", 45.0 * rate_scale, duration_s, prompt, output, on_s=4.0, off_s=6.0
+    )
+
+
+def _budgeted_policy(resident_bytes: int, bytes_per_token: float, max_examples: int) -> Any:
+    """A quantum beside decode whenever none runs, sized to the budget it reads (the finetune
+    side's adaptation: fewer examples per micro-batch when the budget is small)."""
+    from gpu_runtime.colocation import CoLocationPolicy, FinetuneLaunch, IterationPlan
+
+    class BudgetedQuanta(CoLocationPolicy):
+        name = "budgeted"
+
+        def plan(self, ctx: Any) -> Any:
+            if not ctx.jobs or ctx.in_flight is not None:
+                return IterationPlan()
+            job = ctx.jobs[0]
+            budget = ctx.finetune_budget_bytes or 0
+            tokens = int((budget - resident_bytes) / bytes_per_token)
+            tokens = min(tokens, max_examples * job.max_seq_len)
+            if tokens < job.max_seq_len:
+                return IterationPlan(paused=True, note=f"budget {budget} B too small")
+            return IterationPlan(launches=(FinetuneLaunch(job.job_id, tokens),))
+
+    return BudgetedQuanta()
+
+
+def _finetune_footprint(trainer: Any, seq_len: int, device: Any) -> tuple[int, float]:
+    """(bytes kept between quanta, activation bytes per token), measured with 1 and 4 examples
+    on CUDA (the quantum's peak above what was allocated before it)."""
+    import torch
+
+    if device.type != "cuda":
+        return 0, 64.0 * 1024  # CPU: budgets are accounting only
+    peaks = {}
+    for examples in (1, 4, 1, 4):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        trainer.step_quantum(max_tokens=examples * seq_len)
+        torch.cuda.synchronize()
+        peaks[examples] = torch.cuda.max_memory_allocated() - before
+    resident = torch.cuda.memory_allocated() - trainer_start_allocated(trainer)
+    per_token = (peaks[4] - peaks[1]) / (3 * seq_len)
+    return max(resident, 0) + int(peaks[1] - per_token * seq_len), per_token * 1.1
+
+
+def trainer_start_allocated(trainer: Any) -> int:
+    return int(getattr(trainer, "_bench_allocated_at_start", 0))
+
+
+def _run_phase(
+    name: str, args: Any, model: Any, trace: list[Any], prompts: list[list[int]], plan: dict
+) -> dict[str, Any]:
+    import torch
+
+    synthetic_examples = _bench_module("colocate").synthetic_examples
+    from gpu_runtime.colocation import HostLoop
+    from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.finetune.trainer import LoraTrainer
+    from gpu_runtime.memory import EngineMemory, MemoryPolicyConfig, create_page_pool
+
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    kv_dtype = "bfloat16" if cuda else "float32"
+    pool = create_page_pool(
+        device=args.device,
+        pool_bytes=int(args.pool_gib * GIB),
+        page_bytes=PAGE if cuda else plan["cpu_page_bytes"],
+        pinned_tail_pages=1,
+    )
+    page = pool.page_bytes
+    static = name == "static_split"
+    policy = MemoryPolicyConfig(
+        reserve_low_pages=plan["reserve_low_pages"],
+        reserve_high_pages=plan["reserve_high_pages"],
+        max_step_pages=plan["step_pages"],
+        shrink_after_iterations=10**9 if static else plan["hysteresis"],
+        grow_hold_iterations=plan["hysteresis"],
+        min_decode_pages=plan["static_decode_pages"] if static else 1,
+        reclaim_from_finetune=not static,
+    )
+    memory = EngineMemory.prepare(
+        pool,
+        model.config,
+        block_size=16,
+        kv_dtype=kv_dtype,
+        max_model_len=args.max_model_len,
+        policy=policy,
+    )
+    engine = Engine(
+        model,
+        EngineConfig(
+            num_kv_blocks=memory.binding.initial_blocks,
+            kv_block_capacity=memory.binding.capacity_blocks,
+            block_size=16,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+            max_model_len=args.max_model_len,
+            device=args.device,
+            cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        ),
+        kv_storage_factory=memory.binding.storage_factory,
+    )
+    memory.attach(engine)
+    if cuda:
+        engine.capture_cuda_graphs()
+        torch.cuda.synchronize()
+    memory.decode_ready()
+    hparams = resolve_hyperparameters(
+        n_train_examples=4096,
+        n_epochs=50,
+        batch_size=8,
+        lora=LoraSpec(rank=16, alpha=32, dropout=0.0),
+        seed=args.seed,
+        warmup_ratio=0.0,
+        max_seq_len=args.ft_seq_len,
+    )
+    examples = synthetic_examples(4096, args.ft_seq_len, model.config.vocab_size, args.seed + 1)
+    trainer = LoraTrainer(model, examples, hparams)
+    loop = HostLoop(
+        engine,
+        _budgeted_policy(plan["resident_bytes"], plan["bytes_per_token"], args.max_examples),
+        tpot_slo_ms=1e9,
+        memory=memory,
+    )
+    executor = loop.executor
+    memory.finetune_busy = lambda: executor.in_flight is not None
+    memory.wait_for_finetune = lambda: executor.wait()
+    memory.manager.set_finetune_demand(pool.num_pages * page)
+    loop.add_job("ft", trainer)
+
+    rejected = 0
+    kv_peak_blocks = 0
+    series: list[tuple[float, float, float]] = []
+    records = []
+    start = loop.clock()
+    i = 0
+    drain_until = args.duration + args.drain
+    while True:
+        now = loop.clock() - start
+        if now >= drain_until or (now >= args.duration and not engine.has_unfinished_requests()):
+            break
+        while i < len(trace) and trace[i].arrival_s <= min(now, args.duration):
+            r = trace[i]
+            params = SamplingParams(
+                max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True, detokenize=False
+            )
+            try:
+                loop.add_request(prompts[i], params, f"r{r.index}", arrival=start + r.arrival_s)
+            except ValueError:
+                rejected += 1
+            i += 1
+        record = loop.run_iteration()
+        records.append(record)
+        kv_peak_blocks = max(kv_peak_blocks, engine.block_manager.num_used_blocks)
+        if len(records) % 10 == 0:
+            split = memory.manager.split()
+            series.append(
+                (
+                    round(now, 3),
+                    split.finetune_budget_bytes / GIB,
+                    engine.block_manager.num_used_blocks * memory.manager.layout.block_bytes / GIB,
+                )
+            )
+        if not (record.decode_batch or record.prefill_tokens) and loop.executor.in_flight is None:
+            time.sleep(0.001)
+    end = loop.clock()
+    live = getattr(engine.scheduler, "requests", {})
+    unfinished = len(live)
+    preemptions = sum(getattr(r, "num_preemptions", 0) for r in live.values())
+    loop.close()
+    counters = memory.manager.counters
+    decode_ms = sorted(r.observed_ms for r in records if r.decode_batch or r.prefill_tokens)
+    lent = [r.memory_lent_bytes for r in records if r.memory_lent_bytes is not None]
+    reports = [q for r in records for q in r.quanta]
+    ooms = sum(1 for q in reports if q.error and "out of memory" in q.error.lower())
+    finished = sum(len(r.finished) for r in records)
+    window = max(end - start, 1e-9)
+    row = {
+        "model": args.model,
+        "trace": "memory-bursty",
+        "policy": "unified" if not static else "static_split",
+        "ooms": ooms + counters.finetune_ooms,
+        "dropped_requests": rejected + unfinished,
+        "arrived_requests": i,
+        "finished_requests": finished,
+        "reclaim_ms_p50": _finite(counters.reclaim_latency.percentile_ms(50)),
+        "reclaim_ms_p99": _finite(counters.reclaim_latency.percentile_ms(99)),
+        "reclaims": len(counters.reclaim_latency),
+        "finetune_wait_ms_p99": _finite(counters.wait_latency.percentile_ms(99)),
+        "decode_iter_ms_p50": _finite(_pct_sorted(decode_ms, 50)),
+        "decode_iter_ms_p99": _finite(_pct_sorted(decode_ms, 99)),
+        "mean_borrowed_gb": (sum(lent) / len(lent) / 1e9) if lent else 0.0,
+        "max_borrowed_gb": (max(lent) / 1e9) if lent else 0.0,
+        "finetune_tokens_per_s": sum(q.tokens for q in reports if not q.error) / window,
+        "finetune_quanta": len(reports),
+        "kv_peak_gb": kv_peak_blocks * memory.manager.layout.block_bytes / 1e9,
+        "kv_peak_pages": memory.manager.layout.pages_for_blocks(kv_peak_blocks),
+        "preemptions_of_unfinished": preemptions,
+        "window_s": window,
+        "iterations": len(records),
+        "counters": {k: _finite(v) for k, v in counters.as_dict().items()},
+        "series_t_lent_gib_kv_gib": series,
+    }
+    pool.close()
+    if cuda:
+        torch.cuda.empty_cache()
+    return row
+
+
+def _finite(value: float) -> float | None:
+    """JSON has no NaN: an empty statistic is null."""
+    return None if value != value else value
+
+
+def _pct_sorted(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(int(q / 100 * len(values)), len(values) - 1)]
+
+
+def trace_benchmark(args: Any) -> Path:
+    """`unified` first (it also measures decode's KV peak), then `static_split` reserving that
+    peak plus the reserve for decode and lending the rest to finetuning for good."""
+    import torch
+
+    synthetic_examples = _bench_module("colocate").synthetic_examples
+    generate = _bench_module("traces").generate
+    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.finetune.trainer import LoraTrainer
+    from gpu_runtime.model import ModelConfig, build_random_model
+
+    wall = time.perf_counter()
+    device = torch.device(args.device)
+    tiny = args.model == "tiny"
+    config = ModelConfig.preset(args.model)
+    if config.max_position_embeddings < args.max_model_len:
+        config = config.replace(max_position_embeddings=args.max_model_len)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    model = build_random_model(config, seed=args.seed, device=device, dtype=dtype)
+    spec = _trace_spec(tiny, args.duration, args.rate_scale)
+    trace = generate(spec, args.seed)
+    prompts = [r.prompt_ids(config.vocab_size) for r in trace]
+    # Finetune footprint, measured once on a scratch trainer.
+    hparams = resolve_hyperparameters(
+        n_train_examples=64,
+        n_epochs=1,
+        batch_size=8,
+        lora=LoraSpec(rank=16, alpha=32, dropout=0.0),
+        seed=args.seed,
+        warmup_ratio=0.0,
+        max_seq_len=args.ft_seq_len,
+    )
+    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    scratch = LoraTrainer(
+        model, synthetic_examples(64, args.ft_seq_len, config.vocab_size, args.seed), hparams
+    )
+    scratch._bench_allocated_at_start = allocated  # type: ignore[attr-defined]
+    resident, per_token = _finetune_footprint(scratch, args.ft_seq_len, device)
+    del scratch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    plan: dict[str, Any] = {
+        "resident_bytes": resident,
+        "bytes_per_token": per_token,
+        "reserve_low_pages": args.reserve_low_pages,
+        "reserve_high_pages": args.reserve_high_pages,
+        "step_pages": args.step_pages,
+        "hysteresis": args.hysteresis,
+        "cpu_page_bytes": 2
+        * 16
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * config.head_dim
+        * 4,
+        "static_decode_pages": 1,
+    }
+    print(
+        f"setup {time.perf_counter() - wall:.1f}s: {len(trace)} requests; finetune resident "
+        f"{resident / GIB:.2f} GiB, {per_token / 1024:.1f} KiB/token",
+        flush=True,
+    )
+    rows = [_run_phase("unified", args, model, trace, prompts, plan)]
+    unit = 16 if device.type == "cuda" else 1
+    peak_pages = rows[0]["kv_peak_pages"] + args.reserve_low_pages
+    plan["static_decode_pages"] = -(-peak_pages // unit) * unit
+    rows.append(_run_phase("static_split", args, model, trace, prompts, plan))
+    _print_trace_table(rows)
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    today = dt.datetime.now(dt.UTC)
+    unified, static = rows
+    result = {
+        "name": "memory",
+        "commit": _commit(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "created": today.isoformat(timespec="seconds"),
+        "config": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "trace": spec.as_dict(),
+            "finetune": {
+                "lora_rank": 16,
+                "alpha": 32,
+                "seq_len": args.ft_seq_len,
+                "resident_bytes": resident,
+                "bytes_per_token": per_token,
+            },
+            "static_decode_pages": plan["static_decode_pages"],
+        },
+        "rows": rows,
+        "comparisons": {
+            "borrowed_ratio_unified_over_static": _ratio(
+                unified["mean_borrowed_gb"], static["mean_borrowed_gb"]
+            ),
+            "finetune_tps_ratio_unified_over_static": _ratio(
+                unified["finetune_tokens_per_s"], static["finetune_tokens_per_s"]
+            ),
+            "decode_iter_p50_ratio_unified_over_static": _ratio(
+                unified["decode_iter_ms_p50"], static["decode_iter_ms_p50"]
+            ),
+        },
+        "wall_s": round(time.perf_counter() - wall, 1),
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"memory-{_gpu_slug(gpu)}-{today:%Y%m%d}.json"
+    path.write_text(json.dumps(result, indent=1, default=str))
+    return path
+
+
+def _print_trace_table(rows: list[dict[str, Any]]) -> None:
+    keys = (
+        "ooms",
+        "dropped_requests",
+        "reclaim_ms_p50",
+        "reclaim_ms_p99",
+        "decode_iter_ms_p50",
+        "decode_iter_ms_p99",
+        "mean_borrowed_gb",
+        "finetune_tokens_per_s",
+    )
+    print(f"{'policy':13}" + "".join(f"{k:>22}" for k in keys))
+    for row in rows:
+        cells = [row[k] for k in keys]
+        text = ["-" if c is None else f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells]
+        print(f"{row['policy']:13}" + "".join(f"{t:>22}" for t in text), flush=True)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     mech = sub.add_parser("mechanism", help="measure the CUDA VMM mechanism")
     mech.add_argument("--out", type=Path, default=ROOT / "bench" / "results")
     sub.add_parser("allocator", help="(internal) caching-allocator costs, JSON on stdout")
+    tr = sub.add_parser("trace", help="unified pool vs static split on a bursty decode trace")
+    tr.add_argument("--model", default="llama3-8b", help="preset: llama3-8b, qwen2.5-7b, tiny")
+    tr.add_argument("--device", default="cuda")
+    tr.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals a phase")
+    tr.add_argument("--drain", type=float, default=30.0, help="most seconds to finish after")
+    tr.add_argument("--rate-scale", type=float, default=1.0)
+    tr.add_argument("--pool-gib", type=float, default=80.0, help="pool size (KV + finetune)")
+    tr.add_argument("--max-model-len", type=int, default=4096)
+    tr.add_argument("--max-num-seqs", type=int, default=256)
+    tr.add_argument("--max-batched-tokens", type=int, default=2048)
+    tr.add_argument("--ft-seq-len", type=int, default=1024)
+    tr.add_argument("--max-examples", type=int, default=16, help="most examples per quantum")
+    tr.add_argument("--reserve-low-pages", type=int, default=256)
+    tr.add_argument("--reserve-high-pages", type=int, default=1024)
+    tr.add_argument("--step-pages", type=int, default=512)
+    tr.add_argument("--hysteresis", type=int, default=50)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
     args = parser.parse_args(argv)
     if args.command == "allocator":
         print(json.dumps(allocator_costs()))
+        return 0
+    if args.command == "trace":
+        path = trace_benchmark(args)
+        print(f"wrote {path}")
         return 0
     path = mechanism(args.out)
     print(f"wrote {path}")

@@ -82,6 +82,8 @@ class MemoryCounters:
     """Host time of every move that took pages back from finetuning (cache flush + maps)."""
     map_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
     """Host time of every decode map, reclaim included."""
+    wait_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
+    """Time urgent reclaims spent waiting for a running finetune quantum to end."""
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers for metrics: every counter plus reclaim/map p50 and p99 (ms)."""
@@ -90,7 +92,11 @@ class MemoryCounters:
             for f in dataclasses.fields(self)
             if not isinstance(getattr(self, f.name), LatencySamples)
         }
-        for name, samples in (("reclaim", self.reclaim_latency), ("map", self.map_latency)):
+        for name, samples in (
+            ("reclaim", self.reclaim_latency),
+            ("map", self.map_latency),
+            ("wait", self.wait_latency),
+        ):
             out[f"{name}_ms_p50"] = samples.percentile_ms(50)
             out[f"{name}_ms_p99"] = samples.percentile_ms(99)
             out[f"{name}_count"] = len(samples)

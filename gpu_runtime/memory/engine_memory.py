@@ -86,7 +86,7 @@ class EngineMemory:
         manager: MemoryManager,
         binding: KVPoolBinding,
         finetune_busy: Callable[[], bool] | None = None,
-        wait_for_finetune: Callable[[], None] | None = None,
+        wait_for_finetune: Callable[[], object] | None = None,
     ) -> None:
         """`finetune_busy` tells whether a finetune quantum is still running on the device
         (e.g. `lambda: loop.executor.in_flight is not None`; None means never) and

@@ -114,7 +114,7 @@ class KVPoolBinding:
         next_step_blocks: int,
         waiting_blocks: int = 0,
         finetune_busy: bool = False,
-        wait_for_finetune: Callable[[], None] | None = None,
+        wait_for_finetune: Callable[[], object] | None = None,
     ) -> DecodeGrant:
         """Critical path: make the next step's blocks usable (see `MemoryManager.before_step`)."""
         bm = self._bound()

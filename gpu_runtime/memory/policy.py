@@ -159,7 +159,7 @@ class MemoryManager:
         demand: DecodeDemand,
         *,
         finetune_busy: bool = False,
-        wait_for_finetune: Callable[[], None] | None = None,
+        wait_for_finetune: Callable[[], object] | None = None,
     ) -> DecodeGrant:
         """Make room for the next step's blocks; returns the usable count and any shortfall.
 
@@ -181,7 +181,9 @@ class MemoryManager:
             ):
                 self.counters.finetune_waits += 1
                 logger.info("decode needs finetune pages: waiting for the running quantum")
+                waited = self._clock()
                 wait_for_finetune()
+                self.counters.wait_latency.add(self._clock() - waited)
             got = self._grow_decode(need, reason="urgent")
             self.counters.urgent_maps += 1
             self.counters.urgent_pages += got

@@ -236,7 +236,7 @@ def test_an_urgent_reclaim_waits_for_the_running_quantum_first() -> None:
         burst, finetune_busy=True, wait_for_finetune=lambda: waits.append(1)
     )
     assert waits == [1] and grant.short_blocks == 0 and pool.finetune_pages == 10
-    assert manager.counters.finetune_waits == 1
+    assert manager.counters.finetune_waits == 1 and len(manager.counters.wait_latency) == 1
 
 
 def test_a_static_split_never_takes_finetune_pages_back() -> None:
