@@ -18,7 +18,7 @@ from django.shortcuts import redirect
 
 from api import selectors as api_selectors
 from api.errors import HarliError, error_body
-from api.models import FinetuneJob, JobStatus
+from api.models import EventType, FinetuneJob, JobStatus
 from api.services.jobs import finetune_job_cancel, finetune_job_pause, finetune_job_resume
 from api.transitions import is_legal_transition
 from console import selectors as console_selectors
@@ -131,7 +131,14 @@ def job_context(*, job: FinetuneJob) -> dict[str, Any]:
     return {
         "job": job,
         "progress": console_selectors.job_progress_map(jobs=[job])[job.pk],
-        "events": list(api_selectors.job_event_list(job=job)[:EVENTS_SHOWN]),
+        # Progress and checkpoint reports (type "metrics") are plotted and tabled; the timeline
+        # keeps the lifecycle messages readable.
+        "events": list(
+            api_selectors.job_event_list(job=job).exclude(type=EventType.METRICS)[:EVENTS_SHOWN]
+        ),
+        "metric_events": api_selectors.job_event_list(job=job)
+        .filter(type=EventType.METRICS)
+        .count(),
         "checkpoints": list(api_selectors.job_checkpoint_list(job=job)),
         "placements": list(api_selectors.placement_list(job_id=job.pk)),
     }

@@ -95,5 +95,8 @@ def test_reports_from_a_host_fill_the_console() -> None:
     # The host's own step count (40) wins over the estimate from the settings.
     jobs_page = client.get("/console/jobs/").content.decode()
     assert 'aria-valuenow="10"' in jobs_page and "step 4/40" in jobs_page
+    job_page = client.get(f"/console/jobs/{job.pk}/").content.decode()
+    assert "Step 4/40" not in job_page and "4 progress and checkpoint reports" in job_page
+    assert "Fine-tuning started on host gpu-x" in job_page
     fleet = client.get("/console/").content.decode()
     assert "gpu-x" in fleet and "Online" in fleet
