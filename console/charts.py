@@ -7,6 +7,7 @@ An empty chart carries a sentence telling the operator what is missing instead o
 
 from __future__ import annotations
 
+import html
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
@@ -206,7 +207,8 @@ def predictor_scatter(*, since: datetime) -> ChartPayload:
         figures.predictor_scatter_figure(
             per_host=[
                 LatencyPairs(
-                    label=f"{host} ({version or 'unknown'})",
+                    # plotly.js reads a few HTML tags in names; a host-reported version is text.
+                    label=f"{host} ({html.escape(version or 'unknown')})",
                     predicted_ms=predicted,
                     observed_ms=observed,
                 )

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from django.test import Client
 
-from api.models import ApiKey, GpuHost, HostStatus, JobStatus, User, UserRole
+from api.models import ApiKey, DeploymentMetric, GpuHost, HostStatus, JobStatus, User, UserRole
 from tests.console.seed import (
     DEPLOYMENT_OLD_POINTS,
     DEPLOYMENT_POINTS,
@@ -178,6 +178,17 @@ def test_live_parts_match_the_page_and_change_with_the_data(
     assert "99.25%" in deployment["parts"]["kpis"]["html"]
     assert _json(operator_client, "/console/live/deployments/nope")[0] == 404
     assert _json(Client(), "/console/live/fleet")[0] == 401
+
+
+def test_host_reported_text_is_escaped_in_plot_labels(operator_client: Client) -> None:
+    DeploymentMetric.objects.filter(host__name="gpu-a").update(
+        predictor_version='<a href="javascript:alert(1)">x</a>'
+    )
+    _, scatter = _json(operator_client, "/console/charts/predictors/scatter")
+    names = set(scatter["points"])
+    assert "gpu-a (&lt;a href=&quot;javascript:alert(1)&quot;&gt;x&lt;/a&gt;)" in names
+    page = operator_client.get("/console/predictors/").content.decode()
+    assert "javascript:alert(1)&quot;" in page and '<a href="javascript' not in page
 
 
 def test_job_list_filters_and_progress(operator_client: Client, seeded: Seeded) -> None:
