@@ -67,7 +67,8 @@ def build_training_model(serving: CausalLM, spec: LoraSpec, seed: int) -> Causal
     without touching the process's global random state.
     """
     tree = share_base_weights(serving)
-    devices = [serving.lm_head.weight.device] if serving.lm_head.weight.is_cuda else []
+    # manual_seed seeds every CUDA device: fork (and restore) all of them
+    devices = list(range(torch.cuda.device_count())) if serving.lm_head.weight.is_cuda else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         inject_adapter_in_model(lora_config(spec), tree, adapter_name=ADAPTER_NAME)

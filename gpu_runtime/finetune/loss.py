@@ -124,7 +124,8 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
-        return (grad_hidden * grad_output.to(grad_hidden.dtype), None, None, None)
+        # scale in fp32: 1/denominator is not exact in bf16
+        return ((grad_hidden.float() * grad_output).to(grad_hidden.dtype), None, None, None)
 
 
 def chunked_lm_head_loss(

@@ -67,13 +67,11 @@ class TrainerRng:
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
-        with torch.random.fork_rng(devices=self._devices()):
+        all_devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=all_devices):  # manual_seed seeds every device
             torch.manual_seed(seed)
             self.cpu_state = torch.get_rng_state()
             self.cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    def _devices(self) -> list[torch.device]:
-        return [self.device] if self.device.type == "cuda" else []
 
     def state_dict(self) -> dict[str, torch.Tensor | None]:
         return {"cpu": self.cpu_state, "cuda": self.cuda_state}
