@@ -642,8 +642,13 @@ def _run_phase(
     memory.attach(engine)
     if cuda:
         engine.capture_cuda_graphs()
+    # Warm up prefill and decode so their cached activations count as decode's, not finetune's.
+    warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
+    engine.generate([prompts[0][: args.max_batched_tokens]] * 2, warm)
+    if cuda:
         torch.cuda.synchronize()
     memory.decode_ready()
+    print(f"[{name}] pool {pool.num_pages} pages, engine ready", flush=True)
     hparams = resolve_hyperparameters(
         n_train_examples=4096,
         n_epochs=50,
