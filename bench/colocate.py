@@ -130,7 +130,7 @@ def drive(
             gap = (trace[i].arrival_s if i < len(trace) else duration_s) - (loop.clock() - start)
             gap = max(0.0, min(gap, 0.02))
             if loop.executor.in_flight is not None:
-                loop.executor.wait(gap)
+                loop.wait_for_finetune(gap)
             elif gap > 0:
                 time.sleep(min(gap, 0.002))
     end = loop.clock()

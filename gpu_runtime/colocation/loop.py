@@ -283,9 +283,19 @@ class HostLoop:
         """Iterate until no request is pending and no job can run (tests, batch runs)."""
         records: list[IterationRecord] = []
         while self.has_work() and len(records) < max_iterations:
-            records.append(self.run_iteration())
+            record = self.run_iteration()
+            records.append(record)
+            if not (record.decode_batch or record.prefill_tokens):
+                self.wait_for_finetune(timeout_s=None)
         self.executor.wait()
         return records
+
+    def wait_for_finetune(self, timeout_s: float | None) -> bool:
+        """Block until the in-flight quantum (if any) has finished or ``timeout_s`` passed;
+        for callers with no decode work, so the loop does not spin. True when none runs."""
+        if self.executor.in_flight is None:
+            return True
+        return self.executor.wait(timeout_s)
 
     def close(self) -> None:
         """Wait for the in-flight quantum, account it, stop the worker."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -182,3 +183,34 @@ def test_harli_on_the_loop_trains_under_a_loose_slo_and_pauses_under_an_impossib
     strict.run_iteration()  # prefill while decode is idle: a quantum may run
     busy = [strict.run_iteration() for _ in range(4)]
     assert all(r.paused and not r.finetune_launched for r in busy)
+
+
+def test_threaded_executor_overlaps_quanta_with_decode_and_accounts_every_token(
+    train_examples: Any,
+) -> None:
+    """The GPU executor (a worker thread) on CPU: quanta run beside decode, none is lost."""
+    from gpu_runtime.colocation import ThreadedExecutor
+
+    engine = _engine()
+    trainer = _trainer(engine, train_examples, epochs=2)
+    loop = HostLoop(
+        engine,
+        NaivePolicy(quantum_examples=1),
+        tpot_slo_ms=1e6,
+        executor=ThreadedExecutor(time.perf_counter),
+    )
+    outputs: dict[str, list[int]] = {}
+    loop.output_sink = lambda batch: outputs.update(
+        {o.request_id: o.output_token_ids for o in batch}
+    )
+    ids = [loop.add_request(p, PARAMS) for p in PROMPTS]
+    loop.add_job("j", trainer)
+    records = loop.run_until_idle(max_iterations=2000)
+    loop.close()
+    state = loop.job_state("j")
+    assert state.finished and state.failed is None
+    assert state.tokens_trained == 2 * sum(e.num_tokens for e in train_examples)
+    assert sum(r.finetune_tokens for r in records) + 0 <= state.tokens_trained
+    assert [outputs[i] for i in ids] == _decode_alone()
+    assert any(r.in_flight for r in records)
+    assert loop.executor.in_flight is None
