@@ -44,6 +44,12 @@ def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
         import torch
 
         context = torch.cuda.stream(task.stream)
+    device = task.trainer.device
+    cuda = device.type == "cuda"
+    if cuda:
+        import torch
+
+        allocated_before = torch.cuda.memory_allocated(device)
     start = clock()
     try:
         with context:
@@ -58,6 +64,8 @@ def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
             error=f"{type(exc).__name__}: {exc}",
         )
     checkpoint = result.checkpoint
+    peak = result.peak_memory_bytes
+    extra = max(peak - allocated_before, 0) if cuda and peak is not None else None
     return QuantumReport(
         job_id=task.job_id,
         tokens=int(result.tokens),
@@ -68,7 +76,8 @@ def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
         step=int(result.step),
         optimizer_step=bool(result.optimizer_step),
         job_finished=bool(result.finished),
-        peak_memory_bytes=result.peak_memory_bytes,
+        peak_memory_bytes=peak,
+        finetune_peak_bytes=extra,
         checkpoint=None if checkpoint is None else str(checkpoint),
     )
 

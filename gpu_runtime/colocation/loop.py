@@ -1,7 +1,8 @@
 """`HostLoop`: one decode engine, the host's finetune jobs, a policy; one iteration at a time.
 
 Each ``run_iteration()``:
-1. collects quanta that finished since the last iteration (accounting tokens, memory, job state);
+1. collects quanta that finished since the last iteration (accounting tokens, memory, job state)
+   and lets the memory pool make room for the step's KV blocks (``memory.before_decode``);
 2. reads the coming decode work from the engine's scheduler and asks the policy for a plan;
 3. starts the plan's CONCURRENT quantum on the finetune stream of the chosen split (a worker
    thread on GPU; inline right after decode on CPU), runs the decode step on the decode stream
@@ -216,6 +217,8 @@ class HostLoop:
         """Plan, launch, decode, account (see the module docstring); returns the record."""
         started = self.clock()
         reports = self._collect()
+        if self.memory is not None:  # before planning: a reclaim changes the finetune budget
+            self.memory.before_decode()
         snapshot = decode_snapshot(self.engine)
         ctx = self._context(started, snapshot)
         plan = self.policy.plan(ctx)
@@ -227,8 +230,6 @@ class HostLoop:
             if launch.mode is LaunchMode.CONCURRENT:
                 self.executor.submit(self._task(launch.job_id, launch, plan, finetune_stream))
         beside = self.executor.in_flight
-        if self.memory is not None:
-            self.memory.before_decode()
         decode_start = self.clock()
         outputs = self._decode(decode_stream, plan.decode_sms)
         emitted = self.clock()
@@ -370,10 +371,10 @@ class HostLoop:
         state.tokens_trained += report.tokens
         state.last_loss = report.loss
         state.step = report.step if report.step is not None else state.step
-        if report.peak_memory_bytes is not None and report.tokens:
-            state.bytes_per_token = report.peak_memory_bytes / report.tokens
-            if self.memory is not None:
-                self.memory.quantum_done(peak_bytes=report.peak_memory_bytes, resident_bytes=0)
+        if report.finetune_peak_bytes is not None and report.tokens:
+            state.bytes_per_token = report.finetune_peak_bytes / report.tokens
+        if report.peak_memory_bytes is not None and self.memory is not None:
+            self.memory.quantum_done(peak_bytes=report.peak_memory_bytes, resident_bytes=0)
         if alone and report.duration_ms > 0 and report.tokens:
             state.solo_tokens_per_s = report.tokens / (report.duration_ms / 1e3)
 

@@ -189,6 +189,9 @@ class QuantumReport:
     optimizer_step: bool = False
     job_finished: bool = False
     peak_memory_bytes: int | None = None
+    """The trainer's figure: peak CUDA memory of the whole process during the quantum."""
+    finetune_peak_bytes: int | None = None
+    """That peak less what was allocated when the quantum started: what the quantum added."""
     checkpoint: str | None = None
     error: str | None = None
 
