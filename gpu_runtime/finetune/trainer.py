@@ -8,7 +8,8 @@ decoder-layer passes (forward or backward) of the micro-batch in progress
 (:mod:`gpu_runtime.finetune.sliced`), with identical results. It returns a
 :class:`QuantumResult`. The result of training does not depend on how the scheduler sized the
 quanta: every micro-batch's summed token loss is divided by the loss-token count of its whole
-optimizer batch, so accumulated gradients are those of the batch mean (up to float rounding).
+optimizer batch, so accumulated gradients are those of the batch mean (up to float rounding;
+with LoRA dropout > 0 the masks drawn depend on the micro-batch shapes).
 
 Randomness (LoRA dropout) comes from the trainer's own generator states, swapped in around each
 quantum, so decode sampling in the same process neither disturbs training nor is disturbed, and a
