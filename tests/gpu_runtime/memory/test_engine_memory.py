@@ -108,6 +108,37 @@ def test_scheduler_demand_counts_next_chunks_and_waiting_prompts(model: CausalLM
     assert (running, waiting) == (4, 0)
 
 
+def test_the_host_loop_runs_decode_and_a_lora_job_over_the_pool(model: CausalLM) -> None:
+    from gpu_runtime.colocation import HostLoop, NaivePolicy
+    from gpu_runtime.finetune.data import TokenizedExample
+    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.finetune.trainer import LoraTrainer
+
+    engine, memory = _pooled_engine(model, pages=48)
+    gen = torch.Generator().manual_seed(5)
+    examples = [
+        TokenizedExample(tuple(ids), tuple(ids))
+        for ids in torch.randint(1, 480, (4, 12), generator=gen).tolist()
+    ]
+    hparams = resolve_hyperparameters(
+        n_train_examples=4, n_epochs=1, batch_size=2, lora=LoraSpec(rank=4, alpha=8), seed=0
+    )
+    loop = HostLoop(engine, NaivePolicy(quantum_examples=1), tpot_slo_ms=1e9, memory=memory)
+    memory.finetune_busy = lambda: loop.executor.in_flight is not None
+    memory.manager.set_finetune_demand(16 * memory.manager.pool.page_bytes)
+    loop.add_job("ft", LoraTrainer(model, examples, hparams))
+    ids = [loop.add_request(p, GREEDY) for p in _prompts(4, (6, 20, 9))]
+    finished: set[str] = set()
+    records = loop.run_until_idle(max_iterations=200)
+    for record in records:
+        finished |= {f.request_id for f in record.finished}
+    loop.close()
+    assert finished == set(ids)
+    assert loop.job_state("ft").finished and loop.job_state("ft").failed is None
+    assert max(r.memory_lent_bytes or 0 for r in records) > 0
+    memory.manager.pool.check()
+
+
 def test_an_over_budget_quantum_is_counted_not_raised(model: CausalLM) -> None:
     _, memory = _pooled_engine(model, pages=48)
     assert not memory.process_wide_peaks  # CPU: peaks are the trainer's own
