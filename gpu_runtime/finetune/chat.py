@@ -88,11 +88,14 @@ def render_chat_text(
     """Render messages to one string with the tokenizer's template, or the fallback."""
     if not has_chat_template(tokenizer):
         return _fallback_render(tokenizer, messages, add_generation_prompt)
-    rendered = tokenizer.apply_chat_template(
-        [{"role": m.role, "content": m.content} for m in messages],
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-    )
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+    except Exception as exc:  # a template error of any kind (jinja raises its own types)
+        raise ChatTemplateError(f"chat template failed: {exc}") from exc
     if not isinstance(rendered, str):
         raise ChatTemplateError(f"chat template rendered {type(rendered).__name__}, not text")
     return rendered

@@ -137,3 +137,10 @@ def test_empty_file_rejected(tokenizer: Any, tmp_path: Path) -> None:
     path.write_text("\n\n")
     with pytest.raises(TrainingDataError, match="no usable examples"):
         load_jsonl(path, tokenizer, 512)
+
+
+def test_template_errors_name_the_line(tokenizer: Any) -> None:
+    tokenizer.chat_template = "{{ raise_exception('no system messages') }}"
+    line = _chat_line(("user", "Hi"), ("assistant", "Hello"))
+    with pytest.raises(TrainingDataError, match=r"f.jsonl:1: chat template failed"):
+        tokenize_lines([line], tokenizer, 512, source="f.jsonl")
