@@ -22,91 +22,15 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from gpu_runtime.memory.config import DecodeDemand, DecodeGrant, MemoryPolicyConfig
 from gpu_runtime.memory.counters import MemoryCounters
 from gpu_runtime.memory.layout import FinetuneBudgetExceeded, KVLayout, MemoryPoolError
 from gpu_runtime.memory.pool import MemorySplit, PagePool
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class MemoryPolicyConfig:
-    """Watermarks, step size and hysteresis of the decode-first policy (units: pool pages)."""
-
-    reserve_low_pages: int = 64
-    """Decode's mapped free pages are refilled up to this (plus waiting requests' needs)."""
-    reserve_high_pages: int = 512
-    """Above this many mapped free pages for `shrink_after_iterations`, decode gives pages back."""
-    max_step_pages: int = 64
-    """Most pages one `maintain` call maps, unmaps, lends or reclaims (small steps)."""
-    shrink_after_iterations: int = 50
-    """Consecutive iterations above the high watermark before KV pages go back."""
-    grow_hold_iterations: int = 50
-    """Iterations after the last reclaim before finetuning may grow again."""
-    min_decode_pages: int = 1
-    """Pages decode always keeps mapped (page 0 holds the padding block CUDA graphs read)."""
-    max_waiting_pages: int = 1024
-    """Cap on the pages the reserve grows by for queued requests."""
-    reclaim_from_finetune: bool = True
-    """False turns the pool into a static split: pages lent to finetuning never come back to
-    decode, which preempts instead (the baseline the benchmark compares with)."""
-
-    def __post_init__(self) -> None:
-        for name in (
-            "reserve_low_pages",
-            "reserve_high_pages",
-            "shrink_after_iterations",
-            "grow_hold_iterations",
-            "max_waiting_pages",
-        ):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.max_step_pages <= 0:
-            raise ValueError(f"max_step_pages must be positive, got {self.max_step_pages}")
-        if self.min_decode_pages < 1:
-            raise ValueError(f"min_decode_pages must be >= 1, got {self.min_decode_pages}")
-        if self.reserve_high_pages <= self.reserve_low_pages:
-            raise ValueError(
-                f"reserve_high_pages ({self.reserve_high_pages}) must exceed "
-                f"reserve_low_pages ({self.reserve_low_pages})"
-            )
-
-
-@dataclass(frozen=True)
-class DecodeDemand:
-    """Decode's block usage as its block manager and scheduler see it now."""
-
-    used_blocks: int
-    """Blocks held by running requests."""
-    next_step_blocks: int = 0
-    """Blocks the next step will allocate (tokens crossing a block edge, admitted prefills)."""
-    waiting_blocks: int = 0
-    """Blocks the queued (not yet admitted) requests would need: grows the reserve ahead."""
-    top_used_block: int | None = None
-    """One past the highest block id in use (0 when none), if known; blocks below it can't be
-    unmapped. Costly to compute, so `maintain` also takes it as a callable, asked only when
-    decode is about to give pages back."""
-
-    def __post_init__(self) -> None:
-        for name in ("used_blocks", "next_step_blocks", "waiting_blocks"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.top_used_block is not None and self.top_used_block < self.used_blocks:
-            raise ValueError(
-                f"top_used_block ({self.top_used_block}) < used_blocks ({self.used_blocks})"
-            )
-
-
-@dataclass(frozen=True)
-class DecodeGrant:
-    """What the decode block manager applies before allocating for the next step."""
-
-    usable_blocks: int
-    """Block ids `[0, usable_blocks)` are backed by memory; allocate only below this."""
-    short_blocks: int
-    """Blocks the next step wants beyond `usable_blocks`: preempt requests to free them."""
+__all__ = ["DecodeDemand", "DecodeGrant", "MemoryManager", "MemoryPolicyConfig"]
 
 
 class MemoryManager:
