@@ -11,7 +11,14 @@ from django.utils import timezone
 
 from api import selectors as api_selectors
 from api.models import Deployment, DeploymentMetric, HostMetric
-from console.selectors.series import FRESHNESS, Columns, columns_from_rows, downsample
+from console.selectors.series import (
+    FRESHNESS,
+    Columns,
+    bucket_width,
+    columns_from_rows,
+    combine_hosts,
+    downsample,
+)
 
 # Hosts
 
@@ -53,35 +60,41 @@ DEPLOYMENT_COLUMNS = (
 )
 
 
-def deployment_series(*, deployment: Deployment, since: datetime) -> Columns:
-    """The deployment's metrics since `since`, all hosts together, oldest first.
-
-    When several hosts serve a deployment, each reports its own rows; they are interleaved by
-    time here (the chart shows every report).
-    """
+def deployment_series(
+    *, deployment: Deployment, since: datetime, now: datetime | None = None
+) -> Columns:
+    """The deployment's metrics since `since`, oldest first, all its hosts combined per time
+    bucket (see `combine_hosts`): goodput and request rate add up across hosts, TPOT p99 is the
+    worst host's, SLO attainment is weighted by each host's request rate, the rest are means."""
+    now = now or timezone.now()
     rows = (
         DeploymentMetric.objects.filter(deployment=deployment, ts__gte=since)
         .order_by("ts", "pk")
-        .values_list("ts", *DEPLOYMENT_COLUMNS)
+        .values_list("ts", "host_id", *DEPLOYMENT_COLUMNS)
     )
-    columns = columns_from_rows(list(rows), DEPLOYMENT_COLUMNS)
-    return downsample(columns, aggregate={"tpot_p99_ms": "max"})
+    return combine_hosts(
+        list(rows),
+        DEPLOYMENT_COLUMNS,
+        width=bucket_width(now - since),
+        summed=frozenset({"goodput_tokens_per_s", "request_rate"}),
+        maxed=frozenset({"tpot_p99_ms"}),
+        weighted=frozenset({"slo_attainment"}),
+        weight="request_rate",
+    )
 
 
 def attainment_series(*, since: datetime) -> dict[int, Columns]:
-    """SLO attainment (fraction) of every deployment since `since`, keyed by deployment id."""
-    rows = (
-        DeploymentMetric.objects.filter(ts__gte=since)
-        .order_by("deployment_id", "ts", "pk")
-        .values_list("deployment_id", "ts", "slo_attainment")
+    """SLO attainment (fraction) of every deployment that reported since `since`, by id."""
+    reporting = set(
+        DeploymentMetric.objects.filter(ts__gte=since).values_list("deployment_id", flat=True)
     )
-    grouped: dict[int, list[tuple[object, ...]]] = defaultdict(list)
-    for deployment_id, ts, attainment in rows:
-        grouped[deployment_id].append((ts, attainment))
-    return {
-        key: downsample(columns_from_rows(items, ["slo_attainment"]))
-        for key, items in grouped.items()
-    }
+    result = {}
+    for deployment in api_selectors.deployment_list().filter(pk__in=reporting):
+        columns = deployment_series(deployment=deployment, since=since)
+        result[deployment.pk] = Columns(
+            ts=columns.ts, values={"slo_attainment": columns.values["slo_attainment"]}
+        )
+    return result
 
 
 @dataclass(frozen=True)

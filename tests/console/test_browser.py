@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import pytest
-from django.utils import timezone
 
 from api.models import DeploymentMetric, FinetuneJob, GpuHost, HostStatus, JobStatus
 from tests.console.seed import (
@@ -218,7 +218,7 @@ def test_live_refresh_and_inline_errors(page: Any, fleet: Seeded, settings: Any)
     page.evaluate("window.__stillHere = true")
     DeploymentMetric.objects.create(
         deployment=fleet.deployment,
-        ts=timezone.now(),
+        ts=fleet.now + timedelta(seconds=10),  # the next 10 s bucket: a new point
         tpot_p50_ms=25.0,
         tpot_p99_ms=41.0,
         slo_attainment=1.0,

@@ -50,6 +50,39 @@ def test_downsample_keeps_all_null_buckets_null() -> None:
         downsample(columns, max_points=0)
 
 
+def test_combine_hosts_adds_rates_keeps_the_worst_p99_and_weights_attainment() -> None:
+    names = ["p50", "p99", "attainment", "rate"]
+    rows = [
+        # bucket [0, 10): host a twice (averaged first), host b once
+        (T0, "a", 20.0, 40.0, 1.0, 10.0),
+        (T0 + timedelta(seconds=5), "a", 22.0, 50.0, 1.0, 10.0),
+        (T0 + timedelta(seconds=6), "b", 30.0, 45.0, 0.5, 30.0),
+        # bucket [10, 20): host b alone, one value missing
+        (T0 + timedelta(seconds=12), "b", 31.0, 46.0, None, 30.0),
+    ]
+    combined = selectors.combine_hosts(
+        rows,
+        names,
+        width=timedelta(seconds=10),
+        summed=frozenset({"rate"}),
+        maxed=frozenset({"p99"}),
+        weighted=frozenset({"attainment"}),
+        weight="rate",
+    )
+    assert combined.ts == [T0 + timedelta(seconds=6), T0 + timedelta(seconds=12)]
+    assert combined.values["p50"] == [(21.0 + 30.0) / 2, 31.0]
+    assert combined.values["p99"] == [50.0, 46.0]
+    assert combined.values["rate"] == [40.0, 30.0]
+    assert combined.values["attainment"] == [pytest.approx((1.0 * 10 + 0.5 * 30) / 40), None]
+    with pytest.raises(ValueError, match="width must be positive"):
+        selectors.combine_hosts(rows, names, width=timedelta(0))
+
+
+def test_bucket_width_grows_only_for_long_windows() -> None:
+    assert selectors.bucket_width(timedelta(hours=6)) == timedelta(seconds=10)
+    assert selectors.bucket_width(timedelta(hours=24)) == timedelta(seconds=40)
+
+
 def test_progress_rate_and_eta_come_from_first_and_last_reports() -> None:
     points = [(T0, 10), (T0 + timedelta(seconds=50), 20)]  # 0.2 steps/s
     progress = progress_from(points=points, total_steps=40)
