@@ -1,0 +1,78 @@
+"""Run the inference server: `python -m gpu_runtime.server [--model-dir DIR] [--port 8100]`.
+
+Without --model-dir it builds the tiny random model and tokenizer (CPU-friendly, no download)
+into --tiny-dir. API keys come from HARLI_INFERENCE_API_KEYS (comma-separated).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+from pathlib import Path
+
+from fastapi import FastAPI
+
+from gpu_runtime.engine import Engine, EngineConfig
+from gpu_runtime.model.tiny import build_tiny_model_dir
+from gpu_runtime.server.app import create_app
+from gpu_runtime.server.auth import API_KEYS_ENV, keys_from_env
+from gpu_runtime.server.engine_loop import EngineLoop
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Command-line options."""
+    parser = argparse.ArgumentParser(prog="python -m gpu_runtime.server", description=__doc__)
+    parser.add_argument("--model-dir", type=Path, default=None, help="HF-format model directory")
+    parser.add_argument("--tiny-dir", type=Path, default=Path("var/tiny-model"))
+    parser.add_argument("--model-name", default=None, help="name clients pass as `model`")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8100)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default=None, help="float32 | bfloat16 | float16")
+    parser.add_argument("--num-kv-blocks", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int, default=512)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
+    parser.add_argument("--no-cuda-graphs", action="store_true")
+    return parser.parse_args(argv)
+
+
+def build(args: argparse.Namespace) -> tuple[FastAPI, EngineLoop]:
+    """Engine, started engine loop and app for `args` (the caller runs and stops them)."""
+    model_dir = args.model_dir
+    if model_dir is None:
+        model_dir = args.tiny_dir
+        if not (model_dir / "config.json").exists():
+            build_tiny_model_dir(model_dir)
+    config = EngineConfig(
+        num_kv_blocks=args.num_kv_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        device=args.device,
+        use_cuda_graphs=not args.no_cuda_graphs,
+    )
+    engine = Engine.from_directory(model_dir, config, dtype=args.dtype)
+    engine.capture_cuda_graphs()
+    loop = EngineLoop(engine)
+    loop.start()
+    name = args.model_name or Path(model_dir).name
+    return create_app(loop, name, keys_from_env(API_KEYS_ENV)), loop
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Serve until interrupted."""
+    import uvicorn
+
+    args = parse_args(argv)
+    app, loop = build(args)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    finally:
+        loop.stop()
+
+
+if __name__ == "__main__":
+    main()
