@@ -65,6 +65,8 @@ class HarliConfig:
     """Quantile of recent relative under-prediction errors added to the margin."""
     error_window: int = 256
     """Iterations the error quantile is taken over."""
+    error_smoothing: int = 16
+    """Iterations each error (and each SLO breach check) is averaged over."""
     min_error_samples: int = 8
     """Below this many observations the margin is ``initial_margin``."""
     initial_margin: float = 0.15
@@ -126,13 +128,21 @@ class MarginTracker:
     def __init__(self, config: HarliConfig) -> None:
         self.config = config
         self._errors: deque[float] = deque(maxlen=config.error_window)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=config.error_smoothing)
         self._violation = 0.0
 
     def observe(self, predicted_ms: float, observed_ms: float, tpot_slo_ms: float) -> None:
+        """One busy iteration. Errors and breaches are judged on the mean over the last
+        ``error_smoothing`` iterations: a request's TPOT is a mean over its tokens, so one slow
+        iteration (a prefill chunk) matters less than a bias that persists."""
         self._violation *= self.config.violation_decay
-        if predicted_ms > 0:
-            self._errors.append((observed_ms - predicted_ms) / predicted_ms)
-        if observed_ms > tpot_slo_ms:
+        if predicted_ms <= 0:
+            return
+        self._recent.append((predicted_ms, observed_ms))
+        predicted = sum(p for p, _ in self._recent)
+        observed = sum(o for _, o in self._recent)
+        self._errors.append((observed - predicted) / predicted)
+        if observed / len(self._recent) > tpot_slo_ms:
             self._violation += self.config.violation_step
 
     @property

@@ -171,3 +171,17 @@ def test_quantum_durations_fit_overhead_and_rate_per_choice() -> None:
     )
     durations.observe(None, LaunchMode.AFTER_DECODE, 1000, 110.0)
     assert durations.solo_rate(job) == pytest.approx(1000 / 0.1)  # (110 - 10) ms per 1000
+
+
+def test_margin_reacts_to_persistent_bias_not_to_a_lone_spike() -> None:
+    from gpu_runtime.colocation.harli import MarginTracker
+
+    config = HarliConfig(base_margin=0.02, error_quantile=0.98, error_smoothing=16)
+    spiky = MarginTracker(config)
+    for i in range(200):
+        spiky.observe(10.0, 30.0 if i == 100 else 10.0, tpot_slo_ms=15.0)
+    biased = MarginTracker(config)
+    for _ in range(200):
+        biased.observe(10.0, 13.0, tpot_slo_ms=15.0)
+    assert spiky.margin < 0.15
+    assert biased.margin == pytest.approx(0.02 + 0.3)
