@@ -334,7 +334,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals a run")
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--slo-factor", type=float, default=1.5)
-    parser.add_argument("--decode-groups", default="4,5,6,7,8,10,12", help="decode SMs / 8 per split")
+    parser.add_argument(
+        "--decode-groups", default="4,5,6,7,8,10,12", help="decode SMs / 8 per split"
+    )
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument("--calibrate-s", type=float, default=8.0)
     parser.add_argument("--max-quantum-ms", type=float, default=150.0)
