@@ -118,6 +118,8 @@ class Engine:
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         if plan.is_empty:
+            if plan.finished_request_ids:  # nothing to run, but runner state to drop
+                self.runner.execute(plan, partition)
             self.last_step_seconds = time.perf_counter() - started
             return []
         result = self.runner.execute(plan, partition)

@@ -169,3 +169,17 @@ def test_text_prompts_stop_strings_and_eos(tiny_dir: Path) -> None:
         ["Hello world"], SamplingParams(max_tokens=24, temperature=0.0, stop_token_ids=(first,))
     )[0]
     assert by_token.output_token_ids == [first] and by_token.finish_reason == "stop"
+
+
+def test_runner_state_is_dropped_for_finished_aborted_and_idle_steps(tiny_llama: CausalLM) -> None:
+    engine = Engine(tiny_llama, _config(max_num_seqs=2))
+    for _ in range(4):  # more request cycles than runner rows (max_num_seqs + 1)
+        first = engine.add_request([1, 2, 3], GREEDY)
+        engine.add_request([4, 5], GREEDY)
+        engine.step()
+        engine.abort_request(first)
+        while engine.has_unfinished_requests():
+            engine.step()
+        engine.step()  # idle step: finished ids still reach the runner
+        assert engine.runner.states == {}
+        assert engine.block_manager.num_free_blocks == 96
