@@ -18,6 +18,9 @@ that will hold the split is checked against the batch the queue will bring in (r
 waiting requests), not only the current one. When nothing is safe, finetuning pauses for that
 iteration (decode gets the whole device) and the plan says so.
 
+When decode is idle, a quantum is planned as if one request had just arrived (spatial choices
+only), so a request that does arrive while the quantum holds its split still meets the SLO.
+
 While a quantum is in flight its SMs are taken: the policy only picks the decode split with the
 lowest predicted TPOT given that quantum (no new launch).
 
@@ -30,7 +33,7 @@ errors ``(observed - predicted) / predicted`` (only under-predictions count), ca
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gpu_runtime.colocation.baselines import memory_cap_tokens
@@ -77,8 +80,9 @@ class HarliConfig:
     """Per-iteration decay factor of that extra margin."""
     quantum_examples: tuple[int, ...] = (1, 2, 4, 8)
     """Quantum sizes considered, in examples of the job's longest length."""
-    idle_quantum_examples: int = 8
-    """Quantum size when decode has nothing to do."""
+    idle_probe_context_tokens: int = 512
+    """When decode is idle, quanta are planned as if one request of this context were
+    decoding (one may arrive while the quantum holds its split)."""
     max_quantum_ms: float = 250.0
     """Cap on a quantum's expected duration (the smallest size is exempt)."""
     prior_quantum_overhead_ms: float = 0.0
@@ -248,8 +252,13 @@ class HarliPolicy(CoLocationPolicy):
         options = ctx.decode_sms_options
         full = options[-1] if options else None
         margin = self.margins.margin
-        if ctx.decode.is_idle:
-            return self._idle_plan(ctx, full, margin)
+        idle = ctx.decode.is_idle
+        if idle:
+            if not ctx.jobs or ctx.in_flight is not None:
+                return IterationPlan(full, (), None, None, margin, note="idle")
+            # Plan for the request that may arrive while the quantum runs.
+            probe = DecodeSnapshot.from_contexts([self.config.idle_probe_context_tokens])
+            ctx = replace(ctx, decode=probe)
         bound = ctx.tpot_slo_ms * (1.0 - margin)
         total = ctx.total_sms
         solo_full = self.latency.predict_ms(decode_iteration(ctx.decode, 1.0), None)
@@ -276,11 +285,13 @@ class HarliPolicy(CoLocationPolicy):
         if total and ctx.spatial:
             for d in options[:-1]:
                 choices += self._spatial(ctx, job, d, total, sizes, bound)
-        if self.config.allow_shared:
+        if self.config.allow_shared and not idle:
             choices += self._spatial(ctx, job, full, total, sizes, bound)
-        if self.config.allow_slice:
+        if self.config.allow_slice and not idle:
             choices += self._slices(ctx, job, full, sizes, bound, solo_full)
         if not choices:
+            if idle:
+                return IterationPlan(full, (), None, None, margin, note="idle, no safe split")
             self.pauses += 1
             return IterationPlan(
                 full, (), solo_full, solo_full, margin, paused=True, note="no safe choice"
@@ -298,7 +309,7 @@ class HarliPolicy(CoLocationPolicy):
             best.predicted_ms,
             solo,
             margin,
-            note=f"{best.mode.value} k={best.examples}",
+            note=("decode idle: " if idle else "") + f"{best.mode.value} k={best.examples}",
         )
 
     def _spatial(
@@ -376,19 +387,6 @@ class HarliPolicy(CoLocationPolicy):
         solo = self.latency.predict_ms(decode_iteration(ctx.decode, share), None)
         note = "quantum in flight" + (" (predicted over bound)" if predicted > bound else "")
         return IterationPlan(d, (), predicted, solo, margin, note=note)
-
-    def _idle_plan(self, ctx: IterationContext, full: int | None, margin: float) -> IterationPlan:
-        """Decode has nothing to do: give finetuning the most SMs."""
-        if not ctx.jobs or ctx.in_flight is not None:
-            return IterationPlan(full, (), None, None, margin, note="idle")
-        job = ctx.jobs[0]
-        cap = memory_cap_tokens(job, ctx.finetune_budget_bytes)
-        k = self.config.idle_quantum_examples
-        while k > 1 and cap is not None and k * job.max_seq_len > cap:
-            k //= 2
-        d = ctx.decode_sms_options[0] if ctx.spatial and ctx.decode_sms_options else full
-        launch = FinetuneLaunch(job.job_id, k * job.max_seq_len, LaunchMode.CONCURRENT)
-        return IterationPlan(d, (launch,), None, None, margin, note="decode idle")
 
     # ---- feedback -----------------------------------------------------------------------
     def observe(self, record: IterationRecord) -> None:

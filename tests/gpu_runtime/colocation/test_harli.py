@@ -138,12 +138,25 @@ def test_in_flight_quantum_keeps_its_split_and_blocks_new_launches() -> None:
     assert plan.launches == () and plan.decode_sms == 64 and "in flight" in plan.note
 
 
-def test_idle_decode_gives_finetuning_the_most_sms() -> None:
+def test_idle_decode_plans_for_a_request_arriving_during_the_quantum() -> None:
     policy = HarliPolicy(MODEL)
-    plan = policy.plan(context(DecodeSnapshot(0, 0, 0), 20.0))
-    assert plan.decode_sms == OPTIONS[0]
-    assert plan.launches[0].mode is LaunchMode.CONCURRENT
-    assert plan.launches[0].max_tokens == HarliConfig().idle_quantum_examples * JOB.max_seq_len
+    idle = DecodeSnapshot(0, 0, 0)
+    roomy = policy.plan(context(idle, 1e4))
+    assert roomy.decode_sms == OPTIONS[0] and roomy.launches
+    assert roomy.launches[0].mode is LaunchMode.CONCURRENT
+    plan = policy.plan(context(idle, 12.0))
+    assert plan.margin is not None and plan.decode_sms is not None and plan.launches
+    probe = DecodeSnapshot.from_contexts([HarliConfig().idle_probe_context_tokens])
+    bound = 12.0 * (1 - plan.margin)
+    tokens = plan.launches[0].max_tokens
+    assert _predicted(probe, plan.decode_sms, LaunchMode.CONCURRENT, tokens) <= bound
+    smaller = [d for d in OPTIONS if d < plan.decode_sms]
+    assert smaller and all(
+        _predicted(probe, d, LaunchMode.CONCURRENT, JOB.max_seq_len) > bound for d in smaller
+    )
+    assert policy.pauses == 0
+    nothing = policy.plan(context(idle, 1.0))
+    assert nothing.launches == () and not nothing.paused
 
 
 def test_without_a_partitioner_only_shared_or_sliced_choices_exist() -> None:
