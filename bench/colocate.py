@@ -334,9 +334,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals a run")
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--slo-factor", type=float, default=1.5)
-    parser.add_argument(
-        "--decode-groups", default="4,5,6,7,8,10,12", help="decode SMs / 8 per split"
-    )
+    parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument("--calibrate-s", type=float, default=8.0)
     parser.add_argument("--max-quantum-ms", type=float, default=150.0)
@@ -366,11 +364,11 @@ def main() -> None:
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     model = build_random_model(config, seed=args.seed, device=device, dtype=dtype)
     vocab = config.vocab_size
-    buckets = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128)
+    buckets = (1, 2, 4, 8, 16, 24, 32, 48, 64)
     engine_config = EngineConfig(
         num_kv_blocks=4096 if device.type == "cuda" else 512,
         block_size=16,
-        max_num_seqs=128,
+        max_num_seqs=64,
         max_num_batched_tokens=512,
         max_model_len=2048,
         device=str(device),
