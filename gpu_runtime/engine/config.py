@@ -42,6 +42,10 @@ class EngineConfig:
     fused_decode_kernels: bool = True
     """On CUDA, run the decode step through fused Triton kernels (RMSNorm, RoPE + cache write,
     SwiGLU); False runs `CausalLM.forward` with the Triton attention only."""
+    static_decode_batches: bool | None = None
+    """Run decode-only steps over fixed-shape buffers padded to a batch bucket (what CUDA graphs
+    replay). None: on with the triton backend; True on CPU runs the same staging with torch
+    attention (tests)."""
     use_cuda_graphs: bool = True
     """Capture the decode step per batch bucket (CUDA only; ignored on CPU)."""
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
@@ -112,6 +116,13 @@ class EngineConfig:
         if self.attention_backend == "auto":
             return "triton" if self.is_cuda else "torch"
         return self.attention_backend
+
+    @property
+    def resolved_static_decode_batches(self) -> bool:
+        """`static_decode_batches` after resolving None."""
+        if self.static_decode_batches is None:
+            return self.resolved_attention_backend == "triton"
+        return self.static_decode_batches
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """Buckets actually captured: those <= max_num_seqs, plus max_num_seqs when larger."""

@@ -87,7 +87,10 @@ class ModelRunner:
         self.use_triton = config.resolved_attention_backend == "triton"
         self._graphs: DecodeGraphs | None = None
         self._buckets = config.graph_batch_sizes()
-        if self.use_triton:
+        self.static_decode = config.resolved_static_decode_batches
+        self.num_static_decode_steps = 0
+        self._fused: FusedDecodeForwardType | None = None
+        if self.static_decode:
             self._init_decode_buffers(pin)
 
     # ---- request state ----------------------------------------------------------------------
@@ -131,7 +134,7 @@ class ModelRunner:
             s.num_computed_tokens + 1 == len(s.token_ids) for s in states
         )
         result = ModelRunnerOutput()
-        if decode_only and self.use_triton and len(order) <= self._buckets[-1]:
+        if decode_only and self.static_decode and len(order) <= self._buckets[-1]:
             logits, bucket, used_graph = self._decode_logits(states, partition)
             sampled_ids = [rid for rid, _ in order]
             result.used_cuda_graph = used_graph
@@ -233,27 +236,34 @@ class ModelRunner:
         self._buf_ints[2].fill_(self.kv_cache.pad_block)
         self._buf_seq_lens = torch.zeros(size, dtype=torch.int32, device=dev)
         self._buf_table = torch.zeros(size, width, dtype=torch.int32, device=dev)
-        props = torch.cuda.get_device_properties(dev)
-        self._num_sms = int(props.multi_processor_count)
-        self._fused: FusedDecodeForwardType | None = None
-        if self.config.fused_decode_kernels:
+        self._num_sms = 1
+        if dev.type == "cuda":
+            self._num_sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
+        if self.use_triton and self.config.fused_decode_kernels:
             from gpu_runtime.engine.fast_decode import FusedDecodeForward
 
             self._fused = FusedDecodeForward(self.model, self.kv_cache, self.config.max_model_len)
 
     def decode_forward(self, bucket: int) -> torch.Tensor:
         """Logits `[bucket, vocab]` of a decode step over the static buffers (graph body)."""
-        from gpu_runtime.engine.attention.triton_decode import (
-            TritonDecodeAttention,
-            choose_num_splits,
-        )
-
         metadata = AttentionMetadata(
             slot_blocks=self._buf_ints[2, :bucket],
             slot_offsets=self._buf_ints[3, :bucket],
             seq_lens=self._buf_seq_lens[:bucket],
             block_tables=self._buf_table[:bucket],
         )
+        if not self.use_triton:  # same buffers, torch attention (CPU coverage of the staging)
+            metadata.query_lens_host = [1] * bucket
+            metadata.seq_lens_host = self._stage_seq_lens_np[:bucket].tolist()
+            compute_dtype = torch.float32 if self.device.type == "cpu" else None
+            reference = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
+            hidden = self.model(self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], reference)
+            return self.model.compute_logits(hidden)
+        from gpu_runtime.engine.attention.triton_decode import (
+            TritonDecodeAttention,
+            choose_num_splits,
+        )
+
         splits = choose_num_splits(bucket, self.model.config.num_key_value_heads, self._num_sms)
         if self._fused is not None:
             return self._fused(
@@ -307,6 +317,7 @@ class ModelRunner:
         self._buf_ints[:, :bucket].copy_(self._stage_ints[:, :bucket], non_blocking=True)
         self._buf_seq_lens[:bucket].copy_(self._stage_seq_lens[:bucket], non_blocking=True)
         self._buf_table[:bucket].copy_(self._stage_table[:bucket], non_blocking=True)
+        self.num_static_decode_steps += 1
         graphs = self._graphs
         if graphs is not None and graphs.has(bucket, partition):
             logits = graphs.replay(bucket, partition)

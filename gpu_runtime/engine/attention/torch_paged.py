@@ -45,6 +45,10 @@ class TorchPagedAttention:
         for i, (count, length) in enumerate(zip(self.query_lens, self.seq_lens, strict=True)):
             if count == 0:
                 continue
+            if length == 0:  # a padded slot of a fixed-shape batch: attends to nothing
+                out[start : start + count] = 0
+                start += count
+                continue
             keys, values = self.cache.gather(layer_idx, meta.block_tables[i], length)
             qi = q[start : start + count].transpose(0, 1).to(dtype)  # [H, n, D]
             ki = keys.transpose(0, 1).repeat_interleave(groups, dim=0).to(dtype)  # [H, L, D]

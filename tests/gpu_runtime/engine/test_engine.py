@@ -183,3 +183,17 @@ def test_runner_state_is_dropped_for_finished_aborted_and_idle_steps(tiny_llama:
         engine.step()  # idle step: finished ids still reach the runner
         assert engine.runner.states == {}
         assert engine.block_manager.num_free_blocks == 96
+
+
+def test_fixed_shape_decode_batches_give_the_same_tokens(tiny_llama: CausalLM) -> None:
+    """The bucketed decode path (padding, staged block tables, static buffers) on CPU."""
+    prompts = _prompts(4, (3, 17, 40, 9, 26))
+    dynamic = Engine(tiny_llama, _config()).generate(prompts, GREEDY)
+    static_engine = Engine(
+        tiny_llama, _config(static_decode_batches=True, cuda_graph_batch_sizes=(1, 2, 4))
+    )
+    assert static_engine.runner.static_decode
+    # 5 sequences are padded into the bucket of 8 (max_num_seqs) for every decode step
+    outputs = static_engine.generate(prompts, GREEDY)
+    assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in dynamic]
+    assert static_engine.runner.num_static_decode_steps >= GREEDY.max_tokens - 2
