@@ -195,11 +195,15 @@ class DataStream:
         return self._order
 
     def plan(
-        self, max_examples: int | None = None, max_tokens: int | None = None
+        self,
+        max_examples: int | None = None,
+        max_tokens: int | None = None,
+        pad_to_multiple: int = 1,
     ) -> MicroBatchPlan:
         """The next micro-batch: up to the end of the current optimizer batch, at most
-        ``max_examples`` examples and ``max_tokens`` padded tokens (longest x count); always at
-        least one example, even when it alone exceeds ``max_tokens``."""
+        ``max_examples`` examples and ``max_tokens`` padded tokens (longest, rounded up to
+        ``pad_to_multiple`` as :func:`collate` pads, x count); always at least one example, even
+        when it alone exceeds ``max_tokens``."""
         if self.finished:
             raise RuntimeError("the data stream is finished")
         if max_examples is not None and max_examples < 1:
@@ -213,7 +217,8 @@ class DataStream:
         for i in order[index:batch_end]:
             if max_examples is not None and len(chosen) >= max_examples:
                 break
-            longest_if_added = max(longest, self._lengths[i])
+            padded = -(-self._lengths[i] // pad_to_multiple) * pad_to_multiple
+            longest_if_added = max(longest, padded)
             if (
                 chosen
                 and max_tokens is not None

@@ -179,14 +179,14 @@ class LoraTrainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.model.train()
         if max_layers is None and self._pending is None:
-            plan = self.stream.plan(max_examples=max_examples, max_tokens=max_tokens)
+            plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
             batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
             with self._rng_swap():
                 loss_sum = self._loss_sum(batch)
                 (loss_sum / plan.batch_loss_tokens).backward()
             return self._finish_micro_batch(plan, batch, loss_sum, start, 0)
         if self._pending is None:
-            plan = self.stream.plan(max_examples=max_examples, max_tokens=max_tokens)
+            plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
             batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
             stack = self._fused if self._fused is not None else PeftTreeStack(self.model)
             sliced = SlicedMicroBatch(

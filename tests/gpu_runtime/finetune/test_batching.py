@@ -103,3 +103,11 @@ def test_collate_right_pads_with_ignored_labels() -> None:
     assert batch.input_ids[1, 3:].eq(0).all()
     assert batch.labels[1, 3:].eq(IGNORE_INDEX).all()
     assert torch.equal(batch.positions[1], torch.arange(8))
+
+
+def test_token_bound_counts_padding_rounding() -> None:
+    examples = [_example(9) for _ in range(4)]
+    stream = DataStream(examples, batch_size=4, n_epochs=1, seed=0)
+    assert len(stream.plan(max_tokens=36).example_indices) == 4  # 4 x 9
+    assert len(stream.plan(max_tokens=36, pad_to_multiple=8).example_indices) == 2  # 2 x 16
+    assert collate([examples[0]] * 2, pad_to_multiple=8).padded_tokens == 32
