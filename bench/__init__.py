@@ -1,0 +1,1 @@
+"""Benchmark scripts; each writes bench/results/<name>-<gpu>-<date>.json."""
