@@ -294,26 +294,65 @@ class LoraTrainer:
         self.step += 1
         return norm.float()
 
-    @torch.no_grad()
-    def evaluate(self, examples: Sequence[TokenizedExample], max_tokens: int = 8192) -> float:
-        """Mean token loss of ``examples`` (a validation file) with the current adapter.
+    def validation(
+        self, examples: Sequence[TokenizedExample], max_tokens: int = 8192
+    ) -> ValidationRun:
+        """A validation pass the scheduler can run a micro-batch at a time (see
+        :class:`ValidationRun`)."""
+        return ValidationRun(self, examples, max_tokens)
 
-        Runs in eval mode (no dropout), in micro-batches of at most ``max_tokens`` padded
-        tokens, and leaves the trainer's state (data position, RNG, gradients) untouched.
-        """
+    def evaluate(self, examples: Sequence[TokenizedExample], max_tokens: int = 8192) -> float:
+        """Mean token loss of ``examples`` (a validation file) with the current adapter, in one
+        call. Leaves the trainer's state (data position, RNG, gradients) untouched."""
+        run = self.validation(examples, max_tokens)
+        while not run.step():
+            pass
+        return run.loss
+
+
+class ValidationRun:
+    """Mean token loss of a validation set, one micro-batch of at most ``max_tokens`` padded
+    tokens per :meth:`step` (eval mode: no dropout; no gradients; trainer state untouched).
+    Examples go longest first, so each micro-batch holds similar lengths."""
+
+    def __init__(
+        self, trainer: LoraTrainer, examples: Sequence[TokenizedExample], max_tokens: int
+    ) -> None:
         if not examples:
-            raise ValueError("evaluate needs at least one example")
-        order = sorted(range(len(examples)), key=lambda i: -examples[i].num_tokens)
-        self.model.eval()
-        total = torch.zeros((), dtype=torch.float32, device=self.device)
-        count = 0
-        start = 0
-        while start < len(order):
-            rows = max(1, max_tokens // examples[order[start]].num_tokens)
-            chunk = [examples[i] for i in order[start : start + rows]]
-            batch = self._prepare(chunk)
-            total += self._loss_sum(batch)
-            count += batch.num_loss_tokens
-            start += rows
-        self.model.train()
-        return float(total.item()) / max(1, count)
+            raise ValueError("a validation run needs at least one example")
+        self.trainer = trainer
+        self.examples = list(examples)
+        self.max_tokens = max_tokens
+        self._order = sorted(range(len(examples)), key=lambda i: -examples[i].num_tokens)
+        self._next = 0
+        self._total = torch.zeros((), dtype=torch.float32, device=trainer.device)
+        self._count = 0
+
+    @property
+    def done(self) -> bool:
+        return self._next >= len(self._order)
+
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Evaluate the next micro-batch; returns whether the run is complete."""
+        if self.done:
+            return True
+        longest = self.examples[self._order[self._next]].num_tokens
+        rows = max(1, self.max_tokens // longest)
+        chunk = [self.examples[i] for i in self._order[self._next : self._next + rows]]
+        batch = self.trainer._prepare(chunk)
+        self.trainer.model.eval()
+        try:
+            self._total += self.trainer._loss_sum(batch)
+        finally:
+            self.trainer.model.train()
+        self._count += batch.num_loss_tokens
+        self._next += len(chunk)
+        return self.done
+
+    @property
+    def loss(self) -> float:
+        """Mean token loss (once :attr:`done`)."""
+        if not self.done:
+            raise RuntimeError("validation run not complete")
+        return float(self._total.item()) / max(1, self._count)

@@ -132,6 +132,11 @@ def test_evaluate_is_side_effect_free(serving_model: CausalLM, train_examples: A
     a = trainer.evaluate(train_examples, max_tokens=64)
     b = trainer.evaluate(train_examples, max_tokens=10_000)
     assert a == pytest.approx(b, rel=1e-6)
+    run = trainer.validation(train_examples, max_tokens=40)  # bounded steps for a scheduler
+    steps = 1
+    while not run.step():
+        steps += 1
+    assert steps >= 5 and run.loss == pytest.approx(a, rel=1e-6)
     assert trainer.stream.position == position
     assert torch.equal(trainer.rng.cpu_state, rng)
     for g, p in zip(grads, trainer.params, strict=True):
