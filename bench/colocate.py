@@ -65,7 +65,8 @@ from gpu_runtime.colocation import (
 )
 from gpu_runtime.colocation.online import beside_quantum
 from gpu_runtime.colocation.predictor import decode_iteration
-from gpu_runtime.colocation.types import DecodeSnapshot
+from gpu_runtime.colocation.simulator import SimulatedHost, fit_truth_from_profile
+from gpu_runtime.colocation.types import DecodeSnapshot, JobView
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
@@ -191,41 +192,85 @@ def check_outputs(engine: Engine, sharing: Any, trainer: LoraTrainer, vocab: int
     return {"greedy_token_agreement": agree / total, "tokens": total}
 
 
+class LoopBackend:
+    """Runs a policy through the real `HostLoop` on the engine (GPU, or CPU smoke runs)."""
+
+    def __init__(
+        self, engine: Engine, sharing: Any, trainer: LoraTrainer, vocab: int, solo_tps: float
+    ) -> None:
+        self.engine, self.sharing, self.trainer = engine, sharing, trainer
+        self.vocab, self.solo_tps = vocab, solo_tps
+        self.choices: tuple[int, ...] = tuple(sharing.table.choices) if sharing else ()
+        self.total_sms: int | None = int(sharing.table.total_sms) if sharing else None
+        self._prompts: dict[int, list[list[int]]] = {}
+
+    def run(
+        self,
+        policy: CoLocationPolicy,
+        trace: list[TraceRequest],
+        duration_s: float,
+        slo_ms: float,
+        with_job: bool,
+    ) -> tuple[list[IterationRecord], float, float]:
+        prompts = self._prompts.setdefault(id(trace), [r.prompt_ids(self.vocab) for r in trace])
+        loop = HostLoop(self.engine, policy, tpot_slo_ms=slo_ms, sharing=self.sharing)
+        if with_job:
+            loop.add_job("ft", self.trainer)
+            loop.job_state("ft").solo_tokens_per_s = self.solo_tps
+        return drive(loop, trace, prompts, duration_s)
+
+
+class SimBackend:
+    """Runs a policy on `SimulatedHost` (latencies modelled from a GPU profile; not measured)."""
+
+    def __init__(self, host: SimulatedHost, job: JobView) -> None:
+        self.host, self.job = host, job
+        self.choices = host.decode_sms_options
+        self.total_sms: int | None = host.total_sms
+
+    def run(
+        self,
+        policy: CoLocationPolicy,
+        trace: list[TraceRequest],
+        duration_s: float,
+        slo_ms: float,
+        with_job: bool,
+    ) -> tuple[list[IterationRecord], float, float]:
+        requests = [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in trace]
+        records = self.host.run(
+            policy, requests, duration_s, slo_ms, self.job if with_job else None
+        )
+        return records, 0.0, duration_s
+
+
+Backend = LoopBackend | SimBackend
+
+
 def calibrate(
-    engine: Engine,
-    sharing: Any,
-    trainer: LoraTrainer,
-    vocab: int,
-    seconds: float,
-    ft_seq_len: int,
-    lora_rank: int,
+    backend: Backend, seconds: float, ft_seq_len: int, lora_rank: int
 ) -> tuple[OnlineLatencyModel, list[IterationRecord], dict[str, Any]]:
+    """Fit Harli's stage-1/2 model from a separate seeded high-load trace: decode alone cycling
+    over every split, then 2-example quanta beside decode on every split."""
     model = OnlineLatencyModel(min_samples=6)
     spec = preset("high", duration_s=seconds * 0.5)
-    trace = generate(spec, seed=999)
-    prompts = [r.prompt_ids(vocab) for r in trace]
-    records: list[IterationRecord] = []
-    loop = HostLoop(engine, CyclingSplitPolicy(), tpot_slo_ms=1e9, sharing=sharing)
-    solo, _, _ = drive(loop, trace, prompts, spec.duration_s)
-    records += solo
-    choices = list(sharing.table.choices) if sharing is not None else [None]
+    records, _, _ = backend.run(
+        CyclingSplitPolicy(), generate(spec, seed=999), spec.duration_s, 1e9, False
+    )
+    choices: list[int | None] = list(backend.choices) or [None]
     per_split = seconds * 0.5 / len(choices)
     for d in choices:
         policy: CoLocationPolicy = StaticSplitPolicy(d, 2) if d is not None else NaivePolicy(2)
-        loop = HostLoop(engine, policy, tpot_slo_ms=1e9, sharing=sharing)
-        loop.add_job("ft", trainer)
         sub = generate(preset("high", duration_s=per_split), seed=1000 + (d or 0))
-        got, _, _ = drive(loop, sub, [r.prompt_ids(vocab) for r in sub], per_split)
+        got, _, _ = backend.run(policy, sub, per_split, 1e9, True)
         records += got
     for record in records:
         model.observe_record(record, ft_seq_len, lora_rank)
+    total = backend.total_sms or 1
     info = {
         "iterations": len(records),
         "fitted_splits": model.fitted_shares,
         "interference": {
-            str(d): model.interference_ratio(
-                (d or 1) / (sharing.table.total_sms if sharing else 1), True
-            )
+            str(d): model.interference_ratio((d or total) / total, d is not None and d < total)
             for d in choices
         },
     }
@@ -234,16 +279,17 @@ def calibrate(
 
 def choose_static_split(
     model: OnlineLatencyModel,
-    sharing: Any,
+    backend: Backend,
     runs: list[list[IterationRecord]],
     slo_ms: float,
     ft_tokens: int,
     ft_seq_len: int,
     rank: int,
 ) -> int | None:
-    if sharing is None:
+    if not backend.choices or backend.total_sms is None:
         return None
-    total = sharing.table.total_sms
+    total = backend.total_sms
+    choices = backend.choices
     snaps = [
         DecodeSnapshot(
             r.decode_batch, r.context_tokens_total, r.context_tokens_max, r.prefill_tokens
@@ -252,7 +298,7 @@ def choose_static_split(
         for r in run
         if r.decode_batch or r.prefill_tokens
     ]
-    for d in sharing.table.choices[:-1]:
+    for d in choices[:-1]:
         quantum = beside_quantum(ft_tokens, d, total, ft_seq_len, rank)
         ok = sum(
             model.predict_ms(decode_iteration(s, d / total), quantum) <= slo_ms * 0.95
@@ -260,7 +306,7 @@ def choose_static_split(
         )
         if snaps and ok / len(snaps) >= 0.99:
             return int(d)
-    return int(sharing.table.choices[-2]) if len(sharing.table.choices) > 1 else None
+    return int(choices[-2]) if len(choices) > 1 else None
 
 
 def row_for(
@@ -302,6 +348,110 @@ def row_for(
     }
 
 
+def setup_engine(
+    args: argparse.Namespace, device: torch.device, rank: int
+) -> tuple[Backend, dict[str, Any]]:
+    """Model, engine with graphs per split, LoRA trainer, output check, solo finetune speed."""
+    config = ModelConfig.preset(args.model)
+    if config.max_position_embeddings < 2048:  # the tiny preset: room for the traces' lengths
+        config = config.replace(max_position_embeddings=2048)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    model = build_random_model(config, seed=args.seed, device=device, dtype=dtype)
+    vocab = config.vocab_size
+    buckets = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    engine_config = EngineConfig(
+        num_kv_blocks=4096 if device.type == "cuda" else 512,
+        block_size=16,
+        max_num_seqs=64,
+        max_num_batched_tokens=512,
+        max_model_len=2048,
+        device=str(device),
+        cuda_graph_batch_sizes=buckets,
+    )
+    engine = Engine(model, engine_config)
+    sharing = None
+    capture_s = 0.0
+    if device.type == "cuda":
+        from gpu_runtime.sharing import create_sharing
+
+        groups = tuple(int(g) for g in args.decode_groups.split(",") if g)
+        sharing = create_sharing(device, decode_groups=groups)
+        t0 = time.perf_counter()
+        for d in sharing.table.choices:
+            engine.capture_cuda_graphs(partition=d, stream=sharing.partition(d)[0])
+        sync(device)
+        capture_s = time.perf_counter() - t0
+    hparams = resolve_hyperparameters(
+        n_train_examples=2048,
+        n_epochs=50,
+        batch_size=8,
+        lora=LoraSpec(rank=rank, alpha=32, dropout=0.05),
+        seed=args.seed,
+        warmup_ratio=0.0,
+        max_seq_len=args.ft_seq_len,
+    )
+    examples = synthetic_examples(2048, args.ft_seq_len, vocab, args.seed + 1)
+    trainer = LoraTrainer(model, examples, hparams)
+    check = check_outputs(engine, sharing, trainer, vocab)
+    one_tps, one_ms = solo_finetune(trainer, args.ft_seq_len, 1.0, device)
+    solo_tps, eight_ms = solo_finetune(trainer, 8 * args.ft_seq_len, 2.0, device)
+    overhead_ms = max(0.0, (8 * one_ms - eight_ms) / 7)
+    solo = {
+        "tokens_per_s_8_examples": solo_tps,
+        "ms_8_examples": eight_ms,
+        "tokens_per_s_1_example": one_tps,
+        "ms_1_example": one_ms,
+        "quantum_overhead_ms": overhead_ms,
+    }
+    print(f"setup: capture {capture_s:.1f}s solo {solo} check {check}", flush=True)
+    info = {
+        "backend": "gpu_runtime.colocation.HostLoop on the decode engine",
+        "solo_finetune": solo,
+        "check": check,
+        "graph_capture_s": capture_s,
+        "sharing": None
+        if sharing is None
+        else {"mechanism": sharing.mechanism, "choices": list(sharing.table.choices)},
+        "engine": {
+            "max_num_seqs": engine_config.max_num_seqs,
+            "max_num_batched_tokens": engine_config.max_num_batched_tokens,
+            "buckets": buckets,
+            "block_size": engine_config.block_size,
+            "num_kv_blocks": engine_config.num_kv_blocks,
+        },
+    }
+    return LoopBackend(engine, sharing, trainer, vocab, solo_tps), info
+
+
+def setup_simulation(args: argparse.Namespace, rank: int) -> tuple[Backend, dict[str, Any]]:
+    """`SimulatedHost` whose latencies are fitted to a profiler CSV measured on a GPU."""
+    truth, costs = fit_truth_from_profile(args.simulate)
+    host = SimulatedHost(truth, costs, seed=args.seed)
+    seq = args.ft_seq_len
+    job = JobView("ft", seq, seq, rank, tokens_per_s_solo=None)
+    eight = costs.duration_ms(8 * seq, 1.0, LaunchMode.AFTER_DECODE)
+    one = costs.duration_ms(seq, 1.0, LaunchMode.AFTER_DECODE)
+    solo = {
+        "tokens_per_s_8_examples": 8 * seq / (eight / 1e3),
+        "ms_8_examples": eight,
+        "tokens_per_s_1_example": seq / (one / 1e3),
+        "ms_1_example": one,
+        "quantum_overhead_ms": costs.overhead_ms,
+    }
+    job = JobView("ft", seq, seq, rank, tokens_per_s_solo=solo["tokens_per_s_8_examples"])
+    info = {
+        "backend": "SIMULATION: gpu_runtime.colocation.simulator.SimulatedHost; decode and "
+        "quantum latencies modelled from the profile below (measured on a GPU), prefill cost "
+        "modelled (0.025 ms/token on the whole device, inverse to the SM share), lognormal "
+        "noise sigma 0.05, 0.4 ms host overhead per iteration. Not a GPU measurement.",
+        "profile": args.simulate,
+        "quantum_cost_model": asdict(costs),
+        "solo_finetune": solo,
+        "sharing": {"mechanism": "simulated", "choices": list(host.decode_sms_options)},
+    }
+    return SimBackend(host, job), info
+
+
 def make_policy(
     name: str,
     latency: OnlineLatencyModel,
@@ -337,12 +487,18 @@ def main() -> None:
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument("--calibrate-s", type=float, default=8.0)
-    parser.add_argument("--max-quantum-ms", type=float, default=150.0)
+    parser.add_argument("--max-quantum-ms", type=float, default=250.0)
     parser.add_argument(
         "--budget-s",
         type=float,
         default=420.0,
         help="skip runs that would end past this many seconds of wall time",
+    )
+    parser.add_argument(
+        "--simulate",
+        default=None,
+        help="profiler CSV: run every policy on SimulatedHost with latencies fitted to it "
+        "(no GPU; the result says so)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
@@ -358,66 +514,15 @@ def main() -> None:
     torch.manual_seed(args.seed)
     if device.type == "cpu":
         torch.set_num_threads(1)  # tiny smoke runs: threads only contend
-    config = ModelConfig.preset(args.model)
-    if config.max_position_embeddings < 2048:  # the tiny preset: room for the traces' lengths
-        config = config.replace(max_position_embeddings=2048)
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-    model = build_random_model(config, seed=args.seed, device=device, dtype=dtype)
-    vocab = config.vocab_size
-    buckets = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-    engine_config = EngineConfig(
-        num_kv_blocks=4096 if device.type == "cuda" else 512,
-        block_size=16,
-        max_num_seqs=64,
-        max_num_batched_tokens=512,
-        max_model_len=2048,
-        device=str(device),
-        cuda_graph_batch_sizes=buckets,
-    )
-    engine = Engine(model, engine_config)
-    sharing = None
-    capture_s = 0.0
-    if device.type == "cuda":
-        from gpu_runtime.sharing import create_sharing
-
-        groups = tuple(int(g) for g in args.decode_groups.split(",") if g)
-        sharing = create_sharing(device, decode_groups=groups)
-        t0 = time.perf_counter()
-        for d in sharing.table.choices:
-            engine.capture_cuda_graphs(partition=d, stream=sharing.partition(d)[0])
-        sync(device)
-        capture_s = time.perf_counter() - t0
     rank = 16
-    hparams = resolve_hyperparameters(
-        n_train_examples=2048,
-        n_epochs=50,
-        batch_size=8,
-        lora=LoraSpec(rank=rank, alpha=32, dropout=0.05),
-        seed=args.seed,
-        warmup_ratio=0.0,
-        max_seq_len=args.ft_seq_len,
-    )
-    examples = synthetic_examples(2048, args.ft_seq_len, vocab, args.seed + 1)
-    trainer = LoraTrainer(model, examples, hparams)
-    check = check_outputs(engine, sharing, trainer, vocab)
-    one_tps, one_ms = solo_finetune(trainer, args.ft_seq_len, 1.0, device)
-    solo_tps, eight_ms = solo_finetune(trainer, 8 * args.ft_seq_len, 2.0, device)
-    overhead_ms = max(0.0, (8 * one_ms - eight_ms) / 7)
-    solo = {
-        "tokens_per_s_8_examples": solo_tps,
-        "ms_8_examples": eight_ms,
-        "tokens_per_s_1_example": one_tps,
-        "ms_1_example": one_ms,
-        "quantum_overhead_ms": overhead_ms,
-    }
-    print(
-        f"setup {time.perf_counter() - wall:.1f}s capture {capture_s:.1f}s solo {solo} "
-        f"check {check}",
-        flush=True,
-    )
-    latency, calib_records, calib_info = calibrate(
-        engine, sharing, trainer, vocab, args.calibrate_s, args.ft_seq_len, rank
-    )
+    if args.simulate:
+        backend, info = setup_simulation(args, rank)
+    else:
+        backend, info = setup_engine(args, device, rank)
+    solo_tps = float(info["solo_finetune"]["tokens_per_s_8_examples"])
+    overhead_ms = float(info["solo_finetune"]["quantum_overhead_ms"])
+    latency, calib_records, calib_info = calibrate(backend, args.calibrate_s, args.ft_seq_len, rank)
+    info["calibration"] = calib_info
     print(f"calibrated {calib_info} at {time.perf_counter() - wall:.1f}s", flush=True)
     harli_config = HarliConfig(
         quantum_examples=(1, 2, 4, 8),
@@ -427,13 +532,16 @@ def main() -> None:
 
     specs = {t: preset(t, args.duration, args.rate_scale) for t in traces}
     trace_reqs = {t: generate(spec, args.seed) for t, spec in specs.items()}
-    prompts = {t: [r.prompt_ids(vocab) for r in reqs] for t, reqs in trace_reqs.items()}
     results: dict[tuple[str, str], tuple[CoLocationPolicy, list, float, float]] = {}
     skipped: list[str] = []
     slo_ms = 1e9
     static_d: int | None = None
-    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    gpu_key = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
+    if args.simulate:
+        gpu = "none (simulation from a profile measured on " + _profile_gpu(args.simulate) + ")"
+        gpu_key = "sim-" + _profile_gpu(args.simulate).lower().replace("nvidia ", "")
+    else:
+        gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+        gpu_key = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
     today = datetime.datetime.now(datetime.UTC)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -444,12 +552,8 @@ def main() -> None:
             skipped.append(f"{trace}/{name}")
             return
         policy = make_policy(name, latency, static_d, harli_config, calib_records)
-        loop = HostLoop(engine, policy, tpot_slo_ms=slo_ms, sharing=sharing)
-        if name != "decode_only":
-            loop.add_job("ft", trainer)
-            loop.job_state("ft").solo_tokens_per_s = solo_tps
-        records, start, end = drive(
-            loop, trace_reqs[trace], prompts[trace], specs[trace].duration_s
+        records, start, end = backend.run(
+            policy, trace_reqs[trace], specs[trace].duration_s, slo_ms, name != "decode_only"
         )
         results[trace, name] = (policy, records, start, end)
         r = row_for(args.model, trace, policy, records, start, end, slo_ms, solo_tps)
@@ -476,13 +580,7 @@ def main() -> None:
             "config": {
                 **{k: v for k, v in vars(args).items() if k != "out"},
                 "traces": {t: s.as_dict() for t, s in specs.items()},
-                "engine": {
-                    "max_num_seqs": engine_config.max_num_seqs,
-                    "max_num_batched_tokens": engine_config.max_num_batched_tokens,
-                    "buckets": buckets,
-                    "block_size": engine_config.block_size,
-                    "num_kv_blocks": engine_config.num_kv_blocks,
-                },
+                **info,
                 "finetune": {
                     "lora_rank": rank,
                     "alpha": 32,
@@ -491,10 +589,6 @@ def main() -> None:
                     "seq_len": args.ft_seq_len,
                     "optimizer_batch": 8,
                 },
-                "solo_finetune": solo,
-                "sharing": None
-                if sharing is None
-                else {"mechanism": sharing.mechanism, "choices": list(sharing.table.choices)},
                 "tpot_slo_ms": slo_ms,
                 "slo_definition": f"{args.slo_factor} x decode_only TPOT p50 on the medium trace",
                 "static_split_decode_sms": static_d,
@@ -505,11 +599,9 @@ def main() -> None:
                 "phase (separate seeded high-load trace: decode alone on every split, then "
                 "2-example quanta beside decode on every split), updated online during Harli's "
                 "runs; no trained predictor artifact was used",
-                "calibration": calib_info,
-                "graph_capture_s": capture_s,
                 "skipped_runs": skipped,
             },
-            "check": check,
+            "simulated": bool(args.simulate),
             "rows": rows,
             "comparisons": comparisons,
             "wall_s": round(time.perf_counter() - wall, 1),
@@ -528,7 +620,7 @@ def main() -> None:
             slo_ms = args.slo_factor * base.tpot_ms_p50
     static_d = choose_static_split(
         latency,
-        sharing,
+        backend,
         [v[1] for v in results.values()],
         slo_ms,
         2 * args.ft_seq_len,
@@ -545,8 +637,8 @@ def main() -> None:
     rows, comparisons = write()
     print(f"wrote {path} ({time.perf_counter() - wall:.0f} s)")
     print_table(rows, comparisons, slo_ms)
-    if sharing is not None:
-        sharing.close()
+    if isinstance(backend, LoopBackend) and backend.sharing is not None:
+        backend.sharing.close()
 
 
 def compare(rows: list[dict[str, Any]], traces: list[str]) -> dict[str, Any]:
@@ -592,6 +684,13 @@ def print_table(rows: list[dict[str, Any]], comparisons: dict[str, Any], slo_ms:
     for trace, entry in comparisons["per_trace"].items():
         print(f"{trace}: {entry}")
     print(f"mean harli / best baseline (>=99%): {comparisons['mean_harli_over_best_baseline']}")
+
+
+def _profile_gpu(path: str) -> str:
+    meta = Path(path).with_suffix(".meta.json")
+    if meta.exists():
+        return str(json.loads(meta.read_text()).get("gpu", "unknown GPU"))
+    return "unknown GPU"
 
 
 def _git_commit() -> str:
