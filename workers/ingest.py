@@ -52,6 +52,8 @@ def _ts(message: dict[str, Any]) -> datetime:
 def host_report_apply(*, message: dict[str, Any]) -> str:
     """Apply one report; returns "applied", "duplicate", "stale" or "unknown_host"."""
     check_report(message)
+    if not GpuHost.objects.filter(name=message["host"]).exists():
+        return "unknown_host"  # nothing to apply, so nothing to deduplicate
     with transaction.atomic():
         try:
             with transaction.atomic():

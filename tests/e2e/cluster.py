@@ -1,0 +1,201 @@
+"""Real processes for the end-to-end tests: a private Redis, web, worker, beat and agents.
+
+Every process runs in its own session (process group), logs to a file, and is stopped with
+SIGTERM then SIGKILL by :meth:`Cluster.stop` (called from fixture finalizers), so nothing is
+left behind even when a test fails.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:
+    """Poll `check` until it returns something truthy; AssertionError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = check()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(every)
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def tail(self, lines: int = 30) -> str:
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return "\n".join(text.splitlines()[-lines:])
+
+    def signal_group(self, signum: int) -> None:
+        try:
+            os.killpg(self.popen.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 8.0) -> None:
+        if self.alive() and timeout > 0:
+            self.signal_group(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal_group(signal.SIGKILL)
+        try:
+            self.popen.wait(5)
+        except subprocess.TimeoutExpired:
+            pass
+
+
+@dataclass
+class Cluster:
+    """The processes of one test module; `env` is what every control-plane process gets."""
+
+    tmp: Path
+    env: dict[str, str]
+    redis_port: int
+    web_port: int
+    model_dir: Path
+    procs: dict[str, Proc] = field(default_factory=dict)
+    agent_ports: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def broker_url(self) -> str:
+        return f"redis://127.0.0.1:{self.redis_port}/0"
+
+    @property
+    def web_url(self) -> str:
+        return f"http://127.0.0.1:{self.web_port}"
+
+    def agent_url(self, host: str) -> str:
+        return f"http://127.0.0.1:{self.agent_ports[host]}/v1"
+
+    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> Proc:
+        log = self.tmp / f"{name}.log"
+        handle = log.open("ab")
+        popen = subprocess.Popen(
+            argv, cwd=ROOT, env=env or self.env, stdout=handle, stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )  # fmt: skip
+        handle.close()
+        proc = Proc(name, popen, log)
+        self.procs[name] = proc
+        return proc
+
+    def start_redis(self) -> Proc:
+        data = self.tmp / "redis"
+        data.mkdir(exist_ok=True)
+        proc = self.spawn(
+            "redis",
+            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
+             "--dir", str(data), "--appendonly", "yes", "--appendfsync", "always",
+             "--save", ""],
+        )  # fmt: skip
+        wait_until(lambda: port_open(self.redis_port), 20, "redis to listen")
+        return proc
+
+    def restart_redis(self, down_s: float) -> None:
+        """Stop Redis (its append-only file keeps every acknowledged write), wait, start it."""
+        self.procs["redis"].stop()
+        time.sleep(down_s)
+        self.start_redis()
+
+    def start_control_plane(self) -> None:
+        py = sys.executable
+        self.spawn("web", [py, "manage.py", "runserver", "--noreload", "--nothreading",
+                           f"127.0.0.1:{self.web_port}"])  # fmt: skip
+        self.spawn("worker", [py, "-m", "celery", "-A", "config", "worker", "--pool", "solo",
+                              "-Q", "control", "--hostname", f"e2e-{self.web_port}@%h",
+                              "--without-gossip", "--without-mingle", "-l", "WARNING"])  # fmt: skip
+        self.spawn("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
+                            "--schedule", str(self.tmp / "beat-schedule")])  # fmt: skip
+
+    def start_agent(self, host: str) -> Proc:
+        port = self.agent_ports.setdefault(host, free_port())
+        env = {**self.env, "HARLI_TORCH_THREADS": "1"}
+        return self.spawn(
+            host,
+            [sys.executable, "-m", "gpu_runtime.agent", "--host", host,
+             "--broker", self.broker_url, "--storage", self.env["HARLI_STORAGE_DIR"],
+             "--work-dir", str(self.tmp / host), "--model-dir", str(self.model_dir),
+             "--control-url", self.web_url, "--listen", f"127.0.0.1:{port}",
+             "--heartbeat-s", "0.5", "--metrics-interval-s", "2", "--key-cache-ttl-s", "2",
+             "--num-kv-blocks", "64"],
+            env,
+        )  # fmt: skip
+
+    def wait_ready(self, *names: str, timeout: float = 90.0) -> None:
+        def ready() -> bool:
+            for name in names:
+                proc = self.procs[name]
+                if not proc.alive():
+                    raise AssertionError(f"{name} exited:\n{proc.tail()}")
+                if name == "web" and not _http_ok(f"{self.web_url}/v1/models"):
+                    return False
+                if name in self.agent_ports and not _http_ok(
+                    self.agent_url(name).removesuffix("/v1") + "/health"
+                ):
+                    return False
+            return True
+
+        wait_until(ready, timeout, f"{', '.join(names)} to be ready", every=0.5)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """SIGTERM every process group at once, SIGKILL what is left after `timeout`."""
+        procs = list(self.procs.values())
+        for proc in procs:
+            if proc.alive():
+                proc.signal_group(signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while any(p.alive() for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for proc in procs:
+            proc.stop(timeout=0)
+
+    def logs(self) -> str:
+        return "\n".join(f"--- {p.name}\n{p.tail(15)}" for p in self.procs.values())
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return bool(response.status < 500)
+    except urllib.error.HTTPError as exc:
+        return exc.code < 500
+    except OSError:
+        return False

@@ -1,0 +1,227 @@
+"""End to end on CPU with real processes: a tenant's job trains on a host agent, its adapter
+serves completions, metrics land in PostgreSQL, a broker restart loses nothing, and a host
+killed with SIGKILL hands its job to the other host, which resumes from the last checkpoint."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.e2e.cluster import Cluster, wait_until
+from tests.e2e.conftest import Tenants, training_jsonl
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
+
+
+def _client(url: str, key: str) -> OpenAI:
+    return OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30)
+
+
+def _create_job(client: OpenAI, *, epochs: int, batch: int, suffix: str) -> Any:
+    upload = client.files.create(file=("train.jsonl", training_jsonl()), purpose="fine-tune")
+    return client.fine_tuning.jobs.create(
+        model="tiny",
+        training_file=upload.id,
+        hyperparameters={"n_epochs": epochs, "batch_size": batch, "learning_rate_multiplier": 5},
+        suffix=suffix,
+        seed=7,
+    )
+
+
+def _wait_succeeded(client: OpenAI, job_id: str, cluster: Cluster, timeout: float) -> Any:
+    def done() -> Any:
+        job = client.fine_tuning.jobs.retrieve(job_id)
+        if job.status in ("failed", "cancelled"):
+            raise AssertionError(f"job {job.status}: {job.error}\n{cluster.logs()}")
+        return job if job.status == "succeeded" else None
+
+    try:
+        return wait_until(done, timeout, f"job {job_id} to succeed", every=0.5)
+    except AssertionError:
+        print(cluster.logs())
+        raise
+
+
+def _events(client: OpenAI, job_id: str) -> list[str]:
+    messages = [event.message for event in client.fine_tuning.jobs.list_events(job_id, limit=100)]
+    return messages[::-1]
+
+
+def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
+    cluster: Cluster, seeded: Tenants
+) -> None:
+    from api.models import HostMetric, JobMetric
+    from workers.models import MetricRollup
+
+    client = _client(f"{cluster.web_url}/v1", seeded.key)
+    job = _create_job(client, epochs=3, batch=2, suffix="e2e")
+    assert job.status == "queued"
+    job = _wait_succeeded(client, job.id, cluster, timeout=60)
+    assert job.fine_tuned_model.startswith("ft:tiny:acme:e2e:")
+    assert job.trained_tokens > 0
+    events = _events(client, job.id)
+    assert any(m.startswith("Fine-tuning started on host agent-") for m in events)
+    assert events[-1] == f"New fine-tuned model created: {job.fine_tuned_model}"
+    assert [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id)] == [12, 10]
+    assert sorted(JobMetric.objects.filter(job_id=job.id).values_list("step", flat=True)) == list(
+        range(1, 13)
+    )
+    assert job.fine_tuned_model in [m.id for m in client.models.list()]
+
+    for host in ("agent-a", "agent-b"):  # the host that trained it, and the other one
+        agent = _client(cluster.agent_url(host), seeded.key)
+
+        def serves(agent: OpenAI = agent) -> bool:
+            return job.fine_tuned_model in [m.id for m in agent.models.list()]
+
+        wait_until(serves, 20, f"{host} to serve the adapter")
+        answer = agent.completions.create(
+            model=job.fine_tuned_model, prompt="Q: hello", max_tokens=4, temperature=0
+        )
+        assert answer.model == job.fine_tuned_model
+        assert isinstance(answer.choices[0].text, str) and answer.usage is not None
+        assert 1 <= answer.usage.completion_tokens <= 4
+        chat = agent.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+        )
+        assert chat.choices[0].message.role == "assistant"
+    outsider = _client(cluster.agent_url("agent-a"), seeded.other_key)
+    assert job.fine_tuned_model not in [m.id for m in outsider.models.list()]
+    with pytest.raises(openai.NotFoundError):
+        outsider.completions.create(model=job.fine_tuned_model, prompt="x", max_tokens=2)
+    with pytest.raises(openai.AuthenticationError):
+        _client(cluster.agent_url("agent-a"), "hk-not-a-key").models.list()
+
+    wait_until(lambda: HostMetric.objects.filter(host__name="agent-a").exists(), 10, "metrics")
+    assert MetricRollup.objects.filter(series="host", key="agent-a").exists()
+    assert MetricRollup.objects.filter(series="job", key=job.id).exists()
+
+
+def test_revoked_key_stops_working_within_the_cache_ttl(cluster: Cluster, seeded: Tenants) -> None:
+    from api.models import Tenant
+    from api.services.apikeys import api_key_issue_for_tenant, api_key_revoke
+
+    issued = api_key_issue_for_tenant(tenant=Tenant.objects.get(name="acme"), name="short")
+    agent = _client(cluster.agent_url("agent-b"), issued.key)
+    assert agent.completions.create(model="tiny", prompt="Q: hi", max_tokens=2).choices
+    api_key_revoke(prefix_or_id=issued.api_key.prefix)
+    revoked_at = time.monotonic()
+
+    def refused() -> bool:
+        try:
+            agent.models.list()
+        except openai.AuthenticationError:
+            return True
+        return False
+
+    wait_until(refused, 10, "the revoked key to be refused", every=0.1)
+    assert time.monotonic() - revoked_at <= 2.0 + 1.0  # TTL 2 s, plus one lookup
+
+
+def test_broker_restart_mid_job_loses_no_job_and_no_event(
+    cluster: Cluster, seeded: Tenants
+) -> None:
+    from api.models import JobCheckpoint, JobMetric
+
+    client = _client(f"{cluster.web_url}/v1", seeded.key)
+    job = _create_job(client, epochs=20, batch=1, suffix="restart")
+    total = 20 * 8
+    wait_until(lambda: JobMetric.objects.filter(job_id=job.id, step__gte=10).exists(), 60,
+               "training to be under way")  # fmt: skip
+    cluster.restart_redis(down_s=2.0)
+    before_end = JobMetric.objects.filter(job_id=job.id).count()
+    assert before_end < total, "the job ended before the broker restarted; make it longer"
+    job = _wait_succeeded(client, job.id, cluster, timeout=120)
+    steps = list(JobMetric.objects.filter(job_id=job.id).values_list("step", flat=True))
+    assert sorted(steps) == list(range(1, total + 1))
+    checkpoints = sorted(JobCheckpoint.objects.filter(job_id=job.id).values_list("step", flat=True))
+    assert checkpoints == list(range(10, total + 1, 10))
+    events = _events(client, job.id)
+    assert sum(1 for m in events if m.startswith("Step ")) == total
+    assert sum(1 for m in events if m.startswith("Fine-tuning started")) == 1
+
+
+def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int]:
+    """Train the same job start to finish in this process (same weights, data and settings)."""
+    import torch
+
+    from api.models import FinetuneJob
+    from gpu_runtime.agent.jobs import build_job_run
+    from gpu_runtime.model.loader import load_model, load_tokenizer
+    from gpu_runtime.storage import LocalStorage
+    from workers.commands import job_spec
+
+    job = FinetuneJob.objects.select_related("base_model", "tenant", "training_file").get(pk=job_id)
+    spec = job_spec(job=job, resume=None)
+    spec["checkpoint_every_steps"] = 0
+    torch.set_num_threads(1)
+    run = build_job_run(
+        spec=spec,
+        placement_id=0,
+        serving_model=load_model(cluster.model_dir),
+        tokenizer=load_tokenizer(cluster.model_dir),
+        storage=LocalStorage(Path(cluster.env["HARLI_STORAGE_DIR"])),
+        work_dir=cluster.tmp / "reference",
+        max_model_len=512,
+        base_model_path=None,
+    )
+    run.trainer.checkpoint_root = None
+    while not run.trainer.finished:
+        run.trainer.step_quantum(max_examples=4)
+    return run.trainer.history[-1].loss, run.trained_tokens
+
+
+def test_killed_host_hands_its_job_to_the_other_host(cluster: Cluster, seeded: Tenants) -> None:
+    from api.models import JobCheckpoint, JobMetric, Placement
+    from workers.models import PlacementDecision
+
+    client = _client(f"{cluster.web_url}/v1", seeded.key)
+    job = _create_job(client, epochs=30, batch=1, suffix="failover")
+    total = 30 * 8
+    first = wait_until(
+        lambda: Placement.objects.filter(job_id=job.id, state="active").first(), 30, "a host"
+    )
+    victim = first.host.name
+    survivor = "agent-b" if victim == "agent-a" else "agent-a"
+
+    def past_a_checkpoint() -> bool:
+        last = JobCheckpoint.objects.filter(job_id=job.id).order_by("-step").first()
+        return bool(
+            last
+            and last.step >= 20
+            and JobMetric.objects.filter(job_id=job.id, step__gt=last.step).exists()
+        )
+
+    wait_until(past_a_checkpoint, 60, "a checkpoint with steps after it")
+    cluster.procs[victim].signal_group(signal.SIGKILL)
+    killed_at = time.monotonic()
+    done = _wait_succeeded(client, job.id, cluster, timeout=120)
+    failover_s = time.monotonic() - killed_at
+
+    second = Placement.objects.filter(job_id=job.id).exclude(pk=first.pk).get()
+    assert second.host.name == survivor and second.state == "released"
+    first.refresh_from_db()
+    assert first.state == "lost"
+    resume = PlacementDecision.objects.get(placement=second).resume_step
+    assert resume is not None and resume >= 20 and resume % 10 == 0
+    events = _events(client, job.id)
+    lost = [m for m in events if m.startswith(f"Host {victim} lost")]
+    assert len(lost) == 1 and f"from checkpoint step {resume}" in lost[0]
+    assert f"Placed on host {survivor}, resuming from step {resume}" in events
+    assert f"Fine-tuning resumed on host {survivor} from checkpoint step {resume}" in events
+    # The survivor trained exactly the steps after the checkpoint; nothing before it twice.
+    after = JobMetric.objects.filter(job_id=job.id, ts__gte=second.started_at)
+    assert sorted(after.values_list("step", flat=True)) == list(range(resume + 1, total + 1))
+    before = JobMetric.objects.filter(job_id=job.id, ts__lt=second.started_at)
+    assert max(before.values_list("step", flat=True)) > resume  # steps after it were lost
+    reference_loss, reference_tokens = _uninterrupted_final_loss(cluster, job.id)
+    final = JobMetric.objects.filter(job_id=job.id, step=total).latest("ts").train_loss
+    assert abs(final - reference_loss) <= 1e-3 * max(1.0, abs(reference_loss))
+    assert done.trained_tokens == reference_tokens
+    print(f"failover: resumed from step {resume}, job done {failover_s:.1f} s after SIGKILL")
