@@ -503,21 +503,12 @@ def _print_table(rows: list[dict[str, Any]]) -> None:
 
 
 # ---- trace: unified pool vs static split under a bursty decode load with a LoRA job --------
-def _bench_module(name: str) -> Any:
-    """A sibling benchmark module (traces, colocate), imported by name: `bench/` is scripts,
-    not a package mypy can map."""
-    import importlib
-
-    return importlib.import_module(f"bench.{name}")
-
-
 def _trace_spec(tiny: bool, duration_s: float, rate_scale: float) -> Any:
     """Bursty decode load: Poisson bursts of `on_s` s, quiet `off_s` s; long prompts.
 
     Llama-3-8B on an H200: about 45 arrivals/s in a burst with ~5 s requests swings the decode
     batch between a handful and ~200 sequences of ~1.5k-token contexts (~50 GB of KV at peak)."""
-    traces = _bench_module("traces")
-    LengthDistribution, TraceSpec = traces.LengthDistribution, traces.TraceSpec
+    from bench.traces import LengthDistribution, TraceSpec
 
     if tiny:
         prompt = LengthDistribution(median=48, sigma=0.4, minimum=8, maximum=120)
@@ -590,7 +581,7 @@ def _run_phase(
 ) -> dict[str, Any]:
     import torch
 
-    synthetic_examples = _bench_module("colocate").synthetic_examples
+    from bench.colocate import synthetic_examples
     from gpu_runtime.colocation import HostLoop
     from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
     from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
@@ -767,8 +758,8 @@ def trace_benchmark(args: Any) -> Path:
     peak plus the reserve for decode and lending the rest to finetuning for good."""
     import torch
 
-    synthetic_examples = _bench_module("colocate").synthetic_examples
-    generate = _bench_module("traces").generate
+    from bench.colocate import synthetic_examples
+    from bench.traces import generate
     from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
     from gpu_runtime.model import ModelConfig, build_random_model
