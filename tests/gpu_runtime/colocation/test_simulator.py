@@ -1,0 +1,78 @@
+"""SimulatedHost follows its latency model and the loop's semantics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime.colocation import (
+    AnalyticLatencyModel,
+    DecodeOnlyPolicy,
+    LaunchMode,
+    NaivePolicy,
+    StaticSplitPolicy,
+    summarize,
+)
+from gpu_runtime.colocation.simulator import (
+    QuantumCostModel,
+    SimulatedHost,
+    fit_truth_from_profile,
+)
+from gpu_runtime.colocation.types import JobView
+
+TRACE = [(0.01 * i, 64, 20) for i in range(10)]
+JOB = JobView("ft", 256, 256, 16)
+PROFILE = Path(__file__).parents[3] / "predictor_models/data/profile-h200-llama3-8b-engine.csv"
+
+
+def _host(noise: float = 0.0) -> SimulatedHost:
+    truth = AnalyticLatencyModel(
+        base_ms=5.0,
+        per_seq_ms=0.1,
+        per_ctx_token_us=0.0,
+        per_prefill_token_us=0.0,
+        share_exponent=1.0,
+    )
+    return SimulatedHost(
+        truth,
+        QuantumCostModel(overhead_ms=10.0, ms_per_token=0.01),
+        decode_sms_options=(66, 132),
+        noise_sigma=noise,
+        host_overhead_ms=0.0,
+    )
+
+
+def test_decode_only_finishes_every_request_at_the_modelled_tpot() -> None:
+    host = _host()
+    records = host.run(DecodeOnlyPolicy(), TRACE, duration_s=2.0, tpot_slo_ms=100.0, job=None)
+    m = summarize(records, 100.0, start=0.0, end=2.0)
+    assert m.finished_requests == len(TRACE) and m.finetune_tokens == 0
+    finished = [f for r in records for f in r.finished]
+    assert all(f.output_tokens == 20 for f in finished)
+    # Pure decode iterations take base + 0.1 per sequence (+ prefill cost when prompts run).
+    pure = [r for r in records if r.decode_batch and not r.prefill_tokens]
+    assert pure and all(r.observed_ms == pytest.approx(5.0 + 0.1 * r.decode_batch) for r in pure)
+
+
+def test_quanta_take_their_modelled_time_and_slow_decode_beside_them() -> None:
+    host = _host()
+    records = host.run(StaticSplitPolicy(66, quantum_examples=2), TRACE, 2.0, 100.0, JOB)
+    quanta = [q for r in records for q in r.quanta]
+    assert quanta and all(q.mode is LaunchMode.CONCURRENT for q in quanta)
+    expected = 10.0 + 512 * 0.01 / 0.5
+    assert all(q.duration_ms >= expected - 1e-6 for q in quanta)
+    beside = [r for r in records if r.in_flight and r.decode_batch and not r.prefill_tokens]
+    assert beside
+    for r in beside:  # half the SMs (share exponent 1), plus 8% spatial interference
+        assert r.observed_ms == pytest.approx((5.0 + 0.1 * r.decode_batch) * 2 * 1.08)
+    naive = host.run(NaivePolicy(1), TRACE, 2.0, 100.0, JOB)
+    assert sum(r.finetune_tokens for r in naive) > 0
+
+
+def test_truth_fitted_from_the_committed_h200_profile() -> None:
+    truth, costs = fit_truth_from_profile(PROFILE)
+    assert truth.fitted_shares[-1] == 1.0 and len(truth.fitted_shares) >= 5
+    assert 0 < costs.ms_per_token < 1 and costs.overhead_ms >= 0
+    ratio = truth.interference_ratio(1.0, disjoint=False)
+    assert ratio is not None and ratio > 1.0
