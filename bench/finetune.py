@@ -40,7 +40,8 @@ from gpu_runtime.finetune.adapter_store import AdapterManager, HostAdapter
 from gpu_runtime.finetune.batching import epoch_order
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
 from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
-from gpu_runtime.finetune.multi_lora import StackedLoraWeights, build_multi_lora_model
+from gpu_runtime.finetune.lora_forward import MultiLoraForward
+from gpu_runtime.finetune.multi_lora import StackedLoraWeights
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
 
@@ -246,7 +247,7 @@ def multi_lora_decode(
             for index in range(adapters):  # one file, 8 names: 8 slots filled, 8 host copies
                 manager.register(f"{name}-{index}", Path(tmp) / name)
                 manager.acquire(f"{name}-{index}")
-            model = build_multi_lora_model(serving, weights)
+            forward = MultiLoraForward(serving, weights)
             weights.set_token_slots(slots_of_rows)
             # correctness: row 0 (adapter 0) vs the merged weights for adapter 0, first layer q
             adapter = HostAdapter.from_directory(f"{name}-0", Path(tmp) / name, serving.config)
@@ -256,7 +257,7 @@ def multi_lora_decode(
             delta = weights.delta(0, "q_proj", x)
             assert delta is not None
             err = float((delta[:1].float() - merged).abs().max() / merged.abs().max())
-            ms, graph_used = time_fn(lambda m=model: m.compute_logits(m(ids, positions)))
+            ms, graph_used = time_fn(lambda f=forward: serving.compute_logits(f(ids, positions)))
             rows.append(
                 {
                     "system": "harli_multi_lora",
@@ -269,7 +270,7 @@ def multi_lora_decode(
                     "slot_mem_gb": weights.nbytes / GB,
                 }
             )
-            del model, weights, manager
+            del forward, weights, manager
     for row in rows:
         row.update({"batch": batch, "lora_rank": rank})
     return rows

@@ -1,15 +1,17 @@
 """What a decode engine holds to serve finished adapters by name beside base-model requests.
 
 :class:`MultiLoraRuntime` bundles the GPU slots (:class:`StackedLoraWeights`), the registry and
-host LRU (:class:`AdapterManager`) and the module tree whose projections add the per-token LoRA
-term (:func:`build_multi_lora_model`, over the serving model's own tensors). The engine:
+host LRU (:class:`AdapterManager`) and the forward pass that adds the per-token LoRA term to the
+serving model's own computation (:class:`MultiLoraForward`). The engine:
 
 1. asks :meth:`has` to validate a request's ``lora_name`` and :meth:`names` for ``/v1/models``;
 2. admits a waiting request with an adapter only when :meth:`can_admit` is true, then
    :meth:`attach` es it (takes a slot reference); :meth:`detach` on finish, abort or preemption;
-3. per step calls :meth:`set_batch` with the step's ``(request_id, num_tokens)`` in token order;
-   when it returns True (some token uses an adapter) it runs :attr:`model` instead of the
-   serving model — same parameter names, same ``forward``/``compute_logits``.
+3. per step calls :meth:`set_batch` with the step's ``(request_id, num_tokens)`` in token order
+   (padding tokens of a graph bucket as a request without adapter); when it returns True (some
+   token uses an adapter) it computes ``hidden = runtime.forward(ids, positions, attention)``
+   (same signature and attention objects as ``CausalLM.forward``) instead of
+   ``model(ids, positions, attention)``, then ``model.compute_logits(hidden)`` as usual.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import torch
 
 from gpu_runtime.finetune.adapter_store import AdapterManager, UnknownAdapterError
 from gpu_runtime.finetune.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
-from gpu_runtime.finetune.multi_lora import StackedLoraWeights, build_multi_lora_model
+from gpu_runtime.finetune.lora_forward import MultiLoraForward
+from gpu_runtime.finetune.multi_lora import StackedLoraWeights
 from gpu_runtime.model import CausalLM
 
 
@@ -50,7 +53,7 @@ class MultiLoraRuntime:
             dtype=weight.dtype,
         )
         self.manager = AdapterManager(self.weights, max_host_adapters)
-        self.model = build_multi_lora_model(serving, self.weights)
+        self.forward = MultiLoraForward(serving, self.weights)
         self._attached: dict[str, str] = {}  # request id -> adapter name
 
     def register(self, name: str, directory: str | Path) -> None:

@@ -17,20 +17,17 @@ of slot ``s`` keep only their own ``R`` columns, base tokens get exactly ``0``. 
 step are the stacked adapters (``S * R * (in + out)`` per projection), about 1-2 % of Llama-3-8B's
 weights for 8 slots of rank 16, which is what bounds its cost on a memory-bound decode step.
 :func:`gathered_lora_delta` is the per-token gather + ``bmm`` form of the same math, kept as a
-cross-check and for comparison in the benchmark.
+cross-check. :class:`gpu_runtime.finetune.lora_forward.MultiLoraForward` applies the term inside
+the serving model's forward pass.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-from torch import nn
 
 from gpu_runtime.finetune.adapter_store import HostAdapter, projection_shapes
 from gpu_runtime.finetune.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
-from gpu_runtime.finetune.lora import share_base_weights
-from gpu_runtime.model import CausalLM, ModelConfig
+from gpu_runtime.model import ModelConfig
 
 ProjectionKey = tuple[int, str]
 
@@ -148,50 +145,3 @@ def gathered_lora_delta(
     shrink = torch.bmm(a_slots[index], x.to(a.dtype)[:, :, None])  # [T, R, 1]
     out = torch.bmm(b_slots[index].transpose(1, 2), shrink)[:, :, 0]  # [T, out]
     return out * (token_slots >= 0)[:, None].to(out.dtype)
-
-
-class MultiLoraLinear(nn.Module):
-    """A projection that adds this step's multi-LoRA term to the shared base ``nn.Linear``.
-
-    ``weight``/``bias`` are the serving model's own parameters (same storage, same names), so
-    the tree's state dict is the serving model's.
-    """
-
-    def __init__(self, base: nn.Linear, weights: StackedLoraWeights, layer: int, module: str):
-        super().__init__()
-        self.weight = nn.Parameter(base.weight.detach(), requires_grad=False)
-        self.bias = (
-            None if base.bias is None else nn.Parameter(base.bias.detach(), requires_grad=False)
-        )
-        self.lora_weights = weights
-        self.layer, self.module = layer, module
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight, self.bias)
-        delta = self.lora_weights.delta(self.layer, self.module, x)
-        return y if delta is None else y + delta
-
-
-def build_multi_lora_model(serving: CausalLM, weights: StackedLoraWeights) -> CausalLM:
-    """A module tree over ``serving``'s tensors whose targeted projections add the multi-LoRA
-    term. Targeted q/k/v and gate/up run as separate GEMMs (the fused path would skip the
-    adapters); untargeted groups keep the serving model's fused weights. The serving model itself
-    is left untouched."""
-    tree = share_base_weights(serving)
-    targets = set(weights.target_modules)
-    layer: Any
-    served: Any
-    for layer_idx, (layer, served) in enumerate(
-        zip(tree.model.layers, serving.model.layers, strict=True)
-    ):
-        # projections groups without adapters keep the serving model's fused GEMM
-        if not targets & {"q_proj", "k_proj", "v_proj"}:
-            layer.self_attn.qkv_weight = served.self_attn.qkv_weight
-            layer.self_attn.qkv_bias = served.self_attn.qkv_bias
-        if not targets & {"gate_proj", "up_proj"}:
-            layer.mlp.gate_up_weight = served.mlp.gate_up_weight
-        for module in weights.target_modules:
-            parent = layer.self_attn if module in ATTENTION_PROJECTIONS else layer.mlp
-            base = getattr(parent, module)
-            setattr(parent, module, MultiLoraLinear(base, weights, layer_idx, module))
-    return tree.eval()

@@ -74,15 +74,15 @@ def test_multi_lora_graph_replay_matches_eager(tmp_path: Path) -> None:
     ids = torch.randint(0, 480, (4, 1), device="cuda")
     positions = torch.full((4, 1), 5, device="cuda")
     assert runtime.set_batch([("r0", 1), ("r1", 1), ("r2", 1), ("r3", 1)])
-    eager = runtime.model.compute_logits(runtime.model(ids, positions))
+    eager = serving.compute_logits(runtime.forward(ids, positions))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        runtime.model.compute_logits(runtime.model(ids, positions))
+        serving.compute_logits(runtime.forward(ids, positions))
     torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        captured = runtime.model.compute_logits(runtime.model(ids, positions))
+        captured = serving.compute_logits(runtime.forward(ids, positions))
     graph.replay()
     torch.testing.assert_close(captured, eager)
     base = serving.compute_logits(serving(ids, positions))
@@ -90,6 +90,6 @@ def test_multi_lora_graph_replay_matches_eager(tmp_path: Path) -> None:
     assert (eager[1].float() - base[1].float()).abs().max() > 1e-2  # the adapter row differs
     runtime.set_batch([("r1", 1), ("r0", 1), ("r2", 1), ("r3", 1)])  # in place: graph sees it
     graph.replay()
-    swapped = runtime.model.compute_logits(runtime.model(ids, positions))
+    swapped = serving.compute_logits(runtime.forward(ids, positions))
     torch.testing.assert_close(captured, swapped)
     torch.testing.assert_close(captured[1], base[1], rtol=2e-2, atol=2e-2)  # row 1: base now

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from gpu_runtime.finetune.multi_lora import (
     gathered_lora_delta,
 )
 from gpu_runtime.model import CausalLM, build_random_model
+from gpu_runtime.model.llama import DenseCausalAttention
 from gpu_runtime.model.tiny import tiny_config
 
 
@@ -38,6 +40,10 @@ def _write_adapter(serving: CausalLM, spec: LoraSpec, directory: Path, seed: int
 @torch.no_grad()
 def _merged(serving: CausalLM, adapter: HostAdapter) -> CausalLM:
     merged = copy.deepcopy(serving)
+    block: Any
+    for block in merged.model.layers:  # deepcopy un-views fused weights: use the projections
+        block.self_attn.qkv_weight = block.self_attn.qkv_bias = None
+        block.mlp.gate_up_weight = None
     for (layer, module), (a, b) in adapter.weights.items():
         block = merged.model.layers[layer]
         parent = (
@@ -82,7 +88,7 @@ def test_mixed_batch_matches_merged_weights(adapters: tuple[CausalLM, dict[str, 
     ids = torch.randint(0, 400, (len(rows), seq), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(seq).expand(len(rows), seq)
     with torch.no_grad():
-        logits = runtime.model.compute_logits(runtime.model(ids, positions))
+        logits = serving.compute_logits(runtime.forward(ids, positions))
         base = serving.compute_logits(serving(ids, positions))
     assert torch.equal(logits[0], base[0])  # base request: exactly the serving model's output
     for row, name in enumerate(rows):
@@ -172,3 +178,50 @@ def test_adapter_too_large_for_slots_is_rejected(
     other = build_random_model(tiny_config("llama", hidden_size=32, head_dim=8), dtype="float32")
     with pytest.raises(ValueError, match="expected"):
         HostAdapter.from_directory("poet", paths["poet"], other.config)
+
+
+class _Segments:
+    """Causal attention over flattened ``[T]`` tokens made of whole sequences (test helper)."""
+
+    def __init__(self, lengths: list[int]) -> None:
+        self.lengths = lengths
+
+    def __call__(
+        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        dense = DenseCausalAttention()
+        parts = zip(
+            q.split(self.lengths), k.split(self.lengths), v.split(self.lengths), strict=True
+        )
+        return torch.cat([dense(layer_idx, a[None], b[None], c[None])[0] for a, b, c in parts])
+
+
+@torch.no_grad()
+def test_flattened_tokens_with_fused_serving_model(
+    adapters: tuple[CausalLM, dict[str, Path]],
+) -> None:
+    serving, paths = adapters
+    serving.fuse_projections()  # as the decode engine keeps it
+    runtime = MultiLoraRuntime(serving, max_tokens=32, num_slots=2, max_rank=8)
+    runtime.register("poet", paths["poet"])
+    runtime.attach("b", "poet")
+    lengths = [7, 5, 9]  # requests a (base), b (poet), c (base), flattened [T] as in decode
+    ids = torch.randint(0, 400, (sum(lengths),), generator=torch.Generator().manual_seed(2))
+    positions = torch.cat([torch.arange(n) for n in lengths])
+    assert runtime.set_batch(list(zip("abc", lengths, strict=True)))
+    hidden = runtime.forward(ids, positions, _Segments(lengths))
+    rows = list(ids.split(lengths))
+    merged = _merged(serving, HostAdapter.from_directory("poet", paths["poet"], serving.config))
+    starts = [0, 7, 12]
+    for name, row, start in zip("abc", rows, starts, strict=True):
+        n = row.numel()
+        reference_model = merged if name == "b" else serving
+        expected = reference_model(row[None], torch.arange(n)[None])[0]
+        got = hidden[start : start + n]
+        if name == "b":
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+        else:  # base requests: the serving model's own result, bit for bit
+            assert torch.equal(got, serving(ids, positions, _Segments(lengths))[start : start + n])
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="set_token_slots gave"):
+        runtime.forward(ids[:5], positions[:5], _Segments([5]))
