@@ -1,0 +1,110 @@
+"""Training, held-out evaluation, ONNX export and the runtime, on the committed H200 profile.
+
+The data are real measurements of the decode engine (``predictor_models/data``); training uses a
+reduced candidate set so the module runs in seconds.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from gpu_runtime.predictor.runtime import LatencyPredictor
+from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
+from predictor_models.dataset import ProfileData, load_profile, split_by_config
+from predictor_models.export import write_artifact
+from predictor_models.train import TrainConfig, TrainResult, train
+
+DATA = (
+    Path(__file__).resolve().parents[2] / "predictor_models/data/profile-h200-llama3-8b-engine.csv"
+)
+QUICK = TrainConfig(
+    stage1_candidates=(((16,), 1e-4),), stage2_candidates=(((), 1e-1),), folds=2, steps=120
+)
+
+
+@pytest.fixture(scope="module")
+def data() -> ProfileData:
+    return load_profile(DATA)
+
+
+@pytest.fixture(scope="module")
+def result(data: ProfileData) -> TrainResult:
+    torch.set_num_threads(1)
+    return train(data, QUICK)
+
+
+def test_profile_is_real_engine_data(data: ProfileData) -> None:
+    assert data.meta["gpu"] == "NVIDIA H200"
+    assert data.meta["source"].startswith("engine:")
+    assert data.shape.hidden_size == 4096 and data.shape.num_hidden_layers == 32
+    assert np.sum(data.stage == 1) > 200 and np.sum(data.stage == 2) > 30
+    assert len(data.sha256) == 64
+
+
+def test_held_out_split_never_shares_a_configuration(data: ProfileData) -> None:
+    train_idx, test_idx = split_by_config(data, 0.25, seed=0)
+    assert set(data.group[train_idx]).isdisjoint(set(data.group[test_idx]))
+    assert len(train_idx) + len(test_idx) == len(data)
+    for stage in (1, 2):
+        held = np.sum(data.stage[test_idx] == stage) / np.sum(data.stage == stage)
+        assert held >= 0.25
+
+
+def test_model_beats_the_roofline_on_held_out_configurations(result: TrainResult) -> None:
+    for stage in ("stage1", "stage2"):
+        ours, roofline = result.metrics[stage]["harli"], result.metrics[stage]["roofline"]
+        assert ours["n"] > 0
+        assert ours["mape"] < 0.5 * roofline["mape"], (stage, ours, roofline)
+    assert result.metrics["stage1"]["harli"]["mape"] < 0.05
+
+
+def test_without_finetune_stage2_equals_stage1(result: TrainResult, data: ProfileData) -> None:
+    rows = torch.tensor(data.x[data.stage == 1][:32], dtype=torch.float32)
+    assert torch.all(rows[:, 6] == 0)
+    with torch.no_grad():
+        alone, colocated = result.model(rows)
+    assert torch.equal(alone, colocated)
+    with_ft = torch.tensor(data.x[data.stage == 2][:8], dtype=torch.float32)
+    with torch.no_grad():
+        alone2, colocated2 = result.model(with_ft)
+    assert torch.all(colocated2 > alone2)  # every measured co-run slowed decode down
+
+
+def test_onnx_artifact_matches_torch_and_serves(
+    result: TrainResult, data: ProfileData, tmp_path: Path
+) -> None:
+    directory = write_artifact(result, data, tmp_path, "profile.csv", version="v1")
+    assert (directory / "model.onnx").is_file() and directory.name == "v1"
+    predictor = LatencyPredictor.load(directory, model_shape=data.shape)
+    assert predictor.metadata.raw["roundtrip_max_rel_err"] <= 1e-5
+    assert predictor.metadata.raw["data"]["sha256"] == data.sha256
+    rng = np.random.default_rng(1)
+    rows = data.x[rng.integers(0, len(data), 64)].astype(np.float32)
+    alone, colocated = predictor.predict(rows)
+    with torch.no_grad():
+        ref_alone, ref_colocated = result.model(torch.tensor(rows))
+    np.testing.assert_allclose(alone, ref_alone.numpy(), rtol=1e-5)
+    np.testing.assert_allclose(colocated, ref_colocated.numpy(), rtol=1e-5)
+
+    iteration = DecodeIteration.from_contexts([700] * 24, 0, decode_sm_share=64 / 132)
+    quantum = FinetuneQuantum(2048, 1024, 16, backward=False, sm_share=68 / 132)
+    one = np.array([iteration.row() + quantum.row()], dtype=np.float32)
+    assert predictor.stage1(iteration) == pytest.approx(float(predictor.predict(one)[0][0]))
+    assert predictor.stage2(iteration, quantum) == pytest.approx(
+        float(predictor.predict(one)[1][0])
+    )
+    assert predictor.predict_ms(iteration, None) == predictor.stage1(iteration)
+    shares = [48 / 132, 64 / 132, 1.0]
+    scored = predictor.score(iteration, [(s, quantum) for s in shares] + [(1.0, None)])
+    assert scored.shape == (4,)
+    assert scored[-1] == pytest.approx(
+        predictor.stage1(DecodeIteration.from_contexts([700] * 24, 0, decode_sm_share=1.0))
+    )
+    with pytest.raises(ValueError, match="rows must be"):
+        predictor.predict(np.zeros((2, 10), dtype=np.float32))
+    with pytest.raises(ValueError, match="decode SM share"):
+        predictor.score(iteration, [(0.0, None)])
