@@ -13,7 +13,7 @@ from datetime import datetime
 from typing import Any
 
 from api import selectors as api_selectors
-from api.models import Deployment, FinetuneJob
+from api.models import Deployment, FinetuneJob, GpuHost
 from console import figures
 from console import selectors as console_selectors
 from console.figures import LatencyPairs, MemorySplit, TimeSeries
@@ -104,6 +104,36 @@ def fleet_attainment(*, since: datetime) -> ChartPayload:
     )
 
 
+# One host
+
+
+def host_memory(*, host: GpuHost, since: datetime) -> ChartPayload:
+    """The host's GPU memory split over time, stacked."""
+    columns = console_selectors.host_series(host=host, since=since)
+    if not len(columns):
+        return ChartPayload.empty(NO_METRICS)
+    return ChartPayload.of(
+        figures.memory_over_time_figure(
+            weights=_series("Weights", columns, "weights_bytes"),
+            kv_used=_series("KV cache in use", columns, "kv_used_bytes"),
+            lent=_series("Lent to finetuning", columns, "finetune_lent_bytes"),
+            free=_series("Free", columns, "free_bytes"),
+        )
+    )
+
+
+def host_finetune(*, host: GpuHost, since: datetime) -> ChartPayload:
+    """The host's harvested finetune tokens/s over time."""
+    columns = console_selectors.host_series(host=host, since=since)
+    if not len(columns):
+        return ChartPayload.empty(NO_METRICS)
+    return ChartPayload.of(
+        figures.throughput_figure(
+            tokens_per_s=_series("finetune tokens/s", columns, "finetune_tokens_per_s")
+        )
+    )
+
+
 # One deployment
 
 
@@ -186,7 +216,7 @@ def job_throughput(*, job: FinetuneJob) -> ChartPayload:
     if not rows:
         return ChartPayload.empty("No training steps reported for this job yet.")
     return ChartPayload.of(
-        figures.job_throughput_figure(
+        figures.throughput_figure(
             tokens_per_s=TimeSeries(
                 name="tokens/s", ts=[r.ts for r in rows], values=[r.tokens_per_s for r in rows]
             )

@@ -225,6 +225,39 @@ def memory_split_figure(*, hosts: Sequence[MemorySplit]) -> Figure:
     return _as_dict(figure)
 
 
+def memory_over_time_figure(
+    *,
+    weights: TimeSeries,
+    kv_used: TimeSeries,
+    lent: TimeSeries,
+    free: TimeSeries,
+) -> Figure:
+    """One host's GPU memory over time, stacked (values in bytes, plotted in GiB): weights at the
+    bottom, then KV cache in use, memory lent to finetuning, and free on top."""
+    layout = _base_layout(uirevision="host-memory", y_title="GPU memory (GiB)")
+    figure = go.Figure(layout=layout)
+    for series in (weights, kv_used, lent, free):
+        colour = MEMORY_COLOURS[series.name]
+        in_gib = TimeSeries(
+            name=series.name,
+            ts=series.ts,
+            values=[None if v is None else round(v / GIB, 3) for v in series.values],
+        )
+        figure.add_trace(
+            go.Scatter(
+                name=in_gib.name,
+                x=[iso_utc(t) for t in in_gib.ts],
+                y=list(in_gib.values),
+                mode="lines",
+                line={"color": colour, "width": 1},
+                fillcolor=colour,
+                stackgroup="memory",
+                hovertemplate="%{y:.1f} GiB",
+            )
+        )
+    return _as_dict(figure)
+
+
 def finetune_throughput_figure(*, per_host: Sequence[TimeSeries]) -> Figure:
     """Harvested finetune tokens/s per host, stacked, so the top edge is the fleet-wide total."""
     figure = go.Figure(
@@ -270,8 +303,8 @@ def loss_figure(
     return _as_dict(figure)
 
 
-def job_throughput_figure(*, tokens_per_s: TimeSeries) -> Figure:
-    """A job's training throughput (tokens/s) over time."""
+def throughput_figure(*, tokens_per_s: TimeSeries) -> Figure:
+    """Training throughput (tokens/s) over time: a job's, or the finetuning a host harvests."""
     figure = go.Figure(layout=_base_layout(uirevision="job-throughput", y_title="tokens/s"))
     figure.add_trace(_line(tokens_per_s, PALETTE[2]))
     figure.update_yaxes(rangemode="tozero")

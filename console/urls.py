@@ -14,6 +14,7 @@ urlpatterns: list[URLPattern] = [
     path("", fleet.FleetView.as_view(), name="fleet"),
     path("deployments/<str:name>/", fleet.DeploymentView.as_view(), name="deployment"),
     path("hosts/", fleet.HostsView.as_view(), name="hosts"),
+    path("hosts/<str:name>/", fleet.HostView.as_view(), name="host"),
     path("hosts/<str:name>/drain/", fleet.HostDrainView.as_view(), name="host-drain"),
     path("models/", fleet.BaseModelsView.as_view(), name="models"),
     path("predictors/", fleet.PredictorsView.as_view(), name="predictors"),
@@ -37,6 +38,7 @@ urlpatterns: list[URLPattern] = [
         charts.DeploymentChartView.as_view(),
         name="chart-deployment",
     ),
+    path("charts/hosts/<str:name>/<str:chart>", charts.HostChartView.as_view(), name="chart-host"),
     path("charts/jobs/<str:job_id>/<str:chart>", charts.JobChartView.as_view(), name="chart-job"),
     path(
         "charts/predictors/<str:chart>",

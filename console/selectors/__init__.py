@@ -24,6 +24,7 @@ from console.selectors.metrics import (
     deployment_summaries,
     host_finetune_series,
     host_memory_latest,
+    host_series,
     summarize,
 )
 from console.selectors.predictors import PredictorAccuracy, predictor_accuracy, predictor_pairs
@@ -64,6 +65,7 @@ __all__ = [
     "estimated_total_steps",
     "host_finetune_series",
     "host_memory_latest",
+    "host_series",
     "job_list",
     "job_progress_map",
     "job_series",

@@ -10,7 +10,7 @@ from django.db.models import OuterRef, Subquery
 from django.utils import timezone
 
 from api import selectors as api_selectors
-from api.models import Deployment, DeploymentMetric, HostMetric
+from api.models import Deployment, DeploymentMetric, GpuHost, HostMetric
 from console.selectors.series import (
     FRESHNESS,
     Columns,
@@ -29,6 +29,20 @@ def host_memory_latest(*, now: datetime | None = None) -> dict[int, HostMetric]:
     newest = HostMetric.objects.filter(host=OuterRef("host")).order_by("-ts").values("pk")[:1]
     rows = HostMetric.objects.filter(pk=Subquery(newest), ts__gte=now - FRESHNESS)
     return {row.host_id: row for row in rows}
+
+
+HOST_MEMORY_COLUMNS = ("weights_bytes", "kv_used_bytes", "finetune_lent_bytes", "free_bytes")
+
+
+def host_series(*, host: GpuHost, since: datetime) -> Columns:
+    """One host's memory split (bytes) and finetune tokens/s since `since`, oldest first."""
+    names = (*HOST_MEMORY_COLUMNS, "finetune_tokens_per_s")
+    rows = (
+        HostMetric.objects.filter(host=host, ts__gte=since)
+        .order_by("ts", "pk")
+        .values_list("ts", *names)
+    )
+    return downsample(columns_from_rows(list(rows), names))
 
 
 def host_finetune_series(*, since: datetime) -> dict[int, Columns]:

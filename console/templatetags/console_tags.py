@@ -2,26 +2,34 @@
 
 from __future__ import annotations
 
+from typing import TypeGuard
+
 from django import template
 
 register = template.Library()
 
 GIB = 1024**3
+MISSING = "—"
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    """Templates pass "" for a missing attribute (e.g. of a host with no metrics yet)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @register.filter
-def gib(value: int | float | None) -> str:
-    """Bytes as GiB with one decimal ("—" for None)."""
-    if value is None:
-        return "—"
+def gib(value: object) -> str:
+    """Bytes as GiB with one decimal ("—" for anything but a number)."""
+    if not _is_number(value):
+        return MISSING
     return f"{value / GIB:.1f} GiB"
 
 
 @register.filter
-def duration(seconds: float | None) -> str:
-    """A duration in seconds as "2h 05m", "4m 10s" or "12s" ("—" for None)."""
-    if seconds is None:
-        return "—"
+def duration(seconds: object) -> str:
+    """A duration in seconds as "2h 05m", "4m 10s" or "12s" ("—" for anything but a number)."""
+    if not _is_number(seconds):
+        return MISSING
     total = max(0, round(seconds))
     hours, rest = divmod(total, 3600)
     minutes, secs = divmod(rest, 60)
@@ -33,16 +41,16 @@ def duration(seconds: float | None) -> str:
 
 
 @register.filter
-def number(value: float | int | None, digits: int = 1) -> str:
-    """A number with thousands separators and `digits` decimals ("—" for None)."""
-    if value is None:
-        return "—"
+def number(value: object, digits: int = 1) -> str:
+    """A number with thousands separators and `digits` decimals ("—" for anything else)."""
+    if not _is_number(value):
+        return MISSING
     return f"{value:,.{int(digits)}f}"
 
 
 @register.filter
-def fraction_pct(value: float | None) -> str:
-    """A fraction 0..1 as a percentage with one decimal ("—" for None)."""
-    if value is None:
-        return "—"
+def fraction_pct(value: object) -> str:
+    """A fraction 0..1 as a percentage with one decimal ("—" for anything but a number)."""
+    if not _is_number(value):
+        return MISSING
     return f"{100.0 * value:.1f}%"

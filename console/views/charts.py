@@ -14,7 +14,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 
 from api.errors import HarliError, error_body
-from api.models import Deployment, FinetuneJob
+from api.models import Deployment, FinetuneJob, GpuHost
 from console import charts
 from console.access import OperatorJsonView
 from console.charts import ChartPayload
@@ -30,6 +30,10 @@ DEPLOYMENT_CHARTS: dict[str, Callable[..., ChartPayload]] = {
     "attainment": charts.deployment_attainment,
     "goodput": charts.deployment_goodput,
     "iteration": charts.deployment_iteration,
+}
+HOST_CHARTS: dict[str, Callable[..., ChartPayload]] = {
+    "memory": charts.host_memory,
+    "finetune": charts.host_finetune,
 }
 JOB_CHARTS: dict[str, Callable[..., ChartPayload]] = {
     "loss": charts.job_loss,
@@ -82,6 +86,20 @@ class DeploymentChartView(_RangedChartView):
         except HarliError as exc:
             return self.bad_request(exc)
         return _answer(DEPLOYMENT_CHARTS[chart](deployment=deployment, since=since))
+
+
+class HostChartView(_RangedChartView):
+    def get(self, request: HttpRequest, name: str, chart: str) -> HttpResponse:
+        if chart not in HOST_CHARTS:
+            return _not_found(f"No host chart named {chart!r}.")
+        host = GpuHost.objects.filter(name=name).first()
+        if host is None:
+            return _not_found(f"No host named {name!r}.")
+        try:
+            since = self.since(request)
+        except HarliError as exc:
+            return self.bad_request(exc)
+        return _answer(HOST_CHARTS[chart](host=host, since=since))
 
 
 class JobChartView(OperatorJsonView):

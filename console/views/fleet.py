@@ -25,6 +25,8 @@ def _host_rows(hosts: list[GpuHost], latest: dict[int, HostMetric]) -> list[dict
     return [{"host": h, "metric": latest.get(h.pk)} for h in hosts]
 
 
+PLACEMENTS_SHOWN = 100
+
 FLEET_PARTS = {
     "kpis": "console/parts/fleet_kpis.html",
     "hosts": "console/parts/fleet_hosts.html",
@@ -126,6 +128,22 @@ class HostsView(OperatorView):
         hosts = list(api_selectors.host_list())
         rows = _host_rows(hosts, console_selectors.host_memory_latest())
         return render_page(request, "console/hosts.html", {"host_rows": rows}, section="hosts")
+
+
+class HostView(OperatorView):
+    """One host: memory lent and reclaimed over time, harvested throughput, its placements."""
+
+    def get(self, request: HttpRequest, name: str) -> HttpResponse:
+        host = GpuHost.objects.select_related("deployment").filter(name=name).first()
+        if host is None:
+            return not_found(request, what=f"host {name!r}", section="hosts")
+        latest = console_selectors.host_memory_latest()
+        context = {
+            "host": host,
+            "metric": latest.get(host.pk),
+            "placements": list(api_selectors.placement_list(host=host.name)[:PLACEMENTS_SHOWN]),
+        }
+        return render_page(request, "console/host.html", context, section="hosts", ranged=True)
 
 
 class HostDrainView(OperatorView):

@@ -200,6 +200,12 @@ def test_operator_tour_of_every_page(page: Any, fleet: Seeded) -> None:
     page.goto("/console/hosts/")
     assert page.locator("#hosts-table tbody tr").count() == 3
     shot(page, "hosts")
+    page.click("#hosts-table >> text=gpu-a")
+    host_memory = plot(page, "chart-host-memory")
+    assert set(host_memory["points"].values()) == {HOST_A_POINTS}
+    assert plot(page, "chart-host-finetune")["points"] == {"finetune tokens/s": HOST_A_POINTS}
+    assert page.locator("#host-placements-table tbody tr").count() == 1
+    shot(page, "host")
     page.goto("/console/predictors/")
     scatter = plot(page, "chart-predictor-scatter")
     assert scatter["points"] == {

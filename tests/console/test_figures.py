@@ -80,6 +80,25 @@ def test_memory_split_is_one_stacked_bar_per_host_in_gib() -> None:
     assert fig["data"][0]["y"] == ["gpu-a", "gpu-b"]
 
 
+def test_memory_over_time_is_stacked_in_gib() -> None:
+    gib = figures.GIB
+    fig = figures.memory_over_time_figure(
+        weights=_series("Weights", [16.0 * gib, 16.0 * gib]),
+        kv_used=_series("KV cache in use", [60.0 * gib, 70.0 * gib]),
+        lent=_series("Lent to finetuning", [20.0 * gib, 10.0 * gib]),
+        free=_series("Free", [45.0 * gib, None]),
+    )
+    assert [t["name"] for t in fig["data"]] == [
+        "Weights",
+        "KV cache in use",
+        "Lent to finetuning",
+        "Free",
+    ]
+    assert fig["data"][2]["y"] == [20.0, 10.0]
+    assert fig["data"][3]["y"] == [45.0, None]
+    assert {t["stackgroup"] for t in fig["data"]} == {"memory"}
+
+
 def test_finetune_throughput_is_stacked_per_host() -> None:
     fig = figures.finetune_throughput_figure(
         per_host=[_series("gpu-a", [1.0, 2.0]), _series("gpu-b", [3.0])]
@@ -117,5 +136,5 @@ def test_mismatched_series_are_rejected_with_the_lengths() -> None:
 def test_builders_do_not_mutate_their_input() -> None:
     values: list[float | None] = [1.0, 2.0]
     series = _series("x", values)
-    figures.job_throughput_figure(tokens_per_s=series)
+    figures.throughput_figure(tokens_per_s=series)
     assert values == [1.0, 2.0]

@@ -26,6 +26,8 @@ PAGES = [
     "/console/tenants/",
     "/console/models/",
     "/console/hosts/",
+    "/console/hosts/gpu-a/",
+    "/console/hosts/gpu-c/",
     "/console/predictors/",
 ]
 
@@ -140,6 +142,23 @@ def test_fleet_charts(operator_client: Client) -> None:
     assert finetune["points"] == {"gpu-a": HOST_A_POINTS, "gpu-b": HOST_B_POINTS}
     _, attainment = _json(operator_client, "/console/charts/fleet/attainment")
     assert attainment["points"] == {"chat-tiny": DEPLOYMENT_POINTS}
+
+
+def test_host_charts(operator_client: Client) -> None:
+    _, memory = _json(operator_client, "/console/charts/hosts/gpu-a/memory")
+    assert memory["points"] == {
+        "Weights": HOST_A_POINTS,
+        "KV cache in use": HOST_A_POINTS,
+        "Lent to finetuning": HOST_A_POINTS,
+        "Free": HOST_A_POINTS,
+    }
+    assert memory["figure"]["data"][2]["y"][0] == 20.0  # GiB lent
+    _, finetune = _json(operator_client, "/console/charts/hosts/gpu-b/finetune?range=15m")
+    assert finetune["points"] == {"finetune tokens/s": HOST_B_POINTS}
+    _, idle = _json(operator_client, "/console/charts/hosts/gpu-c/memory")
+    assert idle["empty"] is True
+    assert _json(operator_client, "/console/charts/hosts/nope/memory")[0] == 404
+    assert operator_client.get("/console/hosts/nope/").status_code == 404
 
 
 def test_job_and_predictor_charts(operator_client: Client, seeded: Seeded) -> None:
