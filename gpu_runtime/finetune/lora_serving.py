@@ -88,6 +88,8 @@ class MultiLoraRuntime:
     def set_batch(self, order: Sequence[tuple[str, int]]) -> bool:
         """Per-token slots for this step's tokens, ``order`` = ``(request_id, num_tokens)`` in
         the order the tokens are laid out. Returns whether any token uses an adapter."""
+        if not any(request_id in self._attached for request_id, _ in order):
+            return False  # base-only step: the serving model runs, the mask is not read
         slots: list[int] = []
         for request_id, count in order:
             name = self._attached.get(request_id)
