@@ -13,9 +13,11 @@ the one with the highest expected finetune tokens/s: a quantum's tokens over its
 duration plus half a decode iteration (the relaunch gap); durations are fitted per choice from its
 own quanta as ``overhead + tokens / rate`` (before any is observed, the solo rate scaled by the
 SMs the quantum gets). Bigger quanta amortise the per-quantum overhead but hold a split longer,
-so a quantum is capped at ``max_quantum_ms`` (the smallest size is always allowed). A quantum
-that will hold the split is checked against the batch the queue will bring in (running plus
-waiting requests), not only the current one. When nothing is safe, finetuning pauses for that
+so a quantum is capped at ``max_quantum_ms`` (the smallest size is always allowed). A request's TPOT
+is a mean over its tokens and a quantum holds its split for many iterations, so a concurrent
+quantum is checked on the typical iteration while it runs (running plus waiting requests, the
+recent mean prefill tokens per iteration) against the bound, and on the coming iteration
+against the SLO itself. When nothing is safe, finetuning pauses for that
 iteration (decode gets the whole device) and the plan says so.
 
 When decode is idle, a quantum is planned as if one request had just arrived (spatial choices
@@ -26,8 +28,8 @@ lowest predicted TPOT given that quantum (no new launch).
 
 The margin adapts: ``base_margin`` plus the ``error_quantile`` of recent relative prediction
 errors ``(observed - predicted) / predicted`` (only under-predictions count), capped at
-``max_margin``; an observed TPOT above the SLO adds ``violation_step`` that decays by
-``violation_decay`` per iteration.
+``max_margin``; each time the recent mean TPOT goes above the SLO, ``violation_step`` is added,
+decaying by ``violation_decay`` per iteration.
 """
 
 from __future__ import annotations
@@ -75,11 +77,13 @@ class HarliConfig:
     initial_margin: float = 0.15
     """Margin used before enough errors were observed."""
     violation_step: float = 0.05
-    """Margin added when an iteration's observed TPOT exceeds the SLO."""
+    """Margin added when the recent mean TPOT (see ``error_smoothing``) goes above the SLO."""
     violation_decay: float = 0.98
     """Per-iteration decay factor of that extra margin."""
     quantum_examples: tuple[int, ...] = (1, 2, 4, 8)
     """Quantum sizes considered, in examples of the job's longest length."""
+    prefill_smoothing: float = 0.05
+    """EMA weight of one iteration's prefill tokens in the mean used for held splits."""
     idle_probe_context_tokens: int = 512
     """When decode is idle, quanta are planned as if one request of this context were
     decoding (one may arrive while the quantum holds its split)."""
@@ -134,6 +138,7 @@ class MarginTracker:
         self._errors: deque[float] = deque(maxlen=config.error_window)
         self._recent: deque[tuple[float, float]] = deque(maxlen=config.error_smoothing)
         self._violation = 0.0
+        self._breached = False
 
     def observe(self, predicted_ms: float, observed_ms: float, tpot_slo_ms: float) -> None:
         """One busy iteration. Errors and breaches are judged on the mean over the last
@@ -146,8 +151,10 @@ class MarginTracker:
         predicted = sum(p for p, _ in self._recent)
         observed = sum(o for _, o in self._recent)
         self._errors.append((observed - predicted) / predicted)
-        if observed / len(self._recent) > tpot_slo_ms:
+        breached = observed / len(self._recent) > tpot_slo_ms
+        if breached and not self._breached:  # once per episode, not per iteration of it
             self._violation += self.config.violation_step
+        self._breached = breached
 
     @property
     def margin(self) -> float:
@@ -240,10 +247,17 @@ class HarliPolicy(CoLocationPolicy):
         self.durations = QuantumDurations(self.config.prior_quantum_overhead_ms)
         self._jobs: dict[str, JobView] = {}
         self._slo_ms: float | None = None
+        self._prefill_mean = 0.0
         self.decisions = 0
         self.pauses = 0
 
     # ---- planning -----------------------------------------------------------------------
+    def expected_snapshot(self, decode: DecodeSnapshot) -> DecodeSnapshot:
+        """The typical iteration while a quantum launched now runs: the waiting requests
+        joined, the recent mean prefill tokens per busy iteration."""
+        ahead = lookahead(decode)
+        return replace(ahead, prefill_tokens=round(self._prefill_mean))
+
     def plan(self, ctx: IterationContext) -> IterationPlan:
         self.decisions += 1
         self._slo_ms = ctx.tpot_slo_ms
@@ -253,6 +267,10 @@ class HarliPolicy(CoLocationPolicy):
         full = options[-1] if options else None
         margin = self.margins.margin
         idle = ctx.decode.is_idle
+        if not idle:
+            self._prefill_mean += self.config.prefill_smoothing * (
+                ctx.decode.prefill_tokens - self._prefill_mean
+            )
         if idle:
             if not ctx.jobs or ctx.in_flight is not None:
                 return IterationPlan(full, (), None, None, margin, note="idle")
@@ -323,16 +341,18 @@ class HarliPolicy(CoLocationPolicy):
     ) -> list[_Choice]:
         share = 1.0 if not total or d is None else d / total
         ft_share = 1.0 if share >= 1.0 else 1.0 - share
-        # The quantum holds this split for its whole duration: check the batch the queue brings.
+        # The quantum holds this split for its whole duration, and a request's TPOT is a mean
+        # over many iterations: the typical iteration while it runs (the queue joined, the
+        # recent mean prefill per iteration) must stay under the bound; this one under the SLO.
         now = decode_iteration(ctx.decode, share)
-        ahead = decode_iteration(lookahead(ctx.decode), share)
+        typical = decode_iteration(self.expected_snapshot(ctx.decode), share)
         out: list[_Choice] = []
         for k in sizes:
             tokens = k * job.max_seq_len
             quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
             predicted = self.latency.predict_ms(now, quantum)
-            worst = max(predicted, self.latency.predict_ms(ahead, quantum))
-            if worst > bound:
+            expected = self.latency.predict_ms(typical, quantum)
+            if expected > bound or predicted > ctx.tpot_slo_ms:
                 continue
             quantum_ms = self.durations.duration_ms(
                 job, d, LaunchMode.CONCURRENT, ft_share, k * job.seq_len
