@@ -1,17 +1,116 @@
 #!/usr/bin/env bash
-# Install and run the platform on this machine. With DATABASE_URL and CELERY_BROKER_URL unset it
-# uses embedded defaults (SQLite under var/, Celery's in-memory transport with tasks run inline)
-# and needs no service. Seeds a demo tenant, key, the `tiny` model, a deployment and an operator,
-# prints how to reach them, then serves on HARLI_BIND (default 127.0.0.1:8000). Ctrl-C stops it.
+# Install and run the whole platform on this machine: web (control plane + console), a Celery
+# worker, Celery beat and one local host agent. With DATABASE_URL and CELERY_BROKER_URL unset it
+# needs no service: SQLite under var/ and Celery's filesystem transport under var/broker (a
+# broker made of files, which works across processes; `memory://` would not). Seeds a demo
+# tenant, key, the `tiny` model, a deployment and an operator, registers the local host, prints
+# how to reach them and a ready-to-paste openai snippet. Ctrl-C stops every process.
+#
+# The agent runs the tiny built-in model on the CPU unless HARLI_MODEL_DIR names a HF model
+# directory (then HARLI_DEVICE defaults to cuda when a GPU is present, and the base model is
+# registered as HARLI_BASE_MODEL, default: the directory's name).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
 export DJANGO_SETTINGS_MODULE=${DJANGO_SETTINGS_MODULE:-config.settings.local}
+if [ -z "${CELERY_BROKER_URL:-}" ]; then
+  export CELERY_BROKER_URL=filesystem://
+  export HARLI_BROKER_DIR=${HARLI_BROKER_DIR:-var/broker}
+fi
 bind=${HARLI_BIND:-127.0.0.1:8000}
 host=${bind%:*}
 case "$host" in 0.0.0.0|"") host=127.0.0.1 ;; esac
+url="http://${host}:${bind##*:}"
+agent_name=${HARLI_AGENT_NAME:-local}
+agent_listen=${HARLI_AGENT_LISTEN:-127.0.0.1:8100}
+
 python manage.py migrate --no-input -v 0
-python manage.py seed_demo --url "http://${host}:${bind##*:}"
-# --noreload: one process, so Ctrl-C (SIGINT) stops the server at once and leaves nothing behind.
-exec python manage.py runserver --noreload "$bind"
+mkdir -p var/log
+python manage.py seed_demo --url "$url" | tee var/log/seed.txt
+key=$(awk '/demo tenant API key:/{print $NF}' var/log/seed.txt)
+
+base_model=tiny
+deployment=tiny-chat
+agent_args=()
+gpu_kind=cpu
+gpu_gb=16
+if [ -n "${HARLI_MODEL_DIR:-}" ]; then
+  base_model=${HARLI_BASE_MODEL:-$(basename "$HARLI_MODEL_DIR")}
+  deployment="${base_model}-chat"
+  device=${HARLI_DEVICE:-$(command -v nvidia-smi >/dev/null && echo cuda || echo cpu)}
+  agent_args+=(--model-dir "$HARLI_MODEL_DIR" --device "$device")
+  if [ "$device" != cpu ]; then
+    gpu_kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1 | tr ' ' '-')
+    gpu_gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1)
+    gpu_gb=$((gpu_gb / 1024))
+  fi
+  python manage.py basemodels list | awk 'NR>1{print $1}' | grep -qx "$base_model" \
+    || python manage.py basemodels register "$base_model" --checkpoint "$HARLI_MODEL_DIR"
+  python manage.py deployments list | awk 'NR>1{print $1}' | grep -qx "$deployment" \
+    || python manage.py deployments create "$deployment" --base-model "$base_model" \
+         --tpot-slo-ms 50 --ttft-slo-ms 1000
+fi
+python manage.py hosts list | awk 'NR>1{print $1}' | grep -qx "$agent_name" \
+  || python manage.py hosts register "$agent_name" --gpu-kind "$gpu_kind" \
+       --gpu-memory-gb "$gpu_gb" --deployment "$deployment"
+
+pids=()
+stopping=0
+stop_all() {
+  trap - INT TERM EXIT
+  stopping=1
+  echo; echo "Stopping Harli..."
+  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
+  for _ in $(seq 1 50); do
+    alive=0
+    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
+    [ "$alive" = 0 ] && break
+    sleep 0.2
+  done
+  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+}
+trap stop_all INT TERM EXIT
+
+# --noreload: one process per role, so a signal stops each at once and leaves nothing behind.
+python manage.py runserver --noreload "$bind" >var/log/web.log 2>&1 & pids+=($!)
+celery -A config worker --pool solo -Q control --hostname "harli-worker@%h" \
+  --without-gossip --without-mingle --without-heartbeat -l WARNING >var/log/worker.log 2>&1 &
+pids+=($!)
+celery -A config beat -l WARNING --schedule var/celerybeat-schedule >var/log/beat.log 2>&1 &
+pids+=($!)
+python -m gpu_runtime.agent --host "$agent_name" --base-model "$base_model" \
+  --control-url "$url" --listen "$agent_listen" "${agent_args[@]}" >var/log/agent.log 2>&1 &
+pids+=($!)
+
+echo "Starting web, worker, beat and the host agent (logs in var/log/)..."
+for _ in $(seq 1 600); do
+  grep -q "ready:" var/log/agent.log 2>/dev/null && break
+  for pid in "${pids[@]}"; do
+    kill -0 "$pid" 2>/dev/null || { echo "a process exited early; see var/log/" >&2; tail -n 20 var/log/*.log >&2; exit 1; }
+  done
+  sleep 0.5
+done
+cat <<TXT
+
+Harli is running (logs in var/log/; Ctrl-C stops everything):
+  control plane + console:    $url/console/
+  host agent $agent_name serving $base_model (OpenAI-compatible): http://$agent_listen/v1
+  broker:                     $CELERY_BROKER_URL ${HARLI_BROKER_DIR:-}
+
+Once the demo job above has succeeded, call its adapter on the host (same API key):
+
+python - <<'PY'
+from openai import OpenAI
+key = "$key"
+control = OpenAI(base_url="$url/v1", api_key=key)
+job = control.fine_tuning.jobs.list(limit=1).data[0]
+print(job.id, job.status, job.fine_tuned_model)
+host = OpenAI(base_url="http://$agent_listen/v1", api_key=key)
+model = job.fine_tuned_model or "$base_model"
+print(host.completions.create(model=model, prompt="What is 2 + 2?", max_tokens=16).choices[0].text)
+PY
+TXT
+wait -n "${pids[@]}" || true
+[ "$stopping" = 1 ] || echo "a Harli process stopped; see var/log/ (stopping the rest)" >&2
