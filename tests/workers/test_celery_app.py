@@ -49,6 +49,8 @@ def test_default_broker_is_in_memory_and_local_runs_eagerly() -> None:
 def test_worker_process_starts_on_redis_and_answers_ping() -> None:
     env = {**os.environ, "CELERY_BROKER_URL": REDIS_URL}
     env["DJANGO_SETTINGS_MODULE"] = "config.settings.test"
+    # Other workers may share the broker (parallel runs): wait for this one by its own name.
+    node = f"harli-test-{os.getpid()}"
     worker = subprocess.Popen(
         [
             sys.executable,
@@ -60,7 +62,7 @@ def test_worker_process_starts_on_redis_and_answers_ping() -> None:
             "--pool",
             "solo",
             "--hostname",
-            "harli-test@%h",
+            f"{node}@%h",
             "--loglevel",
             "WARNING",
             "--without-gossip",
@@ -74,12 +76,13 @@ def test_worker_process_starts_on_redis_and_answers_ping() -> None:
     )
     client = Celery("harli-test-client", broker=REDIS_URL)
     try:
-        replies: list[dict[str, object]] = []
-        deadline = time.monotonic() + 30
-        while not replies and time.monotonic() < deadline and worker.poll() is None:
+        answered: list[str] = []
+        deadline = time.monotonic() + 60
+        while not answered and time.monotonic() < deadline and worker.poll() is None:
             replies = client.control.ping(timeout=1.0)
+            answered = [name for reply in replies for name in reply if name.startswith(f"{node}@")]
         assert worker.poll() is None, worker.stdout.read() if worker.stdout else ""
-        assert any(name.startswith("harli-test@") for reply in replies for name in reply)
+        assert answered, f"no ping reply from {node} within 60 s"
     finally:
         worker.terminate()
         worker.wait(timeout=20)
