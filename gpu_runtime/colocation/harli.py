@@ -286,9 +286,9 @@ class HarliPolicy(CoLocationPolicy):
             return IterationPlan(full, (), solo_full, solo_full, margin, note="no job")
         job = ctx.jobs[0]
         cap = memory_cap_tokens(job, ctx.finetune_budget_bytes)
-        sizes = [
+        sizes = sorted(
             k for k in self.config.quantum_examples if cap is None or k * job.max_seq_len <= cap
-        ]
+        )
         if not sizes:
             return IterationPlan(
                 full,
@@ -353,7 +353,7 @@ class HarliPolicy(CoLocationPolicy):
             predicted = self.latency.predict_ms(now, quantum)
             expected = self.latency.predict_ms(typical, quantum)
             if expected > bound or predicted > ctx.tpot_slo_ms:
-                continue
+                break  # a bigger quantum beside decode is assumed no kinder to it
             quantum_ms = self.durations.duration_ms(
                 job, d, LaunchMode.CONCURRENT, ft_share, k * job.seq_len
             )

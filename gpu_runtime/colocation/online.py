@@ -42,8 +42,17 @@ def _features(iteration: DecodeIteration) -> list[float]:
 
 @dataclass
 class _Fit:
-    coef: np.ndarray
+    coef: tuple[float, float, float, float]
     samples: int
+
+    def __call__(self, iteration: DecodeIteration) -> float:
+        a, b, c, d = self.coef  # plain floats: this runs dozens of times per decode iteration
+        return (
+            a
+            + b * iteration.batch_size
+            + c * iteration.context_tokens_total / 1e3
+            + d * iteration.prefill_chunk_tokens / 1e3
+        )
 
 
 class OnlineLatencyModel:
@@ -70,6 +79,8 @@ class OnlineLatencyModel:
         )
         self._pending: list[tuple[DecodeIteration, FinetuneQuantum | None, float]] = []
         self._fits: dict[float, _Fit] = {}
+        self._ratio_cache: dict[tuple[float, bool], tuple[int, float]] = {}
+        self._ratio_counts: dict[tuple[float, bool], int] = defaultdict(int)
         self._since_fit: dict[float, int] = defaultdict(int)
 
     # ---- observations -----------------------------------------------------------------------
@@ -116,7 +127,9 @@ class OnlineLatencyModel:
             if key in self._fits:
                 assert quantum is not None
                 solo = self._stage1(iteration)
-                self._ratios[(key, _disjoint(iteration, quantum))].append(observed / solo)
+                ratio_key = (key, _disjoint(iteration, quantum))
+                self._ratios[ratio_key].append(observed / solo)
+                self._ratio_counts[ratio_key] += 1
             else:
                 keep.append((iteration, quantum, observed))
         self._pending = keep[-1000:]
@@ -132,7 +145,8 @@ class OnlineLatencyModel:
         xs = x / scale
         gram = xs.T @ xs + self.ridge * len(y) * np.eye(xs.shape[1])
         coef = np.linalg.solve(gram, xs.T @ y) / scale
-        self._fits[key] = _Fit(coef, len(y))
+        a, b, c, d = (float(v) for v in coef)
+        self._fits[key] = _Fit((a, b, c, d), len(y))
         self._drain_pending()
 
     # ---- prediction -------------------------------------------------------------------------
@@ -144,21 +158,35 @@ class OnlineLatencyModel:
         key = _key(iteration.decode_sm_share)
         fit = self._fits.get(key)
         if fit is not None:
-            return max(float(np.dot(fit.coef, _features(iteration))), 0.1)
+            return max(fit(iteration), 0.1)
         if self.prior is not None:
             return self.prior.predict_ms(iteration, None)
         if not self._fits:
             raise LookupError("no split has been observed and there is no prior model")
         nearest = min(self._fits, key=lambda s: abs(s - key))
-        coef = self._fits[nearest].coef
-        return max(float(np.dot(coef, _features(iteration))), 0.1) * (nearest / key) ** 0.5
+        return max(self._fits[nearest](iteration), 0.1) * (nearest / key) ** 0.5
 
     def interference_ratio(self, share: float, disjoint: bool) -> float | None:
-        """Median observed / stage-1 with a quantum beside decode (None: never observed)."""
-        ratios = self._ratios.get((_key(share), disjoint))
+        """Median observed / stage-1 with a quantum beside decode (None: never observed).
+
+        Recomputed after every ``refit_every`` new ratios (and on the first few), not per call.
+        """
+        key = (_key(share), disjoint)
+        ratios = self._ratios.get(key)
         if not ratios:
             return None
-        return float(np.median(np.fromiter(ratios, dtype=np.float64)))
+        count = self._ratio_counts[key]
+        cached = self._ratio_cache.get(key)
+        stale = cached is None or (
+            count != cached[0]
+            and (count - cached[0] >= self.refit_every or count < self.min_samples)
+        )
+        if stale:
+            value = float(np.median(np.fromiter(ratios, dtype=np.float64)))
+            self._ratio_cache[key] = (count, value)
+            return value
+        assert cached is not None
+        return cached[1]
 
     def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
         solo = self._stage1(iteration)
