@@ -99,6 +99,15 @@ def _heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
     for placement in stale.select_related("job"):
         _stop_on_commit(host, placement)
     _offer_missing_adapters(host, set(message.get("adapters", [])))
+    if host.status == HostStatus.DRAINING and not message.get("draining", False):
+        name = host.name
+
+        def drain() -> None:
+            from workers.commands import send_host_command
+
+            send_host_command(host_name=name, command="drain")
+
+        transaction.on_commit(drain)
     return "applied"
 
 

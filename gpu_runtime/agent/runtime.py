@@ -61,7 +61,7 @@ class Generation:
 
 
 @dataclass
-class HostStatus:
+class HostSnapshot:
     """What a heartbeat reports (a copy taken under the runtime's lock)."""
 
     placements: list[int]
@@ -135,7 +135,7 @@ class HostRuntime:
         self.inbox.put(("generate", generation))
         return generation.future
 
-    def status(self) -> HostStatus:
+    def status(self) -> HostSnapshot:
         with self._lock:
             return self._status
 
@@ -404,10 +404,10 @@ class HostRuntime:
         # Adapter weights, gradients and two AdamW moments (fp32) of every job on the loop.
         return sum(16 * sum(p.numel() for p in run.trainer.params) for run in self.runs.values())
 
-    def _snapshot(self) -> HostStatus:
+    def _snapshot(self) -> HostSnapshot:
         kv_total = self.engine.config.num_kv_blocks * self.kv_bytes_per_block
         free = self.total_bytes - self.weights_bytes - kv_total
-        return HostStatus(
+        return HostSnapshot(
             placements=sorted(run.placement_id for run in self.runs.values()),
             adapters=self.adapters.names(),
             free_bytes=max(0, free - self._lent_bytes()),

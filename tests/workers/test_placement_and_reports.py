@@ -215,3 +215,18 @@ def test_metrics_rows_and_minute_rollups(fleet: dict[str, GpuHost]) -> None:
     assert rollup.maxima["finetune_tokens_per_s"] == 300.0
     dep = MetricRollup.objects.get(series="deployment", key="tiny-chat@h1")
     assert dep.samples == 2 and dep.sums["tpot_p99_ms"] == 40.0
+
+
+def test_a_drained_host_is_told_to_drain_and_gets_no_new_jobs(
+    fleet: dict[str, GpuHost], job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    from api.services.fleet import host_drain
+
+    for name in ("h1", "h2"):
+        host_drain(host=fleet[name])
+    with django_capture_on_commit_callbacks(execute=True):
+        heartbeat("h2", harvestable_tokens_per_s=300.0)
+    assert [c["command"] for c in drain_host_queue("h2")] == ["drain"]
+    heartbeat("h2", harvestable_tokens_per_s=300.0, draining=True)
+    assert _place(job, django_capture_on_commit_callbacks) is None
+    assert job.events.filter(message__contains="h2: host is draining").exists()

@@ -126,3 +126,13 @@ def test_metrics_and_status(runtime: Any, reports: Reports) -> None:
     assert host["weights_bytes"] > 0 and 0 < host["free_bytes"] < 2**30
     status = runtime.status()
     assert status.total_bytes == 2**30 and status.placements == []
+
+
+def test_drain_is_reported_in_the_status(runtime: Any) -> None:
+    import time
+
+    runtime.submit_command({"command": "drain", "command_id": "d"})
+    deadline = time.monotonic() + 10
+    while not runtime.status().draining and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert runtime.status().draining
