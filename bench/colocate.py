@@ -64,7 +64,7 @@ from gpu_runtime.colocation import (
     summarize,
 )
 from gpu_runtime.colocation.online import beside_quantum
-from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.simulator import SimulatedHost, fit_truth_from_profile
 from gpu_runtime.colocation.types import DecodeSnapshot, JobView
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
@@ -455,6 +455,7 @@ def setup_simulation(args: argparse.Namespace, rank: int) -> tuple[Backend, dict
 def make_policy(
     name: str,
     latency: OnlineLatencyModel,
+    harli_latency: DecodeLatencyModel,
     static_d: int | None,
     harli_config: HarliConfig,
     calib_records: list[IterationRecord],
@@ -467,7 +468,7 @@ def make_policy(
         return TimeSlicePolicy(latency, margin=0.1, max_quantum_examples=8)
     if name == "static_split":
         return StaticSplitPolicy(static_d, quantum_examples=2)
-    harli = HarliPolicy(latency, harli_config)
+    harli = HarliPolicy(harli_latency, harli_config)
     for record in calib_records:  # quanta timed during calibration seed its duration model
         for q in record.quanta:
             if q.mode is LaunchMode.CONCURRENT and not q.error:
@@ -500,6 +501,11 @@ def main() -> None:
         help="profiler CSV: run every policy on SimulatedHost with latencies fitted to it "
         "(no GPU; the result says so)",
     )
+    parser.add_argument(
+        "--predictor",
+        default=None,
+        help="trained predictor artifact directory for harli (default: fitted in the run)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=None)
@@ -523,6 +529,19 @@ def main() -> None:
     overhead_ms = float(info["solo_finetune"]["quantum_overhead_ms"])
     latency, calib_records, calib_info = calibrate(backend, args.calibrate_s, args.ft_seq_len, rank)
     info["calibration"] = calib_info
+    harli_latency: DecodeLatencyModel = latency
+    info["harli_predictor"] = (
+        "OnlineLatencyModel fitted in this run from a calibration phase (separate seeded "
+        "high-load trace: decode alone on every split, then 2-example quanta beside decode on "
+        "every split), updated online during Harli's runs; no trained predictor artifact"
+    )
+    if args.predictor:
+        from gpu_runtime.predictor.runtime import LatencyPredictor
+        from gpu_runtime.predictor.schema import ModelShape
+
+        shape = ModelShape.from_model_config(ModelConfig.preset(args.model), args.model)
+        harli_latency = LatencyPredictor.load(args.predictor, model_shape=shape)
+        info["harli_predictor"] = f"trained artifact {args.predictor} (ONNX Runtime, CPU)"
     print(f"calibrated {calib_info} at {time.perf_counter() - wall:.1f}s", flush=True)
     harli_config = HarliConfig(
         quantum_examples=(1, 2, 4, 8),
@@ -551,7 +570,7 @@ def main() -> None:
         if time.perf_counter() - wall + specs[trace].duration_s + 1.0 > args.budget_s:
             skipped.append(f"{trace}/{name}")
             return
-        policy = make_policy(name, latency, static_d, harli_config, calib_records)
+        policy = make_policy(name, latency, harli_latency, static_d, harli_config, calib_records)
         records, start, end = backend.run(
             policy, trace_reqs[trace], specs[trace].duration_s, slo_ms, name != "decode_only"
         )
@@ -595,10 +614,6 @@ def main() -> None:
                 "static_split_selection": "smallest split whose predicted TPOT beside a "
                 "2-example quantum is <= 0.95 x SLO on >= 99% of decode_only's iterations",
                 "harli_config": asdict(harli_config),
-                "harli_predictor": "OnlineLatencyModel fitted in this run from a calibration "
-                "phase (separate seeded high-load trace: decode alone on every split, then "
-                "2-example quanta beside decode on every split), updated online during Harli's "
-                "runs; no trained predictor artifact was used",
                 "skipped_runs": skipped,
             },
             "simulated": bool(args.simulate),
