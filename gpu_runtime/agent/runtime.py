@@ -443,8 +443,9 @@ class HostRuntime:
                 "goodput_tokens_per_s": interval.goodput_tokens_per_s,
                 "request_rate": interval.finished_requests / max(interval.seconds, 1e-9),
                 "observed_iter_ms": interval.seconds * 1e3 / iterations,
+                # The policies available here carry no versioned predictor yet.
                 "predicted_iter_ms": None,
-                "predictor_version": self.loop.policy.name,
+                "predictor_version": None,
             }
         self._report(
             "metrics",
