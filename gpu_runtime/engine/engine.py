@@ -12,6 +12,7 @@ from typing import Any
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.kv_cache import KVStorageFactory, default_kv_storage
+from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.model_runner import ModelRunner
 from gpu_runtime.engine.request import Request, RequestOutput, SamplingParams
 from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler, Scheduler
@@ -20,7 +21,7 @@ from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import load_model, load_tokenizer
 
 AdapterResolver = Callable[[str], bool]
-"""Returns True when an adapter of that name can be served (filled in by the finetune side)."""
+"""Returns True when an adapter of that name can be served (defaults to `lora.has`)."""
 
 
 class UnknownAdapterError(ValueError):
@@ -28,7 +29,14 @@ class UnknownAdapterError(ValueError):
 
 
 class Engine:
-    """One model, one KV cache, continuous batching."""
+    """One model, one KV cache, continuous batching; optionally per-request LoRA adapters.
+
+    With `lora` (e.g. `gpu_runtime.finetune.lora_serving.MultiLoraRuntime` built over `model`
+    with `max_tokens >= config.max_num_batched_tokens`), `add_request(..., lora_name=name)`
+    serves adapter `name` beside base requests in the same batches. The default scheduler
+    admits an adapter request only when the runtime can give it a slot (FCFS otherwise) and
+    releases the slot when it finishes, is aborted or preempted.
+    """
 
     def __init__(
         self,
@@ -38,6 +46,7 @@ class Engine:
         kv_storage_factory: KVStorageFactory = default_kv_storage,
         scheduler_factory: Callable[[EngineConfig, BlockManager], Scheduler] | None = None,
         adapter_resolver: AdapterResolver | None = None,
+        lora: LoraRuntime | None = None,
     ) -> None:
         if config.max_model_len > model.config.max_position_embeddings:
             raise ValueError(
@@ -50,14 +59,34 @@ class Engine:
         self.block_manager = BlockManager(
             config.num_kv_blocks, config.block_size, capacity=config.storage_blocks
         )
-        factory = scheduler_factory or ContinuousBatchingScheduler
-        self.scheduler: Scheduler = factory(config, self.block_manager)
-        self.runner = ModelRunner(model, config, kv_storage_factory)
+        self.lora = lora
+        if scheduler_factory is not None:
+            if lora is not None:
+                raise ValueError(
+                    "a custom scheduler_factory cannot be combined with lora (the scheduler "
+                    "must admit adapter requests through the runtime's slots)"
+                )
+            self.scheduler: Scheduler = scheduler_factory(config, self.block_manager)
+        elif lora is not None:
+            runtime = lora
+
+            def admit(request_id: str, name: str) -> bool:
+                if not runtime.can_admit(name):
+                    return False
+                runtime.attach(request_id, name)
+                return True
+
+            self.scheduler = ContinuousBatchingScheduler(
+                config, self.block_manager, admit_adapter=admit, release_adapter=runtime.detach
+            )
+        else:
+            self.scheduler = ContinuousBatchingScheduler(config, self.block_manager)
+        self.runner = ModelRunner(model, config, kv_storage_factory, lora=lora)
         eos = list(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.append(int(tokenizer.eos_token_id))
         self.stop_checker = StopChecker(tokenizer, eos, config.max_model_len)
-        self.adapter_resolver = adapter_resolver
+        self.adapter_resolver = adapter_resolver or (lora.has if lora is not None else None)
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
 
@@ -77,14 +106,13 @@ class Engine:
         request_id: str | None = None,
         lora_name: str | None = None,
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError for prompts that cannot fit."""
+        """Queue a request; returns its id. Raises ValueError for prompts that cannot fit and
+        `UnknownAdapterError` (a ValueError) for a `lora_name` the engine cannot serve."""
         params = params or SamplingParams()
         if lora_name is not None and not (
-            self.adapter_resolver and self.adapter_resolver(lora_name)
+            self.lora is not None and self.adapter_resolver and self.adapter_resolver(lora_name)
         ):
             raise UnknownAdapterError(f"adapter {lora_name!r} is not available on this engine")
-        if lora_name is not None:
-            raise UnknownAdapterError("per-request adapters are not applied by this runner yet")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("a text prompt needs a tokenizer")
@@ -150,10 +178,19 @@ class Engine:
         return outputs
 
     def generate(
-        self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | None = None
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | None = None,
+        lora_names: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion (all queued at once); final outputs in prompt order."""
-        ids = [self.add_request(p, params) for p in prompts]
+        """Run prompts to completion (all queued at once); final outputs in prompt order.
+        `lora_names[i]` is prompt i's adapter (None: base model)."""
+        names = list(lora_names) if lora_names is not None else [None] * len(prompts)
+        if len(names) != len(prompts):
+            raise ValueError(f"{len(names)} lora_names for {len(prompts)} prompts")
+        ids = [
+            self.add_request(p, params, lora_name=n) for p, n in zip(prompts, names, strict=True)
+        ]
         final: dict[str, RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():

@@ -6,6 +6,10 @@ built from the scheduler's full data once, then updated by diffs. Decode-only ba
 through the Triton paged-decode kernel, padded to a batch bucket and replayed from a CUDA graph;
 everything else (prefill chunks, mixed batches, CPU) uses gather + SDPA. The only host sync is
 the copy of the sampled tokens at the end of `execute`.
+
+Adapters: with a `LoraRuntime`, a step whose batch holds a request with a `lora_name` runs
+`lora.forward` (the model's computation plus per-token LoRA terms) on the general path; steps
+without adapter requests never touch the runtime and keep the fast path unchanged.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.cuda_graphs import DecodeGraphs
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
+from gpu_runtime.engine.lora import LoraForward, LoraRuntime
 from gpu_runtime.engine.request import SamplingParams, TokenLogprob
 from gpu_runtime.engine.sampler import Sampler, SamplingBatch
 from gpu_runtime.engine.scheduler import SchedulerOutput
@@ -40,6 +45,7 @@ class _RequestState:
     sampling_params: SamplingParams
     num_output_tokens: int
     row: int
+    lora_name: str | None = None
 
 
 @dataclass
@@ -60,9 +66,13 @@ class ModelRunner:
         model: CausalLM,
         config: EngineConfig,
         kv_storage_factory: KVStorageFactory = default_kv_storage,
+        lora: LoraRuntime | None = None,
     ) -> None:
+        """`lora` must be built over `model`'s own tensors with `max_tokens >=
+        config.max_num_batched_tokens` (every token of a step gets a slot)."""
         self.config = config
         self.model = model
+        self.lora = lora
         self.device = torch.device(config.device)
         self.model.fuse_projections()
         weight_dtype = model.model.embed_tokens.weight.dtype
@@ -110,6 +120,7 @@ class ModelRunner:
                 new.sampling_params,
                 new.num_output_tokens,
                 row,
+                new.lora_name,
             )
             self.states[new.request_id] = state
             self._table_np[row, : len(state.block_ids)] = state.block_ids
@@ -134,13 +145,20 @@ class ModelRunner:
             s.num_computed_tokens + 1 == len(s.token_ids) for s in states
         )
         result = ModelRunnerOutput()
-        if decode_only and self.static_decode and len(order) <= self._buckets[-1]:
+        lora = self.lora
+        use_lora = (
+            lora is not None
+            and any(s.lora_name is not None for s in states)
+            and lora.set_batch(order)
+        )
+        if decode_only and self.static_decode and not use_lora and len(order) <= self._buckets[-1]:
             logits, bucket, used_graph = self._decode_logits(states, partition)
             sampled_ids = [rid for rid, _ in order]
             result.used_cuda_graph = used_graph
             result.batch_bucket = bucket
         else:
-            logits, sampled_ids = self._general_logits(order)
+            forward = lora.forward if use_lora and lora is not None else self.model
+            logits, sampled_ids = self._general_logits(order, forward)
         for state, (_, count) in zip(states, order, strict=True):
             state.num_computed_tokens += count
         if not sampled_ids:
@@ -178,7 +196,11 @@ class ModelRunner:
                 result.logprobs[rid] = TokenLogprob(tokens[i], float(copies[1][i]), top)
         return result
 
-    def _general_logits(self, order: list[tuple[str, int]]) -> tuple[torch.Tensor, list[str]]:
+    def _general_logits(
+        self, order: list[tuple[str, int]], forward: LoraForward | CausalLM
+    ) -> tuple[torch.Tensor, list[str]]:
+        """Flattened tokens of `order` through `forward` (the model, or the LoRA forward after
+        `set_batch(order)`); logits `[sampled, vocab]` and the sampled ids."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -216,7 +238,7 @@ class ModelRunner:
         compute_dtype = torch.float32 if dev.type == "cpu" else None
         attention = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
         ids = torch.tensor(tokens, device=dev)
-        hidden = self.model(ids, torch.tensor(positions, device=dev), attention)
+        hidden = forward(ids, torch.tensor(positions, device=dev), attention)
         index = torch.tensor(sample_index, dtype=torch.long, device=dev)
         return self.model.compute_logits(hidden.index_select(0, index)), sampled_ids
 

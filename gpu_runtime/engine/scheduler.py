@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from gpu_runtime.engine.block_manager import BlockManager
@@ -106,11 +107,27 @@ class ContinuousBatchingScheduler(Scheduler):
     running request is preempted (blocks freed, recomputed later from its tokens). Then waiting
     requests are admitted while the token budget, the sequence limit and free blocks for their
     first chunk allow (none are admitted in a step that preempted).
+
+    Adapters: a waiting request with a `lora_name` is admitted only when
+    `admit_adapter(request_id, lora_name)` returns True (it then holds an adapter slot);
+    otherwise admission stops for this step (FCFS: later requests do not overtake it).
+    `release_adapter(request_id)` is called once when an admitted adapter request finishes, is
+    aborted or is preempted; a preempted request asks `admit_adapter` again when re-admitted.
+    Without `admit_adapter`, requests with a `lora_name` are admitted like any other.
     """
 
-    def __init__(self, config: EngineConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        block_manager: BlockManager,
+        admit_adapter: Callable[[str, str], bool] | None = None,
+        release_adapter: Callable[[str], None] | None = None,
+    ) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.admit_adapter = admit_adapter
+        self.release_adapter = release_adapter
+        self._adapter_holders: set[str] = set()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -156,6 +173,10 @@ class ContinuousBatchingScheduler(Scheduler):
     def _release(self, request: Request) -> None:
         self.block_manager.free(request.block_table)
         request.block_table = []
+        if request.request_id in self._adapter_holders:
+            self._adapter_holders.discard(request.request_id)
+            if self.release_adapter is not None:
+                self.release_adapter(request.request_id)
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._drop_from_runner.add(request.request_id)
@@ -236,6 +257,11 @@ class ContinuousBatchingScheduler(Scheduler):
             count = min(request.num_tokens, budget)
             if not bm.can_allocate(bm.blocks_for_tokens(count)):
                 break
+            lora = request.lora_name
+            if lora is not None and self.admit_adapter is not None:
+                if not self.admit_adapter(request.request_id, lora):
+                    break  # every adapter slot is held by running requests: wait (FCFS)
+                self._adapter_holders.add(request.request_id)
             self.waiting.popleft()
             bm.append_slots(request.block_table, count)
             request.status = RequestStatus.RUNNING

@@ -29,6 +29,8 @@ from gpu_runtime.server.protocol import (
 
 AdapterLookup = Callable[[str], str | None]
 """Maps a requested model name to an adapter (lora) name, or None when it is not an adapter."""
+AdapterNames = Callable[[], list[str]]
+"""The adapter (model) names to list in `/v1/models` beside the base model."""
 
 
 @dataclass
@@ -59,10 +61,26 @@ def create_app(
     api_key_checker: ApiKeyChecker,
     metrics: MetricsCollector | None = None,
     adapter_lookup: AdapterLookup | None = None,
+    adapter_names: AdapterNames | None = None,
 ) -> FastAPI:
     """The FastAPI app. `engine_loop` must be started by the caller; `api_key_checker` decides
-    on the bearer key; `adapter_lookup` routes model names to adapters (finetune side)."""
+    on the bearer key; `adapter_lookup` routes model names to adapters and `adapter_names`
+    lists them. Both default to the engine's LoRA runtime (`engine.lora`: an adapter is served
+    under its own name) and to no adapters without one. A `model` that is neither the base
+    model nor an adapter gets a 404 `model_not_found`."""
     engine = engine_loop.engine
+    lora = engine.lora
+    if lora is not None:
+        runtime = lora
+        if adapter_lookup is None:
+
+            def adapter_lookup(name: str) -> str | None:
+                return name if runtime.has(name) else None
+
+        if adapter_names is None:
+            adapter_names = runtime.names
+    if adapter_names is None:
+        adapter_names = list  # no adapters: an empty list
     tokenizer = engine.tokenizer
     if tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
@@ -199,10 +217,9 @@ def create_app(
 
     @app.get("/v1/models", dependencies=[Depends(require_key)])
     async def list_models() -> dict[str, Any]:
-        return {
-            "object": "list",
-            "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "harli"}],
-        }
+        base = {"id": model_name, "object": "model", "created": 0, "owned_by": "harli"}
+        adapters = [base | {"id": name, "parent": model_name} for name in adapter_names() or []]
+        return {"object": "list", "data": [base, *adapters]}
 
     @app.post("/v1/completions", dependencies=[Depends(require_key)], response_model=None)
     async def completions(body: CompletionRequest) -> Any:

@@ -111,3 +111,68 @@ def test_abort_frees_blocks_everywhere() -> None:
     assert s.block_manager.num_free_blocks == 6
     assert not any(r.request_id == "b" for r in s.running)
     assert s.schedule().finished_request_ids == {"b"}
+
+
+class _Slots:
+    """A pool of adapter slots in plain Python: one name per slot, shared by its requests."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.num_slots = num_slots
+        self.holders: dict[str, str] = {}  # request id -> adapter name
+        self.calls: list[tuple[str, str]] = []
+
+    def admit(self, request_id: str, name: str) -> bool:
+        names = set(self.holders.values())
+        if name not in names and len(names) == self.num_slots:
+            self.calls.append(("refused", request_id))
+            return False
+        assert request_id not in self.holders
+        self.holders[request_id] = name
+        self.calls.append(("admit", request_id))
+        return True
+
+    def release(self, request_id: str) -> None:
+        del self.holders[request_id]
+        self.calls.append(("release", request_id))
+
+
+def test_adapter_admission_is_fcfs_and_every_exit_releases_the_slot() -> None:
+    slots = _Slots(1)
+    config = EngineConfig(
+        num_kv_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64
+    )
+    s = ContinuousBatchingScheduler(
+        config, BlockManager(4, 4), admit_adapter=slots.admit, release_adapter=slots.release
+    )
+    for rid, name in (("a", "x"), ("b", "x"), ("c", "y"), ("d", None)):
+        r = _request(rid, 4, max_tokens=8)
+        r.lora_name = name
+        s.add_request(r)
+    plan = s.schedule()
+    # a and b share adapter x's slot; c needs a second slot and waits; d (base) waits behind c
+    assert plan.num_scheduled_tokens == {"a": 4, "b": 4}
+    assert slots.calls == [("admit", "a"), ("admit", "b"), ("refused", "c")]
+    assert [r.request_id for r in s.waiting] == ["c", "d"]
+    _run(s, plan)
+    s.finish_request("a", RequestStatus.FINISHED_STOPPED)
+    s.abort_request("b")
+    assert slots.calls[-2:] == [("release", "a"), ("release", "b")]
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"c": 4, "d": 4}
+    assert slots.holders == {"c": "y"}
+    _run(s, plan)
+    # both need a 2nd block; with the 2 free blocks taken away, c's growth preempts the latest
+    # request (d, base model: nothing to release)
+    assert s.block_manager.shrink(2) == [1, 0]
+    plan = s.schedule()
+    assert plan.preempted_request_ids == ["d"] and slots.calls[-1] == ("admit", "c")
+    while not plan.preempted_request_ids or plan.preempted_request_ids == ["d"]:
+        _run(s, plan)
+        plan = s.schedule()
+    # c outgrew the 2 blocks left and preempted itself: its slot is released
+    assert plan.preempted_request_ids == ["c"] and plan.is_empty
+    assert slots.calls[-1] == ("release", "c") and slots.holders == {}
+    s.block_manager.grow([0, 1])
+    plan = s.schedule()  # c comes back first (recomputed) and attaches again
+    assert slots.calls[-1] == ("admit", "c") and list(plan.num_scheduled_tokens) == ["c"]
+    assert [r.request_id for r in s.waiting] == ["d"]
