@@ -666,6 +666,8 @@ def compare(rows: list[dict[str, Any]], traces: list[str]) -> dict[str, Any]:
         ok = [by[p] for p in BASELINES if p in by and (by[p]["slo_attainment"] or 0) >= 0.99]
         best = max(ok, key=lambda r: r["finetune_tokens_per_s"], default=None)
         entry: dict[str, Any] = {"best_baseline": best["policy"] if best else None}
+        if "decode_only" in by:  # what the SLO allows at all on this trace
+            entry["decode_only_attainment"] = by["decode_only"]["slo_attainment"]
         if harli is not None:
             entry["harli_meets_99"] = (harli["slo_attainment"] or 0) >= 0.99
             entry["harli_solo_fraction"] = harli["solo_fraction"]
