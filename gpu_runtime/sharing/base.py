@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Self
 
 import torch
 
@@ -47,7 +48,7 @@ class GpuSharing(ABC):
     def close(self) -> None:
         """Destroy what was created; idempotent."""
 
-    def __enter__(self) -> GpuSharing:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
