@@ -95,10 +95,12 @@ def reconcile() -> ReconcileResult:
         if job_place(job_id=job_id) is not None:
             result.placed_jobs.append(job_id)
     resend_before = now - timedelta(seconds=conf.redispatch_after_s)
+    # Pending and unstarted since the last send, or never sent (the broker was away at commit).
     stuck = Placement.objects.filter(
-        state=PlacementState.PENDING,
-        host__status=HostStatus.ONLINE,
-        decision__last_dispatched_at__lt=resend_before,
+        state=PlacementState.PENDING, host__status=HostStatus.ONLINE
+    ).filter(
+        Q(decision__last_dispatched_at__lt=resend_before)
+        | Q(decision__last_dispatched_at__isnull=True, created_at__lt=resend_before)
     )
     from workers.commands import send_placement
 

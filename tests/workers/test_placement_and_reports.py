@@ -230,3 +230,23 @@ def test_a_drained_host_is_told_to_drain_and_gets_no_new_jobs(
     heartbeat("h2", harvestable_tokens_per_s=300.0, draining=True)
     assert _place(job, django_capture_on_commit_callbacks) is None
     assert job.events.filter(message__contains="h2: host is draining").exists()
+
+
+def test_reconcile_resends_a_placement_its_host_never_started(
+    fleet: dict[str, GpuHost], job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    with django_capture_on_commit_callbacks(execute=False):  # the send is lost
+        placement = job_place(job_id=job.id)
+    assert placement is not None and drain_host_queue("h2") == []
+    assert reconcile().redispatched == []  # too recent to resend
+    Placement.objects.filter(pk=placement.pk).update(
+        created_at=timezone.now() - timedelta(seconds=60)
+    )
+    for name in ("h1", "h2"):  # keep the hosts fresh
+        heartbeat(name)
+    assert reconcile().redispatched == [placement.pk]
+    (command,) = drain_host_queue("h2")
+    assert command["placement_id"] == placement.pk
+    decision = PlacementDecision.objects.get(placement=placement)
+    assert decision.dispatch_count == 1
+    assert reconcile().redispatched == []  # sent just now
