@@ -166,8 +166,13 @@ def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
         return None
     if placement.state in OPEN_PLACEMENT_STATES:
         return placement
-    if message["kind"] == "checkpoint" and placement.job.status == JobStatus.PAUSED:
-        return placement  # the checkpoint a pause writes arrives after the release
+    if (
+        message["kind"] in ("checkpoint", "job_progress")
+        and placement.job.status == JobStatus.PAUSED
+    ):
+        # A pause ends at the host's next batch boundary, after the release here: the steps
+        # trained until then and the checkpoint the pause writes still count.
+        return placement
     _stop_on_commit(host, placement)
     return None
 

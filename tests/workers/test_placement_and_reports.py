@@ -22,7 +22,7 @@ from api.models import (
     PlacementState,
 )
 from api.services.fleet import base_model_register, deployment_create
-from api.services.jobs import finetune_job_pause
+from api.services.jobs import finetune_job_cancel, finetune_job_pause
 from gpu_runtime.agent.protocol import report
 from tests.workers.conftest import GIB, drain_host_queue, heartbeat, make_host
 from workers.ingest import host_report_apply
@@ -149,19 +149,23 @@ def test_stale_reports_are_ignored_and_the_host_told_to_stop(
     assert placement is not None
     host_report_apply(message=_started(placement))
     drain_host_queue("h2")
-    finetune_job_pause(job=job)
     ids = {"placement_id": placement.pk, "job_id": job.id}
+    finetune_job_pause(job=job)
     with django_capture_on_commit_callbacks(execute=True):
+        # Until the host reaches its batch boundary, its steps and pause checkpoint count.
         progress = report("job_progress", "h2", step=1, train_loss=1.0, **ids)
-        assert host_report_apply(message=progress) == "stale"
+        assert host_report_apply(message=progress) == "applied"
         assert heartbeat("h2", placements=[placement.pk]) == "applied"
-    commands = drain_host_queue("h2")
-    assert [c["command"] for c in commands] == ["pause", "pause"]
-    assert not JobMetric.objects.filter(job=job).exists()
-    # The pause's own checkpoint is still recorded after the placement was released.
+    assert [c["command"] for c in drain_host_queue("h2")] == ["pause"]
     ckpt = report("checkpoint", "h2", step=1, storage_key="checkpoints/x/step-000001",
                   metrics={"train_loss": 1.0}, **ids)  # fmt: skip
     assert host_report_apply(message=ckpt) == "applied"
+    finetune_job_cancel(job=job)
+    with django_capture_on_commit_callbacks(execute=True):
+        late = report("job_progress", "h2", step=2, train_loss=0.9, **ids)
+        assert host_report_apply(message=late) == "stale"
+    assert [c["command"] for c in drain_host_queue("h2")] == ["cancel"]
+    assert list(JobMetric.objects.filter(job=job).values_list("step", flat=True)) == [1]
 
 
 def test_reconcile_requeues_a_silent_hosts_job_and_resumes_it_elsewhere(
