@@ -1,15 +1,17 @@
 """KV-cache block manager in plain integers (no torch).
 
-Blocks are ids into the runner's KV storage. A block is free (ref count 0, in the free queue) or
-used (ref count >= 1). Sequences own a block table (a list of ids) that grows as they do;
-`fork` shares a table's blocks by reference counting. The set of usable ids can change at run
-time: `grow` adds storage blocks that a memory pool hands over, `shrink`/`remove` take free blocks
-out (never used ones) so the pool can reclaim their storage.
+Blocks are ids into the runner's KV storage. A block is free (ref count 0, in the free heap) or
+used (ref count >= 1). Allocation always hands out the lowest free ids, so live blocks stay at
+the bottom of the id range and a memory pool can take pages back from the top after a burst.
+Sequences own a block table (a list of ids) that grows as they do; `fork` shares a table's
+blocks by reference counting. The set of usable ids can change at run time: `grow` adds storage
+blocks that a memory pool hands over, `shrink`/`remove` take free blocks out (never used ones)
+so the pool can reclaim their storage.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import heapq
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -17,7 +19,7 @@ class NoFreeBlocksError(RuntimeError):
 
 
 class BlockManager:
-    """Allocates, shares and frees KV blocks; ids come out of the free queue in FIFO order."""
+    """Allocates, shares and frees KV blocks; the lowest free id is allocated first."""
 
     def __init__(self, num_blocks: int, block_size: int, capacity: int | None = None) -> None:
         """Blocks 0..num_blocks-1 start usable and free; ids up to `capacity`-1 may be added
@@ -30,7 +32,7 @@ class BlockManager:
             )
         self.block_size = block_size
         self.capacity = capacity
-        self._free: deque[int] = deque(range(num_blocks))
+        self._free: list[int] = list(range(num_blocks))  # a heap (sorted is a valid heap)
         self._free_set: set[int] = set(self._free)
         self._ref_counts: dict[int, int] = {}
 
@@ -55,8 +57,8 @@ class BlockManager:
         return self._ref_counts.get(block_id, 0)
 
     def free_block_ids(self) -> list[int]:
-        """Free ids in allocation order."""
-        return list(self._free)
+        """Free ids in allocation order (ascending)."""
+        return sorted(self._free)
 
     def blocks_for_tokens(self, num_tokens: int) -> int:
         """Blocks needed to hold `num_tokens` tokens."""
@@ -72,10 +74,11 @@ class BlockManager:
 
     # ---- allocation -------------------------------------------------------------------------
     def allocate(self, num_blocks: int) -> list[int]:
-        """Take `num_blocks` free blocks (ref count 1 each), oldest-freed first."""
+        """Take the `num_blocks` lowest free ids (ref count 1 each), in ascending order."""
         if num_blocks > len(self._free):
             raise NoFreeBlocksError(f"asked for {num_blocks} blocks, {len(self._free)} free")
-        out = [self._free.popleft() for _ in range(num_blocks)]
+        free = self._free
+        out = [heapq.heappop(free) for _ in range(num_blocks)]
         for block_id in out:
             self._free_set.discard(block_id)
             self._ref_counts[block_id] = 1
@@ -96,29 +99,30 @@ class BlockManager:
         return list(block_table)
 
     def free(self, block_table: list[int]) -> None:
-        """Drop one reference on each block; blocks reaching 0 go to the back of the free queue
-        (in reverse table order, so a sequence's tail blocks are reused first)."""
-        for block_id in reversed(block_table):
+        """Drop one reference on each block; blocks reaching 0 become free."""
+        for block_id in block_table:
             count = self._ref_counts.get(block_id)
             if count is None:
                 raise ValueError(f"block {block_id} is not allocated")
             if count == 1:
                 del self._ref_counts[block_id]
-                self._free.append(block_id)
+                heapq.heappush(self._free, block_id)
                 self._free_set.add(block_id)
             else:
                 self._ref_counts[block_id] = count - 1
 
     # ---- resizing (memory pool hand-over) ---------------------------------------------------
     def grow(self, block_ids: list[int]) -> None:
-        """Make storage blocks `block_ids` usable (appended to the free queue)."""
+        """Make storage blocks `block_ids` usable (free)."""
+        if len(set(block_ids)) != len(block_ids):
+            raise ValueError(f"block ids {block_ids[:8]} contain duplicates")
         for block_id in block_ids:
             if not 0 <= block_id < self.capacity:
                 raise ValueError(f"block {block_id} outside storage capacity {self.capacity}")
             if block_id in self._free_set or block_id in self._ref_counts:
                 raise ValueError(f"block {block_id} is already usable")
         for block_id in block_ids:
-            self._free.append(block_id)
+            heapq.heappush(self._free, block_id)
             self._free_set.add(block_id)
 
     def shrink(self, num_blocks: int) -> list[int]:
@@ -128,7 +132,7 @@ class BlockManager:
         """
         if num_blocks < 0:
             raise ValueError(f"num_blocks={num_blocks} must be >= 0")
-        victims = sorted(self._free_set, reverse=True)[:num_blocks]
+        victims = heapq.nlargest(num_blocks, self._free_set)
         self.remove(victims)
         return victims
 
@@ -138,5 +142,6 @@ class BlockManager:
         bad = [b for b in block_ids if b not in self._free_set]
         if bad:
             raise ValueError(f"blocks {bad[:8]} are not free (used or not usable)")
-        self._free = deque(b for b in self._free if b not in wanted)
+        self._free = [b for b in self._free if b not in wanted]
+        heapq.heapify(self._free)
         self._free_set -= wanted

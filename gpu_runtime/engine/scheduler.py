@@ -146,11 +146,13 @@ class ContinuousBatchingScheduler(Scheduler):
                 f"({request.sampling_params.max_tokens}) = {total} > max_model_len="
                 f"{self.config.max_model_len}"
             )
+        # Checked against the storage capacity, not the usable count: a memory pool moves the
+        # usable count at run time and maps blocks back in when decode needs them.
         needed = self.block_manager.blocks_for_tokens(total)
-        if needed > self.block_manager.num_usable_blocks:
+        if needed > self.block_manager.capacity:
             raise ValueError(
-                f"request needs {needed} KV blocks, the cache has "
-                f"{self.block_manager.num_usable_blocks}"
+                f"request needs {needed} KV blocks, the KV storage holds "
+                f"{self.block_manager.capacity}"
             )
         if (
             not self.config.enable_chunked_prefill

@@ -15,9 +15,9 @@ def test_allocate_append_free_exact_ids_and_order() -> None:
     assert table_b == [3, 4]
     assert bm.num_free_blocks == 1 and bm.free_block_ids() == [5]
     bm.free(table_a)
-    # freed in reverse table order, appended behind the still-free block 5
-    assert bm.free_block_ids() == [5, 2, 1, 0]
-    assert bm.allocate(3) == [5, 2, 1]
+    # free ids come back lowest first, whatever order they were freed in
+    assert bm.free_block_ids() == [0, 1, 2, 5]
+    assert bm.allocate(3) == [0, 1, 2]
     with pytest.raises(NoFreeBlocksError, match="asked for 2 blocks, 1 free"):
         bm.allocate(2)
 
@@ -47,10 +47,27 @@ def test_shrink_takes_only_free_blocks_highest_first_and_grow_returns_them() -> 
     with pytest.raises(ValueError, match="not free"):
         bm.remove([used[0]])
     bm.grow([8, 9, 3])
-    assert bm.free_block_ids() == [8, 9, 3]
+    assert bm.free_block_ids() == [3, 8, 9]
     with pytest.raises(ValueError, match="already usable"):
         bm.grow([3])
     with pytest.raises(ValueError, match="outside storage capacity 10"):
         bm.grow([10])
+    with pytest.raises(ValueError, match="duplicates"):
+        bm.grow([4, 4])
     bm.remove([9])
-    assert bm.free_block_ids() == [8, 3]
+    assert bm.free_block_ids() == [3, 8]
+    assert bm.allocate(1) == [3] and bm.free_block_ids() == [8]
+
+
+def test_after_a_burst_live_blocks_stay_low_so_the_top_can_be_shrunk() -> None:
+    bm = BlockManager(num_blocks=10, block_size=4)
+    burst = [bm.allocate(2) for _ in range(4)]  # [0, 1], [2, 3], [4, 5], [6, 7]
+    assert burst == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for table in (burst[1], burst[3], burst[0]):  # finish in arrival-unrelated order
+        bm.free(table)
+    assert bm.free_block_ids() == [0, 1, 2, 3, 6, 7, 8, 9]
+    # new sequences fill the holes at the bottom, not the freed top blocks
+    assert bm.allocate(3) == [0, 1, 2]
+    bm.free(burst[2])
+    assert bm.shrink(6) == [9, 8, 7, 6, 5, 4]
+    assert bm.num_used_blocks == 3 and bm.free_block_ids() == [3]

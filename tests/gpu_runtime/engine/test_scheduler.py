@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import pytest
+
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.request import Request, RequestStatus, SamplingParams
@@ -64,7 +66,8 @@ def test_admission_waits_for_free_blocks_and_sequence_limit() -> None:
     plan = s.schedule()
     assert plan.finished_request_ids == {"a"}
     assert plan.num_scheduled_tokens == {"b": 1, "c": 1}
-    assert s.block_manager.ref_count(0) == 1  # a's block 1 went to b, block 0 to c
+    # a's blocks [0, 1] are free again: lowest first, b grows into 0 and c gets 1
+    assert s.requests["b"].block_table == [2, 3, 0] and s.requests["c"].block_table == [1]
 
 
 def test_preemption_recomputes_latest_request() -> None:
@@ -163,7 +166,8 @@ def test_adapter_admission_is_fcfs_and_every_exit_releases_the_slot() -> None:
     _run(s, plan)
     # both need a 2nd block; with the 2 free blocks taken away, c's growth preempts the latest
     # request (d, base model: nothing to release)
-    assert s.block_manager.shrink(2) == [1, 0]
+    assert s.requests["c"].block_table == [0] and s.requests["d"].block_table == [1]
+    assert s.block_manager.shrink(2) == [3, 2]
     plan = s.schedule()
     assert plan.preempted_request_ids == ["d"] and slots.calls[-1] == ("admit", "c")
     while not plan.preempted_request_ids or plan.preempted_request_ids == ["d"]:
@@ -172,7 +176,27 @@ def test_adapter_admission_is_fcfs_and_every_exit_releases_the_slot() -> None:
     # c outgrew the 2 blocks left and preempted itself: its slot is released
     assert plan.preempted_request_ids == ["c"] and plan.is_empty
     assert slots.calls[-1] == ("release", "c") and slots.holders == {}
-    s.block_manager.grow([0, 1])
+    s.block_manager.grow([2, 3])
     plan = s.schedule()  # c comes back first (recomputed) and attaches again
     assert slots.calls[-1] == ("admit", "c") and list(plan.num_scheduled_tokens) == ["c"]
     assert [r.request_id for r in s.waiting] == ["d"]
+
+
+def test_requests_are_validated_against_storage_capacity_not_usable_blocks() -> None:
+    config = EngineConfig(
+        num_kv_blocks=2,
+        kv_block_capacity=8,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=64,
+    )
+    s = ContinuousBatchingScheduler(config, BlockManager(2, 4, capacity=8))
+    s.add_request(_request("fits-storage", 17, max_tokens=8))  # 7 blocks: more than usable
+    with pytest.raises(ValueError, match="needs 9 KV blocks, the KV storage holds 8"):
+        s.add_request(_request("too-long", 30, max_tokens=4))
+    assert s.schedule().is_empty  # waits for the pool to map more blocks
+    s.block_manager.grow([2, 3, 4, 5, 6, 7])
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"fits-storage": 17}
+    assert plan.new_requests[0].block_ids == [0, 1, 2, 3, 4]
