@@ -147,6 +147,33 @@ def test_broker_restart_mid_job_loses_no_job_and_no_event(
     assert sum(1 for m in events if m.startswith("Fine-tuning started")) == 1
 
 
+def test_pause_checkpoints_on_the_host_and_resume_continues_from_it(
+    cluster: Cluster, seeded: Tenants
+) -> None:
+    from api.models import JobCheckpoint, JobMetric
+
+    client = _client(f"{cluster.web_url}/v1", seeded.key)
+    job = _create_job(client, epochs=20, batch=1, suffix="pause")
+    total = 20 * 8
+    wait_until(lambda: JobMetric.objects.filter(job_id=job.id, step__gte=5).exists(), 60,
+               "training to be under way")  # fmt: skip
+    assert client.fine_tuning.jobs.pause(job.id).status == "paused"
+
+    def stopped() -> str | None:
+        return next((m for m in _events(client, job.id) if "stopped training (paused)" in m), None)
+
+    message = wait_until(stopped, 30, "the host to stop the paused job")
+    step = int(message.rsplit(" ", 1)[1])
+    assert step < total
+    assert JobCheckpoint.objects.filter(job_id=job.id, step=step).exists()
+    assert client.fine_tuning.jobs.resume(job.id).status == "queued"
+    _wait_succeeded(client, job.id, cluster, timeout=90)
+    events = _events(client, job.id)
+    assert any(m.endswith(f"from checkpoint step {step}") for m in events), events[-12:]
+    steps = sorted(JobMetric.objects.filter(job_id=job.id).values_list("step", flat=True))
+    assert steps == list(range(1, total + 1))
+
+
 def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int]:
     """Train the same job start to finish in this process (same weights, data and settings)."""
     import torch
