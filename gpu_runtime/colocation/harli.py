@@ -18,7 +18,10 @@ is a mean over its tokens and a quantum holds its split for many iterations, so 
 quantum is checked on the typical iteration while it runs (running plus waiting requests, the
 recent mean prefill tokens per iteration) against the bound, and on the coming iteration
 against the SLO itself. When nothing is safe, finetuning pauses for that
-iteration (decode gets the whole device) and the plan says so.
+iteration (decode gets the whole device) and the plan says so; it also pauses while a running
+request's mean TPOT so far is already at the bound, and rejects a choice whose predicted
+extra time per iteration (typical iteration with it minus alone on the whole device), added to
+that request's TPOT so far, would exceed the SLO.
 
 When decode is idle, a quantum is planned as if one request had just arrived (spatial choices
 only), so a request that does arrive while the quantum holds its split still meets the SLO.
@@ -82,6 +85,9 @@ class HarliConfig:
     """Per-iteration decay factor of that extra margin."""
     quantum_examples: tuple[int, ...] = (1, 2, 4, 8)
     """Quantum sizes considered, in examples of the job's longest length."""
+    risk_fraction: float = 1.0
+    """Pause new quanta while a running request's mean TPOT so far is at least this fraction
+    of the bound (``IterationContext.worst_running_tpot_ms``)."""
     prefill_smoothing: float = 0.05
     """EMA weight of one iteration's prefill tokens in the mean used for held splits."""
     idle_probe_context_tokens: int = 512
@@ -284,6 +290,20 @@ class HarliPolicy(CoLocationPolicy):
             return self._in_flight_plan(ctx, full, margin, bound)
         if not ctx.jobs:
             return IterationPlan(full, (), solo_full, solo_full, margin, note="no job")
+        worst = ctx.worst_running_tpot_ms
+        if not idle and worst is not None and worst >= bound * self.config.risk_fraction:
+            # A running request's TPOT so far is already at the bound: any slowdown now could
+            # make it miss; give decode the device until it has recovered.
+            self.pauses += 1
+            return IterationPlan(
+                full,
+                (),
+                solo_full,
+                solo_full,
+                margin,
+                paused=True,
+                note=f"request at risk ({worst:.2f} ms so far)",
+            )
         job = ctx.jobs[0]
         cap = memory_cap_tokens(job, ctx.finetune_budget_bytes)
         sizes = sorted(
@@ -346,6 +366,9 @@ class HarliPolicy(CoLocationPolicy):
         # recent mean prefill per iteration) must stay under the bound; this one under the SLO.
         now = decode_iteration(ctx.decode, share)
         typical = decode_iteration(self.expected_snapshot(ctx.decode), share)
+        # The request closest to its SLO, slowed by this choice for the rest of its life.
+        worst = ctx.worst_running_tpot_ms
+        typical_alone = self.latency.predict_ms(replace(typical, decode_sm_share=1.0), None)
         out: list[_Choice] = []
         for k in sizes:
             tokens = k * job.max_seq_len
@@ -354,6 +377,8 @@ class HarliPolicy(CoLocationPolicy):
             expected = self.latency.predict_ms(typical, quantum)
             if expected > bound or predicted > ctx.tpot_slo_ms:
                 break  # a bigger quantum beside decode is assumed no kinder to it
+            if worst is not None and worst + (expected - typical_alone) > ctx.tpot_slo_ms:
+                break  # each of its remaining tokens would take up to that much longer
             quantum_ms = self.durations.duration_ms(
                 job, d, LaunchMode.CONCURRENT, ft_share, k * job.seq_len
             )

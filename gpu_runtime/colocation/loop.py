@@ -30,6 +30,7 @@ from gpu_runtime.colocation.executor import (
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
 from gpu_runtime.colocation.snapshot import decode_snapshot, describe_trainer
 from gpu_runtime.colocation.types import (
+    MIN_TOKENS_FOR_TPOT,
     FinishedRequest,
     InFlightQuantum,
     IterationContext,
@@ -332,7 +333,17 @@ class HostLoop:
                 None if self.memory is None else self.memory.finetune_budget_bytes()
             ),
             tpot_slo_ms=self.tpot_slo_ms,
+            worst_running_tpot_ms=self._worst_running_tpot_ms(),
         )
+
+    def _worst_running_tpot_ms(self) -> float | None:
+        worst = None
+        for timing in self._timing.values():
+            if timing.tokens >= MIN_TOKENS_FOR_TPOT and timing.first is not None:
+                assert timing.last is not None
+                tpot = (timing.last - timing.first) * 1e3 / (timing.tokens - 1)
+                worst = tpot if worst is None else max(worst, tpot)
+        return worst
 
     def _task(
         self, job_id: str, launch: Any, plan: IterationPlan, stream: Any = None

@@ -21,6 +21,7 @@ from gpu_runtime.colocation.online import OnlineLatencyModel
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
 from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.types import (
+    MIN_TOKENS_FOR_TPOT,
     DecodeSnapshot,
     FinishedRequest,
     InFlightQuantum,
@@ -176,6 +177,7 @@ class SimulatedHost:
                 in_flight=flight[0] if flight else None,
                 finetune_budget_bytes=None,
                 tpot_slo_ms=tpot_slo_ms,
+                worst_running_tpot_ms=_worst_tpot(running),
             )
             plan = policy.plan(ctx)
             validate_plan(plan, ctx)
@@ -310,6 +312,15 @@ class SimulatedHost:
                 ttft = None if r.first is None else (r.first - r.arrival) * 1e3
                 finished.append(FinishedRequest(r.request_id, r.generated, tpot, ttft, "length"))
         return samples, finished, emitted
+
+
+def _worst_tpot(running: list[_Request]) -> float | None:
+    tpots = [
+        (r.last - r.first) * 1e3 / (r.generated - 1)
+        for r in running
+        if r.generated >= MIN_TOKENS_FOR_TPOT and r.first is not None and r.last is not None
+    ]
+    return max(tpots, default=None)
 
 
 def _ft_share(decode_share: float) -> float:

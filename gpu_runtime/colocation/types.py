@@ -117,6 +117,9 @@ class IterationContext:
         in_flight: the concurrent quantum still running, if any (one at a time).
         finetune_budget_bytes: memory a quantum may peak at (None: no memory manager).
         tpot_slo_ms: the decode TPOT SLO this loop serves.
+        worst_running_tpot_ms: the highest mean TPOT so far among running requests that have
+            emitted at least ``MIN_TOKENS_FOR_TPOT`` tokens (None: none has): how close the
+            batch already is to missing its SLO.
     """
 
     now: float
@@ -128,6 +131,11 @@ class IterationContext:
     in_flight: InFlightQuantum | None
     finetune_budget_bytes: int | None
     tpot_slo_ms: float
+    worst_running_tpot_ms: float | None = None
+
+
+MIN_TOKENS_FOR_TPOT = 16
+"""Tokens a running request must have emitted before its mean TPOT counts as evidence."""
 
 
 @dataclass(frozen=True)

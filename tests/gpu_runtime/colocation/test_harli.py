@@ -206,3 +206,28 @@ def test_margin_reacts_to_persistent_bias_not_to_a_lone_spike() -> None:
         biased.observe(10.0, 13.0, tpot_slo_ms=15.0)
     assert spiky.margin < 0.15
     assert biased.margin == pytest.approx(0.02 + 0.3)
+
+
+def test_requests_near_their_slo_are_not_slowed_further() -> None:
+    from dataclasses import replace
+
+    policy = HarliPolicy(MODEL, HarliConfig(allow_slice=False, allow_shared=False))
+    decode = DecodeSnapshot.from_contexts([512] * 16)
+    slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 2.0
+    free = policy.plan(context(decode, slo))
+    assert free.launches and free.margin is not None and free.decode_sms is not None
+    # A request already at the bound: no new quantum at all.
+    at_bound = replace(context(decode, slo), worst_running_tpot_ms=slo * (1 - free.margin))
+    plan = policy.plan(at_bound)
+    assert plan.paused and not plan.launches and "at risk" in plan.note
+    # A request just under the SLO by less than a choice's predicted extra time per iteration:
+    # only choices adding less than the remaining headroom stay, so decode gets more SMs.
+    typical = policy.expected_snapshot(decode)
+    alone = MODEL.predict_ms(decode_iteration(typical, 1.0), None)
+    extra = _predicted(typical, free.decode_sms, LaunchMode.CONCURRENT, JOB.max_seq_len) - alone
+    close = replace(context(decode, slo), worst_running_tpot_ms=slo - extra / 2)
+    guarded = policy.plan(close)
+    if guarded.launches:
+        assert guarded.decode_sms is not None and guarded.decode_sms > free.decode_sms
+    else:
+        assert guarded.paused
