@@ -4,6 +4,7 @@ from gpu_runtime.engine.block_manager import BlockManager, NoFreeBlocksError
 from gpu_runtime.engine.config import EngineConfig, EngineConfigError
 from gpu_runtime.engine.engine import Engine, UnknownAdapterError
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
+from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.request import (
     Request,
     RequestOutput,
@@ -12,15 +13,22 @@ from gpu_runtime.engine.request import (
     SamplingParamsError,
     TokenLogprob,
 )
-from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler, Scheduler, SchedulerOutput
+from gpu_runtime.engine.scheduler import (
+    AdapterAdmissionError,
+    ContinuousBatchingScheduler,
+    Scheduler,
+    SchedulerOutput,
+)
 
 __all__ = [
+    "AdapterAdmissionError",
     "BlockManager",
     "ContinuousBatchingScheduler",
     "Engine",
     "EngineConfig",
     "EngineConfigError",
     "KVStorageFactory",
+    "LoraRuntime",
     "NoFreeBlocksError",
     "PagedKVCache",
     "Request",

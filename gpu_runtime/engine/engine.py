@@ -14,8 +14,12 @@ from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.kv_cache import KVStorageFactory, default_kv_storage
 from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.model_runner import ModelRunner
-from gpu_runtime.engine.request import Request, RequestOutput, SamplingParams
-from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler, Scheduler
+from gpu_runtime.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from gpu_runtime.engine.scheduler import (
+    AdapterAdmissionError,
+    ContinuousBatchingScheduler,
+    Scheduler,
+)
 from gpu_runtime.engine.stopping import StopChecker
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import load_model, load_tokenizer
@@ -71,9 +75,14 @@ class Engine:
             runtime = lora
 
             def admit(request_id: str, name: str) -> bool:
-                if not runtime.can_admit(name):
-                    return False
-                runtime.attach(request_id, name)
+                try:
+                    if not runtime.can_admit(name):
+                        return False
+                    runtime.attach(request_id, name)
+                except (KeyError, ValueError) as exc:  # unknown, or does not fit the slots
+                    raise AdapterAdmissionError(
+                        f"adapter {name!r} cannot be served: {exc}"
+                    ) from exc
                 return True
 
             self.scheduler = ContinuousBatchingScheduler(
@@ -145,14 +154,26 @@ class Engine:
         """Schedule, execute, sample, apply stop rules; returns outputs of sampled requests."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
+        outputs = [
+            RequestOutput(
+                r.request_id,
+                [],
+                r.output_token_ids,
+                "",
+                True,
+                RequestStatus.FINISHED_ABORTED.value,
+                len(r.prompt_token_ids),
+                error=str(r.stop_reason),
+            )
+            for r in self.scheduler.take_rejected()
+        ]
         if plan.is_empty:
             if plan.finished_request_ids:  # nothing to run, but runner state to drop
                 self.runner.execute(plan, partition)
             self.last_step_seconds = time.perf_counter() - started
-            return []
+            return outputs
         result = self.runner.execute(plan, partition)
         self.scheduler.update_from_output(plan, result.sampled)
-        outputs: list[RequestOutput] = []
         get_request, check = self.scheduler.get_request, self.stop_checker.check
         logprobs = result.logprobs
         for request_id, token in result.sampled.items():

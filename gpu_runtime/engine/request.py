@@ -136,3 +136,6 @@ class RequestOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None
+    """Set when the request failed without running (e.g. its adapter cannot be loaded);
+    then `finished` is True and `finish_reason` is "abort"."""

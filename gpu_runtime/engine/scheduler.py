@@ -18,6 +18,11 @@ from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.request import Request, RequestStatus, SamplingParams
 
 
+class AdapterAdmissionError(ValueError):
+    """`admit_adapter` cannot ever serve the request's adapter (e.g. its rank exceeds the slots);
+    the scheduler drops the request and reports it through `take_rejected`."""
+
+
 @dataclass(frozen=True)
 class NewRequestData:
     """A request the runner must (re)build: every known token and its whole block table."""
@@ -98,6 +103,11 @@ class Scheduler(ABC):
     @abstractmethod
     def has_unfinished_requests(self) -> bool: ...
 
+    def take_rejected(self) -> list[Request]:
+        """Requests dropped since the last call without running (status FINISHED_ABORTED,
+        `stop_reason` = why); the engine reports them as failed. None by default."""
+        return []
+
 
 class ContinuousBatchingScheduler(Scheduler):
     """FCFS continuous batching with chunked prefill and preemption by recomputation.
@@ -113,6 +123,8 @@ class ContinuousBatchingScheduler(Scheduler):
     otherwise admission stops for this step (FCFS: later requests do not overtake it).
     `release_adapter(request_id)` is called once when an admitted adapter request finishes, is
     aborted or is preempted; a preempted request asks `admit_adapter` again when re-admitted.
+    When `admit_adapter` raises `AdapterAdmissionError`, the request is dropped (see
+    `take_rejected`) and admission goes on with the next one.
     Without `admit_adapter`, requests with a `lora_name` are admitted like any other.
     """
 
@@ -128,6 +140,7 @@ class ContinuousBatchingScheduler(Scheduler):
         self.admit_adapter = admit_adapter
         self.release_adapter = release_adapter
         self._adapter_holders: set[str] = set()
+        self._rejected: list[Request] = []
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -261,7 +274,12 @@ class ContinuousBatchingScheduler(Scheduler):
                 break
             lora = request.lora_name
             if lora is not None and self.admit_adapter is not None:
-                if not self.admit_adapter(request.request_id, lora):
+                try:
+                    admitted = self.admit_adapter(request.request_id, lora)
+                except AdapterAdmissionError as exc:
+                    self._reject(request, str(exc))
+                    continue
+                if not admitted:
                     break  # every adapter slot is held by running requests: wait (FCFS)
                 self._adapter_holders.add(request.request_id)
             self.waiting.popleft()
@@ -275,6 +293,18 @@ class ContinuousBatchingScheduler(Scheduler):
         finished = self._drop_from_runner
         self._drop_from_runner = set()
         return SchedulerOutput(new_data, cached_data, num_scheduled, finished, preempted)
+
+    def _reject(self, request: Request, reason: str) -> None:
+        self.waiting.popleft()
+        del self.requests[request.request_id]
+        self._release(request)  # a preempted request may still be known to the runner
+        request.status = RequestStatus.FINISHED_ABORTED
+        request.stop_reason = reason
+        self._rejected.append(request)
+
+    def take_rejected(self) -> list[Request]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
 
     def _new_request_data(self, request: Request) -> NewRequestData:
         self._known_to_runner.add(request.request_id)

@@ -126,7 +126,7 @@ class EngineLoop:
                 target = self._streams.get(out.request_id)
                 if target is None:
                     continue
-                self._deliver(target, out)
+                self._deliver(target, out if out.error is None else ValueError(out.error))
                 if out.finished:
                     del self._streams[out.request_id]
         for submission in self._streams.values():

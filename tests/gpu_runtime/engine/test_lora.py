@@ -197,3 +197,23 @@ def test_preempted_adapter_request_reattaches(adapter_dirs: dict[str, Path]) -> 
     assert any(requests[i].num_preemptions >= 1 for i in ids if requests[i].lora_name)
     assert [finished[i] for i in ids] == expected
     assert _held_slots(runtime) == 0
+
+
+def test_adapter_too_large_for_the_slots_fails_only_its_request(
+    adapter_dirs: dict[str, Path],
+) -> None:
+    base = _base()
+    config = _config()
+    runtime = MultiLoraRuntime(base, max_tokens=config.max_num_batched_tokens, max_rank=4)
+    for name, directory in adapter_dirs.items():
+        runtime.register(name, directory)
+    engine = Engine(base, config, lora=runtime)
+    prompts = _prompts(3, (6, 9, 4))
+    names: list[str | None] = ["support-bot", "poet", None]  # poet has rank 8 > 4
+    outputs = engine.generate(prompts, GREEDY, lora_names=names)
+    assert outputs[1].finished and outputs[1].finish_reason == "abort"
+    assert outputs[1].output_token_ids == [] and outputs[1].error is not None
+    assert "'poet' cannot be served" in outputs[1].error and "rank 8 > 4" in outputs[1].error
+    expected = _expected(adapter_dirs, [prompts[0], prompts[2]], ["support-bot", None])
+    assert [outputs[0].output_token_ids, outputs[2].output_token_ids] == expected
+    assert outputs[0].error is None and runtime._attached == {}

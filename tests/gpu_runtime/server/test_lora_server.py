@@ -57,7 +57,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
     model_dir = build_tiny_model_dir(root / "model", "llama", seed=9)
     tokenizer = load_tokenizer(model_dir)
     base = load_model(model_dir, dtype="float32")
-    runtime = MultiLoraRuntime(base, max_tokens=_config().max_num_batched_tokens, num_slots=1)
+    runtime = MultiLoraRuntime(
+        base, max_tokens=_config().max_num_batched_tokens, num_slots=1, max_rank=4
+    )
     expected: dict[str, str] = {}
     greedy = SamplingParams(max_tokens=12, temperature=0.0)
     for name, seed in ADAPTERS.items():
@@ -73,6 +75,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
         expected[name] = engine.generate([PROMPT], greedy)[0].text
     plain = Engine(load_model(model_dir, dtype="float32"), _config(), tokenizer=tokenizer)
     expected[MODEL] = plain.generate([PROMPT], greedy)[0].text
+    huge = build_training_model(base, LoraSpec(rank=8, alpha=8), seed=0)
+    save_adapter(huge, LoraSpec(rank=8, alpha=8), root / "acme-huge")
+    runtime.register("acme-huge", root / "acme-huge")  # rank 8 > the slots' 4: fails at admission
     loop = EngineLoop(Engine(base, _config(), tokenizer=tokenizer, lora=runtime))
     loop.start()
     app = create_app(loop, MODEL, static_key_checker([KEY]))
@@ -96,7 +101,7 @@ def test_adapters_are_listed_and_routed_by_name(served: tuple[str, dict[str, str
     base_url, expected = served
     client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=30)
     models = client.models.list().data
-    assert [m.id for m in models] == [MODEL, "acme-poet", "acme-support"]
+    assert [m.id for m in models] == [MODEL, "acme-huge", "acme-poet", "acme-support"]
     assert len(set(expected.values())) == 3  # the adapters change the text
     # concurrent requests for two adapters and the base model share one engine with ONE
     # adapter slot (an adapter request waits while the other adapter's request runs)
@@ -115,3 +120,9 @@ def test_adapters_are_listed_and_routed_by_name(served: tuple[str, dict[str, str
     with pytest.raises(openai.NotFoundError) as missing:
         client.completions.create(model="acme-nobody", prompt="hi", max_tokens=2)
     assert missing.value.status_code == 404 and missing.value.code == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="rank 8 > 4"):
+        client.completions.create(model="acme-huge", prompt=PROMPT, max_tokens=2)
+    again = client.completions.create(
+        model="acme-poet", prompt=PROMPT, max_tokens=12, temperature=0
+    )
+    assert again.choices[0].text == expected["acme-poet"]  # the engine loop is unaffected
