@@ -337,6 +337,10 @@ class HostLoop:
         )
 
     def _worst_running_tpot_ms(self) -> float | None:
+        known = getattr(self.engine.scheduler, "requests", None)
+        if known is not None:  # drop requests aborted on the engine behind the loop's back
+            for request_id in [r for r in self._timing if r not in known]:
+                del self._timing[request_id]
         worst = None
         for timing in self._timing.values():
             if timing.tokens >= MIN_TOKENS_FOR_TPOT and timing.first is not None:

@@ -214,3 +214,30 @@ def test_threaded_executor_overlaps_quanta_with_decode_and_accounts_every_token(
     assert [outputs[i] for i in ids] == _decode_alone()
     assert any(r.in_flight for r in records)
     assert loop.executor.in_flight is None
+
+
+class _Recording(DecodeOnlyPolicy):
+    def __init__(self) -> None:
+        self.seen: list[float | None] = []
+
+    def plan(self, ctx: IterationContext) -> IterationPlan:
+        self.seen.append(ctx.worst_running_tpot_ms)
+        return super().plan(ctx)
+
+
+def test_context_reports_the_worst_running_request_tpot() -> None:
+    policy = _Recording()
+    loop = HostLoop(_engine(), policy, tpot_slo_ms=50.0)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    ids = [loop.add_request(p, long) for p in PROMPTS[:2]]
+    records = [loop.run_iteration() for _ in range(20)]
+    assert policy.seen[0] is None  # nobody has 16 tokens yet
+    worst = policy.seen[-1]
+    assert worst is not None
+    # It is a mean of token gaps so far: within the range of the observed gaps.
+    gaps = [g for r in records for g in r.tpot_samples_ms]
+    assert min(gaps) <= worst <= max(gaps)
+    for request_id in ids:  # aborted behind the loop's back: no longer counted
+        loop.engine.abort_request(request_id)
+    loop.run_iteration()
+    assert policy.seen[-1] is None
