@@ -1,7 +1,8 @@
 """Run the inference server: `python -m gpu_runtime.server [--model-dir DIR] [--port 8100]`.
 
 Without --model-dir it builds the tiny random model and tokenizer (CPU-friendly, no download)
-into --tiny-dir. API keys come from HARLI_INFERENCE_API_KEYS (comma-separated).
+into --tiny-dir. API keys come from HARLI_INFERENCE_API_KEYS (comma-separated). Each
+`--adapter NAME=DIR` (a PEFT LoRA directory) is served as model NAME beside the base model.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from gpu_runtime.engine import Engine, EngineConfig
+from gpu_runtime.model.loader import load_model, load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server.app import create_app
 from gpu_runtime.server.auth import API_KEYS_ENV, keys_from_env
@@ -35,7 +37,40 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--no-cuda-graphs", action="store_true")
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=DIR",
+        help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable)",
+    )
+    parser.add_argument("--lora-slots", type=int, default=8, help="adapters resident at once")
+    parser.add_argument("--lora-max-rank", type=int, default=64, help="largest adapter rank")
+    args = parser.parse_args(argv)
+    for spec in args.adapter:
+        name, sep, directory = spec.partition("=")
+        if not (sep and name and directory):
+            parser.error(f"--adapter {spec!r}: expected NAME=DIR")
+    return args
+
+
+def _engine(model_dir: Path, config: EngineConfig, args: argparse.Namespace) -> Engine:
+    """The engine, with a LoRA runtime holding the `--adapter`s when there are any."""
+    if not args.adapter:
+        return Engine.from_directory(model_dir, config, dtype=args.dtype)
+    from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+
+    model = load_model(model_dir, device=config.device, dtype=args.dtype)
+    lora = MultiLoraRuntime(
+        model,
+        max_tokens=config.max_num_batched_tokens,
+        num_slots=args.lora_slots,
+        max_rank=args.lora_max_rank,
+    )
+    for spec in args.adapter:
+        name, _, directory = spec.partition("=")
+        lora.register(name, Path(directory))
+    return Engine(model, config, tokenizer=load_tokenizer(model_dir), lora=lora)
 
 
 def build(args: argparse.Namespace) -> tuple[FastAPI, EngineLoop]:
@@ -54,7 +89,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, EngineLoop]:
         device=args.device,
         use_cuda_graphs=not args.no_cuda_graphs,
     )
-    engine = Engine.from_directory(model_dir, config, dtype=args.dtype)
+    engine = _engine(model_dir, config, args)
     engine.capture_cuda_graphs()
     loop = EngineLoop(engine)
     loop.start()

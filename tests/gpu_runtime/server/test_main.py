@@ -7,6 +7,11 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from gpu_runtime.finetune.checkpoint import save_adapter
+from gpu_runtime.finetune.hparams import LoraSpec
+from gpu_runtime.finetune.lora import build_training_model
+from gpu_runtime.model.loader import load_model
+from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server.__main__ import build, parse_args
 
 
@@ -37,3 +42,33 @@ def test_entry_point_serves_the_tiny_model(tmp_path: Path, monkeypatch: pytest.M
     finally:
         loop.stop()
     assert (tmp_path / "tiny" / "config.json").exists()
+
+
+def test_entry_point_serves_adapters_by_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HARLI_INFERENCE_API_KEYS", "k1")
+    model_dir = build_tiny_model_dir(tmp_path / "tiny", "llama")
+    spec = LoraSpec(rank=4, alpha=8)
+    save_adapter(build_training_model(load_model(model_dir), spec, seed=0), spec, tmp_path / "a")
+    common = ["--model-dir", str(model_dir), "--model-name", "tiny", "--num-kv-blocks", "64"]
+    with pytest.raises(SystemExit):
+        parse_args([*common, "--adapter", "no-directory"])
+    args = parse_args([*common, "--adapter", f"support={tmp_path / 'a'}", "--lora-slots", "2"])
+    app, loop = build(args)
+    try:
+        client = TestClient(app)
+        headers = {"Authorization": "Bearer k1"}
+        models = client.get("/v1/models", headers=headers).json()["data"]
+        assert [(m["id"], m.get("parent")) for m in models] == [
+            ("tiny", None),
+            ("support", "tiny"),
+        ]
+        body = {"model": "support", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        answer = client.post("/v1/completions", json=body, headers=headers)
+        assert answer.status_code == 200 and answer.json()["model"] == "support"
+        missing = client.post("/v1/completions", json=body | {"model": "x"}, headers=headers)
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+    finally:
+        loop.stop()
