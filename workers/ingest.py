@@ -99,6 +99,7 @@ def _heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
     for placement in stale.select_related("job"):
         _stop_on_commit(host, placement)
     _offer_missing_adapters(host, set(message.get("adapters", [])))
+    _offer_base_model(host, str(message.get("base_model", "")))
     if host.status == HostStatus.DRAINING and not message.get("draining", False):
         name = host.name
 
@@ -109,6 +110,24 @@ def _heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
 
         transaction.on_commit(drain)
     return "applied"
+
+
+def _offer_base_model(host: GpuHost, serving: str) -> None:
+    """Send `load_base_model` when the host serves another model than its deployment's."""
+    deployment = host.deployment
+    if deployment is None or deployment.base_model.name == serving:
+        return
+    base = deployment.base_model
+    fields = {"base_model": base.name, "model_dir": base.checkpoint_dir or None,
+              "preset": base.preset}  # fmt: skip
+    name = host.name
+
+    def send() -> None:
+        from workers.commands import send_host_command
+
+        send_host_command(host_name=name, command="load_base_model", **fields)
+
+    transaction.on_commit(send)
 
 
 def _offer_missing_adapters(host: GpuHost, served: set[str]) -> None:

@@ -147,6 +147,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
     )
     runtime = HostRuntime(
         host=config.host,
+        base_model=config.base_model,
         engine=engine,
         policy=_policy(config.policy),
         tpot_slo_ms=config.tpot_slo_ms,
@@ -163,9 +164,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
     runtime.start()
     port = config.server_port or _free_port(config.server_host)
     verifier = KeyVerifier(config.control_url, ttl_s=config.key_cache_ttl_s)
-    server = InferenceServer(
-        build_app(runtime, verifier, config.base_model), config.server_host, port
-    )
+    server = InferenceServer(build_app(runtime, verifier), config.server_host, port)
     server.start()
     server_url = config.advertise_url or f"http://{config.server_host}:{port}/v1"
     consumer = CommandConsumer(
@@ -182,7 +181,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
                 report(
                     "heartbeat",
                     config.host,
-                    base_model=config.base_model,
+                    base_model=status.base_model,
                     server_url=server_url,
                     draining=status.draining,
                     total_bytes=status.total_bytes,

@@ -54,7 +54,7 @@ def _sampling(body: dict[str, Any]) -> SamplingParams:
         raise ApiError(400, str(exc), "invalid_sampling_params") from exc
 
 
-def build_app(runtime: HostRuntime, verifier: KeyVerifier, base_model: str) -> FastAPI:
+def build_app(runtime: HostRuntime, verifier: KeyVerifier) -> FastAPI:
     """The FastAPI app over one runtime."""
     app = FastAPI(title="Harli host inference", docs_url=None, redoc_url=None)
 
@@ -69,8 +69,7 @@ def build_app(runtime: HostRuntime, verifier: KeyVerifier, base_model: str) -> F
             raise ApiError(401, str(exc), "invalid_api_key") from exc
 
     def allowed(grant: KeyGrant) -> list[str]:
-        served = [base_model, *runtime.served_models()]
-        return [name for name in served if name in grant.models]
+        return [name for name in runtime.served_models() if name in grant.models]
 
     async def generate(request: Request, prompt_of: Any, shape: Any) -> JSONResponse:
         try:
@@ -163,7 +162,8 @@ def build_app(runtime: HostRuntime, verifier: KeyVerifier, base_model: str) -> F
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        return {"status": "ok", "base_model": base_model, "adapters": runtime.served_models()}
+        base_model, *adapters = runtime.served_models()
+        return {"status": "ok", "base_model": base_model, "adapters": adapters}
 
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:

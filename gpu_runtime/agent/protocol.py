@@ -11,6 +11,8 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
 * `{"command": "pause" | "cancel", "command_id", "placement_id", "job_id"}` — stop training and
   release the job (pause writes a checkpoint first).
 * `{"command": "load_adapter", "command_id", "name", "storage_key"}` — serve an adapter by name.
+* `{"command": "load_base_model", "command_id", "base_model", "model_dir" (or null),
+  "preset" (or "")}` — serve another base model (only when idle; sent again until it is).
 * `{"command": "drain", "command_id"}` — accept no new placement; finish what runs.
 
 JobSpec: `{"id", "base_model", "training_file_key", "validation_file_key" (or null),
@@ -47,7 +49,9 @@ HOST_COMMAND_TASK = "harli.agent.command"
 HOST_REPORT_TASK = "workers.host_report"
 CONTROL_QUEUE = "control"
 
-COMMANDS = frozenset({"apply_placement", "pause", "cancel", "load_adapter", "drain"})
+COMMANDS = frozenset(
+    {"apply_placement", "pause", "cancel", "load_adapter", "load_base_model", "drain"}
+)
 REPORT_KINDS = frozenset(
     {
         "heartbeat",
@@ -73,6 +77,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "pause": ("placement_id", "job_id"),
     "cancel": ("placement_id", "job_id"),
     "load_adapter": ("name", "storage_key"),
+    "load_base_model": ("base_model",),
     "drain": (),
 }
 JOB_SPEC_FIELDS = (

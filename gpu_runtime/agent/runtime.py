@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,8 @@ from gpu_runtime.colocation import (
     QuantumReport,
 )
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
+from gpu_runtime.model.loader import load_model, load_tokenizer
+from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.storage import Storage
 
 logger = logging.getLogger(__name__)
@@ -64,6 +66,7 @@ class Generation:
 class HostSnapshot:
     """What a heartbeat reports (a copy taken under the runtime's lock)."""
 
+    base_model: str
     placements: list[int]
     adapters: list[str]
     free_bytes: int
@@ -79,6 +82,7 @@ class HostRuntime:
         self,
         *,
         host: str,
+        base_model: str,
         engine: Engine,
         policy: CoLocationPolicy,
         tpot_slo_ms: float,
@@ -93,15 +97,12 @@ class HostRuntime:
         metrics_interval_s: float,
     ) -> None:
         self.host = host
+        self.base_model = base_model
         self.engine = engine
+        self.policy = policy
+        self.tpot_slo_ms = tpot_slo_ms
         self.aggregator = MetricsAggregator(tpot_slo_ms)
-        self.loop = HostLoop(
-            engine,
-            policy,
-            tpot_slo_ms=tpot_slo_ms,
-            metrics_sink=self.aggregator.add,
-            output_sink=self._deliver,
-        )
+        self.loop = self._make_loop(engine)
         self.adapters = adapters
         self.tokenizer = tokenizer
         self.storage = storage
@@ -127,6 +128,15 @@ class HostRuntime:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
 
+    def _make_loop(self, engine: Engine) -> HostLoop:
+        return HostLoop(
+            engine,
+            self.policy,
+            tpot_slo_ms=self.tpot_slo_ms,
+            metrics_sink=self.aggregator.add,
+            output_sink=self._deliver,
+        )
+
     # ---- other threads --------------------------------------------------------------------
     def submit_command(self, command: dict[str, Any]) -> None:
         self.inbox.put(("command", command))
@@ -140,8 +150,9 @@ class HostRuntime:
             return self._status
 
     def served_models(self) -> list[str]:
+        """The base model, then the adapters this host serves."""
         with self._lock:
-            return list(self._status.adapters)
+            return [self._status.base_model, *self._status.adapters]
 
     def start(self) -> None:
         self._thread.start()
@@ -257,6 +268,46 @@ class HostRuntime:
             self._refresh_status()
         elif name == "drain":
             self._draining = True
+        elif name == "load_base_model":
+            self._load_base_model(
+                str(command["base_model"]), command.get("model_dir"), command.get("preset")
+            )
+
+    def _load_base_model(self, name: str, model_dir: str | None, preset: str | None) -> None:
+        """Serve another base model. Only on an idle host (no job, no request in flight);
+        otherwise the command is dropped and the control plane sends it again later."""
+        if name == self.base_model:
+            return
+        if self.runs or self._generations:
+            logger.warning("not loading base model %s: the host is busy", name)
+            return
+        if model_dir:
+            directory = Path(model_dir)
+        elif preset == "tiny":
+            directory = self.work_dir / "tiny-model"
+            if not (directory / "config.json").is_file():
+                build_tiny_model_dir(directory, seed=0)
+        else:
+            logger.error("cannot load base model %s: no model directory given", name)
+            return
+        model = load_model(directory, device=self.engine.config.device)
+        tokenizer = load_tokenizer(directory)
+        config = replace(
+            self.engine.config,
+            max_model_len=min(self.max_model_len, model.config.max_position_embeddings),
+        )
+        engine = Engine(model, config, tokenizer=tokenizer)
+        self.loop.close()
+        self.engine, self.tokenizer = engine, tokenizer
+        self.loop = self._make_loop(engine)
+        self.adapters = AdapterEngines(
+            model, config, tokenizer, self.storage, self.work_dir,
+            self.adapters.engine_config.num_kv_blocks,
+        )  # fmt: skip
+        self.base_model, self.base_model_path = name, str(directory)
+        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        self.kv_bytes_per_block = _kv_bytes_per_block(engine)
+        self._refresh_status()
 
     def _apply_placement(self, placement_id: int, spec: dict[str, Any]) -> None:
         if placement_id in self._seen_placements:
@@ -408,6 +459,7 @@ class HostRuntime:
         kv_total = self.engine.config.num_kv_blocks * self.kv_bytes_per_block
         free = self.total_bytes - self.weights_bytes - kv_total
         return HostSnapshot(
+            base_model=self.base_model,
             placements=sorted(run.placement_id for run in self.runs.values()),
             adapters=self.adapters.names(),
             free_bytes=max(0, free - self._lent_bytes()),

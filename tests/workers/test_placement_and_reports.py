@@ -254,3 +254,19 @@ def test_reconcile_resends_a_placement_its_host_never_started(
     decision = PlacementDecision.objects.get(placement=placement)
     assert decision.dispatch_count == 1
     assert reconcile().redispatched == []  # sent just now
+
+
+def test_a_host_serving_another_model_is_told_to_load_its_deployments(
+    fleet: dict[str, GpuHost], django_capture_on_commit_callbacks: Any
+) -> None:
+    with django_capture_on_commit_callbacks(execute=True):
+        heartbeat("h1", base_model="something-else")
+        heartbeat("h2")
+    (command,) = drain_host_queue("h1")
+    assert command["command"] == "load_base_model"
+    assert (command["base_model"], command["model_dir"], command["preset"]) == (
+        "tiny",
+        None,
+        "tiny",
+    )
+    assert drain_host_queue("h2") == []

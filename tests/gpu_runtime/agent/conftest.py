@@ -116,6 +116,7 @@ def make_runtime(model_dir: Path, storage: LocalStorage, work_dir: Path, send: A
     adapters = AdapterEngines(model, config, tokenizer, storage, work_dir, 16)
     return HostRuntime(
         host="h1",
+        base_model="tiny",
         engine=engine,
         policy=NaivePolicy(quantum_examples=2),
         tpot_slo_ms=1e6,

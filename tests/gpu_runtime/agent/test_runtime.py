@@ -51,7 +51,7 @@ def test_placement_runs_to_success_with_checkpoints_in_storage(
     assert runtime.status().placements == []
     # The adapter answers by name, and its model differs from the base model's.
     name = "ft:tiny:t1::ftjob-1"
-    assert runtime.served_models() == [name]
+    assert runtime.served_models() == ["tiny", name]
     ids = torch.tensor([[5, 6, 7, 8]])
     positions = torch.arange(4)[None]
     with torch.no_grad():
@@ -136,3 +136,31 @@ def test_drain_is_reported_in_the_status(runtime: Any) -> None:
     while not runtime.status().draining and time.monotonic() < deadline:
         time.sleep(0.05)
     assert runtime.status().draining
+
+
+def test_load_base_model_only_when_idle(
+    runtime: Any, reports: Reports, tiny_model_dir: Path
+) -> None:
+    import time
+
+    def wait_base(name: str) -> bool:
+        deadline = time.monotonic() + 30
+        while runtime.status().base_model != name and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return bool(runtime.status().base_model == name)
+
+    _place(runtime, 1, hyperparameters={"n_epochs": 10, "batch_size": 2})
+    reports.wait_for("job_started")
+    load = {"command": "load_base_model", "command_id": "b", "base_model": "tiny-2",
+            "model_dir": str(tiny_model_dir), "preset": ""}  # fmt: skip
+    runtime.submit_command(load)  # busy training: dropped
+    runtime.submit_command(
+        {"command": "cancel", "command_id": "c", "placement_id": 1, "job_id": "ftjob-1"}
+    )
+    reports.wait_for("job_stopped")
+    assert runtime.status().base_model == "tiny"
+    runtime.submit_command(load)
+    assert wait_base("tiny-2")
+    assert runtime.served_models() == ["tiny-2"]
+    out = runtime.submit_generation(Generation("tiny-2", "Q: hello", GREEDY)).result(30)
+    assert len(out.output_token_ids) == 6
