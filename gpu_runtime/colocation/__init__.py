@@ -18,7 +18,8 @@ from gpu_runtime.colocation.executor import (
     ThreadedExecutor,
 )
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy, MarginTracker
-from gpu_runtime.colocation.loop import FinetuneMemory, HostLoop, JobError, JobState
+from gpu_runtime.colocation.jobs import FinetuneMemory, JobError, JobState
+from gpu_runtime.colocation.loop import HostLoop
 from gpu_runtime.colocation.metrics import IntervalMetrics, MetricsAggregator, summarize
 from gpu_runtime.colocation.online import OnlineLatencyModel
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan

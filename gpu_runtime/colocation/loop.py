@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any
 
 from gpu_runtime.colocation.executor import (
     QuantumExecutor,
@@ -27,6 +27,7 @@ from gpu_runtime.colocation.executor import (
     SequentialExecutor,
     ThreadedExecutor,
 )
+from gpu_runtime.colocation.jobs import FinetuneMemory, JobError, JobState
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
 from gpu_runtime.colocation.snapshot import decode_snapshot, describe_trainer
 from gpu_runtime.colocation.types import (
@@ -36,73 +37,11 @@ from gpu_runtime.colocation.types import (
     IterationContext,
     IterationPlan,
     IterationRecord,
-    JobView,
     LaunchMode,
     QuantumReport,
 )
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.finetune.trainer import LoraTrainer
-
-
-class FinetuneMemory(Protocol):
-    """The unified pool as the loop uses it (see ``gpu_runtime.colocation.memory``)."""
-
-    def before_decode(self) -> None:
-        """Critical path, before the decode step: make the step's KV blocks usable."""
-
-    def after_decode(self) -> None:
-        """Off the critical path: refill / shrink / lend pages."""
-
-    def finetune_budget_bytes(self) -> int:
-        """Bytes the next quantum may peak at."""
-
-    def lent_bytes(self) -> int:
-        """Bytes currently lent to finetuning."""
-
-    def quantum_done(self, *, peak_bytes: int, resident_bytes: int) -> None:
-        """Account a finished quantum's peak and what it keeps between quanta."""
-
-
-class JobError(KeyError):
-    """Unknown or duplicate job id."""
-
-
-@dataclass
-class JobState:
-    """The loop's view of one finetune job (read it with ``HostLoop.job_state``)."""
-
-    job_id: str
-    trainer: LoraTrainer
-    seq_len: int
-    max_seq_len: int
-    lora_rank: int
-    paused: bool = False
-    failed: str | None = None
-    tokens_trained: int = 0
-    quanta: int = 0
-    last_loss: float | None = None
-    step: int = 0
-    bytes_per_token: float | None = None
-    solo_tokens_per_s: float | None = None
-    reports: list[QuantumReport] = field(default_factory=list, repr=False)
-
-    @property
-    def finished(self) -> bool:
-        return bool(self.trainer.finished)
-
-    @property
-    def runnable(self) -> bool:
-        return not (self.paused or self.failed or self.finished)
-
-    def view(self) -> JobView:
-        return JobView(
-            self.job_id,
-            self.seq_len,
-            self.max_seq_len,
-            self.lora_rank,
-            self.bytes_per_token,
-            self.solo_tokens_per_s,
-        )
 
 
 @dataclass

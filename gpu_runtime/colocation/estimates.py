@@ -1,0 +1,130 @@
+"""What Harli estimates from observations: its safety margin, quantum durations, the batch ahead.
+
+Kept apart from the policy so each piece can be tested and reused (the host agent reports the
+margin; ``QuantumDurations`` also serves capacity estimates).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import TYPE_CHECKING
+
+from gpu_runtime.colocation.types import DecodeSnapshot, JobView, LaunchMode
+
+if TYPE_CHECKING:
+    from gpu_runtime.colocation.harli import HarliConfig
+
+PRIOR_SOLO_TOKENS_PER_S = 10_000.0
+"""Rate assumed for a job before any of its quanta was timed (only ratios between choices
+matter until then)."""
+
+
+def lookahead(decode: DecodeSnapshot) -> DecodeSnapshot:
+    """The batch once the waiting requests have joined (at the running requests' mean context;
+    their prompts' prefill is already in ``prefill_tokens``)."""
+    if not decode.waiting_requests:
+        return decode
+    mean = decode.context_tokens_total // decode.batch_size if decode.batch_size else 0
+    extra = decode.waiting_requests
+    return DecodeSnapshot(
+        decode.batch_size + extra,
+        decode.context_tokens_total + extra * mean,
+        decode.context_tokens_max,
+        decode.prefill_tokens,
+        0,
+    )
+
+
+class MarginTracker:
+    """The adaptive safety margin (fraction of the SLO)."""
+
+    def __init__(self, config: HarliConfig) -> None:
+        self.config = config
+        self._errors: deque[float] = deque(maxlen=config.error_window)
+        self._recent: deque[tuple[float, float]] = deque(maxlen=config.error_smoothing)
+        self._violation = 0.0
+        self._breached = False
+
+    def observe(self, predicted_ms: float, observed_ms: float, tpot_slo_ms: float) -> None:
+        """One busy iteration. Errors and breaches are judged on the mean over the last
+        ``error_smoothing`` iterations: a request's TPOT is a mean over its tokens, so one slow
+        iteration (a prefill chunk) matters less than a bias that persists."""
+        self._violation *= self.config.violation_decay
+        if predicted_ms <= 0:
+            return
+        self._recent.append((predicted_ms, observed_ms))
+        predicted = sum(p for p, _ in self._recent)
+        observed = sum(o for _, o in self._recent)
+        self._errors.append((observed - predicted) / predicted)
+        breached = observed / len(self._recent) > tpot_slo_ms
+        if breached and not self._breached:  # once per episode, not per iteration of it
+            self._violation += self.config.violation_step
+        self._breached = breached
+
+    @property
+    def margin(self) -> float:
+        cfg = self.config
+        if len(self._errors) < cfg.min_error_samples:
+            base = cfg.initial_margin
+        else:
+            ordered = sorted(self._errors)
+            index = min(len(ordered) - 1, int(cfg.error_quantile * len(ordered)))
+            base = cfg.base_margin + max(ordered[index], 0.0)
+        return min(base + self._violation, cfg.max_margin)
+
+
+class QuantumDurations:
+    """Expected quantum duration per choice (decode_sms, mode): ``overhead_ms + tokens / rate``.
+
+    Fitted per choice from its last ``window`` quanta (least squares over token counts when
+    at least two sizes were seen, else the prior overhead and the observed mean rate); a choice
+    never observed scales the solo rate by the SMs it gets (half the device's throughput when it
+    shares all SMs with decode).
+    """
+
+    def __init__(self, prior_overhead_ms: float = 0.0, window: int = 32) -> None:
+        self.prior_overhead_ms = prior_overhead_ms
+        self._obs: dict[tuple[int | None, LaunchMode], deque[tuple[int, float]]] = {}
+        self._window = window
+
+    def observe(self, decode_sms: int | None, mode: LaunchMode, tokens: int, ms: float) -> None:
+        if tokens <= 0 or ms <= 0:
+            return
+        key = (decode_sms, mode)
+        self._obs.setdefault(key, deque(maxlen=self._window)).append((tokens, ms))
+
+    def _fit(self, key: tuple[int | None, LaunchMode]) -> tuple[float, float] | None:
+        """(overhead ms, ms per token) of a choice, None if never observed."""
+        obs = self._obs.get(key)
+        if not obs:
+            return None
+        tokens = [t for t, _ in obs]
+        times = [ms for _, ms in obs]
+        mean_t, mean_ms = sum(tokens) / len(tokens), sum(times) / len(times)
+        var = sum((t - mean_t) ** 2 for t in tokens)
+        if var > 0:
+            slope = sum((t - mean_t) * (ms - mean_ms) for t, ms in obs) / var
+            overhead = mean_ms - slope * mean_t
+            if slope > 0 and overhead >= 0:
+                return overhead, slope
+        overhead = min(self.prior_overhead_ms, 0.9 * mean_ms)
+        return overhead, (mean_ms - overhead) / mean_t
+
+    def solo_rate(self, job: JobView) -> float:
+        """Tokens/s alone on the device: observed slices, else the job's figure, else a prior."""
+        fit = self._fit((None, LaunchMode.AFTER_DECODE))
+        if fit is not None:
+            return 1e3 / fit[1]
+        return job.tokens_per_s_solo or PRIOR_SOLO_TOKENS_PER_S
+
+    def duration_ms(
+        self, job: JobView, decode_sms: int | None, mode: LaunchMode, share: float, tokens: int
+    ) -> float:
+        """Expected duration of a ``tokens``-token quantum (``share``: its fraction of SMs)."""
+        fit = self._fit((decode_sms, mode))
+        if fit is None:
+            effective = 0.5 if mode is LaunchMode.CONCURRENT and share >= 1.0 else share
+            rate = self.solo_rate(job) * max(effective, 1e-3)
+            return self.prior_overhead_ms + tokens / rate * 1e3
+        overhead, per_token = fit
+        return overhead + per_token * tokens
