@@ -8,8 +8,10 @@ everything else (prefill chunks, mixed batches, CPU) uses gather + SDPA. The onl
 the copy of the sampled tokens at the end of `execute`.
 
 Adapters: with a `LoraRuntime`, a step whose batch holds a request with a `lora_name` runs
-`lora.forward` (the model's computation plus per-token LoRA terms) on the general path; steps
-without adapter requests never touch the runtime and keep the fast path unchanged.
+`lora.forward` (the model's computation plus per-token LoRA terms) instead of the model: decode
+steps over the same fixed-shape buffers and paged-decode attention, eagerly (no CUDA graph, no
+fused kernels), other steps on the general path. Steps without adapter requests never touch the
+runtime and keep the fast path unchanged.
 """
 
 from __future__ import annotations
@@ -35,6 +37,10 @@ from gpu_runtime.model.loader import torch_dtype
 
 if TYPE_CHECKING:
     from gpu_runtime.engine.fast_decode import FusedDecodeForward as FusedDecodeForwardType
+
+
+_PADDING_ID = "\x00padding"
+"""Request id of a graph bucket's padding slots in `LoraRuntime.set_batch` (never attached)."""
 
 
 @dataclass
@@ -146,17 +152,16 @@ class ModelRunner:
         )
         result = ModelRunnerOutput()
         lora = self.lora
-        use_lora = (
-            lora is not None
-            and any(s.lora_name is not None for s in states)
-            and lora.set_batch(order)
-        )
-        if decode_only and self.static_decode and not use_lora and len(order) <= self._buckets[-1]:
-            logits, bucket, used_graph = self._decode_logits(states, partition)
+        with_adapters = lora is not None and any(s.lora_name is not None for s in states)
+        if decode_only and self.static_decode and len(order) <= self._buckets[-1]:
+            logits, bucket, used_graph = self._decode_logits(
+                states, partition, order if with_adapters else None
+            )
             sampled_ids = [rid for rid, _ in order]
             result.used_cuda_graph = used_graph
             result.batch_bucket = bucket
         else:
+            use_lora = with_adapters and lora is not None and lora.set_batch(order)
             forward = lora.forward if use_lora and lora is not None else self.model
             logits, sampled_ids = self._general_logits(order, forward)
         for state, (_, count) in zip(states, order, strict=True):
@@ -266,8 +271,11 @@ class ModelRunner:
 
             self._fused = FusedDecodeForward(self.model, self.kv_cache, self.config.max_model_len)
 
-    def decode_forward(self, bucket: int) -> torch.Tensor:
-        """Logits `[bucket, vocab]` of a decode step over the static buffers (graph body)."""
+    def decode_forward(self, bucket: int, forward: LoraForward | None = None) -> torch.Tensor:
+        """Logits `[bucket, vocab]` of a decode step over the static buffers (graph body).
+
+        `forward` replaces the model's forward (the LoRA forward; never the fused kernels)."""
+        model_forward = forward if forward is not None else self.model
         metadata = AttentionMetadata(
             slot_blocks=self._buf_ints[2, :bucket],
             slot_offsets=self._buf_ints[3, :bucket],
@@ -279,7 +287,9 @@ class ModelRunner:
             metadata.seq_lens_host = self._stage_seq_lens_np[:bucket].tolist()
             compute_dtype = torch.float32 if self.device.type == "cpu" else None
             reference = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
-            hidden = self.model(self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], reference)
+            hidden = model_forward(
+                self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], reference
+            )
             return self.model.compute_logits(hidden)
         from gpu_runtime.engine.attention.triton_decode import (
             TritonDecodeAttention,
@@ -287,12 +297,12 @@ class ModelRunner:
         )
 
         splits = choose_num_splits(bucket, self.model.config.num_key_value_heads, self._num_sms)
-        if self._fused is not None:
+        if self._fused is not None and forward is None:
             return self._fused(
                 self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], metadata, splits
             )
         attention = TritonDecodeAttention(self.kv_cache, metadata, splits)
-        hidden = self.model(self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], attention)
+        hidden = model_forward(self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], attention)
         return self.model.compute_logits(hidden)
 
     def capture_cuda_graphs(
@@ -317,9 +327,14 @@ class ModelRunner:
         return sizes
 
     def _decode_logits(
-        self, states: list[_RequestState], partition: Hashable
+        self,
+        states: list[_RequestState],
+        partition: Hashable,
+        lora_order: list[tuple[str, int]] | None = None,
     ) -> tuple[torch.Tensor, int, bool]:
-        """Stage one decode token per state (vectorised), copy, replay; logits `[B, V]`."""
+        """Stage one decode token per state (vectorised), copy, replay; logits `[B, V]`.
+        With `lora_order` (the step's order, some request has an adapter) the step runs the
+        LoRA forward eagerly over the same buffers; padding slots count as base tokens."""
         batch = len(states)
         bucket = next(b for b in self._buckets if b >= batch)
         bs = self.block_size
@@ -341,7 +356,12 @@ class ModelRunner:
         self._buf_table[:bucket].copy_(self._stage_table[:bucket], non_blocking=True)
         self.num_static_decode_steps += 1
         graphs = self._graphs
-        if graphs is not None and graphs.has(bucket, partition):
+        lora = self.lora
+        padded = lora_order and [*lora_order, (_PADDING_ID, bucket - batch)]
+        if padded and lora is not None and lora.set_batch(padded):
+            logits = self.decode_forward(bucket, lora.forward)
+            used = False
+        elif graphs is not None and graphs.has(bucket, partition):
             logits = graphs.replay(bucket, partition)
             used = True
         else:

@@ -217,3 +217,18 @@ def test_adapter_too_large_for_the_slots_fails_only_its_request(
     expected = _expected(adapter_dirs, [prompts[0], prompts[2]], ["support-bot", None])
     assert [outputs[0].output_token_ids, outputs[2].output_token_ids] == expected
     assert outputs[0].error is None and runtime._attached == {}
+
+
+def test_fixed_shape_decode_steps_apply_adapters(adapter_dirs: dict[str, Path]) -> None:
+    """Decode steps with adapters run over the bucketed buffers (padding slots as base tokens)."""
+    prompts = _prompts(4, (3, 17, 9, 12, 6))
+    names: list[str | None] = ["poet", None, "coder", "support-bot", None]
+    expected = _expected(adapter_dirs, prompts, names)
+    engine, runtime = _lora_engine(
+        adapter_dirs, num_slots=3, static_decode_batches=True, cuda_graph_batch_sizes=(1, 2, 4)
+    )
+    assert engine.runner.static_decode
+    outputs = engine.generate(prompts, GREEDY, lora_names=names)  # 5 rows padded to 8
+    assert [o.output_token_ids for o in outputs] == expected
+    assert engine.runner.num_static_decode_steps >= GREEDY.max_tokens - 2
+    assert runtime._attached == {}
