@@ -35,6 +35,8 @@ class QuantumTask:
     decode_sms: int | None
     stream: Any = None
     """A ``torch.cuda.Stream`` to make current while the quantum runs (None: leave as is)."""
+    max_layers: int | None = None
+    """Layer-sliced quantum (see ``FinetuneLaunch.max_layers``)."""
 
 
 def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
@@ -53,7 +55,12 @@ def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
     start = clock()
     try:
         with context:
-            result = task.trainer.step_quantum(max_tokens=task.max_tokens)
+            if task.max_layers is None:
+                result = task.trainer.step_quantum(max_tokens=task.max_tokens)
+            else:
+                result = task.trainer.step_quantum(
+                    max_tokens=task.max_tokens, max_layers=task.max_layers
+                )
     except Exception as exc:  # reported to the loop, which fails the job; decode goes on
         return QuantumReport(
             job_id=task.job_id,
@@ -77,6 +84,8 @@ def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
         optimizer_step=bool(result.optimizer_step),
         job_finished=bool(result.finished),
         peak_memory_bytes=peak,
+        layer_passes=int(getattr(result, "layer_passes", 0)),
+        micro_batch_done=bool(getattr(result, "micro_batch_done", True)),
         finetune_peak_bytes=extra,
         checkpoint=None if checkpoint is None else str(checkpoint),
     )

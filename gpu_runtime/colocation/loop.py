@@ -295,7 +295,15 @@ class HostLoop:
         self._order.remove(job_id)
         self._order.append(job_id)
         trainer = self._jobs[job_id].trainer
-        return QuantumTask(job_id, trainer, launch.max_tokens, launch.mode, plan.decode_sms, stream)
+        return QuantumTask(
+            job_id,
+            trainer,
+            launch.max_tokens,
+            launch.mode,
+            plan.decode_sms,
+            stream,
+            launch.max_layers,
+        )
 
     def _decode(self, stream: Any, decode_sms: int | None) -> list[RequestOutput]:
         if stream is None:
@@ -323,7 +331,8 @@ class HostLoop:
             state.failed = report.error
             return
         state.tokens_trained += report.tokens
-        state.last_loss = report.loss
+        if report.loss is not None:  # a layer slice that did not finish its micro-batch has none
+            state.last_loss = report.loss
         state.step = report.step if report.step is not None else state.step
         if report.finetune_peak_bytes is not None and report.tokens:
             state.bytes_per_token = report.finetune_peak_bytes / report.tokens

@@ -147,10 +147,15 @@ class FinetuneLaunch:
     mode: LaunchMode = LaunchMode.CONCURRENT
     predicted_ms: float | None = None
     """Predicted duration of the quantum itself, when the policy has a model for it."""
+    max_layers: int | None = None
+    """Layer-sliced quantum: at most this many decoder-layer passes of the micro-batch in
+    progress (``step_quantum(max_layers=...)``); None runs a whole micro-batch."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
             raise PlanError(f"FinetuneLaunch.max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_layers is not None and self.max_layers < 1:
+            raise PlanError(f"FinetuneLaunch.max_layers must be >= 1, got {self.max_layers}")
 
 
 @dataclass(frozen=True)
@@ -198,6 +203,10 @@ class QuantumReport:
     job_finished: bool = False
     peak_memory_bytes: int | None = None
     """The trainer's figure: peak CUDA memory of the whole process during the quantum."""
+    layer_passes: int = 0
+    """Decoder-layer passes run (layer-sliced quanta only)."""
+    micro_batch_done: bool = True
+    """False while a layer-sliced micro-batch is still in progress (its tokens count later)."""
     finetune_peak_bytes: int | None = None
     """That peak less what was allocated when the quantum started: what the quantum added."""
     checkpoint: str | None = None

@@ -241,3 +241,30 @@ def test_context_reports_the_worst_running_request_tpot() -> None:
         loop.engine.abort_request(request_id)
     loop.run_iteration()
     assert policy.seen[-1] is None
+
+
+class _Sliced(CoLocationPolicy):
+    name = "sliced"
+
+    def plan(self, ctx: IterationContext) -> IterationPlan:
+        if not ctx.jobs or ctx.in_flight is not None:
+            return IterationPlan()
+        return IterationPlan(launches=(FinetuneLaunch(ctx.jobs[0].job_id, 64, max_layers=3),))
+
+
+def test_layer_sliced_quanta_credit_tokens_when_the_micro_batch_completes(
+    train_examples: Any,
+) -> None:
+    engine = _engine()
+    trainer = _trainer(engine, train_examples)
+    loop = HostLoop(engine, _Sliced(), tpot_slo_ms=1e6)
+    loop.add_job("j", trainer)
+    records = loop.run_until_idle(max_iterations=500)
+    loop.close()
+    reports = [q for r in records for q in r.quanta]
+    assert all(q.error is None and 1 <= q.layer_passes <= 3 for q in reports)
+    partial = [q for q in reports if not q.micro_batch_done]
+    assert partial and all(q.tokens == 0 and q.loss is None for q in partial)
+    state = loop.job_state("j")
+    assert state.finished and state.tokens_trained == sum(e.num_tokens for e in train_examples)
+    assert state.last_loss is not None
