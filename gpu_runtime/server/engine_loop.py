@@ -1,7 +1,8 @@
 """Runs an `Engine` in its own thread and streams outputs to asyncio consumers.
 
-The engine is not thread-safe, so only the loop thread touches it: submissions and aborts are
-queued, and outputs are handed to each request's asyncio queue with `call_soon_threadsafe`.
+The engine is not thread-safe, so only the loop thread touches it: submissions, aborts and
+`run_in_loop` calls (e.g. registering an adapter) are queued and run between steps, and outputs
+are handed to each request's asyncio queue with `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
@@ -11,8 +12,10 @@ import itertools
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 from gpu_runtime.engine.engine import Engine
 from gpu_runtime.engine.request import RequestOutput, SamplingParams
@@ -28,12 +31,18 @@ class _Submission:
     outputs: asyncio.Queue[RequestOutput | BaseException]
 
 
+@dataclass
+class _Call:
+    fn: Callable[[], Any]
+    future: Future[Any]
+
+
 class EngineLoop:
     """Owns the engine thread. `generate` is the async API the server uses."""
 
     def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
         self.engine = engine
-        self._inbox: queue.Queue[_Submission | str | None] = queue.Queue()
+        self._inbox: queue.Queue[_Submission | _Call | str | None] = queue.Queue()
         self._streams: dict[str, _Submission] = {}
         self._ids = itertools.count()
         self._idle_wait_s = idle_wait_s
@@ -80,11 +89,20 @@ class EngineLoop:
             if not finished:
                 self._inbox.put(request_id)
 
+    def run_in_loop(self, fn: Callable[[], Any]) -> Future[Any]:
+        """Run `fn()` on the loop thread between two steps (where touching the engine and its
+        LoRA runtime is safe); the future holds its result or exception. Needs `start()`."""
+        if self._thread is None:
+            raise RuntimeError("EngineLoop.start() was not called")
+        future: Future[Any] = Future()
+        self._inbox.put(_Call(fn, future))
+        return future
+
     def _deliver(self, submission: _Submission, item: RequestOutput | BaseException) -> None:
         submission.loop.call_soon_threadsafe(submission.outputs.put_nowait, item)
 
     def _drain_inbox(self, block: bool) -> None:
-        item: _Submission | str | None
+        item: _Submission | _Call | str | None
         try:
             item = self._inbox.get(timeout=self._idle_wait_s) if block else self._inbox.get_nowait()
         except queue.Empty:
@@ -98,6 +116,12 @@ class EngineLoop:
                     self._streams[item.request_id] = item
                 except ValueError as exc:
                     self._deliver(item, exc)
+            elif isinstance(item, _Call):
+                if item.future.set_running_or_notify_cancel():
+                    try:
+                        item.future.set_result(item.fn())
+                    except BaseException as exc:  # handed to the caller through the future
+                        item.future.set_exception(exc)
             elif isinstance(item, str):
                 self.engine.abort_request(item)
                 self._streams.pop(item, None)
@@ -131,3 +155,10 @@ class EngineLoop:
                     del self._streams[out.request_id]
         for submission in self._streams.values():
             self._deliver(submission, RuntimeError("engine loop stopped"))
+        while True:  # calls queued after the last drain would otherwise never complete
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
+                item.future.set_exception(RuntimeError("engine loop stopped"))

@@ -10,6 +10,7 @@ from fastapi.testclient import TestClient
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.lora import build_training_model
+from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server.__main__ import build, parse_args
@@ -70,5 +71,16 @@ def test_entry_point_serves_adapters_by_name(
         missing = client.post("/v1/completions", json=body | {"model": "x"}, headers=headers)
         assert missing.status_code == 404
         assert missing.json()["error"]["code"] == "model_not_found"
+        # a finished job's adapter is registered on the loop thread while the server runs
+        lora = loop.engine.lora
+        assert isinstance(lora, MultiLoraRuntime)
+        loop.run_in_loop(lambda: lora.register("x", tmp_path / "a")).result(timeout=30)
+        assert client.post(
+            "/v1/completions", json=body | {"model": "x"}, headers=headers
+        ).is_success
+        with pytest.raises(ValueError, match="already registered"):
+            loop.run_in_loop(lambda: lora.register("x", tmp_path / "a")).result(timeout=30)
+        ids = [m["id"] for m in client.get("/v1/models", headers=headers).json()["data"]]
+        assert ids == ["tiny", "support", "x"]
     finally:
         loop.stop()
