@@ -130,8 +130,8 @@ def test_broker_restart_mid_job_loses_no_job_and_no_event(
     from api.models import JobCheckpoint, JobMetric
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
-    job = _create_job(client, epochs=20, batch=1, suffix="restart")
-    total = 20 * 8
+    job = _create_job(client, epochs=15, batch=1, suffix="restart")
+    total = 15 * 8
     wait_until(lambda: JobMetric.objects.filter(job_id=job.id, step__gte=10).exists(), 60,
                "training to be under way")  # fmt: skip
     cluster.restart_redis(down_s=2.0)
@@ -163,8 +163,8 @@ def test_pause_checkpoints_on_the_host_and_resume_continues_from_it(
     from api.models import JobCheckpoint, JobMetric
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
-    job = _create_job(client, epochs=20, batch=1, suffix="pause")
-    total = 20 * 8
+    job = _create_job(client, epochs=15, batch=1, suffix="pause")
+    total = 15 * 8
     wait_until(lambda: JobMetric.objects.filter(job_id=job.id, step__gte=5).exists(), 60,
                "training to be under way")  # fmt: skip
     assert client.fine_tuning.jobs.pause(job.id).status == "paused"
