@@ -43,7 +43,11 @@ def test_fused_forward_equals_peft_tree(
     tree.zero_grad(set_to_none=True)
     for checkpointing in (False, True):
         got = fast(ids, positions, activation_checkpointing=checkpointing)
-        torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5)
+        # The fused GEMMs sum in another order than the peft tree (and that order depends on
+        # the BLAS thread count): compare against the tensor's scale, as for the gradients. A
+        # missing or wrong LoRA term moves outputs by ~1e-1 here.
+        scale = float(reference.abs().max())
+        assert float((got - reference).abs().max()) <= 1e-4 * scale + 1e-7
         (got * weights).sum().backward()
         grads = [p.grad for p in adapter_parameters(tree) if p.grad is not None]
         assert (
