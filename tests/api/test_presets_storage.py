@@ -9,6 +9,7 @@ import pytest
 
 from api.presets import PRESETS, preset_get
 from api.storage import LocalStorage
+from gpu_runtime.model.config import ModelConfig
 
 
 def test_preset_shapes() -> None:
@@ -21,7 +22,11 @@ def test_preset_shapes() -> None:
     assert (qwen["hidden_size"], qwen["num_hidden_layers"]) == (3584, 28)
     assert (qwen["num_attention_heads"], qwen["num_key_value_heads"]) == (28, 4)
     assert (qwen["intermediate_size"], qwen["vocab_size"]) == (18944, 152064)
-    assert qwen["rope_theta"] == 1e6 and qwen["attention_bias"] is True
+    assert qwen["rope_theta"] == 1e6 and qwen["model_type"] == "qwen2"
+    # The control plane's presets are the runtime's shapes, read back without loss.
+    for name, preset in PRESETS.items():
+        assert ModelConfig.from_hf_config(preset.config) == ModelConfig.preset(name)
+    assert ModelConfig.from_hf_config(qwen).attention_bias is True
     for preset in PRESETS.values():
         config = preset.config
         assert config["hidden_size"] % config["num_attention_heads"] == 0
