@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import queue
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpu_runtime.storage import LocalStorage
+from tests.gpu_runtime.threads import one_cpu_thread  # noqa: F401
 
 PAIRS = [
     ("Q: colour of the sky?", " A: blue"),
@@ -21,16 +21,6 @@ PAIRS = [
     ("Q: decode", " A: reads every weight once per step"),
 ]
 TRAIN_KEY = "files/t1/file-train.jsonl"
-
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread() -> Iterator[None]:
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

@@ -3,24 +3,13 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from gpu_runtime.model.tiny import build_tiny_tokenizer
-
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread() -> Iterator[None]:
-    """Tiny matmuls run faster on one thread of the shared 2-core machine."""
-    import torch
-
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from tests.gpu_runtime.threads import one_cpu_thread  # noqa: F401
 
 
 @pytest.fixture(scope="session")

@@ -2,16 +2,4 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
-import pytest
-import torch
-
-
-@pytest.fixture(autouse=True)
-def _one_cpu_thread() -> Iterator[None]:
-    """Tiny matmuls run faster on one thread of the shared 2-core machine."""
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+from tests.gpu_runtime.threads import one_cpu_thread  # noqa: F401
