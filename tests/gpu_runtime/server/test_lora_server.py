@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import socket
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
 import torch
-import uvicorn
 
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.adapter_store import HostAdapter
@@ -23,6 +20,7 @@ from gpu_runtime.model import CausalLM
 from gpu_runtime.model.loader import load_model, load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server import EngineLoop, create_app, static_key_checker
+from tests.gpu_runtime.server.serving import serve_in_thread
 
 KEY = "sk-lora-key"
 MODEL = "tiny-base"
@@ -81,20 +79,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
     loop = EngineLoop(Engine(base, _config(), tokenizer=tokenizer, lora=runtime))
     loop.start()
     app = create_app(loop, MODEL, static_key_checker([KEY]))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1", expected
-    server.should_exit = True
-    thread.join(10)
-    loop.stop()
+    try:
+        with serve_in_thread(app) as url:
+            yield url, expected
+    finally:
+        loop.stop()
 
 
 def test_adapters_are_listed_and_routed_by_name(served: tuple[str, dict[str, str]]) -> None:

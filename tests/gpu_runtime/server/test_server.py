@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import openai
 import pytest
-import uvicorn
 from openai.types.chat import ChatCompletionMessageParam
 
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server import EngineLoop, MetricsCollector, create_app, static_key_checker
+from tests.gpu_runtime.server.serving import serve_in_thread
 
 KEY = "sk-test-key"
 MODEL = "tiny-llama"
@@ -38,20 +35,11 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Metr
     loop.start()
     metrics = MetricsCollector()
     app = create_app(loop, MODEL, static_key_checker([KEY]), metrics)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}/v1", metrics
-    server.should_exit = True
-    thread.join(10)
-    loop.stop()
+    try:
+        with serve_in_thread(app) as url:
+            yield url, metrics
+    finally:
+        loop.stop()
 
 
 def _client(base: str, key: str = KEY) -> openai.OpenAI:
