@@ -8,7 +8,6 @@ API's error body (`{"error": {"message", ...}}`) that the page shows inline.
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime
 
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
@@ -55,23 +54,22 @@ def _answer(payload: ChartPayload) -> JsonResponse:
 
 
 class _RangedChartView(OperatorJsonView):
-    def since(self, request: HttpRequest) -> datetime:
-        """Start of the requested window; raises HarliError for an unknown range."""
-        return timezone.now() - parse_range(request.GET.get("range"))
-
-    def bad_request(self, exc: HarliError) -> JsonResponse:
-        return JsonResponse(exc.body(), status=exc.http_status)
+    def ranged_answer(
+        self, request: HttpRequest, build: Callable[..., ChartPayload], **scope: object
+    ) -> JsonResponse:
+        """`build(since=..., **scope)` over the requested window; an unknown range is a 400."""
+        try:
+            since = timezone.now() - parse_range(request.GET.get("range"))
+        except HarliError as exc:
+            return JsonResponse(exc.body(), status=exc.http_status)
+        return _answer(build(since=since, **scope))
 
 
 class FleetChartView(_RangedChartView):
     def get(self, request: HttpRequest, chart: str) -> HttpResponse:
         if chart not in FLEET_CHARTS:
             return _not_found(f"No fleet chart named {chart!r}.")
-        try:
-            since = self.since(request)
-        except HarliError as exc:
-            return self.bad_request(exc)
-        return _answer(FLEET_CHARTS[chart](since=since))
+        return self.ranged_answer(request, FLEET_CHARTS[chart])
 
 
 class DeploymentChartView(_RangedChartView):
@@ -81,11 +79,7 @@ class DeploymentChartView(_RangedChartView):
         deployment = Deployment.objects.filter(name=name).first()
         if deployment is None:
             return _not_found(f"No deployment named {name!r}.")
-        try:
-            since = self.since(request)
-        except HarliError as exc:
-            return self.bad_request(exc)
-        return _answer(DEPLOYMENT_CHARTS[chart](deployment=deployment, since=since))
+        return self.ranged_answer(request, DEPLOYMENT_CHARTS[chart], deployment=deployment)
 
 
 class HostChartView(_RangedChartView):
@@ -95,11 +89,7 @@ class HostChartView(_RangedChartView):
         host = GpuHost.objects.filter(name=name).first()
         if host is None:
             return _not_found(f"No host named {name!r}.")
-        try:
-            since = self.since(request)
-        except HarliError as exc:
-            return self.bad_request(exc)
-        return _answer(HOST_CHARTS[chart](host=host, since=since))
+        return self.ranged_answer(request, HOST_CHARTS[chart], host=host)
 
 
 class JobChartView(OperatorJsonView):
@@ -118,8 +108,4 @@ class PredictorChartView(_RangedChartView):
     def get(self, request: HttpRequest, chart: str) -> HttpResponse:
         if chart not in PREDICTOR_CHARTS:
             return _not_found(f"No predictor chart named {chart!r}.")
-        try:
-            since = self.since(request)
-        except HarliError as exc:
-            return self.bad_request(exc)
-        return _answer(PREDICTOR_CHARTS[chart](since=since))
+        return self.ranged_answer(request, PREDICTOR_CHARTS[chart])
