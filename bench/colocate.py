@@ -36,6 +36,8 @@ import statistics
 import subprocess
 import sys
 import time
+import traceback
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -53,8 +55,6 @@ from gpu_runtime.colocation import (
     HarliConfig,
     HarliPolicy,
     HostLoop,
-    IterationContext,
-    IterationPlan,
     IterationRecord,
     LaunchMode,
     NaivePolicy,
@@ -63,6 +63,7 @@ from gpu_runtime.colocation import (
     TimeSlicePolicy,
     summarize,
 )
+from gpu_runtime.colocation.calibration import CalibrationPolicy
 from gpu_runtime.colocation.online import beside_quantum
 from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.simulator import SimulatedHost, fit_truth_from_profile
@@ -75,20 +76,6 @@ from gpu_runtime.model import ModelConfig, build_random_model
 
 POLICIES = ("decode_only", "naive", "time_slice", "static_split", "harli")
 BASELINES = ("naive", "time_slice", "static_split")
-
-
-class CyclingSplitPolicy(CoLocationPolicy):
-    """Calibration only: decode alone, on the next split every iteration."""
-
-    name = "calibrate_solo"
-
-    def __init__(self) -> None:
-        self._i = 0
-
-    def plan(self, ctx: IterationContext) -> IterationPlan:
-        self._i += 1
-        options = ctx.decode_sms_options
-        return IterationPlan(decode_sms=options[self._i % len(options)] if options else None)
 
 
 def synthetic_examples(n: int, seq_len: int, vocab: int, seed: int) -> list[TokenizedExample]:
@@ -108,15 +95,40 @@ def reset_engine(engine: Engine) -> None:
 
 
 def drive(
-    loop: HostLoop, trace: list[TraceRequest], prompts: list[list[int]], duration_s: float
+    loop: HostLoop,
+    trace: list[TraceRequest],
+    prompts: list[list[int]],
+    duration_s: float,
+    stop: Callable[[list[IterationRecord]], bool] | None = None,
 ) -> tuple[list[IterationRecord], float, float]:
-    """Feed the trace on the wall clock for ``duration_s``; returns records and the window."""
+    """Feed the trace on the wall clock for ``duration_s`` (or until ``stop(records)``, checked
+    every 8 iterations); returns records and the window."""
+    if len(prompts) != len(trace):
+        raise ValueError(f"{len(prompts)} prompts for a trace of {len(trace)} requests")
     start = loop.clock()
     records: list[IterationRecord] = []
+    try:
+        _feed(loop, trace, prompts, duration_s, stop, start, records)
+    finally:  # also after an error: the engine and the worker thread serve the next run
+        end = loop.clock()
+        loop.close()
+        reset_engine(loop.engine)
+    return records, start, end
+
+
+def _feed(
+    loop: HostLoop,
+    trace: list[TraceRequest],
+    prompts: list[list[int]],
+    duration_s: float,
+    stop: Callable[[list[IterationRecord]], bool] | None,
+    start: float,
+    records: list[IterationRecord],
+) -> None:
     i = 0
     while True:
         now = loop.clock() - start
-        if now >= duration_s:
+        if now >= duration_s or (stop is not None and len(records) % 8 == 0 and stop(records)):
             break
         while i < len(trace) and trace[i].arrival_s <= now:
             r = trace[i]
@@ -134,10 +146,6 @@ def drive(
                 loop.wait_for_finetune(gap)
             elif gap > 0:
                 time.sleep(min(gap, 0.002))
-    end = loop.clock()
-    loop.close()
-    reset_engine(loop.engine)
-    return records, start, end
 
 
 def sync(device: torch.device) -> None:
@@ -202,7 +210,7 @@ class LoopBackend:
         self.vocab, self.solo_tps = vocab, solo_tps
         self.choices: tuple[int, ...] = tuple(sharing.table.choices) if sharing else ()
         self.total_sms: int | None = int(sharing.table.total_sms) if sharing else None
-        self._prompts: dict[int, list[list[int]]] = {}
+        self._prompts: dict[tuple[int, int], list[int]] = {}
 
     def run(
         self,
@@ -211,13 +219,21 @@ class LoopBackend:
         duration_s: float,
         slo_ms: float,
         with_job: bool,
+        stop: Callable[[list[IterationRecord]], bool] | None = None,
     ) -> tuple[list[IterationRecord], float, float]:
-        prompts = self._prompts.setdefault(id(trace), [r.prompt_ids(self.vocab) for r in trace])
+        prompts = [self._prompt(r) for r in trace]
         loop = HostLoop(self.engine, policy, tpot_slo_ms=slo_ms, sharing=self.sharing)
         if with_job:
             loop.add_job("ft", self.trainer)
             loop.job_state("ft").solo_tokens_per_s = self.solo_tps
-        return drive(loop, trace, prompts, duration_s)
+        return drive(loop, trace, prompts, duration_s, stop)
+
+    def _prompt(self, request: TraceRequest) -> list[int]:
+        """A request's prompt ids, cached by what determines them (not by the trace object)."""
+        key = (request.token_seed, request.prompt_tokens)
+        if key not in self._prompts:
+            self._prompts[key] = request.prompt_ids(self.vocab)
+        return self._prompts[key]
 
 
 class SimBackend:
@@ -235,6 +251,7 @@ class SimBackend:
         duration_s: float,
         slo_ms: float,
         with_job: bool,
+        stop: Callable[[list[IterationRecord]], bool] | None = None,
     ) -> tuple[list[IterationRecord], float, float]:
         requests = [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in trace]
         records = self.host.run(
@@ -247,33 +264,70 @@ Backend = LoopBackend | SimBackend
 
 
 def calibrate(
-    backend: Backend, seconds: float, ft_seq_len: int, lora_rank: int
+    backend: Backend, seconds: float, warm_s: float, ft_seq_len: int, lora_rank: int
 ) -> tuple[OnlineLatencyModel, list[IterationRecord], dict[str, Any]]:
-    """Fit Harli's stage-1/2 model from a separate seeded high-load trace: decode alone cycling
-    over every split, then 2-example quanta beside decode on every split."""
+    """Fit Harli's stage-1/2 model from a separate seeded high-load trace driven by
+    `CalibrationPolicy`: decode alone on the least-sampled split, then 1- and 2-example quanta
+    beside decode on the least-sampled split, until every split has its samples or ``seconds``
+    passed. Before it, a discarded warm-up of ``warm_s`` s uses every split's streams once
+    (prefill, decode and a quantum), so first-use costs do not land in the samples."""
+    info: dict[str, Any] = {}
+    wall = time.perf_counter()
+    if warm_s > 0:
+        warm = CalibrationPolicy(
+            solo_target=2, beside_target=1, solo_s=warm_s / 2, quantum_examples=(1,)
+        )
+        spec = preset("high", duration_s=warm_s)
+        got, s, e = backend.run(
+            warm, generate(spec, seed=998), warm_s, 1e9, True, stop=lambda _: warm.done
+        )
+        info["warmup"] = {"seconds": round(e - s, 2), "iterations": len(got), **warm.counts()}
     model = OnlineLatencyModel(min_samples=6)
-    spec = preset("high", duration_s=seconds * 0.5)
-    records, _, _ = backend.run(
-        CyclingSplitPolicy(), generate(spec, seed=999), spec.duration_s, 1e9, False
+    policy = CalibrationPolicy(solo_target=16, beside_target=8, solo_s=seconds * 0.5)
+    spec = preset("high", duration_s=seconds)
+    records, s, e = backend.run(
+        policy, generate(spec, seed=999), seconds, 1e9, True, stop=lambda _: policy.done
     )
-    choices: list[int | None] = list(backend.choices) or [None]
-    per_split = seconds * 0.5 / len(choices)
-    for d in choices:
-        policy: CoLocationPolicy = StaticSplitPolicy(d, 2) if d is not None else NaivePolicy(2)
-        sub = generate(preset("high", duration_s=per_split), seed=1000 + (d or 0))
-        got, _, _ = backend.run(policy, sub, per_split, 1e9, True)
-        records += got
     for record in records:
         model.observe_record(record, ft_seq_len, lora_rank)
+    choices: list[int | None] = list(backend.choices) or [None]
     total = backend.total_sms or 1
-    info = {
-        "iterations": len(records),
-        "fitted_splits": model.fitted_shares,
-        "interference": {
-            str(d): model.interference_ratio((d or total) / total, d is not None and d < total)
-            for d in choices
-        },
-    }
+    busy = [r for r in records if r.decode_batch or r.prefill_tokens]
+    per_split: dict[str, Any] = {}
+    for d in choices:
+        solo = [r.iteration_ms for r in busy if r.decode_sms == d and not r.beside_tokens]
+        beside = [r.iteration_ms for r in busy if r.beside_decode_sms == d and r.beside_tokens]
+        share = (d or total) / total
+        per_split[str(d)] = {
+            **policy.counts().get(str(d), {}),
+            "solo_iteration_ms_median": round(statistics.median(solo), 2) if solo else None,
+            "beside_iteration_ms_median": round(statistics.median(beside), 2) if beside else None,
+            "fitted": round(share, 4) in model.fitted_shares,
+            "interference": model.interference_ratio(share, d is not None and d < total),
+        }
+    unfitted = [k for k, v in per_split.items() if not v["fitted"]]
+    info.update(
+        {
+            "seconds": round(e - s, 2),
+            "wall_s": round(time.perf_counter() - wall, 2),
+            "iterations": len(records),
+            "busy_iterations": len(busy),
+            "targets_met": policy.done,
+            "per_split": per_split,
+            "fitted_splits": model.fitted_shares,
+            "pooled_fit": model.pooled,
+        }
+    )
+    if unfitted:
+        info["note"] = (
+            f"splits {unfitted} got fewer than {model.min_samples} solo samples in "
+            f"{e - s:.1f} s ({len(busy)} busy iterations of {len(records)}): "
+            + (
+                "predicted by the fit pooled over all splits"
+                if model.pooled
+                else "NOTHING FITTED: decode_only's runs are added to the model below"
+            )
+        )
     return model, records, info
 
 
@@ -488,6 +542,9 @@ def main() -> None:
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument("--calibrate-s", type=float, default=8.0)
+    parser.add_argument(
+        "--warmup-s", type=float, default=2.0, help="discarded first use of every split"
+    )
     parser.add_argument("--max-quantum-ms", type=float, default=250.0)
     parser.add_argument(
         "--budget-s",
@@ -527,7 +584,9 @@ def main() -> None:
         backend, info = setup_engine(args, device, rank)
     solo_tps = float(info["solo_finetune"]["tokens_per_s_8_examples"])
     overhead_ms = float(info["solo_finetune"]["quantum_overhead_ms"])
-    latency, calib_records, calib_info = calibrate(backend, args.calibrate_s, args.ft_seq_len, rank)
+    latency, calib_records, calib_info = calibrate(
+        backend, args.calibrate_s, args.warmup_s, args.ft_seq_len, rank
+    )
     info["calibration"] = calib_info
     harli_latency: DecodeLatencyModel = latency
     info["harli_predictor"] = (
@@ -553,6 +612,7 @@ def main() -> None:
     trace_reqs = {t: generate(spec, args.seed) for t, spec in specs.items()}
     results: dict[tuple[str, str], tuple[CoLocationPolicy, list, float, float]] = {}
     skipped: list[str] = []
+    failed: dict[str, str] = {}
     slo_ms = 1e9
     static_d: int | None = None
     if args.simulate:
@@ -570,10 +630,18 @@ def main() -> None:
         if time.perf_counter() - wall + specs[trace].duration_s + 1.0 > args.budget_s:
             skipped.append(f"{trace}/{name}")
             return
-        policy = make_policy(name, latency, harli_latency, static_d, harli_config, calib_records)
-        records, start, end = backend.run(
-            policy, trace_reqs[trace], specs[trace].duration_s, slo_ms, name != "decode_only"
-        )
+        try:
+            policy = make_policy(
+                name, latency, harli_latency, static_d, harli_config, calib_records
+            )
+            records, start, end = backend.run(
+                policy, trace_reqs[trace], specs[trace].duration_s, slo_ms, name != "decode_only"
+            )
+        except Exception as exc:  # one failing run must not cost the others' results
+            failed[f"{trace}/{name}"] = f"{type(exc).__name__}: {exc}"
+            print(f"  {trace:7s} {name:12s} FAILED {failed[f'{trace}/{name}']}", flush=True)
+            traceback.print_exc()
+            return
         results[trace, name] = (policy, records, start, end)
         r = row_for(args.model, trace, policy, records, start, end, slo_ms, solo_tps)
         print(
@@ -615,6 +683,7 @@ def main() -> None:
                 "2-example quantum is <= 0.95 x SLO on >= 99% of decode_only's iterations",
                 "harli_config": asdict(harli_config),
                 "skipped_runs": skipped,
+                "failed_runs": failed,
             },
             "simulated": bool(args.simulate),
             "rows": rows,
@@ -627,6 +696,11 @@ def main() -> None:
     slo_trace = "medium" if "medium" in traces else traces[0]
     for trace in [slo_trace] + [t for t in traces if t != slo_trace]:
         run(trace, "decode_only")
+        if (trace, "decode_only") not in results:
+            continue
+        if not latency.fitted_shares:  # calibration fitted nothing: at least the whole device
+            for record in results[trace, "decode_only"][1]:
+                latency.observe_record(record, args.ft_seq_len, rank)
         if trace == slo_trace:
             _, recs, s0, e0 = results[trace, "decode_only"]
             base = summarize(recs, 1e9, start=s0, end=e0)

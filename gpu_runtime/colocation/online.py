@@ -82,6 +82,9 @@ class OnlineLatencyModel:
         self._ratio_cache: dict[tuple[float, bool], tuple[int, float]] = {}
         self._ratio_counts: dict[tuple[float, bool], int] = defaultdict(int)
         self._since_fit: dict[float, int] = defaultdict(int)
+        self._pooled: np.ndarray | None = None
+        self._pooled_at = 0
+        self._solo_total = 0
 
     # ---- observations -----------------------------------------------------------------------
     def observe(
@@ -94,8 +97,12 @@ class OnlineLatencyModel:
         if quantum is None or quantum.tokens == 0:
             self._solo[key].append((_features(iteration), observed_ms))
             self._since_fit[key] += 1
+            self._solo_total += 1
             if key not in self._fits or self._since_fit[key] >= self.refit_every:
                 self._refit(key)
+            # The pooled fit serves thin splits; refitted less often as samples accumulate.
+            if self._solo_total - self._pooled_at >= max(self.refit_every, self._pooled_at // 4):
+                self._refit_pooled()
             return
         self._pending.append((iteration, quantum, observed_ms))
         self._drain_pending()
@@ -124,7 +131,7 @@ class OnlineLatencyModel:
         keep = []
         for iteration, quantum, observed in self._pending:
             key = _key(iteration.decode_sm_share)
-            if key in self._fits:
+            if key in self._fits or (self.prior is None and self._pooled is not None):
                 assert quantum is not None
                 solo = self._stage1(iteration)
                 ratio_key = (key, _disjoint(iteration, quantum))
@@ -134,6 +141,12 @@ class OnlineLatencyModel:
                 keep.append((iteration, quantum, observed))
         self._pending = keep[-1000:]
 
+    def _solve(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        scale = np.maximum(np.abs(x).max(axis=0), 1e-9)
+        xs = x / scale
+        gram = xs.T @ xs + self.ridge * len(y) * np.eye(xs.shape[1])
+        return np.asarray(np.linalg.solve(gram, xs.T @ y) / scale)
+
     def _refit(self, key: float) -> None:
         samples = self._solo[key]
         self._since_fit[key] = 0
@@ -141,13 +154,39 @@ class OnlineLatencyModel:
             return
         x = np.array([f for f, _ in samples], dtype=np.float64)
         y = np.array([ms for _, ms in samples], dtype=np.float64)
-        scale = np.maximum(np.abs(x).max(axis=0), 1e-9)
-        xs = x / scale
-        gram = xs.T @ xs + self.ridge * len(y) * np.eye(xs.shape[1])
-        coef = np.linalg.solve(gram, xs.T @ y) / scale
-        a, b, c, d = (float(v) for v in coef)
+        a, b, c, d = (float(v) for v in self._solve(x, y))
         self._fits[key] = _Fit((a, b, c, d), len(y))
         self._drain_pending()
+
+    def _refit_pooled(self) -> None:
+        """One fit over every split: features and features / share (see the module doc)."""
+        rows = [(f, share, ms) for share, samples in self._solo.items() for f, ms in samples]
+        if len(rows) < self.min_samples:
+            return
+        x = np.array([[*f, *(v / s for v in f)] for f, s, _ in rows], dtype=np.float64)
+        y = np.array([ms for _, _, ms in rows], dtype=np.float64)
+        self._pooled = self._solve(x, y)
+        self._pooled_at = self._solo_total
+        self._drain_pending()
+
+    def _pooled_ms(self, iteration: DecodeIteration) -> float:
+        assert self._pooled is not None
+        f = _features(iteration)
+        share = max(iteration.decode_sm_share, 1e-3)
+        return float(np.dot(self._pooled, [*f, *(v / share for v in f)]))
+
+    def samples(self) -> dict[float, int]:
+        """Solo (stage-1) samples per decode SM share."""
+        return {share: len(s) for share, s in sorted(self._solo.items())}
+
+    def ratio_samples(self) -> dict[str, int]:
+        """Interference samples per (share, disjoint)."""
+        return {f"{s}/{'own' if d else 'shared'}": n for (s, d), n in self._ratio_counts.items()}
+
+    @property
+    def pooled(self) -> bool:
+        """Whether the pooled all-split fit exists (the fallback for thin splits)."""
+        return self._pooled is not None
 
     # ---- prediction -------------------------------------------------------------------------
     @property
@@ -161,8 +200,13 @@ class OnlineLatencyModel:
             return max(fit(iteration), 0.1)
         if self.prior is not None:
             return self.prior.predict_ms(iteration, None)
+        if self._pooled is not None:
+            return max(self._pooled_ms(iteration), 0.1)
         if not self._fits:
-            raise LookupError("no split has been observed and there is no prior model")
+            raise LookupError(
+                f"no split has {self.min_samples} samples and there is no prior model "
+                f"(samples per share: {self.samples()})"
+            )
         nearest = min(self._fits, key=lambda s: abs(s - key))
         return max(self._fits[nearest](iteration), 0.1) * (nearest / key) ** 0.5
 

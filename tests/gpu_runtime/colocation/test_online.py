@@ -40,3 +40,22 @@ def test_unobserved_split_uses_the_prior_or_refuses() -> None:
         OnlineLatencyModel().predict_ms(it, None)
     prior = AnalyticLatencyModel()
     assert OnlineLatencyModel(prior).predict_ms(it, None) == prior.predict_ms(it, None)
+
+
+def test_thin_split_uses_the_pooled_fit_over_all_splits() -> None:
+    """A split with fewer than ``min_samples`` observations is predicted by the fit pooled over
+    every split (exact here: the truth is linear in the features and in 1 / share)."""
+    truth = AnalyticLatencyModel(share_exponent=1.0)
+    model = OnlineLatencyModel(min_samples=8)
+    rng = random.Random(1)
+    for share, n in ((0.5, 40), (1.0, 40), (0.25, 3)):
+        for _ in range(n):
+            batch = rng.randint(1, 64)
+            ctx = batch * rng.randint(64, 1024)
+            it = DecodeIteration(batch, ctx, ctx, rng.choice([0, 128]), share)
+            model.observe(it, None, truth.predict_ms(it, None))
+    assert model.fitted_shares == [0.5, 1.0]
+    assert model.pooled
+    assert model.samples() == {0.25: 3, 0.5: 40, 1.0: 40}
+    probe = DecodeIteration(16, 16 * 500, 500, 0, 0.25)
+    assert model.predict_ms(probe, None) == pytest.approx(truth.predict_ms(probe, None), rel=0.02)
