@@ -8,12 +8,18 @@
 Poisson bursts of 45 requests/s for 4 s, 6 s quiet; prompts log-normal median 1536 tokens in
 [256, 3072], outputs median 256 in [32, 768]; seeded, identical for both phases) runs through the
 host loop with one LoRA job (rank 16, q/k/v/o, synthetic `--ft-seq-len`-token examples) whose
-quanta are sized to the budget they read. Phase `unified`: the pool moves pages both ways.
-Phase `static_split`: decode keeps the KV peak `unified` measured (plus the low watermark) and
-finetuning gets the rest for good. Per phase: OOMs (finetune quanta lost to out-of-memory),
-dropped requests (rejected, or unfinished `--drain` s after the last arrival), reclaim latency
-p50/p99, decode iteration time p50/p99, finetune memory borrowed (mean, max, and a time series)
-and finetune tokens/s. Writes `memory-<gpu>-<yyyymmdd>.json`.
+quanta are sized to the budget they read (at most `--max-examples` examples; a safety factor
+that shrinks after an out-of-memory error). On CUDA decode runs on a high-priority stream and the
+quanta on a low-priority one (`StreamSharing`), decode graphs captured on decode's stream.
+Phase `unified`: the pool moves pages both ways. Phase `static_split`: decode keeps the KV peak
+`unified` measured (plus the low watermark) and finetuning gets the rest for good. Per phase:
+OOMs (finetune quanta lost to out-of-memory), dropped requests (rejected, or lost: neither
+finished nor still queued/running), requests still unfinished when `--drain` s after the last
+arrival ran out (a window limit, reported apart), reclaim latency p50/p99 (and its cache-flush
+part), decode iteration time p50/p99 (the whole loop iteration, pool work included), TPOT,
+finetune memory borrowed (time-weighted mean, max, and a time series) and finetune tokens/s.
+A phase that fails becomes a row with its error; the file is written after each phase:
+`memory-<gpu>-<yyyymmdd>.json`.
 
 `mechanism` measures the CUDA virtual-memory mechanism under `gpu_runtime/memory`: map/unmap cost
 per 2 MiB page (per driver call, per-page vs batched access, chunks of 2 to 128 MiB), the time
@@ -27,7 +33,9 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
+import logging
 import os
 import statistics
 import subprocess
@@ -530,9 +538,25 @@ def _trace_spec(tiny: bool, duration_s: float, rate_scale: float) -> Any:
     )
 
 
-def _budgeted_policy(resident_bytes: int, bytes_per_token: float, max_examples: int) -> Any:
-    """A quantum beside decode whenever none runs, sized to the budget it reads (the finetune
-    side's adaptation: fewer examples per micro-batch when the budget is small)."""
+class _QuantumSizing:
+    """What the finetune side knows to size a quantum: its footprint and a safety factor that
+    shrinks after an out-of-memory error (the finetune side's adaptation)."""
+
+    def __init__(self, resident_bytes: int, bytes_per_token: float, max_examples: int) -> None:
+        self.resident_bytes = resident_bytes
+        self.bytes_per_token = bytes_per_token
+        self.max_examples = max_examples
+        self.safety = 0.9
+
+    def tokens(self, budget_bytes: int, max_seq_len: int) -> int:
+        room = (budget_bytes - self.resident_bytes) * self.safety
+        return min(int(room / self.bytes_per_token), self.max_examples * max_seq_len)
+
+
+def _budgeted_policy(sizing: _QuantumSizing, decode_sms: int | None) -> Any:
+    """A quantum beside decode whenever none runs, sized to the budget it reads (fewer
+    examples per micro-batch when the budget is small); `decode_sms` is the stream sharing's
+    only split (the whole device) on CUDA, None on CPU."""
     from gpu_runtime.colocation import CoLocationPolicy, FinetuneLaunch, IterationPlan
 
     class BudgetedQuanta(CoLocationPolicy):
@@ -540,14 +564,16 @@ def _budgeted_policy(resident_bytes: int, bytes_per_token: float, max_examples: 
 
         def plan(self, ctx: Any) -> Any:
             if not ctx.jobs or ctx.in_flight is not None:
-                return IterationPlan()
+                return IterationPlan(decode_sms=decode_sms)
             job = ctx.jobs[0]
             budget = ctx.finetune_budget_bytes or 0
-            tokens = int((budget - resident_bytes) / bytes_per_token)
-            tokens = min(tokens, max_examples * job.max_seq_len)
+            tokens = sizing.tokens(budget, job.max_seq_len)
             if tokens < job.max_seq_len:
-                return IterationPlan(paused=True, note=f"budget {budget} B too small")
-            return IterationPlan(launches=(FinetuneLaunch(job.job_id, tokens),))
+                return IterationPlan(
+                    decode_sms=decode_sms, paused=True, note=f"budget {budget} B too small"
+                )
+            launch = FinetuneLaunch(job.job_id, tokens)
+            return IterationPlan(decode_sms=decode_sms, launches=(launch,))
 
     return BudgetedQuanta()
 
@@ -579,6 +605,38 @@ def trainer_start_allocated(trainer: Any) -> int:
 def _run_phase(
     name: str, args: Any, model: Any, trace: list[Any], prompts: list[list[int]], plan: dict
 ) -> dict[str, Any]:
+    """One phase on a fresh pool; the pool is closed (and the device's cap lifted) even when
+    the phase fails."""
+    import torch
+
+    from gpu_runtime.memory import create_page_pool
+
+    cuda = args.device.startswith("cuda")
+    pool = create_page_pool(
+        device=args.device,
+        pool_bytes=int(args.pool_gib * GIB),
+        page_bytes=PAGE if cuda else plan["cpu_page_bytes"],
+        pinned_tail_pages=1,
+        torch_headroom_bytes=int(args.torch_headroom_gib * GIB),
+    )
+    try:
+        return _drive_phase(name, args, model, trace, prompts, plan, pool)
+    finally:
+        pool.close()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+def _drive_phase(
+    name: str,
+    args: Any,
+    model: Any,
+    trace: list[Any],
+    prompts: list[list[int]],
+    plan: dict,
+    pool: Any,
+) -> dict[str, Any]:
     import torch
 
     from bench.colocate import synthetic_examples
@@ -586,17 +644,10 @@ def _run_phase(
     from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
     from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
-    from gpu_runtime.memory import EngineMemory, MemoryPolicyConfig, create_page_pool
+    from gpu_runtime.memory import EngineMemory, MemoryPolicyConfig
 
-    device = torch.device(args.device)
-    cuda = device.type == "cuda"
+    cuda = args.device.startswith("cuda")
     kv_dtype = "bfloat16" if cuda else "float32"
-    pool = create_page_pool(
-        device=args.device,
-        pool_bytes=int(args.pool_gib * GIB),
-        page_bytes=PAGE if cuda else plan["cpu_page_bytes"],
-        pinned_tail_pages=1,
-    )
     page = pool.page_bytes
     static = name == "static_split"
     policy = MemoryPolicyConfig(
@@ -631,17 +682,31 @@ def _run_phase(
         kv_storage_factory=memory.binding.storage_factory,
     )
     memory.attach(engine)
+    sharing: Any = None
+    decode_sms: int | None = None
+    warm_stream: Any = None
     if cuda:
-        engine.capture_cuda_graphs()
-    # Warm up prefill and decode so their cached activations count as decode's, not finetune's.
+        # Decode on a high-priority stream, quanta on a low-priority one: on one stream the
+        # decode step would queue behind the whole quantum.
+        from gpu_runtime.sharing import StreamSharing
+
+        sharing = StreamSharing(torch.device(args.device))
+        decode_sms = int(sharing.table.total_sms)
+        warm_stream = sharing.partition(decode_sms)[0]
+        engine.capture_cuda_graphs(partition=decode_sms, stream=warm_stream)
+    # Warm prefill and decode on decode's stream so their cached activations count as
+    # decode's, not finetune's (the caching allocator keeps blocks per stream).
     warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
-    engine.generate([prompts[0][: args.max_batched_tokens]] * 2, warm)
+    with torch.cuda.stream(warm_stream) if cuda else _nothing():
+        engine.generate([prompts[0][: args.max_batched_tokens]] * 2, warm)
+        engine.generate([p[:256] for p in prompts[:16]], warm)
     if cuda:
         torch.cuda.synchronize()
     memory.decode_ready()
     print(f"[{name}] pool {pool.num_pages} pages, engine ready", flush=True)
+    n_examples = 512
     hparams = resolve_hyperparameters(
-        n_train_examples=4096,
+        n_train_examples=n_examples,
         n_epochs=50,
         batch_size=8,
         lora=LoraSpec(rank=16, alpha=32, dropout=0.0),
@@ -649,97 +714,160 @@ def _run_phase(
         warmup_ratio=0.0,
         max_seq_len=args.ft_seq_len,
     )
-    examples = synthetic_examples(4096, args.ft_seq_len, model.config.vocab_size, args.seed + 1)
+    examples = synthetic_examples(n_examples, args.ft_seq_len, model.config.vocab_size, 1)
     trainer = LoraTrainer(model, examples, hparams)
+    sizing = _QuantumSizing(plan["resident_bytes"], plan["bytes_per_token"], args.max_examples)
     loop = HostLoop(
         engine,
-        _budgeted_policy(plan["resident_bytes"], plan["bytes_per_token"], args.max_examples),
+        _budgeted_policy(sizing, decode_sms),
         tpot_slo_ms=1e9,
+        sharing=sharing,
         memory=memory,
     )
     executor = loop.executor
     memory.finetune_busy = lambda: executor.in_flight is not None
     memory.wait_for_finetune = lambda: executor.wait()
     memory.manager.set_finetune_demand(pool.num_pages * page)
-    loop.add_job("ft", trainer)
+    job = loop.add_job("ft", trainer)
 
     rejected = 0
+    ooms = 0
+    errors: list[str] = []
     kv_peak_blocks = 0
-    series: list[tuple[float, float, float]] = []
+    series: list[tuple[float, float, float, float]] = []
+    lent_samples: list[tuple[float, int]] = []
     records = []
     start = loop.clock()
     i = 0
     drain_until = args.duration + args.drain
-    while True:
-        now = loop.clock() - start
-        if now >= drain_until or (now >= args.duration and not engine.has_unfinished_requests()):
-            break
-        while i < len(trace) and trace[i].arrival_s <= min(now, args.duration):
-            r = trace[i]
-            params = SamplingParams(
-                max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True, detokenize=False
-            )
-            try:
-                loop.add_request(prompts[i], params, f"r{r.index}", arrival=start + r.arrival_s)
-            except ValueError:
-                rejected += 1
-            i += 1
-        record = loop.run_iteration()
-        records.append(record)
-        kv_peak_blocks = max(kv_peak_blocks, engine.block_manager.num_used_blocks)
-        if len(records) % 10 == 0:
-            split = memory.manager.split()
-            series.append(
-                (
-                    round(now, 3),
-                    split.finetune_budget_bytes / GIB,
-                    engine.block_manager.num_used_blocks * memory.manager.layout.block_bytes / GIB,
+    next_sample = 0.0
+    try:
+        while True:
+            now = loop.clock() - start
+            if now >= drain_until or (
+                now >= args.duration and not engine.has_unfinished_requests()
+            ):
+                break
+            while i < len(trace) and trace[i].arrival_s <= min(now, args.duration):
+                r = trace[i]
+                params = SamplingParams(
+                    max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True, detokenize=False
                 )
-            )
-        if not (record.decode_batch or record.prefill_tokens) and loop.executor.in_flight is None:
-            time.sleep(0.001)
-    end = loop.clock()
+                try:
+                    loop.add_request(prompts[i], params, f"r{r.index}", arrival=start + r.arrival_s)
+                except ValueError:
+                    rejected += 1
+                i += 1
+            record = loop.run_iteration()
+            records.append(record)
+            for report in record.quanta:
+                if report.error is None:
+                    continue
+                if "out of memory" in report.error.lower():
+                    # Count it, make the next quanta smaller, and let the job go on.
+                    ooms += 1
+                    memory.manager.record_finetune_oom()
+                    sizing.safety *= 0.8
+                    job.failed = None
+                elif len(errors) < 5:
+                    errors.append(report.error)
+            kv_peak_blocks = max(kv_peak_blocks, engine.block_manager.num_used_blocks)
+            lent = memory.lent_bytes()
+            lent_samples.append((record.timestamp - start, lent))
+            if now >= next_sample:
+                next_sample = now + 0.25
+                split = memory.manager.split()
+                series.append(
+                    (
+                        round(now, 3),
+                        round(lent / GIB, 3),
+                        round(split.finetune_allocated_bytes / GIB, 3),
+                        round(
+                            engine.block_manager.num_used_blocks
+                            * memory.manager.layout.block_bytes
+                            / GIB,
+                            3,
+                        ),
+                    )
+                )
+            if not (record.decode_batch or record.prefill_tokens):
+                # Nothing to decode: wait for the quantum (or the next arrival), don't spin.
+                until = trace[i].arrival_s if i < len(trace) else drain_until
+                pause = min(max(until - (loop.clock() - start), 0.0), 0.005)
+                if executor.in_flight is not None:
+                    loop.wait_for_finetune(timeout_s=pause)
+                else:
+                    time.sleep(min(pause, 0.001))
+    finally:
+        end = loop.clock()
+        loop.close()
     live = getattr(engine.scheduler, "requests", {})
     unfinished = len(live)
-    preemptions = sum(getattr(r, "num_preemptions", 0) for r in live.values())
-    loop.close()
+    preempted_live = sum(getattr(r, "num_preemptions", 0) for r in live.values())
     counters = memory.manager.counters
-    decode_ms = sorted(r.observed_ms for r in records if r.decode_batch or r.prefill_tokens)
-    lent = [r.memory_lent_bytes for r in records if r.memory_lent_bytes is not None]
+    with_decode = [r for r in records if r.decode_batch or r.prefill_tokens]
+    iter_ms = sorted(r.iteration_ms for r in with_decode)
+    step_ms = sorted(r.observed_ms for r in with_decode)
+    decode_only_ms = sorted(r.iteration_ms for r in with_decode if not r.prefill_tokens)
+    tpot = sorted(s for r in records for s in r.tpot_samples_ms)
     reports = [q for r in records for q in r.quanta]
-    ooms = sum(1 for q in reports if q.error and "out of memory" in q.error.lower())
+    good = [q for q in reports if not q.error]
     finished = sum(len(r.finished) for r in records)
     window = max(end - start, 1e-9)
-    row = {
+    lent_gib_s = sum(lent * (t1 - t0) for (t0, lent), (t1, _) in itertools.pairwise(lent_samples))
+    span = lent_samples[-1][0] - lent_samples[0][0] if len(lent_samples) > 1 else 0.0
+    accepted = i - rejected
+    return {
         "model": args.model,
         "trace": "memory-bursty",
         "policy": "unified" if not static else "static_split",
-        "ooms": ooms + counters.finetune_ooms,
-        "dropped_requests": rejected + unfinished,
+        "ooms": ooms,
+        "dropped_requests": rejected + max(accepted - finished - unfinished, 0),
+        "rejected_requests": rejected,
         "arrived_requests": i,
         "finished_requests": finished,
+        "unfinished_at_end": unfinished,
         "reclaim_ms_p50": _finite(counters.reclaim_latency.percentile_ms(50)),
         "reclaim_ms_p99": _finite(counters.reclaim_latency.percentile_ms(99)),
         "reclaims": len(counters.reclaim_latency),
+        "flush_ms_p99": _finite(counters.flush_latency.percentile_ms(99)),
+        "finetune_waits": counters.finetune_waits,
         "finetune_wait_ms_p99": _finite(counters.wait_latency.percentile_ms(99)),
-        "decode_iter_ms_p50": _finite(_pct_sorted(decode_ms, 50)),
-        "decode_iter_ms_p99": _finite(_pct_sorted(decode_ms, 99)),
-        "mean_borrowed_gb": (sum(lent) / len(lent) / 1e9) if lent else 0.0,
-        "max_borrowed_gb": (max(lent) / 1e9) if lent else 0.0,
-        "finetune_tokens_per_s": sum(q.tokens for q in reports if not q.error) / window,
+        "decode_iter_ms_p50": _finite(_pct_sorted(iter_ms, 50)),
+        "decode_iter_ms_p99": _finite(_pct_sorted(iter_ms, 99)),
+        "decode_only_iter_ms_p50": _finite(_pct_sorted(decode_only_ms, 50)),
+        "decode_only_iter_ms_p99": _finite(_pct_sorted(decode_only_ms, 99)),
+        "decode_step_ms_p50": _finite(_pct_sorted(step_ms, 50)),
+        "tpot_ms_p50": _finite(_pct_sorted(tpot, 50)),
+        "tpot_ms_p99": _finite(_pct_sorted(tpot, 99)),
+        "mean_borrowed_gb": (lent_gib_s / span / 1e9) if span else 0.0,
+        "max_borrowed_gb": max((lent for _, lent in lent_samples), default=0) / 1e9,
+        "finetune_tokens_per_s": sum(q.tokens for q in good) / window,
         "finetune_quanta": len(reports),
+        "finetune_tokens_per_quantum_mean": (
+            sum(q.tokens for q in good) / len(good) if good else 0.0
+        ),
+        "finetune_quantum_ms_p50": _finite(_pct_sorted(sorted(q.duration_ms for q in good), 50)),
+        "finetune_paused_iterations": sum(1 for r in records if r.paused),
+        "finetune_errors": errors,
         "kv_peak_gb": kv_peak_blocks * memory.manager.layout.block_bytes / 1e9,
         "kv_peak_pages": memory.manager.layout.pages_for_blocks(kv_peak_blocks),
-        "preemptions_of_unfinished": preemptions,
+        "decode_preemptions": counters.preemptions,
+        "preemptions_of_unfinished": preempted_live,
         "window_s": window,
         "iterations": len(records),
+        "decode_iterations": len(with_decode),
         "counters": {k: _finite(v) for k, v in counters.as_dict().items()},
-        "series_t_lent_gib_kv_gib": series,
+        "series_t_lent_gib_ft_alloc_gib_kv_gib": series,
     }
-    pool.close()
-    if cuda:
-        torch.cuda.empty_cache()
-    return row
+
+
+class _nothing:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
 
 
 def _finite(value: float) -> float | None:
@@ -755,7 +883,10 @@ def _pct_sorted(values: list[float], q: float) -> float:
 
 def trace_benchmark(args: Any) -> Path:
     """`unified` first (it also measures decode's KV peak), then `static_split` reserving that
-    peak plus the reserve for decode and lending the rest to finetuning for good."""
+    peak plus the reserve for decode and lending the rest to finetuning for good. A phase that
+    fails is recorded as a row with its error; the result file is written after each phase."""
+    import gc
+
     import torch
 
     from bench.colocate import synthetic_examples
@@ -765,6 +896,8 @@ def trace_benchmark(args: Any) -> Path:
     from gpu_runtime.model import ModelConfig, build_random_model
 
     wall = time.perf_counter()
+    # Every move and preemption is counted in the rows; per-event log lines would flood.
+    logging.getLogger("gpu_runtime.memory").setLevel(logging.CRITICAL)
     device = torch.device(args.device)
     tiny = args.model == "tiny"
     config = ModelConfig.preset(args.model)
@@ -792,6 +925,7 @@ def trace_benchmark(args: Any) -> Path:
     scratch._bench_allocated_at_start = allocated  # type: ignore[attr-defined]
     resident, per_token = _finetune_footprint(scratch, args.ft_seq_len, device)
     del scratch
+    gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
     plan: dict[str, Any] = {
@@ -814,15 +948,61 @@ def trace_benchmark(args: Any) -> Path:
         f"{resident / GIB:.2f} GiB, {per_token / 1024:.1f} KiB/token",
         flush=True,
     )
-    rows = [_run_phase("unified", args, model, trace, prompts, plan)]
-    unit = 16 if device.type == "cuda" else 1
-    peak_pages = rows[0]["kv_peak_pages"] + args.reserve_low_pages
-    plan["static_decode_pages"] = -(-peak_pages // unit) * unit
-    rows.append(_run_phase("static_split", args, model, trace, prompts, plan))
-    _print_trace_table(rows)
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     today = dt.datetime.now(dt.UTC)
-    unified, static = rows
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"memory-{_gpu_slug(gpu)}-{today:%Y%m%d}.json"
+    rows: list[dict[str, Any]] = []
+
+    def phase(name: str) -> None:
+        started = time.perf_counter()
+        try:
+            rows.append(_run_phase(name, args, model, trace, prompts, plan))
+        except Exception as exc:  # one phase's failure is a result; the other still runs
+            import traceback
+
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {exc}"
+            rows.append({"model": args.model, "policy": name, "error": error})
+        print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _write_trace_result(path, args, spec, plan, rows, gpu, today, wall)
+
+    phase("unified")
+    unit = 16 if device.type == "cuda" else 1
+    page = PAGE if device.type == "cuda" else plan["cpu_page_bytes"]
+    if "kv_peak_pages" in rows[0]:
+        peak_pages = rows[0]["kv_peak_pages"] + args.reserve_low_pages
+    else:  # unified failed: reserve a fixed share of the pool for decode
+        peak_pages = int(args.pool_gib * GIB * 0.6) // page
+    prefix_limit = int(args.pool_gib * GIB) // (page * unit) * unit - unit  # less the tail
+    plan["static_decode_pages"] = min(-(-peak_pages // unit) * unit, prefix_limit)
+    phase("static_split")
+    _print_trace_table(rows)
+    return path
+
+
+def _write_trace_result(
+    path: Path,
+    args: Any,
+    spec: Any,
+    plan: dict[str, Any],
+    rows: list[dict[str, Any]],
+    gpu: str,
+    today: dt.datetime,
+    wall: float,
+) -> None:
+    import torch
+
+    by_policy = {row["policy"]: row for row in rows if "error" not in row}
+    unified, static = by_policy.get("unified"), by_policy.get("static_split")
+    comparisons: dict[str, float | None] = {}
+    if unified is not None and static is not None:
+        for key in ("mean_borrowed_gb", "finetune_tokens_per_s", "decode_iter_ms_p50"):
+            comparisons[f"{key}_ratio_unified_over_static"] = _ratio(unified[key], static[key])
     result = {
         "name": "memory",
         "commit": _commit(),
@@ -836,52 +1016,43 @@ def trace_benchmark(args: Any) -> Path:
                 "lora_rank": 16,
                 "alpha": 32,
                 "seq_len": args.ft_seq_len,
-                "resident_bytes": resident,
-                "bytes_per_token": per_token,
+                "resident_bytes": plan["resident_bytes"],
+                "bytes_per_token": plan["bytes_per_token"],
             },
             "static_decode_pages": plan["static_decode_pages"],
         },
         "rows": rows,
-        "comparisons": {
-            "borrowed_ratio_unified_over_static": _ratio(
-                unified["mean_borrowed_gb"], static["mean_borrowed_gb"]
-            ),
-            "finetune_tps_ratio_unified_over_static": _ratio(
-                unified["finetune_tokens_per_s"], static["finetune_tokens_per_s"]
-            ),
-            "decode_iter_p50_ratio_unified_over_static": _ratio(
-                unified["decode_iter_ms_p50"], static["decode_iter_ms_p50"]
-            ),
-        },
+        "comparisons": comparisons,
         "wall_s": round(time.perf_counter() - wall, 1),
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"memory-{_gpu_slug(gpu)}-{today:%Y%m%d}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
-    return path
 
 
 def _print_trace_table(rows: list[dict[str, Any]]) -> None:
     keys = (
         "ooms",
         "dropped_requests",
+        "unfinished_at_end",
         "reclaim_ms_p50",
         "reclaim_ms_p99",
         "decode_iter_ms_p50",
         "decode_iter_ms_p99",
+        "tpot_ms_p50",
         "mean_borrowed_gb",
         "finetune_tokens_per_s",
     )
-    print(f"{'policy':13}" + "".join(f"{k:>22}" for k in keys))
+    print(f"{'policy':13}" + "".join(f"{k[:18]:>19}" for k in keys))
     for row in rows:
+        if "error" in row:
+            print(f"{row['policy']:13} FAILED {row['error']}", flush=True)
+            continue
         cells = [row[k] for k in keys]
         text = ["-" if c is None else f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells]
-        print(f"{row['policy']:13}" + "".join(f"{t:>22}" for t in text), flush=True)
+        print(f"{row['policy']:13}" + "".join(f"{t:>19}" for t in text), flush=True)
 
 
-def _ratio(a: float, b: float) -> float | None:
-    return a / b if b else None
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -901,9 +1072,15 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--max-num-seqs", type=int, default=256)
     tr.add_argument("--max-batched-tokens", type=int, default=2048)
     tr.add_argument("--ft-seq-len", type=int, default=1024)
-    tr.add_argument("--max-examples", type=int, default=16, help="most examples per quantum")
-    tr.add_argument("--reserve-low-pages", type=int, default=256)
-    tr.add_argument("--reserve-high-pages", type=int, default=1024)
+    tr.add_argument("--max-examples", type=int, default=4, help="most examples per quantum")
+    tr.add_argument("--reserve-low-pages", type=int, default=1024)
+    tr.add_argument("--reserve-high-pages", type=int, default=3072)
+    tr.add_argument(
+        "--torch-headroom-gib",
+        type=float,
+        default=3.0,
+        help="torch memory decode may add after warm-up, outside the finetune budget",
+    )
     tr.add_argument("--step-pages", type=int, default=512)
     tr.add_argument("--hysteresis", type=int, default=50)
     tr.add_argument("--seed", type=int, default=0)

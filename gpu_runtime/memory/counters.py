@@ -84,6 +84,8 @@ class MemoryCounters:
     """Host time of every decode map, reclaim included."""
     wait_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
     """Time urgent reclaims spent waiting for a running finetune quantum to end."""
+    flush_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
+    """The finetune cache-flush part of each decode reclaim (the rest is driver maps)."""
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers for metrics: every counter plus reclaim/map p50 and p99 (ms)."""
@@ -96,6 +98,7 @@ class MemoryCounters:
             ("reclaim", self.reclaim_latency),
             ("map", self.map_latency),
             ("wait", self.wait_latency),
+            ("flush", self.flush_latency),
         ):
             out[f"{name}_ms_p50"] = samples.percentile_ms(50)
             out[f"{name}_ms_p99"] = samples.percentile_ms(99)

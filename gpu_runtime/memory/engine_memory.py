@@ -147,8 +147,19 @@ class EngineMemory:
 
     # ---- FinetuneMemory (gpu_runtime.colocation.loop) ---------------------------------
     def before_decode(self) -> None:
+        """With no quantum in flight, first refill the reserve (reclaiming if needed: the
+        only reclaim that neither waits for nor starves a quantum); then make the step's blocks
+        usable, waiting for a running quantum only if they cannot be had otherwise."""
         running, waiting = scheduler_block_demand(self._bound())
-        self.last_grant = self.binding.before_step(next_step_blocks=running, waiting_blocks=waiting)
+        busy = self._busy()
+        if not busy:
+            self.binding.refill(waiting_blocks=waiting)
+        self.last_grant = self.binding.before_step(
+            next_step_blocks=running,
+            waiting_blocks=waiting,
+            finetune_busy=busy,
+            wait_for_finetune=self.wait_for_finetune,
+        )
 
     def after_decode(self) -> None:
         _, waiting = scheduler_block_demand(self._bound())

@@ -139,6 +139,14 @@ class KVPoolBinding:
         )
         self._sync()
 
+    def refill(self, *, waiting_blocks: int = 0) -> int:
+        """Between finetune quanta, before the step (see `MemoryManager.refill_reserve`)."""
+        bm = self._bound()
+        demand = DecodeDemand(used_blocks=bm.num_used_blocks, waiting_blocks=waiting_blocks)
+        got = self.manager.refill_reserve(demand)
+        self._sync()
+        return got
+
     def _top_used_block(self) -> int:
         """One past the highest used block id: scan down from the top over free ids."""
         free = set(self._bound().free_block_ids())

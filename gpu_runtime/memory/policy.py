@@ -141,22 +141,11 @@ class MemoryManager:
         """
         self._check_demand(demand)
         cfg = self.config
-        layout = self.layout
         free_blocks = self.usable_blocks - demand.used_blocks
-        waiting_pages = min(layout.pages_for_blocks(demand.waiting_blocks), cfg.max_waiting_pages)
-        target_pages = cfg.reserve_low_pages + waiting_pages
-        low_blocks = layout.blocks_in_pages(target_pages)
-        high_blocks = layout.blocks_in_pages(cfg.reserve_high_pages + waiting_pages)
+        target_pages, low_blocks, high_blocks = self._watermarks(demand)
         if free_blocks < low_blocks:
             self._iterations_above_high = 0
-            prefix = self.pool.kv_prefix_pages
-            need = layout.pages_for_blocks(demand.used_blocks + low_blocks) - prefix
-            got = self._grow_decode(
-                min(need, cfg.max_step_pages), reason="refill", allow_reclaim=not finetune_busy
-            )
-            if got:
-                self.counters.refill_maps += 1
-                self.counters.refill_pages += got
+            self._refill(demand, low_blocks, allow_reclaim=not finetune_busy)
         elif free_blocks > high_blocks:
             self._iterations_above_high += 1
             if self._iterations_above_high >= cfg.shrink_after_iterations:
@@ -175,6 +164,46 @@ class MemoryManager:
             self._return_unwanted_budget()
         if free_blocks >= low_blocks:
             self._lend_idle_pages()
+
+    def refill_reserve(self, demand: DecodeDemand) -> int:
+        """Between finetune quanta (none in flight): refill decode's reserve up to the low
+        watermark in one step of at most `max_step_pages`, reclaiming from finetuning if the
+        free pages fall short. Returns the pages mapped.
+
+        On a GPU the finetune quanta run back to back, so `maintain` (called while the next
+        quantum runs) can only defer reclaims; this is the one point of the iteration where a
+        reclaim neither waits for a quantum nor cuts a running quantum's budget. It does not
+        touch the hysteresis counters (`maintain` still runs once per iteration)."""
+        self._check_demand(demand)
+        free_blocks = self.usable_blocks - demand.used_blocks
+        _, low_blocks, _ = self._watermarks(demand)
+        if free_blocks >= low_blocks:
+            return 0
+        return self._refill(demand, low_blocks, allow_reclaim=True)
+
+    def _watermarks(self, demand: DecodeDemand) -> tuple[int, int, int]:
+        """(low target in pages, low and high watermarks in blocks), waiting prompts included."""
+        cfg = self.config
+        waiting_pages = min(
+            self.layout.pages_for_blocks(demand.waiting_blocks), cfg.max_waiting_pages
+        )
+        target_pages = cfg.reserve_low_pages + waiting_pages
+        low_blocks = self.layout.blocks_in_pages(target_pages)
+        high_blocks = self.layout.blocks_in_pages(cfg.reserve_high_pages + waiting_pages)
+        return target_pages, low_blocks, high_blocks
+
+    def _refill(self, demand: DecodeDemand, low_blocks: int, *, allow_reclaim: bool) -> int:
+        need = (
+            self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
+            - self.pool.kv_prefix_pages
+        )
+        got = self._grow_decode(
+            min(need, self.config.max_step_pages), reason="refill", allow_reclaim=allow_reclaim
+        )
+        if got:
+            self.counters.refill_maps += 1
+            self.counters.refill_pages += got
+        return got
 
     def _shrink_decode(
         self, used_blocks: int, top_used_block: int, target_pages: int, high_blocks: int
@@ -271,7 +300,9 @@ class MemoryManager:
             reclaimed = min(short, self.pool.finetune_reclaimable_pages())
             if reclaimed:
                 before = self.pool.finetune_pages
+                flush_start = self._clock()
                 self.pool.reclaim_from_finetune(reclaimed)
+                self.counters.flush_latency.add(self._clock() - flush_start)
                 self._iterations_since_reclaim = 0
                 self.counters.finetune_shrinks += 1
                 self.counters.finetune_reclaimed_pages += reclaimed

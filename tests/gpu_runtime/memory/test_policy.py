@@ -250,3 +250,21 @@ def test_a_static_split_never_takes_finetune_pages_back() -> None:
     grant = manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=6))
     assert grant.short_blocks == 2 and pool.finetune_pages == 12
     assert manager.counters.preemptions == 1 and manager.counters.finetune_shrinks == 0
+
+
+def test_between_quanta_the_reserve_is_refilled_from_finetune_without_touching_hysteresis() -> None:
+    manager, pool = _manager(
+        num_pages=16, grow_hold_iterations=0, max_step_pages=2, shrink_after_iterations=2
+    )
+    manager.set_finetune_demand(12 * PAGE)
+    idle = DecodeDemand(used_blocks=0, top_used_block=0)
+    for _ in range(6):
+        manager.maintain(idle)
+    assert pool.finetune_pages == 12 and pool.free_pages == 0
+    # 1 of 4 mapped blocks used: free 3 < low 4, so one step reclaims the missing page.
+    assert manager.refill_reserve(DecodeDemand(used_blocks=1)) == 1
+    assert manager.usable_blocks == 5 and pool.finetune_pages == 11
+    assert manager.counters.finetune_shrinks == 1 and len(manager.counters.reclaim_latency) == 1
+    assert len(manager.counters.flush_latency) == 1
+    assert manager.refill_reserve(DecodeDemand(used_blocks=1)) == 0
+    assert manager.counters.refill_maps == 1 and manager._iterations_above_high == 0
