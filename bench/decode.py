@@ -139,9 +139,18 @@ def check_correctness() -> dict[str, Any]:
     return results
 
 
-def inject(engine: Engine, batch: int, context: int, max_tokens: int, seed: int) -> list[str]:
+def inject(
+    engine: Engine,
+    batch: int,
+    context: int,
+    max_tokens: int,
+    seed: int,
+    lora_names: list[str | None] | None = None,
+) -> list[str]:
     """Put `batch` running sequences into the scheduler whose first context-1 tokens are
-    treated as cached (the KV storage holds random values): the next step is a decode step."""
+    treated as cached (the KV storage holds random values): the next step is a decode step.
+    `lora_names[i]`: row i's adapter, attached to the engine's LoRA runtime here (released by
+    the scheduler when the request finishes or is aborted)."""
     scheduler = engine.scheduler
     assert isinstance(scheduler, ContinuousBatchingScheduler)
     gen = torch.Generator().manual_seed(seed)
@@ -152,11 +161,16 @@ def inject(engine: Engine, batch: int, context: int, max_tokens: int, seed: int)
     ids = []
     for i in range(batch):
         rid = f"bench-{seed}-{i}"
-        request = Request(rid, torch.randint(0, vocab, (context,), generator=gen).tolist(), params)
+        prompt = torch.randint(0, vocab, (context,), generator=gen).tolist()
+        request = Request(rid, prompt, params, lora_name=lora_names[i] if lora_names else None)
         engine.block_manager.append_slots(request.block_table, context)
         request.num_computed_tokens = context - 1
         request.status = RequestStatus.RUNNING
         scheduler.requests[rid] = request
+        if request.lora_name is not None:
+            assert engine.lora is not None
+            engine.lora.attach(rid, request.lora_name)
+            scheduler._adapter_holders.add(rid)
         scheduler.running.append(request)
         ids.append(rid)
     return ids

@@ -30,10 +30,15 @@ class DecodeGraphs:
     nothing that outlives the call except its output. All graphs share one memory pool.
     """
 
-    def __init__(self, forward: Callable[[int], torch.Tensor]) -> None:
+    def __init__(
+        self, forward: Callable[[int], torch.Tensor], share_pool_with: DecodeGraphs | None = None
+    ) -> None:
+        """`share_pool_with`: another set whose memory pool these graphs use too (graphs that
+        never run at the same time, e.g. the base and the LoRA decode step)."""
         self._forward = forward
         self._graphs: dict[GraphKey, CapturedGraph] = {}
         self._pool: Any = None
+        self._pool_owner = share_pool_with
 
     def keys(self) -> list[GraphKey]:
         """Captured (batch_size, partition) keys."""
@@ -60,6 +65,8 @@ class DecodeGraphs:
                 self._forward(batch_size)
         current.wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        if self._pool is None and self._pool_owner is not None:
+            self._pool = self._pool_owner._pool
         with torch.cuda.graph(graph, pool=self._pool, stream=stream):
             output = self._forward(batch_size)
         if self._pool is None:

@@ -7,6 +7,8 @@ short enough that launches, not bytes, would otherwise dominate at small batch.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import torch
 import torch.nn.functional as F
 
@@ -14,6 +16,7 @@ from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
 from gpu_runtime.engine.fused_ops import rms_norm, rope_and_cache_write, silu_and_mul
 from gpu_runtime.engine.kv_cache import PagedKVCache
+from gpu_runtime.engine.lora import LoraGroup, apply_lora_group_
 from gpu_runtime.model.llama import CausalLM
 
 
@@ -23,8 +26,17 @@ class FusedDecodeForward:
     The model must have had `fuse_projections()` applied (the runner does it).
     """
 
-    def __init__(self, model: CausalLM, cache: PagedKVCache, max_positions: int) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        cache: PagedKVCache,
+        max_positions: int,
+        lora_groups: Sequence[Mapping[str, LoraGroup]] | None = None,
+    ) -> None:
+        """`lora_groups` (per layer, `LoraRuntime.decode_groups()`): the stacked adapter slots
+        added when a call passes `lora_slots`."""
         self.model = model
+        self.lora_groups = lora_groups
         self.cache = cache
         config = model.config
         self.num_heads = config.num_attention_heads
@@ -48,8 +60,13 @@ class FusedDecodeForward:
         positions: torch.Tensor,
         metadata: AttentionMetadata,
         num_splits: int,
+        lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`lora_slots` `[B]` (-1: base row): add each row's adapter slot's LoRA terms (one
+        shrink GEMM + one expand kernel per adapted projection group), in place after the base
+        GEMMs. Without it the step has no LoRA kernels at all."""
         model = self.model
+        groups = self.lora_groups if lora_slots is not None else None
         batch = input_ids.shape[0]
         x = model.model.embed_tokens(input_ids)  # [B, hidden]
         residual: torch.Tensor | None = None
@@ -57,6 +74,9 @@ class FusedDecodeForward:
             attn, mlp = layer.self_attn, layer.mlp
             h, residual = rms_norm(x, layer.input_layernorm.weight, self.eps, residual)
             qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias)  # type: ignore[arg-type]
+            lora = groups[index] if groups is not None else None
+            if lora is not None and "qkv" in lora:
+                apply_lora_group_(qkv, h, lora["qkv"], lora_slots)  # type: ignore[arg-type]
             key_cache = self.cache.key_caches[index]
             value_cache = self.cache.value_caches[index]
             q = rope_and_cache_write(
@@ -81,8 +101,17 @@ class FusedDecodeForward:
                 self.cache.block_size,
                 num_splits,
             )
-            x = F.linear(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias)
+            attn_in = out.view(batch, -1)
+            x = F.linear(attn_in, attn.o_proj.weight, attn.o_proj.bias)
+            if lora is not None and "o" in lora:
+                apply_lora_group_(x, attn_in, lora["o"], lora_slots)  # type: ignore[arg-type]
             h, residual = rms_norm(x, layer.post_attention_layernorm.weight, self.eps, residual)
-            x = F.linear(silu_and_mul(F.linear(h, mlp.gate_up_weight)), mlp.down_proj.weight)  # type: ignore[arg-type]
+            gate_up = F.linear(h, mlp.gate_up_weight)  # type: ignore[arg-type]
+            if lora is not None and "gate_up" in lora:
+                apply_lora_group_(gate_up, h, lora["gate_up"], lora_slots)  # type: ignore[arg-type]
+            act = silu_and_mul(gate_up)
+            x = F.linear(act, mlp.down_proj.weight)
+            if lora is not None and "down" in lora:
+                apply_lora_group_(x, act, lora["down"], lora_slots)  # type: ignore[arg-type]
         h, _ = rms_norm(x, model.model.norm.weight, self.eps, residual)
         return model.compute_logits(h)

@@ -7,11 +7,12 @@ through the Triton paged-decode kernel, padded to a batch bucket and replayed fr
 everything else (prefill chunks, mixed batches, CPU) uses gather + SDPA. The only host sync is
 the copy of the sampled tokens at the end of `execute`.
 
-Adapters: with a `LoraRuntime`, a step whose batch holds a request with a `lora_name` runs
-`lora.forward` (the model's computation plus per-token LoRA terms) instead of the model: decode
-steps over the same fixed-shape buffers and paged-decode attention, eagerly (no CUDA graph, no
-fused kernels), other steps on the general path. Steps without adapter requests never touch the
-runtime and keep the fast path unchanged.
+Adapters: with a `LoraRuntime`, a decode step whose batch holds a request with a `lora_name`
+runs, on CUDA with the fused kernels, the same fused step plus each row's LoRA terms (the row's
+slot is a static input, the stacked slots are fixed tensors), replayed from a second set of
+graphs; elsewhere (CPU, no fused kernels) `lora.forward` eagerly over the same buffers. Other
+steps with adapters run `lora.forward` on the general path. Steps without adapter requests never
+touch the runtime and replay the base graphs.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class _RequestState:
     num_output_tokens: int
     row: int
     lora_name: str | None = None
+    lora_slot: int = -1
 
 
 @dataclass
@@ -102,9 +104,12 @@ class ModelRunner:
         self._table_np = self._table_cpu.numpy()
         self.use_triton = config.resolved_attention_backend == "triton"
         self._graphs: DecodeGraphs | None = None
+        self._lora_graphs: DecodeGraphs | None = None
         self._buckets = config.graph_batch_sizes()
         self.static_decode = config.resolved_static_decode_batches
         self.num_static_decode_steps = 0
+        self.num_lora_graph_steps = 0
+        """Decode steps with adapters replayed from a LoRA graph."""
         self._fused: FusedDecodeForwardType | None = None
         if self.static_decode:
             self._init_decode_buffers(pin)
@@ -128,6 +133,8 @@ class ModelRunner:
                 row,
                 new.lora_name,
             )
+            if new.lora_name is not None and self.lora is not None:
+                state.lora_slot = self.lora.slot_of_request(new.request_id)
             self.states[new.request_id] = state
             self._table_np[row, : len(state.block_ids)] = state.block_ids
         for cached in output.cached_requests:
@@ -252,15 +259,17 @@ class ModelRunner:
         size = self._buckets[-1]
         dev = self.device
         width = self.config.max_blocks_per_seq
-        self._stage_ints = torch.zeros(4, size, dtype=torch.int64, pin_memory=pin)
+        # rows: token id, position, slot block, slot offset, LoRA slot (-1: base)
+        self._stage_ints = torch.zeros(5, size, dtype=torch.int64, pin_memory=pin)
         self._stage_seq_lens = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
         self._stage_table = torch.zeros(size, width, dtype=torch.int32, pin_memory=pin)
         # numpy views of the pinned staging buffers (shared memory) for vectorised filling
         self._stage_ints_np = self._stage_ints.numpy()
         self._stage_seq_lens_np = self._stage_seq_lens.numpy()
         self._stage_table_np = self._stage_table.numpy()
-        self._buf_ints = torch.zeros(4, size, dtype=torch.int64, device=dev)
+        self._buf_ints = torch.zeros(5, size, dtype=torch.int64, device=dev)
         self._buf_ints[2].fill_(self.kv_cache.pad_block)
+        self._buf_ints[4].fill_(-1)
         self._buf_seq_lens = torch.zeros(size, dtype=torch.int32, device=dev)
         self._buf_table = torch.zeros(size, width, dtype=torch.int32, device=dev)
         self._num_sms = 1
@@ -269,7 +278,31 @@ class ModelRunner:
         if self.use_triton and self.config.fused_decode_kernels:
             from gpu_runtime.engine.fast_decode import FusedDecodeForward
 
-            self._fused = FusedDecodeForward(self.model, self.kv_cache, self.config.max_model_len)
+            groups = self.lora.decode_groups() if self.lora is not None else None
+            self._fused = FusedDecodeForward(
+                self.model, self.kv_cache, self.config.max_model_len, groups
+            )
+
+    @property
+    def fused_lora_decode(self) -> bool:
+        """Decode steps with adapters run the fused (graph-captured) LoRA step."""
+        return self._fused is not None and self._fused.lora_groups is not None
+
+    def decode_forward_lora(self, bucket: int) -> torch.Tensor:
+        """Logits `[bucket, vocab]` of the fused decode step plus each row's LoRA terms (the
+        rows' slots are read from the static buffer; graph body)."""
+        assert self._fused is not None
+        from gpu_runtime.engine.attention.triton_decode import choose_num_splits
+
+        metadata = AttentionMetadata(
+            slot_blocks=self._buf_ints[2, :bucket],
+            slot_offsets=self._buf_ints[3, :bucket],
+            seq_lens=self._buf_seq_lens[:bucket],
+            block_tables=self._buf_table[:bucket],
+        )
+        splits = choose_num_splits(bucket, self.model.config.num_key_value_heads, self._num_sms)
+        ids, positions = self._buf_ints[0, :bucket], self._buf_ints[1, :bucket]
+        return self._fused(ids, positions, metadata, splits, self._buf_ints[4, :bucket])
 
     def decode_forward(self, bucket: int, forward: LoraForward | None = None) -> torch.Tensor:
         """Logits `[bucket, vocab]` of a decode step over the static buffers (graph body).
@@ -313,17 +346,22 @@ class ModelRunner:
     ) -> list[int]:
         """Capture the decode step for each bucket (largest first); returns those captured.
 
-        `partition`/`stream` key and place the capture for one SM partition.
+        `partition`/`stream` key and place the capture for one SM partition. With a LoRA
+        runtime on the fused path, the LoRA step is captured too (same buckets, same pool).
         """
         if not (self.use_triton and self.config.use_cuda_graphs):
             return []
         if self._graphs is None:
             self._graphs = DecodeGraphs(self.decode_forward)
+            if self.fused_lora_decode:
+                self._lora_graphs = DecodeGraphs(self.decode_forward_lora, self._graphs)
         sizes = sorted(batch_sizes or self._buckets, reverse=True)
         for size in sizes:
             if size not in self._buckets:
                 raise ValueError(f"batch size {size} is not a bucket of {self._buckets}")
             self._graphs.capture(size, partition, stream)
+            if self._lora_graphs is not None:
+                self._lora_graphs.capture(size, partition, stream)
         return sizes
 
     def _decode_logits(
@@ -333,8 +371,9 @@ class ModelRunner:
         lora_order: list[tuple[str, int]] | None = None,
     ) -> tuple[torch.Tensor, int, bool]:
         """Stage one decode token per state (vectorised), copy, replay; logits `[B, V]`.
-        With `lora_order` (the step's order, some request has an adapter) the step runs the
-        LoRA forward eagerly over the same buffers; padding slots count as base tokens."""
+        With `lora_order` (the step's order, some request has an adapter) the step replays the
+        LoRA graph (rows' slots staged with the inputs; padding rows have slot -1), or without
+        the fused kernels runs the LoRA forward eagerly over the same buffers."""
         batch = len(states)
         bucket = next(b for b in self._buckets if b >= batch)
         bs = self.block_size
@@ -347,6 +386,10 @@ class ModelRunner:
         ints[3, :batch] = pos % bs
         ints[:, batch:bucket] = 0
         ints[2, batch:bucket] = self.kv_cache.pad_block
+        fused_lora = lora_order is not None and self.fused_lora_decode
+        if fused_lora:
+            ints[4, :batch] = np.fromiter((s.lora_slot for s in states), np.int64, batch)
+            ints[4, batch:bucket] = -1
         seq_lens = self._stage_seq_lens_np
         seq_lens[:batch] = pos + 1
         seq_lens[batch:bucket] = 0  # padded slots attend to nothing
@@ -357,8 +400,16 @@ class ModelRunner:
         self.num_static_decode_steps += 1
         graphs = self._graphs
         lora = self.lora
-        padded = lora_order and [*lora_order, (_PADDING_ID, bucket - batch)]
-        if padded and lora is not None and lora.set_batch(padded):
+        lora_graphs = self._lora_graphs
+        padded = not fused_lora and lora_order and [*lora_order, (_PADDING_ID, bucket - batch)]
+        if fused_lora and lora_graphs is not None and lora_graphs.has(bucket, partition):
+            logits = lora_graphs.replay(bucket, partition)
+            used = True
+            self.num_lora_graph_steps += 1
+        elif fused_lora:
+            logits = self.decode_forward_lora(bucket)
+            used = False
+        elif padded and lora is not None and lora.set_batch(padded):
             logits = self.decode_forward(bucket, lora.forward)
             used = False
         elif graphs is not None and graphs.has(bucket, partition):

@@ -12,6 +12,9 @@ serving model's own computation (:class:`MultiLoraForward`). The engine:
    token uses an adapter) it computes ``hidden = runtime.forward(ids, positions, attention)``
    (same signature and attention objects as ``CausalLM.forward``) instead of
    ``model(ids, positions, attention)``, then ``model.compute_logits(hidden)`` as usual.
+
+On CUDA the engine's decode steps instead read :meth:`decode_groups` (the stacked slots) and
+:meth:`slot_of_request` and add the LoRA terms inside the fused, graph-captured decode step.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from gpu_runtime.engine.lora import LoraGroup
 from gpu_runtime.finetune.adapter_store import AdapterManager, UnknownAdapterError
 from gpu_runtime.finetune.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from gpu_runtime.finetune.lora_forward import MultiLoraForward
@@ -84,6 +88,20 @@ class MultiLoraRuntime:
         name = self._attached.pop(request_id, None)
         if name is not None:
             self.manager.release(name)
+
+    def slot_of_request(self, request_id: str) -> int:
+        """The slot ``request_id`` uses while attached; -1 when it has no adapter."""
+        name = self._attached.get(request_id)
+        if name is None:
+            return -1
+        slot = self.manager.slot_of(name)
+        assert slot is not None, f"{name!r} attached but not resident"
+        return slot
+
+    def decode_groups(self) -> list[dict[str, LoraGroup]]:
+        """Per layer, the stacked slots of each projection group (for the engine's CUDA decode
+        step; fixed tensors, rewritten in place when a slot changes)."""
+        return self.weights.groups
 
     def set_batch(self, order: Sequence[tuple[str, int]]) -> bool:
         """Per-token slots for this step's tokens, ``order`` = ``(request_id, num_tokens)`` in

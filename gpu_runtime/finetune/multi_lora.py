@@ -7,6 +7,11 @@ the slots are stacked into
 * ``a[(layer, module)]``: ``[S * R, in]`` — row block ``s`` is slot ``s``'s ``A`` (``[r, in]``);
 * ``b[(layer, module)]``: ``[S * R, out]`` — row block ``s`` is ``scaling * B.T`` (``[r, out]``).
 
+Both are views into one pair of tensors per projection group (``groups[layer]["qkv"]``, ``"o"``,
+``"gate_up"``, ``"down"``; layout in :class:`gpu_runtime.engine.lora.LoraGroup`) matching the
+serving model's fused ``q|k|v`` and ``gate|up`` GEMMs: the engine's CUDA decode step adds a
+group's term with one shrink GEMM and one expand kernel inside its captured graph.
+
 Per step the engine gives each token its slot (``-1`` = base model) with :meth:`set_token_slots`,
 which builds a ``[T, S * R]`` one-hot column mask once for all layers. A projection then adds::
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import torch
 
+from gpu_runtime.engine.lora import GROUP_MODULES, LoraGroup
 from gpu_runtime.finetune.adapter_store import HostAdapter, projection_shapes
 from gpu_runtime.finetune.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from gpu_runtime.model import ModelConfig
@@ -59,11 +65,29 @@ class StackedLoraWeights:
         width = num_slots * max_rank
         self.a: dict[ProjectionKey, torch.Tensor] = {}
         self.b: dict[ProjectionKey, torch.Tensor] = {}
+        # per layer, one stacked tensor pair per projection group (q|k|v, o, gate|up, down) in
+        # the layout of `LoraGroup`; `a`/`b` above are per-module views into them
+        self.groups: list[dict[str, LoraGroup]] = []
         for layer in range(config.num_hidden_layers):
-            for module in self.target_modules:
-                fan_in, fan_out = self.shapes[module]
-                self.a[(layer, module)] = torch.zeros(width, fan_in, device=device, dtype=dtype)
-                self.b[(layer, module)] = torch.zeros(width, fan_out, device=device, dtype=dtype)
+            layer_groups: dict[str, LoraGroup] = {}
+            for group_name, modules in GROUP_MODULES.items():
+                if not any(m in self.target_modules for m in modules):
+                    continue
+                fan_in = self.shapes[modules[0]][0]
+                fan_outs = [self.shapes[m][1] for m in modules]
+                a = torch.zeros(len(modules) * width, fan_in, device=device, dtype=dtype)
+                b = torch.zeros(width, sum(fan_outs), device=device, dtype=dtype)
+                offset = 0
+                bounds: list[int] = []
+                for g, (module, fan_out) in enumerate(zip(modules, fan_outs, strict=True)):
+                    if g:
+                        bounds.append(offset)
+                    if module in self.target_modules:
+                        self.a[(layer, module)] = a[g * width : (g + 1) * width]
+                        self.b[(layer, module)] = b[:, offset : offset + fan_out]
+                    offset += fan_out
+                layer_groups[group_name] = LoraGroup(a, b, tuple(bounds), max_rank)
+            self.groups.append(layer_groups)
         # column c belongs to slot c // max_rank
         self.column_slot = torch.arange(num_slots, device=device).repeat_interleave(max_rank)
         self.token_mask = torch.zeros(max_tokens, width, device=device, dtype=dtype)  # [T, S*R]
@@ -71,8 +95,8 @@ class StackedLoraWeights:
 
     @property
     def nbytes(self) -> int:
-        """GPU bytes of all slots (A and B stacks)."""
-        tensors = list(self.a.values()) + list(self.b.values())
+        """GPU bytes of all slots (A and B stacks of every group)."""
+        tensors = [t for groups in self.groups for g in groups.values() for t in (g.a, g.b)]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     @torch.no_grad()

@@ -1,5 +1,7 @@
 """CUDA-only: per-request LoRA in the bf16 engine with captured decode graphs. Each request's
-sampled-token logprobs match a dense forward of its merged-weights model. Skipped without CUDA."""
+sampled-token logprobs match a dense forward of its merged-weights model, and adapter decode
+steps replay the LoRA graphs; the Triton expand-add kernel matches its torch form. Skipped
+without CUDA."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ import pytest
 import torch
 
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.engine.lora import LoraGroup, lora_expand_add_reference
 from gpu_runtime.finetune.adapter_store import HostAdapter
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.hparams import LoraSpec
@@ -69,6 +72,7 @@ def test_cuda_engine_serves_adapters_beside_graph_decode(tmp_path: Path) -> None
     for name in specs:
         runtime.register(name, tmp_path / name)
     engine = Engine(model, config, lora=runtime)
+    assert engine.runner.fused_lora_decode
     assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77, 23)]
@@ -99,7 +103,72 @@ def test_cuda_engine_serves_adapters_beside_graph_decode(tmp_path: Path) -> None
         total += len(tokens[rid])
     assert agree >= 0.9 * total
     assert runtime._attached == {}
+    assert engine.runner.num_lora_graph_steps >= 8  # adapter decode steps replayed LoRA graphs
     # base-only requests afterwards still take the fixed-shape (graph) decode path
     before = engine.runner.num_static_decode_steps
     engine.generate([prompts[0]], params)
     assert engine.runner.num_static_decode_steps > before
+
+
+@pytest.mark.parametrize(
+    ("tokens", "bounds", "rank", "slots"),
+    [(5, (256, 320), 8, 3), (37, (512,), 16, 8), (70, (), 4, 2)],
+)
+def test_expand_kernel_matches_torch_form(
+    tokens: int, bounds: tuple[int, ...], rank: int, slots: int
+) -> None:
+    from gpu_runtime.engine.lora_kernels import lora_expand_add_
+
+    torch.manual_seed(0)
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    n_total = 384 if bounds == (256, 320) else 1024
+    groups = len(bounds) + 1
+    width = slots * rank
+    group = LoraGroup(
+        a=torch.randn(groups * width, 64, device=dev, dtype=dt),
+        b=torch.randn(width, n_total, device=dev, dtype=dt) * 0.1,
+        bounds=bounds,
+        max_rank=rank,
+    )
+    shrink = torch.randn(tokens, groups * width, device=dev, dtype=dt)
+    row_slots = torch.randint(-1, slots, (tokens,), device=dev)
+    row_slots[0] = -1
+    out = torch.randn(tokens, n_total, device=dev, dtype=dt)
+    ref = out.clone()
+    lora_expand_add_reference(ref, shrink, group, row_slots)
+    before = out.clone()
+    lora_expand_add_(out, shrink, group, row_slots)
+    base_rows = row_slots < 0
+    assert torch.equal(out[base_rows], before[base_rows])
+    torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+    assert (out[~base_rows] - before[~base_rows]).abs().max() > 0.1
+
+
+@torch.no_grad()
+def test_fused_step_without_adapter_rows_is_bit_identical(tmp_path: Path) -> None:
+    model = _model()
+    spec = LoraSpec(rank=8, alpha=16, target_modules=("all-linear",))
+    tree = build_training_model(model, spec, seed=0)
+    for p in adapter_parameters(tree):
+        p.normal_(0, 0.05)
+    save_adapter(tree, spec, tmp_path / "x")
+    config = EngineConfig(num_kv_blocks=64, max_num_seqs=8, max_model_len=128, device="cuda")
+    runtime = MultiLoraRuntime(model, max_tokens=config.max_num_batched_tokens, num_slots=2)
+    runtime.register("x", tmp_path / "x")
+    runtime.attach("r", "x")
+    engine = Engine(model, config, lora=runtime)
+    runner = engine.runner
+    runner._buf_ints[0, :8] = torch.arange(8) + 3
+    runner._buf_ints[1, :8] = 0
+    runner._buf_ints[2, :8] = torch.arange(8)  # each row its own KV block
+    runner._buf_ints[3, :8] = 0
+    runner._buf_table[:8, 0] = torch.arange(8)
+    runner._buf_seq_lens[:8] = 1
+    base = runner.decode_forward(8).clone()
+    runner._buf_ints[4, :8] = -1
+    assert torch.equal(runner.decode_forward_lora(8), base)
+    runner._buf_ints[4, 2] = runtime.slot_of_request("r")
+    mixed = runner.decode_forward_lora(8)
+    rows = [0, 1, 3, 4, 5, 6, 7]
+    assert torch.equal(mixed[rows], base[rows])
+    assert (mixed[2].float() - base[2].float()).abs().max() > 1e-2
