@@ -170,6 +170,48 @@ def solo_finetune(
     return done / (time.perf_counter() - start), statistics.median(times)
 
 
+def profile_slices(trainer: LoraTrainer, seq_len: int, device: torch.device) -> dict[str, Any]:
+    """Layer-sliced quanta alone: per ``max_layers`` k and examples e, one micro-batch in calls of
+    k passes; median ms of forward calls, backward calls, the last forward call (LM head and
+    loss ride with it) and the completing call (micro-batch end: accumulate, host sync)."""
+    out: dict[str, Any] = {}
+    for examples, k in ((1, 1), (1, 4), (1, 16), (4, 4)):
+        sync(device)
+        calls: list[tuple[int, float]] = []
+        t_start = time.perf_counter()
+        while True:
+            t0 = time.perf_counter()
+            result = trainer.step_quantum(max_tokens=examples * seq_len, max_layers=k)
+            calls.append((result.layer_passes, (time.perf_counter() - t0) * 1e3))
+            if result.micro_batch_done:
+                break
+            if len(calls) > 4096:
+                raise RuntimeError("sliced micro-batch did not complete")
+        total_ms = (time.perf_counter() - t_start) * 1e3
+        passes = sum(c[0] for c in calls)
+        half = passes // 2
+        fwd: list[tuple[int, float]] = []
+        bwd: list[tuple[int, float]] = []
+        seen = 0
+        for i, (n, ms) in enumerate(calls):
+            (fwd if seen < half else bwd).append((i, ms))
+            seen += n
+        out[f"e{examples}_k{k}"] = {
+            "calls": len(calls),
+            "layer_passes": passes,
+            "micro_batch_ms": round(total_ms, 2),
+            "forward_call_ms_median": round(statistics.median(m for _, m in fwd[:-1]), 3)
+            if len(fwd) > 1
+            else None,
+            "last_forward_call_ms": round(fwd[-1][1], 3) if fwd else None,
+            "backward_call_ms_median": round(statistics.median(m for _, m in bwd[:-1]), 3)
+            if len(bwd) > 1
+            else None,
+            "completing_call_ms": round(calls[-1][1], 3),
+        }
+    return out
+
+
 def check_outputs(engine: Engine, sharing: Any, trainer: LoraTrainer, vocab: int) -> dict:
     """Greedy tokens alone on the whole device vs on the smallest split beside a quantum."""
     rng = random.Random(7)
@@ -450,12 +492,17 @@ def setup_engine(
     one_tps, one_ms = solo_finetune(trainer, args.ft_seq_len, 1.0, device)
     solo_tps, eight_ms = solo_finetune(trainer, 8 * args.ft_seq_len, 2.0, device)
     overhead_ms = max(0.0, (8 * one_ms - eight_ms) / 7)
+    try:
+        slices: dict[str, Any] = profile_slices(trainer, args.ft_seq_len, device)
+    except Exception as exc:  # the trainer is being reworked; report, do not stop the run
+        slices = {"error": f"{type(exc).__name__}: {exc}"}
     solo = {
         "tokens_per_s_8_examples": solo_tps,
         "ms_8_examples": eight_ms,
         "tokens_per_s_1_example": one_tps,
         "ms_1_example": one_ms,
         "quantum_overhead_ms": overhead_ms,
+        "layer_sliced": slices,
     }
     print(f"setup: capture {capture_s:.1f}s solo {solo} check {check}", flush=True)
     info = {
