@@ -7,7 +7,7 @@
 from gpu_runtime.memory.backend import CpuPageBackend, PageBackend
 from gpu_runtime.memory.counters import LatencySamples, MemoryCounters
 from gpu_runtime.memory.engine_memory import EngineMemory, engine_kv_layout, scheduler_block_demand
-from gpu_runtime.memory.factory import create_page_pool
+from gpu_runtime.memory.factory import HostMemory, build_host_memory, create_page_pool
 from gpu_runtime.memory.kv_binding import BlockManagerLike, KVPoolBinding
 from gpu_runtime.memory.layout import (
     CUDA_PAGE_BYTES,
@@ -33,6 +33,7 @@ __all__ = [
     "DecodeDemand",
     "DecodeGrant",
     "EngineMemory",
+    "HostMemory",
     "FinetuneBudgetExceeded",
     "KVLayout",
     "LatencySamples",
@@ -44,6 +45,7 @@ __all__ = [
     "PageBackend",
     "PagePool",
     "PhysicalMemoryUnavailable",
+    "build_host_memory",
     "create_page_pool",
     "engine_kv_layout",
     "kv_block_bytes",

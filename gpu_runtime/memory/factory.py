@@ -1,10 +1,18 @@
-"""Build the unified pool for a device: CUDA virtual memory on GPUs, accounting on CPU."""
+"""Build the unified pool for a device (CUDA virtual memory on GPUs, accounting on CPU), and the
+whole host wiring (`build_host_memory` -> `HostMemory`) for a host agent's engine and loop."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
 from gpu_runtime.memory.backend import CpuPageBackend
+from gpu_runtime.memory.config import MemoryPolicyConfig
+from gpu_runtime.memory.engine_memory import EngineMemory, engine_kv_layout
 from gpu_runtime.memory.layout import CUDA_PAGE_BYTES, GIB, MIB
-from gpu_runtime.memory.pool import PagePool
+from gpu_runtime.memory.policy import MemoryManager
+from gpu_runtime.memory.pool import MemorySplit, PagePool
 
 
 def create_page_pool(
@@ -60,3 +68,120 @@ def create_page_pool(
         ),
         pinned_tail_pages=pinned_tail_pages,
     )
+
+
+class HostMemory:
+    """The unified pool of one decode host, wired for its engine and its host loop.
+
+    Built by `build_host_memory`; the host then builds its `Engine` with `engine_config` and
+    `storage_factory`, calls `attach(engine)`, captures the engine's CUDA graphs, calls
+    `decode_ready()`, builds its `HostLoop` with `memory=host_memory.memory`, and calls
+    `bind_loop(loop)`. `set_finetune_jobs(n)` whenever the number of finetune jobs on the loop
+    changes (the pool lends idle pages only while a job exists, and takes them back when none
+    does). The loop's policy reads `ctx.finetune_budget_bytes` and must size every quantum to it
+    (on CUDA an over-budget allocation raises `torch.OutOfMemoryError` inside the quantum).
+    """
+
+    def __init__(self, pool: PagePool, memory: EngineMemory, engine_config: Any) -> None:
+        self.pool = pool
+        self.memory = memory
+        self.engine_config = engine_config
+        """The host's `EngineConfig` with `num_kv_blocks` and `kv_block_capacity` set from the
+        pool: build the engine with exactly this."""
+
+    @property
+    def storage_factory(self) -> Callable[..., Any]:
+        """The engine's `kv_storage_factory`: a view of the pool's reserved KV range."""
+        return self.memory.binding.storage_factory
+
+    @property
+    def manager(self) -> MemoryManager:
+        return self.memory.manager
+
+    def attach(self, engine: Any) -> None:
+        """Bind the engine built with `engine_config` and `storage_factory`."""
+        self.memory.attach(engine)
+
+    def decode_ready(self) -> None:
+        """After the engine's warm-up and CUDA-graph capture, before any finetune tensor."""
+        self.memory.decode_ready()
+
+    def bind_loop(self, loop: Any) -> None:
+        """Let the pool see the loop's in-flight quantum (`HostLoop.executor`): reclaims then
+        happen between quanta and never cut a running quantum's budget."""
+        executor = loop.executor
+        self.memory.finetune_busy = lambda: executor.in_flight is not None
+        self.memory.wait_for_finetune = lambda: executor.wait()
+
+    def set_finetune_jobs(self, count: int) -> None:
+        """`count` finetune jobs on the loop: with any, finetuning may borrow every page decode
+        does not need; with none, its budget goes back to the pool."""
+        if count < 0:
+            raise ValueError(f"job count must be >= 0, got {count}")
+        page_bytes = self.pool.page_bytes
+        self.memory.manager.set_finetune_demand(self.pool.num_pages * page_bytes if count else 0)
+
+    def split(self) -> MemorySplit:
+        """Decode / finetune / free bytes now (for heartbeats and metrics)."""
+        return self.pool.split()
+
+    def close(self) -> None:
+        """Release the pool (unmap everything, lift the finetune cap); engine unusable after."""
+        self.pool.close()
+
+
+def build_host_memory(
+    model: Any,
+    engine_config: Any,
+    *,
+    pool_bytes: int | None = None,
+    policy: MemoryPolicyConfig | None = None,
+    leave_free_bytes: int = 4 * GIB,
+    torch_headroom_bytes: int = 1 * GIB,
+) -> HostMemory:
+    """The unified pool for a host serving `model` with `engine_config` (an `EngineConfig`).
+
+    Call it after the weights (and the engine's LoRA runtime, if any) are on the device.
+    CUDA (`engine_config.device` "cuda" or "cuda:N"): a `CudaVmmBackend` over `pool_bytes`
+    (default: the device's free memory less `leave_free_bytes`, which decode's own torch
+    allocations, CUDA graphs included, must fit in), 2 MiB pages, 32 MiB map chunks, the finetune
+    budget capped inside torch's caching allocator with `torch_headroom_bytes` of extra room for
+    decode's torch allocations after `decode_ready()`. CPU: an accounting pool of `pool_bytes`
+    (required) with one KV block per page and a real host tensor as KV storage. The KV dtype is
+    `engine_config.kv_dtype` or the model's weight dtype; decode always keeps room for one request
+    of `engine_config.max_model_len` tokens.
+    """
+    dtype = engine_config.kv_dtype or str(next(model.parameters()).dtype).removeprefix("torch.")
+    device = str(engine_config.device)
+    cuda = device.startswith("cuda")
+    layout = engine_kv_layout(
+        model.config, block_size=engine_config.block_size, dtype=dtype, page_bytes=1
+    )
+    if cuda:
+        pool = create_page_pool(
+            device=device,
+            pool_bytes=pool_bytes,
+            leave_free_bytes=leave_free_bytes,
+            torch_headroom_bytes=torch_headroom_bytes,
+            pinned_tail_pages=-(-2 * layout.block_bytes // CUDA_PAGE_BYTES),
+        )
+    else:
+        if pool_bytes is None:
+            raise ValueError("a CPU host pool needs pool_bytes")
+        pool = create_page_pool(
+            device=device, pool_bytes=pool_bytes, page_bytes=layout.block_bytes, pinned_tail_pages=2
+        )
+    try:
+        memory = EngineMemory.prepare(
+            pool,
+            model.config,
+            block_size=engine_config.block_size,
+            kv_dtype=dtype,
+            max_model_len=engine_config.max_model_len,
+            policy=policy,
+        )
+    except Exception:
+        pool.close()
+        raise
+    config = dataclasses.replace(engine_config, **memory.engine_config_fields())
+    return HostMemory(pool, memory, config)
