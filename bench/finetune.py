@@ -36,12 +36,9 @@ from typing import Any
 
 import torch
 
-from gpu_runtime.finetune.adapter_store import AdapterManager, HostAdapter
 from gpu_runtime.finetune.batching import epoch_order
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
 from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
-from gpu_runtime.finetune.lora_forward import MultiLoraForward
-from gpu_runtime.finetune.multi_lora import StackedLoraWeights
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
 
@@ -175,105 +172,30 @@ def run_hf(
 def multi_lora_decode(
     serving: CausalLM, batch: int, adapters: int, rank: int, iters: int, device: torch.device
 ) -> list[dict[str, Any]]:
-    """Graph-replayed decode-step forward (no KV context): base vs multi-LoRA trees."""
-    import tempfile
+    """`Engine.step()` TPOT at context 512 through `bench/multilora.py`: base-only rows, every
+    row on one of `adapters` adapters, and mixed, for q/k/v/o and all-linear LoRA (CUDA graphs
+    on CUDA). Each row keeps bench/multilora.py's keys plus `step_ms_p50` and `cuda_graph`."""
+    from bench.multilora import run_multilora
 
-    from gpu_runtime.finetune.checkpoint import save_adapter
-    from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-
-    ids = torch.randint(0, serving.config.vocab_size, (batch, 1), device=device)
-    positions = torch.full((batch, 1), 700, device=device)
-    slots_of_rows = torch.arange(batch) % adapters
-    rows: list[dict[str, Any]] = []
-
-    def time_fn(fn: Any) -> tuple[float, bool]:
-        for _ in range(3):
-            fn()
-        sync(device)
-        graph_used = False
-        runner = fn
-        if device.type == "cuda":
-            try:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(3):
-                        fn()
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    fn()
-                runner, graph_used = graph.replay, True
-            except RuntimeError as exc:  # fall back to eager timing, recorded in the row
-                print(f"graph capture failed: {exc}")
-        samples = []
-        for _ in range(iters):
-            sync(device)
-            start = time.perf_counter()
-            runner()
-            sync(device)
-            samples.append((time.perf_counter() - start) * 1e3)
-        return statistics.median(samples), graph_used
-
-    base_ms, base_graph = time_fn(lambda: serving.compute_logits(serving(ids, positions)))
-    rows.append(
-        {
-            "system": "harli_base",
-            "adapters": 0,
-            "targets": "-",
-            "step_ms_p50": base_ms,
-            "cuda_graph": base_graph,
-            "overhead_frac": 0.0,
-        }
+    rows, checks = run_multilora(
+        serving, batch=batch, context=512, adapters=adapters, rank=rank, steps=iters
     )
-    with tempfile.TemporaryDirectory() as tmp:
-        for name, targets in TARGETS.items():
-            spec = LoraSpec(rank=rank, alpha=2 * rank, dropout=0.0, target_modules=targets)
-            weights = StackedLoraWeights(
-                serving.config,
-                num_slots=adapters,
-                max_rank=rank,
-                max_tokens=batch,
-                target_modules=spec.target_modules,
-                device=device,
-                dtype=serving.lm_head.weight.dtype,
-            )
-            manager = AdapterManager(weights, max_host_adapters=adapters)
-            tree = build_training_model(serving, spec, seed=0)
-            for p in adapter_parameters(tree):
-                p.normal_(0, 0.01)
-            save_adapter(tree, spec, Path(tmp) / name)
-            del tree
-            for index in range(adapters):  # one file, 8 names: 8 slots filled, 8 host copies
-                manager.register(f"{name}-{index}", Path(tmp) / name)
-                manager.acquire(f"{name}-{index}")
-            forward = MultiLoraForward(serving, weights)
-            weights.set_token_slots(slots_of_rows)
-            # correctness: row 0 (adapter 0) vs the merged weights for adapter 0, first layer q
-            adapter = HostAdapter.from_directory(f"{name}-0", Path(tmp) / name, serving.config)
-            x = torch.randn(batch, serving.config.hidden_size, device=device, dtype=weights.dtype)
-            a, b = adapter.weights[(0, "q_proj")]
-            merged = x[:1].float() @ (adapter.scaling * (b @ a)).T.to(device)
-            delta = weights.delta(0, "q_proj", x)
-            assert delta is not None
-            err = float((delta[:1].float() - merged).abs().max() / merged.abs().max())
-            ms, graph_used = time_fn(lambda f=forward: serving.compute_logits(f(ids, positions)))
-            rows.append(
-                {
-                    "system": "harli_multi_lora",
-                    "adapters": adapters,
-                    "targets": name,
-                    "step_ms_p50": ms,
-                    "cuda_graph": graph_used,
-                    "overhead_frac": ms / base_ms - 1.0,
-                    "delta_rel_err_vs_merged": err,
-                    "slot_mem_gb": weights.nbytes / GB,
-                }
-            )
-            del forward, weights, manager
+    out: list[dict[str, Any]] = []
     for row in rows:
-        row.update({"batch": batch, "lora_rank": rank})
-    return rows
+        if row["system"] != "harli":
+            out.append(row)  # the previous eager LoRA path, forward only
+            continue
+        is_base = row["mix"] == "base"
+        out.append(
+            row
+            | {
+                "system": "harli_base" if is_base else f"harli_multi_lora_{row['mix']}",
+                "step_ms_p50": row["tpot_ms_p50"],
+                "cuda_graph": device.type == "cuda" and (is_base or row["lora_graph_steps"] > 0),
+                "check": None if is_base else checks[row["lora_targets"]],
+            }
+        )
+    return out
 
 
 def main() -> None:

@@ -92,6 +92,29 @@ def replay_ms(replay: Any, steps: int) -> list[float]:
     return times
 
 
+def kernel_profile(replay: Any, iters: int = 10, top: int = 14) -> list[dict[str, Any]]:
+    """Device time per step of the `top` kernels of `replay()` (torch.profiler, CUDA)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            replay()
+        torch.cuda.synchronize()
+    rows = []
+    for event in prof.key_averages():
+        total = getattr(event, "device_time_total", None) or getattr(event, "cuda_time_total", 0)
+        if total:
+            rows.append(
+                {
+                    "kernel": event.key[:90],
+                    "us_per_step": round(total / iters, 1),
+                    "calls_per_step": event.count / iters,
+                }
+            )
+    rows.sort(key=lambda r: -r["us_per_step"])
+    return rows[:top]
+
+
 @torch.no_grad()
 def check_against_eager(engine: Engine, runtime: MultiLoraRuntime, bucket: int) -> dict[str, Any]:
     """The last step's adapter logits (fused LoRA step) vs the eager LoRA forward and the base
@@ -133,9 +156,12 @@ def run_targets(
     warmup: int,
     device: torch.device,
     adapter_root: Path,
+    profile: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows for one target set: base, adapters, mixed (+ the previous eager path)."""
     spec = LoraSpec(rank=rank, alpha=2 * rank, dropout=0.0, target_modules=TARGETS[targets])
+    # a small model's position limit caps the context (the rows report the one used)
+    context = min(context, model.config.max_position_embeddings - warmup - steps - 48)
     names = [f"{targets}-{i}" for i in range(adapters)]
     for i, adapter_name in enumerate(names):
         write_adapter(adapter_root / adapter_name, model.config, spec, seed=i)
@@ -165,6 +191,7 @@ def run_targets(
     runner = engine.runner
     rows: list[dict[str, Any]] = []
     check: dict[str, Any] = {"skipped": "no fused LoRA decode step on this device"}
+    profiles: dict[str, Any] = {}
     for mix in MIXES:
         lora_names: list[str | None] = [
             None if mix == "base" or (mix == "mixed" and i % 2 == 0) else names[i % adapters]
@@ -189,6 +216,11 @@ def run_targets(
         graph_ms: list[float] = []
         if graphs is not None and graphs.has(batch):
             graph_ms = replay_ms(lambda g=graphs: g.replay(batch), steps)
+            if profile and mix != "mixed":
+                try:
+                    profiles[f"profile_{mix}"] = kernel_profile(lambda g=graphs: g.replay(batch))
+                except Exception as exc:  # the profile is extra information, not the result
+                    profiles[f"profile_{mix}"] = f"{type(exc).__name__}: {exc}"[:300]
         eager_ms: list[float] = []
         if mix == "adapters" and device.type == "cuda":
             padded = [*[(rid, 1) for rid in ids], ("\x00padding", 0)]
@@ -248,6 +280,7 @@ def run_targets(
     del engine
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    check["kernel_profiles"] = profiles
     check["captured"] = captured
     check["capture_s"] = round(capture_s, 2)
     return rows, check
@@ -297,6 +330,7 @@ def main() -> None:
     parser.add_argument("--targets", default="qkvo,all")
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--profile", action="store_true", help="kernel times per step")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
     args = parser.parse_args()
@@ -310,36 +344,42 @@ def main() -> None:
         dtype = "bfloat16"
     model = build_random_model(config, seed=0, device=device, dtype=dtype)
     targets = tuple(t for t in args.targets.split(",") if t)
-    rows, checks = run_multilora(
-        model,
-        batch=args.batch,
-        context=args.context,
-        adapters=args.adapters,
-        rank=args.rank,
-        targets=targets,
-        steps=args.steps,
-        warmup=args.warmup,
-    )
-    for row in rows:
-        row["model"] = args.model
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    result = {
-        "name": "multilora",
-        "commit": args.commit,
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(),
-        "config": vars(args) | {"dtype": dtype, "block_size": 16, "sampling": "temperature 0.8"},
-        "checks": checks,
-        "rows": rows,
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
     day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     tag = "h200" if "H200" in gpu else gpu.split()[-1].lower()
     out = Path(args.out) / f"multilora-{tag}-{day}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
-    print(f"\nwrote {out} in {result['wall_s']} s")
+    rows: list[dict[str, Any]] = []
+    checks: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in targets:  # the file is rewritten after each target set
+            target_rows, checks[name] = run_targets(
+                model,
+                name,
+                batch=args.batch,
+                context=args.context,
+                adapters=args.adapters,
+                rank=args.rank,
+                steps=args.steps,
+                warmup=args.warmup,
+                device=device,
+                adapter_root=Path(tmp),
+                profile=args.profile,
+            )
+            rows.extend({"model": args.model} | r for r in target_rows)
+            result = {
+                "name": "multilora",
+                "commit": args.commit,
+                "gpu": gpu,
+                "torch": torch.__version__,
+                "created": datetime.datetime.now(datetime.UTC).isoformat(),
+                "config": vars(args) | {"dtype": dtype, "block_size": 16, "sampling": "t=0.8"},
+                "checks": checks,
+                "rows": rows,
+                "wall_s": round(time.perf_counter() - started, 1),
+            }
+            out.write_text(json.dumps(result, indent=1))
+    print(f"\nwrote {out} in {time.perf_counter() - started:.1f} s")
     print(
         f"{'system':17s} {'targets':7s} {'mix':9s} {'p50 ms':>8s} {'graph ms':>9s} {'overhead':>9s}"
     )
