@@ -217,6 +217,9 @@ class MemoryManager:
         )
         count = self._round_down(min(cfg.max_step_pages, self.pool.kv_prefix_pages - keep))
         if count <= 0:
+            # Live blocks sit at the top of the range: look again (the scan for the top used
+            # block costs a pass over the free ids) only after another hysteresis period.
+            self._iterations_above_high = 0
             return
         before = self.pool.kv_prefix_pages
         self.pool.shrink_decode(count)

@@ -268,3 +268,18 @@ def test_between_quanta_the_reserve_is_refilled_from_finetune_without_touching_h
     assert len(manager.counters.flush_latency) == 1
     assert manager.refill_reserve(DecodeDemand(used_blocks=1)) == 0
     assert manager.counters.refill_maps == 1 and manager._iterations_above_high == 0
+
+
+def test_a_shrink_blocked_by_a_live_top_block_waits_another_hysteresis_period() -> None:
+    manager, _ = _manager(max_step_pages=8)
+    manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=40))
+    calls: list[int] = []
+
+    def top() -> int:  # block 39 is live: nothing above it can go
+        calls.append(1)
+        return 40
+
+    for _ in range(7):
+        manager.maintain(DecodeDemand(used_blocks=5), top_used_block=top)
+    # Asked on the 3rd and 6th iterations above high, not on every one after the 3rd.
+    assert len(calls) == 2 and manager.usable_blocks == 40 and manager.counters.kv_shrinks == 0
