@@ -17,7 +17,7 @@ training results independent of how work was cut into quanta.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -111,13 +111,20 @@ class MicroBatch:
 
 
 def collate(
-    examples: Sequence[TokenizedExample], pad_token_id: int = 0, pad_to_multiple: int = 1
+    examples: Sequence[TokenizedExample],
+    pad_token_id: int = 0,
+    pad_to_multiple: int = 1,
+    seq_len: int | None = None,
 ) -> MicroBatch:
-    """Right-pad examples to the longest (rounded up to ``pad_to_multiple``)."""
+    """Right-pad examples to the longest (rounded up to ``pad_to_multiple``), or to ``seq_len``
+    when given (a fixed shape, e.g. a CUDA graph's bucket; at least the longest example)."""
     if not examples:
         raise ValueError("cannot collate an empty micro-batch")
     longest = max(e.num_tokens for e in examples)
-    seq_len = -(-longest // pad_to_multiple) * pad_to_multiple
+    if seq_len is None:
+        seq_len = -(-longest // pad_to_multiple) * pad_to_multiple
+    elif seq_len < longest:
+        raise ValueError(f"seq_len {seq_len} is shorter than the longest example ({longest})")
     input_ids = torch.full((len(examples), seq_len), pad_token_id, dtype=torch.long)
     labels = torch.full((len(examples), seq_len), IGNORE_INDEX, dtype=torch.long)
     for row, example in enumerate(examples):
@@ -199,11 +206,12 @@ class DataStream:
         max_examples: int | None = None,
         max_tokens: int | None = None,
         pad_to_multiple: int = 1,
+        padded_length: Callable[[int], int] | None = None,
     ) -> MicroBatchPlan:
         """The next micro-batch: up to the end of the current optimizer batch, at most
         ``max_examples`` examples and ``max_tokens`` padded tokens (longest, rounded up to
-        ``pad_to_multiple`` as :func:`collate` pads, x count); always at least one example, even
-        when it alone exceeds ``max_tokens``."""
+        ``pad_to_multiple`` as :func:`collate` pads, or ``padded_length(longest)`` when given,
+        x count); always at least one example, even when it alone exceeds ``max_tokens``."""
         if self.finished:
             raise RuntimeError("the data stream is finished")
         if max_examples is not None and max_examples < 1:
@@ -217,7 +225,11 @@ class DataStream:
         for i in order[index:batch_end]:
             if max_examples is not None and len(chosen) >= max_examples:
                 break
-            padded = -(-self._lengths[i] // pad_to_multiple) * pad_to_multiple
+            length = self._lengths[i]
+            if padded_length is not None:
+                padded = padded_length(length)
+            else:
+                padded = -(-length // pad_to_multiple) * pad_to_multiple
             longest_if_added = max(longest, padded)
             if (
                 chosen

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,6 +50,14 @@ class QuantumResult:
     """Decoder-layer passes (forward or backward) run, when quanta are cut by layers."""
     micro_batch_done: bool = True
     """False while a layer-sliced micro-batch is still in progress."""
+    graph: str = "off"
+    """How the micro-batch's forward and backward ran: "off" (CUDA graphs not in use), "replay",
+    "capture" (captured by this quantum, then replayed) or "eager" (graphs in use but this
+    quantum ran eagerly; ``graph_fallback`` says why)."""
+    graph_fallback: str | None = None
+    """Why a graph-using trainer's quantum ran eagerly (warm-up, layer slices, failed capture)."""
+    launch_s: float | None = None
+    """Host seconds spent issuing the forward and backward (the part a CUDA graph removes)."""
 
 
 @dataclass(frozen=True)
@@ -63,15 +73,24 @@ class StepRecord:
 
 
 class TrainerRng:
-    """The trainer's own CPU and CUDA generator states, swapped in around a quantum."""
+    """The trainer's own CPU generator state and CUDA generator.
+
+    The CPU state is copied in and out around a quantum; the CUDA generator's state object is
+    swapped into the process's default CUDA generator (a pointer swap) for eager work, and CUDA
+    graphs register it directly (see :mod:`gpu_runtime.finetune.graphs`). Seeded like
+    ``torch.manual_seed(seed)`` seeds the process's generators.
+    """
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.device = device
-        all_devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=all_devices):  # manual_seed seeds every device
-            torch.manual_seed(seed)
-            self.cpu_state = torch.get_rng_state()
-            self.cuda_state = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.cpu_state = torch.Generator().manual_seed(seed).get_state()
+        self.cuda_generator: torch.Generator | None = None
+        if device.type == "cuda":
+            self.cuda_generator = torch.Generator(device=device).manual_seed(seed)
+
+    @property
+    def cuda_state(self) -> torch.Tensor | None:
+        return None if self.cuda_generator is None else self.cuda_generator.get_state()
 
     def state_dict(self) -> dict[str, torch.Tensor | None]:
         return {"cpu": self.cpu_state, "cuda": self.cuda_state}
@@ -80,4 +99,33 @@ class TrainerRng:
         cpu = state["cpu"]
         assert cpu is not None
         self.cpu_state = cpu
-        self.cuda_state = state["cuda"] if self.device.type == "cuda" else None
+        cuda = state["cuda"]
+        if self.cuda_generator is not None and cuda is not None:
+            self.cuda_generator.set_state(cuda)
+
+
+@contextlib.contextmanager
+def swapped_rng(rng: TrainerRng) -> Iterator[None]:
+    """Run with the trainer's generators; keep what they drew; restore the process's.
+
+    On an exception the trainer's states are left as they were before the block."""
+    process_cpu = torch.get_rng_state()
+    torch.set_rng_state(rng.cpu_state)
+    cuda_default = process_cuda = cuda_before = None
+    if rng.cuda_generator is not None:
+        index = rng.device.index if rng.device.index is not None else torch.cuda.current_device()
+        cuda_default = torch.cuda.default_generators[index]
+        process_cuda = cuda_default.graphsafe_get_state()
+        cuda_before = rng.cuda_generator.get_state()
+        cuda_default.graphsafe_set_state(rng.cuda_generator)
+    try:
+        yield
+        rng.cpu_state = torch.get_rng_state()
+    except BaseException:
+        if cuda_before is not None and rng.cuda_generator is not None:
+            rng.cuda_generator.set_state(cuda_before)
+        raise
+    finally:
+        torch.set_rng_state(process_cpu)
+        if cuda_default is not None and process_cuda is not None:
+            cuda_default.graphsafe_set_state(process_cuda)

@@ -11,10 +11,17 @@ quanta: every micro-batch's summed token loss is divided by the loss-token count
 optimizer batch, so accumulated gradients are those of the batch mean (up to float rounding;
 with LoRA dropout > 0 the masks drawn depend on the micro-batch shapes).
 
-Randomness (LoRA dropout) comes from the trainer's own generator states, swapped in around each
-quantum, so decode sampling in the same process neither disturbs training nor is disturbed, and a
-resumed run draws the same masks. One host sync per quantum (reading loss and grad norm) is the
-agreed sync point; it also makes ``wall_s`` the quantum's real duration.
+Randomness (LoRA dropout) comes from the trainer's own generators (:class:`TrainerRng`), swapped
+in around eager work and registered with CUDA graphs, so decode sampling in the same process
+neither disturbs training nor is disturbed, and a resumed run draws the same masks. One host sync
+per quantum (reading loss and grad norm) is the agreed sync point; it also makes ``wall_s`` the
+quantum's real duration.
+
+On CUDA, whole-micro-batch quanta replay CUDA graphs of the forward and backward by default
+(:mod:`gpu_runtime.finetune.graphs`; ``cuda_graphs=False`` turns them off): micro-batches are then
+padded to sequence buckets, and the first micro-batch on a stream, layer-sliced quanta and
+anything after a failed capture run eagerly (each :class:`QuantumResult` says which). The
+optimizer step (clip, fused AdamW, in-place zeroing) stays eager.
 """
 
 from __future__ import annotations
@@ -22,8 +29,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,27 +39,15 @@ from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan
 from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
+from gpu_runtime.finetune.graphs import GraphRun, MicroBatchGraphs
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import PeftTreeStack, chunked_lm_head_loss, training_hidden_states
-from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, TrainerRng
+from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, TrainerRng, swapped_rng
 from gpu_runtime.finetune.schedule import LrSchedule
 from gpu_runtime.finetune.sliced import SlicedMicroBatch
+from gpu_runtime.finetune.validation import ValidationRun
 from gpu_runtime.model import CausalLM
-
-
-@contextlib.contextmanager
-def _swapped_rng(rng: TrainerRng) -> Iterator[None]:
-    """Run with the trainer's generator states; save them back; restore the process's."""
-    devices = [rng.device] if rng.device.type == "cuda" else []
-    with torch.random.fork_rng(devices=devices):
-        torch.set_rng_state(rng.cpu_state)
-        if rng.cuda_state is not None:
-            torch.cuda.set_rng_state(rng.cuda_state, rng.device)
-        yield
-        rng.cpu_state = torch.get_rng_state()
-        if rng.cuda_state is not None:
-            rng.cuda_state = torch.cuda.get_rng_state(rng.device)
 
 
 class LoraTrainer:
@@ -69,10 +65,15 @@ class LoraTrainer:
         checkpoint_root: str | Path | None = None,
         base_model_name_or_path: str | None = None,
         fused_forward: bool = True,
+        cuda_graphs: bool | None = None,
+        max_cuda_graphs: int = 16,
     ) -> None:
         """``checkpoint_root``: where automatic checkpoints go (none when None);
         ``base_model_name_or_path`` is recorded in each adapter's config; ``fused_forward``
-        selects :class:`FusedTrainingForward` (default) over calling the peft-wrapped tree."""
+        selects :class:`FusedTrainingForward` (default) over calling the peft-wrapped tree;
+        ``cuda_graphs`` replays captured micro-batches (None: on CUDA, unless activation
+        checkpointing is on; True elsewhere records why each quantum ran eagerly), keeping at
+        most ``max_cuda_graphs`` shapes captured."""
         self.hparams = hparams
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self.base_model_name_or_path = base_model_name_or_path
@@ -104,6 +105,19 @@ class LoraTrainer:
         self._batch_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._batch_tokens = 0
         self._pending: tuple[MicroBatchPlan, MicroBatch, SlicedMicroBatch] | None = None
+        if cuda_graphs is None:
+            # torch.utils.checkpoint reads the CUDA RNG state, which a capture forbids
+            cuda_graphs = self.device.type == "cuda" and not hparams.activation_checkpointing
+        self.graphs: MicroBatchGraphs | None = None
+        if cuda_graphs:
+            self.graphs = MicroBatchGraphs(
+                self._forward_backward,
+                self.params,
+                self.rng.cuda_generator,
+                self.device,
+                self._rng_swap,
+                max_graphs=max_cuda_graphs,
+            )
 
     @property
     def finished(self) -> bool:
@@ -140,15 +154,41 @@ class LoraTrainer:
         )
 
     def _loss_sum(self, batch: MicroBatch) -> torch.Tensor:
+        return self._loss_of(
+            batch.input_ids, batch.positions, batch.loss_positions, batch.loss_targets
+        )
+
+    def _loss_of(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        loss_positions: torch.Tensor,
+        loss_targets: torch.Tensor,
+    ) -> torch.Tensor:
+        """Summed token loss (fp32 scalar); inputs ``[B, S]``, loss positions/targets ``[N]``."""
         checkpointing = self.hparams.activation_checkpointing
         with self._autocast():
             if self._fused is not None:
-                hidden = self._fused(batch.input_ids, batch.positions, checkpointing)
+                hidden = self._fused(input_ids, positions, checkpointing)
             else:
-                hidden = training_hidden_states(
-                    self.model, batch.input_ids, batch.positions, checkpointing
-                )
-            return self._chunked_loss(batch, hidden)
+                hidden = training_hidden_states(self.model, input_ids, positions, checkpointing)
+            return chunked_lm_head_loss(
+                self.model, hidden, loss_positions, loss_targets, self.loss_chunk_tokens
+            )
+
+    def _forward_backward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        loss_positions: torch.Tensor,
+        loss_targets: torch.Tensor,
+        denominator: int | torch.Tensor,
+    ) -> torch.Tensor:
+        """Summed loss; adds the gradients of ``loss_sum / denominator`` to ``.grad`` (graphs
+        pass the denominator as a device scalar: the same fp32 division)."""
+        loss_sum = self._loss_of(input_ids, positions, loss_positions, loss_targets)
+        (loss_sum / denominator).backward()
+        return loss_sum
 
     def _chunked_loss(self, batch: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
         return chunked_lm_head_loss(
@@ -160,7 +200,7 @@ class LoraTrainer:
         return batch.to(self.device)
 
     def _rng_swap(self) -> contextlib.AbstractContextManager[None]:
-        return _swapped_rng(self.rng)
+        return swapped_rng(self.rng)
 
     def step_quantum(
         self,
@@ -175,16 +215,24 @@ class LoraTrainer:
         ``max_tokens``/``max_examples`` size a micro-batch when one starts.
         """
         start = time.perf_counter()
+        allocated = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        self.model.train()
+            allocated = torch.cuda.memory_allocated(self.device)
+        if not self.model.training:
+            self.model.train()
         if max_layers is None and self._pending is None:
+            if self.graphs is not None:
+                with self.graphs.on_stream():
+                    return self._graphed_micro_batch(max_examples, max_tokens, start, allocated)
             plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
             batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
+            launch = time.perf_counter()
             with self._rng_swap():
                 loss_sum = self._loss_sum(batch)
                 (loss_sum / plan.batch_loss_tokens).backward()
-            return self._finish_micro_batch(plan, batch, loss_sum, start, 0)
+            launch_s = time.perf_counter() - launch
+            return self._finish_micro_batch(plan, batch, loss_sum, start, 0, launch_s=launch_s)
         if self._pending is None:
             plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
             batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
@@ -222,10 +270,44 @@ class LoraTrainer:
                 finished=False,
                 layer_passes=passes,
                 micro_batch_done=False,
+                **self._sliced_graph_fields(),
             )
         self._pending = None
         assert sliced.loss_sum is not None
-        return self._finish_micro_batch(plan, batch, sliced.loss_sum, start, passes)
+        return self._finish_micro_batch(
+            plan, batch, sliced.loss_sum, start, passes, **self._sliced_graph_fields()
+        )
+
+    def _sliced_graph_fields(self) -> dict[str, Any]:
+        if self.graphs is None:
+            return {}
+        return {"graph": "eager", "graph_fallback": "layer-sliced quanta run eagerly"}
+
+    def _graphed_micro_batch(
+        self, max_examples: int | None, max_tokens: int | None, start: float, allocated: int
+    ) -> QuantumResult:
+        """A whole micro-batch through :attr:`graphs` (padded to its sequence bucket)."""
+        assert self.graphs is not None
+        bucket = self.graphs.padded_length
+        plan = self.stream.plan(max_examples, max_tokens, padded_length=bucket)
+        examples = [self.stream.examples[i] for i in plan.example_indices]
+        longest = max(e.num_tokens for e in examples)
+        batch = collate(examples, self.pad_token_id, seq_len=bucket(longest))  # host tensors
+        launch = time.perf_counter()
+        run: GraphRun = self.graphs.run(batch, plan.batch_loss_tokens)
+        launch_s = time.perf_counter() - launch
+        graph_peak = None if run.extra_bytes is None else allocated + run.extra_bytes
+        return self._finish_micro_batch(
+            plan,
+            batch,
+            run.loss_sum,
+            start,
+            0,
+            graph=run.mode,
+            graph_fallback=run.fallback,
+            launch_s=launch_s,
+            graph_peak_bytes=graph_peak,
+        )
 
     def _peak(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -237,8 +319,15 @@ class LoraTrainer:
         loss_sum: torch.Tensor,
         start: float,
         layer_passes: int,
+        graph: str = "off",
+        graph_fallback: str | None = None,
+        launch_s: float | None = None,
+        graph_peak_bytes: int | None = None,
     ) -> QuantumResult:
-        """Commit the data position, accumulate, step the optimizer at a batch's end, report."""
+        """Commit the data position, accumulate, step the optimizer at a batch's end, report.
+
+        ``graph_peak_bytes``: what a replayed graph's work needs (its pool is not allocated anew
+        on replay, so the allocator's peak alone would not show it)."""
         self.stream.commit(plan)
         self._batch_loss_sum += loss_sum.detach()
         self._batch_tokens += batch.num_tokens
@@ -257,6 +346,8 @@ class LoraTrainer:
             self._batch_loss_sum.zero_()
             self._batch_tokens = 0
         peak = self._peak()
+        if peak is not None and graph_peak_bytes is not None:
+            peak = max(peak, graph_peak_bytes)
         written = None
         every = self.hparams.checkpoint_every_steps
         due = plan.completes_batch and (
@@ -281,6 +372,9 @@ class LoraTrainer:
             finished=self.stream.finished,
             checkpoint=written,
             layer_passes=layer_passes,
+            graph=graph,
+            graph_fallback=graph_fallback,
+            launch_s=launch_s,
         )
 
     def _optimizer_step(self, learning_rate: float) -> torch.Tensor:
@@ -290,7 +384,8 @@ class LoraTrainer:
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
         self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # captured graphs add into the .grad tensors they saw: zero those in place
+        self.optimizer.zero_grad(set_to_none=self.graphs is None)
         self.step += 1
         return norm.float()
 
@@ -308,51 +403,3 @@ class LoraTrainer:
         while not run.step():
             pass
         return run.loss
-
-
-class ValidationRun:
-    """Mean token loss of a validation set, one micro-batch of at most ``max_tokens`` padded
-    tokens per :meth:`step` (eval mode: no dropout; no gradients; trainer state untouched).
-    Examples go longest first, so each micro-batch holds similar lengths."""
-
-    def __init__(
-        self, trainer: LoraTrainer, examples: Sequence[TokenizedExample], max_tokens: int
-    ) -> None:
-        if not examples:
-            raise ValueError("a validation run needs at least one example")
-        self.trainer = trainer
-        self.examples = list(examples)
-        self.max_tokens = max_tokens
-        self._order = sorted(range(len(examples)), key=lambda i: -examples[i].num_tokens)
-        self._next = 0
-        self._total = torch.zeros((), dtype=torch.float32, device=trainer.device)
-        self._count = 0
-
-    @property
-    def done(self) -> bool:
-        return self._next >= len(self._order)
-
-    @torch.no_grad()
-    def step(self) -> bool:
-        """Evaluate the next micro-batch; returns whether the run is complete."""
-        if self.done:
-            return True
-        longest = self.examples[self._order[self._next]].num_tokens
-        rows = max(1, self.max_tokens // longest)
-        chunk = [self.examples[i] for i in self._order[self._next : self._next + rows]]
-        batch = self.trainer._prepare(chunk)
-        self.trainer.model.eval()
-        try:
-            self._total += self.trainer._loss_sum(batch)
-        finally:
-            self.trainer.model.train()
-        self._count += batch.num_loss_tokens
-        self._next += len(chunk)
-        return self.done
-
-    @property
-    def loss(self) -> float:
-        """Mean token loss (once :attr:`done`)."""
-        if not self.done:
-            raise RuntimeError("validation run not complete")
-        return float(self._total.item()) / max(1, self._count)

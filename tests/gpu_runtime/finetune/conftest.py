@@ -58,3 +58,22 @@ def serving_model() -> Any:
     from gpu_runtime.model.tiny import tiny_config
 
     return build_random_model(tiny_config("llama"), seed=0, dtype="float32")
+
+
+def cuda_serving_model(num_hidden_layers: int = 2) -> Any:
+    """A small bf16 llama on CUDA with fused projections (as the decode engine keeps them)."""
+    from gpu_runtime.model import build_random_model
+    from gpu_runtime.model.tiny import tiny_config
+
+    config = tiny_config(
+        "llama",
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_hidden_layers=num_hidden_layers,
+    )
+    model = build_random_model(config, seed=0, device="cuda", dtype="bfloat16")
+    model.fuse_projections()
+    return model

@@ -13,23 +13,14 @@ from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.finetune.trainer import LoraTrainer
-from gpu_runtime.model import CausalLM, build_random_model
-from gpu_runtime.model.tiny import tiny_config
+from gpu_runtime.model import CausalLM
+from tests.gpu_runtime.finetune.conftest import cuda_serving_model
 
 pytestmark = pytest.mark.gpu
 
 
 def _serving() -> CausalLM:
-    config = tiny_config(
-        "llama",
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-    )
-    model = build_random_model(config, seed=0, device="cuda", dtype="bfloat16")
-    model.fuse_projections()
+    model: CausalLM = cuda_serving_model()
     return model
 
 

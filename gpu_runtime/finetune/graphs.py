@@ -1,0 +1,314 @@
+"""CUDA graphs of a training micro-batch's forward and backward, one per static shape and stream.
+
+Launched eagerly, one micro-batch of an 8B model is thousands of kernels, each paid for in Python
+and autograd bookkeeping on the host, whatever the number of tokens; the quantum runs on a worker
+thread, so that host work also competes with the decode loop for the GIL. A captured graph
+replays the same kernels with one launch.
+
+**Keys.** A graph is captured per :class:`GraphKey`: micro-batch rows, sequence length padded to
+a bucket (:func:`bucket_length`: at most 4 steps per power of two, so under 25 % padding), the
+count of loss slots padded the same way (unused slots point at position 0 with the ignore target,
+so they add nothing to the loss or the gradients), and the stream the graph was captured on: a
+graph's kernels run in the context it was captured in (a green-context SM partition, say), so a
+caller that makes another partition's stream current gets its own graph.
+
+**Memory.** All graphs of a trainer share one private memory pool. Inputs, the loss output and the
+adapters' ``.grad`` tensors are allocated outside it before capture, so a replay of one graph
+cannot overwrite anything another graph, or the caller, reads later. The captured backward adds
+into the ``.grad`` tensors in place; the trainer zeroes them in place after an optimizer step and
+never replaces them (a replay checks that and drops every graph if they were replaced).
+
+**Randomness.** LoRA dropout inside a graph draws from the trainer's own CUDA generator: its state
+is swapped into the process's default CUDA generator (``graphsafe_set_state``, a pointer swap)
+only while capturing, so the graph registers that state. Each replay then advances the trainer's
+philox offset by exactly what the eager micro-batch would have consumed and draws the same masks,
+so checkpoints (which store that generator's state) resume exactly, and decode sampling in the
+same process does not touch the trainer's state while a graph replays.
+
+**Fallback.** The first micro-batch on a (thread, stream) runs eagerly (it warms up cuBLAS and
+the autograd engine on that stream); later shapes are captured on first use and replayed. If a
+capture fails, graphs are disabled for the trainer, the reason is kept in :attr:`disabled`, and
+every quantum runs eagerly (each result says so).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu_runtime.finetune.batching import MicroBatch
+from gpu_runtime.finetune.data import IGNORE_INDEX
+
+MIN_BUCKET = 64
+STEPS_PER_OCTAVE = 4
+
+ForwardBackward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor
+]
+"""``(input_ids [B, S], positions [B, S], loss_positions [N], loss_targets [N], denominator)``
+-> summed loss (fp32 scalar), after running the backward of ``loss_sum / denominator``."""
+
+
+class GraphCaptureError(RuntimeError):
+    """A micro-batch could not be captured (the trainer then runs eagerly)."""
+
+
+def bucket_length(
+    n: int, minimum: int = MIN_BUCKET, steps_per_octave: int = STEPS_PER_OCTAVE
+) -> int:
+    """The smallest bucket ``>= n``: ``minimum``, then ``steps_per_octave`` evenly spaced steps
+    per power of two (64, 80, 96, 112, 128, 160, ..., 256, 320, ..., 2048, 2560, ...)."""
+    if n < 1 or minimum < 1 or steps_per_octave < 1:
+        raise ValueError(f"n={n}, minimum={minimum}, steps_per_octave={steps_per_octave} >= 1")
+    if n <= minimum:
+        return minimum
+    octave = 1 << ((n - 1).bit_length() - 1)  # largest power of two below n
+    step = max(1, octave // steps_per_octave)
+    return -(-n // step) * step
+
+
+@dataclass(frozen=True)
+class GraphKey:
+    """What one captured graph is valid for."""
+
+    rows: int
+    """Examples in the micro-batch."""
+    seq_len: int
+    """Padded sequence length (a :func:`bucket_length` value)."""
+    loss_slots: int
+    """Loss positions, padded (a :func:`bucket_length` value, at most ``rows * seq_len``)."""
+    stream: int
+    """Raw handle of the CUDA stream the graph was captured on and replays on."""
+
+
+def graph_key(batch: MicroBatch, stream: int) -> GraphKey:
+    """The key of ``batch`` (already padded to its sequence bucket) on ``stream``."""
+    rows, seq_len = batch.input_ids.shape
+    slots = min(bucket_length(max(1, int(batch.loss_positions.numel()))), rows * seq_len)
+    return GraphKey(int(rows), int(seq_len), slots, stream)
+
+
+def pack_inputs(batch: MicroBatch, loss_slots: int) -> torch.Tensor:
+    """One int64 vector ``[ids (B*S) | positions (B*S) | loss positions | loss targets]``, the loss
+    parts padded to ``loss_slots`` with position 0 / the ignore target (one host-to-device copy)."""
+    n = int(batch.loss_positions.numel())
+    if n > loss_slots:
+        raise ValueError(f"{n} loss positions do not fit {loss_slots} slots")
+    pad = loss_slots - n
+    return torch.cat(
+        [
+            batch.input_ids.reshape(-1),
+            batch.positions.reshape(-1),
+            batch.loss_positions,
+            torch.zeros(pad, dtype=torch.long, device=batch.loss_positions.device),
+            batch.loss_targets,
+            torch.full((pad,), IGNORE_INDEX, dtype=torch.long, device=batch.loss_targets.device),
+        ]
+    )
+
+
+def unpack_inputs(
+    packed: torch.Tensor, key: GraphKey
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Views ``(input_ids [B, S], positions [B, S], loss_positions [N], loss_targets [N])``."""
+    cells = key.rows * key.seq_len
+    shape = (key.rows, key.seq_len)
+    return (
+        packed[:cells].view(shape),
+        packed[cells : 2 * cells].view(shape),
+        packed[2 * cells : 2 * cells + key.loss_slots],
+        packed[2 * cells + key.loss_slots :],
+    )
+
+
+@dataclass
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph
+    inputs: torch.Tensor  # packed int64 inputs (outside the pool)
+    denominator: torch.Tensor  # fp32 [] (outside the pool)
+    loss_sum: torch.Tensor  # fp32 [] the replay writes (outside the pool)
+    extra_bytes: int  # memory the captured work needs above what was allocated before it
+
+
+@dataclass(frozen=True)
+class GraphRun:
+    """How one micro-batch's forward and backward ran."""
+
+    loss_sum: torch.Tensor
+    """Summed token loss (fp32 scalar on the device; not synced)."""
+    mode: str
+    """"replay", "capture" (captured now, then replayed) or "eager"."""
+    fallback: str | None
+    """Why it ran eagerly (None when a graph ran)."""
+    extra_bytes: int | None
+    """For graph runs: memory the graph's work needs above what was allocated at capture."""
+
+
+class MicroBatchGraphs:
+    """Captured forward+backward per :class:`GraphKey` for one trainer (see the module doc)."""
+
+    def __init__(
+        self,
+        forward_backward: ForwardBackward,
+        params: Sequence[torch.nn.Parameter],
+        generator: torch.Generator | None,
+        device: torch.device,
+        eager_rng: Callable[[], AbstractContextManager[None]],
+        max_graphs: int = 16,
+    ) -> None:
+        """``forward_backward`` runs one micro-batch (eagerly or under capture); ``generator`` is
+        the trainer's CUDA generator (dropout) and ``eager_rng()`` swaps the trainer's generators
+        in around an eager run; at most ``max_graphs`` stay captured (least recently used
+        dropped first)."""
+        if max_graphs < 1:
+            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        self.forward_backward = forward_backward
+        self.params = list(params)
+        self.generator = generator
+        self.device = device
+        self.eager_rng = eager_rng
+        self.max_graphs = max_graphs
+        self.disabled: str | None = None
+        """Why graphs are off for good (a failed capture), else None."""
+        self.counts: Counter[str] = Counter()
+        """Micro-batches run per mode ("replay", "capture", "eager")."""
+        self._graphs: OrderedDict[GraphKey, _Captured] = OrderedDict()
+        self._pool: Any = None
+        self._warm: set[tuple[int, int]] = set()
+        self._side: Any = None
+        self._grads: list[torch.Tensor] | None = None
+
+    def keys(self) -> list[GraphKey]:
+        """Captured keys, least recently used first."""
+        return list(self._graphs)
+
+    def padded_length(self, n: int) -> int:
+        """Sequence length a micro-batch whose longest example has ``n`` tokens is padded to."""
+        return bucket_length(n)
+
+    @contextlib.contextmanager
+    def on_stream(self) -> Iterator[None]:
+        """Run the block on a capturable stream: the caller's, or the trainer's own side stream
+        when the caller left the default stream current (it waits for the caller's work first,
+        and the caller's stream waits for it after)."""
+        if self.device.type != "cuda":
+            yield
+            return
+        current = torch.cuda.current_stream(self.device)
+        if current != torch.cuda.default_stream(self.device):
+            yield
+            return
+        if self._side is None:
+            self._side = torch.cuda.Stream(self.device)
+        self._side.wait_stream(current)
+        try:
+            with torch.cuda.stream(self._side):
+                yield
+        finally:
+            current.wait_stream(self._side)
+
+    def run(self, batch: MicroBatch, denominator: int) -> GraphRun:
+        """Forward and backward of ``batch`` (host tensors, sequence padded to its bucket),
+        gradients of ``loss_sum / denominator`` added to the adapters' ``.grad``."""
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self._is_cuda else 0
+        key = graph_key(batch, stream)
+        if self.disabled is not None:
+            return self._eager(batch, denominator, self.disabled)
+        self._check_grads()
+        entry = self._graphs.get(key)
+        mode = "replay"
+        if entry is None:
+            warm = (threading.get_ident(), stream)
+            if warm not in self._warm:
+                run = self._eager(batch, denominator, "first micro-batch on this stream (warm-up)")
+                self._warm.add(warm)
+                return run
+            try:
+                entry = self._capture(key)
+            except Exception as exc:  # any capture failure: eager from now on, reason kept
+                self.disabled = f"capture failed: {type(exc).__name__}: {exc}"[:400]
+                self._graphs.clear()
+                return self._eager(batch, denominator, self.disabled)
+            mode = "capture"
+        else:
+            self._graphs.move_to_end(key)
+        entry.inputs.copy_(pack_inputs(batch, key.loss_slots), non_blocking=True)
+        entry.denominator.fill_(float(denominator))
+        entry.graph.replay()
+        self.counts[mode] += 1
+        return GraphRun(entry.loss_sum, mode, None, entry.extra_bytes)
+
+    @property
+    def _is_cuda(self) -> bool:
+        return self.device.type == "cuda"
+
+    def _eager(self, batch: MicroBatch, denominator: int, reason: str) -> GraphRun:
+        on_device = batch.to(self.device)
+        with self.eager_rng():
+            loss_sum = self.forward_backward(
+                on_device.input_ids,
+                on_device.positions,
+                on_device.loss_positions,
+                on_device.loss_targets,
+                denominator,
+            )
+        self.counts["eager"] += 1
+        return GraphRun(loss_sum, "eager", reason, None)
+
+    def _check_grads(self) -> None:
+        """Captured graphs add into the ``.grad`` tensors they saw; drop them all if replaced."""
+        if self._grads is None:
+            return
+        if any(p.grad is not g for p, g in zip(self.params, self._grads, strict=True)):
+            self._graphs.clear()
+            self._grads = None
+
+    def _capture(self, key: GraphKey) -> _Captured:
+        if not self._is_cuda:
+            raise GraphCaptureError(f"CUDA graphs need a CUDA device, not {self.device}")
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self._grads = [p.grad for p in self.params if p.grad is not None]
+        while len(self._graphs) >= self.max_graphs:
+            self._graphs.popitem(last=False)
+        cells = key.rows * key.seq_len
+        inputs = torch.zeros(2 * cells + 2 * key.loss_slots, dtype=torch.long, device=self.device)
+        inputs[2 * cells + key.loss_slots :] = IGNORE_INDEX
+        denominator = torch.ones((), dtype=torch.float32, device=self.device)
+        loss_out = torch.zeros((), dtype=torch.float32, device=self.device)
+        ids, positions, loss_positions, loss_targets = unpack_inputs(inputs, key)
+        graph = torch.cuda.CUDAGraph()
+        index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+        default_generator = torch.cuda.default_generators[index]
+        process_state = default_generator.graphsafe_get_state()
+        before = torch.cuda.memory_allocated(self.device)
+        if self.generator is not None:
+            default_generator.graphsafe_set_state(self.generator)
+        try:
+            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            try:
+                loss_sum = self.forward_backward(
+                    ids, positions, loss_positions, loss_targets, denominator
+                )
+                loss_out.copy_(loss_sum.detach())
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    graph.capture_end()
+                raise
+            graph.capture_end()
+        finally:
+            default_generator.graphsafe_set_state(process_state)
+        if self._pool is None:
+            self._pool = graph.pool()
+        extra = max(0, torch.cuda.max_memory_allocated(self.device) - before)
+        entry = _Captured(graph, inputs, denominator, loss_out, extra)
+        self._graphs[key] = entry
+        return entry
