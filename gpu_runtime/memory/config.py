@@ -23,6 +23,9 @@ class MemoryPolicyConfig:
     """Pages decode always keeps mapped (page 0 holds the padding block CUDA graphs read)."""
     max_waiting_pages: int = 1024
     """Cap on the pages the reserve grows by for queued requests."""
+    growth_window: int = 4
+    """Intervals between finetune quanta over which decode's block growth is remembered: the
+    reserve refilled between quanta covers the largest (see `MemoryManager.refill_reserve`)."""
     reclaim_from_finetune: bool = True
     """False turns the pool into a static split: pages lent to finetuning never come back to
     decode, which preempts instead (the baseline the benchmark compares with)."""
@@ -37,6 +40,8 @@ class MemoryPolicyConfig:
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.growth_window < 1:
+            raise ValueError(f"growth_window must be >= 1, got {self.growth_window}")
         if self.max_step_pages <= 0:
             raise ValueError(f"max_step_pages must be positive, got {self.max_step_pages}")
         if self.min_decode_pages < 1:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 
 from gpu_runtime.memory.config import DecodeDemand, DecodeGrant, MemoryPolicyConfig
@@ -66,6 +67,8 @@ class MemoryManager:
         self._finetune_demand_pages = 0
         self._iterations_above_high = 0
         self._iterations_since_reclaim = self.config.grow_hold_iterations
+        self._used_at_last_refill: int | None = None
+        self._interval_growth: deque[int] = deque(maxlen=self.config.growth_window)
         initial = min(
             max(self.config.min_decode_pages, self.config.reserve_low_pages),
             pool.prefix_limit_pages,
@@ -167,19 +170,30 @@ class MemoryManager:
 
     def refill_reserve(self, demand: DecodeDemand) -> int:
         """Between finetune quanta (none in flight): refill decode's reserve up to the low
-        watermark in one step of at most `max_step_pages`, reclaiming from finetuning if the
-        free pages fall short. Returns the pages mapped.
+        watermark plus what decode grew by over each of the last `growth_window` intervals
+        between such calls (the most of them), reclaiming from finetuning if the free pages fall
+        short. Not limited to `max_step_pages`. Returns the pages mapped.
 
         On a GPU the finetune quanta run back to back, so `maintain` (called while the next
-        quantum runs) can only defer reclaims; this is the one point of the iteration where a
-        reclaim neither waits for a quantum nor cuts a running quantum's budget. It does not
-        touch the hysteresis counters (`maintain` still runs once per iteration)."""
+        quantum runs) can only defer reclaims: this is the one point of the iteration where a
+        reclaim neither waits for a quantum nor cuts a running quantum's budget, and the reserve
+        must last until the next such point, one quantum later. It does not touch the
+        hysteresis counters (`maintain` still runs once per iteration)."""
         self._check_demand(demand)
+        if self._used_at_last_refill is not None:
+            self._interval_growth.append(max(demand.used_blocks - self._used_at_last_refill, 0))
+        self._used_at_last_refill = demand.used_blocks
         free_blocks = self.usable_blocks - demand.used_blocks
         _, low_blocks, _ = self._watermarks(demand)
+        low_blocks += max(self._interval_growth, default=0)
         if free_blocks >= low_blocks:
             return 0
-        return self._refill(demand, low_blocks, allow_reclaim=True)
+        need = self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
+        got = self._grow_decode(need - self.pool.kv_prefix_pages, reason="refill")
+        if got:
+            self.counters.refill_maps += 1
+            self.counters.refill_pages += got
+        return got
 
     def _watermarks(self, demand: DecodeDemand) -> tuple[int, int, int]:
         """(low target in pages, low and high watermarks in blocks), waiting prompts included."""

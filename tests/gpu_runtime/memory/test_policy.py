@@ -283,3 +283,26 @@ def test_a_shrink_blocked_by_a_live_top_block_waits_another_hysteresis_period() 
         manager.maintain(DecodeDemand(used_blocks=5), top_used_block=top)
     # Asked on the 3rd and 6th iterations above high, not on every one after the 3rd.
     assert len(calls) == 2 and manager.usable_blocks == 40 and manager.counters.kv_shrinks == 0
+
+
+def test_the_reserve_between_quanta_covers_decode_growth_over_one_quantum() -> None:
+    manager, pool = _manager(num_pages=64, grow_hold_iterations=0, max_step_pages=2)
+    manager.set_finetune_demand(60 * PAGE)
+    idle = DecodeDemand(used_blocks=0, top_used_block=0)
+    for _ in range(30):
+        manager.maintain(idle)
+    assert pool.finetune_pages == 60 and manager.usable_blocks == 4
+    assert manager.refill_reserve(DecodeDemand(used_blocks=0)) == 0  # first call: no interval
+    # During the quantum decode grew by 4 blocks (urgent maps from the reclaim path).
+    manager.before_step(DecodeDemand(used_blocks=0, next_step_blocks=4))
+    # Next point: 4 used, low 4, plus the 4 it grew by -> 12 mapped, in one move (no step cap).
+    assert manager.refill_reserve(DecodeDemand(used_blocks=4)) == 8
+    assert manager.usable_blocks == 12 and pool.finetune_pages == 52
+    # Growth is remembered over `growth_window` intervals (the largest counts).
+    for used in (5, 5, 5):
+        manager.refill_reserve(DecodeDemand(used_blocks=used))
+    assert manager.usable_blocks == 13  # 5 + 4 + 4
+    manager.refill_reserve(DecodeDemand(used_blocks=5))  # the 4-block interval left the window
+    assert manager.usable_blocks == 13 and manager.refill_reserve(DecodeDemand(used_blocks=5)) == 0
+    with pytest.raises(ValueError, match="growth_window"):
+        MemoryPolicyConfig(growth_window=0)
