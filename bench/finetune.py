@@ -5,7 +5,10 @@ Training (per LoRA targets x sequence length x micro-batch): Llama-3-8B shape, s
 weights, rank 16, alpha 32, dropout 0.05, bf16 autocast, fused AdamW over fp32 adapter
 parameters, gradient clipping at 1.0, one optimizer step per micro-batch, every token but the
 first a loss target. Ours: `LoraTrainer.step_quantum` over the serving model's own tensors
-(fused q|k|v and gate|up, as the decode engine keeps them). Reference: a plain torch loop over
+(fused q|k|v and gate|up, as the decode engine keeps them), each micro-batch's forward and
+backward replayed from a CUDA graph (the trainer's default on CUDA; `harli_eager` is the same
+trainer with `cuda_graphs=False`, the first two quanta of a graphed row are its warm-up and
+capture). Reference: a plain torch loop over
 `peft.get_peft_model(LlamaForCausalLM)` built on the same tensors (no second copy in this run;
 a separate HF+PEFT process would need its own copy of the base weights, hence
 `extra_mem_on_decode_gpu_gb`). Both see the same token ids. Before timing, the first losses of
@@ -111,10 +114,11 @@ def run_ours(
     micro: int,
     warmup: int,
     variant: str,
-) -> tuple[list[float], list[float]]:
-    """variant: "harli" (fused forward), "harli_peft_tree" (peft modules' own forward),
-    "harli_sliced4" (quanta of 4 decoder-layer passes; one timed step = a whole micro-batch),
-    "harli_ckpt" (activation checkpointing)."""
+) -> tuple[list[float], list[float], dict[str, Any]]:
+    """variant: "harli" (fused forward, CUDA graphs), "harli_eager" (the same, no graphs),
+    "harli_peft_tree" (peft modules' own forward), "harli_sliced4" (quanta of 4 decoder-layer
+    passes; one timed step = a whole micro-batch), "harli_ckpt" (activation checkpointing).
+    Returns step times, losses and how the quanta ran (graph modes, host launch ms)."""
     hparams = resolve_hyperparameters(
         n_train_examples=len(examples),
         n_epochs=1,
@@ -123,9 +127,15 @@ def run_ours(
         seed=0,
         activation_checkpointing=variant == "harli_ckpt",
     )
-    trainer = LoraTrainer(serving, examples, hparams, fused_forward=variant != "harli_peft_tree")
+    trainer = LoraTrainer(
+        serving,
+        examples,
+        hparams,
+        fused_forward=variant != "harli_peft_tree",
+        cuda_graphs=False if variant == "harli_eager" else None,
+    )
     max_layers = 4 if variant == "harli_sliced4" else None
-    times, losses = [], []
+    times, losses, modes, launches = [], [], [], []
     while not trainer.finished:
         start = time.perf_counter()
         result = trainer.step_quantum(max_examples=micro, max_layers=max_layers)
@@ -135,8 +145,16 @@ def run_ours(
         assert result.loss is not None
         losses.append(result.loss)
         assert result.optimizer_step and result.examples == micro
+        modes.append(result.graph)
+        launches.append(result.launch_s)
+    timed = [x for x in launches[warmup:] if x is not None]
+    info: dict[str, Any] = {
+        "graph_modes": modes,
+        "launch_ms_p50": round(statistics.median(timed) * 1e3, 3) if timed else None,
+        "graph_fallback": None if trainer.graphs is None else trainer.graphs.disabled,
+    }
     del trainer
-    return times[warmup:], losses
+    return times[warmup:], losses, info
 
 
 def run_hf(
@@ -207,7 +225,12 @@ def main() -> None:
     parser.add_argument("--micro", default="1,2,4,8")
     parser.add_argument("--max-tokens", type=int, default=8192, help="skip seq*micro above")
     parser.add_argument("--systems", default="harli,hf_peft")
-    parser.add_argument("--ablation", action="store_true", help="also ours via the peft tree")
+    parser.add_argument(
+        "--ablation",
+        action="store_true",
+        help="also ours without CUDA graphs (every shape), via the peft tree, layer-sliced and "
+        "with activation checkpointing (seq 512, micro-batch 4)",
+    )
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--rank", type=int, default=16)
@@ -233,12 +256,25 @@ def main() -> None:
     out = Path(args.out) / f"finetune-h200-{day}.json"
 
     def write() -> dict[str, Any]:
-        ratios = []
+        ratios, graph_gains = [], []
         for row in rows:
             if row["system"] != "harli" or row["status"] != "ok":
                 continue
             for ref in rows:
                 same = all(ref[k] == row[k] for k in ("targets", "seq_len", "micro_batch"))
+                if same and ref["system"] == "harli_eager" and ref["status"] == "ok":
+                    graph_gains.append(
+                        {
+                            "targets": row["targets"],
+                            "seq_len": row["seq_len"],
+                            "micro_batch": row["micro_batch"],
+                            "step_ms_graphed": row["step_ms_p50"],
+                            "step_ms_eager": ref["step_ms_p50"],
+                            "launch_ms_graphed": row.get("launch_ms_p50"),
+                            "launch_ms_eager": ref.get("launch_ms_p50"),
+                            "speedup": round(row["tokens_per_s"] / ref["tokens_per_s"], 3),
+                        }
+                    )
                 if same and ref["system"] == "hf_peft" and ref["status"] == "ok":
                     ratios.append(
                         {
@@ -265,6 +301,7 @@ def main() -> None:
             "rows": rows,
             "multi_lora_decode": decode_rows,
             "ratios": ratios,
+            "graph_gains": graph_gains,
             "wall_s": round(time.perf_counter() - started, 1),
         }
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -283,6 +320,8 @@ def main() -> None:
                 if args.ablation and seq == 512 and micro == 4:
                     for variant in ("harli_peft_tree", "harli_sliced4", "harli_ckpt"):
                         ablations.append((targets, seq, micro, variant))
+                if args.ablation and "harli" in systems and "harli_eager" not in systems:
+                    ablations.append((targets, seq, micro, "harli_eager"))  # graphs' gain
     # the issue's headline setting first, ablations last, so a time-boxed run keeps what matters
     plan.sort(key=lambda item: (item[0], item[1], item[2]) != ("qkvo", 512, 4))
     plan += ablations
@@ -315,9 +354,10 @@ def main() -> None:
                 baseline = reset_peak(device)
                 times, losses = run_hf(hf_models[targets], examples, micro, args.warmup, device)
             else:
-                times, losses = run_ours(
+                times, losses, info = run_ours(
                     serving, spec, examples, micro, args.warmup, variant=system
                 )
+                row.update(info)
             step = statistics.median(times)
             peak_bytes = peak(device)
             training = (peak_bytes - baseline) / GB
@@ -381,6 +421,13 @@ def main() -> None:
             f"speedup {ratio['targets']} seq {ratio['seq_len']} mb {ratio['micro_batch']}: "
             f"{ratio['speedup']:.2f}x tokens/s, peak mem {ratio['peak_mem_ratio']}x, "
             f"extra mem on a decode GPU {ratio['extra_mem_ratio']}x"
+        )
+    for gain in result["graph_gains"]:
+        print(
+            f"CUDA graphs {gain['targets']} seq {gain['seq_len']} mb {gain['micro_batch']}: "
+            f"step {gain['step_ms_eager']} -> {gain['step_ms_graphed']} ms "
+            f"({gain['speedup']:.2f}x), host launch {gain['launch_ms_eager']} -> "
+            f"{gain['launch_ms_graphed']} ms"
         )
     for d in decode_rows:
         if "step_ms_p50" not in d:
