@@ -1,14 +1,20 @@
 """Decode-latency predictor: held-out accuracy (stage 1 and 2) beside the roofline, µs per call.
 
-Run: ``python bench/predictor.py [--data CSV] [--quick]`` (CPU only: training in torch, inference
-through onnxruntime on this host's CPU, one intra-op thread). It trains on the profiled data
-(measured on the GPU by ``predictor_models.profile``), holds out whole configuration buckets,
-writes a new versioned artifact under ``predictor_models/artifacts/``, scores the held-out rows
-through the exported ONNX graph, times single and batch-of-64 calls, and writes
-``bench/results/predictor-<gpu>-<yyyymmdd>.json`` (``gpu`` = the GPU the data was measured on).
+Run: ``python bench/predictor.py [--data CSV] [--quick]`` trains on the profiled data (measured
+on the GPU by ``predictor_models.profile``), holds out whole configuration buckets, writes a new
+versioned artifact under ``predictor_models/artifacts/``, scores the held-out rows through the
+exported ONNX graph and times calls on this host's CPU. ``--artifact DIR`` (or ``latest``) skips
+training and measures an existing artifact on the same held-out split (what runs on the GPU
+host, whose CPU is the one that serves predictions). Writes
+``bench/results/predictor-<gpu>-<yyyymmdd>.json`` (``gpu`` = the GPU the data was measured on)
+or ``--result-file``.
 
-The timing also reports a trivial ONNX graph's call time in the same process (``ort_floor_us``):
-on a shared, loaded host the floor itself moves, and the ratio to it holds better than absolutes.
+Timing (onnxruntime CPU provider, one intra-op thread, sequential, no spinning): one stage-2
+row, ``predict`` of 64 rows (the target: <= 50 µs), ``score`` of 64 candidates, the same 64 rows
+through a plain ``session.run`` (no bound buffers), and a one-node graph's call (``floor``): on a
+shared, loaded host the floor itself moves, and the ratio to it holds better than absolutes.
+The result names the host CPU, its load, and the graph's node count before and after
+onnxruntime's optimisations.
 """
 
 from __future__ import annotations
@@ -19,7 +25,6 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,20 +38,24 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from gpu_runtime.predictor.runtime import LatencyPredictor
+from gpu_runtime.predictor.artifact import artifact_dir, read_metadata
+from gpu_runtime.predictor.runtime import LatencyPredictor, session_options
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
+from predictor_models.dataset import load_profile
 from predictor_models.pipeline import (
     DEFAULT_DATA,
     DEFAULT_ROOT,
+    REPO,
     evaluate_artifact,
     fit_and_export,
+    roofline_metrics,
 )
 
 TARGETS = {"stage1_mape": 0.03, "stage2_mape": 0.05, "p95_ape": 0.10, "batch64_us": 50.0}
 
 
-def per_call_us(fn: Callable[[], object], calls: int = 200, blocks: int = 15) -> float:
-    """Median over blocks of the mean µs per call (after a warm-up block)."""
+def per_call_us(fn: Callable[[], object], calls: int = 300, blocks: int = 21) -> dict[str, float]:
+    """Mean µs per call in each of ``blocks`` blocks (after a warm-up block): median and min."""
     for _ in range(calls):
         fn()
     means = []
@@ -55,11 +64,35 @@ def per_call_us(fn: Callable[[], object], calls: int = 200, blocks: int = 15) ->
         for _ in range(calls):
             fn()
         means.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(means)
+    return {"median": statistics.median(means), "min": min(means)}
 
 
-def ort_floor_us() -> float:
-    """µs per call of a one-node ONNX graph of the same input: the session-call floor here."""
+def single_calls_us(fn: Callable[[], object], calls: int = 3000) -> dict[str, float]:
+    """p50 and p99 of individually timed calls (each includes ~0.1 µs of timer overhead)."""
+    for _ in range(300):
+        fn()
+    times = []
+    clock = time.perf_counter_ns
+    for _ in range(calls):
+        start = clock()
+        fn()
+        times.append((clock() - start) / 1e3)
+    times.sort()
+    return {"p50": times[len(times) // 2], "p99": times[int(0.99 * (len(times) - 1))]}
+
+
+def ort_floor_us(bound: bool) -> float | None:
+    """µs per call of a one-node graph over the same 64 x 11 input, with the same session
+    options: through ``session.run`` or through a bound IOBinding (``bound``); None if the
+    graph cannot be built here (no ONNX exporter)."""
+    try:
+        return _ort_floor_us(bound)
+    except (ImportError, RuntimeError) as exc:
+        print(f"no ORT floor: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _ort_floor_us(bound: bool) -> float:
     import onnxruntime as ort
 
     class Sum(torch.nn.Module):
@@ -75,67 +108,162 @@ def ort_floor_us() -> float:
             str(path),
             dynamo=False,
             input_names=["features"],
-            dynamic_axes={"features": {0: "n"}},
+            output_names=["y"],
+            dynamic_axes={"features": {0: "n"}, "y": {0: "n"}},
         )
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.inter_op_num_threads = 1
-        session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(
+            str(path), session_options(), providers=["CPUExecutionProvider"]
+        )
     rows = np.ones((64, 11), dtype=np.float32)
-    return per_call_us(lambda: session.run(None, {"features": rows}))
+    out = np.zeros(64, dtype=np.float32)
+    if not bound:
+        return per_call_us(lambda: session.run(None, {"features": rows}))["median"]
+    binding = session.io_binding()
+    binding.bind_input("features", "cpu", 0, np.float32, [64, 11], rows.ctypes.data)
+    binding.bind_output("y", "cpu", 0, np.float32, [64], out.ctypes.data)
+    return per_call_us(lambda: session.run_with_iobinding(binding))["median"]
 
 
-def timing(predictor: LatencyPredictor) -> dict[str, float]:
-    """µs per call: one stage-2 row, a batch of 64 rows, and ``score`` over 64 candidates."""
+def timing(predictor: LatencyPredictor) -> dict[str, float | None]:
+    """µs per call (median over blocks unless named): one stage-2 row, 64 rows through
+    ``predict`` and through a plain ``session.run``, ``score`` over 64 candidates, floors."""
     iteration = DecodeIteration.from_contexts([900] * 48, 0, decode_sm_share=64 / 132)
     quanta = [
-        FinetuneQuantum(t, s, r, b, 1 - d / 132)
+        FinetuneQuantum(t, s, 16, b, 1 - d / 132)
         for d in (32, 48, 64, 80)
         for t, s in ((512, 512), (1024, 512), (2048, 1024), (4096, 1024))
-        for r in (16,)
         for b in (False, True)
     ]
     quanta = (quanta * 2)[:64]
     shares = [1 - q.sm_share for q in quanta]
     rows = np.array([iteration.row() + q.row() for q in quanta], dtype=np.float32)
-    for i, share in enumerate(shares):
-        rows[i, 5] = share
+    rows[:, 5] = shares
     candidates = list(zip(shares, quanta, strict=True))
+    session, feed = predictor.session, {"features": rows}
+    batch = per_call_us(lambda: predictor.predict(rows))
+    single = per_call_us(lambda: predictor.stage2(iteration, quanta[0]))
+    each = single_calls_us(lambda: predictor.predict(rows))
     return {
-        "single_us": per_call_us(lambda: predictor.stage2(iteration, quanta[0])),
-        "batch64_us": per_call_us(lambda: predictor.predict(rows)),
-        "score64_us": per_call_us(lambda: predictor.score(iteration, candidates)),
-        "ort_floor_us": ort_floor_us(),
+        "single_us": single["median"],
+        "single_us_min": single["min"],
+        "batch64_us": batch["median"],
+        "batch64_us_min": batch["min"],
+        "batch64_us_p50_single_calls": each["p50"],
+        "batch64_us_p99_single_calls": each["p99"],
+        "score64_us": per_call_us(lambda: predictor.score(iteration, candidates))["median"],
+        "session_run64_us": per_call_us(lambda: session.run(None, feed))["median"],
+        "ort_floor_us": ort_floor_us(bound=False),
+        "ort_floor_bound_us": ort_floor_us(bound=True),
+    }
+
+
+def graph_nodes(onnx_path: Path) -> dict[str, Any]:
+    """Node count and op types of the graph as stored and after onnxruntime's optimisations."""
+    import onnxruntime as ort
+
+    try:
+        import onnx
+    except ImportError:
+        return {"nodes_stored": None, "nodes_optimized": None, "ops_optimized": None}
+    stored = onnx.load(str(onnx_path))
+    with tempfile.TemporaryDirectory() as tmp:
+        options = session_options()
+        options.optimized_model_filepath = str(Path(tmp) / "optimized.onnx")
+        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_EXTENDED
+        ort.InferenceSession(str(onnx_path), options, providers=["CPUExecutionProvider"])
+        optimized = onnx.load(options.optimized_model_filepath)
+    compute = [n.op_type for n in stored.graph.node if n.op_type != "Constant"]
+    return {
+        "nodes_stored": len(compute),
+        "nodes_optimized": len(optimized.graph.node),
+        "ops_optimized": [n.op_type for n in optimized.graph.node],
+    }
+
+
+def host_cpu() -> dict[str, Any]:
+    """The CPU that runs inference: model name, logical CPUs, CPUs this process may use."""
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu_model": model,
+        "machine": platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)),
     }
 
 
 def _commit() -> str:
+    import subprocess
+
     try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], text=True, cwd=REPO, stderr=subprocess.DEVNULL
+        ).strip()
     except (OSError, subprocess.CalledProcessError):
-        return "unknown"
+        return os.environ.get("HARLI_COMMIT", "unknown")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _relative(path: Path) -> str:
+    return (
+        str(path.resolve().relative_to(REPO)) if path.resolve().is_relative_to(REPO) else str(path)
+    )
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--data", default=str(DEFAULT_DATA))
     parser.add_argument("--root", default=str(DEFAULT_ROOT), help="artifact root")
+    parser.add_argument("--artifact", default=None, help="measure this artifact (or 'latest')")
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--result-file", default=None, help="exact output path")
     parser.add_argument("--quick", action="store_true", help="one candidate per stage")
+    parser.add_argument("--host-label", default="", help="what this CPU is, e.g. 'H200 host'")
     args = parser.parse_args()
+    torch.set_num_threads(1)
     load_before = os.getloadavg()
     started = time.perf_counter()
-    artifact, result = fit_and_export(args.data, args.root, args.quick)
-    train_s = time.perf_counter() - started
-    predictor = LatencyPredictor.load(artifact)
+    training: dict[str, Any] = {}
+    if args.artifact is None:
+        artifact, _ = fit_and_export(args.data, args.root, args.quick)
+        training = {"train_s": time.perf_counter() - started, "trained_here": True}
+    else:
+        data = load_profile(args.data)
+        gpu_key = str(data.meta.get("gpu_key") or data.meta["gpu"].split()[-1].lower())
+        model = str(data.meta.get("model") or data.shape.name)
+        artifact = (
+            artifact_dir(args.root, gpu_key, model)
+            if args.artifact == "latest"
+            else Path(args.artifact)
+        )
+        training = {"trained_here": False}
+    meta = read_metadata(artifact).raw
     onnx_metrics = evaluate_artifact(artifact, args.data)
+    cfg = meta.get("train_config", {})
+    roofline = roofline_metrics(args.data, cfg.get("test_fraction", 0.25), cfg.get("seed", 0))
+    predictor = LatencyPredictor.load(artifact)
     times = timing(predictor)
-    meta = predictor.metadata.raw
+    graph = graph_nodes(Path(artifact) / "model.onnx")
+    host = {
+        **host_cpu(),
+        "label": args.host_label,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
     rows: list[dict[str, Any]] = []
     for stage in (1, 2):
         key = f"stage{stage}"
         for who in ("harli", "roofline"):
-            m = onnx_metrics[key] if who == "harli" else result.metrics[key]["roofline"]
+            m = onnx_metrics[key] if who == "harli" else roofline[key]
             rows.append(
                 {
                     "model": meta["model"],
@@ -149,16 +277,18 @@ def main() -> None:
                 }
             )
     by = {(r["stage"], r["predictor"]): r for r in rows}
+    batch64 = float(times["batch64_us"] or 0.0)
     comparisons = {
         "stage1_mape_vs_roofline": by[1, "harli"]["mape"] / by[1, "roofline"]["mape"],
         "stage2_mape_vs_roofline": by[2, "harli"]["mape"] / by[2, "roofline"]["mape"],
-        "batch64_us_over_ort_floor": times["batch64_us"] / times["ort_floor_us"],
+        "batch64_us_over_ort_floor": _ratio(times["batch64_us"], times["ort_floor_us"]),
+        "batch64_bound_over_session_run": _ratio(times["batch64_us"], times["session_run64_us"]),
         "meets": {
             "stage1_mape": by[1, "harli"]["mape"] <= TARGETS["stage1_mape"],
             "stage2_mape": by[2, "harli"]["mape"] <= TARGETS["stage2_mape"],
             "p95_ape": max(by[1, "harli"]["p95_ape"], by[2, "harli"]["p95_ape"])
             <= TARGETS["p95_ape"],
-            "batch64_us": times["batch64_us"] <= TARGETS["batch64_us"],
+            "batch64_us": batch64 <= TARGETS["batch64_us"],
         },
     }
     import onnxruntime
@@ -171,37 +301,51 @@ def main() -> None:
         "created": dt.datetime.now(dt.UTC).isoformat(),
         "config": {
             "data": meta["data"],
-            "artifact": str(Path(artifact).relative_to(Path.cwd()))
-            if Path(artifact).is_relative_to(Path.cwd())
-            else str(artifact),
+            "artifact": _relative(Path(artifact)),
             "artifact_version": meta["version"],
-            "chosen": result.chosen,
-            "cv_mape": result.cv,
-            "n_train": result.n_train,
-            "train_config": result.config,
-            "train_s": train_s,
+            "artifact_format": meta["format"],
+            "artifact_commit": meta.get("commit"),
+            "chosen": meta.get("chosen"),
+            "cv_mape": meta.get("cv_mape"),
+            "n_train": meta.get("n_train"),
+            "train_config": cfg,
+            **training,
             "held_out": onnx_metrics["scope"],
-            "onnxruntime": onnxruntime.__version__,
-            "intra_op_threads": 1,
-            "cpu": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(),
-            "load_average_before": load_before,
-            "load_average_after": os.getloadavg(),
+            "inference": {
+                "onnxruntime": onnxruntime.__version__,
+                "numpy": np.__version__,
+                "python": platform.python_version(),
+                "provider": "CPUExecutionProvider",
+                "intra_op_threads": 1,
+                "inter_op_threads": 1,
+                "execution_mode": "sequential",
+                "graph_optimization": "ORT_ENABLE_ALL",
+                "spinning": False,
+                "buffers": "IOBinding to preallocated input/output arrays (predict, score)",
+                "graph": graph,
+            },
+            "host": host,
             "timing": times,
             "targets": TARGETS,
         },
         "rows": rows,
         "comparisons": comparisons,
     }
-    gpu_key = meta["gpu_key"]
-    path = Path(args.out) / f"predictor-{gpu_key}-{dt.datetime.now(dt.UTC):%Y%m%d}.json"
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%d")
+    path = (
+        Path(args.result_file)
+        if args.result_file
+        else Path(args.out) / f"predictor-{meta['gpu_key']}-{stamp}.json"
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=1, default=str))
-    print(f"artifact {artifact}; chosen {result.chosen}; trained in {train_s:.0f} s")
+    print(f"artifact {artifact} ({meta['format']}); chosen {meta.get('chosen')}; {training}")
     print(
-        f"timing (µs): {json.dumps({k: round(v, 1) for k, v in times.items()})}; "
-        f"load average {load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}"
+        f"host CPU: {host['cpu_model']} ({host['cpus_usable']} usable), load "
+        f"{load_before[0]:.1f} -> {os.getloadavg()[0]:.1f}; graph "
+        f"{graph['nodes_optimized']} nodes after optimisation"
     )
+    print(f"timing (µs): {json.dumps({k: v and round(v, 1) for k, v in times.items()})}")
     print(
         f"{'stage':>5} {'predictor':10} {'MAPE':>7} {'p95 APE':>8} {'n':>4} {'µs 1':>7} "
         f"{'µs 64':>7}"

@@ -137,6 +137,11 @@ def mlp(n_in: int, hidden: Sequence[int]) -> nn.Sequential:
 class Normalizer(nn.Module):
     """``(f - mean) / std`` with buffers set from training features.
 
+    A feature that is constant in training gets ``std = inf`` (it normalises to 0): it carried no
+    information there, and dividing by a tiny std would turn any other value into an enormous
+    input (e.g. prefill-chunk tokens when every profiled iteration had none, which drove
+    predictions to 0 ms); such a feature acts only through the roofline terms.
+
     ``fold_into(linear)`` moves the normalisation into the next layer's weights (exactly the
     same function, two fewer ops in the exported graph) and turns this module into identity.
     """
@@ -152,7 +157,9 @@ class Normalizer(nn.Module):
 
     def fit(self, features: torch.Tensor) -> None:
         self.mean.copy_(features.mean(0))
-        self.std.copy_(features.std(0).clamp(min=1e-6) if len(features) > 1 else self.std)
+        if len(features) > 1:
+            std = features.std(0)
+            self.std.copy_(torch.where(std > 1e-6, std, math.inf))
 
     @torch.no_grad()
     def fold_into(self, linear: nn.Linear) -> None:

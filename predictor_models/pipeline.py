@@ -12,6 +12,7 @@ from gpu_runtime.predictor.artifact import read_metadata
 from gpu_runtime.predictor.runtime import LatencyPredictor
 from predictor_models.dataset import ProfileData, load_profile, split_by_config
 from predictor_models.export import write_artifact
+from predictor_models.roofline import H200, RooflineBaseline
 from predictor_models.train import TrainConfig, TrainResult, error_metrics, train
 
 REPO = Path(__file__).resolve().parent.parent
@@ -66,4 +67,27 @@ def evaluate_artifact(directory: str | Path, data_path: str | Path) -> dict[str,
     for stage in (1, 2):
         mask = subset.stage == stage
         out[f"stage{stage}"] = error_metrics(pred[mask], subset.latency_ms[mask])
+    return out
+
+
+def roofline_metrics(
+    data_path: str | Path, test_fraction: float = 0.25, seed: int = 0
+) -> dict[str, dict[str, float]]:
+    """The roofline-only baseline fitted on the training split, scored on the held-out rows."""
+    data = load_profile(data_path)
+    train_idx, test_idx = split_by_config(data, test_fraction, seed)
+    train_set, test_set = data.subset(train_idx), data.subset(test_idx)
+    baseline = RooflineBaseline(data.shape, H200)
+    out = {}
+    for stage in (1, 2):
+        fit_rows = train_set.stage == stage
+        if np.any(fit_rows):
+            baseline.fit(
+                torch.tensor(train_set.x[fit_rows], dtype=torch.float32),
+                torch.tensor(train_set.latency_ms[fit_rows], dtype=torch.float32),
+                stage,
+            )
+        rows = test_set.stage == stage
+        pred = baseline.predict(torch.tensor(test_set.x[rows], dtype=torch.float32), stage)
+        out[f"stage{stage}"] = error_metrics(pred.numpy(), test_set.latency_ms[rows])
     return out

@@ -66,6 +66,12 @@ SOURCES = {
         "prefill chunks; finetune = peft LoRA fwd/bwd on shared weights"
     ),
 }
+FINETUNE_MODE = (
+    "predictor_models.standin.LoraQuantum (peft LoRA on the serving model's weights): forward "
+    "replayed from a CUDA graph, backward eager autograd; two quanta kept in flight on the "
+    "finetune stream; not the finetune engine's trainer (no optimizer step, no fixed host "
+    "overhead between quanta)"
+)
 SOURCE = (
     "stand-in: gpu_runtime.model CausalLM forward + padded grouped-query KV attention, "
     "CUDA graph per (config, partition); finetune = peft LoRA fwd/bwd on shared weights"
@@ -393,6 +399,7 @@ def main() -> None:
         "model": args.model,
         "model_shape": profiler.shape.as_dict(),
         "source": SOURCES.get(args.decode_source, SOURCE),
+        "finetune_mode": FINETUNE_MODE,
         "sharing": sharing.mechanism,
         "decode_sms_choices": list(sharing.table.choices),
         "iters_per_row": args.iters,

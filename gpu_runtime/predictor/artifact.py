@@ -4,6 +4,10 @@ Layout: ``<root>/<gpu_key>/<model>/<version>/`` holding ``model.onnx`` and ``met
 Versions sort lexically by creation time (``vYYYYmmddTHHMMSSZ``), so the latest is the largest.
 ``metadata.json`` records the input features (names and order), the outputs, the served model's
 shape, the training data's hash and source, held-out metrics and the commit that trained it.
+
+Formats: ``harli-latency-predictor/2`` (written now) has one output ``decode_ms`` ``[N, 2]``
+(alone, colocated); ``/1`` had two outputs ``decode_alone_ms`` and ``decode_colocated_ms``
+``[N]``. Both are read.
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ from typing import Any
 
 from gpu_runtime.predictor.schema import STAGE2_FEATURES, ModelShape, SchemaError
 
-FORMAT = "harli-latency-predictor/1"
+FORMAT = "harli-latency-predictor/2"
 INPUT_NAME = "features"
-OUTPUT_NAMES = ("decode_alone_ms", "decode_colocated_ms")
+OUTPUT_NAME = "decode_ms"
+OUTPUTS_BY_FORMAT: dict[str, tuple[str, ...]] = {
+    "harli-latency-predictor/1": ("decode_alone_ms", "decode_colocated_ms"),
+    FORMAT: (OUTPUT_NAME,),
+}
 REQUIRED_KEYS = (
     "format",
     "version",
@@ -50,6 +58,11 @@ class ArtifactMetadata:
     features: tuple[str, ...]
     metrics: dict[str, Any]
     raw: dict[str, Any]
+    format: str = FORMAT
+
+    @property
+    def outputs(self) -> tuple[str, ...]:
+        return OUTPUTS_BY_FORMAT[self.format]
 
     @property
     def onnx_path(self) -> Path:
@@ -73,22 +86,33 @@ def read_metadata(directory: str | Path) -> ArtifactMetadata:
     missing = [k for k in REQUIRED_KEYS if k not in raw]
     if missing:
         raise ArtifactError(f"{meta_path} lacks {missing}")
-    if raw["format"] != FORMAT:
-        raise ArtifactError(f"{meta_path} has format {raw['format']!r}, expected {FORMAT!r}")
+    if raw["format"] not in OUTPUTS_BY_FORMAT:
+        raise ArtifactError(
+            f"{meta_path} has format {raw['format']!r}, expected one of {list(OUTPUTS_BY_FORMAT)}"
+        )
     features = tuple(raw["features"])
     if features != STAGE2_FEATURES:
         raise ArtifactError(
             f"{meta_path} lists {len(features)} features {list(features)}; this runtime feeds "
             f"{len(STAGE2_FEATURES)}: {list(STAGE2_FEATURES)}"
         )
-    if tuple(raw["outputs"]) != OUTPUT_NAMES:
-        raise ArtifactError(f"{meta_path} outputs {raw['outputs']}, expected {list(OUTPUT_NAMES)}")
     try:
         shape = ModelShape.from_dict(raw["model_shape"])
     except (SchemaError, TypeError) as exc:
         raise ArtifactError(f"{meta_path} has an invalid model_shape: {exc}") from exc
+    outputs = OUTPUTS_BY_FORMAT[raw["format"]]
+    if tuple(raw["outputs"]) != outputs:
+        raise ArtifactError(f"{meta_path} outputs {raw['outputs']}, expected {list(outputs)}")
     return ArtifactMetadata(
-        path, raw["version"], raw["gpu_key"], raw["model"], shape, features, raw["metrics"], raw
+        path,
+        raw["version"],
+        raw["gpu_key"],
+        raw["model"],
+        shape,
+        features,
+        raw["metrics"],
+        raw,
+        raw["format"],
     )
 
 

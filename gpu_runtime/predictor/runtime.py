@@ -1,30 +1,33 @@
 """ONNX Runtime inference of the two-stage latency predictor on the host CPU.
 
 ``LatencyPredictor.load(directory, model_shape=served)`` validates the artifact (files, format,
-feature list, the ONNX graph's input width, the served model's shape) and opens one
-single-threaded CPU session. Calls:
+feature list, the ONNX graph's input width and outputs, the served model's shape) and opens one
+single-threaded CPU session (sequential, all graph optimisations, no spinning threads). Calls:
 
-* ``predict(rows) -> (alone_ms, colocated_ms)`` for a ``[N, 11]`` float32 feature matrix;
+* ``predict(rows) -> (alone_ms, colocated_ms)`` for a ``[N, 11]`` feature matrix;
 * ``stage1(iteration)`` and ``stage2(iteration, quantum)`` for one row (these two bound methods
   are what ``gpu_runtime.colocation.predictor.StagedPredictorAdapter`` takes);
 * ``predict_ms(iteration, quantum_or_None)``: the colocation ``DecodeLatencyModel`` protocol;
 * ``score(iteration, candidates)``: colocated latency of many (decode share, quantum) choices
   for one decode iteration, in one session run.
 
-Rows are written into a buffer allocated once (``max_batch`` rows); no per-call allocation beyond
-onnxruntime's outputs.
+A call costs mostly per ONNX node and per session run, not per row, so the hot path allocates
+nothing: rows are written into one input buffer and the session writes into one output buffer,
+both allocated once (``max_batch`` rows) and bound to the session through an IOBinding per row
+count (made on first use). Larger inputs to ``predict`` run in chunks of ``max_batch``.
+One instance is not safe to call from several threads at once (the buffers are shared).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
 from gpu_runtime.predictor.artifact import (
     INPUT_NAME,
-    OUTPUT_NAMES,
     ArtifactError,
     ArtifactMetadata,
     check_model_shape,
@@ -40,7 +43,22 @@ from gpu_runtime.predictor.schema import (
 )
 
 N_FEATURES = len(STAGE2_FEATURES)
+N_STAGE1 = len(STAGE1_FEATURES)
 SHARE_COLUMN = STAGE2_FEATURES.index("decode_sm_share")
+
+
+def session_options(intra_op_threads: int = 1) -> Any:
+    """CPU session options for microsecond calls: one thread, no spinning, sequential."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = intra_op_threads
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    options.add_session_config_entry("session.inter_op.allow_spinning", "0")
+    return options
 
 
 class LatencyPredictor:
@@ -51,14 +69,13 @@ class LatencyPredictor:
     ) -> None:
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = intra_op_threads
-        options.inter_op_num_threads = 1
-        options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
-        options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         try:
             self.session = ort.InferenceSession(
-                str(metadata.onnx_path), options, providers=["CPUExecutionProvider"]
+                str(metadata.onnx_path),
+                session_options(intra_op_threads),
+                providers=["CPUExecutionProvider"],
             )
         except Exception as exc:  # onnxruntime raises its own exception types
             raise ArtifactError(f"{metadata.onnx_path} cannot be loaded: {exc}") from exc
@@ -74,14 +91,42 @@ class LatencyPredictor:
                 f"this runtime feeds {N_FEATURES}"
             )
         outputs = tuple(o.name for o in self.session.get_outputs())
-        if outputs != OUTPUT_NAMES:
+        if outputs != metadata.outputs:
             raise ArtifactError(
-                f"{metadata.onnx_path} outputs {list(outputs)}, expected {list(OUTPUT_NAMES)}"
+                f"{metadata.onnx_path} outputs {list(outputs)}, expected {list(metadata.outputs)}"
             )
         self.metadata = metadata
         self.max_batch = max_batch
-        self._buffer = np.zeros((max_batch, N_FEATURES), dtype=np.float32)
-        self._outputs = list(OUTPUT_NAMES)
+        self._rows = np.zeros((max_batch, N_FEATURES), dtype=np.float32)
+        self._out = np.zeros((max_batch, 2), dtype=np.float32)  # (alone, colocated) ms
+        self._runs: dict[int, Callable[[], None]] = {}
+
+    def _bound_run(self, n: int) -> Callable[[], None]:
+        """A call that scores ``_rows[:n]`` into ``_out[:n]`` (cached per ``n``)."""
+        run = self._runs.get(n)
+        if run is not None:
+            return run
+        outputs = self.metadata.outputs
+        if len(outputs) == 1:  # one [N, 2] output, written in place
+            binding = self.session.io_binding()
+            binding.bind_input(
+                INPUT_NAME, "cpu", 0, np.float32, [n, N_FEATURES], self._rows.ctypes.data
+            )
+            binding.bind_output(outputs[0], "cpu", 0, np.float32, [n, 2], self._out.ctypes.data)
+            session = self.session
+
+            def run() -> None:
+                session.run_with_iobinding(binding)
+
+        else:  # format 1: two [N] outputs
+
+            def run() -> None:
+                alone, colocated = self.session.run(list(outputs), {INPUT_NAME: self._rows[:n]})
+                self._out[:n, 0] = alone
+                self._out[:n, 1] = colocated
+
+        self._runs[n] = run
+        return run
 
     @classmethod
     def load(
@@ -101,27 +146,32 @@ class LatencyPredictor:
         """(alone_ms, colocated_ms), each ``[N]``, for raw feature rows ``[N, 11]``."""
         if rows.ndim != 2 or rows.shape[1] != N_FEATURES:
             raise ValueError(f"rows must be [N, {N_FEATURES}], got {tuple(rows.shape)}")
-        feed = rows if rows.dtype == np.float32 else rows.astype(np.float32)
-        alone, colocated = self.session.run(self._outputs, {INPUT_NAME: feed})
-        return alone, colocated
-
-    def _run(self, n: int) -> tuple[np.ndarray, np.ndarray]:
-        alone, colocated = self.session.run(self._outputs, {INPUT_NAME: self._buffer[:n]})
+        n = len(rows)
+        if n <= self.max_batch:
+            np.copyto(self._rows[:n], rows)
+            self._bound_run(n)()
+            return self._out[:n, 0].copy(), self._out[:n, 1].copy()
+        alone, colocated = np.empty(n, np.float32), np.empty(n, np.float32)
+        for start in range(0, n, self.max_batch):
+            part = slice(start, start + self.max_batch)
+            alone[part], colocated[part] = self.predict(rows[part])
         return alone, colocated
 
     def stage1(self, iteration: DecodeIteration) -> float:
         """Decode iteration latency alone (ms)."""
-        row = self._buffer[0]
-        row[: len(STAGE1_FEATURES)] = iteration.row()
-        row[len(STAGE1_FEATURES) :] = NO_FINETUNE_ROW
-        return float(self._run(1)[0][0])
+        row = self._rows[0]
+        row[:N_STAGE1] = iteration.row()
+        row[N_STAGE1:] = NO_FINETUNE_ROW
+        self._bound_run(1)()
+        return float(self._out[0, 0])
 
     def stage2(self, iteration: DecodeIteration, quantum: FinetuneQuantum) -> float:
         """Decode iteration latency with ``quantum`` running beside it (ms)."""
-        row = self._buffer[0]
-        row[: len(STAGE1_FEATURES)] = iteration.row()
-        row[len(STAGE1_FEATURES) :] = quantum.row()
-        return float(self._run(1)[1][0])
+        row = self._rows[0]
+        row[:N_STAGE1] = iteration.row()
+        row[N_STAGE1:] = quantum.row()
+        self._bound_run(1)()
+        return float(self._out[0, 1])
 
     def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
         """Stage 1 when ``quantum`` is None or empty, else stage 2."""
@@ -140,12 +190,12 @@ class LatencyPredictor:
         n = len(candidates)
         if not 0 < n <= self.max_batch:
             raise ValueError(f"1..{self.max_batch} candidates per call, got {n}")
-        k = len(STAGE1_FEATURES)
-        block = self._buffer[:n]
-        block[:, :k] = iteration.row()
+        block = self._rows[:n]
+        block[:, :N_STAGE1] = iteration.row()
         for i, (share, quantum) in enumerate(candidates):
             if not 0.0 < share <= 1.0:
                 raise ValueError(f"candidate {i}: decode SM share {share} not in (0, 1]")
             block[i, SHARE_COLUMN] = share
-            block[i, k:] = NO_FINETUNE_ROW if quantum is None else quantum.row()
-        return self._run(n)[1].copy()
+            block[i, N_STAGE1:] = NO_FINETUNE_ROW if quantum is None else quantum.row()
+        self._bound_run(n)()
+        return self._out[:n, 1].copy()
