@@ -2,9 +2,12 @@
 
 * `protocol` — the message formats between control plane and agents;
 * `channel` — host-queue consumer (kombu) and control-queue report sender (Celery);
-* `runtime` — the engine-loop thread owning `HostLoop`, jobs and adapter engines;
+* `serving` — the host's one engine per base model, with the LoRA runtime serving adapters;
+* `runtime` — `HostRuntime`, the engine-loop driver owning `HostLoop`, jobs and commands (the
+  `gpu_runtime.server` app serves inference over the same `EngineLoop`);
+* `reporting` — heartbeat snapshot and interval metrics;
 * `jobs`, `adapters` — jobs from placements, checkpoints and adapters through storage;
-* `auth`, `http` — tenants' keys (TTL cache) and the OpenAI-compatible server;
+* `auth` — tenants' keys checked against the control plane (TTL cache);
 * `config`, `cli` — settings and the process entry point.
 No Django import anywhere here.
 """

@@ -7,29 +7,30 @@ bad or revoked. Answers are cached by the key's SHA-256 for `ttl_s` seconds (fai
 `min(ttl_s, negative_ttl_s)`), so a revoked key stops working on a host at most `ttl_s` seconds
 after revocation, and the control plane sees at most one check per key per TTL per host.
 When the control plane cannot be reached, the key is refused (fail closed).
+
+A `KeyVerifier` is the host server's `ApiKeyChecker` (`gpu_runtime.server.auth`): called with a
+key it returns the grant, or None to refuse it (401). The server calls it from a worker thread,
+so the blocking lookup never stalls the event loop.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import threading
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import dataclass
+
+from gpu_runtime.server.auth import KeyGrant
+
+logger = logging.getLogger(__name__)
 
 
 class KeyRejected(PermissionError):
     """The key is missing, unknown, revoked, or cannot be checked now."""
-
-
-@dataclass(frozen=True)
-class KeyGrant:
-    """An accepted key: the models its tenant may call."""
-
-    models: frozenset[str]
 
 
 class KeyVerifier:
@@ -53,6 +54,14 @@ class KeyVerifier:
         self._cache: dict[str, tuple[float, KeyGrant | None]] = {}
         self._lock = threading.Lock()
         self.lookups = 0
+
+    def __call__(self, key: str | None) -> KeyGrant | None:
+        """The key's grant, or None when it is refused (the server answers 401)."""
+        try:
+            return self.check(key or "")
+        except KeyRejected as exc:
+            logger.debug("API key refused: %s", exc)
+            return None
 
     def check(self, key: str) -> KeyGrant:
         """The key's grant, or KeyRejected."""

@@ -1,8 +1,11 @@
 """`python -m gpu_runtime.agent --host NAME ...`: one host agent process.
 
-Starts, in this order: the report sender (control queue), the engine loop thread (model,
-`HostLoop`, adapter engines), the OpenAI-compatible server, the host-queue consumer; then sends
-heartbeats from the main thread until SIGTERM or SIGINT, and stops everything in reverse order.
+Starts, in this order: the report sender (control queue), the engine loop thread (one engine per
+base model with its LoRA runtime for adapters, driven by `HostRuntime`: `HostLoop` decode
+iterations and finetune quanta), the OpenAI-compatible server of `gpu_runtime.server` over that
+loop (streaming, usage, `/v1/models`, keys checked against the control plane), the host-queue
+consumer; then sends heartbeats from the main thread until SIGTERM or SIGINT, and stops
+everything in reverse order.
 Without `--model-dir` it builds the tiny built-in model (random weights, seed 0) under
 `--work-dir`, so every agent started that way serves identical weights.
 """
@@ -13,7 +16,6 @@ import argparse
 import logging
 import os
 import signal
-import socket
 import threading
 from pathlib import Path
 from typing import Any
@@ -54,6 +56,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--memory-gb", type=float, default=16.0, help="host memory to report on CPU")
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--lora-slots", type=int, default=8, help="adapters resident at once")
+    p.add_argument("--lora-max-rank", type=int, default=64, help="largest adapter rank served")
     args = p.parse_args(argv)
     bind_host, _, port = args.listen.rpartition(":")
     try:
@@ -77,17 +81,13 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             memory_bytes=int(args.memory_gb * GIB),
             num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len,
+            lora_slots=args.lora_slots,
+            lora_max_rank=args.lora_max_rank,
             broker_dir=Path(args.broker_dir) if args.broker_dir else None,
         )
     except (AgentConfigError, ValueError) as exc:
         p.error(str(exc))
         raise
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 def _policy(name: str) -> Any:
@@ -98,20 +98,27 @@ def _policy(name: str) -> Any:
     return NaivePolicy(quantum_examples=4)
 
 
+def _total_bytes(config: AgentConfig) -> int:
+    if not config.device.startswith("cuda"):
+        return config.memory_bytes
+    import torch
+
+    return int(torch.cuda.get_device_properties(torch.device(config.device)).total_memory)
+
+
 def run_agent(config: AgentConfig, stop: threading.Event) -> None:
     """Run until `stop` is set (see the module docstring)."""
-    import torch
     from kombu import Connection
 
-    from gpu_runtime.agent.adapters import AdapterEngines
     from gpu_runtime.agent.auth import KeyVerifier
     from gpu_runtime.agent.channel import CommandConsumer, ReportSender
-    from gpu_runtime.agent.http import InferenceServer, build_app
     from gpu_runtime.agent.protocol import report
-    from gpu_runtime.agent.runtime import HostRuntime
-    from gpu_runtime.engine import Engine, EngineConfig
-    from gpu_runtime.model.loader import load_model, load_tokenizer
+    from gpu_runtime.agent.runtime import HostRuntime, submit_command
+    from gpu_runtime.agent.serving import EngineSpec
+    from gpu_runtime.engine import EngineConfig
     from gpu_runtime.model.tiny import build_tiny_model_dir
+    from gpu_runtime.server import EngineLoop, MetricsCollector, create_app
+    from gpu_runtime.server.threaded import ThreadedServer
     from gpu_runtime.storage import open_storage
 
     work_dir = config.work_dir
@@ -121,81 +128,65 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
         model_dir = work_dir / "tiny-model"
         if not (model_dir / "config.json").is_file():
             build_tiny_model_dir(model_dir, seed=0)
-    model = load_model(model_dir, device=config.device, dtype=config.dtype)
-    tokenizer = load_tokenizer(model_dir)
-    max_len = min(config.max_model_len, model.config.max_position_embeddings)
-    engine_config = EngineConfig(
-        num_kv_blocks=config.num_kv_blocks,
-        block_size=16,
-        max_num_seqs=16,
-        max_num_batched_tokens=max(256, max_len),
-        max_model_len=max_len,
-        device=config.device,
+    spec = EngineSpec(
+        EngineConfig(
+            num_kv_blocks=config.num_kv_blocks,
+            block_size=config.block_size,
+            max_num_seqs=16,
+            max_num_batched_tokens=max(256, config.max_model_len),
+            max_model_len=config.max_model_len,
+            device=config.device,
+        ),
+        dtype=config.dtype,
+        lora_slots=config.lora_slots,
+        lora_max_rank=config.lora_max_rank,
     )
-    engine = Engine(model, engine_config, tokenizer=tokenizer)
-    storage = open_storage(config.storage)
+    engine = spec.build(model_dir)
     options = broker_transport_options(config.broker_url, config.broker_dir)
     sender = ReportSender(config.broker_url, options)
     sender.start()
-    total = (
-        int(torch.cuda.get_device_properties(torch.device(config.device)).total_memory)
-        if config.device.startswith("cuda")
-        else config.memory_bytes
-    )
-    adapters = AdapterEngines(
-        model, engine_config, tokenizer, storage, work_dir, max(16, config.num_kv_blocks // 4)
-    )
+    request_metrics = MetricsCollector()
     runtime = HostRuntime(
         host=config.host,
         base_model=config.base_model,
         engine=engine,
+        engine_spec=spec,
         policy=_policy(config.policy),
         tpot_slo_ms=config.tpot_slo_ms,
-        adapters=adapters,
-        tokenizer=tokenizer,
-        storage=storage,
+        storage=open_storage(config.storage),
         work_dir=work_dir,
         send=sender.send,
-        total_bytes=total,
-        max_model_len=max_len,
+        total_bytes=_total_bytes(config),
         base_model_path=str(model_dir),
         metrics_interval_s=config.metrics_interval_s,
+        request_metrics=request_metrics,
     )
-    runtime.start()
-    port = config.server_port or _free_port(config.server_host)
+    loop = EngineLoop(runtime)
+    loop.start()
     verifier = KeyVerifier(config.control_url, ttl_s=config.key_cache_ttl_s)
-    server = InferenceServer(build_app(runtime, verifier), config.server_host, port)
+    app = create_app(loop, lambda: runtime.status().base_model, verifier, request_metrics)
+    server = ThreadedServer(app, config.server_host, config.server_port)
     server.start()
-    server_url = config.advertise_url or f"http://{config.server_host}:{port}/v1"
+    server_url = config.advertise_url or server.url
+
+    def on_command(command: dict[str, Any]) -> None:
+        submit_command(loop, runtime, command)
+
     consumer = CommandConsumer(
-        Connection(config.broker_url, transport_options=options), config.host,
-        runtime.submit_command,
-    )  # fmt: skip
+        Connection(config.broker_url, transport_options=options), config.host, on_command
+    )
     consumer.start()
     logger.info("agent %s serving %s at %s", config.host, config.base_model, server_url)
     print(f"agent {config.host} ready: {server_url}", flush=True)
     try:
         while not stop.is_set():
-            status = runtime.status()
-            sender.send(
-                report(
-                    "heartbeat",
-                    config.host,
-                    base_model=status.base_model,
-                    server_url=server_url,
-                    draining=status.draining,
-                    total_bytes=status.total_bytes,
-                    free_bytes=status.free_bytes,
-                    harvestable_tokens_per_s=status.harvestable_tokens_per_s,
-                    placements=status.placements,
-                    adapters=status.adapters,
-                )
-            )
+            fields = runtime.status().heartbeat_fields()
+            sender.send(report("heartbeat", config.host, server_url=server_url, **fields))
             stop.wait(config.heartbeat_s)
     finally:
         consumer.stop()
         server.stop()
-        runtime.stop()
+        loop.stop()
         sender.stop()
 
 

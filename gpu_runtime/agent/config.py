@@ -51,6 +51,10 @@ class AgentConfig:
     num_kv_blocks: int = 256
     block_size: int = 16
     max_model_len: int = 512
+    lora_slots: int = 8
+    """Adapters resident on the device at once (more are served, swapped in LRU order)."""
+    lora_max_rank: int = 64
+    """Largest adapter rank served; a job trained with a larger rank cannot be called here."""
     broker_dir: Path | None = None
     """Folder of the `filesystem://` transport (shared with the control plane)."""
 
@@ -71,6 +75,8 @@ class AgentConfig:
             (self.tpot_slo_ms > 0, f"tpot_slo_ms must be > 0, got {self.tpot_slo_ms}"),
             (0 <= self.server_port < 65536, f"server_port out of range: {self.server_port}"),
             (self.memory_bytes > 0, f"memory_bytes must be > 0, got {self.memory_bytes}"),
+            (self.lora_slots >= 1, f"lora_slots must be >= 1, got {self.lora_slots}"),
+            (self.lora_max_rank >= 1, f"lora_max_rank must be >= 1, got {self.lora_max_rank}"),
             (
                 not self.broker_url.startswith("filesystem://") or self.broker_dir is not None,
                 "a filesystem:// broker needs broker_dir (--broker-dir or HARLI_BROKER_DIR)",

@@ -1,31 +1,29 @@
-"""The engine-loop thread of a host agent: owns the `HostLoop`, its jobs and adapter engines.
+"""The host's engine-loop driver: the one engine (base model + adapters), `HostLoop` and jobs.
 
-Everything that touches the engine happens on this one thread. Other threads (the host-queue
-consumer, the HTTP server) only put items into :attr:`HostRuntime.inbox`:
+`HostRuntime` is the `StepDriver` of the server's `EngineLoop` (`gpu_runtime.server`), so the
+OpenAI-compatible server and the co-location loop share one engine thread: inference requests
+(base model or adapter by name) enter the engine through :meth:`add_request`, each
+:meth:`step` is one `HostLoop.run_iteration()` (a decode step plus the finetune quanta the
+policy allows), and host commands run between steps through `EngineLoop.run_in_loop`
+(:func:`submit_command`). Everything here runs on that thread, except :meth:`status`, which
+returns the snapshot last taken under a lock (for heartbeats).
 
-* `("command", dict)` — a host command (see `gpu_runtime.agent.protocol`);
-* `("generate", Generation)` — an inference request; its future is resolved by this thread.
-
-Each turn of the loop drains the inbox, runs one `HostLoop.run_iteration()` when there is work,
-steps the adapter engines that have requests, turns finished quanta into reports (progress,
-checkpoints copied to storage before they are reported, success with the adapter), finishes
-pauses at the next optimizer-batch boundary, and every `metrics_interval_s` sends the
-aggregated interval metrics. A status snapshot for heartbeats is refreshed under a lock.
+Each turn: finished quanta become reports (progress, checkpoints copied to storage before they
+are reported, success with the adapter, which is then served here at once); pauses finish at
+the next optimizer-batch boundary; every `metrics_interval_s` the interval metrics go out.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.agent.adapters import AdapterEngines
+from gpu_runtime.agent.adapters import HostAdapters
 from gpu_runtime.agent.jobs import (
     JobRun,
     JobSetupError,
@@ -35,6 +33,14 @@ from gpu_runtime.agent.jobs import (
     upload_checkpoint,
 )
 from gpu_runtime.agent.protocol import report
+from gpu_runtime.agent.reporting import (
+    HostSnapshot,
+    PredictorInfo,
+    deployment_metrics,
+    kv_bytes_per_block,
+    weights_bytes,
+)
+from gpu_runtime.agent.serving import EngineSpec, lora_runtime
 from gpu_runtime.colocation import (
     CoLocationPolicy,
     HostLoop,
@@ -43,36 +49,14 @@ from gpu_runtime.colocation import (
     QuantumReport,
 )
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
-from gpu_runtime.model.loader import load_model, load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_model_dir
+from gpu_runtime.server import EngineLoop, MetricsCollector
 from gpu_runtime.storage import Storage
 
 logger = logging.getLogger(__name__)
 Send = Callable[[dict[str, Any]], None]
-
-
-@dataclass
-class Generation:
-    """One inference request handed to the loop thread; `future` gets the final output."""
-
-    model: str
-    prompt: str | list[int]
-    params: SamplingParams
-    future: Future[RequestOutput] = field(default_factory=Future)
-    request_id: str | None = None
-
-
-@dataclass
-class HostSnapshot:
-    """What a heartbeat reports (a copy taken under the runtime's lock)."""
-
-    base_model: str
-    placements: list[int]
-    adapters: list[str]
-    free_bytes: int
-    total_bytes: int
-    harvestable_tokens_per_s: float
-    draining: bool
+# With no decode work, wait this long for a concurrent quantum instead of spinning.
+IDLE_FINETUNE_WAIT_S = 0.005
 
 
 class HostRuntime:
@@ -84,49 +68,45 @@ class HostRuntime:
         host: str,
         base_model: str,
         engine: Engine,
+        engine_spec: EngineSpec,
         policy: CoLocationPolicy,
         tpot_slo_ms: float,
-        adapters: AdapterEngines,
-        tokenizer: Any,
         storage: Storage,
         work_dir: Path,
         send: Send,
         total_bytes: int,
-        max_model_len: int,
         base_model_path: str | None,
         metrics_interval_s: float,
+        request_metrics: MetricsCollector | None = None,
+        predictor: PredictorInfo | None = None,
     ) -> None:
         self.host = host
         self.base_model = base_model
-        self.engine = engine
+        self._engine = engine
+        self.engine_spec = engine_spec
         self.policy = policy
         self.tpot_slo_ms = tpot_slo_ms
         self.aggregator = MetricsAggregator(tpot_slo_ms)
         self.loop = self._make_loop(engine)
-        self.adapters = adapters
-        self.tokenizer = tokenizer
+        self.adapters = HostAdapters(storage, work_dir)
         self.storage = storage
         self.work_dir = Path(work_dir)
         self.send = send
         self.total_bytes = total_bytes
-        self.max_model_len = max_model_len
         self.base_model_path = base_model_path
         self.metrics_interval_s = metrics_interval_s
-        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.request_metrics = request_metrics
+        self.predictor = predictor
         self.runs: dict[str, JobRun] = {}
         self._seen_placements: set[int] = set()
-        self._generations: dict[str, Generation] = {}
+        self._requests: set[str] = set()
+        self._outputs: list[RequestOutput] = []
         self._draining = False
         self._harvest_ema = 0.0
-        self.weights_bytes = sum(
-            p.numel() * p.element_size() for p in self.engine.runner.model.parameters()
-        )
-        self.kv_bytes_per_block = _kv_bytes_per_block(self.engine)
-        self._ids = 0
+        self._measure(engine)
         self._lock = threading.Lock()
         self._status = self._snapshot()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="engine-loop", daemon=True)
+        self._next_metrics = time.monotonic() + metrics_interval_s
 
     def _make_loop(self, engine: Engine) -> HostLoop:
         return HostLoop(
@@ -134,67 +114,69 @@ class HostRuntime:
             self.policy,
             tpot_slo_ms=self.tpot_slo_ms,
             metrics_sink=self.aggregator.add,
-            output_sink=self._deliver,
+            output_sink=self._outputs_sink,
         )
 
-    # ---- other threads --------------------------------------------------------------------
-    def submit_command(self, command: dict[str, Any]) -> None:
-        self.inbox.put(("command", command))
+    def _measure(self, engine: Engine) -> None:
+        self.weights_bytes = weights_bytes(engine)
+        self.kv_bytes_per_block = kv_bytes_per_block(engine)
 
-    def submit_generation(self, generation: Generation) -> Future[RequestOutput]:
-        self.inbox.put(("generate", generation))
-        return generation.future
-
+    # ---- any thread -----------------------------------------------------------------------
     def status(self) -> HostSnapshot:
         with self._lock:
             return self._status
 
-    def served_models(self) -> list[str]:
-        """The base model, then the adapters this host serves."""
-        with self._lock:
-            return [self._status.base_model, *self._status.adapters]
+    # ---- StepDriver (the loop thread) -------------------------------------------------------
+    @property
+    def engine(self) -> Engine:
+        return self._engine
 
-    def start(self) -> None:
-        self._thread.start()
+    def add_request(
+        self, prompt: list[int], params: SamplingParams, request_id: str, lora_name: str | None
+    ) -> None:
+        if lora_name is None:
+            self.loop.add_request(prompt, params, request_id)
+        else:
+            # HostLoop.add_request takes no adapter yet: the loop times the request's tokens
+            # from its first output (no arrival time, so no TTFT there; the server has it).
+            self._engine.add_request(prompt, params, request_id, lora_name)
+        self._requests.add(request_id)
 
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        self._thread.join(timeout)
+    def abort_request(self, request_id: str) -> None:
+        self.loop.abort_request(request_id)
+        self._requests.discard(request_id)
 
-    # ---- the loop thread ------------------------------------------------------------------
-    def _run(self) -> None:
-        next_metrics = time.monotonic() + self.metrics_interval_s
+    def has_work(self) -> bool:
+        return self.loop.has_work()
+
+    def step(self) -> list[RequestOutput]:
         try:
-            while not self._stop.is_set():
-                self._drain_inbox()
-                try:
-                    worked = self._turn()
-                except Exception as exc:  # keep the host alive; fail what was training
-                    logger.exception("engine loop iteration failed")
-                    self._fail_all(f"engine loop error: {exc}")
-                    worked = True
-                now = time.monotonic()
-                if now >= next_metrics:
-                    self._send_metrics()
-                    next_metrics = now + self.metrics_interval_s
-                self._refresh_status()
-                if not worked:
-                    self._wait_for_inbox(0.05)
-        finally:
-            self.loop.close()
+            record = self.loop.run_iteration()
+            self._after_iteration(record)
+        except Exception as exc:  # keep the host alive; fail what was training
+            self._fail_all(f"engine loop error: {exc}")
+            raise
+        outputs, self._outputs = self._outputs, []
+        for out in outputs:
+            if out.finished:
+                self._requests.discard(out.request_id)
+        if not outputs and not self._engine.has_unfinished_requests():
+            self.loop.wait_for_finetune(IDLE_FINETUNE_WAIT_S)
+        return outputs
 
-    def _turn(self) -> bool:
-        """One turn of work; True when something ran."""
-        worked = False
-        if self.loop.has_work():
-            self._after_iteration(self.loop.run_iteration())
-            worked = True
-        for engine in self.adapters.engines():
-            if engine.has_unfinished_requests():
-                self._deliver(engine.step())
-                worked = True
+    def after_turn(self) -> None:
         self._finish_pauses()
-        return worked
+        now = time.monotonic()
+        if now >= self._next_metrics:
+            self._send_metrics()
+            self._next_metrics = now + self.metrics_interval_s
+        self._refresh_status()
+
+    def close(self) -> None:
+        self.loop.close()
+
+    def _outputs_sink(self, outputs: list[RequestOutput]) -> None:
+        self._outputs.extend(outputs)
 
     def _fail_all(self, message: str) -> None:
         for run in list(self.runs.values()):
@@ -205,80 +187,33 @@ class HostRuntime:
                 self.runs.pop(run.job_id, None)
             self._report("job_failed", placement_id=run.placement_id, job_id=run.job_id,
                          code="host_error", message=message)  # fmt: skip
-        for generation in self._generations.values():
-            if not generation.future.done():
-                generation.future.set_exception(RuntimeError(message))
-        self._generations.clear()
+        self._requests.clear()
 
-    def _wait_for_inbox(self, timeout: float) -> None:
-        try:
-            item = self.inbox.get(timeout=timeout)
-        except queue.Empty:
-            return
-        self._handle(item)
-
-    def _drain_inbox(self) -> None:
-        while True:
-            try:
-                item = self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            self._handle(item)
-
-    def _handle(self, item: tuple[str, Any]) -> None:
-        kind, payload = item
-        try:
-            if kind == "generate":
-                self._start_generation(payload)
-            else:
-                self._command(payload)
-        except Exception as exc:  # one bad item must not stop the host
-            logger.exception("engine loop could not handle %s", kind)
-            if kind == "generate" and not payload.future.done():
-                payload.future.set_exception(exc)
-
-    # ---- inference ------------------------------------------------------------------------
-    def _start_generation(self, generation: Generation) -> None:
-        self._ids += 1
-        request_id = f"gen-{self._ids}"
-        generation.request_id = request_id
-        adapter = self.adapters.get(generation.model)
-        if adapter is not None:
-            adapter.add_request(generation.prompt, generation.params, request_id)
-        else:
-            self.loop.add_request(generation.prompt, generation.params, request_id)
-        self._generations[request_id] = generation
-
-    def _deliver(self, outputs: list[RequestOutput]) -> None:
-        for output in outputs:
-            if output.finished:
-                generation = self._generations.pop(output.request_id, None)
-                if generation is not None and not generation.future.done():
-                    generation.future.set_result(output)
-
-    # ---- commands -------------------------------------------------------------------------
-    def _command(self, command: dict[str, Any]) -> None:
+    # ---- commands ---------------------------------------------------------------------------
+    def command(self, command: dict[str, Any]) -> None:
+        """Apply one host command (see `gpu_runtime.agent.protocol`). Loop thread only."""
         name = command["command"]
         if name == "apply_placement":
             self._apply_placement(int(command["placement_id"]), dict(command["job"]))
         elif name in ("pause", "cancel"):
             self._stop_job(str(command["job_id"]), int(command["placement_id"]), name)
         elif name == "load_adapter":
-            self.adapters.load(str(command["name"]), str(command["storage_key"]))
-            self._refresh_status()
+            lora = lora_runtime(self._engine)
+            self.adapters.load(lora, str(command["name"]), str(command["storage_key"]))
         elif name == "drain":
             self._draining = True
         elif name == "load_base_model":
             self._load_base_model(
                 str(command["base_model"]), command.get("model_dir"), command.get("preset")
             )
+        self._refresh_status()
 
     def _load_base_model(self, name: str, model_dir: str | None, preset: str | None) -> None:
         """Serve another base model. Only on an idle host (no job, no request in flight);
         otherwise the command is dropped and the control plane sends it again later."""
         if name == self.base_model:
             return
-        if self.runs or self._generations:
+        if self.runs or self._requests:
             logger.warning("not loading base model %s: the host is busy", name)
             return
         if model_dir:
@@ -290,24 +225,13 @@ class HostRuntime:
         else:
             logger.error("cannot load base model %s: no model directory given", name)
             return
-        model = load_model(directory, device=self.engine.config.device)
-        tokenizer = load_tokenizer(directory)
-        config = replace(
-            self.engine.config,
-            max_model_len=min(self.max_model_len, model.config.max_position_embeddings),
-        )
-        engine = Engine(model, config, tokenizer=tokenizer)
+        engine = self.engine_spec.build(directory)
         self.loop.close()
-        self.engine, self.tokenizer = engine, tokenizer
+        self._engine = engine
         self.loop = self._make_loop(engine)
-        self.adapters = AdapterEngines(
-            model, config, tokenizer, self.storage, self.work_dir,
-            self.adapters.engine_config.num_kv_blocks,
-        )  # fmt: skip
+        self.adapters.forget()  # adapters of the old base model do not apply to the new one
         self.base_model, self.base_model_path = name, str(directory)
-        self.weights_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        self.kv_bytes_per_block = _kv_bytes_per_block(engine)
-        self._refresh_status()
+        self._measure(engine)
 
     def _apply_placement(self, placement_id: int, spec: dict[str, Any]) -> None:
         if placement_id in self._seen_placements:
@@ -321,11 +245,11 @@ class HostRuntime:
             run = build_job_run(
                 spec=spec,
                 placement_id=placement_id,
-                serving_model=self.engine.runner.model,
-                tokenizer=self.tokenizer,
+                serving_model=self._engine.runner.model,
+                tokenizer=self._engine.tokenizer,
                 storage=self.storage,
                 work_dir=self.work_dir,
-                max_model_len=self.max_model_len,
+                max_model_len=self._engine.config.max_model_len,
                 base_model_path=self.base_model_path,
             )
         except JobSetupError as exc:
@@ -433,7 +357,7 @@ class HostRuntime:
             self._report_checkpoint(run, final)
         key = upload_adapter(self.storage, run, final)
         name = str(run.spec.get("fine_tuned_model") or run.job_id)
-        self.adapters.load_local(name, run.workdir / "adapter")
+        self.adapters.load_local(lora_runtime(self._engine), name, run.workdir / "adapter")
         self._remove(run)
         history = run.trainer.history
         self._report(
@@ -456,23 +380,24 @@ class HostRuntime:
         return sum(16 * sum(p.numel() for p in run.trainer.params) for run in self.runs.values())
 
     def _snapshot(self) -> HostSnapshot:
-        kv_total = self.engine.config.num_kv_blocks * self.kv_bytes_per_block
+        kv_total = self._engine.config.num_kv_blocks * self.kv_bytes_per_block
         free = self.total_bytes - self.weights_bytes - kv_total
         return HostSnapshot(
             base_model=self.base_model,
             placements=sorted(run.placement_id for run in self.runs.values()),
-            adapters=self.adapters.names(),
+            adapters=lora_runtime(self._engine).names(),
             free_bytes=max(0, free - self._lent_bytes()),
             total_bytes=self.total_bytes,
             harvestable_tokens_per_s=self._harvest_ema,
             draining=self._draining,
+            predictor=self.predictor,
         )
 
     def _send_metrics(self) -> None:
         interval = self.aggregator.flush(self.loop.clock())
         if interval.finetune_tokens:
             self._harvest_ema = 0.7 * self._harvest_ema + 0.3 * interval.finetune_tokens_per_s
-        kv_used = int(self.engine.block_manager.num_used_blocks)
+        kv_used = int(self._engine.block_manager.num_used_blocks)
         status = self._snapshot()
         host_metrics = {
             "weights_bytes": self.weights_bytes,
@@ -481,40 +406,31 @@ class HostRuntime:
             "free_bytes": status.free_bytes,
             "finetune_tokens_per_s": interval.finetune_tokens_per_s,
         }
-        deployment = None
-        if interval.tpot_ms_p50 is not None and interval.tpot_ms_p99 is not None:
-            iterations = max(interval.decode_iterations, 1)
-            deployment = {
-                "tpot_p50_ms": interval.tpot_ms_p50,
-                "tpot_p99_ms": interval.tpot_ms_p99,
-                "slo_attainment": (
-                    interval.slo_attainment
-                    if interval.slo_attainment is not None
-                    else interval.token_slo_attainment or 0.0
-                ),
-                "goodput_tokens_per_s": interval.goodput_tokens_per_s,
-                "request_rate": interval.finished_requests / max(interval.seconds, 1e-9),
-                "observed_iter_ms": interval.seconds * 1e3 / iterations,
-                # The policies available here carry no versioned predictor yet.
-                "predicted_iter_ms": None,
-                "predictor_version": None,
-            }
+        # Requests whose tokens fall in a window with no decode timing wait for the next one.
+        decoded = interval.tpot_ms_p50 is not None
+        requests = self.request_metrics.drain() if decoded and self.request_metrics else []
         self._report(
             "metrics",
             window_s=interval.seconds,
             host_metrics=host_metrics,
-            deployment_metrics=deployment,
+            deployment_metrics=deployment_metrics(interval, requests, self.predictor),
         )
 
 
-def _kv_bytes_per_block(engine: Engine) -> int:
-    config = engine.model_config
-    element = 2 if engine.config.device != "cpu" else 4
-    return (
-        engine.config.block_size
-        * config.num_hidden_layers
-        * 2
-        * config.num_key_value_heads
-        * config.head_dim
-        * element
-    )
+def submit_command(loop: EngineLoop, runtime: HostRuntime, command: dict[str, Any]) -> Future[Any]:
+    """Queue a host command for the loop thread; a failure is logged (and in the future)."""
+    future = loop.run_in_loop(lambda: runtime.command(command))
+
+    def log_failure(done: Future[Any]) -> None:
+        exc = done.exception()
+        if exc is not None:
+            logger.error("host command %s failed: %s", command.get("command"), exc, exc_info=exc)
+
+    future.add_done_callback(log_failure)
+    return future
+
+
+def served_models(runtime: HostRuntime) -> Sequence[str]:
+    """The base model, then the adapters, as of the last snapshot (any thread)."""
+    status = runtime.status()
+    return [status.base_model, *status.adapters]

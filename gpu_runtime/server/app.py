@@ -4,11 +4,9 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
@@ -17,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from gpu_runtime.engine.engine import UnknownAdapterError
 from gpu_runtime.engine.request import RequestOutput, SamplingParams, SamplingParamsError
-from gpu_runtime.server.auth import ApiKeyChecker
+from gpu_runtime.server.auth import ApiKeyChecker, KeyGrant
 from gpu_runtime.server.engine_loop import EngineLoop
 from gpu_runtime.server.metrics import MetricsCollector, RequestMetrics
 from gpu_runtime.server.protocol import (
@@ -26,6 +24,14 @@ from gpu_runtime.server.protocol import (
     OpenAIError,
     _SamplingFields,
 )
+from gpu_runtime.server.responses import (
+    Tracked,
+    chat_logprobs,
+    completion_logprobs,
+    sse,
+    text_delta,
+    usage,
+)
 
 AdapterLookup = Callable[[str], str | None]
 """Maps a requested model name to an adapter (lora) name, or None when it is not an adapter."""
@@ -33,62 +39,46 @@ AdapterNames = Callable[[], list[str]]
 """The adapter (model) names to list in `/v1/models` beside the base model."""
 
 
-@dataclass
-class _Tracked:
-    """One prompt's generation: outputs so far and its timings."""
-
-    prompt_tokens: int
-    started: float
-    first_token: float | None = None
-    last: RequestOutput | None = None
-    logprobs: list[Any] = field(default_factory=list)
-
-
-def _delta(text: str, sent: int, finished: bool, holdback: int) -> tuple[str, int]:
-    """New text safe to send: hold back a possible stop-string prefix and a partial UTF-8
-    character until the request finishes."""
-    upto = len(text) if finished else len(text) - holdback
-    if not finished:
-        while upto > sent and text[upto - 1] == "\ufffd":
-            upto -= 1
-    upto = max(upto, sent)
-    return text[sent:upto], upto
-
-
 def create_app(
     engine_loop: EngineLoop,
-    model_name: str,
+    model_name: str | Callable[[], str],
     api_key_checker: ApiKeyChecker,
     metrics: MetricsCollector | None = None,
     adapter_lookup: AdapterLookup | None = None,
     adapter_names: AdapterNames | None = None,
 ) -> FastAPI:
-    """The FastAPI app. `engine_loop` must be started by the caller; `api_key_checker` decides
-    on the bearer key; `adapter_lookup` routes model names to adapters and `adapter_names`
-    lists them. Both default to the engine's LoRA runtime (`engine.lora`: an adapter is served
-    under its own name) and to no adapters without one. A `model` that is neither the base
-    model nor an adapter gets a 404 `model_not_found`."""
-    engine = engine_loop.engine
-    lora = engine.lora
-    if lora is not None:
-        runtime = lora
-        if adapter_lookup is None:
-
-            def adapter_lookup(name: str) -> str | None:
-                return name if runtime.has(name) else None
-
-        if adapter_names is None:
-            adapter_names = runtime.names
-    if adapter_names is None:
-        adapter_names = list  # no adapters: an empty list
-    tokenizer = engine.tokenizer
-    if tokenizer is None:
+    """The FastAPI app. `engine_loop` must be started by the caller. `model_name` is the base
+    model's name (or a callable giving it now, for a host that may load another base model).
+    `api_key_checker` turns the bearer key into a `KeyGrant` (None: 401); models outside the
+    grant read as nonexistent. `adapter_lookup` routes model names to adapters and
+    `adapter_names` lists them; both default to the engine's LoRA runtime (`engine.lora`, read
+    per request: an adapter is served under its own name), and to no adapters without one. A
+    `model` that is neither the base model nor an adapter gets a 404 `model_not_found`. The
+    engine (tokenizer, limits) is read from the loop per request too."""
+    if engine_loop.engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
-    max_model_len = engine.config.max_model_len
     collector = metrics or MetricsCollector()
     app = FastAPI(title="Harli inference", version="1")
     app.state.metrics = collector
     app.state.engine_loop = engine_loop
+
+    def base_name() -> str:
+        return model_name if isinstance(model_name, str) else model_name()
+
+    def lookup(name: str) -> str | None:
+        if adapter_lookup is not None:
+            return adapter_lookup(name)
+        lora = engine_loop.engine.lora
+        return name if lora is not None and lora.has(name) else None
+
+    def served_adapters() -> list[str]:
+        if adapter_names is not None:
+            return list(adapter_names())
+        lora = engine_loop.engine.lora
+        return list(lora.names()) if lora is not None else []
+
+    def tokenizer() -> Any:
+        return engine_loop.engine.tokenizer
 
     @app.exception_handler(OpenAIError)
     async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
@@ -103,26 +93,31 @@ def create_app(
         )
         return JSONResponse(OpenAIError(400, message, param=param).body(), status_code=400)
 
-    def require_key(request: Request) -> None:
+    def require_key(request: Request) -> KeyGrant:
+        """A sync dependency: FastAPI runs it in a worker thread, so a checker may block."""
         header = request.headers.get("authorization", "")
         key = header[7:].strip() if header.lower().startswith("bearer ") else None
-        if not api_key_checker(key):
+        grant = api_key_checker(key or None)
+        if grant is None:
             raise OpenAIError(
                 401,
                 "Incorrect or missing API key.",
                 "invalid_request_error",
                 code="invalid_api_key",
             )
+        return grant
 
-    def resolve_model(name: str) -> str | None:
-        if name == model_name:
-            return None
-        lora = adapter_lookup(name) if adapter_lookup else None
-        if lora is None:
-            raise OpenAIError(
-                404, f"The model '{name}' does not exist.", param="model", code="model_not_found"
-            )
-        return lora
+    def resolve_model(name: str, grant: KeyGrant) -> str | None:
+        """The adapter to use for `name` (None: the base model); 404 for anything else."""
+        if grant.allows(name):
+            if name == base_name():
+                return None
+            lora = lookup(name)
+            if lora is not None:
+                return lora
+        raise OpenAIError(
+            404, f"The model '{name}' does not exist.", param="model", code="model_not_found"
+        )
 
     def sampling(body: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
         try:
@@ -139,12 +134,12 @@ def create_app(
             raise OpenAIError(400, str(exc)) from exc
 
     def encode(prompt: str | list[int]) -> list[int]:
-        ids = list(tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+        ids = list(tokenizer()(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
         if not ids:
             raise OpenAIError(400, "prompt is empty", param="prompt")
         return ids
 
-    def record(rid: str, tracked: _Tracked) -> None:
+    def record(rid: str, model: str, tracked: Tracked) -> None:
         out = tracked.last
         if out is None or tracked.first_token is None:
             return
@@ -154,7 +149,7 @@ def create_app(
         collector.record(
             RequestMetrics(
                 rid,
-                model_name,
+                model,
                 tracked.prompt_tokens,
                 count,
                 tracked.first_token - tracked.started,
@@ -165,7 +160,7 @@ def create_app(
         )
 
     async def run_one(
-        ids: list[int], params: SamplingParams, lora: str | None, tracked: _Tracked
+        ids: list[int], params: SamplingParams, lora: str | None, tracked: Tracked
     ) -> AsyncIterator[RequestOutput]:
         try:
             async for out in engine_loop.generate(ids, params, lora):
@@ -179,58 +174,30 @@ def create_app(
         except ValueError as exc:
             raise OpenAIError(400, str(exc)) from exc
 
-    def usage(tracked: list[_Tracked]) -> dict[str, int]:
-        prompt = sum(t.prompt_tokens for t in tracked)
-        completion = sum(len(t.last.output_token_ids) for t in tracked if t.last)
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion,
-            "total_tokens": prompt + completion,
-        }
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        """Liveness, no key: the base model and the adapters served now."""
+        return {"status": "ok", "base_model": base_name(), "adapters": served_adapters()}
 
-    def token_text(token_id: int) -> str:
-        return str(tokenizer.decode([token_id]))
+    @app.get("/v1/models")
+    async def list_models(grant: KeyGrant = Depends(require_key)) -> dict[str, Any]:
+        """The base model, then each adapter (`parent` = the base model), as far as the key's
+        grant reaches."""
+        name = base_name()
+        base: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "harli"}
+        entries = [base] + [base | {"id": a, "parent": name} for a in served_adapters()]
+        return {"object": "list", "data": [m for m in entries if grant.allows(str(m["id"]))]}
 
-    def completion_logprobs(tracked: _Tracked) -> dict[str, Any]:
-        tokens = [token_text(lp.token_id) for lp in tracked.logprobs]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [lp.logprob for lp in tracked.logprobs],
-            "top_logprobs": [{token_text(t): v for t, v in lp.top} for lp in tracked.logprobs],
-            "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
-        }
-
-    def chat_logprobs(items: list[Any]) -> dict[str, Any]:
-        def entry(token_id: int, value: float) -> dict[str, Any]:
-            text = token_text(token_id)
-            return {"token": text, "logprob": value, "bytes": list(text.encode())}
-
-        return {
-            "content": [
-                entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
-                for lp in items
-            ]
-        }
-
-    def sse(payload: dict[str, Any]) -> str:
-        return f"data: {json.dumps(payload)}\n\n"
-
-    @app.get("/v1/models", dependencies=[Depends(require_key)])
-    async def list_models() -> dict[str, Any]:
-        base = {"id": model_name, "object": "model", "created": 0, "owned_by": "harli"}
-        adapters = [base | {"id": name, "parent": model_name} for name in adapter_names() or []]
-        return {"object": "list", "data": [base, *adapters]}
-
-    @app.post("/v1/completions", dependencies=[Depends(require_key)], response_model=None)
-    async def completions(body: CompletionRequest) -> Any:
-        lora = resolve_model(body.model)
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, grant: KeyGrant = Depends(require_key)) -> Any:
+        lora = resolve_model(body.model, grant)
         try:
             prompts = [encode(p) for p in body.prompts()]
         except ValueError as exc:
             raise OpenAIError(400, str(exc), param="prompt") from exc
         params = sampling(body, body.max_tokens or 16, body.logprobs)
         created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
-        tracked = [_Tracked(len(ids), time.perf_counter()) for ids in prompts]
+        tracked = [Tracked(len(ids), time.perf_counter()) for ids in prompts]
         holdback = max((len(s) for s in params.stop), default=1) - 1
 
         if not body.stream:
@@ -238,14 +205,16 @@ def create_app(
             async def collect(i: int) -> None:
                 async for _ in run_one(prompts[i], params, lora, tracked[i]):
                     pass
-                record(cid, tracked[i])
+                record(cid, body.model, tracked[i])
 
             await asyncio.gather(*(collect(i) for i in range(len(prompts))))
             choices = [
                 {
                     "index": i,
                     "text": t.last.text if t.last else "",
-                    "logprobs": completion_logprobs(t) if body.logprobs is not None else None,
+                    "logprobs": (
+                        completion_logprobs(tokenizer(), t) if body.logprobs is not None else None
+                    ),
                     "finish_reason": t.last.finish_reason if t.last else None,
                 }
                 for i, t in enumerate(tracked)
@@ -280,9 +249,9 @@ def create_app(
                     i, out = await merged.get()
                     if out is None:
                         open_streams -= 1
-                        record(cid, tracked[i])
+                        record(cid, body.model, tracked[i])
                         continue
-                    text, sent[i] = _delta(out.text, sent[i], out.finished, holdback)
+                    text, sent[i] = text_delta(out.text, sent[i], out.finished, holdback)
                     if text or out.finished:
                         yield sse(
                             {
@@ -318,20 +287,23 @@ def create_app(
 
         return StreamingResponse(stream(), media_type="text/event-stream")
 
-    @app.post("/v1/chat/completions", dependencies=[Depends(require_key)], response_model=None)
-    async def chat_completions(body: ChatCompletionRequest) -> Any:
-        lora = resolve_model(body.model)
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(
+        body: ChatCompletionRequest, grant: KeyGrant = Depends(require_key)
+    ) -> Any:
+        lora = resolve_model(body.model, grant)
         messages = [m.model_dump() for m in body.messages]
         ids = list(
-            tokenizer.apply_chat_template(
+            tokenizer().apply_chat_template(
                 messages, add_generation_prompt=True, tokenize=True, return_dict=False
             )
         )
-        limit = body.max_completion_tokens or body.max_tokens or max(1, max_model_len - len(ids))
+        room = max(1, engine_loop.engine.config.max_model_len - len(ids))
+        limit = body.max_completion_tokens or body.max_tokens or room
         top = (body.top_logprobs or 0) if body.logprobs else None
         params = sampling(body, limit, top)
         created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
-        tracked = _Tracked(len(ids), time.perf_counter())
+        tracked = Tracked(len(ids), time.perf_counter())
         holdback = max((len(s) for s in params.stop), default=1) - 1
         generator = run_one(ids, params, lora, tracked)
         head = await anext(generator)
@@ -341,7 +313,7 @@ def create_app(
             if not head.finished:
                 async for out in generator:
                     last = out
-            record(cid, tracked)
+            record(cid, body.model, tracked)
             return {
                 "id": cid,
                 "object": "chat.completion",
@@ -351,7 +323,9 @@ def create_app(
                     {
                         "index": 0,
                         "message": {"role": "assistant", "content": last.text},
-                        "logprobs": chat_logprobs(tracked.logprobs) if body.logprobs else None,
+                        "logprobs": (
+                            chat_logprobs(tokenizer(), tracked.logprobs) if body.logprobs else None
+                        ),
                         "finish_reason": last.finish_reason,
                     }
                 ],
@@ -376,15 +350,15 @@ def create_app(
             sent = 0
             out: RequestOutput | None = head
             while out is not None:
-                text, sent = _delta(out.text, sent, out.finished, holdback)
-                lps = chat_logprobs(out.new_logprobs) if body.logprobs else None
+                text, sent = text_delta(out.text, sent, out.finished, holdback)
+                lps = chat_logprobs(tokenizer(), out.new_logprobs) if body.logprobs else None
                 if text or lps:
                     yield chunk({"content": text}, None, lps)
                 if out.finished:
                     yield chunk({}, out.finish_reason)
                     break
                 out = await anext(generator, None)
-            record(cid, tracked)
+            record(cid, body.model, tracked)
             if body.stream_options and body.stream_options.include_usage:
                 yield sse(
                     {

@@ -1,26 +1,42 @@
-"""API-key checks: a callable so the control plane can plug in its own."""
+"""API-key checks: a callable so the control plane (or a host agent) can plug in its own."""
 
 from __future__ import annotations
 
 import hmac
 import os
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
-ApiKeyChecker = Callable[[str | None], bool]
-"""Returns True when the bearer key (None when absent) may use the server."""
+
+@dataclass(frozen=True)
+class KeyGrant:
+    """An accepted key. `models` are the model names it may call (None: every model the server
+    serves); any other model reads as nonexistent to it (404, never 403)."""
+
+    models: frozenset[str] | None = None
+
+    def allows(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+ApiKeyChecker = Callable[[str | None], KeyGrant | None]
+"""The bearer key's grant (the key is None when absent), or None to refuse it (401). May block
+(it runs in a worker thread, not on the event loop)."""
 
 API_KEYS_ENV = "HARLI_INFERENCE_API_KEYS"
+ALL_MODELS = KeyGrant()
 
 
 def static_key_checker(keys: Iterable[str]) -> ApiKeyChecker:
-    """Accept exactly `keys` (compared in constant time). An empty set accepts nobody."""
+    """Accept exactly `keys` (compared in constant time) for every model. An empty set accepts
+    nobody."""
     allowed = tuple(k.encode() for k in keys if k)
 
-    def check(key: str | None) -> bool:
+    def check(key: str | None) -> KeyGrant | None:
         if key is None:
-            return False
+            return None
         raw = key.encode()
-        return any(hmac.compare_digest(raw, k) for k in allowed)
+        return ALL_MODELS if any(hmac.compare_digest(raw, k) for k in allowed) else None
 
     return check
 

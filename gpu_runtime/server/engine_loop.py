@@ -1,24 +1,96 @@
-"""Runs an `Engine` in its own thread and streams outputs to asyncio consumers.
+"""Runs an `Engine` (or a host's co-location loop around one) in its own thread and streams
+outputs to asyncio consumers.
 
 The engine is not thread-safe, so only the loop thread touches it: submissions, aborts and
-`run_in_loop` calls (e.g. registering an adapter) are queued and run between steps, and outputs
-are handed to each request's asyncio queue with `call_soon_threadsafe`.
+`run_in_loop` calls (e.g. registering an adapter, a host command) are queued and run between
+steps, and outputs are handed to each request's asyncio queue with `call_soon_threadsafe`.
+
+What the thread steps is a :class:`StepDriver`: :class:`EngineDriver` steps the engine alone;
+a host agent passes its own driver, whose `step()` runs one co-location iteration (decode plus
+finetune quanta), so inference and training share the one engine thread.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from gpu_runtime.engine.engine import Engine
 from gpu_runtime.engine.request import RequestOutput, SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+class StepDriver(Protocol):
+    """What the loop thread drives. Every method runs on the loop thread only.
+
+    - `engine`: the engine requests go to (read per request by the server: tokenizer, limits,
+      LoRA runtime); a driver may replace it between steps when it holds no request.
+    - `add_request` / `abort_request`: as `Engine.add_request` / `abort_request` (ValueError
+      for a request the engine refuses).
+    - `has_work()`: True when `step()` should run now; otherwise the thread waits (briefly) for
+      submissions.
+    - `step()`: one step; returns the request outputs it produced. An exception fails every
+      open stream (the driver has already cleaned up its own state).
+    - `after_turn()`: housekeeping after every turn of the thread, idle or not.
+    - `close()`: the thread is stopping.
+    """
+
+    @property
+    def engine(self) -> Engine: ...
+
+    def add_request(
+        self, prompt: list[int], params: SamplingParams, request_id: str, lora_name: str | None
+    ) -> None: ...
+
+    def abort_request(self, request_id: str) -> None: ...
+
+    def has_work(self) -> bool: ...
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def after_turn(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class EngineDriver:
+    """Steps one engine alone (the stand-alone server)."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+
+    @property
+    def engine(self) -> Engine:
+        return self._engine
+
+    def add_request(
+        self, prompt: list[int], params: SamplingParams, request_id: str, lora_name: str | None
+    ) -> None:
+        self._engine.add_request(prompt, params, request_id, lora_name)
+
+    def abort_request(self, request_id: str) -> None:
+        self._engine.abort_request(request_id)
+
+    def has_work(self) -> bool:
+        return self._engine.has_unfinished_requests()
+
+    def step(self) -> list[RequestOutput]:
+        return self._engine.step()
+
+    def after_turn(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 @dataclass
@@ -40,8 +112,8 @@ class _Call:
 class EngineLoop:
     """Owns the engine thread. `generate` is the async API the server uses."""
 
-    def __init__(self, engine: Engine, idle_wait_s: float = 0.05) -> None:
-        self.engine = engine
+    def __init__(self, target: Engine | StepDriver, idle_wait_s: float = 0.05) -> None:
+        self.driver: StepDriver = EngineDriver(target) if isinstance(target, Engine) else target
         self._inbox: queue.Queue[_Submission | _Call | str | None] = queue.Queue()
         self._streams: dict[str, _Submission] = {}
         self._ids = itertools.count()
@@ -49,6 +121,11 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.steps = 0
+
+    @property
+    def engine(self) -> Engine:
+        """The driver's engine now (a host may swap it when it loads another base model)."""
+        return self.driver.engine
 
     def start(self) -> None:
         """Start the loop thread (idempotent)."""
@@ -91,12 +168,16 @@ class EngineLoop:
 
     def run_in_loop(self, fn: Callable[[], Any]) -> Future[Any]:
         """Run `fn()` on the loop thread between two steps (where touching the engine and its
-        LoRA runtime is safe); the future holds its result or exception. Needs `start()`."""
-        if self._thread is None:
-            raise RuntimeError("EngineLoop.start() was not called")
+        LoRA runtime is safe); the future holds its result or exception. Calls queued before
+        `start()` run once the thread starts."""
         future: Future[Any] = Future()
         self._inbox.put(_Call(fn, future))
         return future
+
+    @property
+    def open_streams(self) -> int:
+        """Requests submitted and not finished (read on the loop thread)."""
+        return len(self._streams)
 
     def _deliver(self, submission: _Submission, item: RequestOutput | BaseException) -> None:
         submission.loop.call_soon_threadsafe(submission.outputs.put_nowait, item)
@@ -110,7 +191,7 @@ class EngineLoop:
         while True:
             if isinstance(item, _Submission):
                 try:
-                    self.engine.add_request(
+                    self.driver.add_request(
                         item.prompt, item.params, item.request_id, item.lora_name
                     )
                     self._streams[item.request_id] = item
@@ -123,42 +204,58 @@ class EngineLoop:
                     except BaseException as exc:  # handed to the caller through the future
                         item.future.set_exception(exc)
             elif isinstance(item, str):
-                self.engine.abort_request(item)
-                self._streams.pop(item, None)
+                if self._streams.pop(item, None) is not None:
+                    self.driver.abort_request(item)
             try:
                 item = self._inbox.get_nowait()
             except queue.Empty:
                 return
 
     def _run(self) -> None:
-        while not self._stopping.is_set():
-            self._drain_inbox(block=not self.engine.has_unfinished_requests())
-            if not self.engine.has_unfinished_requests():
-                continue
+        try:
+            while not self._stopping.is_set():
+                self._turn()
+        finally:
+            for submission in self._streams.values():
+                self._deliver(submission, RuntimeError("engine loop stopped"))
+            self._streams.clear()
             try:
-                outputs = self.engine.step()
-            except Exception as exc:  # fail every stream rather than hang them
-                for submission in self._streams.values():
-                    self._deliver(submission, RuntimeError(f"engine step failed: {exc}"))
-                for request_id in list(self._streams):
-                    self.engine.abort_request(request_id)
-                self._streams.clear()
-                time.sleep(self._idle_wait_s)
+                self.driver.close()
+            except Exception:
+                logger.exception("closing the engine loop's driver failed")
+            while True:  # calls queued after the last drain would otherwise never complete
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
+                    item.future.set_exception(RuntimeError("engine loop stopped"))
+
+    def _turn(self) -> None:
+        self._drain_inbox(block=not self.driver.has_work())
+        if self.driver.has_work():
+            self._step()
+        try:
+            self.driver.after_turn()
+        except Exception:  # housekeeping must not stop serving
+            logger.exception("engine loop housekeeping failed")
+
+    def _step(self) -> None:
+        try:
+            outputs = self.driver.step()
+        except Exception as exc:  # fail every stream rather than hang them
+            logger.exception("engine step failed")
+            for request_id, submission in self._streams.items():
+                self._deliver(submission, RuntimeError(f"engine step failed: {exc}"))
+                self.driver.abort_request(request_id)
+            self._streams.clear()
+            time.sleep(self._idle_wait_s)
+            return
+        self.steps += 1
+        for out in outputs:
+            target = self._streams.get(out.request_id)
+            if target is None:
                 continue
-            self.steps += 1
-            for out in outputs:
-                target = self._streams.get(out.request_id)
-                if target is None:
-                    continue
-                self._deliver(target, out if out.error is None else ValueError(out.error))
-                if out.finished:
-                    del self._streams[out.request_id]
-        for submission in self._streams.values():
-            self._deliver(submission, RuntimeError("engine loop stopped"))
-        while True:  # calls queued after the last drain would otherwise never complete
-            try:
-                item = self._inbox.get_nowait()
-            except queue.Empty:
-                break
-            if isinstance(item, _Call) and item.future.set_running_or_notify_cancel():
-                item.future.set_exception(RuntimeError("engine loop stopped"))
+            self._deliver(target, out if out.error is None else ValueError(out.error))
+            if out.finished:
+                del self._streams[out.request_id]

@@ -87,10 +87,26 @@ def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
         assert answer.model == job.fine_tuned_model
         assert isinstance(answer.choices[0].text, str) and answer.usage is not None
         assert 1 <= answer.usage.completion_tokens <= 4
+        chunks = list(
+            agent.completions.create(
+                model=job.fine_tuned_model, prompt="Q: hello", max_tokens=4, temperature=0,
+                stream=True, stream_options={"include_usage": True},
+            )
+        )  # fmt: skip
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == answer.choices[0].text
+        assert chunks[-1].usage is not None
+        assert chunks[-1].usage.completion_tokens == answer.usage.completion_tokens
         chat = agent.chat.completions.create(
-            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0
         )
         assert chat.choices[0].message.role == "assistant"
+        streamed = agent.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3,
+            temperature=0, stream=True,
+        )  # fmt: skip
+        deltas = [c.choices[0].delta for c in streamed if c.choices]
+        assert deltas[0].role == "assistant"
+        assert "".join(d.content or "" for d in deltas) == chat.choices[0].message.content
     outsider = _client(cluster.agent_url("agent-a"), seeded.other_key)
     assert job.fine_tuned_model not in [m.id for m in outsider.models.list()]
     with pytest.raises(openai.NotFoundError):

@@ -1,9 +1,13 @@
-"""Fixtures: a tiny model directory, storage with a training file, and a running HostRuntime."""
+"""Fixtures: a tiny model directory, storage with a training file, and a running host (a
+`HostRuntime` driven by a started `EngineLoop`)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -89,37 +93,69 @@ class Reports:
         return [m["kind"] for m in self.seen]
 
 
-def make_runtime(model_dir: Path, storage: LocalStorage, work_dir: Path, send: Any) -> Any:
-    from gpu_runtime.agent.adapters import AdapterEngines
-    from gpu_runtime.agent.runtime import HostRuntime
-    from gpu_runtime.colocation import NaivePolicy
-    from gpu_runtime.engine import Engine, EngineConfig
-    from gpu_runtime.model.loader import load_model, load_tokenizer
+@dataclass
+class Host:
+    """A HostRuntime driven by a started EngineLoop, as the agent process wires them."""
 
-    model = load_model(model_dir, device="cpu")
-    tokenizer = load_tokenizer(model_dir)
-    config = EngineConfig(
-        num_kv_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
-        max_model_len=256,
+    runtime: Any
+    loop: Any
+
+    def command(self, command: dict[str, Any]) -> None:
+        from gpu_runtime.agent.runtime import submit_command
+
+        submit_command(self.loop, self.runtime, command).result(60)
+
+    def generate(self, model: str | None, prompt: Any, params: Any) -> tuple[Any, list[float]]:
+        """One request's final output and its tokens' logprobs (with `params.logprobs`);
+        `model` None or the base model: no adapter."""
+        tokenizer = self.loop.engine.tokenizer
+        ids = list(tokenizer(prompt)["input_ids"]) if isinstance(prompt, str) else list(prompt)
+        lora = None if model in (None, self.runtime.base_model) else model
+
+        async def run() -> tuple[Any, list[float]]:
+            last, logprobs = None, []
+            async for out in self.loop.generate(ids, params, lora):
+                last = out
+                logprobs += [lp.logprob for lp in out.new_logprobs]
+            return last, logprobs
+
+        return asyncio.run(run())
+
+    def stop(self) -> None:
+        self.loop.stop()
+
+
+def make_runtime(model_dir: Path, storage: LocalStorage, work_dir: Path, send: Any) -> Host:
+    from gpu_runtime.agent.runtime import HostRuntime
+    from gpu_runtime.agent.serving import EngineSpec
+    from gpu_runtime.colocation import NaivePolicy
+    from gpu_runtime.engine import EngineConfig
+    from gpu_runtime.server import EngineLoop, MetricsCollector
+
+    spec = EngineSpec(
+        EngineConfig(
+            num_kv_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
+            max_model_len=256,
+        ),
+        lora_slots=2,
+        lora_max_rank=8,
     )  # fmt: skip
-    engine = Engine(model, config, tokenizer=tokenizer)
-    adapters = AdapterEngines(model, config, tokenizer, storage, work_dir, 16)
-    return HostRuntime(
+    runtime = HostRuntime(
         host="h1",
         base_model="tiny",
-        engine=engine,
+        engine=spec.build(model_dir),
+        engine_spec=spec,
         policy=NaivePolicy(quantum_examples=2),
         tpot_slo_ms=1e6,
-        adapters=adapters,
-        tokenizer=tokenizer,
         storage=storage,
         work_dir=work_dir,
         send=send,
         total_bytes=2**30,
-        max_model_len=256,
         base_model_path=str(model_dir),
         metrics_interval_s=0.5,
+        request_metrics=MetricsCollector(),
     )
+    return Host(runtime, EngineLoop(runtime))
 
 
 @pytest.fixture()
@@ -128,8 +164,10 @@ def reports() -> Reports:
 
 
 @pytest.fixture()
-def runtime(tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path, reports: Reports) -> Any:
-    rt = make_runtime(tiny_model_dir, storage, tmp_path / "work", reports)
-    rt.start()
-    yield rt
-    rt.stop()
+def host(
+    tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path, reports: Reports
+) -> Iterator[Host]:
+    started = make_runtime(tiny_model_dir, storage, tmp_path / "work", reports)
+    started.loop.start()
+    yield started
+    started.stop()

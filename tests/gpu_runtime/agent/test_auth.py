@@ -25,7 +25,9 @@ def test_grant_cache_and_revocation_within_ttl(live_server: object) -> None:
     base_model_register(name="tiny", preset="tiny")
     issued = api_key_issue_for_tenant(tenant=tenant_create(name="acme"))
     clock = FakeClock()
-    verifier = KeyVerifier(str(live_server), ttl_s=10.0, negative_ttl_s=2.0, clock=clock)
+    verifier = KeyVerifier(
+        str(live_server), ttl_s=10.0, negative_ttl_s=2.0, timeout_s=30.0, clock=clock
+    )
     assert verifier.check(issued.key).models == frozenset({"tiny"})
     assert verifier.check(issued.key).models == frozenset({"tiny"})
     assert verifier.lookups == 1  # cached

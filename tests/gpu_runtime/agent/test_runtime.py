@@ -1,24 +1,21 @@
-"""The engine-loop thread on CPU: a placement trains to the end, checkpoints reach storage
+"""The host's engine loop on CPU: a placement trains to the end, checkpoints reach storage
 before they are reported, a resumed run continues exactly, pause and cancel release the job,
-and the finished adapter answers generations by name."""
+and the finished adapter answers generations by name on the host's one engine."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from gpu_runtime.agent.runtime import Generation
 from gpu_runtime.engine import SamplingParams
 from gpu_runtime.storage import LocalStorage
-from tests.gpu_runtime.agent.conftest import Reports, job_spec, make_runtime
+from tests.gpu_runtime.agent.conftest import Host, Reports, job_spec, make_runtime
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
 
 
-def _place(runtime: Any, placement_id: int, **spec: Any) -> None:
-    runtime.submit_command(
+def _place(host: Host, placement_id: int, **spec: Any) -> None:
+    host.command(
         {
             "command": "apply_placement",
             "command_id": f"c{placement_id}",
@@ -29,10 +26,11 @@ def _place(runtime: Any, placement_id: int, **spec: Any) -> None:
 
 
 def test_placement_runs_to_success_with_checkpoints_in_storage(
-    runtime: Any, reports: Reports, storage: LocalStorage
+    host: Host, reports: Reports, storage: LocalStorage
 ) -> None:
-    _place(runtime, 1)
-    _place(runtime, 1)  # a redelivered placement is ignored
+    runtime = host.runtime
+    _place(host, 1)
+    _place(host, 1)  # a redelivered placement is ignored
     started = reports.wait_for("job_started")
     assert started["resumed_from_step"] == 0 and started["total_steps"] == 6
     done = reports.wait_for("job_succeeded")
@@ -49,31 +47,27 @@ def test_placement_runs_to_success_with_checkpoints_in_storage(
     assert done["train_loss"] == progress[-1]
     assert done["trained_tokens"] > 0
     assert runtime.status().placements == []
-    # The adapter answers by name, and its model differs from the base model's.
+    # The adapter answers by name on the same engine, and it changes the model's output.
     name = "ft:tiny:t1::ftjob-1"
-    assert runtime.served_models() == ["tiny", name]
-    ids = torch.tensor([[5, 6, 7, 8]])
-    positions = torch.arange(4)[None]
-    with torch.no_grad():
-        tuned_model = runtime.adapters.get(name).runner.model
-        base_model = runtime.engine.runner.model
-        delta = tuned_model(ids, positions) - base_model(ids, positions)
-    assert float(delta.abs().max()) > 1e-4
-    tuned = runtime.submit_generation(Generation(name, "Q: hello", GREEDY)).result(30)
-    base = runtime.submit_generation(Generation("tiny", "Q: hello", GREEDY)).result(30)
+    assert runtime.status().adapters == [name]
+    assert runtime.engine.lora.names() == [name]
+    scored = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=0)
+    tuned, tuned_lp = host.generate(name, "Q: hello", scored)
+    base, base_lp = host.generate("tiny", "Q: hello", scored)
     assert len(tuned.output_token_ids) == 6 and len(base.output_token_ids) == 6
+    assert abs(tuned_lp[0] - base_lp[0]) > 1e-4
 
 
 def test_resume_from_a_checkpoint_matches_an_uninterrupted_run(
-    tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path, runtime: Any, reports: Reports
+    tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path, host: Host, reports: Reports
 ) -> None:
-    _place(runtime, 1)
+    _place(host, 1)
     full = reports.wait_for("job_succeeded")
     losses = {m["step"]: m["train_loss"] for m in reports.seen if m["kind"] == "job_progress"}
     # A second host resumes the same job from the step-2 checkpoint.
     other = Reports()
     second = make_runtime(tiny_model_dir, storage, tmp_path / "work2", other)
-    second.start()
+    second.loop.start()
     try:
         resume = {"step": 2, "storage_key": "checkpoints/ftjob-1/step-000002"}
         _place(second, 2, resume_from=resume)
@@ -90,57 +84,50 @@ def test_resume_from_a_checkpoint_matches_an_uninterrupted_run(
 
 
 def test_pause_checkpoints_at_a_batch_boundary_and_cancel_stops(
-    runtime: Any, reports: Reports, storage: LocalStorage
+    host: Host, reports: Reports, storage: LocalStorage
 ) -> None:
-    _place(runtime, 1, hyperparameters={"n_epochs": 10, "batch_size": 2})
+    runtime = host.runtime
+    _place(host, 1, hyperparameters={"n_epochs": 10, "batch_size": 2})
     reports.wait_for("job_progress")
-    runtime.submit_command(
-        {"command": "pause", "command_id": "p", "placement_id": 1, "job_id": "ftjob-1"}
-    )
+    host.command({"command": "pause", "command_id": "p", "placement_id": 1, "job_id": "ftjob-1"})
     stopped = reports.wait_for("job_stopped")
     assert stopped["reason"] == "paused"
     checkpoint = [m for m in reports.seen if m["kind"] == "checkpoint"][-1]
     assert checkpoint["step"] == stopped["step"]
     assert storage.exists(f"{checkpoint['storage_key']}/.complete")
     assert runtime.status().placements == []
-    _place(runtime, 2, job_id="ftjob-2", hyperparameters={"n_epochs": 10, "batch_size": 2})
+    _place(host, 2, job_id="ftjob-2", hyperparameters={"n_epochs": 10, "batch_size": 2})
     reports.wait_for("job_started")
-    runtime.submit_command(
-        {"command": "cancel", "command_id": "c", "placement_id": 2, "job_id": "ftjob-2"}
-    )
+    host.command({"command": "cancel", "command_id": "c", "placement_id": 2, "job_id": "ftjob-2"})
     assert reports.wait_for("job_stopped")["reason"] == "cancelled"
     assert "job_succeeded" not in reports.kinds()
 
 
-def test_bad_training_file_fails_the_job(runtime: Any, reports: Reports) -> None:
-    _place(runtime, 1, training_file_key="files/t1/missing.jsonl")
+def test_bad_training_file_fails_the_job(host: Host, reports: Reports) -> None:
+    _place(host, 1, training_file_key="files/t1/missing.jsonl")
     failed = reports.wait_for("job_failed")
     assert failed["code"] == "job_setup_failed" and "missing.jsonl" in failed["message"]
 
 
-def test_metrics_and_status(runtime: Any, reports: Reports) -> None:
-    out = runtime.submit_generation(Generation("tiny", [5, 6, 7, 8], GREEDY)).result(30)
+def test_metrics_and_status(host: Host, reports: Reports) -> None:
+    runtime = host.runtime
+    out, _ = host.generate("tiny", [5, 6, 7, 8], GREEDY)
     assert len(out.output_token_ids) == 6
     metrics = reports.wait_for("metrics", timeout=10)
-    host = metrics["host_metrics"]
-    assert host["weights_bytes"] > 0 and 0 < host["free_bytes"] < 2**30
+    figures = metrics["host_metrics"]
+    assert figures["weights_bytes"] > 0 and 0 < figures["free_bytes"] < 2**30
     status = runtime.status()
     assert status.total_bytes == 2**30 and status.placements == []
 
 
-def test_drain_is_reported_in_the_status(runtime: Any) -> None:
-    import time
-
-    runtime.submit_command({"command": "drain", "command_id": "d"})
-    deadline = time.monotonic() + 10
-    while not runtime.status().draining and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert runtime.status().draining
+def test_drain_is_reported_in_the_status(host: Host) -> None:
+    host.command({"command": "drain", "command_id": "d"})
+    assert host.runtime.status().draining
 
 
-def test_load_base_model_only_when_idle(
-    runtime: Any, reports: Reports, tiny_model_dir: Path
-) -> None:
+def test_load_base_model_only_when_idle(host: Host, reports: Reports, tiny_model_dir: Path) -> None:
+    runtime = host.runtime
+
     import time
 
     def wait_base(name: str) -> bool:
@@ -149,18 +136,16 @@ def test_load_base_model_only_when_idle(
             time.sleep(0.05)
         return bool(runtime.status().base_model == name)
 
-    _place(runtime, 1, hyperparameters={"n_epochs": 10, "batch_size": 2})
+    _place(host, 1, hyperparameters={"n_epochs": 10, "batch_size": 2})
     reports.wait_for("job_started")
     load = {"command": "load_base_model", "command_id": "b", "base_model": "tiny-2",
             "model_dir": str(tiny_model_dir), "preset": ""}  # fmt: skip
-    runtime.submit_command(load)  # busy training: dropped
-    runtime.submit_command(
-        {"command": "cancel", "command_id": "c", "placement_id": 1, "job_id": "ftjob-1"}
-    )
+    host.command(load)  # busy training: dropped
+    host.command({"command": "cancel", "command_id": "c", "placement_id": 1, "job_id": "ftjob-1"})
     reports.wait_for("job_stopped")
     assert runtime.status().base_model == "tiny"
-    runtime.submit_command(load)
+    host.command(load)
     assert wait_base("tiny-2")
-    assert runtime.served_models() == ["tiny-2"]
-    out = runtime.submit_generation(Generation("tiny-2", "Q: hello", GREEDY)).result(30)
+    assert runtime.status().adapters == []
+    out, _ = host.generate("tiny-2", "Q: hello", GREEDY)
     assert len(out.output_token_ids) == 6

@@ -1,0 +1,105 @@
+"""What a host reports besides job events: its heartbeat snapshot and the interval metrics.
+
+Pure functions over the engine and the co-location loop's aggregated interval; the runtime
+calls them on the loop thread and hands the results to the report sender.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from gpu_runtime.colocation import IntervalMetrics
+from gpu_runtime.engine import Engine
+from gpu_runtime.server.metrics import RequestMetrics
+
+
+@dataclass(frozen=True)
+class PredictorInfo:
+    """The latency predictor a host loaded: its artifact version and held-out accuracy."""
+
+    version: str
+    mape: float | None
+    """Stage-2 (co-located) mean absolute percentage error as a fraction, else stage 1's."""
+
+
+@dataclass(frozen=True)
+class HostSnapshot:
+    """What a heartbeat reports (a copy taken on the loop thread)."""
+
+    base_model: str
+    placements: list[int]
+    adapters: list[str]
+    free_bytes: int
+    total_bytes: int
+    harvestable_tokens_per_s: float
+    draining: bool
+    predictor: PredictorInfo | None = None
+
+    def heartbeat_fields(self) -> dict[str, Any]:
+        """The heartbeat report's fields (see `gpu_runtime.agent.protocol`)."""
+        return {
+            "base_model": self.base_model,
+            "draining": self.draining,
+            "total_bytes": self.total_bytes,
+            "free_bytes": self.free_bytes,
+            "harvestable_tokens_per_s": self.harvestable_tokens_per_s,
+            "placements": self.placements,
+            "adapters": self.adapters,
+            "predictor_version": self.predictor.version if self.predictor else None,
+            "predictor_mape": self.predictor.mape if self.predictor else None,
+        }
+
+
+def weights_bytes(engine: Engine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+
+
+def kv_bytes_per_block(engine: Engine) -> int:
+    """Bytes of K and V of every layer for one block of `block_size` tokens."""
+    config = engine.model_config
+    element = 2 if engine.config.device != "cpu" else 4
+    return (
+        engine.config.block_size
+        * config.num_hidden_layers
+        * 2
+        * config.num_key_value_heads
+        * config.head_dim
+        * element
+    )
+
+
+def _percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def deployment_metrics(
+    interval: IntervalMetrics,
+    requests: list[RequestMetrics],
+    predictor: PredictorInfo | None,
+) -> dict[str, Any] | None:
+    """The `deployment_metrics` of a metrics report, or None when no decode ran. TPOT comes
+    from the loop's token timings; TTFT from the server's per-request records."""
+    if interval.tpot_ms_p50 is None or interval.tpot_ms_p99 is None:
+        return None
+    iterations = max(interval.decode_iterations, 1)
+    ttfts = [r.ttft_s * 1e3 for r in requests]
+    return {
+        "tpot_p50_ms": interval.tpot_ms_p50,
+        "tpot_p99_ms": interval.tpot_ms_p99,
+        "ttft_p50_ms": _percentile(ttfts, 0.5),
+        "ttft_p99_ms": _percentile(ttfts, 0.99),
+        "slo_attainment": (
+            interval.slo_attainment
+            if interval.slo_attainment is not None
+            else interval.token_slo_attainment or 0.0
+        ),
+        "goodput_tokens_per_s": interval.goodput_tokens_per_s,
+        "request_rate": interval.finished_requests / max(interval.seconds, 1e-9),
+        "observed_iter_ms": interval.seconds * 1e3 / iterations,
+        "predicted_iter_ms": None,
+        "predictor_version": predictor.version if predictor else None,
+    }

@@ -1,0 +1,81 @@
+"""OpenAI response pieces the server builds: per-prompt tracking, usage, logprobs, SSE framing
+and the streamed text delta."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from gpu_runtime.engine.request import RequestOutput
+
+
+@dataclass
+class Tracked:
+    """One prompt's generation: outputs so far and its timings (`time.perf_counter`)."""
+
+    prompt_tokens: int
+    started: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last: RequestOutput | None = None
+    logprobs: list[Any] = field(default_factory=list)
+
+
+def text_delta(text: str, sent: int, finished: bool, holdback: int) -> tuple[str, int]:
+    """New text safe to send: hold back a possible stop-string prefix and a partial UTF-8
+    character until the request finishes. Returns the piece and the new sent offset."""
+    upto = len(text) if finished else len(text) - holdback
+    if not finished:
+        while upto > sent and text[upto - 1] == "\ufffd":
+            upto -= 1
+    upto = max(upto, sent)
+    return text[sent:upto], upto
+
+
+def usage(tracked: list[Tracked]) -> dict[str, int]:
+    """OpenAI's `usage` over the prompts of one response."""
+    prompt = sum(t.prompt_tokens for t in tracked)
+    completion = sum(len(t.last.output_token_ids) for t in tracked if t.last)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+    }
+
+
+def _token_text(tokenizer: Any, token_id: int) -> str:
+    return str(tokenizer.decode([token_id]))
+
+
+def completion_logprobs(tokenizer: Any, tracked: Tracked) -> dict[str, Any]:
+    """`choices[i].logprobs` of a text completion."""
+    tokens = [_token_text(tokenizer, lp.token_id) for lp in tracked.logprobs]
+    return {
+        "tokens": tokens,
+        "token_logprobs": [lp.logprob for lp in tracked.logprobs],
+        "top_logprobs": [
+            {_token_text(tokenizer, t): v for t, v in lp.top} for lp in tracked.logprobs
+        ],
+        "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
+    }
+
+
+def chat_logprobs(tokenizer: Any, items: list[Any]) -> dict[str, Any]:
+    """`choices[0].logprobs` of a chat completion (or one chunk of it)."""
+
+    def entry(token_id: int, value: float) -> dict[str, Any]:
+        text = _token_text(tokenizer, token_id)
+        return {"token": text, "logprob": value, "bytes": list(text.encode())}
+
+    return {
+        "content": [
+            entry(lp.token_id, lp.logprob) | {"top_logprobs": [entry(t, v) for t, v in lp.top]}
+            for lp in items
+        ]
+    }
+
+
+def sse(payload: dict[str, Any]) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(payload)}\n\n"
