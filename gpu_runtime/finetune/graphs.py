@@ -239,7 +239,8 @@ class MicroBatchGraphs:
             mode = "capture"
         else:
             self._graphs.move_to_end(key)
-        entry.inputs.copy_(pack_inputs(batch, key.loss_slots), non_blocking=True)
+        packed = pack_inputs(batch, key.loss_slots).pin_memory()  # a truly asynchronous copy
+        entry.inputs.copy_(packed, non_blocking=True)
         entry.denominator.fill_(float(denominator))
         entry.graph.replay()
         self.counts[mode] += 1
