@@ -9,10 +9,11 @@ host, whose CPU is the one that serves predictions). Writes
 ``bench/results/predictor-<gpu>-<yyyymmdd>.json`` (``gpu`` = the GPU the data was measured on)
 or ``--result-file``.
 
-Timing (onnxruntime CPU provider, one intra-op thread, sequential, no spinning): one stage-2
-row, ``predict`` of 64 rows (the target: <= 50 µs), ``score`` of 64 candidates, the same 64 rows
-through a plain ``session.run`` (no bound buffers), and a one-node graph's call (``floor``): on a
-shared, loaded host the floor itself moves, and the ratio to it holds better than absolutes.
+Timing (onnxruntime CPU provider, one intra-op thread, sequential, no spinning; p50 and p99 of
+3000 individually timed calls): one stage-2 row, ``predict`` of 64 rows (the target: <= 50 µs),
+``score`` of 64 candidates, the same 64 rows through a plain ``session.run`` (no bound buffers),
+and a one-node graph's call (``floor``, plain and bound): on a shared, loaded host the floor
+itself moves, and the ratio to it holds better than absolutes.
 The result names the host CPU, its load, and the graph's node count before and after
 onnxruntime's optimisations.
 """
@@ -54,21 +55,10 @@ from predictor_models.pipeline import (
 TARGETS = {"stage1_mape": 0.03, "stage2_mape": 0.05, "p95_ape": 0.10, "batch64_us": 50.0}
 
 
-def per_call_us(fn: Callable[[], object], calls: int = 300, blocks: int = 21) -> dict[str, float]:
-    """Mean µs per call in each of ``blocks`` blocks (after a warm-up block): median and min."""
-    for _ in range(calls):
-        fn()
-    means = []
-    for _ in range(blocks):
-        start = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        means.append((time.perf_counter() - start) / calls * 1e6)
-    return {"median": statistics.median(means), "min": min(means)}
-
-
-def single_calls_us(fn: Callable[[], object], calls: int = 3000) -> dict[str, float]:
-    """p50 and p99 of individually timed calls (each includes ~0.1 µs of timer overhead)."""
+def calls_us(fn: Callable[[], object], calls: int = 3000) -> dict[str, float]:
+    """p50, p99 and mean µs of ``calls`` individually timed calls after 300 warm-up calls
+    (each includes ~0.1 µs of timer overhead; on a loaded host the mean carries preemptions,
+    the p50 does not)."""
     for _ in range(300):
         fn()
     times = []
@@ -78,7 +68,11 @@ def single_calls_us(fn: Callable[[], object], calls: int = 3000) -> dict[str, fl
         fn()
         times.append((clock() - start) / 1e3)
     times.sort()
-    return {"p50": times[len(times) // 2], "p99": times[int(0.99 * (len(times) - 1))]}
+    return {
+        "p50": times[len(times) // 2],
+        "p99": times[int(0.99 * (len(times) - 1))],
+        "mean": statistics.fmean(times),
+    }
 
 
 def ort_floor_us(bound: bool) -> float | None:
@@ -117,16 +111,17 @@ def _ort_floor_us(bound: bool) -> float:
     rows = np.ones((64, 11), dtype=np.float32)
     out = np.zeros(64, dtype=np.float32)
     if not bound:
-        return per_call_us(lambda: session.run(None, {"features": rows}))["median"]
+        return calls_us(lambda: session.run(None, {"features": rows}))["p50"]
     binding = session.io_binding()
     binding.bind_input("features", "cpu", 0, np.float32, [64, 11], rows.ctypes.data)
     binding.bind_output("y", "cpu", 0, np.float32, [64], out.ctypes.data)
-    return per_call_us(lambda: session.run_with_iobinding(binding))["median"]
+    return calls_us(lambda: session.run_with_iobinding(binding))["p50"]
 
 
 def timing(predictor: LatencyPredictor) -> dict[str, float | None]:
-    """µs per call (median over blocks unless named): one stage-2 row, 64 rows through
-    ``predict`` and through a plain ``session.run``, ``score`` over 64 candidates, floors."""
+    """µs per call (p50 of individually timed calls unless named): one stage-2 row, 64 rows
+    through ``predict`` and through a plain ``session.run``, ``score`` over 64 candidates,
+    the floors."""
     iteration = DecodeIteration.from_contexts([900] * 48, 0, decode_sm_share=64 / 132)
     quanta = [
         FinetuneQuantum(t, s, 16, b, 1 - d / 132)
@@ -140,18 +135,18 @@ def timing(predictor: LatencyPredictor) -> dict[str, float | None]:
     rows[:, 5] = shares
     candidates = list(zip(shares, quanta, strict=True))
     session, feed = predictor.session, {"features": rows}
-    batch = per_call_us(lambda: predictor.predict(rows))
-    single = per_call_us(lambda: predictor.stage2(iteration, quanta[0]))
-    each = single_calls_us(lambda: predictor.predict(rows))
+    single = calls_us(lambda: predictor.stage2(iteration, quanta[0]))
+    batch = calls_us(lambda: predictor.predict(rows))
+    score = calls_us(lambda: predictor.score(iteration, candidates))
     return {
-        "single_us": single["median"],
-        "single_us_min": single["min"],
-        "batch64_us": batch["median"],
-        "batch64_us_min": batch["min"],
-        "batch64_us_p50_single_calls": each["p50"],
-        "batch64_us_p99_single_calls": each["p99"],
-        "score64_us": per_call_us(lambda: predictor.score(iteration, candidates))["median"],
-        "session_run64_us": per_call_us(lambda: session.run(None, feed))["median"],
+        "single_us": single["p50"],
+        "single_us_p99": single["p99"],
+        "batch64_us": batch["p50"],
+        "batch64_us_p99": batch["p99"],
+        "batch64_us_mean": batch["mean"],
+        "score64_us": score["p50"],
+        "score64_us_p99": score["p99"],
+        "session_run64_us": calls_us(lambda: session.run(None, feed))["p50"],
         "ort_floor_us": ort_floor_us(bound=False),
         "ort_floor_bound_us": ort_floor_us(bound=True),
     }

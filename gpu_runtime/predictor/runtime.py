@@ -190,12 +190,14 @@ class LatencyPredictor:
         n = len(candidates)
         if not 0 < n <= self.max_batch:
             raise ValueError(f"1..{self.max_batch} candidates per call, got {n}")
+        shares = np.fromiter((share for share, _ in candidates), dtype=np.float64, count=n)
+        bad = np.flatnonzero(~((shares > 0.0) & (shares <= 1.0)))
+        if len(bad):
+            i = int(bad[0])
+            raise ValueError(f"candidate {i}: decode SM share {shares[i]} not in (0, 1]")
         block = self._rows[:n]
         block[:, :N_STAGE1] = iteration.row()
-        for i, (share, quantum) in enumerate(candidates):
-            if not 0.0 < share <= 1.0:
-                raise ValueError(f"candidate {i}: decode SM share {share} not in (0, 1]")
-            block[i, SHARE_COLUMN] = share
-            block[i, N_STAGE1:] = NO_FINETUNE_ROW if quantum is None else quantum.row()
+        block[:, SHARE_COLUMN] = shares
+        block[:, N_STAGE1:] = [NO_FINETUNE_ROW if q is None else q.row() for _, q in candidates]
         self._bound_run(n)()
         return self._out[:n, 1].copy()
