@@ -10,13 +10,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
 from gpu_runtime.engine.fused_ops import rms_norm, rope_and_cache_write, silu_and_mul
 from gpu_runtime.engine.kv_cache import PagedKVCache
-from gpu_runtime.engine.lora import LoraGroup, apply_lora_group_
+from gpu_runtime.engine.lora import LoraGroup, lora_linear
 from gpu_runtime.model.llama import CausalLM
 
 
@@ -62,21 +61,22 @@ class FusedDecodeForward:
         num_splits: int,
         lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """`lora_slots` `[B]` (-1: base row): add each row's adapter slot's LoRA terms (one
-        shrink GEMM + one expand kernel per adapted projection group), in place after the base
-        GEMMs. Without it the step has no LoRA kernels at all."""
+        """`lora_slots` `[B]` (-1: base row): add each row's adapter slot's LoRA terms per
+        adapted projection group (`lora_linear`: the shrink shares the base GEMM when the slots
+        live in the model's fused weights, else its own GEMM; then one expand-add kernel).
+        Without it the step has exactly the base kernels. Outputs of extended GEMMs are strided
+        views; the fused kernels take row strides."""
         model = self.model
         groups = self.lora_groups if lora_slots is not None else None
+        slots = lora_slots
         batch = input_ids.shape[0]
         x = model.model.embed_tokens(input_ids)  # [B, hidden]
         residual: torch.Tensor | None = None
         for index, layer in enumerate(model.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
             h, residual = rms_norm(x, layer.input_layernorm.weight, self.eps, residual)
-            qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias)  # type: ignore[arg-type]
             lora = groups[index] if groups is not None else None
-            if lora is not None and "qkv" in lora:
-                apply_lora_group_(qkv, h, lora["qkv"], lora_slots)  # type: ignore[arg-type]
+            qkv = lora_linear(h, attn.qkv_weight, attn.qkv_bias, _group(lora, "qkv"), slots)  # type: ignore[arg-type]
             key_cache = self.cache.key_caches[index]
             value_cache = self.cache.value_caches[index]
             q = rope_and_cache_write(
@@ -101,17 +101,15 @@ class FusedDecodeForward:
                 self.cache.block_size,
                 num_splits,
             )
-            attn_in = out.view(batch, -1)
-            x = F.linear(attn_in, attn.o_proj.weight, attn.o_proj.bias)
-            if lora is not None and "o" in lora:
-                apply_lora_group_(x, attn_in, lora["o"], lora_slots)  # type: ignore[arg-type]
+            o = _group(lora, "o")
+            x = lora_linear(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias, o, slots)
             h, residual = rms_norm(x, layer.post_attention_layernorm.weight, self.eps, residual)
-            gate_up = F.linear(h, mlp.gate_up_weight)  # type: ignore[arg-type]
-            if lora is not None and "gate_up" in lora:
-                apply_lora_group_(gate_up, h, lora["gate_up"], lora_slots)  # type: ignore[arg-type]
+            gate_up = lora_linear(h, mlp.gate_up_weight, None, _group(lora, "gate_up"), slots)  # type: ignore[arg-type]
             act = silu_and_mul(gate_up)
-            x = F.linear(act, mlp.down_proj.weight)
-            if lora is not None and "down" in lora:
-                apply_lora_group_(x, act, lora["down"], lora_slots)  # type: ignore[arg-type]
+            x = lora_linear(act, mlp.down_proj.weight, None, _group(lora, "down"), slots)
         h, _ = rms_norm(x, model.model.norm.weight, self.eps, residual)
         return model.compute_logits(h)
+
+
+def _group(lora: Mapping[str, LoraGroup] | None, name: str) -> LoraGroup | None:
+    return lora.get(name) if lora else None

@@ -49,12 +49,17 @@ class LoraGroup:
     - `b` `[S * R, out_total]`: row `s*R + r`, columns of module g at its offset in the fused
       output (q|k|v or gate|up), holding `scaling * B.T` (zeros for untargeted modules);
     - `bounds`: output column where modules 1.. start (`len == G - 1`).
+    - `weight`, `bias` (optional): the serving model's fused weight of the group with `a` as
+      its last rows (`CausalLM.reserve_projection_rows`), so one GEMM gives the base output and
+      the shrink together.
     """
 
     a: torch.Tensor
     b: torch.Tensor
     bounds: tuple[int, ...]
     max_rank: int
+    weight: torch.Tensor | None = None
+    bias: torch.Tensor | None = None
 
 
 class LoraForward(Protocol):
@@ -113,15 +118,43 @@ def lora_expand_add_reference(
         out[rows, start:end] = (out[rows, start:end].float() + delta).to(out.dtype)
 
 
-def apply_lora_group_(
-    out: torch.Tensor, x: torch.Tensor, group: LoraGroup, slots: torch.Tensor
+def _expand_add_(
+    out: torch.Tensor, shrink: torch.Tensor, group: LoraGroup, slots: torch.Tensor
 ) -> None:
-    """`out += LoRA(x)` per row's slot for one projection group, in place (two kernels on CUDA:
-    the shrink GEMM over all slots and the gathered expand-add). x `[T, in]`, out `[T, out]`."""
-    shrink = torch.nn.functional.linear(x, group.a)  # [T, G*S*R]
     if out.is_cuda:
         from gpu_runtime.engine.lora_kernels import lora_expand_add_
 
         lora_expand_add_(out, shrink, group, slots)
     else:
         lora_expand_add_reference(out, shrink, group, slots)
+
+
+def apply_lora_group_(
+    out: torch.Tensor, x: torch.Tensor, group: LoraGroup, slots: torch.Tensor
+) -> None:
+    """`out += LoRA(x)` per row's slot for one projection group, in place (two kernels on CUDA:
+    the shrink GEMM over all slots and the gathered expand-add). x `[T, in]`, out `[T, out]`."""
+    _expand_add_(out, torch.nn.functional.linear(x, group.a), group, slots)
+
+
+def lora_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    group: LoraGroup | None,
+    slots: torch.Tensor | None,
+) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` plus each row's LoRA term of `group` (rows' `slots`, -1:
+    none). With `group.weight` (the base rows then `a`) it is one GEMM whose first columns are
+    the output (a strided view) and whose last columns are the shrink, then the expand-add."""
+    if group is None or slots is None:
+        return torch.nn.functional.linear(x, weight, bias)
+    if group.weight is None:
+        out = torch.nn.functional.linear(x, weight, bias)
+        apply_lora_group_(out, x, group, slots)
+        return out
+    full = torch.nn.functional.linear(x, group.weight, group.bias)  # [T, out + G*S*R]
+    base = weight.shape[0]
+    out = full[:, :base]
+    _expand_add_(out, full[:, base:], group, slots)
+    return out

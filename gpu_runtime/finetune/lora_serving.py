@@ -44,8 +44,13 @@ class MultiLoraRuntime:
         max_rank: int = 64,
         target_modules: tuple[str, ...] = ATTENTION_PROJECTIONS + MLP_PROJECTIONS,
         max_host_adapters: int = 32,
+        share_gemms: bool = True,
     ) -> None:
-        """``max_tokens``: most tokens in one engine step (its batched-token budget)."""
+        """``max_tokens``: most tokens in one engine step (its batched-token budget).
+        ``share_gemms``: store the slots' A stacks as extra rows of ``serving``'s fused weights
+        (one GEMM per projection group gives the base output and the LoRA shrink in decode
+        steps; the base rows and their kernels are unchanged). Build the runtime before any
+        finetune tree over ``serving``: it re-homes the projection weights."""
         weight = serving.lm_head.weight
         self.weights = StackedLoraWeights(
             serving.config,
@@ -55,6 +60,7 @@ class MultiLoraRuntime:
             target_modules=target_modules,
             device=weight.device,
             dtype=weight.dtype,
+            serving=serving if share_gemms else None,
         )
         self.manager = AdapterManager(self.weights, max_host_adapters)
         self.forward = MultiLoraForward(serving, self.weights)

@@ -34,7 +34,7 @@ import torch
 from gpu_runtime.engine.lora import GROUP_MODULES, LoraGroup
 from gpu_runtime.finetune.adapter_store import HostAdapter, projection_shapes
 from gpu_runtime.finetune.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
-from gpu_runtime.model import ModelConfig
+from gpu_runtime.model import CausalLM, ModelConfig
 
 ProjectionKey = tuple[int, str]
 
@@ -52,7 +52,12 @@ class StackedLoraWeights:
         target_modules: tuple[str, ...] = ATTENTION_PROJECTIONS + MLP_PROJECTIONS,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.bfloat16,
+        serving: CausalLM | None = None,
     ) -> None:
+        """With ``serving`` (same config, device and dtype), each group's ``a`` stack is stored
+        as extra rows of the serving model's fused weight
+        (:meth:`CausalLM.reserve_projection_rows`), so the decode step's base GEMM computes the
+        shrink too; build finetune trees over ``serving`` only afterwards."""
         if num_slots < 1 or max_rank < 1 or max_tokens < 1:
             raise ValueError(
                 f"num_slots={num_slots}, max_rank={max_rank}, max_tokens={max_tokens} must be >= 1"
@@ -68,14 +73,25 @@ class StackedLoraWeights:
         # per layer, one stacked tensor pair per projection group (q|k|v, o, gate|up, down) in
         # the layout of `LoraGroup`; `a`/`b` above are per-module views into them
         self.groups: list[dict[str, LoraGroup]] = []
+        targeted = {
+            name: len(modules) * width
+            for name, modules in GROUP_MODULES.items()
+            if any(m in self.target_modules for m in modules)
+        }
+        shared = serving.reserve_projection_rows(targeted) if serving is not None else None
         for layer in range(config.num_hidden_layers):
             layer_groups: dict[str, LoraGroup] = {}
             for group_name, modules in GROUP_MODULES.items():
-                if not any(m in self.target_modules for m in modules):
+                if group_name not in targeted:
                     continue
                 fan_in = self.shapes[modules[0]][0]
                 fan_outs = [self.shapes[m][1] for m in modules]
-                a = torch.zeros(len(modules) * width, fan_in, device=device, dtype=dtype)
+                weight = bias = None
+                if shared is not None:
+                    weight, bias = shared[layer][group_name]
+                    a = weight[weight.shape[0] - targeted[group_name] :]
+                else:
+                    a = torch.zeros(len(modules) * width, fan_in, device=device, dtype=dtype)
                 b = torch.zeros(width, sum(fan_outs), device=device, dtype=dtype)
                 offset = 0
                 bounds: list[int] = []
@@ -86,7 +102,9 @@ class StackedLoraWeights:
                         self.a[(layer, module)] = a[g * width : (g + 1) * width]
                         self.b[(layer, module)] = b[:, offset : offset + fan_out]
                     offset += fan_out
-                layer_groups[group_name] = LoraGroup(a, b, tuple(bounds), max_rank)
+                layer_groups[group_name] = LoraGroup(
+                    a, b, tuple(bounds), max_rank, weight=weight, bias=bias
+                )
             self.groups.append(layer_groups)
         # column c belongs to slot c // max_rank
         self.column_slot = torch.arange(num_slots, device=device).repeat_interleave(max_rank)

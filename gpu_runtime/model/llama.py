@@ -9,6 +9,7 @@ object that reads and writes its KV cache. Nothing in this module holds per-step
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Protocol, cast
 
 import torch
@@ -309,3 +310,65 @@ class CausalLM(nn.Module):
                 mlp.gate_proj.weight = nn.Parameter(fused[:rows], requires_grad=False)
                 mlp.up_proj.weight = nn.Parameter(fused[rows:], requires_grad=False)
                 mlp.gate_up_weight = fused
+
+    @torch.no_grad()
+    def reserve_projection_rows(
+        self, extra_rows: Mapping[str, int]
+    ) -> list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]]:
+        """Re-home projection groups into tensors with `extra_rows[group]` zero rows after the
+        base rows, so one GEMM computes the base output and `x @ extra.T` (e.g. the LoRA shrink
+        of every adapter slot) together.
+
+        Groups: "qkv" (q|k|v), "o", "gate_up" (gate|up), "down". Fuses projections first. The
+        `nn.Linear` parameters (and `qkv_weight`, `qkv_bias`, `gate_up_weight`) become row views
+        of the new tensors, values unchanged, so the base GEMMs read the same rows as before.
+        Returns, per layer, `{group: (weight [base + extra, in], bias [base + extra] or None)}`.
+        Call before building finetune trees over this model (they must see the new tensors).
+        """
+        self.fuse_projections()
+        unknown = sorted(set(extra_rows) - {"qkv", "o", "gate_up", "down"})
+        if unknown:
+            raise ValueError(f"unknown projection groups {unknown}")
+        result: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]] = []
+        for layer in self.decoder_layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            groups = {
+                "qkv": (attn.q_proj, attn.k_proj, attn.v_proj),
+                "o": (attn.o_proj,),
+                "gate_up": (mlp.gate_proj, mlp.up_proj),
+                "down": (mlp.down_proj,),
+            }
+            extended: dict[str, tuple[torch.Tensor, torch.Tensor | None]] = {}
+            for group, extra in extra_rows.items():
+                weight, bias = _rehome_rows(groups[group], extra)
+                base = weight.shape[0] - extra
+                if group == "qkv":
+                    attn.qkv_weight = weight[:base]
+                    attn.qkv_bias = None if bias is None else bias[:base]
+                elif group == "gate_up":
+                    mlp.gate_up_weight = weight[:base]
+                extended[group] = (weight, bias)
+            result.append(extended)
+        return result
+
+
+def _rehome_rows(
+    projections: tuple[nn.Linear, ...], extra: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One tensor holding the projections' weights (then biases) as rows, plus `extra` zero
+    rows; the parameters become views of it."""
+    first = projections[0].weight
+    rows = sum(p.weight.shape[0] for p in projections)
+    weight = torch.zeros(rows + extra, first.shape[1], dtype=first.dtype, device=first.device)
+    has_bias = projections[0].bias is not None
+    bias = torch.zeros(rows + extra, dtype=first.dtype, device=first.device) if has_bias else None
+    offset = 0
+    for p in projections:
+        n = p.weight.shape[0]
+        weight[offset : offset + n].copy_(p.weight)
+        p.weight = nn.Parameter(weight[offset : offset + n], requires_grad=False)
+        if bias is not None:
+            bias[offset : offset + n].copy_(cast(torch.Tensor, p.bias))
+            p.bias = nn.Parameter(bias[offset : offset + n], requires_grad=False)
+        offset += n
+    return weight, bias

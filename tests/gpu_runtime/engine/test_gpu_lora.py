@@ -144,8 +144,12 @@ def test_expand_kernel_matches_torch_form(
     assert (out[~base_rows] - before[~base_rows]).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("share_gemms", [False, True])
 @torch.no_grad()
-def test_fused_step_without_adapter_rows_is_bit_identical(tmp_path: Path) -> None:
+def test_fused_step_keeps_base_rows(tmp_path: Path, share_gemms: bool) -> None:
+    """Separate shrink GEMMs: base rows bit-identical to the base step. Shared GEMMs (A rows
+    below the fused weights): the base rows' GEMM may be tiled differently, so equal up to
+    bf16 rounding."""
     model = _model()
     spec = LoraSpec(rank=8, alpha=16, target_modules=("all-linear",))
     tree = build_training_model(model, spec, seed=0)
@@ -153,7 +157,9 @@ def test_fused_step_without_adapter_rows_is_bit_identical(tmp_path: Path) -> Non
         p.normal_(0, 0.05)
     save_adapter(tree, spec, tmp_path / "x")
     config = EngineConfig(num_kv_blocks=64, max_num_seqs=8, max_model_len=128, device="cuda")
-    runtime = MultiLoraRuntime(model, max_tokens=config.max_num_batched_tokens, num_slots=2)
+    runtime = MultiLoraRuntime(
+        model, max_tokens=config.max_num_batched_tokens, num_slots=2, share_gemms=share_gemms
+    )
     runtime.register("x", tmp_path / "x")
     runtime.attach("r", "x")
     engine = Engine(model, config, lora=runtime)
@@ -166,9 +172,15 @@ def test_fused_step_without_adapter_rows_is_bit_identical(tmp_path: Path) -> Non
     runner._buf_seq_lens[:8] = 1
     base = runner.decode_forward(8).clone()
     runner._buf_ints[4, :8] = -1
-    assert torch.equal(runner.decode_forward_lora(8), base)
+
+    def same(x: torch.Tensor, y: torch.Tensor) -> bool:
+        if share_gemms:
+            return bool(torch.allclose(x.float(), y.float(), rtol=2e-2, atol=2e-2))
+        return torch.equal(x, y)
+
+    assert same(runner.decode_forward_lora(8), base)
     runner._buf_ints[4, 2] = runtime.slot_of_request("r")
     mixed = runner.decode_forward_lora(8)
     rows = [0, 1, 3, 4, 5, 6, 7]
-    assert torch.equal(mixed[rows], base[rows])
+    assert same(mixed[rows], base[rows])
     assert (mixed[2].float() - base[2].float()).abs().max() > 1e-2

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.engine.lora import GROUP_MODULES, apply_lora_group_
+from gpu_runtime.engine.lora import GROUP_MODULES, apply_lora_group_, lora_linear
 from gpu_runtime.finetune.adapter_store import HostAdapter
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.hparams import LoraSpec
@@ -120,6 +120,48 @@ def test_group_expand_equals_merged_weights_and_keeps_base_rows(
     finally:
         for i in range(len(names)):
             rt.detach(f"r{i}")
+
+
+@torch.no_grad()
+def test_shared_gemm_gives_base_output_and_lora_terms(
+    runtime: tuple[MultiLoraRuntime, Path],
+) -> None:
+    """The slots' A rows live below the serving model's fused weights: one GEMM per group."""
+    rt, root = runtime
+    serving = rt.forward.serving
+    rt.attach("s0", "all")
+    try:
+        slot = rt.slot_of_request("s0")
+        slots = torch.tensor([slot, -1, slot])
+        adapter = HostAdapter.from_directory("all", root / "all", serving.config)
+        gen = torch.Generator().manual_seed(1)
+        layer = serving.decoder_layers[1]
+        attn, mlp = layer.self_attn, layer.mlp
+        bases = {
+            "qkv": attn.qkv_weight,
+            "o": attn.o_proj.weight,
+            "gate_up": mlp.gate_up_weight,
+            "down": mlp.down_proj.weight,
+        }
+        for group_name, modules in GROUP_MODULES.items():
+            group = rt.decode_groups()[1][group_name]
+            weight = bases[group_name]
+            assert weight is not None and group.weight is not None
+            assert group.weight.data_ptr() == weight.data_ptr()  # base rows first, then A
+            assert group.a.data_ptr() == group.weight[weight.shape[0]].data_ptr()
+            x = torch.randn(3, weight.shape[1], generator=gen)
+            out = lora_linear(x, weight, None, group, slots)
+            torch.testing.assert_close(out[1], x[1] @ weight.T, rtol=1e-6, atol=1e-6)
+            merged = []
+            for m in modules:
+                a, b = adapter.weights[(1, m)]
+                merged.append(_weight(serving, 1, m) + adapter.scaling * (b @ a))
+            expected = x[[0, 2]] @ torch.cat(merged).T
+            torch.testing.assert_close(out[[0, 2]], expected, rtol=1e-5, atol=1e-5)
+            plain = lora_linear(x, weight, None, None, slots)
+            assert torch.equal(plain, x @ weight.T)
+    finally:
+        rt.detach("s0")
 
 
 def test_runner_gives_each_decode_row_its_slot(runtime: tuple[MultiLoraRuntime, Path]) -> None:

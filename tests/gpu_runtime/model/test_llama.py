@@ -83,6 +83,39 @@ def test_fused_projections_keep_names_values_and_storage() -> None:
     torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
 
 
+def test_reserved_projection_rows_follow_the_base_rows_of_each_group() -> None:
+    model = build_random_model(tiny_config("qwen2"), seed=3)  # q/k/v biases
+    ids = torch.randint(0, 400, (2, 7))
+    positions = torch.arange(7).expand(2, 7)
+    with torch.no_grad():
+        before = model.compute_logits(model(ids, positions))
+        keys = set(model.state_dict())
+        values = {k: v.clone() for k, v in model.state_dict().items()}
+        extended = model.reserve_projection_rows({"qkv": 6, "o": 2, "down": 4})
+        after = model.compute_logits(model(ids, positions))
+    assert set(model.state_dict()) == keys
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, values[key]), key
+    layer = model.decoder_layers[1]
+    attn = layer.self_attn
+    weight, bias = extended[1]["qkv"]
+    rows = attn.q_proj.weight.shape[0] + 2 * attn.k_proj.weight.shape[0]
+    assert weight.shape == (rows + 6, attn.q_proj.weight.shape[1]) and bias is not None
+    assert attn.qkv_weight is not None and attn.qkv_weight.data_ptr() == weight.data_ptr()
+    assert attn.qkv_weight.shape[0] == rows and attn.qkv_bias is not None
+    assert attn.v_proj.weight.data_ptr() == weight[rows - attn.v_proj.weight.shape[0]].data_ptr()
+    assert torch.equal(weight[rows:], torch.zeros(6, weight.shape[1]))
+    assert torch.equal(bias[rows:], torch.zeros(6))
+    o_weight, o_bias = extended[1]["o"]
+    assert o_weight.shape[0] == attn.o_proj.weight.shape[0] + 2 and o_bias is None
+    assert attn.o_proj.weight.data_ptr() == o_weight.data_ptr()
+    assert layer.mlp.down_proj.weight.data_ptr() == extended[1]["down"][0].data_ptr()
+    assert "gate_up" not in extended[1]
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="unknown projection groups"):
+        model.reserve_projection_rows({"lm_head": 1})
+
+
 def test_random_build_is_seeded_and_sharded_save_round_trips(tmp_path: Path) -> None:
     config = tiny_config("llama")
     a = build_random_model(config, seed=7)
