@@ -268,7 +268,12 @@ class LoopBackend:
         if with_job:
             loop.add_job("ft", self.trainer)
             loop.job_state("ft").solo_tokens_per_s = self.solo_tps
-        return drive(loop, trace, prompts, duration_s, stop)
+        result = drive(loop, trace, prompts, duration_s, stop)
+        if with_job:  # finish a layer-sliced micro-batch left open, outside the timed window
+            reports = loop.job_state("ft").reports
+            if reports and not reports[-1].micro_batch_done and not self.trainer.finished:
+                self.trainer.step_quantum()
+        return result
 
     def _prompt(self, request: TraceRequest) -> list[int]:
         """A request's prompt ids, cached by what determines them (not by the trace object)."""

@@ -5,7 +5,11 @@ Before every decode iteration it enumerates the choices the device offers:
 * **spatial**: decode on ``d`` SMs and a quantum of ``k`` examples on the other ``T - d`` SMs
   (every split of the partitioner, every ``k`` of ``quantum_examples`` the memory budget allows);
 * **shared**: a quantum beside decode on the whole device (stream sharing);
-* **slice**: a quantum after the decode step, alone on the device (time slicing).
+* **slice**: a quantum after the decode step, alone on the device (time slicing);
+* **layer-sliced**: ``k`` decoder-layer passes of a micro-batch (``max_layers=k``), after decode
+  within the slack or beside decode on a split, when the job's layer count is known; a
+  micro-batch in progress only continues in slices (see ``slicing.py``; the choices themselves
+  are enumerated in ``choices.py``).
 
 For each it asks the latency model (stage 1 for decode alone, stage 2 with the quantum beside
 it) for the iteration's TPOT, keeps the choices under ``tpot_slo_ms x (1 - margin)``, and takes
@@ -41,14 +45,15 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gpu_runtime.colocation.baselines import memory_cap_tokens
+from gpu_runtime.colocation.choices import Choice, HarliChoices
 from gpu_runtime.colocation.estimates import (
     MarginTracker,
     QuantumDurations,
-    lookahead,
 )
 from gpu_runtime.colocation.online import OnlineLatencyModel, beside_quantum
 from gpu_runtime.colocation.policy import CoLocationPolicy
 from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
+from gpu_runtime.colocation.slicing import SliceCosts, SliceState
 from gpu_runtime.colocation.types import (
     DecodeSnapshot,
     FinetuneLaunch,
@@ -58,7 +63,6 @@ from gpu_runtime.colocation.types import (
     JobView,
     LaunchMode,
 )
-from gpu_runtime.predictor.schema import FinetuneQuantum
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,9 @@ class HarliConfig:
     """Consider a quantum beside decode on the whole device (no spatial split)."""
     allow_slice: bool = True
     """Consider a quantum after the decode step (time slicing)."""
+    layer_slices: tuple[int, ...] = (1, 2, 4, 8, 16)
+    """``max_layers`` values of layer-sliced quanta considered (jobs whose layer count is
+    known); a micro-batch in progress only continues in slices. Empty: whole quanta only."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.base_margin <= self.max_margin < 1:
@@ -113,6 +120,8 @@ class HarliConfig:
             raise ValueError(f"error_quantile must be in [0.5, 1], got {self.error_quantile}")
         if not self.quantum_examples or min(self.quantum_examples) < 1:
             raise ValueError(f"quantum_examples must be positive, got {self.quantum_examples}")
+        if self.layer_slices and min(self.layer_slices) < 1:
+            raise ValueError(f"layer_slices must be positive, got {self.layer_slices}")
         if self.max_quantum_ms <= 0 or self.prior_quantum_overhead_ms < 0:
             raise ValueError(
                 f"max_quantum_ms ({self.max_quantum_ms}) must be > 0 and "
@@ -120,17 +129,7 @@ class HarliConfig:
             )
 
 
-@dataclass(frozen=True)
-class _Choice:
-    decode_sms: int | None
-    mode: LaunchMode | None
-    examples: int
-    predicted_ms: float
-    value: float
-    quantum_ms: float | None
-
-
-class HarliPolicy(CoLocationPolicy):
+class HarliPolicy(HarliChoices, CoLocationPolicy):
     """QoS-guaranteed, throughput-maximising co-location (see the module docstring)."""
 
     name = "harli"
@@ -140,6 +139,9 @@ class HarliPolicy(CoLocationPolicy):
         self.config = config or HarliConfig()
         self.margins = MarginTracker(self.config)
         self.durations = QuantumDurations(self.config.prior_quantum_overhead_ms)
+        self.slice_costs = SliceCosts()
+        self._slice_states: dict[str, SliceState] = {}
+        self._slice_launch: dict[str, tuple[int | None, LaunchMode, float]] = {}
         self._jobs: dict[str, JobView] = {}
         self._slo_ms: float | None = None
         self._prefill_mean = 0.0
@@ -147,12 +149,6 @@ class HarliPolicy(CoLocationPolicy):
         self.pauses = 0
 
     # ---- planning -----------------------------------------------------------------------
-    def expected_snapshot(self, decode: DecodeSnapshot) -> DecodeSnapshot:
-        """The typical iteration while a quantum launched now runs: the waiting requests
-        joined, the recent mean prefill tokens per busy iteration."""
-        ahead = lookahead(decode)
-        return replace(ahead, prefill_tokens=round(self._prefill_mean))
-
     def plan(self, ctx: IterationContext) -> IterationPlan:
         self.decisions += 1
         self._slo_ms = ctx.tpot_slo_ms
@@ -208,14 +204,18 @@ class HarliPolicy(CoLocationPolicy):
                 paused=True,
                 note="memory budget below one example",
             )
-        choices: list[_Choice] = []
-        if total and ctx.spatial:
-            for d in options[:-1]:
-                choices += self._spatial(ctx, job, d, total, sizes, bound)
-        if self.config.allow_shared and not idle:
-            choices += self._spatial(ctx, job, full, total, sizes, bound)
-        if self.config.allow_slice and not idle:
-            choices += self._slices(ctx, job, full, sizes, bound, solo_full)
+        choices: list[Choice] = []
+        sliced = self._slice_state(job)
+        if sliced is None or not sliced.active:  # a micro-batch in progress goes on in slices
+            if total and ctx.spatial:
+                for d in options[:-1]:
+                    choices += self._spatial(ctx, job, d, total, sizes, bound)
+            if self.config.allow_shared and not idle:
+                choices += self._spatial(ctx, job, full, total, sizes, bound)
+            if self.config.allow_slice and not idle:
+                choices += self._slices(ctx, job, full, sizes, bound, solo_full)
+        if sliced is not None:
+            choices += self._layer_sliced(ctx, job, sliced, full, sizes, bound, solo_full)
         if not choices:
             if idle:
                 return IterationPlan(full, (), None, None, margin, note="idle, no safe split")
@@ -225,9 +225,14 @@ class HarliPolicy(CoLocationPolicy):
             )
         best = max(choices, key=lambda c: (c.value, -c.predicted_ms))
         assert best.mode is not None
-        launch = FinetuneLaunch(
-            job.job_id, best.examples * job.max_seq_len, best.mode, best.quantum_ms
-        )
+        tokens = best.examples * job.max_seq_len
+        launch = FinetuneLaunch(job.job_id, tokens, best.mode, best.quantum_ms, best.max_layers)
+        if best.max_layers is not None:
+            assert sliced is not None
+            if not sliced.active:
+                sliced.start(job.job_id, best.examples, tokens)
+            key = best.decode_sms if best.mode is LaunchMode.CONCURRENT else None
+            self._slice_launch[job.job_id] = (key, best.mode, best.slice_base_ms)
         share = 1.0 if not total or best.decode_sms is None else best.decode_sms / total
         solo = self.latency.predict_ms(decode_iteration(ctx.decode, share), None)
         return IterationPlan(
@@ -236,66 +241,10 @@ class HarliPolicy(CoLocationPolicy):
             best.predicted_ms,
             solo,
             margin,
-            note=("decode idle: " if idle else "") + f"{best.mode.value} k={best.examples}",
+            note=("decode idle: " if idle else "")
+            + f"{best.mode.value} k={best.examples}"
+            + ("" if best.max_layers is None else f" layers={best.max_layers}"),
         )
-
-    def _spatial(
-        self,
-        ctx: IterationContext,
-        job: JobView,
-        d: int | None,
-        total: int | None,
-        sizes: list[int],
-        bound: float,
-    ) -> list[_Choice]:
-        share = 1.0 if not total or d is None else d / total
-        ft_share = 1.0 if share >= 1.0 else 1.0 - share
-        # The quantum holds this split for its whole duration, and a request's TPOT is a mean
-        # over many iterations: the typical iteration while it runs (the queue joined, the
-        # recent mean prefill per iteration) must stay under the bound; this one under the SLO.
-        now = decode_iteration(ctx.decode, share)
-        typical = decode_iteration(self.expected_snapshot(ctx.decode), share)
-        # The request closest to its SLO, slowed by this choice for the rest of its life.
-        worst = ctx.worst_running_tpot_ms
-        typical_alone = self.latency.predict_ms(replace(typical, decode_sm_share=1.0), None)
-        out: list[_Choice] = []
-        for k in sizes:
-            tokens = k * job.max_seq_len
-            quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
-            predicted = self.latency.predict_ms(now, quantum)
-            expected = self.latency.predict_ms(typical, quantum)
-            if expected > bound or predicted > ctx.tpot_slo_ms:
-                break  # a bigger quantum beside decode is assumed no kinder to it
-            if worst is not None and worst + (expected - typical_alone) > ctx.tpot_slo_ms:
-                break  # each of its remaining tokens would take up to that much longer
-            quantum_ms = self.durations.duration_ms(
-                job, d, LaunchMode.CONCURRENT, ft_share, k * job.seq_len
-            )
-            if quantum_ms > self.config.max_quantum_ms and k != sizes[0]:
-                continue
-            value = k * job.seq_len / ((quantum_ms + predicted / 2) / 1e3)
-            out.append(_Choice(d, LaunchMode.CONCURRENT, k, predicted, value, quantum_ms))
-        return out
-
-    def _slices(
-        self,
-        ctx: IterationContext,
-        job: JobView,
-        full: int | None,
-        sizes: list[int],
-        bound: float,
-        solo_full: float,
-    ) -> list[_Choice]:
-        out: list[_Choice] = []
-        for k in sizes:
-            quantum_ms = self.durations.duration_ms(
-                job, None, LaunchMode.AFTER_DECODE, 1.0, k * job.seq_len
-            )
-            predicted = solo_full + quantum_ms
-            if predicted <= bound:
-                value = k * job.seq_len / (predicted / 1e3)
-                out.append(_Choice(full, LaunchMode.AFTER_DECODE, k, predicted, value, quantum_ms))
-        return out
 
     def _in_flight_plan(
         self, ctx: IterationContext, full: int | None, margin: float, bound: float
@@ -325,9 +274,19 @@ class HarliPolicy(CoLocationPolicy):
     # ---- feedback -----------------------------------------------------------------------
     def observe(self, record: IterationRecord) -> None:
         for quantum in record.quanta:
-            if quantum.error is None:
-                key = None if quantum.mode is LaunchMode.AFTER_DECODE else quantum.decode_sms
-                self.durations.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
+            launched = self._slice_launch.pop(quantum.job_id, None)
+            state = self._slice_states.get(quantum.job_id)
+            if state is not None:
+                state.observe(quantum)
+            if quantum.error is not None:
+                continue
+            if quantum.layer_passes:  # a slice: its duration says nothing of whole quanta
+                if launched is not None:
+                    key, mode, base = launched
+                    self.slice_costs.observe(key, mode, base, quantum.duration_ms)
+                continue
+            key = None if quantum.mode is LaunchMode.AFTER_DECODE else quantum.decode_sms
+            self.durations.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
         busy = record.decode_batch or record.prefill_tokens
         if busy and record.predicted_ms is not None and self._slo_ms is not None:
             self.margins.observe(record.predicted_ms, record.iteration_ms, self._slo_ms)

@@ -51,6 +51,7 @@ class JobState:
     step: int = 0
     bytes_per_token: float | None = None
     solo_tokens_per_s: float | None = None
+    layers: int | None = None
     reports: list[QuantumReport] = field(default_factory=list, repr=False)
 
     @property
@@ -69,4 +70,5 @@ class JobState:
             self.lora_rank,
             self.bytes_per_token,
             self.solo_tokens_per_s,
+            self.layers,
         )

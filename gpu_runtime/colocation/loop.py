@@ -29,7 +29,7 @@ from gpu_runtime.colocation.executor import (
 )
 from gpu_runtime.colocation.jobs import FinetuneMemory, JobError, JobState
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
-from gpu_runtime.colocation.snapshot import decode_snapshot, describe_trainer
+from gpu_runtime.colocation.snapshot import decode_snapshot, describe_trainer, trainer_layers
 from gpu_runtime.colocation.types import (
     MIN_TOKENS_FOR_TPOT,
     FinishedRequest,
@@ -112,6 +112,7 @@ class HostLoop:
             raise JobError(f"job {job_id!r} is already on this loop")
         seq_len, max_seq_len, rank = describe_trainer(trainer)
         state = JobState(job_id, trainer, seq_len, max_seq_len, rank)
+        state.layers = trainer_layers(trainer)
         self._jobs[job_id] = state
         self._order.append(job_id)
         return state

@@ -49,3 +49,14 @@ def describe_trainer(trainer: Any) -> tuple[int, int, int]:
             f"{type(trainer).__name__} is neither a LoraTrainer nor carries seq_len, "
             "max_seq_len and lora_rank"
         ) from None
+
+
+def trainer_layers(trainer: Any) -> int | None:
+    """Decoder layers of the model a trainer trains (None when it does not say)."""
+    for owner in (trainer, getattr(trainer, "model", None)):
+        config = getattr(owner, "config", None)
+        layers = getattr(config, "num_hidden_layers", None)
+        if isinstance(layers, int) and layers > 0:
+            return layers
+    layers = getattr(trainer, "layers", None)
+    return layers if isinstance(layers, int) and layers > 0 else None

@@ -82,6 +82,8 @@ class JobView:
         bytes_per_token: observed peak finetune bytes per quantum token (None until measured).
         tokens_per_s_solo: observed tokens/s of its quanta when nothing else ran (None until
             measured).
+        layers: decoder layers of the model it trains (``2 x layers`` passes per micro-batch,
+            for layer-sliced quanta); None: unknown, whole quanta only.
     """
 
     job_id: str
@@ -90,6 +92,7 @@ class JobView:
     lora_rank: int
     bytes_per_token: float | None = None
     tokens_per_s_solo: float | None = None
+    layers: int | None = None
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,211 @@
+"""The choices Harli weighs before a decode iteration, and the checks each must pass.
+
+:class:`HarliChoices` is the half of `HarliPolicy` that enumerates options and predicts them:
+whole quanta beside decode on a split (``_spatial``), whole quanta after decode (``_slices``),
+and layer-sliced quanta either way (``_layer_sliced``), each with its predicted TPOT and its
+expected finetune tokens/s. The policy (``harli.py``) picks among them, tracks the margin and
+learns from what happened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from gpu_runtime.colocation.estimates import QuantumDurations, lookahead
+from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
+from gpu_runtime.colocation.slicing import SliceCosts, SliceState
+from gpu_runtime.colocation.types import (
+    DecodeSnapshot,
+    IterationContext,
+    JobView,
+    LaunchMode,
+)
+from gpu_runtime.predictor.schema import FinetuneQuantum
+
+if TYPE_CHECKING:
+    from gpu_runtime.colocation.harli import HarliConfig
+
+
+@dataclass(frozen=True)
+class Choice:
+    decode_sms: int | None
+    mode: LaunchMode | None
+    examples: int
+    predicted_ms: float
+    value: float
+    quantum_ms: float | None
+    max_layers: int | None = None
+    slice_base_ms: float = 0.0
+    """Uncorrected slice estimate (what `SliceCosts` learns its correction against)."""
+
+
+class HarliChoices:
+    """Enumerates and predicts Harli's choices (see the module docstring)."""
+
+    latency: DecodeLatencyModel
+    config: HarliConfig
+    durations: QuantumDurations
+    slice_costs: SliceCosts
+    _slice_states: dict[str, SliceState]
+    _prefill_mean: float
+
+    def expected_snapshot(self, decode: DecodeSnapshot) -> DecodeSnapshot:
+        """The typical iteration while a quantum launched now runs: the waiting requests
+        joined, the recent mean prefill tokens per busy iteration."""
+        ahead = lookahead(decode)
+        return replace(ahead, prefill_tokens=round(self._prefill_mean))
+
+    def _beside_predicted(
+        self,
+        ctx: IterationContext,
+        job: JobView,
+        share: float,
+        tokens: int,
+        bound: float,
+        typical_alone: float,
+    ) -> float | None:
+        """Predicted TPOT of the coming iteration with a ``tokens``-token quantum beside decode
+        on ``share`` of the SMs, or None when the choice is unsafe.
+
+        The quantum holds this split for its whole duration, and a request's TPOT is a mean
+        over many iterations: the typical iteration while it runs (the queue joined, the recent
+        mean prefill per iteration) must stay under the bound, this one under the SLO, and the
+        request closest to its SLO, slowed by the choice for the rest of its life, under it."""
+        ft_share = 1.0 if share >= 1.0 else 1.0 - share
+        quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
+        predicted = self.latency.predict_ms(decode_iteration(ctx.decode, share), quantum)
+        typical = decode_iteration(self.expected_snapshot(ctx.decode), share)
+        expected = self.latency.predict_ms(typical, quantum)
+        if expected > bound or predicted > ctx.tpot_slo_ms:
+            return None
+        worst = ctx.worst_running_tpot_ms
+        if worst is not None and worst + (expected - typical_alone) > ctx.tpot_slo_ms:
+            return None  # each of its remaining tokens would take up to that much longer
+        return predicted
+
+    def _typical_alone(self, ctx: IterationContext) -> float:
+        typical = decode_iteration(self.expected_snapshot(ctx.decode), 1.0)
+        return self.latency.predict_ms(typical, None)
+
+    def _spatial(
+        self,
+        ctx: IterationContext,
+        job: JobView,
+        d: int | None,
+        total: int | None,
+        sizes: list[int],
+        bound: float,
+    ) -> list[Choice]:
+        share = 1.0 if not total or d is None else d / total
+        ft_share = 1.0 if share >= 1.0 else 1.0 - share
+        typical_alone = self._typical_alone(ctx)
+        out: list[Choice] = []
+        for k in sizes:
+            tokens = k * job.max_seq_len
+            predicted = self._beside_predicted(ctx, job, share, tokens, bound, typical_alone)
+            if predicted is None:
+                break  # a bigger quantum beside decode is assumed no kinder to it
+            quantum_ms = self.durations.duration_ms(
+                job, d, LaunchMode.CONCURRENT, ft_share, k * job.seq_len
+            )
+            if quantum_ms > self.config.max_quantum_ms and k != sizes[0]:
+                continue
+            value = k * job.seq_len / ((quantum_ms + predicted / 2) / 1e3)
+            out.append(Choice(d, LaunchMode.CONCURRENT, k, predicted, value, quantum_ms))
+        return out
+
+    def _slice_state(self, job: JobView) -> SliceState | None:
+        """The job's sliced micro-batch tracker (None: its layers unknown or slicing off)."""
+        if not job.layers or not self.config.layer_slices:
+            return None
+        state = self._slice_states.get(job.job_id)
+        if state is None or state.layers != job.layers:
+            state = self._slice_states[job.job_id] = SliceState(job.layers)
+        return state
+
+    def _layer_sliced(
+        self,
+        ctx: IterationContext,
+        job: JobView,
+        state: SliceState,
+        full: int | None,
+        sizes: list[int],
+        bound: float,
+        solo_full: float,
+    ) -> list[Choice]:
+        """Layer-sliced choices: after decode within the slack, or beside decode on a split.
+        A slice's value counts its share of the micro-batch's tokens (passes / all passes)."""
+        layers = state.layers
+        widths = sorted({*self.config.layer_slices, state.passes_left})
+        examples = [state.examples] if state.active else sizes
+        total = ctx.total_sms
+        idle = ctx.decode.is_idle
+        splits: list[int | None] = []
+        if total and ctx.spatial:
+            splits += list(ctx.decode_sms_options[:-1])
+        if self.config.allow_shared and not idle:
+            splits.append(full)
+        typical_alone = self._typical_alone(ctx) if splits else 0.0
+        out: list[Choice] = []
+        for e in examples:
+            tokens = e * job.max_seq_len
+            work = e * job.seq_len
+            if self.config.allow_slice and not idle:
+                whole = self.durations.duration_ms(job, None, LaunchMode.AFTER_DECODE, 1.0, work)
+                for k in widths:
+                    forward, backward = state.passes_for(k)
+                    base = self.slice_costs.base_ms(whole, layers, forward, backward)
+                    correction = self.slice_costs.correction(None, LaunchMode.AFTER_DECODE)
+                    ms = base * correction
+                    predicted = solo_full + ms
+                    # A forward slice of w layers comes back as a backward call of >= w layers
+                    # (twice the work): take only widths whose backward would fit this slack too.
+                    later = self.slice_costs.base_ms(whole, layers, 0, forward) * correction
+                    if predicted > bound or solo_full + later > bound:
+                        continue
+                    value = work * (forward + backward) / (2 * layers) / (predicted / 1e3)
+                    out.append(
+                        Choice(full, LaunchMode.AFTER_DECODE, e, predicted, value, ms, k, base)
+                    )
+            for d in splits:
+                share = 1.0 if not total or d is None else d / total
+                predicted_beside = self._beside_predicted(
+                    ctx, job, share, tokens, bound, typical_alone
+                )
+                if predicted_beside is None:
+                    continue
+                ft_share = 1.0 if share >= 1.0 else 1.0 - share
+                whole = self.durations.duration_ms(job, d, LaunchMode.CONCURRENT, ft_share, work)
+                for k in widths:
+                    forward, backward = state.passes_for(k)
+                    base = self.slice_costs.base_ms(whole, layers, forward, backward)
+                    ms = base * self.slice_costs.correction(d, LaunchMode.CONCURRENT)
+                    # Relaunched at the next iteration's start once it has finished.
+                    gap = predicted_beside
+                    cycle = gap if ms <= gap else ms + gap / 2
+                    value = work * (forward + backward) / (2 * layers) / (cycle / 1e3)
+                    out.append(
+                        Choice(d, LaunchMode.CONCURRENT, e, predicted_beside, value, ms, k, base)
+                    )
+        return out
+
+    def _slices(
+        self,
+        ctx: IterationContext,
+        job: JobView,
+        full: int | None,
+        sizes: list[int],
+        bound: float,
+        solo_full: float,
+    ) -> list[Choice]:
+        out: list[Choice] = []
+        for k in sizes:
+            quantum_ms = self.durations.duration_ms(
+                job, None, LaunchMode.AFTER_DECODE, 1.0, k * job.seq_len
+            )
+            predicted = solo_full + quantum_ms
+            if predicted <= bound:
+                value = k * job.seq_len / (predicted / 1e3)
+                out.append(Choice(full, LaunchMode.AFTER_DECODE, k, predicted, value, quantum_ms))
+        return out
