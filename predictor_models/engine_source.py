@@ -67,7 +67,9 @@ class EngineDecode:
             max_num_batched_tokens=8192,
             max_model_len=MAX_MODEL_LEN,
             device=str(device),
-            attention_backend="triton",
+            # torch attention off CUDA: CPU tests exercise the staging (no graphs there)
+            attention_backend="triton" if device.type == "cuda" else "torch",
+            static_decode_batches=True,
             use_cuda_graphs=True,
         )
         self.runner = ModelRunner(model, config)
@@ -97,12 +99,15 @@ class EngineDecode:
         starts = np.concatenate([[0], np.cumsum(n_blocks)[:-1]])
         for i in range(batch):
             table[i, : n_blocks[i]] = np.arange(starts[i], starts[i] + n_blocks[i])
-        ints = np.zeros((4, bucket), dtype=np.int64)
+        # rows as the runner stages them: token id, position, slot block, slot offset, then
+        # (newer runners) the LoRA slot, -1 = base model
+        ints = np.zeros((runner._buf_ints.shape[0], bucket), dtype=np.int64)
         ints[0, :batch] = self.rng.integers(0, self.model.config.vocab_size, batch)
         ints[1, :batch] = pos
         ints[2, :batch] = table[np.arange(batch), pos // BLOCK_SIZE]
         ints[3, :batch] = pos % BLOCK_SIZE
         ints[2, batch:] = runner.kv_cache.pad_block
+        ints[4:] = -1
         seq_lens = np.zeros(bucket, dtype=np.int32)
         seq_lens[:batch] = pos + 1
         dev = self.device
@@ -116,7 +121,7 @@ class EngineDecode:
         self,
         contexts: list[int],
         prefill_tokens: int,
-        stream: torch.cuda.Stream,
+        stream: torch.cuda.Stream | None,
         partition: Any = None,
     ) -> EngineStep:
         """Stage ``contexts`` and return the step for ``partition`` (captured on ``stream``)."""
