@@ -34,7 +34,9 @@ every quantum runs eagerly (each result says so).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import threading
+import weakref
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
@@ -151,6 +153,21 @@ class GraphRun:
     """For graph runs: memory the graph's work needs above what was allocated at capture."""
 
 
+def _weak(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
+    """A getter of ``fn`` that holds a bound method weakly."""
+    if inspect.ismethod(fn):
+        ref = weakref.WeakMethod(fn)
+
+        def get() -> Callable[..., Any]:
+            method = ref()
+            if method is None:
+                raise ReferenceError("the trainer these graphs belong to is gone")
+            return method
+
+        return get
+    return lambda: fn
+
+
 class MicroBatchGraphs:
     """Captured forward+backward per :class:`GraphKey` for one trainer (see the module doc)."""
 
@@ -169,11 +186,13 @@ class MicroBatchGraphs:
         dropped first)."""
         if max_graphs < 1:
             raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
-        self.forward_backward = forward_backward
+        # weak when bound to the trainer that owns these graphs: no reference cycle, so a
+        # finished job's graphs and their pool go with its trainer, without waiting for the GC
+        self._forward_backward = _weak(forward_backward)
         self.params = list(params)
         self.generator = generator
         self.device = device
-        self.eager_rng = eager_rng
+        self._eager_rng = _weak(eager_rng)
         self.max_graphs = max_graphs
         self.disabled: str | None = None
         """Why graphs are off for good (a failed capture), else None."""
@@ -252,8 +271,8 @@ class MicroBatchGraphs:
 
     def _eager(self, batch: MicroBatch, denominator: int, reason: str) -> GraphRun:
         on_device = batch.to(self.device)
-        with self.eager_rng():
-            loss_sum = self.forward_backward(
+        with self._eager_rng()():
+            loss_sum = self._forward_backward()(
                 on_device.input_ids,
                 on_device.positions,
                 on_device.loss_positions,
@@ -296,7 +315,7 @@ class MicroBatchGraphs:
         try:
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
-                loss_sum = self.forward_backward(
+                loss_sum = self._forward_backward()(
                     ids, positions, loss_positions, loss_targets, denominator
                 )
                 loss_out.copy_(loss_sum.detach())

@@ -170,3 +170,24 @@ def test_layer_sliced_quanta_say_they_ran_eagerly(
     )
     result = trainer.step_quantum(max_examples=2, max_layers=1)
     assert result.graph == "eager" and result.graph_fallback == "layer-sliced quanta run eagerly"
+
+
+def test_trainer_with_graphs_is_freed_without_the_cycle_collector(
+    serving_model: CausalLM, train_examples: Any
+) -> None:
+    """The graphs hold their trainer's methods weakly: a finished job's graph pool is released
+    when its trainer is dropped, not whenever the cycle collector runs."""
+    import gc
+    import weakref
+
+    trainer = LoraTrainer(
+        serving_model, train_examples, _hparams(len(train_examples), 0.0), cuda_graphs=True
+    )
+    trainer.step_quantum(max_examples=2)
+    ref = weakref.ref(trainer)
+    gc.disable()
+    try:
+        del trainer
+        assert ref() is None
+    finally:
+        gc.enable()
