@@ -6,12 +6,21 @@ exactly. A request with a seed gets its noise from a generator seeded with (seed
 index), so its tokens do not depend on the batch it ran in or on preemptions. Work that no row
 needs (sorting for top-k/top-p, log-softmax for logprobs) is skipped; whether it is needed is
 known on the host from the parameters, so no device sync is involved.
+
+On CUDA, a batch with no top-k/top-p and no logprobs (temperature and greedy rows, seeded or
+not) takes one fused kernel (`sampling_kernels.gumbel_argmax`): the same distribution, noise
+drawn in the kernel from a per-row seed (a seeded request's from its seed and output index; the
+others' from a per-step seed of the sampler's own host generator), parameters staged through
+pinned buffers. Its noise differs from the torch path's, so a seeded request's tokens on CUDA
+differ from those on CPU (each is deterministic).
 """
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from gpu_runtime.engine.request import SamplingParams
@@ -81,9 +90,48 @@ def apply_top_k_top_p(
 class Sampler:
     """Samples one token per row of a logits batch."""
 
-    def __init__(self, device: torch.device, seed: int = 0) -> None:
+    def __init__(self, device: torch.device, seed: int = 0, fused: bool | None = None) -> None:
+        """`fused`: use the one-pass CUDA kernel where it applies (None: on CUDA)."""
         self.device = device
         self.generator = torch.Generator(device=device).manual_seed(seed)
+        self.fused = device.type == "cuda" if fused is None else fused
+        self._host_rng = random.Random(seed)
+        self._staged_rows = 0
+        self.num_fused_samples = 0
+        """Steps sampled by the fused kernel."""
+
+    def _stage_fused(self, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row inverse temperature (0: greedy) and Philox seed, on the device."""
+        rows = len(batch.params)
+        if rows > self._staged_rows:
+            size = max(rows, 2 * self._staged_rows, 64)
+            pin = self.device.type == "cuda"
+            self._inv_temp_host = torch.zeros(size, dtype=torch.float32, pin_memory=pin)
+            self._seeds_host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+            self._inv_temp = torch.zeros(size, dtype=torch.float32, device=self.device)
+            self._seeds = torch.zeros(size, dtype=torch.int64, device=self.device)
+            self._staged_rows = size
+        step_seed = self._host_rng.getrandbits(62)
+        inv_temp = np.fromiter(
+            (0.0 if p.greedy else 1.0 / p.temperature for p in batch.params), np.float32, rows
+        )
+        seeds = np.fromiter(
+            (
+                (step_seed + row) % (1 << 63)
+                if p.seed is None
+                else (p.seed * _SEED_MIX + index) % (1 << 63)
+                for row, (p, index) in enumerate(
+                    zip(batch.params, batch.output_indices, strict=True)
+                )
+            ),
+            np.int64,
+            rows,
+        )
+        self._inv_temp_host.numpy()[:rows] = inv_temp
+        self._seeds_host.numpy()[:rows] = seeds
+        self._inv_temp[:rows].copy_(self._inv_temp_host[:rows], non_blocking=True)
+        self._seeds[:rows].copy_(self._seeds_host[:rows], non_blocking=True)
+        return self._inv_temp[:rows], self._seeds[:rows]
 
     def _to_device(self, values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
         """Host list -> device tensor without a blocking copy (pinned staging on CUDA)."""
@@ -109,6 +157,12 @@ class Sampler:
             raise ValueError(f"{rows} logit rows for {len(batch.params)} sampling rows")
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
+        elif self.fused and not batch.needs_sort and batch.max_num_logprobs is None:
+            from gpu_runtime.engine.sampling_kernels import gumbel_argmax
+
+            inv_temp, seeds = self._stage_fused(batch)
+            self.num_fused_samples += 1
+            return SamplerOutput(token_ids=gumbel_argmax(logits, inv_temp, seeds))
         else:
             temps = [p.temperature if not p.greedy else 1.0 for p in batch.params]
             temperature = self._to_device(temps, torch.float32)

@@ -164,3 +164,40 @@ def test_cuda_graph_engine_logprobs_match_hf_bf16(architecture: str) -> None:
         agree += int((ref.argmax(-1).cpu() == torch.tensor(tokens[rid])).sum())
         total += len(tokens[rid])
     assert agree >= 0.9 * total
+
+
+def test_fused_sampling_kernel_distribution_greedy_and_seeds() -> None:
+    from gpu_runtime.engine.sampler import Sampler, SamplingBatch
+    from gpu_runtime.engine.sampling_kernels import gumbel_argmax
+
+    dev = torch.device("cuda")
+    torch.manual_seed(0)
+    # greedy rows: exactly torch.argmax (ties: first index), vocab not a block multiple
+    logits = torch.randn(6, 130_000, device=dev).to(torch.bfloat16)
+    logits[2, 5] = logits[2, 70_000] = 100.0
+    zeros = torch.zeros(6, device=dev)
+    seeds = torch.arange(6, device=dev)
+    assert torch.equal(gumbel_argmax(logits, zeros, seeds), logits.argmax(-1))
+    # sampled rows: frequencies match softmax(logits / T)
+    small = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2], device=dev)
+    rows = 40_000
+    temperature = 0.7
+    tokens = gumbel_argmax(
+        small.expand(rows, -1),
+        torch.full((rows,), 1 / temperature, device=dev),
+        torch.arange(rows, device=dev) * 7919 + 13,
+    )
+    freq = torch.bincount(tokens, minlength=8).float() / rows
+    expected = (small / temperature).softmax(-1)
+    assert (freq - expected).abs().max() < 0.01, (freq, expected)
+    # the sampler: seeded rows do not depend on the batch; fused kernel used
+    sampler = Sampler(dev, seed=0)
+    seeded = SamplingParams(temperature=1.0, seed=42)
+    batch_logits = torch.randn(3, 1000, device=dev)
+    batch_logits[2] = batch_logits[1]
+    out = sampler.sample(
+        batch_logits, SamplingBatch([SamplingParams(temperature=0.9), seeded, seeded], [0, 3, 3])
+    )
+    alone = Sampler(dev, seed=9).sample(batch_logits[1:2], SamplingBatch([seeded], [3]))
+    assert int(out.token_ids[1]) == int(out.token_ids[2]) == int(alone.token_ids[0])
+    assert sampler.num_fused_samples == 1

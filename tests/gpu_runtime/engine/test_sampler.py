@@ -120,3 +120,22 @@ def test_engine_seeded_requests_repeat_and_logprobs_reach_outputs(tiny_llama: Ca
 def test_invalid_sampling_params(kwargs: dict[str, object], message: str) -> None:
     with pytest.raises(SamplingParamsError, match=message):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def test_fused_sampling_parameters_are_staged_per_row() -> None:
+    """What the CUDA one-pass kernel gets: inverse temperature (0 = greedy) and a Philox seed
+    per row; a seeded request's seed depends on its seed and output index only."""
+    sampler = Sampler(CPU, seed=3, fused=True)
+    seeded = SamplingParams(temperature=0.5, seed=11)
+    rows = [SamplingParams(temperature=0.0), seeded, SamplingParams(temperature=2.0)]
+    inv_temp, staged = sampler._stage_fused(SamplingBatch(rows, [0, 4, 0]))
+    assert inv_temp.tolist() == [0.0, 2.0, 0.5]
+    seeds = staged.clone()  # the staging buffers are reused every step
+    again_inv, again = sampler._stage_fused(SamplingBatch([rows[2], seeded], [0, 4]))
+    assert again[1] == seeds[1]  # same seed and output index, other row and step
+    assert again[0] != seeds[2]  # unseeded rows: a new step seed every step
+    assert again_inv.tolist() == [0.5, 2.0]
+    _, later = sampler._stage_fused(SamplingBatch([seeded], [5]))
+    assert later[0] != seeds[1]
+    replay = Sampler(CPU, seed=3, fused=True)
+    assert replay._stage_fused(SamplingBatch(rows, [0, 4, 0]))[1].tolist() == seeds.tolist()
