@@ -79,6 +79,18 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def time_steps(engine: Engine, steps: int, batch: int, device: torch.device) -> list[float]:
+    """Wall ms of `engine.step()` per step."""
+    times = []
+    for _ in range(steps):
+        sync(device)
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+        assert len(outputs) == batch
+    return times
+
+
 def replay_ms(replay: Any, steps: int) -> list[float]:
     """CUDA-event times of `replay()`."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -170,12 +182,12 @@ def run_targets(
     group for base output and shrink) instead of a separate shrink GEMM."""
     spec = LoraSpec(rank=rank, alpha=2 * rank, dropout=0.0, target_modules=TARGETS[targets])
     # a small model's position limit caps the context (the rows report the one used)
-    context = min(context, model.config.max_position_embeddings - warmup - steps - 48)
+    context = min(context, model.config.max_position_embeddings - warmup - 2 * steps - 48)
     names = [f"{targets}-{i}" for i in range(adapters)]
     for i, adapter_name in enumerate(names):
         if not (adapter_root / adapter_name).exists():
             write_adapter(adapter_root / adapter_name, model.config, spec, seed=i)
-    per_seq = -(-(context + warmup + steps + 8) // 16)
+    per_seq = -(-(context + warmup + 2 * steps + 8) // 16)
     config = EngineConfig(
         num_kv_blocks=batch * per_seq * 2 + 16,
         block_size=16,
@@ -209,20 +221,20 @@ def run_targets(
             for i in range(batch)
         ]
         seed = 10 * sorted(TARGETS).index(targets) + MIXES.index(mix)
-        ids = inject(engine, batch, context, warmup + steps + 2, seed, lora_names)
+        max_tokens = warmup + 2 * steps + 2
+        ids = inject(engine, batch, context, max_tokens, seed, lora_names)
         for _ in range(warmup):
             engine.step()
         if mix == "adapters" and runner.fused_lora_decode:
             check = check_against_eager(engine, runtime, batch, share_gemms)
             print(f"{targets}: check {check}", flush=True)
         lora_graph_steps = runner.num_lora_graph_steps
-        step_ms = []
-        for _ in range(steps):
-            sync(device)
-            start = time.perf_counter()
-            outputs = engine.step()
-            step_ms.append((time.perf_counter() - start) * 1e3)
-            assert len(outputs) == batch
+        step_ms = time_steps(engine, steps, batch, device)
+        torch_sampler_ms: list[float] = []
+        if mix == "base" and runner.sampler.fused:  # the same steps with the torch sampler
+            runner.sampler.fused = False
+            torch_sampler_ms = time_steps(engine, steps, batch, device)
+            runner.sampler.fused = True
         graphs = runner._lora_graphs if mix != "base" else runner._graphs
         graph_ms: list[float] = []
         if graphs is not None and graphs.has(batch):
@@ -246,9 +258,23 @@ def run_targets(
             "tpot_ms_p99": round(percentile(step_ms, 99), 4),
             "graph_replay_ms_p50": round(statistics.median(graph_ms), 4) if graph_ms else None,
             "lora_graph_steps": runner.num_lora_graph_steps - lora_graph_steps,
+            "fused_sampler": runner.sampler.fused,
             "raw_step_ms": [round(x, 4) for x in step_ms],
         }
         rows.append(row)
+        if torch_sampler_ms:
+            rows.append(
+                {
+                    "system": "harli_torch_sampler",
+                    "targets": "-",
+                    "mix": mix,
+                    "adapter_rows": 0,
+                    "tpot_ms_p50": round(statistics.median(torch_sampler_ms), 4),
+                    "tpot_ms_p99": round(percentile(torch_sampler_ms, 99), 4),
+                    "graph_replay_ms_p50": row["graph_replay_ms_p50"],
+                    "note": "base steps with the multi-kernel torch sampler (before f981f9c)",
+                }
+            )
         if eager_ms:
             rows.append(
                 {
