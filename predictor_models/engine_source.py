@@ -7,11 +7,15 @@ for (bucket, partition) on the partition's stream through ``ModelRunner.capture_
 replays it: fused Triton decode kernels, Triton paged attention over a block-major KV cache, the
 LM head. Sampling and the host copy of the sampled ids are not part of the timed graph.
 
-Chunked-prefill iterations run eagerly in the engine (no graph) and are not profiled here: rows
-from this source have ``prefill_chunk_tokens == 0``.
+Chunked-prefill iterations run eagerly in the engine (no graph): ``capture(contexts, P, ...)``
+with ``P > 0`` returns an ``EngineMixedStep`` that runs the runner's general path
+(``ModelRunner._general_logits``: the model forward over the decode tokens and one prompt chunk of
+``P`` tokens, paged attention per the runner's backend) on the caller's stream each "replay";
+host launch time is part of its measured latency, as it is of the engine's mixed steps.
 
 The runner's staging buffers are private attributes (``_buf_ints``, ``_buf_seq_lens``,
-``_buf_table``, ``_buckets``, ``_graphs``); a missing one raises ``EngineSourceError`` naming it.
+``_buf_table``, ``_buckets``, ``_graphs``; ``states``, ``_table_np`` and ``_general_logits`` for
+mixed steps); a missing one raises ``EngineSourceError`` naming it.
 """
 
 from __future__ import annotations
@@ -50,6 +54,57 @@ class EngineStep:
         if graphs is None:
             raise EngineSourceError("no decode graph was captured")
         graphs.replay(self.bucket, self.partition)
+
+
+class EngineMixedStep:
+    """Decode sequences plus one prefill chunk, run through the runner's general (eager) path.
+
+    Installs one request state per sequence in the runner (rows ``0..B``, contiguous KV
+    blocks); ``replay`` recomputes the same step (the states are not advanced).
+    """
+
+    def __init__(self, source: EngineDecode, contexts: list[int], prefill_tokens: int) -> None:
+        from gpu_runtime.engine.model_runner import _RequestState
+        from gpu_runtime.engine.request import SamplingParams
+
+        runner = source.runner
+        for name in ("states", "_table_np", "_general_logits"):
+            if not hasattr(runner, name):
+                raise EngineSourceError(f"ModelRunner has no {name}; no mixed steps")
+        if len(contexts) + 1 > runner._table_np.shape[0]:
+            raise ValueError(f"{len(contexts)} decode sequences + 1 prefill exceed the rows")
+        lengths = [c + 1 for c in contexts] + [prefill_tokens]  # tokens each one's KV holds
+        n_blocks = [-(-n // BLOCK_SIZE) for n in lengths]
+        if sum(n_blocks) > runner.kv_cache.num_blocks:
+            raise ValueError(
+                f"{sum(n_blocks)} KV blocks needed, {runner.kv_cache.num_blocks} exist"
+            )
+        if max(n_blocks) > runner._table_np.shape[1]:
+            raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_model_len")
+        vocab = source.model.config.vocab_size
+        runner.states.clear()
+        start = 0
+        self.order: list[tuple[str, int]] = []
+        for row, (length, blocks) in enumerate(zip(lengths, n_blocks, strict=True)):
+            decode = row < len(contexts)
+            rid = f"decode{row}" if decode else "prefill"
+            block_ids = list(range(start, start + blocks))
+            start += blocks
+            runner._table_np[row, :blocks] = block_ids
+            runner.states[rid] = _RequestState(
+                token_ids=source.rng.integers(0, vocab, length).tolist(),
+                block_ids=block_ids,
+                num_computed_tokens=length - 1 if decode else 0,
+                sampling_params=SamplingParams(),
+                num_output_tokens=0,
+                row=row,
+            )
+            self.order.append((rid, 1 if decode else length))
+        self.runner = runner
+
+    def replay(self) -> None:
+        with torch.no_grad():
+            self.runner._general_logits(self.order, self.runner.model)
 
 
 class EngineDecode:
@@ -123,10 +178,11 @@ class EngineDecode:
         prefill_tokens: int,
         stream: torch.cuda.Stream | None,
         partition: Any = None,
-    ) -> EngineStep:
-        """Stage ``contexts`` and return the step for ``partition`` (captured on ``stream``)."""
+    ) -> EngineStep | EngineMixedStep:
+        """Stage ``contexts`` and return the step for ``partition`` (captured on ``stream``);
+        with a prefill chunk, the eager mixed step (see the module docstring)."""
         if prefill_tokens:
-            raise ValueError("the engine's decode graphs carry no prefill chunk")
+            return EngineMixedStep(self, contexts, prefill_tokens)
         runner = self.runner
         bucket = next((b for b in runner._buckets if b >= len(contexts)), None)
         if bucket is None:

@@ -62,8 +62,9 @@ DECODE_GROUPS = (4, 6, 8, 10, 12, 14)  # decode 32..112 SMs in steps of 16, plus
 SOURCES = {
     "engine": (
         "engine: gpu_runtime.engine ModelRunner decode step (fused Triton kernels, Triton paged "
-        "attention, block size 16) replayed from its CUDA graph per (bucket, partition); no "
-        "prefill chunks; finetune = peft LoRA fwd/bwd on shared weights"
+        "attention, block size 16) replayed from its CUDA graph per (bucket, partition); "
+        "iterations with a prefill chunk run the runner's eager general path "
+        "(ModelRunner._general_logits); finetune = peft LoRA fwd/bwd on shared weights"
     ),
 }
 FINETUNE_MODE = (
@@ -373,6 +374,12 @@ def main() -> None:
     parser.add_argument("--max-kv-tokens", type=int, default=262144)
     parser.add_argument("--sharing", default="green_context", choices=("green_context", "streams"))
     parser.add_argument("--decode-source", default="engine", choices=("engine", "standin"))
+    parser.add_argument(
+        "--prefill-choices",
+        default=None,
+        help="comma-separated prefill-chunk sizes drawn per sample (default: engine 0; "
+        "standin 0,0,0,0,64,256,512)",
+    )
     parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--trace", action="store_true", help="print each step of each sample")
     parser.add_argument("--seed", type=int, default=0)
@@ -385,6 +392,8 @@ def main() -> None:
         args.model, sharing, args.max_kv_tokens, args.iters, args.seed, args.decode_source
     )
     profiler.trace = args.trace
+    if args.prefill_choices:
+        profiler.prefill_choices = tuple(int(p) for p in args.prefill_choices.split(","))
     props = torch.cuda.get_device_properties(device)
     gpu = props.name.split()[-1].lower()
     stem = f"profile-{gpu}-{args.model}{'-' + args.tag if args.tag else ''}"
@@ -405,6 +414,7 @@ def main() -> None:
         "iters_per_row": args.iters,
         "seed": args.seed,
         "stages": args.stages,
+        "prefill_choices": list(profiler.prefill_choices),
         "budgets_s": [args.stage1_s, args.stage2_s],
         "fields": list(ROW_FIELDS),
         "errors": [],

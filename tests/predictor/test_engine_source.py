@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from gpu_runtime.model import ModelConfig, build_random_model
-from predictor_models.engine_source import BLOCK_SIZE, EngineDecode, EngineSourceError
+from predictor_models.engine_source import (
+    BLOCK_SIZE,
+    EngineDecode,
+    EngineMixedStep,
+    EngineSourceError,
+    EngineStep,
+)
 
 
 def test_staged_iteration_runs_through_the_runners_decode_step() -> None:
@@ -17,6 +23,7 @@ def test_staged_iteration_runs_through_the_runners_decode_step() -> None:
     runner = source.runner
     contexts = [5, 17, 33]
     step = source.capture(contexts, 0, None)
+    assert isinstance(step, EngineStep)
     bucket, batch = step.bucket, len(contexts)
     assert bucket == 4  # the smallest graph bucket holding 3 sequences
     ints = runner._buf_ints[:, :bucket].numpy()
@@ -39,5 +46,30 @@ def test_staged_iteration_runs_through_the_runners_decode_step() -> None:
     assert torch.all(torch.isfinite(logits[:batch]))
     with pytest.raises(EngineSourceError, match="no decode graph"):
         step.replay()  # graphs exist on CUDA only
-    with pytest.raises(ValueError, match="no prefill chunk"):
-        source.capture(contexts, 64, None)
+
+
+def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Dense causal attention over flattened tokens ``[T, heads, D]`` of one sequence."""
+    groups = q.shape[1] // k.shape[1]
+    qt, kt, vt = q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)
+    kt, vt = kt.repeat_interleave(groups, 0), vt.repeat_interleave(groups, 0)
+    out = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
+    return out.transpose(0, 1)
+
+
+def test_mixed_step_runs_decode_and_a_prefill_chunk_through_the_general_path() -> None:
+    model = build_random_model(ModelConfig.preset("tiny"), seed=0)
+    model.fuse_projections()
+    source = EngineDecode(model, 8192, seed=0)
+    step = source.capture([9, 40], 24, None)
+    assert isinstance(step, EngineMixedStep)
+    assert step.order == [("decode0", 1), ("decode1", 1), ("prefill", 24)]
+    step.replay()  # twice: the states are not advanced
+    with torch.no_grad():
+        logits, sampled = source.runner._general_logits(step.order, model)
+        prompt = torch.tensor(source.runner.states["prefill"].token_ids)
+        hidden = model(prompt, torch.arange(24), _causal)
+        expected = model.compute_logits(hidden[-1:])
+    assert sampled == ["decode0", "decode1", "prefill"]
+    assert torch.all(torch.isfinite(logits))
+    torch.testing.assert_close(logits[2:], expected, rtol=1e-4, atol=1e-4)
