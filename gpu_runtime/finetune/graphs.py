@@ -26,9 +26,10 @@ so checkpoints (which store that generator's state) resume exactly, and decode s
 same process does not touch the trainer's state while a graph replays.
 
 **Fallback.** The first micro-batch on a (thread, stream) runs eagerly (it warms up cuBLAS and
-the autograd engine on that stream); later shapes are captured on first use and replayed. If a
-capture fails, graphs are disabled for the trainer, the reason is kept in :attr:`disabled`, and
-every quantum runs eagerly (each result says so).
+the autograd engine on that stream); which shapes are captured, and when, is
+:class:`~gpu_runtime.finetune.graph_policy.CapturePolicy`'s call (the others run eagerly). If a
+capture fails, graphs are disabled for the trainer, the reason is kept in
+:attr:`MicroBatchGraphs.disabled`, and every quantum runs eagerly (each result says so).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ import contextlib
 import inspect
 import threading
 import weakref
-from collections import Counter, OrderedDict
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -47,9 +48,7 @@ import torch
 
 from gpu_runtime.finetune.batching import MicroBatch
 from gpu_runtime.finetune.data import IGNORE_INDEX
-
-MIN_BUCKET = 64
-STEPS_PER_OCTAVE = 4
+from gpu_runtime.finetune.graph_policy import CapturePolicy, GraphKey, bucket_length, loss_slots
 
 ForwardBackward = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor
@@ -62,39 +61,11 @@ class GraphCaptureError(RuntimeError):
     """A micro-batch could not be captured (the trainer then runs eagerly)."""
 
 
-def bucket_length(
-    n: int, minimum: int = MIN_BUCKET, steps_per_octave: int = STEPS_PER_OCTAVE
-) -> int:
-    """The smallest bucket ``>= n``: ``minimum``, then ``steps_per_octave`` evenly spaced steps
-    per power of two (64, 80, 96, 112, 128, 160, ..., 256, 320, ..., 2048, 2560, ...)."""
-    if n < 1 or minimum < 1 or steps_per_octave < 1:
-        raise ValueError(f"n={n}, minimum={minimum}, steps_per_octave={steps_per_octave} >= 1")
-    if n <= minimum:
-        return minimum
-    octave = 1 << ((n - 1).bit_length() - 1)  # largest power of two below n
-    step = max(1, octave // steps_per_octave)
-    return -(-n // step) * step
-
-
-@dataclass(frozen=True)
-class GraphKey:
-    """What one captured graph is valid for."""
-
-    rows: int
-    """Examples in the micro-batch."""
-    seq_len: int
-    """Padded sequence length (a :func:`bucket_length` value)."""
-    loss_slots: int
-    """Loss positions, padded (a :func:`bucket_length` value, at most ``rows * seq_len``)."""
-    stream: int
-    """Raw handle of the CUDA stream the graph was captured on and replays on."""
-
-
 def graph_key(batch: MicroBatch, stream: int) -> GraphKey:
     """The key of ``batch`` (already padded to its sequence bucket) on ``stream``."""
-    rows, seq_len = batch.input_ids.shape
-    slots = min(bucket_length(max(1, int(batch.loss_positions.numel()))), rows * seq_len)
-    return GraphKey(int(rows), int(seq_len), slots, stream)
+    rows, seq_len = (int(n) for n in batch.input_ids.shape)
+    slots = loss_slots(rows, seq_len, int(batch.loss_positions.numel()))
+    return GraphKey(rows, seq_len, slots, stream)
 
 
 def pack_inputs(batch: MicroBatch, loss_slots: int) -> torch.Tensor:
@@ -178,14 +149,12 @@ class MicroBatchGraphs:
         generator: torch.Generator | None,
         device: torch.device,
         eager_rng: Callable[[], AbstractContextManager[None]],
-        max_graphs: int = 16,
+        policy: CapturePolicy | None = None,
     ) -> None:
         """``forward_backward`` runs one micro-batch (eagerly or under capture); ``generator`` is
         the trainer's CUDA generator (dropout) and ``eager_rng()`` swaps the trainer's generators
-        in around an eager run; at most ``max_graphs`` stay captured (least recently used
-        dropped first)."""
-        if max_graphs < 1:
-            raise ValueError(f"max_graphs must be >= 1, got {max_graphs}")
+        in around an eager run; ``policy`` decides what to capture (default
+        :class:`CapturePolicy`)."""
         # weak when bound to the trainer that owns these graphs: no reference cycle, so a
         # finished job's graphs and their pool go with its trainer, without waiting for the GC
         self._forward_backward = _weak(forward_backward)
@@ -193,12 +162,12 @@ class MicroBatchGraphs:
         self.generator = generator
         self.device = device
         self._eager_rng = _weak(eager_rng)
-        self.max_graphs = max_graphs
+        self.policy = policy or CapturePolicy()
         self.disabled: str | None = None
         """Why graphs are off for good (a failed capture), else None."""
         self.counts: Counter[str] = Counter()
         """Micro-batches run per mode ("replay", "capture", "eager")."""
-        self._graphs: OrderedDict[GraphKey, _Captured] = OrderedDict()
+        self._graphs: dict[GraphKey, _Captured] = {}
         self._pool: Any = None
         self._warm: set[tuple[int, int]] = set()
         self._side: Any = None
@@ -206,7 +175,7 @@ class MicroBatchGraphs:
 
     def keys(self) -> list[GraphKey]:
         """Captured keys, least recently used first."""
-        return list(self._graphs)
+        return self.policy.captured
 
     def padded_length(self, n: int) -> int:
         """Sequence length a micro-batch whose longest example has ``n`` tokens is padded to."""
@@ -241,23 +210,27 @@ class MicroBatchGraphs:
         if self.disabled is not None:
             return self._eager(batch, denominator, self.disabled)
         self._check_grads()
-        entry = self._graphs.get(key)
-        mode = "replay"
-        if entry is None:
-            warm = (threading.get_ident(), stream)
-            if warm not in self._warm:
-                run = self._eager(batch, denominator, "first micro-batch on this stream (warm-up)")
-                self._warm.add(warm)
-                return run
+        warm = (threading.get_ident(), stream)
+        decision = self.policy.decide(key, warm in self._warm)
+        if decision.action == "eager":
+            run = self._eager(batch, denominator, decision.reason or "")
+            self._warm.add(warm)
+            return run
+        if decision.evict is not None:
+            del self._graphs[decision.evict]
+            self.policy.removed(decision.evict)
+        mode = decision.action
+        if mode == "capture":
             try:
                 entry = self._capture(key)
             except Exception as exc:  # any capture failure: eager from now on, reason kept
                 self.disabled = f"capture failed: {type(exc).__name__}: {exc}"[:400]
                 self._graphs.clear()
+                self.policy.clear()
                 return self._eager(batch, denominator, self.disabled)
-            mode = "capture"
+            self.policy.added(key)
         else:
-            self._graphs.move_to_end(key)
+            entry = self._graphs[key]
         packed = pack_inputs(batch, key.loss_slots).pin_memory()  # a truly asynchronous copy
         entry.inputs.copy_(packed, non_blocking=True)
         entry.denominator.fill_(float(denominator))
@@ -288,6 +261,7 @@ class MicroBatchGraphs:
             return
         if any(p.grad is not g for p, g in zip(self.params, self._grads, strict=True)):
             self._graphs.clear()
+            self.policy.clear()
             self._grads = None
 
     def _capture(self, key: GraphKey) -> _Captured:
@@ -297,8 +271,6 @@ class MicroBatchGraphs:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
         self._grads = [p.grad for p in self.params if p.grad is not None]
-        while len(self._graphs) >= self.max_graphs:
-            self._graphs.popitem(last=False)
         cells = key.rows * key.seq_len
         inputs = torch.zeros(2 * cells + 2 * key.loss_slots, dtype=torch.long, device=self.device)
         inputs[2 * cells + key.loss_slots :] = IGNORE_INDEX

@@ -39,6 +39,7 @@ from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan
 from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
+from gpu_runtime.finetune.graph_policy import CapturePolicy
 from gpu_runtime.finetune.graphs import GraphRun, MicroBatchGraphs
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
@@ -66,14 +67,14 @@ class LoraTrainer:
         base_model_name_or_path: str | None = None,
         fused_forward: bool = True,
         cuda_graphs: bool | None = None,
-        max_cuda_graphs: int = 16,
+        max_cuda_graphs: int = 32,
     ) -> None:
         """``checkpoint_root``: where automatic checkpoints go (none when None);
         ``base_model_name_or_path`` is recorded in each adapter's config; ``fused_forward``
         selects :class:`FusedTrainingForward` (default) over calling the peft-wrapped tree;
         ``cuda_graphs`` replays captured micro-batches (None: on CUDA, unless activation
         checkpointing is on; True elsewhere records why each quantum ran eagerly), keeping at
-        most ``max_cuda_graphs`` shapes captured."""
+        most ``max_cuda_graphs`` shapes captured (:class:`CapturePolicy`)."""
         self.hparams = hparams
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self.base_model_name_or_path = base_model_name_or_path
@@ -116,7 +117,7 @@ class LoraTrainer:
                 self.rng.cuda_generator,
                 self.device,
                 self._rng_swap,
-                max_graphs=max_cuda_graphs,
+                CapturePolicy(max_graphs=max_cuda_graphs),
             )
 
     @property

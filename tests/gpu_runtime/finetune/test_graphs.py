@@ -10,13 +10,8 @@ import torch
 
 from gpu_runtime.finetune.batching import DataStream, collate
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
-from gpu_runtime.finetune.graphs import (
-    GraphKey,
-    bucket_length,
-    graph_key,
-    pack_inputs,
-    unpack_inputs,
-)
+from gpu_runtime.finetune.graph_policy import CapturePolicy, GraphKey, bucket_length
+from gpu_runtime.finetune.graphs import graph_key, pack_inputs, unpack_inputs
 from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import chunked_lm_head_loss, training_hidden_states
@@ -48,6 +43,35 @@ def test_bucket_lengths() -> None:
     assert len({bucket_length(n) for n in range(1, 2049)}) == 21  # 64, then 4 per octave
     with pytest.raises(ValueError):
         bucket_length(0)
+
+
+def test_capture_policy_captures_frequent_shapes_without_thrashing() -> None:
+    policy = CapturePolicy(max_graphs=2, capture_after=2, stale_after=3)
+    a, b, c, d = (GraphKey(1, n, n, stream=7) for n in (64, 80, 96, 112))
+
+    def decide(key: GraphKey, warm: bool = True) -> tuple[str, str | None, GraphKey | None]:
+        decision = policy.decide(key, warm)
+        if decision.action == "capture":
+            if decision.evict is not None:
+                policy.removed(decision.evict)
+            policy.added(key)
+        return decision.action, decision.reason, decision.evict
+
+    assert decide(a, warm=False) == ("eager", "first micro-batch on this stream (warm-up)", None)
+    assert decide(a) == ("capture", None, None)
+    assert decide(a) == ("replay", None, None)
+    assert decide(b) == ("eager", "shape seen 1x, captured from 2x", None)
+    assert decide(b) == ("capture", None, None)
+    assert decide(c)[0] == "eager"
+    assert decide(c) == ("capture", None, a)  # a unused for 4 micro-batches: stale, dropped
+    assert decide(b) == ("replay", None, None)
+    assert decide(a) == ("eager", "all 2 graph slots in recent use", None)  # no thrashing
+    assert decide(d)[0] == "eager"
+    assert policy.captured == [c, b] and policy.seen[a] == 4
+    policy.clear()
+    assert policy.captured == [] and decide(c) == ("capture", None, None)
+    with pytest.raises(ValueError):
+        CapturePolicy(max_graphs=0)
 
 
 def _examples(lengths: list[int], loss_from: int = 1) -> list[TokenizedExample]:
