@@ -139,3 +139,56 @@ def group_folds(data: ProfileData, k: int, seed: int = 0) -> list[tuple[np.ndarr
         held = np.isin(data.group, groups[i::k])
         folds.append((np.flatnonzero(~held), np.flatnonzero(held)))
     return folds
+
+
+MERGE_KEYS = ("gpu", "gpu_key", "sms", "model", "model_shape", "sharing")
+"""Metadata that must agree between profiles merged into one data set."""
+
+
+def merge_profiles(parts: list[str | Path], out: str | Path) -> ProfileData:
+    """Write the rows of several profiles (same GPU, model shape, sharing) as one data set.
+
+    ``out`` gets the CSV (the first part's columns, in order) and a ``.meta.json`` holding the
+    agreed keys, each part's full metadata under ``parts`` (with its file name, sha256 and row
+    count), and ``source``/``commit`` lists; DatasetError if the parts disagree or a column is
+    missing."""
+    target = Path(out)
+    metas, raws = [], []
+    for part in parts:
+        path = Path(part)
+        load_profile(path)  # validates the part
+        metas.append(json.loads(path.with_suffix(".meta.json").read_text()))
+        raws.append(path.read_bytes())
+    texts = [raw.decode() for raw in raws]
+    for key in MERGE_KEYS:
+        values = {json.dumps(m.get(key), sort_keys=True) for m in metas}
+        if len(values) > 1:
+            raise DatasetError(f"profiles disagree on {key}: {sorted(values)}")
+    fields = next(csv.reader(texts[0].splitlines()))
+    rows: list[dict[str, str]] = []
+    for part, text in zip(parts, texts, strict=True):
+        part_rows = list(csv.DictReader(text.splitlines()))
+        missing = [f for f in fields if f not in part_rows[0]]
+        if missing:
+            raise DatasetError(f"{part} lacks columns {missing}")
+        rows += part_rows
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with target.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+    meta: dict[str, Any] = {key: metas[0].get(key) for key in MERGE_KEYS}
+    meta["source"] = metas[0].get("source")
+    meta["sources"] = sorted({str(m.get("source")) for m in metas})
+    meta["commits"] = [m.get("commit") for m in metas]
+    meta["parts"] = [
+        {
+            "file": Path(p).name,
+            "sha256": hashlib.sha256(raw).hexdigest(),
+            "rows": len(raw.decode().strip().splitlines()) - 1,
+            "meta": m,
+        }
+        for p, raw, m in zip(parts, raws, metas, strict=True)
+    ]
+    target.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
+    return load_profile(target)

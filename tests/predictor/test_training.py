@@ -108,3 +108,25 @@ def test_onnx_artifact_matches_torch_and_serves(
         predictor.predict(np.zeros((2, 10), dtype=np.float32))
     with pytest.raises(ValueError, match="decode SM share"):
         predictor.score(iteration, [(0.0, None)])
+
+
+def test_merged_profiles_keep_every_row_and_their_provenance(tmp_path: Path) -> None:
+    import json
+    import shutil
+
+    from predictor_models.dataset import DatasetError, merge_profiles
+
+    merged = merge_profiles([DATA, DATA], tmp_path / "merged.csv")
+    single = load_profile(DATA)
+    assert len(merged) == 2 * len(single)
+    np.testing.assert_array_equal(merged.x[len(single) :], single.x)
+    parts = merged.meta["parts"]
+    assert [p["sha256"] for p in parts] == [single.sha256] * 2
+    assert merged.meta["model_shape"] == single.meta["model_shape"]
+    other = tmp_path / "other.csv"
+    shutil.copy(DATA, other)
+    meta = json.loads(DATA.with_suffix(".meta.json").read_text())
+    meta["model_shape"]["hidden_size"] = 3584
+    other.with_suffix(".meta.json").write_text(json.dumps(meta))
+    with pytest.raises(DatasetError, match="disagree on model_shape"):
+        merge_profiles([DATA, other], tmp_path / "bad.csv")
