@@ -48,11 +48,14 @@ def open_job(
     lora: LoraSpec | None = None,
     seed: int = 0,
     base_model_name_or_path: str | None = None,
+    cuda_graphs: bool | None = None,
     **options: Any,
 ) -> FinetuneJob:
     """Build (or resume) a job. ``hyperparameters`` holds ``n_epochs``, ``batch_size``,
     ``learning_rate_multiplier`` (numbers or "auto"); ``options`` go to
-    :class:`FinetuneHyperparameters` (``max_seq_len``, ``checkpoint_every_steps``, ...)."""
+    :class:`FinetuneHyperparameters` (``max_seq_len``, ``checkpoint_every_steps``, ...);
+    ``cuda_graphs`` is the trainer's (None: on for CUDA; an execution setting, not a
+    hyperparameter, so a job may resume with it changed)."""
     settings = dict(hyperparameters or {})
     unknown = sorted(set(settings) - {"n_epochs", "batch_size", "learning_rate_multiplier"})
     if unknown:
@@ -79,6 +82,7 @@ def open_job(
         pad_token_id=pad if isinstance(pad, int) else 0,
         checkpoint_root=checkpoint_root,
         base_model_name_or_path=base_model_name_or_path,
+        cuda_graphs=cuda_graphs,
     )
     resumed = latest_checkpoint(checkpoint_root) if Path(checkpoint_root).exists() else None
     if resumed is not None:

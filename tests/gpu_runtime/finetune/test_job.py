@@ -45,6 +45,12 @@ def test_job_resumes_on_another_host(
     losses = [h.loss for h in uninterrupted.trainer.history]
     assert [h.loss for h in host_two.trainer.history] == pytest.approx(losses, rel=1e-5)
     assert (tmp_path / "b" / "step-000006" / "adapter_model.safetensors").exists()
+    assert host_two.trainer.graphs is None  # CPU default
+    # CUDA graphs are an execution setting: a job resumes with them switched on
+    host_three = open_job(
+        serving_model, tokenizer, checkpoint_root=tmp_path / "b", cuda_graphs=True, **settings
+    )
+    assert host_three.resumed_from is not None and host_three.trainer.graphs is not None
 
 
 def test_job_rejects_unknown_hyperparameters(
