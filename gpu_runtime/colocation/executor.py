@@ -178,8 +178,12 @@ class ThreadedExecutor(QuantumExecutor):
     SWITCH_INTERVAL_S = 0.0002
     """Python's GIL switch interval while a quantum is in flight (default 0.005)."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], *, persistent: bool = False) -> None:
+        """``persistent``: ``close()`` only waits for the in-flight quantum and the worker
+        thread lives on for the next loop (``shutdown()`` stops it); CUDA-graphed quanta warm
+        up once per (thread, stream), so loops run one after another share one thread."""
         super().__init__(clock)
+        self.persistent = persistent
         self._tasks: queue.Queue[QuantumTask | None] = queue.Queue()
         self._done: queue.Queue[QuantumReport] = queue.Queue()
         self._finished = threading.Event()
@@ -223,6 +227,14 @@ class ThreadedExecutor(QuantumExecutor):
         return self._finished.wait(timeout_s)
 
     def close(self) -> None:
+        if self.persistent:
+            self._finished.wait()
+            sys.setswitchinterval(self._saved_interval)
+            return
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Wait for the in-flight quantum and stop the worker thread (idempotent)."""
         if self._closed:
             return
         self._closed = True

@@ -105,6 +105,13 @@ class HarliConfig:
     """Consider a quantum beside decode on the whole device (no spatial split)."""
     allow_slice: bool = True
     """Consider a quantum after the decode step (time slicing)."""
+    slice_call_ms: float | None = None
+    """Measured fixed cost of one layer-sliced call (with the two below; None: slices are
+    priced as their share of a whole quantum's expected duration)."""
+    slice_forward_layer_ms: float | None = None
+    """Measured cost of one forward layer pass in a slice."""
+    slice_backward_layer_ms: float | None = None
+    """Measured cost of one backward layer pass in a slice."""
     layer_slices: tuple[int, ...] = (1, 2, 4, 8, 16)
     """``max_layers`` values of layer-sliced quanta considered (jobs whose layer count is
     known); a micro-batch in progress only continues in slices. Empty: whole quanta only."""
@@ -139,7 +146,11 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self.config = config or HarliConfig()
         self.margins = MarginTracker(self.config)
         self.durations = QuantumDurations(self.config.prior_quantum_overhead_ms)
-        self.slice_costs = SliceCosts()
+        self.slice_costs = SliceCosts(
+            self.config.slice_call_ms,
+            self.config.slice_forward_layer_ms,
+            self.config.slice_backward_layer_ms,
+        )
         self._slice_states: dict[str, SliceState] = {}
         self._slice_launch: dict[str, tuple[int | None, LaunchMode, float]] = {}
         self._jobs: dict[str, JobView] = {}

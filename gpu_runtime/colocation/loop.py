@@ -239,8 +239,23 @@ class HostLoop:
             return True
         return self.executor.wait(timeout_s)
 
+    def running_requests(self) -> list[FinishedRequest]:
+        """Requests still decoding that emitted at least ``MIN_TOKENS_FOR_TPOT`` tokens, with
+        their mean TPOT so far (``finish_reason`` "running"): for figures over a window that
+        ends before every request has finished."""
+        out = []
+        for request_id, timing in self._timing.items():
+            if timing.tokens < MIN_TOKENS_FOR_TPOT or timing.first is None:
+                continue
+            assert timing.last is not None
+            tpot = (timing.last - timing.first) * 1e3 / (timing.tokens - 1)
+            ttft = None if timing.arrival is None else (timing.first - timing.arrival) * 1e3
+            out.append(FinishedRequest(request_id, timing.tokens, tpot, ttft, "running"))
+        return out
+
     def close(self) -> None:
-        """Wait for the in-flight quantum, account it, stop the worker."""
+        """Wait for the in-flight quantum, account it, stop the worker (a persistent
+        executor's thread lives on)."""
         self.executor.wait()
         self._collect()
         self.executor.close()

@@ -10,10 +10,12 @@ can advance inside the slack a few layers at a time; tokens count when the micro
 :class:`SliceState` follows the micro-batch in progress from the policy's own launches and the
 quantum reports (it never reads the trainer), so it knows how many passes remain and how many
 passes the next backward call will run at least. :class:`SliceCosts` predicts a slice's
-duration: the whole quantum's expected duration spread over the passes (a forward pass a third
-of a layer's work, a backward pass two thirds), times a correction learnt from observed slices
-per launch choice (a high quantile of observed / predicted, so a slice that ran long makes the
-next estimate safer).
+duration: a fixed cost per call plus a cost per forward and per backward layer pass when those
+were measured (eager slices on the H200: ~5 ms per call, ~1 ms per forward and ~2.5 ms per
+backward layer), else the whole quantum's expected duration spread over the passes (a forward
+pass a third of a layer's work, a backward pass two thirds); times a correction learnt from
+observed slices per launch choice (a high quantile of observed / predicted, so a slice that ran
+long makes the next estimate safer).
 """
 
 from __future__ import annotations
@@ -107,16 +109,34 @@ class SliceState:
 
 
 class SliceCosts:
-    """Predicted duration of a slice: the whole quantum's duration spread over its passes, times
-    a learnt correction per (decode split, mode) (see the module docstring)."""
+    """Predicted duration of a slice: a per-call cost plus per forward and backward layer pass
+    (measured figures when given, else the whole quantum's expected duration spread over its
+    passes), times a learnt correction per (decode split, mode) (see the module docstring)."""
 
-    def __init__(self, quantile: float = 0.9, window: int = 64) -> None:
+    def __init__(
+        self,
+        call_ms: float | None = None,
+        forward_layer_ms: float | None = None,
+        backward_layer_ms: float | None = None,
+        quantile: float = 0.9,
+        window: int = 64,
+    ) -> None:
+        given = (call_ms, forward_layer_ms, backward_layer_ms)
+        if any(v is not None for v in given) and (
+            None in given or min(v for v in given if v is not None) < 0
+        ):
+            raise ValueError(f"slice costs need all three figures >= 0 or none, got {given}")
+        self.measured = None if call_ms is None else given
         self.quantile = quantile
         self._ratios: dict[tuple[int | None, LaunchMode], deque[float]] = {}
         self._window = window
 
     def base_ms(self, whole_ms: float, layers: int, forward: int, backward: int) -> float:
-        """Share of a whole quantum's ``whole_ms`` for these passes."""
+        """Uncorrected estimate of a call running these passes."""
+        if self.measured is not None:
+            call, per_forward, per_backward = self.measured
+            assert call is not None and per_forward is not None and per_backward is not None
+            return call + per_forward * forward + per_backward * backward
         return whole_ms * (
             FORWARD_SHARE * forward / layers + (1 - FORWARD_SHARE) * backward / layers
         )

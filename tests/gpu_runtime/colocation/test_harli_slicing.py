@@ -174,3 +174,18 @@ def test_never_picks_a_sliced_choice_predicted_to_break_the_bound(
         quantum = FinetuneQuantum(launch.max_tokens, JOB.seq_len, JOB.lora_rank, True, ft_share)
         typical = decode_iteration(policy.expected_snapshot(decode), share)
         assert MODEL.predict_ms(typical, quantum) <= slo * (1 - plan.margin)
+
+
+def test_measured_slice_costs_pick_the_widest_slice_whose_backward_fits() -> None:
+    """Per call 5 ms, 1 ms per forward and 2.5 ms per backward layer; 11 ms of slack: a 6-layer
+    forward call would fit (11 ms) but its backward call (20 ms) would not; 2 layers (7.5 ms
+    back) is the widest that keeps both within the slack."""
+    config = replace(
+        SLOW, slice_call_ms=5.0, slice_forward_layer_ms=1.0, slice_backward_layer_ms=2.5
+    )
+    policy = HarliPolicy(MODEL, config)
+    slo = (SOLO + 11.0) / (1 - config.initial_margin)
+    plan = _after_decode_only(policy, slo)
+    (launch,) = plan.launches
+    assert launch.max_layers == 2
+    assert launch.predicted_ms == pytest.approx(5.0 + 2 * 1.0)
