@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import random
 import statistics
@@ -435,6 +436,55 @@ def calibrate(
     return model, records, info
 
 
+def predictor_check(
+    artifact: Any, online: OnlineLatencyModel, runs: list[list[IterationRecord]]
+) -> dict[str, Any]:
+    """Stage-1 error of the trained artifact and of the in-run model on decode_only's iterations
+    (held out from calibration), overall and on iterations without prefill (the artifact was
+    trained on decode steps without prefill chunks); and the artifact's cost per call."""
+    rows = [
+        (
+            decode_iteration(
+                DecodeSnapshot(
+                    r.decode_batch, r.context_tokens_total, r.context_tokens_max, r.prefill_tokens
+                ),
+                1.0,
+            ),
+            r.iteration_ms,
+        )
+        for run in runs
+        for r in run
+        if r.decode_batch
+    ][:2000]
+    if not rows:
+        return {"error": "no decode_only iteration"}
+    t0 = time.perf_counter()
+    trained = [float(artifact.predict_ms(it, None)) for it, _ in rows]
+    per_call_us = (time.perf_counter() - t0) / len(rows) * 1e6
+    fitted = [online.predict_ms(it, None) for it, _ in rows]
+
+    def mape(pred: list[float], keep: list[bool]) -> float | None:
+        errs = [
+            abs(p - ms) / ms
+            for p, (_, ms), k in zip(pred, rows, keep, strict=True)
+            if k and math.isfinite(p)
+        ]
+        return round(statistics.mean(errs), 4) if errs else None
+
+    every = [True] * len(rows)
+    plain = [it.prefill_chunk_tokens == 0 for it, _ in rows]
+    return {
+        "iterations": len(rows),
+        "without_prefill": sum(plain),
+        "artifact_mape": mape(trained, every),
+        "artifact_mape_without_prefill": mape(trained, plain),
+        "online_mape": mape(fitted, every),
+        "online_mape_without_prefill": mape(fitted, plain),
+        "artifact_nonfinite": sum(not math.isfinite(p) for p in trained),
+        "artifact_us_per_call": round(per_call_us, 1),
+    }
+
+
 def choose_static_split(
     model: OnlineLatencyModel,
     backend: Backend,
@@ -685,6 +735,13 @@ def main() -> None:
         default=None,
         help="trained predictor artifact directory for harli (default: fitted in the run)",
     )
+    parser.add_argument(
+        "--predictor-use",
+        choices=("evaluate", "harli"),
+        default="evaluate",
+        help="evaluate: compare the artifact's stage 1 with the in-run model on decode_only's "
+        "iterations; harli: harli plans with the artifact",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=None)
@@ -718,16 +775,24 @@ def main() -> None:
     harli_latency: DecodeLatencyModel = latency
     info["harli_predictor"] = (
         "OnlineLatencyModel fitted in this run from a calibration phase (separate seeded "
-        "high-load trace: decode alone on every split, then 2-example quanta beside decode on "
-        "every split), updated online during Harli's runs; no trained predictor artifact"
+        "high-load trace: decode alone on the least-sampled split, then 1- and 2-example quanta "
+        "beside decode on every split), updated online during Harli's runs"
     )
+    artifact: Any = None
     if args.predictor:
         from gpu_runtime.predictor.runtime import LatencyPredictor
         from gpu_runtime.predictor.schema import ModelShape
 
         shape = ModelShape.from_model_config(ModelConfig.preset(args.model), args.model)
-        harli_latency = LatencyPredictor.load(args.predictor, model_shape=shape)
-        info["harli_predictor"] = f"trained artifact {args.predictor} (ONNX Runtime, CPU)"
+        artifact = LatencyPredictor.load(args.predictor, model_shape=shape)
+        if args.predictor_use == "harli":
+            harli_latency = artifact
+            info["harli_predictor"] = f"trained artifact {args.predictor} (ONNX Runtime, CPU)"
+        else:
+            info["harli_predictor"] += (
+                f"; trained artifact {args.predictor} evaluated beside it (predictor_check), "
+                "not used for decisions"
+            )
     print(f"calibrated {calib_info} at {time.perf_counter() - wall:.1f}s", flush=True)
     measured = slice_costs(info["solo_finetune"].get("layer_sliced") or {})
     call_ms, forward_ms, backward_ms = measured if measured else (None, None, None)
@@ -844,6 +909,13 @@ def main() -> None:
             if base.tpot_ms_p50 is None:
                 raise SystemExit(f"decode_only on {slo_trace} gave no TPOT sample: {base}")
             slo_ms = args.slo_factor * base.tpot_ms_p50
+    if artifact is not None:
+        info["predictor_check"] = predictor_check(
+            artifact,
+            latency,
+            [results[t, "decode_only"][1] for t in traces if (t, "decode_only") in results],
+        )
+        print(f"predictor check {info['predictor_check']}", flush=True)
     static_d = choose_static_split(
         latency,
         backend,
