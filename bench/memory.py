@@ -735,6 +735,7 @@ def _drive_phase(
 
     rejected = 0
     ooms = 0
+    oom_details: list[dict[str, Any]] = []
     errors: list[str] = []
     kv_peak_blocks = 0
     series: list[tuple[float, float, float, float]] = []
@@ -769,6 +770,15 @@ def _drive_phase(
                 if "out of memory" in report.error.lower():
                     # Count it, make the next quanta smaller, and let the job go on.
                     ooms += 1
+                    if len(oom_details) < 5:
+                        oom_details.append(
+                            {
+                                "t_s": round(loop.clock() - start, 3),
+                                "budget_gib": round(memory.finetune_budget_bytes() / GIB, 3),
+                                "quantum_ms": round(report.duration_ms, 1),
+                                "error": report.error[:600],
+                            }
+                        )
                     memory.manager.record_finetune_oom()
                     sizing.safety *= 0.8
                     job.failed = None
@@ -841,6 +851,14 @@ def _drive_phase(
         "decode_only_iter_ms_p50": _finite(_pct_sorted(decode_only_ms, 50)),
         "decode_only_iter_ms_p99": _finite(_pct_sorted(decode_only_ms, 99)),
         "decode_step_ms_p50": _finite(_pct_sorted(step_ms, 50)),
+        # Does a quantum on the worker thread hold the decode step up? (same phase, same load)
+        "decode_step_ms_p50_quantum_beside": _finite(
+            _pct_sorted(sorted(r.observed_ms for r in with_decode if r.in_flight), 50)
+        ),
+        "decode_step_ms_p50_alone": _finite(
+            _pct_sorted(sorted(r.observed_ms for r in with_decode if not r.in_flight), 50)
+        ),
+        "decode_iterations_alone": sum(1 for r in with_decode if not r.in_flight),
         "tpot_ms_p50": _finite(_pct_sorted(tpot, 50)),
         "tpot_ms_p99": _finite(_pct_sorted(tpot, 99)),
         "mean_borrowed_gb": (lent_gib_s / span / 1e9) if span else 0.0,
@@ -853,6 +871,8 @@ def _drive_phase(
         "finetune_quantum_ms_p50": _finite(_pct_sorted(sorted(q.duration_ms for q in good), 50)),
         "finetune_paused_iterations": sum(1 for r in records if r.paused),
         "finetune_errors": errors,
+        "oom_details": oom_details,
+        "finetune_budget_violations": counters.finetune_budget_violations,
         "kv_peak_gb": kv_peak_blocks * memory.manager.layout.block_bytes / 1e9,
         "kv_peak_pages": memory.manager.layout.pages_for_blocks(kv_peak_blocks),
         "decode_preemptions": counters.preemptions,

@@ -7,11 +7,12 @@ Call order, once per engine iteration (one thread; no call is made from a kernel
    count the block manager must apply, and how many blocks decode is still short (it preempts
    its own requests for those only; that happens only when finetuning holds nothing reclaimable).
 2. The engine launches the decode step (and a finetune quantum, if the scheduler picked one).
-3. `maintain(demand)` while the GPU runs: moves at most `max_step_pages` pages, refilling decode's
-   reserve of mapped free pages up to the low watermark (+ waiting requests), giving KV pages
-   back when the reserve stayed above the high watermark for `shrink_after_iterations`
-   iterations, and lending idle pages to finetuning `grow_hold_iterations` after the last
-   reclaim (hysteresis). The demand passed here is read after the step's block allocation, so
+3. `maintain(demand)` while the GPU runs: maps or unmaps at most `max_step_pages` pages,
+   refilling decode's reserve of mapped free pages up to the low watermark (+ waiting
+   requests), giving KV pages back when the reserve stayed above the high watermark for
+   `shrink_after_iterations` iterations, and lending every free page decode's reserve does not
+   lack to finetuning (one cap change) `grow_hold_iterations` after the last reclaim
+   (hysteresis). The demand passed here is read after the step's block allocation, so
    `top_used_block` covers every block the in-flight step can read.
 Finetune side: read `finetune_budget_bytes` before each quantum and fit its peak in it; after
 the quantum call `finetune_quantum_done(peak_bytes=..., resident_bytes=...)`.
@@ -165,8 +166,9 @@ class MemoryManager:
             self._iterations_above_high = 0
         if not finetune_busy:
             self._return_unwanted_budget()
-        if free_blocks >= low_blocks:
-            self._lend_idle_pages()
+        # Pages decode's reserve still lacks (the waiting prompts' included) stay free.
+        short = self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
+        self._lend_idle_pages(keep_free=self._round_up(max(short - self.pool.kv_prefix_pages, 0)))
 
     def refill_reserve(self, demand: DecodeDemand) -> int:
         """Between finetune quanta (none in flight): refill decode's reserve up to the low
@@ -358,12 +360,14 @@ class MemoryManager:
         unit = self.pool.map_unit_pages
         return pages // unit * unit
 
-    def _lend_idle_pages(self) -> None:
+    def _lend_idle_pages(self, keep_free: int) -> None:
+        """Raise the budget by every free page beyond `keep_free`, up to finetune's demand, in
+        one move (a cap change: nothing physical moves), `grow_hold_iterations` after the last
+        reclaim."""
         if self._iterations_since_reclaim < self.config.grow_hold_iterations:
             return
         count = min(
-            self.config.max_step_pages,
-            self.pool.free_pages,
+            self.pool.free_pages - keep_free,
             self._finetune_demand_pages - self.pool.finetune_pages,
         )
         if count <= 0:

@@ -141,8 +141,8 @@ def test_finetune_grows_back_with_hysteresis_and_returns_what_it_does_not_want()
     manager, pool = _manager(num_pages=32, grow_hold_iterations=3)
     manager.set_finetune_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
-    _steps(manager, idle, 3)
-    assert pool.finetune_pages == 12  # three steps of 4
+    _steps(manager, idle, 1)
+    assert pool.finetune_pages == 12  # lending is a cap change: all idle pages in one move
     manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=30))
     assert pool.finetune_pages < 12
     reclaimed_to = pool.finetune_pages
@@ -151,7 +151,7 @@ def test_finetune_grows_back_with_hysteresis_and_returns_what_it_does_not_want()
     manager.before_step(busy)
     manager.maintain(busy)
     assert pool.finetune_pages == reclaimed_to  # held for grow_hold_iterations
-    assert manager.counters.finetune_grows == 3
+    assert manager.counters.finetune_grows == 1
     # Demand drops: the unused budget goes back at once (no decode need).
     manager.set_finetune_demand(PAGE)
     manager.maintain(busy)
@@ -306,3 +306,15 @@ def test_the_reserve_between_quanta_covers_decode_growth_over_one_quantum() -> N
     assert manager.usable_blocks == 13 and manager.refill_reserve(DecodeDemand(used_blocks=5)) == 0
     with pytest.raises(ValueError, match="growth_window"):
         MemoryPolicyConfig(growth_window=0)
+
+
+def test_idle_pages_are_lent_while_decode_grows_keeping_what_its_reserve_lacks() -> None:
+    manager, pool = _manager(num_pages=64, grow_hold_iterations=0, max_step_pages=2)
+    manager.set_finetune_demand(64 * PAGE)
+    # Decode is below its low watermark (a long queue): it refills by one step of 2 pages, and
+    # every free page beyond the 6 its reserve still lacks (4 used + low 4 + waiting 4 = 12
+    # blocks, 6 mapped) goes to finetuning at once.
+    manager.maintain(DecodeDemand(used_blocks=4, top_used_block=4, waiting_blocks=4))
+    assert manager.usable_blocks == 6
+    assert pool.free_pages == 6 and pool.finetune_pages == 52
+    assert manager.counters.finetune_grows == 1
