@@ -592,7 +592,10 @@ def _finetune_footprint(trainer: Any, seq_len: int, device: Any) -> tuple[int, f
         torch.cuda.reset_peak_memory_stats()
         result = trainer.step_quantum(max_tokens=examples * seq_len)
         torch.cuda.synchronize()
-        peaks[int(result.examples)] = torch.cuda.max_memory_allocated() - before
+        # The larger of the two runs of each size: the first quantum of a trainer allocates
+        # more (optimizer state, workspaces), and a phase's first quantum must fit too.
+        peak = torch.cuda.max_memory_allocated() - before
+        peaks[int(result.examples)] = max(peaks.get(int(result.examples), 0), peak)
     resident = torch.cuda.memory_allocated() - trainer_start_allocated(trainer)
     small, big = min(peaks), max(peaks)
     if big == small:
