@@ -784,8 +784,13 @@ def main() -> None:
         from gpu_runtime.predictor.schema import ModelShape
 
         shape = ModelShape.from_model_config(ModelConfig.preset(args.model), args.model)
-        artifact = LatencyPredictor.load(args.predictor, model_shape=shape)
-        if args.predictor_use == "harli":
+        try:
+            artifact = LatencyPredictor.load(args.predictor, model_shape=shape)
+        except Exception as exc:  # a bad artifact must not cost the benchmark
+            info["predictor_check"] = {"error": f"{type(exc).__name__}: {exc}"}
+        if artifact is None:
+            pass
+        elif args.predictor_use == "harli":
             harli_latency = artifact
             info["harli_predictor"] = f"trained artifact {args.predictor} (ONNX Runtime, CPU)"
         else:
@@ -910,11 +915,11 @@ def main() -> None:
                 raise SystemExit(f"decode_only on {slo_trace} gave no TPOT sample: {base}")
             slo_ms = args.slo_factor * base.tpot_ms_p50
     if artifact is not None:
-        info["predictor_check"] = predictor_check(
-            artifact,
-            latency,
-            [results[t, "decode_only"][1] for t in traces if (t, "decode_only") in results],
-        )
+        held_out = [results[t, "decode_only"][1] for t in traces if (t, "decode_only") in results]
+        try:
+            info["predictor_check"] = predictor_check(artifact, latency, held_out)
+        except Exception as exc:
+            info["predictor_check"] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"predictor check {info['predictor_check']}", flush=True)
     static_d = choose_static_split(
         latency,
