@@ -58,6 +58,9 @@ class QuantumResult:
     """Why a graph-using trainer's quantum ran eagerly (warm-up, layer slices, failed capture)."""
     launch_s: float | None = None
     """Host seconds spent issuing the forward and backward (the part a CUDA graph removes)."""
+    host_s: float | None = None
+    """Host seconds from the start to the quantum's host sync: its CPU (and GIL) work, which
+    competes with the decode loop's, as opposed to waiting for the GPU."""
 
 
 @dataclass(frozen=True)

@@ -252,6 +252,7 @@ class LoraTrainer:
         with self._rng_swap(), self._autocast():
             passes = sliced.advance(budget)
         if not sliced.done:
+            host_s = time.perf_counter() - start
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             return QuantumResult(
@@ -271,6 +272,7 @@ class LoraTrainer:
                 finished=False,
                 layer_passes=passes,
                 micro_batch_done=False,
+                host_s=host_s,
                 **self._sliced_graph_fields(),
             )
         self._pending = None
@@ -337,6 +339,7 @@ class LoraTrainer:
         if plan.completes_batch:
             learning_rate = self.schedule.rate(self.step)
             to_read += [self._optimizer_step(learning_rate), self._batch_loss_sum.clone()]
+        host_s = time.perf_counter() - start
         values = torch.stack(to_read).tolist()  # the quantum's one host sync
         if plan.completes_batch:
             grad_norm, batch_loss = values[1], values[2] / plan.batch_loss_tokens
@@ -376,6 +379,7 @@ class LoraTrainer:
             graph=graph,
             graph_fallback=graph_fallback,
             launch_s=launch_s,
+            host_s=host_s,
         )
 
     def _optimizer_step(self, learning_rate: float) -> torch.Tensor:

@@ -147,7 +147,8 @@ def test_graphs_off_by_default_on_cpu(serving_model: CausalLM, train_examples: A
     assert trainer.graphs is None
     result = trainer.step_quantum(max_examples=2)
     assert result.graph == "off" and result.graph_fallback is None
-    assert result.launch_s is not None and 0 < result.launch_s <= result.wall_s
+    assert result.launch_s is not None and result.host_s is not None
+    assert 0 < result.launch_s <= result.host_s <= result.wall_s
 
 
 def test_failed_capture_falls_back_to_eager_with_reason(
