@@ -847,6 +847,7 @@ def _drive_phase(
         "reclaim_ms_p99": _finite(counters.reclaim_latency.percentile_ms(99)),
         "reclaims": len(counters.reclaim_latency),
         "flush_ms_p99": _finite(counters.flush_latency.percentile_ms(99)),
+        "finetune_flushes": len(counters.flush_latency),
         "finetune_waits": counters.finetune_waits,
         "finetune_wait_ms_p99": _finite(counters.wait_latency.percentile_ms(99)),
         "decode_iter_ms_p50": _finite(_pct_sorted(iter_ms, 50)),

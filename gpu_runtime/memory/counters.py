@@ -85,7 +85,8 @@ class MemoryCounters:
     wait_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
     """Time urgent reclaims spent waiting for a running finetune quantum to end."""
     flush_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
-    """The finetune cache-flush part of each decode reclaim (the rest is driver maps)."""
+    """The finetune cache flush of each decode reclaim that needed one (the allocator held more
+    than its new budget); `len` is the number of such flushes."""
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers for metrics: every counter plus reclaim/map p50 and p99 (ms)."""

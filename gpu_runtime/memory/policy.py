@@ -320,8 +320,8 @@ class MemoryManager:
             if reclaimed:
                 before = self.pool.finetune_pages
                 flush_start = self._clock()
-                self.pool.reclaim_from_finetune(reclaimed)
-                self.counters.flush_latency.add(self._clock() - flush_start)
+                if self.pool.reclaim_from_finetune(reclaimed):
+                    self.counters.flush_latency.add(self._clock() - flush_start)
                 self._iterations_since_reclaim = 0
                 self.counters.finetune_shrinks += 1
                 self.counters.finetune_reclaimed_pages += reclaimed

@@ -170,11 +170,15 @@ class PagePool:
         """Budget pages that can come back now: the budget less the live finetune tensors."""
         return max(self._finetune_pages - self.finetune_resident_pages(), 0)
 
-    def reclaim_from_finetune(self, count: int) -> None:
-        """FINETUNE -> FREE: lower the budget by `count` pages and flush the finetune cache.
+    def reclaim_from_finetune(self, count: int) -> bool:
+        """FINETUNE -> FREE: lower the budget by `count` pages; flush the finetune allocator's
+        cache only if what it holds exceeds the new budget. Returns whether it flushed.
 
-        Precondition: the finetune side is between quanta and its live tensors fit the new
-        budget (`count <= finetune_reclaimable_pages()`).
+        The budget's pages are physically free exactly when the allocator holds no more than
+        the budget, so a flush is needed only then (it is the costly part of a reclaim: on CUDA
+        it waits for the device and frees every cached segment, which the next quantum must
+        allocate again). Precondition: the finetune side is between quanta and its live tensors
+        fit the new budget (`count <= finetune_reclaimable_pages()`).
         """
         if count < 0 or count > self.finetune_reclaimable_pages():
             raise MemoryPoolError(
@@ -182,9 +186,11 @@ class PagePool:
                 f"{self.finetune_resident_pages()} held by live finetune tensors"
             )
         if count == 0:
-            return
+            return False
         self._finetune_pages -= count
         self._backend.set_finetune_cap(self.finetune_budget_bytes)
+        if self._backend.finetune_reserved_bytes() <= self.finetune_budget_bytes:
+            return False
         reserved = self._backend.release_finetune_cache()
         if reserved > self.finetune_budget_bytes:
             logger.warning(
@@ -192,6 +198,7 @@ class PagePool:
                 reserved,
                 self.finetune_budget_bytes,
             )
+        return True
 
     def reset_baseline(self) -> None:
         """See `PageBackend.reset_baseline`: after decode warm-up, before finetuning starts."""

@@ -265,7 +265,7 @@ def test_between_quanta_the_reserve_is_refilled_from_finetune_without_touching_h
     assert manager.refill_reserve(DecodeDemand(used_blocks=1)) == 1
     assert manager.usable_blocks == 5 and pool.finetune_pages == 11
     assert manager.counters.finetune_shrinks == 1 and len(manager.counters.reclaim_latency) == 1
-    assert len(manager.counters.flush_latency) == 1
+    assert len(manager.counters.flush_latency) == 0  # the allocator held nothing: no flush
     assert manager.refill_reserve(DecodeDemand(used_blocks=1)) == 0
     assert manager.counters.refill_maps == 1 and manager._iterations_above_high == 0
 
