@@ -126,7 +126,7 @@ def deployment_list() -> QuerySet[Deployment]:
 
 
 def host_list(*, status: str | None = None) -> QuerySet[GpuHost]:
-    hosts = GpuHost.objects.select_related("deployment")
+    hosts = GpuHost.objects.select_related("deployment", "agent_state")
     return hosts.filter(status=status) if status else hosts
 
 

@@ -73,6 +73,11 @@ def _heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
     now = timezone.now()
     fields = ["last_heartbeat_at"]
     host.last_heartbeat_at = now
+    if "predictor_version" in message:  # the latency predictor the agent loaded (or none)
+        mape = message.get("predictor_mape")
+        host.predictor_version = message["predictor_version"] or None
+        host.predictor_mape = float(mape) if mape is not None else None
+        fields += ["predictor_version", "predictor_mape"]
     if host.status in (HostStatus.OFFLINE, HostStatus.LOST):
         host.status = HostStatus.ONLINE
         fields.append("status")
@@ -86,6 +91,7 @@ def _heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
             "total_bytes": int(message["total_bytes"]),
             "free_bytes": int(message["free_bytes"]),
             "harvestable_tokens_per_s": float(message.get("harvestable_tokens_per_s", 0.0)),
+            "harvest": dict(message.get("harvest") or {}),
             "placements": list(message["placements"]),
             "adapters": list(message.get("adapters", [])),
             "reported_at": now,

@@ -26,6 +26,10 @@ class HostAgentState(models.Model):
     total_bytes = models.BigIntegerField(default=0)
     free_bytes = models.BigIntegerField(default=0)
     harvestable_tokens_per_s = models.FloatField(default=0.0)
+    harvest = models.JSONField(default=dict)
+    """How the agent got `harvestable_tokens_per_s`: `source` ("predictor": its latency
+    predictor's estimate at its recent decode load; "measured": finetune tokens/s it achieved)
+    and the estimate's inputs (`gpu_runtime.agent.predictor.HarvestEstimate`)."""
     placements = models.JSONField(default=list)
     adapters = models.JSONField(default=list)
     reported_at = models.DateTimeField(null=True, blank=True)

@@ -2,10 +2,19 @@
 
 A host is eligible when it is `online`, serves a deployment of the job's base model, heartbeated
 within `HARLI_HOST_LOST_AFTER_S`, is not draining, and reports at least the job's estimated
-finetune memory free (:func:`finetune_memory_estimate`). Among eligible hosts the one with the
-highest share of harvestable finetune throughput wins: the host predictor's estimate
-`harvestable_tokens_per_s` divided by (1 + jobs already placed there); ties go to the larger
-memory headroom, then the name. Every candidate and why it was or was not taken is stored in
+finetune memory free (:func:`finetune_memory_estimate`). Among eligible hosts, two things
+decide:
+
+1. **Harvestable throughput**: the host's `harvestable_tokens_per_s` shared with the jobs
+   already placed there (divided by 1 + their number). A host with a latency predictor reports
+   its predictor's estimate at its recent decode load (`harvest.source == "predictor"`, see
+   `gpu_runtime.agent.predictor`); one without reports the finetune tokens/s it achieved
+   (`"measured"`).
+2. **Memory headroom**: free bytes left after this job's estimate. Hosts whose throughput
+   share is within :data:`THROUGHPUT_TOLERANCE` of the best are equally good on throughput
+   (the estimates are not that exact); among them the most headroom wins, then the name.
+
+Every candidate, its figures and why it was or was not taken is stored in
 `PlacementDecision.reasons`. The placement is sent to the host only after the transaction
 commits.
 """
@@ -38,6 +47,12 @@ ACTIVATION_BYTES_PER_UNIT = 34
 # Adapter weight + gradient + two AdamW moments, fp32.
 ADAPTER_BYTES_PER_PARAM = 16
 MIN_FINETUNE_BYTES = 64 * MIB
+THROUGHPUT_TOLERANCE = 0.1
+"""Throughput shares within this fraction of the best count as equal (headroom decides)."""
+POLICY = (
+    f"harvestable tokens/s / (1 + open placements), within {THROUGHPUT_TOLERANCE:.0%} of the "
+    "best; then the most memory headroom after the job; then the name"
+)
 _PROJECTION_DIMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -86,6 +101,8 @@ def _candidate(
         "status": host.status,
         "free_bytes": state.free_bytes if state else None,
         "harvestable_tokens_per_s": state.harvestable_tokens_per_s if state else None,
+        "harvest": dict(state.harvest or {}) if state else None,
+        "predictor_version": host.predictor_version,
         "open_placements": load.get(host.pk, 0),
         "eligible": False,
     }
@@ -103,8 +120,20 @@ def _candidate(
     else:
         row["eligible"] = True
         row["score"] = state.harvestable_tokens_per_s / (1 + row["open_placements"])
+        row["headroom_bytes"] = state.free_bytes - need
         row["why"] = "eligible"
     return row
+
+
+def _choose(eligible: list[dict[str, Any]]) -> dict[str, Any]:
+    """The module docstring's rule; marks each row's `throughput_tier` ("best" or "below")."""
+    top = max(r["score"] for r in eligible)
+    for row in eligible:
+        row["throughput_tier"] = (
+            "best" if row["score"] >= top * (1 - THROUGHPUT_TOLERANCE) else "below"
+        )
+    best_tier = [r for r in eligible if r["throughput_tier"] == "best"]
+    return min(best_tier, key=lambda r: (-r["headroom_bytes"], r["host"]))
 
 
 def job_place(*, job_id: str) -> Placement | None:
@@ -136,12 +165,12 @@ def job_place(*, job_id: str) -> Placement | None:
         if not eligible:
             _note_waiting(job=job, rows=rows)
             return None
-        best = min(eligible, key=lambda r: (-r["score"], -r["free_bytes"], r["host"]))
+        best = _choose(eligible)
         host = next(h for h in hosts if h.name == best["host"])
         placement = Placement.objects.create(job=job, host=host)
         latest = job.checkpoints.exclude(path="").order_by("-step").first()
         reasons = {
-            "policy": "max harvestable_tokens_per_s / (1 + open placements), then free memory",
+            "policy": POLICY,
             "needed_bytes": need,
             "chosen": host.name,
             "candidates": rows,

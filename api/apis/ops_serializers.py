@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from rest_framework import serializers
 
 from api.models import ApiKey, BaseModel, Deployment, FinetuneJob, GpuHost, Placement, Tenant
@@ -72,6 +74,12 @@ class DeploymentOpsSerializer(serializers.ModelSerializer):
 class GpuHostOpsSerializer(serializers.ModelSerializer):
     deployment = serializers.SerializerMethodField()
     queue_name = serializers.CharField()
+    harvestable_tokens_per_s = serializers.SerializerMethodField(
+        help_text="The agent's estimate of the finetune tokens/s it can harvest (last heartbeat)."
+    )
+    harvest = serializers.SerializerMethodField(
+        help_text='How: `source` "predictor" (its latency predictor) or "measured", and inputs.'
+    )
 
     class Meta:
         model = GpuHost
@@ -86,12 +94,22 @@ class GpuHostOpsSerializer(serializers.ModelSerializer):
             "last_heartbeat_at",
             "predictor_version",
             "predictor_mape",
+            "harvestable_tokens_per_s",
+            "harvest",
             "queue_name",
             "created_at",
         ]
 
     def get_deployment(self, host: GpuHost) -> str | None:
         return host.deployment.name if host.deployment is not None else None
+
+    def get_harvestable_tokens_per_s(self, host: GpuHost) -> float | None:
+        state = getattr(host, "agent_state", None)
+        return float(state.harvestable_tokens_per_s) if state is not None else None
+
+    def get_harvest(self, host: GpuHost) -> dict[str, Any] | None:
+        state = getattr(host, "agent_state", None)
+        return dict(state.harvest or {}) if state is not None else None
 
 
 class PlacementOpsSerializer(serializers.ModelSerializer):

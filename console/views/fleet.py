@@ -140,6 +140,7 @@ class HostView(OperatorView):
         latest = console_selectors.host_memory_latest()
         context = {
             "host": host,
+            "agent": getattr(host, "agent_state", None),
             "metric": latest.get(host.pk),
             "placements": list(api_selectors.placement_list(host=host.name)[:PLACEMENTS_SHOWN]),
         }

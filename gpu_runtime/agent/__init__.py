@@ -5,6 +5,8 @@
 * `serving` — the host's one engine per base model, with the LoRA runtime serving adapters;
 * `runtime` — `HostRuntime`, the engine-loop driver owning `HostLoop`, jobs and commands (the
   `gpu_runtime.server` app serves inference over the same `EngineLoop`);
+* `training` — the jobs placed here: trainers on the loop, progress, checkpoints, outcomes;
+* `predictor` — the latency predictor artifact and the harvest estimate placement uses;
 * `reporting` — heartbeat snapshot and interval metrics;
 * `jobs`, `adapters` — jobs from placements, checkpoints and adapters through storage;
 * `auth` — tenants' keys checked against the control plane (TTL cache);

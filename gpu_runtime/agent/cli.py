@@ -13,6 +13,7 @@ Without `--model-dir` it builds the tiny built-in model (random weights, seed 0)
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
 import signal
@@ -52,7 +53,11 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--key-cache-ttl-s", type=float,
                    default=float(env("HARLI_KEY_CACHE_TTL_S", "10")))  # fmt: skip
     p.add_argument("--tpot-slo-ms", type=float, default=50.0)
-    p.add_argument("--policy", choices=["naive", "decode_only"], default="naive")
+    p.add_argument("--policy", choices=["naive", "decode_only", "harli"],
+                   default=env("HARLI_POLICY", "naive"))  # fmt: skip
+    p.add_argument("--predictor", default=env("HARLI_PREDICTOR") or None,
+                   help="latency predictor artifact directory, or a root holding "
+                   "<gpu>/<base model>/<version>/ (latest taken)")  # fmt: skip
     p.add_argument("--memory-gb", type=float, default=16.0, help="host memory to report on CPU")
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=512)
@@ -82,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len,
             lora_slots=args.lora_slots,
+            predictor_path=Path(args.predictor) if args.predictor else None,
             lora_max_rank=args.lora_max_rank,
             broker_dir=Path(args.broker_dir) if args.broker_dir else None,
         )
@@ -90,11 +96,17 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         raise
 
 
-def _policy(name: str) -> Any:
-    from gpu_runtime.colocation import DecodeOnlyPolicy, NaivePolicy
+def build_policy(name: str, predictor: Any) -> Any:
+    """The co-location policy `name` for an engine; "harli" plans with the host's predictor
+    (and falls back to "naive", logged, when the host has none for its model)."""
+    from gpu_runtime.colocation import DecodeOnlyPolicy, HarliPolicy, NaivePolicy
 
     if name == "decode_only":
         return DecodeOnlyPolicy()
+    if name == "harli":
+        if predictor is not None:
+            return HarliPolicy(predictor.latency_model)
+        logger.error("policy harli needs a latency predictor for this model; using naive")
     return NaivePolicy(quantum_examples=4)
 
 
@@ -151,7 +163,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
         base_model=config.base_model,
         engine=engine,
         engine_spec=spec,
-        policy=_policy(config.policy),
+        policy=functools.partial(build_policy, config.policy),
         tpot_slo_ms=config.tpot_slo_ms,
         storage=open_storage(config.storage),
         work_dir=work_dir,
@@ -160,6 +172,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
         base_model_path=str(model_dir),
         metrics_interval_s=config.metrics_interval_s,
         request_metrics=request_metrics,
+        predictor_path=config.predictor_path,
     )
     loop = EngineLoop(runtime)
     loop.start()

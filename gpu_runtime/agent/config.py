@@ -55,6 +55,8 @@ class AgentConfig:
     """Adapters resident on the device at once (more are served, swapped in LRU order)."""
     lora_max_rank: int = 64
     """Largest adapter rank served; a job trained with a larger rank cannot be called here."""
+    predictor_path: Path | None = None
+    """Latency predictor artifact (directory or root); None: no predictor."""
     broker_dir: Path | None = None
     """Folder of the `filesystem://` transport (shared with the control plane)."""
 

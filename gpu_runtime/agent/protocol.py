@@ -24,7 +24,10 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
 `{"message_id" (unique, the dedupe key), "kind", "host", "sent_at" (Unix s)}` plus, by kind:
 
 * `heartbeat`: `base_model`, `server_url`, `draining`, `total_bytes`, `free_bytes`,
-  `harvestable_tokens_per_s`, `placements` (ids the host trains), `adapters` (names it serves).
+  `harvestable_tokens_per_s` (the host's estimate of the finetune tokens/s it can harvest),
+  `harvest` (how: `source` "predictor" or "measured", and the estimate's inputs),
+  `placements` (ids the host trains), `adapters` (names it serves), `predictor_version` and
+  `predictor_mape` (the latency predictor artifact loaded, null without one).
 * `job_started`: `placement_id`, `job_id`, `resumed_from_step` (0 for a fresh start),
   `total_steps`.
 * `job_progress`: `placement_id`, `job_id`, `step`, `total_steps`, `train_loss`,
@@ -35,8 +38,9 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
 * `job_stopped`: `placement_id`, `job_id`, `reason` ("paused" | "cancelled"), `step`.
 * `metrics`: `window_s`, `host_metrics` (`weights_bytes`, `kv_used_bytes`,
   `finetune_lent_bytes`, `free_bytes`, `finetune_tokens_per_s`) and `deployment_metrics` (null
-  or `tpot_p50_ms`, `tpot_p99_ms`, `slo_attainment`, `goodput_tokens_per_s`, `request_rate`,
-  `predicted_iter_ms`, `observed_iter_ms`, `predictor_version`).
+  or `tpot_p50_ms`, `tpot_p99_ms`, `ttft_p50_ms`, `ttft_p99_ms`, `slo_attainment`,
+  `goodput_tokens_per_s`, `request_rate`, `predicted_iter_ms`, `observed_iter_ms`,
+  `predictor_version`).
 """
 
 from __future__ import annotations

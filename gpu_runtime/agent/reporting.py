@@ -9,18 +9,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_runtime.agent.predictor import HarvestEstimate, PredictorInfo
 from gpu_runtime.colocation import IntervalMetrics
 from gpu_runtime.engine import Engine
 from gpu_runtime.server.metrics import RequestMetrics
-
-
-@dataclass(frozen=True)
-class PredictorInfo:
-    """The latency predictor a host loaded: its artifact version and held-out accuracy."""
-
-    version: str
-    mape: float | None
-    """Stage-2 (co-located) mean absolute percentage error as a fraction, else stage 1's."""
 
 
 @dataclass(frozen=True)
@@ -32,7 +24,7 @@ class HostSnapshot:
     adapters: list[str]
     free_bytes: int
     total_bytes: int
-    harvestable_tokens_per_s: float
+    harvest: HarvestEstimate
     draining: bool
     predictor: PredictorInfo | None = None
 
@@ -43,7 +35,8 @@ class HostSnapshot:
             "draining": self.draining,
             "total_bytes": self.total_bytes,
             "free_bytes": self.free_bytes,
-            "harvestable_tokens_per_s": self.harvestable_tokens_per_s,
+            "harvestable_tokens_per_s": self.harvest.tokens_per_s,
+            "harvest": self.harvest.as_dict(),
             "placements": self.placements,
             "adapters": self.adapters,
             "predictor_version": self.predictor.version if self.predictor else None,
@@ -80,9 +73,13 @@ def deployment_metrics(
     interval: IntervalMetrics,
     requests: list[RequestMetrics],
     predictor: PredictorInfo | None,
+    predicted_iter_ms: float | None,
+    observed_iter_ms: float | None,
 ) -> dict[str, Any] | None:
     """The `deployment_metrics` of a metrics report, or None when no decode ran. TPOT comes
-    from the loop's token timings; TTFT from the server's per-request records."""
+    from the loop's token timings; TTFT from the server's per-request records. The predicted
+    and observed decode latencies are means over the iterations the policy predicted (without
+    a prediction, observed is the mean iteration time)."""
     if interval.tpot_ms_p50 is None or interval.tpot_ms_p99 is None:
         return None
     iterations = max(interval.decode_iterations, 1)
@@ -99,7 +96,11 @@ def deployment_metrics(
         ),
         "goodput_tokens_per_s": interval.goodput_tokens_per_s,
         "request_rate": interval.finished_requests / max(interval.seconds, 1e-9),
-        "observed_iter_ms": interval.seconds * 1e3 / iterations,
-        "predicted_iter_ms": None,
+        "observed_iter_ms": (
+            observed_iter_ms
+            if predicted_iter_ms is not None
+            else interval.seconds * 1e3 / iterations
+        ),
+        "predicted_iter_ms": predicted_iter_ms,
         "predictor_version": predictor.version if predictor else None,
     }

@@ -45,6 +45,30 @@ def test_fleet_registration_and_listing(ops: ApiClient) -> None:
     assert [d["name"] for d in ops.get("/api/ops/deployments").json()["data"]] == ["tiny-chat"]
     assert ops.get("/api/ops/basemodels/tiny").json()["architecture"] == "llama"
     assert ops.get("/api/ops/placements").json()["data"] == []
+    assert host["harvestable_tokens_per_s"] is None and host["harvest"] is None
+
+
+def test_hosts_show_the_predictor_and_harvest_estimate_their_agent_reports(ops: ApiClient) -> None:
+    from api.services.fleet import base_model_register, deployment_create, host_register
+    from tests.workers.conftest import heartbeat
+
+    tiny = base_model_register(name="tiny", preset="tiny")
+    chat = deployment_create(name="tiny-chat", base_model=tiny, tpot_slo_ms=50, ttft_slo_ms=500)
+    host_register(name="gpu-0", gpu_kind="H200", gpu_memory_bytes=2**37, deployment=chat)
+    harvest = {"source": "predictor", "finetune_fraction": 0.75, "mode": "spatial 0.75",
+               "solo_tokens_per_s": 12000.0, "solo_source": "prior"}  # fmt: skip
+    applied = heartbeat(
+        "gpu-0", harvestable_tokens_per_s=9000.0, harvest=harvest,
+        predictor_version="v20261130T095333Z", predictor_mape=0.032,
+    )  # fmt: skip
+    assert applied == "applied"
+    (listed,) = ops.get("/api/ops/hosts").json()["data"]
+    detail = ops.get("/api/ops/hosts/gpu-0").json()
+    for host in (listed, detail):
+        assert host["predictor_version"] == "v20261130T095333Z"
+        assert host["predictor_mape"] == 0.032
+        assert host["harvestable_tokens_per_s"] == 9000.0
+        assert host["harvest"] == harvest
 
 
 def test_tenants_and_keys(ops: ApiClient) -> None:

@@ -267,6 +267,28 @@ def test_drain_a_host(operator_client: Client, seeded: Seeded) -> None:
     assert GpuHost.objects.get(name="gpu-a").status == HostStatus.DRAINING
 
 
+def test_host_page_shows_its_predictor_and_harvest_estimate(
+    operator_client: Client, seeded: Seeded
+) -> None:
+    from tests.workers.conftest import heartbeat
+
+    before = operator_client.get("/console/hosts/gpu-a/").content.decode()
+    assert "no heartbeat yet" in before
+    harvest = {"source": "predictor", "finetune_fraction": 0.75, "mode": "spatial 0.75",
+               "solo_tokens_per_s": 12000.0, "solo_source": "prior"}  # fmt: skip
+    applied = heartbeat(
+        "gpu-a", harvestable_tokens_per_s=9000.0, harvest=harvest,
+        predictor_version="v20261130T095333Z", predictor_mape=0.032,
+    )  # fmt: skip
+    assert applied == "applied"
+    page = operator_client.get("/console/hosts/gpu-a/").content.decode()
+    assert "v20261130T095333Z · held-out MAPE 3.2%" in page
+    assert ">9,000<" in page
+    assert "75.0% of the device (spatial 0.75) × solo rate 12,000 tokens/s (prior)" in page
+    listing = operator_client.get("/console/hosts/").content.decode()
+    assert "v20261130T095333Z" in listing and "3.2%" in listing
+
+
 def test_forms_need_the_csrf_token(seeded: Seeded) -> None:
     client = Client(enforce_csrf_checks=True)
     client.force_login(User.objects.get(username="ops"))

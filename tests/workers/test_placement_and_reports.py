@@ -82,6 +82,53 @@ def test_placement_chooses_by_throughput_share_and_headroom(
     assert job.events.filter(message="Placed on host h2").count() == 1
 
 
+def test_predicted_throughput_within_tolerance_goes_to_the_most_headroom(
+    fleet: dict[str, GpuHost], job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    predicted = {
+        "source": "predictor",
+        "finetune_fraction": 0.8,
+        "solo_tokens_per_s": 1200.0,
+        "solo_source": "prior",
+        "mode": "spatial 0.75",
+        "measured_tokens_per_s": 0.0,
+    }
+    heartbeat("h1", harvestable_tokens_per_s=960.0, harvest=predicted, free_bytes=4 * GIB,
+              predictor_version="v1", predictor_mape=0.03)  # fmt: skip
+    heartbeat("h2", harvestable_tokens_per_s=900.0, harvest=predicted, free_bytes=12 * GIB,
+              predictor_version="v1", predictor_mape=0.03)  # fmt: skip
+    placement = _place(job, django_capture_on_commit_callbacks)
+    assert placement is not None and placement.host.name == "h2"  # 900 is within 10% of 960
+    reasons = PlacementDecision.objects.get(placement=placement).reasons
+    rows = {row["host"]: row for row in reasons["candidates"]}
+    assert rows["h1"]["throughput_tier"] == rows["h2"]["throughput_tier"] == "best"
+    assert rows["h2"]["headroom_bytes"] > rows["h1"]["headroom_bytes"]
+    assert rows["h2"]["harvest"]["source"] == "predictor"
+    assert rows["h2"]["predictor_version"] == "v1"
+    assert "memory headroom" in reasons["policy"]
+    # A clearly better predicted throughput wins over headroom; open placements share it.
+    Placement.objects.filter(pk=placement.pk).delete()
+    job.refresh_from_db()
+    heartbeat("h1", harvestable_tokens_per_s=2000.0, harvest=predicted, free_bytes=4 * GIB)
+    second = _place(job, django_capture_on_commit_callbacks)
+    assert second is not None and second.host.name == "h1"
+    rows = {r["host"]: r for r in PlacementDecision.objects.get(placement=second).reasons[
+        "candidates"]}  # fmt: skip
+    assert rows["h2"]["throughput_tier"] == "below"
+
+
+def test_heartbeats_record_the_hosts_predictor(fleet: dict[str, GpuHost]) -> None:
+    heartbeat("h1", predictor_version="v20261130T095333Z", predictor_mape=0.032)
+    host = GpuHost.objects.get(name="h1")
+    assert (host.predictor_version, host.predictor_mape) == ("v20261130T095333Z", 0.032)
+    heartbeat("h1", predictor_version=None, predictor_mape=None)  # the agent lost it
+    host.refresh_from_db()
+    assert (host.predictor_version, host.predictor_mape) == (None, None)
+    heartbeat("h1")  # an older agent that does not report it: left alone
+    host.refresh_from_db()
+    assert host.predictor_version is None
+
+
 def test_no_eligible_host_waits_with_one_event(
     deployment: Deployment, job: FinetuneJob, django_capture_on_commit_callbacks: Any
 ) -> None:

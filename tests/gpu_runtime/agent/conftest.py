@@ -125,7 +125,13 @@ class Host:
         self.loop.stop()
 
 
-def make_runtime(model_dir: Path, storage: LocalStorage, work_dir: Path, send: Any) -> Host:
+def make_runtime(
+    model_dir: Path,
+    storage: LocalStorage,
+    work_dir: Path,
+    send: Any,
+    predictor_path: Path | None = None,
+) -> Host:
     from gpu_runtime.agent.runtime import HostRuntime
     from gpu_runtime.agent.serving import EngineSpec
     from gpu_runtime.colocation import NaivePolicy
@@ -145,7 +151,7 @@ def make_runtime(model_dir: Path, storage: LocalStorage, work_dir: Path, send: A
         base_model="tiny",
         engine=spec.build(model_dir),
         engine_spec=spec,
-        policy=NaivePolicy(quantum_examples=2),
+        policy=lambda predictor: NaivePolicy(quantum_examples=2),
         tpot_slo_ms=1e6,
         storage=storage,
         work_dir=work_dir,
@@ -154,6 +160,7 @@ def make_runtime(model_dir: Path, storage: LocalStorage, work_dir: Path, send: A
         base_model_path=str(model_dir),
         metrics_interval_s=0.5,
         request_metrics=MetricsCollector(),
+        predictor_path=predictor_path,
     )
     return Host(runtime, EngineLoop(runtime))
 

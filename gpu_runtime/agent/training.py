@@ -1,0 +1,213 @@
+"""The finetune jobs placed on this host: a placement's JobSpec becomes a trainer on the
+host's `HostLoop`, and finished quanta become reports (progress, checkpoints copied to storage
+before they are reported, success with the adapter, which the host then serves at once).
+Pauses finish at the next optimizer-batch boundary with a checkpoint. Loop thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gpu_runtime.agent.jobs import (
+    JobRun,
+    JobSetupError,
+    build_job_run,
+    checkpoint_now,
+    upload_adapter,
+    upload_checkpoint,
+)
+from gpu_runtime.agent.serving import lora_runtime
+from gpu_runtime.colocation import IterationRecord, QuantumReport
+
+if TYPE_CHECKING:
+    from gpu_runtime.agent.runtime import HostRuntime
+
+logger = logging.getLogger(__name__)
+
+
+class HostJobs:
+    """Job id -> `JobRun` of the jobs this host trains (see the module docstring)."""
+
+    def __init__(self, host: HostRuntime) -> None:
+        self.host = host
+        self.runs: dict[str, JobRun] = {}
+        self._seen: set[int] = set()
+
+    def apply_placement(self, placement_id: int, spec: dict[str, Any]) -> None:
+        if placement_id in self._seen:
+            return  # a redelivered or re-sent placement
+        self._seen.add(placement_id)
+        job_id = str(spec["id"])
+        old = self.runs.pop(job_id, None)
+        if old is not None:
+            self.host.loop.remove_job(job_id)
+        try:
+            run = build_job_run(
+                spec=spec,
+                placement_id=placement_id,
+                serving_model=self.host.engine.runner.model,
+                tokenizer=self.host.engine.tokenizer,
+                storage=self.host.storage,
+                work_dir=self.host.work_dir,
+                max_model_len=self.host.engine.config.max_model_len,
+                base_model_path=self.host.base_model_path,
+            )
+        except JobSetupError as exc:
+            self.host.report(
+                "job_failed",
+                placement_id=placement_id,
+                job_id=job_id,
+                code="job_setup_failed",
+                message=str(exc),
+            )
+            return
+        run.started_at = time.monotonic()
+        self.host.loop.add_job(job_id, run.trainer)
+        self.runs[job_id] = run
+        self.host.refresh_status()
+        self.host.report(
+            "job_started",
+            placement_id=placement_id,
+            job_id=job_id,
+            resumed_from_step=run.resumed_from_step,
+            total_steps=run.trainer.total_steps,
+        )
+
+    def stop(self, job_id: str, placement_id: int, command: str) -> None:
+        run = self.runs.get(job_id)
+        if run is None or run.placement_id != placement_id:
+            return
+        if command == "cancel":
+            self.remove(run)
+            self.host.report(
+                "job_stopped",
+                placement_id=placement_id,
+                job_id=job_id,
+                reason="cancelled",
+                step=run.trainer.step,
+            )
+            return
+        run.stopping = "paused"
+        self.host.loop.pause_job(job_id)
+        self.finish_pauses()
+
+    def finish_pauses(self) -> None:
+        """Pause jobs whose batch is complete: checkpoint to storage, report, release."""
+        for run in list(self.runs.values()):
+            if run.stopping != "paused":
+                continue
+            in_flight = self.host.loop.executor.in_flight
+            if in_flight is not None and in_flight.job_id == run.job_id:
+                continue
+            if run.trainer.has_pending_gradients:
+                self.host.loop.resume_job(run.job_id)  # finish the batch first
+                continue
+            self.remove(run)
+            local = checkpoint_now(run, self.host.base_model_path)
+            self._report_checkpoint(run, local)
+            self.host.report(
+                "job_stopped",
+                placement_id=run.placement_id,
+                job_id=run.job_id,
+                reason="paused",
+                step=run.trainer.step,
+            )
+
+    def remove(self, run: JobRun) -> None:
+        if run.job_id in self.host.loop.job_ids:
+            self.host.loop.remove_job(run.job_id)
+        self.runs.pop(run.job_id, None)
+        self.host.refresh_status()
+
+    def after_iteration(self, record: IterationRecord) -> None:
+        for quantum in record.quanta:
+            run = self.runs.get(quantum.job_id)
+            if run is not None:
+                self._account(run, quantum)
+
+    def _account(self, run: JobRun, quantum: QuantumReport) -> None:
+        if quantum.error is not None:
+            self.remove(run)
+            self.host.report(
+                "job_failed",
+                placement_id=run.placement_id,
+                job_id=run.job_id,
+                code="training_error",
+                message=quantum.error,
+            )
+            return
+        run.tokens_since_report += quantum.tokens
+        if quantum.optimizer_step and run.trainer.history:
+            last = run.trainer.history[-1]
+            now = time.monotonic()
+            elapsed = max(now - run.started_at, 1e-6)
+            self.host.report(
+                "job_progress",
+                placement_id=run.placement_id,
+                job_id=run.job_id,
+                step=last.step,
+                total_steps=run.trainer.total_steps,
+                train_loss=last.loss,
+                learning_rate=last.learning_rate,
+                tokens_per_s=run.tokens_since_report / elapsed,
+                trained_tokens=run.trained_tokens,
+            )
+            run.started_at, run.tokens_since_report, run.reported_step = now, 0, last.step
+        if quantum.checkpoint is not None:
+            self._report_checkpoint(run, Path(quantum.checkpoint))
+        if quantum.job_finished:
+            self._succeed(run, Path(quantum.checkpoint) if quantum.checkpoint else None)
+
+    def _report_checkpoint(self, run: JobRun, local: Path) -> None:
+        key = upload_checkpoint(self.host.storage, run, local)
+        history = run.trainer.history
+        metrics: dict[str, Any] = {"train_loss": history[-1].loss if history else None}
+        self.host.report(
+            "checkpoint",
+            placement_id=run.placement_id,
+            job_id=run.job_id,
+            step=run.trainer.step,
+            storage_key=key,
+            metrics=metrics,
+        )
+
+    def _succeed(self, run: JobRun, final: Path | None) -> None:
+        if final is None:
+            final = checkpoint_now(run, self.host.base_model_path)
+            self._report_checkpoint(run, final)
+        key = upload_adapter(self.host.storage, run, final)
+        name = str(run.spec.get("fine_tuned_model") or run.job_id)
+        self.host.adapters.load_local(lora_runtime(self.host.engine), name, run.workdir / "adapter")
+        self.remove(run)
+        history = run.trainer.history
+        self.host.report(
+            "job_succeeded",
+            placement_id=run.placement_id,
+            job_id=run.job_id,
+            trained_tokens=run.trained_tokens,
+            adapter_key=key,
+            train_loss=history[-1].loss if history else None,
+        )
+
+    def fail_all(self, message: str) -> None:
+        """The engine loop failed: release every job and report it failed."""
+        for run in list(self.runs.values()):
+            try:
+                self.remove(run)
+            except Exception:
+                logger.exception("could not remove job %s", run.job_id)
+                self.runs.pop(run.job_id, None)
+            self.host.report(
+                "job_failed",
+                placement_id=run.placement_id,
+                job_id=run.job_id,
+                code="host_error",
+                message=message,
+            )
+
+    def adapter_state_bytes(self) -> int:
+        """Adapter weights, gradients and two AdamW moments (fp32) of every job here."""
+        return sum(16 * sum(p.numel() for p in run.trainer.params) for run in self.runs.values())

@@ -1,0 +1,149 @@
+"""The host's latency predictor: its version and accuracy in heartbeats, the harvest estimate
+placement ranks hosts by, and clear refusals of artifacts for other models."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_runtime.agent.cli import build_policy
+from gpu_runtime.agent.predictor import (
+    HarvestTracker,
+    estimate_harvest,
+    load_host_predictor,
+)
+from gpu_runtime.agent.serving import EngineSpec
+from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, HarliPolicy, NaivePolicy
+from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.engine import EngineConfig
+from gpu_runtime.predictor.artifact import ArtifactError
+from gpu_runtime.predictor.schema import ModelShape
+from gpu_runtime.storage import LocalStorage
+from predictor_models.dataset import ProfileData, load_profile
+from predictor_models.export import write_artifact
+from predictor_models.model import LatencyModel
+from predictor_models.roofline import H200, RooflineBaseline
+from predictor_models.train import TrainResult
+from tests.gpu_runtime.agent.conftest import Reports, make_runtime
+
+ROOT = Path(__file__).resolve().parents[3]
+PROFILE = ROOT / "predictor_models/data/profile-h200-llama3-8b-engine.csv"
+COMMITTED = ROOT / "predictor_models/artifacts"
+METRICS = {
+    "stage1": {"harli": {"mape": 0.02, "p95_ape": 0.05, "n": 10}},
+    "stage2": {"harli": {"mape": 0.032, "p95_ape": 0.07, "n": 10}},
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_artifacts(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An artifact root with `cpu/tiny/<version>`: the roofline prior (an untrained model)
+    for the tiny model's shape, written by the real export path."""
+    engine = EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir)
+    shape = ModelShape.from_model_config(engine.model_config, "tiny")
+    profile = load_profile(PROFILE)
+    data = ProfileData(
+        profile.x,
+        profile.latency_ms,
+        profile.stage,
+        profile.group,
+        {**profile.meta, "model_shape": shape.as_dict(), "model": "tiny", "gpu_key": "cpu"},
+        profile.sha256,
+    )
+    result = TrainResult(
+        model=LatencyModel(shape, H200, (4,), ()).eval(),
+        baseline=RooflineBaseline(shape, H200),
+        chosen={"stage1": "mlp4", "stage2": "linear"},
+        metrics=METRICS,
+    )
+    root = tmp_path_factory.mktemp("predictors")
+    write_artifact(result, data, root, PROFILE.name, version="v20261130T000000Z")
+    return root
+
+
+def test_heartbeat_reports_the_predictor_and_its_harvest_estimate(
+    tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path, tiny_artifacts: Path
+) -> None:
+    host = make_runtime(tiny_model_dir, storage, tmp_path / "w", Reports(), tiny_artifacts)
+    fields = host.runtime.status().heartbeat_fields()
+    assert fields["predictor_version"] == "v20261130T000000Z"
+    assert fields["predictor_mape"] == pytest.approx(0.032)  # stage 2's held-out MAPE
+    harvest = fields["harvest"]
+    assert harvest["source"] == "predictor" and harvest["solo_source"] == "prior"
+    assert 0 < harvest["finetune_fraction"] <= 1 and harvest["decode_alone_ms"] > 0
+    assert fields["harvestable_tokens_per_s"] == pytest.approx(
+        harvest["solo_tokens_per_s"] * harvest["finetune_fraction"]
+    )
+
+
+def test_artifacts_of_other_models_are_refused(
+    tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path
+) -> None:
+    engine = EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir)
+    h200 = sorted((COMMITTED / "h200" / "llama3-8b").iterdir())[-1]
+    with pytest.raises(ArtifactError, match="the served model differs"):
+        load_host_predictor(h200, engine=engine, base_model="tiny")
+    with pytest.raises(ArtifactError, match="no predictor artifact for gpu 'cpu', model 'tiny'"):
+        load_host_predictor(COMMITTED, engine=engine, base_model="tiny")
+    # The agent runs without one: no version, and the measured harvest rate.
+    host = make_runtime(tiny_model_dir, storage, tmp_path / "w", Reports(), COMMITTED)
+    fields = host.runtime.status().heartbeat_fields()
+    assert fields["predictor_version"] is None and fields["predictor_mape"] is None
+    assert fields["harvest"] == {"tokens_per_s": 0.0, "source": "measured",
+                                 "measured_tokens_per_s": 0.0}  # fmt: skip
+
+
+def test_estimate_takes_the_best_of_time_slicing_and_spatial_shares() -> None:
+    model = AnalyticLatencyModel()  # 5 ms + 0.02 ms/seq + 0.05 us/context token
+    load = DecodeSnapshot.from_contexts([512] * 8)
+    alone = model.predict_ms(decode_iteration(load, 1.0), None)
+    loose = estimate_harvest(model, load, tpot_slo_ms=50, solo_tokens_per_s=1000,
+                             solo_source="prior")  # fmt: skip
+    assert loose.mode == "slice"
+    assert loose.finetune_fraction == pytest.approx(1 - alone / 45)
+    assert loose.tokens_per_s == pytest.approx(1000 * (1 - alone / 45))
+    # At a 10 ms SLO half the SMs for finetune keep decode (on the other half) within 9 ms.
+    tight = estimate_harvest(model, load, tpot_slo_ms=10, solo_tokens_per_s=1000,
+                             solo_source="prior")  # fmt: skip
+    assert (tight.mode, tight.finetune_fraction, tight.tokens_per_s) == ("spatial 0.5", 0.5, 500)
+    none = estimate_harvest(model, load, tpot_slo_ms=5, solo_tokens_per_s=1000,
+                            solo_source="prior")  # fmt: skip
+    assert (none.mode, none.tokens_per_s) == ("none", 0.0)
+
+
+class _Record:
+    def __init__(self, **fields: Any) -> None:
+        defaults = dict(decode_batch=4, prefill_tokens=0, context_tokens_total=400,
+                        context_tokens_max=120, decode_tokens=4, predicted_ms=None,
+                        observed_ms=8.0)  # fmt: skip
+        self.__dict__.update(defaults | fields)
+
+
+def test_tracker_uses_measured_rates_and_pairs_predictions(
+    tiny_model_dir: Path, tiny_artifacts: Path
+) -> None:
+    engine = EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir)
+    predictor = load_host_predictor(tiny_artifacts, engine=engine, base_model="tiny")
+    tracker = HarvestTracker(predictor, tpot_slo_ms=50, parameters=10**6)
+    tracker.observe(_Record(predicted_ms=6.0, observed_ms=7.0))
+    tracker.observe(_Record(predicted_ms=8.0, observed_ms=9.0))
+    tracker.observe(_Record(decode_batch=0, decode_tokens=0, context_tokens_total=0,
+                            context_tokens_max=0))  # fmt: skip
+    assert tracker.interval_done(200.0, [1500.0]) == (7.0, 8.0)
+    estimate = tracker.estimate
+    assert estimate.solo_source == "measured" and estimate.solo_tokens_per_s == 1500.0
+    assert estimate.measured_tokens_per_s == pytest.approx(60.0)  # EMA 0.3 x 200
+    assert tracker.interval_done(None, []) == (None, None)
+    assert tracker.estimate.solo_tokens_per_s == 1500.0  # kept until a new measurement
+
+
+def test_policy_harli_plans_with_the_predictor(tiny_model_dir: Path, tiny_artifacts: Path) -> None:
+    engine = EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir)
+    predictor = load_host_predictor(tiny_artifacts, engine=engine, base_model="tiny")
+    policy = build_policy("harli", predictor)
+    assert isinstance(policy, HarliPolicy)
+    probe = decode_iteration(DecodeSnapshot.from_contexts([100]), 1.0)
+    assert policy.latency.predict_ms(probe, None) == predictor.predictor.stage1(probe)
+    assert isinstance(build_policy("harli", None), NaivePolicy)
