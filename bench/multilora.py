@@ -175,11 +175,13 @@ def run_targets(
     device: torch.device,
     adapter_root: Path,
     profile: bool = False,
-    share_gemms: bool = True,
+    mode: str = "shared+kernels",
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows for one target set: base, adapters, mixed (+ the previous eager path).
-    `share_gemms`: the runtime keeps the slots' A rows below the fused weights (one GEMM per
-    group for base output and shrink) instead of a separate shrink GEMM."""
+    `mode` (`MODES`): "shared": the slots' A rows sit below the fused weights (one GEMM per
+    group for base output and shrink), "separate": a shrink GEMM of its own; "+kernels": the
+    q|k|v and gate|up expand terms are added inside the RoPE / SwiGLU kernels."""
+    share_gemms = mode.startswith("shared")
     spec = LoraSpec(rank=rank, alpha=2 * rank, dropout=0.0, target_modules=TARGETS[targets])
     # a small model's position limit caps the context (the rows report the one used)
     context = min(context, model.config.max_position_embeddings - warmup - 2 * steps - 48)
@@ -196,6 +198,7 @@ def run_targets(
         max_model_len=per_seq * 16 + 16,
         device=str(device),
         cuda_graph_batch_sizes=(batch,),
+        lora_expand_in_kernels=mode.endswith("+kernels"),
     )
     runtime = MultiLoraRuntime(
         model,
@@ -301,7 +304,7 @@ def run_targets(
         row.update(
             {
                 "lora_targets": targets,
-                "share_gemms": share_gemms,
+                "mode": mode,
                 "batch": batch,
                 "context": context,
                 "adapters": adapters,
@@ -324,8 +327,12 @@ def run_targets(
     return rows, check
 
 
-def check_key(targets: str, share_gemms: bool) -> str:
-    return targets if share_gemms else f"{targets}/separate"
+MODES = ("shared+kernels", "shared", "separate")
+"""LoRA decode variants: shrink in the base GEMM or apart; expand in RoPE/SwiGLU or apart."""
+
+
+def check_key(targets: str, mode: str) -> str:
+    return targets if mode == MODES[0] else f"{targets}/{mode}"
 
 
 def run_multilora(
@@ -338,18 +345,17 @@ def run_multilora(
     targets: tuple[str, ...] = ("qkvo", "all"),
     steps: int = 50,
     warmup: int = 5,
-    share_gemms: tuple[bool, ...] = (True,),
+    modes: tuple[str, ...] = MODES[:1],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """All rows and the correctness checks per target set and GEMM mode (checks keyed
-    `targets` for the default shared mode, `targets/separate` otherwise); what
-    `bench/finetune.py` calls."""
+    """All rows and the correctness checks per target set and mode (checks keyed `targets`
+    for the default mode, `targets/mode` otherwise); what `bench/finetune.py` calls."""
     device = model.lm_head.weight.device
     rows: list[dict[str, Any]] = []
     checks: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in targets:
-            for share in share_gemms:
-                target_rows, checks[check_key(name, share)] = run_targets(
+            for mode in modes:
+                target_rows, checks[check_key(name, mode)] = run_targets(
                     model,
                     name,
                     batch=batch,
@@ -360,7 +366,7 @@ def run_multilora(
                     warmup=warmup,
                     device=device,
                     adapter_root=Path(tmp),
-                    share_gemms=share,
+                    mode=mode,
                 )
                 rows.extend(target_rows)
     return rows, checks
@@ -378,9 +384,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="kernel times per step")
-    parser.add_argument(
-        "--gemms", default="shared,separate", help="LoRA shrink in the base GEMM and/or apart"
-    )
+    parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {MODES}")
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
     args = parser.parse_args()
@@ -402,9 +406,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     checks: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        modes = [m == "shared" for m in args.gemms.split(",") if m]
-        for name, share in [(t, m) for t in targets for m in modes]:  # file rewritten per set
-            target_rows, checks[check_key(name, share)] = run_targets(
+        modes = [m for m in args.modes.split(",") if m]
+        for mode, name in [(m, t) for m in modes for t in targets]:  # file rewritten per set
+            target_rows, checks[check_key(name, mode)] = run_targets(
                 model,
                 name,
                 batch=args.batch,
@@ -416,7 +420,7 @@ def main() -> None:
                 device=device,
                 adapter_root=Path(tmp),
                 profile=args.profile,
-                share_gemms=share,
+                mode=mode,
             )
             rows.extend({"model": args.model} | r for r in target_rows)
             result = {
@@ -433,14 +437,13 @@ def main() -> None:
             out.write_text(json.dumps(result, indent=1))
     print(f"\nwrote {out} in {time.perf_counter() - started:.1f} s")
     print(
-        f"{'system':17s} {'targets':7s} {'gemms':8s} {'mix':9s} {'p50 ms':>8s} {'graph ms':>9s} "
+        f"{'system':17s} {'targets':7s} {'mode':14s} {'mix':9s} {'p50 ms':>8s} {'graph ms':>9s} "
         f"{'overhead':>9s} {'graph ovh':>9s}"
     )
     for r in rows:
         graph = r.get("graph_replay_ms_p50") or r.get("forward_ms_p50") or 0.0
-        gemms = "shared" if r["share_gemms"] else "separate"
         print(
-            f"{r['system']:17s} {r['targets']:7s} {gemms:8s} {r['mix']:9s} "
+            f"{r['system']:17s} {r['targets']:7s} {r['mode']:14s} {r['mix']:9s} "
             f"{r.get('tpot_ms_p50', 0):8.3f} {graph:9.3f} {r.get('overhead_frac', 0):+9.3f} "
             f"{r.get('graph_overhead_frac') or 0:+9.3f}"
         )

@@ -46,6 +46,10 @@ class EngineConfig:
     """Run decode-only steps over fixed-shape buffers padded to a batch bucket (what CUDA graphs
     replay). None: on with the triton backend; True on CPU runs the same staging with torch
     attention (tests)."""
+    lora_expand_in_kernels: bool = True
+    """With adapters on the fused CUDA path, add the q|k|v and gate|up LoRA expand terms inside
+    the RoPE and SwiGLU kernels at small batches (fewer kernels) instead of separate expand
+    kernels."""
     use_cuda_graphs: bool = True
     """Capture the decode step per batch bucket (CUDA only; ignored on CPU)."""
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES

@@ -13,10 +13,13 @@ import torch
 
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
-from gpu_runtime.engine.fused_ops import rms_norm, rope_and_cache_write, silu_and_mul
+from gpu_runtime.engine.fused_ops import LoraRows, rms_norm, rope_and_cache_write, silu_and_mul
 from gpu_runtime.engine.kv_cache import PagedKVCache
-from gpu_runtime.engine.lora import LoraGroup, lora_linear
+from gpu_runtime.engine.lora import LoraGroup, linear_and_shrink, lora_linear
 from gpu_runtime.model.llama import CausalLM
+
+FUSED_EXPAND_MAX_ROWS = 64
+"""Largest decode batch whose q|k|v and gate|up LoRA expand runs inside RoPE / SwiGLU."""
 
 
 class FusedDecodeForward:
@@ -31,11 +34,15 @@ class FusedDecodeForward:
         cache: PagedKVCache,
         max_positions: int,
         lora_groups: Sequence[Mapping[str, LoraGroup]] | None = None,
+        fuse_lora_expand: bool = True,
     ) -> None:
         """`lora_groups` (per layer, `LoraRuntime.decode_groups()`): the stacked adapter slots
-        added when a call passes `lora_slots`."""
+        added when a call passes `lora_slots`; `fuse_lora_expand`: at batch <=
+        `FUSED_EXPAND_MAX_ROWS` add the q|k|v and gate|up terms inside the RoPE and SwiGLU
+        kernels instead of separate expand kernels."""
         self.model = model
         self.lora_groups = lora_groups
+        self.fuse_lora_expand = fuse_lora_expand
         self.cache = cache
         config = model.config
         self.num_heads = config.num_attention_heads
@@ -62,13 +69,17 @@ class FusedDecodeForward:
         lora_slots: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`lora_slots` `[B]` (-1: base row): add each row's adapter slot's LoRA terms per
-        adapted projection group (`lora_linear`: the shrink shares the base GEMM when the slots
-        live in the model's fused weights, else its own GEMM; then one expand-add kernel).
-        Without it the step has exactly the base kernels. Outputs of extended GEMMs are strided
-        views; the fused kernels take row strides."""
+        adapted projection group: the shrink shares the base GEMM when the slots live in the
+        model's fused weights (else its own GEMM); the expand is added inside the RoPE and
+        SwiGLU kernels (q|k|v, gate|up; small batches) or by one expand-add kernel. Without it
+        the step has exactly the base kernels. Outputs of extended GEMMs are strided views;
+        the fused kernels take row strides."""
         model = self.model
         groups = self.lora_groups if lora_slots is not None else None
         slots = lora_slots
+        # small batches: q|k|v and gate|up expand terms inside the RoPE and SwiGLU kernels (each
+        # row reads its slot's B: rows x R x out bytes); larger: one tl.dot expand kernel
+        fuse_expand = self.fuse_lora_expand and input_ids.shape[0] <= FUSED_EXPAND_MAX_ROWS
         batch = input_ids.shape[0]
         x = model.model.embed_tokens(input_ids)  # [B, hidden]
         residual: torch.Tensor | None = None
@@ -76,7 +87,13 @@ class FusedDecodeForward:
             attn, mlp = layer.self_attn, layer.mlp
             h, residual = rms_norm(x, layer.input_layernorm.weight, self.eps, residual)
             lora = groups[index] if groups is not None else None
-            qkv = lora_linear(h, attn.qkv_weight, attn.qkv_bias, _group(lora, "qkv"), slots)  # type: ignore[arg-type]
+            qkv_group = _group(lora, "qkv")
+            qkv_rows: LoraRows | None = None
+            if qkv_group is not None and slots is not None and fuse_expand:
+                qkv, shrink = linear_and_shrink(h, attn.qkv_weight, attn.qkv_bias, qkv_group)  # type: ignore[arg-type]
+                qkv_rows = LoraRows(shrink, qkv_group.b, slots, qkv_group.max_rank)
+            else:
+                qkv = lora_linear(h, attn.qkv_weight, attn.qkv_bias, qkv_group, slots)  # type: ignore[arg-type]
             key_cache = self.cache.key_caches[index]
             value_cache = self.cache.value_caches[index]
             q = rope_and_cache_write(
@@ -91,6 +108,7 @@ class FusedDecodeForward:
                 self.num_heads,
                 self.num_kv_heads,
                 self.head_dim,
+                qkv_rows,
             )  # [B, H, D]
             out = paged_decode_attention(
                 q,
@@ -104,8 +122,14 @@ class FusedDecodeForward:
             o = _group(lora, "o")
             x = lora_linear(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias, o, slots)
             h, residual = rms_norm(x, layer.post_attention_layernorm.weight, self.eps, residual)
-            gate_up = lora_linear(h, mlp.gate_up_weight, None, _group(lora, "gate_up"), slots)  # type: ignore[arg-type]
-            act = silu_and_mul(gate_up)
+            gu_group = _group(lora, "gate_up")
+            gu_rows: LoraRows | None = None
+            if gu_group is not None and slots is not None and fuse_expand:
+                gate_up, shrink = linear_and_shrink(h, mlp.gate_up_weight, None, gu_group)  # type: ignore[arg-type]
+                gu_rows = LoraRows(shrink, gu_group.b, slots, gu_group.max_rank)
+            else:
+                gate_up = lora_linear(h, mlp.gate_up_weight, None, gu_group, slots)  # type: ignore[arg-type]
+            act = silu_and_mul(gate_up, gu_rows)
             x = lora_linear(act, mlp.down_proj.weight, None, _group(lora, "down"), slots)
         h, _ = rms_norm(x, model.model.norm.weight, self.eps, residual)
         return model.compute_logits(h)

@@ -5,13 +5,38 @@ Each replaces a chain of small torch kernels, which dominate a decode step's lau
 - `rope_and_cache_write`: RoPE on q and k straight from the fused qkv output, q written out,
   k and v written into the paged cache.
 - `silu_and_mul`: SwiGLU activation on the fused gate/up output.
+
+The last two optionally add each row's LoRA expand term first (`LoraRows`: the row's slot, its
+shrink values and the slots' stacked B), so a small decode batch with adapters needs no
+separate expand kernel for q|k|v and gate|up. Rows with slot -1 take exactly the base path.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
+
+
+class LoraRows(NamedTuple):
+    """Per-row LoRA expand inputs of one projection group (see `gpu_runtime.engine.lora`)."""
+
+    shrink: torch.Tensor
+    """`[T, G*S*R]` x @ A.T for every slot (unit column stride)."""
+    b: torch.Tensor
+    """`[S*R, out_total]` the group's stacked `scaling * B.T`."""
+    slots: torch.Tensor
+    """`[T]` int slot per row, -1: base row."""
+    rank: int
+    """Rows per slot (R)."""
+
+
+def _lora_args(lora: LoraRows | None, like: torch.Tensor) -> tuple[object, ...]:
+    if lora is None:  # unused pointers: any tensor of the right device
+        return like, like, like, 0, 0, 0
+    return lora.shrink, lora.b, lora.slots, lora.shrink.stride(0), lora.b.stride(0), lora.b.shape[0]
 
 
 @triton.jit
@@ -93,7 +118,14 @@ def _rope_cache_kernel(
     stride_ct,
     num_heads,
     num_kv_heads,
+    shrink_ptr,
+    lora_b_ptr,
+    slots_ptr,
+    stride_shrink,
+    stride_lb,
+    lora_width,
     HALF: tl.constexpr,
+    LORA_RANK: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1: q heads, H..H+Hkv-1: k heads (v copied alongside)
@@ -104,6 +136,17 @@ def _rope_cache_kernel(
     base = qkv_ptr + token * stride_qkv + head * (2 * HALF)
     x1 = tl.load(base + offs).to(tl.float32)
     x2 = tl.load(base + HALF + offs).to(tl.float32)
+    slot = -1
+    if LORA_RANK > 0:
+        slot = tl.load(slots_ptr + token)
+        if slot >= 0:  # + shrink[token, module, slot, :] @ B[slot, :, this head's columns]
+            module = (head >= num_heads).to(tl.int32)  # q: 0, k: 1
+            coef_ptr = shrink_ptr + token * stride_shrink + module * lora_width + slot * LORA_RANK
+            b_row = lora_b_ptr + slot * LORA_RANK * stride_lb + head * (2 * HALF)
+            for r in range(LORA_RANK):
+                coef = tl.load(coef_ptr + r).to(tl.float32)
+                x1 += coef * tl.load(b_row + r * stride_lb + offs).to(tl.float32)
+                x2 += coef * tl.load(b_row + r * stride_lb + HALF + offs).to(tl.float32)
     dtype = qkv_ptr.dtype.element_ty
     y1 = (x1 * cos - x2 * sin).to(dtype)
     y2 = (x2 * cos + x1 * sin).to(dtype)
@@ -118,9 +161,21 @@ def _rope_cache_kernel(
         dest = block * stride_cb + kv_head * stride_ch + offset * stride_ct
         tl.store(k_cache_ptr + dest + offs, y1.to(k_cache_ptr.dtype.element_ty))
         tl.store(k_cache_ptr + dest + HALF + offs, y2.to(k_cache_ptr.dtype.element_ty))
-        v_base = qkv_ptr + token * stride_qkv + (num_heads + num_kv_heads + kv_head) * (2 * HALF)
-        v1 = tl.load(v_base + offs)
-        v2 = tl.load(v_base + HALF + offs)
+        v_col = (num_heads + num_kv_heads + kv_head) * (2 * HALF)
+        v1 = tl.load(qkv_ptr + token * stride_qkv + v_col + offs)
+        v2 = tl.load(qkv_ptr + token * stride_qkv + v_col + HALF + offs)
+        if LORA_RANK > 0:
+            if slot >= 0:
+                v1f = v1.to(tl.float32)
+                v2f = v2.to(tl.float32)
+                coef_ptr = shrink_ptr + token * stride_shrink + 2 * lora_width + slot * LORA_RANK
+                b_row = lora_b_ptr + slot * LORA_RANK * stride_lb + v_col
+                for r in range(LORA_RANK):
+                    coef = tl.load(coef_ptr + r).to(tl.float32)
+                    v1f += coef * tl.load(b_row + r * stride_lb + offs).to(tl.float32)
+                    v2f += coef * tl.load(b_row + r * stride_lb + HALF + offs).to(tl.float32)
+                v1 = v1f.to(qkv_ptr.dtype.element_ty)
+                v2 = v2f.to(qkv_ptr.dtype.element_ty)
         tl.store(v_cache_ptr + dest + offs, v1.to(v_cache_ptr.dtype.element_ty))
         tl.store(v_cache_ptr + dest + HALF + offs, v2.to(v_cache_ptr.dtype.element_ty))
 
@@ -137,11 +192,13 @@ def rope_and_cache_write(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
+    lora: LoraRows | None = None,
 ) -> torch.Tensor:
     """qkv `[T, (H + 2 Hkv) * D]` -> rotated q `[T, H, D]`; rotated k and v go to the cache
     (`[num_blocks, Hkv, block_size, D]` views) at (slot_blocks, slot_offsets).
 
     cos_table/sin_table: `[max_positions, D / 2]` contiguous (the model's RoPE, in its dtype).
+    `lora` (group q|k|v): each adapter row's expand term is added to q, k and v first.
     """
     tokens = qkv.shape[0]
     q_out = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -163,31 +220,70 @@ def rope_and_cache_write(
         key_cache.stride(2),
         num_heads,
         num_kv_heads,
+        *_lora_args(lora, qkv),
         HALF=head_dim // 2,
+        LORA_RANK=lora.rank if lora is not None else 0,
         num_warps=1,
     )
     return q_out
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, inter, stride_gu, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(
+    gu_ptr,
+    out_ptr,
+    inter,
+    stride_gu,
+    stride_o,
+    shrink_ptr,
+    lora_b_ptr,
+    slots_ptr,
+    stride_shrink,
+    stride_lb,
+    lora_width,
+    BLOCK: tl.constexpr,
+    LORA_RANK: tl.constexpr,
+):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     gate = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gu + inter + offs, mask=mask, other=0.0)
+    if LORA_RANK > 0:
+        slot = tl.load(slots_ptr + row)
+        if slot >= 0:  # + the row's slot's expand terms of gate and up
+            upf = up.to(tl.float32)
+            coef_ptr = shrink_ptr + row * stride_shrink + slot * LORA_RANK
+            b_row = lora_b_ptr + slot * LORA_RANK * stride_lb
+            for r in range(LORA_RANK):
+                cg = tl.load(coef_ptr + r).to(tl.float32)
+                cu = tl.load(coef_ptr + lora_width + r).to(tl.float32)
+                b_gate = tl.load(b_row + r * stride_lb + offs, mask=mask, other=0.0)
+                b_up = tl.load(b_row + r * stride_lb + inter + offs, mask=mask, other=0.0)
+                gate += cg * b_gate.to(tl.float32)
+                upf += cu * b_up.to(tl.float32)
+            up = upf.to(gu_ptr.dtype.element_ty)
     act = (gate / (1.0 + tl.exp(-gate))).to(gu_ptr.dtype.element_ty)
     y = (act.to(tl.float32) * up.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """`[T, 2 I]` (gate then up) -> silu(gate) * up `[T, I]`."""
+def silu_and_mul(gate_up: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+    """`[T, 2 I]` (gate then up) -> silu(gate) * up `[T, I]`; `lora` (group gate|up): each
+    adapter row's expand terms are added to gate and up first."""
     rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4
+        gate_up,
+        out,
+        inter,
+        gate_up.stride(0),
+        out.stride(0),
+        *_lora_args(lora, gate_up),
+        BLOCK=block,
+        LORA_RANK=lora.rank if lora is not None else 0,
+        num_warps=4,
     )
     return out

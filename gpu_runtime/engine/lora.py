@@ -137,6 +137,19 @@ def apply_lora_group_(
     _expand_add_(out, torch.nn.functional.linear(x, group.a), group, slots)
 
 
+def linear_and_shrink(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: LoraGroup
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(`F.linear(x, weight, bias)`, shrink `x @ group.a.T`): one GEMM when the group's A rows
+    sit below `weight` (`group.weight`; both results are column views of its output), else
+    two."""
+    if group.weight is None:
+        return torch.nn.functional.linear(x, weight, bias), torch.nn.functional.linear(x, group.a)
+    full = torch.nn.functional.linear(x, group.weight, group.bias)  # [T, out + G*S*R]
+    base = weight.shape[0]
+    return full[:, :base], full[:, base:]
+
+
 def lora_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -149,12 +162,6 @@ def lora_linear(
     the output (a strided view) and whose last columns are the shrink, then the expand-add."""
     if group is None or slots is None:
         return torch.nn.functional.linear(x, weight, bias)
-    if group.weight is None:
-        out = torch.nn.functional.linear(x, weight, bias)
-        apply_lora_group_(out, x, group, slots)
-        return out
-    full = torch.nn.functional.linear(x, group.weight, group.bias)  # [T, out + G*S*R]
-    base = weight.shape[0]
-    out = full[:, :base]
-    _expand_add_(out, full[:, base:], group, slots)
+    out, shrink = linear_and_shrink(x, weight, bias, group)
+    _expand_add_(out, shrink, group, slots)
     return out

@@ -280,7 +280,11 @@ class ModelRunner:
 
             groups = self.lora.decode_groups() if self.lora is not None else None
             self._fused = FusedDecodeForward(
-                self.model, self.kv_cache, self.config.max_model_len, groups
+                self.model,
+                self.kv_cache,
+                self.config.max_model_len,
+                groups,
+                fuse_lora_expand=self.config.lora_expand_in_kernels,
             )
 
     @property

@@ -144,19 +144,28 @@ def test_expand_kernel_matches_torch_form(
     assert (out[~base_rows] - before[~base_rows]).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("share_gemms", [False, True])
+@pytest.mark.parametrize(
+    ("share_gemms", "in_kernels"), [(False, False), (True, False), (False, True), (True, True)]
+)
 @torch.no_grad()
-def test_fused_step_keeps_base_rows(tmp_path: Path, share_gemms: bool) -> None:
+def test_fused_step_keeps_base_rows(tmp_path: Path, share_gemms: bool, in_kernels: bool) -> None:
     """Separate shrink GEMMs: base rows bit-identical to the base step. Shared GEMMs (A rows
     below the fused weights): the base rows' GEMM may be tiled differently, so equal up to
-    bf16 rounding."""
+    bf16 rounding. The adapter row matches the eager LoRA forward (expand terms in the RoPE /
+    SwiGLU kernels or in separate expand kernels)."""
     model = _model()
     spec = LoraSpec(rank=8, alpha=16, target_modules=("all-linear",))
     tree = build_training_model(model, spec, seed=0)
     for p in adapter_parameters(tree):
         p.normal_(0, 0.05)
     save_adapter(tree, spec, tmp_path / "x")
-    config = EngineConfig(num_kv_blocks=64, max_num_seqs=8, max_model_len=128, device="cuda")
+    config = EngineConfig(
+        num_kv_blocks=64,
+        max_num_seqs=8,
+        max_model_len=128,
+        device="cuda",
+        lora_expand_in_kernels=in_kernels,
+    )
     runtime = MultiLoraRuntime(
         model, max_tokens=config.max_num_batched_tokens, num_slots=2, share_gemms=share_gemms
     )
@@ -184,3 +193,7 @@ def test_fused_step_keeps_base_rows(tmp_path: Path, share_gemms: bool) -> None:
     rows = [0, 1, 3, 4, 5, 6, 7]
     assert same(mixed[rows], base[rows])
     assert (mixed[2].float() - base[2].float()).abs().max() > 1e-2
+    runtime.weights.set_token_slots(runner._buf_ints[4, :8].cpu())
+    eager = runner.decode_forward(8, runtime.forward)  # the unfused LoRA forward
+    effect = float((eager[2].float() - base[2].float()).abs().max())
+    assert float((mixed[2].float() - eager[2].float()).abs().max()) < max(0.25 * effect, 2e-2)
