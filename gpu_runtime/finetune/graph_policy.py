@@ -76,6 +76,8 @@ class CapturePolicy:
         self.capture_after = capture_after
         self.stale_after = 4 * max_graphs if stale_after is None else stale_after
         self.seen: Counter[GraphKey] = Counter()
+        self.refused: set[GraphKey] = set()
+        """Shapes whose capture ran out of memory: they stay eager."""
         self._last_used: dict[GraphKey, int] = {}  # captured keys -> clock of last use
         self._clock = 0
 
@@ -93,6 +95,8 @@ class CapturePolicy:
             return Decision("replay")
         if not stream_warm:
             return Decision("eager", "first micro-batch on this stream (warm-up)")
+        if key in self.refused:
+            return Decision("eager", "this shape's capture ran out of memory")
         seen = self.seen[key]
         if seen < self.capture_after:
             return Decision("eager", f"shape seen {seen}x, captured from {self.capture_after}x")
@@ -110,6 +114,10 @@ class CapturePolicy:
 
     def removed(self, key: GraphKey) -> None:
         self._last_used.pop(key, None)
+
+    def out_of_memory(self, key: GraphKey) -> None:
+        """Capturing ``key`` ran out of memory: never try that shape again."""
+        self.refused.add(key)
 
     def clear(self) -> None:
         """Every graph was dropped."""

@@ -177,6 +177,14 @@ class MicroBatchGraphs:
         """Captured keys, least recently used first."""
         return self.policy.captured
 
+    def release(self) -> None:
+        """Drop every graph; their shared pool goes back to torch's cache once no graph holds
+        it (``torch.cuda.empty_cache()`` then returns it to the device). Shapes are captured
+        again as they come (per the policy)."""
+        self._graphs.clear()
+        self.policy.clear()
+        self._pool = None
+
     def padded_length(self, n: int) -> int:
         """Sequence length a micro-batch whose longest example has ``n`` tokens is padded to."""
         return bucket_length(n)
@@ -223,10 +231,12 @@ class MicroBatchGraphs:
         if mode == "capture":
             try:
                 entry = self._capture(key)
-            except Exception as exc:  # any capture failure: eager from now on, reason kept
+            except torch.OutOfMemoryError:  # this shape only; the eager run may fit (or not)
+                self.policy.out_of_memory(key)
+                return self._eager(batch, denominator, "capture ran out of memory")
+            except Exception as exc:  # any other capture failure: eager from now on
                 self.disabled = f"capture failed: {type(exc).__name__}: {exc}"[:400]
-                self._graphs.clear()
-                self.policy.clear()
+                self.release()
                 return self._eager(batch, denominator, self.disabled)
             self.policy.added(key)
         else:
@@ -260,8 +270,7 @@ class MicroBatchGraphs:
         if self._grads is None:
             return
         if any(p.grad is not g for p, g in zip(self.params, self._grads, strict=True)):
-            self._graphs.clear()
-            self.policy.clear()
+            self.release()
             self._grads = None
 
     def _capture(self, key: GraphKey) -> _Captured:

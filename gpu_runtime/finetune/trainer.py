@@ -120,6 +120,13 @@ class LoraTrainer:
                 CapturePolicy(max_graphs=max_cuda_graphs),
             )
 
+    def release_cuda_graphs(self) -> None:
+        """Drop the captured graphs so that their memory pool can be freed (call before
+        ``torch.cuda.empty_cache()`` when memory must go back to decode); quanta keep running,
+        capturing again as shapes recur."""
+        if self.graphs is not None:
+            self.graphs.release()
+
     @property
     def finished(self) -> bool:
         return self.stream.finished

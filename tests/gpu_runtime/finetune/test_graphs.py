@@ -70,6 +70,8 @@ def test_capture_policy_captures_frequent_shapes_without_thrashing() -> None:
     assert policy.captured == [c, b] and policy.seen[a] == 4
     policy.clear()
     assert policy.captured == [] and decide(c) == ("capture", None, None)
+    policy.out_of_memory(d)  # a capture of d ran out of memory: d stays eager
+    assert decide(d) == ("eager", "this shape's capture ran out of memory", None)
     with pytest.raises(ValueError):
         CapturePolicy(max_graphs=0)
 
