@@ -65,7 +65,6 @@ def test_graphed_quanta_equal_eager_ones_with_dropout() -> None:
     for a, b in zip(graphed.history, eager.history, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=2e-3)
         assert a.grad_norm == pytest.approx(b.grad_norm, rel=2e-2)
-    assert graphed.history[-1].loss < graphed.history[0].loss
     for p, q in zip(graphed.params, eager.params, strict=True):
         torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-4)
     # the trainer's CUDA generator advanced by exactly as much in both
