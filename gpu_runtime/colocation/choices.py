@@ -49,6 +49,15 @@ class HarliChoices:
     slice_costs: SliceCosts
     _slice_states: dict[str, SliceState]
     _prefill_mean: float
+    _typical_cache: tuple[IterationContext, float, DecodeSnapshot] | None = None
+
+    def _typical_snapshot(self, ctx: IterationContext) -> DecodeSnapshot:
+        """`expected_snapshot` of ``ctx.decode``, computed once per context."""
+        cached = self._typical_cache
+        if cached is None or cached[0] is not ctx or cached[1] != self._prefill_mean:
+            cached = (ctx, self._prefill_mean, self.expected_snapshot(ctx.decode))
+            self._typical_cache = cached
+        return cached[2]
 
     def expected_snapshot(self, decode: DecodeSnapshot) -> DecodeSnapshot:
         """The typical iteration while a quantum launched now runs: the waiting requests
@@ -75,7 +84,7 @@ class HarliChoices:
         ft_share = 1.0 if share >= 1.0 else 1.0 - share
         quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
         predicted = self.latency.predict_ms(decode_iteration(ctx.decode, share), quantum)
-        typical = decode_iteration(self.expected_snapshot(ctx.decode), share)
+        typical = decode_iteration(self._typical_snapshot(ctx), share)
         expected = self.latency.predict_ms(typical, quantum)
         if expected > bound or predicted > ctx.tpot_slo_ms:
             return None
@@ -85,7 +94,7 @@ class HarliChoices:
         return predicted
 
     def _typical_alone(self, ctx: IterationContext) -> float:
-        typical = decode_iteration(self.expected_snapshot(ctx.decode), 1.0)
+        typical = decode_iteration(self._typical_snapshot(ctx), 1.0)
         return self.latency.predict_ms(typical, None)
 
     def _spatial(
@@ -134,17 +143,22 @@ class HarliChoices:
         bound: float,
         solo_full: float,
     ) -> list[Choice]:
-        """Layer-sliced choices: after decode within the slack, or beside decode on a split.
-        A slice's value counts its share of the micro-batch's tokens (passes / all passes)."""
+        """Layer-sliced choices: after decode within the slack (where a whole quantum never
+        fits), or, to finish a micro-batch in progress, beside decode on a split (a whole
+        quantum, CUDA-graphed, is the better use of a split otherwise). A slice's value counts
+        its share of the micro-batch's tokens (passes / all passes)."""
         layers = state.layers
-        widths = sorted({*self.config.layer_slices, state.passes_left})
+        if state.active:
+            widths = sorted({*self.config.layer_slices, state.passes_left})
+        else:  # a whole micro-batch in one eager call is never better than a whole quantum
+            widths = sorted(k for k in self.config.layer_slices if k < 2 * layers)
         examples = [state.examples] if state.active else sizes
         total = ctx.total_sms
         idle = ctx.decode.is_idle
         splits: list[int | None] = []
-        if total and ctx.spatial:
+        if state.active and total and ctx.spatial:
             splits += list(ctx.decode_sms_options[:-1])
-        if self.config.allow_shared and not idle:
+        if state.active and self.config.allow_shared and not idle:
             splits.append(full)
         typical_alone = self._typical_alone(ctx) if splits else 0.0
         out: list[Choice] = []
@@ -179,7 +193,12 @@ class HarliChoices:
                 whole = self.durations.duration_ms(job, d, LaunchMode.CONCURRENT, ft_share, work)
                 for k in widths:
                     forward, backward = state.passes_for(k)
-                    base = self.slice_costs.base_ms(whole, layers, forward, backward)
+                    # Measured alone on the whole device; on fewer SMs at least the split's
+                    # share of a whole quantum there.
+                    base = max(
+                        self.slice_costs.base_ms(whole, layers, forward, backward),
+                        self.slice_costs.spread_ms(whole, layers, forward, backward),
+                    )
                     ms = base * self.slice_costs.correction(d, LaunchMode.CONCURRENT)
                     # Relaunched at the next iteration's start once it has finished.
                     gap = predicted_beside

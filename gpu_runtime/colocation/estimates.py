@@ -86,15 +86,23 @@ class QuantumDurations:
         self.prior_overhead_ms = prior_overhead_ms
         self._obs: dict[tuple[int | None, LaunchMode], deque[tuple[int, float]]] = {}
         self._window = window
+        self._fits: dict[tuple[int | None, LaunchMode], tuple[float, float] | None] = {}
 
     def observe(self, decode_sms: int | None, mode: LaunchMode, tokens: int, ms: float) -> None:
         if tokens <= 0 or ms <= 0:
             return
         key = (decode_sms, mode)
         self._obs.setdefault(key, deque(maxlen=self._window)).append((tokens, ms))
+        self._fits.pop(key, None)
 
     def _fit(self, key: tuple[int | None, LaunchMode]) -> tuple[float, float] | None:
-        """(overhead ms, ms per token) of a choice, None if never observed."""
+        """(overhead ms, ms per token) of a choice, None if never observed (cached until the
+        choice's next observation)."""
+        if key not in self._fits:
+            self._fits[key] = self._refit(key)
+        return self._fits[key]
+
+    def _refit(self, key: tuple[int | None, LaunchMode]) -> tuple[float, float] | None:
         obs = self._obs.get(key)
         if not obs:
             return None

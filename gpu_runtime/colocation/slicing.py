@@ -137,6 +137,11 @@ class SliceCosts:
             call, per_forward, per_backward = self.measured
             assert call is not None and per_forward is not None and per_backward is not None
             return call + per_forward * forward + per_backward * backward
+        return self.spread_ms(whole_ms, layers, forward, backward)
+
+    @staticmethod
+    def spread_ms(whole_ms: float, layers: int, forward: int, backward: int) -> float:
+        """These passes' share of a whole quantum's ``whole_ms``."""
         return whole_ms * (
             FORWARD_SHARE * forward / layers + (1 - FORWARD_SHARE) * backward / layers
         )
