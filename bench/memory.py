@@ -584,6 +584,7 @@ def _finetune_footprint(trainer: Any, seq_len: int, device: Any) -> tuple[int, f
     import torch
 
     if device.type != "cuda":
+        trainer.step_quantum(max_tokens=seq_len)  # warm (lazy imports) outside the phases
         return 0, 64.0 * 1024  # CPU: budgets are accounting only
     peaks: dict[int, int] = {}
     for examples in (1, 4, 1, 4):
