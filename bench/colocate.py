@@ -940,12 +940,6 @@ def main() -> None:
     rows, comparisons = write()
     print(f"wrote {path} ({time.perf_counter() - wall:.0f} s)")
     print_table(rows, comparisons, slo_ms)
-    if isinstance(backend, LoopBackend) and backend.engine.config.is_cuda:
-        # Green contexts must outlive every tensor, event and graph made in them; the process
-        # is done, so leave without tearing anything down (no destructor after a context).
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
 
 
 def compare(rows: list[dict[str, Any]], traces: list[str]) -> dict[str, Any]:
@@ -1009,5 +1003,24 @@ def _git_commit() -> str:
         return "unknown"
 
 
+def _run_and_exit() -> None:
+    """Green contexts must outlive every tensor, event and graph made in them, and interpreter
+    teardown frees those in no set order: leave through ``os._exit`` once the result is written
+    (the run on the H200 otherwise died at exit in a tensor destructor)."""
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+        if exc.code is not None and not isinstance(exc.code, int):
+            print(exc.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    main()
+    _run_and_exit()
