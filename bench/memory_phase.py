@@ -1,0 +1,350 @@
+"""One phase of `bench/memory.py trace`: a fresh pool, decode engine and LoRA job driven
+through the host loop over the trace; returns the phase's result row.
+
+`run_phase("unified" | "static_split", ...)` builds everything on a new pool (closed again even
+when the phase fails), replays the trace's arrivals against the loop clock for `--duration` s,
+then lets the running requests finish for at most `--drain` s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+from bench.memory_sizing import QuantumSizing, budgeted_policy
+
+GIB = 1 << 30
+PAGE = 2 << 20
+
+
+def run_phase(
+    name: str, args: Any, model: Any, trace: list[Any], prompts: list[list[int]], plan: dict
+) -> dict[str, Any]:
+    """One phase on a fresh pool; the pool is closed (and the device's cap lifted) even when
+    the phase fails."""
+    import torch
+
+    from gpu_runtime.memory import create_page_pool
+
+    cuda = args.device.startswith("cuda")
+    pool = create_page_pool(
+        device=args.device,
+        pool_bytes=int(args.pool_gib * GIB),
+        page_bytes=PAGE if cuda else plan["cpu_page_bytes"],
+        pinned_tail_pages=1,
+        torch_headroom_bytes=int(args.torch_headroom_gib * GIB),
+    )
+    try:
+        phase = _Phase(name, args, model, prompts, plan, pool)
+        return phase.drive(trace)
+    finally:
+        pool.close()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+
+
+class _Phase:
+    """Engine, memory, loop and job of one phase, and what the drive observed."""
+
+    def __init__(
+        self, name: str, args: Any, model: Any, prompts: list[list[int]], plan: dict, pool: Any
+    ) -> None:
+        self.name = name
+        self.args = args
+        self.prompts = prompts
+        self.static = name == "static_split"
+        self.memory = self._memory(model, plan, pool)
+        self.engine, sharing, decode_sms = self._engine(model)
+        self.sizing = QuantumSizing(
+            plan["resident_bytes"], plan["bytes_per_token"], args.max_examples
+        )
+        self.loop, self.job = self._loop(model, sharing, decode_sms, pool)
+        print(f"[{name}] pool {pool.num_pages} pages, engine ready", flush=True)
+        self.rejected = 0
+        self.ooms = 0
+        self.oom_details: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.kv_peak_blocks = 0
+        self.series: list[tuple[float, float, float, float]] = []
+        self.lent_samples: list[tuple[float, int]] = []
+        self.records: list[Any] = []
+
+    def _memory(self, model: Any, plan: dict, pool: Any) -> Any:
+        from gpu_runtime.memory import EngineMemory, MemoryPolicyConfig
+
+        policy = MemoryPolicyConfig(
+            reserve_low_pages=plan["reserve_low_pages"],
+            reserve_high_pages=plan["reserve_high_pages"],
+            max_step_pages=plan["step_pages"],
+            shrink_after_iterations=10**9 if self.static else plan["hysteresis"],
+            grow_hold_iterations=plan["hysteresis"],
+            min_decode_pages=plan["static_decode_pages"] if self.static else 1,
+            reclaim_from_finetune=not self.static,
+        )
+        return EngineMemory.prepare(
+            pool,
+            model.config,
+            block_size=16,
+            kv_dtype="bfloat16" if self.args.device.startswith("cuda") else "float32",
+            max_model_len=self.args.max_model_len,
+            policy=policy,
+        )
+
+    def _engine(self, model: Any) -> tuple[Any, Any, int | None]:
+        """The decode engine over the pool, graphs captured and warmed on decode's stream."""
+        import torch
+
+        from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+
+        args = self.args
+        memory = self.memory
+        engine = Engine(
+            model,
+            EngineConfig(
+                num_kv_blocks=memory.binding.initial_blocks,
+                kv_block_capacity=memory.binding.capacity_blocks,
+                block_size=16,
+                max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_batched_tokens,
+                max_model_len=args.max_model_len,
+                device=args.device,
+                cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+            ),
+            kv_storage_factory=memory.binding.storage_factory,
+        )
+        memory.attach(engine)
+        sharing: Any = None
+        decode_sms: int | None = None
+        stream: AbstractContextManager[Any] = nullcontext()
+        cuda = args.device.startswith("cuda")
+        if cuda:
+            # Decode on a high-priority stream, quanta on a low-priority one: on one stream the
+            # decode step would queue behind the whole quantum.
+            from gpu_runtime.sharing import StreamSharing
+
+            sharing = StreamSharing(torch.device(args.device))
+            decode_sms = int(sharing.table.total_sms)
+            decode_stream = sharing.partition(decode_sms)[0]
+            engine.capture_cuda_graphs(partition=decode_sms, stream=decode_stream)
+            stream = torch.cuda.stream(decode_stream)
+        # Warm prefill and decode on decode's stream so their cached activations count as
+        # decode's, not finetune's (the caching allocator keeps blocks per stream).
+        warm = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, detokenize=False)
+        with stream:
+            engine.generate([self.prompts[0][: args.max_batched_tokens]] * 2, warm)
+            engine.generate([p[:256] for p in self.prompts[:16]], warm)
+        if cuda:
+            torch.cuda.synchronize()
+        memory.decode_ready()
+        return engine, sharing, decode_sms
+
+    def _loop(self, model: Any, sharing: Any, decode_sms: int | None, pool: Any) -> Any:
+        from bench.colocate import synthetic_examples
+        from gpu_runtime.colocation import HostLoop
+        from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+        from gpu_runtime.finetune.trainer import LoraTrainer
+
+        args = self.args
+        n_examples = 512
+        hparams = resolve_hyperparameters(
+            n_train_examples=n_examples,
+            n_epochs=50,
+            batch_size=8,
+            lora=LoraSpec(rank=16, alpha=32, dropout=0.0),
+            seed=args.seed,
+            warmup_ratio=0.0,
+            max_seq_len=args.ft_seq_len,
+        )
+        examples = synthetic_examples(n_examples, args.ft_seq_len, model.config.vocab_size, 1)
+        trainer = LoraTrainer(model, examples, hparams)
+        loop = HostLoop(
+            self.engine,
+            budgeted_policy(self.sizing, decode_sms),
+            tpot_slo_ms=1e9,
+            sharing=sharing,
+            memory=self.memory,
+        )
+        executor = loop.executor
+        self.memory.finetune_busy = lambda: executor.in_flight is not None
+        self.memory.wait_for_finetune = lambda: executor.wait()
+        self.memory.manager.set_finetune_demand(pool.num_pages * pool.page_bytes)
+        return loop, loop.add_job("ft", trainer)
+
+    # ---- the drive --------------------------------------------------------------------------
+    def drive(self, trace: list[Any]) -> dict[str, Any]:
+        from gpu_runtime.engine import SamplingParams
+
+        args, loop, engine = self.args, self.loop, self.engine
+        start = loop.clock()
+        i = 0
+        drain_until = args.duration + args.drain
+        next_sample = 0.0
+        try:
+            while True:
+                now = loop.clock() - start
+                if now >= drain_until or (
+                    now >= args.duration and not engine.has_unfinished_requests()
+                ):
+                    break
+                while i < len(trace) and trace[i].arrival_s <= min(now, args.duration):
+                    r = trace[i]
+                    params = SamplingParams(
+                        max_tokens=r.output_tokens,
+                        temperature=0.0,
+                        ignore_eos=True,
+                        detokenize=False,
+                    )
+                    arrival = start + r.arrival_s
+                    try:
+                        loop.add_request(self.prompts[i], params, f"r{r.index}", arrival=arrival)
+                    except ValueError:
+                        self.rejected += 1
+                    i += 1
+                record = loop.run_iteration()
+                self.records.append(record)
+                self._account(record, start)
+                if now >= next_sample:
+                    next_sample = now + 0.25
+                    self._sample(now)
+                if not (record.decode_batch or record.prefill_tokens):
+                    # Nothing to decode: wait for the quantum (or the next arrival), don't spin.
+                    until = trace[i].arrival_s if i < len(trace) else drain_until
+                    pause = min(max(until - (loop.clock() - start), 0.0), 0.005)
+                    if loop.executor.in_flight is not None:
+                        loop.wait_for_finetune(timeout_s=pause)
+                    else:
+                        time.sleep(min(pause, 0.001))
+        finally:
+            end = loop.clock()
+            loop.close()
+        return self._row(arrived=i, window=max(end - start, 1e-9))
+
+    def _account(self, record: Any, start: float) -> None:
+        memory = self.memory
+        for report in record.quanta:
+            if report.error is None:
+                continue
+            if "out of memory" in report.error.lower():
+                # Count it, make the next quanta smaller, and let the job go on.
+                self.ooms += 1
+                if len(self.oom_details) < 5:
+                    self.oom_details.append(
+                        {
+                            "t_s": round(self.loop.clock() - start, 3),
+                            "budget_gib": round(memory.finetune_budget_bytes() / GIB, 3),
+                            "quantum_ms": round(report.duration_ms, 1),
+                            "error": report.error[:600],
+                        }
+                    )
+                memory.manager.record_finetune_oom()
+                self.sizing.safety *= 0.8
+                self.job.failed = None
+            elif len(self.errors) < 5:
+                self.errors.append(report.error)
+        used = self.engine.block_manager.num_used_blocks
+        self.kv_peak_blocks = max(self.kv_peak_blocks, used)
+        self.lent_samples.append((record.timestamp - start, memory.lent_bytes()))
+
+    def _sample(self, now: float) -> None:
+        split = self.memory.manager.split()
+        kv = self.engine.block_manager.num_used_blocks * self.memory.manager.layout.block_bytes
+        self.series.append(
+            (
+                round(now, 3),
+                round(split.finetune_budget_bytes / GIB, 3),
+                round(split.finetune_allocated_bytes / GIB, 3),
+                round(kv / GIB, 3),
+            )
+        )
+
+    def _row(self, *, arrived: int, window: float) -> dict[str, Any]:
+        records = self.records
+        live = getattr(self.engine.scheduler, "requests", {})
+        unfinished = len(live)
+        counters = self.memory.manager.counters
+        layout = self.memory.manager.layout
+        with_decode = [r for r in records if r.decode_batch or r.prefill_tokens]
+        iter_ms = sorted(r.iteration_ms for r in with_decode)
+        decode_only_ms = sorted(r.iteration_ms for r in with_decode if not r.prefill_tokens)
+        tpot = sorted(s for r in records for s in r.tpot_samples_ms)
+        reports = [q for r in records for q in r.quanta]
+        good = [q for q in reports if not q.error]
+        finished = sum(len(r.finished) for r in records)
+        lent = self.lent_samples
+        lent_s = sum(b * (t1 - t0) for (t0, b), (t1, _) in itertools.pairwise(lent))
+        span = lent[-1][0] - lent[0][0] if len(lent) > 1 else 0.0
+        accepted = arrived - self.rejected
+
+        def pct(values: list[float], q: float) -> float | None:
+            return finite(pct_sorted(sorted(values), q))
+
+        return {
+            "model": self.args.model,
+            "trace": "memory-bursty",
+            "policy": self.name,
+            "ooms": self.ooms,
+            "dropped_requests": self.rejected + max(accepted - finished - unfinished, 0),
+            "rejected_requests": self.rejected,
+            "arrived_requests": arrived,
+            "finished_requests": finished,
+            "unfinished_at_end": unfinished,
+            "reclaim_ms_p50": finite(counters.reclaim_latency.percentile_ms(50)),
+            "reclaim_ms_p99": finite(counters.reclaim_latency.percentile_ms(99)),
+            "reclaims": len(counters.reclaim_latency),
+            "flush_ms_p99": finite(counters.flush_latency.percentile_ms(99)),
+            "finetune_flushes": len(counters.flush_latency),
+            "finetune_waits": counters.finetune_waits,
+            "finetune_wait_ms_p99": finite(counters.wait_latency.percentile_ms(99)),
+            "decode_iter_ms_p50": pct(iter_ms, 50),
+            "decode_iter_ms_p99": pct(iter_ms, 99),
+            "decode_only_iter_ms_p50": pct(decode_only_ms, 50),
+            "decode_only_iter_ms_p99": pct(decode_only_ms, 99),
+            "decode_step_ms_p50": pct([r.observed_ms for r in with_decode], 50),
+            # Does a quantum on the worker thread hold the decode step up? (same phase, load)
+            "decode_step_ms_p50_quantum_beside": pct(
+                [r.observed_ms for r in with_decode if r.in_flight], 50
+            ),
+            "decode_step_ms_p50_alone": pct(
+                [r.observed_ms for r in with_decode if not r.in_flight], 50
+            ),
+            "decode_iterations_alone": sum(1 for r in with_decode if not r.in_flight),
+            "tpot_ms_p50": pct(tpot, 50),
+            "tpot_ms_p99": pct(tpot, 99),
+            "mean_borrowed_gb": (lent_s / span / 1e9) if span else 0.0,
+            "max_borrowed_gb": max((b for _, b in lent), default=0) / 1e9,
+            "finetune_tokens_per_s": sum(q.tokens for q in good) / window,
+            "finetune_quanta": len(reports),
+            "finetune_tokens_per_quantum_mean": (
+                sum(q.tokens for q in good) / len(good) if good else 0.0
+            ),
+            "finetune_quantum_ms_p50": pct([q.duration_ms for q in good], 50),
+            "finetune_paused_iterations": sum(1 for r in records if r.paused),
+            "finetune_errors": self.errors,
+            "oom_details": self.oom_details,
+            "finetune_budget_violations": counters.finetune_budget_violations,
+            "kv_peak_gb": self.kv_peak_blocks * layout.block_bytes / 1e9,
+            "kv_peak_pages": layout.pages_for_blocks(self.kv_peak_blocks),
+            "decode_preemptions": counters.preemptions,
+            "preemptions_of_unfinished": sum(
+                getattr(r, "num_preemptions", 0) for r in live.values()
+            ),
+            "window_s": window,
+            "iterations": len(records),
+            "decode_iterations": len(with_decode),
+            "counters": {k: finite(v) for k, v in counters.as_dict().items()},
+            "series_t_lent_gib_ft_alloc_gib_kv_gib": self.series,
+        }
+
+
+def finite(value: float) -> float | None:
+    """JSON has no NaN: an empty statistic is null."""
+    return None if value != value else value
+
+
+def pct_sorted(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    return values[min(int(q / 100 * len(values)), len(values) - 1)]

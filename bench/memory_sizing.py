@@ -1,0 +1,85 @@
+"""The finetune side of `bench/memory.py trace`: how big a quantum fits the budget it reads.
+
+`finetune_footprint` measures, once, what a LoRA job keeps between quanta and its activation
+bytes per token; `QuantumSizing` turns a budget into a token count (with a safety factor that
+shrinks after an out-of-memory error); `budgeted_policy` is the host loop's policy that launches
+such a quantum beside decode whenever none runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GIB = 1 << 30
+MIB = 1 << 20
+
+
+class QuantumSizing:
+    """What the finetune side knows to size a quantum: its footprint and a safety factor that
+    shrinks after an out-of-memory error (the finetune side's adaptation)."""
+
+    def __init__(self, resident_bytes: int, bytes_per_token: float, max_examples: int) -> None:
+        self.resident_bytes = resident_bytes
+        self.bytes_per_token = bytes_per_token
+        self.max_examples = max_examples
+        self.safety = 0.9
+
+    def tokens(self, budget_bytes: int, max_seq_len: int) -> int:
+        room = (budget_bytes - self.resident_bytes) * self.safety
+        return min(int(room / self.bytes_per_token), self.max_examples * max_seq_len)
+
+
+def budgeted_policy(sizing: QuantumSizing, decode_sms: int | None) -> Any:
+    """A quantum beside decode whenever none runs, sized to the budget it reads (fewer
+    examples per micro-batch when the budget is small); `decode_sms` is the stream sharing's
+    only split (the whole device) on CUDA, None on CPU."""
+    from gpu_runtime.colocation import CoLocationPolicy, FinetuneLaunch, IterationPlan
+
+    class BudgetedQuanta(CoLocationPolicy):
+        name = "budgeted"
+
+        def plan(self, ctx: Any) -> Any:
+            if not ctx.jobs or ctx.in_flight is not None:
+                return IterationPlan(decode_sms=decode_sms)
+            job = ctx.jobs[0]
+            budget = ctx.finetune_budget_bytes or 0
+            tokens = sizing.tokens(budget, job.max_seq_len)
+            if tokens < job.max_seq_len:
+                return IterationPlan(
+                    decode_sms=decode_sms, paused=True, note=f"budget {budget} B too small"
+                )
+            launch = FinetuneLaunch(job.job_id, tokens)
+            return IterationPlan(decode_sms=decode_sms, launches=(launch,))
+
+    return BudgetedQuanta()
+
+
+def finetune_footprint(trainer: Any, seq_len: int, device: Any) -> tuple[int, float]:
+    """(bytes kept between quanta, activation bytes per token), measured with 1 and 4 examples
+    on CUDA (the quantum's peak above what was allocated before it)."""
+    import torch
+
+    if device.type != "cuda":
+        trainer.step_quantum(max_tokens=seq_len)  # warm (lazy imports) outside the phases
+        return 0, 64.0 * 1024  # CPU: budgets are accounting only
+    peaks: dict[int, int] = {}
+    for examples in (1, 4, 1, 4):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        result = trainer.step_quantum(max_tokens=examples * seq_len)
+        torch.cuda.synchronize()
+        # The larger of the two runs of each size: the first quantum of a trainer allocates
+        # more (optimizer state, workspaces), and a phase's first quantum must fit too.
+        peak = torch.cuda.max_memory_allocated() - before
+        peaks[int(result.examples)] = max(peaks.get(int(result.examples), 0), peak)
+    resident = torch.cuda.memory_allocated() - trainer_start_allocated(trainer)
+    small, big = min(peaks), max(peaks)
+    if big == small:
+        raise RuntimeError(f"footprint quanta all ran {big} examples")
+    per_token = (peaks[big] - peaks[small]) / ((big - small) * seq_len)
+    return max(resident, 0) + int(peaks[small] - per_token * small * seq_len), per_token * 1.1
+
+
+def trainer_start_allocated(trainer: Any) -> int:
+    return int(getattr(trainer, "_bench_allocated_at_start", 0))

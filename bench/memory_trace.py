@@ -1,0 +1,231 @@
+"""`bench/memory.py trace`: the unified pool vs a static split on a bursty decode trace with a
+LoRA job (see bench/memory.py for the command and the figures; one phase is
+`bench/memory_phase.py`, quantum sizing `bench/memory_sizing.py`)."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.memory import commit_hash, gpu_slug
+from bench.memory_phase import run_phase
+from bench.memory_sizing import finetune_footprint
+
+GIB = 1 << 30
+MIB = 1 << 20
+PAGE = 2 * MIB
+
+
+def trace_spec(tiny: bool, duration_s: float, rate_scale: float) -> Any:
+    """Bursty decode load: Poisson bursts of `on_s` s, quiet `off_s` s; long prompts.
+
+    Llama-3-8B on an H200: about 45 arrivals/s in a burst with ~5 s requests swings the decode
+    batch between a handful and ~200 sequences of ~1.5k-token contexts (~50 GB of KV at peak)."""
+    from bench.traces import LengthDistribution, TraceSpec
+
+    if tiny:
+        prompt = LengthDistribution(median=48, sigma=0.4, minimum=8, maximum=120)
+        output = LengthDistribution(median=16, sigma=0.4, minimum=4, maximum=40)
+        return TraceSpec(
+            "memory-bursty",
+            "onoff",
+            12.0 * rate_scale,
+            duration_s,
+            prompt,
+            output,
+            on_s=1.0,
+            off_s=1.5,
+        )
+    prompt = LengthDistribution(median=1536, sigma=0.4, minimum=256, maximum=3072)
+    output = LengthDistribution(median=256, sigma=0.5, minimum=32, maximum=768)
+    return TraceSpec(
+        "memory-bursty", "onoff", 45.0 * rate_scale, duration_s, prompt, output, on_s=4.0, off_s=6.0
+    )
+
+
+def trace_benchmark(args: Any) -> Path:
+    """`unified` first (it also measures decode's KV peak), then `static_split` reserving that
+    peak plus the reserve for decode and lending the rest to finetuning for good. A phase that
+    fails is recorded as a row with its error; the result file is written after each phase."""
+    import gc
+
+    import torch
+
+    from bench.colocate import synthetic_examples
+    from bench.traces import generate
+    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.finetune.trainer import LoraTrainer
+    from gpu_runtime.model import ModelConfig, build_random_model
+
+    wall = time.perf_counter()
+    # Every move and preemption is counted in the rows; per-event log lines would flood.
+    logging.getLogger("gpu_runtime.memory").setLevel(logging.CRITICAL)
+    device = torch.device(args.device)
+    tiny = args.model == "tiny"
+    config = ModelConfig.preset(args.model)
+    if config.max_position_embeddings < args.max_model_len:
+        config = config.replace(max_position_embeddings=args.max_model_len)
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+    model = build_random_model(config, seed=args.seed, device=device, dtype=dtype)
+    spec = trace_spec(tiny, args.duration, args.rate_scale)
+    trace = generate(spec, args.seed)
+    prompts = [r.prompt_ids(config.vocab_size) for r in trace]
+    # Finetune footprint, measured once on a scratch trainer. Batches of 5 examples: quanta of
+    # 1 and 4 examples never meet a batch boundary, and the second and fourth end with an
+    # optimizer step (AdamW state included in what stays resident).
+    hparams = resolve_hyperparameters(
+        n_train_examples=64,
+        n_epochs=1,
+        batch_size=5,
+        lora=LoraSpec(rank=16, alpha=32, dropout=0.0),
+        seed=args.seed,
+        warmup_ratio=0.0,
+        max_seq_len=args.ft_seq_len,
+    )
+    allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    scratch = LoraTrainer(
+        model, synthetic_examples(64, args.ft_seq_len, config.vocab_size, args.seed), hparams
+    )
+    scratch._bench_allocated_at_start = allocated  # type: ignore[attr-defined]
+    footprint_error = None
+    try:
+        resident, per_token = finetune_footprint(scratch, args.ft_seq_len, device)
+    except Exception as exc:  # size quanta from the H200 finetune bench instead: ~7 MiB/token
+        footprint_error = f"{type(exc).__name__}: {exc}"
+        print(f"footprint measurement failed ({footprint_error}); using 1 GiB + 8 MiB/token")
+        resident, per_token = GIB, 8.0 * MIB
+    del scratch
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    plan: dict[str, Any] = {
+        "resident_bytes": resident,
+        "bytes_per_token": per_token,
+        "reserve_low_pages": args.reserve_low_pages,
+        "reserve_high_pages": args.reserve_high_pages,
+        "step_pages": args.step_pages,
+        "hysteresis": args.hysteresis,
+        "cpu_page_bytes": 2
+        * 16
+        * config.num_hidden_layers
+        * config.num_key_value_heads
+        * config.head_dim
+        * 4,
+        "static_decode_pages": 1,
+        "footprint_error": footprint_error,
+    }
+    print(
+        f"setup {time.perf_counter() - wall:.1f}s: {len(trace)} requests; finetune resident "
+        f"{resident / GIB:.2f} GiB, {per_token / 1024:.1f} KiB/token",
+        flush=True,
+    )
+    gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    today = dt.datetime.now(dt.UTC)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"memory-{gpu_slug(gpu)}-{today:%Y%m%d}.json"
+    rows: list[dict[str, Any]] = []
+
+    def phase(name: str) -> None:
+        started = time.perf_counter()
+        try:
+            rows.append(run_phase(name, args, model, trace, prompts, plan))
+        except Exception as exc:  # one phase's failure is a result; the other still runs
+            import traceback
+
+            traceback.print_exc()
+            error = f"{type(exc).__name__}: {exc}"
+            rows.append({"model": args.model, "policy": name, "error": error})
+        print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        _write_trace_result(path, args, spec, plan, rows, gpu, today, wall)
+
+    phase("unified")
+    unit = 16 if device.type == "cuda" else 1
+    page = PAGE if device.type == "cuda" else plan["cpu_page_bytes"]
+    if "kv_peak_pages" in rows[0]:
+        peak_pages = rows[0]["kv_peak_pages"] + args.reserve_low_pages
+    else:  # unified failed: reserve a fixed share of the pool for decode
+        peak_pages = int(args.pool_gib * GIB * 0.6) // page
+    prefix_limit = int(args.pool_gib * GIB) // (page * unit) * unit - unit  # less the tail
+    plan["static_decode_pages"] = min(-(-peak_pages // unit) * unit, prefix_limit)
+    phase("static_split")
+    _print_trace_table(rows)
+    return path
+
+
+def _write_trace_result(
+    path: Path,
+    args: Any,
+    spec: Any,
+    plan: dict[str, Any],
+    rows: list[dict[str, Any]],
+    gpu: str,
+    today: dt.datetime,
+    wall: float,
+) -> None:
+    import torch
+
+    by_policy = {row["policy"]: row for row in rows if "error" not in row}
+    unified, static = by_policy.get("unified"), by_policy.get("static_split")
+    comparisons: dict[str, float | None] = {}
+    if unified is not None and static is not None:
+        for key in ("mean_borrowed_gb", "finetune_tokens_per_s", "decode_iter_ms_p50"):
+            comparisons[f"{key}_ratio_unified_over_static"] = _ratio(unified[key], static[key])
+    result = {
+        "name": "memory",
+        "commit": commit_hash(),
+        "gpu": gpu,
+        "torch": torch.__version__,
+        "created": today.isoformat(timespec="seconds"),
+        "config": {
+            **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+            "trace": spec.as_dict(),
+            "finetune": {
+                "lora_rank": 16,
+                "alpha": 32,
+                "seq_len": args.ft_seq_len,
+                "resident_bytes": plan["resident_bytes"],
+                "bytes_per_token": plan["bytes_per_token"],
+                "footprint_error": plan["footprint_error"],
+            },
+            "static_decode_pages": plan["static_decode_pages"],
+        },
+        "rows": rows,
+        "comparisons": comparisons,
+        "wall_s": round(time.perf_counter() - wall, 1),
+    }
+    path.write_text(json.dumps(result, indent=1, default=str))
+
+
+def _print_trace_table(rows: list[dict[str, Any]]) -> None:
+    keys = (
+        "ooms",
+        "dropped_requests",
+        "unfinished_at_end",
+        "reclaim_ms_p50",
+        "reclaim_ms_p99",
+        "decode_iter_ms_p50",
+        "decode_iter_ms_p99",
+        "tpot_ms_p50",
+        "mean_borrowed_gb",
+        "finetune_tokens_per_s",
+    )
+    print(f"{'policy':13}" + "".join(f"{k[:18]:>19}" for k in keys))
+    for row in rows:
+        if "error" in row:
+            print(f"{row['policy']:13} FAILED {row['error']}", flush=True)
+            continue
+        cells = [row[k] for k in keys]
+        text = ["-" if c is None else f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells]
+        print(f"{row['policy']:13}" + "".join(f"{t:>19}" for t in text), flush=True)
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
