@@ -46,6 +46,11 @@ class EngineConfig:
     """Run decode-only steps over fixed-shape buffers padded to a batch bucket (what CUDA graphs
     replay). None: on with the triton backend; True on CPU runs the same staging with torch
     attention (tests)."""
+    mixed_batch_attention: bool | None = None
+    """Steps that are not decode-only (prefill chunks beside decode rows) attend with
+    `MixedPagedAttention` (decode rows in one batched call per layer, chunks via SDPA) and, on
+    CUDA with the fused kernels, run the fused step eagerly; False keeps the per-sequence torch
+    loop over the model's own forward. None: on with the triton backend."""
     lora_expand_in_kernels: bool = True
     """With adapters on the fused CUDA path, add the q|k|v and gate|up LoRA expand terms inside
     the RoPE and SwiGLU kernels at small batches (fewer kernels) instead of separate expand
@@ -127,6 +132,13 @@ class EngineConfig:
         if self.static_decode_batches is None:
             return self.resolved_attention_backend == "triton"
         return self.static_decode_batches
+
+    @property
+    def resolved_mixed_batch_attention(self) -> bool:
+        """`mixed_batch_attention` after resolving None."""
+        if self.mixed_batch_attention is None:
+            return self.resolved_attention_backend == "triton"
+        return self.mixed_batch_attention
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """Buckets actually captured: those <= max_num_seqs, plus max_num_seqs when larger."""

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 import torch
 
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
+from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
 from gpu_runtime.engine.fused_ops import LoraRows, rms_norm, rope_and_cache_write, silu_and_mul
 from gpu_runtime.engine.kv_cache import PagedKVCache
@@ -67,13 +68,18 @@ class FusedDecodeForward:
         metadata: AttentionMetadata,
         num_splits: int,
         lora_slots: torch.Tensor | None = None,
+        attention: MixedPagedAttention | None = None,
+        logits_rows: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """`lora_slots` `[B]` (-1: base row): add each row's adapter slot's LoRA terms per
         adapted projection group: the shrink shares the base GEMM when the slots live in the
         model's fused weights (else its own GEMM); the expand is added inside the RoPE and
         SwiGLU kernels (q|k|v, gate|up; small batches) or by one expand-add kernel. Without it
         the step has exactly the base kernels. Outputs of extended GEMMs are strided views;
-        the fused kernels take row strides."""
+        the fused kernels take row strides.
+
+        `attention` (any step: prefill chunks too; positions and cache slots per token): attends
+        instead of the one-query-per-row kernel. `logits_rows`: only these rows get logits."""
         model = self.model
         groups = self.lora_groups if lora_slots is not None else None
         slots = lora_slots
@@ -110,15 +116,18 @@ class FusedDecodeForward:
                 self.head_dim,
                 qkv_rows,
             )  # [B, H, D]
-            out = paged_decode_attention(
-                q,
-                key_cache,
-                value_cache,
-                metadata.block_tables,
-                metadata.seq_lens,
-                self.cache.block_size,
-                num_splits,
-            )
+            if attention is not None:
+                out = attention.attend(index, q)
+            else:
+                out = paged_decode_attention(
+                    q,
+                    key_cache,
+                    value_cache,
+                    metadata.block_tables,
+                    metadata.seq_lens,
+                    self.cache.block_size,
+                    num_splits,
+                )
             o = _group(lora, "o")
             x = lora_linear(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias, o, slots)
             h, residual = rms_norm(x, layer.post_attention_layernorm.weight, self.eps, residual)
@@ -132,6 +141,8 @@ class FusedDecodeForward:
             act = silu_and_mul(gate_up, gu_rows)
             x = lora_linear(act, mlp.down_proj.weight, None, _group(lora, "down"), slots)
         h, _ = rms_norm(x, model.model.norm.weight, self.eps, residual)
+        if logits_rows is not None:
+            h = h.index_select(0, logits_rows)
         return model.compute_logits(h)
 
 

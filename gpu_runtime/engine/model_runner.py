@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
+from gpu_runtime.engine.attention.mixed import DecodeFn, MixedPagedAttention
 from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.cuda_graphs import DecodeGraphs
@@ -107,6 +108,11 @@ class ModelRunner:
         self._lora_graphs: DecodeGraphs | None = None
         self._buckets = config.graph_batch_sizes()
         self.static_decode = config.resolved_static_decode_batches
+        self.mixed_attention = config.resolved_mixed_batch_attention
+        self._num_sms = 1
+        if self.device.type == "cuda":
+            props = torch.cuda.get_device_properties(self.device)
+            self._num_sms = int(props.multi_processor_count)
         self.num_static_decode_steps = 0
         self.num_lora_graph_steps = 0
         """Decode steps with adapters replayed from a LoRA graph."""
@@ -167,6 +173,8 @@ class ModelRunner:
             sampled_ids = [rid for rid, _ in order]
             result.used_cuda_graph = used_graph
             result.batch_bucket = bucket
+        elif self._fused is not None and self.mixed_attention:  # CUDA: the fused step, eagerly
+            logits, sampled_ids = self._general_logits(order, self.model, fused_lora=with_adapters)
         else:
             use_lora = with_adapters and lora is not None and lora.set_batch(order)
             forward = lora.forward if use_lora and lora is not None else self.model
@@ -209,10 +217,14 @@ class ModelRunner:
         return result
 
     def _general_logits(
-        self, order: list[tuple[str, int]], forward: LoraForward | CausalLM
+        self,
+        order: list[tuple[str, int]],
+        forward: LoraForward | CausalLM,
+        fused_lora: bool | None = None,
     ) -> tuple[torch.Tensor, list[str]]:
         """Flattened tokens of `order` through `forward` (the model, or the LoRA forward after
-        `set_batch(order)`); logits `[sampled, vocab]` and the sampled ids."""
+        `set_batch(order)`); logits `[sampled, vocab]` and the sampled ids. `fused_lora` not
+        None: through the fused CUDA step instead (with per-token LoRA slots when True)."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -223,8 +235,11 @@ class ModelRunner:
         rows: list[int] = []
         sample_index: list[int] = []
         sampled_ids: list[str] = []
+        token_slots: list[int] = []
         for rid, count in order:
             state = self.states[rid]
+            if fused_lora:
+                token_slots.extend([state.lora_slot] * count)
             start = state.num_computed_tokens
             end = start + count
             tokens.extend(state.token_ids[start:end])
@@ -248,11 +263,49 @@ class ModelRunner:
             seq_lens_host=seq_lens,
         )
         compute_dtype = torch.float32 if dev.type == "cpu" else None
-        attention = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
+        attention: MixedPagedAttention | TorchPagedAttention
+        if self.mixed_attention:
+            attention = MixedPagedAttention(
+                self.kv_cache, metadata, self._triton_decode_fn(query_lens), compute_dtype
+            )
+        else:
+            attention = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
         ids = torch.tensor(tokens, device=dev)
-        hidden = forward(ids, torch.tensor(positions, device=dev), attention)
         index = torch.tensor(sample_index, dtype=torch.long, device=dev)
+        if fused_lora is not None and self._fused is not None:
+            assert isinstance(attention, MixedPagedAttention)
+            slots = torch.tensor(token_slots, device=dev) if fused_lora else None
+            pos = torch.tensor(positions, device=dev)
+            logits = self._fused(ids, pos, metadata, 1, slots, attention, index)
+            return logits, sampled_ids
+        hidden = forward(ids, torch.tensor(positions, device=dev), attention)
         return self.model.compute_logits(hidden.index_select(0, index)), sampled_ids
+
+    def _triton_decode_fn(self, query_lens: list[int]) -> DecodeFn | None:
+        """The paged-decode kernel for a step's single-query rows (None off CUDA)."""
+        if not self.use_triton:
+            return None
+        from gpu_runtime.engine.attention.triton_decode import (
+            choose_num_splits,
+            paged_decode_attention,
+        )
+
+        rows = sum(1 for n in query_lens if n == 1)
+        splits = choose_num_splits(rows, self.model.config.num_key_value_heads, self._num_sms)
+        block_size = self.block_size
+
+        def decode(
+            q: torch.Tensor,
+            key_cache: torch.Tensor,
+            value_cache: torch.Tensor,
+            tables: torch.Tensor,
+            lens: torch.Tensor,
+        ) -> torch.Tensor:
+            return paged_decode_attention(
+                q, key_cache, value_cache, tables, lens, block_size, splits
+            )
+
+        return decode
 
     # ---- decode fast path (CUDA) ------------------------------------------------------------
     def _init_decode_buffers(self, pin: bool) -> None:
@@ -272,9 +325,6 @@ class ModelRunner:
         self._buf_ints[4].fill_(-1)
         self._buf_seq_lens = torch.zeros(size, dtype=torch.int32, device=dev)
         self._buf_table = torch.zeros(size, width, dtype=torch.int32, device=dev)
-        self._num_sms = 1
-        if dev.type == "cuda":
-            self._num_sms = int(torch.cuda.get_device_properties(dev).multi_processor_count)
         if self.use_triton and self.config.fused_decode_kernels:
             from gpu_runtime.engine.fast_decode import FusedDecodeForward
 

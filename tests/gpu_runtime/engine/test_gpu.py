@@ -103,8 +103,12 @@ def test_fused_ops_match_torch() -> None:
     assert torch.equal(cache[slot_blocks, 1, :, slot_offsets], v_ref)
 
 
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_cuda_graph_engine_logprobs_match_hf_bf16(architecture: str) -> None:
+@pytest.mark.parametrize(
+    ("architecture", "budget"), [("llama", 512), ("qwen2", 512), ("llama", 48)]
+)
+def test_cuda_graph_engine_logprobs_match_hf_bf16(architecture: str, budget: int) -> None:
+    """Budget 48: the long prompts are prefilled in chunks beside the short one's decode rows
+    (mixed steps: fused kernels with `MixedPagedAttention`)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dev = torch.device("cuda")
@@ -134,11 +138,12 @@ def test_cuda_graph_engine_logprobs_match_hf_bf16(architecture: str) -> None:
             block_size=16,
             max_num_seqs=8,
             max_model_len=256,
-            max_num_batched_tokens=512,
+            max_num_batched_tokens=budget,
             device="cuda",
         ),
     )
     assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
+    assert engine.runner.mixed_attention
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77)]
     params = SamplingParams(
