@@ -372,7 +372,7 @@ def calibrate(
     backend: Backend, seconds: float, warm_s: float, ft_seq_len: int, lora_rank: int
 ) -> tuple[OnlineLatencyModel, list[IterationRecord], dict[str, Any]]:
     """Fit Harli's stage-1/2 model from a separate seeded high-load trace driven by
-    `CalibrationPolicy`: decode alone on the least-sampled split, then 1- and 2-example quanta
+    `CalibrationPolicy`: decode alone on the least-sampled split, then 1-, 2- and 4-example quanta
     beside decode on the least-sampled split, until every split has its samples or ``seconds``
     passed. Before it, a discarded warm-up of ``warm_s`` s uses every split's streams once
     (prefill, decode and a quantum), so first-use costs do not land in the samples."""
@@ -388,7 +388,9 @@ def calibrate(
         )
         info["warmup"] = {"seconds": round(e - s, 2), "iterations": len(got), **warm.counts()}
     model = OnlineLatencyModel(min_samples=6)
-    policy = CalibrationPolicy(solo_target=16, beside_target=8, solo_s=seconds * 0.5)
+    policy = CalibrationPolicy(
+        solo_target=40, beside_target=24, solo_s=seconds * 0.5, quantum_examples=QUANTUM_EXAMPLES
+    )
     spec = preset("high", duration_s=seconds)
     records, s, e = backend.run(
         policy, generate(spec, seed=999), seconds, 1e9, True, stop=lambda _: policy.done
@@ -775,7 +777,7 @@ def main() -> None:
     harli_latency: DecodeLatencyModel = latency
     info["harli_predictor"] = (
         "OnlineLatencyModel fitted in this run from a calibration phase (separate seeded "
-        "high-load trace: decode alone on the least-sampled split, then 1- and 2-example quanta "
+        "high-load trace: decode alone on the least-sampled split, then 1-, 2-, 4-example quanta "
         "beside decode on every split), updated online during Harli's runs"
     )
     artifact: Any = None
