@@ -964,9 +964,19 @@ def compare(rows: list[dict[str, Any]], traces: list[str]) -> dict[str, Any]:
                 entry["harli_over_best_baseline"] = round(ratio, 3)
                 ratios.append(ratio)
         per_trace[trace] = entry
+    mean_ratio = round(statistics.mean(ratios), 3) if ratios else None
+    low = per_trace.get("low", {}).get("harli_solo_fraction")
     return {
         "per_trace": per_trace,
-        "mean_harli_over_best_baseline": round(statistics.mean(ratios), 3) if ratios else None,
+        "mean_harli_over_best_baseline": mean_ratio,
+        "ratio_traces": len(ratios),
+        "targets": {
+            "harli_attainment_ge_0.99_every_trace": all(
+                e.get("harli_meets_99") for e in per_trace.values()
+            ),
+            "mean_over_best_baseline_ge_1.46": mean_ratio is not None and mean_ratio >= 1.46,
+            "low_load_solo_fraction_ge_0.6": low is not None and low >= 0.6,
+        },
     }
 
 
@@ -989,6 +999,7 @@ def print_table(rows: list[dict[str, Any]], comparisons: dict[str, Any], slo_ms:
     for trace, entry in comparisons["per_trace"].items():
         print(f"{trace}: {entry}")
     print(f"mean harli / best baseline (>=99%): {comparisons['mean_harli_over_best_baseline']}")
+    print(f"targets: {comparisons['targets']}")
 
 
 def _profile_gpu(path: str) -> str:
