@@ -168,6 +168,7 @@ class Profiler:
             self.prefill_choices = (0, 0, 0, 0, 64, 256, 512)
         else:
             raise ValueError(f"unknown decode source {source!r}; expected engine or standin")
+        self.stage2_prefill_choices: tuple[int, ...] | None = None  # None: prefill_choices
         self.sharing = sharing
         self.iters = iters
         self.trees: dict[int, Any] = {}
@@ -224,10 +225,13 @@ class Profiler:
         self.rows.append(row)
         return row
 
-    def stage1_sample(self, rng: random.Random) -> tuple[Any, ...]:
+    def stage1_sample(
+        self, rng: random.Random, prefill_choices: tuple[int, ...] | None = None
+    ) -> tuple[Any, ...]:
         """Capture and time one random decode configuration alone; returns what stage 2 needs."""
         decode_sms = rng.choice(self.sharing.table.choices)
-        contexts, prefill = sample_decode(rng, self.decode.max_kv_tokens, self.prefill_choices)
+        choices = self.prefill_choices if prefill_choices is None else prefill_choices
+        contexts, prefill = sample_decode(rng, self.decode.max_kv_tokens, choices)
         ds, fs = self.sharing.partition(decode_sms)
         self._log(
             f"capture sms={decode_sms} batch={len(contexts)} max={max(contexts)} prefill={prefill}"
@@ -241,7 +245,9 @@ class Profiler:
 
     def stage2_sample(self, rng: random.Random) -> None:
         """One decode configuration beside a random LoRA quantum, forward then backward."""
-        graph, decode_sms, contexts, prefill, decode_ms = self.stage1_sample(rng)
+        graph, decode_sms, contexts, prefill, decode_ms = self.stage1_sample(
+            rng, self.stage2_prefill_choices
+        )
         tokens, seq_len, rank = sample_finetune(rng)
         ds, fs = self.sharing.partition(decode_sms)
         info = self.sharing.info(decode_sms)
@@ -367,7 +373,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="llama3-8b")
     parser.add_argument("--out", default="predictor_models/data")
-    parser.add_argument("--stages", default="12", help="which stages to run: 1, 2 or 12")
+    parser.add_argument(
+        "--stages", default="12", help="which stages to run, in order: 1, 2, 12 or 21"
+    )
     parser.add_argument("--stage1-s", type=float, default=50.0)
     parser.add_argument("--stage2-s", type=float, default=70.0)
     parser.add_argument("--iters", type=int, default=12)
@@ -379,6 +387,9 @@ def main() -> None:
         default=None,
         help="comma-separated prefill-chunk sizes drawn per sample (default: engine 0; "
         "standin 0,0,0,0,64,256,512)",
+    )
+    parser.add_argument(
+        "--stage2-prefill-choices", default=None, help="the same for stage 2 (default: as stage 1)"
     )
     parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--trace", action="store_true", help="print each step of each sample")
@@ -394,6 +405,10 @@ def main() -> None:
     profiler.trace = args.trace
     if args.prefill_choices:
         profiler.prefill_choices = tuple(int(p) for p in args.prefill_choices.split(","))
+    if args.stage2_prefill_choices:
+        profiler.stage2_prefill_choices = tuple(
+            int(p) for p in args.stage2_prefill_choices.split(",")
+        )
     props = torch.cuda.get_device_properties(device)
     gpu = props.name.split()[-1].lower()
     stem = f"profile-{gpu}-{args.model}{'-' + args.tag if args.tag else ''}"
@@ -415,6 +430,7 @@ def main() -> None:
         "seed": args.seed,
         "stages": args.stages,
         "prefill_choices": list(profiler.prefill_choices),
+        "stage2_prefill_choices": list(profiler.stage2_prefill_choices or profiler.prefill_choices),
         "budgets_s": [args.stage1_s, args.stage2_s],
         "fields": list(ROW_FIELDS),
         "errors": [],
@@ -425,9 +441,9 @@ def main() -> None:
     rng = random.Random(args.seed * 1000 + int(args.stages))
     errors: list[str] = []
     meta["errors"] = errors
-    for stage, budget in ((1, args.stage1_s), (2, args.stage2_s)):
-        if str(stage) not in args.stages:
-            continue
+    budgets = {1: args.stage1_s, 2: args.stage2_s}
+    for stage in [int(c) for c in args.stages if c in "12"]:  # in the order given ("21")
+        budget = budgets[stage]
         deadline = time.monotonic() + budget
         while time.monotonic() < deadline and len(errors) <= 20:
             try:
