@@ -91,6 +91,38 @@ def time_steps(engine: Engine, steps: int, batch: int, device: torch.device) -> 
     return times
 
 
+def time_mixed_steps(
+    engine: Engine, decode_rows: int, prompt_len: int, device: torch.device, iters: int = 5
+) -> dict[str, list[float]]:
+    """Wall ms of steps that prefill a new `prompt_len`-token request beside the running decode
+    rows (first `decode_rows` are kept running; the new request stops after one token), with
+    `MixedPagedAttention` + fused kernels and with the previous per-sequence path."""
+    from gpu_runtime.engine import SamplingParams
+
+    runner = engine.runner
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.8, ignore_eos=True, detokenize=False)
+    gen = torch.Generator().manual_seed(7)
+    for extra in engine.scheduler.running[decode_rows:]:  # type: ignore[attr-defined]
+        engine.abort_request(extra.request_id)
+    result: dict[str, list[float]] = {}
+    for system, mixed in (("harli_mixed_step", True), ("harli_mixed_step_old", False)):
+        runner.mixed_attention = mixed
+        times = []
+        for i in range(iters if mixed else 2):
+            engine.add_request(
+                torch.randint(0, vocab, (prompt_len,), generator=gen).tolist(), params
+            )
+            sync(device)
+            start = time.perf_counter()
+            outputs = engine.step()
+            times.append((time.perf_counter() - start) * 1e3)
+            assert len(outputs) == decode_rows + 1, (system, i, len(outputs))
+        result[system] = times
+    runner.mixed_attention = True
+    return result
+
+
 def replay_ms(replay: Any, steps: int) -> list[float]:
     """CUDA-event times of `replay()`."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -176,6 +208,7 @@ def run_targets(
     adapter_root: Path,
     profile: bool = False,
     mode: str = "shared+kernels",
+    mixed_step_rows: bool = False,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Rows for one target set: base, adapters, mixed (+ the previous eager path).
     `mode` (`MODES`): "shared": the slots' A rows sit below the fused weights (one GEMM per
@@ -189,7 +222,7 @@ def run_targets(
     for i, adapter_name in enumerate(names):
         if not (adapter_root / adapter_name).exists():
             write_adapter(adapter_root / adapter_name, model.config, spec, seed=i)
-    per_seq = -(-(context + warmup + 2 * steps + 8) // 16)
+    per_seq = -(-(context + warmup + 2 * steps + 20) // 16)
     config = EngineConfig(
         num_kv_blocks=batch * per_seq * 2 + 16,
         block_size=16,
@@ -224,7 +257,7 @@ def run_targets(
             for i in range(batch)
         ]
         seed = 10 * sorted(TARGETS).index(targets) + MIXES.index(mix)
-        max_tokens = warmup + 2 * steps + 2
+        max_tokens = warmup + 2 * steps + 12  # + the mixed steps
         ids = inject(engine, batch, context, max_tokens, seed, lora_names)
         for _ in range(warmup):
             engine.step()
@@ -238,6 +271,9 @@ def run_targets(
             runner.sampler.fused = False
             torch_sampler_ms = time_steps(engine, steps, batch, device)
             runner.sampler.fused = True
+        mixed_steps: dict[str, list[float]] = {}
+        if mix == "base" and mixed_step_rows:
+            mixed_steps = time_mixed_steps(engine, batch - 1, context, device)
         graphs = runner._lora_graphs if mix != "base" else runner._graphs
         graph_ms: list[float] = []
         if graphs is not None and graphs.has(batch):
@@ -265,6 +301,20 @@ def run_targets(
             "raw_step_ms": [round(x, 4) for x in step_ms],
         }
         rows.append(row)
+        for system, times in mixed_steps.items():
+            rows.append(
+                {
+                    "system": system,
+                    "targets": "-",
+                    "mix": "base",
+                    "adapter_rows": 0,
+                    "tpot_ms_p50": round(statistics.median(times), 4),
+                    "tpot_ms_p99": round(percentile(times, 99), 4),
+                    "graph_replay_ms_p50": None,
+                    "note": f"one step: {batch - 1} decode rows + a {context}-token prefill "
+                    "chunk (new request); _old: per-sequence torch attention loop, unfused model",
+                }
+            )
         if torch_sampler_ms:
             rows.append(
                 {
@@ -385,6 +435,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="kernel times per step")
     parser.add_argument("--modes", default=",".join(MODES), help=f"subset of {MODES}")
+    parser.add_argument(
+        "--mixed-steps", action="store_true", help="also time decode+prefill-chunk steps once"
+    )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
     args = parser.parse_args()
@@ -421,6 +474,7 @@ def main() -> None:
                 adapter_root=Path(tmp),
                 profile=args.profile,
                 mode=mode,
+                mixed_step_rows=args.mixed_steps and not rows,
             )
             rows.extend({"model": args.model} | r for r in target_rows)
             result = {
