@@ -171,6 +171,9 @@ class _Phase:
         self.memory.finetune_busy = lambda: executor.in_flight is not None
         self.memory.wait_for_finetune = lambda: executor.wait()
         self.memory.manager.set_finetune_demand(pool.num_pages * pool.page_bytes)
+        # A reclaim that must flush drops the trainer's CUDA graphs first (their private pool
+        # is not returned by a cache flush).
+        pool.before_flush = trainer.release_cuda_graphs
         return loop, loop.add_job("ft", trainer)
 
     # ---- the drive --------------------------------------------------------------------------

@@ -108,10 +108,20 @@ class HostMemory:
 
     def bind_loop(self, loop: Any) -> None:
         """Let the pool see the loop's in-flight quantum (`HostLoop.executor`): reclaims then
-        happen between quanta and never cut a running quantum's budget."""
+        happen between quanta and never cut a running quantum's budget; a reclaim that must
+        flush the finetune cache first drops the loop's trainers' CUDA graphs."""
         executor = loop.executor
         self.memory.finetune_busy = lambda: executor.in_flight is not None
         self.memory.wait_for_finetune = lambda: executor.wait()
+
+        def release_graphs() -> None:  # a flush cannot return CUDA graphs' private pools
+            for job_id in loop.job_ids:
+                trainer = loop.job_state(job_id).trainer
+                release = getattr(trainer, "release_cuda_graphs", None)
+                if release is not None:
+                    release()
+
+        self.pool.before_flush = release_graphs
 
     def set_finetune_jobs(self, count: int) -> None:
         """`count` finetune jobs on the loop: with any, finetuning may borrow every page decode

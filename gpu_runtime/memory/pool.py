@@ -15,6 +15,7 @@ when to move them is `MemoryManager`'s (policy) business.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -54,6 +55,10 @@ class PagePool:
                 f"pinned tail of {tail} pages leaves nothing of {backend.num_pages} pages"
             )
         self._backend = backend
+        self.before_flush: Callable[[], object] | None = None
+        """Called right before a reclaim flushes the finetune allocator's cache: drop what a
+        flush cannot return, e.g. the finetune side's CUDA graphs, whose private memory pool
+        stays reserved while they exist (`LoraTrainer.release_cuda_graphs`)."""
         self._decode_pages = 0
         self._finetune_pages = 0
         self._tail_pages = tail
@@ -191,6 +196,8 @@ class PagePool:
         self._backend.set_finetune_cap(self.finetune_budget_bytes)
         if self._backend.finetune_reserved_bytes() <= self.finetune_budget_bytes:
             return False
+        if self.before_flush is not None:
+            self.before_flush()
         reserved = self._backend.release_finetune_cache()
         if reserved > self.finetune_budget_bytes:
             logger.warning(

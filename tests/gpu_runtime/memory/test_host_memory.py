@@ -56,6 +56,7 @@ def test_host_memory_wires_engine_and_loop_and_returns_the_budget(model: CausalL
     loop = HostLoop(engine, NaivePolicy(quantum_examples=1), tpot_slo_ms=1e9, memory=host.memory)
     host.bind_loop(loop)
     assert host.memory.finetune_busy is not None and not host.memory.finetune_busy()
+    assert host.pool.before_flush is not None
 
     examples = [
         TokenizedExample(tuple(ids), tuple(ids))
@@ -64,7 +65,12 @@ def test_host_memory_wires_engine_and_loop_and_returns_the_budget(model: CausalL
     hparams = resolve_hyperparameters(
         n_train_examples=4, n_epochs=2, batch_size=2, lora=LoraSpec(rank=4, alpha=8), seed=0
     )
-    loop.add_job("ft", LoraTrainer(model, examples, hparams))
+    trainer = LoraTrainer(model, examples, hparams)
+    released: list[int] = []
+    trainer.release_cuda_graphs = lambda: released.append(1)  # type: ignore[method-assign]
+    loop.add_job("ft", trainer)
+    host.pool.before_flush()  # a flush first drops every job's CUDA graphs
+    assert released == [1]
     host.set_finetune_jobs(1)
     ids = [loop.add_request(p, GREEDY) for p in prompts]
     finished: dict[str, list[int]] = {}

@@ -116,10 +116,14 @@ def test_pool_ledger_moves_pages_between_owners() -> None:
     assert pool.finetune_reclaimable_pages() == 3
     with pytest.raises(MemoryPoolError, match="held by live finetune tensors"):
         pool.reclaim_from_finetune(4)
+    flushes: list[int] = []
+    pool.before_flush = lambda: flushes.append(pool.backend.finetune_reserved_bytes())
     assert pool.reclaim_from_finetune(3)  # the allocator held 6 pages: over 3, flushed
     assert pool.backend.finetune_reserved_bytes() == 3 * PAGE
+    assert flushes == [6 * PAGE]  # the hook ran before the flush
     pool.lend_to_finetune(2)
     assert not pool.reclaim_from_finetune(1)  # holds 3 of a 4-page budget: nothing to flush
+    assert len(flushes) == 1
     assert pool.backend.finetune_reserved_bytes() == 3 * PAGE and pool.finetune_pages == 4
     pool.reclaim_from_finetune(1)
     pool.shrink_decode(2)
