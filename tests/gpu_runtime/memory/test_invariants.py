@@ -153,6 +153,8 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
     def decode_iteration(self, finetune_busy: bool) -> None:
         growing = [r for r in self.running if len(r.blocks) < r.total_blocks]
         waiting_blocks = sum(r.prompt_blocks for r in self.waiting)
+        if not finetune_busy:  # between quanta: the reserve refill (EngineMemory.before_decode)
+            self.binding.refill(waiting_blocks=waiting_blocks)
         grant = self.binding.before_step(
             next_step_blocks=len(growing), waiting_blocks=waiting_blocks
         )
