@@ -25,10 +25,11 @@ import numpy as np
 import torch
 
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
-from gpu_runtime.engine.attention.mixed import DecodeFn, MixedPagedAttention
+from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.cuda_graphs import DecodeGraphs
+from gpu_runtime.engine.flat_batch import flatten_step
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.lora import LoraForward, LoraRuntime
 from gpu_runtime.engine.request import SamplingParams, TokenLogprob
@@ -225,87 +226,32 @@ class ModelRunner:
         """Flattened tokens of `order` through `forward` (the model, or the LoRA forward after
         `set_batch(order)`); logits `[sampled, vocab]` and the sampled ids. `fused_lora` not
         None: through the fused CUDA step instead (with per-token LoRA slots when True)."""
-        bs = self.block_size
-        tokens: list[int] = []
-        positions: list[int] = []
-        blocks: list[int] = []
-        offsets: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        rows: list[int] = []
-        sample_index: list[int] = []
-        sampled_ids: list[str] = []
-        token_slots: list[int] = []
-        for rid, count in order:
-            state = self.states[rid]
-            if fused_lora:
-                token_slots.extend([state.lora_slot] * count)
-            start = state.num_computed_tokens
-            end = start + count
-            tokens.extend(state.token_ids[start:end])
-            span = range(start, end)
-            positions.extend(span)
-            blocks.extend(state.block_ids[p // bs] for p in span)
-            offsets.extend(p % bs for p in span)
-            query_lens.append(count)
-            seq_lens.append(end)
-            rows.append(state.row)
-            if end == len(state.token_ids):
-                sample_index.append(len(tokens) - 1)
-                sampled_ids.append(rid)
+        flat = flatten_step(order, self.states, self.block_size, bool(fused_lora))
         dev = self.device
-        metadata = AttentionMetadata(
-            slot_blocks=torch.tensor(blocks, device=dev),
-            slot_offsets=torch.tensor(offsets, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=self._table_cpu[rows].to(dev),
-            query_lens_host=query_lens,
-            seq_lens_host=seq_lens,
-        )
+        metadata = flat.metadata(self._table_cpu, dev)
         compute_dtype = torch.float32 if dev.type == "cpu" else None
         attention: MixedPagedAttention | TorchPagedAttention
         if self.mixed_attention:
-            attention = MixedPagedAttention(
-                self.kv_cache, metadata, self._triton_decode_fn(query_lens), compute_dtype
-            )
+            decode_fn = None
+            if self.use_triton:
+                from gpu_runtime.engine.attention.triton_decode import paged_decode_fn
+
+                rows = sum(1 for n in flat.query_lens if n == 1)
+                kv_heads = self.model.config.num_key_value_heads
+                decode_fn = paged_decode_fn(self.block_size, rows, kv_heads, self._num_sms)
+            attention = MixedPagedAttention(self.kv_cache, metadata, decode_fn, compute_dtype)
         else:
             attention = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
-        ids = torch.tensor(tokens, device=dev)
-        index = torch.tensor(sample_index, dtype=torch.long, device=dev)
+        ids = torch.tensor(flat.tokens, device=dev)
+        positions = torch.tensor(flat.positions, device=dev)
+        index = torch.tensor(flat.sample_index, dtype=torch.long, device=dev)
         if fused_lora is not None and self._fused is not None:
             assert isinstance(attention, MixedPagedAttention)
-            slots = torch.tensor(token_slots, device=dev) if fused_lora else None
-            pos = torch.tensor(positions, device=dev)
-            logits = self._fused(ids, pos, metadata, 1, slots, attention, index)
-            return logits, sampled_ids
-        hidden = forward(ids, torch.tensor(positions, device=dev), attention)
-        return self.model.compute_logits(hidden.index_select(0, index)), sampled_ids
-
-    def _triton_decode_fn(self, query_lens: list[int]) -> DecodeFn | None:
-        """The paged-decode kernel for a step's single-query rows (None off CUDA)."""
-        if not self.use_triton:
-            return None
-        from gpu_runtime.engine.attention.triton_decode import (
-            choose_num_splits,
-            paged_decode_attention,
-        )
-
-        rows = sum(1 for n in query_lens if n == 1)
-        splits = choose_num_splits(rows, self.model.config.num_key_value_heads, self._num_sms)
-        block_size = self.block_size
-
-        def decode(
-            q: torch.Tensor,
-            key_cache: torch.Tensor,
-            value_cache: torch.Tensor,
-            tables: torch.Tensor,
-            lens: torch.Tensor,
-        ) -> torch.Tensor:
-            return paged_decode_attention(
-                q, key_cache, value_cache, tables, lens, block_size, splits
-            )
-
-        return decode
+            slots = torch.tensor(flat.token_slots, device=dev) if fused_lora else None
+            logits = self._fused(ids, positions, metadata, 1, slots, attention, index)
+            return logits, flat.sampled_ids
+        hidden = forward(ids, positions, attention)
+        return self.model.compute_logits(hidden.index_select(0, index)), flat.sampled_ids
 
     # ---- decode fast path (CUDA) ------------------------------------------------------------
     def _init_decode_buffers(self, pin: bool) -> None:

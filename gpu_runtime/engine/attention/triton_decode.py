@@ -10,6 +10,8 @@ CUDA-graph safe.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -232,6 +234,24 @@ def paged_decode_attention(
             num_warps=4,
         )
     return out
+
+
+def paged_decode_fn(
+    block_size: int, rows: int, num_kv_heads: int, num_sms: int
+) -> Callable[..., torch.Tensor]:
+    """A `mixed.DecodeFn` running `paged_decode_attention` for `rows` single-query rows."""
+    splits = choose_num_splits(rows, num_kv_heads, num_sms)
+
+    def decode(
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        tables: torch.Tensor,
+        lens: torch.Tensor,
+    ) -> torch.Tensor:
+        return paged_decode_attention(q, key_cache, value_cache, tables, lens, block_size, splits)
+
+    return decode
 
 
 class TritonDecodeAttention:
