@@ -61,6 +61,11 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--memory-gb", type=float, default=16.0, help="host memory to report on CPU")
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--memory-pool", choices=["auto", "on", "off"], default="auto",
+                   help="unified KV/finetune memory pool (auto: on CUDA devices)")  # fmt: skip
+    p.add_argument("--memory-pool-gb", type=float, default=None,
+                   help="pool size (CPU: required with --memory-pool on; CUDA: default "
+                   "free device memory less 4 GiB)")  # fmt: skip
     p.add_argument("--lora-slots", type=int, default=8, help="adapters resident at once")
     p.add_argument("--lora-max-rank", type=int, default=64, help="largest adapter rank served")
     args = p.parse_args(argv)
@@ -87,6 +92,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len,
             lora_slots=args.lora_slots,
+            memory_pool={"auto": None, "on": True, "off": False}[args.memory_pool],
+            memory_pool_bytes=int(args.memory_pool_gb * GIB) if args.memory_pool_gb else None,
             predictor_path=Path(args.predictor) if args.predictor else None,
             lora_max_rank=args.lora_max_rank,
             broker_dir=Path(args.broker_dir) if args.broker_dir else None,
@@ -152,8 +159,10 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
         dtype=config.dtype,
         lora_slots=config.lora_slots,
         lora_max_rank=config.lora_max_rank,
+        memory_pool=config.memory_pool,
+        pool_bytes=config.memory_pool_bytes,
     )
-    engine = spec.build(model_dir)
+    serving = spec.build(model_dir)
     options = broker_transport_options(config.broker_url, config.broker_dir)
     sender = ReportSender(config.broker_url, options)
     sender.start()
@@ -161,7 +170,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
     runtime = HostRuntime(
         host=config.host,
         base_model=config.base_model,
-        engine=engine,
+        serving=serving,
         engine_spec=spec,
         policy=functools.partial(build_policy, config.policy),
         tpot_slo_ms=config.tpot_slo_ms,

@@ -55,6 +55,10 @@ class AgentConfig:
     """Adapters resident on the device at once (more are served, swapped in LRU order)."""
     lora_max_rank: int = 64
     """Largest adapter rank served; a job trained with a larger rank cannot be called here."""
+    memory_pool: bool | None = None
+    """Unified KV/finetune memory pool: None = on CUDA devices only."""
+    memory_pool_bytes: int | None = None
+    """The pool's size; required for a pool on CPU, on CUDA None = free memory less 4 GiB."""
     predictor_path: Path | None = None
     """Latency predictor artifact (directory or root); None: no predictor."""
     broker_dir: Path | None = None
@@ -79,6 +83,10 @@ class AgentConfig:
             (self.memory_bytes > 0, f"memory_bytes must be > 0, got {self.memory_bytes}"),
             (self.lora_slots >= 1, f"lora_slots must be >= 1, got {self.lora_slots}"),
             (self.lora_max_rank >= 1, f"lora_max_rank must be >= 1, got {self.lora_max_rank}"),
+            (
+                not (self.memory_pool and self.device == "cpu" and not self.memory_pool_bytes),
+                "a memory pool on the CPU needs its size (--memory-pool-gb)",
+            ),
             (
                 not self.broker_url.startswith("filesystem://") or self.broker_dir is not None,
                 "a filesystem:// broker needs broker_dir (--broker-dir or HARLI_BROKER_DIR)",

@@ -32,7 +32,7 @@ from gpu_runtime.agent.reporting import (
     kv_bytes_per_block,
     weights_bytes,
 )
-from gpu_runtime.agent.serving import EngineSpec, lora_runtime
+from gpu_runtime.agent.serving import EngineSpec, ServingEngine, lora_runtime
 from gpu_runtime.agent.training import HostJobs
 from gpu_runtime.colocation import (
     CoLocationPolicy,
@@ -61,7 +61,7 @@ class HostRuntime:
         *,
         host: str,
         base_model: str,
-        engine: Engine,
+        serving: ServingEngine,
         engine_spec: EngineSpec,
         policy: PolicyFactory,
         tpot_slo_ms: float,
@@ -79,13 +79,12 @@ class HostRuntime:
         without (heartbeats then carry no predictor and the measured harvest rate)."""
         self.host = host
         self.base_model = base_model
-        self._engine = engine
         self.engine_spec = engine_spec
         self.policy_factory = policy
         self.predictor_path = predictor_path
         self.tpot_slo_ms = tpot_slo_ms
         self.aggregator = MetricsAggregator(tpot_slo_ms)
-        self._use_engine(engine)
+        self._use_engine(serving)
         self.adapters = HostAdapters(storage, work_dir)
         self.storage = storage
         self.work_dir = Path(work_dir)
@@ -102,9 +101,11 @@ class HostRuntime:
         self._status = self._snapshot()
         self._next_metrics = time.monotonic() + metrics_interval_s
 
-    def _use_engine(self, engine: Engine) -> None:
-        """Predictor, policy, loop and sizes for `engine` (at start, and for a new base model)."""
-        self._engine = engine
+    def _use_engine(self, serving: ServingEngine) -> None:
+        """Predictor, policy, loop and sizes for an engine (at start, and for a new base model);
+        the loop borrows finetune memory from the engine's pool when it has one."""
+        engine = self._engine = serving.engine
+        self.host_memory = serving.memory
         self.predictor = None
         if self.predictor_path is not None:
             try:
@@ -119,7 +120,10 @@ class HostRuntime:
             tpot_slo_ms=self.tpot_slo_ms,
             metrics_sink=self._on_record,
             output_sink=self._outputs_sink,
+            memory=serving.memory.memory if serving.memory is not None else None,
         )
+        if serving.memory is not None:
+            serving.memory.bind_loop(self.loop)
         self.weights_bytes = weights_bytes(engine)
         self.kv_bytes_per_block = kv_bytes_per_block(engine)
         parameters = sum(p.numel() for p in engine.runner.model.parameters())
@@ -184,6 +188,14 @@ class HostRuntime:
 
     def close(self) -> None:
         self.loop.close()
+        if self.host_memory is not None:
+            self.host_memory.close()
+
+    def jobs_changed(self) -> None:
+        """A job was added to or removed from the loop: the pool lends only while one exists."""
+        if self.host_memory is not None:
+            self.host_memory.set_finetune_jobs(len(self.loop.job_ids))
+        self.refresh_status()
 
     def _outputs_sink(self, outputs: list[RequestOutput]) -> None:
         self._outputs.extend(outputs)
@@ -228,10 +240,19 @@ class HostRuntime:
         else:
             logger.error("cannot load base model %s: no model directory given", name)
             return
-        engine = self.engine_spec.build(directory)
-        self.loop.close()
+        if self.host_memory is not None:  # the new model's weights need the old pool's memory
+            self.loop.close()
+            self.host_memory.close()
+        try:
+            serving = self.engine_spec.build(directory)
+        except Exception:
+            if self.host_memory is not None and self.base_model_path:  # serve the old one again
+                self._use_engine(self.engine_spec.build(Path(self.base_model_path)))
+            raise
+        if self.host_memory is None:
+            self.loop.close()
         self.base_model, self.base_model_path = name, str(directory)
-        self._use_engine(engine)
+        self._use_engine(serving)
         self.adapters.forget()  # adapters of the old base model do not apply to the new one
 
     def refresh_status(self) -> None:
@@ -248,14 +269,22 @@ class HostRuntime:
             return int(self.loop.memory.lent_bytes())
         return self.jobs.adapter_state_bytes()
 
-    def _snapshot(self) -> HostSnapshot:
+    def _free_bytes(self) -> int:
+        """Memory a new job's finetune tensors could use: the pool's pages decode does not
+        hold, less what jobs already took; without a pool, what weights, the KV cache and the
+        jobs' adapter state leave of the device."""
+        if self.host_memory is not None:
+            split = self.host_memory.split()
+            return split.pool_bytes - split.decode_bytes - split.finetune_reserved_bytes
         kv_total = self._engine.config.num_kv_blocks * self.kv_bytes_per_block
-        free = self.total_bytes - self.weights_bytes - kv_total
+        return self.total_bytes - self.weights_bytes - kv_total - self._lent_bytes()
+
+    def _snapshot(self) -> HostSnapshot:
         return HostSnapshot(
             base_model=self.base_model,
             placements=sorted(run.placement_id for run in self.jobs.runs.values()),
             adapters=lora_runtime(self._engine).names(),
-            free_bytes=max(0, free - self._lent_bytes()),
+            free_bytes=max(0, self._free_bytes()),
             total_bytes=self.total_bytes,
             harvest=self.harvest.estimate,
             draining=self._draining,

@@ -1,5 +1,12 @@
 """The host's one serving engine per base model: weights, KV cache and the LoRA runtime that
-serves every finished adapter by name in the same batches as base-model requests."""
+serves every finished adapter by name in the same batches as base-model requests.
+
+With the unified memory pool (`gpu_runtime.memory`; by default on CUDA, on request on CPU), the
+KV cache is a view of the pool's reserved range and finetune tensors borrow the pages decode
+does not need: the engine is built from the pool's `EngineConfig` and storage factory, its CUDA
+graphs are captured, then the pool is told decode is ready. Without it (CPU by default) the KV
+cache is a plain tensor of `num_kv_blocks` blocks, as before.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +15,16 @@ from pathlib import Path
 
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.memory import HostMemory, build_host_memory
 from gpu_runtime.model.loader import load_model, load_tokenizer
+
+
+@dataclass(frozen=True)
+class ServingEngine:
+    """An engine and, when it has one, the unified pool its KV cache lives in."""
+
+    engine: Engine
+    memory: HostMemory | None
 
 
 @dataclass(frozen=True)
@@ -24,6 +40,11 @@ class EngineSpec:
     """Adapters resident on the device at once (more are served, swapped in LRU order)."""
     lora_max_rank: int = 64
     """Largest adapter rank the slots hold; a request for a larger one is refused (HTTP 400)."""
+    memory_pool: bool | None = None
+    """Use the unified memory pool; None: on CUDA devices only."""
+    pool_bytes: int | None = None
+    """The pool's size (required on CPU; on CUDA None takes the free device memory less the
+    room decode's own allocations need)."""
 
     def __post_init__(self) -> None:
         if self.lora_slots < 1 or self.lora_max_rank < 1:
@@ -31,22 +52,49 @@ class EngineSpec:
                 f"lora_slots and lora_max_rank must be >= 1, got {self.lora_slots}, "
                 f"{self.lora_max_rank}"
             )
+        if self.uses_pool and not self.config.is_cuda and not self.pool_bytes:
+            raise ValueError(f"a memory pool on {self.config.device} needs pool_bytes")
 
-    def build(self, model_dir: Path) -> Engine:
+    @property
+    def uses_pool(self) -> bool:
+        return self.config.is_cuda if self.memory_pool is None else self.memory_pool
+
+    def build(self, model_dir: Path) -> ServingEngine:
         """Load `model_dir` and return its engine, with a `MultiLoraRuntime` as `engine.lora`
-        over the same model object (the finetune trees of this host share its weights too)."""
+        over the same model object (the finetune trees of this host share its weights too),
+        and its pool when `uses_pool`."""
         model = load_model(model_dir, device=self.config.device, dtype=self.dtype)
         config = replace(
             self.config,
             max_model_len=min(self.config.max_model_len, model.config.max_position_embeddings),
         )
-        lora = MultiLoraRuntime(
+        lora = MultiLoraRuntime(  # before the pool: its slots are decode's memory
             model,
             max_tokens=config.max_num_batched_tokens,
             num_slots=self.lora_slots,
             max_rank=self.lora_max_rank,
         )
-        return Engine(model, config, tokenizer=load_tokenizer(model_dir), lora=lora)
+        tokenizer = load_tokenizer(model_dir)
+        if not self.uses_pool:
+            engine = Engine(model, config, tokenizer=tokenizer, lora=lora)
+            engine.capture_cuda_graphs()
+            return ServingEngine(engine, None)
+        memory = build_host_memory(model, config, pool_bytes=self.pool_bytes)
+        try:
+            engine = Engine(
+                model,
+                memory.engine_config,
+                tokenizer=tokenizer,
+                lora=lora,
+                kv_storage_factory=memory.storage_factory,
+            )
+            memory.attach(engine)
+            engine.capture_cuda_graphs()  # graphs bake in KV addresses; the range never moves
+            memory.decode_ready()
+        except Exception:
+            memory.close()
+            raise
+        return ServingEngine(engine, memory)
 
 
 def lora_runtime(engine: Engine) -> MultiLoraRuntime:

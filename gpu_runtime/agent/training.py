@@ -67,7 +67,7 @@ class HostJobs:
         run.started_at = time.monotonic()
         self.host.loop.add_job(job_id, run.trainer)
         self.runs[job_id] = run
-        self.host.refresh_status()
+        self.host.jobs_changed()
         self.host.report(
             "job_started",
             placement_id=placement_id,
@@ -120,7 +120,7 @@ class HostJobs:
         if run.job_id in self.host.loop.job_ids:
             self.host.loop.remove_job(run.job_id)
         self.runs.pop(run.job_id, None)
-        self.host.refresh_status()
+        self.host.jobs_changed()
 
     def after_iteration(self, record: IterationRecord) -> None:
         for quantum in record.quanta:

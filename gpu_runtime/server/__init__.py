@@ -1,9 +1,17 @@
-"""OpenAI-compatible inference server over the decode engine."""
+"""OpenAI-compatible inference server over the decode engine.
 
-from gpu_runtime.server.app import AdapterLookup, create_app
+`EngineLoop`, the step drivers, key grants and metrics import without FastAPI (a host agent's
+engine thread needs only them); `create_app` loads the web stack on first use.
+"""
+
+from typing import TYPE_CHECKING, Any
+
 from gpu_runtime.server.auth import ApiKeyChecker, KeyGrant, keys_from_env, static_key_checker
 from gpu_runtime.server.engine_loop import EngineDriver, EngineLoop, StepDriver
 from gpu_runtime.server.metrics import MetricsCollector, RequestMetrics
+
+if TYPE_CHECKING:
+    from gpu_runtime.server.app import AdapterLookup, create_app
 
 __all__ = [
     "AdapterLookup",
@@ -18,3 +26,11 @@ __all__ = [
     "keys_from_env",
     "static_key_checker",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("create_app", "AdapterLookup"):
+        from gpu_runtime.server import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module 'gpu_runtime.server' has no attribute {name!r}")

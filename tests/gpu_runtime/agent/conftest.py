@@ -131,7 +131,12 @@ def make_runtime(
     work_dir: Path,
     send: Any,
     predictor_path: Path | None = None,
+    pool_bytes: int | None = None,
+    device: str = "cpu",
+    pool: bool | None = None,
 ) -> Host:
+    """A host (CUDA: bf16). `pool`: its KV cache and jobs share a unified memory pool (None:
+    the agent's default, on CUDA only); a CPU pool needs `pool_bytes`."""
     from gpu_runtime.agent.runtime import HostRuntime
     from gpu_runtime.agent.serving import EngineSpec
     from gpu_runtime.colocation import NaivePolicy
@@ -141,15 +146,18 @@ def make_runtime(
     spec = EngineSpec(
         EngineConfig(
             num_kv_blocks=64, block_size=16, max_num_seqs=8, max_num_batched_tokens=256,
-            max_model_len=256,
+            max_model_len=256, device=device,
         ),
+        dtype="bfloat16" if device != "cpu" else None,
         lora_slots=2,
         lora_max_rank=8,
+        memory_pool=pool,
+        pool_bytes=pool_bytes,
     )  # fmt: skip
     runtime = HostRuntime(
         host="h1",
         base_model="tiny",
-        engine=spec.build(model_dir),
+        serving=spec.build(model_dir),
         engine_spec=spec,
         policy=lambda predictor: NaivePolicy(quantum_examples=2),
         tpot_slo_ms=1e6,

@@ -37,11 +37,17 @@ METRICS = {
 }
 
 
+def _engine(model_dir: Path) -> Any:
+    return EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(model_dir).engine
+
+
 @pytest.fixture(scope="module")
 def tiny_artifacts(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An artifact root with `cpu/tiny/<version>`: the roofline prior (an untrained model)
     for the tiny model's shape, written by the real export path."""
-    engine = EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir)
+    engine = (
+        EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir).engine
+    )
     shape = ModelShape.from_model_config(engine.model_config, "tiny")
     profile = load_profile(PROFILE)
     data = ProfileData(
@@ -81,7 +87,9 @@ def test_heartbeat_reports_the_predictor_and_its_harvest_estimate(
 def test_artifacts_of_other_models_are_refused(
     tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path
 ) -> None:
-    engine = EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir)
+    engine = (
+        EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir).engine
+    )
     h200 = sorted((COMMITTED / "h200" / "llama3-8b").iterdir())[-1]
     with pytest.raises(ArtifactError, match="the served model differs"):
         load_host_predictor(h200, engine=engine, base_model="tiny")
@@ -124,7 +132,9 @@ class _Record:
 def test_tracker_uses_measured_rates_and_pairs_predictions(
     tiny_model_dir: Path, tiny_artifacts: Path
 ) -> None:
-    engine = EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir)
+    engine = (
+        EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir).engine
+    )
     predictor = load_host_predictor(tiny_artifacts, engine=engine, base_model="tiny")
     tracker = HarvestTracker(predictor, tpot_slo_ms=50, parameters=10**6)
     tracker.observe(_Record(predicted_ms=6.0, observed_ms=7.0))
@@ -140,7 +150,9 @@ def test_tracker_uses_measured_rates_and_pairs_predictions(
 
 
 def test_policy_harli_plans_with_the_predictor(tiny_model_dir: Path, tiny_artifacts: Path) -> None:
-    engine = EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir)
+    engine = (
+        EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir).engine
+    )
     predictor = load_host_predictor(tiny_artifacts, engine=engine, base_model="tiny")
     policy = build_policy("harli", predictor)
     assert isinstance(policy, HarliPolicy)

@@ -1,0 +1,40 @@
+"""`python -m gpu_runtime.agent` options: validated settings with the value in the message."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime.agent.cli import parse_args
+
+BASE = ["--host", "h1", "--broker", "redis://127.0.0.1:6379/0"]
+
+
+def test_defaults_and_options() -> None:
+    config = parse_args(BASE)
+    assert config.memory_pool is None and config.predictor_path is None  # pool: CUDA only
+    assert (config.lora_slots, config.lora_max_rank) == (8, 64)
+    config = parse_args([*BASE, "--memory-pool", "on", "--memory-pool-gb", "0.5",
+                         "--predictor", "predictor_models/artifacts", "--policy", "harli",
+                         "--lora-slots", "4"])  # fmt: skip
+    assert config.memory_pool is True and config.memory_pool_bytes == 2**29
+    assert config.predictor_path == Path("predictor_models/artifacts")
+    assert (config.policy, config.lora_slots) == ("harli", 4)
+    assert parse_args([*BASE, "--memory-pool", "off"]).memory_pool is False
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--memory-pool", "on"], "a memory pool on the CPU needs its size"),
+        (["--lora-slots", "0"], "lora_slots must be >= 1, got 0"),
+        (["--heartbeat-s", "0"], "heartbeat_s must be > 0, got 0.0"),
+    ],
+)
+def test_bad_settings_name_the_value(
+    extra: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, *extra])
+    assert message in capsys.readouterr().err

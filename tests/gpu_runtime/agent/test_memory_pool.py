@@ -1,0 +1,62 @@
+"""A host whose KV cache and finetune jobs share the unified memory pool (a GPU host's default;
+the CPU accounting pool on request): it serves and trains exactly like a host without one,
+reports the pool's free memory, and the finetune budget goes back when no job is left."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_runtime.engine import SamplingParams
+from gpu_runtime.memory import engine_kv_layout
+from gpu_runtime.storage import LocalStorage
+from tests.gpu_runtime.agent.conftest import Host, Reports, job_spec, make_runtime
+
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+
+
+def _train(host: Host, reports: Reports) -> tuple[dict[str, Any], list[int]]:
+    """Train one job to success, serving a request while it trains; stops the host."""
+    host.loop.start()
+    try:
+        host.command({"command": "apply_placement", "command_id": "c1", "placement_id": 1,
+                      "job": job_spec()})  # fmt: skip
+        reports.wait_for("job_started")
+        out, _ = host.generate("tiny", "Q: hello", GREEDY)
+        return reports.wait_for("job_succeeded"), list(out.output_token_ids)
+    finally:
+        host.stop()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_pool_host_trains_and_serves_like_a_plain_host(
+    tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path, device: str
+) -> None:
+    plain_reports, pool_reports = Reports(), Reports()
+    plain = make_runtime(tiny_model_dir, storage, tmp_path / "plain", plain_reports,
+                         device=device, pool=False)  # fmt: skip
+    assert plain.runtime.host_memory is None
+    plain_done, plain_tokens = _train(plain, plain_reports)
+
+    pool_bytes = None  # CUDA: the free device memory less what decode's own allocations need
+    if device == "cpu":
+        model = plain.runtime.engine.runner.model
+        layout = engine_kv_layout(model.config, block_size=16, dtype="float32", page_bytes=1)
+        pool_bytes = 96 * layout.block_bytes
+    pooled = make_runtime(tiny_model_dir, storage, tmp_path / "pool", pool_reports,
+                          device=device, pool=True, pool_bytes=pool_bytes)  # fmt: skip
+    memory = pooled.runtime.host_memory
+    assert memory is not None and pooled.runtime.loop.memory is memory.memory
+    assert pooled.runtime.engine.config.kv_block_capacity == memory.memory.binding.capacity_blocks
+    pool_done, pool_tokens = _train(pooled, pool_reports)
+
+    assert pool_tokens == plain_tokens
+    tolerance = 1e-5 if device == "cpu" else 1e-3
+    assert abs(pool_done["train_loss"] - plain_done["train_loss"]) < tolerance
+    assert pool_done["trained_tokens"] == plain_done["trained_tokens"]
+    pooled.runtime.refresh_status()  # the loop thread has stopped: safe here
+    split = memory.split()
+    assert split.finetune_budget_bytes == 0  # no job left: the budget went back to the pool
+    assert pooled.runtime.status().free_bytes == split.pool_bytes - split.decode_bytes
