@@ -17,9 +17,9 @@ both (adapters start at B = 0, so both equal the base model's loss) are compared
 Timing: `--warmup` steps, then `--steps` steps each timed on the host after the step's sync
 (ours syncs once per quantum; HF reads `loss.item()`); tokens/s = tokens per step / median step.
 
-Multi-LoRA decode: one decode step's weight-bound part (batch 32, one new token per sequence,
-no KV context) replayed from a CUDA graph: the serving model vs the multi-LoRA tree with 8
-adapters (rank 16) spread over the batch.
+Multi-LoRA decode (`multi_lora_decode`, through `bench/multilora.py`): `Engine.step()` TPOT at
+batch 32, context 512, CUDA graphs on CUDA: base-only rows, every row on one of 8 adapters (rank
+16), and mixed, for q/k/v/o and all-linear LoRA (see that file's docstring).
 
 Run: `PYTHONPATH=. python3 bench/finetune.py` (see --help; `--model tiny --device cpu` is a
 smoke run). Writes `<out>/finetune-h200-<yyyymmdd>.json` after every row and prints a table last.
