@@ -27,9 +27,8 @@ request's mean TPOT so far is already at the bound, and rejects a choice whose p
 extra time per iteration (typical iteration with it minus alone on the whole device), added to
 that request's TPOT so far, would exceed the SLO.
 
-When decode is idle, a quantum is planned as if one request had just arrived (spatial or
-shared choices, no slices), so a request that does arrive while the quantum holds its split
-still meets the SLO.
+When decode is idle, a quantum is planned as if one request had just arrived (spatial choices
+only), so a request that does arrive while the quantum holds its split still meets the SLO.
 
 While a quantum is in flight its SMs are taken: the policy only picks the decode split with the
 lowest predicted TPOT given that quantum (no new launch).
@@ -222,7 +221,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             if total and ctx.spatial:
                 for d in options[:-1]:
                     choices += self._spatial(ctx, job, d, total, sizes, bound)
-            if self.config.allow_shared:  # when idle, judged for the probe request
+            if self.config.allow_shared and not idle:
                 choices += self._spatial(ctx, job, full, total, sizes, bound)
             if self.config.allow_slice and not idle:
                 choices += self._slices(ctx, job, full, sizes, bound, solo_full)
