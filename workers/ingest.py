@@ -341,6 +341,8 @@ def _metrics(host: GpuHost, message: dict[str, Any]) -> str:
             ts=ts,
             tpot_p50_ms=float(dm["tpot_p50_ms"]),
             tpot_p99_ms=float(dm["tpot_p99_ms"]),
+            ttft_p50_ms=_optional_float(dm.get("ttft_p50_ms")),
+            ttft_p99_ms=_optional_float(dm.get("ttft_p99_ms")),
             slo_attainment=min(1.0, max(0.0, float(dm["slo_attainment"]))),
             goodput_tokens_per_s=float(dm.get("goodput_tokens_per_s", 0.0)),
             request_rate=float(dm.get("request_rate", 0.0)),
@@ -354,6 +356,10 @@ def _metrics(host: GpuHost, message: dict[str, Any]) -> str:
         }
         rollup_add(series=RollupSeries.DEPLOYMENT, key=key, ts=ts, values=numeric)
     return "applied"
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 _HANDLERS = {

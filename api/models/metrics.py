@@ -43,6 +43,9 @@ class DeploymentMetric(models.Model):
     ts = models.DateTimeField()
     tpot_p50_ms = models.FloatField()
     tpot_p99_ms = models.FloatField()
+    ttft_p50_ms = models.FloatField(null=True, blank=True)
+    ttft_p99_ms = models.FloatField(null=True, blank=True)
+    """Time to first token of the requests that finished in the window (null: none did)."""
     slo_attainment = models.FloatField()
     goodput_tokens_per_s = models.FloatField(default=0.0)
     request_rate = models.FloatField(default=0.0)

@@ -66,6 +66,8 @@ def host_finetune_series(*, since: datetime) -> dict[int, Columns]:
 DEPLOYMENT_COLUMNS = (
     "tpot_p50_ms",
     "tpot_p99_ms",
+    "ttft_p50_ms",
+    "ttft_p99_ms",
     "slo_attainment",
     "goodput_tokens_per_s",
     "request_rate",
@@ -78,8 +80,9 @@ def deployment_series(
     *, deployment: Deployment, since: datetime, now: datetime | None = None
 ) -> Columns:
     """The deployment's metrics since `since`, oldest first, all its hosts combined per time
-    bucket (see `combine_hosts`): goodput and request rate add up across hosts, TPOT p99 is the
-    worst host's, SLO attainment is weighted by each host's request rate, the rest are means."""
+    bucket (see `combine_hosts`): goodput and request rate add up across hosts, TPOT and TTFT
+    p99 are the worst host's, SLO attainment is weighted by each host's request rate, the rest
+    are means."""
     now = now or timezone.now()
     rows = (
         DeploymentMetric.objects.filter(deployment=deployment, ts__gte=since)
@@ -91,7 +94,7 @@ def deployment_series(
         DEPLOYMENT_COLUMNS,
         width=bucket_width(now - since),
         summed=frozenset({"goodput_tokens_per_s", "request_rate"}),
-        maxed=frozenset({"tpot_p99_ms"}),
+        maxed=frozenset({"tpot_p99_ms", "ttft_p99_ms"}),
         weighted=frozenset({"slo_attainment"}),
         weight="request_rate",
     )
@@ -120,8 +123,15 @@ class DeploymentSummary:
     attainment_pct: float | None
     tpot_p50_ms: float | None
     tpot_p99_ms: float | None
+    ttft_p99_ms: float | None
     goodput_tokens_per_s: float | None
     request_rate: float | None
+
+    @property
+    def meets_ttft_slo(self) -> bool | None:
+        if self.ttft_p99_ms is None:
+            return None
+        return self.ttft_p99_ms <= self.deployment.ttft_slo_ms
 
     @property
     def meets_target(self) -> bool | None:
@@ -156,6 +166,7 @@ def summarize(*, deployment: Deployment, columns: Columns) -> DeploymentSummary:
         attainment_pct=None if attainment is None else 100.0 * attainment,
         tpot_p50_ms=last("tpot_p50_ms"),
         tpot_p99_ms=last("tpot_p99_ms"),
+        ttft_p99_ms=last("ttft_p99_ms"),
         goodput_tokens_per_s=mean("goodput_tokens_per_s"),
         request_rate=mean("request_rate"),
     )

@@ -72,6 +72,8 @@ def test_reports_from_a_host_fill_the_console() -> None:
         deployment_metrics={
             "tpot_p50_ms": 21.0,
             "tpot_p99_ms": 44.0,
+            "ttft_p50_ms": 120.0,
+            "ttft_p99_ms": 300.0,
             "slo_attainment": 0.995,
             "goodput_tokens_per_s": 5200.0,
             "request_rate": 11.0,
@@ -100,3 +102,5 @@ def test_reports_from_a_host_fill_the_console() -> None:
     assert "Fine-tuning started on host gpu-x" in job_page
     fleet = client.get("/console/").content.decode()
     assert "gpu-x" in fleet and "Online" in fleet
+    page = client.get("/console/deployments/chat/").content.decode()
+    assert 'id="kpi-ttft"><span class="good">300 ms</span>' in page

@@ -11,6 +11,7 @@ from django.utils import timezone
 from api.models import (
     Adapter,
     Deployment,
+    DeploymentMetric,
     FinetuneJob,
     GpuHost,
     HostMetric,
@@ -251,8 +252,8 @@ def test_reconcile_requeues_a_silent_hosts_job_and_resumes_it_elsewhere(
 def test_metrics_rows_and_minute_rollups(fleet: dict[str, GpuHost]) -> None:
     hm = {"weights_bytes": GIB, "kv_used_bytes": 10, "finetune_lent_bytes": 20,
           "free_bytes": 30, "finetune_tokens_per_s": 100.0}  # fmt: skip
-    dm = {"tpot_p50_ms": 10.0, "tpot_p99_ms": 20.0, "slo_attainment": 1.0,
-          "goodput_tokens_per_s": 5.0, "request_rate": 1.0}  # fmt: skip
+    dm = {"tpot_p50_ms": 10.0, "tpot_p99_ms": 20.0, "ttft_p50_ms": 80.0, "ttft_p99_ms": None,
+          "slo_attainment": 1.0, "goodput_tokens_per_s": 5.0, "request_rate": 1.0}  # fmt: skip
     now = timezone.now().replace(second=10).timestamp()
     for offset, rate in ((0.0, 100.0), (20.0, 300.0)):
         message = report("metrics", "h1", window_s=5, host_metrics={**hm,
@@ -266,6 +267,8 @@ def test_metrics_rows_and_minute_rollups(fleet: dict[str, GpuHost]) -> None:
     assert rollup.maxima["finetune_tokens_per_s"] == 300.0
     dep = MetricRollup.objects.get(series="deployment", key="tiny-chat@h1")
     assert dep.samples == 2 and dep.sums["tpot_p99_ms"] == 40.0
+    row = DeploymentMetric.objects.filter(host__name="h1").first()
+    assert row is not None and (row.ttft_p50_ms, row.ttft_p99_ms) == (80.0, None)
 
 
 def test_a_drained_host_is_told_to_drain_and_gets_no_new_jobs(
