@@ -530,6 +530,15 @@ def choose_static_split(
     return int(choices[-2]) if len(choices) > 1 else None
 
 
+def decision_counts(records: list[IterationRecord], top: int = 8) -> dict[str, int]:
+    """How often each kind of plan note occurred (numbers in notes dropped)."""
+    notes: dict[str, int] = {}
+    for r in records:
+        key = r.note.split(" (")[0]
+        notes[key] = notes.get(key, 0) + 1
+    return dict(sorted(notes.items(), key=lambda kv: -kv[1])[:top])
+
+
 def request_tpots(records: list[IterationRecord], running: list[FinishedRequest]) -> list[float]:
     """Mean TPOT of every request finished in the window or still running (>= 16 tokens)."""
     out = [f.tpot_ms for r in records for f in r.finished if f.tpot_ms is not None]
@@ -581,6 +590,13 @@ def row_for(
         "prediction_mape": m.prediction_mape,
         "ttft_ms_p50": m.ttft_ms_p50,
         "seconds": round(end - start, 3),
+        "decisions": decision_counts(records),
+        "margin_mean": (
+            round(statistics.mean(margins), 4)
+            if (margins := [r.margin for r in records if r.margin is not None])
+            else None
+        ),
+        "quanta": len([q for r in records for q in r.quanta]),
         "policy_config": policy.describe(),
     }
 
