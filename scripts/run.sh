@@ -108,8 +108,15 @@ control = OpenAI(base_url="$url/v1", api_key=key)
 job = control.fine_tuning.jobs.list(limit=1).data[0]
 print(job.id, job.status, job.fine_tuned_model)
 host = OpenAI(base_url="http://$agent_listen/v1", api_key=key)
+print([m.id for m in host.models.list()])
 model = job.fine_tuned_model or "$base_model"
 print(host.completions.create(model=model, prompt="What is 2 + 2?", max_tokens=16).choices[0].text)
+stream = host.chat.completions.create(
+    model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=16, stream=True
+)
+for chunk in stream:  # server-sent events, token by token
+    print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
+print()
 PY
 TXT
 wait -n "${pids[@]}" || true
