@@ -323,12 +323,88 @@ def main() -> None:
             row["graph_replay_ms_p50"] = round(statistics.median(res["graph_ms"]), 4)
             row["graph_replay_bandwidth_frac"] = round(floor_ms / row["graph_replay_ms_p50"], 4)
         rows.append(row)
+        write_result(complete=False)
         print(
             f"{model_name:11s} {system:10s} b={batch:3d} ctx={context:4d} p50={p50:8.3f} "
             f"floor={floor_ms:7.3f} frac={floor_ms / p50:.3f} "
             f"graph={row.get('graph_replay_ms_p50')}",
             flush=True,
         )
+
+    def write_result(complete: bool) -> tuple[Path, list[dict[str, Any]], list[dict[str, Any]]]:
+        """Write the result file (after every row, so a killed run keeps what it measured)."""
+        all_rows = list(rows)
+        for row in rows:
+            if row["system"] == "harli":
+                all_rows.append(
+                    {k: row[k] for k in ("model", "batch", "context", "floor_ms")}
+                    | {
+                        "system": "floor",
+                        "tpot_ms_p50": row["floor_ms"],
+                        "tpot_ms_p99": row["floor_ms"],
+                        "bandwidth_frac": 1.0,
+                    }
+                )
+        ratios = []
+        for row in all_rows:
+            if row["system"] in ("hf_eager", "hf_compile"):
+                ours = [
+                    r
+                    for r in rows
+                    if r["system"] == "harli"
+                    and r["model"] == row["model"]
+                    and r["batch"] == row["batch"]
+                    and r["context"] == row["context"]
+                ]
+                if ours:
+                    ratios.append(
+                        {
+                            "model": row["model"],
+                            "batch": row["batch"],
+                            "context": row["context"],
+                            "vs": row["system"],
+                            "speedup": round(row["tpot_ms_p50"] / ours[0]["tpot_ms_p50"], 2),
+                        }
+                    )
+        result = {
+            "name": "decode",
+            "commit": args.commit,
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "created": datetime.datetime.now(datetime.UTC).isoformat(),
+            "config": {
+                "models": models,
+                "batches": batches,
+                "contexts": contexts,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "hf_eager_batches": hf_eager,
+                "hf_compile_batches": hf_compile,
+                "hf_compile_models": args.hf_compile_models,
+                "hf_context": args.hf_context,
+                "hf_steps": args.hf_steps,
+                "block_size": 16,
+                "dtype": "bfloat16",
+                "sampling": "temperature 0.8 (ours); greedy argmax (HF)",
+                "fused_decode_kernels": not args.no_fused,
+                "tpot": "wall time of Engine.step() incl. scheduling, input copy, graph replay, "
+                "sampling and the host sync; graph_replay_ms is the graph alone (CUDA events)",
+                "floor": "(weights except embedding table + batch KV at mean context) / "
+                "copy bandwidth",
+            },
+            "copy_bandwidth_tb_s": round(bandwidth / 1e12, 4),
+            "correctness": correctness,
+            "rows": all_rows,
+            "complete": complete,
+            "speedups": ratios,
+            "notes": notes,
+            "wall_s": round(time.perf_counter() - started, 1),
+        }
+        day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+        out = Path(args.out) / f"decode-h200-{day}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=1))
+        return out, all_rows, ratios
 
     for name in models:
         try:
@@ -395,74 +471,7 @@ def main() -> None:
             traceback.print_exc()
             torch.cuda.empty_cache()
 
-    for row in list(rows):
-        if row["system"] == "harli":
-            rows.append(
-                {k: row[k] for k in ("model", "batch", "context", "floor_ms")}
-                | {
-                    "system": "floor",
-                    "tpot_ms_p50": row["floor_ms"],
-                    "tpot_ms_p99": row["floor_ms"],
-                    "bandwidth_frac": 1.0,
-                }
-            )
-    ratios = []
-    for row in rows:
-        if row["system"] in ("hf_eager", "hf_compile"):
-            ours = [
-                r
-                for r in rows
-                if r["system"] == "harli"
-                and r["model"] == row["model"]
-                and r["batch"] == row["batch"]
-                and r["context"] == row["context"]
-            ]
-            if ours:
-                ratios.append(
-                    {
-                        "model": row["model"],
-                        "batch": row["batch"],
-                        "context": row["context"],
-                        "vs": row["system"],
-                        "speedup": round(row["tpot_ms_p50"] / ours[0]["tpot_ms_p50"], 2),
-                    }
-                )
-    result = {
-        "name": "decode",
-        "commit": args.commit,
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "created": datetime.datetime.now(datetime.UTC).isoformat(),
-        "config": {
-            "models": models,
-            "batches": batches,
-            "contexts": contexts,
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "hf_eager_batches": hf_eager,
-            "hf_compile_batches": hf_compile,
-            "hf_compile_models": args.hf_compile_models,
-            "hf_context": args.hf_context,
-            "hf_steps": args.hf_steps,
-            "block_size": 16,
-            "dtype": "bfloat16",
-            "sampling": "temperature 0.8 (ours); greedy argmax (HF)",
-            "fused_decode_kernels": not args.no_fused,
-            "tpot": "wall time of Engine.step() incl. scheduling, input copy, graph replay, "
-            "sampling and the host sync; graph_replay_ms is the graph alone (CUDA events)",
-            "floor": "(weights except embedding table + batch KV at mean context) / copy bandwidth",
-        },
-        "copy_bandwidth_tb_s": round(bandwidth / 1e12, 4),
-        "correctness": correctness,
-        "rows": rows,
-        "speedups": ratios,
-        "notes": notes,
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
-    day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-    out = Path(args.out) / f"decode-h200-{day}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1))
+    out, rows, ratios = write_result(complete=True)
     print(f"\nwrote {out}; notes: {notes}")
     print(
         f"{'model':11s} {'system':10s} {'batch':>5s} {'ctx':>5s} {'p50 ms':>8s} {'p99 ms':>8s} "
