@@ -18,6 +18,7 @@ from api.models import ApiKey, BaseModel, Deployment, FinetuneJob, GpuHost, Tena
 from api.services.apikeys import api_key_authenticate
 from api.services.files import UploadSource, file_create
 from api.services.jobs import finetune_job_create
+from tests.workers.conftest import heartbeat
 
 ROOT = Path(__file__).resolve().parents[2]
 NOUNS = ["tenants", "apikeys", "basemodels", "hosts", "deployments", "jobs", "operators"]
@@ -97,6 +98,11 @@ def test_fleet_commands(tmp_path: Path) -> None:
     assert GpuHost.objects.get().gpu_memory_bytes == 141 * 2**30
     assert "draining" in run("hosts", "drain", "gpu-0")
     assert "gpu-0" in run("hosts", "list", "--status", "draining")
+    heartbeat("gpu-0", harvestable_tokens_per_s=9000.0, harvest={"source": "predictor"},
+              predictor_version="v20261130T095333Z", predictor_mape=0.032)  # fmt: skip
+    listed = run("hosts", "list").splitlines()
+    assert listed[0].split()[-4:] == ["PREDICTOR", "MAPE", "HARVEST", "TOK/S"]
+    assert listed[1].split()[-4:] == ["v20261130T095333Z", "3.2%", "9000", "(predictor)"]
     with pytest.raises(CommandError, match="No host named"):
         run("hosts", "drain", "gpu-9")
     with pytest.raises(CommandError, match="must be positive"):

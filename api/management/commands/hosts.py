@@ -69,9 +69,22 @@ class Command(NounCommand):
                 h.status,
                 h.last_heartbeat_at.isoformat(timespec="seconds") if h.last_heartbeat_at else None,
                 h.predictor_version,
+                f"{100 * h.predictor_mape:.1f}%" if h.predictor_mape is not None else None,
+                _harvest(h),
             )
             for h in host_list(status=status)
         ]
         self.table(
-            ["NAME", "GPUS", "GIB/GPU", "DEPLOYMENT", "STATUS", "HEARTBEAT", "PREDICTOR"], rows
-        )
+            ["NAME", "GPUS", "GIB/GPU", "DEPLOYMENT", "STATUS", "HEARTBEAT", "PREDICTOR", "MAPE",
+             "HARVEST TOK/S"],
+            rows,
+        )  # fmt: skip
+
+
+def _harvest(host: Any) -> str | None:
+    """The agent's harvestable finetune tokens/s and how it got it ("predictor"/"measured")."""
+    state = getattr(host, "agent_state", None)
+    if state is None:
+        return None
+    source = (state.harvest or {}).get("source")
+    return f"{state.harvestable_tokens_per_s:.0f}" + (f" ({source})" if source else "")
