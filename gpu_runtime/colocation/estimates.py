@@ -45,10 +45,18 @@ class MarginTracker:
         self._violation = 0.0
         self._breached = False
 
-    def observe(self, predicted_ms: float, observed_ms: float, tpot_slo_ms: float) -> None:
-        """One busy iteration. Errors and breaches are judged on the mean over the last
-        ``error_smoothing`` iterations: a request's TPOT is a mean over its tokens, so one slow
-        iteration (a prefill chunk) matters less than a bias that persists."""
+    def observe(
+        self,
+        predicted_ms: float,
+        observed_ms: float,
+        tpot_slo_ms: float,
+        requests_breached: bool | None = None,
+    ) -> None:
+        """One busy iteration. Errors are judged on the mean over the last ``error_smoothing``
+        iterations: a request's TPOT is a mean over its tokens, so one slow iteration (a
+        prefill chunk) matters less than a bias that persists. A breach episode starts when
+        ``requests_breached`` (a request finished over the SLO, or one running is over it)
+        turns true; without request figures, when that iteration mean goes above the SLO."""
         self._violation *= self.config.violation_decay
         if predicted_ms <= 0:
             return
@@ -56,7 +64,9 @@ class MarginTracker:
         predicted = sum(p for p, _ in self._recent)
         observed = sum(o for _, o in self._recent)
         self._errors.append((observed - predicted) / predicted)
-        breached = observed / len(self._recent) > tpot_slo_ms
+        breached = requests_breached
+        if breached is None:
+            breached = observed / len(self._recent) > tpot_slo_ms
         if breached and not self._breached:  # once per episode, not per iteration of it
             self._violation += self.config.violation_step
         self._breached = breached

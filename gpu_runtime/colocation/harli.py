@@ -35,8 +35,9 @@ lowest predicted TPOT given that quantum (no new launch).
 
 The margin adapts: ``base_margin`` plus the ``error_quantile`` of recent relative prediction
 errors ``(observed - predicted) / predicted`` (only under-predictions count), capped at
-``max_margin``; each time the recent mean TPOT goes above the SLO, ``violation_step`` is added,
-decaying by ``violation_decay`` per iteration.
+``max_margin``; each time a request misses the SLO (finishes over it, or a running one's mean
+TPOT so far goes over it), ``violation_step`` is added, decaying by ``violation_decay`` per
+iteration.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ class HarliConfig:
     initial_margin: float = 0.15
     """Margin used before enough errors were observed."""
     violation_step: float = 0.05
-    """Margin added when the recent mean TPOT (see ``error_smoothing``) goes above the SLO."""
+    """Margin added when a request misses the SLO (once per episode)."""
     violation_decay: float = 0.98
     """Per-iteration decay factor of that extra margin."""
     quantum_examples: tuple[int, ...] = (1, 2, 4, 8)
@@ -155,6 +156,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self._slice_launch: dict[str, tuple[int | None, LaunchMode, float]] = {}
         self._jobs: dict[str, JobView] = {}
         self._slo_ms: float | None = None
+        self._worst_running: float | None = None
         self._prefill_mean = 0.0
         self.decisions = 0
         self.pauses = 0
@@ -163,6 +165,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
     def plan(self, ctx: IterationContext) -> IterationPlan:
         self.decisions += 1
         self._slo_ms = ctx.tpot_slo_ms
+        self._worst_running = ctx.worst_running_tpot_ms
         for job in ctx.jobs:
             self._jobs[job.job_id] = job
         options = ctx.decode_sms_options
@@ -300,7 +303,10 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             self.durations.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
         busy = record.decode_batch or record.prefill_tokens
         if busy and record.predicted_ms is not None and self._slo_ms is not None:
-            self.margins.observe(record.predicted_ms, record.iteration_ms, self._slo_ms)
+            slo = self._slo_ms
+            breached = any(f.tpot_ms is not None and f.tpot_ms > slo for f in record.finished)
+            breached |= self._worst_running is not None and self._worst_running > slo
+            self.margins.observe(record.predicted_ms, record.iteration_ms, slo, breached)
         if isinstance(self.latency, OnlineLatencyModel):
             job = self._jobs.get(record.quanta[0].job_id) if record.quanta else None
             seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)

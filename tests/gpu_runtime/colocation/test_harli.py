@@ -231,3 +231,26 @@ def test_requests_near_their_slo_are_not_slowed_further() -> None:
         assert guarded.decode_sms is not None and guarded.decode_sms > free.decode_sms
     else:
         assert guarded.paused
+
+
+def test_margin_bumps_on_requests_missing_the_slo_not_on_slow_prefill_iterations() -> None:
+    from dataclasses import replace as _replace
+
+    from gpu_runtime.colocation.types import FinishedRequest
+
+    policy = HarliPolicy(MODEL, HarliConfig(min_error_samples=4))
+    decode = DecodeSnapshot.from_contexts([512] * 16)
+    slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 2.0
+    for i in range(20):  # iterations slower than the SLO (prefill chunks), exactly predicted
+        plan = policy.plan(context(decode, slo))
+        assert plan.predicted_ms is not None
+        slow = _replace(plan, predicted_ms=slo * 1.5)
+        met = FinishedRequest(f"ok{i}", 100, slo * 0.9, None)
+        policy.observe(_replace(record(slow, decode, slo * 1.5, index=i), finished=(met,)))
+    calm = policy.margins.margin
+    assert calm == pytest.approx(HarliConfig().base_margin)
+    plan = policy.plan(context(decode, slo))
+    assert plan.predicted_ms is not None
+    missed = FinishedRequest("late", 100, slo * 1.1, None)
+    policy.observe(_replace(record(plan, decode, plan.predicted_ms, index=20), finished=(missed,)))
+    assert policy.margins.margin == pytest.approx(calm + HarliConfig().violation_step, rel=0.05)
