@@ -759,7 +759,7 @@ def main() -> None:
     parser.add_argument(
         "--warmup-s", type=float, default=2.0, help="discarded first use of every split"
     )
-    parser.add_argument("--max-quantum-ms", type=float, default=250.0)
+    parser.add_argument("--max-quantum-ms", type=float, default=120.0)
     parser.add_argument(
         "--budget-s",
         type=float,
