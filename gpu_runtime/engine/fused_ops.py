@@ -143,7 +143,7 @@ def _rope_cache_kernel(
             module = (head >= num_heads).to(tl.int32)  # q: 0, k: 1
             coef_ptr = shrink_ptr + token * stride_shrink + module * lora_width + slot * LORA_RANK
             b_row = lora_b_ptr + slot * LORA_RANK * stride_lb + head * (2 * HALF)
-            for r in range(LORA_RANK):
+            for r in tl.static_range(LORA_RANK):  # unrolled: all loads in flight at once
                 coef = tl.load(coef_ptr + r).to(tl.float32)
                 x1 += coef * tl.load(b_row + r * stride_lb + offs).to(tl.float32)
                 x2 += coef * tl.load(b_row + r * stride_lb + HALF + offs).to(tl.float32)
@@ -170,7 +170,7 @@ def _rope_cache_kernel(
                 v2f = v2.to(tl.float32)
                 coef_ptr = shrink_ptr + token * stride_shrink + 2 * lora_width + slot * LORA_RANK
                 b_row = lora_b_ptr + slot * LORA_RANK * stride_lb + v_col
-                for r in range(LORA_RANK):
+                for r in tl.static_range(LORA_RANK):  # unrolled: all loads in flight at once
                     coef = tl.load(coef_ptr + r).to(tl.float32)
                     v1f += coef * tl.load(b_row + r * stride_lb + offs).to(tl.float32)
                     v2f += coef * tl.load(b_row + r * stride_lb + HALF + offs).to(tl.float32)
@@ -255,7 +255,7 @@ def _silu_mul_kernel(
             upf = up.to(tl.float32)
             coef_ptr = shrink_ptr + row * stride_shrink + slot * LORA_RANK
             b_row = lora_b_ptr + slot * LORA_RANK * stride_lb
-            for r in range(LORA_RANK):
+            for r in tl.static_range(LORA_RANK):  # unrolled: all loads in flight at once
                 cg = tl.load(coef_ptr + r).to(tl.float32)
                 cu = tl.load(coef_ptr + lora_width + r).to(tl.float32)
                 b_gate = tl.load(b_row + r * stride_lb + offs, mask=mask, other=0.0)
