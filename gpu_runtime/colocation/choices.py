@@ -50,6 +50,10 @@ class HarliChoices:
     _slice_states: dict[str, SliceState]
     _prefill_mean: float
     _typical_cache: tuple[IterationContext, float, DecodeSnapshot] | None = None
+    _memo_ctx: IterationContext | None = None
+    _memo_prefill: float = 0.0
+    _memo: dict[tuple[float, int], tuple[float, float]]
+    _memo_alone: float | None = None
 
     def _typical_snapshot(self, ctx: IterationContext) -> DecodeSnapshot:
         """`expected_snapshot` of ``ctx.decode``, computed once per context."""
@@ -81,11 +85,18 @@ class HarliChoices:
         over many iterations: the typical iteration while it runs (the queue joined, the recent
         mean prefill per iteration) must stay under the bound, this one under the SLO, and the
         request closest to its SLO, slowed by the choice for the rest of its life, under it."""
-        ft_share = 1.0 if share >= 1.0 else 1.0 - share
-        quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
-        predicted = self.latency.predict_ms(decode_iteration(ctx.decode, share), quantum)
-        typical = decode_iteration(self._typical_snapshot(ctx), share)
-        expected = self.latency.predict_ms(typical, quantum)
+        memo = self._plan_memo(ctx)
+        size_free = getattr(self.latency, "quantum_size_independent", False)
+        key = (share, 0 if size_free else tokens)
+        if key not in memo:
+            ft_share = 1.0 if share >= 1.0 else 1.0 - share
+            quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
+            typical = decode_iteration(self._typical_snapshot(ctx), share)
+            memo[key] = (
+                self.latency.predict_ms(decode_iteration(ctx.decode, share), quantum),
+                self.latency.predict_ms(typical, quantum),
+            )
+        predicted, expected = memo[key]
         if expected > bound or predicted > ctx.tpot_slo_ms:
             return None
         worst = ctx.worst_running_tpot_ms
@@ -94,8 +105,21 @@ class HarliChoices:
         return predicted
 
     def _typical_alone(self, ctx: IterationContext) -> float:
-        typical = decode_iteration(self._typical_snapshot(ctx), 1.0)
-        return self.latency.predict_ms(typical, None)
+        self._plan_memo(ctx)
+        if self._memo_alone is None:
+            typical = decode_iteration(self._typical_snapshot(ctx), 1.0)
+            self._memo_alone = self.latency.predict_ms(typical, None)
+        return self._memo_alone
+
+    def _plan_memo(self, ctx: IterationContext) -> dict[tuple[float, int], tuple[float, float]]:
+        """(now, typical) predictions already made for this context, by (share, tokens): one
+        plan asks the same ones for every quantum size."""
+        # The context itself is held (not its id, which a later context could reuse).
+        if self._memo_ctx is not ctx or self._memo_prefill != self._prefill_mean:
+            self._memo_ctx, self._memo_prefill = ctx, self._prefill_mean
+            self._memo = {}
+            self._memo_alone = None
+        return self._memo
 
     def _spatial(
         self,

@@ -58,6 +58,10 @@ class _Fit:
 class OnlineLatencyModel:
     """Stage-1/2 model per decode split, refitted as observations arrive (see module doc)."""
 
+    quantum_size_independent = True
+    """Stage 2 is stage 1 times a ratio per (split, disjoint), whatever the quantum's size
+    (policies may ask once per split)."""
+
     def __init__(
         self,
         prior: DecodeLatencyModel | None = None,
