@@ -532,8 +532,16 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument(
         "--torch-headroom-gib",
         type=float,
-        default=3.0,
-        help="torch memory decode may add after warm-up, outside the finetune budget",
+        default=8.0,
+        help="torch memory decode may add after warm-up, outside the finetune budget (the "
+        "engine's eager mixed prefill+decode steps allocate GiBs at batch ~200)",
+    )
+    tr.add_argument(
+        "--ft-cuda-graphs",
+        action="store_true",
+        help="graphed finetune quanta (off: their shared private pool stays reserved beside "
+        "eager quanta of other shapes and outside what a quantum sized to its budget counts; "
+        "H200 run 3 lost the unified phase to a decode OOM with 30 GiB in that pool)",
     )
     tr.add_argument("--step-pages", type=int, default=512)
     tr.add_argument("--hysteresis", type=int, default=50)

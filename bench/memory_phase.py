@@ -159,7 +159,7 @@ class _Phase:
             max_seq_len=args.ft_seq_len,
         )
         examples = synthetic_examples(n_examples, args.ft_seq_len, model.config.vocab_size, 1)
-        trainer = LoraTrainer(model, examples, hparams)
+        trainer = LoraTrainer(model, examples, hparams, cuda_graphs=args.ft_cuda_graphs)
         loop = HostLoop(
             self.engine,
             budgeted_policy(self.sizing, decode_sms),

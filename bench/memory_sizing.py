@@ -25,8 +25,14 @@ class QuantumSizing:
         self.safety = 0.9
 
     def tokens(self, budget_bytes: int, max_seq_len: int) -> int:
+        """Tokens of the largest micro-batch of a power-of-two number of whole examples (at
+        most `max_examples`) that fits: few distinct shapes keep the caching allocator's
+        blocks reusable from one quantum to the next. 0 when not even one example fits."""
         room = (budget_bytes - self.resident_bytes) * self.safety
-        return min(int(room / self.bytes_per_token), self.max_examples * max_seq_len)
+        examples = min(int(room / (self.bytes_per_token * max_seq_len)), self.max_examples)
+        if examples < 1:
+            return 0
+        return (1 << (examples.bit_length() - 1)) * max_seq_len
 
 
 def budgeted_policy(sizing: QuantumSizing, decode_sms: int | None) -> Any:

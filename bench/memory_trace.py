@@ -88,7 +88,10 @@ def trace_benchmark(args: Any) -> Path:
     )
     allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
     scratch = LoraTrainer(
-        model, synthetic_examples(64, args.ft_seq_len, config.vocab_size, args.seed), hparams
+        model,
+        synthetic_examples(64, args.ft_seq_len, config.vocab_size, args.seed),
+        hparams,
+        cuda_graphs=args.ft_cuda_graphs,
     )
     scratch._bench_allocated_at_start = allocated  # type: ignore[attr-defined]
     footprint_error = None
