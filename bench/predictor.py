@@ -194,14 +194,17 @@ def host_cpu() -> dict[str, Any]:
 
 
 def _commit() -> str:
+    """``HARLI_COMMIT`` when set (a copied tree's ``.git`` may be stale), else git's HEAD."""
     import subprocess
 
+    if os.environ.get("HARLI_COMMIT"):
+        return os.environ["HARLI_COMMIT"]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "HEAD"], text=True, cwd=REPO, stderr=subprocess.DEVNULL
         ).strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("HARLI_COMMIT", "unknown")
+        return "unknown"
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -150,8 +150,8 @@ def merge_profiles(parts: list[str | Path], out: str | Path) -> ProfileData:
 
     ``out`` gets the CSV (the first part's columns, in order) and a ``.meta.json`` holding the
     agreed keys, each part's full metadata under ``parts`` (with its file name, sha256 and row
-    count), and ``source``/``commit`` lists; DatasetError if the parts disagree or a column is
-    missing."""
+    count), the parts' sources and commits (``commit`` joins them); DatasetError if the parts
+    disagree or a column is missing."""
     target = Path(out)
     metas, raws = [], []
     for part in parts:
@@ -181,6 +181,7 @@ def merge_profiles(parts: list[str | Path], out: str | Path) -> ProfileData:
     meta["source"] = metas[0].get("source")
     meta["sources"] = sorted({str(m.get("source")) for m in metas})
     meta["commits"] = [m.get("commit") for m in metas]
+    meta["commit"] = " + ".join(str(c) for c in meta["commits"])
     meta["parts"] = [
         {
             "file": Path(p).name,

@@ -130,3 +130,14 @@ def test_merged_profiles_keep_every_row_and_their_provenance(tmp_path: Path) -> 
     other.with_suffix(".meta.json").write_text(json.dumps(meta))
     with pytest.raises(DatasetError, match="disagree on model_shape"):
         merge_profiles([DATA, other], tmp_path / "bad.csv")
+
+
+def test_model_choice_prefers_the_simplest_candidate_near_the_best() -> None:
+    from predictor_models.train import simplest_near_best
+
+    candidates = (((), 0.1), ((16,), 1e-4), ((32, 32), 1e-4))
+    cv = {"linear@0.1": 0.060, "mlp16@0.0001": 0.0305, "mlp32x32@0.0001": 0.0300}
+    assert simplest_near_best(candidates, cv, 0.03) == ((16,), 1e-4)  # 1.7% worse: simpler wins
+    assert simplest_near_best(candidates, cv, 0.0) == ((32, 32), 1e-4)
+    cv["mlp16@0.0001"] = 0.0320  # 6.7% worse: the best wins
+    assert simplest_near_best(candidates, cv, 0.03) == ((32, 32), 1e-4)
