@@ -13,7 +13,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from bench.memory_sizing import QuantumSizing, budgeted_policy
+from bench.memory_sizing import QuantumSizing, budgeted_policy, lora_trainer
 
 GIB = 1 << 30
 PAGE = 2 << 20
@@ -142,24 +142,9 @@ class _Phase:
         return engine, sharing, decode_sms
 
     def _loop(self, model: Any, sharing: Any, decode_sms: int | None, pool: Any) -> Any:
-        from bench.colocate import synthetic_examples
         from gpu_runtime.colocation import HostLoop
-        from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
-        from gpu_runtime.finetune.trainer import LoraTrainer
 
-        args = self.args
-        n_examples = 512
-        hparams = resolve_hyperparameters(
-            n_train_examples=n_examples,
-            n_epochs=50,
-            batch_size=8,
-            lora=LoraSpec(rank=16, alpha=32, dropout=0.0),
-            seed=args.seed,
-            warmup_ratio=0.0,
-            max_seq_len=args.ft_seq_len,
-        )
-        examples = synthetic_examples(n_examples, args.ft_seq_len, model.config.vocab_size, 1)
-        trainer = LoraTrainer(model, examples, hparams, cuda_graphs=args.ft_cuda_graphs)
+        trainer = lora_trainer(model, self.args, examples=512, epochs=50, batch_size=8)
         loop = HostLoop(
             self.engine,
             budgeted_policy(self.sizing, decode_sms),

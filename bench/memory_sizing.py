@@ -89,3 +89,23 @@ def finetune_footprint(trainer: Any, seq_len: int, device: Any) -> tuple[int, fl
 
 def trainer_start_allocated(trainer: Any) -> int:
     return int(getattr(trainer, "_bench_allocated_at_start", 0))
+
+
+def lora_trainer(model: Any, args: Any, *, examples: int, epochs: int, batch_size: int) -> Any:
+    """The bench's LoRA job (rank 16, alpha 32, q/k/v/o, no dropout) on `examples` synthetic
+    `--ft-seq-len`-token examples; eager unless `--ft-cuda-graphs`."""
+    from bench.colocate import synthetic_examples
+    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.finetune.trainer import LoraTrainer
+
+    hparams = resolve_hyperparameters(
+        n_train_examples=examples,
+        n_epochs=epochs,
+        batch_size=batch_size,
+        lora=LoraSpec(rank=16, alpha=32, dropout=0.0),
+        seed=args.seed,
+        warmup_ratio=0.0,
+        max_seq_len=args.ft_seq_len,
+    )
+    data = synthetic_examples(examples, args.ft_seq_len, model.config.vocab_size, args.seed + 1)
+    return LoraTrainer(model, data, hparams, cuda_graphs=args.ft_cuda_graphs)

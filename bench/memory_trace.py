@@ -13,7 +13,7 @@ from typing import Any
 
 from bench.memory import commit_hash, gpu_slug
 from bench.memory_phase import run_phase
-from bench.memory_sizing import finetune_footprint
+from bench.memory_sizing import finetune_footprint, lora_trainer
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -55,10 +55,7 @@ def trace_benchmark(args: Any) -> Path:
 
     import torch
 
-    from bench.colocate import synthetic_examples
     from bench.traces import generate
-    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
-    from gpu_runtime.finetune.trainer import LoraTrainer
     from gpu_runtime.model import ModelConfig, build_random_model
 
     wall = time.perf_counter()
@@ -77,23 +74,9 @@ def trace_benchmark(args: Any) -> Path:
     # Finetune footprint, measured once on a scratch trainer. Batches of 5 examples: quanta of
     # 1 and 4 examples never meet a batch boundary, and the second and fourth end with an
     # optimizer step (AdamW state included in what stays resident).
-    hparams = resolve_hyperparameters(
-        n_train_examples=64,
-        n_epochs=1,
-        batch_size=5,
-        lora=LoraSpec(rank=16, alpha=32, dropout=0.0),
-        seed=args.seed,
-        warmup_ratio=0.0,
-        max_seq_len=args.ft_seq_len,
-    )
     allocated = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-    scratch = LoraTrainer(
-        model,
-        synthetic_examples(64, args.ft_seq_len, config.vocab_size, args.seed),
-        hparams,
-        cuda_graphs=args.ft_cuda_graphs,
-    )
-    scratch._bench_allocated_at_start = allocated  # type: ignore[attr-defined]
+    scratch = lora_trainer(model, args, examples=64, epochs=1, batch_size=5)
+    scratch._bench_allocated_at_start = allocated
     footprint_error = None
     try:
         resident, per_token = finetune_footprint(scratch, args.ft_seq_len, device)
