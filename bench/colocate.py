@@ -312,29 +312,64 @@ class LoopBackend:
         return result
 
     def warm_quanta(self, examples: tuple[int, ...], seq_len: int) -> dict[str, Any]:
-        """Run quanta of every size on every split's finetune stream (worker thread) and on the
-        loop thread (after-decode quanta), so CUDA-graph warm-up and capture happen here and
-        not inside a timed run; returns the graph mode and ms of each."""
-        out: dict[str, Any] = {}
-        streams: list[tuple[str, int | None, Any]] = [("loop thread", None, None)]
+        """Run quanta of every size on every finetune stream before anything is timed, so CUDA
+        graph warm-up and capture happen here: first on the loop thread with each stream made
+        current (where capture is known to work), then on the worker thread that runs them in
+        the loop. A failing quantum is recorded (the error text); if any fails, graphs are
+        turned off for the job (``trainer.graphs = None``), the worker thread is replaced (a
+        failed capture can leave it unusable), and the sizes are run again eagerly."""
+        out: dict[str, Any] = {"graphs": self.trainer.graphs is not None}
+        errors = self._warm_pass(examples, seq_len, out, "")
+        if errors and self.trainer.graphs is not None:
+            out["graphs_disabled_because"] = errors[:3]
+            print(f"QUANTUM ERRORS with CUDA graphs, running eagerly: {errors[:3]}", flush=True)
+            self.trainer.release_cuda_graphs()
+            self.trainer.graphs = None
+            if self.executor is not None:
+                self.executor.shutdown()
+                self.executor = ThreadedExecutor(time.perf_counter, persistent=True)
+            errors = self._warm_pass(examples, seq_len, out, "eager ")
+        out["errors"] = errors
+        if errors:
+            print(f"QUANTUM ERRORS: {errors[:3]}", flush=True)
+        return out
+
+    def _warm_pass(
+        self, examples: tuple[int, ...], seq_len: int, out: dict[str, Any], tag: str
+    ) -> list[str]:
+        errors: list[str] = []
+        streams: list[tuple[str, int | None, Any]] = [("default", None, None)]
         if self.sharing is not None:
             streams += [(str(d), d, self.sharing.partition(d)[1]) for d in self.choices]
-        for name, d, stream in streams:
+        sizes = (examples[0], *examples)
+        for name, d, stream in streams:  # loop thread, stream current
             got = []
-            for k in (examples[0], *examples):
-                mode = LaunchMode.AFTER_DECODE if stream is None else LaunchMode.CONCURRENT
-                task = QuantumTask("ft", self.trainer, k * seq_len, mode, d, stream)
-                t0 = time.perf_counter()
-                if stream is None or self.executor is None:
-                    run_quantum(task, time.perf_counter)
-                else:
-                    self.executor.submit(task)
-                    self.executor.wait()
-                    self.executor.poll()
-                got.append((k, round((time.perf_counter() - t0) * 1e3, 1)))
-            out[name] = got
+            for k in sizes:
+                task = QuantumTask(
+                    "ft", self.trainer, k * seq_len, LaunchMode.AFTER_DECODE, d, stream
+                )
+                report = run_quantum(task, time.perf_counter)
+                got.append((k, round(report.duration_ms, 1)))
+                if report.error:
+                    errors.append(f"loop thread, stream {name}, {k} ex: {report.error}")
+            out[f"{tag}loop thread/{name}"] = got
+        if self.executor is None:
+            return errors
+        for name, d, stream in streams[1:] or streams:  # the worker thread, as in the loop
+            got = []
+            for k in sizes:
+                task = QuantumTask(
+                    "ft", self.trainer, k * seq_len, LaunchMode.CONCURRENT, d, stream
+                )
+                self.executor.submit(task)
+                self.executor.wait()
+                (report,) = self.executor.poll()
+                got.append((k, round(report.duration_ms, 1)))
+                if report.error:
+                    errors.append(f"worker thread, stream {name}, {k} ex: {report.error}")
+            out[f"{tag}worker/{name}"] = got
         sync(self.trainer.device)
-        return out
+        return errors
 
     def _prompt(self, request: TraceRequest) -> list[int]:
         """A request's prompt ids, cached by what determines them (not by the trace object)."""
@@ -597,6 +632,8 @@ def row_for(
             else None
         ),
         "quanta": len([q for r in records for q in r.quanta]),
+        "quantum_errors": len(errors := [q.error for r in records for q in r.quanta if q.error]),
+        "first_quantum_error": errors[0] if errors else None,
         "policy_config": policy.describe(),
     }
 
@@ -895,6 +932,8 @@ def main() -> None:
         running = list(backend.last_running)
         results[trace, name] = (policy, records, start, end, running)
         r = row_for(args.model, trace, policy, records, start, end, slo_ms, solo_tps, running)
+        if r["quantum_errors"]:
+            print(f"  QUANTUM ERRORS {trace}/{name}: {r['first_quantum_error']}", flush=True)
         print(
             f"  {trace:7s} {name:12s} att={r['slo_attainment']} "
             f"ft={r['finetune_tokens_per_s']} p50={r['tpot_ms_p50']} p99={r['tpot_ms_p99']} "
