@@ -80,8 +80,12 @@ celery -A config worker --pool solo -Q control --hostname "harli-worker@%h" \
 pids+=($!)
 celery -A config beat -l WARNING --schedule var/celerybeat-schedule >var/log/beat.log 2>&1 &
 pids+=($!)
+# The committed latency predictors (predictor_models/artifacts/<gpu>/<model>/): an H200 serving
+# llama3-8b loads one and reports its estimate; other hosts run without one.
 python -m gpu_runtime.agent --host "$agent_name" --base-model "$base_model" \
-  --control-url "$url" --listen "$agent_listen" "${agent_args[@]}" >var/log/agent.log 2>&1 &
+  --control-url "$url" --listen "$agent_listen" \
+  --predictor "${HARLI_PREDICTOR:-predictor_models/artifacts}" "${agent_args[@]}" \
+  >var/log/agent.log 2>&1 &
 pids+=($!)
 
 echo "Starting web, worker, beat and the host agent (logs in var/log/)..."

@@ -26,7 +26,7 @@ from typing import Any
 
 from gpu_runtime.colocation import DecodeLatencyModel, DecodeSnapshot, StagedPredictorAdapter
 from gpu_runtime.engine import Engine
-from gpu_runtime.predictor.artifact import artifact_dir
+from gpu_runtime.predictor.artifact import ArtifactError, artifact_dir, list_artifacts
 from gpu_runtime.predictor.runtime import LatencyPredictor
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum, ModelShape
 
@@ -89,13 +89,26 @@ def _mape(metrics: dict[str, Any]) -> float | None:
 
 
 def load_host_predictor(path: Path, *, engine: Engine, base_model: str) -> HostPredictor:
-    """Open the artifact at `path` (an artifact directory, or a root holding
-    `<gpu key>/<base_model>/<version>/`, latest version). ArtifactError (a RuntimeError) when
-    there is none, or it was trained for another model shape."""
+    """Open the artifact at `path`: an artifact directory, or a root holding
+    `<gpu key>/<model>/<version>/`, where the latest version for `base_model` is taken, else
+    the latest one under this GPU trained for the served model's shape (the same model
+    registered under another name). ArtifactError (a RuntimeError) when there is none, or it
+    was trained for another model shape."""
     directory = Path(path)
-    if not (directory / "metadata.json").is_file():
-        directory = artifact_dir(directory, device_gpu_key(engine.config.device), base_model)
     shape = ModelShape.from_model_config(engine.model_config, base_model)
+    if not (directory / "metadata.json").is_file():
+        gpu = device_gpu_key(engine.config.device)
+        try:
+            directory = artifact_dir(directory, gpu, base_model)
+        except ArtifactError:
+            same_shape = [
+                meta
+                for meta in list_artifacts(directory)
+                if meta.gpu_key == gpu and not meta.model_shape.mismatches(shape)
+            ]
+            if not same_shape:
+                raise
+            directory = max(same_shape, key=lambda meta: meta.version).path
     predictor = LatencyPredictor.load(directory, model_shape=shape)
     info = PredictorInfo(predictor.version, _mape(predictor.metadata.metrics))
     return HostPredictor(predictor, info)

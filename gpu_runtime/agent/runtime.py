@@ -113,7 +113,7 @@ class HostRuntime:
                     self.predictor_path, engine=engine, base_model=self.base_model
                 )
             except (RuntimeError, ValueError) as exc:  # ArtifactError, SchemaError
-                logger.error("no latency predictor for %s: %s", self.base_model, exc)
+                logger.warning("no latency predictor for %s: %s", self.base_model, exc)
         self.loop = HostLoop(
             engine,
             self.policy_factory(self.predictor),

@@ -84,6 +84,15 @@ def test_heartbeat_reports_the_predictor_and_its_harvest_estimate(
     )
 
 
+def test_an_artifact_is_found_by_shape_under_another_model_name(
+    tiny_model_dir: Path, tiny_artifacts: Path
+) -> None:
+    engine = _engine(tiny_model_dir)
+    found = load_host_predictor(tiny_artifacts, engine=engine, base_model="my-tiny")
+    assert found.info.version == "v20261130T000000Z"
+    assert found.predictor.metadata.path.parent.name == "tiny"
+
+
 def test_artifacts_of_other_models_are_refused(
     tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path
 ) -> None:
