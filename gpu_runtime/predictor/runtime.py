@@ -15,11 +15,13 @@ A call costs mostly per ONNX node and per session run, not per row, so the hot p
 nothing: rows are written into one input buffer and the session writes into one output buffer,
 both allocated once (``max_batch`` rows) and bound to the session through an IOBinding per row
 count (made on first use). Larger inputs to ``predict`` run in chunks of ``max_batch``.
-One instance is not safe to call from several threads at once (the buffers are shared).
+Calls from several threads (a host's co-location policy and its heartbeat's harvest estimate
+share one predictor) are serialised by a lock around fill, run and read-back.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -100,6 +102,7 @@ class LatencyPredictor:
         self._rows = np.zeros((max_batch, N_FEATURES), dtype=np.float32)
         self._out = np.zeros((max_batch, 2), dtype=np.float32)  # (alone, colocated) ms
         self._runs: dict[int, Callable[[], None]] = {}
+        self._lock = threading.Lock()
 
     def _bound_run(self, n: int) -> Callable[[], None]:
         """A call that scores ``_rows[:n]`` into ``_out[:n]`` (cached per ``n``)."""
@@ -148,9 +151,10 @@ class LatencyPredictor:
             raise ValueError(f"rows must be [N, {N_FEATURES}], got {tuple(rows.shape)}")
         n = len(rows)
         if n <= self.max_batch:
-            np.copyto(self._rows[:n], rows)
-            self._bound_run(n)()
-            return self._out[:n, 0].copy(), self._out[:n, 1].copy()
+            with self._lock:
+                np.copyto(self._rows[:n], rows)
+                self._bound_run(n)()
+                return self._out[:n, 0].copy(), self._out[:n, 1].copy()
         alone, colocated = np.empty(n, np.float32), np.empty(n, np.float32)
         for start in range(0, n, self.max_batch):
             part = slice(start, start + self.max_batch)
@@ -159,19 +163,23 @@ class LatencyPredictor:
 
     def stage1(self, iteration: DecodeIteration) -> float:
         """Decode iteration latency alone (ms)."""
-        row = self._rows[0]
-        row[:N_STAGE1] = iteration.row()
-        row[N_STAGE1:] = NO_FINETUNE_ROW
-        self._bound_run(1)()
-        return float(self._out[0, 0])
+        features = iteration.row()
+        with self._lock:
+            row = self._rows[0]
+            row[:N_STAGE1] = features
+            row[N_STAGE1:] = NO_FINETUNE_ROW
+            self._bound_run(1)()
+            return float(self._out[0, 0])
 
     def stage2(self, iteration: DecodeIteration, quantum: FinetuneQuantum) -> float:
         """Decode iteration latency with ``quantum`` running beside it (ms)."""
-        row = self._rows[0]
-        row[:N_STAGE1] = iteration.row()
-        row[N_STAGE1:] = quantum.row()
-        self._bound_run(1)()
-        return float(self._out[0, 1])
+        features, ft = iteration.row(), quantum.row()
+        with self._lock:
+            row = self._rows[0]
+            row[:N_STAGE1] = features
+            row[N_STAGE1:] = ft
+            self._bound_run(1)()
+            return float(self._out[0, 1])
 
     def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
         """Stage 1 when ``quantum`` is None or empty, else stage 2."""
@@ -195,9 +203,12 @@ class LatencyPredictor:
         if len(bad):
             i = int(bad[0])
             raise ValueError(f"candidate {i}: decode SM share {shares[i]} not in (0, 1]")
-        block = self._rows[:n]
-        block[:, :N_STAGE1] = iteration.row()
-        block[:, SHARE_COLUMN] = shares
-        block[:, N_STAGE1:] = [NO_FINETUNE_ROW if q is None else q.row() for _, q in candidates]
-        self._bound_run(n)()
-        return self._out[:n, 1].copy()
+        ft = [NO_FINETUNE_ROW if q is None else q.row() for _, q in candidates]
+        features = iteration.row()
+        with self._lock:
+            block = self._rows[:n]
+            block[:, :N_STAGE1] = features
+            block[:, SHARE_COLUMN] = shares
+            block[:, N_STAGE1:] = ft
+            self._bound_run(n)()
+            return self._out[:n, 1].copy()

@@ -139,3 +139,33 @@ def test_committed_format1_artifact_still_serves() -> None:
     ref = predictor.session.run(None, {"features": rows})
     np.testing.assert_array_equal(alone, ref[0])
     np.testing.assert_array_equal(colocated, ref[1])
+
+
+def test_predictor_shared_between_threads_keeps_each_callers_rows(
+    data: ProfileData, tmp_path: Path
+) -> None:
+    import threading
+
+    model = random_model(data, (16,), ())
+    result = TrainResult(model, RooflineBaseline(data.shape, H200), {"stage1": "mlp16"}, {})
+    predictor = LatencyPredictor.load(write_artifact(result, data, tmp_path, "p.csv", "v1"))
+    iterations = [DecodeIteration.from_contexts([c] * b) for b, c in ((1, 64), (64, 2048))]
+    expected = [predictor.stage1(it) for it in iterations]
+    assert expected[0] != expected[1]
+    rows = data.x[:64].astype(np.float32)
+    batch = predictor.predict(rows)[0]
+    wrong: list[str] = []
+
+    def hammer(i: int) -> None:
+        for _ in range(300):
+            if predictor.stage1(iterations[i]) != expected[i]:
+                wrong.append(f"stage1 {i}")
+            if not np.array_equal(predictor.predict(rows)[0], batch):
+                wrong.append(f"predict {i}")
+
+    threads = [threading.Thread(target=hammer, args=(i,)) for i in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not wrong, wrong[:5]
