@@ -76,6 +76,7 @@ from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteratio
 from gpu_runtime.colocation.simulator import SimulatedHost, fit_truth_from_profile
 from gpu_runtime.colocation.types import DecodeSnapshot, FinishedRequest, JobView
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.finetune.batching import DataPosition
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
@@ -282,6 +283,7 @@ class LoopBackend:
         self.total_sms: int | None = int(sharing.table.total_sms) if sharing else None
         self._prompts: dict[tuple[int, int], list[int]] = {}
         self.last_running: list[FinishedRequest] = []
+        self.stream_restarts = 0
         # One worker thread for every run: graphed quanta warm up once per (thread, stream).
         self.executor: ThreadedExecutor | None = None
         if engine.config.is_cuda:
@@ -297,6 +299,10 @@ class LoopBackend:
         stop: Callable[[list[IterationRecord]], bool] | None = None,
     ) -> tuple[list[IterationRecord], float, float]:
         prompts = [self._prompt(r) for r in trace]
+        if with_job and self.trainer.finished:  # must not happen (2048 examples x 50 epochs)
+            print("DATA STREAM FINISHED: restarting it at epoch 0", flush=True)
+            self.stream_restarts += 1
+            self.trainer.stream.restore(DataPosition(0, 0))
         loop = HostLoop(
             self.engine, policy, tpot_slo_ms=slo_ms, sharing=self.sharing, executor=self.executor
         )
@@ -989,6 +995,7 @@ def main() -> None:
                 "harli_config": asdict(harli_config),
                 "skipped_runs": skipped,
                 "failed_runs": failed,
+                "data_stream_restarts": getattr(backend, "stream_restarts", 0),
             },
             "simulated": bool(args.simulate),
             "rows": rows,
