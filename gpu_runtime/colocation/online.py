@@ -6,10 +6,13 @@ least squares over the iterations observed **without** a finetune quantum beside
 
     stage1_s(ms) = a_s + b_s * batch + c_s * context_kilotokens + d_s * prefill_kilotokens
 
+(b, c, d >= 0: a slope fitted negative is dropped),
+
 and, from iterations **with** a quantum beside decode, an interference ratio per
-(split, whether the quantum had its own SMs): the median of observed / stage1_s. Splits never
-observed fall back to the ``prior`` model (or, without one, to the nearest observed split scaled
-by SM share). Targets are whole-iteration times (``IterationRecord.iteration_ms``), i.e. the
+(split, whether the quantum had its own SMs): the median of observed / stage1_s. A split with
+too few samples of its own falls back to the ``prior`` model; without one, to a pooled fit over
+every split's samples (the four features above, each also divided by the decode SM share), and
+before even that has ``min_samples``, to the nearest fitted split scaled by SM share. Targets are whole-iteration times (``IterationRecord.iteration_ms``), i.e. the
 token-to-token latency requests see, host work included.
 """
 
@@ -146,10 +149,25 @@ class OnlineLatencyModel:
         self._pending = keep[-1000:]
 
     def _solve(self, x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        """Ridge least squares with every coefficient but the intercept (column 0) kept >= 0:
+        latency never falls as the batch, the context or the prefill grows, and a negative
+        slope fitted on one load range extrapolates wildly to another. A coefficient that
+        comes out negative is fixed at 0 and the rest refitted."""
         scale = np.maximum(np.abs(x).max(axis=0), 1e-9)
         xs = x / scale
-        gram = xs.T @ xs + self.ridge * len(y) * np.eye(xs.shape[1])
-        return np.asarray(np.linalg.solve(gram, xs.T @ y) / scale)
+        free = np.ones(xs.shape[1], dtype=bool)
+        coef = np.zeros(xs.shape[1])
+        for _ in range(xs.shape[1]):
+            sub = xs[:, free]
+            gram = sub.T @ sub + self.ridge * len(y) * np.eye(sub.shape[1])
+            coef = np.zeros(xs.shape[1])
+            coef[free] = np.linalg.solve(gram, sub.T @ y)
+            negative = [i for i in range(1, xs.shape[1]) if free[i] and coef[i] < 0]
+            if not negative:
+                break
+            free[min(negative, key=lambda i: coef[i])] = False
+        coef[~free] = 0.0
+        return np.asarray(coef / scale)
 
     def _refit(self, key: float) -> None:
         samples = self._solo[key]

@@ -59,3 +59,20 @@ def test_thin_split_uses_the_pooled_fit_over_all_splits() -> None:
     assert model.samples() == {0.25: 3, 0.5: 40, 1.0: 40}
     probe = DecodeIteration(16, 16 * 500, 500, 0, 0.25)
     assert model.predict_ms(probe, None) == pytest.approx(truth.predict_ms(probe, None), rel=0.02)
+
+
+def test_slopes_are_never_negative_so_other_load_ranges_stay_sane() -> None:
+    """Observed on a high-load range where bigger batches happened to run faster (prefill came
+    with the small ones): the fit keeps no negative slope, so a low-load batch is not predicted
+    slower than anything seen."""
+    model = OnlineLatencyModel(min_samples=8)
+    rng = random.Random(2)
+    for _ in range(60):
+        batch = rng.randint(30, 60)
+        it = DecodeIteration(batch, batch * 500, 500, 0, 1.0)
+        model.observe(it, None, 12.0 - 0.1 * batch + rng.uniform(-0.2, 0.2))
+    observed_max = 12.0 - 0.1 * 30 + 0.2
+    small = DecodeIteration(2, 1000, 500, 0, 1.0)
+    large = DecodeIteration(120, 60_000, 500, 0, 1.0)
+    assert 0.1 < model.predict_ms(small, None) <= observed_max
+    assert model.predict_ms(large, None) >= model.predict_ms(small, None)
