@@ -12,8 +12,9 @@ and, from iterations **with** a quantum beside decode, an interference ratio per
 (split, whether the quantum had its own SMs): the median of observed / stage1_s. A split with
 too few samples of its own falls back to the ``prior`` model; without one, to a pooled fit over
 every split's samples (the four features above, each also divided by the decode SM share), and
-before even that has ``min_samples``, to the nearest fitted split scaled by SM share. Targets are whole-iteration times (``IterationRecord.iteration_ms``), i.e. the
-token-to-token latency requests see, host work included.
+before even that has ``min_samples``, to the nearest fitted split scaled by SM share. Targets
+are whole-iteration times (``IterationRecord.iteration_ms``), i.e. the token-to-token latency
+requests see, host work included.
 """
 
 from __future__ import annotations
