@@ -32,8 +32,8 @@ ms (its CPU/GIL time before its one sync) eager -> graphed:
 Losses equal eager ones within 2.5e-4 (same shapes, same dropout masks); peak memory +0.1 GB.
 Small quanta were host-bound (about 3,800 kernel launches from Python and autograd per
 micro-batch); graphed, they are GPU-bound, and the quantum's CPU work, which competes with the
-decode loop for the GIL, drops 10-17x. A shape's first quantum on a stream runs eagerly and its
-second captures (about 180-370 ms), as `graph_modes` in each row shows.
+decode loop for the GIL, drops 10-17x. The first quantum on a stream runs eagerly (warm-up), the
+first of each shape after it captures (about 180-370 ms), as `graph_modes` in each row shows.
 
 Multi-LoRA decode (`multi_lora_decode`, through `bench/multilora.py`): `Engine.step()` TPOT at
 batch 32, context 512, CUDA graphs on CUDA: base-only rows, every row on one of 8 adapters (rank

@@ -3,10 +3,13 @@
 Plain bookkeeping (no torch), so the rules are tested exactly on any machine; the graphs
 themselves live in :mod:`gpu_runtime.finetune.graphs`.
 
-Capturing costs about one eager micro-batch of host time (and holds the GIL as long), so a shape
-is captured only once it has been seen ``capture_after`` times (rare shapes stay eager), at most
-``max_graphs`` shapes stay captured, and a captured shape is dropped for a new one only when it
-has gone unused for ``stale_after`` micro-batches; otherwise the new shape runs eagerly. So a
+Once a stream is warm (one eager micro-batch ran on it), a shape is captured when it has been
+seen ``capture_after`` times (default 1: at once). Capturing costs about one or two eager
+micro-batches of host time (H200, 8B shape: 180-370 ms), but every eager micro-batch of a new
+shape also grows torch's ordinary cache beside the graphs' pool by that shape's activations (GBs),
+so by default only the warm-up runs eagerly; ``capture_after=2`` keeps shapes seen once eager. At
+most ``max_graphs`` shapes stay captured, and a captured shape is dropped for a new one only when
+it has gone unused for ``stale_after`` micro-batches; otherwise the new shape runs eagerly. So a
 workload with more frequent shapes than slots never thrashes (capture, evict, capture again).
 """
 
@@ -68,7 +71,7 @@ class CapturePolicy:
     """Decides per micro-batch (see the module docstring); the caller reports what happened."""
 
     def __init__(
-        self, max_graphs: int = 32, capture_after: int = 2, stale_after: int | None = None
+        self, max_graphs: int = 32, capture_after: int = 1, stale_after: int | None = None
     ) -> None:
         if max_graphs < 1 or capture_after < 1:
             raise ValueError(f"max_graphs={max_graphs}, capture_after={capture_after} >= 1")

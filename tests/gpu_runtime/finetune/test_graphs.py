@@ -74,6 +74,9 @@ def test_capture_policy_captures_frequent_shapes_without_thrashing() -> None:
     assert decide(d) == ("eager", "this shape's capture ran out of memory", None)
     with pytest.raises(ValueError):
         CapturePolicy(max_graphs=0)
+    default = CapturePolicy()  # only the warm-up runs eagerly: no eager cache beside the pool
+    assert default.decide(a, stream_warm=False).action == "eager"
+    assert default.decide(b, stream_warm=True).action == "capture"
 
 
 def _examples(lengths: list[int], loss_from: int = 1) -> list[TokenizedExample]:
