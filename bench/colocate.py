@@ -467,6 +467,7 @@ def calibrate(
             "targets_met": policy.done,
             "per_split": per_split,
             "fitted_splits": model.fitted_shares,
+            "fits": model.describe(),
             "pooled_fit": model.pooled,
         }
     )
@@ -527,6 +528,11 @@ def predictor_check(
         "artifact_mape_without_prefill": mape(trained, plain),
         "online_mape": mape(fitted, every),
         "online_mape_without_prefill": mape(fitted, plain),
+        "observed_ms_median": round(statistics.median(ms for _, ms in rows), 3),
+        "artifact_ms_median": round(statistics.median(p for p in trained if math.isfinite(p)), 3)
+        if any(math.isfinite(p) for p in trained)
+        else None,
+        "online_ms_median": round(statistics.median(fitted), 3),
         "artifact_nonfinite": sum(not math.isfinite(p) for p in trained),
         "artifact_us_per_call": round(per_call_us, 1),
     }

@@ -198,6 +198,14 @@ class OnlineLatencyModel:
         share = max(iteration.decode_sm_share, 1e-3)
         return float(np.dot(self._pooled, [*f, *(v / share for v in f)]))
 
+    def describe(self) -> dict[str, dict[str, object]]:
+        """Per fitted share: the stage-1 coefficients (ms: intercept, per sequence, per 1k
+        context tokens, per 1k prefill tokens) and the samples they came from."""
+        return {
+            str(share): {"coef_ms": [round(c, 4) for c in fit.coef], "samples": fit.samples}
+            for share, fit in sorted(self._fits.items())
+        }
+
     def samples(self) -> dict[float, int]:
         """Solo (stage-1) samples per decode SM share."""
         return {share: len(s) for share, s in sorted(self._solo.items())}
