@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -469,21 +470,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         modes = [m for m in args.modes.split(",") if m]
         for mode, name in [(m, t) for m in modes for t in targets]:  # file rewritten per set
-            target_rows, checks[check_key(name, mode)] = run_targets(
-                model,
-                name,
-                batch=args.batch,
-                context=args.context,
-                adapters=args.adapters,
-                rank=args.rank,
-                steps=args.steps,
-                warmup=args.warmup,
-                device=device,
-                adapter_root=Path(tmp),
-                profile=args.profile,
-                mode=mode,
-                mixed_step_rows=args.mixed_steps and not rows,
-            )
+            try:
+                target_rows, checks[check_key(name, mode)] = run_targets(
+                    model,
+                    name,
+                    batch=args.batch,
+                    context=args.context,
+                    adapters=args.adapters,
+                    rank=args.rank,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    device=device,
+                    adapter_root=Path(tmp),
+                    profile=args.profile,
+                    mode=mode,
+                    mixed_step_rows=args.mixed_steps and not rows,
+                )
+            except Exception as exc:  # keep the other sets' rows; say what broke
+                import traceback
+
+                traceback.print_exc()
+                checks[check_key(name, mode)] = {"error": f"{type(exc).__name__}: {exc}"[:600]}
+                target_rows = []
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             rows.extend({"model": args.model} | r for r in target_rows)
             result = {
                 "name": "multilora",
