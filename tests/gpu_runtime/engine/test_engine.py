@@ -77,12 +77,17 @@ def _one_at_a_time(model: CausalLM, prompts: list[list[int]]) -> list[list[int]]
     return [engine.generate([p], GREEDY)[0].output_token_ids for p in prompts]
 
 
+@pytest.mark.parametrize("mixed_attention", [False, True])
 def test_continuous_batching_with_staggered_arrivals_equals_sequential(
-    tiny_llama: CausalLM,
+    tiny_llama: CausalLM, mixed_attention: bool
 ) -> None:
+    """A 16-token budget: long prompts are chunked while others decode in the same steps
+    (with `mixed_attention`, those steps batch the decode rows: `MixedPagedAttention`)."""
     prompts = _prompts(1, (5, 30, 12, 2, 44, 8))
     expected = _one_at_a_time(tiny_llama, prompts)
-    engine = Engine(tiny_llama, _config(max_num_batched_tokens=16))
+    config = _config(max_num_batched_tokens=16, mixed_batch_attention=mixed_attention)
+    engine = Engine(tiny_llama, config)
+    assert engine.runner.mixed_attention == mixed_attention
     finished: dict[str, list[int]] = {}
     ids: list[str] = []
     pending = list(prompts)

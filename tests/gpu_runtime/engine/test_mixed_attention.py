@@ -1,17 +1,16 @@
 """Steps mixing decode rows with prefill chunks (CPU, fp32): `MixedPagedAttention` (decode rows
-in one batched call, chunks via SDPA) equals the per-sequence reference, and an engine using it
-generates the same tokens as one request at a time."""
+in one batched call, chunks via SDPA) equals the per-sequence reference. The engine using it is
+checked against one request at a time in test_engine.py (staggered arrivals)."""
 
 from __future__ import annotations
 
 import torch
 
-from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.engine import SamplingParams
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.kv_cache import PagedKVCache
-from gpu_runtime.model import CausalLM
 from gpu_runtime.model.tiny import tiny_config
 
 GREEDY = SamplingParams(max_tokens=9, temperature=0.0, detokenize=False, ignore_eos=True)
@@ -62,31 +61,3 @@ def test_mixed_attention_equals_the_per_sequence_loop() -> None:
     single = MixedPagedAttention(cache, only, compute_dtype=torch.float32)
     assert single.all_decode
     torch.testing.assert_close(single.attend(1, q[[0]]), reference[[0]], rtol=1e-5, atol=1e-5)
-
-
-def test_engine_with_mixed_attention_equals_one_request_at_a_time(tiny_llama: CausalLM) -> None:
-    def config(**overrides: object) -> EngineConfig:
-        base: dict[str, object] = dict(
-            num_kv_blocks=96, block_size=4, max_num_seqs=8, max_model_len=128
-        )
-        return EngineConfig(**(base | overrides))  # type: ignore[arg-type]
-
-    gen = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 480, (n,), generator=gen).tolist() for n in (5, 30, 12, 2, 44)]
-    alone = Engine(tiny_llama, config(max_num_seqs=1, max_num_batched_tokens=64))
-    expected = [alone.generate([p], GREEDY)[0].output_token_ids for p in prompts]
-    # a 16-token budget: long prompts are chunked while the others decode in the same steps
-    engine = Engine(tiny_llama, config(max_num_batched_tokens=16, mixed_batch_attention=True))
-    assert engine.runner.mixed_attention
-    ids = []
-    finished: dict[str, list[int]] = {}
-    pending = list(prompts)
-    steps = 0
-    while pending or engine.has_unfinished_requests():
-        if pending and steps % 2 == 0:
-            ids.append(engine.add_request(pending.pop(0), GREEDY))
-        for out in engine.step():
-            if out.finished:
-                finished[out.request_id] = out.output_token_ids
-        steps += 1
-    assert [finished[i] for i in ids] == expected
