@@ -6,14 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from gpu_runtime.engine import SamplingParams
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.kv_cache import PagedKVCache
 from gpu_runtime.model.tiny import tiny_config
-
-GREEDY = SamplingParams(max_tokens=9, temperature=0.0, detokenize=False, ignore_eos=True)
 
 
 def test_mixed_attention_equals_the_per_sequence_loop() -> None:
