@@ -66,6 +66,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--memory-pool-gb", type=float, default=None,
                    help="pool size (CPU: required with --memory-pool on; CUDA: default "
                    "free device memory less 4 GiB)")  # fmt: skip
+    p.add_argument("--decode-groups", default="4,8,12",
+                   help="CUDA: decode SM splits in units of 8 SMs (Hopper), comma-separated; "
+                   "'all' creates every split")  # fmt: skip
     p.add_argument("--lora-slots", type=int, default=8, help="adapters resident at once")
     p.add_argument("--lora-max-rank", type=int, default=64, help="largest adapter rank served")
     args = p.parse_args(argv)
@@ -92,6 +95,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len,
             lora_slots=args.lora_slots,
+            decode_groups=_decode_groups(p, args.decode_groups),
             memory_pool={"auto": None, "on": True, "off": False}[args.memory_pool],
             memory_pool_bytes=int(args.memory_pool_gb * GIB) if args.memory_pool_gb else None,
             predictor_path=Path(args.predictor) if args.predictor else None,
@@ -101,6 +105,18 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     except (AgentConfigError, ValueError) as exc:
         p.error(str(exc))
         raise
+
+
+def _decode_groups(parser: argparse.ArgumentParser, text: str) -> tuple[int, ...] | None:
+    if text == "all":
+        return None
+    try:
+        groups = tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        parser.error(f"--decode-groups {text!r}: expected comma-separated integers or 'all'")
+    if not groups or min(groups) < 1:
+        parser.error(f"--decode-groups {text!r}: expected positive integers")
+    return groups
 
 
 def build_policy(name: str, predictor: Any) -> Any:
@@ -161,6 +177,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
         lora_max_rank=config.lora_max_rank,
         memory_pool=config.memory_pool,
         pool_bytes=config.memory_pool_bytes,
+        decode_groups=config.decode_groups,
     )
     serving = spec.build(model_dir)
     options = broker_transport_options(config.broker_url, config.broker_dir)

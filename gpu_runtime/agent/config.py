@@ -59,6 +59,9 @@ class AgentConfig:
     """Unified KV/finetune memory pool: None = on CUDA devices only."""
     memory_pool_bytes: int | None = None
     """The pool's size; required for a pool on CPU, on CUDA None = free memory less 4 GiB."""
+    decode_groups: tuple[int, ...] | None = (4, 8, 12)
+    """CUDA: decode SM splits (units of the SM granularity) besides the whole device; None:
+    every split."""
     predictor_path: Path | None = None
     """Latency predictor artifact (directory or root); None: no predictor."""
     broker_dir: Path | None = None

@@ -121,6 +121,7 @@ class HostRuntime:
             metrics_sink=self._on_record,
             output_sink=self._outputs_sink,
             memory=serving.memory.memory if serving.memory is not None else None,
+            sharing=serving.sharing,
         )
         if serving.memory is not None:
             serving.memory.bind_loop(self.loop)

@@ -6,17 +6,26 @@ KV cache is a view of the pool's reserved range and finetune tensors borrow the 
 does not need: the engine is built from the pool's `EngineConfig` and storage factory, its CUDA
 graphs are captured, then the pool is told decode is ready. Without it (CPU by default) the KV
 cache is a plain tensor of `num_kv_blocks` blocks, as before.
+
+On CUDA the host also builds its GPU sharing (`gpu_runtime.sharing.create_sharing`: green-context
+SM splits, or prioritised streams where the driver cannot split) and captures the decode graphs
+once per split, so the co-location loop can run decode on some SMs and finetune quanta on the
+rest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.memory import HostMemory, build_host_memory
 from gpu_runtime.model.loader import load_model, load_tokenizer
+
+DEFAULT_DECODE_GROUPS = (4, 8, 12)
+"""32, 64 and 96 decode SMs on Hopper (plus the whole device): few splits, few graphs."""
 
 
 @dataclass(frozen=True)
@@ -25,6 +34,8 @@ class ServingEngine:
 
     engine: Engine
     memory: HostMemory | None
+    sharing: Any = None
+    """The `gpu_runtime.sharing.GpuSharing` of a CUDA host (None on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,9 @@ class EngineSpec:
     pool_bytes: int | None = None
     """The pool's size (required on CPU; on CUDA None takes the free device memory less the
     room decode's own allocations need)."""
+    decode_groups: tuple[int, ...] | None = DEFAULT_DECODE_GROUPS
+    """CUDA: decode SM splits to create, in units of the SM granularity (8 on Hopper), beside
+    the whole device; None creates every split (14 on an H200, each with its own graphs)."""
 
     def __post_init__(self) -> None:
         if self.lora_slots < 1 or self.lora_max_rank < 1:
@@ -75,10 +89,11 @@ class EngineSpec:
             max_rank=self.lora_max_rank,
         )
         tokenizer = load_tokenizer(model_dir)
+        sharing = self._sharing()
         if not self.uses_pool:
             engine = Engine(model, config, tokenizer=tokenizer, lora=lora)
-            engine.capture_cuda_graphs()
-            return ServingEngine(engine, None)
+            _capture_graphs(engine, sharing)
+            return ServingEngine(engine, None, sharing)
         memory = build_host_memory(model, config, pool_bytes=self.pool_bytes)
         try:
             engine = Engine(
@@ -89,12 +104,31 @@ class EngineSpec:
                 kv_storage_factory=memory.storage_factory,
             )
             memory.attach(engine)
-            engine.capture_cuda_graphs()  # graphs bake in KV addresses; the range never moves
+            _capture_graphs(engine, sharing)  # graphs bake in KV addresses; the range stays
             memory.decode_ready()
         except Exception:
             memory.close()
             raise
-        return ServingEngine(engine, memory)
+        return ServingEngine(engine, memory, sharing)
+
+    def _sharing(self) -> Any:
+        if not self.config.is_cuda:
+            return None
+        import torch
+
+        from gpu_runtime.sharing import create_sharing
+
+        return create_sharing(torch.device(self.config.device), decode_groups=self.decode_groups)
+
+
+def _capture_graphs(engine: Engine, sharing: Any) -> None:
+    """Decode graphs per batch bucket, once per SM split (a graph runs on the SMs of the
+    context it was captured in)."""
+    if sharing is None:
+        engine.capture_cuda_graphs()
+        return
+    for decode_sms in sharing.table.choices:
+        engine.capture_cuda_graphs(partition=decode_sms, stream=sharing.partition(decode_sms)[0])
 
 
 def lora_runtime(engine: Engine) -> MultiLoraRuntime:

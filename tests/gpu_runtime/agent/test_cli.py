@@ -15,6 +15,9 @@ def test_defaults_and_options() -> None:
     config = parse_args(BASE)
     assert config.memory_pool is None and config.predictor_path is None  # pool: CUDA only
     assert (config.lora_slots, config.lora_max_rank) == (8, 64)
+    assert config.decode_groups == (4, 8, 12)
+    assert parse_args([*BASE, "--decode-groups", "all"]).decode_groups is None
+    assert parse_args([*BASE, "--decode-groups", "2,6"]).decode_groups == (2, 6)
     config = parse_args([*BASE, "--memory-pool", "on", "--memory-pool-gb", "0.5",
                          "--predictor", "predictor_models/artifacts", "--policy", "harli",
                          "--lora-slots", "4"])  # fmt: skip
@@ -30,6 +33,8 @@ def test_defaults_and_options() -> None:
         (["--memory-pool", "on"], "a memory pool on the CPU needs its size"),
         (["--lora-slots", "0"], "lora_slots must be >= 1, got 0"),
         (["--heartbeat-s", "0"], "heartbeat_s must be > 0, got 0.0"),
+        (["--decode-groups", "4,x"], "expected comma-separated integers"),
+        (["--decode-groups", "0"], "expected positive integers"),
     ],
 )
 def test_bad_settings_name_the_value(

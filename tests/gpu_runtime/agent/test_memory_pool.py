@@ -1,6 +1,7 @@
-"""A host whose KV cache and finetune jobs share the unified memory pool (a GPU host's default;
-the CPU accounting pool on request): it serves and trains exactly like a host without one,
-reports the pool's free memory, and the finetune budget goes back when no job is left."""
+"""A host whose KV cache and finetune jobs share the unified memory pool (a GPU host's default,
+with its SM sharing; the CPU accounting pool on request): it serves and trains exactly like a
+host without one, reports the pool's free memory, and the finetune budget goes back when no job
+is left."""
 
 from __future__ import annotations
 
@@ -49,6 +50,9 @@ def test_pool_host_trains_and_serves_like_a_plain_host(
                           device=device, pool=True, pool_bytes=pool_bytes)  # fmt: skip
     memory = pooled.runtime.host_memory
     assert memory is not None and pooled.runtime.loop.memory is memory.memory
+    if device == "cuda":  # SM splits (or prioritised streams), graphs captured per split
+        sharing = pooled.runtime.loop.sharing
+        assert sharing is not None and len(sharing.table.choices) >= 1
     assert pooled.runtime.engine.config.kv_block_capacity == memory.memory.binding.capacity_blocks
     pool_done, pool_tokens = _train(pooled, pool_reports)
 
