@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from gpu_runtime.colocation.predictor import DecodeLatencyModel
-from gpu_runtime.colocation.types import IterationRecord
+from gpu_runtime.colocation.types import IterationRecord, LaunchMode
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 
 _SHARE_KEY_DIGITS = 4
@@ -133,7 +133,9 @@ class OnlineLatencyModel:
             quantum = beside_quantum(
                 record.beside_tokens, record.beside_decode_sms, total, seq_len, rank
             )
-        self.observe(iteration, quantum, record.iteration_ms)
+        # A quantum run after decode is part of the iteration but not of decode's latency.
+        after = sum(q.duration_ms for q in record.quanta if q.mode is LaunchMode.AFTER_DECODE)
+        self.observe(iteration, quantum, record.iteration_ms - after)
 
     def _drain_pending(self) -> None:
         keep = []

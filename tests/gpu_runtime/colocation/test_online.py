@@ -76,3 +76,21 @@ def test_slopes_are_never_negative_so_other_load_ranges_stay_sane() -> None:
     large = DecodeIteration(120, 60_000, 500, 0, 1.0)
     assert 0.1 < model.predict_ms(small, None) <= observed_max
     assert model.predict_ms(large, None) >= model.predict_ms(small, None)
+
+
+def test_a_quantum_run_after_decode_is_not_counted_as_decode_latency() -> None:
+    from gpu_runtime.colocation import DecodeSnapshot, IterationPlan, LaunchMode, QuantumReport
+
+    from .sim import record
+
+    model = OnlineLatencyModel(min_samples=4)
+    rng = random.Random(3)
+    for i in range(20):
+        batch = rng.randint(1, 32)
+        decode = DecodeSnapshot.from_contexts([400] * batch)
+        slice_ms = rng.uniform(2.0, 8.0)  # a layer slice after the decode step
+        after = QuantumReport("job", 0, slice_ms, LaunchMode.AFTER_DECODE, 132, layer_passes=2)
+        plan = IterationPlan(decode_sms=132)
+        model.observe_record(record(plan, decode, 5.0 + 0.1 * batch + slice_ms, i, (after,)))
+    probe = DecodeIteration(16, 16 * 400, 400, 0, 1.0)
+    assert model.predict_ms(probe, None) == pytest.approx(5.0 + 0.1 * 16, rel=0.02)
