@@ -176,8 +176,9 @@ def create_app(
 
     @app.get("/health")
     async def health() -> dict[str, Any]:
-        """Liveness, no key: the base model and the adapters served now."""
-        return {"status": "ok", "base_model": base_name(), "adapters": served_adapters()}
+        """Liveness, no key: the base model and how many adapters are served (their names are
+        tenants' models: only a key's grant shows them, through `/v1/models`)."""
+        return {"status": "ok", "base_model": base_name(), "adapters": len(served_adapters())}
 
     @app.get("/v1/models")
     async def list_models(grant: KeyGrant = Depends(require_key)) -> dict[str, Any]:
