@@ -319,11 +319,13 @@ class LoopBackend:
 
     def warm_quanta(self, examples: tuple[int, ...], seq_len: int) -> dict[str, Any]:
         """Run quanta of every size on every finetune stream before anything is timed, so CUDA
-        graph warm-up and capture happen here: first on the loop thread with each stream made
-        current (where capture is known to work), then on the worker thread that runs them in
-        the loop. A failing quantum is recorded (the error text); if any fails, graphs are
-        turned off for the job (``trainer.graphs = None``), the worker thread is replaced (a
-        failed capture can leave it unusable), and the sizes are run again eagerly."""
+        graph warm-up and capture happen here: on the worker thread (the one that runs them in
+        the loop) for every split's finetune stream, then on the loop thread's own stream
+        (after-decode quanta). A failing quantum is recorded (the error text); if any fails,
+        graphs are turned off for the job (``trainer.graphs = None``), the worker thread is
+        replaced (a failed capture can leave its thread unusable: H200 run3) and every size
+        runs again eagerly. Captures never run on the loop thread's green-context streams, so
+        a capture failure cannot reach the thread that decodes."""
         out: dict[str, Any] = {"graphs": self.trainer.graphs is not None}
         errors = self._warm_pass(examples, seq_len, out, "")
         if errors and self.trainer.graphs is not None:
@@ -333,7 +335,7 @@ class LoopBackend:
             self.trainer.graphs = None
             if self.executor is not None:
                 self.executor.shutdown()
-                self.executor = ThreadedExecutor(time.perf_counter, persistent=True)
+            self.executor = ThreadedExecutor(time.perf_counter, persistent=True)
             errors = self._warm_pass(examples, seq_len, out, "eager ")
         out["errors"] = errors
         if errors:
@@ -344,36 +346,32 @@ class LoopBackend:
         self, examples: tuple[int, ...], seq_len: int, out: dict[str, Any], tag: str
     ) -> list[str]:
         errors: list[str] = []
-        streams: list[tuple[str, int | None, Any]] = [("default", None, None)]
-        if self.sharing is not None:
-            streams += [(str(d), d, self.sharing.partition(d)[1]) for d in self.choices]
         sizes = (examples[0], *examples)
-        for name, d, stream in streams:  # loop thread, stream current
-            got = []
-            for k in sizes:
-                task = QuantumTask(
-                    "ft", self.trainer, k * seq_len, LaunchMode.AFTER_DECODE, d, stream
-                )
-                report = run_quantum(task, time.perf_counter)
-                got.append((k, round(report.duration_ms, 1)))
-                if report.error:
-                    errors.append(f"loop thread, stream {name}, {k} ex: {report.error}")
-            out[f"{tag}loop thread/{name}"] = got
-        if self.executor is None:
-            return errors
-        for name, d, stream in streams[1:] or streams:  # the worker thread, as in the loop
-            got = []
-            for k in sizes:
-                task = QuantumTask(
-                    "ft", self.trainer, k * seq_len, LaunchMode.CONCURRENT, d, stream
-                )
-                self.executor.submit(task)
-                self.executor.wait()
-                (report,) = self.executor.poll()
-                got.append((k, round(report.duration_ms, 1)))
-                if report.error:
-                    errors.append(f"worker thread, stream {name}, {k} ex: {report.error}")
-            out[f"{tag}worker/{name}"] = got
+        if self.executor is not None and self.sharing is not None:
+            for d in self.choices:  # the worker thread, as in the loop
+                stream = self.sharing.partition(d)[1]
+                got = []
+                for k in sizes:
+                    mode = LaunchMode.CONCURRENT
+                    task = QuantumTask("ft", self.trainer, k * seq_len, mode, d, stream)
+                    self.executor.submit(task)
+                    if not self.executor.wait(30.0):
+                        errors.append(f"worker thread, split {d}, {k} ex: no end in 30 s")
+                        self.executor = None  # hung: abandon the (daemon) thread
+                        return errors
+                    (report,) = self.executor.poll()
+                    got.append((k, round(report.duration_ms, 1)))
+                    if report.error:
+                        errors.append(f"worker thread, split {d}, {k} ex: {report.error}")
+                out[f"{tag}worker/{d}"] = got
+        got = []
+        for k in sizes:  # the loop thread's own stream: after-decode quanta
+            task = QuantumTask("ft", self.trainer, k * seq_len, LaunchMode.AFTER_DECODE, None)
+            report = run_quantum(task, time.perf_counter)
+            got.append((k, round(report.duration_ms, 1)))
+            if report.error:
+                errors.append(f"loop thread, {k} ex: {report.error}")
+        out[f"{tag}loop thread"] = got
         sync(self.trainer.device)
         return errors
 
