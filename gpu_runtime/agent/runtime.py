@@ -169,6 +169,7 @@ class HostRuntime:
             record = self.loop.run_iteration()
             self.jobs.after_iteration(record)
         except Exception as exc:  # keep the host alive; fail what was training
+            self._outputs = []  # the EngineLoop fails every open stream
             self._fail_all(f"engine loop error: {exc}")
             raise
         outputs, self._outputs = self._outputs, []

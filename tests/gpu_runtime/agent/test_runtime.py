@@ -149,3 +149,26 @@ def test_load_base_model_only_when_idle(host: Host, reports: Reports, tiny_model
     assert runtime.status().adapters == []
     out, _ = host.generate("tiny-2", "Q: hello", GREEDY)
     assert len(out.output_token_ids) == 6
+
+
+def test_a_failed_iteration_fails_the_jobs_and_serving_goes_on(
+    host: Host, reports: Reports, monkeypatch: Any
+) -> None:
+    _place(host, 1, hyperparameters={"n_epochs": 10, "batch_size": 2})
+    reports.wait_for("job_started")
+    loop = host.runtime.loop
+    healthy = loop.run_iteration
+    failures: list[int] = []
+
+    def fails_once() -> Any:
+        if not failures:
+            failures.append(1)
+            raise RuntimeError("device fell over")
+        return healthy()
+
+    monkeypatch.setattr(loop, "run_iteration", fails_once)  # injected fault, once
+    failed = reports.wait_for("job_failed")
+    assert failed["code"] == "host_error" and "device fell over" in failed["message"]
+    assert host.runtime.status().placements == []
+    out, _ = host.generate("tiny", [5, 6, 7, 8], GREEDY)  # the engine thread serves on
+    assert len(out.output_token_ids) == 6
