@@ -268,3 +268,34 @@ def test_layer_sliced_quanta_credit_tokens_when_the_micro_batch_completes(
     state = loop.job_state("j")
     assert state.finished and state.tokens_trained == sum(e.num_tokens for e in train_examples)
     assert state.last_loss is not None
+
+
+def test_harli_fills_the_slack_with_layer_slices_on_the_loop(train_examples: Any) -> None:
+    """Whole quanta priced far over the slack, slices (measured costs) under it: harli runs the
+    job in layer slices after decode, and the loop credits each micro-batch once it completes."""
+    from gpu_runtime.colocation import AnalyticLatencyModel, HarliConfig, HarliPolicy
+
+    engine = _engine()
+    trainer = _trainer(engine, train_examples)
+    config = HarliConfig(
+        prior_quantum_overhead_ms=1e5,
+        allow_shared=False,
+        slice_call_ms=1.0,
+        slice_forward_layer_ms=1.0,
+        slice_backward_layer_ms=1.0,
+    )
+    loop = HostLoop(
+        engine, HarliPolicy(AnalyticLatencyModel(base_ms=1.0), config), tpot_slo_ms=50.0
+    )
+    loop.add_job("j", trainer)
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for p in PROMPTS:
+        loop.add_request(p, long)
+    records = [loop.run_iteration() for _ in range(30)]
+    loop.close()
+    launches = [launch for r in records for launch in r.finetune_launched]
+    assert launches and all(launch.max_layers is not None for launch in launches)
+    reports = [q for r in records for q in r.quanta]
+    assert all(q.error is None and q.layer_passes >= 1 for q in reports)
+    done = [q for q in reports if q.micro_batch_done]
+    assert done and loop.job_state("j").tokens_trained == sum(q.tokens for q in done) > 0
