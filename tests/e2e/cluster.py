@@ -145,7 +145,7 @@ class Cluster:
         self.spawn("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
                             "--schedule", str(self.tmp / "beat-schedule")])  # fmt: skip
 
-    def start_agent(self, host: str) -> Proc:
+    def start_agent(self, host: str, extra: tuple[str, ...] = ()) -> Proc:
         port = self.agent_ports.setdefault(host, free_port())
         env = {**self.env, "HARLI_TORCH_THREADS": "1"}
         return self.spawn(
@@ -155,7 +155,7 @@ class Cluster:
              "--work-dir", str(self.tmp / host), "--model-dir", str(self.model_dir),
              "--control-url", self.web_url, "--listen", f"127.0.0.1:{port}",
              "--heartbeat-s", "0.5", "--metrics-interval-s", "2", "--key-cache-ttl-s", "2",
-             "--num-kv-blocks", "64"],
+             "--num-kv-blocks", "64", *extra],
             env,
         )  # fmt: skip
 

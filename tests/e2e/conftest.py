@@ -1,5 +1,6 @@
 """One cluster per e2e module: private Redis (append-only), the test PostgreSQL database,
-`runserver`, a Celery worker and beat, and two host agents `agent-a` and `agent-b`.
+`runserver`, a Celery worker and beat, and two host agents: `agent-a` with a latency predictor
+artifact for the tiny model, `agent-b` without.
 
 Short intervals for the tests come from the environment: heartbeats every 0.5 s, a host is lost
 after 4 s of silence, reconciliation every second, checkpoints every 10 optimizer steps, key
@@ -17,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.cluster import Cluster, free_port, wait_until
+from tests.gpu_runtime.agent.artifacts import write_tiny_artifact
 
 AGENTS = ("agent-a", "agent-b")
 
@@ -119,8 +121,10 @@ def cluster(
     try:
         cluster.start_redis()
         cluster.start_control_plane()
-        for host in AGENTS:
-            cluster.start_agent(host)
+        # agent-a has a latency predictor (heartbeats carry its version and estimate)
+        predictors = write_tiny_artifact(tiny_model_dir, tmp / "predictors")
+        cluster.start_agent("agent-a", ("--predictor", str(predictors)))
+        cluster.start_agent("agent-b")
         cluster.wait_ready("web", "worker", "beat", *AGENTS)
         yield cluster
     finally:

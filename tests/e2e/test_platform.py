@@ -15,6 +15,7 @@ from openai import OpenAI
 
 from tests.e2e.cluster import Cluster, wait_until
 from tests.e2e.conftest import Tenants, training_jsonl
+from tests.gpu_runtime.agent.artifacts import VERSION
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -113,6 +114,18 @@ def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
         outsider.completions.create(model=job.fine_tuned_model, prompt="x", max_tokens=2)
     with pytest.raises(openai.AuthenticationError):
         _client(cluster.agent_url("agent-a"), "hk-not-a-key").models.list()
+
+    # agent-a reports its predictor (version, held-out MAPE) and its estimate; agent-b has none
+    from api.models import GpuHost
+    from workers.models import HostAgentState, PlacementDecision
+
+    predicted = GpuHost.objects.get(name="agent-a")
+    assert (predicted.predictor_version, predicted.predictor_mape) == (VERSION, 0.032)
+    assert GpuHost.objects.get(name="agent-b").predictor_version is None
+    assert HostAgentState.objects.get(host__name="agent-a").harvest["source"] == "predictor"
+    reasons = PlacementDecision.objects.get(placement__job_id=job.id).reasons
+    sources = {row["host"]: (row["harvest"] or {}).get("source") for row in reasons["candidates"]}
+    assert sources == {"agent-a": "predictor", "agent-b": "measured"}
 
     wait_until(lambda: HostMetric.objects.filter(host__name="agent-a").exists(), 10, "metrics")
     assert MetricRollup.objects.filter(series="host", key="agent-a").exists()

@@ -19,22 +19,11 @@ from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, HarliPo
 from gpu_runtime.colocation.predictor import decode_iteration
 from gpu_runtime.engine import EngineConfig
 from gpu_runtime.predictor.artifact import ArtifactError
-from gpu_runtime.predictor.schema import ModelShape
 from gpu_runtime.storage import LocalStorage
-from predictor_models.dataset import ProfileData, load_profile
-from predictor_models.export import write_artifact
-from predictor_models.model import LatencyModel
-from predictor_models.roofline import H200, RooflineBaseline
-from predictor_models.train import TrainResult
+from tests.gpu_runtime.agent.artifacts import ROOT, VERSION, write_tiny_artifact
 from tests.gpu_runtime.agent.conftest import Reports, make_runtime
 
-ROOT = Path(__file__).resolve().parents[3]
-PROFILE = ROOT / "predictor_models/data/profile-h200-llama3-8b-engine.csv"
 COMMITTED = ROOT / "predictor_models/artifacts"
-METRICS = {
-    "stage1": {"harli": {"mape": 0.02, "p95_ape": 0.05, "n": 10}},
-    "stage2": {"harli": {"mape": 0.032, "p95_ape": 0.07, "n": 10}},
-}
 
 
 def _engine(model_dir: Path) -> Any:
@@ -43,30 +32,8 @@ def _engine(model_dir: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def tiny_artifacts(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """An artifact root with `cpu/tiny/<version>`: the roofline prior (an untrained model)
-    for the tiny model's shape, written by the real export path."""
-    engine = (
-        EngineSpec(EngineConfig(num_kv_blocks=16, max_model_len=64)).build(tiny_model_dir).engine
-    )
-    shape = ModelShape.from_model_config(engine.model_config, "tiny")
-    profile = load_profile(PROFILE)
-    data = ProfileData(
-        profile.x,
-        profile.latency_ms,
-        profile.stage,
-        profile.group,
-        {**profile.meta, "model_shape": shape.as_dict(), "model": "tiny", "gpu_key": "cpu"},
-        profile.sha256,
-    )
-    result = TrainResult(
-        model=LatencyModel(shape, H200, (4,), ()).eval(),
-        baseline=RooflineBaseline(shape, H200),
-        chosen={"stage1": "mlp4", "stage2": "linear"},
-        metrics=METRICS,
-    )
-    root = tmp_path_factory.mktemp("predictors")
-    write_artifact(result, data, root, PROFILE.name, version="v20261130T000000Z")
-    return root
+    """An artifact root with `cpu/tiny/<version>` for the tiny model's shape."""
+    return write_tiny_artifact(tiny_model_dir, tmp_path_factory.mktemp("predictors"))
 
 
 def test_heartbeat_reports_the_predictor_and_its_harvest_estimate(
@@ -74,7 +41,7 @@ def test_heartbeat_reports_the_predictor_and_its_harvest_estimate(
 ) -> None:
     host = make_runtime(tiny_model_dir, storage, tmp_path / "w", Reports(), tiny_artifacts)
     fields = host.runtime.status().heartbeat_fields()
-    assert fields["predictor_version"] == "v20261130T000000Z"
+    assert fields["predictor_version"] == VERSION
     assert fields["predictor_mape"] == pytest.approx(0.032)  # stage 2's held-out MAPE
     harvest = fields["harvest"]
     assert harvest["source"] == "predictor" and harvest["solo_source"] == "prior"
@@ -89,7 +56,7 @@ def test_an_artifact_is_found_by_shape_under_another_model_name(
 ) -> None:
     engine = _engine(tiny_model_dir)
     found = load_host_predictor(tiny_artifacts, engine=engine, base_model="my-tiny")
-    assert found.info.version == "v20261130T000000Z"
+    assert found.info.version == VERSION
     assert found.predictor.metadata.path.parent.name == "tiny"
 
 
