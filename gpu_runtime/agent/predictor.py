@@ -9,7 +9,8 @@
   - the time decode leaves (time slicing): `1 - alone_ms / slo`, with `alone_ms` the stage-1
     prediction on the whole device; or
   - a share `s` of the SMs for the whole period (spatial split), when the stage-2 prediction of
-    decode on `1 - s` of the SMs beside a quantum on `s` stays within the SLO.
+    decode on `1 - s` of the SMs beside a quantum on `s` stays within the SLO; only on a host
+    whose sharing splits SMs (green contexts), with the splits it created.
   The best of these fractions times the host's solo finetune rate is the estimate. The solo rate
   is measured (quanta that ran alone) once a job has run here, else a roofline prior from the
   artifact's hardware: `flops/s x 0.5 / (4 x parameters)` (LoRA forward 2N, backward 2N with
@@ -32,8 +33,6 @@ from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum, Model
 
 logger = logging.getLogger(__name__)
 
-SPATIAL_SHARES = (0.25, 0.5, 0.75)
-"""Finetune SM shares tried for the spatial-split bound."""
 QUANTUM_EXAMPLES = 4
 """Examples per finetune quantum assumed for the stage-2 prediction."""
 SLO_MARGIN = 0.1
@@ -143,10 +142,12 @@ def estimate_harvest(
     tpot_slo_ms: float,
     solo_tokens_per_s: float,
     solo_source: str,
+    finetune_shares: tuple[float, ...] = (),
     seq_len: int = 512,
     lora_rank: int = 16,
 ) -> HarvestEstimate:
-    """See the module docstring. `load` is the decode work of a typical iteration."""
+    """See the module docstring. `load` is the decode work of a typical iteration;
+    `finetune_shares` the SM shares a spatial split can give finetune (none: time slicing)."""
     if load.batch_size == 0 and load.prefill_tokens == 0:
         load = DecodeSnapshot.from_contexts([IDLE_PROBE_CONTEXT])
     bound = tpot_slo_ms * (1.0 - SLO_MARGIN)
@@ -162,7 +163,7 @@ def estimate_harvest(
 
     alone = latency.predict_ms(iteration(1.0), None)
     best, mode = max(0.0, 1.0 - alone / bound), "slice"
-    for share in SPATIAL_SHARES:
+    for share in finetune_shares:
         quantum = FinetuneQuantum(QUANTUM_EXAMPLES * seq_len, seq_len, lora_rank, True, share)
         if share > best and latency.predict_ms(iteration(1.0 - share), quantum) <= bound:
             best, mode = share, f"spatial {share:g}"
@@ -194,9 +195,16 @@ class HarvestTracker:
     """
 
     def __init__(
-        self, predictor: HostPredictor | None, *, tpot_slo_ms: float, parameters: int
+        self,
+        predictor: HostPredictor | None,
+        *,
+        tpot_slo_ms: float,
+        parameters: int,
+        finetune_shares: tuple[float, ...] = (),
     ) -> None:
+        """`finetune_shares`: the SM shares the host's spatial splits give finetune."""
         self.predictor = predictor
+        self.finetune_shares = finetune_shares
         self.tpot_slo_ms = tpot_slo_ms
         self.parameters = parameters
         self.measured_tokens_per_s = 0.0
@@ -273,6 +281,7 @@ class HarvestTracker:
                 tpot_slo_ms=self.tpot_slo_ms,
                 solo_tokens_per_s=solo,
                 solo_source=source,
+                finetune_shares=self.finetune_shares,
             )
         except ValueError as exc:  # a load outside the predictor's schema
             logger.warning("harvest estimate failed, reporting the measured rate: %s", exc)

@@ -128,8 +128,17 @@ class HostRuntime:
         self.weights_bytes = weights_bytes(engine)
         self.kv_bytes_per_block = kv_bytes_per_block(engine)
         parameters = sum(p.numel() for p in engine.runner.model.parameters())
+        sharing = serving.sharing
+        shares = (
+            tuple(1.0 - d / sharing.table.total_sms for d in sharing.table.choices[:-1])
+            if sharing is not None and sharing.spatial
+            else ()
+        )
         self.harvest = HarvestTracker(
-            self.predictor, tpot_slo_ms=self.tpot_slo_ms, parameters=parameters
+            self.predictor,
+            tpot_slo_ms=self.tpot_slo_ms,
+            parameters=parameters,
+            finetune_shares=shares,
         )
 
     def _on_record(self, record: IterationRecord) -> None:

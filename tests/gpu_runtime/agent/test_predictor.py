@@ -83,17 +83,22 @@ def test_estimate_takes_the_best_of_time_slicing_and_spatial_shares() -> None:
     model = AnalyticLatencyModel()  # 5 ms + 0.02 ms/seq + 0.05 us/context token
     load = DecodeSnapshot.from_contexts([512] * 8)
     alone = model.predict_ms(decode_iteration(load, 1.0), None)
+    shares = (0.25, 0.5, 0.75)  # what splits of 99/66/33 of 132 SMs give finetune
     loose = estimate_harvest(model, load, tpot_slo_ms=50, solo_tokens_per_s=1000,
-                             solo_source="prior")  # fmt: skip
+                             solo_source="prior", finetune_shares=shares)  # fmt: skip
     assert loose.mode == "slice"
     assert loose.finetune_fraction == pytest.approx(1 - alone / 45)
     assert loose.tokens_per_s == pytest.approx(1000 * (1 - alone / 45))
     # At a 10 ms SLO half the SMs for finetune keep decode (on the other half) within 9 ms.
     tight = estimate_harvest(model, load, tpot_slo_ms=10, solo_tokens_per_s=1000,
-                             solo_source="prior")  # fmt: skip
+                             solo_source="prior", finetune_shares=shares)  # fmt: skip
     assert (tight.mode, tight.finetune_fraction, tight.tokens_per_s) == ("spatial 0.5", 0.5, 500)
+    # Without SM splits (streams only, or a CPU host) only time slicing counts.
+    sliced = estimate_harvest(model, load, tpot_slo_ms=10, solo_tokens_per_s=1000,
+                              solo_source="prior")  # fmt: skip
+    assert sliced.mode == "slice" and sliced.finetune_fraction == pytest.approx(1 - alone / 9)
     none = estimate_harvest(model, load, tpot_slo_ms=5, solo_tokens_per_s=1000,
-                            solo_source="prior")  # fmt: skip
+                            solo_source="prior", finetune_shares=shares)  # fmt: skip
     assert (none.mode, none.tokens_per_s) == ("none", 0.0)
 
 
