@@ -106,6 +106,9 @@ class MemoryManager:
                 finetune_busy
                 and wait_for_finetune is not None
                 and self._round_up(need) > self.pool.free_pages
+                # Waiting helps only if pages can come back (not under a static split).
+                and self.config.reclaim_from_finetune
+                and self.pool.finetune_pages > 0
             ):
                 self.counters.finetune_waits += 1
                 logger.info("decode needs finetune pages: waiting for the running quantum")

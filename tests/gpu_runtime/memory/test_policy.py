@@ -247,9 +247,15 @@ def test_a_static_split_never_takes_finetune_pages_back() -> None:
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
     manager.maintain(idle)
-    grant = manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=6))
+    waits: list[int] = []
+    grant = manager.before_step(
+        DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=6),
+        finetune_busy=True,
+        wait_for_finetune=lambda: waits.append(1),
+    )
     assert grant.short_blocks == 2 and pool.finetune_pages == 12
     assert manager.counters.preemptions == 1 and manager.counters.finetune_shrinks == 0
+    assert waits == [] and manager.counters.finetune_waits == 0  # nothing would come back
 
 
 def test_between_quanta_the_reserve_is_refilled_from_finetune_without_touching_hysteresis() -> None:
