@@ -25,6 +25,7 @@ from api.models import (
     GpuHost,
     HostMetric,
     HostStatus,
+    JobEvent,
     JobMetric,
     JobStatus,
     Placement,
@@ -229,27 +230,59 @@ def _job_started(host: GpuHost, message: dict[str, Any]) -> str:
 def _job_progress(host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
-    job = _job(message)
-    ts = _ts(message)
-    step, loss = int(message["step"]), float(message["train_loss"])
-    tokens_per_s = float(message.get("tokens_per_s", 0.0))
+    recorded = _step_record(
+        host,
+        _job(message),
+        _ts(message),
+        step=int(message["step"]),
+        loss=float(message["train_loss"]),
+        total=message.get("total_steps"),
+        learning_rate=message.get("learning_rate"),
+        tokens_per_s=float(message.get("tokens_per_s", 0.0)),
+        valid_loss=message.get("valid_loss"),
+    )
+    return "applied" if recorded else "duplicate"
+
+
+def _step_record(
+    host: GpuHost,
+    job: FinetuneJob,
+    ts: datetime,
+    *,
+    step: int,
+    loss: float,
+    total: Any,
+    learning_rate: Any,
+    tokens_per_s: float,
+    valid_loss: Any = None,
+    recovered: bool = False,
+) -> bool:
+    """One optimizer step of `job` on `host`: JobMetric, "Step" event, rollup. A step this
+    host already reported is skipped (a progress report recovered from a checkpoint report
+    first, then redelivered late); False then."""
+    if JobEvent.objects.filter(
+        job=job, type=EventType.METRICS, data__step=step, data__host=host.name
+    ).exists():
+        return False
     JobMetric.objects.create(
         job=job, ts=ts, step=step, train_loss=loss, tokens_per_s=tokens_per_s,
-        valid_loss=message.get("valid_loss"),
+        valid_loss=valid_loss,
     )  # fmt: skip
-    total = message.get("total_steps")
+    data: dict[str, Any] = {
+        "step": step,
+        "total_steps": total,
+        "train_loss": loss,
+        "learning_rate": learning_rate,
+        "tokens_per_s": tokens_per_s,
+        "host": host.name,
+    }
+    if recovered:
+        data["recovered"] = True  # its own progress report never arrived
     job_event_record(
         job=job,
         message=f"Step {step}/{total}: training loss={loss:.4f}",
         type=EventType.METRICS,
-        data={
-            "step": step,
-            "total_steps": total,
-            "train_loss": loss,
-            "learning_rate": message.get("learning_rate"),
-            "tokens_per_s": tokens_per_s,
-            "host": host.name,
-        },
+        data=data,
     )
     rollup_add(
         series=RollupSeries.JOB,
@@ -257,13 +290,26 @@ def _job_progress(host: GpuHost, message: dict[str, Any]) -> str:
         ts=ts,
         values={"train_loss": loss, "tokens_per_s": tokens_per_s, "step": step},
     )
-    return "applied"
+    return True
 
 
 def _checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     job = _job(message)
+    ts = _ts(message)
+    for entry in message.get("recent_steps") or []:  # steps whose progress report was lost
+        _step_record(
+            host,
+            job,
+            ts,
+            step=int(entry["step"]),
+            loss=float(entry["train_loss"]),
+            total=message.get("total_steps"),
+            learning_rate=entry.get("learning_rate"),
+            tokens_per_s=0.0,
+            recovered=True,
+        )
     metrics = {k: v for k, v in dict(message["metrics"]).items() if k != "step"}
     try:
         job_checkpoint_record(

@@ -46,6 +46,9 @@ class JobRun:
     stopping: str | None = None
     """None while training; "paused" or "cancelled" once the control plane asked."""
     reported_step: int = 0
+    checkpointed_step: int = 0
+    """The step of the last checkpoint reported; its report lists the steps since the one
+    before (so the control plane can recover a progress report the broker lost)."""
     tokens_since_report: int = 0
     started_at: float = 0.0
     extra: dict[str, Any] = field(default_factory=dict)
@@ -126,6 +129,7 @@ def build_job_run(
         workdir=workdir,
         resumed_from_step=resumed,
         reported_step=resumed,
+        checkpointed_step=resumed,
     )
 
 

@@ -32,7 +32,9 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
   `total_steps`.
 * `job_progress`: `placement_id`, `job_id`, `step`, `total_steps`, `train_loss`,
   `learning_rate`, `tokens_per_s`, `trained_tokens`.
-* `checkpoint`: `placement_id`, `job_id`, `step`, `storage_key`, `metrics` (`train_loss`, ...).
+* `checkpoint`: `placement_id`, `job_id`, `step`, `storage_key`, `metrics` (`train_loss`, ...),
+  `total_steps`, `recent_steps` (`{"step", "train_loss", "learning_rate"}` of every step since
+  the previous checkpoint report: the control plane records any whose `job_progress` was lost).
 * `job_succeeded`: `placement_id`, `job_id`, `trained_tokens`, `adapter_key`, `train_loss`.
 * `job_failed`: `placement_id`, `job_id`, `code`, `message`.
 * `job_stopped`: `placement_id`, `job_id`, `reason` ("paused" | "cancelled"), `step`.

@@ -165,14 +165,22 @@ class HostJobs:
         key = upload_checkpoint(self.host.storage, run, local)
         history = run.trainer.history
         metrics: dict[str, Any] = {"train_loss": history[-1].loss if history else None}
+        recent = [
+            {"step": r.step, "train_loss": r.loss, "learning_rate": r.learning_rate}
+            for r in history
+            if r.step > run.checkpointed_step
+        ]
         self.host.report(
             "checkpoint",
             placement_id=run.placement_id,
             job_id=run.job_id,
             step=run.trainer.step,
+            total_steps=run.trainer.total_steps,
             storage_key=key,
             metrics=metrics,
+            recent_steps=recent,
         )
+        run.checkpointed_step = run.trainer.step
 
     def _succeed(self, run: JobRun, final: Path | None) -> None:
         if final is None:

@@ -190,6 +190,37 @@ def test_reports_apply_once_and_success_registers_the_adapter(
     assert drain_host_queue("h3") == []
 
 
+def test_a_checkpoint_report_recovers_progress_the_broker_lost(
+    fleet: dict[str, GpuHost], job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    placement = _place(job, django_capture_on_commit_callbacks)
+    assert placement is not None
+    assert host_report_apply(message=_started(placement)) == "applied"
+    ids = {"placement_id": placement.pk, "job_id": job.id}
+
+    def progress(step: int) -> dict[str, Any]:
+        return report("job_progress", "h2", step=step, total_steps=4,
+                      train_loss=3.0 - step / 10, tokens_per_s=50.0, **ids)  # fmt: skip
+
+    late = progress(2)  # lost in the broker... for now
+    for step in (1, 3):
+        assert host_report_apply(message=progress(step)) == "applied"
+    recent = [{"step": s, "train_loss": 3.0 - s / 10, "learning_rate": 1e-4} for s in (1, 2, 3)]
+    checkpoint = report("checkpoint", "h2", step=3, total_steps=4, storage_key="checkpoints/x",
+                        metrics={"train_loss": 2.7}, recent_steps=recent, **ids)  # fmt: skip
+    assert host_report_apply(message=checkpoint) == "applied"
+    assert host_report_apply(message=late) == "duplicate"  # redelivered after the recovery
+    steps = list(JobMetric.objects.filter(job=job).order_by("step").values_list("step", flat=True))
+    assert steps == [1, 2, 3]
+    events = job.events.filter(message__startswith="Step ").order_by("created_at")
+    data = [dict(e.data or {}) for e in events]
+    assert [(d["step"], bool(d.get("recovered"))) for d in data] == [
+        (1, False),
+        (3, False),
+        (2, True),
+    ]
+
+
 def test_stale_reports_are_ignored_and_the_host_told_to_stop(
     fleet: dict[str, GpuHost], job: FinetuneJob, django_capture_on_commit_callbacks: Any
 ) -> None:

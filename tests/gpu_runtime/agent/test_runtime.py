@@ -39,6 +39,8 @@ def test_placement_runs_to_success_with_checkpoints_in_storage(
     assert kinds.count("job_progress") == 6
     checkpoints = [m for m in reports.seen if m["kind"] == "checkpoint"]
     assert [c["step"] for c in checkpoints] == [2, 4, 6]
+    # each lists the steps since the previous one (to recover progress the broker lost)
+    assert [[r["step"] for r in c["recent_steps"]] for c in checkpoints] == [[1, 2], [3, 4], [5, 6]]
     for checkpoint in checkpoints:
         assert storage.exists(f"{checkpoint['storage_key']}/.complete")
     assert done["adapter_key"] == "adapters/ftjob-1"
