@@ -117,9 +117,12 @@ class HostJobs:
             )
 
     def remove(self, run: JobRun) -> None:
+        """Take the job off the loop; its captured micro-batch graphs go too (their memory
+        pool can then return to the unified pool)."""
         if run.job_id in self.host.loop.job_ids:
             self.host.loop.remove_job(run.job_id)
         self.runs.pop(run.job_id, None)
+        run.trainer.release_cuda_graphs()
         self.host.jobs_changed()
 
     def after_iteration(self, record: IterationRecord) -> None:

@@ -63,4 +63,7 @@ def test_pool_host_trains_and_serves_like_a_plain_host(
     pooled.runtime.refresh_status()  # the loop thread has stopped: safe here
     split = memory.split()
     assert split.finetune_budget_bytes == 0  # no job left: the budget went back to the pool
-    assert pooled.runtime.status().free_bytes == split.pool_bytes - split.decode_bytes
+    # free for a new job: the pool less decode's pages and what torch still holds for
+    # finetuning (its caching allocator keeps freed blocks reserved; 0 on the CPU pool)
+    free = split.pool_bytes - split.decode_bytes - split.finetune_reserved_bytes
+    assert pooled.runtime.status().free_bytes == free
