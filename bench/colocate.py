@@ -284,6 +284,7 @@ class LoopBackend:
         self._prompts: dict[tuple[int, int], list[int]] = {}
         self.last_running: list[FinishedRequest] = []
         self.stream_restarts = 0
+        self.make_trainer: Callable[[bool | None], LoraTrainer] | None = None
         # One worker thread for every run: graphed quanta warm up once per (thread, stream).
         self.executor: ThreadedExecutor | None = None
         if engine.config.is_cuda:
@@ -332,7 +333,11 @@ class LoopBackend:
             out["graphs_disabled_because"] = errors[:3]
             print(f"QUANTUM ERRORS with CUDA graphs, running eagerly: {errors[:3]}", flush=True)
             self.trainer.release_cuda_graphs()
-            self.trainer.graphs = None
+            if self.make_trainer is not None:  # a fresh job: a failed one may stay broken
+                self.trainer = self.make_trainer(False)
+                out["trainer_rebuilt"] = True
+            else:
+                self.trainer.graphs = None
             if self.executor is not None:
                 self.executor.shutdown()
             self.executor = ThreadedExecutor(time.perf_counter, persistent=True)
@@ -685,13 +690,17 @@ def setup_engine(
         n_train_examples=2048,
         n_epochs=50,
         batch_size=8,
-        lora=LoraSpec(rank=rank, alpha=32, dropout=0.05),
+        lora=LoraSpec(rank=rank, alpha=32, dropout=0.0),  # no RNG inside a quantum
         seed=args.seed,
         warmup_ratio=0.0,
         max_seq_len=args.ft_seq_len,
     )
     examples = synthetic_examples(2048, args.ft_seq_len, vocab, args.seed + 1)
-    trainer = LoraTrainer(model, examples, hparams, max_cuda_graphs=48)
+
+    def make_trainer(cuda_graphs: bool | None) -> LoraTrainer:
+        return LoraTrainer(model, examples, hparams, cuda_graphs=cuda_graphs, max_cuda_graphs=48)
+
+    trainer = make_trainer(None)
     check = check_outputs(engine, sharing, trainer, vocab)
     one_tps, one_ms = solo_finetune(trainer, args.ft_seq_len, 1.0, device)
     solo_tps, eight_ms = solo_finetune(trainer, 8 * args.ft_seq_len, 2.0, device)
@@ -725,7 +734,9 @@ def setup_engine(
             "num_kv_blocks": engine_config.num_kv_blocks,
         },
     }
-    return LoopBackend(engine, sharing, trainer, vocab, solo_tps), info
+    backend = LoopBackend(engine, sharing, trainer, vocab, solo_tps)
+    backend.make_trainer = make_trainer
+    return backend, info
 
 
 def setup_simulation(args: argparse.Namespace, rank: int) -> tuple[Backend, dict[str, Any]]:
@@ -800,6 +811,9 @@ def main() -> None:
         "--slo-headroom x decode_only's slowest request TPOT over the traces",
     )
     parser.add_argument("--slo-headroom", type=float, default=1.1)
+    parser.add_argument(
+        "--engine-warmup-s", type=float, default=2.0, help="untimed decode_only before timing"
+    )
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument("--calibrate-s", type=float, default=8.0)
@@ -971,7 +985,9 @@ def main() -> None:
                 "finetune": {
                     "lora_rank": rank,
                     "alpha": 32,
-                    "dropout": 0.05,
+                    "dropout": 0.0,
+                    "dropout_note": "0: no random numbers inside a graphed quantum (H200 run4: "
+                    "dropout's generator broke after a capture on the worker thread)",
                     "targets": "q,k,v,o",
                     "seq_len": args.ft_seq_len,
                     "optimizer_batch": 8,
@@ -1009,6 +1025,13 @@ def main() -> None:
         path.write_text(json.dumps(result, indent=1, default=str))
         return rows, comparisons
 
+    # Untimed: decode alone through every trace's kind of load once more (the mixed prefill +
+    # decode path compiles shapes on first use; run4's first timed run had a 49 ms TPOT p50).
+    t0 = time.perf_counter()
+    for name in ("medium", "high"):
+        spec = preset(name, duration_s=args.engine_warmup_s / 2)
+        backend.run(DecodeOnlyPolicy(), generate(spec, seed=997), spec.duration_s, 1e9, False)
+    info["engine_warmup_s"] = round(time.perf_counter() - t0, 1)
     slo_trace = "medium" if "medium" in traces else traces[0]
     for trace in [slo_trace] + [t for t in traces if t != slo_trace]:
         run(trace, "decode_only")
@@ -1033,6 +1056,19 @@ def main() -> None:
     if worst:
         slo_parts["attainable"] = args.slo_headroom * max(worst)
     slo_ms = slo_parts["factor_x_medium_p50"]
+    p50s = {
+        k[0]: m.tpot_ms_p50
+        for k, v in results.items()
+        if k[1] == "decode_only"
+        and (m := summarize(v[1], 1e9, start=v[2], end=v[3])).tpot_ms_p50 is not None
+    }
+    if "high" in p50s and slo_ms > 3 * p50s["high"]:  # p50 on medium above high's: suspect
+        info["slo_flag"] = (
+            f"1.5 x medium p50 ({slo_ms:.1f} ms) > 3 x decode_only's high-load p50 "
+            f"({p50s['high']:.1f} ms): medium p50 replaced by the median of the traces' p50s"
+        )
+        slo_ms = args.slo_factor * statistics.median(p50s.values())
+        slo_parts["factor_x_median_p50"] = slo_ms
     if args.slo_rule == "attainable" and "attainable" in slo_parts:
         slo_ms = max(slo_ms, slo_parts["attainable"])
     if artifact is not None:
