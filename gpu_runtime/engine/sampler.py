@@ -7,8 +7,9 @@ index), so its tokens do not depend on the batch it ran in or on preemptions. Wo
 needs (sorting for top-k/top-p, log-softmax for logprobs) is skipped; whether it is needed is
 known on the host from the parameters, so no device sync is involved.
 
-On CUDA, a batch with no top-k/top-p and no logprobs (temperature and greedy rows, seeded or
-not) takes one fused kernel (`sampling_kernels.gumbel_argmax`): the same distribution, noise
+On CUDA, a batch of at least `FUSED_MIN_ROWS` rows with no top-k/top-p and no logprobs
+(temperature and greedy rows, seeded or not) takes one fused kernel
+(`sampling_kernels.gumbel_argmax`): the same distribution, noise
 drawn in the kernel from a per-row seed (a seeded request's from its seed and output index; the
 others' from a per-step seed of the sampler's own host generator), parameters staged through
 pinned buffers. Its noise differs from the torch path's, so a seeded request's tokens on CUDA
@@ -26,6 +27,12 @@ import torch
 from gpu_runtime.engine.request import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
+
+FUSED_MIN_ROWS = 128
+"""Smallest batch sampled by the one-pass kernel. It runs one program per row, so small batches
+leave most SMs idle: on the H200 (bench/results/multilora-h200-20261130.json, decode-rerun)
+it was 0.02-0.05 ms slower than the torch passes at batch 32 and ~0.2 ms at batch 1, and
+0.3-0.8 ms faster at batch 128-256."""
 
 
 @dataclass(frozen=True)
@@ -90,9 +97,17 @@ def apply_top_k_top_p(
 class Sampler:
     """Samples one token per row of a logits batch."""
 
-    def __init__(self, device: torch.device, seed: int = 0, fused: bool | None = None) -> None:
-        """`fused`: use the one-pass CUDA kernel where it applies (None: on CUDA)."""
+    def __init__(
+        self,
+        device: torch.device,
+        seed: int = 0,
+        fused: bool | None = None,
+        fused_min_rows: int = FUSED_MIN_ROWS,
+    ) -> None:
+        """`fused`: use the one-pass CUDA kernel where it applies (None: on CUDA) for batches
+        of at least `fused_min_rows` rows."""
         self.device = device
+        self.fused_min_rows = fused_min_rows
         self.generator = torch.Generator(device=device).manual_seed(seed)
         self.fused = device.type == "cuda" if fused is None else fused
         self._host_rng = random.Random(seed)
@@ -157,7 +172,12 @@ class Sampler:
             raise ValueError(f"{rows} logit rows for {len(batch.params)} sampling rows")
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
-        elif self.fused and not batch.needs_sort and batch.max_num_logprobs is None:
+        elif (
+            self.fused
+            and rows >= self.fused_min_rows
+            and not batch.needs_sort
+            and batch.max_num_logprobs is None
+        ):
             from gpu_runtime.engine.sampling_kernels import gumbel_argmax
 
             inv_temp, seeds = self._stage_fused(batch)

@@ -196,13 +196,15 @@ def test_fused_sampling_kernel_distribution_greedy_and_seeds() -> None:
     expected = (small / temperature).softmax(-1)
     assert (freq - expected).abs().max() < 0.01, (freq, expected)
     # the sampler: seeded rows do not depend on the batch; fused kernel used
-    sampler = Sampler(dev, seed=0)
+    sampler = Sampler(dev, seed=0, fused_min_rows=1)
     seeded = SamplingParams(temperature=1.0, seed=42)
     batch_logits = torch.randn(3, 1000, device=dev)
     batch_logits[2] = batch_logits[1]
     out = sampler.sample(
         batch_logits, SamplingBatch([SamplingParams(temperature=0.9), seeded, seeded], [0, 3, 3])
     )
-    alone = Sampler(dev, seed=9).sample(batch_logits[1:2], SamplingBatch([seeded], [3]))
+    alone = Sampler(dev, seed=9, fused_min_rows=1).sample(
+        batch_logits[1:2], SamplingBatch([seeded], [3])
+    )
     assert int(out.token_ids[1]) == int(out.token_ids[2]) == int(alone.token_ids[0])
     assert sampler.num_fused_samples == 1

@@ -139,3 +139,12 @@ def test_fused_sampling_parameters_are_staged_per_row() -> None:
     assert later[0] != seeds[1]
     replay = Sampler(CPU, seed=3, fused=True)
     assert replay._stage_fused(SamplingBatch(rows, [0, 4, 0]))[1].tolist() == seeds.tolist()
+
+
+def test_small_batches_keep_the_torch_sampling_passes() -> None:
+    """The one-pass kernel runs one program per row: below `fused_min_rows` rows (default
+    FUSED_MIN_ROWS) the sampler keeps the torch passes (the only ones on CPU)."""
+    sampler = Sampler(CPU, seed=0, fused=True)
+    out = sampler.sample(torch.randn(4, 50), _batch(*[SamplingParams(temperature=0.8)] * 4))
+    assert out.token_ids.shape == (4,) and sampler.num_fused_samples == 0
+    assert sampler.fused_min_rows == 128
