@@ -219,7 +219,12 @@ def _relative(path: Path) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--data", default=str(DEFAULT_DATA))
+    parser.add_argument(
+        "--data",
+        default=None,
+        help="profile CSV (default: with --artifact, the artifact's own training data, so its "
+        "held-out split is reproduced; else the default data set)",
+    )
     parser.add_argument("--root", default=str(DEFAULT_ROOT), help="artifact root")
     parser.add_argument("--artifact", default=None, help="measure this artifact (or 'latest')")
     parser.add_argument("--out", default="bench/results")
@@ -232,10 +237,11 @@ def main() -> None:
     started = time.perf_counter()
     training: dict[str, Any] = {}
     if args.artifact is None:
+        args.data = args.data or str(DEFAULT_DATA)
         artifact, _ = fit_and_export(args.data, args.root, args.quick)
         training = {"train_s": time.perf_counter() - started, "trained_here": True}
     else:
-        data = load_profile(args.data)
+        data = load_profile(args.data or DEFAULT_DATA)
         gpu_key = str(data.meta.get("gpu_key") or data.meta["gpu"].split()[-1].lower())
         model = str(data.meta.get("model") or data.shape.name)
         artifact = (
@@ -243,6 +249,9 @@ def main() -> None:
             if args.artifact == "latest"
             else Path(args.artifact)
         )
+        trained_on = REPO / str(read_metadata(artifact).raw["data"].get("file") or "")
+        if args.data is None:
+            args.data = str(trained_on if trained_on.is_file() else DEFAULT_DATA)
         training = {"trained_here": False}
     meta = read_metadata(artifact).raw
     onnx_metrics = evaluate_artifact(artifact, args.data)
