@@ -14,12 +14,14 @@ from typing import Any
 
 from api.errors import HarliError
 from api.models.finetune import DEFAULT_LORA_TARGET_MODULES
+from gpu_runtime.agent.config import DEFAULT_LORA_MAX_RANK
 
 AUTO = "auto"
 N_EPOCHS_RANGE = (1, 50)
 BATCH_SIZE_RANGE = (1, 256)
 LEARNING_RATE_MULTIPLIER_RANGE = (1e-6, 10.0)
-LORA_RANK_RANGE = (1, 256)
+LORA_RANK_RANGE = (1, DEFAULT_LORA_MAX_RANK)
+"""Ranks the hosts' adapter slots hold: a larger adapter could be trained but never served."""
 SUFFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MODULE_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 SEED_RANGE = (0, 2**31 - 1)
@@ -118,7 +120,12 @@ def parse_lora(lora: Any) -> LoraOptions:
     if isinstance(rank, bool) or not isinstance(rank, int):
         raise _invalid("lora.rank", f"lora.rank must be an integer, got {rank!r}.")
     if not LORA_RANK_RANGE[0] <= rank <= LORA_RANK_RANGE[1]:
-        raise _invalid("lora.rank", f"lora.rank must be between 1 and 256, got {rank}.")
+        low, high = LORA_RANK_RANGE
+        raise _invalid(
+            "lora.rank",
+            f"lora.rank must be between {low} and {high} (the largest rank hosts serve), "
+            f"got {rank}.",
+        )
     alpha = lora.get("alpha", defaults.alpha)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
         raise _invalid("lora.alpha", f"lora.alpha must be a positive number, got {alpha!r}.")

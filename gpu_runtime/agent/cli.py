@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_runtime.agent.config import (
+    DEFAULT_LORA_MAX_RANK,
     GIB,
     AgentConfig,
     AgentConfigError,
@@ -70,7 +71,12 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
                    help="CUDA: decode SM splits in units of 8 SMs (Hopper), comma-separated; "
                    "'all' creates every split")  # fmt: skip
     p.add_argument("--lora-slots", type=int, default=8, help="adapters resident at once")
-    p.add_argument("--lora-max-rank", type=int, default=64, help="largest adapter rank served")
+    p.add_argument(
+        "--lora-max-rank",
+        type=int,
+        default=DEFAULT_LORA_MAX_RANK,
+        help="largest adapter rank served",
+    )
     args = p.parse_args(argv)
     bind_host, _, port = args.listen.rpartition(":")
     try:

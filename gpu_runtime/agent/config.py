@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+DEFAULT_LORA_MAX_RANK = 64
+"""The largest LoRA rank a host serves by default; the control plane refuses jobs above it."""
+
 GIB = 2**30
 
 
@@ -53,7 +56,7 @@ class AgentConfig:
     max_model_len: int = 512
     lora_slots: int = 8
     """Adapters resident on the device at once (more are served, swapped in LRU order)."""
-    lora_max_rank: int = 64
+    lora_max_rank: int = DEFAULT_LORA_MAX_RANK
     """Largest adapter rank served; a job trained with a larger rank cannot be called here."""
     memory_pool: bool | None = None
     """Unified KV/finetune memory pool: None = on CUDA devices only."""

@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime.agent.config import DEFAULT_LORA_MAX_RANK
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.memory import HostMemory, build_host_memory
@@ -49,7 +50,7 @@ class EngineSpec:
     """Weights dtype (None: the checkpoint's)."""
     lora_slots: int = 8
     """Adapters resident on the device at once (more are served, swapped in LRU order)."""
-    lora_max_rank: int = 64
+    lora_max_rank: int = DEFAULT_LORA_MAX_RANK
     """Largest adapter rank the slots hold; a request for a larger one is refused (HTTP 400)."""
     memory_pool: bool | None = None
     """Use the unified memory pool; None: on CUDA devices only."""

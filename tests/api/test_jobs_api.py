@@ -83,6 +83,7 @@ def test_method_shape_is_accepted(api: ApiClient, training_file: File, tiny: Bas
         ({"hyperparameters": {"warmup": 3}}, "hyperparameters.warmup"),
         ({"method": {"type": "dpo"}}, "method.type"),
         ({"lora": {"rank": 0}}, "lora.rank"),
+        ({"lora": {"rank": 128}}, "lora.rank"),  # trainable, but larger than hosts serve
         ({"lora": {"dropout": 1.5}}, "lora.dropout"),
         ({"lora": {"target_modules": []}}, "lora.target_modules"),
         ({"suffix": "has:colon"}, "suffix"),
