@@ -95,9 +95,11 @@ class HostLoop:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         arrival: float | None = None,
+        lora_name: str | None = None,
     ) -> str:
-        """Queue a decode request (``Engine.add_request``) and start its latency clock."""
-        request_id = self.engine.add_request(prompt, params, request_id)
+        """Queue a decode request (``Engine.add_request``, with its adapter ``lora_name`` if
+        any) and start its latency clock."""
+        request_id = self.engine.add_request(prompt, params, request_id, lora_name=lora_name)
         self._timing[request_id] = _RequestTiming(self.clock() if arrival is None else arrival)
         return request_id
 

@@ -299,3 +299,14 @@ def test_harli_fills_the_slack_with_layer_slices_on_the_loop(train_examples: Any
     assert all(q.error is None and q.layer_passes >= 1 for q in reports)
     done = [q for q in reports if q.micro_batch_done]
     assert done and loop.job_state("j").tokens_trained == sum(q.tokens for q in done) > 0
+
+
+def test_add_request_passes_the_adapter_name_to_the_engine() -> None:
+    """An engine without adapters refuses a named adapter: the name reached it, and the loop
+    starts no latency clock for the refused request."""
+    loop = HostLoop(_engine(), DecodeOnlyPolicy(), tpot_slo_ms=100.0)
+    with pytest.raises(ValueError, match="adapter"):
+        loop.add_request(PROMPTS[0], PARAMS, "r-lora", lora_name="tenant-a")
+    assert loop.add_request(PROMPTS[0], PARAMS, "r-base", lora_name=None) == "r-base"
+    assert loop.running_requests() == []
+    loop.close()
