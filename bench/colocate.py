@@ -343,9 +343,22 @@ class LoopBackend:
             self.executor = ThreadedExecutor(time.perf_counter, persistent=True)
             errors = self._warm_pass(examples, seq_len, out, "eager ")
         out["errors"] = errors
+        out["graph_state"] = self.graph_state()
         if errors:
             print(f"QUANTUM ERRORS: {errors[:3]}", flush=True)
         return out
+
+    def graph_state(self) -> dict[str, Any]:
+        """Whether the job's quanta replay CUDA graphs: replays / captures / eager runs so far
+        and why graphs were turned off, if they were."""
+        graphs = self.trainer.graphs
+        if graphs is None:
+            return {"graphs": False}
+        return {
+            "graphs": True,
+            "counts": dict(getattr(graphs, "counts", {})),
+            "disabled": getattr(graphs, "disabled", None),
+        }
 
     def _warm_pass(
         self, examples: tuple[int, ...], seq_len: int, out: dict[str, Any], tag: str
@@ -443,6 +456,7 @@ def calibrate(
     records, s, e = backend.run(
         policy, generate(spec, seed=999), seconds, 1e9, True, stop=lambda _: policy.done
     )
+    records = [r for r in records if not r.note.endswith("settle")]  # just after a split move
     for record in records:
         model.observe_record(record, ft_seq_len, lora_rank)
     choices: list[int | None] = list(backend.choices) or [None]
@@ -1016,6 +1030,9 @@ def main() -> None:
                 "skipped_runs": skipped,
                 "failed_runs": failed,
                 "data_stream_restarts": getattr(backend, "stream_restarts", 0),
+                "graph_state_end": (
+                    backend.graph_state() if isinstance(backend, LoopBackend) else None
+                ),
             },
             "simulated": bool(args.simulate),
             "rows": rows,

@@ -15,7 +15,7 @@ BUSY = DecodeSnapshot.from_contexts([300, 500], prefill_tokens=64)
 
 
 def test_solo_phase_spreads_samples_evenly_then_quanta_visit_every_split() -> None:
-    policy = CalibrationPolicy(solo_target=4, beside_target=2, solo_s=100.0)
+    policy = CalibrationPolicy(solo_target=4, beside_target=2, solo_s=100.0, block=1, settle=0)
     base = replace(context(BUSY, 1e9), decode_sms_options=OPTIONS)
     seen: list[int | None] = []
     for i in range(12):  # solo: 4 per split, round robin over the least sampled
@@ -52,3 +52,21 @@ def test_solo_phase_ends_on_time_even_if_targets_are_not_met() -> None:
     assert not policy.done
     idle = replace(base, now=2.0, decode=DecodeSnapshot(0, 0, 0))
     assert not policy.plan(idle).launches  # no decode work: a quantum would teach nothing
+
+
+def test_decode_holds_a_split_for_a_block_and_the_first_iterations_after_a_move_do_not_count() -> (
+    None
+):
+    policy = CalibrationPolicy(solo_target=3, beside_target=1, solo_s=100.0, block=4, settle=1)
+    base = replace(context(BUSY, 1e9), decode_sms_options=OPTIONS)
+    splits: list[int | None] = []
+    notes: list[str] = []
+    for i in range(12):
+        plan = policy.plan(replace(base, now=float(i)))
+        splits.append(plan.decode_sms)
+        notes.append(plan.note)
+        policy.observe(replace(record(plan, BUSY, 10.0, index=i), note=plan.note))
+    assert [splits[i : i + 4].count(splits[i]) for i in (0, 4, 8)] == [4, 4, 4]
+    assert len({splits[0], splits[4], splits[8]}) == 3  # each block on another split
+    assert [n.endswith("settle") for n in notes[:4]] == [True, False, False, False]
+    assert sorted(policy.solo[d] for d in OPTIONS) == [3, 3, 3]  # settle iterations not counted
