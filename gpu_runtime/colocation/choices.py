@@ -215,7 +215,10 @@ class HarliChoices:
                     continue
                 ft_share = 1.0 if share >= 1.0 else 1.0 - share
                 whole = self.durations.duration_ms(job, d, LaunchMode.CONCURRENT, ft_share, work)
-                for k in widths:
+                # Slices are eager (host work that shares the GIL with decode): beside decode,
+                # never wider than the configured widths (H200: 32-60-layer slices that
+                # finished a micro-batch held decode back for their whole duration).
+                for k in (w for w in widths if w <= max(self.config.layer_slices)):
                     forward, backward = state.passes_for(k)
                     # Measured alone on the whole device; on fewer SMs at least the split's
                     # share of a whole quantum there.

@@ -189,3 +189,22 @@ def test_measured_slice_costs_pick_the_widest_slice_whose_backward_fits() -> Non
     (launch,) = plan.launches
     assert launch.max_layers == 2
     assert launch.predicted_ms == pytest.approx(5.0 + 2 * 1.0)
+
+
+def test_slices_beside_decode_are_never_wider_than_the_configured_widths() -> None:
+    """A micro-batch in progress finishes beside decode in slices of at most 16 layers, not
+    in one eager call over every remaining pass."""
+    policy = HarliPolicy(MODEL, SLOW)
+    plan = _after_decode_only(policy, SOLO * 2.0)
+    (launch,) = plan.launches
+    assert launch.max_layers is not None
+    state = policy._slice_states["job"]
+    ran = sum(state.passes_for(launch.max_layers))
+    policy.observe(record(plan, DECODE, SOLO, quanta=(_report(plan, ran, 1.0, False),)))
+    assert state.passes_left > 16
+    idle = DecodeSnapshot(0, 0, 0)  # after-decode slices need decode work: only spatial ones
+    beside = policy.plan(context(idle, SOLO * 2.0, jobs=(SLICED_JOB,)))
+    assert beside.launches, beside.note
+    (slice_,) = beside.launches
+    assert slice_.mode is LaunchMode.CONCURRENT
+    assert slice_.max_layers is not None and slice_.max_layers <= 16
