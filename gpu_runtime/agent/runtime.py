@@ -158,12 +158,7 @@ class HostRuntime:
     def add_request(
         self, prompt: list[int], params: SamplingParams, request_id: str, lora_name: str | None
     ) -> None:
-        if lora_name is None:
-            self.loop.add_request(prompt, params, request_id)
-        else:
-            # HostLoop.add_request takes no adapter yet: the loop times the request's tokens
-            # from its first output (no arrival time, so no TTFT there; the server has it).
-            self._engine.add_request(prompt, params, request_id, lora_name)
+        self.loop.add_request(prompt, params, request_id, lora_name=lora_name)
         self._requests.add(request_id)
 
     def abort_request(self, request_id: str) -> None:
