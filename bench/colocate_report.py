@@ -1,0 +1,161 @@
+"""Results of ``bench/colocate.py``: one row per (trace, policy) run (`row_for`: attainment per
+request, TPOT percentiles over token gaps, finetune tokens/s, goodput, plan notes), Harli
+against the best baseline (`compare`) and the table printed last (`print_table`)."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from gpu_runtime.colocation import (
+    CoLocationPolicy,
+    IterationRecord,
+    summarize,
+)
+from gpu_runtime.colocation.metrics import percentile
+from gpu_runtime.colocation.types import FinishedRequest
+
+POLICIES = ("decode_only", "naive", "time_slice", "static_split", "harli")
+BASELINES = ("naive", "time_slice", "static_split")
+
+
+def decision_counts(records: list[IterationRecord], top: int = 8) -> dict[str, int]:
+    """How often each kind of plan note occurred (numbers in notes dropped)."""
+    notes: dict[str, int] = {}
+    for r in records:
+        key = r.note.split(" (")[0]
+        notes[key] = notes.get(key, 0) + 1
+    return dict(sorted(notes.items(), key=lambda kv: -kv[1])[:top])
+
+
+def request_tpots(records: list[IterationRecord], running: list[FinishedRequest]) -> list[float]:
+    """Mean TPOT of every request finished in the window or still running (>= 16 tokens)."""
+    out = [f.tpot_ms for r in records for f in r.finished if f.tpot_ms is not None]
+    return out + [f.tpot_ms for f in running if f.tpot_ms is not None]
+
+
+def row_for(
+    model_name: str,
+    trace: str,
+    policy: CoLocationPolicy,
+    records: list[IterationRecord],
+    start: float,
+    end: float,
+    slo_ms: float,
+    solo_tps: float,
+    running: list[FinishedRequest],
+) -> dict[str, Any]:
+    m = summarize(records, slo_ms, start=start, end=end)
+    launches = [r for r in records if r.finetune_launched]
+    # Attainment over the requests finished in the window and those still decoding at its end
+    # with >= 16 tokens (their mean TPOT so far): a short window finishes few requests.
+    judged = request_tpots(records, running)
+    met = [t for t in judged if t <= slo_ms]
+    good_running = sum(f.output_tokens for f in running if (f.tpot_ms or 0) <= slo_ms)
+    seconds = max(end - start, 1e-9)
+    return {
+        "model": model_name,
+        "trace": trace,
+        "policy": policy.name,
+        "tpot_slo_ms": round(slo_ms, 3),
+        "slo_attainment": len(met) / len(judged) if judged else None,
+        "judged_requests": len(judged),
+        "request_tpot_ms_p99": percentile(judged, 99),
+        "finished_slo_attainment": m.slo_attainment,
+        "token_slo_attainment": m.token_slo_attainment,
+        "tpot_ms_p50": m.tpot_ms_p50,
+        "tpot_ms_p99": m.tpot_ms_p99,
+        "finetune_tokens_per_s": round(m.finetune_tokens_per_s, 1),
+        "solo_finetune_tokens_per_s": round(solo_tps, 1),
+        "solo_fraction": round(m.finetune_tokens_per_s / solo_tps, 4) if solo_tps else None,
+        "goodput_tokens_per_s": round(m.goodput_tokens_per_s + good_running / seconds, 1),
+        "decode_tokens_per_s": round(m.decode_tokens_per_s, 1),
+        "finished_requests": m.finished_requests,
+        "tpot_samples": m.tpot_samples,
+        "iterations": m.iterations,
+        "paused_iterations": m.paused_iterations,
+        "iterations_with_launch": len(launches),
+        "decode_sm_share_mean": m.decode_sm_share_mean,
+        "prediction_mape": m.prediction_mape,
+        "ttft_ms_p50": m.ttft_ms_p50,
+        "seconds": round(end - start, 3),
+        "decisions": decision_counts(records),
+        "margin_mean": (
+            round(statistics.mean(margins), 4)
+            if (margins := [r.margin for r in records if r.margin is not None])
+            else None
+        ),
+        "quanta": len([q for r in records for q in r.quanta]),
+        "quantum_errors": len(errors := [q.error for r in records for q in r.quanta if q.error]),
+        "first_quantum_error": errors[0] if errors else None,
+        "policy_config": policy.describe(),
+    }
+
+
+def compare(rows: list[dict[str, Any]], traces: list[str]) -> dict[str, Any]:
+    """Harli vs the best baseline keeping >= 99% attainment, per trace and averaged."""
+    per_trace: dict[str, Any] = {}
+    ratios = []
+    for trace in traces:
+        by = {r["policy"]: r for r in rows if r["trace"] == trace}
+        harli = by.get("harli")
+        ok = [by[p] for p in BASELINES if p in by and (by[p]["slo_attainment"] or 0) >= 0.99]
+        best = max(ok, key=lambda r: r["finetune_tokens_per_s"], default=None)
+        entry: dict[str, Any] = {"best_baseline": best["policy"] if best else None}
+        if "decode_only" in by:  # what the SLO allows at all on this trace
+            entry["decode_only_attainment"] = by["decode_only"]["slo_attainment"]
+        if harli is not None:
+            entry["harli_meets_99"] = (harli["slo_attainment"] or 0) >= 0.99
+            entry["harli_solo_fraction"] = harli["solo_fraction"]
+            if best is not None and best["finetune_tokens_per_s"] > 0:
+                ratio = harli["finetune_tokens_per_s"] / best["finetune_tokens_per_s"]
+                entry["harli_tokens_per_s"] = harli["finetune_tokens_per_s"]
+                entry["best_baseline_tokens_per_s"] = best["finetune_tokens_per_s"]
+                entry["harli_over_best_baseline"] = round(ratio, 3)
+                ratios.append(ratio)
+        per_trace[trace] = entry
+    mean_ratio = round(statistics.mean(ratios), 3) if ratios else None
+    paired = [
+        (entry["harli_tokens_per_s"], entry["best_baseline_tokens_per_s"])
+        for entry in per_trace.values()
+        if "harli_over_best_baseline" in entry
+    ]
+    base_total = sum(b for _, b in paired)
+    low = per_trace.get("low", {}).get("harli_solo_fraction")
+    return {
+        "per_trace": per_trace,
+        "mean_harli_over_best_baseline": mean_ratio,
+        "ratio_traces": len(ratios),
+        "total_harli_over_best_baseline": (
+            round(sum(h for h, _ in paired) / base_total, 3) if base_total > 0 else None
+        ),
+        "targets": {
+            "harli_attainment_ge_0.99_every_trace": all(
+                e.get("harli_meets_99") for e in per_trace.values()
+            ),
+            "mean_over_best_baseline_ge_1.46": mean_ratio is not None and mean_ratio >= 1.46,
+            "low_load_solo_fraction_ge_0.6": low is not None and low >= 0.6,
+        },
+    }
+
+
+def print_table(rows: list[dict[str, Any]], comparisons: dict[str, Any], slo_ms: float) -> None:
+    print(f"\nTPOT SLO {slo_ms:.2f} ms")
+    head = (
+        f"{'trace':8s} {'policy':13s} {'attain':>7s} {'p50':>7s} {'p99':>7s} "
+        f"{'ft tok/s':>9s} {'solo%':>6s} {'goodput':>8s}"
+    )
+    print(head)
+    for r in rows:
+        att = r["slo_attainment"]
+        print(
+            f"{r['trace']:8s} {r['policy']:13s} "
+            f"{'-' if att is None else f'{att:.3f}':>7s} "
+            f"{r['tpot_ms_p50'] or 0:7.2f} {r['tpot_ms_p99'] or 0:7.2f} "
+            f"{r['finetune_tokens_per_s']:9.0f} {100 * (r['solo_fraction'] or 0):6.1f} "
+            f"{r['goodput_tokens_per_s']:8.0f}"
+        )
+    for trace, entry in comparisons["per_trace"].items():
+        print(f"{trace}: {entry}")
+    print(f"mean harli / best baseline (>=99%): {comparisons['mean_harli_over_best_baseline']}")
+    print(f"targets: {comparisons['targets']}")

@@ -1,0 +1,120 @@
+"""`bench/colocate.py` end to end on the tiny model on CPU: every policy on every trace, the JSON
+it writes and the table it prints last; and the name other benches import from it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+POLICIES = ("decode_only", "naive", "time_slice", "static_split", "harli")
+TRACES = ("low", "medium")
+ROW_KEYS = {
+    "model",
+    "trace",
+    "policy",
+    "tpot_slo_ms",
+    "slo_attainment",
+    "judged_requests",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "finetune_tokens_per_s",
+    "solo_finetune_tokens_per_s",
+    "solo_fraction",
+    "goodput_tokens_per_s",
+    "iterations",
+    "quanta",
+    "quantum_errors",
+    "decisions",
+    "policy_config",
+}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "colocate.py"),
+            *("--model", "tiny", "--device", "cpu", "--traces", ",".join(TRACES)),
+            *("--duration", "1", "--calibrate-s", "1", "--warmup-s", "0.5"),
+            *("--engine-warmup-s", "0.5", "--ft-seq-len", "64"),
+            *("--commit", "test", "--out", str(tmp_path)),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (path,) = tmp_path.glob("colocate-cpu-*.json")
+    out = json.loads(path.read_text())
+
+    assert out["name"] == "colocate"
+    assert out["commit"] == "test"
+    assert out["simulated"] is False
+    assert {"gpu", "torch", "created", "config", "rows", "comparisons", "wall_s"} <= set(out)
+    config = out["config"]
+    assert config["failed_runs"] == {}
+    assert config["skipped_runs"] == []
+    assert set(config["traces"]) == set(TRACES)
+    assert config["tpot_slo_ms"] > 0
+    assert "factor_x_medium_p50" in config["slo_parts_ms"]
+    assert config["solo_finetune"]["tokens_per_s_8_examples"] > 0
+    assert config["check"]["greedy_token_agreement"] == 1.0
+
+    rows = out["rows"]
+    assert [(r["trace"], r["policy"]) for r in rows] == [(t, p) for t in TRACES for p in POLICIES]
+    for row in rows:
+        assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
+        assert row["quantum_errors"] == 0, row["first_quantum_error"]
+        assert row["iterations"] > 0
+    by = {(r["trace"], r["policy"]): r for r in rows}
+    for trace in TRACES:
+        assert by[trace, "decode_only"]["finetune_tokens_per_s"] == 0
+        assert by[trace, "decode_only"]["slo_attainment"] in (None, 1.0)  # attainable SLO
+        assert by[trace, "naive"]["finetune_tokens_per_s"] > 0  # a quantum every iteration
+
+    comparisons = out["comparisons"]
+    assert set(comparisons["per_trace"]) == set(TRACES)
+    assert set(comparisons["targets"]) == {
+        "harli_attainment_ge_0.99_every_trace",
+        "mean_over_best_baseline_ge_1.46",
+        "low_load_solo_fraction_ge_0.6",
+    }
+
+    lines = result.stdout[result.stdout.index("\nTPOT SLO ") :].splitlines()[1:]
+    assert lines[0].startswith("TPOT SLO ")
+    header = ["trace", "policy", "attain", "p50", "p99", "ft", "tok/s", "solo%", "goodput"]
+    assert lines[1].split() == header
+    table = [line.split() for line in lines[2 : 2 + len(rows)]]
+    assert [cells[:2] for cells in table] == [[r["trace"], r["policy"]] for r in rows]
+    assert all(len(cells) == 8 for cells in table)
+    assert [line.split(":")[0] for line in lines[2 + len(rows) :]] == [
+        *TRACES,
+        "mean harli / best baseline (>=99%)",
+        "targets",
+    ]
+
+
+def test_bench_colocate_still_exports_synthetic_examples() -> None:
+    """bench/memory_sizing.py builds its LoRA job's data with it."""
+    code = (
+        "from bench.colocate import synthetic_examples; "
+        "ex = synthetic_examples(2, 5, 11, seed=0); "
+        "assert len(ex) == 2 and all(len(e.input_ids) == 5 for e in ex), ex"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
