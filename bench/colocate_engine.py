@@ -157,7 +157,7 @@ class LoopBackend:
         graph warm-up and capture happen here: on the worker thread (the one that runs them in
         the loop) for every split's finetune stream, then on the loop thread's own stream
         (after-decode quanta). A failing quantum is recorded (the error text); if any fails,
-        graphs are turned off for the job (``trainer.graphs = None``), the worker thread is
+        graphs are turned off for the job (``trainer.disable_cuda_graphs``), the worker thread is
         replaced (a failed capture can leave its thread unusable: H200 run3) and every size
         runs again eagerly. Captures never run on the loop thread's green-context streams, so
         a capture failure cannot reach the thread that decodes."""
@@ -171,7 +171,7 @@ class LoopBackend:
                 self.trainer = self.make_trainer(False)
                 out["trainer_rebuilt"] = True
             else:
-                self.trainer.graphs = None
+                self.trainer.disable_cuda_graphs(f"warm-up quanta failed: {errors[0]}")
             if self.executor is not None:
                 self.executor.shutdown()
             self.executor = ThreadedExecutor(time.perf_counter, persistent=True)
@@ -186,8 +186,8 @@ class LoopBackend:
         """Whether the job's quanta replay CUDA graphs: replays / captures / eager runs so far
         and why graphs were turned off, if they were."""
         graphs = self.trainer.graphs
-        if graphs is None:
-            return {"graphs": False}
+        if graphs is None or graphs.disabled is not None:
+            return {"graphs": False, "disabled": None if graphs is None else graphs.disabled}
         return {
             "graphs": True,
             "counts": dict(getattr(graphs, "counts", {})),

@@ -189,6 +189,13 @@ class MicroBatchGraphs:
         self.policy.clear()
         self._pool = None
 
+    def disable(self, reason: str) -> None:
+        """Turn graphs off for good: drop every graph and run each later micro-batch eagerly,
+        reporting ``reason`` as its fallback (keeps the first reason if already disabled)."""
+        self.release()
+        if self.disabled is None:
+            self.disabled = reason[:400]
+
     def padded_length(self, n: int) -> int:
         """Sequence length a micro-batch whose longest example has ``n`` tokens is padded to."""
         return bucket_length(n)

@@ -127,6 +127,12 @@ class LoraTrainer:
         if self.graphs is not None:
             self.graphs.release()
 
+    def disable_cuda_graphs(self, reason: str) -> None:
+        """Run every later micro-batch eagerly (e.g. after a failed quantum on some stream);
+        each result reports ``reason`` as its graph fallback. No-op without graphs."""
+        if self.graphs is not None:
+            self.graphs.disable(reason)
+
     @property
     def finished(self) -> bool:
         return self.stream.finished

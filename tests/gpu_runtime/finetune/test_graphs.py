@@ -192,6 +192,25 @@ def test_failed_capture_falls_back_to_eager_with_reason(
     assert all(p.grad is None for p in plain.params)
 
 
+def test_disable_cuda_graphs_runs_eagerly_with_the_reason(
+    serving_model: CausalLM, train_examples: Any
+) -> None:
+    """The supported switch: every later micro-batch runs eagerly and reports the caller's
+    reason, before any capture was tried; a second call keeps the first reason; a trainer
+    without graphs takes the call as a no-op."""
+    hparams = _hparams(len(train_examples), 0.0)
+    graphed = LoraTrainer(serving_model, train_examples, hparams, cuda_graphs=True)
+    assert graphed.graphs is not None
+    graphed.disable_cuda_graphs("worker stream failed")
+    graphed.disable_cuda_graphs("another reason")
+    result = graphed.step_quantum(max_examples=2)
+    assert result.graph == "eager" and result.graph_fallback == "worker stream failed"
+    assert graphed.graphs.disabled == "worker stream failed" and not graphed.graphs.keys()
+    plain = LoraTrainer(serving_model, train_examples, hparams, cuda_graphs=False)
+    plain.disable_cuda_graphs("no graphs here")
+    assert plain.graphs is None and plain.step_quantum(max_examples=2).graph == "off"
+
+
 def test_layer_sliced_quanta_say_they_ran_eagerly(
     serving_model: CausalLM, train_examples: Any
 ) -> None:
