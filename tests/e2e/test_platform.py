@@ -292,7 +292,9 @@ def test_killed_host_hands_its_job_to_the_other_host(cluster: Cluster, seeded: T
     assert steps_on(survivor) == list(range(resume + 1, total + 1))
     trained_by_victim = steps_on(victim)
     assert trained_by_victim[:resume] == list(range(1, resume + 1))
-    assert max(trained_by_victim) > resume  # the steps after the checkpoint were lost with it
+    # The victim reached the checkpoint; whatever it trained after it (often some steps, none
+    # when SIGKILL lands right after a checkpoint) went with it and was trained again above.
+    assert max(trained_by_victim) >= resume
     reference_loss, reference_tokens = _uninterrupted_final_loss(cluster, job.id)
     final = JobMetric.objects.filter(job_id=job.id, step=total).latest("ts").train_loss
     assert abs(final - reference_loss) <= 1e-3 * max(1.0, abs(reference_loss))
