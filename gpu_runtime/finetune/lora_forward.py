@@ -41,12 +41,7 @@ class MultiLoraForward:
         attention: AttentionFn,
     ) -> torch.Tensor:
         lead = x.shape[:-1]
-        if attn.qkv_weight is not None:
-            qkv = F.linear(x, attn.qkv_weight, attn.qkv_bias)
-            nq, nkv = attn.num_heads * attn.head_dim, attn.num_kv_heads * attn.head_dim
-            q_flat, k_flat, v_flat = qkv.split([nq, nkv, nkv], dim=-1)
-        else:
-            q_flat, k_flat, v_flat = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+        q_flat, k_flat, v_flat = attn.project(x)
         q_flat = self._add(q_flat, index, "q_proj", x)
         k_flat = self._add(k_flat, index, "k_proj", x)
         v_flat = self._add(v_flat, index, "v_proj", x)
@@ -59,10 +54,7 @@ class MultiLoraForward:
         return self._add(attn.o_proj(out), index, "o_proj", out)
 
     def _mlp(self, index: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        if mlp.gate_up_weight is not None:
-            gate, up = F.linear(x, mlp.gate_up_weight).chunk(2, dim=-1)
-        else:
-            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
+        gate, up = mlp.gate_up(x)
         gate = self._add(gate, index, "gate_proj", x)
         up = self._add(up, index, "up_proj", x)
         hidden = F.silu(gate) * up

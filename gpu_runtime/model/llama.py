@@ -135,6 +135,15 @@ class Attention(nn.Module):
         self.qkv_weight: torch.Tensor | None = None
         self.qkv_bias: torch.Tensor | None = None
 
+    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Flat q, k, v of `x` (one fused GEMM when the projections are fused)."""
+        if self.qkv_weight is not None:
+            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
+            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
+            return q, k, v
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -144,12 +153,7 @@ class Attention(nn.Module):
         attention: AttentionFn,
     ) -> torch.Tensor:
         lead = x.shape[:-1]
-        if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q_flat, k_flat, v_flat = qkv.split([nq, nkv, nkv], dim=-1)
-        else:
-            q_flat, k_flat, v_flat = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q_flat, k_flat, v_flat = self.project(x)
         q = q_flat.reshape(*lead, self.num_heads, self.head_dim)
         k = k_flat.reshape(*lead, self.num_kv_heads, self.head_dim)
         v = v_flat.reshape(*lead, self.num_kv_heads, self.head_dim)
@@ -170,11 +174,15 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(i, h, bias=False, **factory)
         self.gate_up_weight: torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gate and up projections of `x` (one fused GEMM when they are fused)."""
         if self.gate_up_weight is not None:
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-        else:
-            gate, up = self.gate_proj(x), self.up_proj(x)
+            return gate, up
+        return self.gate_proj(x), self.up_proj(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x)
         return self.down_proj(F.silu(gate) * up)
 
 
