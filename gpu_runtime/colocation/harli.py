@@ -185,6 +185,11 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         bound = ctx.tpot_slo_ms * (1.0 - margin)
         total = ctx.total_sms
         solo_full = self.latency.predict_ms(decode_iteration(ctx.decode, 1.0), None)
+
+        def pause(note: str) -> IterationPlan:
+            """Decode alone on the whole device this iteration; no finetune work."""
+            return IterationPlan(full, (), solo_full, solo_full, margin, paused=True, note=note)
+
         if ctx.in_flight is not None:
             return self._in_flight_plan(ctx, full, margin, bound)
         if not ctx.jobs:
@@ -194,30 +199,14 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             # A running request's TPOT so far is already at the bound: any slowdown now could
             # make it miss; give decode the device until it has recovered.
             self.pauses += 1
-            return IterationPlan(
-                full,
-                (),
-                solo_full,
-                solo_full,
-                margin,
-                paused=True,
-                note=f"request at risk ({worst:.2f} ms so far)",
-            )
+            return pause(f"request at risk ({worst:.2f} ms so far)")
         job = ctx.jobs[0]
         cap = memory_cap_tokens(job, ctx.finetune_budget_bytes)
         sizes = sorted(
             k for k in self.config.quantum_examples if cap is None or k * job.max_seq_len <= cap
         )
         if not sizes:
-            return IterationPlan(
-                full,
-                (),
-                solo_full,
-                solo_full,
-                margin,
-                paused=True,
-                note="memory budget below one example",
-            )
+            return pause("memory budget below one example")
         choices: list[Choice] = []
         sliced = self._slice_state(job)
         if sliced is None or not sliced.active:  # a micro-batch in progress goes on in slices
@@ -234,9 +223,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             if idle:
                 return IterationPlan(full, (), None, None, margin, note="idle, no safe split")
             self.pauses += 1
-            return IterationPlan(
-                full, (), solo_full, solo_full, margin, paused=True, note="no safe choice"
-            )
+            return pause("no safe choice")
         best = max(choices, key=lambda c: (c.value, -c.predicted_ms))
         assert best.mode is not None
         tokens = best.examples * job.max_seq_len
