@@ -24,7 +24,10 @@ is swapped into the process's default CUDA generator (``graphsafe_set_state``, a
 only while capturing, so the graph registers that state. Each replay then advances the trainer's
 philox offset by exactly what the eager micro-batch would have consumed and draws the same masks,
 so checkpoints (which store that generator's state) resume exactly, and decode sampling in the
-same process does not touch the trainer's state while a graph replays. (During a capture, as
+same process does not touch the trainer's state while a graph replays. A capture that fails
+leaves the state it registered marked as capturing, so every later draw from it would raise;
+the trainer then gets a new generator at the state saved before the capture
+(:meth:`TrainerRng.renew_cuda_generator`) and its quanta go on eagerly. (During a capture, as
 during a whole eager quantum, another thread's CUDA sampling would draw from the trainer's state.)
 
 **Fallback.** The first micro-batch on a (thread, stream) runs eagerly (it warms up cuBLAS and
@@ -53,6 +56,7 @@ import torch
 from gpu_runtime.finetune.batching import MicroBatch
 from gpu_runtime.finetune.data import IGNORE_INDEX
 from gpu_runtime.finetune.graph_policy import CapturePolicy, GraphKey, bucket_length, loss_slots
+from gpu_runtime.finetune.quantum import TrainerRng
 
 ForwardBackward = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor
@@ -150,20 +154,20 @@ class MicroBatchGraphs:
         self,
         forward_backward: ForwardBackward,
         params: Sequence[torch.nn.Parameter],
-        generator: torch.Generator | None,
+        rng: TrainerRng | None,
         device: torch.device,
         eager_rng: Callable[[], AbstractContextManager[None]],
         policy: CapturePolicy | None = None,
     ) -> None:
-        """``forward_backward`` runs one micro-batch (eagerly or under capture); ``generator`` is
-        the trainer's CUDA generator (dropout) and ``eager_rng()`` swaps the trainer's generators
-        in around an eager run; ``policy`` decides what to capture (default
+        """``forward_backward`` runs one micro-batch (eagerly or under capture); ``rng`` holds the
+        trainer's generators (``rng.cuda_generator`` draws dropout) and ``eager_rng()`` swaps
+        them in around an eager run; ``policy`` decides what to capture (default
         :class:`CapturePolicy`)."""
         # weak when bound to the trainer that owns these graphs: no reference cycle, so a
         # finished job's graphs and their pool go with its trainer, without waiting for the GC
         self._forward_backward = _weak(forward_backward)
         self.params = list(params)
-        self.generator = generator
+        self.rng = rng
         self.device = device
         self._eager_rng = _weak(eager_rng)
         self.policy = policy or CapturePolicy()
@@ -302,8 +306,10 @@ class MicroBatchGraphs:
         default_generator = torch.cuda.default_generators[index]
         process_state = default_generator.graphsafe_get_state()
         before = torch.cuda.memory_allocated(self.device)
-        if self.generator is not None:
-            default_generator.graphsafe_set_state(self.generator)
+        generator = None if self.rng is None else self.rng.cuda_generator
+        saved = None if generator is None else generator.get_state()
+        if generator is not None:
+            default_generator.graphsafe_set_state(generator)
         try:
             graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
             try:
@@ -316,6 +322,11 @@ class MicroBatchGraphs:
                     graph.capture_end()
                 raise
             graph.capture_end()
+        except BaseException:
+            if saved is not None and self.rng is not None:
+                # the registered state may still be marked as capturing: replace it
+                self.rng.renew_cuda_generator(saved)
+            raise
         finally:
             default_generator.graphsafe_set_state(process_state)
         if self._pool is None:

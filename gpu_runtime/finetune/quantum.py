@@ -98,6 +98,18 @@ class TrainerRng:
     def state_dict(self) -> dict[str, torch.Tensor | None]:
         return {"cpu": self.cpu_state, "cuda": self.cuda_state}
 
+    def renew_cuda_generator(self, state: torch.Tensor) -> None:
+        """Replace the CUDA generator by a new one at ``state``.
+
+        A CUDA graph capture that fails before its end leaves the generator state it registered
+        marked as capturing; every later draw from it (an eager quantum's dropout) then raises
+        "Offset increment outside graph capture encountered unexpectedly". A new generator
+        object has a clean state; ``state`` (taken before the capture) keeps the stream exact.
+        """
+        generator = torch.Generator(device=self.device)
+        generator.set_state(state)
+        self.cuda_generator = generator
+
     def load_state_dict(self, state: dict[str, torch.Tensor | None]) -> None:
         cpu = state["cpu"]
         assert cpu is not None

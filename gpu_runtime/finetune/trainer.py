@@ -114,7 +114,7 @@ class LoraTrainer:
             self.graphs = MicroBatchGraphs(
                 self._forward_backward,
                 self.params,
-                self.rng.cuda_generator,
+                self.rng,
                 self.device,
                 self._rng_swap,
                 CapturePolicy(max_graphs=max_cuda_graphs),
