@@ -194,11 +194,13 @@ def host_cpu() -> dict[str, Any]:
 
 
 def _commit() -> str:
-    """``HARLI_COMMIT`` when set (a copied tree's ``.git`` may be stale), else git's HEAD."""
+    """``HARLI_COMMIT`` or ``GIT_COMMIT`` when set (a copied tree's ``.git`` may be stale),
+    else git's HEAD."""
     import subprocess
 
-    if os.environ.get("HARLI_COMMIT"):
-        return os.environ["HARLI_COMMIT"]
+    for name in ("HARLI_COMMIT", "GIT_COMMIT"):
+        if os.environ.get(name):
+            return os.environ[name]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "HEAD"], text=True, cwd=REPO, stderr=subprocess.DEVNULL

@@ -9,9 +9,11 @@ LM head. Sampling and the host copy of the sampled ids are not part of the timed
 
 Chunked-prefill iterations run eagerly in the engine (no graph): ``capture(contexts, P, ...)``
 with ``P > 0`` returns an ``EngineMixedStep`` that runs the runner's general path
-(``ModelRunner._general_logits``: the model forward over the decode tokens and one prompt chunk of
-``P`` tokens, paged attention per the runner's backend) on the caller's stream each "replay";
-host launch time is part of its measured latency, as it is of the engine's mixed steps.
+(``ModelRunner._general_logits``: over the decode tokens and one prompt chunk of ``P`` tokens,
+through the fused CUDA step when the runner has fused kernels and mixed-batch attention, as
+``ModelRunner.execute`` does, else the model forward with the runner's paged attention) on the
+caller's stream each "replay"; host launch time is part of its measured latency, as it is of the
+engine's mixed steps.
 
 The runner's staging buffers are private attributes (``_buf_ints``, ``_buf_seq_lens``,
 ``_buf_table``, ``_buckets``, ``_graphs``; ``states``, ``_table_np`` and ``_general_logits`` for
@@ -101,10 +103,21 @@ class EngineMixedStep:
             )
             self.order.append((rid, 1 if decode else length))
         self.runner = runner
+        # as ModelRunner.execute chooses: the fused CUDA step (no adapters) when the runner has
+        # fused kernels and mixed-batch attention, else the model forward
+        fused = getattr(runner, "_fused", None) is not None and getattr(
+            runner, "mixed_attention", False
+        )
+        self.fused_lora: bool | None = False if fused else None
 
     def replay(self) -> None:
         with torch.no_grad():
-            self.runner._general_logits(self.order, self.runner.model)
+            if self.fused_lora is None:
+                self.runner._general_logits(self.order, self.runner.model)
+            else:
+                self.runner._general_logits(
+                    self.order, self.runner.model, fused_lora=self.fused_lora
+                )
 
 
 class EngineDecode:

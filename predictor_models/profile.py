@@ -11,11 +11,16 @@ log-uniform in 32..4096 with per-sequence jitter of +-50%, a chunked-prefill pie
 tokens, and a decode SM count from the partition table (or the whole device, time-shared).
 Each sample captures one decode iteration as a CUDA graph on the partition's decode stream and
 times ``--iters`` replays (after 3 warm-ups) with CUDA events: one stage-1 row (median, p90).
-Stage 2 then runs a LoRA quantum (tokens, sequence length, rank drawn at random) on the finetune
-stream, forward (a captured CUDA graph) then backward (eager autograd), repeated two in flight
-until every timed decode replay has finished; a row is kept only if the finetune stream had work
-during at least 80% of the decode window (``ft_busy_frac``). One stage-2 row per phase, with the
-quantum's own duration alone and beside decode.
+Stage 2 (``--finetune trainer``, the default) warms a quantum of the finetune engine's own
+trainer (``LoraTrainer.step_quantum``: one micro-batch, forward+backward replayed from its CUDA
+graph, tokens, sequence length and rank drawn at random, tokens at most 4096 x the finetune SM
+share) on the partition's finetune stream, then times ``--decode-per-quantum`` decode
+configurations alone and beside quanta run back to back until every timed decode replay has
+finished (``predictor_models.trainer_source``). ``--finetune peft`` runs the older stand-in
+quantum instead: a peft LoRA forward (a captured CUDA graph) then backward (eager autograd),
+two in flight, one row per phase. A row is kept only if the finetune stream had work during at
+least 80% of the decode window (``ft_busy_frac``); it records the quantum's own duration alone
+and beside decode.
 
 Writes ``profile-<gpu>-<model>.csv`` (columns: ``ROW_FIELDS``) and ``.meta.json`` (GPU, model
 shape, commit, source of the decode workload, sharing mechanism, budgets).
@@ -43,6 +48,7 @@ from gpu_runtime.model import ModelConfig, build_random_model
 from gpu_runtime.predictor.schema import NO_FINETUNE_ROW, STAGE2_FEATURES, ModelShape
 from gpu_runtime.sharing import GpuSharing, create_sharing
 from predictor_models.standin import CapturedStep, LoraQuantum, StandInDecode
+from predictor_models.trainer_source import FINETUNE_MODE as TRAINER_MODE
 
 EXTRA_FIELDS = (
     "stage",
@@ -64,7 +70,8 @@ SOURCES = {
         "engine: gpu_runtime.engine ModelRunner decode step (fused Triton kernels, Triton paged "
         "attention, block size 16) replayed from its CUDA graph per (bucket, partition); "
         "iterations with a prefill chunk run the runner's eager general path "
-        "(ModelRunner._general_logits); finetune = peft LoRA fwd/bwd on shared weights"
+        "(ModelRunner._general_logits, the fused step with mixed paged attention on CUDA); "
+        "finetune: see finetune_mode"
     ),
 }
 FINETUNE_MODE = (
@@ -98,10 +105,11 @@ def sample_decode(
             return contexts, rng.choice(prefill_choices)
 
 
-def sample_finetune(rng: random.Random) -> tuple[int, int, int]:
-    """(tokens, seq_len, lora_rank) of one random quantum (tokens <= 4096)."""
-    seq_len = rng.choice((256, 512, 1024, 2048))
-    micro_batch = rng.choice([m for m in (1, 2, 4, 8) if m * seq_len <= 4096])
+def sample_finetune(rng: random.Random, max_tokens: int = 4096) -> tuple[int, int, int]:
+    """(tokens, seq_len, lora_rank) of one random quantum: ``micro_batch`` (1, 2, 4 or 8)
+    examples of ``seq_len`` tokens, at most ``max_tokens`` (at least one 256-token example)."""
+    seq_len = rng.choice([s for s in (256, 512, 1024, 2048) if s <= max(max_tokens, 256)])
+    micro_batch = rng.choice([m for m in (1, 2, 4, 8) if m * seq_len <= max(max_tokens, seq_len)])
     return micro_batch * seq_len, seq_len, rng.choice((8, 16, 64))
 
 
@@ -150,8 +158,10 @@ class Profiler:
         iters: int,
         seed: int,
         source: str = "standin",
+        finetune: str = "peft",
     ) -> None:
         self.device = sharing.device
+        self.seed = seed
         config = ModelConfig.preset(model_name)
         self.shape = ModelShape.from_model_config(config, name=model_name)
         self.model = build_random_model(config, seed=seed, device=self.device, dtype=torch.bfloat16)
@@ -169,6 +179,11 @@ class Profiler:
         else:
             raise ValueError(f"unknown decode source {source!r}; expected engine or standin")
         self.stage2_prefill_choices: tuple[int, ...] | None = None  # None: prefill_choices
+        if finetune not in ("peft", "trainer"):
+            raise ValueError(f"unknown finetune mode {finetune!r}; expected peft or trainer")
+        self.finetune = finetune
+        self.quanta: Any = None  # TrainerQuanta, built on the first trainer sample
+        self.decode_per_quantum = 3  # trainer mode: decode configurations per warmed quantum
         self.sharing = sharing
         self.iters = iters
         self.trees: dict[int, Any] = {}
@@ -226,10 +241,15 @@ class Profiler:
         return row
 
     def stage1_sample(
-        self, rng: random.Random, prefill_choices: tuple[int, ...] | None = None
+        self,
+        rng: random.Random,
+        prefill_choices: tuple[int, ...] | None = None,
+        decode_sms: int | None = None,
     ) -> tuple[Any, ...]:
-        """Capture and time one random decode configuration alone; returns what stage 2 needs."""
-        decode_sms = rng.choice(self.sharing.table.choices)
+        """Capture and time one random decode configuration alone (on ``decode_sms`` SMs, or
+        a random partition); returns what stage 2 needs."""
+        if decode_sms is None:
+            decode_sms = rng.choice(self.sharing.table.choices)
         choices = self.prefill_choices if prefill_choices is None else prefill_choices
         contexts, prefill = sample_decode(rng, self.decode.max_kv_tokens, choices)
         ds, fs = self.sharing.partition(decode_sms)
@@ -244,7 +264,11 @@ class Profiler:
         return graph, decode_sms, contexts, prefill, statistics.median(times)
 
     def stage2_sample(self, rng: random.Random) -> None:
-        """One decode configuration beside a random LoRA quantum, forward then backward."""
+        """One decode configuration beside a random LoRA quantum, forward then backward
+        (peft mode), or several beside one trainer quantum (trainer mode)."""
+        if self.finetune == "trainer":
+            self.stage2_trainer_sample(rng)
+            return
         graph, decode_sms, contexts, prefill, decode_ms = self.stage1_sample(
             rng, self.stage2_prefill_choices
         )
@@ -280,17 +304,63 @@ class Profiler:
             quantum.release()
             del graph
 
+    def stage2_trainer_sample(self, rng: random.Random) -> None:
+        """Warm one trainer quantum on a random partition's finetune stream, then time
+        ``decode_per_quantum`` random decode configurations alone and beside it."""
+        from predictor_models.trainer_source import TrainerQuanta
+
+        if self.quanta is None:
+            self.quanta = TrainerQuanta(self.model, seed=self.seed)
+        decode_sms = rng.choice(self.sharing.table.choices)
+        ds, fs = self.sharing.partition(decode_sms)
+        info = self.sharing.info(decode_sms)
+        total = self.sharing.table.total_sms
+        ft_share = info.finetune_sms / total if info.spatial else 1.0
+        tokens, seq_len, rank = sample_finetune(rng, round(4096 * ft_share))
+        self._log(f"trainer quantum tokens={tokens} seq={seq_len} rank={rank} sms={decode_sms}")
+        quantum = self.quanta.quantum(rank, seq_len, tokens // seq_len)
+        try:
+            alone_ms = quantum.warm(fs)
+            self._log(f"trainer quantum alone {alone_ms:.2f} ms, modes {quantum.modes}")
+            for _ in range(self.decode_per_quantum):
+                graph, _, contexts, prefill, decode_ms = self.stage1_sample(
+                    rng, self.stage2_prefill_choices, decode_sms=decode_sms
+                )
+                since = len(quantum.modes)
+                times, colocated, busy = self._corun(graph, ds, fs, quantum.run, blocking=True)
+                quantum.check_replayed(since)
+                self._log(
+                    f"co-run {statistics.median(times):.3f} ms (alone {decode_ms:.3f}), "
+                    f"quantum {colocated:.2f} ms, finetune busy {busy:.2f}"
+                )
+                if busy < 0.8:
+                    raise RuntimeError(
+                        f"finetune stream busy only {busy:.2f} of the decode "
+                        "window: co-run row dropped"
+                    )
+                ft = (float(tokens), float(seq_len), float(rank), 1.0, ft_share)
+                row = self._row(2, decode_sms, contexts, prefill, times, ft, (alone_ms, colocated))
+                row["ft_busy_frac"] = busy
+                del graph
+        finally:
+            self.quanta.release()
+            torch.cuda.empty_cache()
+
     def _corun(
         self,
         graph: CapturedStep,
         ds: torch.cuda.Stream,
         fs: torch.cuda.Stream,
-        fn: Callable[[], None],
+        fn: Callable[[], Any],
+        blocking: bool = False,
     ) -> tuple[list[float], float, float]:
         """Decode replays on ``ds`` while quanta ``fn`` keep ``fs`` busy until they finish.
 
         Decode replays are enqueued at once (gated on the first quantum's start); quanta are
-        enqueued two in flight until the last decode replay completes. Returns the decode
+        enqueued two in flight until the last decode replay completes. ``blocking``: ``fn``
+        returns only when its quantum has finished (the trainer's host sync), so quanta run
+        back to back, each issued after the previous one's sync, and the decode replays are
+        gated on an event recorded on ``fs`` just before the first. Returns the decode
         iteration times, the median quantum time inside the decode window, and the fraction
         of that window during which the finetune stream had work.
         """
@@ -300,6 +370,7 @@ class Profiler:
         ends: list[torch.cuda.Event] = []
         dec_events = [torch.cuda.Event(**timing) for _ in range(iters + 1)]
         torch.cuda.synchronize()
+        gate = torch.cuda.Event()
 
         def enqueue_quantum() -> None:
             start, end = torch.cuda.Event(**timing), torch.cuda.Event(**timing)
@@ -310,8 +381,12 @@ class Profiler:
             starts.append(start)
             ends.append(end)
 
-        enqueue_quantum()
-        ds.wait_event(starts[0])
+        if blocking:
+            gate.record(fs)
+            ds.wait_event(gate)
+        else:
+            enqueue_quantum()
+            ds.wait_event(starts[0])
         with torch.cuda.stream(ds):
             for _ in range(warm):
                 graph.replay()
@@ -319,8 +394,8 @@ class Profiler:
             for i in range(iters):
                 graph.replay()
                 dec_events[i + 1].record(ds)
-        while not dec_events[-1].query() and len(ends) < 400:
-            if len(ends) >= 2 and not ends[-2].query():
+        while (not ends or not dec_events[-1].query()) and len(ends) < 400:
+            if not blocking and len(ends) >= 2 and not ends[-2].query():
                 time.sleep(0.0002)  # keep two quanta in flight
                 continue
             enqueue_quantum()
@@ -391,6 +466,19 @@ def main() -> None:
     parser.add_argument(
         "--stage2-prefill-choices", default=None, help="the same for stage 2 (default: as stage 1)"
     )
+    parser.add_argument(
+        "--finetune",
+        default="trainer",
+        choices=("trainer", "peft"),
+        help="stage-2 quanta: the finetune engine's LoraTrainer.step_quantum (graphed micro-"
+        "batches) or the peft LoRA forward/backward of predictor_models.standin",
+    )
+    parser.add_argument(
+        "--decode-per-quantum",
+        type=int,
+        default=3,
+        help="trainer mode: decode configurations timed beside each warmed quantum",
+    )
     parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--trace", action="store_true", help="print each step of each sample")
     parser.add_argument("--seed", type=int, default=0)
@@ -400,9 +488,16 @@ def main() -> None:
     device = torch.device("cuda", 0)
     sharing = create_sharing(device, prefer=args.sharing, decode_groups=DECODE_GROUPS)
     profiler = Profiler(
-        args.model, sharing, args.max_kv_tokens, args.iters, args.seed, args.decode_source
+        args.model,
+        sharing,
+        args.max_kv_tokens,
+        args.iters,
+        args.seed,
+        args.decode_source,
+        args.finetune,
     )
     profiler.trace = args.trace
+    profiler.decode_per_quantum = max(1, args.decode_per_quantum)
     if args.prefill_choices:
         profiler.prefill_choices = tuple(int(p) for p in args.prefill_choices.split(","))
     if args.stage2_prefill_choices:
@@ -423,7 +518,7 @@ def main() -> None:
         "model": args.model,
         "model_shape": profiler.shape.as_dict(),
         "source": SOURCES.get(args.decode_source, SOURCE),
-        "finetune_mode": FINETUNE_MODE,
+        "finetune_mode": TRAINER_MODE if args.finetune == "trainer" else FINETUNE_MODE,
         "sharing": sharing.mechanism,
         "decode_sms_choices": list(sharing.table.choices),
         "iters_per_row": args.iters,
@@ -442,17 +537,24 @@ def main() -> None:
     errors: list[str] = []
     meta["errors"] = errors
     budgets = {1: args.stage1_s, 2: args.stage2_s}
+    usable = True
     for stage in [int(c) for c in args.stages if c in "12"]:  # in the order given ("21")
         budget = budgets[stage]
         deadline = time.monotonic() + budget
-        while time.monotonic() < deadline and len(errors) <= 20:
+        while usable and time.monotonic() < deadline and len(errors) <= 20:
             try:
                 profiler.stage1_sample(rng) if stage == 1 else profiler.stage2_sample(rng)
-            except (RuntimeError, ValueError) as exc:  # keep the data gathered so far
+            except Exception as exc:  # keep the data gathered so far (Triton errors included)
                 errors.append(f"stage {stage}: {type(exc).__name__}: {str(exc)[:300]}")
                 print("ERROR", errors[-1], flush=True)
-                torch.cuda.synchronize()
+                try:
+                    torch.cuda.synchronize()
+                except Exception as sync_exc:  # a sticky CUDA error: nothing more can run
+                    errors.append(f"stage {stage}: CUDA unusable: {str(sync_exc)[:300]}")
+                    usable = False
             writer.flush(profiler.rows)
+    if profiler.quanta is not None:
+        meta["trainers"] = profiler.quanta.describe()
     (out / f"{stem}.meta.json").write_text(json.dumps(meta, indent=1))
     n1 = sum(1 for r in profiler.rows if r["stage"] == 1)
     print(
