@@ -55,8 +55,9 @@ CHUNK_SWEEP_MIB = (2, 8, 32, 128)
 
 
 def commit_hash() -> str:
-    if os.environ.get("HARLI_COMMIT"):
-        return os.environ["HARLI_COMMIT"]
+    for name in ("HARLI_COMMIT", "GIT_COMMIT"):
+        if os.environ.get(name):
+            return os.environ[name]
     try:
         out = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
@@ -525,8 +526,25 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--max-model-len", type=int, default=4096)
     tr.add_argument("--max-num-seqs", type=int, default=256)
     tr.add_argument("--max-batched-tokens", type=int, default=2048)
-    tr.add_argument("--ft-seq-len", type=int, default=1024)
+    tr.add_argument("--phases", default="decode_only,unified,static_split")
+    tr.add_argument("--ft-seq-len", type=int, default=512)
     tr.add_argument("--max-examples", type=int, default=4, help="most examples per quantum")
+    tr.add_argument(
+        "--sharing",
+        choices=("green", "streams"),
+        default="green",
+        help="green: decode on a `--decode-sms` SM partition, quanta on the rest (falls back "
+        "to streams when green contexts are unavailable); streams: decode on a high-priority "
+        "full-device stream, quanta on a low-priority one",
+    )
+    tr.add_argument("--decode-sms", type=int, default=96, help="decode's SMs beside a job")
+    tr.add_argument(
+        "--plan-headroom-intervals",
+        type=int,
+        default=4,
+        help="quanta are sized to the budget less this many intervals of decode's recent "
+        "growth, so most reclaims need no cache flush (MemoryPolicyConfig)",
+    )
     tr.add_argument("--reserve-low-pages", type=int, default=1024)
     tr.add_argument("--reserve-high-pages", type=int, default=3072)
     tr.add_argument(
@@ -537,11 +555,11 @@ def main(argv: list[str] | None = None) -> int:
         "engine's eager mixed prefill+decode steps allocate GiBs at batch ~200)",
     )
     tr.add_argument(
-        "--ft-cuda-graphs",
+        "--ft-eager",
         action="store_true",
-        help="graphed finetune quanta (off: their shared private pool stays reserved beside "
-        "eager quanta of other shapes and outside what a quantum sized to its budget counts; "
-        "H200 run 3 lost the unified phase to a decode OOM with 30 GiB in that pool)",
+        help="eager finetune quanta (default: CUDA-graphed, captured per shape on the "
+        "finetune stream during warm-up; the graphs' private pool is sized into each "
+        "quantum's budget and dropped by a reclaim that must flush)",
     )
     tr.add_argument("--step-pages", type=int, default=512)
     tr.add_argument("--hysteresis", type=int, default=50)

@@ -1,29 +1,40 @@
 """One phase of `bench/memory.py trace`: a fresh pool, decode engine and LoRA job driven
 through the host loop over the trace; returns the phase's result row.
 
-`run_phase("unified" | "static_split", ...)` builds everything on a new pool (closed again even
-when the phase fails), replays the trace's arrivals against the loop clock for `--duration` s,
-then lets the running requests finish for at most `--drain` s.
+`run_phase("decode_only" | "unified" | "static_split", ...)` builds everything on a new pool
+(closed again even when the phase fails), warms the job's quanta up (CUDA-graph warm-up and
+captures on the worker thread and finetune stream the loop uses), replays the trace's arrivals
+against the loop clock for `--duration` s, then lets the running requests finish for at most
+`--drain` s. `decode_only` has no job and decodes on the whole device: the reference for decode
+iteration time. The two others decode on the `--decode-sms` split (green contexts; the finetune
+stream gets the other SMs), or on a high-priority stream with `--sharing streams`.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from bench.memory_sizing import QuantumSizing, budgeted_policy, lora_trainer
+from bench.memory_sizing import QuantumSizing, budgeted_policy, lora_trainer, warm_sizes
 
 GIB = 1 << 30
 PAGE = 2 << 20
 
 
 def run_phase(
-    name: str, args: Any, model: Any, trace: list[Any], prompts: list[list[int]], plan: dict
+    name: str,
+    args: Any,
+    model: Any,
+    trace: list[Any],
+    prompts: list[list[int]],
+    plan: dict,
+    sharing: Any = None,
 ) -> dict[str, Any]:
     """One phase on a fresh pool; the pool is closed (and the device's cap lifted) even when
-    the phase fails."""
+    the phase fails. `sharing`: the run's `GpuSharing` (None on CPU)."""
     import torch
 
     from gpu_runtime.memory import create_page_pool
@@ -37,7 +48,7 @@ def run_phase(
         torch_headroom_bytes=int(args.torch_headroom_gib * GIB),
     )
     try:
-        phase = _Phase(name, args, model, prompts, plan, pool)
+        phase = _Phase(name, args, model, prompts, plan, pool, sharing)
         return phase.drive(trace)
     finally:
         pool.close()
@@ -50,19 +61,34 @@ class _Phase:
     """Engine, memory, loop and job of one phase, and what the drive observed."""
 
     def __init__(
-        self, name: str, args: Any, model: Any, prompts: list[list[int]], plan: dict, pool: Any
+        self,
+        name: str,
+        args: Any,
+        model: Any,
+        prompts: list[list[int]],
+        plan: dict,
+        pool: Any,
+        sharing: Any,
     ) -> None:
         self.name = name
         self.args = args
         self.prompts = prompts
         self.static = name == "static_split"
+        self.with_job = name != "decode_only"
+        self.sharing = sharing
+        self.decode_sms: int | None = None
+        if sharing is not None:  # decode alone gets the whole device
+            total = int(sharing.table.total_sms)
+            self.decode_sms = min(args.decode_sms, total) if self.with_job else total
         self.memory = self._memory(model, plan, pool)
-        self.engine, sharing, decode_sms = self._engine(model)
+        self.engine = self._engine(model)
         self.sizing = QuantumSizing(
             plan["resident_bytes"], plan["bytes_per_token"], args.max_examples
         )
-        self.loop, self.job = self._loop(model, sharing, decode_sms, pool)
-        print(f"[{name}] pool {pool.num_pages} pages, engine ready", flush=True)
+        self.loop, self.job = self._loop(model, pool)
+        self.warmup = self._warm_quanta() if self.job is not None else {}
+        self.graphs_at_start = self._graph_counts()
+        print(f"[{name}] pool {pool.num_pages} pages, engine ready {self.warmup}", flush=True)
         self.rejected = 0
         self.ooms = 0
         self.oom_details: list[dict[str, Any]] = []
@@ -71,6 +97,7 @@ class _Phase:
         self.series: list[tuple[float, float, float, float]] = []
         self.lent_samples: list[tuple[float, int]] = []
         self.records: list[Any] = []
+        self.iteration_events: list[tuple[int, int]] = []  # (reclaims, flushes) per iteration
 
     def _memory(self, model: Any, plan: dict, pool: Any) -> Any:
         from gpu_runtime.memory import EngineMemory, MemoryPolicyConfig
@@ -82,6 +109,7 @@ class _Phase:
             shrink_after_iterations=10**9 if self.static else plan["hysteresis"],
             grow_hold_iterations=plan["hysteresis"],
             min_decode_pages=plan["static_decode_pages"] if self.static else 1,
+            plan_headroom_intervals=plan["plan_headroom_intervals"],
             reclaim_from_finetune=not self.static,
         )
         return EngineMemory.prepare(
@@ -93,7 +121,7 @@ class _Phase:
             policy=policy,
         )
 
-    def _engine(self, model: Any) -> tuple[Any, Any, int | None]:
+    def _engine(self, model: Any) -> Any:
         """The decode engine over the pool, graphs captured and warmed on decode's stream."""
         import torch
 
@@ -116,19 +144,13 @@ class _Phase:
             kv_storage_factory=memory.binding.storage_factory,
         )
         memory.attach(engine)
-        sharing: Any = None
-        decode_sms: int | None = None
         stream: AbstractContextManager[Any] = nullcontext()
         cuda = args.device.startswith("cuda")
-        if cuda:
-            # Decode on a high-priority stream, quanta on a low-priority one: on one stream the
-            # decode step would queue behind the whole quantum.
-            from gpu_runtime.sharing import StreamSharing
-
-            sharing = StreamSharing(torch.device(args.device))
-            decode_sms = int(sharing.table.total_sms)
-            decode_stream = sharing.partition(decode_sms)[0]
-            engine.capture_cuda_graphs(partition=decode_sms, stream=decode_stream)
+        if self.sharing is not None and self.decode_sms is not None:
+            # Decode on its split's stream (green context), quanta on the other SMs; on one
+            # stream the decode step would queue behind the whole quantum.
+            decode_stream = self.sharing.partition(self.decode_sms)[0]
+            engine.capture_cuda_graphs(partition=self.decode_sms, stream=decode_stream)
             stream = torch.cuda.stream(decode_stream)
         # Warm prefill and decode on decode's stream so their cached activations count as
         # decode's, not finetune's (the caching allocator keeps blocks per stream).
@@ -139,27 +161,87 @@ class _Phase:
         if cuda:
             torch.cuda.synchronize()
         memory.decode_ready()
-        return engine, sharing, decode_sms
+        return engine
 
-    def _loop(self, model: Any, sharing: Any, decode_sms: int | None, pool: Any) -> Any:
+    def _loop(self, model: Any, pool: Any) -> tuple[Any, Any]:
         from gpu_runtime.colocation import HostLoop
 
-        trainer = lora_trainer(model, self.args, examples=512, epochs=50, batch_size=8)
         loop = HostLoop(
             self.engine,
-            budgeted_policy(self.sizing, decode_sms),
+            budgeted_policy(self.sizing, self.decode_sms),
             tpot_slo_ms=1e9,
-            sharing=sharing,
+            sharing=self.sharing,
             memory=self.memory,
         )
         executor = loop.executor
         self.memory.finetune_busy = lambda: executor.in_flight is not None
         self.memory.wait_for_finetune = lambda: executor.wait()
+        if not self.with_job:
+            return loop, None
+        trainer = lora_trainer(model, self.args, examples=512, epochs=50, batch_size=8)
         self.memory.manager.set_finetune_demand(pool.num_pages * pool.page_bytes)
         # A reclaim that must flush drops the trainer's CUDA graphs first (their private pool
         # is not returned by a cache flush).
         pool.before_flush = trainer.release_cuda_graphs
         return loop, loop.add_job("ft", trainer)
+
+    def _warm_quanta(self) -> dict[str, Any]:
+        """Before the clock starts: lend the idle pool to finetuning, then run one quantum of
+        each size that fits the budget through the loop's own executor and finetune stream
+        (the first on a (thread, stream) runs eagerly, the rest are captured), and flush the
+        eager warm-up's cached activations (the graphs' pool stays). Sizes run smallest first,
+        so the graphs' shared pool grows once per new largest shape."""
+        import torch
+
+        from gpu_runtime.colocation.executor import QuantumTask
+        from gpu_runtime.colocation.types import LaunchMode
+
+        memory, loop, job = self.memory, self.loop, self.job
+        memory.after_decode()  # nothing decodes yet: idle pages go to finetuning
+        stream = None
+        if self.sharing is not None and self.decode_sms is not None:
+            stream = self.sharing.partition(self.decode_sms)[1]
+        budget = memory.finetune_budget_bytes()
+        out: dict[str, Any] = {"budget_gib": round(budget / GIB, 2), "quanta": []}
+        for examples in warm_sizes(self.sizing, budget, job.max_seq_len):
+            tokens = examples * job.max_seq_len
+            task = QuantumTask(
+                "ft", job.trainer, tokens, LaunchMode.CONCURRENT, self.decode_sms, stream
+            )
+            before = self._graph_counts()
+            loop.executor.submit(task)
+            if not loop.executor.wait(120.0):
+                raise RuntimeError(f"warm-up quantum of {examples} examples ran over 120 s")
+            (report,) = loop.executor.poll()
+            after = self._graph_counts()
+            modes = sorted(k for k in after if after[k] > before.get(k, 0))
+            out["quanta"].append([examples, round(report.duration_ms, 1), ",".join(modes)])
+            if report.error is not None:
+                out["error"] = report.error[:400]
+                break
+        if torch.cuda.is_available() and self.args.device.startswith("cuda"):
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()  # the eager warm-up's activations; graphs keep theirs
+        split = memory.manager.split()
+        out["finetune_reserved_gib"] = round(split.finetune_reserved_bytes / GIB, 2)
+        return out
+
+    def _graph_counts(self) -> dict[str, int]:
+        graphs = None if self.job is None else self.job.trainer.graphs
+        return {} if graphs is None else dict(graphs.counts)
+
+    def _graph_state(self) -> dict[str, Any]:
+        graphs = None if self.job is None else self.job.trainer.graphs
+        if graphs is None:
+            return {"graphs": False}
+        end = dict(graphs.counts)
+        timed = {k: v - self.graphs_at_start.get(k, 0) for k, v in end.items()}
+        return {
+            "graphs": True,
+            "timed_counts": {k: v for k, v in timed.items() if v},
+            "disabled": graphs.disabled,
+            "captured_at_end": len(graphs.keys()),
+        }
 
     # ---- the drive --------------------------------------------------------------------------
     def drive(self, trace: list[Any]) -> dict[str, Any]:
@@ -191,8 +273,16 @@ class _Phase:
                     except ValueError:
                         self.rejected += 1
                     i += 1
+                counters = self.memory.manager.counters
+                events = (len(counters.reclaim_latency), len(counters.flush_latency))
                 record = loop.run_iteration()
                 self.records.append(record)
+                self.iteration_events.append(
+                    (
+                        len(counters.reclaim_latency) - events[0],
+                        len(counters.flush_latency) - events[1],
+                    )
+                )
                 self._account(record, start)
                 if now >= next_sample:
                     next_sample = now + 0.25
@@ -256,7 +346,25 @@ class _Phase:
         layout = self.memory.manager.layout
         with_decode = [r for r in records if r.decode_batch or r.prefill_tokens]
         iter_ms = sorted(r.iteration_ms for r in with_decode)
-        decode_only_ms = sorted(r.iteration_ms for r in with_decode if not r.prefill_tokens)
+        pure_decode_ms = sorted(r.iteration_ms for r in with_decode if not r.prefill_tokens)
+        slowest = slowest_iterations(
+            [
+                {
+                    "t_s": round(r.timestamp - self.records[0].timestamp, 3),
+                    "iteration_ms": round(r.iteration_ms, 2),
+                    "step_ms": round(r.observed_ms, 2),
+                    "batch": r.decode_batch,
+                    "prefill_tokens": r.prefill_tokens,
+                    "quantum_beside_tokens": r.beside_tokens if r.in_flight else 0,
+                    "reclaims": events[0],
+                    "flushes": events[1],
+                }
+                for r, events in zip(records, self.iteration_events, strict=True)
+                if r.decode_batch or r.prefill_tokens
+            ],
+            8,
+        )
+        ci_low, ci_high = median_ci(iter_ms)
         tpot = sorted(s for r in records for s in r.tpot_samples_ms)
         reports = [q for r in records for q in r.quanta]
         good = [q for q in reports if not q.error]
@@ -287,9 +395,17 @@ class _Phase:
             "finetune_waits": counters.finetune_waits,
             "finetune_wait_ms_p99": finite(counters.wait_latency.percentile_ms(99)),
             "decode_iter_ms_p50": pct(iter_ms, 50),
+            "decode_iter_ms_p50_ci95": [finite(ci_low), finite(ci_high)],
             "decode_iter_ms_p99": pct(iter_ms, 99),
-            "decode_only_iter_ms_p50": pct(decode_only_ms, 50),
-            "decode_only_iter_ms_p99": pct(decode_only_ms, 99),
+            "decode_iter_ms_mean": finite(sum(iter_ms) / len(iter_ms)) if iter_ms else None,
+            # iterations with no prefill chunk (decode tokens only)
+            "pure_decode_iter_ms_p50": pct(pure_decode_ms, 50),
+            "pure_decode_iter_ms_p99": pct(pure_decode_ms, 99),
+            "pure_decode_iterations": len(pure_decode_ms),
+            "decode_batch_mean": (
+                sum(r.decode_batch for r in with_decode) / len(with_decode) if with_decode else 0
+            ),
+            "slowest_iterations": slowest,
             "decode_step_ms_p50": pct([r.observed_ms for r in with_decode], 50),
             # Does a quantum on the worker thread hold the decode step up? (same phase, load)
             "decode_step_ms_p50_quantum_beside": pct(
@@ -311,6 +427,8 @@ class _Phase:
             "finetune_quantum_ms_p50": pct([q.duration_ms for q in good], 50),
             "finetune_paused_iterations": sum(1 for r in records if r.paused),
             "finetune_errors": self.errors,
+            "finetune_graphs": self._graph_state(),
+            "finetune_warmup": self.warmup,
             "oom_details": self.oom_details,
             "finetune_budget_violations": counters.finetune_budget_violations,
             "kv_peak_gb": self.kv_peak_blocks * layout.block_bytes / 1e9,
@@ -336,3 +454,23 @@ def pct_sorted(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
     return values[min(int(q / 100 * len(values)), len(values) - 1)]
+
+
+def median_ci(sorted_values: list[float], z: float = 1.96) -> tuple[float, float]:
+    """Distribution-free ~95% confidence interval of the median of `sorted_values`: the order
+    statistics at ranks n/2 -/+ z*sqrt(n)/2 (normal approximation of the binomial). Two
+    phases' medians differ beyond noise when their intervals do not overlap. NaN for fewer
+    than 6 values (no interval at that size)."""
+    n = len(sorted_values)
+    if n < 6:
+        return float("nan"), float("nan")
+    half = z * math.sqrt(n) / 2
+    low = max(int(math.floor(n / 2 - half)), 0)
+    high = min(int(math.ceil(n / 2 + half)), n - 1)
+    return sorted_values[low], sorted_values[high]
+
+
+def slowest_iterations(rows: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
+    """The `count` rows with the largest `iteration_ms`, slowest first (what a p99 is made of:
+    batch, prefill chunk, quantum beside, reclaims and cache flushes in that iteration)."""
+    return sorted(rows, key=lambda row: -row["iteration_ms"])[:count]

@@ -35,6 +35,19 @@ class QuantumSizing:
         return (1 << (examples.bit_length() - 1)) * max_seq_len
 
 
+def warm_sizes(sizing: QuantumSizing, budget_bytes: int, max_seq_len: int) -> list[int]:
+    """Examples per warm-up quantum, before a phase's clock starts: one example twice (the
+    first on a new (thread, stream) runs eagerly, the second is captured), then every larger
+    power of two that fits the budget (each captured once). Empty when not even one fits."""
+    fits = sizing.tokens(budget_bytes, max_seq_len) // max_seq_len
+    if fits < 1:
+        return []
+    sizes = [1, 1]
+    while sizes[-1] * 2 <= fits:
+        sizes.append(sizes[-1] * 2)
+    return sizes
+
+
 def budgeted_policy(sizing: QuantumSizing, decode_sms: int | None) -> Any:
     """A quantum beside decode whenever none runs, sized to the budget it reads (fewer
     examples per micro-batch when the budget is small); `decode_sms` is the stream sharing's
@@ -62,7 +75,10 @@ def budgeted_policy(sizing: QuantumSizing, decode_sms: int | None) -> Any:
 
 def finetune_footprint(trainer: Any, seq_len: int, device: Any) -> tuple[int, float]:
     """(bytes kept between quanta, activation bytes per token), measured with 1 and 4 examples
-    on CUDA (the quantum's peak above what was allocated before it)."""
+    on CUDA (the quantum's peak above what was allocated before it). With CUDA graphs the runs
+    are eager (warm-up), captures and replays; a graph's peak is what its work needs in the
+    graphs' private pool (`QuantumResult.peak_memory_bytes`), which stays reserved between
+    quanta: sizing a quantum by it counts that pool in the budget."""
     import torch
 
     if device.type != "cuda":
@@ -77,7 +93,8 @@ def finetune_footprint(trainer: Any, seq_len: int, device: Any) -> tuple[int, fl
         torch.cuda.synchronize()
         # The larger of the two runs of each size: the first quantum of a trainer allocates
         # more (optimizer state, workspaces), and a phase's first quantum must fit too.
-        peak = torch.cuda.max_memory_allocated() - before
+        reported = result.peak_memory_bytes or 0
+        peak = max(torch.cuda.max_memory_allocated(), reported) - before
         peaks[int(result.examples)] = max(peaks.get(int(result.examples), 0), peak)
     resident = torch.cuda.memory_allocated() - trainer_start_allocated(trainer)
     small, big = min(peaks), max(peaks)
@@ -93,7 +110,7 @@ def trainer_start_allocated(trainer: Any) -> int:
 
 def lora_trainer(model: Any, args: Any, *, examples: int, epochs: int, batch_size: int) -> Any:
     """The bench's LoRA job (rank 16, alpha 32, q/k/v/o, no dropout) on `examples` synthetic
-    `--ft-seq-len`-token examples; eager unless `--ft-cuda-graphs`."""
+    `--ft-seq-len`-token examples; CUDA-graphed quanta on CUDA unless `--ft-eager`."""
     from bench.colocate import synthetic_examples
     from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
@@ -108,4 +125,4 @@ def lora_trainer(model: Any, args: Any, *, examples: int, epochs: int, batch_siz
         max_seq_len=args.ft_seq_len,
     )
     data = synthetic_examples(examples, args.ft_seq_len, model.config.vocab_size, args.seed + 1)
-    return LoraTrainer(model, data, hparams, cuda_graphs=args.ft_cuda_graphs)
+    return LoraTrainer(model, data, hparams, cuda_graphs=False if args.ft_eager else None)

@@ -47,10 +47,15 @@ def trace_spec(tiny: bool, duration_s: float, rate_scale: float) -> Any:
     )
 
 
+PHASES = ("decode_only", "unified", "static_split")
+
+
 def trace_benchmark(args: Any) -> Path:
-    """`unified` first (it also measures decode's KV peak), then `static_split` reserving that
-    peak plus the reserve for decode and lending the rest to finetuning for good. A phase that
-    fails is recorded as a row with its error; the result file is written after each phase."""
+    """`decode_only` (no job, whole device: decode's own iteration time), `unified` (it also
+    measures decode's KV peak), then `static_split` reserving that peak plus the reserve for
+    decode and lending the rest to finetuning for good; `--phases` picks a subset (in this
+    order). A phase that fails is recorded as a row with its error; the result file is
+    written after each phase."""
     import gc
 
     import torch
@@ -88,6 +93,7 @@ def trace_benchmark(args: Any) -> Path:
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    sharing, sharing_info = _sharing(args, device)
     plan: dict[str, Any] = {
         "resident_bytes": resident,
         "bytes_per_token": per_token,
@@ -103,6 +109,8 @@ def trace_benchmark(args: Any) -> Path:
         * 4,
         "static_decode_pages": 1,
         "footprint_error": footprint_error,
+        "plan_headroom_intervals": args.plan_headroom_intervals,
+        "sharing": sharing_info,
     }
     print(
         f"setup {time.perf_counter() - wall:.1f}s: {len(trace)} requests; finetune resident "
@@ -119,7 +127,7 @@ def trace_benchmark(args: Any) -> Path:
     def phase(name: str) -> None:
         started = time.perf_counter()
         try:
-            rows.append(run_phase(name, args, model, trace, prompts, plan))
+            rows.append(run_phase(name, args, model, trace, prompts, plan, sharing))
         except Exception as exc:  # one phase's failure is a result; the other still runs
             import traceback
 
@@ -132,18 +140,56 @@ def trace_benchmark(args: Any) -> Path:
             torch.cuda.empty_cache()
         _write_trace_result(path, args, spec, plan, rows, gpu, today, wall)
 
-    phase("unified")
-    unit = 16 if device.type == "cuda" else 1
-    page = PAGE if device.type == "cuda" else plan["cpu_page_bytes"]
-    if "kv_peak_pages" in rows[0]:
-        peak_pages = rows[0]["kv_peak_pages"] + args.reserve_low_pages
-    else:  # unified failed: reserve a fixed share of the pool for decode
-        peak_pages = int(args.pool_gib * GIB * 0.6) // page
-    prefix_limit = int(args.pool_gib * GIB) // (page * unit) * unit - unit  # less the tail
-    plan["static_decode_pages"] = min(-(-peak_pages // unit) * unit, prefix_limit)
-    phase("static_split")
+    phases = [p for p in PHASES if p in args.phases.split(",")]
+    unknown = set(args.phases.split(",")) - set(PHASES)
+    if unknown:
+        raise ValueError(f"unknown phases {sorted(unknown)}; expected some of {PHASES}")
+    for name in phases:
+        if name == "static_split":
+            plan["static_decode_pages"] = _static_decode_pages(args, device, plan, rows)
+        phase(name)
+    if sharing is not None:
+        sharing.close()
     _print_trace_table(rows)
     return path
+
+
+def _sharing(args: Any, device: Any) -> tuple[Any, dict[str, Any] | None]:
+    """The run's GPU sharing (None on CPU): green contexts with one decode split of
+    `--decode-sms` SMs (falling back to prioritised streams, recorded), or streams."""
+    if device.type != "cuda":
+        return None, None
+    from gpu_runtime.sharing import create_sharing
+
+    prefer = "green_context" if args.sharing == "green" else "streams"
+    sharing = create_sharing(device, prefer=prefer, decode_groups=(args.decode_sms // 8,))
+    choices = tuple(int(c) for c in sharing.table.choices)
+    if args.decode_sms not in choices:  # streams (or a split the driver refused)
+        args.decode_sms = int(sharing.table.total_sms)
+    info = {
+        "mechanism": sharing.mechanism,
+        "choices": list(choices),
+        "decode_sms": args.decode_sms,
+        "total_sms": int(sharing.table.total_sms),
+    }
+    print(f"sharing: {info}", flush=True)
+    return sharing, info
+
+
+def _static_decode_pages(
+    args: Any, device: Any, plan: dict[str, Any], rows: list[dict[str, Any]]
+) -> int:
+    """Decode's share under the static split: the KV peak `unified` measured plus the low
+    watermark (or 60% of the pool when `unified` did not run)."""
+    unit = 16 if device.type == "cuda" else 1
+    page = PAGE if device.type == "cuda" else plan["cpu_page_bytes"]
+    unified = [r for r in rows if r.get("policy") == "unified" and "kv_peak_pages" in r]
+    if unified:
+        peak_pages = unified[0]["kv_peak_pages"] + args.reserve_low_pages
+    else:
+        peak_pages = int(args.pool_gib * GIB * 0.6) // page
+    prefix_limit = int(args.pool_gib * GIB) // (page * unit) * unit - unit  # less the tail
+    return min(-(-peak_pages // unit) * unit, prefix_limit)
 
 
 def _write_trace_result(
@@ -158,12 +204,7 @@ def _write_trace_result(
 ) -> None:
     import torch
 
-    by_policy = {row["policy"]: row for row in rows if "error" not in row}
-    unified, static = by_policy.get("unified"), by_policy.get("static_split")
-    comparisons: dict[str, float | None] = {}
-    if unified is not None and static is not None:
-        for key in ("mean_borrowed_gb", "finetune_tokens_per_s", "decode_iter_ms_p50"):
-            comparisons[f"{key}_ratio_unified_over_static"] = _ratio(unified[key], static[key])
+    comparisons = trace_comparisons(rows)
     result = {
         "name": "memory",
         "commit": commit_hash(),
@@ -180,14 +221,49 @@ def _write_trace_result(
                 "resident_bytes": plan["resident_bytes"],
                 "bytes_per_token": plan["bytes_per_token"],
                 "footprint_error": plan["footprint_error"],
+                "cuda_graphs": not args.ft_eager,
             },
             "static_decode_pages": plan["static_decode_pages"],
+            "sharing": plan["sharing"],
         },
         "rows": rows,
         "comparisons": comparisons,
         "wall_s": round(time.perf_counter() - wall, 1),
     }
     path.write_text(json.dumps(result, indent=1, default=str))
+
+
+def trace_comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Ratios between the phases of one run: finetune memory and tokens/s unified over static;
+    decode iteration time (p50, p99, iterations without prefill) of each co-located phase over
+    the other and over decode alone; and whether the p50s' 95% intervals overlap (a difference
+    within noise)."""
+    by_policy = {row["policy"]: row for row in rows if "error" not in row}
+    out: dict[str, Any] = {}
+    pairs = (
+        ("unified", "static_split"),
+        ("unified", "decode_only"),
+        ("static_split", "decode_only"),
+    )
+    for a, b in pairs:
+        first, second = by_policy.get(a), by_policy.get(b)
+        if first is None or second is None:
+            continue
+        keys = ["decode_iter_ms_p50", "decode_iter_ms_p99", "pure_decode_iter_ms_p50"]
+        if b == "static_split":
+            keys = ["mean_borrowed_gb", "finetune_tokens_per_s", *keys]
+        for key in keys:
+            out[f"{key}_ratio_{a}_over_{b}"] = _ratio(first.get(key), second.get(key))
+        out[f"decode_iter_ms_p50_ci95_overlap_{a}_{b}"] = _overlap(
+            first.get("decode_iter_ms_p50_ci95"), second.get("decode_iter_ms_p50_ci95")
+        )
+    return out
+
+
+def _overlap(a: list[float | None] | None, b: list[float | None] | None) -> bool | None:
+    if not a or not b or None in a or None in b:
+        return None
+    return bool(a[0] <= b[1] and b[0] <= a[1])  # type: ignore[operator]
 
 
 def _print_trace_table(rows: list[dict[str, Any]]) -> None:
@@ -197,8 +273,10 @@ def _print_trace_table(rows: list[dict[str, Any]]) -> None:
         "unfinished_at_end",
         "reclaim_ms_p50",
         "reclaim_ms_p99",
+        "finetune_flushes",
         "decode_iter_ms_p50",
         "decode_iter_ms_p99",
+        "pure_decode_iter_ms_p50",
         "tpot_ms_p50",
         "mean_borrowed_gb",
         "finetune_tokens_per_s",

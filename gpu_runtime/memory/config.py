@@ -26,6 +26,12 @@ class MemoryPolicyConfig:
     growth_window: int = 4
     """Intervals between finetune quanta over which decode's block growth is remembered: the
     reserve refilled between quanta covers the largest (see `MemoryManager.refill_reserve`)."""
+    plan_headroom_intervals: int = 4
+    """Quanta are sized to the budget less the pages decode would take back if it grew this
+    many more intervals at the largest recent rate (`MemoryManager.reclaim_headroom_pages`):
+    finetune memory then stays below the budget a reclaim leaves, so that reclaim is a cap
+    change, not a cache flush (which waits for the device and drops the trainers' CUDA graphs).
+    0: quanta are sized to the whole budget."""
     reclaim_from_finetune: bool = True
     """False turns the pool into a static split: pages lent to finetuning never come back to
     decode, which preempts instead (the baseline the benchmark compares with)."""
@@ -37,6 +43,7 @@ class MemoryPolicyConfig:
             "shrink_after_iterations",
             "grow_hold_iterations",
             "max_waiting_pages",
+            "plan_headroom_intervals",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

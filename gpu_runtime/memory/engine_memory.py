@@ -166,7 +166,10 @@ class EngineMemory:
         self.binding.maintain(waiting_blocks=waiting, finetune_busy=self._busy())
 
     def finetune_budget_bytes(self) -> int:
-        return self.manager.finetune_budget_bytes
+        """What the next quantum should fit in: the budget less the pages decode is expected
+        to reclaim before the next quantum boundary (`MemoryManager.finetune_plan_bytes`), so
+        that reclaim is a cap change instead of a cache flush. `lent_bytes()` is the budget."""
+        return self.manager.finetune_plan_bytes()
 
     def lent_bytes(self) -> int:
         return self.manager.pool.finetune_budget_bytes

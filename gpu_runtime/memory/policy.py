@@ -257,6 +257,28 @@ class MemoryManager:
         """Bytes the next finetune quantum may peak at (live state included)."""
         return self.pool.finetune_budget_bytes
 
+    def reclaim_headroom_pages(self) -> int:
+        """Budget pages decode is expected to take back by the next quantum boundary: what
+        `plan_headroom_intervals` more intervals of the largest recent decode growth (the
+        `growth_window` remembered by `refill_reserve`) would need beyond the free pages.
+        0 under a static split (nothing is ever reclaimed)."""
+        intervals = self.config.plan_headroom_intervals
+        if not self.config.reclaim_from_finetune or intervals == 0:
+            return 0
+        growth = max(self._interval_growth, default=0) * intervals
+        if growth == 0:
+            return 0
+        pages = self._round_up(self.layout.pages_for_blocks(growth)) - self.pool.free_pages
+        return min(max(pages, 0), self.pool.finetune_pages)
+
+    def finetune_plan_bytes(self) -> int:
+        """Bytes the next quantum should plan to peak at: the budget less
+        `reclaim_headroom_pages`. A finetune side that stays within it keeps its allocator
+        below the budget the next reclaim leaves, so that reclaim needs no cache flush (on
+        CUDA a flush waits for the device, frees every cached segment and drops the trainers'
+        CUDA graphs: the one costly part of a reclaim)."""
+        return (self.pool.finetune_pages - self.reclaim_headroom_pages()) * self.pool.page_bytes
+
     def finetune_headroom_bytes(self) -> int:
         """Budget left for the next quantum's activations after its live state."""
         live = self.pool.backend.finetune_allocated_bytes()

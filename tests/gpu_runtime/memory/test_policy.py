@@ -324,3 +324,49 @@ def test_idle_pages_are_lent_while_decode_grows_keeping_what_its_reserve_lacks()
     assert manager.usable_blocks == 6
     assert pool.free_pages == 6 and pool.finetune_pages == 52
     assert manager.counters.finetune_grows == 1
+
+
+def test_quanta_planned_below_the_reclaim_headroom_make_most_reclaims_flush_free() -> None:
+    def run(intervals: int) -> tuple[list[int], int, MemoryManager]:
+        manager, pool = _manager(
+            num_pages=64, grow_hold_iterations=0, plan_headroom_intervals=intervals
+        )
+        manager.set_finetune_demand(60 * PAGE)
+        idle = DecodeDemand(used_blocks=0, top_used_block=0)
+        for _ in range(20):
+            manager.maintain(idle)
+        assert pool.finetune_pages == 60 and manager.usable_blocks == 4
+        plans = []
+        used = 0
+        manager.refill_reserve(DecodeDemand(used_blocks=used))
+        for _ in range(6):  # decode grows 2 blocks per interval between quanta
+            plans.append(manager.finetune_plan_bytes() // PAGE)
+            # The quantum fills what it was told to plan for (live state: 1 page); the
+            # simulated caching allocator keeps its largest peak until a flush.
+            manager.finetune_quantum_done(
+                peak_bytes=manager.finetune_plan_bytes(), resident_bytes=PAGE
+            )
+            manager.before_step(DecodeDemand(used_blocks=used, next_step_blocks=2))
+            used += 2
+            manager.refill_reserve(DecodeDemand(used_blocks=used))
+            pool.check()
+        return plans, len(manager.counters.flush_latency), manager
+
+    # Sized to the whole budget, every reclaim flushes the finetune cache.
+    plans, flushes, manager = run(0)
+    assert plans == [60, 56, 54, 52, 50, 48] and flushes == 6
+    assert manager.counters.finetune_shrinks == 6
+    # Planned below 3 intervals of the largest growth (6 pages): the first reclaim (no
+    # interval seen yet) flushes, then the cache sits 6 pages under the budget and the next
+    # 3 reclaims of 2 pages are cap changes; the 4th flushes again.
+    plans, flushes, manager = run(3)
+    assert plans == [60, 50, 48, 46, 44, 42] and flushes == 2
+    assert manager.counters.finetune_shrinks == 6 and manager.reclaim_headroom_pages() == 6
+    # A static split never reclaims: nothing is held back.
+    manager, pool = _manager(num_pages=16, grow_hold_iterations=0, reclaim_from_finetune=False)
+    manager.set_finetune_demand(12 * PAGE)
+    manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
+    assert manager.reclaim_headroom_pages() == 0
+    assert manager.finetune_plan_bytes() == pool.finetune_budget_bytes > 0
+    with pytest.raises(ValueError, match="plan_headroom_intervals"):
+        MemoryPolicyConfig(plan_headroom_intervals=-1)

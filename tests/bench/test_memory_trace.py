@@ -1,0 +1,117 @@
+"""`bench/memory.py trace`: the statistics and warm-up rules on their own, and the whole
+three-phase run on the tiny model on CPU (JSON keys, the comparisons, the table)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.memory_phase import median_ci, slowest_iterations
+from bench.memory_sizing import QuantumSizing, warm_sizes
+from bench.memory_trace import trace_comparisons
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+MIB = 1 << 20
+
+
+def test_median_interval_brackets_the_median_by_order_statistics() -> None:
+    values = [float(v) for v in range(100)]
+    low, high = median_ci(values)
+    # n = 100: ranks 50 -/+ 1.96 * 10 / 2 = 9.8 -> 40 and 60
+    assert (low, high) == (40.0, 60.0)
+    assert all(math.isnan(v) for v in median_ci([1.0, 2.0, 3.0]))
+    low, high = median_ci([5.0] * 7)
+    assert low == high == 5.0
+
+
+def test_slowest_iterations_are_the_largest_first() -> None:
+    rows = [{"iteration_ms": ms, "i": i} for i, ms in enumerate([3.0, 9.0, 1.0, 7.0])]
+    assert [r["i"] for r in slowest_iterations(rows, 2)] == [1, 3]
+
+
+def test_warm_up_runs_one_example_twice_then_each_power_of_two_that_fits() -> None:
+    # 1 MiB per token, 100 tokens per example, nothing resident, safety 0.9.
+    sizing = QuantumSizing(0, float(MIB), max_examples=8)
+    assert warm_sizes(sizing, 50 * MIB, 100) == []  # 45 MiB of room: not one example
+    assert warm_sizes(sizing, 120 * MIB, 100) == [1, 1]
+    assert warm_sizes(sizing, 500 * MIB, 100) == [1, 1, 2, 4]  # 4.5 examples fit
+    assert warm_sizes(sizing, 10_000 * MIB, 100) == [1, 1, 2, 4, 8]  # capped at 8
+
+
+def test_comparisons_between_phases() -> None:
+    def row(policy: str, p50: float, ci: list[float], borrowed: float, tps: float) -> dict:
+        return {
+            "policy": policy,
+            "decode_iter_ms_p50": p50,
+            "decode_iter_ms_p99": 2 * p50,
+            "pure_decode_iter_ms_p50": p50 / 2,
+            "decode_iter_ms_p50_ci95": ci,
+            "mean_borrowed_gb": borrowed,
+            "finetune_tokens_per_s": tps,
+        }
+
+    rows = [
+        row("decode_only", 10.0, [9.0, 11.0], 0.0, 0.0),
+        row("unified", 12.0, [11.5, 12.5], 30.0, 3000.0),
+        row("static_split", 12.2, [11.8, 12.6], 20.0, 2000.0),
+    ]
+    out = trace_comparisons(rows)
+    assert out["mean_borrowed_gb_ratio_unified_over_static_split"] == 1.5
+    assert out["finetune_tokens_per_s_ratio_unified_over_static_split"] == 1.5
+    assert out["decode_iter_ms_p50_ratio_unified_over_decode_only"] == pytest.approx(1.2)
+    assert out["decode_iter_ms_p50_ci95_overlap_unified_static_split"] is True
+    assert out["decode_iter_ms_p50_ci95_overlap_unified_decode_only"] is False
+    assert "finetune_tokens_per_s_ratio_unified_over_decode_only" not in out
+    # A failed phase is left out, not compared.
+    failed = [rows[0], {"policy": "unified", "error": "boom"}, rows[2]]
+    assert set(trace_comparisons(failed)) == {
+        "decode_iter_ms_p50_ratio_static_split_over_decode_only",
+        "decode_iter_ms_p99_ratio_static_split_over_decode_only",
+        "pure_decode_iter_ms_p50_ratio_static_split_over_decode_only",
+        "decode_iter_ms_p50_ci95_overlap_static_split_decode_only",
+    }
+
+
+@pytest.mark.slow
+def test_three_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
+    command = [
+        sys.executable,
+        str(ROOT / "bench" / "memory.py"),
+        "trace",
+        "--model=tiny",
+        "--device=cpu",
+        "--duration=2",
+        "--drain=1",
+        "--pool-gib=0.05",
+        "--reserve-low-pages=16",
+        "--reserve-high-pages=48",
+        "--step-pages=8",
+        "--hysteresis=5",
+        f"--out={tmp_path}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (path,) = tmp_path.glob("memory-cpu-*.json")
+    result = json.loads(path.read_text())
+    rows = {row["policy"]: row for row in result["rows"]}
+    assert list(rows) == ["decode_only", "unified", "static_split"]
+    for policy, row in rows.items():
+        assert "error" not in row, row
+        assert row["ooms"] == 0 and row["dropped_requests"] == 0
+        assert row["decode_iterations"] > 0 and len(row["decode_iter_ms_p50_ci95"]) == 2
+        assert len(row["slowest_iterations"]) <= 8
+        if policy == "decode_only":
+            assert row["finetune_quanta"] == 0 and row["mean_borrowed_gb"] == 0.0
+        else:
+            assert row["finetune_quanta"] > 0 and row["finetune_warmup"]["quanta"]
+    assert "decode_iter_ms_p50_ratio_unified_over_decode_only" in result["comparisons"]
+    assert result["config"]["phases"] == "decode_only,unified,static_split"
+    last = proc.stdout.strip().splitlines()
+    assert last[-1].startswith("wrote ") and last[-2].startswith("static_split")
