@@ -216,8 +216,9 @@ class _Phase:
             after = self._graph_counts()
             modes = sorted(k for k in after if after[k] > before.get(k, 0))
             out["quanta"].append([examples, round(report.duration_ms, 1), ",".join(modes)])
-            if report.error is not None:
+            if report.error is not None:  # go on eagerly rather than lose the phase
                 out["error"] = report.error[:400]
+                job.trainer.disable_cuda_graphs(f"warm-up quantum failed: {report.error}")
                 break
         if torch.cuda.is_available() and self.args.device.startswith("cuda"):
             torch.cuda.synchronize()
