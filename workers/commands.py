@@ -6,13 +6,18 @@ of a row that was rolled back.
 
 from __future__ import annotations
 
+import logging
 import uuid
 from typing import Any
 
-from api.models import FinetuneJob, GpuHost, JobCheckpoint, Placement
+from kombu.exceptions import OperationalError as BrokerOperationalError
+
+from api.models import FinetuneJob, JobCheckpoint, Placement
 from config.celery import app
 from gpu_runtime.agent.protocol import HOST_COMMAND_TASK, adapter_key, check_command, host_queue
 from workers.conf import worker_settings
+
+logger = logging.getLogger(__name__)
 
 
 def job_spec(*, job: FinetuneJob, resume: JobCheckpoint | None) -> dict[str, Any]:
@@ -89,8 +94,25 @@ def send_placement(*, placement_id: int) -> None:
     )
 
 
-def send_stop(*, host: GpuHost, placement_id: int, job_id: str, command: str) -> None:
-    """Tell a host to pause or cancel a placement."""
-    send_host_command(
-        host_name=host.name, command=command, placement_id=placement_id, job_id=job_id
-    )
+def send_stop(*, host_name: str, placement_id: int, job_id: str, command: str) -> bool:
+    """Tell a host to pause or cancel a placement; False (logged) when the broker did not take
+    the message. Nothing is lost then: while the host still trains the placement, its
+    heartbeats name it, and the stale-placement check (`workers.ingest`) sends the stop again.
+    """
+    try:
+        send_host_command(
+            host_name=host_name, command=command, placement_id=placement_id, job_id=job_id
+        )
+    except (BrokerOperationalError, OSError) as exc:
+        logger.warning(
+            "%s of job %s (placement %s) not sent to host %s: %s; its next heartbeat will stop it",
+            command,
+            job_id,
+            placement_id,
+            host_name,
+            exc,
+        )
+        return False
+    logger.info("sent %s of job %s (placement %s) to host %s", command, job_id, placement_id,
+                host_name)  # fmt: skip
+    return True

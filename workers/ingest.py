@@ -10,6 +10,7 @@ or cancelled) is stale: it is ignored, and the host is told to cancel that place
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from django.db import IntegrityError, transaction
@@ -163,21 +164,19 @@ def _offer_missing_adapters(host: GpuHost, served: set[str]) -> None:
 
 def _stop_on_commit(host: GpuHost, placement: Placement) -> None:
     """Tell the host to stop a placement that is no longer open: pause when the job is
-    paused (the host checkpoints first), cancel otherwise."""
-    placement_id, job_id = placement.pk, placement.job_id
-    paused = placement.job.status == JobStatus.PAUSED
+    paused (the host checkpoints first), cancel otherwise. The safety net behind the stop that
+    a pause or cancel sends at its own commit (`api.services.jobs`); the host ignores a stop
+    for a placement it no longer trains."""
+    from workers.commands import send_stop
 
-    def send() -> None:
-        from workers.commands import send_stop
-
-        send_stop(
-            host=host,
-            placement_id=placement_id,
-            job_id=job_id,
-            command="pause" if paused else "cancel",
-        )
-
-    transaction.on_commit(send)
+    stop = partial(
+        send_stop,
+        host_name=host.name,
+        placement_id=placement.pk,
+        job_id=placement.job_id,
+        command="pause" if placement.job.status == JobStatus.PAUSED else "cancel",
+    )
+    transaction.on_commit(stop, robust=True)
 
 
 def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:

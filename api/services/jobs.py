@@ -2,11 +2,15 @@
 
 `finetune_job_transition` is the only code that assigns `FinetuneJob.status`; it checks
 `api.transitions.JOB_TRANSITIONS` under a row lock and records a JobEvent for every change.
+A pause or cancel of a job a host may be training tells that host directly once the transaction
+commits (`pause` / `cancel` on its queue `host.<name>`); the heartbeats' stale-placement check
+(`workers.ingest`) stays the safety net for a message that never arrives.
 """
 
 from __future__ import annotations
 
 import secrets
+from functools import partial
 from typing import Any
 
 from django.db import transaction
@@ -35,6 +39,9 @@ from api.transitions import TERMINAL_STATUSES, is_legal_transition
 
 # Leaving these statuses ends the job's hold on a host, so its open placement is released.
 _RELEASES_PLACEMENT = TERMINAL_STATUSES | {JobStatus.PAUSED}
+# Statuses the control plane sets while a host may still be training the job: the host of each
+# released placement gets this command at commit. (Succeeded and failed come from the host.)
+_HOST_STOP_COMMANDS: dict[str, str] = {JobStatus.PAUSED: "pause", JobStatus.CANCELLED: "cancel"}
 
 
 def fine_tuned_model_name(*, job: FinetuneJob) -> str:
@@ -110,11 +117,31 @@ def finetune_job_transition(
             fields.append("error")
         locked.save(update_fields=fields)
         if to in _RELEASES_PLACEMENT:
-            Placement.objects.filter(job=locked, state__in=OPEN_PLACEMENT_STATES).update(
+            opened = Placement.objects.filter(job=locked, state__in=OPEN_PLACEMENT_STATES)
+            released = [(pk, host) for pk, host in opened.values_list("pk", "host__name")]
+            Placement.objects.filter(pk__in=[pk for pk, _ in released]).update(
                 state=PlacementState.RELEASED, ended_at=now
             )
+            command = _HOST_STOP_COMMANDS.get(to)
+            if command is not None and released:
+                stop = partial(
+                    finetune_job_host_stop, job_id=locked.id, placements=released, command=command
+                )
+                transaction.on_commit(stop, robust=True)
         job_event_record(job=locked, message=message, level=level)
     return locked
+
+
+def finetune_job_host_stop(*, job_id: str, placements: list[tuple[int, str]], command: str) -> None:
+    """Send `command` ("pause" or "cancel") for each released `(placement id, host name)` to
+    that host's queue. Runs from `transaction.on_commit`, so a host never stops for a change
+    that was rolled back. A message the broker does not take is logged and left to the
+    heartbeats' stale-placement check; the agent ignores (and logs) a stop for a placement it
+    no longer trains, so a late or repeated one changes nothing."""
+    from workers.commands import send_stop
+
+    for placement_id, host_name in placements:
+        send_stop(host_name=host_name, placement_id=placement_id, job_id=job_id, command=command)
 
 
 def finetune_job_dispatch(*, job_id: str) -> None:

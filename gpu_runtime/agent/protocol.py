@@ -9,7 +9,9 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
 * `{"command": "apply_placement", "command_id", "placement_id", "job": JobSpec}` — train a job;
   `job.resume_from` is `{"step", "storage_key"}` when it continues from a checkpoint.
 * `{"command": "pause" | "cancel", "command_id", "placement_id", "job_id"}` — stop training and
-  release the job (pause writes a checkpoint first).
+  release the job (pause writes a checkpoint first). Sent when a pause or cancel commits, and
+  again whenever a heartbeat names a placement that is no longer open; the agent ignores (and
+  logs) one for a placement it does not train, and drops a placement whose stop came first.
 * `{"command": "load_adapter", "command_id", "name", "storage_key"}` — serve an adapter by name.
 * `{"command": "load_base_model", "command_id", "base_model", "model_dir" (or null),
   "preset" (or "")}` — serve another base model (only when idle; sent again until it is).

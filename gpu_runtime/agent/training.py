@@ -38,7 +38,9 @@ class HostJobs:
 
     def apply_placement(self, placement_id: int, spec: dict[str, Any]) -> None:
         if placement_id in self._seen:
-            return  # a redelivered or re-sent placement
+            # a redelivered or re-sent placement, or one whose stop arrived first
+            logger.info("dropping placement %s of job %s: seen before", placement_id, spec["id"])
+            return
         self._seen.add(placement_id)
         job_id = str(spec["id"])
         old = self.runs.pop(job_id, None)
@@ -77,9 +79,34 @@ class HostJobs:
         )
 
     def stop(self, job_id: str, placement_id: int, command: str) -> None:
+        """Pause or cancel the run of `placement_id`. Idempotent: the control plane sends a
+        stop when the pause or cancel commits and again from the heartbeats' stale-placement
+        check, so a repeated stop, or one for a placement that already ended here (finished,
+        stopped, moved), is logged and changes nothing. A stop that overtook its placement
+        (never seen here) makes the placement be dropped when it arrives."""
         run = self.runs.get(job_id)
         if run is None or run.placement_id != placement_id:
+            if placement_id not in self._seen:
+                self._seen.add(placement_id)
+                logger.info(
+                    "%s of job %s arrived before its placement %s: that placement will be dropped",
+                    command,
+                    job_id,
+                    placement_id,
+                )
+            else:
+                logger.info(
+                    "ignoring %s of job %s: placement %s is not training on this host",
+                    command,
+                    job_id,
+                    placement_id,
+                )
             return
+        if run.stopping == "paused" and command == "pause":
+            logger.info("ignoring repeated pause of job %s (placement %s)", job_id, placement_id)
+            return
+        logger.info("%s of job %s (placement %s) at step %s", command, job_id, placement_id,
+                    run.trainer.step)  # fmt: skip
         if command == "cancel":
             self.remove(run)
             self.host.report(

@@ -153,19 +153,33 @@ def test_revoked_key_stops_working_within_the_cache_ttl(cluster: Cluster, seeded
     assert time.monotonic() - revoked_at <= 2.0 + 1.0  # TTL 2 s, plus one lookup
 
 
-def test_pause_checkpoints_on_the_host_and_resume_continues_from_it(
+# How long the control queue's worker is stalled around a pause, and how soon after the pause
+# the host must have stopped (the default heartbeat interval is 2 s; the e2e agents' is 0.5 s).
+WORKER_STALL_S = 2.5
+PAUSE_LANDS_WITHIN_S = 1.0
+
+
+def test_pause_lands_on_the_host_at_once_and_resume_continues_from_its_checkpoint(
     cluster: Cluster, seeded: Tenants
 ) -> None:
     from api.models import JobCheckpoint, JobMetric
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
-    # Long enough that the pause lands mid-run: the tiny model trains about 35 steps/s here, and
-    # a 120-step job could finish before the pause command reached the host.
+    # Long enough that the pause lands mid-run (the tiny model trains about 35 steps/s here).
     job = _create_job(client, epochs=50, batch=1, suffix="pause")
     total = 50 * 8
     wait_until(lambda: JobMetric.objects.filter(job_id=job.id, step__gte=5).exists(), 60,
                "training to be under way")  # fmt: skip
-    assert client.fine_tuning.jobs.pause(job.id).status == "paused"
+    # Stall the worker that applies host reports: no heartbeat is read, so the stale-placement
+    # check cannot stop the job. Only the pause sent to the host when the API call commits can.
+    worker = cluster.procs["worker"]
+    worker.signal_group(signal.SIGSTOP)
+    try:
+        paused_at = time.time()
+        assert client.fine_tuning.jobs.pause(job.id).status == "paused"
+        time.sleep(WORKER_STALL_S)
+    finally:
+        worker.signal_group(signal.SIGCONT)
 
     def stopped() -> str | None:
         return next((m for m in _events(client, job.id) if "stopped training (paused)" in m), None)
@@ -174,12 +188,22 @@ def test_pause_checkpoints_on_the_host_and_resume_continues_from_it(
     step = int(message.rsplit(" ", 1)[1])
     assert step < total
     assert JobCheckpoint.objects.filter(job_id=job.id, step=step).exists()
+    # What the job's steps show: the host trained its last step right after the pause (each
+    # step's time is the host's), not when the worker came back.
+    steps = list(JobMetric.objects.filter(job_id=job.id).order_by("step").values_list("step", "ts"))
+    assert [s for s, _ in steps] == list(range(1, step + 1))
+    late_s = steps[-1][1].timestamp() - paused_at
+    trained_after = sum(1 for _, ts in steps if ts.timestamp() > paused_at)
+    print(f"pause: host stopped at step {step}, last step {late_s:.3f} s after the pause, "
+          f"{trained_after} steps after it")  # fmt: skip
+    assert late_s < PAUSE_LANDS_WITHIN_S, (late_s, trained_after)
+
     assert client.fine_tuning.jobs.resume(job.id).status == "queued"
     _wait_succeeded(client, job.id, cluster, timeout=90)
     events = _events(client, job.id)
     assert any(m.endswith(f"from checkpoint step {step}") for m in events), events[-12:]
-    steps = sorted(JobMetric.objects.filter(job_id=job.id).values_list("step", flat=True))
-    assert steps == list(range(1, total + 1))
+    steps_done = sorted(JobMetric.objects.filter(job_id=job.id).values_list("step", flat=True))
+    assert steps_done == list(range(1, total + 1))
 
 
 def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int]:

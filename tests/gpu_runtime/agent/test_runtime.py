@@ -105,6 +105,63 @@ def test_pause_checkpoints_at_a_batch_boundary_and_cancel_stops(
     assert "job_succeeded" not in reports.kinds()
 
 
+def _stop(host: Host, command: str, placement_id: int, job_id: str = "ftjob-1") -> None:
+    host.command({"command": command, "command_id": f"{command}-{placement_id}",
+                  "placement_id": placement_id, "job_id": job_id})  # fmt: skip
+
+
+def test_repeated_and_late_stops_are_logged_no_ops(
+    host: Host, reports: Reports, caplog: Any
+) -> None:
+    """The control plane sends a stop at commit and again from the heartbeats' check: a
+    second pause, a late pause or cancel for a placement that ended here, and one for an older
+    placement of a job that runs here again change nothing and raise nothing."""
+    import logging
+    import time
+
+    caplog.set_level(logging.INFO, logger="gpu_runtime.agent.training")
+    _place(host, 1, hyperparameters={"n_epochs": 10, "batch_size": 2})
+    reports.wait_for("job_started")
+    reports.wait_for("job_progress")
+    _stop(host, "pause", 1)
+    _stop(host, "pause", 1)  # the heartbeat check's copy, before or after the pause finished
+    stopped = reports.wait_for("job_stopped")
+    assert stopped["reason"] == "paused"
+    _stop(host, "pause", 1)  # late: the job is no longer here
+    _stop(host, "cancel", 1)
+    time.sleep(0.3)  # a few loop turns: anything they would report
+    assert reports.kinds().count("job_stopped") == 1
+    assert [m["step"] for m in reports.seen if m["kind"] == "checkpoint"][-1] == stopped["step"]
+    ignored = [r.getMessage() for r in caplog.records if "ignoring" in r.getMessage()]
+    assert len(ignored) == 3, ignored
+    assert all(r.levelno == logging.INFO for r in caplog.records if "ignoring" in r.getMessage())
+    # Resumed here as placement 2: a stop still in flight for placement 1 leaves it training.
+    resume = {
+        "step": stopped["step"],
+        "storage_key": f"checkpoints/ftjob-1/step-{stopped['step']:06d}",
+    }
+    _place(host, 2, resume_from=resume, hyperparameters={"n_epochs": 10, "batch_size": 2})
+    assert reports.wait_for("job_started")["resumed_from_step"] == stopped["step"]
+    _stop(host, "cancel", 1)
+    assert host.runtime.status().placements == [2]
+    assert reports.wait_for("job_succeeded")["placement_id"] == 2
+
+
+def test_a_stop_that_overtakes_its_placement_drops_the_placement(
+    host: Host, reports: Reports
+) -> None:
+    """A cancel committed just after the placement (its message got to the queue first)."""
+    import time
+
+    _stop(host, "cancel", 7)
+    _place(host, 7)
+    time.sleep(0.3)
+    assert host.runtime.status().placements == []
+    assert "job_started" not in reports.kinds()
+    _place(host, 8)  # the job's next placement runs
+    assert reports.wait_for("job_started")["placement_id"] == 8
+
+
 def test_bad_training_file_fails_the_job(host: Host, reports: Reports) -> None:
     _place(host, 1, training_file_key="files/t1/missing.jsonl")
     failed = reports.wait_for("job_failed")
