@@ -302,6 +302,8 @@ def main() -> None:
     }
     import onnxruntime
 
+    kinds = ("_decode_only", "_with_prefill")
+    by_kind = {k: v for k, v in onnx_metrics.items() if k.endswith(kinds)}
     out = {
         "name": "predictor",
         "commit": _commit(),
@@ -320,6 +322,7 @@ def main() -> None:
             "train_config": cfg,
             **training,
             "held_out": onnx_metrics["scope"],
+            "held_out_by_kind": by_kind,
             "inference": {
                 "onnxruntime": onnxruntime.__version__,
                 "numpy": np.__version__,
@@ -366,6 +369,11 @@ def main() -> None:
             f"{r['stage']:>5} {r['predictor']:10} {100 * r['mape']:6.2f}% "
             f"{100 * r['p95_ape']:7.2f}% {r['n_test']:>4} {single:>7} {batch:>7}"
         )
+    for key, m in by_kind.items():
+        if m["n"]:
+            print(
+                f"  {key}: MAPE {100 * m['mape']:.2f}%, p95 {100 * m['p95_ape']:.2f}% (n={m['n']})"
+            )
     print(f"meets targets: {comparisons['meets']}; wrote {path}")
 
 

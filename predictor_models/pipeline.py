@@ -10,6 +10,7 @@ import torch
 
 from gpu_runtime.predictor.artifact import read_metadata
 from gpu_runtime.predictor.runtime import LatencyPredictor
+from gpu_runtime.predictor.schema import STAGE2_FEATURES
 from predictor_models.dataset import ProfileData, load_profile, split_by_config
 from predictor_models.export import write_artifact
 from predictor_models.roofline import H200, RooflineBaseline
@@ -67,6 +68,11 @@ def evaluate_artifact(directory: str | Path, data_path: str | Path) -> dict[str,
     for stage in (1, 2):
         mask = subset.stage == stage
         out[f"stage{stage}"] = error_metrics(pred[mask], subset.latency_ms[mask])
+    prefill = subset.x[:, STAGE2_FEATURES.index("prefill_chunk_tokens")] > 0
+    for name, part in (("decode_only", ~prefill), ("with_prefill", prefill)):
+        for stage in (1, 2):  # per kind of iteration: graph-replayed decode, or mixed steps
+            mask = (subset.stage == stage) & part
+            out[f"stage{stage}_{name}"] = error_metrics(pred[mask], subset.latency_ms[mask])
     return out
 
 
