@@ -98,6 +98,9 @@ def main() -> None:
     )
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)
+    parser.add_argument(
+        "--ft-dropout", type=float, default=0.05, help="the job's LoRA dropout (platform default)"
+    )
     parser.add_argument("--calibrate-s", type=float, default=8.0)
     parser.add_argument(
         "--warmup-s", type=float, default=2.0, help="discarded first use of every split"
@@ -267,10 +270,7 @@ def main() -> None:
                 "finetune": {
                     "lora_rank": rank,
                     "alpha": 32,
-                    "dropout": 0.0,
-                    "dropout_note": "0: no random numbers inside a graphed quantum (H200 run4: "
-                    "dropout's generator broke after a capture on the worker thread)",
-                    "targets": "q,k,v,o",
+                    "dropout": args.ft_dropout,
                     "seq_len": args.ft_seq_len,
                     "optimizer_batch": 8,
                 },

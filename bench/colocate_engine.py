@@ -154,13 +154,12 @@ class LoopBackend:
 
     def warm_quanta(self, examples: tuple[int, ...], seq_len: int) -> dict[str, Any]:
         """Run quanta of every size on every finetune stream before anything is timed, so CUDA
-        graph warm-up and capture happen here: on the worker thread (the one that runs them in
-        the loop) for every split's finetune stream, then on the loop thread's own stream
-        (after-decode quanta). A failing quantum is recorded (the error text); if any fails,
-        graphs are turned off for the job (``trainer.disable_cuda_graphs``), the worker thread is
-        replaced (a failed capture can leave its thread unusable: H200 run3) and every size
-        runs again eagerly. Captures never run on the loop thread's green-context streams, so
-        a capture failure cannot reach the thread that decodes."""
+        graph warm-up and capture happen here, through the executor the loop uses (graphed
+        quanta are launched from this thread, others run on its worker thread) for every
+        split's finetune stream, then on the loop thread's own stream (after-decode quanta). A
+        failing quantum is recorded (the error text); if any fails, graphs are turned off for
+        the job (``trainer.disable_cuda_graphs``), the worker thread is replaced and every size
+        runs again eagerly."""
         out: dict[str, Any] = {"graphs": self.trainer.graphs is not None}
         errors = self._warm_pass(examples, seq_len, out, "")
         if errors and self.trainer.graphs is not None:
@@ -212,7 +211,7 @@ class LoopBackend:
                         self.executor = None  # hung: abandon the (daemon) thread
                         return errors
                     (report,) = self.executor.poll()
-                    got.append((k, round(report.duration_ms, 1)))
+                    got.append((k, round(report.duration_ms, 1), report.graph))
                     if report.error:
                         errors.append(f"worker thread, split {d}, {k} ex: {report.error}")
                 out[f"{tag}worker/{d}"] = got
@@ -220,7 +219,7 @@ class LoopBackend:
         for k in sizes:  # the loop thread's own stream: after-decode quanta
             task = QuantumTask("ft", self.trainer, k * seq_len, LaunchMode.AFTER_DECODE, None)
             report = run_quantum(task, time.perf_counter)
-            got.append((k, round(report.duration_ms, 1)))
+            got.append((k, round(report.duration_ms, 1), report.graph))
             if report.error:
                 errors.append(f"loop thread, {k} ex: {report.error}")
         out[f"{tag}loop thread"] = got

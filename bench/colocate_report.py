@@ -5,6 +5,7 @@ against the best baseline (`compare`) and the table printed last (`print_table`)
 from __future__ import annotations
 
 import statistics
+from collections import Counter
 from typing import Any
 
 from gpu_runtime.colocation import (
@@ -85,7 +86,11 @@ def row_for(
             if (margins := [r.margin for r in records if r.margin is not None])
             else None
         ),
-        "quanta": len([q for r in records for q in r.quanta]),
+        "quanta": len(quanta := [q for r in records for q in r.quanta]),
+        "quantum_ms_p50": percentile([q.duration_ms for q in quanta if q.tokens], 50),
+        "quantum_graph_modes": dict(Counter(str(q.graph) for q in quanta)),
+        "iteration_ms_p50": percentile([r.iteration_ms for r in records], 50),
+        "iteration_ms_p99": percentile([r.iteration_ms for r in records], 99),
         "quantum_errors": len(errors := [q.error for r in records for q in r.quanta if q.error]),
         "first_quantum_error": errors[0] if errors else None,
         "policy_config": policy.describe(),

@@ -186,7 +186,7 @@ def setup_engine(
         n_train_examples=2048,
         n_epochs=50,
         batch_size=8,
-        lora=LoraSpec(rank=rank, alpha=32, dropout=0.0),  # no RNG inside a quantum
+        lora=LoraSpec(rank=rank, alpha=32, dropout=getattr(args, "ft_dropout", 0.05)),
         seed=args.seed,
         warmup_ratio=0.0,
         max_seq_len=args.ft_seq_len,

@@ -1,12 +1,17 @@
-"""Where finetune quanta run: inline after the decode step (CPU) or on a worker thread (GPU).
+"""Where finetune quanta run: inline after the decode step (CPU), or beside it on the GPU.
 
-A concurrent quantum on a GPU must overlap the decode step, but ``LoraTrainer.step_quantum`` ends
-with a host sync; so a single worker thread runs quanta on the finetune stream while the loop's
-thread runs decode on its own stream. PyTorch releases the GIL inside kernel launches, the
-autograd engine and synchronisation, so the two threads interleave; the loop shortens Python's
-switch interval while a quantum is in flight so that decode's host work is not held back by up
-to 5 ms per GIL hand-over. On CPU there is nothing to overlap with, so quanta run inline right
-after the decode step (sequentially), which keeps tests deterministic.
+A concurrent quantum on a GPU must overlap the decode step. A job whose micro-batches replay
+CUDA graphs costs the host a few launches per quantum, so the loop's own thread launches it on
+the finetune stream (``LoraTrainer.start_quantum``) and goes back to decode; ``poll`` asks the
+quantum's CUDA event whether it is done and only then reads its result, so no thread waits on the
+GPU and no Python work competes with decode's for the GIL. Anything else (eager or layer-sliced
+quanta: thousands of host-side launches, tens of ms of Python ending in a host sync) runs on one
+worker thread on the finetune stream while the loop's thread decodes on its own; PyTorch releases
+the GIL inside kernel launches, the autograd engine and synchronisation, so the two threads
+interleave, and the loop shortens Python's switch interval while such a quantum is in flight so
+that decode's host work is not held back by up to 5 ms per GIL hand-over. On CPU there is nothing
+to overlap with, so quanta run inline right after the decode step (sequentially), which keeps
+tests deterministic.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import queue
 import sys
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -39,22 +45,40 @@ class QuantumTask:
     """Layer-sliced quantum (see ``FinetuneLaunch.max_layers``)."""
 
 
+def _stream_context(task: QuantumTask) -> AbstractContextManager[Any]:
+    if task.stream is None:
+        return nullcontext()
+    import torch
+
+    return torch.cuda.stream(task.stream)
+
+
+def _allocated(task: QuantumTask) -> int | None:
+    device = task.trainer.device
+    if device.type != "cuda":
+        return None
+    import torch
+
+    return int(torch.cuda.memory_allocated(device))
+
+
+def _failed(task: QuantumTask, duration_ms: float, exc: Exception) -> QuantumReport:
+    return QuantumReport(
+        job_id=task.job_id,
+        tokens=0,
+        duration_ms=duration_ms,
+        mode=task.mode,
+        decode_sms=task.decode_sms,
+        error=f"{type(exc).__name__}: {exc}",
+    )
+
+
 def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
     """Run ``task`` to its end (the trainer's own host sync); errors become a failed report."""
-    context: AbstractContextManager[Any] = nullcontext()
-    if task.stream is not None:
-        import torch
-
-        context = torch.cuda.stream(task.stream)
-    device = task.trainer.device
-    cuda = device.type == "cuda"
-    if cuda:
-        import torch
-
-        allocated_before = torch.cuda.memory_allocated(device)
+    allocated_before = _allocated(task)
     start = clock()
     try:
-        with context:
+        with _stream_context(task):
             if task.max_layers is None:
                 result = task.trainer.step_quantum(max_tokens=task.max_tokens)
             else:
@@ -62,21 +86,23 @@ def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
                     max_tokens=task.max_tokens, max_layers=task.max_layers
                 )
     except Exception as exc:  # reported to the loop, which fails the job; decode goes on
-        return QuantumReport(
-            job_id=task.job_id,
-            tokens=0,
-            duration_ms=(clock() - start) * 1e3,
-            mode=task.mode,
-            decode_sms=task.decode_sms,
-            error=f"{type(exc).__name__}: {exc}",
-        )
+        return _failed(task, (clock() - start) * 1e3, exc)
+    return quantum_report(task, result, (clock() - start) * 1e3, allocated_before)
+
+
+def quantum_report(
+    task: QuantumTask, result: Any, duration_ms: float, allocated_before: int | None
+) -> QuantumReport:
+    """The loop's report of ``task`` from its ``QuantumResult``."""
     checkpoint = result.checkpoint
     peak = result.peak_memory_bytes
-    extra = max(peak - allocated_before, 0) if cuda and peak is not None else None
+    extra = None
+    if allocated_before is not None and peak is not None:
+        extra = max(peak - allocated_before, 0)
     return QuantumReport(
         job_id=task.job_id,
         tokens=int(result.tokens),
-        duration_ms=(clock() - start) * 1e3,
+        duration_ms=duration_ms,
         mode=task.mode,
         decode_sms=task.decode_sms,
         loss=None if result.loss is None else float(result.loss),
@@ -88,6 +114,7 @@ def run_quantum(task: QuantumTask, clock: Callable[[], float]) -> QuantumReport:
         micro_batch_done=bool(getattr(result, "micro_batch_done", True)),
         finetune_peak_bytes=extra,
         checkpoint=None if checkpoint is None else str(checkpoint),
+        graph=getattr(result, "graph", None),
     )
 
 
@@ -172,18 +199,47 @@ class SequentialExecutor(QuantumExecutor):
         self._run_pending()
 
 
+def launches_without_waiting(task: QuantumTask) -> bool:
+    """Whether ``task`` is a whole micro-batch of a trainer whose micro-batches replay CUDA
+    graphs (``LoraTrainer.start_quantum`` then only issues launches)."""
+    graphs = getattr(task.trainer, "graphs", None)
+    return (
+        task.max_layers is None
+        and graphs is not None
+        and graphs.disabled is None
+        and hasattr(task.trainer, "start_quantum")
+    )
+
+
+@dataclass
+class _Launched:
+    task: QuantumTask
+    pending: Any  # gpu_runtime.finetune.pending.PendingQuantum
+    started: float
+    allocated_before: int | None
+
+
 class ThreadedExecutor(QuantumExecutor):
-    """GPU: one worker thread runs each concurrent quantum on its finetune stream."""
+    """GPU: graphed quanta launched from the loop's thread, the rest on one worker thread, each
+    on its finetune stream (see the module docstring)."""
 
     SWITCH_INTERVAL_S = 0.0002
-    """Python's GIL switch interval while a quantum is in flight (default 0.005)."""
+    """Python's GIL switch interval while a worker-thread quantum is in flight (default 0.005)."""
+    WAIT_POLL_S = 0.0002
+    """Sleep between CUDA event queries while ``wait`` waits for a launched quantum."""
 
-    def __init__(self, clock: Callable[[], float], *, persistent: bool = False) -> None:
+    def __init__(
+        self, clock: Callable[[], float], *, persistent: bool = False, launch_inline: bool = True
+    ) -> None:
         """``persistent``: ``close()`` only waits for the in-flight quantum and the worker
         thread lives on for the next loop (``shutdown()`` stops it); CUDA-graphed quanta warm
-        up once per (thread, stream), so loops run one after another share one thread."""
+        up once per (thread, stream), so loops run one after another share one thread.
+        ``launch_inline``: launch graphed quanta from the calling thread (False: every quantum
+        goes to the worker thread)."""
         super().__init__(clock)
         self.persistent = persistent
+        self.launch_inline = launch_inline
+        self._launched: _Launched | None = None
         self._tasks: queue.Queue[QuantumTask | None] = queue.Queue()
         self._done: queue.Queue[QuantumReport] = queue.Queue()
         self._finished = threading.Event()
@@ -204,14 +260,46 @@ class ThreadedExecutor(QuantumExecutor):
     def _start(self, task: QuantumTask) -> None:
         if self._closed:
             raise RuntimeError("executor is closed")
+        if self.launch_inline and launches_without_waiting(task):
+            self._launch(task)
+            return
         self._finished.clear()
         sys.setswitchinterval(self.SWITCH_INTERVAL_S)
         self._tasks.put(task)
+
+    def _launch(self, task: QuantumTask) -> None:
+        allocated_before = _allocated(task)
+        started = self.clock()
+        try:
+            with _stream_context(task):
+                pending = task.trainer.start_quantum(max_tokens=task.max_tokens)
+        except Exception as exc:  # reported at the next poll; decode goes on
+            self._done.put(_failed(task, (self.clock() - started) * 1e3, exc))
+            return
+        self._launched = _Launched(task, pending, started, allocated_before)
+
+    def _read_launched(self) -> None:
+        """Report the launched quantum once its GPU work is done (never blocks before that)."""
+        launched = self._launched
+        if launched is None or not launched.pending.done():
+            return
+        self._launched = None
+        task = launched.task
+        try:
+            result = launched.pending.result()
+        except Exception as exc:
+            self._done.put(_failed(task, (self.clock() - launched.started) * 1e3, exc))
+            return
+        duration_ms = result.gpu_ms
+        if duration_ms is None:
+            duration_ms = (self.clock() - launched.started) * 1e3
+        self._done.put(quantum_report(task, result, duration_ms, launched.allocated_before))
 
     def after_decode(self) -> None:
         return None
 
     def poll(self) -> list[QuantumReport]:
+        self._read_launched()
         done: list[QuantumReport] = []
         while True:
             try:
@@ -224,9 +312,17 @@ class ThreadedExecutor(QuantumExecutor):
         return done
 
     def wait(self, timeout_s: float | None = None) -> bool:
+        if self._launched is not None:
+            deadline = None if timeout_s is None else time.perf_counter() + timeout_s
+            while not self._launched.pending.done():
+                if deadline is not None and time.perf_counter() >= deadline:
+                    return False
+                time.sleep(self.WAIT_POLL_S)
+            return True
         return self._finished.wait(timeout_s)
 
     def close(self) -> None:
+        self.wait()
         if self.persistent:
             self._finished.wait()
             sys.setswitchinterval(self._saved_interval)
@@ -238,6 +334,7 @@ class ThreadedExecutor(QuantumExecutor):
         if self._closed:
             return
         self._closed = True
+        self.wait()
         self._finished.wait()
         self._tasks.put(None)
         self._thread.join()

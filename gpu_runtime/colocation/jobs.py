@@ -62,6 +62,12 @@ class JobState:
     def runnable(self) -> bool:
         return not (self.paused or self.failed or self.finished)
 
+    @property
+    def graphed(self) -> bool:
+        """Whether the job's whole micro-batches replay CUDA graphs."""
+        graphs = getattr(self.trainer, "graphs", None)
+        return graphs is not None and graphs.disabled is None
+
     def view(self) -> JobView:
         return JobView(
             self.job_id,
@@ -70,5 +76,5 @@ class JobState:
             self.lora_rank,
             self.bytes_per_token,
             self.solo_tokens_per_s,
-            self.layers,
+            None if self.graphed else self.layers,
         )

@@ -83,7 +83,9 @@ class JobView:
         tokens_per_s_solo: observed tokens/s of its quanta when nothing else ran (None until
             measured).
         layers: decoder layers of the model it trains (``2 x layers`` passes per micro-batch,
-            for layer-sliced quanta); None: unknown, whole quanta only.
+            for layer-sliced quanta); None: unknown, or the job's whole micro-batches replay
+            CUDA graphs (a layer slice runs eagerly: more host time than a whole replayed
+            micro-batch), so whole quanta only.
     """
 
     job_id: str
@@ -214,6 +216,8 @@ class QuantumReport:
     """That peak less what was allocated when the quantum started: what the quantum added."""
     checkpoint: str | None = None
     error: str | None = None
+    graph: str | None = None
+    """How its micro-batch ran (``QuantumResult.graph``: "replay", "capture", "eager", "off")."""
 
 
 @dataclass(frozen=True)

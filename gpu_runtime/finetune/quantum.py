@@ -61,6 +61,10 @@ class QuantumResult:
     host_s: float | None = None
     """Host seconds from the start to the quantum's host sync: its CPU (and GIL) work, which
     competes with the decode loop's, as opposed to waiting for the GPU."""
+    gpu_ms: float | None = None
+    """Milliseconds the quantum's work took on its stream (CUDA events; None on CPU or when
+    the quantum ran synchronously): for a quantum launched without waiting
+    (``LoraTrainer.start_quantum``) its real duration, whenever its result is read."""
 
 
 @dataclass(frozen=True)

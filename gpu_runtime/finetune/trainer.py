@@ -44,6 +44,7 @@ from gpu_runtime.finetune.graphs import GraphRun, MicroBatchGraphs
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import PeftTreeStack, chunked_lm_head_loss, training_hidden_states
+from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, TrainerRng, swapped_rng
 from gpu_runtime.finetune.schedule import LrSchedule
 from gpu_runtime.finetune.sliced import SlicedMicroBatch
@@ -106,6 +107,7 @@ class LoraTrainer:
         self._batch_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
         self._batch_tokens = 0
         self._pending: tuple[MicroBatchPlan, MicroBatch, SlicedMicroBatch] | None = None
+        self._unread: PendingQuantum | None = None
         if cuda_graphs is None:
             # torch.utils.checkpoint reads the CUDA RNG state, which a capture forbids
             cuda_graphs = self.device.type == "cuda" and not hparams.activation_checkpointing
@@ -216,6 +218,39 @@ class LoraTrainer:
     def _rng_swap(self) -> contextlib.AbstractContextManager[None]:
         return swapped_rng(self.rng)
 
+    def start_quantum(
+        self, max_tokens: int | None = None, max_examples: int | None = None
+    ) -> PendingQuantum:
+        """A whole micro-batch like ``step_quantum``, launched without waiting for the GPU.
+
+        With CUDA graphs (and no layer-sliced micro-batch in progress) this only issues the
+        graph replay and the optimizer step on the current stream and returns; the caller polls
+        :meth:`PendingQuantum.done` and reads :meth:`PendingQuantum.result` (its ``gpu_ms`` is
+        the quantum's time on the stream). Anything else runs to its end here and comes back
+        done. No other quantum starts until that result has been read (RuntimeError)."""
+        self._check_read()
+        if self.graphs is None or self._pending is not None or self.device.type != "cuda":
+            return PendingQuantum.finished(self.step_quantum(max_tokens, max_examples))
+        start = time.perf_counter()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        allocated = torch.cuda.memory_allocated(self.device)
+        if not self.model.training:
+            self.model.train()
+        with self.graphs.on_stream():
+            launched = self._graphed_micro_batch(
+                max_examples, max_tokens, start, allocated, timed=True
+            )
+        if not launched.done():
+            self._unread = launched
+        return launched
+
+    def _check_read(self) -> None:
+        unread = self._unread
+        if unread is not None:
+            if not unread.is_read:
+                raise RuntimeError("the previous quantum's result has not been read yet")
+            self._unread = None
+
     def step_quantum(
         self,
         max_tokens: int | None = None,
@@ -228,6 +263,7 @@ class LoraTrainer:
         ``k`` decoder-layer passes of the micro-batch in progress (starting one if none is);
         ``max_tokens``/``max_examples`` size a micro-batch when one starts.
         """
+        self._check_read()
         start = time.perf_counter()
         allocated = 0
         if self.device.type == "cuda":
@@ -238,7 +274,10 @@ class LoraTrainer:
         if max_layers is None and self._pending is None:
             if self.graphs is not None:
                 with self.graphs.on_stream():
-                    return self._graphed_micro_batch(max_examples, max_tokens, start, allocated)
+                    launched = self._graphed_micro_batch(
+                        max_examples, max_tokens, start, allocated, timed=False
+                    )
+                return launched.result()
             plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
             batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
             launch = time.perf_counter()
@@ -300,10 +339,20 @@ class LoraTrainer:
         return {"graph": "eager", "graph_fallback": "layer-sliced quanta run eagerly"}
 
     def _graphed_micro_batch(
-        self, max_examples: int | None, max_tokens: int | None, start: float, allocated: int
-    ) -> QuantumResult:
-        """A whole micro-batch through :attr:`graphs` (padded to its sequence bucket)."""
+        self,
+        max_examples: int | None,
+        max_tokens: int | None,
+        start: float,
+        allocated: int,
+        timed: bool,
+    ) -> PendingQuantum:
+        """A whole micro-batch through :attr:`graphs` (padded to its sequence bucket), launched;
+        ``timed``: bracket its work with CUDA events (``QuantumResult.gpu_ms``)."""
         assert self.graphs is not None
+        events = None
+        if timed:
+            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+            events[0].record()
         bucket = self.graphs.padded_length
         plan = self.stream.plan(max_examples, max_tokens, padded_length=bucket)
         examples = [self.stream.examples[i] for i in plan.example_indices]
@@ -313,7 +362,7 @@ class LoraTrainer:
         run: GraphRun = self.graphs.run(batch, plan.batch_loss_tokens)
         launch_s = time.perf_counter() - launch
         graph_peak = None if run.extra_bytes is None else allocated + run.extra_bytes
-        return self._finish_micro_batch(
+        return self._launch_tail(
             plan,
             batch,
             run.loss_sum,
@@ -323,6 +372,7 @@ class LoraTrainer:
             graph_fallback=run.fallback,
             launch_s=launch_s,
             graph_peak_bytes=graph_peak,
+            events=events,
         )
 
     def _peak(self) -> int | None:
@@ -335,65 +385,87 @@ class LoraTrainer:
         loss_sum: torch.Tensor,
         start: float,
         layer_passes: int,
+        **fields: Any,
+    ) -> QuantumResult:
+        """:meth:`_launch_tail`, then its result (the quantum's host sync)."""
+        return self._launch_tail(plan, batch, loss_sum, start, layer_passes, **fields).result()
+
+    def _launch_tail(
+        self,
+        plan: MicroBatchPlan,
+        batch: MicroBatch,
+        loss_sum: torch.Tensor,
+        start: float,
+        layer_passes: int,
         graph: str = "off",
         graph_fallback: str | None = None,
         launch_s: float | None = None,
         graph_peak_bytes: int | None = None,
-    ) -> QuantumResult:
-        """Commit the data position, accumulate, step the optimizer at a batch's end, report.
+        events: tuple[Any, Any] | None = None,
+    ) -> PendingQuantum:
+        """Commit the data position, accumulate, launch the optimizer step at a batch's end;
+        the returned quantum's ``result()`` reads loss and grad norm and reports.
 
         ``graph_peak_bytes``: what a replayed graph's work needs (its pool is not allocated anew
         on replay, so the allocator's peak alone would not show it)."""
         self.stream.commit(plan)
         self._batch_loss_sum += loss_sum.detach()
         self._batch_tokens += batch.num_tokens
-        learning_rate = grad_norm = batch_loss = None
+        batch_tokens = self._batch_tokens
+        learning_rate = None
         to_read = [loss_sum.detach()]
         if plan.completes_batch:
             learning_rate = self.schedule.rate(self.step)
             to_read += [self._optimizer_step(learning_rate), self._batch_loss_sum.clone()]
-        host_s = time.perf_counter() - start
-        values = torch.stack(to_read).tolist()  # the quantum's one host sync
-        if plan.completes_batch:
-            grad_norm, batch_loss = values[1], values[2] / plan.batch_loss_tokens
-            assert learning_rate is not None
-            self.history.append(
-                StepRecord(self.step, batch_loss, learning_rate, grad_norm, self._batch_tokens)
-            )
-            self._batch_loss_sum.zero_()
+            self._batch_loss_sum.zero_()  # on this stream, after the clone
             self._batch_tokens = 0
-        peak = self._peak()
-        if peak is not None and graph_peak_bytes is not None:
-            peak = max(peak, graph_peak_bytes)
-        written = None
+        values = torch.stack(to_read)
+        if events is not None:
+            events[1].record()
+        host_s = time.perf_counter() - start
+        step, position, finished = self.step, self.stream.position, self.stream.finished
         every = self.hparams.checkpoint_every_steps
-        due = plan.completes_batch and (
-            self.stream.finished or (every > 0 and self.step % every == 0)
-        )
-        if due and self.checkpoint_root is not None:
-            written = save_checkpoint(self, self.checkpoint_root, self.base_model_name_or_path)
-        return QuantumResult(
-            examples=len(plan.example_indices),
-            tokens=batch.num_tokens,
-            padded_tokens=batch.padded_tokens,
-            loss_tokens=batch.num_loss_tokens,
-            loss=values[0] / max(1, batch.num_loss_tokens),
-            optimizer_step=plan.completes_batch,
-            step=self.step,
-            batch_loss=batch_loss,
-            learning_rate=learning_rate,
-            grad_norm=grad_norm,
-            wall_s=time.perf_counter() - start,
-            peak_memory_bytes=peak,
-            position=self.stream.position,
-            finished=self.stream.finished,
-            checkpoint=written,
-            layer_passes=layer_passes,
-            graph=graph,
-            graph_fallback=graph_fallback,
-            launch_s=launch_s,
-            host_s=host_s,
-        )
+        due = plan.completes_batch and (finished or (every > 0 and step % every == 0))
+
+        def read(values: list[float], gpu_ms: float | None) -> QuantumResult:
+            grad_norm = batch_loss = None
+            if plan.completes_batch:
+                grad_norm, batch_loss = values[1], values[2] / plan.batch_loss_tokens
+                assert learning_rate is not None
+                self.history.append(
+                    StepRecord(step, batch_loss, learning_rate, grad_norm, batch_tokens)
+                )
+            peak = self._peak()
+            if peak is not None and graph_peak_bytes is not None:
+                peak = max(peak, graph_peak_bytes)
+            written = None
+            if due and self.checkpoint_root is not None:
+                written = save_checkpoint(self, self.checkpoint_root, self.base_model_name_or_path)
+            return QuantumResult(
+                examples=len(plan.example_indices),
+                tokens=batch.num_tokens,
+                padded_tokens=batch.padded_tokens,
+                loss_tokens=batch.num_loss_tokens,
+                loss=values[0] / max(1, batch.num_loss_tokens),
+                optimizer_step=plan.completes_batch,
+                step=step,
+                batch_loss=batch_loss,
+                learning_rate=learning_rate,
+                grad_norm=grad_norm,
+                wall_s=time.perf_counter() - start,
+                peak_memory_bytes=peak,
+                position=position,
+                finished=finished,
+                checkpoint=written,
+                layer_passes=layer_passes,
+                graph=graph,
+                graph_fallback=graph_fallback,
+                launch_s=launch_s,
+                host_s=host_s,
+                gpu_ms=gpu_ms,
+            )
+
+        return PendingQuantum(read, values, events)
 
     def _optimizer_step(self, learning_rate: float) -> torch.Tensor:
         """Clip, step, zero; returns the pre-clip gradient norm (on device, unsynced)."""

@@ -1,13 +1,17 @@
-"""The host loop on a real GPU: graphed quanta with LoRA dropout on the worker thread's split
-stream while the loop thread decodes with sampling (skipped without a GPU)."""
+"""The host loop on a real GPU: graphed quanta with LoRA dropout on a split's finetune stream,
+launched from the loop's thread or run on the worker thread, while the loop thread decodes with
+sampling (skipped without a GPU)."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 import torch
 
 from gpu_runtime.colocation import HostLoop
 from gpu_runtime.colocation.baselines import StaticSplitPolicy
+from gpu_runtime.colocation.executor import ThreadedExecutor
 from gpu_runtime.colocation.types import QuantumReport
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
@@ -28,7 +32,8 @@ def _examples(n: int, length: int) -> list[TokenizedExample]:
     return out
 
 
-def test_graphed_dropout_quanta_on_the_worker_thread_beside_sampled_decode() -> None:
+@pytest.mark.parametrize("launch_inline", [True, False], ids=["loop-thread", "worker-thread"])
+def test_graphed_dropout_quanta_beside_sampled_decode(launch_inline: bool) -> None:
     device = torch.device("cuda", 0)
     model = cuda_serving_model(4)
     engine = Engine(
@@ -59,7 +64,14 @@ def test_graphed_dropout_quanta_on_the_worker_thread_beside_sampled_decode() -> 
         trainer = LoraTrainer(model, examples, hparams)
         # the same job trained alone on the loop thread: the reference for what it learns
         reference = LoraTrainer(model, examples, hparams)
-        loop = HostLoop(engine, StaticSplitPolicy(split, 1), tpot_slo_ms=1e9, sharing=sharing)
+        executor = ThreadedExecutor(time.perf_counter, launch_inline=launch_inline)
+        loop = HostLoop(
+            engine,
+            StaticSplitPolicy(split, 1),
+            tpot_slo_ms=1e9,
+            sharing=sharing,
+            executor=executor,
+        )
         loop.add_job("ft", trainer)
         params = SamplingParams(max_tokens=24, temperature=0.8, top_p=0.9, ignore_eos=True)
         finished = 0

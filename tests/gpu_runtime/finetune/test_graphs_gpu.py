@@ -163,3 +163,30 @@ def test_graphed_training_resumes_exactly(tmp_path: Path) -> None:
     assert [h.loss for h in resumed.history[3:]] == pytest.approx(tail, rel=1e-3)
     for p, q in zip(full.params, resumed.params, strict=True):
         torch.testing.assert_close(p, q, rtol=1e-2, atol=1e-4)
+
+
+def test_start_quantum_launches_without_waiting_and_trains_like_step_quantum() -> None:
+    serving = _serving()
+    examples = _examples([64] * 8)
+    hparams = _hparams(len(examples), dropout=0.1)
+    launched = LoraTrainer(serving, examples, hparams)
+    stepped = LoraTrainer(serving, examples, hparams)
+    side = torch.cuda.Stream()
+    results = []
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up (eager), capture, replay
+            pending = launched.start_quantum(max_examples=2)
+            if not pending.done():  # a replay: launched, not waited for
+                with pytest.raises(RuntimeError, match="not been read"):
+                    launched.start_quantum(max_examples=2)
+            results.append(pending.result())
+            assert pending.result() is results[-1]
+    torch.cuda.synchronize()
+    assert [r.graph for r in results] == ["eager", "capture", "replay"]
+    assert results[-1].gpu_ms is not None and results[-1].gpu_ms > 0
+    for _ in range(3):
+        stepped.step_quantum(max_examples=2)
+    assert len(launched.history) == len(stepped.history) == 1
+    assert launched.history[0].loss == pytest.approx(stepped.history[0].loss, rel=2e-3)
+    for p, q in zip(launched.params, stepped.params, strict=True):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-4)
