@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from gpu_runtime.engine import Engine, EngineConfig, Request, RequestStatus, SamplingParams
+from gpu_runtime.engine.engine import StepTimes
 from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler
 from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
 from gpu_runtime.model.tiny import tiny_config
@@ -183,11 +184,14 @@ def time_engine(
     for _ in range(warmup):
         engine.step()
     step_ms = []
+    phases: dict[str, list[float]] = {name: [] for name in StepTimes._fields}
     for _ in range(steps):
         start = time.perf_counter()
         outputs = engine.step()
         step_ms.append((time.perf_counter() - start) * 1e3)
         assert len(outputs) == batch
+        for name, seconds in zip(StepTimes._fields, engine.last_step_times, strict=True):
+            phases[name].append(seconds * 1e3)
     bucket = next(b for b in engine.runner._buckets if b >= batch)
     graph_ms = []
     graphs = engine.runner._graphs
@@ -202,7 +206,69 @@ def time_engine(
     for rid in ids:
         engine.abort_request(rid)
     mean_len = context + warmup + steps / 2
-    return {"step_ms": step_ms, "graph_ms": graph_ms, "mean_context": mean_len, "bucket": bucket}
+    return {
+        "step_ms": step_ms,
+        "graph_ms": graph_ms,
+        "mean_context": mean_len,
+        "bucket": bucket,
+        "phases": phases,
+    }
+
+
+def time_prefill_chunks(
+    engine: Engine, chunks: list[int], decode_rows: int, context: int, prompt_len: int
+) -> list[dict[str, Any]]:
+    """A `prompt_len`-token prompt arriving beside `decode_rows` decoding sequences, prefilled
+    in chunks of each size (the scheduler's token budget set to chunk + decode rows): the
+    steps' wall times (each is a decode step for the running rows, so its time is their TPOT)
+    and the time to the prompt's first token."""
+    import dataclasses
+
+    scheduler = engine.scheduler
+    assert isinstance(scheduler, ContinuousBatchingScheduler)
+    original = scheduler.config
+    gen = torch.Generator().manual_seed(17)
+    vocab = engine.model_config.vocab_size
+    ids = inject(engine, decode_rows, context, 256, seed=4242)
+    results = []
+    try:
+        for rep, chunk in enumerate([chunks[0], *chunks]):  # the first run compiles
+            scheduler.config = dataclasses.replace(
+                original, max_num_batched_tokens=chunk + decode_rows
+            )
+            prompt = torch.randint(0, vocab, (prompt_len,), generator=gen).tolist()
+            params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+            rid = engine.add_request(prompt, params, request_id=f"prefill-{rep}-{chunk}")
+            step_ms: list[float] = []
+            start = time.perf_counter()
+            done = False
+            while not done:
+                t0 = time.perf_counter()
+                outputs = engine.step()
+                step_ms.append((time.perf_counter() - t0) * 1e3)
+                done = any(o.request_id == rid and o.finished for o in outputs)
+            ttft_ms = (time.perf_counter() - start) * 1e3
+            if rep == 0:
+                continue
+            results.append(
+                {
+                    "chunk": chunk,
+                    "decode_rows": decode_rows,
+                    "context": context,
+                    "prompt_len": prompt_len,
+                    "steps": len(step_ms),
+                    "step_ms_max": round(max(step_ms), 3),
+                    "step_ms_mean": round(statistics.mean(step_ms), 3),
+                    "ttft_ms": round(ttft_ms, 3),
+                    "prefill_tokens_per_s": round(prompt_len / ttft_ms * 1e3, 1),
+                }
+            )
+            print("prefill", results[-1], flush=True)
+    finally:
+        scheduler.config = original
+        for rid in ids:
+            engine.abort_request(rid)
+    return results
 
 
 @torch.no_grad()
@@ -262,6 +328,17 @@ def main() -> None:
     parser.add_argument("--hf-steps", type=int, default=10)
     parser.add_argument("--budget-s", type=float, default=400.0, help="skip HF compile past this")
     parser.add_argument("--no-fused", action="store_true", help="plain model forward in graphs")
+    parser.add_argument(
+        "--prefill-chunks",
+        default="256,512,1024,2048",
+        help="chunk sizes for a 2048-token prompt beside 32 decode rows (first model only)",
+    )
+    parser.add_argument(
+        "--extras",
+        default="",
+        help="comma list: gemm (cuBLAS vs cuBLASLt over the decode GEMMs), sampler (paths)",
+    )
+    parser.add_argument("--skip-check", action="store_true", help="no correctness check")
     parser.add_argument("--quick", action="store_true", help="smoke: llama, batch 8/64, ctx 512")
     parser.add_argument(
         "--profile",
@@ -289,10 +366,17 @@ def main() -> None:
 
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    correctness = check_correctness()
+    correctness = {} if args.skip_check else check_correctness()
     print("correctness", correctness, flush=True)
     rows: list[dict[str, Any]] = []
     notes: list[str] = []
+    extras = [e for e in args.extras.split(",") if e]
+    chunks = [int(c) for c in args.prefill_chunks.split(",") if c]
+    studies: dict[str, Any] = {}
+    if "sampler" in extras:
+        from decode_profile import sampler_paths
+
+        studies["sampler_paths"] = sampler_paths(batches)
 
     def add_row(
         model_name: str,
@@ -319,6 +403,12 @@ def main() -> None:
             "n_steps": len(res["step_ms"]),
             "raw_step_ms": [round(x, 4) for x in res["step_ms"]],
         }
+        if res.get("phases"):
+            # host work not overlapped with the device = step wall time - wait at the sync
+            for name, values in res["phases"].items():
+                row[f"{name}_ms_p50"] = round(statistics.median(values), 4)
+            host = [t - w for t, w in zip(res["step_ms"], res["phases"]["wait"], strict=True)]
+            row["host_ms_p50"] = round(statistics.median(host), 4)
         if res.get("graph_ms"):
             row["graph_replay_ms_p50"] = round(statistics.median(res["graph_ms"]), 4)
             row["graph_replay_bandwidth_frac"] = round(floor_ms / row["graph_replay_ms_p50"], 4)
@@ -327,7 +417,7 @@ def main() -> None:
         print(
             f"{model_name:11s} {system:10s} b={batch:3d} ctx={context:4d} p50={p50:8.3f} "
             f"floor={floor_ms:7.3f} frac={floor_ms / p50:.3f} "
-            f"graph={row.get('graph_replay_ms_p50')}",
+            f"graph={row.get('graph_replay_ms_p50')} host={row.get('host_ms_p50')}",
             flush=True,
         )
 
@@ -387,6 +477,8 @@ def main() -> None:
                 "dtype": "bfloat16",
                 "sampling": "temperature 0.8 (ours); greedy argmax (HF)",
                 "fused_decode_kernels": not args.no_fused,
+                "prefill_chunks": chunks,
+                "extras": extras,
                 "tpot": "wall time of Engine.step() incl. scheduling, input copy, graph replay, "
                 "sampling and the host sync; graph_replay_ms is the graph alone (CUDA events)",
                 "floor": "(weights except embedding table + batch KV at mean context) / "
@@ -397,6 +489,7 @@ def main() -> None:
             "rows": all_rows,
             "complete": complete,
             "speedups": ratios,
+            "studies": studies,
             "notes": notes,
             "wall_s": round(time.perf_counter() - started, 1),
         }
@@ -410,7 +503,13 @@ def main() -> None:
         try:
             config = ModelConfig.preset(name)
             model = build_random_model(config, seed=0, device=DEVICE, dtype="bfloat16")
-            max_ctx = max(contexts + [args.hf_context])
+            if "gemm" in extras and name == models[0]:
+                from decode_profile import gemm_backends
+
+                studies["gemm_backends"] = gemm_backends(model, bandwidth, batches)
+                write_result(complete=False)
+            prefill_prompt = 2048
+            max_ctx = max(contexts + [args.hf_context] + ([prefill_prompt + 1] if chunks else []))
             extra = args.warmup + args.steps + 8
             blocks = max(batches) * (-(-(max_ctx + extra) // 16)) + 16
 
@@ -423,7 +522,7 @@ def main() -> None:
                 num_kv_blocks=blocks,
                 block_size=16,
                 max_num_seqs=max(batches),
-                max_num_batched_tokens=max(2048, max(batches)),
+                max_num_batched_tokens=max(2048, max(batches), max(chunks, default=0) + 32),
                 max_model_len=max_ctx + extra + 16,
                 device="cuda",
                 fused_decode_kernels=not args.no_fused,
@@ -437,6 +536,11 @@ def main() -> None:
                 for batch in batches:
                     res = time_engine(engine, batch, context, args.warmup, args.steps)
                     add_row(name, "harli", batch, context, res, config)
+            if chunks and name == models[0]:
+                studies["prefill_chunks"] = time_prefill_chunks(
+                    engine, chunks, 32, min(contexts), prefill_prompt
+                )
+                write_result(complete=False)
             del engine
             torch.cuda.empty_cache()
             hf = hf_model(model)

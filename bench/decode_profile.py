@@ -227,3 +227,125 @@ def run_profile(args: argparse.Namespace) -> None:
             f"{row['batch']:5d} {row['context']:5d} {row['floor_ms']:7.3f} "
             f"{row['graph_replay_ms_p50']:7.3f} {row['kernel_ms_total']:8.3f}  {row['kernel_ms']}"
         )
+
+
+def _decode_gemm_weights(model: Any) -> dict[str, list[torch.Tensor]]:
+    """The weights a decode step multiplies by, per kind, in layer order."""
+    model.fuse_projections()
+    kinds: dict[str, list[torch.Tensor]] = {"qkv": [], "o": [], "gate_up": [], "down": []}
+    for layer in model.decoder_layers:
+        kinds["qkv"].append(layer.self_attn.qkv_weight)
+        kinds["o"].append(layer.self_attn.o_proj.weight)
+        kinds["gate_up"].append(layer.mlp.gate_up_weight)
+        kinds["down"].append(layer.mlp.down_proj.weight)
+    kinds["lm_head"] = [model.lm_head.weight]
+    return kinds
+
+
+@torch.no_grad()
+def gemm_backends(
+    model: Any, bandwidth: float, batches: list[int], reps: int = 5
+) -> list[dict[str, Any]]:
+    """A decode step's GEMMs alone (`F.linear` over the model's own weights, every layer in
+    order, so no weight stays in L2), per batch and BLAS library (cuBLAS, cuBLASLt): ms per
+    step and the weight bytes over the copy bandwidth as a fraction of it."""
+    import torch.nn.functional as F
+
+    kinds = _decode_gemm_weights(model)
+    results = []
+    previous = torch.backends.cuda.preferred_blas_library()
+    try:
+        for library in ("cublas", "cublaslt"):
+            torch.backends.cuda.preferred_blas_library(library)
+            for batch in batches:
+                row: dict[str, Any] = {"library": library, "batch": batch}
+                total_ms, total_bytes = 0.0, 0
+                for kind, weights in kinds.items():
+                    x = torch.randn(
+                        batch, weights[0].shape[1], device=DEVICE, dtype=weights[0].dtype
+                    )
+                    for w in weights:  # warm-up (heuristics, workspace)
+                        F.linear(x, w)
+                    s, e = (
+                        torch.cuda.Event(enable_timing=True),
+                        torch.cuda.Event(enable_timing=True),
+                    )
+                    times = []
+                    for _ in range(reps):
+                        s.record()
+                        for w in weights:
+                            F.linear(x, w)
+                        e.record()
+                        e.synchronize()
+                        times.append(s.elapsed_time(e))
+                    ms = statistics.median(times)
+                    nbytes = sum(w.numel() * w.element_size() for w in weights)
+                    row[f"{kind}_ms"] = round(ms, 4)
+                    row[f"{kind}_frac"] = round(nbytes / bandwidth * 1e3 / ms, 4)
+                    total_ms += ms
+                    total_bytes += nbytes
+                row["total_ms"] = round(total_ms, 4)
+                row["bandwidth_frac"] = round(total_bytes / bandwidth * 1e3 / total_ms, 4)
+                results.append(row)
+                print("gemm", row, flush=True)
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
+    return results
+
+
+def _sampler_calls(
+    logits: torch.Tensor, sampling: Any, inv: torch.Tensor, seeds: torch.Tensor
+) -> dict[str, Any]:
+    from gpu_runtime.engine.sampler import Sampler
+    from gpu_runtime.engine.sampling_kernels import gumbel_argmax
+
+    torch_sampler = Sampler(DEVICE, seed=0, fused=False)
+    split_sampler = Sampler(DEVICE, seed=0, fused=True, fused_min_rows=1)
+    return {
+        "torch_passes": lambda: torch_sampler.sample(logits, sampling).token_ids,
+        "split_kernel": lambda: split_sampler.sample(logits, sampling).token_ids,
+        "one_program_per_row": lambda: gumbel_argmax(logits, inv, seeds, parts=1),
+        "greedy_argmax": lambda: logits.argmax(-1),
+    }
+
+
+@torch.no_grad()
+def sampler_paths(batches: list[int], vocab: int = 128256, reps: int = 30) -> list[dict[str, Any]]:
+    """Sampling one token per row from bf16 logits `[B, vocab]` at temperature 0.8: the torch
+    passes, the split-vocabulary kernels (default) and one program per row (`parts=1`, the
+    previous kernel); greedy argmax for reference. Device ms (CUDA events) and host ms of the
+    launches (wall time until the call returns)."""
+    import time
+
+    from gpu_runtime.engine.request import SamplingParams
+    from gpu_runtime.engine.sampler import SamplingBatch
+
+    results = []
+    params = SamplingParams(temperature=0.8)
+    for batch in batches:
+        logits = torch.randn(batch, vocab, device=DEVICE).to(torch.bfloat16)
+        sampling = SamplingBatch([params] * batch, [0] * batch)
+        inv = torch.full((batch,), 1 / 0.8, device=DEVICE)
+        seeds = torch.arange(batch, device=DEVICE)
+        paths = _sampler_calls(logits, sampling, inv, seeds)
+        row: dict[str, Any] = {"batch": batch, "vocab": vocab}
+        for name, fn in paths.items():
+            for _ in range(3):
+                fn()
+            torch.cuda.synchronize()
+            device_ms, host_ms = [], []
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            for _ in range(reps):
+                torch.cuda._sleep(1_000_000)  # launches queue behind busy work, as in a step
+                s.record()
+                t0 = time.perf_counter()
+                fn()
+                host_ms.append((time.perf_counter() - t0) * 1e3)
+                e.record()
+                e.synchronize()
+                device_ms.append(s.elapsed_time(e))
+            row[f"{name}_device_ms"] = round(statistics.median(device_ms), 4)
+            row[f"{name}_host_ms"] = round(statistics.median(host_ms), 4)
+        results.append(row)
+        print("sampler", row, flush=True)
+    return results

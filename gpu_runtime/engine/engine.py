@@ -7,7 +7,7 @@ import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
@@ -26,6 +26,20 @@ from gpu_runtime.model.loader import load_model, load_tokenizer
 
 AdapterResolver = Callable[[str], bool]
 """Returns True when an adapter of that name can be served (defaults to `lora.has`)."""
+
+
+class StepTimes(NamedTuple):
+    """Where the last `Engine.step()` spent its wall time (seconds)."""
+
+    schedule: float
+    """Scheduler: the step's plan."""
+    launch: float
+    """Runner up to the host sync: request state, input staging, graph replay or kernel
+    launches, sampling launches (overlaps the device only once the first kernel is queued)."""
+    wait: float
+    """Waiting for the device at the one host sync."""
+    post: float
+    """After the sync: tokens into runner and scheduler state, stop rules, outputs."""
 
 
 class UnknownAdapterError(ValueError):
@@ -98,6 +112,7 @@ class Engine:
         self.adapter_resolver = adapter_resolver or (lora.has if lora is not None else None)
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
+        self.last_step_times = StepTimes(0.0, 0.0, 0.0, 0.0)
 
     @classmethod
     def from_directory(
@@ -154,6 +169,7 @@ class Engine:
         """Schedule, execute, sample, apply stop rules; returns outputs of sampled requests."""
         started = time.perf_counter()
         plan = self.scheduler.schedule()
+        scheduled = time.perf_counter()
         outputs = [
             RequestOutput(
                 r.request_id,
@@ -167,12 +183,13 @@ class Engine:
             )
             for r in self.scheduler.take_rejected()
         ]
+        runner = self.runner
         if plan.is_empty:
             if plan.finished_request_ids:  # nothing to run, but runner state to drop
-                self.runner.execute(plan, partition)
-            self.last_step_seconds = time.perf_counter() - started
+                runner.execute(plan, partition)
+            self._record_times(started, scheduled, 0.0, 0.0)
             return outputs
-        result = self.runner.execute(plan, partition)
+        result = runner.execute(plan, partition)
         self.scheduler.update_from_output(plan, result.sampled)
         get_request, check = self.scheduler.get_request, self.stop_checker.check
         logprobs = result.logprobs
@@ -195,8 +212,15 @@ class Engine:
                     [logprob] if logprob is not None else [],
                 )
             )
-        self.last_step_seconds = time.perf_counter() - started
+        self._record_times(started, scheduled, runner.last_launch_seconds, runner.last_wait_seconds)
         return outputs
+
+    def _record_times(self, started: float, scheduled: float, launch: float, wait: float) -> None:
+        now = time.perf_counter()
+        self.last_step_seconds = now - started
+        schedule = scheduled - started
+        post = max(0.0, now - scheduled - launch - wait)
+        self.last_step_times = StepTimes(schedule, launch, wait, post)
 
     def generate(
         self,

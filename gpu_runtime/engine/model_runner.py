@@ -17,6 +17,7 @@ touch the runtime and replay the base graphs.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -104,6 +105,13 @@ class ModelRunner:
         width = config.max_blocks_per_seq
         self._table_cpu = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
         self._table_np = self._table_cpu.numpy()
+        # sampled tokens come back through one pinned buffer (no allocation per step)
+        self._sampled_host = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+        self.last_launch_seconds = 0.0
+        """Host time of the last `execute` up to the point where it waits for the device
+        (request state, input staging, graph replay or kernel launches, sampling launches)."""
+        self.last_wait_seconds = 0.0
+        """Time the last `execute` waited for the device (the host sync)."""
         self.use_triton = config.resolved_attention_backend == "triton"
         self._graphs: DecodeGraphs | None = None
         self._lora_graphs: DecodeGraphs | None = None
@@ -156,11 +164,14 @@ class ModelRunner:
     @torch.no_grad()
     def execute(self, output: SchedulerOutput, partition: Hashable = None) -> ModelRunnerOutput:
         """Run one step; `partition` selects the CUDA graph captured for that SM partition."""
+        started = time.perf_counter()
+        self.last_launch_seconds = self.last_wait_seconds = 0.0
         self._sync_states(output)
         order = list(output.num_scheduled_tokens.items())
         if not order:
             return ModelRunnerOutput()
-        states = [self.states[rid] for rid, _ in order]
+        all_states = self.states
+        states = [all_states[rid] for rid in output.num_scheduled_tokens]
         decode_only = all(count == 1 for _, count in order) and all(
             s.num_computed_tokens + 1 == len(s.token_ids) for s in states
         )
@@ -190,31 +201,37 @@ class ModelRunner:
             [s.sampling_params for s in states], [s.num_output_tokens for s in states]
         )
         sample = self.sampler.sample(logits, batch)
-        host = [sample.token_ids, sample.logprobs, sample.top_token_ids, sample.top_logprobs]
-        copies = [t.to("cpu", non_blocking=True) if t is not None else None for t in host]
+        num_sampled = len(sampled_ids)
+        token_host = self._sampled_host[:num_sampled]
+        token_host.copy_(sample.token_ids, non_blocking=True)
+        extra = [sample.logprobs, sample.top_token_ids, sample.top_logprobs]
+        copies = [t.to("cpu", non_blocking=True) if t is not None else None for t in extra]
+        launched = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
-        tokens = copies[0].tolist()  # type: ignore[union-attr]
+        self.last_wait_seconds = time.perf_counter() - launched
+        self.last_launch_seconds = launched - started
+        tokens = token_host.tolist()
         sampled = result.sampled
         for rid, state, token in zip(sampled_ids, states, tokens, strict=True):
             state.token_ids.append(token)
             state.num_output_tokens += 1
             sampled[rid] = token
-        if copies[1] is None:
+        if copies[0] is None:
             return result
         for i, (rid, state) in enumerate(zip(sampled_ids, states, strict=True)):
             if state.sampling_params.logprobs is not None:
                 top: tuple[tuple[int, float], ...] = ()
                 wanted = state.sampling_params.logprobs
-                if wanted and copies[2] is not None and copies[3] is not None:
+                if wanted and copies[1] is not None and copies[2] is not None:
                     top = tuple(
                         zip(
+                            copies[1][i, :wanted].tolist(),
                             copies[2][i, :wanted].tolist(),
-                            copies[3][i, :wanted].tolist(),
                             strict=True,
                         )
                     )
-                result.logprobs[rid] = TokenLogprob(tokens[i], float(copies[1][i]), top)
+                result.logprobs[rid] = TokenLogprob(tokens[i], float(copies[0][i]), top)
         return result
 
     def _general_logits(

@@ -8,18 +8,19 @@ needs (sorting for top-k/top-p, log-softmax for logprobs) is skipped; whether it
 known on the host from the parameters, so no device sync is involved.
 
 On CUDA, a batch of at least `FUSED_MIN_ROWS` rows with no top-k/top-p and no logprobs
-(temperature and greedy rows, seeded or not) takes one fused kernel
-(`sampling_kernels.gumbel_argmax`): the same distribution, noise
-drawn in the kernel from a per-row seed (a seeded request's from its seed and output index; the
-others' from a per-step seed of the sampler's own host generator), parameters staged through
-pinned buffers. Its noise differs from the torch path's, so a seeded request's tokens on CUDA
-differ from those on CPU (each is deterministic).
+(temperature and greedy rows, seeded or not) takes the fused kernels
+(`sampling_kernels.gumbel_argmax`, the vocabulary split over several programs per row): the
+same distribution, noise drawn in the kernel from a per-row seed (a seeded request's from its
+seed and output index; the others' from a per-step seed of the sampler's own host generator),
+parameters staged through pinned buffers. Its noise differs from the torch path's, so a seeded
+request's tokens on CUDA differ from those on CPU (each is deterministic).
 """
 
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -28,11 +29,11 @@ from gpu_runtime.engine.request import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
 
-FUSED_MIN_ROWS = 128
-"""Smallest batch sampled by the one-pass kernel. It runs one program per row, so small batches
-leave most SMs idle: on the H200 (bench/results/multilora-h200-20261130.json, decode-rerun)
-it was 0.02-0.05 ms slower than the torch passes at batch 32 and ~0.2 ms at batch 1, and
-0.3-0.8 ms faster at batch 128-256."""
+FUSED_MIN_ROWS = 1
+"""Smallest batch sampled by the fused kernels. The first one-pass kernel ran one program per
+row (the whole 128k vocabulary through one SM at batch 1: ~0.2 ms slower than the torch passes
+on the H200, 0.02-0.05 ms slower at batch 32), so it was kept for >= 128 rows; the vocabulary
+is now split over several programs per row, so every batch size takes it."""
 
 
 @dataclass(frozen=True)
@@ -43,21 +44,33 @@ class SamplingBatch:
     output_indices: list[int]
     """Index of the token being sampled in each request's output (seeds the per-request noise)."""
 
+    @cached_property
+    def _flags(self) -> tuple[bool, bool, int | None]:
+        """(all greedy, some row needs the sort, largest logprob count or None), one pass."""
+        all_greedy, needs_sort, top = True, False, -1
+        for p in self.params:
+            if p.temperature != 0.0:
+                all_greedy = False
+                if p.top_k > 0 or p.top_p < 1.0:
+                    needs_sort = True
+            if p.logprobs is not None and p.logprobs > top:
+                top = p.logprobs
+        return all_greedy, needs_sort, (top if top >= 0 else None)
+
     @property
     def all_greedy(self) -> bool:
         """Every row is greedy."""
-        return all(p.greedy for p in self.params)
+        return self._flags[0]
 
     @property
     def needs_sort(self) -> bool:
         """Some sampled row uses top-k or top-p."""
-        return any(not p.greedy and (p.top_k > 0 or p.top_p < 1.0) for p in self.params)
+        return self._flags[1]
 
     @property
     def max_num_logprobs(self) -> int | None:
         """Largest top-logprob count asked for, or None when no row wants logprobs."""
-        asked = [p.logprobs for p in self.params if p.logprobs is not None]
-        return max(asked) if asked else None
+        return self._flags[2]
 
 
 @dataclass

@@ -183,6 +183,12 @@ def test_fused_sampling_kernel_distribution_greedy_and_seeds() -> None:
     zeros = torch.zeros(6, device=dev)
     seeds = torch.arange(6, device=dev)
     assert torch.equal(gumbel_argmax(logits, zeros, seeds), logits.argmax(-1))
+    # the vocabulary split does not change a token: every part count gives the same rows
+    inv_temp = torch.full((6,), 1 / 0.8, device=dev)
+    inv_temp[4] = 0.0
+    split = [gumbel_argmax(logits, inv_temp, seeds, parts=p) for p in (1, 3, 64, 128)]
+    assert all(torch.equal(s, split[0]) for s in split[1:]), split
+    assert int(split[0][4]) == int(logits[4].argmax())
     # sampled rows: frequencies match softmax(logits / T)
     small = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0, 1.5, 0.2], device=dev)
     rows = 40_000

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams, SamplingParamsError
-from gpu_runtime.engine.sampler import Sampler, SamplingBatch, apply_top_k_top_p
+from gpu_runtime.engine.sampler import FUSED_MIN_ROWS, Sampler, SamplingBatch, apply_top_k_top_p
 from gpu_runtime.model import CausalLM
 
 CPU = torch.device("cpu")
@@ -141,10 +141,10 @@ def test_fused_sampling_parameters_are_staged_per_row() -> None:
     assert replay._stage_fused(SamplingBatch(rows, [0, 4, 0]))[1].tolist() == seeds.tolist()
 
 
-def test_small_batches_keep_the_torch_sampling_passes() -> None:
-    """The one-pass kernel runs one program per row: below `fused_min_rows` rows (default
-    FUSED_MIN_ROWS) the sampler keeps the torch passes (the only ones on CPU)."""
-    sampler = Sampler(CPU, seed=0, fused=True)
+def test_batches_below_fused_min_rows_keep_the_torch_sampling_passes() -> None:
+    """Below `fused_min_rows` rows the sampler keeps the torch passes (the only ones on CPU);
+    by default (FUSED_MIN_ROWS) every batch size takes the split-vocabulary kernels."""
+    sampler = Sampler(CPU, seed=0, fused=True, fused_min_rows=8)
     out = sampler.sample(torch.randn(4, 50), _batch(*[SamplingParams(temperature=0.8)] * 4))
     assert out.token_ids.shape == (4,) and sampler.num_fused_samples == 0
-    assert sampler.fused_min_rows == 128
+    assert Sampler(CPU, seed=0).fused_min_rows == FUSED_MIN_ROWS == 1
