@@ -95,7 +95,8 @@ class _Phase:
         self.errors: list[str] = []
         self.kv_peak_blocks = 0
         self.series: list[tuple[float, float, float, float]] = []
-        self.lent_samples: list[tuple[float, int]] = []
+        # (t, budget lent, what quanta were told to plan for, finetune allocator reserved)
+        self.lent_samples: list[tuple[float, int, int, int]] = []
         self.records: list[Any] = []
         self.iteration_events: list[tuple[int, int]] = []  # (reclaims, flushes) per iteration
 
@@ -325,7 +326,15 @@ class _Phase:
                 self.errors.append(report.error)
         used = self.engine.block_manager.num_used_blocks
         self.kv_peak_blocks = max(self.kv_peak_blocks, used)
-        self.lent_samples.append((record.timestamp - start, memory.lent_bytes()))
+        split = memory.manager.split()
+        self.lent_samples.append(
+            (
+                record.timestamp - start,
+                memory.lent_bytes(),
+                memory.manager.finetune_plan_bytes(),
+                split.finetune_reserved_bytes,
+            )
+        )
 
     def _sample(self, now: float) -> None:
         split = self.memory.manager.split()
@@ -371,8 +380,14 @@ class _Phase:
         good = [q for q in reports if not q.error]
         finished = sum(len(r.finished) for r in records)
         lent = self.lent_samples
-        lent_s = sum(b * (t1 - t0) for (t0, b), (t1, _) in itertools.pairwise(lent))
         span = lent[-1][0] - lent[0][0] if len(lent) > 1 else 0.0
+
+        def time_mean_gb(column: int) -> float:
+            if not span:
+                return 0.0
+            weighted = sum(a[column] * (b[0] - a[0]) for a, b in itertools.pairwise(lent))
+            return weighted / span / 1e9
+
         accepted = arrived - self.rejected
 
         def pct(values: list[float], q: float) -> float | None:
@@ -418,8 +433,13 @@ class _Phase:
             "decode_iterations_alone": sum(1 for r in with_decode if not r.in_flight),
             "tpot_ms_p50": pct(tpot, 50),
             "tpot_ms_p99": pct(tpot, 99),
-            "mean_borrowed_gb": (lent_s / span / 1e9) if span else 0.0,
-            "max_borrowed_gb": max((b for _, b in lent), default=0) / 1e9,
+            "mean_borrowed_gb": time_mean_gb(1),
+            "max_borrowed_gb": max((row[1] for row in lent), default=0) / 1e9,
+            # the budget less the headroom kept for decode's expected reclaims
+            "mean_planned_gb": time_mean_gb(2),
+            "mean_finetune_reserved_gb": time_mean_gb(3),
+            "max_finetune_reserved_gb": max((row[3] for row in lent), default=0) / 1e9,
+            "busy_reclaims": counters.busy_reclaims,
             "finetune_tokens_per_s": sum(q.tokens for q in good) / window,
             "finetune_quanta": len(reports),
             "finetune_tokens_per_quantum_mean": (

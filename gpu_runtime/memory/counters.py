@@ -62,6 +62,9 @@ class MemoryCounters:
     finetune_reclaimed_pages: int = 0
     finetune_waits: int = 0
     """Urgent reclaims that first waited for a running finetune quantum to end."""
+    busy_reclaims: int = 0
+    """Urgent reclaims served, while a quantum ran, from budget that quantum was not promised
+    and its allocator did not hold (a cap change: no wait, no flush)."""
     deferred_reclaims: int = 0
     """Refills that needed finetune pages while a quantum was in flight (taken later)."""
     finetune_grows: int = 0

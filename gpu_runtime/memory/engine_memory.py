@@ -97,6 +97,7 @@ class EngineMemory:
         self.finetune_busy = finetune_busy
         self.wait_for_finetune = wait_for_finetune
         self._engine: Any = None
+        self._promised_bytes: int | None = None
         self.last_grant: DecodeGrant | None = None
         self.process_wide_peaks = False
         """True when `quantum_done` peaks count the whole process (set by `attach` on CUDA)."""
@@ -159,17 +160,30 @@ class EngineMemory:
             waiting_blocks=waiting,
             finetune_busy=busy,
             wait_for_finetune=self.wait_for_finetune,
+            promised_bytes=self._promised_bytes if busy else None,
         )
 
     def after_decode(self) -> None:
         _, waiting = scheduler_block_demand(self._bound())
-        self.binding.maintain(waiting_blocks=waiting, finetune_busy=self._busy())
+        busy = self._busy()
+        self.binding.maintain(
+            waiting_blocks=waiting,
+            finetune_busy=busy,
+            promised_bytes=self._promised_bytes if busy else None,
+        )
 
     def finetune_budget_bytes(self) -> int:
         """What the next quantum should fit in: the budget less the pages decode is expected
         to reclaim before the next quantum boundary (`MemoryManager.finetune_plan_bytes`), so
-        that reclaim is a cap change instead of a cache flush. `lent_bytes()` is the budget."""
-        return self.manager.finetune_plan_bytes()
+        that reclaim is a cap change instead of a cache flush. `lent_bytes()` is the budget.
+
+        Read with no quantum in flight (when the loop plans a launch), the value is remembered
+        as what the next quantum was promised: while it runs, decode may take the budget above
+        that promise and above what the finetune allocator holds without waiting for it."""
+        plan = self.manager.finetune_plan_bytes()
+        if not self._busy():
+            self._promised_bytes = plan
+        return plan
 
     def lent_bytes(self) -> int:
         return self.manager.pool.finetune_budget_bytes

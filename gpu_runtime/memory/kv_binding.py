@@ -115,6 +115,7 @@ class KVPoolBinding:
         waiting_blocks: int = 0,
         finetune_busy: bool = False,
         wait_for_finetune: Callable[[], object] | None = None,
+        promised_bytes: int | None = None,
     ) -> DecodeGrant:
         """Critical path: make the next step's blocks usable (see `MemoryManager.before_step`)."""
         bm = self._bound()
@@ -126,16 +127,26 @@ class KVPoolBinding:
             ),
             finetune_busy=finetune_busy,
             wait_for_finetune=wait_for_finetune,
+            promised_bytes=promised_bytes,
         )
         self._sync()
         return grant
 
-    def maintain(self, *, waiting_blocks: int = 0, finetune_busy: bool = False) -> None:
+    def maintain(
+        self,
+        *,
+        waiting_blocks: int = 0,
+        finetune_busy: bool = False,
+        promised_bytes: int | None = None,
+    ) -> None:
         """Off the critical path (see `MemoryManager.maintain`)."""
         bm = self._bound()
         demand = DecodeDemand(used_blocks=bm.num_used_blocks, waiting_blocks=waiting_blocks)
         self.manager.maintain(
-            demand, top_used_block=self._top_used_block, finetune_busy=finetune_busy
+            demand,
+            top_used_block=self._top_used_block,
+            finetune_busy=finetune_busy,
+            promised_bytes=promised_bytes,
         )
         self._sync()
 

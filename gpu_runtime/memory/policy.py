@@ -88,13 +88,17 @@ class MemoryManager:
         *,
         finetune_busy: bool = False,
         wait_for_finetune: Callable[[], object] | None = None,
+        promised_bytes: int | None = None,
     ) -> DecodeGrant:
         """Make room for the next step's blocks; returns the usable count and any shortfall.
 
         When the free pages do not cover the need and a finetune quantum is in flight
-        (`finetune_busy`), `wait_for_finetune` is called first (counted as
-        `finetune_waits`): cutting the budget under a running quantum could make it run out of
-        memory, and the cache flush would wait for it anyway.
+        (`finetune_busy`), the budget that quantum was not promised (`promised_bytes`: what
+        it was told to fit in at launch) and its allocator does not hold is taken first, as
+        a cap change (`busy_spare_pages`; counted as `busy_reclaims`). Only if that is not
+        enough is `wait_for_finetune` called (counted as `finetune_waits`): cutting deeper
+        under a running quantum could make it run out of memory, and the cache flush would
+        wait for it anyway.
         """
         self.counters.iterations += 1
         self._iterations_since_reclaim += 1
@@ -102,20 +106,25 @@ class MemoryManager:
         wanted = demand.used_blocks + demand.next_step_blocks
         if wanted > self.usable_blocks:
             need = self.layout.pages_for_blocks(wanted) - self.pool.kv_prefix_pages
+            limit: int | None = None
             if (
                 finetune_busy
-                and wait_for_finetune is not None
                 and self._round_up(need) > self.pool.free_pages
-                # Waiting helps only if pages can come back (not under a static split).
+                # Pages can come back only when reclaims are on (not under a static split).
                 and self.config.reclaim_from_finetune
                 and self.pool.finetune_pages > 0
             ):
-                self.counters.finetune_waits += 1
-                logger.info("decode needs finetune pages: waiting for the running quantum")
-                waited = self._clock()
-                wait_for_finetune()
-                self.counters.wait_latency.add(self._clock() - waited)
-            got = self._grow_decode(need, reason="urgent")
+                spare = self.busy_spare_pages(promised_bytes)
+                if self._round_up(need) <= self.pool.free_pages + spare:
+                    limit = spare
+                    self.counters.busy_reclaims += 1
+                elif wait_for_finetune is not None:
+                    self.counters.finetune_waits += 1
+                    logger.info("decode needs finetune pages: waiting for the running quantum")
+                    waited = self._clock()
+                    wait_for_finetune()
+                    self.counters.wait_latency.add(self._clock() - waited)
+            got = self._grow_decode(need, reason="urgent", reclaim_limit=limit)
             self.counters.urgent_maps += 1
             self.counters.urgent_pages += got
         short = max(wanted - self.usable_blocks, 0)
@@ -137,14 +146,16 @@ class MemoryManager:
         *,
         top_used_block: Callable[[], int] | None = None,
         finetune_busy: bool = False,
+        promised_bytes: int | None = None,
     ) -> None:
         """One small step off the critical path: refill, shrink KV, or lend to finetuning.
 
         `top_used_block` is asked (only when decode is about to give pages back) when the
         demand does not carry it; one of the two is needed for a shrink. `finetune_busy`: a
-        finetune quantum is still running on the device; a reclaim flushes torch's cache, which
-        waits for that quantum, so the refill then takes free pages only and the reclaim waits
-        for a later call (counted as `deferred_reclaims`).
+        finetune quantum is still running on the device; a reclaim that flushes torch's cache
+        would wait for that quantum, so the refill then takes free pages and the budget the
+        running quantum was not promised (`busy_spare_pages(promised_bytes)`: a cap change)
+        only, and the rest waits for a later call (counted as `deferred_reclaims`).
         """
         self._check_demand(demand)
         cfg = self.config
@@ -152,7 +163,8 @@ class MemoryManager:
         target_pages, low_blocks, high_blocks = self._watermarks(demand)
         if free_blocks < low_blocks:
             self._iterations_above_high = 0
-            self._refill(demand, low_blocks, allow_reclaim=not finetune_busy)
+            limit = self.busy_spare_pages(promised_bytes) if finetune_busy else None
+            self._refill(demand, low_blocks, reclaim_limit=limit)
         elif free_blocks > high_blocks:
             self._iterations_above_high += 1
             if self._iterations_above_high >= cfg.shrink_after_iterations:
@@ -211,13 +223,13 @@ class MemoryManager:
         high_blocks = self.layout.blocks_in_pages(cfg.reserve_high_pages + waiting_pages)
         return target_pages, low_blocks, high_blocks
 
-    def _refill(self, demand: DecodeDemand, low_blocks: int, *, allow_reclaim: bool) -> int:
+    def _refill(self, demand: DecodeDemand, low_blocks: int, *, reclaim_limit: int | None) -> int:
         need = (
             self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
             - self.pool.kv_prefix_pages
         )
         got = self._grow_decode(
-            min(need, self.config.max_step_pages), reason="refill", allow_reclaim=allow_reclaim
+            min(need, self.config.max_step_pages), reason="refill", reclaim_limit=reclaim_limit
         )
         if got:
             self.counters.refill_maps += 1
@@ -279,6 +291,19 @@ class MemoryManager:
         CUDA graphs: the one costly part of a reclaim)."""
         return (self.pool.finetune_pages - self.reclaim_headroom_pages()) * self.pool.page_bytes
 
+    def busy_spare_pages(self, promised_bytes: int | None) -> int:
+        """Budget pages a reclaim may take while a quantum runs, without waiting for it or
+        flushing: those above both what its allocator holds and what the quantum was promised
+        at launch (`promised_bytes`; None: the whole budget, so nothing is spare). Rounded
+        down to the map unit."""
+        backend = self.pool.backend
+        held = max(backend.finetune_reserved_bytes(), backend.finetune_allocated_bytes())
+        if promised_bytes is None:
+            promised_bytes = self.pool.finetune_budget_bytes
+        held = max(held, promised_bytes)
+        spare = self.pool.finetune_pages - -(-held // self.pool.page_bytes)
+        return self._round_down(max(spare, 0))
+
     def finetune_headroom_bytes(self) -> int:
         """Budget left for the next quantum's activations after its live state."""
         live = self.pool.backend.finetune_allocated_bytes()
@@ -318,14 +343,26 @@ class MemoryManager:
         return self.pool.split()
 
     # ---- moves -------------------------------------------------------------------------
-    def _grow_decode(self, pages: int, *, reason: str, allow_reclaim: bool = True) -> int:
+    def _grow_decode(
+        self,
+        pages: int,
+        *,
+        reason: str,
+        allow_reclaim: bool = True,
+        reclaim_limit: int | None = None,
+    ) -> int:
         """Map `pages` more KV pages (rounded up to the map unit, or down to what can be had):
-        from free pages first, then (if allowed) reclaimed finetune budget."""
+        from free pages first, then (if allowed) reclaimed finetune budget, at most
+        `reclaim_limit` pages of it when given."""
         if pages <= 0:
             return 0
         room = self.pool.prefix_limit_pages - self.pool.kv_prefix_pages
         pages = min(self._round_up(pages), self._round_down(room))
         reclaimable = self.pool.finetune_reclaimable_pages()
+        if reclaim_limit is not None and reclaimable > reclaim_limit:
+            if self.config.reclaim_from_finetune and pages > self.pool.free_pages + reclaim_limit:
+                self.counters.deferred_reclaims += 1
+            reclaimable = reclaim_limit
         if not self.config.reclaim_from_finetune:
             reclaimable = 0
         elif not allow_reclaim:
@@ -341,7 +378,7 @@ class MemoryManager:
         reclaimed = 0
         short = pages - self.pool.free_pages
         if short > 0:
-            reclaimed = min(short, self.pool.finetune_reclaimable_pages())
+            reclaimed = min(short, reclaimable)
             if reclaimed:
                 before = self.pool.finetune_pages
                 flush_start = self._clock()

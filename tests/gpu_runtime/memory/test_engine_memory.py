@@ -3,6 +3,8 @@ move between decode and a finetune budget (unmapped CPU pages are poisoned with 
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -151,3 +153,33 @@ def test_attach_rejects_an_engine_not_built_on_the_pool(model: CausalLM) -> None
     other = Engine(model, EngineConfig(num_kv_blocks=8, **ENGINE))  # type: ignore[arg-type]
     with pytest.raises(MemoryPoolError, match="not the pool's range"):
         memory.attach(other)
+
+
+def test_the_budget_read_between_quanta_is_passed_as_the_running_quantums_promise(
+    model: CausalLM,
+) -> None:
+    _, memory = _pooled_engine(model, pages=48)
+    page = memory.manager.pool.page_bytes
+    busy = [False]
+    memory.finetune_busy = lambda: busy[0]
+    memory.manager.set_finetune_demand(40 * page)
+    memory.before_decode()
+    memory.after_decode()  # idle: the pool is lent
+    seen: list[int | None] = []
+    real = memory.binding.before_step
+
+    def spy(**kwargs: Any) -> Any:
+        seen.append(kwargs["promised_bytes"])
+        return real(**kwargs)
+
+    memory.binding.before_step = spy  # type: ignore[method-assign]
+    promised = memory.finetune_budget_bytes()  # the loop plans a launch: nothing in flight
+    assert promised == memory.manager.pool.finetune_budget_bytes > 0
+    busy[0] = True
+    memory.manager.set_finetune_demand(20 * page)
+    memory.after_decode()  # budget above the demand is not taken back while busy
+    memory.finetune_budget_bytes()  # read while the quantum runs: not a new promise
+    memory.before_decode()
+    busy[0] = False
+    memory.before_decode()
+    assert seen == [promised, None]  # only a running quantum has a promise

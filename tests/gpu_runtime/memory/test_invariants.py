@@ -133,6 +133,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         self.arrived = 0
         self.finetune_resident = 0
         self.finetune_want_peak = 0
+        self.promised: int | None = None
 
     # ---- decode ---------------------------------------------------------------------------
     @rule(burst=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 8)), min_size=1, max_size=5))
@@ -155,8 +156,14 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         waiting_blocks = sum(r.prompt_blocks for r in self.waiting)
         if not finetune_busy:  # between quanta: the reserve refill (EngineMemory.before_decode)
             self.binding.refill(waiting_blocks=waiting_blocks)
+        # While a quantum runs, decode takes only the budget it was not promised without
+        # waiting; beyond that it waits for the quantum (here: already over).
         grant = self.binding.before_step(
-            next_step_blocks=len(growing), waiting_blocks=waiting_blocks
+            next_step_blocks=len(growing),
+            waiting_blocks=waiting_blocks,
+            finetune_busy=finetune_busy,
+            wait_for_finetune=lambda: None,
+            promised_bytes=self.promised if finetune_busy else None,
         )
         if grant.short_blocks:
             # Decode may be short only when finetuning holds nothing it could give back.
@@ -192,7 +199,9 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
             request.blocks = self.blocks.allocate(request.prompt_blocks)
             self.running.append(request)
         self.binding.maintain(
-            waiting_blocks=sum(r.prompt_blocks for r in self.waiting), finetune_busy=finetune_busy
+            waiting_blocks=sum(r.prompt_blocks for r in self.waiting),
+            finetune_busy=finetune_busy,
+            promised_bytes=self.promised if finetune_busy else None,
         )
 
     # ---- finetune -------------------------------------------------------------------------
@@ -203,7 +212,10 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
 
     @rule(resident_share=st.floats(0, 0.5), peak_share=st.floats(0, 1))
     def finetune_quantum(self, resident_share: float, peak_share: float) -> None:
-        budget = self.manager.finetune_budget_bytes
+        # What the finetune side reads: the budget less decode's expected reclaims; the
+        # quantum's promise while it runs (`decode_iteration(finetune_busy=True)`).
+        budget = self.manager.finetune_plan_bytes()
+        self.promised = budget
         if budget == 0:
             return
         # The trainer sizes its quantum to the budget it reads: state kept plus activations.

@@ -370,3 +370,49 @@ def test_quanta_planned_below_the_reclaim_headroom_make_most_reclaims_flush_free
     assert manager.finetune_plan_bytes() == pool.finetune_budget_bytes > 0
     with pytest.raises(ValueError, match="plan_headroom_intervals"):
         MemoryPolicyConfig(plan_headroom_intervals=-1)
+
+
+def test_while_a_quantum_runs_decode_takes_the_budget_it_was_not_promised_without_waiting() -> None:
+    manager, pool = _manager(num_pages=32, grow_hold_iterations=0, max_step_pages=8)
+    manager.set_finetune_demand(28 * PAGE)
+    idle = DecodeDemand(used_blocks=0, top_used_block=0)
+    manager.maintain(idle)
+    assert pool.finetune_pages == 28 and pool.free_pages == 0
+    # The running quantum was promised 20 pages and its allocator holds 12 (live 2): 8 spare.
+    manager.finetune_quantum_done(peak_bytes=12 * PAGE, resident_bytes=2 * PAGE)
+    assert manager.busy_spare_pages(20 * PAGE) == 8
+    assert manager.busy_spare_pages(None) == 0  # no promise known: the whole budget is its
+    assert manager.busy_spare_pages(4 * PAGE) == 16  # the allocator's 12 pages stay
+    waits: list[int] = []
+    burst = DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=10)
+    grant = manager.before_step(
+        burst,
+        finetune_busy=True,
+        wait_for_finetune=lambda: waits.append(1),
+        promised_bytes=20 * PAGE,
+    )
+    # 6 more pages (10 blocks, 4 mapped) come from the spare 8: a cap change, no flush.
+    assert waits == [] and grant.short_blocks == 0 and manager.usable_blocks == 10
+    assert pool.finetune_pages == 22 and manager.counters.busy_reclaims == 1
+    assert len(manager.counters.flush_latency) == 0 and manager.counters.finetune_waits == 0
+    pool.check()
+    # Beyond the spare (2 pages left) it still waits for the quantum.
+    burst = DecodeDemand(used_blocks=10, top_used_block=10, next_step_blocks=6)
+    manager.before_step(
+        burst,
+        finetune_busy=True,
+        wait_for_finetune=lambda: waits.append(1),
+        promised_bytes=20 * PAGE,
+    )
+    assert waits == [1] and manager.counters.finetune_waits == 1
+    assert manager.usable_blocks == 16 and pool.finetune_pages == 16
+    # The reserve refill during a quantum takes the spare too, and defers the rest.
+    manager, pool = _manager(num_pages=32, grow_hold_iterations=0, max_step_pages=8)
+    manager.set_finetune_demand(28 * PAGE)
+    manager.maintain(idle)
+    manager.finetune_quantum_done(peak_bytes=12 * PAGE, resident_bytes=2 * PAGE)
+    loaded = DecodeDemand(used_blocks=4, top_used_block=4, waiting_blocks=8)  # wants 12 more
+    manager.maintain(loaded, finetune_busy=True, promised_bytes=24 * PAGE)
+    assert manager.usable_blocks == 8 and pool.finetune_pages == 24  # spare 4 pages taken
+    assert manager.counters.deferred_reclaims == 1 and len(manager.counters.flush_latency) == 0
+    pool.check()
