@@ -378,7 +378,8 @@ class MemoryManager:
         reclaimed = 0
         short = pages - self.pool.free_pages
         if short > 0:
-            reclaimed = min(short, reclaimable)
+            # read again: a running quantum may have allocated since `reclaimable` was taken
+            reclaimed = min(short, reclaimable, self.pool.finetune_reclaimable_pages())
             if reclaimed:
                 before = self.pool.finetune_pages
                 flush_start = self._clock()
