@@ -58,10 +58,11 @@ def test_comparisons_between_phases() -> None:
 
     rows = [
         row("decode_only", 10.0, [9.0, 11.0], 0.0, 0.0),
-        row("unified", 12.0, [11.5, 12.5], 30.0, 3000.0),
+        {**row("unified", 12.0, [11.5, 12.5], 30.0, 3000.0), "reclaim_ms_p99": 3.0},
         row("static_split", 12.2, [11.8, 12.6], 20.0, 2000.0),
     ]
     out = trace_comparisons(rows)
+    assert out["reclaim_ms_p99_over_decode_iter_ms_p50_unified"] == 0.25
     assert out["mean_borrowed_gb_ratio_unified_over_static_split"] == 1.5
     assert out["finetune_tokens_per_s_ratio_unified_over_static_split"] == 1.5
     assert out["decode_iter_ms_p50_ratio_unified_over_decode_only"] == pytest.approx(1.2)
