@@ -38,6 +38,7 @@ ops_urlpatterns: list[URLPattern] = [
     path("hosts", ops.HostsApi.as_view(), name="hosts"),
     path("hosts/<str:name>", ops.HostDetailApi.as_view(), name="host"),
     path("hosts/<str:name>/drain", ops.HostDrainApi.as_view(), name="host-drain"),
+    path("hosts/<str:name>/undrain", ops.HostUndrainApi.as_view(), name="host-undrain"),
     path("placements", ops.PlacementsApi.as_view(), name="placements"),
     path("jobs", ops.JobsApi.as_view(), name="jobs"),
     path("jobs/<str:job_id>", ops.JobDetailOpsApi.as_view(), name="job"),

@@ -16,6 +16,7 @@ urlpatterns: list[URLPattern] = [
     path("hosts/", fleet.HostsView.as_view(), name="hosts"),
     path("hosts/<str:name>/", fleet.HostView.as_view(), name="host"),
     path("hosts/<str:name>/drain/", fleet.HostDrainView.as_view(), name="host-drain"),
+    path("hosts/<str:name>/undrain/", fleet.HostUndrainView.as_view(), name="host-undrain"),
     path("models/", fleet.BaseModelsView.as_view(), name="models"),
     path("predictors/", fleet.PredictorsView.as_view(), name="predictors"),
     path("jobs/", jobs.JobListView.as_view(), name="jobs"),

@@ -80,8 +80,10 @@ def _heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
         host.predictor_version = message["predictor_version"] or None
         host.predictor_mape = float(mape) if mape is not None else None
         fields += ["predictor_version", "predictor_mape"]
+    draining = bool(message.get("draining", False))
     if host.status in (HostStatus.OFFLINE, HostStatus.LOST):
-        host.status = HostStatus.ONLINE
+        # A host back from the dead that still drains stays drained (the operator's intent).
+        host.status = HostStatus.DRAINING if draining else HostStatus.ONLINE
         fields.append("status")
     host.save(update_fields=fields)
     HostAgentState.objects.update_or_create(
@@ -108,15 +110,17 @@ def _heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
         _stop_on_commit(host, placement)
     _offer_missing_adapters(host, set(message.get("adapters", [])))
     _offer_base_model(host, str(message.get("base_model", "")))
-    if host.status == HostStatus.DRAINING and not message.get("draining", False):
-        name = host.name
+    # The agent follows the host's status: draining, or back in service (`host_undrain`).
+    if (host.status == HostStatus.DRAINING) != draining and host.status in (
+        HostStatus.ONLINE,
+        HostStatus.DRAINING,
+    ):
+        from workers.commands import send_host_command
 
-        def drain() -> None:
-            from workers.commands import send_host_command
-
-            send_host_command(host_name=name, command="drain")
-
-        transaction.on_commit(drain)
+        command = "drain" if host.status == HostStatus.DRAINING else "undrain"
+        transaction.on_commit(
+            partial(send_host_command, host_name=host.name, command=command), robust=True
+        )
     return "applied"
 
 

@@ -45,6 +45,7 @@ from api.services.fleet import (
     host_drain,
     host_get,
     host_register,
+    host_undrain,
 )
 from api.services.jobs import finetune_job_cancel
 from api.services.tenants import tenant_create
@@ -263,6 +264,17 @@ class HostDrainApi(OperatorAPIView):
     )
     def post(self, request: Request, name: str) -> Response:
         return Response(GpuHostOpsSerializer(host_drain(host=host_get(name=name))).data)
+
+
+class HostUndrainApi(OperatorAPIView):
+    @extend_schema(
+        operation_id="ops_hosts_undrain",
+        summary="Return a draining host to service",
+        request=None,
+        responses={200: GpuHostOpsSerializer, 404: ErrorSerializer, 409: ErrorSerializer},
+    )
+    def post(self, request: Request, name: str) -> Response:
+        return Response(GpuHostOpsSerializer(host_undrain(host=host_get(name=name))).data)
 
 
 class PlacementsApi(OperatorAPIView):

@@ -174,9 +174,23 @@ def host_get(*, name: str) -> GpuHost:
     return host
 
 
+def _tell_host_on_commit(*, host: GpuHost, command: str) -> None:
+    """Send `command` ("drain" or "undrain") to the host's queue once the transaction commits.
+    A message the broker does not take is logged; the heartbeats bring the agent in line with
+    the host's status anyway (`workers.ingest`)."""
+
+    def send() -> None:
+        from workers.commands import send_host_command
+
+        send_host_command(host_name=host.name, command=command)
+
+    transaction.on_commit(send, robust=True)
+
+
 @transaction.atomic
 def host_drain(*, host: GpuHost) -> GpuHost:
-    """Stop placing new jobs on the host; what runs there finishes. Lost hosts cannot drain."""
+    """Stop placing new jobs on the host; what runs there finishes. Lost hosts cannot drain.
+    Idempotent; `host_undrain` takes it back."""
     locked = GpuHost.objects.select_for_update().get(pk=host.pk)
     if locked.status == HostStatus.LOST:
         raise ConflictError(
@@ -185,4 +199,25 @@ def host_drain(*, host: GpuHost) -> GpuHost:
     if locked.status != HostStatus.DRAINING:
         locked.status = HostStatus.DRAINING
         locked.save(update_fields=["status"])
+        _tell_host_on_commit(host=locked, command="drain")
+    return locked
+
+
+@transaction.atomic
+def host_undrain(*, host: GpuHost) -> GpuHost:
+    """Return a draining host to service: it takes new jobs again (`online`, or `offline`
+    until its first heartbeat if it never sent one). Idempotent on a host that is not
+    draining; a lost host is refused (it comes back with its next heartbeat, still draining
+    if its agent is)."""
+    locked = GpuHost.objects.select_for_update().get(pk=host.pk)
+    if locked.status == HostStatus.LOST:
+        raise ConflictError(
+            f"Host {locked.name!r} is lost; it returns with its next heartbeat.",
+            code="host_lost",
+            param="host",
+        )
+    if locked.status == HostStatus.DRAINING:
+        locked.status = HostStatus.ONLINE if locked.last_heartbeat_at else HostStatus.OFFLINE
+        locked.save(update_fields=["status"])
+        _tell_host_on_commit(host=locked, command="undrain")
     return locked

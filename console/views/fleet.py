@@ -1,4 +1,5 @@
-"""Fleet overview, deployment detail, hosts (drain), base models and predictors."""
+"""Fleet overview, deployment detail, hosts (drain, return to service), base models and
+predictors."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from django.shortcuts import redirect
 from api import selectors as api_selectors
 from api.errors import HarliError, error_body
 from api.models import Deployment, FinetuneJob, GpuHost, HostMetric, HostStatus, JobStatus
-from api.services.fleet import host_drain
+from api.services.fleet import host_drain, host_undrain
 from console import selectors as console_selectors
 from console.access import OperatorJsonView, OperatorView
 from console.live import parts_response, render_parts
@@ -122,7 +123,8 @@ class DeploymentLiveView(OperatorJsonView):
 
 
 class HostsView(OperatorView):
-    """Every host with status, heartbeat, memory and predictor; drain buttons."""
+    """Every host with status, heartbeat, memory and predictor; drain and return-to-service
+    buttons."""
 
     def get(self, request: HttpRequest) -> HttpResponse:
         hosts = list(api_selectors.host_list())
@@ -160,6 +162,22 @@ class HostDrainView(OperatorView):
             messages.error(request, exc.message)
         else:
             messages.success(request, f"Host {name} is draining: it takes no new jobs.")
+        return redirect("console:hosts")
+
+
+class HostUndrainView(OperatorView):
+    """POST: return a draining host to service through `api.services.fleet.host_undrain`."""
+
+    def post(self, request: HttpRequest, name: str) -> HttpResponse:
+        host = GpuHost.objects.filter(name=name).first()
+        if host is None:
+            return not_found(request, what=f"host {name!r}", section="hosts")
+        try:
+            host = host_undrain(host=host)
+        except HarliError as exc:
+            messages.error(request, exc.message)
+        else:
+            messages.success(request, f"Host {name} is {host.status}: it takes new jobs again.")
         return redirect("console:hosts")
 
 

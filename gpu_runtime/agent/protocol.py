@@ -16,6 +16,7 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
 * `{"command": "load_base_model", "command_id", "base_model", "model_dir" (or null),
   "preset" (or "")}` — serve another base model (only when idle; sent again until it is).
 * `{"command": "drain", "command_id"}` — accept no new placement; finish what runs.
+* `{"command": "undrain", "command_id"}` — back in service: report `draining` false again.
 
 JobSpec: `{"id", "base_model", "training_file_key", "validation_file_key" (or null),
 "hyperparameters": {"n_epochs", "batch_size", "learning_rate_multiplier"} (numbers or "auto"),
@@ -58,7 +59,7 @@ HOST_REPORT_TASK = "workers.host_report"
 CONTROL_QUEUE = "control"
 
 COMMANDS = frozenset(
-    {"apply_placement", "pause", "cancel", "load_adapter", "load_base_model", "drain"}
+    {"apply_placement", "pause", "cancel", "load_adapter", "load_base_model", "drain", "undrain"}
 )
 REPORT_KINDS = frozenset(
     {
@@ -87,6 +88,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "load_adapter": ("name", "storage_key"),
     "load_base_model": ("base_model",),
     "drain": (),
+    "undrain": (),
 }
 JOB_SPEC_FIELDS = (
     "id",

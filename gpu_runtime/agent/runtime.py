@@ -221,8 +221,8 @@ class HostRuntime:
         elif name == "load_adapter":
             lora = lora_runtime(self._engine)
             self.adapters.load(lora, str(command["name"]), str(command["storage_key"]))
-        elif name == "drain":
-            self._draining = True
+        elif name in ("drain", "undrain"):
+            self._draining = name == "drain"
         elif name == "load_base_model":
             self._load_base_model(
                 str(command["base_model"]), command.get("model_dir"), command.get("preset")

@@ -42,6 +42,12 @@ def test_fleet_registration_and_listing(ops: ApiClient) -> None:
     assert [h["name"] for h in ops.get("/api/ops/hosts?status=draining").json()["data"]] == [
         "gpu-0"
     ]
+    # Back in service: offline until its first heartbeat (it never sent one); idempotent.
+    assert ops.post("/api/ops/hosts/gpu-0/undrain").json()["status"] == "offline"
+    assert ops.post("/api/ops/hosts/gpu-0/undrain").json()["status"] == "offline"
+    assert_error(ops.post("/api/ops/hosts/nope/undrain"), 404)
+    GpuHost.objects.filter(name="gpu-0").update(status="lost")
+    assert assert_error(ops.post("/api/ops/hosts/gpu-0/undrain"), 409)["code"] == "host_lost"
     assert [d["name"] for d in ops.get("/api/ops/deployments").json()["data"]] == ["tiny-chat"]
     assert ops.get("/api/ops/basemodels/tiny").json()["architecture"] == "llama"
     assert ops.get("/api/ops/placements").json()["data"] == []
@@ -122,6 +128,7 @@ def test_schema_and_swagger_ui_are_served_offline() -> None:
         "/v1/fine_tuning/jobs/{fine_tuning_job_id}/checkpoints",
         "/v1/models",
         "/api/ops/hosts/{name}/drain",
+        "/api/ops/hosts/{name}/undrain",
     ):
         assert route in paths
     docs = Client().get("/api/docs/")

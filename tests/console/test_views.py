@@ -262,9 +262,21 @@ def test_tenant_creation_and_its_errors(operator_client: Client) -> None:
     assert bad.status_code == 400 and "Invalid tenant name" in bad.content.decode()
 
 
-def test_drain_a_host(operator_client: Client, seeded: Seeded) -> None:
+def test_drain_a_host_and_return_it_to_service(operator_client: Client, seeded: Seeded) -> None:
+    from tests.workers.conftest import heartbeat
+
+    heartbeat("gpu-a")
+    page = operator_client.get("/console/hosts/").content.decode()
+    assert "/console/hosts/gpu-a/drain/" in page and "/console/hosts/gpu-a/undrain/" not in page
     assert operator_client.post("/console/hosts/gpu-a/drain/").status_code == 302
     assert GpuHost.objects.get(name="gpu-a").status == HostStatus.DRAINING
+    page = operator_client.get("/console/hosts/").content.decode()
+    assert "/console/hosts/gpu-a/undrain/" in page and "/console/hosts/gpu-a/drain/" not in page
+    back = operator_client.post("/console/hosts/gpu-a/undrain/", follow=True)
+    assert back.status_code == 200
+    assert "Host gpu-a is online: it takes new jobs again." in back.content.decode()
+    assert GpuHost.objects.get(name="gpu-a").status == HostStatus.ONLINE
+    assert operator_client.post("/console/hosts/nope/undrain/").status_code == 404
 
 
 def test_host_page_shows_its_predictor_and_harvest_estimate(

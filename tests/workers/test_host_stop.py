@@ -173,3 +173,45 @@ def test_a_pause_the_broker_refuses_is_logged_and_the_heartbeat_check_sends_it(
         assert heartbeat("h1", placements=[placed.pk]) == "applied"
     assert [c["command"] for c in drain_host_queue("h1")] == ["pause"]
     assert GpuHost.objects.get(name="h1").status == "online"
+
+
+def test_a_drained_host_returns_to_service_and_its_agent_follows(
+    deployment: Any, job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    """Drain and undrain reach the agent at commit; heartbeats bring an agent that missed one
+    in line; a lost host that comes back still draining stays drained; the CLI does it too."""
+    from api.services.fleet import host_drain, host_undrain
+
+    host = make_host("h1", deployment)
+    heartbeat("h1")
+    with django_capture_on_commit_callbacks(execute=True):
+        host = host_drain(host=host)
+        host_drain(host=host)  # idempotent: nothing more to tell
+    assert [c["command"] for c in drain_host_queue("h1")] == ["drain"]
+    heartbeat("h1", draining=True)
+    with django_capture_on_commit_callbacks(execute=True):
+        assert job_place(job_id=job.id) is None  # draining: no new jobs
+    out = StringIO()
+    with django_capture_on_commit_callbacks(execute=True):
+        call_command("hosts", "undrain", "h1", stdout=out)
+    assert out.getvalue().strip() == "Host h1 is online."
+    assert [c["command"] for c in drain_host_queue("h1")] == ["undrain"]
+    # The agent's next heartbeat predates the undrain: it is told again, then takes jobs.
+    with django_capture_on_commit_callbacks(execute=True):
+        assert heartbeat("h1", draining=True) == "applied"
+    assert [c["command"] for c in drain_host_queue("h1")] == ["undrain"]
+    heartbeat("h1", draining=False)
+    with django_capture_on_commit_callbacks(execute=True):
+        placement = job_place(job_id=job.id)
+    assert placement is not None and placement.host.name == "h1"
+    # Lost while draining, back with an agent that still drains: draining, not online.
+    with django_capture_on_commit_callbacks(execute=True):
+        host_drain(host=host)
+    GpuHost.objects.filter(name="h1").update(status="lost")
+    with django_capture_on_commit_callbacks(execute=True):
+        heartbeat("h1", draining=True, placements=[placement.pk])
+    assert GpuHost.objects.get(name="h1").status == "draining"
+    with django_capture_on_commit_callbacks(execute=True):
+        assert host_undrain(host=host).status == "online"
+        assert host_undrain(host=host).status == "online"  # idempotent
+    assert "undrain" in [c["command"] for c in drain_host_queue("h1")]

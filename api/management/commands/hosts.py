@@ -1,4 +1,4 @@
-"""`manage.py hosts register NAME ... | drain NAME | list`."""
+"""`manage.py hosts register NAME ... | drain NAME | undrain NAME | list`."""
 
 from __future__ import annotations
 
@@ -9,13 +9,19 @@ from django.core.management.base import CommandError
 from api.management.base import NounCommand
 from api.models import HostStatus
 from api.selectors import host_list
-from api.services.fleet import deployment_get, host_drain, host_get, host_register
+from api.services.fleet import (
+    deployment_get,
+    host_drain,
+    host_get,
+    host_register,
+    host_undrain,
+)
 
 GIB = 2**30
 
 
 class Command(NounCommand):
-    help = "Register, drain and list GPU runtime hosts."
+    help = "Register, drain, return to service and list GPU runtime hosts."
 
     def add_actions(self, subparsers: Any) -> None:
         register = subparsers.add_parser("register", help="register a runtime host")
@@ -28,6 +34,10 @@ class Command(NounCommand):
         register.add_argument("--deployment", help="the deployment the host serves")
         drain = subparsers.add_parser("drain", help="stop placing new jobs on a host")
         drain.add_argument("name")
+        undrain = subparsers.add_parser(
+            "undrain", help="return a draining host to service (it takes new jobs again)"
+        )
+        undrain.add_argument("name")
         listing = subparsers.add_parser("list", help="list hosts")
         listing.add_argument("--status", choices=HostStatus.values)
 
@@ -57,6 +67,10 @@ class Command(NounCommand):
 
     def action_drain(self, *, name: str, **_: Any) -> None:
         host = host_drain(host=host_get(name=name))
+        self.stdout.write(f"Host {host.name} is {host.status}.")
+
+    def action_undrain(self, *, name: str, **_: Any) -> None:
+        host = host_undrain(host=host_get(name=name))
         self.stdout.write(f"Host {host.name} is {host.status}.")
 
     def action_list(self, *, status: str | None, **_: Any) -> None:

@@ -179,9 +179,12 @@ def test_metrics_and_status(host: Host, reports: Reports) -> None:
     assert status.total_bytes == 2**30 and status.placements == []
 
 
-def test_drain_is_reported_in_the_status(host: Host) -> None:
+def test_drain_and_undrain_are_reported_in_the_status(host: Host) -> None:
     host.command({"command": "drain", "command_id": "d"})
     assert host.runtime.status().draining
+    assert host.runtime.status().heartbeat_fields()["draining"] is True
+    host.command({"command": "undrain", "command_id": "u"})
+    assert not host.runtime.status().draining
 
 
 def test_load_base_model_only_when_idle(host: Host, reports: Reports, tiny_model_dir: Path) -> None:
