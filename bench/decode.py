@@ -339,6 +339,12 @@ def main() -> None:
         help="comma list: gemm (cuBLAS vs cuBLASLt over the decode GEMMs), sampler (paths)",
     )
     parser.add_argument("--skip-check", action="store_true", help="no correctness check")
+    parser.add_argument(
+        "--blas",
+        default=None,
+        choices=["cublas", "cublaslt"],
+        help="EngineConfig.decode_blas_library",
+    )
     parser.add_argument("--quick", action="store_true", help="smoke: llama, batch 8/64, ctx 512")
     parser.add_argument(
         "--profile",
@@ -477,6 +483,7 @@ def main() -> None:
                 "dtype": "bfloat16",
                 "sampling": "temperature 0.8 (ours); greedy argmax (HF)",
                 "fused_decode_kernels": not args.no_fused,
+                "decode_blas_library": args.blas,
                 "prefill_chunks": chunks,
                 "extras": extras,
                 "tpot": "wall time of Engine.step() incl. scheduling, input copy, graph replay, "
@@ -526,6 +533,7 @@ def main() -> None:
                 max_model_len=max_ctx + extra + 16,
                 device="cuda",
                 fused_decode_kernels=not args.no_fused,
+                decode_blas_library=args.blas,
             )
             engine = Engine(model, engine_config, kv_storage_factory=random_storage)
             t0 = time.perf_counter()

@@ -55,6 +55,10 @@ class EngineConfig:
     """With adapters on the fused CUDA path, add the q|k|v and gate|up LoRA expand terms inside
     the RoPE and SwiGLU kernels at small batches (fewer kernels) instead of separate expand
     kernels."""
+    decode_blas_library: str | None = None
+    """BLAS library of the model's GEMMs on CUDA ("cublas", "cublaslt"; None: torch's current
+    choice), set while decode graphs are captured (graphs keep the kernels chosen then) and
+    around eager steps, restored afterwards."""
     use_cuda_graphs: bool = True
     """Capture the decode step per batch bucket (CUDA only; ignored on CPU)."""
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES
@@ -96,6 +100,10 @@ class EngineConfig:
             )
         if self.attention_backend == "triton" and not self.device.startswith("cuda"):
             raise EngineConfigError(f"attention_backend='triton' needs CUDA, device={self.device}")
+        if self.decode_blas_library not in (None, "cublas", "cublaslt"):
+            raise EngineConfigError(
+                f"decode_blas_library={self.decode_blas_library!r} not in None, cublas, cublaslt"
+            )
         sizes = self.cuda_graph_batch_sizes
         if any(s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
             raise EngineConfigError(

@@ -17,8 +17,9 @@ touch the runtime and replay the base graphs.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Hashable
+from collections.abc import Hashable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -41,6 +42,20 @@ from gpu_runtime.model.loader import torch_dtype
 
 if TYPE_CHECKING:
     from gpu_runtime.engine.fast_decode import FusedDecodeForward as FusedDecodeForwardType
+
+
+@contextlib.contextmanager
+def blas_library(name: str | None) -> Iterator[None]:
+    """`torch.backends.cuda.preferred_blas_library(name)` inside the block (None: unchanged)."""
+    if name is None:
+        yield
+        return
+    previous = torch.backends.cuda.preferred_blas_library()
+    torch.backends.cuda.preferred_blas_library(name)
+    try:
+        yield
+    finally:
+        torch.backends.cuda.preferred_blas_library(previous)
 
 
 _PADDING_ID = "\x00padding"
@@ -126,6 +141,7 @@ class ModelRunner:
         self.num_lora_graph_steps = 0
         """Decode steps with adapters replayed from a LoRA graph."""
         self._fused: FusedDecodeForwardType | None = None
+        self._blas = config.decode_blas_library if self.device.type == "cuda" else None
         if self.static_decode:
             self._init_decode_buffers(pin)
 
@@ -178,19 +194,10 @@ class ModelRunner:
         result = ModelRunnerOutput()
         lora = self.lora
         with_adapters = lora is not None and any(s.lora_name is not None for s in states)
-        if decode_only and self.static_decode and len(order) <= self._buckets[-1]:
-            logits, bucket, used_graph = self._decode_logits(
-                states, partition, order if with_adapters else None
+        with blas_library(self._blas):
+            logits, sampled_ids = self._forward(
+                order, states, partition, decode_only, with_adapters, result
             )
-            sampled_ids = [rid for rid, _ in order]
-            result.used_cuda_graph = used_graph
-            result.batch_bucket = bucket
-        elif self._fused is not None and self.mixed_attention:  # CUDA: the fused step, eagerly
-            logits, sampled_ids = self._general_logits(order, self.model, fused_lora=with_adapters)
-        else:
-            use_lora = with_adapters and lora is not None and lora.set_batch(order)
-            forward = lora.forward if use_lora and lora is not None else self.model
-            logits, sampled_ids = self._general_logits(order, forward)
         for state, (_, count) in zip(states, order, strict=True):
             state.num_computed_tokens += count
         if not sampled_ids:
@@ -233,6 +240,30 @@ class ModelRunner:
                     )
                 result.logprobs[rid] = TokenLogprob(tokens[i], float(copies[0][i]), top)
         return result
+
+    def _forward(
+        self,
+        order: list[tuple[str, int]],
+        states: list[_RequestState],
+        partition: Hashable,
+        decode_only: bool,
+        with_adapters: bool,
+        result: ModelRunnerOutput,
+    ) -> tuple[torch.Tensor, list[str]]:
+        """The step's logits (rows to sample) and the ids sampled, in row order."""
+        lora = self.lora
+        if decode_only and self.static_decode and len(order) <= self._buckets[-1]:
+            logits, bucket, used_graph = self._decode_logits(
+                states, partition, order if with_adapters else None
+            )
+            result.used_cuda_graph = used_graph
+            result.batch_bucket = bucket
+            return logits, [rid for rid, _ in order]
+        if self._fused is not None and self.mixed_attention:  # CUDA: the fused step, eagerly
+            return self._general_logits(order, self.model, fused_lora=with_adapters)
+        use_lora = with_adapters and lora is not None and lora.set_batch(order)
+        forward = lora.forward if use_lora and lora is not None else self.model
+        return self._general_logits(order, forward)
 
     def _general_logits(
         self,
@@ -376,9 +407,11 @@ class ModelRunner:
         for size in sizes:
             if size not in self._buckets:
                 raise ValueError(f"batch size {size} is not a bucket of {self._buckets}")
-            self._graphs.capture(size, partition, stream)
-            if self._lora_graphs is not None:
-                self._lora_graphs.capture(size, partition, stream)
+        with blas_library(self._blas):
+            for size in sizes:
+                self._graphs.capture(size, partition, stream)
+                if self._lora_graphs is not None:
+                    self._lora_graphs.capture(size, partition, stream)
         return sizes
 
     def _decode_logits(

@@ -155,6 +155,8 @@ def test_bad_requests_and_configs_are_rejected(tiny_llama: CausalLM) -> None:
         _config(max_num_batched_tokens=4)
     with pytest.raises(EngineConfigError, match="block_size=6"):
         _config(block_size=6)
+    with pytest.raises(EngineConfigError, match="decode_blas_library='mkl'"):
+        _config(decode_blas_library="mkl")
 
 
 def test_text_prompts_stop_strings_and_eos(tiny_dir: Path) -> None:

@@ -104,11 +104,15 @@ def test_fused_ops_match_torch() -> None:
 
 
 @pytest.mark.parametrize(
-    ("architecture", "budget"), [("llama", 512), ("qwen2", 512), ("llama", 48)]
+    ("architecture", "budget", "blas"),
+    [("llama", 512, None), ("qwen2", 512, None), ("llama", 48, None), ("llama", 512, "cublaslt")],
 )
-def test_cuda_graph_engine_logprobs_match_hf_bf16(architecture: str, budget: int) -> None:
+def test_cuda_graph_engine_logprobs_match_hf_bf16(
+    architecture: str, budget: int, blas: str | None
+) -> None:
     """Budget 48: the long prompts are prefilled in chunks beside the short one's decode rows
-    (mixed steps: fused kernels with `MixedPagedAttention`)."""
+    (mixed steps: fused kernels with `MixedPagedAttention`). `blas`: the GEMMs' library during
+    capture and eager steps (restored afterwards)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dev = torch.device("cuda")
@@ -140,9 +144,12 @@ def test_cuda_graph_engine_logprobs_match_hf_bf16(architecture: str, budget: int
             max_model_len=256,
             max_num_batched_tokens=budget,
             device="cuda",
+            decode_blas_library=blas,
         ),
     )
+    library = torch.backends.cuda.preferred_blas_library()
     assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
+    assert torch.backends.cuda.preferred_blas_library() == library
     assert engine.runner.mixed_attention
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77)]
