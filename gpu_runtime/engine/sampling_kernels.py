@@ -38,7 +38,7 @@ def _gumbel_argmax_partial_kernel(
     vocab,
     stride,
     part_len,
-    PARTS: tl.constexpr,
+    parts,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -66,19 +66,17 @@ def _gumbel_argmax_partial_kernel(
     # only -inf keeps its first column so a row of -inf still returns index 0 like argmax
     candidate = tl.where(best_val == top, best_idx, 2147483647)
     index = tl.where(top == float("-inf"), first, tl.min(candidate, 0))
-    tl.store(part_val_ptr + row * PARTS + part, top)
-    tl.store(part_idx_ptr + row * PARTS + part, index)
+    tl.store(part_val_ptr + row * parts + part, top)
+    tl.store(part_idx_ptr + row * parts + part, index)
 
 
 @triton.jit
-def _argmax_of_parts_kernel(
-    part_val_ptr, part_idx_ptr, out_ptr, PARTS: tl.constexpr, LANES: tl.constexpr
-):
+def _argmax_of_parts_kernel(part_val_ptr, part_idx_ptr, out_ptr, parts, LANES: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, LANES)
-    present = offs < PARTS
-    vals = tl.load(part_val_ptr + row * PARTS + offs, mask=present, other=float("-inf"))
-    idx = tl.load(part_idx_ptr + row * PARTS + offs, mask=present, other=2147483647)
+    present = offs < parts
+    vals = tl.load(part_val_ptr + row * parts + offs, mask=present, other=float("-inf"))
+    idx = tl.load(part_idx_ptr + row * parts + offs, mask=present, other=2147483647)
     top = tl.max(vals, 0)
     # parts are in column order and each holds its smallest maximal column: the smallest
     # index among the parts reaching the maximum is the row's first maximum
@@ -121,7 +119,7 @@ def gumbel_argmax(
         vocab,
         logits.stride(0),
         part_len,
-        PARTS=parts,
+        parts,
         BLOCK=_BLOCK,
         num_warps=4,
     )
@@ -129,7 +127,7 @@ def gumbel_argmax(
         part_val,
         part_idx,
         out,
-        PARTS=parts,
+        parts,
         LANES=max(2, triton.next_power_of_2(parts)),
         num_warps=1,
     )
