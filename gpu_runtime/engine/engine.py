@@ -34,8 +34,10 @@ class StepTimes(NamedTuple):
     schedule: float
     """Scheduler: the step's plan."""
     launch: float
-    """Runner up to the host sync: request state, input staging, graph replay or kernel
-    launches, sampling launches (overlaps the device only once the first kernel is queued)."""
+    """Runner until the model's work is queued: request state, input staging, graph replay or
+    eager kernel launches (the device is idle until the first kernel is queued)."""
+    sample: float
+    """Runner queueing the sampling and the copies back (overlaps the device's work)."""
     wait: float
     """Waiting for the device at the one host sync."""
     post: float
@@ -112,7 +114,7 @@ class Engine:
         self.adapter_resolver = adapter_resolver or (lora.has if lora is not None else None)
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
-        self.last_step_times = StepTimes(0.0, 0.0, 0.0, 0.0)
+        self.last_step_times = StepTimes(0.0, 0.0, 0.0, 0.0, 0.0)
 
     @classmethod
     def from_directory(
@@ -187,7 +189,7 @@ class Engine:
         if plan.is_empty:
             if plan.finished_request_ids:  # nothing to run, but runner state to drop
                 runner.execute(plan, partition)
-            self._record_times(started, scheduled, 0.0, 0.0)
+            self._record_times(started, scheduled, 0.0, 0.0, 0.0)
             return outputs
         result = runner.execute(plan, partition)
         self.scheduler.update_from_output(plan, result.sampled)
@@ -212,15 +214,22 @@ class Engine:
                     [logprob] if logprob is not None else [],
                 )
             )
-        self._record_times(started, scheduled, runner.last_launch_seconds, runner.last_wait_seconds)
+        self._record_times(
+            started,
+            scheduled,
+            runner.last_launch_seconds,
+            runner.last_sample_seconds,
+            runner.last_wait_seconds,
+        )
         return outputs
 
-    def _record_times(self, started: float, scheduled: float, launch: float, wait: float) -> None:
+    def _record_times(
+        self, started: float, scheduled: float, launch: float, sample: float, wait: float
+    ) -> None:
         now = time.perf_counter()
         self.last_step_seconds = now - started
-        schedule = scheduled - started
-        post = max(0.0, now - scheduled - launch - wait)
-        self.last_step_times = StepTimes(schedule, launch, wait, post)
+        post = max(0.0, now - scheduled - launch - sample - wait)
+        self.last_step_times = StepTimes(scheduled - started, launch, sample, wait, post)
 
     def generate(
         self,

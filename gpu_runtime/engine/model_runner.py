@@ -123,8 +123,11 @@ class ModelRunner:
         # sampled tokens come back through one pinned buffer (no allocation per step)
         self._sampled_host = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
         self.last_launch_seconds = 0.0
-        """Host time of the last `execute` up to the point where it waits for the device
-        (request state, input staging, graph replay or kernel launches, sampling launches)."""
+        """Host time of the last `execute` until the model's work is queued (request state,
+        input staging and copies, graph replay or eager kernel launches)."""
+        self.last_sample_seconds = 0.0
+        """Host time of the last `execute` queueing the sampling and the copies back (overlaps
+        the device's work on the step)."""
         self.last_wait_seconds = 0.0
         """Time the last `execute` waited for the device (the host sync)."""
         self.use_triton = config.resolved_attention_backend == "triton"
@@ -181,7 +184,7 @@ class ModelRunner:
     def execute(self, output: SchedulerOutput, partition: Hashable = None) -> ModelRunnerOutput:
         """Run one step; `partition` selects the CUDA graph captured for that SM partition."""
         started = time.perf_counter()
-        self.last_launch_seconds = self.last_wait_seconds = 0.0
+        self.last_launch_seconds = self.last_sample_seconds = self.last_wait_seconds = 0.0
         self._sync_states(output)
         order = list(output.num_scheduled_tokens.items())
         if not order:
@@ -198,6 +201,7 @@ class ModelRunner:
             logits, sampled_ids = self._forward(
                 order, states, partition, decode_only, with_adapters, result
             )
+        forwarded = time.perf_counter()
         for state, (_, count) in zip(states, order, strict=True):
             state.num_computed_tokens += count
         if not sampled_ids:
@@ -217,7 +221,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         self.last_wait_seconds = time.perf_counter() - launched
-        self.last_launch_seconds = launched - started
+        self.last_launch_seconds = forwarded - started
+        self.last_sample_seconds = launched - forwarded
         tokens = token_host.tolist()
         sampled = result.sampled
         for rid, state, token in zip(sampled_ids, states, tokens, strict=True):
