@@ -54,6 +54,8 @@ class HarliChoices:
     _memo_prefill: float = 0.0
     _memo: dict[tuple[float, int], tuple[float, float]]
     _memo_alone: float | None = None
+    risk_rejections: int = 0
+    """Choices turned down because a running request would miss the SLO with them."""
 
     def _typical_snapshot(self, ctx: IterationContext) -> DecodeSnapshot:
         """`expected_snapshot` of ``ctx.decode``, computed once per context."""
@@ -83,8 +85,9 @@ class HarliChoices:
 
         The quantum holds this split for its whole duration, and a request's TPOT is a mean
         over many iterations: the typical iteration while it runs (the queue joined, the recent
-        mean prefill per iteration) must stay under the bound, this one under the SLO, and the
-        request closest to its SLO, slowed by the choice for the rest of its life, under it."""
+        mean prefill per iteration) must stay under the bound, this one under the SLO, and every
+        running request, its remaining tokens at that typical iteration, must end under the
+        bound (:meth:`_running_keep_slo`)."""
         memo = self._plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         key = (share, 0 if size_free else tokens)
@@ -99,10 +102,28 @@ class HarliChoices:
         predicted, expected = memo[key]
         if expected > bound or predicted > ctx.tpot_slo_ms:
             return None
-        worst = ctx.worst_running_tpot_ms
-        if worst is not None and worst + (expected - typical_alone) > ctx.tpot_slo_ms:
-            return None  # each of its remaining tokens would take up to that much longer
+        if not self._running_keep_slo(ctx, bound, expected, typical_alone):
+            return None
         return predicted
+
+    def _running_keep_slo(
+        self, ctx: IterationContext, bound: float, with_ms: float, alone_ms: float, once: float = 0
+    ) -> bool:
+        """Whether every running request that would end within the SLO if its remaining
+        iterations took ``alone_ms`` still ends within ``bound`` if they take ``with_ms`` (plus
+        ``once`` ms added to one gap). A request that misses the SLO even then is lost to
+        finetuning or not, so it does not hold finetuning back."""
+        horizon = self.config.unknown_remaining_tokens
+        slo = ctx.tpot_slo_ms
+        for request in ctx.running:
+            left = request.remaining_tokens if request.remaining_tokens is not None else horizon
+            spread = once / max(request.tokens - 1 + left, 1)
+            if request.final_tpot_ms(with_ms, horizon) + spread <= bound:
+                continue
+            if request.final_tpot_ms(alone_ms, horizon) <= slo:
+                self.risk_rejections += 1
+                return False
+        return True
 
     def _typical_alone(self, ctx: IterationContext) -> float:
         self._plan_memo(ctx)
@@ -251,7 +272,9 @@ class HarliChoices:
                 job, None, LaunchMode.AFTER_DECODE, 1.0, k * job.seq_len
             )
             predicted = solo_full + quantum_ms
-            if predicted <= bound:
+            if predicted <= bound and self._running_keep_slo(
+                ctx, bound, solo_full, solo_full, once=quantum_ms
+            ):
                 value = k * job.seq_len / (predicted / 1e3)
                 out.append(Choice(full, LaunchMode.AFTER_DECODE, k, predicted, value, quantum_ms))
         return out

@@ -21,14 +21,15 @@ so a quantum is capped at ``max_quantum_ms`` (the smallest size is always allowe
 is a mean over its tokens and a quantum holds its split for many iterations, so a concurrent
 quantum is checked on the typical iteration while it runs (running plus waiting requests, the
 recent mean prefill tokens per iteration) against the bound, and on the coming iteration
-against the SLO itself. When nothing is safe, finetuning pauses for that
-iteration (decode gets the whole device) and the plan says so; it also pauses while a running
-request's mean TPOT so far is already at the bound, and rejects a choice whose predicted
-extra time per iteration (typical iteration with it minus alone on the whole device), added to
-that request's TPOT so far, would exceed the SLO.
+against the SLO itself. Every running request is projected to its end (its mean TPOT so
+far, its remaining tokens at that typical iteration): a choice is rejected when some request
+would then end over the bound while decode alone would keep it within the SLO (a request lost
+either way does not hold finetuning back). When nothing is safe, finetuning pauses for that
+iteration (decode gets the whole device) and the plan says why.
 
-When decode is idle, a quantum is planned as if one request had just arrived (spatial choices
-only), so a request that does arrive while the quantum holds its split still meets the SLO.
+When decode is idle, a quantum is planned as if one request had just arrived (on a split, or
+shared on the whole device), so a request that does arrive while the quantum runs still meets
+the SLO.
 
 While a quantum is in flight its SMs are taken: the policy only picks the decode split with the
 lowest predicted TPOT given that quantum (no new launch).
@@ -90,9 +91,9 @@ class HarliConfig:
     """Per-iteration decay factor of that extra margin."""
     quantum_examples: tuple[int, ...] = (1, 2, 4, 8)
     """Quantum sizes considered, in examples of the job's longest length."""
-    risk_fraction: float = 1.0
-    """Pause new quanta while a running request's mean TPOT so far is at least this fraction
-    of the bound (``IterationContext.worst_running_tpot_ms``)."""
+    unknown_remaining_tokens: int = 64
+    """Tokens assumed still to come for a running request whose limit is unknown, when
+    projecting its final mean TPOT (``IterationContext.running``)."""
     prefill_smoothing: float = 0.05
     """EMA weight of one iteration's prefill tokens in the mean used for held splits."""
     idle_probe_context_tokens: int = 512
@@ -194,12 +195,6 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             return self._in_flight_plan(ctx, full, margin, bound)
         if not ctx.jobs:
             return IterationPlan(full, (), solo_full, solo_full, margin, note="no job")
-        worst = ctx.worst_running_tpot_ms
-        if not idle and worst is not None and worst >= bound * self.config.risk_fraction:
-            # A running request's TPOT so far is already at the bound: any slowdown now could
-            # make it miss; give decode the device until it has recovered.
-            self.pauses += 1
-            return pause(f"request at risk ({worst:.2f} ms so far)")
         job = ctx.jobs[0]
         cap = memory_cap_tokens(job, ctx.finetune_budget_bytes)
         sizes = sorted(
@@ -208,12 +203,13 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         if not sizes:
             return pause("memory budget below one example")
         choices: list[Choice] = []
+        rejected_before = self.risk_rejections
         sliced = self._slice_state(job)
         if sliced is None or not sliced.active:  # a micro-batch in progress goes on in slices
             if total and ctx.spatial:
                 for d in options[:-1]:
                     choices += self._spatial(ctx, job, d, total, sizes, bound)
-            if self.config.allow_shared and not idle:
+            if self.config.allow_shared:
                 choices += self._spatial(ctx, job, full, total, sizes, bound)
             if self.config.allow_slice and not idle:
                 choices += self._slices(ctx, job, full, sizes, bound, solo_full)
@@ -223,7 +219,8 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             if idle:
                 return IterationPlan(full, (), None, None, margin, note="idle, no safe split")
             self.pauses += 1
-            return pause("no safe choice")
+            at_risk = self.risk_rejections > rejected_before
+            return pause("request at risk" if at_risk else "no safe choice")
         best = max(choices, key=lambda c: (c.value, -c.predicted_ms))
         assert best.mode is not None
         tokens = best.examples * job.max_seq_len

@@ -39,6 +39,7 @@ from gpu_runtime.colocation.types import (
     IterationRecord,
     LaunchMode,
     QuantumReport,
+    RunningRequest,
 )
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.finetune.trainer import LoraTrainer
@@ -278,6 +279,7 @@ class HostLoop:
                 task.job_id, task.max_tokens, task.decode_sms, self.executor.submitted_at or now
             )
         runnable = [self._jobs[j].view() for j in self._order if self._jobs[j].runnable]
+        running = self._running_view()
         return IterationContext(
             now=now,
             decode=snapshot,
@@ -290,21 +292,29 @@ class HostLoop:
                 None if self.memory is None else self.memory.finetune_budget_bytes()
             ),
             tpot_slo_ms=self.tpot_slo_ms,
-            worst_running_tpot_ms=self._worst_running_tpot_ms(),
+            worst_running_tpot_ms=max((r.tpot_ms for r in running), default=None),
+            running=running,
         )
 
-    def _worst_running_tpot_ms(self) -> float | None:
+    def _running_view(self) -> tuple[RunningRequest, ...]:
+        """Requests decoding with at least ``MIN_TOKENS_FOR_TPOT`` tokens: their TPOT so far
+        and the tokens ``max_tokens`` still allows."""
         known = getattr(self.engine.scheduler, "requests", None)
         if known is not None:  # drop requests aborted on the engine behind the loop's back
             for request_id in [r for r in self._timing if r not in known]:
                 del self._timing[request_id]
-        worst = None
-        for timing in self._timing.values():
+        out = []
+        for request_id, timing in self._timing.items():
             if timing.tokens >= MIN_TOKENS_FOR_TPOT and timing.first is not None:
                 assert timing.last is not None
                 tpot = (timing.last - timing.first) * 1e3 / (timing.tokens - 1)
-                worst = tpot if worst is None else max(worst, tpot)
-        return worst
+                request = None if known is None else known.get(request_id)
+                remaining = None
+                if request is not None:
+                    limit = request.sampling_params.max_tokens
+                    remaining = max(limit - len(request.output_token_ids), 0)
+                out.append(RunningRequest(timing.tokens, tpot, remaining))
+        return tuple(out)
 
     def _task(
         self, job_id: str, launch: Any, plan: IterationPlan, stream: Any = None

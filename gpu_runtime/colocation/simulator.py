@@ -30,6 +30,7 @@ from gpu_runtime.colocation.types import (
     JobView,
     LaunchMode,
     QuantumReport,
+    RunningRequest,
 )
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 
@@ -167,6 +168,7 @@ class SimulatedHost:
                 )
                 flight = None
             decode, prefill_plan = self._schedule(running, waiting)
+            views = _running_views(running)
             ctx = IterationContext(
                 now=t,
                 decode=decode,
@@ -177,7 +179,8 @@ class SimulatedHost:
                 in_flight=flight[0] if flight else None,
                 finetune_budget_bytes=None,
                 tpot_slo_ms=tpot_slo_ms,
-                worst_running_tpot_ms=_worst_tpot(running),
+                worst_running_tpot_ms=max((r.tpot_ms for r in views), default=None),
+                running=views,
             )
             plan = policy.plan(ctx)
             validate_plan(plan, ctx)
@@ -314,13 +317,14 @@ class SimulatedHost:
         return samples, finished, emitted
 
 
-def _worst_tpot(running: list[_Request]) -> float | None:
-    tpots = [
-        (r.last - r.first) * 1e3 / (r.generated - 1)
+def _running_views(running: list[_Request]) -> tuple[RunningRequest, ...]:
+    return tuple(
+        RunningRequest(
+            r.generated, (r.last - r.first) * 1e3 / (r.generated - 1), r.output - r.generated
+        )
         for r in running
         if r.generated >= MIN_TOKENS_FOR_TPOT and r.first is not None and r.last is not None
-    ]
-    return max(tpots, default=None)
+    )
 
 
 def _ft_share(decode_share: float) -> float:

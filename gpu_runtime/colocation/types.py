@@ -125,6 +125,8 @@ class IterationContext:
         worst_running_tpot_ms: the highest mean TPOT so far among running requests that have
             emitted at least ``MIN_TOKENS_FOR_TPOT`` tokens (None: none has): how close the
             batch already is to missing its SLO.
+        running: those requests one by one (tokens so far, mean TPOT so far, tokens left), so
+            a policy can project where each request's mean TPOT ends up.
     """
 
     now: float
@@ -137,6 +139,29 @@ class IterationContext:
     finetune_budget_bytes: int | None
     tpot_slo_ms: float
     worst_running_tpot_ms: float | None = None
+    running: tuple[RunningRequest, ...] = ()
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """A request still decoding, as an SLO check sees it."""
+
+    tokens: int
+    """Output tokens emitted so far."""
+    tpot_ms: float
+    """Mean gap between those tokens so far."""
+    remaining_tokens: int | None
+    """At most this many tokens still to come (``max_tokens`` less those emitted; None when
+    unknown)."""
+
+    def final_tpot_ms(self, iteration_ms: float, horizon_tokens: int) -> float:
+        """Its mean TPOT at the end if every remaining token (``remaining_tokens``, or
+        ``horizon_tokens`` when unknown) takes ``iteration_ms``."""
+        left = self.remaining_tokens if self.remaining_tokens is not None else horizon_tokens
+        gaps = max(self.tokens - 1, 0)
+        if gaps + left <= 0:
+            return self.tpot_ms
+        return (gaps * self.tpot_ms + left * iteration_ms) / (gaps + left)
 
 
 MIN_TOKENS_FOR_TPOT = 16

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, LaunchMode
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy
 from gpu_runtime.colocation.predictor import decode_iteration
-from gpu_runtime.colocation.types import InFlightQuantum
+from gpu_runtime.colocation.types import InFlightQuantum, IterationPlan
 from gpu_runtime.predictor.schema import FinetuneQuantum
 
 from .sim import JOB, OPTIONS, TOTAL_SMS, FakeGpu, context, record
@@ -208,29 +208,50 @@ def test_margin_reacts_to_persistent_bias_not_to_a_lone_spike() -> None:
     assert biased.margin == pytest.approx(0.02 + 0.3)
 
 
-def test_requests_near_their_slo_are_not_slowed_further() -> None:
+def test_running_requests_are_projected_to_their_end() -> None:
     from dataclasses import replace
 
-    policy = HarliPolicy(MODEL, HarliConfig(allow_slice=False, allow_shared=False))
+    from gpu_runtime.colocation.types import RunningRequest
+
+    policy = HarliPolicy(MODEL, HarliConfig(allow_slice=False))
     decode = DecodeSnapshot.from_contexts([512] * 16)
     slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 2.0
-    free = policy.plan(context(decode, slo))
-    assert free.launches and free.margin is not None and free.decode_sms is not None
-    # A request already at the bound: no new quantum at all.
-    at_bound = replace(context(decode, slo), worst_running_tpot_ms=slo * (1 - free.margin))
-    plan = policy.plan(at_bound)
-    assert plan.paused and not plan.launches and "at risk" in plan.note
-    # A request just under the SLO by less than a choice's predicted extra time per iteration:
-    # only choices adding less than the remaining headroom stay, so decode gets more SMs.
-    typical = policy.expected_snapshot(decode)
-    alone = MODEL.predict_ms(decode_iteration(typical, 1.0), None)
-    extra = _predicted(typical, free.decode_sms, LaunchMode.CONCURRENT, JOB.max_seq_len) - alone
-    close = replace(context(decode, slo), worst_running_tpot_ms=slo - extra / 2)
-    guarded = policy.plan(close)
-    if guarded.launches:
-        assert guarded.decode_sms is not None and guarded.decode_sms > free.decode_sms
-    else:
-        assert guarded.paused
+    base = context(decode, slo)
+    free = policy.plan(base)
+    assert free.launches and free.margin is not None
+
+    def plan_with(*running: RunningRequest, policy: HarliPolicy = policy) -> IterationPlan:
+        return policy.plan(
+            replace(
+                base,
+                running=running,
+                worst_running_tpot_ms=max(r.tpot_ms for r in running),
+            )
+        )
+
+    # Over the bound so far, 20 tokens left: decode alone brings it back under the SLO, any
+    # co-run iteration keeps it over the bound -> pause, and the plan says why.
+    rescuable = RunningRequest(tokens=100, tpot_ms=slo * 1.02, remaining_tokens=20)
+    alone = MODEL.predict_ms(decode_iteration(policy.expected_snapshot(decode), 1.0), None)
+    assert rescuable.final_tpot_ms(alone, 64) <= slo
+    paused = plan_with(rescuable)
+    assert paused.paused and not paused.launches and paused.note == "request at risk"
+    # The same request with many tokens left: co-run iterations far under the SLO pull its mean
+    # down anyway, so finetuning goes on.
+    recovering = RunningRequest(tokens=100, tpot_ms=slo * 1.02, remaining_tokens=400)
+    assert plan_with(recovering).launches
+    # Lost whatever happens (decode alone cannot bring it under the SLO): it holds nothing back.
+    lost = RunningRequest(tokens=200, tpot_ms=slo * 3, remaining_tokens=5)
+    assert lost.final_tpot_ms(alone, 64) > slo
+    assert plan_with(lost).launches
+    # A limit-less request is projected over `unknown_remaining_tokens` tokens.
+    unknown = RunningRequest(tokens=100, tpot_ms=slo * 1.02, remaining_tokens=None)
+    expected = unknown.final_tpot_ms(alone, policy.config.unknown_remaining_tokens)
+    assert expected == pytest.approx((99 * slo * 1.02 + 64 * alone) / (99 + 64), rel=1e-12)
+    long = HarliPolicy(MODEL, HarliConfig(allow_slice=False, unknown_remaining_tokens=400))
+    assert plan_with(unknown, policy=long).launches
+    short = HarliPolicy(MODEL, HarliConfig(allow_slice=False, unknown_remaining_tokens=10))
+    assert plan_with(unknown, policy=short).note == "request at risk"
 
 
 def test_margin_bumps_on_requests_missing_the_slo_not_on_slow_prefill_iterations() -> None:
