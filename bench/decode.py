@@ -336,7 +336,8 @@ def main() -> None:
     parser.add_argument(
         "--extras",
         default="",
-        help="comma list: gemm (cuBLAS vs cuBLASLt over the decode GEMMs), sampler (paths)",
+        help="comma list: gemm (cuBLAS vs cuBLASLt over the decode GEMMs), sampler (paths), "
+        "skinny (a Triton few-row GEMM against cuBLAS at batch 8; experiment)",
     )
     parser.add_argument("--skip-check", action="store_true", help="no correctness check")
     parser.add_argument(
@@ -514,6 +515,11 @@ def main() -> None:
                 from decode_profile import gemm_backends
 
                 studies["gemm_backends"] = gemm_backends(model, bandwidth, batches)
+                write_result(complete=False)
+            if "skinny" in extras and name == models[0]:
+                from decode_profile import skinny_gemm_study
+
+                studies["skinny_gemm"] = skinny_gemm_study(model, bandwidth)
                 write_result(complete=False)
             prefill_prompt = 2048
             max_ctx = max(contexts + [args.hf_context] + ([prefill_prompt + 1] if chunks else []))
