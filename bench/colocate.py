@@ -72,6 +72,7 @@ from gpu_runtime.colocation import (
     HarliConfig,
     summarize,
 )
+from gpu_runtime.colocation.corrected import CorrectedLatencyModel
 from gpu_runtime.colocation.predictor import DecodeLatencyModel
 from gpu_runtime.model import ModelConfig
 
@@ -179,8 +180,16 @@ def main() -> None:
         if artifact is None:
             pass
         elif args.predictor_use == "harli":
-            harli_latency = artifact
-            info["harli_predictor"] = f"trained artifact {args.predictor} (ONNX Runtime, CPU)"
+            corrected = CorrectedLatencyModel(artifact)
+            for record in calib_records:  # this host's offsets, before any timed run
+                corrected.observe_record(record, args.ft_seq_len, rank)
+            harli_latency = corrected
+            info["harli_predictor"] = (
+                f"trained artifact {args.predictor} (ONNX Runtime, CPU, one batched call per "
+                "plan), times observed/predicted ratios per (split, quantum beside, prefill) "
+                "learnt from the calibration phase and online (CorrectedLatencyModel)"
+            )
+            info["harli_correction_after_calibration"] = corrected.describe()
         else:
             info["harli_predictor"] += (
                 f"; trained artifact {args.predictor} evaluated beside it (predictor_check), "
@@ -300,6 +309,11 @@ def main() -> None:
                 "data_stream_restarts": getattr(backend, "stream_restarts", 0),
                 "graph_state_end": (
                     backend.graph_state() if isinstance(backend, LoopBackend) else None
+                ),
+                "harli_correction_end": (
+                    harli_latency.describe()
+                    if isinstance(harli_latency, CorrectedLatencyModel)
+                    else None
                 ),
             },
             "simulated": bool(args.simulate),

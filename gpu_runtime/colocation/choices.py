@@ -13,7 +13,12 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from gpu_runtime.colocation.estimates import QuantumDurations, lookahead
-from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
+from gpu_runtime.colocation.predictor import (
+    DecodeLatencyModel,
+    Pair,
+    decode_iteration,
+    predict_many,
+)
 from gpu_runtime.colocation.slicing import SliceCosts, SliceState
 from gpu_runtime.colocation.types import (
     DecodeSnapshot,
@@ -124,6 +129,38 @@ class HarliChoices:
                 self.risk_rejections += 1
                 return False
         return True
+
+    def _prefetch(
+        self, ctx: IterationContext, job: JobView, shares: list[float], sizes: list[int]
+    ) -> None:
+        """Ask the latency model, in one call (``predict_many``), for every prediction the
+        whole quanta beside decode on ``shares`` may need: the coming and the typical iteration
+        with each quantum size, and the typical iteration alone."""
+        memo = self._plan_memo(ctx)
+        size_free = getattr(self.latency, "quantum_size_independent", False)
+        typical = self._typical_snapshot(ctx)
+        pairs: list[Pair] = []
+        keys: list[tuple[float, int]] = []
+        for share in shares:
+            ft_share = 1.0 if share >= 1.0 else 1.0 - share
+            now, later = decode_iteration(ctx.decode, share), decode_iteration(typical, share)
+            for k in sizes[:1] if size_free else sizes:
+                tokens = k * job.max_seq_len
+                key = (share, 0 if size_free else tokens)
+                if key in memo or key in keys:
+                    continue
+                seq_len = max(job.seq_len, 1)
+                quantum = FinetuneQuantum(tokens, seq_len, job.lora_rank, True, ft_share)
+                pairs += [(now, quantum), (later, quantum)]
+                keys.append(key)
+        alone = self._memo_alone is None
+        if alone:
+            pairs.append((decode_iteration(typical, 1.0), None))
+        values = predict_many(self.latency, pairs)
+        for i, key in enumerate(keys):
+            memo[key] = (values[2 * i], values[2 * i + 1])
+        if alone:
+            self._memo_alone = values[-1]
 
     def _typical_alone(self, ctx: IterationContext) -> float:
         self._plan_memo(ctx)

@@ -52,7 +52,7 @@ from gpu_runtime.colocation.estimates import (
     MarginTracker,
     QuantumDurations,
 )
-from gpu_runtime.colocation.online import OnlineLatencyModel, beside_quantum
+from gpu_runtime.colocation.online import beside_quantum
 from gpu_runtime.colocation.policy import CoLocationPolicy
 from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.slicing import SliceCosts, SliceState
@@ -206,6 +206,10 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         rejected_before = self.risk_rejections
         sliced = self._slice_state(job)
         if sliced is None or not sliced.active:  # a micro-batch in progress goes on in slices
+            shares = [d / total for d in options[:-1]] if total and ctx.spatial else []
+            if self.config.allow_shared:
+                shares.append(1.0)
+            self._prefetch(ctx, job, shares, sizes)
             if total and ctx.spatial:
                 for d in options[:-1]:
                     choices += self._spatial(ctx, job, d, total, sizes, bound)
@@ -291,10 +295,11 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             breached = any(f.tpot_ms is not None and f.tpot_ms > slo for f in record.finished)
             breached |= self._worst_running is not None and self._worst_running > slo
             self.margins.observe(record.predicted_ms, record.iteration_ms, slo, breached)
-        if isinstance(self.latency, OnlineLatencyModel):
+        learn = getattr(self.latency, "observe_record", None)  # models that learn online
+        if learn is not None:
             job = self._jobs.get(record.quanta[0].job_id) if record.quanta else None
             seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
-            self.latency.observe_record(record, seq_len, rank)
+            learn(record, seq_len, rank)
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.name, **asdict(self.config)}

@@ -116,26 +116,10 @@ class OnlineLatencyModel:
         self._drain_pending()
 
     def observe_record(self, record: IterationRecord, seq_len: int = 512, rank: int = 16) -> None:
-        """Add a loop record (ignored when decode was idle or the device size is unknown)."""
-        if not (record.decode_batch or record.prefill_tokens):
-            return
-        total = record.total_sms
-        share = 1.0 if not total or record.decode_sms is None else record.decode_sms / total
-        iteration = DecodeIteration(
-            record.decode_batch,
-            record.context_tokens_total,
-            record.context_tokens_max,
-            record.prefill_tokens,
-            share,
-        )
-        quantum = None
-        if record.beside_tokens:
-            quantum = beside_quantum(
-                record.beside_tokens, record.beside_decode_sms, total, seq_len, rank
-            )
-        # A quantum run after decode is part of the iteration but not of decode's latency.
-        after = sum(q.duration_ms for q in record.quanta if q.mode is LaunchMode.AFTER_DECODE)
-        self.observe(iteration, quantum, record.iteration_ms - after)
+        """Add a loop record (ignored when decode was idle)."""
+        observation = record_observation(record, seq_len, rank)
+        if observation is not None:
+            self.observe(*observation)
 
     def _drain_pending(self) -> None:
         keep = []
@@ -280,6 +264,31 @@ class OnlineLatencyModel:
 
 def _disjoint(iteration: DecodeIteration, quantum: FinetuneQuantum) -> bool:
     return quantum.sm_share + iteration.decode_sm_share <= 1.0 + 1e-9
+
+
+def record_observation(
+    record: IterationRecord, seq_len: int, rank: int
+) -> tuple[DecodeIteration, FinetuneQuantum | None, float] | None:
+    """(the iteration, the quantum beside decode, decode's observed ms) of a loop record; None
+    when decode was idle. A quantum run after decode is part of the iteration's time but not of
+    decode's latency, so it is taken out."""
+    if not (record.decode_batch or record.prefill_tokens):
+        return None
+    total = record.total_sms
+    share = 1.0 if not total or record.decode_sms is None else record.decode_sms / total
+    iteration = DecodeIteration(
+        record.decode_batch,
+        record.context_tokens_total,
+        record.context_tokens_max,
+        record.prefill_tokens,
+        share,
+    )
+    quantum = None
+    if record.beside_tokens:
+        tokens, launch_sms = record.beside_tokens, record.beside_decode_sms
+        quantum = beside_quantum(tokens, launch_sms, total, seq_len, rank)
+    after = sum(q.duration_ms for q in record.quanta if q.mode is LaunchMode.AFTER_DECODE)
+    return iteration, quantum, record.iteration_ms - after
 
 
 def beside_quantum(

@@ -9,12 +9,12 @@ None is stage 1 (decode alone on ``iteration.decode_sm_share`` of the SMs), othe
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from gpu_runtime.colocation.types import DecodeSnapshot
-from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
+from gpu_runtime.predictor.schema import NO_FINETUNE_ROW, DecodeIteration, FinetuneQuantum
 
 
 class DecodeLatencyModel(Protocol):
@@ -23,6 +23,33 @@ class DecodeLatencyModel(Protocol):
     def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
         """Predicted decode iteration latency (ms); ``quantum`` None = decode alone."""
         ...
+
+
+Pair = tuple[DecodeIteration, "FinetuneQuantum | None"]
+
+
+def predict_many(model: DecodeLatencyModel, pairs: Sequence[Pair]) -> list[float]:
+    """``model.predict_ms`` of every pair, in one call where the model has a batch path
+    (``predict_many``, or the ONNX runtime's raw ``predict(rows)``: one session run for all)."""
+    if not pairs:
+        return []
+    many = getattr(model, "predict_many", None)
+    if many is not None:
+        return list(many(pairs))
+    rows_api = getattr(model, "predict", None)
+    if rows_api is not None and hasattr(model, "max_batch"):
+        import numpy as np
+
+        rows = np.array(
+            [
+                [*it.row(), *(NO_FINETUNE_ROW if q is None or q.tokens == 0 else q.row())]
+                for it, q in pairs
+            ],
+            dtype=np.float32,
+        )
+        _, colocated = rows_api(rows)
+        return [float(v) for v in colocated]
+    return [model.predict_ms(it, q) for it, q in pairs]
 
 
 def decode_iteration(snapshot: DecodeSnapshot, decode_sm_share: float) -> DecodeIteration:

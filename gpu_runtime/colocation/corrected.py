@@ -1,0 +1,123 @@
+"""A trained latency predictor, corrected online by what the loop itself observes.
+
+The ONNX predictor (``gpu_runtime.predictor``) is trained offline on the GPU's profile: it knows
+how latency moves with batch, context, prefill chunk, SM share and the quantum beside decode,
+but not this host's constant offsets (the loop's own host work per iteration, a different H200,
+an engine changed since the profile). :class:`CorrectedLatencyModel` multiplies its prediction
+by the median of recent ``observed / predicted`` ratios of iterations of the same kind
+(decode SM share, whether a quantum ran beside decode, whether the step carried a prefill chunk),
+falling back to the ratio over every share of that kind, then to 1. Targets are whole iteration
+times (``IterationRecord.iteration_ms``), as for ``OnlineLatencyModel``.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict, deque
+from collections.abc import Sequence
+from typing import Any
+
+from gpu_runtime.colocation.online import record_observation
+from gpu_runtime.colocation.predictor import DecodeLatencyModel, Pair, predict_many
+from gpu_runtime.colocation.types import IterationRecord
+from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
+
+Kind = tuple[bool, bool]
+"""(a quantum beside decode, a prefill chunk in the step)."""
+
+
+def _kind(iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> Kind:
+    beside = quantum is not None and quantum.tokens > 0
+    return beside, iteration.prefill_chunk_tokens > 0
+
+
+class CorrectedLatencyModel:
+    """``base.predict_ms`` times a learnt ratio per kind of iteration (see the module doc)."""
+
+    def __init__(
+        self,
+        base: DecodeLatencyModel,
+        *,
+        window: int = 64,
+        min_samples: int = 4,
+        ratio_bounds: tuple[float, float] = (0.25, 8.0),
+    ) -> None:
+        """``window``: ratios kept per key; ``min_samples``: ratios a key needs before it is
+        used; ``ratio_bounds``: the range a single ratio is clipped to (one stalled iteration
+        must not throw the median far)."""
+        if window < 1 or min_samples < 1 or not 0 < ratio_bounds[0] < 1 < ratio_bounds[1]:
+            raise ValueError(
+                f"window={window}, min_samples={min_samples} must be >= 1 and ratio_bounds="
+                f"{ratio_bounds} must bracket 1 above 0"
+            )
+        self.base = base
+        self.window = window
+        self.min_samples = min_samples
+        self.ratio_bounds = ratio_bounds
+        self._ratios: dict[tuple[float, Kind], deque[float]] = defaultdict(
+            lambda: deque(maxlen=window)
+        )
+        self._pooled: dict[Kind, deque[float]] = defaultdict(lambda: deque(maxlen=window))
+        self._share_medians: dict[tuple[float, Kind], float] = {}
+        self._kind_medians: dict[Kind, float] = {}
+
+    def ratio(self, share: float, kind: Kind) -> float:
+        """The correction applied to iterations of ``kind`` on ``share`` of the SMs."""
+        cached = self._share_medians.get((round(share, 4), kind))
+        if cached is not None:
+            return cached
+        return self._kind_medians.get(kind, 1.0)
+
+    def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
+        base = self.base.predict_ms(iteration, quantum)
+        return base * self.ratio(iteration.decode_sm_share, _kind(iteration, quantum))
+
+    def predict_many(self, pairs: Sequence[Pair]) -> list[float]:
+        """``predict_ms`` of every pair, the base model asked once (``predict_many``)."""
+        bases = predict_many(self.base, pairs)
+        return [
+            b * self.ratio(it.decode_sm_share, _kind(it, q))
+            for b, (it, q) in zip(bases, pairs, strict=True)
+        ]
+
+    def observe(
+        self, iteration: DecodeIteration, quantum: FinetuneQuantum | None, observed_ms: float
+    ) -> None:
+        """Add one observed iteration (its prediction by ``base`` is recomputed here)."""
+        if observed_ms <= 0:
+            return
+        predicted = self.base.predict_ms(iteration, quantum)
+        if not predicted > 0:
+            return
+        low, high = self.ratio_bounds
+        ratio = min(max(observed_ms / predicted, low), high)
+        kind = _kind(iteration, quantum)
+        key = (round(iteration.decode_sm_share, 4), kind)
+        per_share, pooled = self._ratios[key], self._pooled[kind]
+        per_share.append(ratio)
+        pooled.append(ratio)
+        if len(per_share) >= self.min_samples:
+            self._share_medians[key] = statistics.median(per_share)
+        if len(pooled) >= self.min_samples:
+            self._kind_medians[kind] = statistics.median(pooled)
+
+    def observe_record(self, record: IterationRecord, seq_len: int = 512, rank: int = 16) -> None:
+        """Add a loop record (ignored when decode was idle)."""
+        observation = record_observation(record, seq_len, rank)
+        if observation is not None:
+            self.observe(*observation)
+
+    def describe(self) -> dict[str, Any]:
+        """The learnt ratios (for results and logs)."""
+
+        def name(kind: Kind) -> str:
+            beside, prefill = kind
+            return f"{'beside' if beside else 'alone'}/{'prefill' if prefill else 'decode'}"
+
+        return {
+            "per_share": {
+                f"{share}/{name(kind)}": round(m, 4)
+                for (share, kind), m in sorted(self._share_medians.items())
+            },
+            "pooled": {name(kind): round(m, 4) for kind, m in self._kind_medians.items()},
+        }

@@ -1,0 +1,109 @@
+"""The trained predictor corrected online, and predictions asked in one batched call."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot
+from gpu_runtime.colocation.corrected import CorrectedLatencyModel
+from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy
+from gpu_runtime.colocation.predictor import Pair, decode_iteration, predict_many
+from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
+
+from .sim import context
+
+BASE = AnalyticLatencyModel()
+ARTIFACTS = Path(__file__).resolve().parents[3] / "predictor_models" / "artifacts"
+
+
+def _iteration(share: float, prefill: int = 0, batch: int = 16) -> DecodeIteration:
+    return DecodeIteration(batch, batch * 600, 900, prefill, share)
+
+
+QUANTUM = FinetuneQuantum(tokens=512, seq_len=256, lora_rank=16, backward=True, sm_share=0.5)
+
+
+def test_ratios_are_learnt_per_kind_of_iteration_and_pooled_across_shares() -> None:
+    model = CorrectedLatencyModel(BASE, min_samples=4)
+    half, decode_only, mixed = 0.5, _iteration(0.5), _iteration(0.5, prefill=256)
+    assert model.predict_ms(decode_only, None) == BASE.predict_ms(decode_only, None)
+    for _ in range(3):
+        model.observe(decode_only, None, 1.3 * BASE.predict_ms(decode_only, None))
+    assert model.ratio(half, (False, False)) == 1.0  # fewer than min_samples: not used yet
+    model.observe(decode_only, None, 1.3 * BASE.predict_ms(decode_only, None))
+    assert model.predict_ms(decode_only, None) == pytest.approx(
+        1.3 * BASE.predict_ms(decode_only, None)
+    )
+    for _ in range(4):
+        model.observe(mixed, QUANTUM, 2.0 * BASE.predict_ms(mixed, QUANTUM))
+    assert model.predict_ms(mixed, QUANTUM) == pytest.approx(2.0 * BASE.predict_ms(mixed, QUANTUM))
+    # Kinds never observed stay uncorrected; a share never observed takes the kind's pooled
+    # ratio.
+    assert model.ratio(half, (True, False)) == 1.0
+    other = _iteration(0.75)
+    assert model.predict_ms(other, None) == pytest.approx(1.3 * BASE.predict_ms(other, None))
+    assert model.describe()["pooled"] == {"alone/decode": 1.3, "beside/prefill": 2.0}
+
+
+def test_one_stalled_iteration_does_not_move_the_correction() -> None:
+    model = CorrectedLatencyModel(BASE, min_samples=4, ratio_bounds=(0.25, 8.0))
+    it = _iteration(1.0)
+    predicted = BASE.predict_ms(it, None)
+    for observed in (1.1, 1.1, 1.1, 1000.0, 1.1):
+        model.observe(it, None, observed * predicted)
+    assert model.ratio(1.0, (False, False)) == pytest.approx(1.1)
+    with pytest.raises(ValueError, match="bracket 1"):
+        CorrectedLatencyModel(BASE, ratio_bounds=(1.5, 8.0))
+
+
+def test_predict_many_on_the_onnx_artifact_equals_one_call_per_pair() -> None:
+    from gpu_runtime.predictor.artifact import artifact_dir
+    from gpu_runtime.predictor.runtime import LatencyPredictor
+
+    predictor = LatencyPredictor.load(artifact_dir(str(ARTIFACTS), "h200", "llama3-8b"))
+    pairs: list[Pair] = [
+        (_iteration(share, prefill), quantum)
+        for share in (48 / 132, 64 / 132, 1.0)
+        for prefill in (0, 256)
+        for quantum in (None, QUANTUM)
+    ]
+    batched = predict_many(predictor, pairs)
+    single = [predictor.predict_ms(it, q) for it, q in pairs]
+    assert batched == pytest.approx(single, rel=1e-5)
+    corrected = CorrectedLatencyModel(predictor)
+    assert predict_many(corrected, pairs) == pytest.approx(single, rel=1e-5)
+
+
+class _CountingModel:
+    """The analytic model, counting how it is asked."""
+
+    def __init__(self, batched: bool) -> None:
+        self.single_calls = 0
+        self.batch_calls = 0
+        if batched:
+            self.predict_many = self._predict_many
+
+    def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
+        self.single_calls += 1
+        return BASE.predict_ms(iteration, quantum)
+
+    def _predict_many(self, pairs: list[Pair]) -> list[float]:
+        self.batch_calls += 1
+        return [BASE.predict_ms(it, q) for it, q in pairs]
+
+
+def test_harli_asks_its_choices_in_one_batch_and_plans_the_same() -> None:
+    decode = DecodeSnapshot.from_contexts([512] * 16, prefill_tokens=64)
+    slo = BASE.predict_ms(decode_iteration(decode, 1.0), None) * 2.0
+    config = HarliConfig(allow_slice=False)
+    plans = []
+    counters = []
+    for batched in (False, True):
+        model = _CountingModel(batched)
+        plans.append(HarliPolicy(model, config).plan(context(decode, slo)))
+        counters.append((model.single_calls, model.batch_calls))
+    assert plans[0] == plans[1] and plans[1].launches
+    (one_by_one, _), (single, batches) = counters
+    assert batches == 1 and single <= 3 < one_by_one
