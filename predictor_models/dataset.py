@@ -145,13 +145,22 @@ MERGE_KEYS = ("gpu", "gpu_key", "sms", "model", "model_shape", "sharing")
 """Metadata that must agree between profiles merged into one data set."""
 
 
-def merge_profiles(parts: list[str | Path], out: str | Path) -> ProfileData:
+def merge_profiles(
+    parts: list[str | Path],
+    out: str | Path,
+    stages: list[tuple[int, ...] | None] | None = None,
+) -> ProfileData:
     """Write the rows of several profiles (same GPU, model shape, sharing) as one data set.
 
     ``out`` gets the CSV (the first part's columns, in order) and a ``.meta.json`` holding the
-    agreed keys, each part's full metadata under ``parts`` (with its file name, sha256 and row
-    count), the parts' sources and commits (``commit`` joins them); DatasetError if the parts
-    disagree or a column is missing."""
+    agreed keys, each part's full metadata under ``parts`` (with its file name, sha256, row
+    count and the stages kept), the parts' sources and commits (``commit`` joins them);
+    DatasetError if the parts disagree or a column is missing. ``stages[i]``: keep only those
+    stages' rows of part ``i`` (None: all), e.g. an older run's stage-1 rows without its
+    stage-2 rows, whose finetune quanta were of another kind."""
+    keep = list(stages) if stages is not None else [None] * len(parts)
+    if len(keep) != len(parts):
+        raise DatasetError(f"{len(keep)} stage filters for {len(parts)} parts")
     target = Path(out)
     metas, raws = [], []
     for part in parts:
@@ -166,11 +175,15 @@ def merge_profiles(parts: list[str | Path], out: str | Path) -> ProfileData:
             raise DatasetError(f"profiles disagree on {key}: {sorted(values)}")
     fields = next(csv.reader(texts[0].splitlines()))
     rows: list[dict[str, str]] = []
-    for part, text in zip(parts, texts, strict=True):
+    kept: list[int] = []
+    for part, text, wanted in zip(parts, texts, keep, strict=True):
         part_rows = list(csv.DictReader(text.splitlines()))
         missing = [f for f in fields if f not in part_rows[0]]
         if missing:
             raise DatasetError(f"{part} lacks columns {missing}")
+        if wanted is not None:
+            part_rows = [r for r in part_rows if int(r["stage"]) in wanted]
+        kept.append(len(part_rows))
         rows += part_rows
     target.parent.mkdir(parents=True, exist_ok=True)
     with target.open("w", newline="") as handle:
@@ -187,9 +200,11 @@ def merge_profiles(parts: list[str | Path], out: str | Path) -> ProfileData:
             "file": Path(p).name,
             "sha256": hashlib.sha256(raw).hexdigest(),
             "rows": len(raw.decode().strip().splitlines()) - 1,
+            "stages_kept": list(wanted) if wanted is not None else [1, 2],
+            "rows_kept": n_kept,
             "meta": m,
         }
-        for p, raw, m in zip(parts, raws, metas, strict=True)
+        for p, raw, m, wanted, n_kept in zip(parts, raws, metas, keep, kept, strict=True)
     ]
     target.with_suffix(".meta.json").write_text(json.dumps(meta, indent=1))
     return load_profile(target)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
+import os
 import subprocess
 import warnings
 from pathlib import Path
@@ -105,6 +106,11 @@ def roundtrip_rows(x: np.ndarray, seed: int = 0) -> np.ndarray:
 
 
 def _commit() -> str:
+    """``HARLI_COMMIT`` or ``GIT_COMMIT`` when set (a copied tree's ``.git`` may be stale or
+    absent), else git's HEAD."""
+    for name in ("HARLI_COMMIT", "GIT_COMMIT"):
+        if os.environ.get(name):
+            return os.environ[name]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "HEAD"], text=True, stderr=subprocess.DEVNULL

@@ -79,6 +79,7 @@ class TrainerQuantum:
 
         TrainerQuantumError if graphs are in use but no quantum replayed within ``tries``
         (e.g. a failed capture: the trainer's quanta would run eagerly, host-bound)."""
+        self.align(stream)
         result = None
         for _ in range(tries):
             if stream is None:
@@ -99,6 +100,18 @@ class TrainerQuantum:
             f"no graph replay after {tries} quanta: the last ran "
             f"{result.graph if result else None} ({result.graph_fallback if result else None})"
         )
+
+    def align(self, stream: Any) -> None:
+        """If the trainer last ran quanta of another size and stopped where ``micro_batch``
+        examples no longer fit before the optimizer batch's end, run the rest of that batch
+        (one quantum): every later quantum then has exactly ``micro_batch`` examples."""
+        rest = self.trainer.stream.position.index % OPTIMIZER_BATCH
+        if rest % self.micro_batch:
+            if stream is None:
+                self.trainer.step_quantum(max_examples=OPTIMIZER_BATCH - rest)
+                return
+            with torch.cuda.stream(stream):
+                self.trainer.step_quantum(max_examples=OPTIMIZER_BATCH - rest)
 
     def check_replayed(self, since: int) -> None:
         """TrainerQuantumError unless every quantum after the first ``since`` replayed."""

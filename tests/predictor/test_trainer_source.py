@@ -41,9 +41,15 @@ def test_trainer_quanta_train_micro_batches_over_the_serving_weights() -> None:
         torch.testing.assert_close(param, before[name], rtol=0, atol=0)
     lora_b = [p for n, p in trainer.model.named_parameters() if ".lora_B" in n]
     assert lora_b and any(float(p.detach().abs().max()) > 0 for p in lora_b)  # the adapter trained
+    single = quanta.quantum(4, 32, 1)
+    single.run()  # position 9: one example into the second optimizer batch
+    pair = quanta.quantum(4, 32, 2)
+    pair.warm(None)  # runs the batch's other 7 examples first, then a whole pair
+    assert trainer.step == 2 and trainer.stream.position.index == 18
+    pair.run()
     quanta.release()
     info = quanta.describe()
-    assert info["rank4-seq32"]["optimizer_steps"] == 1
+    assert info["rank4-seq32"]["optimizer_steps"] == 2
     with pytest.raises(ValueError, match="divide"):
         quanta.quantum(4, 32, 3)
 

@@ -130,6 +130,14 @@ def test_merged_profiles_keep_every_row_and_their_provenance(tmp_path: Path) -> 
     other.with_suffix(".meta.json").write_text(json.dumps(meta))
     with pytest.raises(DatasetError, match="disagree on model_shape"):
         merge_profiles([DATA, other], tmp_path / "bad.csv")
+    stage1_only = merge_profiles([DATA, DATA], tmp_path / "s1.csv", stages=[None, (1,)])
+    n1 = int(np.sum(single.stage == 1))
+    assert len(stage1_only) == len(single) + n1 and n1 < len(single)
+    assert np.all(stage1_only.stage[len(single) :] == 1)
+    kept = [(p["stages_kept"], p["rows_kept"]) for p in stage1_only.meta["parts"]]
+    assert kept == [([1, 2], len(single)), ([1], n1)]
+    with pytest.raises(DatasetError, match="1 stage filters for 2 parts"):
+        merge_profiles([DATA, DATA], tmp_path / "bad.csv", stages=[None])
 
 
 def test_model_choice_prefers_the_simplest_candidate_near_the_best() -> None:
