@@ -337,7 +337,8 @@ def main() -> None:
         "--extras",
         default="",
         help="comma list: gemm (cuBLAS vs cuBLASLt over the decode GEMMs), sampler (paths), "
-        "skinny (a Triton few-row GEMM against cuBLAS at batch 8; experiment)",
+        "skinny (a Triton few-row GEMM against cuBLAS at batch 8; experiment), mixed (host "
+        "profile of steps carrying a prefill chunk)",
     )
     parser.add_argument("--skip-check", action="store_true", help="no correctness check")
     parser.add_argument(
@@ -550,6 +551,11 @@ def main() -> None:
                 for batch in batches:
                     res = time_engine(engine, batch, context, args.warmup, args.steps)
                     add_row(name, "harli", batch, context, res, config)
+            if "mixed" in extras and name == models[0]:
+                from decode_profile import mixed_step_profile
+
+                studies["mixed_step_profile"] = mixed_step_profile(engine)
+                write_result(complete=False)
             if chunks and name == models[0]:
                 studies["prefill_chunks"] = time_prefill_chunks(
                     engine, chunks, 32, min(contexts), prefill_prompt

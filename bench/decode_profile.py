@@ -494,3 +494,62 @@ def skinny_gemm_study(
         results.append(row)
         print("skinny", row, flush=True)
     return results
+
+
+def mixed_step_profile(
+    engine: Engine, cases: tuple[tuple[int, int], ...] = ((1, 64), (32, 512)), reps: int = 3
+) -> list[dict[str, Any]]:
+    """Steps that carry a prefill chunk (`rows` decode rows at context 512 + one new prompt of
+    `chunk` tokens, all in one step): wall time, the host phases (`Engine.last_step_times`)
+    and the Python functions with the most own time (cProfile over `reps` more such steps;
+    the timed steps run without the profiler)."""
+    import cProfile
+    import pstats
+    import time
+
+    from gpu_runtime.engine import SamplingParams
+
+    results = []
+    vocab = engine.model_config.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
+    for rows, chunk in cases:
+        ids = inject(engine, rows, 512, 64, seed=99 + rows)
+        engine.step()  # decode step, then one warm mixed step (compiles)
+        walls, phases = [], []
+        profiler = cProfile.Profile()
+        for rep in range(2 * reps + 1):  # warm-up, timed steps, profiled steps
+            prompt = torch.randint(0, vocab, (chunk,), generator=gen).tolist()
+            rid = engine.add_request(prompt, params, request_id=f"mixed-{rows}-{chunk}-{rep}")
+            profiled = rep > reps
+            if profiled:
+                profiler.enable()
+            t0 = time.perf_counter()
+            outputs = engine.step()
+            wall = time.perf_counter() - t0
+            if profiled:
+                profiler.disable()
+            elif rep > 0:
+                walls.append(wall * 1e3)
+                phases.append([round(t * 1e3, 3) for t in engine.last_step_times])
+            assert any(o.request_id == rid and o.finished for o in outputs)
+        stats = pstats.Stats(profiler)
+        top = sorted(
+            ((v[2], v[0], f"{k[0].split('/')[-1]}:{k[1]}:{k[2]}") for k, v in stats.stats.items()),  # type: ignore[attr-defined]
+            reverse=True,
+        )[:30]
+        for rid in ids:
+            engine.abort_request(rid)
+        own_time = [(name, round(own * 1e3 / reps, 3), calls // reps) for own, calls, name in top]
+        row = {
+            "decode_rows": rows,
+            "chunk": chunk,
+            "step_ms": [round(w, 3) for w in walls],
+            "phases_ms (schedule, launch, sample, wait, post)": phases,
+        }
+        print("mixed", row, flush=True)
+        for name, own_ms, calls in own_time[:25]:
+            print(f"mixed-top {rows}+{chunk}: {own_ms:8.3f} ms {calls:6d} {name}", flush=True)
+        row["top_own_time_ms_per_step"] = own_time
+        results.append(row)
+    return results
