@@ -364,7 +364,12 @@ def _job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
         job=job,
         message=f"Host {host.name} stopped training ({message['reason']}) at step "
         f"{message.get('step', '?')}",
-        data={"host": host.name, "reason": message["reason"], "step": message.get("step")},
+        data={
+            "host": host.name,
+            "reason": message["reason"],
+            "step": message.get("step"),
+            "stopped_at": message.get("sent_at"),  # Unix s, the host's clock
+        },
     )
     return "applied"
 

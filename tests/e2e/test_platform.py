@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.e2e.cluster import Cluster, wait_until
+from tests.e2e.cluster import Cluster, Proc, wait_until
 from tests.e2e.conftest import Tenants, training_jsonl
 from tests.gpu_runtime.agent.artifacts import VERSION
 
@@ -156,7 +157,69 @@ def test_revoked_key_stops_working_within_the_cache_ttl(cluster: Cluster, seeded
 # How long the control queue's worker is stalled around a pause, and how soon after the pause
 # the host must have stopped (the default heartbeat interval is 2 s; the e2e agents' is 0.5 s).
 WORKER_STALL_S = 2.5
-PAUSE_LANDS_WITHIN_S = 1.0
+STOP_LANDS_WITHIN_S = 1.0
+
+
+def _freeze_outside_a_transaction(worker: Proc) -> None:
+    """SIGSTOP `worker` at a moment when no other session of the test database is inside a
+    statement or transaction: frozen inside one, it could hold the job's row lock, and the
+    pause would wait for it."""
+    from django.db import connection
+
+    for _ in range(100):
+        worker.signal_group(signal.SIGSTOP)
+        time.sleep(0.1)  # a statement in flight finishes
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND state <> 'idle'"
+            )
+            (busy,) = cursor.fetchone() or (0,)
+        if not busy:
+            return
+        worker.signal_group(signal.SIGCONT)
+        time.sleep(0.05)
+    raise AssertionError("the worker was always inside a transaction")
+
+
+def _with_control_worker_stalled(cluster: Cluster, action: Callable[[], bool]) -> float:
+    """Run `action` (a pause or cancel through the API; it must return True) while the worker
+    that applies host reports is stopped (SIGSTOP) for WORKER_STALL_S: no heartbeat is read,
+    so the stale-placement check cannot stop the job; only the command sent to the host when
+    the API call commits can. Returns the time just before the call."""
+    worker = cluster.procs["worker"]
+    _freeze_outside_a_transaction(worker)
+    try:
+        called_at = time.time()
+        assert action()
+        time.sleep(WORKER_STALL_S)
+    finally:
+        worker.signal_group(signal.SIGCONT)
+    return called_at
+
+
+def _stopped_promptly(
+    client: OpenAI, cluster: Cluster, job_id: str, reason: str, called_at: float
+) -> int:
+    """Wait for the host's "stopped training (<reason>)" event and check that the host
+    stopped (the event's `stopped_at`, the host's clock) within STOP_LANDS_WITHIN_S of the
+    call, not when the worker came back. Returns the step the host stopped at."""
+
+    def stopped() -> Any:
+        events = client.fine_tuning.jobs.list_events(job_id, limit=100)
+        return next((e for e in events if f"stopped training ({reason})" in e.message), None)
+
+    try:
+        event = wait_until(stopped, 60, f"the host to stop the {reason} job")
+    except AssertionError:
+        print(cluster.logs())
+        raise
+    data = dict(event.data or {})
+    late_s = float(data["stopped_at"]) - called_at
+    print(f"{reason}: host stopped at step {data['step']}, {late_s:.3f} s after the call")
+    assert 0 < late_s < STOP_LANDS_WITHIN_S, late_s
+    assert event.message.endswith(f" at step {data['step']}")
+    return int(data["step"])
 
 
 def test_pause_lands_on_the_host_at_once_and_resume_continues_from_its_checkpoint(
@@ -170,33 +233,16 @@ def test_pause_lands_on_the_host_at_once_and_resume_continues_from_its_checkpoin
     total = 50 * 8
     wait_until(lambda: JobMetric.objects.filter(job_id=job.id, step__gte=5).exists(), 60,
                "training to be under way")  # fmt: skip
-    # Stall the worker that applies host reports: no heartbeat is read, so the stale-placement
-    # check cannot stop the job. Only the pause sent to the host when the API call commits can.
-    worker = cluster.procs["worker"]
-    worker.signal_group(signal.SIGSTOP)
-    try:
-        paused_at = time.time()
-        assert client.fine_tuning.jobs.pause(job.id).status == "paused"
-        time.sleep(WORKER_STALL_S)
-    finally:
-        worker.signal_group(signal.SIGCONT)
-
-    def stopped() -> str | None:
-        return next((m for m in _events(client, job.id) if "stopped training (paused)" in m), None)
-
-    message = wait_until(stopped, 60, "the host to stop the paused job")
-    step = int(message.rsplit(" ", 1)[1])
+    paused_at = _with_control_worker_stalled(
+        cluster, lambda: client.fine_tuning.jobs.pause(job.id).status == "paused"
+    )
+    step = _stopped_promptly(client, cluster, job.id, "paused", paused_at)
     assert step < total
     assert JobCheckpoint.objects.filter(job_id=job.id, step=step).exists()
-    # What the job's steps show: the host trained its last step right after the pause (each
-    # step's time is the host's), not when the worker came back.
+    # The job's steps end there, the last one trained (host's clock) right after the pause.
     steps = list(JobMetric.objects.filter(job_id=job.id).order_by("step").values_list("step", "ts"))
     assert [s for s, _ in steps] == list(range(1, step + 1))
-    late_s = steps[-1][1].timestamp() - paused_at
-    trained_after = sum(1 for _, ts in steps if ts.timestamp() > paused_at)
-    print(f"pause: host stopped at step {step}, last step {late_s:.3f} s after the pause, "
-          f"{trained_after} steps after it")  # fmt: skip
-    assert late_s < PAUSE_LANDS_WITHIN_S, (late_s, trained_after)
+    assert steps[-1][1].timestamp() - paused_at < STOP_LANDS_WITHIN_S
 
     assert client.fine_tuning.jobs.resume(job.id).status == "queued"
     _wait_succeeded(client, job.id, cluster, timeout=90)
@@ -204,6 +250,28 @@ def test_pause_lands_on_the_host_at_once_and_resume_continues_from_its_checkpoin
     assert any(m.endswith(f"from checkpoint step {step}") for m in events), events[-12:]
     steps_done = sorted(JobMetric.objects.filter(job_id=job.id).values_list("step", flat=True))
     assert steps_done == list(range(1, total + 1))
+
+
+def test_cancel_lands_on_the_host_at_once(cluster: Cluster, seeded: Tenants) -> None:
+    from api.models import JobMetric
+    from workers.models import HostAgentState
+
+    client = _client(f"{cluster.web_url}/v1", seeded.key)
+    job = _create_job(client, epochs=50, batch=1, suffix="cancel")
+    wait_until(lambda: JobMetric.objects.filter(job_id=job.id, step__gte=5).exists(), 60,
+               "training to be under way")  # fmt: skip
+    cancelled_at = _with_control_worker_stalled(
+        cluster, lambda: client.fine_tuning.jobs.cancel(job.id).status == "cancelled"
+    )
+    assert _stopped_promptly(client, cluster, job.id, "cancelled", cancelled_at) < 50 * 8
+    # (Steps the host trained between the last one recorded and the cancel are not recorded:
+    # reports about a cancelled job's placement are stale.)
+    # Both hosts' heartbeats then name no placement; the job stays cancelled, with no model.
+    wait_until(
+        lambda: all(not s.placements for s in HostAgentState.objects.all()), 10, "idle hosts"
+    )
+    done = client.fine_tuning.jobs.retrieve(job.id)
+    assert done.status == "cancelled" and done.fine_tuned_model is None
 
 
 def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int]:

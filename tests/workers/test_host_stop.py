@@ -215,3 +215,17 @@ def test_a_drained_host_returns_to_service_and_its_agent_follows(
         assert host_undrain(host=host).status == "online"
         assert host_undrain(host=host).status == "online"  # idempotent
     assert "undrain" in [c["command"] for c in drain_host_queue("h1")]
+
+
+def test_the_hosts_stop_is_an_event_with_the_hosts_time(
+    placed: Placement, job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    with django_capture_on_commit_callbacks(execute=True):
+        finetune_job_pause(job=job)
+    stopped = report("job_stopped", "h1", placement_id=placed.pk, job_id=job.id,
+                     reason="paused", step=12)  # fmt: skip
+    assert host_report_apply(message=stopped) == "applied"
+    assert host_report_apply(message=stopped) == "duplicate"
+    event = job.events.get(message="Host h1 stopped training (paused) at step 12")
+    assert event.data == {"host": "h1", "reason": "paused", "step": 12,
+                          "stopped_at": stopped["sent_at"]}  # fmt: skip
