@@ -526,7 +526,14 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--max-model-len", type=int, default=4096)
     tr.add_argument("--max-num-seqs", type=int, default=256)
     tr.add_argument("--max-batched-tokens", type=int, default=2048)
-    tr.add_argument("--phases", default="decode_only,unified,static_split")
+    tr.add_argument("--phases", default="decode_only,decode_only_split,unified,static_split")
+    tr.add_argument(
+        "--job-pool-extra-gib",
+        type=float,
+        default=None,
+        help="pool of the phases with a job: decode_only's KV peak + the low watermark + this "
+        "(default: --pool-gib for every phase)",
+    )
     tr.add_argument("--ft-seq-len", type=int, default=512)
     tr.add_argument("--max-examples", type=int, default=4, help="most examples per quantum")
     tr.add_argument(

@@ -1,13 +1,16 @@
 """One phase of `bench/memory.py trace`: a fresh pool, decode engine and LoRA job driven
 through the host loop over the trace; returns the phase's result row.
 
-`run_phase("decode_only" | "unified" | "static_split", ...)` builds everything on a new pool
+`run_phase("decode_only" | "decode_only_split" | "unified" | "static_split", ...)` builds
+everything on a new pool of `plan["pool_gib"][name]` GiB
 (closed again even when the phase fails), warms the job's quanta up (CUDA-graph warm-up and
 captures on the worker thread and finetune stream the loop uses), replays the trace's arrivals
 against the loop clock for `--duration` s, then lets the running requests finish for at most
 `--drain` s. `decode_only` has no job and decodes on the whole device: the reference for decode
-iteration time. The two others decode on the `--decode-sms` split (green contexts; the finetune
-stream gets the other SMs), or on a high-priority stream with `--sharing streams`.
+iteration time; `decode_only_split` has no job either but decodes on the split the co-located
+phases use (what the split alone costs decode). `unified` and `static_split` decode on the
+`--decode-sms` split (green contexts; the finetune stream gets the other SMs), or on a
+high-priority stream with `--sharing streams`.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ def run_phase(
     cuda = args.device.startswith("cuda")
     pool = create_page_pool(
         device=args.device,
-        pool_bytes=int(args.pool_gib * GIB),
+        pool_bytes=int(plan["pool_gib"].get(name, args.pool_gib) * GIB),
         page_bytes=PAGE if cuda else plan["cpu_page_bytes"],
         pinned_tail_pages=1,
         torch_headroom_bytes=int(args.torch_headroom_gib * GIB),
@@ -74,12 +77,13 @@ class _Phase:
         self.args = args
         self.prompts = prompts
         self.static = name == "static_split"
-        self.with_job = name != "decode_only"
+        self.with_job = not name.startswith("decode_only")
         self.sharing = sharing
         self.decode_sms: int | None = None
-        if sharing is not None:  # decode alone gets the whole device
+        if sharing is not None:  # decode alone gets the whole device, unless on the split
             total = int(sharing.table.total_sms)
-            self.decode_sms = min(args.decode_sms, total) if self.with_job else total
+            on_split = self.with_job or name == "decode_only_split"
+            self.decode_sms = min(args.decode_sms, total) if on_split else total
         self.memory = self._memory(model, plan, pool)
         self.engine = self._engine(model)
         self.sizing = QuantumSizing(

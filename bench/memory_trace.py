@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
+import math
 import time
 from pathlib import Path
 from typing import Any
@@ -47,15 +48,18 @@ def trace_spec(tiny: bool, duration_s: float, rate_scale: float) -> Any:
     )
 
 
-PHASES = ("decode_only", "unified", "static_split")
+PHASES = ("decode_only", "decode_only_split", "unified", "static_split")
 
 
 def trace_benchmark(args: Any) -> Path:
-    """`decode_only` (no job, whole device: decode's own iteration time), `unified` (it also
-    measures decode's KV peak), then `static_split` reserving that peak plus the reserve for
-    decode and lending the rest to finetuning for good; `--phases` picks a subset (in this
-    order). A phase that fails is recorded as a row with its error; the result file is
-    written after each phase."""
+    """`decode_only` (no job, whole device: decode's own iteration time), `decode_only_split`
+    (no job, on the co-located phases' decode split), `unified` (it also measures decode's KV
+    peak), then `static_split` reserving that peak plus the reserve for decode and lending the
+    rest to finetuning for good; `--phases` picks a subset (in this order). With
+    `--job-pool-extra-gib X` the two phases with a job get a pool of the KV peak `decode_only`
+    measured plus the low watermark plus X GiB (the same for both), so that memory is tight
+    at decode's peak whatever the trace's load. A phase that fails is recorded as a row with
+    its error; the result file is written after each phase."""
     import gc
 
     import torch
@@ -144,7 +148,10 @@ def trace_benchmark(args: Any) -> Path:
     unknown = set(args.phases.split(",")) - set(PHASES)
     if unknown:
         raise ValueError(f"unknown phases {sorted(unknown)}; expected some of {PHASES}")
+    plan["pool_gib"] = {}
     for name in phases:
+        if name in ("unified", "static_split") and args.job_pool_extra_gib is not None:
+            plan["pool_gib"][name] = job_pool_gib(args, rows)
         if name == "static_split":
             plan["static_decode_pages"] = _static_decode_pages(args, device, plan, rows)
         phase(name)
@@ -176,6 +183,18 @@ def _sharing(args: Any, device: Any) -> tuple[Any, dict[str, Any] | None]:
     return sharing, info
 
 
+def job_pool_gib(args: Any, rows: list[dict[str, Any]]) -> float:
+    """Pool of the phases with a job under `--job-pool-extra-gib`: `decode_only`'s KV peak
+    plus the low watermark plus the extra, in whole GiB (`--pool-gib` at most; `--pool-gib`
+    when `decode_only` did not run)."""
+    alone = [r for r in rows if r.get("policy") == "decode_only" and "kv_peak_gb" in r]
+    if not alone:
+        return float(args.pool_gib)
+    peak_gib = alone[0]["kv_peak_gb"] * 1e9 / GIB
+    reserve_gib = args.reserve_low_pages * PAGE / GIB
+    return float(min(math.ceil(peak_gib + reserve_gib + args.job_pool_extra_gib), args.pool_gib))
+
+
 def _static_decode_pages(
     args: Any, device: Any, plan: dict[str, Any], rows: list[dict[str, Any]]
 ) -> int:
@@ -183,12 +202,13 @@ def _static_decode_pages(
     watermark (or 60% of the pool when `unified` did not run)."""
     unit = 16 if device.type == "cuda" else 1
     page = PAGE if device.type == "cuda" else plan["cpu_page_bytes"]
+    pool_gib = plan["pool_gib"].get("static_split", args.pool_gib)
     unified = [r for r in rows if r.get("policy") == "unified" and "kv_peak_pages" in r]
     if unified:
         peak_pages = unified[0]["kv_peak_pages"] + args.reserve_low_pages
     else:
-        peak_pages = int(args.pool_gib * GIB * 0.6) // page
-    prefix_limit = int(args.pool_gib * GIB) // (page * unit) * unit - unit  # less the tail
+        peak_pages = int(pool_gib * GIB * 0.6) // page
+    prefix_limit = int(pool_gib * GIB) // (page * unit) * unit - unit  # less the tail
     return min(-(-peak_pages // unit) * unit, prefix_limit)
 
 
@@ -224,6 +244,7 @@ def _write_trace_result(
                 "cuda_graphs": not args.ft_eager,
             },
             "static_decode_pages": plan["static_decode_pages"],
+            "pool_gib_per_phase": plan.get("pool_gib", {}),
             "sharing": plan["sharing"],
         },
         "rows": rows,
@@ -250,6 +271,9 @@ def trace_comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ("unified", "static_split"),
         ("unified", "decode_only"),
         ("static_split", "decode_only"),
+        ("unified", "decode_only_split"),
+        ("static_split", "decode_only_split"),
+        ("decode_only_split", "decode_only"),
     )
     for a, b in pairs:
         first, second = by_policy.get(a), by_policy.get(b)

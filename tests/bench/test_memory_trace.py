@@ -9,12 +9,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from bench.memory_phase import median_ci, slowest_iterations
 from bench.memory_sizing import QuantumSizing, warm_sizes
-from bench.memory_trace import trace_comparisons
+from bench.memory_trace import job_pool_gib, trace_comparisons
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 MIB = 1 << 20
@@ -79,6 +80,16 @@ def test_comparisons_between_phases() -> None:
     }
 
 
+def test_the_job_phases_pool_is_decode_alones_peak_plus_reserve_plus_extra() -> None:
+    args = SimpleNamespace(pool_gib=56.0, reserve_low_pages=768, job_pool_extra_gib=12.0)
+    alone = {"policy": "decode_only", "kv_peak_gb": 10 * (1 << 30) / 1e9}
+    # 10 GiB of KV + 1.5 GiB of reserve + 12 GiB, rounded up to whole GiB
+    assert job_pool_gib(args, [alone]) == 24.0
+    assert job_pool_gib(args, [{"policy": "unified", "kv_peak_gb": 1.0}]) == 56.0
+    big = {"policy": "decode_only", "kv_peak_gb": 60.0}
+    assert job_pool_gib(args, [big]) == 56.0  # never above --pool-gib
+
+
 @pytest.mark.slow
 def test_three_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
     command = [
@@ -94,6 +105,7 @@ def test_three_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
         "--reserve-high-pages=48",
         "--step-pages=8",
         "--hysteresis=5",
+        "--job-pool-extra-gib=1",
         f"--out={tmp_path}",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -102,17 +114,19 @@ def test_three_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
     (path,) = tmp_path.glob("memory-cpu-*.json")
     result = json.loads(path.read_text())
     rows = {row["policy"]: row for row in result["rows"]}
-    assert list(rows) == ["decode_only", "unified", "static_split"]
+    assert list(rows) == ["decode_only", "decode_only_split", "unified", "static_split"]
     for policy, row in rows.items():
         assert "error" not in row, row
         assert row["ooms"] == 0 and row["dropped_requests"] == 0
         assert row["decode_iterations"] > 0 and len(row["decode_iter_ms_p50_ci95"]) == 2
         assert len(row["slowest_iterations"]) <= 8
-        if policy == "decode_only":
+        if policy.startswith("decode_only"):
             assert row["finetune_quanta"] == 0 and row["mean_borrowed_gb"] == 0.0
         else:
             assert row["finetune_quanta"] > 0 and row["finetune_warmup"]["quanta"]
     assert "decode_iter_ms_p50_ratio_unified_over_decode_only" in result["comparisons"]
-    assert result["config"]["phases"] == "decode_only,unified,static_split"
+    assert result["config"]["phases"] == "decode_only,decode_only_split,unified,static_split"
+    # the job phases' pool from decode_only's KV peak, capped at --pool-gib
+    assert result["config"]["pool_gib_per_phase"] == {"unified": 0.05, "static_split": 0.05}
     last = proc.stdout.strip().splitlines()
     assert last[-1].startswith("wrote ") and last[-2].startswith("static_split")
