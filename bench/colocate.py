@@ -362,6 +362,13 @@ def main() -> None:
         except Exception as exc:
             info["predictor_check"] = {"error": f"{type(exc).__name__}: {exc}"}
         print(f"predictor check {info['predictor_check']}", flush=True)
+        if isinstance(harli_latency, CorrectedLatencyModel):
+            # The host served decode alone before finetuning came: those iterations teach
+            # the correction of decode-alone steps (its predictor_check above came first).
+            for records in held_out:
+                for record in records:
+                    harli_latency.observe_record(record, args.ft_seq_len, rank)
+            info["harli_correction_before_runs"] = harli_latency.describe()
     for trace in traces:  # per trace: the best fixed split for it, chosen with its knowledge
         if (trace, "decode_only") in results:
             static_by_trace[trace] = choose_static_split(

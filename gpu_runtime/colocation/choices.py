@@ -9,10 +9,10 @@ learns from what happened.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpu_runtime.colocation.estimates import QuantumDurations, lookahead
+from gpu_runtime.colocation.estimates import PrefillMix, QuantumDurations
 from gpu_runtime.colocation.predictor import (
     DecodeLatencyModel,
     Pair,
@@ -30,6 +30,9 @@ from gpu_runtime.predictor.schema import FinetuneQuantum
 
 if TYPE_CHECKING:
     from gpu_runtime.colocation.harli import HarliConfig
+
+Mix = tuple[tuple[float, DecodeSnapshot], ...]
+"""(weight, snapshot) of the kinds of iteration expected while a quantum runs."""
 
 
 @dataclass(frozen=True)
@@ -53,28 +56,33 @@ class HarliChoices:
     durations: QuantumDurations
     slice_costs: SliceCosts
     _slice_states: dict[str, SliceState]
-    _prefill_mean: float
-    _typical_cache: tuple[IterationContext, float, DecodeSnapshot] | None = None
+    _prefill: PrefillMix
+    _typical_cache: tuple[IterationContext, tuple[float, float], Mix] | None = None
     _memo_ctx: IterationContext | None = None
-    _memo_prefill: float = 0.0
+    _memo_prefill: tuple[float, float] = (0.0, 0.0)
     _memo: dict[tuple[float, int], tuple[float, float]]
     _memo_alone: float | None = None
     risk_rejections: int = 0
     """Choices turned down because a running request would miss the SLO with them."""
 
-    def _typical_snapshot(self, ctx: IterationContext) -> DecodeSnapshot:
-        """`expected_snapshot` of ``ctx.decode``, computed once per context."""
+    def _typical_mix(self, ctx: IterationContext) -> Mix:
+        """`PrefillMix.mix` of ``ctx.decode``, computed once per context."""
+        state = (self._prefill.share, self._prefill.tokens)
         cached = self._typical_cache
-        if cached is None or cached[0] is not ctx or cached[1] != self._prefill_mean:
-            cached = (ctx, self._prefill_mean, self.expected_snapshot(ctx.decode))
+        if cached is None or cached[0] is not ctx or cached[1] != state:
+            cached = (ctx, state, self._prefill.mix(ctx.decode))
             self._typical_cache = cached
         return cached[2]
 
-    def expected_snapshot(self, decode: DecodeSnapshot) -> DecodeSnapshot:
-        """The typical iteration while a quantum launched now runs: the waiting requests
-        joined, the recent mean prefill tokens per busy iteration."""
-        ahead = lookahead(decode)
-        return replace(ahead, prefill_tokens=round(self._prefill_mean))
+    def typical_ms(
+        self, decode: DecodeSnapshot, share: float, quantum: FinetuneQuantum | None
+    ) -> float:
+        """Expected latency of the iterations after ``decode`` (the waiting requests joined;
+        with and without a prefill chunk, weighted by how often each kind has come)."""
+        mix = self._prefill.mix(decode)
+        pairs: list[Pair] = [(decode_iteration(snap, share), quantum) for _, snap in mix]
+        values = predict_many(self.latency, pairs)
+        return sum(w * v for (w, _), v in zip(mix, values, strict=True))
 
     def _beside_predicted(
         self,
@@ -90,20 +98,21 @@ class HarliChoices:
 
         The quantum holds this split for its whole duration, and a request's TPOT is a mean
         over many iterations: the typical iteration while it runs (the queue joined, the recent
-        mean prefill per iteration) must stay under the bound, this one under the SLO, and every
-        running request, its remaining tokens at that typical iteration, must end under the
-        bound (:meth:`_running_keep_slo`)."""
+        mix of chunk and pure decode steps) must stay under the bound, this one under the SLO,
+        and every running request, its remaining tokens at that typical iteration, must end
+        under the bound (:meth:`_running_keep_slo`)."""
         memo = self._plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         key = (share, 0 if size_free else tokens)
         if key not in memo:
             ft_share = 1.0 if share >= 1.0 else 1.0 - share
             quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
-            typical = decode_iteration(self._typical_snapshot(ctx), share)
-            memo[key] = (
-                self.latency.predict_ms(decode_iteration(ctx.decode, share), quantum),
-                self.latency.predict_ms(typical, quantum),
-            )
+            mix = self._typical_mix(ctx)
+            pairs: list[Pair] = [(decode_iteration(ctx.decode, share), quantum)]
+            pairs += [(decode_iteration(snap, share), quantum) for _, snap in mix]
+            values = predict_many(self.latency, pairs)
+            expected = sum(w * v for (w, _), v in zip(mix, values[1:], strict=True))
+            memo[key] = (values[0], expected)
         predicted, expected = memo[key]
         if expected > bound or predicted > ctx.tpot_slo_ms:
             return None
@@ -138,12 +147,15 @@ class HarliChoices:
         with each quantum size, and the typical iteration alone."""
         memo = self._plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
-        typical = self._typical_snapshot(ctx)
+        mix = self._typical_mix(ctx)
+        weights = [w for w, _ in mix]
+        width = 1 + len(mix)  # the coming iteration, then each kind of typical one
         pairs: list[Pair] = []
         keys: list[tuple[float, int]] = []
         for share in shares:
             ft_share = 1.0 if share >= 1.0 else 1.0 - share
-            now, later = decode_iteration(ctx.decode, share), decode_iteration(typical, share)
+            now = decode_iteration(ctx.decode, share)
+            later = [decode_iteration(snap, share) for _, snap in mix]
             for k in sizes[:1] if size_free else sizes:
                 tokens = k * job.max_seq_len
                 key = (share, 0 if size_free else tokens)
@@ -151,30 +163,36 @@ class HarliChoices:
                     continue
                 seq_len = max(job.seq_len, 1)
                 quantum = FinetuneQuantum(tokens, seq_len, job.lora_rank, True, ft_share)
-                pairs += [(now, quantum), (later, quantum)]
+                pairs += [(now, quantum), *((it, quantum) for it in later)]
                 keys.append(key)
         alone = self._memo_alone is None
         if alone:
-            pairs.append((decode_iteration(typical, 1.0), None))
+            pairs += [(decode_iteration(snap, 1.0), None) for _, snap in mix]
         values = predict_many(self.latency, pairs)
         for i, key in enumerate(keys):
-            memo[key] = (values[2 * i], values[2 * i + 1])
+            row = values[i * width : (i + 1) * width]
+            expected = sum(w * v for w, v in zip(weights, row[1:], strict=True))
+            memo[key] = (row[0], expected)
         if alone:
-            self._memo_alone = values[-1]
+            tail = values[len(keys) * width :]
+            self._memo_alone = sum(w * v for w, v in zip(weights, tail, strict=True))
 
     def _typical_alone(self, ctx: IterationContext) -> float:
         self._plan_memo(ctx)
         if self._memo_alone is None:
-            typical = decode_iteration(self._typical_snapshot(ctx), 1.0)
-            self._memo_alone = self.latency.predict_ms(typical, None)
+            mix = self._typical_mix(ctx)
+            pairs: list[Pair] = [(decode_iteration(snap, 1.0), None) for _, snap in mix]
+            values = predict_many(self.latency, pairs)
+            self._memo_alone = sum(w * v for (w, _), v in zip(mix, values, strict=True))
         return self._memo_alone
 
     def _plan_memo(self, ctx: IterationContext) -> dict[tuple[float, int], tuple[float, float]]:
         """(now, typical) predictions already made for this context, by (share, tokens): one
         plan asks the same ones for every quantum size."""
         # The context itself is held (not its id, which a later context could reuse).
-        if self._memo_ctx is not ctx or self._memo_prefill != self._prefill_mean:
-            self._memo_ctx, self._memo_prefill = ctx, self._prefill_mean
+        state = (self._prefill.share, self._prefill.tokens)
+        if self._memo_ctx is not ctx or self._memo_prefill != state:
+            self._memo_ctx, self._memo_prefill = ctx, state
             self._memo = {}
             self._memo_alone = None
         return self._memo

@@ -7,6 +7,7 @@ margin; ``QuantumDurations`` also serves capacity estimates).
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from gpu_runtime.colocation.types import DecodeSnapshot, JobView, LaunchMode
@@ -33,6 +34,44 @@ def lookahead(decode: DecodeSnapshot) -> DecodeSnapshot:
         decode.prefill_tokens,
         0,
     )
+
+
+class PrefillMix:
+    """How often busy iterations carry a prefill chunk, and how many tokens it has then
+    (exponential moving averages with weight ``smoothing``).
+
+    A step with a chunk costs a large fixed amount more than a pure decode step, so the mean
+    iteration time is a mixture of the two kinds, not the time of one step carrying the mean
+    chunk (which would be a mixed step every time)."""
+
+    def __init__(self, smoothing: float) -> None:
+        self.smoothing = smoothing
+        self.share = 0.0
+        """Fraction of busy iterations with a chunk."""
+        self.tokens = 0.0
+        """Chunk tokens of those iterations."""
+
+    def observe(self, prefill_tokens: int) -> None:
+        a = self.smoothing
+        mixed = prefill_tokens > 0
+        self.share += a * (float(mixed) - self.share)
+        if mixed:
+            self.tokens = (
+                prefill_tokens
+                if self.tokens == 0
+                else self.tokens + a * (prefill_tokens - self.tokens)
+            )
+
+    def mix(self, decode: DecodeSnapshot) -> tuple[tuple[float, DecodeSnapshot], ...]:
+        """(weight, snapshot) of the two kinds of iteration after ``decode`` (waiting requests
+        joined); weights sum to 1, a kind never seen is left out."""
+        ahead = lookahead(decode)
+        out = []
+        if self.share < 1.0:
+            out.append((1.0 - self.share, replace(ahead, prefill_tokens=0)))
+        if self.share > 0.0:
+            out.append((self.share, replace(ahead, prefill_tokens=max(1, round(self.tokens)))))
+        return tuple(out)
 
 
 class MarginTracker:

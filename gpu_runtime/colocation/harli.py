@@ -19,8 +19,9 @@ own quanta as ``overhead + tokens / rate`` (before any is observed, the solo rat
 SMs the quantum gets). Bigger quanta amortise the per-quantum overhead but hold a split longer,
 so a quantum is capped at ``max_quantum_ms`` (the smallest size is always allowed). A request's TPOT
 is a mean over its tokens and a quantum holds its split for many iterations, so a concurrent
-quantum is checked on the typical iteration while it runs (running plus waiting requests, the
-recent mean prefill tokens per iteration) against the bound, and on the coming iteration
+quantum is checked on the typical iteration while it runs (running plus waiting requests; the
+mean of a pure decode step and a step with the recent chunk size, weighted by how often steps
+have carried a chunk: ``PrefillMix``) against the bound, and on the coming iteration
 against the SLO itself. Every running request is projected to its end (its mean TPOT so
 far, its remaining tokens at that typical iteration): a choice is rejected when some request
 would then end over the bound while decode alone would keep it within the SLO (a request lost
@@ -50,6 +51,7 @@ from gpu_runtime.colocation.baselines import memory_cap_tokens
 from gpu_runtime.colocation.choices import Choice, HarliChoices
 from gpu_runtime.colocation.estimates import (
     MarginTracker,
+    PrefillMix,
     QuantumDurations,
 )
 from gpu_runtime.colocation.online import beside_quantum
@@ -75,8 +77,9 @@ class HarliConfig:
     """Margin kept even when predictions have been exact (fraction of the SLO)."""
     max_margin: float = 0.5
     """Cap on the adaptive margin."""
-    error_quantile: float = 0.98
-    """Quantile of recent relative under-prediction errors added to the margin."""
+    error_quantile: float = 0.9
+    """Quantile of recent relative under-prediction errors (each a mean over
+    ``error_smoothing`` iterations) added to the margin."""
     error_window: int = 256
     """Iterations the error quantile is taken over."""
     error_smoothing: int = 16
@@ -95,7 +98,8 @@ class HarliConfig:
     """Tokens assumed still to come for a running request whose limit is unknown, when
     projecting its final mean TPOT (``IterationContext.running``)."""
     prefill_smoothing: float = 0.05
-    """EMA weight of one iteration's prefill tokens in the mean used for held splits."""
+    """EMA weight of one busy iteration in how often a step carries a prefill chunk and how
+    big it is then (``PrefillMix``: the typical iterations a held split must keep fast)."""
     idle_probe_context_tokens: int = 512
     """When decode is idle, quanta are planned as if one request of this context were
     decoding (one may arrive while the quantum holds its split)."""
@@ -158,7 +162,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self._jobs: dict[str, JobView] = {}
         self._slo_ms: float | None = None
         self._worst_running: float | None = None
-        self._prefill_mean = 0.0
+        self._prefill = PrefillMix(self.config.prefill_smoothing)
         self.decisions = 0
         self.pauses = 0
 
@@ -174,9 +178,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         margin = self.margins.margin
         idle = ctx.decode.is_idle
         if not idle:
-            self._prefill_mean += self.config.prefill_smoothing * (
-                ctx.decode.prefill_tokens - self._prefill_mean
-            )
+            self._prefill.observe(ctx.decode.prefill_tokens)
         if idle:
             if not ctx.jobs or ctx.in_flight is not None:
                 return IterationPlan(full, (), None, None, margin, note="idle")

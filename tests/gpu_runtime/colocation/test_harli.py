@@ -27,6 +27,14 @@ def _predicted(decode: DecodeSnapshot, decode_sms: int, mode: LaunchMode, tokens
     return MODEL.predict_ms(iteration, quantum)
 
 
+def _typical(policy: HarliPolicy, decode: DecodeSnapshot, decode_sms: int, tokens: int) -> float:
+    """What the policy expects of the iterations while a quantum launched now runs."""
+    share = decode_sms / TOTAL_SMS
+    ft_share = 1.0 if share >= 1 else 1 - share
+    quantum = FinetuneQuantum(tokens, JOB.seq_len, JOB.lora_rank, True, ft_share)
+    return policy.typical_ms(decode, share, quantum)
+
+
 @settings(max_examples=150, deadline=None)
 @given(
     batch=st.integers(1, 256),
@@ -51,11 +59,10 @@ def test_never_picks_a_choice_predicted_to_break_the_slo(
         return
     (launch,) = plan.launches
     assert plan.decode_sms is not None and plan.predicted_ms is not None
-    typical = policy.expected_snapshot(decode)
 
     def safe(d: int, tokens: int) -> bool:
         return (
-            _predicted(typical, d, LaunchMode.CONCURRENT, tokens) <= bound
+            _typical(policy, decode, d, tokens) <= bound
             and _predicted(decode, d, LaunchMode.CONCURRENT, tokens) <= slo_ms
         )
 
@@ -232,7 +239,7 @@ def test_running_requests_are_projected_to_their_end() -> None:
     # Over the bound so far, 20 tokens left: decode alone brings it back under the SLO, any
     # co-run iteration keeps it over the bound -> pause, and the plan says why.
     rescuable = RunningRequest(tokens=100, tpot_ms=slo * 1.02, remaining_tokens=20)
-    alone = MODEL.predict_ms(decode_iteration(policy.expected_snapshot(decode), 1.0), None)
+    alone = policy.typical_ms(decode, 1.0, None)
     assert rescuable.final_tpot_ms(alone, 64) <= slo
     paused = plan_with(rescuable)
     assert paused.paused and not paused.launches and paused.note == "request at risk"
@@ -275,3 +282,25 @@ def test_margin_bumps_on_requests_missing_the_slo_not_on_slow_prefill_iterations
     missed = FinishedRequest("late", 100, slo * 1.1, None)
     policy.observe(_replace(record(plan, decode, plan.predicted_ms, index=20), finished=(missed,)))
     assert policy.margins.margin == pytest.approx(calm + HarliConfig().violation_step, rel=0.05)
+
+
+def test_typical_iteration_mixes_chunk_steps_and_pure_decode_steps() -> None:
+    from gpu_runtime.colocation.estimates import PrefillMix
+
+    mix = PrefillMix(smoothing=0.05)
+    decode = DecodeSnapshot.from_contexts([512] * 16, waiting_requests=2)
+    assert [(w, s.prefill_tokens) for w, s in mix.mix(decode)] == [(1.0, 0)]
+    for i in range(400):  # one busy iteration in ten carries a 512-token chunk
+        mix.observe(512 if i % 10 == 0 else 0)
+    kinds = mix.mix(decode)
+    assert [s.prefill_tokens for _, s in kinds] == [0, 512]
+    assert sum(w for w, _ in kinds) == pytest.approx(1.0)
+    assert kinds[1][0] == pytest.approx(0.1, abs=0.05)
+    assert all(s.batch_size == 18 for _, s in kinds)  # the waiting requests joined
+    # The expected iteration is the weighted mean of the two kinds, far below a chunk step.
+    policy = HarliPolicy(MODEL)
+    policy._prefill = mix
+    alone = [MODEL.predict_ms(decode_iteration(s, 1.0), None) for _, s in kinds]
+    expected = kinds[0][0] * alone[0] + kinds[1][0] * alone[1]
+    assert policy.typical_ms(decode, 1.0, None) == pytest.approx(expected)
+    assert expected < 0.5 * alone[1]
