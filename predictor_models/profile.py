@@ -38,7 +38,6 @@ import random
 import statistics
 import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,8 @@ import torch
 from gpu_runtime.model import ModelConfig, build_random_model
 from gpu_runtime.predictor.schema import NO_FINETUNE_ROW, STAGE2_FEATURES, ModelShape
 from gpu_runtime.sharing import GpuSharing, create_sharing
-from predictor_models.standin import CapturedStep, LoraQuantum, StandInDecode
+from predictor_models.standin import LoraQuantum, StandInDecode
+from predictor_models.timing import corun, time_fn, time_graph
 from predictor_models.trainer_source import FINETUNE_MODE as TRAINER_MODE
 
 EXTRA_FIELDS = (
@@ -111,40 +111,6 @@ def sample_finetune(rng: random.Random, max_tokens: int = 4096) -> tuple[int, in
     seq_len = rng.choice([s for s in (256, 512, 1024, 2048) if s <= max(max_tokens, 256)])
     micro_batch = rng.choice([m for m in (1, 2, 4, 8) if m * seq_len <= max(max_tokens, seq_len)])
     return micro_batch * seq_len, seq_len, rng.choice((8, 16, 64))
-
-
-def time_graph(
-    graph: CapturedStep, stream: torch.cuda.Stream, iters: int, warmup: int = 3
-) -> list[float]:
-    """Milliseconds of each of ``iters`` replays on ``stream`` after ``warmup`` replays."""
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
-    with torch.cuda.stream(stream):
-        for _ in range(warmup):
-            graph.replay()
-        events[0].record(stream)
-        for i in range(iters):
-            graph.replay()
-            events[i + 1].record(stream)
-    stream.synchronize()
-    return [events[i].elapsed_time(events[i + 1]) for i in range(iters)]
-
-
-def time_fn(fn: Callable[[], None], stream: torch.cuda.Stream, reps: int) -> tuple[float, float]:
-    """(median GPU ms, median host enqueue ms) of ``fn`` on ``stream`` after one warm-up."""
-    gpu, host = [], []
-    with torch.cuda.stream(stream):
-        fn()
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            stream.synchronize()
-            t0 = time.perf_counter()
-            start.record(stream)
-            fn()
-            end.record(stream)
-            host.append((time.perf_counter() - t0) * 1e3)
-            stream.synchronize()
-            gpu.append(start.elapsed_time(end))
-    return statistics.median(gpu), statistics.median(host)
 
 
 class Profiler:
@@ -287,7 +253,7 @@ class Profiler:
             bwd = time_fn(quantum.backward, fs, 1)
             self._log(f"backward alone {bwd}")
             for backward, alone_ms, fn in ((0, fwd[0], forward), (1, bwd[0], quantum.backward)):
-                times, colocated, busy = self._corun(graph, ds, fs, fn)
+                times, colocated, busy = corun(graph, ds, fs, fn, self.iters)
                 self._log(
                     f"co-run backward={backward} {statistics.median(times):.3f} ms "
                     f"(alone {decode_ms:.3f}), finetune busy {busy:.2f}"
@@ -327,7 +293,9 @@ class Profiler:
                     rng, self.stage2_prefill_choices, decode_sms=decode_sms
                 )
                 since = len(quantum.modes)
-                times, colocated, busy = self._corun(graph, ds, fs, quantum.run, blocking=True)
+                times, colocated, busy = corun(
+                    graph, ds, fs, quantum.run, self.iters, blocking=True
+                )
                 quantum.check_replayed(since)
                 self._log(
                     f"co-run {statistics.median(times):.3f} ms (alone {decode_ms:.3f}), "
@@ -345,74 +313,6 @@ class Profiler:
         finally:
             self.quanta.release()
             torch.cuda.empty_cache()
-
-    def _corun(
-        self,
-        graph: CapturedStep,
-        ds: torch.cuda.Stream,
-        fs: torch.cuda.Stream,
-        fn: Callable[[], Any],
-        blocking: bool = False,
-    ) -> tuple[list[float], float, float]:
-        """Decode replays on ``ds`` while quanta ``fn`` keep ``fs`` busy until they finish.
-
-        Decode replays are enqueued at once (gated on the first quantum's start); quanta are
-        enqueued two in flight until the last decode replay completes. ``blocking``: ``fn``
-        returns only when its quantum has finished (the trainer's host sync), so quanta run
-        back to back, each issued after the previous one's sync, and the decode replays are
-        gated on an event recorded on ``fs`` just before the first. Returns the decode
-        iteration times, the median quantum time inside the decode window, and the fraction
-        of that window during which the finetune stream had work.
-        """
-        warm, iters = 3, self.iters
-        timing = {"enable_timing": True}
-        starts: list[torch.cuda.Event] = []
-        ends: list[torch.cuda.Event] = []
-        dec_events = [torch.cuda.Event(**timing) for _ in range(iters + 1)]
-        torch.cuda.synchronize()
-        gate = torch.cuda.Event()
-
-        def enqueue_quantum() -> None:
-            start, end = torch.cuda.Event(**timing), torch.cuda.Event(**timing)
-            with torch.cuda.stream(fs):
-                start.record(fs)
-                fn()
-                end.record(fs)
-            starts.append(start)
-            ends.append(end)
-
-        if blocking:
-            gate.record(fs)
-            ds.wait_event(gate)
-        else:
-            enqueue_quantum()
-            ds.wait_event(starts[0])
-        with torch.cuda.stream(ds):
-            for _ in range(warm):
-                graph.replay()
-            dec_events[0].record(ds)
-            for i in range(iters):
-                graph.replay()
-                dec_events[i + 1].record(ds)
-        while (not ends or not dec_events[-1].query()) and len(ends) < 400:
-            if not blocking and len(ends) >= 2 and not ends[-2].query():
-                time.sleep(0.0002)  # keep two quanta in flight
-                continue
-            enqueue_quantum()
-        torch.cuda.synchronize()
-        times = [dec_events[i].elapsed_time(dec_events[i + 1]) for i in range(iters)]
-        origin = starts[0]
-        win_start = origin.elapsed_time(dec_events[0])
-        win_end = origin.elapsed_time(dec_events[-1])
-        busy, inside = 0.0, []
-        for start, end in zip(starts, ends, strict=True):
-            s_ms, e_ms = origin.elapsed_time(start), origin.elapsed_time(end)
-            busy += max(0.0, min(e_ms, win_end) - max(s_ms, win_start))
-            if s_ms >= win_start and e_ms <= win_end:
-                inside.append(e_ms - s_ms)
-        all_quanta = [s.elapsed_time(e) for s, e in zip(starts, ends, strict=True)]
-        colocated = statistics.median(inside) if inside else statistics.median(all_quanta)
-        return times, colocated, busy / max(win_end - win_start, 1e-6)
 
 
 def _commit(arg: str | None) -> str:
