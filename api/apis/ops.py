@@ -74,6 +74,21 @@ def _listing(data: Any) -> dict[str, Any]:
     return {"object": "list", "data": list(data)}
 
 
+def _choice_param(request: Request, param: str, choices: list[str]) -> str | None:
+    """The query parameter `param`, None when absent; a value outside `choices` is a 400 (a
+    typo such as `status=runing` would otherwise list nothing, as if no row matched)."""
+    raw = request.query_params.get(param)
+    if raw is None or raw == "":
+        return None
+    if raw not in choices:
+        raise HarliError(
+            f"{param} must be one of {', '.join(choices)}; got {raw!r}.",
+            param=param,
+            code="invalid_value",
+        )
+    return raw
+
+
 class TenantsApi(OperatorAPIView):
     class TenantCreateSerializer(serializers.Serializer):
         name = serializers.CharField()
@@ -231,10 +246,10 @@ class HostsApi(OperatorAPIView):
     @extend_schema(
         operation_id="ops_hosts_list",
         parameters=[OpenApiParameter("status", str, enum=HostStatus.values)],
-        responses={200: LISTS[GpuHostOpsSerializer]},
+        responses={200: LISTS[GpuHostOpsSerializer], 400: ErrorSerializer},
     )
     def get(self, request: Request) -> Response:
-        hosts = host_list(status=request.query_params.get("status"))
+        hosts = host_list(status=_choice_param(request, "status", HostStatus.values))
         return Response(_listing(GpuHostOpsSerializer(hosts, many=True).data))
 
     @extend_schema(
@@ -285,13 +300,13 @@ class PlacementsApi(OperatorAPIView):
             OpenApiParameter("host", str),
             OpenApiParameter("state", str, enum=PlacementState.values),
         ],
-        responses={200: LISTS[PlacementOpsSerializer]},
+        responses={200: LISTS[PlacementOpsSerializer], 400: ErrorSerializer},
     )
     def get(self, request: Request) -> Response:
         placements = placement_list(
             job_id=request.query_params.get("job"),
             host=request.query_params.get("host"),
-            state=request.query_params.get("state"),
+            state=_choice_param(request, "state", PlacementState.values),
         )
         return Response(_listing(PlacementOpsSerializer(placements, many=True).data))
 
@@ -304,13 +319,13 @@ class JobsApi(OperatorAPIView):
             OpenApiParameter("tenant", str),
             OpenApiParameter("status", str, enum=JobStatus.values),
         ],
-        responses={200: LISTS[FinetuneJobOpsSerializer]},
+        responses={200: LISTS[FinetuneJobOpsSerializer], 400: ErrorSerializer},
     )
     def get(self, request: Request) -> Response:
         tenant_name = request.query_params.get("tenant")
         jobs = finetune_job_list(
             tenant=tenant_get(name=tenant_name) if tenant_name else None,
-            status=request.query_params.get("status"),
+            status=_choice_param(request, "status", JobStatus.values),
         )
         page = cursor_page(
             jobs,

@@ -144,3 +144,25 @@ def test_schema_generates_without_warnings(tmp_path: Any) -> None:
     out = tmp_path / "schema.yml"
     call_command("spectacular", "--validate", "--fail-on-warn", "--file", str(out))
     assert "/v1/fine_tuning/jobs:" in out.read_text()
+
+
+def test_list_filters_with_an_unknown_value_are_refused(ops: ApiClient) -> None:
+    """A typo in a filter is a 400 naming the parameter and the values it takes, not an
+    empty list that reads as "nothing matched"."""
+    for path, param in (
+        ("/api/ops/jobs?status=runing", "status"),
+        ("/api/ops/hosts?status=up", "status"),
+        ("/api/ops/placements?state=open", "state"),
+    ):
+        error = assert_error(ops.get(path), 400, param=param)
+        assert error["code"] == "invalid_value"
+        assert f"got '{path.rsplit('=', 1)[1]}'" in error["message"]
+    assert "queued, running" in assert_error(ops.get("/api/ops/jobs?status=x"), 400)["message"]
+    for path in (
+        "/api/ops/jobs?status=running",
+        "/api/ops/jobs?status=",
+        "/api/ops/hosts?status=draining",
+        "/api/ops/placements?state=active",
+    ):
+        response = ops.get(path)
+        assert response.status_code == 200 and response.json()["data"] == []
