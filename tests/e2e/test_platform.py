@@ -1,6 +1,8 @@
 """End to end on CPU with real processes: a tenant's job trains on a host agent, its adapter
-serves completions, metrics land in PostgreSQL, a broker restart loses nothing, and a host
-killed with SIGKILL hands its job to the other host, which resumes from the last checkpoint."""
+serves completions, metrics land in PostgreSQL, a pause or cancel stops the job on its host
+within a second even while the worker reading heartbeats is stalled, a broker restart loses
+nothing, and a host killed with SIGKILL hands its job to the other host, which resumes from
+the last checkpoint."""
 
 from __future__ import annotations
 
