@@ -120,6 +120,13 @@ def main() -> None:
         "(no GPU; the result says so)",
     )
     parser.add_argument(
+        "--sim-prefill-fixed-ms",
+        type=float,
+        default=0.0,
+        help="with --simulate: fixed cost of a step carrying a prefill chunk (an eager "
+        "launch-bound chunk step: ~23 ms on the H200 engine at 3557c1e)",
+    )
+    parser.add_argument(
         "--predictor",
         default=None,
         help="trained predictor artifact directory for harli (default: fitted in the run)",

@@ -28,7 +28,7 @@ from gpu_runtime.colocation import (
     NaivePolicy,
     StaticSplitPolicy,
 )
-from gpu_runtime.colocation.simulator import SimulatedHost, fit_truth_from_profile
+from gpu_runtime.colocation.simulator import PrefillCost, SimulatedHost, fit_truth_from_profile
 from gpu_runtime.colocation.types import JobView
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.data import TokenizedExample
@@ -238,7 +238,8 @@ def setup_engine(
 def setup_simulation(args: argparse.Namespace, rank: int) -> tuple[Backend, dict[str, Any]]:
     """`SimulatedHost` whose latencies are fitted to a profiler CSV measured on a GPU."""
     truth, costs = fit_truth_from_profile(args.simulate)
-    host = SimulatedHost(truth, costs, seed=args.seed)
+    fixed = float(getattr(args, "sim_prefill_fixed_ms", 0.0))
+    host = SimulatedHost(truth, costs, prefill=PrefillCost(fixed_ms=fixed), seed=args.seed)
     seq = args.ft_seq_len
     job = JobView("ft", seq, seq, rank, tokens_per_s_solo=None)
     eight = costs.duration_ms(8 * seq, 1.0, LaunchMode.AFTER_DECODE)
@@ -254,7 +255,8 @@ def setup_simulation(args: argparse.Namespace, rank: int) -> tuple[Backend, dict
     info = {
         "backend": "SIMULATION: gpu_runtime.colocation.simulator.SimulatedHost; decode and "
         "quantum latencies modelled from the profile below (measured on a GPU), prefill cost "
-        "modelled (0.025 ms/token on the whole device, inverse to the SM share), lognormal "
+        f"modelled ({fixed} ms per step with a chunk, plus 0.025 ms/token on the whole "
+        "device, inverse to the SM share), lognormal "
         "noise sigma 0.05, 0.4 ms host overhead per iteration. Not a GPU measurement.",
         "profile": args.simulate,
         "quantum_cost_model": asdict(costs),

@@ -57,12 +57,17 @@ class QuantumCostModel:
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """Extra ms of an iteration per prefill token: compute-bound, so inverse to the SM share."""
+    """Extra ms of an iteration carrying a prefill chunk: per token, compute-bound, so inverse
+    to the SM share, plus a fixed cost per such step (host-side launch work of an eager step,
+    whatever the share)."""
 
     ms_per_token_full: float = 0.025
+    fixed_ms: float = 0.0
 
     def ms(self, tokens: int, decode_share: float) -> float:
-        return tokens * self.ms_per_token_full / decode_share
+        if tokens <= 0:
+            return 0.0
+        return self.fixed_ms + tokens * self.ms_per_token_full / decode_share
 
 
 def fit_truth_from_profile(path: str | Path) -> tuple[OnlineLatencyModel, QuantumCostModel]:
