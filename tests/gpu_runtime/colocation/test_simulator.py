@@ -76,3 +76,12 @@ def test_truth_fitted_from_the_committed_h200_profile() -> None:
     assert 0 < costs.ms_per_token < 1 and costs.overhead_ms >= 0
     ratio = truth.interference_ratio(1.0, disjoint=False)
     assert ratio is not None and ratio > 1.0
+
+
+def test_prefill_cost_has_a_fixed_part_per_chunk_step() -> None:
+    from gpu_runtime.colocation.simulator import PrefillCost
+
+    cost = PrefillCost(ms_per_token_full=0.025, fixed_ms=23.0)
+    assert cost.ms(0, 0.5) == 0.0  # a pure decode step pays nothing
+    assert cost.ms(64, 0.5) == pytest.approx(23.0 + 64 * 0.025 / 0.5)
+    assert PrefillCost().ms(64, 1.0) == pytest.approx(64 * 0.025)
