@@ -55,7 +55,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
                    default=float(env("HARLI_KEY_CACHE_TTL_S", "10")))  # fmt: skip
     p.add_argument("--tpot-slo-ms", type=float, default=50.0)
     p.add_argument("--policy", choices=["naive", "decode_only", "harli"],
-                   default=env("HARLI_POLICY", "naive"))  # fmt: skip
+                   default=env("HARLI_POLICY", "harli"),
+                   help="co-location policy (harli falls back to naive on a host without a "
+                        "latency predictor for its model)")  # fmt: skip
     p.add_argument("--predictor", default=env("HARLI_PREDICTOR") or None,
                    help="latency predictor artifact directory, or a root holding "
                    "<gpu>/<base model>/<version>/ (latest taken)")  # fmt: skip
@@ -126,16 +128,18 @@ def _decode_groups(parser: argparse.ArgumentParser, text: str) -> tuple[int, ...
 
 
 def build_policy(name: str, predictor: Any) -> Any:
-    """The co-location policy `name` for an engine; "harli" plans with the host's predictor
-    (and falls back to "naive", logged, when the host has none for its model)."""
+    """The co-location policy `name` for an engine; "harli" plans with the host's predictor,
+    corrected online by the loop's own iterations (``CorrectedLatencyModel``; one batched ONNX
+    call per plan), and falls back to "naive", logged, when the host has none for its model."""
     from gpu_runtime.colocation import DecodeOnlyPolicy, HarliPolicy, NaivePolicy
+    from gpu_runtime.colocation.corrected import CorrectedLatencyModel
 
     if name == "decode_only":
         return DecodeOnlyPolicy()
     if name == "harli":
         if predictor is not None:
-            return HarliPolicy(predictor.latency_model)
-        logger.error("policy harli needs a latency predictor for this model; using naive")
+            return HarliPolicy(CorrectedLatencyModel(predictor.predictor))
+        logger.warning("no latency predictor for this model: co-location policy naive")
     return NaivePolicy(quantum_examples=4)
 
 

@@ -48,7 +48,8 @@ class AgentConfig:
     key_cache_ttl_s: float = 10.0
     """A revoked API key stops working on this host at most this long after revocation."""
     tpot_slo_ms: float = 50.0
-    policy: str = "naive"
+    policy: str = "harli"
+    """Co-location policy ("harli" falls back to "naive" without a latency predictor)."""
     memory_bytes: int = 16 * GIB
     """Memory the host reports as its total on CPU (on CUDA the device's total is used)."""
     num_kv_blocks: int = 256

@@ -16,6 +16,7 @@ from gpu_runtime.agent.predictor import (
 )
 from gpu_runtime.agent.serving import EngineSpec
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, HarliPolicy, NaivePolicy
+from gpu_runtime.colocation.corrected import CorrectedLatencyModel
 from gpu_runtime.colocation.predictor import decode_iteration
 from gpu_runtime.engine import EngineConfig
 from gpu_runtime.predictor.artifact import ArtifactError
@@ -137,6 +138,7 @@ def test_policy_harli_plans_with_the_predictor(tiny_model_dir: Path, tiny_artifa
     predictor = load_host_predictor(tiny_artifacts, engine=engine, base_model="tiny")
     policy = build_policy("harli", predictor)
     assert isinstance(policy, HarliPolicy)
+    assert isinstance(policy.latency, CorrectedLatencyModel)  # learns this host's offsets
     probe = decode_iteration(DecodeSnapshot.from_contexts([100]), 1.0)
     assert policy.latency.predict_ms(probe, None) == predictor.predictor.stage1(probe)
     assert isinstance(build_policy("harli", None), NaivePolicy)
