@@ -4,7 +4,10 @@
 at most once: its `message_id` is inserted into `ProcessedReport` in the same transaction as its
 effect, so a redelivered copy (acks_late, broker restart) changes nothing. A report about a
 placement that is no longer open (the job moved after its host was declared lost, or was paused
-or cancelled) is stale: it is ignored, and the host is told to cancel that placement.
+or cancelled) is stale: it is ignored, and the host is told to stop that placement, by the
+report itself for a start or an outcome, and for the per-step reports (progress, checkpoints)
+by the next heartbeat that names the placement: a worker a few seconds behind would otherwise
+send one stop per step the host trained before its stop arrived.
 """
 
 from __future__ import annotations
@@ -183,8 +186,13 @@ def _stop_on_commit(host: GpuHost, placement: Placement) -> None:
     transaction.on_commit(stop, robust=True)
 
 
+# Reports sent once per optimizer step: a stale one does not send a stop of its own (the
+# heartbeats' check does, once per heartbeat).
+_PER_STEP_REPORTS = ("job_progress", "checkpoint")
+
+
 def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
-    """The open placement the report is about, or None (stale; the host is told to cancel)."""
+    """The open placement the report is about, or None (stale; see the module docstring)."""
     placement = (
         Placement.objects.select_for_update()
         .select_related("job")
@@ -195,14 +203,12 @@ def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
         return None
     if placement.state in OPEN_PLACEMENT_STATES:
         return placement
-    if (
-        message["kind"] in ("checkpoint", "job_progress")
-        and placement.job.status == JobStatus.PAUSED
-    ):
+    if message["kind"] in _PER_STEP_REPORTS and placement.job.status == JobStatus.PAUSED:
         # A pause ends at the host's next batch boundary, after the release here: the steps
         # trained until then and the checkpoint the pause writes still count.
         return placement
-    _stop_on_commit(host, placement)
+    if message["kind"] not in _PER_STEP_REPORTS:
+        _stop_on_commit(host, placement)
     return None
 
 

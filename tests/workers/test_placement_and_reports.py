@@ -241,10 +241,18 @@ def test_stale_reports_are_ignored_and_the_host_told_to_stop(
     assert host_report_apply(message=ckpt) == "applied"
     finetune_job_cancel(job=job)
     with django_capture_on_commit_callbacks(execute=True):
-        late = report("job_progress", "h2", step=2, train_loss=0.9, **ids)
-        assert host_report_apply(message=late) == "stale"
-    assert [c["command"] for c in drain_host_queue("h2")] == ["cancel"]
+        for step in (2, 3):  # per-step reports the host sent before its stop arrived
+            late = report("job_progress", "h2", step=step, train_loss=0.9, **ids)
+            assert host_report_apply(message=late) == "stale"
+    assert drain_host_queue("h2") == []  # not one stop per step: the heartbeat's check stops it
+    with django_capture_on_commit_callbacks(execute=True):
+        assert heartbeat("h2", placements=[placement.pk]) == "applied"
+        outcome = report("job_succeeded", "h2", trained_tokens=9, adapter_key="adapters/x", **ids)
+        assert host_report_apply(message=outcome) == "stale"
+    assert [c["command"] for c in drain_host_queue("h2")] == ["cancel", "cancel"]
     assert list(JobMetric.objects.filter(job=job).values_list("step", flat=True)) == [1]
+    job.refresh_from_db()
+    assert job.status == JobStatus.CANCELLED and job.fine_tuned_model is None
 
 
 def test_reconcile_requeues_a_silent_hosts_job_and_resumes_it_elsewhere(
