@@ -229,10 +229,13 @@ def time_prefill_chunks(
     original = scheduler.config
     gen = torch.Generator().manual_seed(17)
     vocab = engine.model_config.vocab_size
-    ids = inject(engine, decode_rows, context, 256, seed=4242)
+    ids = inject(engine, decode_rows, context, 512, seed=4242)
     results = []
+    modes = [False, True] if engine.config.mixed_cuda_graphs else [False]
+    runs = [(graphs, chunk) for graphs in modes for chunk in [chunks[0], *chunks]]
     try:
-        for rep, chunk in enumerate([chunks[0], *chunks]):  # the first run compiles
+        for rep, (graphs, chunk) in enumerate(runs):  # the first of each mode compiles
+            engine.runner.use_mixed_graphs = graphs
             scheduler.config = dataclasses.replace(
                 original, max_num_batched_tokens=chunk + decode_rows
             )
@@ -248,10 +251,11 @@ def time_prefill_chunks(
                 step_ms.append((time.perf_counter() - t0) * 1e3)
                 done = any(o.request_id == rid and o.finished for o in outputs)
             ttft_ms = (time.perf_counter() - start) * 1e3
-            if rep == 0:
+            if rep % (len(chunks) + 1) == 0:
                 continue
             results.append(
                 {
+                    "mixed_graphs": graphs,
                     "chunk": chunk,
                     "decode_rows": decode_rows,
                     "context": context,
@@ -266,6 +270,7 @@ def time_prefill_chunks(
             print("prefill", results[-1], flush=True)
     finally:
         scheduler.config = original
+        engine.runner.use_mixed_graphs = True
         for rid in ids:
             engine.abort_request(rid)
     return results
@@ -341,6 +346,12 @@ def main() -> None:
         "profile of steps carrying a prefill chunk)",
     )
     parser.add_argument("--skip-check", action="store_true", help="no correctness check")
+    parser.add_argument(
+        "--mixed-graphs",
+        action="store_true",
+        help="EngineConfig.mixed_cuda_graphs (steps with prefill chunks from piecewise graphs; "
+        "the prefill studies then run with and without them)",
+    )
     parser.add_argument(
         "--blas",
         default=None,
@@ -486,6 +497,7 @@ def main() -> None:
                 "sampling": "temperature 0.8 (ours); greedy argmax (HF)",
                 "fused_decode_kernels": not args.no_fused,
                 "decode_blas_library": args.blas,
+                "mixed_cuda_graphs": args.mixed_graphs,
                 "prefill_chunks": chunks,
                 "extras": extras,
                 "tpot": "wall time of Engine.step() incl. scheduling, input copy, graph replay, "
@@ -541,6 +553,7 @@ def main() -> None:
                 device="cuda",
                 fused_decode_kernels=not args.no_fused,
                 decode_blas_library=args.blas,
+                mixed_cuda_graphs=args.mixed_graphs,
             )
             engine = Engine(model, engine_config, kv_storage_factory=random_storage)
             t0 = time.perf_counter()

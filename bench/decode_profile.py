@@ -513,14 +513,18 @@ def mixed_step_profile(
     vocab = engine.model_config.vocab_size
     gen = torch.Generator().manual_seed(5)
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
-    for rows, chunk in cases:
-        ids = inject(engine, rows, 512, 64, seed=99 + rows)
+    modes = [False, True] if engine.config.mixed_cuda_graphs else [False]
+    for graphs, (rows, chunk) in [(g, c) for g in modes for c in cases]:
+        engine.runner.use_mixed_graphs = graphs
+        ids = inject(engine, rows, 512, 64, seed=99 + rows + 7 * graphs)
         engine.step()  # decode step, then one warm mixed step (compiles)
         walls, phases = [], []
         profiler = cProfile.Profile()
         for rep in range(2 * reps + 1):  # warm-up, timed steps, profiled steps
             prompt = torch.randint(0, vocab, (chunk,), generator=gen).tolist()
-            rid = engine.add_request(prompt, params, request_id=f"mixed-{rows}-{chunk}-{rep}")
+            rid = engine.add_request(
+                prompt, params, request_id=f"mixed-{graphs}-{rows}-{chunk}-{rep}"
+            )
             profiled = rep > reps
             if profiled:
                 profiler.enable()
@@ -542,6 +546,7 @@ def mixed_step_profile(
             engine.abort_request(rid)
         own_time = [(name, round(own * 1e3 / reps, 3), calls // reps) for own, calls, name in top]
         row = {
+            "mixed_graphs": graphs,
             "decode_rows": rows,
             "chunk": chunk,
             "step_ms": [round(w, 3) for w in walls],
@@ -549,7 +554,11 @@ def mixed_step_profile(
         }
         print("mixed", row, flush=True)
         for name, own_ms, calls in own_time[:25]:
-            print(f"mixed-top {rows}+{chunk}: {own_ms:8.3f} ms {calls:6d} {name}", flush=True)
+            print(
+                f"mixed-top {rows}+{chunk} graphs={graphs}: {own_ms:8.3f} ms {calls:6d} {name}",
+                flush=True,
+            )
         row["top_own_time_ms_per_step"] = own_time
         results.append(row)
+    engine.runner.use_mixed_graphs = True
     return results

@@ -55,6 +55,11 @@ class EngineConfig:
     """With adapters on the fused CUDA path, add the q|k|v and gate|up LoRA expand terms inside
     the RoPE and SwiGLU kernels at small batches (fewer kernels) instead of separate expand
     kernels."""
+    mixed_cuda_graphs: bool = False
+    """On CUDA with the fused kernels, `capture_cuda_graphs` also captures steps that carry
+    prefill chunks, piecewise per token bucket (`mixed_graph_token_sizes`): everything between
+    two attentions is replayed from a graph, the attention runs eagerly. Such steps without
+    adapters then replay them; off, they launch every kernel from Python."""
     decode_blas_library: str | None = None
     """BLAS library of the model's GEMMs on CUDA ("cublas", "cublaslt"; None: torch's current
     choice), set while decode graphs are captured (graphs keep the kernels chosen then) and
@@ -147,6 +152,18 @@ class EngineConfig:
         if self.mixed_batch_attention is None:
             return self.resolved_attention_backend == "triton"
         return self.mixed_batch_attention
+
+    def mixed_graph_token_sizes(self) -> tuple[int, ...]:
+        """Token buckets of the mixed-step graphs: 64, 128, 256, then every 256 below the
+        step's token budget, then the budget (padding past 256 tokens costs GEMM time: such
+        steps are compute-bound)."""
+        budget = self.max_num_batched_tokens
+        sizes = [s for s in (64, 128, 256) if s < budget]
+        size = 512
+        while size < budget:
+            sizes.append(size)
+            size += 256
+        return (*sizes, budget)
 
     def graph_batch_sizes(self) -> tuple[int, ...]:
         """Buckets actually captured: those <= max_num_seqs, plus max_num_seqs when larger."""

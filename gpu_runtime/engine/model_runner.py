@@ -31,7 +31,7 @@ from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.cuda_graphs import DecodeGraphs
-from gpu_runtime.engine.flat_batch import flatten_step
+from gpu_runtime.engine.flat_batch import FlatBatch, flatten_step
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.lora import LoraForward, LoraRuntime
 from gpu_runtime.engine.request import SamplingParams, TokenLogprob
@@ -42,6 +42,7 @@ from gpu_runtime.model.loader import torch_dtype
 
 if TYPE_CHECKING:
     from gpu_runtime.engine.fast_decode import FusedDecodeForward as FusedDecodeForwardType
+    from gpu_runtime.engine.mixed_graphs import MixedStepGraphs
 
 
 @contextlib.contextmanager
@@ -141,6 +142,12 @@ class ModelRunner:
             props = torch.cuda.get_device_properties(self.device)
             self._num_sms = int(props.multi_processor_count)
         self.num_static_decode_steps = 0
+        self.num_mixed_graph_steps = 0
+        """Steps with prefill chunks replayed from the piecewise mixed-step graphs."""
+        self.use_mixed_graphs = True
+        """Replay captured mixed-step graphs (`EngineConfig.mixed_cuda_graphs`); False runs
+        such steps eagerly (benchmarks compare both)."""
+        self._mixed: MixedStepGraphs | None = None
         self.num_lora_graph_steps = 0
         """Decode steps with adapters replayed from a LoRA graph."""
         self._fused: FusedDecodeForwardType | None = None
@@ -264,11 +271,46 @@ class ModelRunner:
             result.used_cuda_graph = used_graph
             result.batch_bucket = bucket
             return logits, [rid for rid, _ in order]
-        if self._fused is not None and self.mixed_attention:  # CUDA: the fused step, eagerly
+        if self._fused is not None and self.mixed_attention:  # CUDA: the fused step
+            if not with_adapters and self._mixed is not None and self.use_mixed_graphs:
+                replayed = self._mixed_graph_logits(order, partition)
+                if replayed is not None:
+                    return replayed
             return self._general_logits(order, self.model, fused_lora=with_adapters)
         use_lora = with_adapters and lora is not None and lora.set_batch(order)
         forward = lora.forward if use_lora and lora is not None else self.model
         return self._general_logits(order, forward)
+
+    def _mixed_attention(self, flat: FlatBatch) -> MixedPagedAttention:
+        """Attention of a flattened step (decode rows in one Triton call on CUDA)."""
+        dev = self.device
+        metadata = flat.metadata(self._table_cpu, dev)
+        compute_dtype = torch.float32 if dev.type == "cpu" else None
+        decode_fn = None
+        if self.use_triton:
+            from gpu_runtime.engine.attention.triton_decode import paged_decode_fn
+
+            rows = sum(1 for n in flat.query_lens if n == 1)
+            kv_heads = self.model.config.num_key_value_heads
+            decode_fn = paged_decode_fn(self.block_size, rows, kv_heads, self._num_sms)
+        return MixedPagedAttention(self.kv_cache, metadata, decode_fn, compute_dtype)
+
+    def _mixed_graph_logits(
+        self, order: list[tuple[str, int]], partition: Hashable
+    ) -> tuple[torch.Tensor, list[str]] | None:
+        """A step with prefill chunks through the piecewise graphs of its token bucket, or
+        None when that bucket is not captured for `partition`."""
+        mixed = self._mixed
+        assert mixed is not None
+        bucket = mixed.bucket_for(sum(count for _, count in order))
+        if bucket is None or not mixed.has(bucket, partition):
+            return None
+        flat = flatten_step(order, self.states, self.block_size)
+        if len(flat.sample_index) > mixed.rows_for(bucket):
+            return None
+        logits = mixed.run(flat, self._mixed_attention(flat), bucket, partition)
+        self.num_mixed_graph_steps += 1
+        return logits, flat.sampled_ids
 
     def _general_logits(
         self,
@@ -281,19 +323,13 @@ class ModelRunner:
         None: through the fused CUDA step instead (with per-token LoRA slots when True)."""
         flat = flatten_step(order, self.states, self.block_size, bool(fused_lora))
         dev = self.device
-        metadata = flat.metadata(self._table_cpu, dev)
-        compute_dtype = torch.float32 if dev.type == "cpu" else None
         attention: MixedPagedAttention | TorchPagedAttention
         if self.mixed_attention:
-            decode_fn = None
-            if self.use_triton:
-                from gpu_runtime.engine.attention.triton_decode import paged_decode_fn
-
-                rows = sum(1 for n in flat.query_lens if n == 1)
-                kv_heads = self.model.config.num_key_value_heads
-                decode_fn = paged_decode_fn(self.block_size, rows, kv_heads, self._num_sms)
-            attention = MixedPagedAttention(self.kv_cache, metadata, decode_fn, compute_dtype)
+            attention = self._mixed_attention(flat)
+            metadata = attention.metadata
         else:
+            metadata = flat.metadata(self._table_cpu, dev)
+            compute_dtype = torch.float32 if dev.type == "cpu" else None
             attention = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
         ids = torch.tensor(flat.tokens, device=dev)
         positions = torch.tensor(flat.positions, device=dev)
@@ -335,6 +371,16 @@ class ModelRunner:
                 groups,
                 fuse_lora_expand=self.config.lora_expand_in_kernels,
             )
+            if self.config.mixed_cuda_graphs and self.mixed_attention:
+                from gpu_runtime.engine.mixed_graphs import MixedStepGraphs
+
+                self._mixed = MixedStepGraphs(
+                    self._fused,
+                    self.kv_cache,
+                    self.config.mixed_graph_token_sizes(),
+                    self.config.max_num_seqs + 1,
+                    pin,
+                )
 
     @property
     def fused_lora_decode(self) -> bool:
@@ -417,6 +463,9 @@ class ModelRunner:
                 self._graphs.capture(size, partition, stream)
                 if self._lora_graphs is not None:
                     self._lora_graphs.capture(size, partition, stream)
+            if self._mixed is not None:
+                for tokens in reversed(self._mixed.buckets):
+                    self._mixed.capture(tokens, partition, stream)
         return sizes
 
     def _decode_logits(

@@ -159,6 +159,25 @@ def test_bad_requests_and_configs_are_rejected(tiny_llama: CausalLM) -> None:
         _config(decode_blas_library="mkl")
 
 
+def test_mixed_graph_token_buckets() -> None:
+    """Mixed-step graphs: 64, 128, 256, then every 256 below the token budget, then it."""
+    assert _config(max_num_batched_tokens=2080).mixed_graph_token_sizes() == (
+        64,
+        128,
+        256,
+        512,
+        768,
+        1024,
+        1280,
+        1536,
+        1792,
+        2048,
+        2080,
+    )
+    assert _config(max_num_batched_tokens=100).mixed_graph_token_sizes() == (64, 100)
+    assert _config(max_num_batched_tokens=24).mixed_graph_token_sizes() == (24,)
+
+
 def test_text_prompts_stop_strings_and_eos(tiny_dir: Path) -> None:
     engine = Engine.from_directory(tiny_dir, _config())
     free = engine.generate(["Hello world"], SamplingParams(max_tokens=24, temperature=0.0))[0]

@@ -104,15 +104,23 @@ def test_fused_ops_match_torch() -> None:
 
 
 @pytest.mark.parametrize(
-    ("architecture", "budget", "blas"),
-    [("llama", 512, None), ("qwen2", 512, None), ("llama", 48, None), ("llama", 512, "cublaslt")],
+    ("architecture", "budget", "blas", "mixed_graphs"),
+    [
+        ("llama", 512, None, False),
+        ("qwen2", 512, None, False),
+        ("llama", 48, None, False),
+        ("llama", 512, "cublaslt", False),
+        ("llama", 48, None, True),
+        ("qwen2", 100, None, True),
+    ],
 )
 def test_cuda_graph_engine_logprobs_match_hf_bf16(
-    architecture: str, budget: int, blas: str | None
+    architecture: str, budget: int, blas: str | None, mixed_graphs: bool
 ) -> None:
-    """Budget 48: the long prompts are prefilled in chunks beside the short one's decode rows
-    (mixed steps: fused kernels with `MixedPagedAttention`). `blas`: the GEMMs' library during
-    capture and eager steps (restored afterwards)."""
+    """Budget 48 / 100: the long prompts are prefilled in chunks beside the short one's decode
+    rows (mixed steps: fused kernels with `MixedPagedAttention`; with `mixed_graphs` replayed
+    from the piecewise graphs of their token bucket). `blas`: the GEMMs' library during capture
+    and eager steps (restored afterwards)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dev = torch.device("cuda")
@@ -145,6 +153,7 @@ def test_cuda_graph_engine_logprobs_match_hf_bf16(
             max_num_batched_tokens=budget,
             device="cuda",
             decode_blas_library=blas,
+            mixed_cuda_graphs=mixed_graphs,
         ),
     )
     library = torch.backends.cuda.preferred_blas_library()
@@ -165,6 +174,7 @@ def test_cuda_graph_engine_logprobs_match_hf_bf16(
             tokens[out.request_id].extend(out.new_token_ids)
             logprobs[out.request_id].extend(lp.logprob for lp in out.new_logprobs)
         graph_steps += int(engine.runner._graphs is not None)
+    assert (engine.runner.num_mixed_graph_steps > 0) == mixed_graphs
     agree = total = 0
     for rid, prompt in zip(ids, prompts, strict=True):
         full = torch.tensor([prompt + tokens[rid]], device=dev)
