@@ -342,8 +342,7 @@ def main() -> None:
         "--extras",
         default="",
         help="comma list: gemm (cuBLAS vs cuBLASLt over the decode GEMMs), sampler (paths), "
-        "skinny (a Triton few-row GEMM against cuBLAS at batch 8; experiment), mixed (host "
-        "profile of steps carrying a prefill chunk)",
+        "mixed (host profile of steps carrying a prefill chunk)",
     )
     parser.add_argument("--skip-check", action="store_true", help="no correctness check")
     parser.add_argument(
@@ -529,15 +528,12 @@ def main() -> None:
 
                 studies["gemm_backends"] = gemm_backends(model, bandwidth, batches)
                 write_result(complete=False)
-            if "skinny" in extras and name == models[0]:
-                from decode_profile import skinny_gemm_study
-
-                studies["skinny_gemm"] = skinny_gemm_study(model, bandwidth)
-                write_result(complete=False)
             prefill_prompt = 2048
             max_ctx = max(contexts + [args.hf_context] + ([prefill_prompt + 1] if chunks else []))
             extra = args.warmup + args.steps + 8
-            blocks = max(batches) * (-(-(max_ctx + extra) // 16)) + 16
+            # the prefill studies run 32 decode rows beside a new prompt
+            seqs = max([*batches, *([64] if chunks or "mixed" in extras else [])])
+            blocks = seqs * (-(-(max_ctx + extra) // 16)) + 16
 
             def random_storage(
                 shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
@@ -547,7 +543,7 @@ def main() -> None:
             engine_config = EngineConfig(
                 num_kv_blocks=blocks,
                 block_size=16,
-                max_num_seqs=max(batches),
+                max_num_seqs=seqs,
                 max_num_batched_tokens=max(2048, max(batches), max(chunks, default=0) + 32),
                 max_model_len=max_ctx + extra + 16,
                 device="cuda",

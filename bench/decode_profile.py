@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import triton
-import triton.language as tl
 from decode import DEVICE, copy_bandwidth, inject, weight_bytes_read
 
 from gpu_runtime.engine import Engine, EngineConfig
@@ -249,8 +247,9 @@ def gemm_backends(
     model: Any, bandwidth: float, batches: list[int], reps: int = 5
 ) -> list[dict[str, Any]]:
     """A decode step's GEMMs alone (`F.linear` over the model's own weights, every layer in
-    order, so no weight stays in L2), per batch and BLAS library (cuBLAS, cuBLASLt): ms per
-    step and the weight bytes over the copy bandwidth as a fraction of it."""
+    order, so no weight stays in L2; replayed from one CUDA graph per kind), per batch and BLAS
+    library (cuBLAS, cuBLASLt): ms per step and the weight bytes over the copy bandwidth as a
+    fraction of it."""
     import torch.nn.functional as F
 
     kinds = _decode_gemm_weights(model)
@@ -268,6 +267,12 @@ def gemm_backends(
                     )
                     for w in weights:  # warm-up (heuristics, workspace)
                         F.linear(x, w)
+                    # replayed from a CUDA graph, as in the decode step: eager launches of the
+                    # small GEMMs would time the host, not the GEMMs
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        for w in weights:
+                            F.linear(x, w)
                     s, e = (
                         torch.cuda.Event(enable_timing=True),
                         torch.cuda.Event(enable_timing=True),
@@ -275,11 +280,11 @@ def gemm_backends(
                     times = []
                     for _ in range(reps):
                         s.record()
-                        for w in weights:
-                            F.linear(x, w)
+                        graph.replay()
                         e.record()
                         e.synchronize()
                         times.append(s.elapsed_time(e))
+                    del graph
                     ms = statistics.median(times)
                     nbytes = sum(w.numel() * w.element_size() for w in weights)
                     row[f"{kind}_ms"] = round(ms, 4)
@@ -355,144 +360,6 @@ def sampler_paths(batches: list[int], vocab: int = 128256, reps: int = 30) -> li
             row[f"{name}_host_ms"] = round(statistics.median(host_ms), 4)
         results.append(row)
         print("sampler", row, flush=True)
-    return results
-
-
-@triton.jit
-def _skinny_gemm_kernel(
-    x_ptr,
-    w_ptr,
-    out_ptr,
-    rows,
-    n,
-    stride_x,
-    stride_w,
-    stride_o,
-    k_per_split,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    ATOMIC: tl.constexpr,
-):
-    pid_n = tl.program_id(0)
-    pid_k = tl.program_id(1)
-    offs_m = tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    m_mask = offs_m < rows
-    n_mask = offs_n < n
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    first = pid_k * k_per_split
-    for k0 in range(first, first + k_per_split, BLOCK_K):
-        kk = k0 + offs_k
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_x + kk[None, :], mask=m_mask[:, None], other=0.0
-        )
-        w = tl.load(
-            w_ptr + offs_n[:, None] * stride_w + kk[None, :], mask=n_mask[:, None], other=0.0
-        )
-        acc += tl.dot(x, tl.trans(w))
-    ptrs = out_ptr + offs_m[:, None] * stride_o + offs_n[None, :]
-    mask = m_mask[:, None] & n_mask[None, :]
-    if ATOMIC:
-        tl.atomic_add(ptrs, acc, mask=mask)
-    else:
-        tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def skinny_linear(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    block_n: int = 64,
-    block_k: int = 256,
-    num_stages: int = 4,
-    num_warps: int = 4,
-    num_sms: int = 132,
-) -> torch.Tensor:
-    """Experiment (not the engine's path): `x [M, K] @ weight[N, K].T` for M <= 64 by a plain
-    tiled Triton kernel, split over K (fp32 atomics) when the output tiles alone give fewer
-    than two programs per SM; K must be a multiple of block_k."""
-    rows, k = x.shape
-    n = weight.shape[0]
-    if k % block_k:
-        raise ValueError(f"K={k} is not a multiple of block_k={block_k}")
-    tiles = -(-n // block_n)
-    blocks = k // block_k
-    split = 1
-    while tiles * split < 2 * num_sms and blocks % (split * 2) == 0 and split < 16:
-        split *= 2
-    block_m = max(16, 1 << (rows - 1).bit_length())
-    if split > 1:
-        out = torch.zeros(rows, n, dtype=torch.float32, device=x.device)
-    else:
-        out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
-    _skinny_gemm_kernel[(tiles, split)](
-        x,
-        weight,
-        out,
-        rows,
-        n,
-        x.stride(0),
-        weight.stride(0),
-        out.stride(0),
-        k // split,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        ATOMIC=split > 1,
-        num_warps=num_warps,
-        num_stages=num_stages,
-    )
-    return out.to(x.dtype) if split > 1 else out
-
-
-def skinny_gemm_study(
-    model: Any, bandwidth: float, batch: int = 8, reps: int = 5
-) -> list[dict[str, Any]]:
-    """An experiment, not the engine's path: a Triton GEMM for few rows (`x [M, K] @ W.T`,
-    split-K with fp32 atomics where the output tiles alone do not fill the chip) against
-    cuBLAS, over the decode step's weights at one batch; ms per kind and the weight bytes over
-    the copy bandwidth as a fraction of it. Checked against `F.linear` first."""
-    import torch.nn.functional as F
-
-    kinds = _decode_gemm_weights(model)
-    results = []
-    configs = ((64, 256, 4, 4), (128, 128, 4, 4))
-    for block_n, block_k, stages, warps in configs:
-        row: dict[str, Any] = {
-            "batch": batch,
-            "block_n": block_n,
-            "block_k": block_k,
-            "num_stages": stages,
-            "num_warps": warps,
-        }
-        total_ms, total_bytes = 0.0, 0
-        tiles = (block_n, block_k, stages, warps)
-        for kind, weights in kinds.items():
-            x = torch.randn(batch, weights[0].shape[1], device=DEVICE, dtype=weights[0].dtype)
-            ref = F.linear(x, weights[0]).float()
-            got = skinny_linear(x, weights[0], *tiles).float()
-            err = float((got - ref).abs().max() / ref.abs().max())
-            row[f"{kind}_rel_err"] = round(err, 5)
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            times = []
-            for _ in range(reps):
-                s.record()
-                for w in weights:
-                    skinny_linear(x, w, *tiles)
-                e.record()
-                e.synchronize()
-                times.append(s.elapsed_time(e))
-            ms = statistics.median(times)
-            nbytes = sum(w.numel() * w.element_size() for w in weights)
-            row[f"{kind}_ms"] = round(ms, 4)
-            row[f"{kind}_frac"] = round(nbytes / bandwidth * 1e3 / ms, 4)
-            total_ms += ms
-            total_bytes += nbytes
-        row["total_ms"] = round(total_ms, 4)
-        row["bandwidth_frac"] = round(total_bytes / bandwidth * 1e3 / total_ms, 4)
-        results.append(row)
-        print("skinny", row, flush=True)
     return results
 
 
