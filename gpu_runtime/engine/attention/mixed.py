@@ -46,12 +46,15 @@ def torch_paged_decode(
         length = num_blocks * block_size
         dtype = compute_dtype or q.dtype
 
+        mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
+
         def gather(cache: torch.Tensor) -> torch.Tensor:  # -> [B, Hkv, nb*bs, D]
             picked = cache[blocks]  # [B, nb, Hkv, bs, D]
             picked = picked.permute(0, 2, 1, 3, 4).reshape(rows, num_kv_heads, length, -1)
-            return picked.to(dtype)
+            # slots past a row's length may hold NaN (fresh storage): a zero weight times NaN
+            # is NaN, so they are zeroed, not only masked
+            return torch.where(mask[:, None, :, None], picked, 0).to(dtype)
 
-        mask = torch.arange(length, device=q.device)[None, :] < seq_lens[:, None]  # [B, L]
         out = F.scaled_dot_product_attention(
             q[:, :, None, :].to(dtype),
             gather(key_cache),
@@ -114,6 +117,18 @@ class MixedPagedAttention:
             self.decode_tables = metadata.block_tables.index_select(0, rows)
             self.decode_lens = metadata.seq_lens.index_select(0, rows)
         self.num_decode = len(decode_rows)
+        # per chunk, once per step (every layer reuses them): the cache slot (block, offset)
+        # of each context token and, for a chunk after a prefix, its causal mask
+        self._chunk_slots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        block_size = cache.block_size
+        for row, _, count, length in self.chunks:
+            positions = torch.arange(length, device=dev)
+            blocks = metadata.block_tables[row].long().index_select(0, positions // block_size)
+            mask = None
+            if count != length:
+                offsets = torch.arange(count, device=dev)[:, None] + (length - count)
+                mask = positions[None, :] <= offsets  # [n, L]
+            self._chunk_slots.append((blocks, positions % block_size, mask))
 
     def _decode(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         key_cache = self.cache.key_caches[layer_idx]
@@ -136,17 +151,19 @@ class MixedPagedAttention:
         for start, count in self.empty_tokens:
             out[start : start + count] = 0
         dtype = self.compute_dtype or q.dtype
-        tables = self.metadata.block_tables
-        for row, start, count, length in self.chunks:
-            keys, values = self.cache.gather(layer_idx, tables[row], length)
+        key_cache = self.cache.key_caches[layer_idx]  # [blocks, Hkv, block_size, D]
+        value_cache = self.cache.value_caches[layer_idx]
+        for (_, start, count, _), (blocks, offsets, mask) in zip(
+            self.chunks, self._chunk_slots, strict=True
+        ):
+            keys = key_cache[blocks, :, offsets]  # [L, Hkv, D]
+            values = value_cache[blocks, :, offsets]
             qi = q[start : start + count].transpose(0, 1).to(dtype)  # [H, n, D]
             ki = keys.transpose(0, 1).to(dtype)  # [Hkv, L, D]
             vi = values.transpose(0, 1).to(dtype)
-            if count == length:
+            if mask is None:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
             else:
-                offsets = torch.arange(count, device=q.device)[:, None] + (length - count)
-                mask = torch.arange(length, device=q.device)[None, :] <= offsets  # [n, L]
                 oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
             out[start : start + count] = oi.transpose(0, 1).to(q.dtype)
         return out

@@ -46,6 +46,12 @@ def test_mixed_attention_equals_the_per_sequence_loop() -> None:
     out = mixed(1, q, k, v)
     reference = TorchPagedAttention(cache, metadata)(1, q, k, v)
     torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-5)
+    # cache slots past a row's context may hold anything (NaN in fresh storage): never read
+    for row, length in enumerate(seq_lens):
+        for pos in range(length, table.shape[1] * 4):
+            cache.storage[int(table[row, pos // 4]), :, :, :, pos % 4] = float("nan")
+    again = MixedPagedAttention(cache, metadata, compute_dtype=torch.float32).attend(1, q)
+    torch.testing.assert_close(again, reference, rtol=1e-5, atol=1e-5)
     # decode-only rows: one batched call without index copies
     only = AttentionMetadata(
         slot_blocks=metadata.slot_blocks[[0]],
