@@ -552,6 +552,13 @@ def main(argv: list[str] | None = None) -> int:
         help="quanta are sized to the budget less this many intervals of decode's recent "
         "growth, so most reclaims need no cache flush (MemoryPolicyConfig)",
     )
+    tr.add_argument(
+        "--plan-headroom-min-pages",
+        type=int,
+        default=None,
+        help="floor of that headroom (default: the low watermark plus the waiting prompts' "
+        "cap, what a burst's first refill takes)",
+    )
     tr.add_argument("--reserve-low-pages", type=int, default=1024)
     tr.add_argument("--reserve-high-pages", type=int, default=3072)
     tr.add_argument(

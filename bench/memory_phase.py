@@ -115,6 +115,7 @@ class _Phase:
             grow_hold_iterations=plan["hysteresis"],
             min_decode_pages=plan["static_decode_pages"] if self.static else 1,
             plan_headroom_intervals=plan["plan_headroom_intervals"],
+            plan_headroom_min_pages=plan["plan_headroom_min_pages"],
             reclaim_from_finetune=not self.static,
         )
         return EngineMemory.prepare(

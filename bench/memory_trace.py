@@ -114,6 +114,7 @@ def trace_benchmark(args: Any) -> Path:
         "static_decode_pages": 1,
         "footprint_error": footprint_error,
         "plan_headroom_intervals": args.plan_headroom_intervals,
+        "plan_headroom_min_pages": _headroom_floor(args),
         "sharing": sharing_info,
     }
     print(
@@ -183,6 +184,14 @@ def _sharing(args: Any, device: Any) -> tuple[Any, dict[str, Any] | None]:
     return sharing, info
 
 
+def _headroom_floor(args: Any) -> int:
+    if args.plan_headroom_min_pages is not None:
+        return int(args.plan_headroom_min_pages)
+    from gpu_runtime.memory import MemoryPolicyConfig
+
+    return int(args.reserve_low_pages + MemoryPolicyConfig().max_waiting_pages)
+
+
 def job_pool_gib(args: Any, rows: list[dict[str, Any]]) -> float:
     """Pool of the phases with a job under `--job-pool-extra-gib`: `decode_only`'s KV peak
     plus the low watermark plus the extra, in whole GiB (`--pool-gib` at most; `--pool-gib`
@@ -244,6 +253,7 @@ def _write_trace_result(
                 "cuda_graphs": not args.ft_eager,
             },
             "static_decode_pages": plan["static_decode_pages"],
+            "plan_headroom_min_pages": plan["plan_headroom_min_pages"],
             "pool_gib_per_phase": plan.get("pool_gib", {}),
             "sharing": plan["sharing"],
         },

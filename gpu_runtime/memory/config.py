@@ -32,6 +32,14 @@ class MemoryPolicyConfig:
     finetune memory then stays below the budget a reclaim leaves, so that reclaim is a cap
     change, not a cache flush (which waits for the device and drops the trainers' CUDA graphs).
     0: quanta are sized to the whole budget."""
+    headroom_window: int = 64
+    """Intervals between quanta over which the largest decode growth is remembered for the plan
+    headroom: longer than `growth_window`, so that a quiet spell between bursts does not let
+    finetuning fill the budget again right before the next burst's reclaims."""
+    plan_headroom_min_pages: int = 0
+    """The plan headroom is at least this (when `plan_headroom_intervals` > 0), decode's free
+    pages included: what the first refill of a burst takes before any growth was seen (e.g.
+    the low watermark plus `max_waiting_pages`)."""
     reclaim_from_finetune: bool = True
     """False turns the pool into a static split: pages lent to finetuning never come back to
     decode, which preempts instead (the baseline the benchmark compares with)."""
@@ -44,11 +52,14 @@ class MemoryPolicyConfig:
             "grow_hold_iterations",
             "max_waiting_pages",
             "plan_headroom_intervals",
+            "plan_headroom_min_pages",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.growth_window < 1:
             raise ValueError(f"growth_window must be >= 1, got {self.growth_window}")
+        if self.headroom_window < 1:
+            raise ValueError(f"headroom_window must be >= 1, got {self.headroom_window}")
         if self.max_step_pages <= 0:
             raise ValueError(f"max_step_pages must be positive, got {self.max_step_pages}")
         if self.min_decode_pages < 1:

@@ -70,6 +70,7 @@ class MemoryManager:
         self._iterations_since_reclaim = self.config.grow_hold_iterations
         self._used_at_last_refill: int | None = None
         self._interval_growth: deque[int] = deque(maxlen=self.config.growth_window)
+        self._headroom_growth: deque[int] = deque(maxlen=self.config.headroom_window)
         initial = min(
             max(self.config.min_decode_pages, self.config.reserve_low_pages),
             pool.prefix_limit_pages,
@@ -198,7 +199,9 @@ class MemoryManager:
         hysteresis counters (`maintain` still runs once per iteration)."""
         self._check_demand(demand)
         if self._used_at_last_refill is not None:
-            self._interval_growth.append(max(demand.used_blocks - self._used_at_last_refill, 0))
+            growth = max(demand.used_blocks - self._used_at_last_refill, 0)
+            self._interval_growth.append(growth)
+            self._headroom_growth.append(growth)
         self._used_at_last_refill = demand.used_blocks
         free_blocks = self.usable_blocks - demand.used_blocks
         _, low_blocks, _ = self._watermarks(demand)
@@ -270,18 +273,18 @@ class MemoryManager:
         return self.pool.finetune_budget_bytes
 
     def reclaim_headroom_pages(self) -> int:
-        """Budget pages decode is expected to take back by the next quantum boundary: what
-        `plan_headroom_intervals` more intervals of the largest recent decode growth (the
-        `growth_window` remembered by `refill_reserve`) would need beyond the free pages.
-        0 under a static split (nothing is ever reclaimed)."""
-        intervals = self.config.plan_headroom_intervals
-        if not self.config.reclaim_from_finetune or intervals == 0:
+        """Budget pages decode is expected to take back soon: what `plan_headroom_intervals`
+        more intervals of the largest decode growth between quanta over the last
+        `headroom_window` intervals (at least `plan_headroom_min_pages`) would need beyond the
+        free pages. 0 under a static split (nothing is ever reclaimed)."""
+        cfg = self.config
+        if not cfg.reclaim_from_finetune or cfg.plan_headroom_intervals == 0:
             return 0
-        growth = max(self._interval_growth, default=0) * intervals
-        if growth == 0:
-            return 0
-        pages = self._round_up(self.layout.pages_for_blocks(growth)) - self.pool.free_pages
-        return min(max(pages, 0), self.pool.finetune_pages)
+        growth = max(self._headroom_growth, default=0) * cfg.plan_headroom_intervals
+        pages = self._round_up(
+            max(self.layout.pages_for_blocks(growth), cfg.plan_headroom_min_pages)
+        )
+        return min(max(pages - self.pool.free_pages, 0), self.pool.finetune_pages)
 
     def finetune_plan_bytes(self) -> int:
         """Bytes the next quantum should plan to peak at: the budget less

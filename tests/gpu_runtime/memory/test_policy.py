@@ -416,3 +416,37 @@ def test_while_a_quantum_runs_decode_takes_the_budget_it_was_not_promised_withou
     assert manager.usable_blocks == 8 and pool.finetune_pages == 24  # spare 4 pages taken
     assert manager.counters.deferred_reclaims == 1 and len(manager.counters.flush_latency) == 0
     pool.check()
+
+
+def test_the_plan_headroom_remembers_a_burst_over_a_quiet_spell_and_has_a_floor() -> None:
+    def manager_for(**config: Any) -> tuple[MemoryManager, PagePool]:
+        manager, pool = _manager(num_pages=64, grow_hold_iterations=0, **config)
+        manager.set_finetune_demand(60 * PAGE)
+        for _ in range(20):
+            manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
+        return manager, pool
+
+    # Before any growth is seen, the floor (less decode's free pages: none) is kept out.
+    manager, pool = manager_for(plan_headroom_intervals=1, plan_headroom_min_pages=6)
+    assert pool.free_pages == 0 and manager.reclaim_headroom_pages() == 6
+    assert manager.finetune_plan_bytes() == (pool.finetune_pages - 6) * PAGE
+    # A burst of 5 blocks in one interval, then 8 quiet intervals: the burst is still
+    # remembered (headroom_window 64), though it left the 4-interval growth_window.
+    manager.refill_reserve(DecodeDemand(used_blocks=0))
+    manager.before_step(DecodeDemand(used_blocks=0, next_step_blocks=5))
+    manager.refill_reserve(DecodeDemand(used_blocks=5))
+    for _ in range(8):
+        manager.refill_reserve(DecodeDemand(used_blocks=5))
+    assert manager.reclaim_headroom_pages() == 6  # max(5 pages of growth, floor 6)
+    manager, pool = manager_for(plan_headroom_intervals=2, headroom_window=4)
+    manager.refill_reserve(DecodeDemand(used_blocks=0))
+    manager.before_step(DecodeDemand(used_blocks=0, next_step_blocks=5))
+    manager.refill_reserve(DecodeDemand(used_blocks=5))
+    assert manager.reclaim_headroom_pages() == 10  # 2 intervals of 5 blocks
+    for _ in range(4):
+        manager.refill_reserve(DecodeDemand(used_blocks=5))
+    assert manager.reclaim_headroom_pages() == 0  # a short window forgot the burst
+    with pytest.raises(ValueError, match="headroom_window"):
+        MemoryPolicyConfig(headroom_window=0)
+    with pytest.raises(ValueError, match="plan_headroom_min_pages"):
+        MemoryPolicyConfig(plan_headroom_min_pages=-1)
