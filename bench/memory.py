@@ -5,8 +5,9 @@
     python3 bench/memory.py trace --model tiny --device cpu ...   # smoke run (see --help)
 
 `trace` (Llama-3-8B shape, seeded random bf16 weights): a bursty decode trace (`memory-bursty`:
-Poisson bursts of 45 requests/s for 4 s, 6 s quiet; prompts log-normal median 1536 tokens in
-[256, 3072], outputs median 256 in [32, 768]; seeded, identical for both phases) runs through the
+Poisson bursts of 45 x `--rate-scale` requests/s for 4 s, 6 s quiet; prompts log-normal median
+`--prompt-median` (1536) tokens in [median/6, 2 x median], outputs median `--output-median`
+(256) in [median/8, 3 x median]; seeded, identical for every phase) runs through the
 host loop with one LoRA job (rank 16, q/k/v/o, synthetic `--ft-seq-len`-token examples) whose
 quanta are sized to the budget they read (at most `--max-examples` examples; a safety factor
 that shrinks after an out-of-memory error). On CUDA decode runs on a high-priority stream and the
@@ -522,6 +523,8 @@ def main(argv: list[str] | None = None) -> int:
     tr.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals a phase")
     tr.add_argument("--drain", type=float, default=30.0, help="most seconds to finish after")
     tr.add_argument("--rate-scale", type=float, default=1.0)
+    tr.add_argument("--prompt-median", type=int, default=1536, help="prompt tokens (median)")
+    tr.add_argument("--output-median", type=int, default=256, help="output tokens (median)")
     tr.add_argument("--pool-gib", type=float, default=80.0, help="pool size (KV + finetune)")
     tr.add_argument("--max-model-len", type=int, default=4096)
     tr.add_argument("--max-num-seqs", type=int, default=256)

@@ -21,11 +21,19 @@ MIB = 1 << 20
 PAGE = 2 * MIB
 
 
-def trace_spec(tiny: bool, duration_s: float, rate_scale: float) -> Any:
+def trace_spec(
+    tiny: bool,
+    duration_s: float,
+    rate_scale: float,
+    prompt_median: int = 1536,
+    output_median: int = 256,
+) -> Any:
     """Bursty decode load: Poisson bursts of `on_s` s, quiet `off_s` s; long prompts.
 
     Llama-3-8B on an H200: about 45 arrivals/s in a burst with ~5 s requests swings the decode
-    batch between a handful and ~200 sequences of ~1.5k-token contexts (~50 GB of KV at peak)."""
+    batch between a handful and ~200 sequences of ~1.5k-token contexts (~50 GB of KV at peak).
+    Prompts log-normal around `prompt_median` in [median/6, 2 x median], outputs around
+    `output_median` in [median/8, 3 x median] (defaults: [256, 3072] and [32, 768])."""
     from bench.traces import LengthDistribution, TraceSpec
 
     if tiny:
@@ -41,8 +49,18 @@ def trace_spec(tiny: bool, duration_s: float, rate_scale: float) -> Any:
             on_s=1.0,
             off_s=1.5,
         )
-    prompt = LengthDistribution(median=1536, sigma=0.4, minimum=256, maximum=3072)
-    output = LengthDistribution(median=256, sigma=0.5, minimum=32, maximum=768)
+    prompt = LengthDistribution(
+        median=prompt_median,
+        sigma=0.4,
+        minimum=max(prompt_median // 6, 1),
+        maximum=2 * prompt_median,
+    )
+    output = LengthDistribution(
+        median=output_median,
+        sigma=0.5,
+        minimum=max(output_median // 8, 1),
+        maximum=3 * output_median,
+    )
     return TraceSpec(
         "memory-bursty", "onoff", 45.0 * rate_scale, duration_s, prompt, output, on_s=4.0, off_s=6.0
     )
@@ -77,7 +95,7 @@ def trace_benchmark(args: Any) -> Path:
         config = config.replace(max_position_embeddings=args.max_model_len)
     dtype = "bfloat16" if device.type == "cuda" else "float32"
     model = build_random_model(config, seed=args.seed, device=device, dtype=dtype)
-    spec = trace_spec(tiny, args.duration, args.rate_scale)
+    spec = trace_spec(tiny, args.duration, args.rate_scale, args.prompt_median, args.output_median)
     trace = generate(spec, args.seed)
     prompts = [r.prompt_ids(config.vocab_size) for r in trace]
     # Finetune footprint, measured once on a scratch trainer. Batches of 5 examples: quanta of
