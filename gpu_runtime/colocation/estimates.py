@@ -44,8 +44,11 @@ class PrefillMix:
     iteration time is a mixture of the two kinds, not the time of one step carrying the mean
     chunk (which would be a mixed step every time)."""
 
-    def __init__(self, smoothing: float) -> None:
+    def __init__(self, smoothing: float, horizon: int = 32) -> None:
+        """``horizon``: iterations the mix describes; the prompts already queued (one chunk
+        step each at least) raise the chunk share over it at once, before the averages move."""
         self.smoothing = smoothing
+        self.horizon = horizon
         self.share = 0.0
         """Fraction of busy iterations with a chunk."""
         self.tokens = 0.0
@@ -64,13 +67,20 @@ class PrefillMix:
 
     def mix(self, decode: DecodeSnapshot) -> tuple[tuple[float, DecodeSnapshot], ...]:
         """(weight, snapshot) of the two kinds of iteration after ``decode`` (waiting requests
-        joined); weights sum to 1, a kind never seen is left out."""
+        joined); weights sum to 1, a kind with no weight is left out. The chunk share is the
+        recent one, or what the queued prompts alone will take of the horizon if more."""
         ahead = lookahead(decode)
+        if ahead.batch_size == 0:  # only prompts in flight: every step carries a chunk
+            chunk = max(1, ahead.prefill_tokens, round(self.tokens))
+            return ((1.0, replace(ahead, prefill_tokens=chunk)),)
+        queued = decode.waiting_requests + (1 if decode.prefill_tokens > 0 else 0)
+        share = max(self.share, min(1.0, queued / self.horizon))
+        tokens = max(1, round(self.tokens) if self.tokens else decode.prefill_tokens)
         out = []
-        if self.share < 1.0:
-            out.append((1.0 - self.share, replace(ahead, prefill_tokens=0)))
-        if self.share > 0.0:
-            out.append((self.share, replace(ahead, prefill_tokens=max(1, round(self.tokens)))))
+        if share < 1.0:
+            out.append((1.0 - share, replace(ahead, prefill_tokens=0)))
+        if share > 0.0:
+            out.append((share, replace(ahead, prefill_tokens=tokens)))
         return tuple(out)
 
 

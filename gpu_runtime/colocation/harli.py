@@ -36,10 +36,10 @@ While a quantum is in flight its SMs are taken: the policy only picks the decode
 lowest predicted TPOT given that quantum (no new launch).
 
 The margin adapts: ``base_margin`` plus the ``error_quantile`` of recent relative prediction
-errors ``(observed - predicted) / predicted`` (only under-predictions count), capped at
-``max_margin``; each time a request misses the SLO (finishes over it, or a running one's mean
-TPOT so far goes over it), ``violation_step`` is added, decaying by ``violation_decay`` per
-iteration.
+errors ``(observed - predicted) / predicted`` (only under-predictions count; each a mean over
+``error_smoothing`` iterations), capped at ``max_margin``; each time a request misses the SLO
+(finishes over it, or a running one's mean TPOT so far goes over it), ``violation_step`` is
+added, decaying by ``violation_decay`` per iteration.
 """
 
 from __future__ import annotations
@@ -82,8 +82,10 @@ class HarliConfig:
     ``error_smoothing`` iterations) added to the margin."""
     error_window: int = 256
     """Iterations the error quantile is taken over."""
-    error_smoothing: int = 16
-    """Iterations each error (and each SLO breach check) is averaged over."""
+    error_smoothing: int = 32
+    """Iterations each error (and each SLO breach check) is averaged over: a share of a
+    request's life (a few hundred tokens), over which its mean TPOT is made; also the horizon
+    of the typical-iteration mix."""
     min_error_samples: int = 8
     """Below this many observations the margin is ``initial_margin``."""
     initial_margin: float = 0.15
@@ -162,15 +164,15 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self._jobs: dict[str, JobView] = {}
         self._slo_ms: float | None = None
         self._worst_running: float | None = None
-        self._prefill = PrefillMix(self.config.prefill_smoothing)
+        self._prefill = PrefillMix(self.config.prefill_smoothing, self.config.error_smoothing)
         self.decisions = 0
         self.pauses = 0
 
     # ---- planning -----------------------------------------------------------------------
     def plan(self, ctx: IterationContext) -> IterationPlan:
         self.decisions += 1
-        self._slo_ms = ctx.tpot_slo_ms
         self._worst_running = ctx.worst_running_tpot_ms
+        self._slo_ms = ctx.tpot_slo_ms
         for job in ctx.jobs:
             self._jobs[job.job_id] = job
         options = ctx.decode_sms_options

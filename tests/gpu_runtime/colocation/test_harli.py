@@ -288,8 +288,14 @@ def test_typical_iteration_mixes_chunk_steps_and_pure_decode_steps() -> None:
     from gpu_runtime.colocation.estimates import PrefillMix
 
     mix = PrefillMix(smoothing=0.05)
+    steady = DecodeSnapshot.from_contexts([512] * 16)
+    assert [(w, s.prefill_tokens) for w, s in mix.mix(steady)] == [(1.0, 0)]
+    # Prompts already queued take their chunk steps out of the horizon at once.
+    queued = DecodeSnapshot.from_contexts([512] * 16, prefill_tokens=300, waiting_requests=3)
+    kinds = mix.mix(queued)
+    assert [s.prefill_tokens for _, s in kinds] == [0, 300]
+    assert kinds[1][0] == pytest.approx(4 / mix.horizon)  # 3 waiting + the one in progress
     decode = DecodeSnapshot.from_contexts([512] * 16, waiting_requests=2)
-    assert [(w, s.prefill_tokens) for w, s in mix.mix(decode)] == [(1.0, 0)]
     for i in range(400):  # one busy iteration in ten carries a 512-token chunk
         mix.observe(512 if i % 10 == 0 else 0)
     kinds = mix.mix(decode)
@@ -297,6 +303,9 @@ def test_typical_iteration_mixes_chunk_steps_and_pure_decode_steps() -> None:
     assert sum(w for w, _ in kinds) == pytest.approx(1.0)
     assert kinds[1][0] == pytest.approx(0.1, abs=0.05)
     assert all(s.batch_size == 18 for _, s in kinds)  # the waiting requests joined
+    # Only prompts in flight (no decode rows yet): every step carries a chunk.
+    prompts = DecodeSnapshot.from_contexts([], prefill_tokens=300)
+    assert [(w, s.prefill_tokens) for w, s in mix.mix(prompts)] == [(1.0, 512)]
     # The expected iteration is the weighted mean of the two kinds, far below a chunk step.
     policy = HarliPolicy(MODEL)
     policy._prefill = mix
