@@ -26,9 +26,13 @@ _BLOCK = 1024
 _TARGET_PROGRAMS = 512
 """Partial programs aimed for per call (about four per SM on an H200's 132)."""
 _MAX_PARTS = 128
+_LANES = 128
+"""Lanes of the reduce kernel (>= _MAX_PARTS): one compiled variant for every part count, so a
+batch size seen for the first time mid-run does not wait for a compile (the part count is not
+specialised either: it changes with the batch size)."""
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def _gumbel_argmax_partial_kernel(
     logits_ptr,
     inv_temp_ptr,
@@ -70,7 +74,7 @@ def _gumbel_argmax_partial_kernel(
     tl.store(part_idx_ptr + row * parts + part, index)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["parts"])
 def _argmax_of_parts_kernel(part_val_ptr, part_idx_ptr, out_ptr, parts, LANES: tl.constexpr):
     row = tl.program_id(0)
     offs = tl.arange(0, LANES)
@@ -128,7 +132,7 @@ def gumbel_argmax(
         part_idx,
         out,
         parts,
-        LANES=max(2, triton.next_power_of_2(parts)),
+        LANES=_LANES,
         num_warps=1,
     )
     return out

@@ -158,19 +158,19 @@ class MixedPagedAttention:
         ):
             keys = key_cache[blocks, :, offsets]  # [L, Hkv, D]
             values = value_cache[blocks, :, offsets]
-            # 4-D inputs: the fused SDPA kernels (flash, memory-efficient) take nothing else;
-            # with 3-D ones every chunk ran the math path (scores materialised per layer)
-            qi = q[start : start + count].transpose(0, 1)[None].to(dtype)  # [1, H, n, D]
-            ki = keys.transpose(0, 1)[None].to(dtype)  # [1, Hkv, L, D]
-            vi = values.transpose(0, 1)[None].to(dtype)
-            if mask is None:  # a chunk from position 0: causal, GQA in the flash kernel
+            # 3-D inputs: SDPA's math path, whatever the chunk's shape. 4-D inputs (4578d0e)
+            # reach the fused kernels (an eager step of 32 rows + a 2048-token chunk: 131 ->
+            # 95 ms on the H200, same shapes every step) but made co-location steps carrying
+            # chunks of many lengths 5-30x slower (suspect: a kernel plan built per new shape);
+            # reverted until measured with varied shapes.
+            qi = q[start : start + count].transpose(0, 1).to(dtype)  # [H, n, D]
+            ki = keys.transpose(0, 1).to(dtype)  # [Hkv, L, D]
+            vi = values.transpose(0, 1).to(dtype)
+            if mask is None:
                 oi = F.scaled_dot_product_attention(qi, ki, vi, is_causal=True, enable_gqa=True)
-            else:  # after a prefix: masked, KV heads repeated (the masked kernel has no GQA)
-                group = qi.shape[1] // ki.shape[1]
-                ki = ki.repeat_interleave(group, dim=1)
-                vi = vi.repeat_interleave(group, dim=1)
-                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask)
-            out[start : start + count] = oi[0].transpose(0, 1).to(q.dtype)
+            else:
+                oi = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, enable_gqa=True)
+            out[start : start + count] = oi.transpose(0, 1).to(q.dtype)
         return out
 
     def __call__(
