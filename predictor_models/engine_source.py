@@ -7,13 +7,12 @@ for (bucket, partition) on the partition's stream through ``ModelRunner.capture_
 replays it: fused Triton decode kernels, Triton paged attention over a block-major KV cache, the
 LM head. Sampling and the host copy of the sampled ids are not part of the timed graph.
 
-Chunked-prefill iterations run eagerly in the engine (no graph): ``capture(contexts, P, ...)``
-with ``P > 0`` returns an ``EngineMixedStep`` that runs the runner's general path
-(``ModelRunner._general_logits``: over the decode tokens and one prompt chunk of ``P`` tokens,
-through the fused CUDA step when the runner has fused kernels and mixed-batch attention, as
-``ModelRunner.execute`` does, else the model forward with the runner's paged attention) on the
-caller's stream each "replay"; host launch time is part of its measured latency, as it is of the
-engine's mixed steps.
+Chunked-prefill iterations: ``capture(contexts, P, ...)`` with ``P > 0`` returns an
+``EngineMixedStep`` over the decode tokens and one prompt chunk of ``P`` tokens, which each
+"replay" runs on the caller's stream as ``ModelRunner.execute`` would, without sampling
+(``ModelRunner._forward``): by default eagerly through the fused general path with mixed paged
+attention (host launch time is part of the measured latency, as it is of the engine's mixed
+steps); with ``mixed_graphs=True`` through the engine's piecewise mixed-step graphs.
 
 The runner's staging buffers are private attributes (``_buf_ints``, ``_buf_seq_lens``,
 ``_buf_table``, ``_buckets``, ``_graphs``; ``states``, ``_table_np`` and ``_general_logits`` for
@@ -65,7 +64,13 @@ class EngineMixedStep:
     blocks); ``replay`` recomputes the same step (the states are not advanced).
     """
 
-    def __init__(self, source: EngineDecode, contexts: list[int], prefill_tokens: int) -> None:
+    def __init__(
+        self,
+        source: EngineDecode,
+        contexts: list[int],
+        prefill_tokens: int,
+        partition: Any = None,
+    ) -> None:
         from gpu_runtime.engine.model_runner import _RequestState
         from gpu_runtime.engine.request import SamplingParams
 
@@ -103,27 +108,36 @@ class EngineMixedStep:
             )
             self.order.append((rid, 1 if decode else length))
         self.runner = runner
-        # as ModelRunner.execute chooses: the fused CUDA step (no adapters) when the runner has
-        # fused kernels and mixed-batch attention, else the model forward
-        fused = getattr(runner, "_fused", None) is not None and getattr(
-            runner, "mixed_attention", False
-        )
-        self.fused_lora: bool | None = False if fused else None
+        self.partition = partition
 
-    def replay(self) -> None:
+    def replay(self) -> torch.Tensor:
+        """One step as ``ModelRunner.execute`` runs it without sampling (``_forward`` under the
+        runner's BLAS choice: the mixed-step graphs of ``partition`` when captured, else the
+        fused general path on CUDA, the model forward elsewhere); returns its logits."""
+        from gpu_runtime.engine.model_runner import ModelRunnerOutput, blas_library
+
+        runner = self.runner
         with torch.no_grad():
-            if self.fused_lora is None:
-                self.runner._general_logits(self.order, self.runner.model)
-            else:
-                self.runner._general_logits(
-                    self.order, self.runner.model, fused_lora=self.fused_lora
+            if not hasattr(runner, "_forward"):  # runners before 7136e83
+                fused = getattr(runner, "_fused", None) is not None and runner.mixed_attention
+                kwargs = {"fused_lora": False} if fused else {}
+                return runner._general_logits(self.order, runner.model, **kwargs)[0]
+            with blas_library(getattr(runner, "_blas", None)):
+                logits, _ = runner._forward(
+                    self.order, [], self.partition, False, False, ModelRunnerOutput()
                 )
+            return logits
 
 
 class EngineDecode:
     """The decode engine's model runner over a KV cache of ``max_kv_tokens`` tokens."""
 
-    def __init__(self, model: CausalLM, max_kv_tokens: int, seed: int = 0) -> None:
+    def __init__(
+        self, model: CausalLM, max_kv_tokens: int, seed: int = 0, mixed_graphs: bool = False
+    ) -> None:
+        """``mixed_graphs``: the engine's piecewise graphs of steps with prefill chunks
+        (``EngineConfig.mixed_cuda_graphs``), captured with every decode bucket the first time
+        a partition is used (a 1024-token step budget: chunks here are at most 512 tokens)."""
         from gpu_runtime.engine.config import EngineConfig
         from gpu_runtime.engine.model_runner import ModelRunner
 
@@ -132,13 +146,14 @@ class EngineDecode:
             num_kv_blocks=max_kv_tokens // BLOCK_SIZE,
             block_size=BLOCK_SIZE,
             max_num_seqs=256,
-            max_num_batched_tokens=8192,
+            max_num_batched_tokens=1024 if mixed_graphs else 8192,
             max_model_len=MAX_MODEL_LEN,
             device=str(device),
             # torch attention off CUDA: CPU tests exercise the staging (no graphs there)
             attention_backend="triton" if device.type == "cuda" else "torch",
             static_decode_batches=True,
             use_cuda_graphs=True,
+            mixed_cuda_graphs=mixed_graphs,
         )
         self.runner = ModelRunner(model, config)
         for name in ("_buf_ints", "_buf_seq_lens", "_buf_table", "_buckets"):
@@ -151,6 +166,8 @@ class EngineDecode:
         # room for rounding every one of up to 256 sequences up to whole blocks
         self.max_kv_tokens = (max_kv_tokens // BLOCK_SIZE - 256) * BLOCK_SIZE
         self.rng = np.random.default_rng(seed)
+        self.mixed_graphs = mixed_graphs
+        self._partitions: set[Any] = set()  # partitions captured whole (mixed_graphs)
 
     def _staged(self, contexts: list[int], bucket: int) -> dict[str, torch.Tensor]:
         runner = self.runner
@@ -194,9 +211,12 @@ class EngineDecode:
     ) -> EngineStep | EngineMixedStep:
         """Stage ``contexts`` and return the step for ``partition`` (captured on ``stream``);
         with a prefill chunk, the eager mixed step (see the module docstring)."""
-        if prefill_tokens:
-            return EngineMixedStep(self, contexts, prefill_tokens)
         runner = self.runner
+        if self.mixed_graphs and partition not in self._partitions:
+            runner.capture_cuda_graphs(None, partition=partition, stream=stream)
+            self._partitions.add(partition)
+        if prefill_tokens:
+            return EngineMixedStep(self, contexts, prefill_tokens, partition)
         bucket = next((b for b in runner._buckets if b >= len(contexts)), None)
         if bucket is None:
             raise ValueError(f"batch {len(contexts)} exceeds the largest bucket")

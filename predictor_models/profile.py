@@ -125,6 +125,7 @@ class Profiler:
         seed: int,
         source: str = "standin",
         finetune: str = "peft",
+        mixed_graphs: bool = False,
     ) -> None:
         self.device = sharing.device
         self.seed = seed
@@ -137,7 +138,7 @@ class Profiler:
         if source == "engine":
             from predictor_models.engine_source import EngineDecode
 
-            self.decode = EngineDecode(self.model, max_kv_tokens, seed=seed)
+            self.decode = EngineDecode(self.model, max_kv_tokens, seed, mixed_graphs)
             self.prefill_choices: tuple[int, ...] = (0,)
         elif source == "standin":
             self.decode = StandInDecode(self.model, max_kv_tokens, seed=seed)
@@ -379,6 +380,12 @@ def main() -> None:
         default=3,
         help="trainer mode: decode configurations timed beside each warmed quantum",
     )
+    parser.add_argument(
+        "--mixed-graphs",
+        action="store_true",
+        help="engine source: steps with a prefill chunk replay the engine's piecewise mixed-step "
+        "graphs (EngineConfig.mixed_cuda_graphs) instead of launching eagerly",
+    )
     parser.add_argument("--tag", default="", help="suffix of the output file names")
     parser.add_argument("--trace", action="store_true", help="print each step of each sample")
     parser.add_argument("--seed", type=int, default=0)
@@ -395,6 +402,7 @@ def main() -> None:
         args.seed,
         args.decode_source,
         args.finetune,
+        args.mixed_graphs,
     )
     profiler.trace = args.trace
     profiler.decode_per_quantum = max(1, args.decode_per_quantum)
@@ -420,6 +428,7 @@ def main() -> None:
         "source": SOURCES.get(args.decode_source, SOURCE),
         "finetune_mode": TRAINER_MODE if args.finetune == "trainer" else FINETUNE_MODE,
         "sharing": sharing.mechanism,
+        "mixed_cuda_graphs": args.mixed_graphs,
         "decode_sms_choices": list(sharing.table.choices),
         "iters_per_row": args.iters,
         "seed": args.seed,

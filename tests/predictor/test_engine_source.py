@@ -64,12 +64,25 @@ def test_mixed_step_runs_decode_and_a_prefill_chunk_through_the_general_path() -
     step = source.capture([9, 40], 24, None)
     assert isinstance(step, EngineMixedStep)
     assert step.order == [("decode0", 1), ("decode1", 1), ("prefill", 24)]
-    step.replay()  # twice: the states are not advanced
+    replayed = step.replay()  # twice: the states are not advanced
     with torch.no_grad():
         logits, sampled = source.runner._general_logits(step.order, model)
         prompt = torch.tensor(source.runner.states["prefill"].token_ids)
         hidden = model(prompt, torch.arange(24), _causal)
         expected = model.compute_logits(hidden[-1:])
+    torch.testing.assert_close(replayed, logits, rtol=0, atol=0)  # execute's path, unsampled
     assert sampled == ["decode0", "decode1", "prefill"]
     assert torch.all(torch.isfinite(logits))
     torch.testing.assert_close(logits[2:], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_mixed_graph_option_sets_the_engine_flag_and_keeps_cpu_steps_eager() -> None:
+    model = build_random_model(ModelConfig.preset("tiny"), seed=0)
+    model.fuse_projections()
+    source = EngineDecode(model, 8192, seed=0, mixed_graphs=True)
+    assert source.runner.config.mixed_cuda_graphs
+    assert source.runner.config.max_num_batched_tokens == 1024
+    step = source.capture([9, 40], 24, None, partition=48)
+    assert isinstance(step, EngineMixedStep) and step.partition == 48
+    assert source.runner._mixed is None  # no fused kernels off CUDA: nothing to capture
+    assert step.replay().shape == (3, model.config.vocab_size)
