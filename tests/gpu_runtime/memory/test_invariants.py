@@ -86,7 +86,8 @@ class Request:
 
 class UnifiedPoolMachine(RuleBasedStateMachine):
     @initialize(
-        units=st.integers(4, 24),
+        # 6+: the pinned tail (up to 3 pages of padding blocks + 1 unit) must leave pages
+        units=st.integers(6, 24),
         unit=st.sampled_from([1, 2, 4]),
         block_ratio=st.sampled_from([(1, 1), (1, 2), (3, 2)]),
         pinned=st.booleans(),
