@@ -4,15 +4,17 @@ The ONNX predictor (``gpu_runtime.predictor``) is trained offline on the GPU's p
 how latency moves with batch, context, prefill chunk, SM share and the quantum beside decode,
 but not this host's constant offsets (the loop's own host work per iteration, a different H200,
 an engine changed since the profile). :class:`CorrectedLatencyModel` multiplies its prediction
-by the median of recent ``observed / predicted`` ratios of iterations of the same kind
-(decode SM share, whether a quantum ran beside decode, whether the step carried a prefill chunk),
-falling back to the ratio over every share of that kind, then to 1. Targets are whole iteration
+by ``sum(observed) / sum(predicted)`` over recent iterations of the same kind (decode SM share,
+whether a quantum ran beside decode, whether the step carried a prefill chunk), falling back to
+the ratio over every share of that kind, then to 1. A ratio of sums, not a median: a request's
+TPOT is a mean over its iterations, so occasional slow ones (a stall, a launch) must raise the
+prediction as much as they raise that mean; one iteration counts at most ``ratio_bounds[1]``
+times its prediction. Targets are whole iteration
 times (``IterationRecord.iteration_ms``), as for ``OnlineLatencyModel``.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import defaultdict, deque
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +26,10 @@ from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 
 Kind = tuple[bool, bool]
 """(a quantum beside decode, a prefill chunk in the step)."""
+
+
+def _ratio_of_sums(pairs: deque[tuple[float, float]]) -> float:
+    return sum(o for _, o in pairs) / sum(p for p, _ in pairs)
 
 
 def _kind(iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> Kind:
@@ -42,9 +48,9 @@ class CorrectedLatencyModel:
         min_samples: int = 4,
         ratio_bounds: tuple[float, float] = (0.25, 8.0),
     ) -> None:
-        """``window``: ratios kept per key; ``min_samples``: ratios a key needs before it is
-        used; ``ratio_bounds``: the range a single ratio is clipped to (one stalled iteration
-        must not throw the median far)."""
+        """``window``: iterations kept per key; ``min_samples``: iterations a key needs before
+        it is used; ``ratio_bounds``: the range one iteration's observed/predicted is clipped
+        to (one stalled iteration must not throw the ratio far)."""
         if window < 1 or min_samples < 1 or not 0 < ratio_bounds[0] < 1 < ratio_bounds[1]:
             raise ValueError(
                 f"window={window}, min_samples={min_samples} must be >= 1 and ratio_bounds="
@@ -54,19 +60,21 @@ class CorrectedLatencyModel:
         self.window = window
         self.min_samples = min_samples
         self.ratio_bounds = ratio_bounds
-        self._ratios: dict[tuple[float, Kind], deque[float]] = defaultdict(
+        self._pairs: dict[tuple[float, Kind], deque[tuple[float, float]]] = defaultdict(
             lambda: deque(maxlen=window)
         )
-        self._pooled: dict[Kind, deque[float]] = defaultdict(lambda: deque(maxlen=window))
-        self._share_medians: dict[tuple[float, Kind], float] = {}
-        self._kind_medians: dict[Kind, float] = {}
+        self._pooled: dict[Kind, deque[tuple[float, float]]] = defaultdict(
+            lambda: deque(maxlen=window)
+        )
+        self._share_ratios: dict[tuple[float, Kind], float] = {}
+        self._kind_ratios: dict[Kind, float] = {}
 
     def ratio(self, share: float, kind: Kind) -> float:
         """The correction applied to iterations of ``kind`` on ``share`` of the SMs."""
-        cached = self._share_medians.get((round(share, 4), kind))
+        cached = self._share_ratios.get((round(share, 4), kind))
         if cached is not None:
             return cached
-        return self._kind_medians.get(kind, 1.0)
+        return self._kind_ratios.get(kind, 1.0)
 
     def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
         base = self.base.predict_ms(iteration, quantum)
@@ -90,16 +98,16 @@ class CorrectedLatencyModel:
         if not predicted > 0:
             return
         low, high = self.ratio_bounds
-        ratio = min(max(observed_ms / predicted, low), high)
+        clipped = min(max(observed_ms, low * predicted), high * predicted)
         kind = _kind(iteration, quantum)
         key = (round(iteration.decode_sm_share, 4), kind)
-        per_share, pooled = self._ratios[key], self._pooled[kind]
-        per_share.append(ratio)
-        pooled.append(ratio)
+        per_share, pooled = self._pairs[key], self._pooled[kind]
+        per_share.append((predicted, clipped))
+        pooled.append((predicted, clipped))
         if len(per_share) >= self.min_samples:
-            self._share_medians[key] = statistics.median(per_share)
+            self._share_ratios[key] = _ratio_of_sums(per_share)
         if len(pooled) >= self.min_samples:
-            self._kind_medians[kind] = statistics.median(pooled)
+            self._kind_ratios[kind] = _ratio_of_sums(pooled)
 
     def observe_record(self, record: IterationRecord, seq_len: int = 512, rank: int = 16) -> None:
         """Add a loop record (ignored when decode was idle)."""
@@ -117,7 +125,7 @@ class CorrectedLatencyModel:
         return {
             "per_share": {
                 f"{share}/{name(kind)}": round(m, 4)
-                for (share, kind), m in sorted(self._share_medians.items())
+                for (share, kind), m in sorted(self._share_ratios.items())
             },
-            "pooled": {name(kind): round(m, 4) for kind, m in self._kind_medians.items()},
+            "pooled": {name(kind): round(m, 4) for kind, m in self._kind_ratios.items()},
         }

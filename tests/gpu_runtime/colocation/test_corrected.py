@@ -47,13 +47,17 @@ def test_ratios_are_learnt_per_kind_of_iteration_and_pooled_across_shares() -> N
     assert model.describe()["pooled"] == {"alone/decode": 1.3, "beside/prefill": 2.0}
 
 
-def test_one_stalled_iteration_does_not_move_the_correction() -> None:
+def test_the_correction_follows_mean_latency_with_each_iteration_clipped() -> None:
     model = CorrectedLatencyModel(BASE, min_samples=4, ratio_bounds=(0.25, 8.0))
     it = _iteration(1.0)
     predicted = BASE.predict_ms(it, None)
-    for observed in (1.1, 1.1, 1.1, 1000.0, 1.1):
+    for observed in (1.0, 1.0, 1.0, 5.0):  # one slow iteration in four: the mean is 2x
         model.observe(it, None, observed * predicted)
-    assert model.ratio(1.0, (False, False)) == pytest.approx(1.1)
+    assert model.ratio(1.0, (False, False)) == pytest.approx(2.0)  # (a median would say 1)
+    stalled = CorrectedLatencyModel(BASE, window=64, min_samples=4, ratio_bounds=(0.25, 8.0))
+    for i in range(64):  # a 1000x stall counts as 8x
+        stalled.observe(it, None, (1000.0 if i == 10 else 1.1) * predicted)
+    assert stalled.ratio(1.0, (False, False)) == pytest.approx((63 * 1.1 + 8.0) / 64)
     with pytest.raises(ValueError, match="bracket 1"):
         CorrectedLatencyModel(BASE, ratio_bounds=(1.5, 8.0))
 
