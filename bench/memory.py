@@ -1,27 +1,32 @@
 """Unified memory benchmarks on an H200.
 
     python3 bench/memory.py mechanism [--out DIR]   # facts the pool is built on (about 40 s)
-    python3 bench/memory.py trace [--duration 60 --pool-gib 80]   # unified vs static split
+    python3 bench/memory.py trace [--duration 25 --job-pool-extra-gib 12 ...]   # 4 phases
     python3 bench/memory.py trace --model tiny --device cpu ...   # smoke run (see --help)
 
 `trace` (Llama-3-8B shape, seeded random bf16 weights): a bursty decode trace (`memory-bursty`:
 Poisson bursts of 45 x `--rate-scale` requests/s for 4 s, 6 s quiet; prompts log-normal median
 `--prompt-median` (1536) tokens in [median/6, 2 x median], outputs median `--output-median`
-(256) in [median/8, 3 x median]; seeded, identical for every phase) runs through the
-host loop with one LoRA job (rank 16, q/k/v/o, synthetic `--ft-seq-len`-token examples) whose
-quanta are sized to the budget they read (at most `--max-examples` examples; a safety factor
-that shrinks after an out-of-memory error). On CUDA decode runs on a high-priority stream and the
-quanta on a low-priority one (`StreamSharing`), decode graphs captured on decode's stream.
-Phase `unified`: the pool moves pages both ways. Phase `static_split`: decode keeps the KV peak
-`unified` measured (plus the low watermark) and finetuning gets the rest for good. Per phase:
-OOMs (finetune quanta lost to out-of-memory), dropped requests (rejected, or lost: neither
-finished nor still queued/running), requests still unfinished when `--drain` s after the last
-arrival ran out (a window limit, reported apart), reclaim latency p50/p99 (and its cache-flush
-part), decode iteration time p50/p99 (the whole loop iteration, pool work included), TPOT,
-finetune memory borrowed (time-weighted mean, max, and a time series) and finetune tokens/s.
-A phase that fails becomes a row with its error; the file is written after each phase:
-`memory-<gpu>-<yyyymmdd>.json`. Code: `bench/memory_trace.py` (setup, both phases, result file),
-`bench/memory_phase.py` (one phase), `bench/memory_sizing.py` (the finetune side's quantum sizing).
+(256) in [median/8, 3 x median]; seeded, identical for every phase) runs through the host loop
+in four phases (`--phases`): `decode_only` (no job, whole device), `decode_only_split` (no job,
+decode on the `--decode-sms` green-context split), `unified` and `static_split` (one LoRA job:
+rank 16, q/k/v/o, synthetic `--ft-seq-len`-token examples, CUDA-graphed quanta on the split's
+other SMs unless `--ft-eager`, sized to the budget they read: at most `--max-examples`
+examples, a safety factor that shrinks after an out-of-memory error). `unified`: the pool moves
+pages both ways, quanta planned below decode's expected reclaims (`--plan-headroom-*`).
+`static_split`: decode keeps the KV peak `unified` measured (plus the low watermark) and
+finetuning gets the rest for good. `--job-pool-extra-gib` sizes the two job phases' pool from
+`decode_only`'s KV peak. Per phase: OOMs (finetune quanta lost to out-of-memory), dropped
+requests (rejected, or lost: neither finished nor still queued/running), requests still
+unfinished when `--drain` s after the last arrival ran out (a window limit, reported apart),
+reclaims (p50/p99, cache flushes, taken while a quantum ran, waits), decode iteration time
+(p50 with a 95% interval, p99, without prefill, the slowest iterations and what happened in
+them; the whole loop iteration, pool work included), TPOT, finetune memory (budget lent,
+planned for, allocator reserved: time-weighted means, max, a time series), tokens/s and the
+job's graph counts; `comparisons` holds the ratios between phases. A phase that fails becomes a
+row with its error; the file is written after each phase: `memory-<gpu>-<yyyymmdd>.json`. Code:
+`bench/memory_trace.py` (setup, phases, result file), `bench/memory_phase.py` (one phase),
+`bench/memory_sizing.py` (the finetune side's quantum sizing).
 
 `mechanism` measures the CUDA virtual-memory mechanism under `gpu_runtime/memory`: map/unmap cost
 per 2 MiB page (per driver call, per-page vs batched access, chunks of 2 to 128 MiB), the time
