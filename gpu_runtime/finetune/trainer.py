@@ -285,7 +285,7 @@ class LoraTrainer:
                 loss_sum = self._loss_sum(batch)
                 (loss_sum / plan.batch_loss_tokens).backward()
             launch_s = time.perf_counter() - launch
-            return self._finish_micro_batch(plan, batch, loss_sum, start, 0, launch_s=launch_s)
+            return self._launch_tail(plan, batch, loss_sum, start, 0, launch_s=launch_s).result()
         if self._pending is None:
             plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
             batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
@@ -329,9 +329,10 @@ class LoraTrainer:
             )
         self._pending = None
         assert sliced.loss_sum is not None
-        return self._finish_micro_batch(
+        tail = self._launch_tail(
             plan, batch, sliced.loss_sum, start, passes, **self._sliced_graph_fields()
         )
+        return tail.result()
 
     def _sliced_graph_fields(self) -> dict[str, Any]:
         if self.graphs is None:
@@ -378,18 +379,6 @@ class LoraTrainer:
     def _peak(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
 
-    def _finish_micro_batch(
-        self,
-        plan: MicroBatchPlan,
-        batch: MicroBatch,
-        loss_sum: torch.Tensor,
-        start: float,
-        layer_passes: int,
-        **fields: Any,
-    ) -> QuantumResult:
-        """:meth:`_launch_tail`, then its result (the quantum's host sync)."""
-        return self._launch_tail(plan, batch, loss_sum, start, layer_passes, **fields).result()
-
     def _launch_tail(
         self,
         plan: MicroBatchPlan,
@@ -404,7 +393,8 @@ class LoraTrainer:
         events: tuple[Any, Any] | None = None,
     ) -> PendingQuantum:
         """Commit the data position, accumulate, launch the optimizer step at a batch's end;
-        the returned quantum's ``result()`` reads loss and grad norm and reports.
+        the returned quantum's ``result()`` reads loss and grad norm and reports (its host
+        sync; synchronous quanta call it at once).
 
         ``graph_peak_bytes``: what a replayed graph's work needs (its pool is not allocated anew
         on replay, so the allocator's peak alone would not show it)."""
