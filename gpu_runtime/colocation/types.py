@@ -225,6 +225,8 @@ class QuantumReport:
     job_id: str
     tokens: int
     duration_ms: float
+    """Its time on its stream for a quantum launched without waiting (CUDA events), else the
+    wall time from its start to its end."""
     mode: LaunchMode
     decode_sms: int | None
     loss: float | None = None
