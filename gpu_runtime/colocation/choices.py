@@ -105,14 +105,7 @@ class HarliChoices:
         size_free = getattr(self.latency, "quantum_size_independent", False)
         key = (share, 0 if size_free else tokens)
         if key not in memo:
-            ft_share = 1.0 if share >= 1.0 else 1.0 - share
-            quantum = FinetuneQuantum(tokens, max(job.seq_len, 1), job.lora_rank, True, ft_share)
-            mix = self._typical_mix(ctx)
-            pairs: list[Pair] = [(decode_iteration(ctx.decode, share), quantum)]
-            pairs += [(decode_iteration(snap, share), quantum) for _, snap in mix]
-            values = predict_many(self.latency, pairs)
-            expected = sum(w * v for (w, _), v in zip(mix, values[1:], strict=True))
-            memo[key] = (values[0], expected)
+            self._prefetch(ctx, job, [share], [tokens])
         predicted, expected = memo[key]
         if expected > bound or predicted > ctx.tpot_slo_ms:
             return None
@@ -140,11 +133,16 @@ class HarliChoices:
         return True
 
     def _prefetch(
-        self, ctx: IterationContext, job: JobView, shares: list[float], sizes: list[int]
+        self,
+        ctx: IterationContext,
+        job: JobView | None,
+        shares: list[float],
+        token_counts: list[int],
     ) -> None:
-        """Ask the latency model, in one call (``predict_many``), for every prediction the
-        whole quanta beside decode on ``shares`` may need: the coming and the typical iteration
-        with each quantum size, and the typical iteration alone."""
+        """Ask the latency model, in one call (``predict_many``), for every prediction not yet
+        in this plan's memo that whole quanta of ``token_counts`` tokens beside decode on
+        ``shares`` may need (the coming and the typical iteration with each), and for the
+        typical iteration alone."""
         memo = self._plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         mix = self._typical_mix(ctx)
@@ -156,11 +154,11 @@ class HarliChoices:
             ft_share = 1.0 if share >= 1.0 else 1.0 - share
             now = decode_iteration(ctx.decode, share)
             later = [decode_iteration(snap, share) for _, snap in mix]
-            for k in sizes[:1] if size_free else sizes:
-                tokens = k * job.max_seq_len
+            for tokens in token_counts[:1] if size_free else token_counts:
                 key = (share, 0 if size_free else tokens)
                 if key in memo or key in keys:
                     continue
+                assert job is not None
                 seq_len = max(job.seq_len, 1)
                 quantum = FinetuneQuantum(tokens, seq_len, job.lora_rank, True, ft_share)
                 pairs += [(now, quantum), *((it, quantum) for it in later)]
@@ -178,12 +176,8 @@ class HarliChoices:
             self._memo_alone = sum(w * v for w, v in zip(weights, tail, strict=True))
 
     def _typical_alone(self, ctx: IterationContext) -> float:
-        self._plan_memo(ctx)
-        if self._memo_alone is None:
-            mix = self._typical_mix(ctx)
-            pairs: list[Pair] = [(decode_iteration(snap, 1.0), None) for _, snap in mix]
-            values = predict_many(self.latency, pairs)
-            self._memo_alone = sum(w * v for (w, _), v in zip(mix, values, strict=True))
+        self._prefetch(ctx, None, [], [])
+        assert self._memo_alone is not None
         return self._memo_alone
 
     def _plan_memo(self, ctx: IterationContext) -> dict[tuple[float, int], tuple[float, float]]:

@@ -26,6 +26,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_runtime.colocation.snapshot import trainer_replays_graphs
 from gpu_runtime.colocation.types import LaunchMode, QuantumReport
 from gpu_runtime.finetune.trainer import LoraTrainer
 
@@ -202,11 +203,9 @@ class SequentialExecutor(QuantumExecutor):
 def launches_without_waiting(task: QuantumTask) -> bool:
     """Whether ``task`` is a whole micro-batch of a trainer whose micro-batches replay CUDA
     graphs (``LoraTrainer.start_quantum`` then only issues launches)."""
-    graphs = getattr(task.trainer, "graphs", None)
     return (
         task.max_layers is None
-        and graphs is not None
-        and graphs.disabled is None
+        and trainer_replays_graphs(task.trainer)
         and hasattr(task.trainer, "start_quantum")
     )
 

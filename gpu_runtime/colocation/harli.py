@@ -213,7 +213,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             shares = [d / total for d in options[:-1]] if total and ctx.spatial else []
             if self.config.allow_shared:
                 shares.append(1.0)
-            self._prefetch(ctx, job, shares, sizes)
+            self._prefetch(ctx, job, shares, [k * job.max_seq_len for k in sizes])
             if total and ctx.spatial:
                 for d in options[:-1]:
                     choices += self._spatial(ctx, job, d, total, sizes, bound)

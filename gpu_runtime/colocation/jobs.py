@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
+from gpu_runtime.colocation.snapshot import trainer_replays_graphs
 from gpu_runtime.colocation.types import JobView, QuantumReport
 
 if TYPE_CHECKING:
@@ -65,8 +66,7 @@ class JobState:
     @property
     def graphed(self) -> bool:
         """Whether the job's whole micro-batches replay CUDA graphs."""
-        graphs = getattr(self.trainer, "graphs", None)
-        return graphs is not None and graphs.disabled is None
+        return trainer_replays_graphs(self.trainer)
 
     def view(self) -> JobView:
         return JobView(

@@ -60,3 +60,9 @@ def trainer_layers(trainer: Any) -> int | None:
             return layers
     layers = getattr(trainer, "layers", None)
     return layers if isinstance(layers, int) and layers > 0 else None
+
+
+def trainer_replays_graphs(trainer: Any) -> bool:
+    """Whether a trainer's whole micro-batches replay CUDA graphs (graphs on, not disabled)."""
+    graphs = getattr(trainer, "graphs", None)
+    return graphs is not None and graphs.disabled is None
