@@ -228,14 +228,9 @@ class LoraTrainer:
         :meth:`PendingQuantum.done` and reads :meth:`PendingQuantum.result` (its ``gpu_ms`` is
         the quantum's time on the stream). Anything else runs to its end here and comes back
         done. No other quantum starts until that result has been read (RuntimeError)."""
-        self._check_read()
         if self.graphs is None or self._pending is not None or self.device.type != "cuda":
             return PendingQuantum.finished(self.step_quantum(max_tokens, max_examples))
-        start = time.perf_counter()
-        torch.cuda.reset_peak_memory_stats(self.device)
-        allocated = torch.cuda.memory_allocated(self.device)
-        if not self.model.training:
-            self.model.train()
+        start, allocated = self._begin_quantum()
         with self.graphs.on_stream():
             launched = self._graphed_micro_batch(
                 max_examples, max_tokens, start, allocated, timed=True
@@ -244,12 +239,22 @@ class LoraTrainer:
             self._unread = launched
         return launched
 
-    def _check_read(self) -> None:
+    def _begin_quantum(self) -> tuple[float, int]:
+        """(start time, bytes allocated) of a quantum starting now; refuses to start while a
+        launched quantum's result is unread, resets the peak-memory count, sets train mode."""
         unread = self._unread
         if unread is not None:
             if not unread.is_read:
                 raise RuntimeError("the previous quantum's result has not been read yet")
             self._unread = None
+        start = time.perf_counter()
+        allocated = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            allocated = torch.cuda.memory_allocated(self.device)
+        if not self.model.training:
+            self.model.train()
+        return start, allocated
 
     def step_quantum(
         self,
@@ -263,14 +268,7 @@ class LoraTrainer:
         ``k`` decoder-layer passes of the micro-batch in progress (starting one if none is);
         ``max_tokens``/``max_examples`` size a micro-batch when one starts.
         """
-        self._check_read()
-        start = time.perf_counter()
-        allocated = 0
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-            allocated = torch.cuda.memory_allocated(self.device)
-        if not self.model.training:
-            self.model.train()
+        start, allocated = self._begin_quantum()
         if max_layers is None and self._pending is None:
             if self.graphs is not None:
                 with self.graphs.on_stream():
