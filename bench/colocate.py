@@ -1,10 +1,12 @@
 """Co-location on one GPU: finetune tokens/s harvested beside decode, and decode's TPOT SLO.
 
 Per model (Llama-3-8B shape by default; seeded random bf16 weights):
-  1. Engine with CUDA graphs captured per (batch bucket, decode SM split); the splits come from
-     green contexts (``gpu_runtime.sharing``), decode SMs in ``--decode-groups`` x 8 plus the
-     whole device. One LoRA job (rank 16, alpha 32, q/k/v/o, ``--ft-seq-len``-token synthetic
-     examples, 8 per optimizer step) shares the serving weights.
+  1. Engine with CUDA graphs captured per (batch bucket, decode SM split), and per (token
+     bucket, split) for steps carrying prefill chunks (``--mixed-graphs``, default; a step's
+     token budget is ``--max-batched-tokens``). The splits come from green contexts
+     (``gpu_runtime.sharing``): decode SMs in ``--decode-groups`` x 8 plus the whole device.
+     One LoRA job (rank 16, alpha 32, q/k/v/o, ``--ft-seq-len``-token synthetic examples, 8
+     per optimizer step) shares the serving weights.
   2. Correctness: greedy tokens of a few prompts decoded on the smallest split with a LoRA
      quantum beside them must equal those decoded alone on the whole device.
   3. Solo finetune tokens/s: quanta back to back, nothing else on the GPU.
@@ -28,15 +30,14 @@ output tokens/s of requests meeting the SLO. Run:
 ``--model tiny --device cpu`` is a smoke run. Writes
 ``<out>/colocate-<gpu>-<yyyymmdd>.json`` and prints a table last.
 
-This module is the command line; beside it: ``colocate_setup`` (model, engine, LoRA job, solo
-finetune speed), ``colocate_engine`` (drive loop, backends, quantum warm-up),
-``colocate_calibrate`` (calibration, SLO, static split, policies) and ``colocate_report`` (rows,
-comparisons, the table).
+This module runs the benchmark; beside it: ``colocate_args`` (the command line),
+``colocate_setup`` (model, engine, LoRA job, solo finetune speed), ``colocate_engine`` (drive
+loop, backends, quantum warm-up), ``colocate_calibrate`` (calibration, SLO, static split,
+policies) and ``colocate_report`` (rows, comparisons, the table).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -53,6 +54,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/traces.py beside this file
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root
 
+from colocate_args import parse_args
 from colocate_calibrate import (
     calibrate,
     choose_static_split,
@@ -78,70 +80,7 @@ from gpu_runtime.model import ModelConfig
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="llama3-8b", help="preset: llama3-8b, qwen2.5-7b, tiny")
-    parser.add_argument("--device", default="cuda")
-    parser.add_argument("--traces", default="low,medium,high,bursty")
-    parser.add_argument("--policies", default=",".join(POLICIES))
-    parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals a run")
-    parser.add_argument("--rate-scale", type=float, default=1.0)
-    parser.add_argument("--slo-factor", type=float, default=1.5)
-    parser.add_argument(
-        "--slo-rule",
-        choices=("p50", "attainable"),
-        default="attainable",
-        help="p50: SLO = factor x decode_only's TPOT p50 on medium; attainable: at least "
-        "--slo-headroom x decode_only's slowest request TPOT over the traces",
-    )
-    parser.add_argument("--slo-headroom", type=float, default=1.1)
-    parser.add_argument(
-        "--engine-warmup-s", type=float, default=2.0, help="untimed decode_only before timing"
-    )
-    parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
-    parser.add_argument("--ft-seq-len", type=int, default=256)
-    parser.add_argument(
-        "--ft-dropout", type=float, default=0.05, help="the job's LoRA dropout (platform default)"
-    )
-    parser.add_argument("--calibrate-s", type=float, default=8.0)
-    parser.add_argument(
-        "--warmup-s", type=float, default=2.0, help="discarded first use of every split"
-    )
-    parser.add_argument("--max-quantum-ms", type=float, default=120.0)
-    parser.add_argument(
-        "--budget-s",
-        type=float,
-        default=420.0,
-        help="skip runs that would end past this many seconds of wall time",
-    )
-    parser.add_argument(
-        "--simulate",
-        default=None,
-        help="profiler CSV: run every policy on SimulatedHost with latencies fitted to it "
-        "(no GPU; the result says so)",
-    )
-    parser.add_argument(
-        "--sim-prefill-fixed-ms",
-        type=float,
-        default=0.0,
-        help="with --simulate: fixed cost of a step carrying a prefill chunk (an eager "
-        "launch-bound chunk step: ~23 ms on the H200 engine at 3557c1e)",
-    )
-    parser.add_argument(
-        "--predictor",
-        default=None,
-        help="trained predictor artifact directory for harli (default: fitted in the run)",
-    )
-    parser.add_argument(
-        "--predictor-use",
-        choices=("evaluate", "harli"),
-        default="evaluate",
-        help="evaluate: compare the artifact's stage 1 with the in-run model on decode_only's "
-        "iterations; harli: harli plans with the artifact",
-    )
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    parser.add_argument("--commit", default=None)
-    args = parser.parse_args()
+    args = parse_args()
     wall = time.perf_counter()
     device = torch.device(args.device)
     traces = [t for t in args.traces.split(",") if t]

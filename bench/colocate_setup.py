@@ -164,10 +164,11 @@ def setup_engine(
         num_kv_blocks=4096 if device.type == "cuda" else 512,
         block_size=16,
         max_num_seqs=64,
-        max_num_batched_tokens=512,
+        max_num_batched_tokens=args.max_batched_tokens,
         max_model_len=2048,
         device=str(device),
         cuda_graph_batch_sizes=buckets,
+        mixed_cuda_graphs=args.mixed_graphs,
     )
     engine = Engine(model, engine_config)
     sharing = None
@@ -228,6 +229,12 @@ def setup_engine(
             "buckets": buckets,
             "block_size": engine_config.block_size,
             "num_kv_blocks": engine_config.num_kv_blocks,
+            "mixed_cuda_graphs": engine_config.mixed_cuda_graphs,
+            "mixed_graph_token_sizes": (
+                engine_config.mixed_graph_token_sizes()
+                if engine_config.mixed_cuda_graphs
+                else None
+            ),
         },
     }
     backend = LoopBackend(engine, sharing, trainer, vocab, solo_tps)

@@ -64,6 +64,13 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--memory-gb", type=float, default=16.0, help="host memory to report on CPU")
     p.add_argument("--num-kv-blocks", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--max-num-seqs", type=int, default=64, help="largest decode batch")
+    p.add_argument("--max-batched-tokens", type=int, default=512,
+                   help="token budget of one engine step (decode rows + prefill chunk tokens; "
+                   "longer prompts are prefilled in chunks)")  # fmt: skip
+    p.add_argument("--mixed-graphs", action=argparse.BooleanOptionalAction, default=True,
+                   help="CUDA: replay steps carrying prefill chunks from captured graphs "
+                   "(--no-mixed-graphs launches them eagerly)")  # fmt: skip
     p.add_argument("--memory-pool", choices=["auto", "on", "off"], default="auto",
                    help="unified KV/finetune memory pool (auto: on CUDA devices)")  # fmt: skip
     p.add_argument("--memory-pool-gb", type=float, default=None,
@@ -102,6 +109,9 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             memory_bytes=int(args.memory_gb * GIB),
             num_kv_blocks=args.num_kv_blocks,
             max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_batched_tokens,
+            mixed_cuda_graphs=args.mixed_graphs,
             lora_slots=args.lora_slots,
             decode_groups=_decode_groups(p, args.decode_groups),
             memory_pool={"auto": None, "on": True, "off": False}[args.memory_pool],
@@ -177,10 +187,11 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
         EngineConfig(
             num_kv_blocks=config.num_kv_blocks,
             block_size=config.block_size,
-            max_num_seqs=16,
-            max_num_batched_tokens=max(256, config.max_model_len),
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens,
             max_model_len=config.max_model_len,
             device=config.device,
+            mixed_cuda_graphs=config.mixed_cuda_graphs,
         ),
         dtype=config.dtype,
         lora_slots=config.lora_slots,

@@ -55,6 +55,15 @@ class AgentConfig:
     num_kv_blocks: int = 256
     block_size: int = 16
     max_model_len: int = 512
+    max_num_seqs: int = 64
+    """Requests decoding at once (the largest decode batch)."""
+    max_num_batched_tokens: int = 512
+    """Token budget of one engine step (decode rows plus prefill chunk tokens): longer prompts
+    are prefilled in chunks, so a step carrying one stays short beside decode."""
+    mixed_cuda_graphs: bool = True
+    """CUDA: also replay steps carrying prefill chunks from graphs captured per token bucket
+    and split (`EngineConfig.mixed_cuda_graphs`); such steps otherwise launch every kernel
+    from Python and cost decode several times more."""
     lora_slots: int = 8
     """Adapters resident on the device at once (more are served, swapped in LRU order)."""
     lora_max_rank: int = DEFAULT_LORA_MAX_RANK
@@ -89,6 +98,13 @@ class AgentConfig:
             (0 <= self.server_port < 65536, f"server_port out of range: {self.server_port}"),
             (self.memory_bytes > 0, f"memory_bytes must be > 0, got {self.memory_bytes}"),
             (self.lora_slots >= 1, f"lora_slots must be >= 1, got {self.lora_slots}"),
+            (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
+            (
+                self.max_num_batched_tokens >= self.max_num_seqs,
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}): every decoding request needs a token "
+                "of each step",
+            ),
             (self.lora_max_rank >= 1, f"lora_max_rank must be >= 1, got {self.lora_max_rank}"),
             (
                 not (self.memory_pool and self.device == "cpu" and not self.memory_pool_bytes),

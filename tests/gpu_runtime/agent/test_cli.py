@@ -25,6 +25,12 @@ def test_defaults_and_options() -> None:
     assert config.predictor_path == Path("predictor_models/artifacts")
     assert (config.policy, config.lora_slots) == ("harli", 4)
     assert parse_args([*BASE, "--memory-pool", "off"]).memory_pool is False
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (64, 512)
+    assert config.mixed_cuda_graphs is True
+    config = parse_args([*BASE, "--max-num-seqs", "32", "--max-batched-tokens", "256",
+                         "--no-mixed-graphs"])  # fmt: skip
+    assert (config.max_num_seqs, config.max_num_batched_tokens) == (32, 256)
+    assert config.mixed_cuda_graphs is False
 
 
 @pytest.mark.parametrize(
@@ -35,6 +41,11 @@ def test_defaults_and_options() -> None:
         (["--heartbeat-s", "0"], "heartbeat_s must be > 0, got 0.0"),
         (["--decode-groups", "4,x"], "expected comma-separated integers"),
         (["--decode-groups", "0"], "expected positive integers"),
+        (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+        (
+            ["--max-num-seqs", "64", "--max-batched-tokens", "32"],
+            "max_num_batched_tokens (32) must be >= max_num_seqs (64)",
+        ),
     ],
 )
 def test_bad_settings_name_the_value(

@@ -1,0 +1,93 @@
+"""The command line of ``bench/colocate.py`` (its options, defaults and their meaning)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from colocate_report import POLICIES
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """``bench/colocate.py``'s options (the module docstring there says what a run does)."""
+    parser = argparse.ArgumentParser(
+        description="Co-location on one GPU: finetune tokens/s harvested beside decode, and "
+        "decode's TPOT SLO (see bench/colocate.py)"
+    )
+    parser.add_argument("--model", default="llama3-8b", help="preset: llama3-8b, qwen2.5-7b, tiny")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--traces", default="low,medium,high,bursty")
+    parser.add_argument("--policies", default=",".join(POLICIES))
+    parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals a run")
+    parser.add_argument("--rate-scale", type=float, default=1.0)
+    parser.add_argument("--slo-factor", type=float, default=1.5)
+    parser.add_argument(
+        "--slo-rule",
+        choices=("p50", "attainable"),
+        default="attainable",
+        help="p50: SLO = factor x decode_only's TPOT p50 on medium; attainable: at least "
+        "--slo-headroom x decode_only's slowest request TPOT over the traces",
+    )
+    parser.add_argument("--slo-headroom", type=float, default=1.1)
+    parser.add_argument(
+        "--engine-warmup-s", type=float, default=2.0, help="untimed decode_only before timing"
+    )
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=512,
+        help="the engine's token budget of one step (decode rows + prefill chunk tokens)",
+    )
+    parser.add_argument(
+        "--mixed-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay steps carrying prefill chunks from the engine's piecewise graphs, "
+        "captured per split (EngineConfig.mixed_cuda_graphs); --no-mixed-graphs launches "
+        "them eagerly",
+    )
+    parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
+    parser.add_argument("--ft-seq-len", type=int, default=256)
+    parser.add_argument(
+        "--ft-dropout", type=float, default=0.05, help="the job's LoRA dropout (platform default)"
+    )
+    parser.add_argument("--calibrate-s", type=float, default=8.0)
+    parser.add_argument(
+        "--warmup-s", type=float, default=2.0, help="discarded first use of every split"
+    )
+    parser.add_argument("--max-quantum-ms", type=float, default=120.0)
+    parser.add_argument(
+        "--budget-s",
+        type=float,
+        default=420.0,
+        help="skip runs that would end past this many seconds of wall time",
+    )
+    parser.add_argument(
+        "--simulate",
+        default=None,
+        help="profiler CSV: run every policy on SimulatedHost with latencies fitted to it "
+        "(no GPU; the result says so)",
+    )
+    parser.add_argument(
+        "--sim-prefill-fixed-ms",
+        type=float,
+        default=0.0,
+        help="with --simulate: fixed cost of a step carrying a prefill chunk (an eager "
+        "launch-bound chunk step: ~23 ms on the H200 engine at 3557c1e)",
+    )
+    parser.add_argument(
+        "--predictor",
+        default=None,
+        help="trained predictor artifact directory for harli (default: fitted in the run)",
+    )
+    parser.add_argument(
+        "--predictor-use",
+        choices=("evaluate", "harli"),
+        default="evaluate",
+        help="evaluate: compare the artifact's stage 1 with the in-run model on decode_only's "
+        "iterations; harli: harli plans with the artifact",
+    )
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
+    parser.add_argument("--commit", default=None)
+    return parser.parse_args(argv)
