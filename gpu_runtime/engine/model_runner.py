@@ -1,5 +1,5 @@
-"""Model runner: weights, KV-cache tensors, input preparation, paged attention, CUDA graphs,
-sampling.
+"""Model runner: weights, KV-cache tensors, request state, input preparation, paged attention,
+sampling; the decode fast path and its CUDA graphs live in `static_decode.py`.
 
 It executes one `SchedulerOutput` per call. Its per-request state (tokens, block table row) is
 built from the scheduler's full data once, then updated by diffs. Decode-only batches on CUDA go
@@ -17,16 +17,12 @@ touch the runtime and replay the base graphs.
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.config import EngineConfig
@@ -34,9 +30,15 @@ from gpu_runtime.engine.cuda_graphs import DecodeGraphs
 from gpu_runtime.engine.flat_batch import FlatBatch, flatten_step
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.lora import LoraForward, LoraRuntime
-from gpu_runtime.engine.request import SamplingParams, TokenLogprob
+from gpu_runtime.engine.request import TokenLogprob
+from gpu_runtime.engine.runner_types import (
+    ModelRunnerOutput,
+    _RequestState,
+    blas_library,
+)
 from gpu_runtime.engine.sampler import Sampler, SamplingBatch
 from gpu_runtime.engine.scheduler import SchedulerOutput
+from gpu_runtime.engine.static_decode import StaticDecodeMixin
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import torch_dtype
 
@@ -44,48 +46,10 @@ if TYPE_CHECKING:
     from gpu_runtime.engine.fast_decode import FusedDecodeForward as FusedDecodeForwardType
     from gpu_runtime.engine.mixed_graphs import MixedStepGraphs
 
-
-@contextlib.contextmanager
-def blas_library(name: str | None) -> Iterator[None]:
-    """`torch.backends.cuda.preferred_blas_library(name)` inside the block (None: unchanged)."""
-    if name is None:
-        yield
-        return
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library(name)
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
+__all__ = ["ModelRunner", "ModelRunnerOutput", "_RequestState", "blas_library"]
 
 
-_PADDING_ID = "\x00padding"
-"""Request id of a graph bucket's padding slots in `LoraRuntime.set_batch` (never attached)."""
-
-
-@dataclass
-class _RequestState:
-    token_ids: list[int]
-    block_ids: list[int]
-    num_computed_tokens: int
-    sampling_params: SamplingParams
-    num_output_tokens: int
-    row: int
-    lora_name: str | None = None
-    lora_slot: int = -1
-
-
-@dataclass
-class ModelRunnerOutput:
-    """Host results of one step, for requests that were sampled."""
-
-    sampled: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
-    used_cuda_graph: bool = False
-    batch_bucket: int = 0
-
-
-class ModelRunner:
+class ModelRunner(StaticDecodeMixin):
     """Runs the model over paged KV storage taken from `kv_storage_factory`."""
 
     def __init__(
@@ -341,185 +305,3 @@ class ModelRunner:
             return logits, flat.sampled_ids
         hidden = forward(ids, positions, attention)
         return self.model.compute_logits(hidden.index_select(0, index)), flat.sampled_ids
-
-    # ---- decode fast path (CUDA) ------------------------------------------------------------
-    def _init_decode_buffers(self, pin: bool) -> None:
-        size = self._buckets[-1]
-        dev = self.device
-        width = self.config.max_blocks_per_seq
-        # rows: token id, position, slot block, slot offset, LoRA slot (-1: base)
-        self._stage_ints = torch.zeros(5, size, dtype=torch.int64, pin_memory=pin)
-        self._stage_seq_lens = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
-        self._stage_table = torch.zeros(size, width, dtype=torch.int32, pin_memory=pin)
-        # numpy views of the pinned staging buffers (shared memory) for vectorised filling
-        self._stage_ints_np = self._stage_ints.numpy()
-        self._stage_seq_lens_np = self._stage_seq_lens.numpy()
-        self._stage_table_np = self._stage_table.numpy()
-        self._buf_ints = torch.zeros(5, size, dtype=torch.int64, device=dev)
-        self._buf_ints[2].fill_(self.kv_cache.pad_block)
-        self._buf_ints[4].fill_(-1)
-        self._buf_seq_lens = torch.zeros(size, dtype=torch.int32, device=dev)
-        self._buf_table = torch.zeros(size, width, dtype=torch.int32, device=dev)
-        if self.use_triton and self.config.fused_decode_kernels:
-            from gpu_runtime.engine.fast_decode import FusedDecodeForward
-
-            groups = self.lora.decode_groups() if self.lora is not None else None
-            self._fused = FusedDecodeForward(
-                self.model,
-                self.kv_cache,
-                self.config.max_model_len,
-                groups,
-                fuse_lora_expand=self.config.lora_expand_in_kernels,
-            )
-            if self.config.mixed_cuda_graphs and self.mixed_attention:
-                from gpu_runtime.engine.mixed_graphs import MixedStepGraphs
-
-                self._mixed = MixedStepGraphs(
-                    self._fused,
-                    self.kv_cache,
-                    self.config.mixed_graph_token_sizes(),
-                    self.config.max_num_seqs + 1,
-                    pin,
-                )
-
-    @property
-    def fused_lora_decode(self) -> bool:
-        """Decode steps with adapters run the fused (graph-captured) LoRA step."""
-        return self._fused is not None and self._fused.lora_groups is not None
-
-    def decode_forward_lora(self, bucket: int) -> torch.Tensor:
-        """Logits `[bucket, vocab]` of the fused decode step plus each row's LoRA terms (the
-        rows' slots are read from the static buffer; graph body)."""
-        assert self._fused is not None
-        from gpu_runtime.engine.attention.triton_decode import choose_num_splits
-
-        metadata = AttentionMetadata(
-            slot_blocks=self._buf_ints[2, :bucket],
-            slot_offsets=self._buf_ints[3, :bucket],
-            seq_lens=self._buf_seq_lens[:bucket],
-            block_tables=self._buf_table[:bucket],
-        )
-        splits = choose_num_splits(bucket, self.model.config.num_key_value_heads, self._num_sms)
-        ids, positions = self._buf_ints[0, :bucket], self._buf_ints[1, :bucket]
-        return self._fused(ids, positions, metadata, splits, self._buf_ints[4, :bucket])
-
-    def decode_forward(self, bucket: int, forward: LoraForward | None = None) -> torch.Tensor:
-        """Logits `[bucket, vocab]` of a decode step over the static buffers (graph body).
-
-        `forward` replaces the model's forward (the LoRA forward; never the fused kernels)."""
-        model_forward = forward if forward is not None else self.model
-        metadata = AttentionMetadata(
-            slot_blocks=self._buf_ints[2, :bucket],
-            slot_offsets=self._buf_ints[3, :bucket],
-            seq_lens=self._buf_seq_lens[:bucket],
-            block_tables=self._buf_table[:bucket],
-        )
-        if not self.use_triton:  # same buffers, torch attention (CPU coverage of the staging)
-            metadata.query_lens_host = [1] * bucket
-            metadata.seq_lens_host = self._stage_seq_lens_np[:bucket].tolist()
-            compute_dtype = torch.float32 if self.device.type == "cpu" else None
-            reference = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
-            hidden = model_forward(
-                self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], reference
-            )
-            return self.model.compute_logits(hidden)
-        from gpu_runtime.engine.attention.triton_decode import (
-            TritonDecodeAttention,
-            choose_num_splits,
-        )
-
-        splits = choose_num_splits(bucket, self.model.config.num_key_value_heads, self._num_sms)
-        if self._fused is not None and forward is None:
-            return self._fused(
-                self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], metadata, splits
-            )
-        attention = TritonDecodeAttention(self.kv_cache, metadata, splits)
-        hidden = model_forward(self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], attention)
-        return self.model.compute_logits(hidden)
-
-    def capture_cuda_graphs(
-        self,
-        batch_sizes: tuple[int, ...] | None = None,
-        partition: Hashable = None,
-        stream: torch.cuda.Stream | None = None,
-    ) -> list[int]:
-        """Capture the decode step for each bucket (largest first); returns those captured.
-
-        `partition`/`stream` key and place the capture for one SM partition. With a LoRA
-        runtime on the fused path, the LoRA step is captured too (same buckets, same pool).
-        """
-        if not (self.use_triton and self.config.use_cuda_graphs):
-            return []
-        if self._graphs is None:
-            self._graphs = DecodeGraphs(self.decode_forward)
-            if self.fused_lora_decode:
-                self._lora_graphs = DecodeGraphs(self.decode_forward_lora, self._graphs)
-        sizes = sorted(batch_sizes or self._buckets, reverse=True)
-        for size in sizes:
-            if size not in self._buckets:
-                raise ValueError(f"batch size {size} is not a bucket of {self._buckets}")
-        with blas_library(self._blas):
-            for size in sizes:
-                self._graphs.capture(size, partition, stream)
-                if self._lora_graphs is not None:
-                    self._lora_graphs.capture(size, partition, stream)
-            if self._mixed is not None:
-                for tokens in reversed(self._mixed.buckets):
-                    self._mixed.capture(tokens, partition, stream)
-        return sizes
-
-    def _decode_logits(
-        self,
-        states: list[_RequestState],
-        partition: Hashable,
-        lora_order: list[tuple[str, int]] | None = None,
-    ) -> tuple[torch.Tensor, int, bool]:
-        """Stage one decode token per state (vectorised), copy, replay; logits `[B, V]`.
-        With `lora_order` (the step's order, some request has an adapter) the step replays the
-        LoRA graph (rows' slots staged with the inputs; padding rows have slot -1), or without
-        the fused kernels runs the LoRA forward eagerly over the same buffers."""
-        batch = len(states)
-        bucket = next(b for b in self._buckets if b >= batch)
-        bs = self.block_size
-        rows = np.fromiter((s.row for s in states), np.int64, batch)
-        pos = np.fromiter((s.num_computed_tokens for s in states), np.int64, batch)
-        ints = self._stage_ints_np
-        ints[0, :batch] = np.fromiter((s.token_ids[-1] for s in states), np.int64, batch)
-        ints[1, :batch] = pos
-        ints[2, :batch] = self._table_np[rows, pos // bs]
-        ints[3, :batch] = pos % bs
-        ints[:, batch:bucket] = 0
-        ints[2, batch:bucket] = self.kv_cache.pad_block
-        fused_lora = lora_order is not None and self.fused_lora_decode
-        if fused_lora:
-            ints[4, :batch] = np.fromiter((s.lora_slot for s in states), np.int64, batch)
-            ints[4, batch:bucket] = -1
-        seq_lens = self._stage_seq_lens_np
-        seq_lens[:batch] = pos + 1
-        seq_lens[batch:bucket] = 0  # padded slots attend to nothing
-        np.take(self._table_np, rows, axis=0, out=self._stage_table_np[:batch])
-        self._buf_ints[:, :bucket].copy_(self._stage_ints[:, :bucket], non_blocking=True)
-        self._buf_seq_lens[:bucket].copy_(self._stage_seq_lens[:bucket], non_blocking=True)
-        self._buf_table[:bucket].copy_(self._stage_table[:bucket], non_blocking=True)
-        self.num_static_decode_steps += 1
-        graphs = self._graphs
-        lora = self.lora
-        lora_graphs = self._lora_graphs
-        padded = not fused_lora and lora_order and [*lora_order, (_PADDING_ID, bucket - batch)]
-        if fused_lora and lora_graphs is not None and lora_graphs.has(bucket, partition):
-            logits = lora_graphs.replay(bucket, partition)
-            used = True
-            self.num_lora_graph_steps += 1
-        elif fused_lora:
-            logits = self.decode_forward_lora(bucket)
-            used = False
-        elif padded and lora is not None and lora.set_batch(padded):
-            logits = self.decode_forward(bucket, lora.forward)
-            used = False
-        elif graphs is not None and graphs.has(bucket, partition):
-            logits = graphs.replay(bucket, partition)
-            used = True
-        else:
-            logits = self.decode_forward(bucket)
-            used = False
-        return logits[:batch], bucket, used
