@@ -64,6 +64,15 @@ class EngineConfig:
     """BLAS library of the model's GEMMs on CUDA ("cublas", "cublaslt"; None: torch's current
     choice), set while decode graphs are captured (graphs keep the kernels chosen then) and
     around eager steps, restored afterwards."""
+    async_scheduling: bool = False
+    """`Engine.step()` launches the next decode step before reading the current one's sampled
+    tokens (its inputs are gathered on the device), so scheduling, staging, stop rules and
+    outputs overlap the device's work. Only when the next step is sure to be a bucketed
+    decode-only step over the same requests (no waiting requests, nobody reaching
+    `max_tokens`, blocks free for every row); other steps run as before. A request that
+    stops on a token gets one extra (discarded) decode step. Same tokens for greedy and seeded
+    requests; blocks freed at a step's end may still be written by the step launched after it
+    (stream order), so a memory pool must synchronize the stream before unmapping them."""
     use_cuda_graphs: bool = True
     """Capture the decode step per batch bucket (CUDA only; ignored on CPU)."""
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES

@@ -13,12 +13,14 @@ from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.kv_cache import KVStorageFactory, default_kv_storage
 from gpu_runtime.engine.lora import LoraRuntime
-from gpu_runtime.engine.model_runner import ModelRunner
+from gpu_runtime.engine.model_runner import ModelRunner, ModelRunnerOutput
 from gpu_runtime.engine.request import Request, RequestOutput, RequestStatus, SamplingParams
+from gpu_runtime.engine.runner_types import UNRESOLVED_TOKEN, StepHandle
 from gpu_runtime.engine.scheduler import (
     AdapterAdmissionError,
     ContinuousBatchingScheduler,
     Scheduler,
+    SchedulerOutput,
 )
 from gpu_runtime.engine.stopping import StopChecker
 from gpu_runtime.model.llama import CausalLM
@@ -115,6 +117,8 @@ class Engine:
         self._ids = itertools.count()
         self.last_step_seconds = 0.0
         self.last_step_times = StepTimes(0.0, 0.0, 0.0, 0.0, 0.0)
+        self._inflight: tuple[SchedulerOutput, StepHandle] | None = None
+        """With async scheduling: the step launched by the last call, read back by the next."""
 
     @classmethod
     def from_directory(
@@ -168,11 +172,37 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(self, partition: Hashable = None) -> list[RequestOutput]:
-        """Schedule, execute, sample, apply stop rules; returns outputs of sampled requests."""
+        """Schedule, execute, sample, apply stop rules; returns outputs of sampled requests.
+
+        With `config.async_scheduling`, a call may launch the next decode step before it
+        reads this one's tokens back (see `EngineConfig.async_scheduling`); each call still
+        returns the outputs of one step."""
+        if self.config.async_scheduling:
+            return self._step_async(partition)
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         scheduled = time.perf_counter()
-        outputs = [
+        outputs = self._rejected_outputs()
+        runner = self.runner
+        if plan.is_empty:
+            if plan.finished_request_ids:  # nothing to run, but runner state to drop
+                runner.execute(plan, partition)
+            self._record_times(started, scheduled, 0.0, 0.0, 0.0)
+            return outputs
+        result = runner.execute(plan, partition)
+        self.scheduler.update_from_output(plan, result.sampled)
+        self._sampled_outputs(result, outputs)
+        self._record_times(
+            started,
+            scheduled,
+            runner.last_launch_seconds,
+            runner.last_sample_seconds,
+            runner.last_wait_seconds,
+        )
+        return outputs
+
+    def _rejected_outputs(self) -> list[RequestOutput]:
+        return [
             RequestOutput(
                 r.request_id,
                 [],
@@ -185,17 +215,16 @@ class Engine:
             )
             for r in self.scheduler.take_rejected()
         ]
-        runner = self.runner
-        if plan.is_empty:
-            if plan.finished_request_ids:  # nothing to run, but runner state to drop
-                runner.execute(plan, partition)
-            self._record_times(started, scheduled, 0.0, 0.0, 0.0)
-            return outputs
-        result = runner.execute(plan, partition)
-        self.scheduler.update_from_output(plan, result.sampled)
+
+    def _sampled_outputs(self, result: ModelRunnerOutput, outputs: list[RequestOutput]) -> None:
+        """Stop rules and one output per sampled request still live (tokens already in the
+        scheduler's requests)."""
+        requests = getattr(self.scheduler, "requests", None)
         get_request, check = self.scheduler.get_request, self.stop_checker.check
         logprobs = result.logprobs
         for request_id, token in result.sampled.items():
+            if requests is not None and request_id not in requests:
+                continue  # finished or aborted after its step was launched
             request = get_request(request_id)
             text, status, reason = check(request)
             if status is not None:
@@ -214,14 +243,98 @@ class Engine:
                     [logprob] if logprob is not None else [],
                 )
             )
-        self._record_times(
-            started,
-            scheduled,
-            runner.last_launch_seconds,
-            runner.last_sample_seconds,
-            runner.last_wait_seconds,
-        )
+
+    def _step_async(self, partition: Hashable) -> list[RequestOutput]:
+        """One step's outputs; the next decode step is launched before they are read back
+        whenever `_can_overlap` allows it (then it is this call's successor's step)."""
+        started = time.perf_counter()
+        scheduler, runner = self.scheduler, self.runner
+        outputs: list[RequestOutput] = []
+        launch = sample = 0.0
+        inflight, self._inflight = self._inflight, None
+        if inflight is None:
+            plan = scheduler.schedule()
+            outputs += self._rejected_outputs()
+            if plan.is_empty:
+                if plan.finished_request_ids:
+                    runner.execute(plan, partition)
+                self._record_times(started, time.perf_counter(), 0.0, 0.0, 0.0)
+                return outputs
+            handle = runner.launch(plan, partition)
+            launch, sample = runner.last_launch_seconds, runner.last_sample_seconds
+        else:
+            plan, handle = inflight
+        scheduled = time.perf_counter() - launch - sample
+        following: tuple[SchedulerOutput, StepHandle] | None = None
+        overlapped = self._can_overlap(plan, handle)
+        if overlapped:
+            # count the step's tokens as known (placeholders) and plan the next step on them
+            unresolved = dict.fromkeys(handle.sampled_ids, UNRESOLVED_TOKEN)
+            scheduler.update_from_output(plan, unresolved)
+            after = scheduler.schedule()
+            outputs += self._rejected_outputs()
+            if not after.is_empty:
+                following = (after, runner.launch(after, partition))
+                launch += runner.last_launch_seconds
+                sample += runner.last_sample_seconds
+        result = runner.resolve(handle)
+        if overlapped:
+            requests = self._requests()
+            for request_id, token in result.sampled.items():
+                request = requests.get(request_id)
+                if request is not None:
+                    request.output_token_ids[-1] = token
+        else:
+            scheduler.update_from_output(plan, result.sampled)
+        self._sampled_outputs(result, outputs)
+        if following is not None:
+            requests = self._requests()
+            if any(rid in requests for rid in following[0].num_scheduled_tokens):
+                self._inflight = following
+            else:  # everyone it computes for has finished
+                runner.discard(following[1])
+        self._record_times(started, scheduled, launch, sample, runner.last_wait_seconds)
         return outputs
+
+    def _requests(self) -> dict[str, Request]:
+        requests: dict[str, Request] = getattr(self.scheduler, "requests", {})
+        return requests
+
+    def _can_overlap(self, plan: SchedulerOutput, handle: StepHandle) -> bool:
+        """True when the step after `plan` is sure to be a bucketed decode-only step of the
+        same requests whatever `plan` samples: every running request was sampled by `plan`,
+        none reaches its `max_tokens` or `max_model_len` with that token, no request waits
+        (no admission), and free blocks cover every row's next token (no preemption). Stop
+        tokens and stop strings are not foreseen: such a request's next step is discarded."""
+        scheduler = self.scheduler
+        runner = self.runner
+        if (
+            handle.token_ids is None
+            or not isinstance(scheduler, ContinuousBatchingScheduler)
+            or scheduler.waiting
+            or not runner.static_decode
+        ):
+            return False
+        running = scheduler.running
+        scheduled = plan.num_scheduled_tokens
+        if not running or len(running) != len(scheduled) or len(running) > runner.max_bucket:
+            return False
+        block_size = self.block_manager.block_size
+        limit = self.config.max_model_len
+        needed = 0
+        for request in running:
+            count = scheduled.get(request.request_id)
+            tokens = request.num_tokens
+            if count is None or request.num_computed_tokens + count != tokens:
+                return False  # not sampled by this step (a chunk of a longer prompt)
+            if (
+                len(request.output_token_ids) + 1 >= request.sampling_params.max_tokens
+                or tokens + 1 >= limit
+            ):
+                return False  # stops on length with this step's token
+            if tokens + 1 > len(request.block_table) * block_size:
+                needed += 1
+        return self.block_manager.can_allocate(needed)
 
     def _record_times(
         self, started: float, scheduled: float, launch: float, sample: float, wait: float
@@ -262,5 +375,9 @@ class Engine:
         self.block_manager.grow(block_ids)
 
     def shrink_kv_blocks(self, num_blocks: int) -> list[int]:
-        """Take up to `num_blocks` free blocks out of use, highest ids first; returns them."""
+        """Take up to `num_blocks` free blocks out of use, highest ids first; returns them.
+        With a step in flight (async scheduling), first waits for it: it may still write
+        blocks freed when the step before it finished a request."""
+        if self._inflight is not None and self._inflight[1].event is not None:
+            self._inflight[1].event.synchronize()
         return self.block_manager.shrink(num_blocks)

@@ -21,6 +21,7 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from gpu_runtime.engine.attention.mixed import MixedPagedAttention
@@ -32,7 +33,10 @@ from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_
 from gpu_runtime.engine.lora import LoraForward, LoraRuntime
 from gpu_runtime.engine.request import TokenLogprob
 from gpu_runtime.engine.runner_types import (
+    UNRESOLVED_TOKEN,
     ModelRunnerOutput,
+    PendingTokens,
+    StepHandle,
     _RequestState,
     blas_library,
 )
@@ -85,8 +89,16 @@ class ModelRunner(StaticDecodeMixin):
         width = config.max_blocks_per_seq
         self._table_cpu = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
         self._table_np = self._table_cpu.numpy()
-        # sampled tokens come back through one pinned buffer (no allocation per step)
-        self._sampled_host = torch.zeros(rows, dtype=torch.int64, pin_memory=pin)
+        # sampled tokens come back through two pinned buffers used in turn (no allocation per
+        # step; a launch never overwrites the buffer of the step launched just before it)
+        self._sampled_hosts = [
+            torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+        ]
+        self._host_parity = 0
+        self._num_launched = 0
+        self._last_launched: StepHandle | None = None
+        self.num_overlapped_steps = 0
+        """Steps launched before the previous step was read back (inputs from the device)."""
         self.last_launch_seconds = 0.0
         """Host time of the last `execute` until the model's work is queued (request state,
         input staging and copies, graph replay or eager kernel launches)."""
@@ -154,29 +166,47 @@ class ModelRunner(StaticDecodeMixin):
     @torch.no_grad()
     def execute(self, output: SchedulerOutput, partition: Hashable = None) -> ModelRunnerOutput:
         """Run one step; `partition` selects the CUDA graph captured for that SM partition."""
+        return self.resolve(self.launch(output, partition))
+
+    @torch.no_grad()
+    def launch(self, output: SchedulerOutput, partition: Hashable = None) -> StepHandle:
+        """Queue one step (model, sampling, copies back) without waiting for the device.
+
+        Sampled states count their new token at once (`UNRESOLVED_TOKEN` stands for it on the
+        host). While the last launched step is unresolved, the next may be launched only as a
+        bucketed decode-only step: rows whose last token is unresolved take it from that step's
+        sampled tensor on the device. `resolve` each handle once, in launch order."""
         started = time.perf_counter()
         self.last_launch_seconds = self.last_sample_seconds = self.last_wait_seconds = 0.0
         self._sync_states(output)
+        result = ModelRunnerOutput()
+        handle = StepHandle(self._num_launched, result)
+        self._num_launched += 1
         order = list(output.num_scheduled_tokens.items())
         if not order:
-            return ModelRunnerOutput()
+            handle.resolved = True
+            return handle
         all_states = self.states
         states = [all_states[rid] for rid in output.num_scheduled_tokens]
         decode_only = all(count == 1 for _, count in order) and all(
             s.num_computed_tokens + 1 == len(s.token_ids) for s in states
         )
-        result = ModelRunnerOutput()
+        pending = self._pending_inputs(states)
+        if pending is not None:
+            self.num_overlapped_steps += 1
         lora = self.lora
         with_adapters = lora is not None and any(s.lora_name is not None for s in states)
         with blas_library(self._blas):
             logits, sampled_ids = self._forward(
-                order, states, partition, decode_only, with_adapters, result
+                order, states, partition, decode_only, with_adapters, result, pending
             )
         forwarded = time.perf_counter()
         for state, (_, count) in zip(states, order, strict=True):
             state.num_computed_tokens += count
-        if not sampled_ids:
-            return result
+        if not sampled_ids:  # nothing to read back (prefill chunks only)
+            handle.resolved = True
+            self.last_launch_seconds = forwarded - started
+            return handle
         if not decode_only:
             states = [self.states[rid] for rid in sampled_ids]
         batch = SamplingBatch(
@@ -184,25 +214,56 @@ class ModelRunner(StaticDecodeMixin):
         )
         sample = self.sampler.sample(logits, batch)
         num_sampled = len(sampled_ids)
-        token_host = self._sampled_host[:num_sampled]
+        self._host_parity ^= 1
+        token_host = self._sampled_hosts[self._host_parity][:num_sampled]
         token_host.copy_(sample.token_ids, non_blocking=True)
         extra = [sample.logprobs, sample.top_token_ids, sample.top_logprobs]
         copies = [t.to("cpu", non_blocking=True) if t is not None else None for t in extra]
-        launched = time.perf_counter()
         if self.device.type == "cuda":
-            torch.cuda.current_stream(self.device).synchronize()
-        self.last_wait_seconds = time.perf_counter() - launched
-        self.last_launch_seconds = forwarded - started
-        self.last_sample_seconds = launched - forwarded
-        tokens = token_host.tolist()
-        sampled = result.sampled
-        for rid, state, token in zip(sampled_ids, states, tokens, strict=True):
-            state.token_ids.append(token)
+            handle.event = torch.cuda.Event()
+            handle.event.record()
+        step = handle.step
+        positions = handle.positions
+        for index, state in enumerate(states):
+            positions.append(len(state.token_ids))
+            state.token_ids.append(UNRESOLVED_TOKEN)
             state.num_output_tokens += 1
+            state.pending_step = step
+            state.pending_index = index
+        handle.sampled_ids = sampled_ids
+        handle.states = states
+        handle.token_ids = sample.token_ids
+        handle.token_host = token_host
+        handle.logprob_copies = copies
+        self._last_launched = handle
+        self.last_launch_seconds = forwarded - started
+        self.last_sample_seconds = time.perf_counter() - forwarded
+        return handle
+
+    def resolve(self, handle: StepHandle) -> ModelRunnerOutput:
+        """Wait for a launched step (its event: later launches keep running) and write its
+        tokens into the states; returns its host results."""
+        result = handle.result
+        if handle.resolved:
+            return result
+        handle.resolved = True
+        waiting = time.perf_counter()
+        if handle.event is not None:
+            handle.event.synchronize()
+        self.last_wait_seconds = time.perf_counter() - waiting
+        assert handle.token_host is not None
+        tokens = handle.token_host.tolist()
+        sampled = result.sampled
+        states = handle.states
+        for rid, state, position, token in zip(
+            handle.sampled_ids, states, handle.positions, tokens, strict=True
+        ):
+            state.token_ids[position] = token
             sampled[rid] = token
+        copies = handle.logprob_copies
         if copies[0] is None:
             return result
-        for i, (rid, state) in enumerate(zip(sampled_ids, states, strict=True)):
+        for i, (rid, state) in enumerate(zip(handle.sampled_ids, states, strict=True)):
             if state.sampling_params.logprobs is not None:
                 top: tuple[tuple[int, float], ...] = ()
                 wanted = state.sampling_params.logprobs
@@ -217,6 +278,27 @@ class ModelRunner(StaticDecodeMixin):
                 result.logprobs[rid] = TokenLogprob(tokens[i], float(copies[0][i]), top)
         return result
 
+    def discard(self, handle: StepHandle) -> None:
+        """Forget a launched step whose results nobody needs (every request it sampled has
+        finished); its states keep `UNRESOLVED_TOKEN` and must be dropped next step."""
+        handle.resolved = True
+
+    def _pending_inputs(self, states: list[_RequestState]) -> PendingTokens | None:
+        """Rows whose last token is still on the device: the unresolved step's sampled tensor
+        and, per row, the index into it (-1: the token is on the host)."""
+        last = self._last_launched
+        if last is None or last.resolved or last.token_ids is None:
+            return None
+        step = last.step
+        source = np.fromiter(
+            (s.pending_index if s.pending_step == step else -1 for s in states),
+            np.int64,
+            len(states),
+        )
+        if (source < 0).all():
+            return None
+        return last.token_ids, source
+
     def _forward(
         self,
         order: list[tuple[str, int]],
@@ -225,16 +307,23 @@ class ModelRunner(StaticDecodeMixin):
         decode_only: bool,
         with_adapters: bool,
         result: ModelRunnerOutput,
+        pending: PendingTokens | None = None,
     ) -> tuple[torch.Tensor, list[str]]:
-        """The step's logits (rows to sample) and the ids sampled, in row order."""
+        """The step's logits (rows to sample) and the ids sampled, in row order. `pending`:
+        decode inputs still on the device (bucketed decode-only steps only)."""
         lora = self.lora
         if decode_only and self.static_decode and len(order) <= self._buckets[-1]:
             logits, bucket, used_graph = self._decode_logits(
-                states, partition, order if with_adapters else None
+                states, partition, order if with_adapters else None, pending
             )
             result.used_cuda_graph = used_graph
             result.batch_bucket = bucket
             return logits, [rid for rid, _ in order]
+        if pending is not None:
+            raise RuntimeError(
+                "a step launched before the previous one was resolved must be a bucketed "
+                f"decode-only step ({len(order)} rows, decode_only={decode_only})"
+            )
         if self._fused is not None and self.mixed_attention:  # CUDA: the fused step
             if not with_adapters and self._mixed is not None and self.use_mixed_graphs:
                 replayed = self._mixed_graph_logits(order, partition)

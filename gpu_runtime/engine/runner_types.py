@@ -6,7 +6,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from gpu_runtime.engine.request import SamplingParams, TokenLogprob
@@ -40,6 +42,11 @@ class _RequestState:
     row: int
     lora_name: str | None = None
     lora_slot: int = -1
+    pending_step: int = -1
+    """`StepHandle.step` of the launched step whose sampled token is this state's last
+    (`UNRESOLVED_TOKEN` in `token_ids` until that step is resolved); -1: none."""
+    pending_index: int = -1
+    """Row of that token in the step's sampled-token tensor."""
 
 
 @dataclass
@@ -50,3 +57,38 @@ class ModelRunnerOutput:
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
     used_cuda_graph: bool = False
     batch_bucket: int = 0
+
+
+PendingTokens = tuple[torch.Tensor, np.ndarray]
+"""Decode inputs still on the device: the unresolved step's sampled tokens and, per row of the
+new step, the index into them (-1: the row's token is on the host)."""
+
+UNRESOLVED_TOKEN = -1
+"""Stands for a sampled token still on the device (launched, not yet resolved)."""
+
+
+@dataclass
+class StepHandle:
+    """A step `ModelRunner.launch` queued on the device; `ModelRunner.resolve` reads it back.
+
+    Between the two, the step's sampled tokens live only on the device (`token_ids`); the
+    states it sampled hold `UNRESOLVED_TOKEN` at `positions` and count the token already
+    (`num_computed_tokens`, `num_output_tokens`), so the next step can be launched on them,
+    its decode inputs gathered from `token_ids` on the device.
+    """
+
+    step: int
+    result: ModelRunnerOutput
+    sampled_ids: list[str] = field(default_factory=list)
+    states: list[_RequestState] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    """Index of each sampled state's new token in its `token_ids`."""
+    token_ids: torch.Tensor | None = None
+    """Sampled tokens on the device, `[len(sampled_ids)]` int64."""
+    token_host: torch.Tensor | None = None
+    """Pinned host copy of `token_ids` (valid once `event` completed)."""
+    logprob_copies: list[Any] = field(default_factory=list)
+    """Host copies of logprobs, top ids, top logprobs (None where not asked)."""
+    event: Any = None
+    """CUDA event recorded after the copies back (None on CPU)."""
+    resolved: bool = False

@@ -125,6 +125,7 @@ class Sampler:
         self.fused = device.type == "cuda" if fused is None else fused
         self._host_rng = random.Random(seed)
         self._staged_rows = 0
+        self._host_parity = 0
         self.num_fused_samples = 0
         """Steps sampled by the fused kernel."""
 
@@ -134,11 +135,20 @@ class Sampler:
         if rows > self._staged_rows:
             size = max(rows, 2 * self._staged_rows, 64)
             pin = self.device.type == "cuda"
-            self._inv_temp_host = torch.zeros(size, dtype=torch.float32, pin_memory=pin)
-            self._seeds_host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+            # two pinned sets used in turn: the next step may be staged before this step's
+            # copies ran (the runner launches a step before reading the previous one back)
+            self._host_sets = [
+                (
+                    torch.zeros(size, dtype=torch.float32, pin_memory=pin),
+                    torch.zeros(size, dtype=torch.int64, pin_memory=pin),
+                )
+                for _ in range(2)
+            ]
             self._inv_temp = torch.zeros(size, dtype=torch.float32, device=self.device)
             self._seeds = torch.zeros(size, dtype=torch.int64, device=self.device)
             self._staged_rows = size
+        self._host_parity ^= 1
+        self._inv_temp_host, self._seeds_host = self._host_sets[self._host_parity]
         step_seed = self._host_rng.getrandbits(62)
         inv_temp = np.fromiter(
             (0.0 if p.greedy else 1.0 / p.temperature for p in batch.params), np.float32, rows

@@ -20,7 +20,12 @@ from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.cuda_graphs import DecodeGraphs
 from gpu_runtime.engine.kv_cache import PagedKVCache
 from gpu_runtime.engine.lora import LoraForward, LoraRuntime
-from gpu_runtime.engine.runner_types import _PADDING_ID, _RequestState, blas_library
+from gpu_runtime.engine.runner_types import (
+    _PADDING_ID,
+    PendingTokens,
+    _RequestState,
+    blas_library,
+)
 from gpu_runtime.model.llama import CausalLM
 
 if TYPE_CHECKING:
@@ -56,13 +61,22 @@ class StaticDecodeMixin:
         dev = self.device
         width = self.config.max_blocks_per_seq
         # rows: token id, position, slot block, slot offset, LoRA slot (-1: base)
-        self._stage_ints = torch.zeros(5, size, dtype=torch.int64, pin_memory=pin)
-        self._stage_seq_lens = torch.zeros(size, dtype=torch.int32, pin_memory=pin)
-        self._stage_table = torch.zeros(size, width, dtype=torch.int32, pin_memory=pin)
-        # numpy views of the pinned staging buffers (shared memory) for vectorised filling
-        self._stage_ints_np = self._stage_ints.numpy()
-        self._stage_seq_lens_np = self._stage_seq_lens.numpy()
-        self._stage_table_np = self._stage_table.numpy()
+        # Two sets of pinned staging buffers, used in turn by successive steps: a step may be
+        # launched before the previous one's copies ran (`ModelRunner.launch`), and must not
+        # overwrite them. Rows of `ints`: token id, position, slot block, slot offset, LoRA
+        # slot; `source`: rows taking their token from the device, and where from.
+        self._staging = [
+            (
+                torch.zeros(5, size, dtype=torch.int64, pin_memory=pin),
+                torch.zeros(size, dtype=torch.int32, pin_memory=pin),
+                torch.zeros(size, width, dtype=torch.int32, pin_memory=pin),
+                torch.zeros(2, size, dtype=torch.int64, pin_memory=pin),
+            )
+            for _ in range(2)
+        ]
+        self._staging_parity = 1
+        self._buf_source = torch.zeros(2, size, dtype=torch.int64, device=dev)
+        self._use_staging_set()
         self._buf_ints = torch.zeros(5, size, dtype=torch.int64, device=dev)
         self._buf_ints[2].fill_(self.kv_cache.pad_block)
         self._buf_ints[4].fill_(-1)
@@ -89,6 +103,22 @@ class StaticDecodeMixin:
                     self.config.max_num_seqs + 1,
                     pin,
                 )
+
+    def _use_staging_set(self) -> None:
+        """Switch to the other set of pinned staging buffers (and their numpy views)."""
+        self._staging_parity ^= 1
+        ints, seq_lens, table, source = self._staging[self._staging_parity]
+        self._stage_ints, self._stage_seq_lens, self._stage_table = ints, seq_lens, table
+        self._stage_source = source
+        # numpy views of the pinned staging buffers (shared memory) for vectorised filling
+        self._stage_ints_np = ints.numpy()
+        self._stage_seq_lens_np = seq_lens.numpy()
+        self._stage_table_np = table.numpy()
+
+    @property
+    def max_bucket(self) -> int:
+        """Largest decode batch the bucketed path takes."""
+        return self._buckets[-1]
 
     @property
     def fused_lora_decode(self) -> bool:
@@ -181,11 +211,13 @@ class StaticDecodeMixin:
         states: list[_RequestState],
         partition: Hashable,
         lora_order: list[tuple[str, int]] | None = None,
+        pending: PendingTokens | None = None,
     ) -> tuple[torch.Tensor, int, bool]:
         """Stage one decode token per state (vectorised), copy, replay; logits `[B, V]`.
         With `lora_order` (the step's order, some request has an adapter) the step replays the
         LoRA graph (rows' slots staged with the inputs; padding rows have slot -1), or without
         the fused kernels runs the LoRA forward eagerly over the same buffers."""
+        self._use_staging_set()
         batch = len(states)
         bucket = next(b for b in self._buckets if b >= batch)
         bs = self.block_size
@@ -209,6 +241,8 @@ class StaticDecodeMixin:
         self._buf_ints[:, :bucket].copy_(self._stage_ints[:, :bucket], non_blocking=True)
         self._buf_seq_lens[:bucket].copy_(self._stage_seq_lens[:bucket], non_blocking=True)
         self._buf_table[:bucket].copy_(self._stage_table[:bucket], non_blocking=True)
+        if pending is not None:  # last tokens still on the device: gather them there
+            self._gather_pending_tokens(pending)
         self.num_static_decode_steps += 1
         graphs = self._graphs
         lora = self.lora
@@ -231,3 +265,20 @@ class StaticDecodeMixin:
             logits = self.decode_forward(bucket)
             used = False
         return logits[:batch], bucket, used
+
+    def _gather_pending_tokens(self, pending: PendingTokens) -> None:
+        """Token ids of rows whose last token the unresolved step sampled, from its device
+        tensor into the static input buffer (after the staged ids were copied there)."""
+        sampled, source = pending
+        rows = np.flatnonzero(source >= 0)
+        count = len(rows)
+        stage = self._stage_source.numpy()
+        stage[0, :count] = rows
+        stage[1, :count] = source[rows]
+        device_source = self._buf_source[:, :count]
+        device_source.copy_(self._stage_source[:, :count], non_blocking=True)
+        tokens = sampled.index_select(0, device_source[1])
+        if count == len(source):  # every row (steady decode): rows are 0..count-1
+            self._buf_ints[0, :count].copy_(tokens)
+        else:
+            self._buf_ints[0].index_copy_(0, device_source[0], tokens)
