@@ -184,7 +184,10 @@ class _Phase:
         self.memory.wait_for_finetune = lambda: executor.wait()
         if not self.with_job:
             return loop, None
-        trainer = lora_trainer(model, self.args, examples=512, epochs=50, batch_size=8)
+        # The adapters live in finetune's own pool (CUDA: a MemPool), so they count as
+        # finetune memory and decode's eager growth does not.
+        with self.memory.finetune_allocations():
+            trainer = lora_trainer(model, self.args, examples=512, epochs=50, batch_size=8)
         self.memory.manager.set_finetune_demand(pool.num_pages * pool.page_bytes)
         # A reclaim that must flush drops the trainer's CUDA graphs first (their private pool
         # is not returned by a cache flush).
@@ -445,6 +448,12 @@ class _Phase:
             "mean_finetune_reserved_gb": time_mean_gb(3),
             "max_finetune_reserved_gb": max((row[3] for row in lent), default=0) / 1e9,
             "busy_reclaims": counters.busy_reclaims,
+            "urgent_flushes": counters.urgent_flushes,
+            "deferred_flushes": counters.deferred_flushes,
+            "flush_release_ms_p99": finite(counters.flush_release_latency.percentile_ms(99)),
+            "finetune_accounting": getattr(
+                self.memory.manager.pool.backend, "finetune_accounting", "simulated"
+            ),
             "finetune_tokens_per_s": sum(q.tokens for q in good) / window,
             "finetune_quanta": len(reports),
             "finetune_tokens_per_quantum_mean": (

@@ -14,6 +14,7 @@ read of an unmapped block shows up as NaN).
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Protocol
 
 from gpu_runtime.memory.layout import (
@@ -78,6 +79,11 @@ class PageBackend(Protocol):
 
     def finetune_reserved_bytes(self) -> int:
         """Physical bytes the finetune allocator holds now (live tensors plus its cache)."""
+        ...
+
+    def finetune_allocations(self) -> AbstractContextManager[None]:
+        """A context in which this thread's allocations are the finetune side's (CUDA: its own
+        `torch.cuda.MemPool`); for its long-lived state (adapters, gradients, optimizer)."""
         ...
 
     def finetune_baseline_bytes(self) -> int:
@@ -221,6 +227,10 @@ class CpuPageBackend:
 
     def finetune_baseline_bytes(self) -> int:
         return 0
+
+    def finetune_allocations(self) -> AbstractContextManager[None]:
+        """Nothing to route: the simulated allocator holds only what was recorded."""
+        return nullcontext()
 
     def finetune_allocated_bytes(self) -> int:
         return self._finetune_allocated_bytes

@@ -67,6 +67,13 @@ class MemoryCounters:
     and its allocator did not hold (a cap change: no wait, no flush)."""
     deferred_reclaims: int = 0
     """Refills that needed finetune pages while a quantum was in flight (taken later)."""
+    deferred_flushes: int = 0
+    """Refills (off the critical path or between quanta) that took only the budget the finetune
+    allocator does not hold and left the rest, which only a cache flush could free: a refill
+    never flushes."""
+    urgent_flushes: int = 0
+    """Flushes inside an iteration: decode's next step needed more than the free pages and the
+    budget the finetune allocator does not hold (the one case a reclaim may flush)."""
     finetune_grows: int = 0
     """Times the finetune budget was raised."""
     finetune_grown_pages: int = 0
@@ -90,6 +97,9 @@ class MemoryCounters:
     flush_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
     """The finetune cache flush of each decode reclaim that needed one (the allocator held more
     than its new budget); `len` is the number of such flushes."""
+    flush_release_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
+    """The part of each flush spent in `PagePool.before_flush` (dropping the finetune side's CUDA
+    graphs), before the cache release itself."""
 
     def as_dict(self) -> dict[str, float]:
         """Flat numbers for metrics: every counter plus reclaim/map p50 and p99 (ms)."""
@@ -103,6 +113,7 @@ class MemoryCounters:
             ("map", self.map_latency),
             ("wait", self.wait_latency),
             ("flush", self.flush_latency),
+            ("flush_release", self.flush_release_latency),
         ):
             out[f"{name}_ms_p50"] = samples.percentile_ms(50)
             out[f"{name}_ms_p99"] = samples.percentile_ms(99)

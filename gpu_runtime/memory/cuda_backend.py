@@ -10,20 +10,27 @@ Mechanism (CUDA virtual memory management through `cuda-bindings`, imported lazi
 - Mapping a chunk: `cuMemCreate` + `cuMemMap`, then one `cuMemSetAccess` over the whole run of
   new chunks. Unmapping: `cuMemUnmap` + `cuMemRelease`, which returns the physical memory to the
   device at once (torch can allocate it right after). Neither waits for in-flight kernels.
-- Finetune tensors come from torch's caching allocator. Its budget is enforced as a cap on
-  torch's reserved memory (`torch.cuda.set_per_process_memory_fraction`): the cap is the torch
-  baseline (weights, decode buffers, taken at construction or `reset_baseline`) plus a
-  headroom plus the finetune budget. Over the cap torch frees its cache and retries, then raises
+- Finetune tensors come from torch's caching allocator. What is finetune's: the private pools
+  created after `reset_baseline` (its graphs' pools and a `MemPool` for its eager state, see
+  `torch_pools.py`), or, on a torch whose snapshots lack pool ids, all torch memory above the
+  baseline (then decode's eager growth counts as finetune's). The budget is enforced as a cap
+  on torch's reserved memory (`torch.cuda.set_per_process_memory_fraction`): the cap is what is
+  not finetune's (the baseline: weights, decode buffers, taken at construction or
+  `reset_baseline`, plus decode's growth since when pools are told apart) plus a headroom plus
+  the finetune budget. Over the cap torch frees its cache and retries, then raises
   `torch.OutOfMemoryError` in the finetune quantum, never in a decode map. Lowering the budget
-  flushes the cache (`torch.cuda.empty_cache`) so the memory can be mapped for KV.
+  below what finetune holds flushes the cache (`torch.cuda.empty_cache`) so the memory can be
+  mapped for KV.
 Only bytes of mapped pages may be touched through the view: anything else is a device fault.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.memory.layout import GIB, MIB, FinetuneBudgetExceeded, MemoryPoolError
+from gpu_runtime.memory.torch_pools import FinetunePools
 
 if TYPE_CHECKING:
     import torch
@@ -54,13 +61,15 @@ class CudaVmmBackend:
         torch_headroom_bytes: int = 1 * GIB,
         chunk_bytes: int = 32 * MIB,
         access_per_page: bool = False,
+        finetune_pools: bool = True,
     ) -> None:
         """Reserve the range. `pool_bytes` defaults to the device's free memory less
         `leave_free_bytes` (room for decode's own torch allocations: graphs, workspace).
         `torch_headroom_bytes` is what torch may grow by beyond its baseline outside the
         finetune budget. `chunk_bytes` (a multiple of the granularity) is the map unit.
         `access_per_page` sets access per mapped chunk instead of once per mapped run (kept to
-        compare the two by measurement)."""
+        compare the two by measurement). `finetune_pools`: count as finetune's only the private
+        pools created after the baseline (when torch's snapshots allow it), not all growth."""
         import torch
         from cuda.bindings import driver as cu
 
@@ -112,6 +121,9 @@ class CudaVmmBackend:
         self._total_bytes = torch.cuda.get_device_properties(device).total_memory
         self._torch_headroom_bytes = torch_headroom_bytes
         self._cap_bytes = 0
+        self._decode_reserved = 0
+        pools = FinetunePools(torch, device) if finetune_pools else None
+        self._pools = pools if pools is not None and pools.available else None
         self.reset_baseline()
         self._closed = False
 
@@ -201,9 +213,22 @@ class CudaVmmBackend:
         if budget_bytes < 0:
             raise MemoryPoolError(f"finetune cap must be >= 0, got {budget_bytes}")
         self._cap_bytes = budget_bytes
-        limit = self._baseline_reserved + self._torch_headroom_bytes + budget_bytes
+        self._apply_cap()
+
+    def _apply_cap(self) -> None:
+        decode = max(self._baseline_reserved, self._decode_reserved)
+        limit = decode + self._torch_headroom_bytes + self._cap_bytes
         fraction = min(limit / self._total_bytes, 1.0)
         self._torch.cuda.set_per_process_memory_fraction(fraction, self._device)
+
+    @property
+    def finetune_accounting(self) -> str:
+        """`pools` (finetune's own private pools) or `process` (all torch growth)."""
+        return "pools" if self._pools is not None else "process"
+
+    def finetune_allocations(self) -> AbstractContextManager[None]:
+        """Route this thread's allocations into finetune's `MemPool` (no-op without pools)."""
+        return self._pools.allocations() if self._pools is not None else nullcontext()
 
     def reset_baseline(self) -> None:
         """Take torch's current reserved/allocated bytes as not-finetune (call after decode
@@ -211,14 +236,24 @@ class CudaVmmBackend:
         cuda = self._torch.cuda
         self._baseline_reserved = cuda.memory_reserved(self._device)
         self._baseline_allocated = cuda.memory_allocated(self._device)
+        self._decode_reserved = self._baseline_reserved
+        if self._pools is not None:
+            self._pools.reset_baseline()
         self.set_finetune_cap(self._cap_bytes)
 
     def finetune_baseline_bytes(self) -> int:
         return int(self._baseline_allocated)
 
     def finetune_reserved_bytes(self) -> int:
-        reserved = self._torch.cuda.memory_reserved(self._device)
-        return max(reserved - self._baseline_reserved, 0)
+        if self._pools is None:
+            reserved = self._torch.cuda.memory_reserved(self._device)
+            return max(reserved - self._baseline_reserved, 0)
+        finetune, total = self._pools.refresh()
+        decode = total - finetune
+        if decode != self._decode_reserved:  # decode's own growth moves the cap with it
+            self._decode_reserved = decode
+            self._apply_cap()
+        return finetune
 
     def finetune_allocated_bytes(self) -> int:
         allocated = self._torch.cuda.memory_allocated(self._device)

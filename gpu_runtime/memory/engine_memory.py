@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.memory.kv_binding import KVPoolBinding
@@ -140,6 +141,12 @@ class EngineMemory:
         self._engine = engine
         self.process_wide_peaks = bool(engine.config.is_cuda)
 
+    def finetune_allocations(self) -> AbstractContextManager[None]:
+        """Context for the finetune side's long-lived allocations (a trainer's adapters and
+        optimizer state): on CUDA they go to finetune's own `torch.cuda.MemPool`, so that
+        they count as finetune memory and decode's own growth does not."""
+        return self.manager.pool.backend.finetune_allocations()
+
     def decode_ready(self) -> None:
         """Decode's own torch memory is allocated (warm-up, graphs): charge finetuning only
         for what comes after."""
@@ -164,6 +171,9 @@ class EngineMemory:
         )
 
     def after_decode(self) -> None:
+        # Read what finetune holds once per iteration: on CUDA this also lets the torch cap
+        # follow decode's own growth (cached; a snapshot only after a segment came or went).
+        self.manager.pool.backend.finetune_reserved_bytes()
         _, waiting = scheduler_block_demand(self._bound())
         busy = self._busy()
         self.binding.maintain(

@@ -26,6 +26,7 @@ def create_page_pool(
     chunk_bytes: int = 32 * MIB,
     map_unit_pages: int = 1,
     pinned_tail_pages: int = 0,
+    finetune_pools: bool = True,
 ) -> PagePool:
     """A `PagePool` on `device` ("cpu", "cuda" or "cuda:N").
 
@@ -35,6 +36,8 @@ def create_page_pool(
     when `materialize_kv`. `page_bytes` and `map_unit_pages` apply to CPU only; on CUDA the map
     unit is `chunk_bytes` (32 MiB by default: see README.md for the measurement).
     `pinned_tail_pages` stay mapped at the end of the KV range (the engine's padding block).
+    `finetune_pools` (CUDA): finetune memory is its own private pools (its graphs' pools and a
+    `MemPool`), not all torch growth after the baseline (see `torch_pools.py`).
     """
     kind, _, index = device.partition(":")
     if kind == "cuda":
@@ -47,6 +50,7 @@ def create_page_pool(
                 leave_free_bytes=leave_free_bytes,
                 torch_headroom_bytes=torch_headroom_bytes,
                 chunk_bytes=chunk_bytes,
+                finetune_pools=finetune_pools,
             ),
             pinned_tail_pages=pinned_tail_pages,
         )

@@ -209,7 +209,9 @@ class MemoryManager:
         if free_blocks >= low_blocks:
             return 0
         need = self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
-        got = self._grow_decode(need - self.pool.kv_prefix_pages, reason="refill")
+        got = self._grow_decode(
+            need - self.pool.kv_prefix_pages, reason="refill", allow_flush=False
+        )
         if got:
             self.counters.refill_maps += 1
             self.counters.refill_pages += got
@@ -232,7 +234,10 @@ class MemoryManager:
             - self.pool.kv_prefix_pages
         )
         got = self._grow_decode(
-            min(need, self.config.max_step_pages), reason="refill", reclaim_limit=reclaim_limit
+            min(need, self.config.max_step_pages),
+            reason="refill",
+            reclaim_limit=reclaim_limit,
+            allow_flush=False,
         )
         if got:
             self.counters.refill_maps += 1
@@ -353,10 +358,14 @@ class MemoryManager:
         reason: str,
         allow_reclaim: bool = True,
         reclaim_limit: int | None = None,
+        allow_flush: bool = True,
     ) -> int:
         """Map `pages` more KV pages (rounded up to the map unit, or down to what can be had):
         from free pages first, then (if allowed) reclaimed finetune budget, at most
-        `reclaim_limit` pages of it when given."""
+        `reclaim_limit` pages of it when given. With `allow_flush=False` only the budget the
+        finetune allocator does not hold is reclaimed (a cap change; counted in
+        `deferred_flushes` when more was wanted): refills run ahead of need and never flush,
+        so a flush happens only when the next step cannot run otherwise."""
         if pages <= 0:
             return 0
         room = self.pool.prefix_limit_pages - self.pool.kv_prefix_pages
@@ -372,6 +381,12 @@ class MemoryManager:
             if reclaimable and pages > self.pool.free_pages:
                 self.counters.deferred_reclaims += 1
             reclaimable = 0
+        if not allow_flush and reclaimable:
+            flush_free = self.pool.finetune_flush_free_pages()
+            if reclaimable > flush_free:
+                if pages > self.pool.free_pages + flush_free:
+                    self.counters.deferred_flushes += 1
+                reclaimable = flush_free
         available = self.pool.free_pages + reclaimable
         if pages > available:
             pages = self._round_down(available)
@@ -383,11 +398,13 @@ class MemoryManager:
         if short > 0:
             # read again: a running quantum may have allocated since `reclaimable` was taken
             reclaimed = min(short, reclaimable, self.pool.finetune_reclaimable_pages())
+            if not allow_flush:
+                reclaimed = min(reclaimed, self.pool.finetune_flush_free_pages())
             if reclaimed:
                 before = self.pool.finetune_pages
                 flush_start = self._clock()
-                if self.pool.reclaim_from_finetune(reclaimed):
-                    self.counters.flush_latency.add(self._clock() - flush_start)
+                if self.pool.reclaim_from_finetune(reclaimed, allow_flush=allow_flush):
+                    self._count_flush(self._clock() - flush_start, reason)
                 self._iterations_since_reclaim = 0
                 self.counters.finetune_shrinks += 1
                 self.counters.finetune_reclaimed_pages += reclaimed
@@ -418,6 +435,14 @@ class MemoryManager:
             )
         return got
 
+    def _count_flush(self, seconds: float, reason: str) -> None:
+        self.counters.flush_latency.add(seconds)
+        if self.pool.last_flush_s is not None:
+            self.counters.flush_release_latency.add(self.pool.last_flush_s[0])
+        if reason == "urgent":
+            self.counters.urgent_flushes += 1
+        logger.warning("finetune cache flushed for decode (%s, %.3f ms)", reason, seconds * 1e3)
+
     def _round_up(self, pages: int) -> int:
         unit = self.pool.map_unit_pages
         return -(-pages // unit) * unit
@@ -445,13 +470,19 @@ class MemoryManager:
         logger.info("finetune budget grows %d -> %d pages", before, self.pool.finetune_pages)
 
     def _return_unwanted_budget(self) -> None:
-        """Budget above finetune's demand is idle: take it back in one step (no decode need)."""
+        """Budget above finetune's demand is idle: take it back in one step (no decode need).
+        A cap change only while a job exists; with no job (demand 0) the cache is flushed."""
         excess = self.pool.finetune_pages - self._finetune_demand_pages
         count = min(excess, self.pool.finetune_reclaimable_pages(), self.config.max_step_pages)
+        no_job = self._finetune_demand_pages == 0
+        if not no_job:
+            count = min(count, self.pool.finetune_flush_free_pages())
         if count <= 0:
             return
         before = self.pool.finetune_pages
-        self.pool.reclaim_from_finetune(count)
+        start = self._clock()
+        if self.pool.reclaim_from_finetune(count, allow_flush=no_job):
+            self._count_flush(self._clock() - start, "no job")
         self.counters.finetune_shrinks += 1
         self.counters.finetune_reclaimed_pages += count
         logger.info(

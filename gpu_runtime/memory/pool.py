@@ -15,6 +15,7 @@ when to move them is `MemoryManager`'s (policy) business.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -59,6 +60,8 @@ class PagePool:
         """Called right before a reclaim flushes the finetune allocator's cache: drop what a
         flush cannot return, e.g. the finetune side's CUDA graphs, whose private memory pool
         stays reserved while they exist (`LoraTrainer.release_cuda_graphs`)."""
+        self.last_flush_s: tuple[float, float] | None = None
+        """(`before_flush`, cache release) seconds of the last flush: what a flush costs."""
         self._decode_pages = 0
         self._finetune_pages = 0
         self._tail_pages = tail
@@ -175,7 +178,18 @@ class PagePool:
         """Budget pages that can come back now: the budget less the live finetune tensors."""
         return max(self._finetune_pages - self.finetune_resident_pages(), 0)
 
-    def reclaim_from_finetune(self, count: int) -> bool:
+    def finetune_held_pages(self) -> int:
+        """Pages the finetune allocator physically holds now: live tensors plus its cache."""
+        backend = self._backend
+        held = max(backend.finetune_reserved_bytes(), backend.finetune_allocated_bytes())
+        return -(-held // self.page_bytes)
+
+    def finetune_flush_free_pages(self) -> int:
+        """Budget pages that can come back by a cap change alone, with no cache flush: the
+        budget less what the finetune allocator holds (those pages are physically free)."""
+        return max(self._finetune_pages - self.finetune_held_pages(), 0)
+
+    def reclaim_from_finetune(self, count: int, *, allow_flush: bool = True) -> bool:
         """FINETUNE -> FREE: lower the budget by `count` pages; flush the finetune allocator's
         cache only if what it holds exceeds the new budget. Returns whether it flushed.
 
@@ -183,12 +197,19 @@ class PagePool:
         the budget, so a flush is needed only then (it is the costly part of a reclaim: on CUDA
         it waits for the device and frees every cached segment, which the next quantum must
         allocate again). Precondition: the finetune side is between quanta and its live tensors
-        fit the new budget (`count <= finetune_reclaimable_pages()`).
+        fit the new budget (`count <= finetune_reclaimable_pages()`); with `allow_flush=False`
+        also `count <= finetune_flush_free_pages()` (a cap change only).
         """
         if count < 0 or count > self.finetune_reclaimable_pages():
             raise MemoryPoolError(
                 f"cannot reclaim {count} pages: budget {self._finetune_pages} pages, "
                 f"{self.finetune_resident_pages()} held by live finetune tensors"
+            )
+        if not allow_flush and count > self.finetune_flush_free_pages():
+            raise MemoryPoolError(
+                f"cannot reclaim {count} pages without a cache flush: budget "
+                f"{self._finetune_pages} pages, the finetune allocator holds "
+                f"{self.finetune_held_pages()}"
             )
         if count == 0:
             return False
@@ -196,9 +217,12 @@ class PagePool:
         self._backend.set_finetune_cap(self.finetune_budget_bytes)
         if self._backend.finetune_reserved_bytes() <= self.finetune_budget_bytes:
             return False
+        start = time.perf_counter()
         if self.before_flush is not None:
             self.before_flush()
+        released = time.perf_counter()
         reserved = self._backend.release_finetune_cache()
+        self.last_flush_s = (released - start, time.perf_counter() - released)
         if reserved > self.finetune_budget_bytes:
             logger.warning(
                 "finetune allocator still holds %d B after its cache flush, budget is %d B",

@@ -10,6 +10,7 @@ from gpu_runtime.memory import (
     KVLayout,
     MemoryManager,
     MemoryPolicyConfig,
+    MemoryPoolError,
     create_page_pool,
     kv_block_bytes,
 )
@@ -38,7 +39,10 @@ def test_llama3_8b_block_is_one_cuda_page() -> None:
 
 def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
     torch.cuda.empty_cache()
-    pool = create_page_pool(device="cuda", pool_bytes=2 * GIB, torch_headroom_bytes=64 * MIB)
+    # Process-wide accounting: the test's own tensors stand for finetune's.
+    pool = create_page_pool(
+        device="cuda", pool_bytes=2 * GIB, torch_headroom_bytes=64 * MIB, finetune_pools=False
+    )
     layout = _llama3_8b_layout(pool.page_bytes)
     config = MemoryPolicyConfig(
         reserve_low_pages=8,
@@ -104,6 +108,60 @@ def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
     free, _ = torch.cuda.mem_get_info()
     big = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
     assert big.numel() == 2 * GIB and free > 2 * GIB
+
+
+def test_finetune_pools_leave_decode_growth_out_and_flush_only_for_finetune_memory() -> None:
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    pool = create_page_pool(device="cuda", pool_bytes=2 * GIB, torch_headroom_bytes=256 * MIB)
+    backend = pool.backend
+    held: dict[str, object] = {}
+    try:
+        assert backend.finetune_accounting == "pools"  # type: ignore[attr-defined]
+        assert pool.grow_decode(pool.map_unit_pages) == pool.map_unit_pages
+        pool.lend_to_finetune(512)  # 1 GiB
+        # Decode's own growth after warm-up (eager prefill activations): not finetune's.
+        decode_growth = torch.ones(512 * MIB, dtype=torch.uint8, device="cuda")
+        assert backend.finetune_reserved_bytes() == 0
+        with backend.finetune_allocations():
+            lora_state = torch.ones(64 * MIB, dtype=torch.uint8, device="cuda")
+        assert 64 * MIB <= backend.finetune_reserved_bytes() < 128 * MIB
+        # The cap followed decode's growth: finetune still has its whole budget (process-wide
+        # accounting would have charged the 512 MiB to it and failed this allocation).
+        with backend.finetune_allocations():
+            quantum = torch.empty(768 * MIB, dtype=torch.uint8, device="cuda")
+        del quantum  # stays cached in the MemPool: finetune's
+        # A finetune CUDA graph's private pool is finetune's too.
+        static_in = torch.ones(1, device="cuda")
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            scratch = static_in.expand(256 * MIB // 4).contiguous()
+            held["out"] = scratch.sum()
+        del scratch
+        held["graph"] = graph
+        del graph
+        torch.cuda.synchronize()
+        reserved = backend.finetune_reserved_bytes()
+        assert reserved >= (64 + 768 + 256) * MIB
+        assert pool.finetune_held_pages() * pool.page_bytes >= reserved
+        del decode_growth
+        # What the finetune allocator does not hold comes back by a cap change, no flush...
+        spare = pool.finetune_flush_free_pages()
+        assert not pool.reclaim_from_finetune(spare, allow_flush=False)
+        with pytest.raises(MemoryPoolError, match="without a cache flush"):
+            pool.reclaim_from_finetune(1, allow_flush=False)
+        # ... below it a flush runs: the graph (dropped by the hook) gives its pool back; the
+        # MemPool's cache stays (a live pool is not emptied: it is for long-lived state).
+        pool.before_flush = held.clear
+        before = backend.finetune_reserved_bytes()
+        assert pool.reclaim_from_finetune(1)
+        assert not held and pool.last_flush_s is not None
+        assert backend.finetune_reserved_bytes() <= before - 256 * MIB
+        assert bool((lora_state == 1).all())
+        del lora_state
+    finally:
+        held.clear()
+        pool.close()
 
 
 def test_engine_over_the_cuda_pool_matches_a_plain_engine() -> None:

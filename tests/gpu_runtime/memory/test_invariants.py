@@ -6,7 +6,9 @@ get preempted) and a finetune trainer model (fits each quantum into the budget i
 individually tracked. After every step: no physical page has two owners, the ledger sums to the
 pool and agrees with the backend, the block manager's usable ids are exactly the mapped blocks,
 no request is lost, decode is short of blocks only when finetuning holds nothing reclaimable,
-and finetuning never exceeds its budget.
+and finetuning never exceeds its budget. Refills and `maintain` never flush the finetune cache
+while a job exists; a flush happens only inside `before_step`, when the step's own blocks need
+more than the free pages and the budget the finetune allocator does not hold.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         step_units=st.integers(1, 4),
         shrink_after=st.integers(0, 4),
         grow_hold=st.integers(0, 4),
+        # 0: quanta sized to the whole budget, so decode's growth often needs a flush
+        headroom=st.sampled_from([0, 4]),
     )
     def setup(
         self,
@@ -108,6 +112,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         step_units: int,
         shrink_after: int,
         grow_hold: int,
+        headroom: int,
     ) -> None:
         num_pages = units * unit
         block_bytes = PAGE * block_ratio[0] // block_ratio[1]
@@ -123,6 +128,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
             shrink_after_iterations=shrink_after,
             grow_hold_iterations=grow_hold,
             min_decode_pages=1,
+            plan_headroom_intervals=headroom,
         )
         self.manager = MemoryManager(self.pool, self.layout, config)
         self.binding = KVPoolBinding(self.manager)
@@ -155,8 +161,18 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
     def decode_iteration(self, finetune_busy: bool) -> None:
         growing = [r for r in self.running if len(r.blocks) < r.total_blocks]
         waiting_blocks = sum(r.prompt_blocks for r in self.waiting)
+        flushes = self.manager.counters.flush_latency
         if not finetune_busy:  # between quanta: the reserve refill (EngineMemory.before_decode)
+            before = len(flushes)
             self.binding.refill(waiting_blocks=waiting_blocks)
+            assert len(flushes) == before, "a refill flushed the finetune cache"
+        # A flush inside the iteration only when the step's own blocks need more than the free
+        # pages and the budget the finetune allocator does not hold (a cap change).
+        wanted = self.blocks.num_used_blocks + len(growing)
+        unit = self.pool.map_unit_pages
+        need = self.layout.pages_for_blocks(wanted) - self.pool.kv_prefix_pages
+        cheap = self.pool.free_pages + self.pool.finetune_flush_free_pages()
+        before = len(flushes)
         # While a quantum runs, decode takes only the budget it was not promised without
         # waiting; beyond that it waits for the quantum (here: already over).
         grant = self.binding.before_step(
@@ -166,6 +182,9 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
             wait_for_finetune=lambda: None,
             promised_bytes=self.promised if finetune_busy else None,
         )
+        if len(flushes) > before:
+            event("urgent flush")
+            assert -(-need // unit) * unit > cheap, "flushed with enough flush-free pages"
         if grant.short_blocks:
             # Decode may be short only when finetuning holds nothing it could give back.
             obtainable = self.pool.free_pages + self.pool.finetune_reclaimable_pages()
@@ -199,11 +218,15 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
             request = self.waiting.popleft()
             request.blocks = self.blocks.allocate(request.prompt_blocks)
             self.running.append(request)
+        before = len(flushes)
         self.binding.maintain(
             waiting_blocks=sum(r.prompt_blocks for r in self.waiting),
             finetune_busy=finetune_busy,
             promised_bytes=self.promised if finetune_busy else None,
         )
+        # Off the critical path nothing flushes while a job exists (with none, the idle budget
+        # goes back with its cache).
+        assert len(flushes) == before or self.finetune_want_peak == 0, "maintain flushed"
 
     # ---- finetune -------------------------------------------------------------------------
     @rule(pages=st.integers(0, 200))
@@ -236,7 +259,8 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
 
     def teardown(self) -> None:
         counters = self.manager.counters
-        for name in ("finetune_shrinks", "kv_shrinks", "finetune_grows", "preemptions"):
+        names = ("finetune_shrinks", "kv_shrinks", "finetune_grows", "preemptions")
+        for name in (*names, "urgent_flushes", "deferred_flushes"):
             event(f"{name} {'> 0' if getattr(counters, name) else '= 0'}")
 
     # ---- invariants -----------------------------------------------------------------------

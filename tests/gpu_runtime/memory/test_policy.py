@@ -159,6 +159,28 @@ def test_finetune_grows_back_with_hysteresis_and_returns_what_it_does_not_want()
     assert manager.counters.finetune_shrinks == 2
 
 
+def test_budget_above_the_demand_goes_back_without_a_flush_while_a_job_exists() -> None:
+    manager, pool = _manager(num_pages=32, grow_hold_iterations=0)
+    manager.set_finetune_demand(12 * PAGE)
+    idle = DecodeDemand(used_blocks=0, top_used_block=0)
+    manager.maintain(idle)
+    assert pool.finetune_pages == 12
+    manager.finetune_quantum_done(peak_bytes=10 * PAGE, resident_bytes=PAGE)
+    # The job wants less: only the 2 pages its cache does not hold come back (a cap change).
+    manager.set_finetune_demand(4 * PAGE)
+    for _ in range(3):
+        manager.maintain(idle)
+    assert pool.finetune_pages == 10 and len(manager.counters.flush_latency) == 0
+    # No job: the idle budget goes back with its cache, one step (4 pages) per call.
+    manager.set_finetune_demand(0)
+    manager.maintain(idle)
+    assert pool.finetune_pages == 6 and len(manager.counters.flush_latency) == 1
+    assert manager.counters.urgent_flushes == 0
+    for _ in range(2):
+        manager.maintain(idle)
+    assert pool.finetune_pages == 1  # the live state stays until the finetune side frees it
+
+
 def test_moves_are_whole_map_units() -> None:
     manager, pool = _manager(num_pages=64, unit=4, tail=4, reserve_low_pages=2, max_step_pages=8)
     assert pool.kv_prefix_pages == 4  # low watermark 2 rounded up to a unit
@@ -352,16 +374,22 @@ def test_quanta_planned_below_the_reclaim_headroom_make_most_reclaims_flush_free
             pool.check()
         return plans, len(manager.counters.flush_latency), manager
 
-    # Sized to the whole budget, every reclaim flushes the finetune cache.
+    # Sized to the whole budget, the cache always holds the whole budget: the refills between
+    # quanta never flush (each is deferred, counted), and the one flush comes when the step
+    # itself needs a page beyond the reserve (urgent, 3rd interval); it empties the cache, so
+    # that iteration's refill also takes the reserve's growth (8 pages) by cap changes.
     plans, flushes, manager = run(0)
-    assert plans == [60, 56, 54, 52, 50, 48] and flushes == 6
-    assert manager.counters.finetune_shrinks == 6
-    # Planned below 3 intervals of the largest growth (6 pages): the first reclaim (no
-    # interval seen yet) flushes, then the cache sits 6 pages under the budget and the next
-    # 3 reclaims of 2 pages are cap changes; the 4th flushes again.
+    assert plans == [60, 60, 60, 52, 52, 52] and flushes == 1
+    counters = manager.counters
+    assert counters.urgent_flushes == 1 and counters.deferred_flushes == 5
+    assert counters.finetune_shrinks == 2
+    # Planned below 3 intervals of the largest growth (6 pages): the same first flush (no
+    # growth seen yet, no headroom), then the cache sits 6 pages under the budget and every
+    # later reclaim of 2 pages is a cap change.
     plans, flushes, manager = run(3)
-    assert plans == [60, 50, 48, 46, 44, 42] and flushes == 2
-    assert manager.counters.finetune_shrinks == 6 and manager.reclaim_headroom_pages() == 6
+    assert plans == [60, 54, 54, 46, 44, 42] and flushes == 1
+    assert manager.counters.urgent_flushes == 1 and manager.counters.finetune_shrinks == 5
+    assert manager.reclaim_headroom_pages() == 6
     # A static split never reclaims: nothing is held back.
     manager, pool = _manager(num_pages=16, grow_hold_iterations=0, reclaim_from_finetune=False)
     manager.set_finetune_demand(12 * PAGE)

@@ -160,3 +160,19 @@ def test_create_page_pool_on_cpu_checks_its_arguments() -> None:
         create_page_pool(device="cpu")
     with pytest.raises(ValueError, match="device must be"):
         create_page_pool(device="tpu", pool_bytes=PAGE)
+
+
+def test_a_reclaim_without_a_flush_takes_only_the_budget_the_allocator_does_not_hold() -> None:
+    pool = PagePool(CpuPageBackend(num_pages=16, page_bytes=PAGE))
+    pool.lend_to_finetune(10)
+    pool.backend.record_finetune_usage(peak_bytes=6 * PAGE + 1, resident_bytes=2 * PAGE)
+    assert pool.finetune_held_pages() == 7 and pool.finetune_flush_free_pages() == 3
+    assert pool.finetune_reclaimable_pages() == 8
+    with pytest.raises(MemoryPoolError, match="without a cache flush"):
+        pool.reclaim_from_finetune(4, allow_flush=False)
+    assert not pool.reclaim_from_finetune(3, allow_flush=False)  # a cap change
+    assert pool.finetune_flush_free_pages() == 0 and pool.last_flush_s is None
+    assert pool.reclaim_from_finetune(1)  # below what the cache holds: flushed
+    assert pool.last_flush_s is not None and min(pool.last_flush_s) >= 0
+    assert pool.finetune_held_pages() == 2 and pool.finetune_flush_free_pages() == 4
+    pool.check()
