@@ -8,11 +8,14 @@ replays it: fused Triton decode kernels, Triton paged attention over a block-maj
 LM head. Sampling and the host copy of the sampled ids are not part of the timed graph.
 
 Chunked-prefill iterations: ``capture(contexts, P, ...)`` with ``P > 0`` returns an
-``EngineMixedStep`` over the decode tokens and one prompt chunk of ``P`` tokens, which each
+``EngineMixedStep`` over the decode tokens and one prompt chunk of ``P`` tokens (or ``chunks``:
+several, each after a cached prefix of its prompt), which each
 "replay" runs on the caller's stream as ``ModelRunner.execute`` would, without sampling
 (``ModelRunner._forward``): by default eagerly through the fused general path with mixed paged
 attention (host launch time is part of the measured latency, as it is of the engine's mixed
-steps); with ``mixed_graphs=True`` through the engine's piecewise mixed-step graphs.
+steps); with ``mixed_graphs=True`` through the engine's piecewise mixed-step graphs (a step that
+falls back to the eager path raises ``EngineSourceError``: it would be mislabelled). On CPU (dry
+runs, tests) decode steps run the graph's step eagerly over the same buffers.
 
 The runner's staging buffers are private attributes (``_buf_ints``, ``_buf_seq_lens``,
 ``_buf_table``, ``_buckets``, ``_graphs``; ``states``, ``_table_np`` and ``_general_logits`` for
@@ -51,17 +54,27 @@ class EngineStep:
         runner._buf_table[: self.bucket].copy_(self.staged["table"])
 
     def replay(self) -> None:
-        graphs = self.source.runner._graphs
+        runner = self.source.runner
+        graphs = runner._graphs
         if graphs is None:
-            raise EngineSourceError("no decode graph was captured")
+            if self.source.device.type == "cuda":
+                raise EngineSourceError("no decode graph was captured")
+            # CPU (dry runs): the step the graph holds, eagerly over the same buffers
+            runner._stage_seq_lens_np[: self.bucket] = self.staged["seq_lens"].numpy()
+            with torch.no_grad():
+                runner.decode_forward(self.bucket)
+            return
         graphs.replay(self.bucket, self.partition)
 
 
 class EngineMixedStep:
-    """Decode sequences plus one prefill chunk, run through the runner's general (eager) path.
+    """Decode sequences plus prompt chunks, run as ``ModelRunner.execute`` runs such a step.
 
-    Installs one request state per sequence in the runner (rows ``0..B``, contiguous KV
-    blocks); ``replay`` recomputes the same step (the states are not advanced).
+    Installs one request state per sequence in the runner (rows ``0..B + chunks``, contiguous
+    KV blocks); ``replay`` recomputes the same step (the states are not advanced). ``chunks``:
+    ``(prefix, length)`` per prompt chunk, the chunk's tokens following ``prefix`` tokens of
+    its prompt already in the KV cache (random values); default one chunk of
+    ``prefill_tokens`` from position 0.
     """
 
     def __init__(
@@ -70,6 +83,7 @@ class EngineMixedStep:
         contexts: list[int],
         prefill_tokens: int,
         partition: Any = None,
+        chunks: list[tuple[int, int]] | None = None,
     ) -> None:
         from gpu_runtime.engine.model_runner import _RequestState
         from gpu_runtime.engine.request import SamplingParams
@@ -78,9 +92,15 @@ class EngineMixedStep:
         for name in ("states", "_table_np", "_general_logits"):
             if not hasattr(runner, name):
                 raise EngineSourceError(f"ModelRunner has no {name}; no mixed steps")
-        if len(contexts) + 1 > runner._table_np.shape[0]:
-            raise ValueError(f"{len(contexts)} decode sequences + 1 prefill exceed the rows")
-        lengths = [c + 1 for c in contexts] + [prefill_tokens]  # tokens each one's KV holds
+        chunks = list(chunks) if chunks is not None else [(0, prefill_tokens)]
+        if sum(n for _, n in chunks) != prefill_tokens or min(n for _, n in chunks) < 1:
+            raise ValueError(f"chunks {chunks} do not add up to {prefill_tokens} tokens")
+        if len(contexts) + len(chunks) > runner._table_np.shape[0]:
+            raise ValueError(
+                f"{len(contexts)} decode sequences + {len(chunks)} chunks exceed the rows"
+            )
+        # tokens each one's KV holds once the step ran
+        lengths = [c + 1 for c in contexts] + [p + n for p, n in chunks]
         n_blocks = [-(-n // BLOCK_SIZE) for n in lengths]
         if sum(n_blocks) > runner.kv_cache.num_blocks:
             raise ValueError(
@@ -94,21 +114,24 @@ class EngineMixedStep:
         self.order: list[tuple[str, int]] = []
         for row, (length, blocks) in enumerate(zip(lengths, n_blocks, strict=True)):
             decode = row < len(contexts)
-            rid = f"decode{row}" if decode else "prefill"
+            chunk = row - len(contexts)
+            rid = f"decode{row}" if decode else ("prefill" if chunk == 0 else f"prefill{chunk}")
             block_ids = list(range(start, start + blocks))
             start += blocks
             runner._table_np[row, :blocks] = block_ids
+            computed = length - 1 if decode else chunks[chunk][0]
             runner.states[rid] = _RequestState(
                 token_ids=source.rng.integers(0, vocab, length).tolist(),
                 block_ids=block_ids,
-                num_computed_tokens=length - 1 if decode else 0,
+                num_computed_tokens=computed,
                 sampling_params=SamplingParams(),
                 num_output_tokens=0,
                 row=row,
             )
-            self.order.append((rid, 1 if decode else length))
+            self.order.append((rid, length - computed))
         self.runner = runner
         self.partition = partition
+        self.expect_graphs = source.mixed_graphs and source.device.type == "cuda"
 
     def replay(self) -> torch.Tensor:
         """One step as ``ModelRunner.execute`` runs it without sampling (``_forward`` under the
@@ -117,6 +140,7 @@ class EngineMixedStep:
         from gpu_runtime.engine.model_runner import ModelRunnerOutput, blas_library
 
         runner = self.runner
+        before = getattr(runner, "num_mixed_graph_steps", 0)
         with torch.no_grad():
             if not hasattr(runner, "_forward"):  # runners before 7136e83
                 fused = getattr(runner, "_fused", None) is not None and runner.mixed_attention
@@ -126,36 +150,55 @@ class EngineMixedStep:
                 logits, _ = runner._forward(
                     self.order, [], self.partition, False, False, ModelRunnerOutput()
                 )
-            return logits
+        if self.expect_graphs and runner.num_mixed_graph_steps == before:
+            raise EngineSourceError(
+                f"a mixed step of {sum(n for _, n in self.order)} tokens ran eagerly: no "
+                f"mixed-step graph of its bucket for partition {self.partition}"
+            )
+        return logits
 
 
 class EngineDecode:
     """The decode engine's model runner over a KV cache of ``max_kv_tokens`` tokens."""
 
     def __init__(
-        self, model: CausalLM, max_kv_tokens: int, seed: int = 0, mixed_graphs: bool = False
+        self,
+        model: CausalLM,
+        max_kv_tokens: int,
+        seed: int = 0,
+        mixed_graphs: bool = False,
+        *,
+        max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None,
+        graph_batch_sizes: tuple[int, ...] | None = None,
+        max_model_len: int = MAX_MODEL_LEN,
     ) -> None:
         """``mixed_graphs``: the engine's piecewise graphs of steps with prefill chunks
         (``EngineConfig.mixed_cuda_graphs``), captured with every decode bucket the first time
-        a partition is used (a 1024-token step budget: chunks here are at most 512 tokens)."""
-        from gpu_runtime.engine.config import EngineConfig
+        a partition is used. The other arguments are the deployment's ``EngineConfig``
+        fields (decode buckets and the step's token budget fix which graph a step replays):
+        ``max_num_batched_tokens`` None is 1024 with mixed graphs (chunks of up to 512 tokens
+        beside up to 256 rows), else 8192."""
+        from gpu_runtime.engine.config import DEFAULT_GRAPH_BATCH_SIZES, EngineConfig
         from gpu_runtime.engine.model_runner import ModelRunner
 
         device = model.lm_head.weight.device
-        config = EngineConfig(
+        budget = max_num_batched_tokens or (1024 if mixed_graphs else 8192)
+        self.config = EngineConfig(
             num_kv_blocks=max_kv_tokens // BLOCK_SIZE,
             block_size=BLOCK_SIZE,
-            max_num_seqs=256,
-            max_num_batched_tokens=1024 if mixed_graphs else 8192,
-            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=budget,
+            max_model_len=max_model_len,
             device=str(device),
             # torch attention off CUDA: CPU tests exercise the staging (no graphs there)
             attention_backend="triton" if device.type == "cuda" else "torch",
             static_decode_batches=True,
             use_cuda_graphs=True,
+            cuda_graph_batch_sizes=graph_batch_sizes or DEFAULT_GRAPH_BATCH_SIZES,
             mixed_cuda_graphs=mixed_graphs,
         )
-        self.runner = ModelRunner(model, config)
+        self.runner = ModelRunner(model, self.config)
         for name in ("_buf_ints", "_buf_seq_lens", "_buf_table", "_buckets"):
             if not hasattr(self.runner, name):
                 raise EngineSourceError(f"ModelRunner has no {name}; the profiler cannot stage")
@@ -163,8 +206,11 @@ class EngineDecode:
         self.runner.kv_cache.storage.normal_(generator=gen)  # never time zeros
         self.model = model
         self.device = device
-        # room for rounding every one of up to 256 sequences up to whole blocks
-        self.max_kv_tokens = (max_kv_tokens // BLOCK_SIZE - 256) * BLOCK_SIZE
+        # room for rounding every sequence (and a few chunks) up to whole blocks
+        self.max_kv_tokens = (max_kv_tokens // BLOCK_SIZE - max_num_seqs - 8) * BLOCK_SIZE
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = budget
+        self.max_model_len = max_model_len
         self.rng = np.random.default_rng(seed)
         self.mixed_graphs = mixed_graphs
         self._partitions: set[Any] = set()  # partitions captured whole (mixed_graphs)
@@ -179,7 +225,9 @@ class EngineDecode:
                 f"{int(n_blocks.sum())} KV blocks needed, {runner.kv_cache.num_blocks} exist"
             )
         if int(n_blocks.max()) > width:
-            raise ValueError(f"context {int(pos.max())} exceeds max_model_len {MAX_MODEL_LEN}")
+            raise ValueError(
+                f"context {int(pos.max())} exceeds max_model_len {self.config.max_model_len}"
+            )
         table = np.zeros((bucket, width), dtype=np.int32)
         starts = np.concatenate([[0], np.cumsum(n_blocks)[:-1]])
         for i in range(batch):
@@ -208,15 +256,16 @@ class EngineDecode:
         prefill_tokens: int,
         stream: torch.cuda.Stream | None,
         partition: Any = None,
+        chunks: list[tuple[int, int]] | None = None,
     ) -> EngineStep | EngineMixedStep:
         """Stage ``contexts`` and return the step for ``partition`` (captured on ``stream``);
-        with a prefill chunk, the eager mixed step (see the module docstring)."""
+        with prefill tokens, the mixed step (``chunks``: see ``EngineMixedStep``)."""
         runner = self.runner
         if self.mixed_graphs and partition not in self._partitions:
             runner.capture_cuda_graphs(None, partition=partition, stream=stream)
             self._partitions.add(partition)
         if prefill_tokens:
-            return EngineMixedStep(self, contexts, prefill_tokens, partition)
+            return EngineMixedStep(self, contexts, prefill_tokens, partition, chunks)
         bucket = next((b for b in runner._buckets if b >= len(contexts)), None)
         if bucket is None:
             raise ValueError(f"batch {len(contexts)} exceeds the largest bucket")

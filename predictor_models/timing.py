@@ -3,6 +3,10 @@
 ``time_graph`` times replays of one captured step on a stream with CUDA events; ``time_fn`` the
 GPU and host-enqueue time of a callable; ``corun`` runs decode replays on the decode stream while
 finetune quanta keep the finetune stream busy, and reports both sides (see its docstring).
+
+Without streams (``CpuSharing``, ``--device cpu``: a dry run of the profiler's whole path on a
+tiny model) the same functions time with the wall clock and ``corun`` runs one quantum, then the
+decode replays: the figures mean nothing, the code path is the GPU run's.
 """
 
 from __future__ import annotations
@@ -14,13 +18,42 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.sharing.base import GpuSharing
+from gpu_runtime.sharing.partition import PartitionTable
 from predictor_models.standin import CapturedStep
 
 
+class CpuSharing(GpuSharing):
+    """Partitions without streams for dry runs on CPU: ``partition`` returns ``(None, None)``
+    and the table is an H200's (132 SMs, the given decode groups of 8 SMs)."""
+
+    mechanism = "cpu"
+
+    def __init__(self, decode_groups: tuple[int, ...] | None = None) -> None:
+        super().__init__(PartitionTable.build(132, decode_groups), torch.device("cpu"))
+
+    def partition(self, decode_sms: int) -> tuple[Any, Any]:
+        self.table.get(decode_sms)
+        return None, None
+
+    def close(self) -> None:
+        pass
+
+
+def _wall_ms(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def time_graph(
-    graph: CapturedStep, stream: torch.cuda.Stream, iters: int, warmup: int = 3
+    graph: CapturedStep, stream: torch.cuda.Stream | None, iters: int, warmup: int = 3
 ) -> list[float]:
     """Milliseconds of each of ``iters`` replays on ``stream`` after ``warmup`` replays."""
+    if stream is None:  # CPU dry run
+        for _ in range(warmup):
+            graph.replay()
+        return [_wall_ms(graph.replay) for _ in range(iters)]
     events = [torch.cuda.Event(enable_timing=True) for _ in range(iters + 1)]
     with torch.cuda.stream(stream):
         for _ in range(warmup):
@@ -53,8 +86,8 @@ def time_fn(fn: Callable[[], None], stream: torch.cuda.Stream, reps: int) -> tup
 
 def corun(
     graph: CapturedStep,
-    ds: torch.cuda.Stream,
-    fs: torch.cuda.Stream,
+    ds: torch.cuda.Stream | None,
+    fs: torch.cuda.Stream | None,
     fn: Callable[[], Any],
     iters: int,
     blocking: bool = False,
@@ -69,6 +102,9 @@ def corun(
     iteration times, the median quantum time inside the decode window, and the fraction
     of that window during which the finetune stream had work.
     """
+    if ds is None:  # CPU dry run: one quantum, then the decode replays
+        quantum_ms = _wall_ms(fn)
+        return time_graph(graph, ds, iters), quantum_ms, 1.0
     warm = 3
     timing = {"enable_timing": True}
     starts: list[torch.cuda.Event] = []

@@ -11,7 +11,6 @@ from predictor_models.engine_source import (
     BLOCK_SIZE,
     EngineDecode,
     EngineMixedStep,
-    EngineSourceError,
     EngineStep,
 )
 
@@ -44,8 +43,7 @@ def test_staged_iteration_runs_through_the_runners_decode_step() -> None:
         logits = runner.decode_forward(bucket)
     assert logits.shape == (bucket, model.config.vocab_size)
     assert torch.all(torch.isfinite(logits[:batch]))
-    with pytest.raises(EngineSourceError, match="no decode graph"):
-        step.replay()  # graphs exist on CUDA only
+    step.replay()  # CPU: the graph's step, eagerly over the same buffers
 
 
 def _causal(layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -86,3 +84,36 @@ def test_mixed_graph_option_sets_the_engine_flag_and_keeps_cpu_steps_eager() -> 
     assert isinstance(step, EngineMixedStep) and step.partition == 48
     assert source.runner._mixed is None  # no fused kernels off CUDA: nothing to capture
     assert step.replay().shape == (3, model.config.vocab_size)
+
+
+def test_chunks_after_a_prefix_attend_to_it_and_match_a_dense_forward() -> None:
+    model = build_random_model(ModelConfig.preset("tiny"), seed=0)
+    model.fuse_projections()
+    source = EngineDecode(
+        model,
+        8192,
+        seed=0,
+        mixed_graphs=True,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        graph_batch_sizes=(1, 2, 4, 8),
+        max_model_len=256,
+    )
+    assert source.config.mixed_graph_token_sizes() == (64,)
+    assert tuple(source.runner._buckets) == (1, 2, 4, 8)
+    step = source.capture([9, 40], 20, None, chunks=[(30, 12), (0, 8)])
+    assert isinstance(step, EngineMixedStep)
+    assert step.order == [("decode0", 1), ("decode1", 1), ("prefill", 12), ("prefill1", 8)]
+    state = source.runner.states["prefill"]
+    assert state.num_computed_tokens == 30 and len(state.token_ids) == 42
+    logits = step.replay()
+    assert logits.shape == (4, model.config.vocab_size)
+    # the first chunk's prefix K/V come from the cache (random values), so compare the second
+    # chunk (from position 0) with a dense forward
+    second = torch.tensor(source.runner.states["prefill1"].token_ids)
+    with torch.no_grad():
+        hidden = model(second, torch.arange(8), _causal)
+        expected = model.compute_logits(hidden[-1:])
+    torch.testing.assert_close(logits[3:], expected, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="do not add up"):
+        source.capture([9], 20, None, chunks=[(0, 12)])
