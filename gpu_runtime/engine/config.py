@@ -64,6 +64,12 @@ class EngineConfig:
     """BLAS library of the model's GEMMs on CUDA ("cublas", "cublaslt"; None: torch's current
     choice), set while decode graphs are captured (graphs keep the kernels chosen then) and
     around eager steps, restored afterwards."""
+    decode_skinny_gemm_rows: int = 0
+    """On CUDA with the fused kernels, decode steps of at most this many rows (<= 64) run
+    `decode_skinny_gemm_projections` (without adapters) through the split-K Triton GEMM of
+    `skinny_gemm.py` instead of cuBLAS. 0: cuBLAS everywhere."""
+    decode_skinny_gemm_projections: tuple[str, ...] = ("qkv", "o")
+    """Projections that `decode_skinny_gemm_rows` applies to: "qkv", "o", "gate_up", "down"."""
     async_scheduling: bool = False
     """`Engine.step()` launches the next decode step before reading the current one's sampled
     tokens (its inputs are gathered on the device), so scheduling, staging, stop rules and
@@ -122,6 +128,16 @@ class EngineConfig:
         if any(s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
             raise EngineConfigError(
                 f"cuda_graph_batch_sizes={sizes} must be increasing positive integers"
+            )
+        if not 0 <= self.decode_skinny_gemm_rows <= 64:
+            raise EngineConfigError(
+                f"decode_skinny_gemm_rows={self.decode_skinny_gemm_rows} must be in [0, 64]"
+            )
+        unknown = set(self.decode_skinny_gemm_projections) - {"qkv", "o", "gate_up", "down"}
+        if unknown:
+            raise EngineConfigError(
+                f"decode_skinny_gemm_projections={self.decode_skinny_gemm_projections}: "
+                f"unknown {sorted(unknown)}"
             )
         if not 0 <= self.max_logprobs <= 100:
             raise EngineConfigError(f"max_logprobs={self.max_logprobs} must be in [0, 100]")

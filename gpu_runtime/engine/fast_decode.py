@@ -36,11 +36,23 @@ class FusedDecodeForward:
         max_positions: int,
         lora_groups: Sequence[Mapping[str, LoraGroup]] | None = None,
         fuse_lora_expand: bool = True,
+        skinny_max_rows: int = 0,
+        skinny_projections: Sequence[str] = ("qkv", "o"),
     ) -> None:
         """`lora_groups` (per layer, `LoraRuntime.decode_groups()`): the stacked adapter slots
         added when a call passes `lora_slots`; `fuse_lora_expand`: at batch <=
         `FUSED_EXPAND_MAX_ROWS` add the q|k|v and gate|up terms inside the RoPE and SwiGLU
-        kernels instead of separate expand kernels."""
+        kernels instead of separate expand kernels. `skinny_max_rows` (0: off): calls of at
+        most that many tokens run `skinny_projections` ("qkv", "o", "gate_up", "down") without
+        an adapter group through the split-K Triton GEMM (`skinny_gemm.py`) instead of
+        cuBLAS; read at call time (graphs keep what they captured)."""
+        self.skinny_max_rows = skinny_max_rows
+        self.skinny_projections = frozenset(skinny_projections)
+        self.num_sms = 132
+        if torch.cuda.is_available():
+            self.num_sms = torch.cuda.get_device_properties(
+                model.model.embed_tokens.weight.device
+            ).multi_processor_count
         self.model = model
         self.lora_groups = lora_groups
         self.fuse_lora_expand = fuse_lora_expand
@@ -87,6 +99,7 @@ class FusedDecodeForward:
         # row reads its slot's B: rows x R x out bytes); larger: one tl.dot expand kernel
         fuse_expand = self.fuse_lora_expand and input_ids.shape[0] <= FUSED_EXPAND_MAX_ROWS
         batch = input_ids.shape[0]
+        skinny = self.skinny_projections if 0 < batch <= self.skinny_max_rows else frozenset()
         x = model.model.embed_tokens(input_ids)  # [B, hidden]
         residual: torch.Tensor | None = None
         for index, layer in enumerate(model.decoder_layers):
@@ -98,6 +111,8 @@ class FusedDecodeForward:
             if qkv_group is not None and slots is not None and fuse_expand:
                 qkv, shrink = linear_and_shrink(h, attn.qkv_weight, attn.qkv_bias, qkv_group)  # type: ignore[arg-type]
                 qkv_rows = LoraRows(shrink, qkv_group.b, slots, qkv_group.max_rank)
+            elif qkv_group is None and "qkv" in skinny:
+                qkv = self._skinny(h, attn.qkv_weight, attn.qkv_bias)  # type: ignore[arg-type]
             else:
                 qkv = lora_linear(h, attn.qkv_weight, attn.qkv_bias, qkv_group, slots)  # type: ignore[arg-type]
             key_cache = self.cache.key_caches[index]
@@ -129,21 +144,37 @@ class FusedDecodeForward:
                     num_splits,
                 )
             o = _group(lora, "o")
-            x = lora_linear(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias, o, slots)
+            if o is None and "o" in skinny:
+                x = self._skinny(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias)
+            else:
+                x = lora_linear(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias, o, slots)
             h, residual = rms_norm(x, layer.post_attention_layernorm.weight, self.eps, residual)
             gu_group = _group(lora, "gate_up")
             gu_rows: LoraRows | None = None
             if gu_group is not None and slots is not None and fuse_expand:
                 gate_up, shrink = linear_and_shrink(h, mlp.gate_up_weight, None, gu_group)  # type: ignore[arg-type]
                 gu_rows = LoraRows(shrink, gu_group.b, slots, gu_group.max_rank)
+            elif gu_group is None and "gate_up" in skinny:
+                gate_up = self._skinny(h, mlp.gate_up_weight, None)  # type: ignore[arg-type]
             else:
                 gate_up = lora_linear(h, mlp.gate_up_weight, None, gu_group, slots)  # type: ignore[arg-type]
             act = silu_and_mul(gate_up, gu_rows)
-            x = lora_linear(act, mlp.down_proj.weight, None, _group(lora, "down"), slots)
+            down = _group(lora, "down")
+            if down is None and "down" in skinny:
+                x = self._skinny(act, mlp.down_proj.weight, None)
+            else:
+                x = lora_linear(act, mlp.down_proj.weight, None, down, slots)
         h, _ = rms_norm(x, model.model.norm.weight, self.eps, residual)
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
         return model.compute_logits(h)
+
+    def _skinny(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        from gpu_runtime.engine.skinny_gemm import skinny_linear
+
+        return skinny_linear(x, weight, bias, num_sms=self.num_sms)
 
 
 def _group(lora: Mapping[str, LoraGroup] | None, name: str) -> LoraGroup | None:

@@ -92,6 +92,8 @@ class StaticDecodeMixin:
                 self.config.max_model_len,
                 groups,
                 fuse_lora_expand=self.config.lora_expand_in_kernels,
+                skinny_max_rows=self.config.decode_skinny_gemm_rows,
+                skinny_projections=self.config.decode_skinny_gemm_projections,
             )
             if self.config.mixed_cuda_graphs and self.mixed_attention:
                 from gpu_runtime.engine.mixed_graphs import MixedStepGraphs

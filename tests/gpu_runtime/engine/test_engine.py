@@ -157,6 +157,10 @@ def test_bad_requests_and_configs_are_rejected(tiny_llama: CausalLM) -> None:
         _config(block_size=6)
     with pytest.raises(EngineConfigError, match="decode_blas_library='mkl'"):
         _config(decode_blas_library="mkl")
+    with pytest.raises(EngineConfigError, match="decode_skinny_gemm_rows=65"):
+        _config(decode_skinny_gemm_rows=65)
+    with pytest.raises(EngineConfigError, match=r"unknown \['lm_head'\]"):
+        _config(decode_skinny_gemm_projections=("o", "lm_head"))
 
 
 def test_mixed_graph_token_buckets() -> None:
