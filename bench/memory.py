@@ -567,6 +567,20 @@ def main(argv: list[str] | None = None) -> int:
         help="floor of that headroom (default: the low watermark plus the waiting prompts' "
         "cap, what a burst's first refill takes)",
     )
+    tr.add_argument(
+        "--plan-peak-window",
+        type=int,
+        default=256,
+        help="quanta are also planned beside decode's peak over this many quantum boundaries "
+        "(MemoryPolicyConfig.plan_peak_window; 0: off). Phase `unified_no_peak` runs without",
+    )
+    tr.add_argument(
+        "--plan-peak-prior",
+        choices=("decode_only", "none"),
+        default="decode_only",
+        help="decode_only: the unified phase's peak window starts with decode_only's KV peak "
+        "(the same trace; a host's history), aging out like any observation",
+    )
     tr.add_argument("--reserve-low-pages", type=int, default=1024)
     tr.add_argument("--reserve-high-pages", type=int, default=3072)
     tr.add_argument(

@@ -1,7 +1,8 @@
 """One phase of `bench/memory.py trace`: a fresh pool, decode engine and LoRA job driven
 through the host loop over the trace; returns the phase's result row.
 
-`run_phase("decode_only" | "decode_only_split" | "unified" | "static_split", ...)` builds
+`run_phase("decode_only" | "decode_only_split" | "unified" | "static_split" |
+"unified_no_peak", ...)` builds
 everything on a new pool of `plan["pool_gib"][name]` GiB
 (closed again even when the phase fails), warms the job's quanta up (CUDA-graph warm-up and
 captures on the worker thread and finetune stream the loop uses), replays the trace's arrivals
@@ -116,6 +117,10 @@ class _Phase:
             min_decode_pages=plan["static_decode_pages"] if self.static else 1,
             plan_headroom_intervals=plan["plan_headroom_intervals"],
             plan_headroom_min_pages=plan["plan_headroom_min_pages"],
+            # `unified_no_peak`: quanta planned by recent growth only (may capture graphs the
+            # next burst must flush); `unified`: also beside decode's recent peak.
+            plan_peak_window=0 if self.name == "unified_no_peak" else plan["plan_peak_window"],
+            plan_peak_prior_blocks=plan.get("plan_peak_prior_blocks", 0),
             reclaim_from_finetune=not self.static,
         )
         return EngineMemory.prepare(
@@ -468,6 +473,7 @@ class _Phase:
             "finetune_budget_violations": counters.finetune_budget_violations,
             "kv_peak_gb": self.kv_peak_blocks * layout.block_bytes / 1e9,
             "kv_peak_pages": layout.pages_for_blocks(self.kv_peak_blocks),
+            "kv_peak_blocks": self.kv_peak_blocks,
             "decode_preemptions": counters.preemptions,
             "preemptions_of_unfinished": sum(
                 getattr(r, "num_preemptions", 0) for r in live.values()

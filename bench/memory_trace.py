@@ -66,7 +66,8 @@ def trace_spec(
     )
 
 
-PHASES = ("decode_only", "decode_only_split", "unified", "static_split")
+PHASES = ("decode_only", "decode_only_split", "unified", "static_split", "unified_no_peak")
+JOB_PHASES = ("unified", "static_split", "unified_no_peak")
 
 
 def trace_benchmark(args: Any) -> Path:
@@ -133,6 +134,7 @@ def trace_benchmark(args: Any) -> Path:
         "footprint_error": footprint_error,
         "plan_headroom_intervals": args.plan_headroom_intervals,
         "plan_headroom_min_pages": _headroom_floor(args),
+        "plan_peak_window": args.plan_peak_window,
         "sharing": sharing_info,
     }
     print(
@@ -169,8 +171,10 @@ def trace_benchmark(args: Any) -> Path:
         raise ValueError(f"unknown phases {sorted(unknown)}; expected some of {PHASES}")
     plan["pool_gib"] = {}
     for name in phases:
-        if name in ("unified", "static_split") and args.job_pool_extra_gib is not None:
+        if name in JOB_PHASES and args.job_pool_extra_gib is not None:
             plan["pool_gib"][name] = job_pool_gib(args, rows)
+        if name == "unified":
+            plan["plan_peak_prior_blocks"] = _peak_prior_blocks(args, rows)
         if name == "static_split":
             plan["static_decode_pages"] = _static_decode_pages(args, device, plan, rows)
         phase(name)
@@ -208,6 +212,16 @@ def _headroom_floor(args: Any) -> int:
     from gpu_runtime.memory import MemoryPolicyConfig
 
     return int(args.reserve_low_pages + MemoryPolicyConfig().max_waiting_pages)
+
+
+def _peak_prior_blocks(args: Any, rows: list[dict[str, Any]]) -> int:
+    """With `--plan-peak-prior decode_only`: decode's KV peak in the `decode_only` phase of
+    this run (the same trace), as the first observation of the unified plan's peak window
+    (what a host would carry over from its history); 0 otherwise."""
+    if args.plan_peak_prior != "decode_only" or not args.plan_peak_window:
+        return 0
+    alone = [r for r in rows if r.get("policy") == "decode_only" and "kv_peak_blocks" in r]
+    return int(alone[0]["kv_peak_blocks"]) if alone else 0
 
 
 def job_pool_gib(args: Any, rows: list[dict[str, Any]]) -> float:
@@ -272,6 +286,8 @@ def _write_trace_result(
             },
             "static_decode_pages": plan["static_decode_pages"],
             "plan_headroom_min_pages": plan["plan_headroom_min_pages"],
+            "plan_peak_window": plan["plan_peak_window"],
+            "plan_peak_prior_blocks": plan.get("plan_peak_prior_blocks", 0),
             "pool_gib_per_phase": plan.get("pool_gib", {}),
             "sharing": plan["sharing"],
         },
@@ -290,13 +306,16 @@ def trace_comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:
     within noise)."""
     by_policy = {row["policy"]: row for row in rows if "error" not in row}
     out: dict[str, Any] = {}
-    unified = by_policy.get("unified")
-    if unified is not None:  # the target: a reclaim fits within one decode iteration
-        out["reclaim_ms_p99_over_decode_iter_ms_p50_unified"] = _ratio(
-            unified.get("reclaim_ms_p99"), unified.get("decode_iter_ms_p50")
-        )
+    for name in ("unified", "unified_no_peak"):
+        row = by_policy.get(name)
+        if row is not None:  # the target: a reclaim fits within one decode iteration
+            out[f"reclaim_ms_p99_over_decode_iter_ms_p50_{name}"] = _ratio(
+                row.get("reclaim_ms_p99"), row.get("decode_iter_ms_p50")
+            )
     pairs = (
         ("unified", "static_split"),
+        ("unified_no_peak", "static_split"),
+        ("unified", "unified_no_peak"),
         ("unified", "decode_only"),
         ("static_split", "decode_only"),
         ("unified", "decode_only_split"),
@@ -308,7 +327,7 @@ def trace_comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if first is None or second is None:
             continue
         keys = ["decode_iter_ms_p50", "decode_iter_ms_p99", "pure_decode_iter_ms_p50"]
-        if b == "static_split":
+        if b in ("static_split", "unified_no_peak"):
             keys = ["mean_borrowed_gb", "finetune_tokens_per_s", *keys]
         for key in keys:
             out[f"{key}_ratio_{a}_over_{b}"] = _ratio(first.get(key), second.get(key))
@@ -336,17 +355,18 @@ def _print_trace_table(rows: list[dict[str, Any]]) -> None:
         "decode_iter_ms_p99",
         "pure_decode_iter_ms_p50",
         "tpot_ms_p50",
+        "kv_peak_gb",
         "mean_borrowed_gb",
         "finetune_tokens_per_s",
     )
-    print(f"{'policy':13}" + "".join(f"{k[:18]:>19}" for k in keys))
+    print(f"{'policy':16}" + "".join(f"{k[:18]:>19}" for k in keys))
     for row in rows:
         if "error" in row:
-            print(f"{row['policy']:13} FAILED {row['error']}", flush=True)
+            print(f"{row['policy']:16} FAILED {row['error']}", flush=True)
             continue
         cells = [row[k] for k in keys]
         text = ["-" if c is None else f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells]
-        print(f"{row['policy']:13}" + "".join(f"{t:>19}" for t in text), flush=True)
+        print(f"{row['policy']:16}" + "".join(f"{t:>19}" for t in text), flush=True)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

@@ -40,6 +40,13 @@ class MemoryPolicyConfig:
     """The plan headroom is at least this (when `plan_headroom_intervals` > 0), decode's free
     pages included: what the first refill of a burst takes before any growth was seen (e.g.
     the low watermark plus `max_waiting_pages`)."""
+    plan_peak_window: int = 0
+    """> 0: the plan headroom also covers decode's peak over this many quantum boundaries
+    (plus the low watermark): quanta are planned to fit beside the last burst's peak, so a
+    burst of the same size reclaims by cap changes (`gpu_runtime.memory.headroom`). 0: off."""
+    plan_peak_prior_blocks: int = 0
+    """With `plan_peak_window`: a peak known before any boundary (e.g. the host's history),
+    counted as the first observation; it ages out like the others."""
     reclaim_from_finetune: bool = True
     """False turns the pool into a static split: pages lent to finetuning never come back to
     decode, which preempts instead (the baseline the benchmark compares with)."""
@@ -53,6 +60,8 @@ class MemoryPolicyConfig:
             "max_waiting_pages",
             "plan_headroom_intervals",
             "plan_headroom_min_pages",
+            "plan_peak_window",
+            "plan_peak_prior_blocks",
         ):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

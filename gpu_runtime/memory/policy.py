@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 
 from gpu_runtime.memory.config import DecodeDemand, DecodeGrant, MemoryPolicyConfig
 from gpu_runtime.memory.counters import MemoryCounters
+from gpu_runtime.memory.headroom import DecodeHistory
 from gpu_runtime.memory.layout import FinetuneBudgetExceeded, KVLayout, MemoryPoolError
 from gpu_runtime.memory.pool import MemorySplit, PagePool
 
@@ -68,9 +68,7 @@ class MemoryManager:
         self._finetune_demand_pages = 0
         self._iterations_above_high = 0
         self._iterations_since_reclaim = self.config.grow_hold_iterations
-        self._used_at_last_refill: int | None = None
-        self._interval_growth: deque[int] = deque(maxlen=self.config.growth_window)
-        self._headroom_growth: deque[int] = deque(maxlen=self.config.headroom_window)
+        self._history = DecodeHistory(self.config, layout)
         initial = min(
             max(self.config.min_decode_pages, self.config.reserve_low_pages),
             pool.prefix_limit_pages,
@@ -198,14 +196,10 @@ class MemoryManager:
         must last until the next such point, one quantum later. It does not touch the
         hysteresis counters (`maintain` still runs once per iteration)."""
         self._check_demand(demand)
-        if self._used_at_last_refill is not None:
-            growth = max(demand.used_blocks - self._used_at_last_refill, 0)
-            self._interval_growth.append(growth)
-            self._headroom_growth.append(growth)
-        self._used_at_last_refill = demand.used_blocks
+        self._history.observe(demand.used_blocks)
         free_blocks = self.usable_blocks - demand.used_blocks
         _, low_blocks, _ = self._watermarks(demand)
-        low_blocks += max(self._interval_growth, default=0)
+        low_blocks += self._history.refill_growth_blocks()
         if free_blocks >= low_blocks:
             return 0
         need = self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
@@ -278,17 +272,14 @@ class MemoryManager:
         return self.pool.finetune_budget_bytes
 
     def reclaim_headroom_pages(self) -> int:
-        """Budget pages decode is expected to take back soon: what `plan_headroom_intervals`
-        more intervals of the largest decode growth between quanta over the last
-        `headroom_window` intervals (at least `plan_headroom_min_pages`) would need beyond the
-        free pages. 0 under a static split (nothing is ever reclaimed)."""
+        """Budget pages decode is expected to take back soon, beyond the free pages: see
+        `DecodeHistory.headroom_pages` (recent growth times `plan_headroom_intervals`, the floor
+        `plan_headroom_min_pages`, decode's recent peak with `plan_peak_window`). 0 under a
+        static split (nothing is ever reclaimed)."""
         cfg = self.config
         if not cfg.reclaim_from_finetune or cfg.plan_headroom_intervals == 0:
             return 0
-        growth = max(self._headroom_growth, default=0) * cfg.plan_headroom_intervals
-        pages = self._round_up(
-            max(self.layout.pages_for_blocks(growth), cfg.plan_headroom_min_pages)
-        )
+        pages = self._round_up(self._history.headroom_pages(self.pool.kv_prefix_pages))
         return min(max(pages - self.pool.free_pages, 0), self.pool.finetune_pages)
 
     def finetune_plan_bytes(self) -> int:

@@ -15,7 +15,7 @@ import pytest
 
 from bench.memory_phase import median_ci, slowest_iterations
 from bench.memory_sizing import QuantumSizing, warm_sizes
-from bench.memory_trace import job_pool_gib, trace_comparisons
+from bench.memory_trace import _peak_prior_blocks, job_pool_gib, trace_comparisons
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 MIB = 1 << 20
@@ -88,6 +88,39 @@ def test_the_job_phases_pool_is_decode_alones_peak_plus_reserve_plus_extra() -> 
     assert job_pool_gib(args, [{"policy": "unified", "kv_peak_gb": 1.0}]) == 56.0
     big = {"policy": "decode_only", "kv_peak_gb": 60.0}
     assert job_pool_gib(args, [big]) == 56.0  # never above --pool-gib
+
+
+def test_the_unified_peak_prior_is_decode_alones_kv_peak_when_asked() -> None:
+    rows = [{"policy": "decode_only", "kv_peak_blocks": 321}]
+    on = SimpleNamespace(plan_peak_prior="decode_only", plan_peak_window=256)
+    assert _peak_prior_blocks(on, rows) == 321
+    assert _peak_prior_blocks(on, []) == 0
+    assert (
+        _peak_prior_blocks(SimpleNamespace(plan_peak_prior="none", plan_peak_window=256), rows) == 0
+    )
+    assert (
+        _peak_prior_blocks(SimpleNamespace(plan_peak_prior="decode_only", plan_peak_window=0), rows)
+        == 0
+    )
+
+
+def test_unified_without_the_peak_window_is_compared_with_both() -> None:
+    base = {"decode_iter_ms_p50": 10.0, "decode_iter_ms_p50_ci95": [9.0, 11.0]}
+    rows = [
+        {**base, "policy": "unified", "mean_borrowed_gb": 20.0, "finetune_tokens_per_s": 90.0},
+        {**base, "policy": "static_split", "mean_borrowed_gb": 10.0, "finetune_tokens_per_s": 90.0},
+        {
+            **base,
+            "policy": "unified_no_peak",
+            "mean_borrowed_gb": 30.0,
+            "finetune_tokens_per_s": 100.0,
+            "reclaim_ms_p99": 50.0,
+        },
+    ]
+    out = trace_comparisons(rows)
+    assert out["reclaim_ms_p99_over_decode_iter_ms_p50_unified_no_peak"] == 5.0
+    assert out["mean_borrowed_gb_ratio_unified_no_peak_over_static_split"] == 3.0
+    assert out["finetune_tokens_per_s_ratio_unified_over_unified_no_peak"] == 0.9
 
 
 @pytest.mark.slow

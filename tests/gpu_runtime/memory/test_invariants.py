@@ -100,6 +100,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         grow_hold=st.integers(0, 4),
         # 0: quanta sized to the whole budget, so decode's growth often needs a flush
         headroom=st.sampled_from([0, 4]),
+        peak_window=st.sampled_from([0, 3]),
     )
     def setup(
         self,
@@ -113,6 +114,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         shrink_after: int,
         grow_hold: int,
         headroom: int,
+        peak_window: int,
     ) -> None:
         num_pages = units * unit
         block_bytes = PAGE * block_ratio[0] // block_ratio[1]
@@ -129,6 +131,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
             grow_hold_iterations=grow_hold,
             min_decode_pages=1,
             plan_headroom_intervals=headroom,
+            plan_peak_window=peak_window,
         )
         self.manager = MemoryManager(self.pool, self.layout, config)
         self.binding = KVPoolBinding(self.manager)

@@ -478,3 +478,29 @@ def test_the_plan_headroom_remembers_a_burst_over_a_quiet_spell_and_has_a_floor(
         MemoryPolicyConfig(headroom_window=0)
     with pytest.raises(ValueError, match="plan_headroom_min_pages"):
         MemoryPolicyConfig(plan_headroom_min_pages=-1)
+
+
+def test_with_a_peak_window_quanta_are_planned_beside_decodes_recent_peak() -> None:
+    manager, pool = _manager(
+        num_pages=64, grow_hold_iterations=0, plan_peak_window=3, plan_peak_prior_blocks=20
+    )
+    manager.set_finetune_demand(60 * PAGE)
+    manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
+    assert pool.finetune_pages == 60 and manager.usable_blocks == 4
+    # The prior peak (20 blocks) plus the low watermark (4) is 24 pages; 4 are mapped, none
+    # free: quanta plan for 40 of the 60 pages lent.
+    assert manager.reclaim_headroom_pages() == 20
+    assert manager.finetune_plan_bytes() == 40 * PAGE
+    plans = []
+    for _ in range(3):  # decode stays at 2 blocks; the prior ages out after 3 boundaries
+        manager.refill_reserve(DecodeDemand(used_blocks=2))
+        plans.append(manager.finetune_plan_bytes() // PAGE)
+    assert manager.usable_blocks == 6 and pool.finetune_pages == 58
+    assert plans == [40, 40, 58]
+    # Off by default: only the growth and the floor count.
+    manager, pool = _manager(num_pages=64, grow_hold_iterations=0, plan_peak_prior_blocks=20)
+    manager.set_finetune_demand(60 * PAGE)
+    manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
+    assert manager.reclaim_headroom_pages() == 0
+    with pytest.raises(ValueError, match="plan_peak_window"):
+        MemoryPolicyConfig(plan_peak_window=-1)

@@ -1,0 +1,70 @@
+"""Decode's recent history between finetune quanta, and the plan headroom it implies.
+
+`DecodeHistory` is fed once per quantum boundary (`MemoryManager.refill_reserve`) with decode's
+used blocks. From it come two figures:
+- the reserve refill's extra: the largest growth over one of the last `growth_window`
+  intervals (what decode may add before the next boundary);
+- the plan headroom: budget pages decode is expected to take back soon, which the next quantum
+  must leave alone so that those reclaims are cap changes, not cache flushes. It is the largest
+  of: `plan_headroom_intervals` times the largest growth over the last `headroom_window`
+  intervals; the floor `plan_headroom_min_pages`; and, with `plan_peak_window` > 0, what decode
+  would need at its peak over the last `plan_peak_window` boundaries (a prior,
+  `plan_peak_prior_blocks`, counts as the first observation and ages out like any other) plus
+  the low watermark. The peak term is what keeps CUDA-graphed quanta (whose private pool,
+  sized by the largest shape captured, only a flush returns) from growing into memory the next
+  burst of the same size will need.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from gpu_runtime.memory.config import MemoryPolicyConfig
+from gpu_runtime.memory.layout import KVLayout
+
+
+class DecodeHistory:
+    """Decode's used blocks at recent quantum boundaries (plain integers)."""
+
+    def __init__(self, config: MemoryPolicyConfig, layout: KVLayout) -> None:
+        self._config = config
+        self._layout = layout
+        self._used_at_last: int | None = None
+        self._interval_growth: deque[int] = deque(maxlen=config.growth_window)
+        self._headroom_growth: deque[int] = deque(maxlen=config.headroom_window)
+        self._recent_used: deque[int] = deque(maxlen=max(config.plan_peak_window, 1))
+        if config.plan_peak_window and config.plan_peak_prior_blocks:
+            self._recent_used.append(config.plan_peak_prior_blocks)
+
+    def observe(self, used_blocks: int) -> None:
+        """One quantum boundary: decode holds `used_blocks` now."""
+        if self._used_at_last is not None:
+            growth = max(used_blocks - self._used_at_last, 0)
+            self._interval_growth.append(growth)
+            self._headroom_growth.append(growth)
+        self._used_at_last = used_blocks
+        if self._config.plan_peak_window:
+            self._recent_used.append(used_blocks)
+
+    def refill_growth_blocks(self) -> int:
+        """The largest growth over one of the last `growth_window` intervals."""
+        return max(self._interval_growth, default=0)
+
+    def peak_used_blocks(self) -> int:
+        """Decode's most used blocks over the last `plan_peak_window` boundaries (0: off)."""
+        if not self._config.plan_peak_window:
+            return 0
+        return max(self._recent_used, default=0)
+
+    def headroom_pages(self, kv_prefix_pages: int) -> int:
+        """Pages decode may map beyond its `kv_prefix_pages` before long (not yet rounded to
+        the map unit nor reduced by the free pages)."""
+        cfg = self._config
+        layout = self._layout
+        growth = max(self._headroom_growth, default=0) * cfg.plan_headroom_intervals
+        pages = max(layout.pages_for_blocks(growth), cfg.plan_headroom_min_pages)
+        if cfg.plan_peak_window:
+            low_blocks = layout.blocks_in_pages(cfg.reserve_low_pages)
+            at_peak = layout.pages_for_blocks(self.peak_used_blocks() + low_blocks)
+            pages = max(pages, at_peak - kv_prefix_pages)
+        return pages
