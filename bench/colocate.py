@@ -12,15 +12,17 @@ Per model (Llama-3-8B shape by default; seeded random bf16 weights):
   3. Solo finetune tokens/s: quanta back to back, nothing else on the GPU.
   4. Calibration: a separate seeded high-load trace driven by ``CalibrationPolicy`` (decode
      alone on the least-sampled split, then quanta of every size beside decode on every split)
-     fits the stage-1/2 model (``OnlineLatencyModel``) harli, time_slice and the static split
-     choice use; harli keeps it learning online during its runs. ``--predictor DIR`` evaluates
-     a trained artifact beside it (``predictor_check``; ``--predictor-use harli`` plans with it).
+     fits the stage-1/2 model (``OnlineLatencyModel``) harli and time_slice use without an
+     artifact; harli keeps it learning online during its runs. ``--predictor DIR`` evaluates
+     a trained artifact beside it (``predictor_check``; ``--predictor-use harli``: harli and
+     time_slice plan with it, corrected online).
   5. ``decode_only`` on every trace; the TPOT SLO = ``--slo-factor`` x decode_only's TPOT p50 on
      the ``medium`` trace, raised (``--slo-rule attainable``, default) to ``--slo-headroom`` x
      decode_only's slowest request TPOT over the traces, so decode alone meets it
-     everywhere. ``static_split`` takes, per trace, the smallest split under which >= 99% of
-     decode_only's requests on that trace keep a predicted co-run mean TPOT within the SLO
-     (less a 5% margin): the best fixed split chosen offline, with knowledge of the trace.
+     everywhere. ``static_split`` (``--static-split sweep``, default) runs every fixed split on
+     each trace and keeps the best: the most finetune tokens/s among the splits keeping >= 99%
+     attainment (the best fixed split, chosen with hindsight of the trace). ``time_slice``
+     predicts decode steps with the same latency model as harli.
   6. Every policy on every trace (traces in bench/traces.py, identical for every policy):
      requests arrive on the wall clock for ``--duration`` s; attainment judges the requests
      finished inside plus those still decoding at the end with >= 16 tokens (TPOT so far).
@@ -28,7 +30,8 @@ SLO attainment is per request (mean TPOT <= SLO); TPOT p50/p99 are over token ga
 output tokens/s of requests meeting the SLO. Run:
 ``PYTHONPATH=. python3 bench/colocate.py [--traces low,medium] [--policies harli,naive]``;
 ``--model tiny --device cpu`` is a smoke run. Writes
-``<out>/colocate-<gpu>-<yyyymmdd>.json`` and prints a table last.
+``<out>/colocate-<gpu>-<yyyymmdd>.json`` (and every run's iterations beside it, in
+``.iterations.json``) and prints a table last.
 
 This module runs the benchmark; beside it: ``colocate_args`` (the command line),
 ``colocate_setup`` (model, engine, LoRA job, solo finetune speed), ``colocate_engine`` (drive
@@ -63,7 +66,14 @@ from colocate_calibrate import (
     tpot_slo,
 )
 from colocate_engine import QUANTUM_EXAMPLES, LoopBackend
-from colocate_report import POLICIES, compare, print_table, row_for
+from colocate_report import (
+    ITERATION_COLUMNS,
+    POLICIES,
+    compare,
+    iteration_table,
+    print_table,
+    row_for,
+)
 from colocate_setup import setup_engine, setup_simulation, slice_costs
 from colocate_setup import synthetic_examples as synthetic_examples  # bench/memory_sizing.py
 from traces import generate, preset
@@ -161,6 +171,8 @@ def main() -> None:
     slo_ms = 1e9
     slo_parts: dict[str, float] = {}
     static_by_trace: dict[str, int | None] = {}
+    sweeps: dict[tuple[str, int], tuple[dict[str, Any], tuple]] = {}
+    static_sweep: dict[str, dict[str, dict[str, Any]]] = {}
     if args.simulate:
         gpu = "none (simulation from a profile measured on " + _profile_gpu(args.simulate) + ")"
         gpu_key = "sim-" + _profile_gpu(args.simulate).lower().replace("nvidia ", "")
@@ -171,17 +183,21 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"colocate-{gpu_key}-{today:%Y%m%d}.json"
+    iterations_path = path.with_suffix(".iterations.json")  # every run's iterations
 
-    def run(trace: str, name: str) -> None:
+    def run(trace: str, name: str, static_d: int | None = None) -> dict[str, Any] | None:
+        """One policy on one trace; its row (None when skipped or failed). ``static_d``: the
+        static split's decode SMs (default: the one chosen for the trace)."""
+        label = name if name != "static_split" or static_d is None else f"{name}@{static_d}"
         if time.perf_counter() - wall + specs[trace].duration_s + 1.0 > args.budget_s:
-            skipped.append(f"{trace}/{name}")
-            return
+            skipped.append(f"{trace}/{label}")
+            return None
         try:
             policy = make_policy(
                 name,
                 latency,
                 harli_latency,
-                static_by_trace.get(trace),
+                static_by_trace.get(trace) if static_d is None else static_d,
                 harli_config,
                 calib_records,
             )
@@ -189,21 +205,52 @@ def main() -> None:
                 policy, trace_reqs[trace], specs[trace].duration_s, slo_ms, name != "decode_only"
             )
         except Exception as exc:  # one failing run must not cost the others' results
-            failed[f"{trace}/{name}"] = f"{type(exc).__name__}: {exc}"
-            print(f"  {trace:7s} {name:12s} FAILED {failed[f'{trace}/{name}']}", flush=True)
+            failed[f"{trace}/{label}"] = f"{type(exc).__name__}: {exc}"
+            print(f"  {trace:7s} {label:12s} FAILED {failed[f'{trace}/{label}']}", flush=True)
             traceback.print_exc()
-            return
+            return None
         running = list(backend.last_running)
-        results[trace, name] = (policy, records, start, end, running)
         r = row_for(args.model, trace, policy, records, start, end, slo_ms, solo_tps, running)
         if r["quantum_errors"]:
-            print(f"  QUANTUM ERRORS {trace}/{name}: {r['first_quantum_error']}", flush=True)
+            print(f"  QUANTUM ERRORS {trace}/{label}: {r['first_quantum_error']}", flush=True)
         print(
-            f"  {trace:7s} {name:12s} att={r['slo_attainment']} "
+            f"  {trace:7s} {label:12s} att={r['slo_attainment']} "
             f"ft={r['finetune_tokens_per_s']} p50={r['tpot_ms_p50']} p99={r['tpot_ms_p99']} "
             f"t={time.perf_counter() - wall:.0f}s",
             flush=True,
         )
+        if static_d is None:
+            results[trace, name] = (policy, records, start, end, running)
+        else:
+            sweeps[trace, static_d] = (r, (policy, records, start, end, running))
+        return r
+
+    def sweep_static(trace: str) -> None:
+        """Every fixed split on ``trace``; the static split's row is the best of them: the
+        most finetune tokens/s among those keeping >= 99% attainment, else the best
+        attainment (the best fixed split, chosen with hindsight of this very trace)."""
+        rows = {
+            d: r
+            for d in backend.choices[:-1]
+            if (r := run(trace, "static_split", static_d=int(d))) is not None
+        }
+        if not rows:
+            return
+        keeping = {d: r for d, r in rows.items() if (r["slo_attainment"] or 0) >= 0.99}
+        if keeping:
+            best = max(keeping, key=lambda d: keeping[d]["finetune_tokens_per_s"])
+        else:
+            best = max(rows, key=lambda d: rows[d]["slo_attainment"] or 0)
+        static_by_trace[trace] = best
+        results[trace, "static_split"] = sweeps[trace, best][1]
+        static_sweep[trace] = {
+            str(d): {
+                "slo_attainment": r["slo_attainment"],
+                "finetune_tokens_per_s": r["finetune_tokens_per_s"],
+                "request_tpot_ms_p99": r["request_tpot_ms_p99"],
+            }
+            for d, r in rows.items()
+        }
 
     def write() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         rows = [
@@ -245,10 +292,17 @@ def main() -> None:
                 ">= 16 tokens (TPOT so far); finished_slo_attainment counts finished only; "
                 "goodput = tokens of those requests meeting the SLO per second",
                 "static_split_decode_sms": static_by_trace,
-                "static_split_selection": "per trace, the smallest split under which >= 99% of "
-                "decode_only's requests on that trace keep a predicted mean TPOT (over the "
-                "iterations they decoded in, a 2-example quantum always beside) <= 0.95 x SLO "
-                "(else the largest split)",
+                "static_split_selection": (
+                    "per trace, every fixed split run on the trace; the row is the one with "
+                    "the most finetune tokens/s among those keeping >= 99% attainment, else "
+                    "the best attainment (hindsight of the trace: static_split_sweep)"
+                    if args.static_split == "sweep"
+                    else "per trace, the smallest split under which >= 99% of decode_only's "
+                    "requests on that trace keep a predicted mean TPOT (over the iterations "
+                    "they decoded in, a 2-example quantum always beside) <= 0.95 x SLO (else "
+                    "the largest split)"
+                ),
+                "static_split_sweep": static_sweep,
                 "harli_config": asdict(harli_config),
                 "skipped_runs": skipped,
                 "failed_runs": failed,
@@ -268,6 +322,15 @@ def main() -> None:
             "wall_s": round(time.perf_counter() - wall, 1),
         }
         path.write_text(json.dumps(result, indent=1, default=str))
+        tables = {
+            f"{t}/{pol.name}": iteration_table(recs, s)
+            for (t, _), (pol, recs, s, _, _) in results.items()
+        }
+        tables |= {
+            f"{t}/static_split@{d}": iteration_table(run_[1], run_[2])
+            for (t, d), (_, run_) in sweeps.items()
+        }
+        iterations_path.write_text(json.dumps({"columns": ITERATION_COLUMNS, "runs": tables}))
         return rows, comparisons
 
     # Untimed: decode alone through every trace's kind of load once more (the mixed prefill +
@@ -316,9 +379,9 @@ def main() -> None:
                     harli_latency.observe_record(record, args.ft_seq_len, rank)
             info["harli_correction_before_runs"] = harli_latency.describe()
     for trace in traces:  # per trace: the best fixed split for it, chosen with its knowledge
-        if (trace, "decode_only") in results:
+        if (trace, "decode_only") in results and args.static_split == "predicted":
             static_by_trace[trace] = choose_static_split(
-                latency,
+                harli_latency,
                 backend,
                 [results[trace, "decode_only"][1]],
                 slo_ms,
@@ -330,7 +393,10 @@ def main() -> None:
     write()
     for trace in traces:
         for name in policies:
-            if name != "decode_only":
+            if name == "static_split" and args.static_split == "sweep" and backend.choices:
+                sweep_static(trace)
+                write()
+            elif name != "decode_only":
                 run(trace, name)
                 write()
     rows, comparisons = write()

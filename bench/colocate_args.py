@@ -87,6 +87,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="evaluate: compare the artifact's stage 1 with the in-run model on decode_only's "
         "iterations; harli: harli plans with the artifact",
     )
+    parser.add_argument(
+        "--static-split",
+        choices=("sweep", "predicted"),
+        default="sweep",
+        help="sweep: run every fixed split on each trace and keep the best (hindsight); "
+        "predicted: the smallest split predicted to keep the SLO on decode_only's iterations",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=None)

@@ -200,7 +200,7 @@ def tpot_slo(
 
 
 def choose_static_split(
-    model: OnlineLatencyModel,
+    model: DecodeLatencyModel,
     backend: Backend,
     runs: list[list[IterationRecord]],
     slo_ms: float,
@@ -252,7 +252,10 @@ def make_policy(
         return NaivePolicy(quantum_examples=4)
     if name == "time_slice":
         return TimeSlicePolicy(
-            latency, margin=0.1, max_quantum_examples=QUANTUM_EXAMPLES[-1], idle_quantum_examples=4
+            harli_latency,
+            margin=0.1,
+            max_quantum_examples=QUANTUM_EXAMPLES[-1],
+            idle_quantum_examples=4,
         )
     if name == "static_split":
         return StaticSplitPolicy(static_d, quantum_examples=2)

@@ -97,6 +97,41 @@ def row_for(
     }
 
 
+ITERATION_COLUMNS = (
+    "t_ms",
+    "decode_batch",
+    "prefill_tokens",
+    "context_tokens_total",
+    "decode_sms",
+    "beside_tokens",
+    "predicted_ms",
+    "iteration_ms",
+    "margin",
+    "paused",
+    "note",
+)
+
+
+def iteration_table(records: list[IterationRecord], start: float) -> list[list[Any]]:
+    """One row per iteration (``ITERATION_COLUMNS``): what was planned and what it took."""
+    return [
+        [
+            round((r.timestamp - start) * 1e3, 2),
+            r.decode_batch,
+            r.prefill_tokens,
+            r.context_tokens_total,
+            r.decode_sms,
+            r.beside_tokens,
+            None if r.predicted_ms is None else round(r.predicted_ms, 3),
+            round(r.iteration_ms, 3),
+            None if r.margin is None else round(r.margin, 4),
+            r.paused,
+            r.note,
+        ]
+        for r in records
+    ]
+
+
 def compare(rows: list[dict[str, Any]], traces: list[str]) -> dict[str, Any]:
     """Harli vs the best baseline keeping >= 99% attainment, per trace and averaged."""
     per_trace: dict[str, Any] = {}

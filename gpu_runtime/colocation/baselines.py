@@ -104,7 +104,8 @@ class StaticSplitPolicy(CoLocationPolicy):
 class TimeSlicePolicy(CoLocationPolicy):
     """Finetune only in each iteration's slack, after decode, on the whole device.
 
-    Slack = ``tpot_slo_ms x (1 - margin)`` minus the stage-1 prediction of the decode step. The
+    Slack = ``tpot_slo_ms x (1 - margin)`` minus the stage-1 prediction of the decode step (a
+    model that learns online, such as ``CorrectedLatencyModel``, is taught every iteration). The
     quantum's duration is estimated from this policy's own observed quanta (a high quantile of
     ms per token over the last ``window`` quanta); until one was observed it runs one example.
     When decode is idle the quantum is ``idle_quantum_examples`` examples.
@@ -181,6 +182,9 @@ class TimeSlicePolicy(CoLocationPolicy):
         for quantum in record.quanta:
             if quantum.mode is LaunchMode.AFTER_DECODE and quantum.tokens and not quantum.error:
                 self._ms_per_token.append(quantum.duration_ms / quantum.tokens)
+        learn = getattr(self.latency, "observe_record", None)  # models that learn online
+        if learn is not None:  # (a quantum after decode is taken out of the decode step's time)
+            learn(record)
 
     def describe(self) -> dict[str, Any]:
         return {

@@ -117,15 +117,19 @@ class HarliChoices:
         self, ctx: IterationContext, bound: float, with_ms: float, alone_ms: float, once: float = 0
     ) -> bool:
         """Whether every running request that would end within the SLO if its remaining
-        iterations took ``alone_ms`` still ends within ``bound`` if they take ``with_ms`` (plus
-        ``once`` ms added to one gap). A request that misses the SLO even then is lost to
-        finetuning or not, so it does not hold finetuning back."""
+        iterations took ``alone_ms`` still ends within it if they take ``with_ms`` (plus
+        ``once`` ms added to one gap), the margin applied to those remaining iterations alone:
+        they are predicted, the gaps a request has had are known. (``bound`` is the SLO less
+        the margin; a request with nothing decoded yet must keep its iterations under it.) A
+        request that misses the SLO even alone is lost to finetuning or not, so it does not
+        hold finetuning back."""
         horizon = self.config.unknown_remaining_tokens
         slo = ctx.tpot_slo_ms
+        inflate = slo / bound if bound > 0 else float("inf")
         for request in ctx.running:
             left = request.remaining_tokens if request.remaining_tokens is not None else horizon
             spread = once / max(request.tokens - 1 + left, 1)
-            if request.final_tpot_ms(with_ms, horizon) + spread <= bound:
+            if request.final_tpot_ms(with_ms * inflate, horizon) + spread * inflate <= slo:
                 continue
             if request.final_tpot_ms(alone_ms, horizon) <= slo:
                 self.risk_rejections += 1

@@ -5,12 +5,16 @@ how latency moves with batch, context, prefill chunk, SM share and the quantum b
 but not this host's constant offsets (the loop's own host work per iteration, a different H200,
 an engine changed since the profile). :class:`CorrectedLatencyModel` multiplies its prediction
 by ``sum(observed) / sum(predicted)`` over recent iterations of the same kind (decode SM share,
-whether a quantum ran beside decode, whether the step carried a prefill chunk), falling back to
-the ratio over every share of that kind, then to 1. A ratio of sums, not a median: a request's
-TPOT is a mean over its iterations, so occasional slow ones (a stall, a launch) must raise the
-prediction as much as they raise that mean; one iteration counts at most ``ratio_bounds[1]``
-times its prediction. Targets are whole iteration
-times (``IterationRecord.iteration_ms``), as for ``OnlineLatencyModel``.
+whether a quantum ran beside decode, the size class of the step's prefill chunk tokens: none,
+<= 64, <= 128, <= 256, more), falling back to the ratio over every share of that kind, then to
+the same two with any chunk size (a class not yet seen), then to 1. Chunk steps get a ratio per
+size class because the engine replays them from graphs per token bucket: their cost moves with
+the padded bucket in steps a model trained on other chunk sizes can miss in either direction,
+and one ratio over all sizes would under-predict the big ones. A ratio of sums, not a median:
+a request's TPOT is a mean over its iterations, so occasional slow ones (a stall, a launch) must
+raise the prediction as much as they raise that mean; one iteration counts at most
+``ratio_bounds[1]`` times its prediction. Targets are whole iteration times
+(``IterationRecord.iteration_ms``), as for ``OnlineLatencyModel``.
 """
 
 from __future__ import annotations
@@ -24,8 +28,26 @@ from gpu_runtime.colocation.predictor import DecodeLatencyModel, Pair, predict_m
 from gpu_runtime.colocation.types import IterationRecord
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 
-Kind = tuple[bool, bool]
-"""(a quantum beside decode, a prefill chunk in the step)."""
+Kind = tuple[bool, int]
+"""(a quantum beside decode, the step's chunk class: 0 none, 1 <= 64 tokens, 2 <= 128, 3 <= 256,
+4 more); class -1 stands for any chunk (the coarse fallback)."""
+
+CHUNK_CLASS_TOKENS = (64, 128, 256)
+"""Upper token bounds of chunk classes 1, 2, 3 (class 4 above the last)."""
+
+
+def chunk_class(tokens: int) -> int:
+    if tokens <= 0:
+        return 0
+    for index, bound in enumerate(CHUNK_CLASS_TOKENS, start=1):
+        if tokens <= bound:
+            return index
+    return len(CHUNK_CLASS_TOKENS) + 1
+
+
+def _coarse(kind: Kind) -> Kind:
+    beside, size = kind
+    return (beside, -1 if size > 0 else 0)
 
 
 def _ratio_of_sums(pairs: deque[tuple[float, float]]) -> float:
@@ -34,7 +56,7 @@ def _ratio_of_sums(pairs: deque[tuple[float, float]]) -> float:
 
 def _kind(iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> Kind:
     beside = quantum is not None and quantum.tokens > 0
-    return beside, iteration.prefill_chunk_tokens > 0
+    return beside, chunk_class(iteration.prefill_chunk_tokens)
 
 
 class CorrectedLatencyModel:
@@ -71,10 +93,14 @@ class CorrectedLatencyModel:
 
     def ratio(self, share: float, kind: Kind) -> float:
         """The correction applied to iterations of ``kind`` on ``share`` of the SMs."""
-        cached = self._share_ratios.get((round(share, 4), kind))
-        if cached is not None:
-            return cached
-        return self._kind_ratios.get(kind, 1.0)
+        share = round(share, 4)
+        for key in (kind, _coarse(kind)):
+            cached = self._share_ratios.get((share, key))
+            if cached is None:
+                cached = self._kind_ratios.get(key)
+            if cached is not None:
+                return cached
+        return 1.0
 
     def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
         base = self.base.predict_ms(iteration, quantum)
@@ -99,15 +125,16 @@ class CorrectedLatencyModel:
             return
         low, high = self.ratio_bounds
         clipped = min(max(observed_ms, low * predicted), high * predicted)
-        kind = _kind(iteration, quantum)
-        key = (round(iteration.decode_sm_share, 4), kind)
-        per_share, pooled = self._pairs[key], self._pooled[kind]
-        per_share.append((predicted, clipped))
-        pooled.append((predicted, clipped))
-        if len(per_share) >= self.min_samples:
-            self._share_ratios[key] = _ratio_of_sums(per_share)
-        if len(pooled) >= self.min_samples:
-            self._kind_ratios[kind] = _ratio_of_sums(pooled)
+        fine = _kind(iteration, quantum)
+        share = round(iteration.decode_sm_share, 4)
+        for kind in {fine, _coarse(fine)}:
+            per_share, pooled = self._pairs[share, kind], self._pooled[kind]
+            per_share.append((predicted, clipped))
+            pooled.append((predicted, clipped))
+            if len(per_share) >= self.min_samples:
+                self._share_ratios[share, kind] = _ratio_of_sums(per_share)
+            if len(pooled) >= self.min_samples:
+                self._kind_ratios[kind] = _ratio_of_sums(pooled)
 
     def observe_record(self, record: IterationRecord, seq_len: int = 512, rank: int = 16) -> None:
         """Add a loop record (ignored when decode was idle)."""
@@ -119,8 +146,13 @@ class CorrectedLatencyModel:
         """The learnt ratios (for results and logs)."""
 
         def name(kind: Kind) -> str:
-            beside, prefill = kind
-            return f"{'beside' if beside else 'alone'}/{'prefill' if prefill else 'decode'}"
+            beside, size = kind
+            step = {0: "decode", -1: "prefill"}.get(size)
+            if step is None:
+                bounds = (*CHUNK_CLASS_TOKENS, None)
+                top = bounds[size - 1]
+                step = f"prefill<={top}" if top is not None else f"prefill>{bounds[-2]}"
+            return f"{'beside' if beside else 'alone'}/{step}"
 
         return {
             "per_share": {

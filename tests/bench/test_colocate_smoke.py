@@ -57,8 +57,13 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (path,) = tmp_path.glob("colocate-cpu-*.json")
+    (path,) = [p for p in tmp_path.glob("colocate-cpu-*.json") if ".iterations." not in p.name]
     out = json.loads(path.read_text())
+    iterations = json.loads(path.with_suffix(".iterations.json").read_text())
+    assert iterations["columns"][:3] == ["t_ms", "decode_batch", "prefill_tokens"]
+    assert set(iterations["runs"]) == {f"{t}/{p}" for t in TRACES for p in POLICIES}
+    for table in iterations["runs"].values():
+        assert table and all(len(row) == len(iterations["columns"]) for row in table)
 
     assert out["name"] == "colocate"
     assert out["commit"] == "test"
@@ -105,6 +110,42 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
         "mean harli / best baseline (>=99%)",
         "targets",
     ]
+
+
+@pytest.mark.slow
+def test_simulated_run_sweeps_every_fixed_split_for_the_static_baseline(tmp_path: Path) -> None:
+    profile = ROOT / "predictor_models" / "data" / "profile-h200-llama3-8b-engine-3557c1e.csv"
+    result = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "bench" / "colocate.py"),
+            *("--simulate", str(profile), "--traces", "low,high", "--duration", "2"),
+            *("--decode-groups", "6,8,12", "--commit", "test", "--out", str(tmp_path)),
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    (path,) = [p for p in tmp_path.glob("colocate-sim-*.json") if ".iterations." not in p.name]
+    out = json.loads(path.read_text())
+    assert out["simulated"] is True
+    config = out["config"]
+    sweep, chosen = config["static_split_sweep"], config["static_split_decode_sms"]
+    choices = config["sharing"]["choices"]
+    for trace in ("low", "high"):
+        assert set(sweep[trace]) == {str(d) for d in choices[:-1]}  # every split but the whole
+        keeping = {d: r for d, r in sweep[trace].items() if r["slo_attainment"] >= 0.99}
+        row = next(r for r in out["rows"] if r["trace"] == trace and r["policy"] == "static_split")
+        assert row["policy_config"]["decode_sms"] == chosen[trace]
+        if keeping:  # the row is the split harvesting most among those keeping the SLO
+            best = max(keeping.values(), key=lambda r: r["finetune_tokens_per_s"])
+            assert row["finetune_tokens_per_s"] == best["finetune_tokens_per_s"]
+            assert row["slo_attainment"] >= 0.99
+    runs = json.loads(path.with_suffix(".iterations.json").read_text())["runs"]
+    assert {f"low/static_split@{d}" for d in choices[:-1]} <= set(runs)
 
 
 def test_bench_colocate_still_exports_synthetic_examples() -> None:

@@ -15,6 +15,7 @@ from gpu_runtime.colocation import (
     TimeSlicePolicy,
     validate_plan,
 )
+from gpu_runtime.colocation.corrected import CorrectedLatencyModel
 from gpu_runtime.colocation.predictor import decode_iteration
 from gpu_runtime.colocation.types import InFlightQuantum
 
@@ -77,3 +78,18 @@ def test_time_slice_fills_only_the_slack_after_decode() -> None:
     assert tight.launches == () and tight.paused
     idle = policy.plan(context(DecodeSnapshot(0, 0, 0), slo))
     assert idle.launches[0].max_tokens == 8 * JOB.max_seq_len
+
+
+def test_time_slice_teaches_a_learning_model_the_decode_step_without_the_quantum() -> None:
+    model = CorrectedLatencyModel(AnalyticLatencyModel(), min_samples=4)
+    policy = TimeSlicePolicy(model, margin=0.1, max_quantum_examples=8)
+    solo = AnalyticLatencyModel().predict_ms(decode_iteration(DECODE, 1.0), None)
+    slo = 3 * solo + 20.0
+    after = (QuantumReport("job", 256, 4.0, LaunchMode.AFTER_DECODE, TOTAL_SMS),)
+    for _ in range(4):  # decode took 2x its prediction; the quantum after it is not decode's
+        plan = policy.plan(context(DECODE, slo))
+        policy.observe(record(plan, DECODE, 2 * solo + 4.0, quanta=after))
+    plan = policy.plan(context(DECODE, slo))
+    assert plan.predicted_solo_ms == pytest.approx(2 * solo)
+    expected = min(8, int((0.9 * slo - 2 * solo) / 4.0))
+    assert plan.launches[0].max_tokens == expected * JOB.max_seq_len

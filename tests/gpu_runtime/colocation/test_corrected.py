@@ -31,7 +31,7 @@ def test_ratios_are_learnt_per_kind_of_iteration_and_pooled_across_shares() -> N
     assert model.predict_ms(decode_only, None) == BASE.predict_ms(decode_only, None)
     for _ in range(3):
         model.observe(decode_only, None, 1.3 * BASE.predict_ms(decode_only, None))
-    assert model.ratio(half, (False, False)) == 1.0  # fewer than min_samples: not used yet
+    assert model.ratio(half, (False, 0)) == 1.0  # fewer than min_samples: not used yet
     model.observe(decode_only, None, 1.3 * BASE.predict_ms(decode_only, None))
     assert model.predict_ms(decode_only, None) == pytest.approx(
         1.3 * BASE.predict_ms(decode_only, None)
@@ -41,10 +41,33 @@ def test_ratios_are_learnt_per_kind_of_iteration_and_pooled_across_shares() -> N
     assert model.predict_ms(mixed, QUANTUM) == pytest.approx(2.0 * BASE.predict_ms(mixed, QUANTUM))
     # Kinds never observed stay uncorrected; a share never observed takes the kind's pooled
     # ratio.
-    assert model.ratio(half, (True, False)) == 1.0
+    assert model.ratio(half, (True, 0)) == 1.0
     other = _iteration(0.75)
     assert model.predict_ms(other, None) == pytest.approx(1.3 * BASE.predict_ms(other, None))
-    assert model.describe()["pooled"] == {"alone/decode": 1.3, "beside/prefill": 2.0}
+    assert model.describe()["pooled"] == {
+        "alone/decode": 1.3,
+        "beside/prefill<=256": 2.0,
+        "beside/prefill": 2.0,
+    }
+
+
+def test_chunk_steps_are_corrected_per_chunk_size_class_then_over_any_size() -> None:
+    model = CorrectedLatencyModel(BASE, min_samples=4)
+    small, big = _iteration(1.0, prefill=48), _iteration(1.0, prefill=512)
+    for _ in range(4):  # small chunks over-predicted, big ones under-predicted
+        model.observe(small, None, 0.5 * BASE.predict_ms(small, None))
+        model.observe(big, None, 2.0 * BASE.predict_ms(big, None))
+    assert model.predict_ms(small, None) == pytest.approx(0.5 * BASE.predict_ms(small, None))
+    assert model.predict_ms(big, None) == pytest.approx(2.0 * BASE.predict_ms(big, None))
+    # A class never seen (129-256 tokens) takes the ratio of sums over every chunk size.
+    mid = _iteration(1.0, prefill=200)
+    coarse = (4 * 0.5 * BASE.predict_ms(small, None) + 4 * 2.0 * BASE.predict_ms(big, None)) / (
+        4 * BASE.predict_ms(small, None) + 4 * BASE.predict_ms(big, None)
+    )
+    assert model.predict_ms(mid, None) == pytest.approx(coarse * BASE.predict_ms(mid, None))
+    assert model.predict_ms(_iteration(1.0), None) == BASE.predict_ms(_iteration(1.0), None)
+    names = set(model.describe()["pooled"])
+    assert names == {"alone/prefill<=64", "alone/prefill>256", "alone/prefill"}
 
 
 def test_the_correction_follows_mean_latency_with_each_iteration_clipped() -> None:
@@ -53,11 +76,11 @@ def test_the_correction_follows_mean_latency_with_each_iteration_clipped() -> No
     predicted = BASE.predict_ms(it, None)
     for observed in (1.0, 1.0, 1.0, 5.0):  # one slow iteration in four: the mean is 2x
         model.observe(it, None, observed * predicted)
-    assert model.ratio(1.0, (False, False)) == pytest.approx(2.0)  # (a median would say 1)
+    assert model.ratio(1.0, (False, 0)) == pytest.approx(2.0)  # (a median would say 1)
     stalled = CorrectedLatencyModel(BASE, window=64, min_samples=4, ratio_bounds=(0.25, 8.0))
     for i in range(64):  # a 1000x stall counts as 8x
         stalled.observe(it, None, (1000.0 if i == 10 else 1.1) * predicted)
-    assert stalled.ratio(1.0, (False, False)) == pytest.approx((63 * 1.1 + 8.0) / 64)
+    assert stalled.ratio(1.0, (False, 0)) == pytest.approx((63 * 1.1 + 8.0) / 64)
     with pytest.raises(ValueError, match="bracket 1"):
         CorrectedLatencyModel(BASE, ratio_bounds=(1.5, 8.0))
 

@@ -236,13 +236,22 @@ def test_running_requests_are_projected_to_their_end() -> None:
             )
         )
 
-    # Over the bound so far, 20 tokens left: decode alone brings it back under the SLO, any
-    # co-run iteration keeps it over the bound -> pause, and the plan says why.
-    rescuable = RunningRequest(tokens=100, tpot_ms=slo * 1.02, remaining_tokens=20)
+    # Over the SLO so far, 20 tokens left: decode alone brings it back under the SLO, any
+    # co-run iteration (its prediction inflated by the margin) keeps it over -> pause, and the
+    # plan says why.
+    rescuable = RunningRequest(tokens=100, tpot_ms=slo * 1.1, remaining_tokens=20)
     alone = policy.typical_ms(decode, 1.0, None)
     assert rescuable.final_tpot_ms(alone, 64) <= slo
     paused = plan_with(rescuable)
     assert paused.paused and not paused.launches and paused.note == "request at risk"
+    # Its gaps so far are known, only the remaining ones carry the margin: a request a little
+    # over the SLO is kept by a split that leaves decode more SMs, not by a pause.
+    nearly = RunningRequest(tokens=100, tpot_ms=slo * 1.02, remaining_tokens=20)
+    kept = plan_with(nearly)
+    assert kept.launches and kept.decode_sms is not None and free.decode_sms is not None
+    assert kept.decode_sms > free.decode_sms
+    assert kept.predicted_ms is not None and free.predicted_ms is not None
+    assert nearly.final_tpot_ms(kept.predicted_ms / (1 - kept.margin), 64) <= slo
     # The same request with many tokens left: co-run iterations far under the SLO pull its mean
     # down anyway, so finetuning goes on.
     recovering = RunningRequest(tokens=100, tpot_ms=slo * 1.02, remaining_tokens=400)
@@ -252,9 +261,9 @@ def test_running_requests_are_projected_to_their_end() -> None:
     assert lost.final_tpot_ms(alone, 64) > slo
     assert plan_with(lost).launches
     # A limit-less request is projected over `unknown_remaining_tokens` tokens.
-    unknown = RunningRequest(tokens=100, tpot_ms=slo * 1.02, remaining_tokens=None)
+    unknown = RunningRequest(tokens=100, tpot_ms=slo * 1.045, remaining_tokens=None)
     expected = unknown.final_tpot_ms(alone, policy.config.unknown_remaining_tokens)
-    assert expected == pytest.approx((99 * slo * 1.02 + 64 * alone) / (99 + 64), rel=1e-12)
+    assert expected == pytest.approx((99 * slo * 1.045 + 64 * alone) / (99 + 64), rel=1e-12)
     long = HarliPolicy(MODEL, HarliConfig(allow_slice=False, unknown_remaining_tokens=400))
     assert plan_with(unknown, policy=long).launches
     short = HarliPolicy(MODEL, HarliConfig(allow_slice=False, unknown_remaining_tokens=10))
