@@ -15,6 +15,7 @@ Run: `PYTHONPATH=. python3 bench/decode.py` (see --help; --quick for a smoke run
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -205,6 +206,7 @@ def time_engine(
             graph_ms.append(s.elapsed_time(e))
     for rid in ids:
         engine.abort_request(rid)
+    engine.step()  # reads back a step still in flight (async scheduling); drops runner state
     mean_len = context + warmup + steps / 2
     return {
         "step_ms": step_ms,
@@ -213,6 +215,32 @@ def time_engine(
         "bucket": bucket,
         "phases": phases,
     }
+
+
+def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
+    """Switch a built engine to a bench variant: the scheduling mode (a config field the engine
+    reads per step) and, for the skinny variants, the fused step's GEMM choice with the decode
+    graphs captured again (the mixed-step graphs are kept as they are)."""
+    if variant not in ("sync", "async", "skinny", "skinny-all"):
+        raise ValueError(f"unknown variant {variant!r}")
+    torch.cuda.synchronize()  # no graph of the old set may still run when it is dropped
+    engine.config = dataclasses.replace(engine.config, async_scheduling=variant != "sync")
+    runner = engine.runner
+    fused = runner._fused
+    rows = 64 if variant.startswith("skinny") else 0
+    projections = frozenset(
+        ("qkv", "o", "gate_up", "down") if variant == "skinny-all" else ("qkv", "o")
+    )
+    if fused is None or (fused.skinny_max_rows, fused.skinny_projections) == (rows, projections):
+        return
+    fused.skinny_max_rows, fused.skinny_projections = rows, projections
+    mixed, runner._mixed = runner._mixed, None
+    runner._graphs = runner._lora_graphs = None
+    torch.cuda.empty_cache()
+    try:
+        runner.capture_cuda_graphs(batch_sizes=tuple(buckets))
+    finally:
+        runner._mixed = mixed
 
 
 def time_prefill_chunks(
@@ -342,7 +370,8 @@ def main() -> None:
         "--extras",
         default="",
         help="comma list: gemm (cuBLAS vs cuBLASLt over the decode GEMMs), sampler (paths), "
-        "mixed (host profile of steps carrying a prefill chunk)",
+        "mixed (host profile of steps carrying a prefill chunk), skinny (split-K Triton GEMMs "
+        "vs cuBLAS per projection and batch <= 64)",
     )
     parser.add_argument("--skip-check", action="store_true", help="no correctness check")
     parser.add_argument(
@@ -356,6 +385,14 @@ def main() -> None:
         default=None,
         choices=["cublas", "cublaslt"],
         help="EngineConfig.decode_blas_library",
+    )
+    parser.add_argument(
+        "--variants",
+        default="async,sync",
+        help="engine variants timed per (batch, context), the first as system 'harli', the "
+        "others as 'harli_<variant>': sync, async (EngineConfig.async_scheduling), skinny "
+        "(async + split-K Triton GEMMs for q|k|v and o at batch <= 64), skinny-all (all four "
+        "projections); skinny variants re-capture the decode graphs and run batches <= 64",
     )
     parser.add_argument("--quick", action="store_true", help="smoke: llama, batch 8/64, ctx 512")
     parser.add_argument(
@@ -497,6 +534,7 @@ def main() -> None:
                 "fused_decode_kernels": not args.no_fused,
                 "decode_blas_library": args.blas,
                 "mixed_cuda_graphs": args.mixed_graphs,
+                "variants": args.variants,
                 "prefill_chunks": chunks,
                 "extras": extras,
                 "tpot": "wall time of Engine.step() incl. scheduling, input copy, graph replay, "
@@ -556,10 +594,27 @@ def main() -> None:
             buckets = sorted({next(b for b in engine.runner._buckets if b >= x) for x in batches})
             engine.capture_cuda_graphs(batch_sizes=tuple(buckets))
             print(f"{name}: captured {buckets} in {time.perf_counter() - t0:.1f}s", flush=True)
-            for context in contexts:
-                for batch in batches:
-                    res = time_engine(engine, batch, context, args.warmup, args.steps)
-                    add_row(name, "harli", batch, context, res, config)
+            variants = [v for v in args.variants.split(",") if v]
+            plain = [v for v in variants if not v.startswith("skinny")]
+            for variant in plain:  # same graphs: only the scheduling mode changes
+                set_variant(engine, variant, buckets)
+                try:
+                    for context in contexts:
+                        for batch in batches:
+                            res = time_engine(engine, batch, context, args.warmup, args.steps)
+                            system = "harli" if variant == variants[0] else f"harli_{variant}"
+                            add_row(name, system, batch, context, res, config)
+                except Exception as exc:  # keep the other variants' rows; say what broke
+                    import traceback
+
+                    notes.append(f"{name} {variant} failed: {type(exc).__name__}: {exc}"[:600])
+                    traceback.print_exc()
+                    engine.config = dataclasses.replace(engine.config, async_scheduling=False)
+                    engine._inflight = None
+                    for rid in list(getattr(engine.scheduler, "requests", {})):
+                        engine.abort_request(rid)
+                    engine.step()
+            set_variant(engine, variants[0] if variants[0] in plain else "async", buckets)
             if "mixed" in extras and name == models[0]:
                 from decode_profile import mixed_step_profile
 
@@ -570,6 +625,24 @@ def main() -> None:
                     engine, chunks, 32, min(contexts), prefill_prompt
                 )
                 write_result(complete=False)
+            try:  # new kernels: a failure here keeps the rows above and the HF rows below
+                if "skinny" in extras and name == models[0]:
+                    from decode_profile import skinny_gemms
+
+                    studies["skinny_gemms"] = skinny_gemms(model, bandwidth)
+                    write_result(complete=False)
+                for variant in [v for v in variants if v not in plain]:  # re-captured graphs
+                    set_variant(engine, variant, [b for b in buckets if b <= 64])
+                    for context in contexts:
+                        for batch in [b for b in batches if b <= 64]:
+                            res = time_engine(engine, batch, context, args.warmup, args.steps)
+                            system = "harli" if variant == variants[0] else f"harli_{variant}"
+                            add_row(name, system, batch, context, res, config)
+            except Exception as exc:
+                import traceback
+
+                notes.append(f"{name} skinny GEMMs failed: {type(exc).__name__}: {exc}"[:600])
+                traceback.print_exc()
             del engine
             torch.cuda.empty_cache()
             hf = hf_model(model)

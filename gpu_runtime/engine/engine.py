@@ -293,6 +293,10 @@ class Engine:
                 self._inflight = following
             else:  # everyone it computes for has finished
                 runner.discard(following[1])
+        if self._inflight is None and not scheduler.has_unfinished_requests():
+            idle = scheduler.schedule()  # as a synchronous step would: drop runner state now
+            if idle.finished_request_ids:
+                runner.execute(idle, partition)
         self._record_times(started, scheduled, launch, sample, runner.last_wait_seconds)
         return outputs
 
