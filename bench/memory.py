@@ -15,7 +15,10 @@ other SMs unless `--ft-eager`, sized to the budget they read: at most `--max-exa
 examples, a safety factor that shrinks after an out-of-memory error). `unified`: the pool moves
 pages both ways, quanta planned below decode's expected reclaims (`--plan-headroom-*`).
 `static_split`: decode keeps the KV peak `unified` measured (plus the low watermark) and
-finetuning gets the rest for good. `--job-pool-extra-gib` sizes the two job phases' pool from
+finetuning gets the rest for good. `unified` also plans quanta beside decode's peak over the last
+`--plan-peak-window` quantum boundaries (starting from `decode_only`'s KV peak); the optional
+phase `unified_no_peak` plans without that term (more memory for graphed quanta, which the next
+burst may have to flush). `--job-pool-extra-gib` sizes the two job phases' pool from
 `decode_only`'s KV peak. Per phase: OOMs (finetune quanta lost to out-of-memory), dropped
 requests (rejected, or lost: neither finished nor still queued/running), requests still
 unfinished when `--drain` s after the last arrival ran out (a window limit, reported apart),

@@ -14,6 +14,11 @@ Call order, once per engine iteration (one thread; no call is made from a kernel
    lack to finetuning (one cap change) `grow_hold_iterations` after the last reclaim
    (hysteresis). The demand passed here is read after the step's block allocation, so
    `top_used_block` covers every block the in-flight step can read.
+Flushes: a reclaim is a cap change unless finetune's allocator holds more than the new budget;
+then its cache must be flushed (on CUDA: waits for the device, drops the trainers' graphs).
+Refills (`refill_reserve`, `maintain`) never flush while a job exists: they take the free pages
+and the budget the allocator does not hold, and leave the rest (`deferred_flushes`). Only
+`before_step` may flush, when the step's own blocks need more (`urgent_flushes`).
 Finetune side: read `finetune_budget_bytes` before each quantum and fit its peak in it; after
 the quantum call `finetune_quantum_done(peak_bytes=..., resident_bytes=...)`.
 """
