@@ -274,13 +274,14 @@ class StaticDecodeMixin:
         sampled, source = pending
         rows = np.flatnonzero(source >= 0)
         count = len(rows)
-        stage = self._stage_source.numpy()
-        stage[0, :count] = rows
-        stage[1, :count] = source[rows]
-        device_source = self._buf_source[:, :count]
-        device_source.copy_(self._stage_source[:, :count], non_blocking=True)
-        tokens = sampled.index_select(0, device_source[1])
-        if count == len(source):  # every row (steady decode): rows are 0..count-1
+        every_row = count == len(source)  # steady decode: rows are 0..count-1
+        stage, device = self._stage_source, self._buf_source
+        stage.numpy()[1, :count] = source[rows]
+        device[1, :count].copy_(stage[1, :count], non_blocking=True)  # contiguous rows
+        tokens = sampled.index_select(0, device[1, :count])
+        if every_row:
             self._buf_ints[0, :count].copy_(tokens)
-        else:
-            self._buf_ints[0].index_copy_(0, device_source[0], tokens)
+            return
+        stage.numpy()[0, :count] = rows
+        device[0, :count].copy_(stage[0, :count], non_blocking=True)
+        self._buf_ints[0].index_copy_(0, device[0, :count], tokens)
