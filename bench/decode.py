@@ -614,7 +614,8 @@ def main() -> None:
                     for rid in list(getattr(engine.scheduler, "requests", {})):
                         engine.abort_request(rid)
                     engine.step()
-            set_variant(engine, variants[0] if variants[0] in plain else "async", buckets)
+            # the chunk studies run synchronously, as the co-location loop runs the engine
+            set_variant(engine, "sync", buckets)
             if "mixed" in extras and name == models[0]:
                 from decode_profile import mixed_step_profile
 
