@@ -4,9 +4,9 @@ A data set is ``<stem>.csv`` written by ``predictor_models.profile`` (columns ``
 ``<stem>.meta.json`` (GPU, model shape, commit, how the decode workload was produced).
 
 Held-out evaluation never splits rows of one configuration between train and test: rows are
-grouped by decode configuration bucket (batch size and mean context, each in powers of two), and
-whole buckets are held out, so the test measures prediction for batch sizes and context lengths
-the model has not seen.
+grouped by configuration bucket (batch size, mean context and prompt-chunk tokens, each in powers
+of two; no chunk is a bucket of its own), and whole buckets are held out, so the test measures
+prediction for batch sizes, context lengths and chunk sizes the model has not seen together.
 """
 
 from __future__ import annotations
@@ -66,10 +66,13 @@ class ProfileData:
         )
 
 
-def config_group(batch_size: float, context_mean: float) -> int:
-    """Bucket id of (log2 batch size, log2 mean context)."""
-    return int(math.floor(math.log2(max(batch_size, 1.0)))) * 100 + int(
-        math.floor(math.log2(max(context_mean, 1.0)))
+def config_group(batch_size: float, context_mean: float, prefill_tokens: float = 0.0) -> int:
+    """Bucket id of (log2 batch size, log2 mean context, log2 prompt-chunk tokens or none)."""
+    chunk = 0 if prefill_tokens < 0.5 else 1 + int(math.floor(math.log2(prefill_tokens)))
+    return (
+        chunk * 10000
+        + int(math.floor(math.log2(max(batch_size, 1.0)))) * 100
+        + int(math.floor(math.log2(max(context_mean, 1.0))))
     )
 
 
@@ -101,7 +104,7 @@ def load_profile(csv_path: str | Path) -> ProfileData:
         raise DatasetError(f"{path}: stages must be 1 or 2, got {sorted(set(stage))}")
     if "model_shape" not in meta:
         raise DatasetError(f"{meta_path} has no model_shape")
-    group = np.array([config_group(r[0], r[2]) for r in x])
+    group = np.array([config_group(r[0], r[2], r[4]) for r in x])
     return ProfileData(x, latency, stage, group, meta, hashlib.sha256(raw).hexdigest())
 
 

@@ -32,7 +32,7 @@ from gpu_runtime.predictor.schema import (
 )
 from predictor_models.compact import CompactLatencyModel
 from predictor_models.dataset import ProfileData
-from predictor_models.model import STAGE1_DERIVED, STAGE2_DERIVED, LatencyModel
+from predictor_models.model import CHUNK_DERIVED, STAGE1_DERIVED, STAGE2_DERIVED, LatencyModel
 from predictor_models.train import TrainResult
 
 OPSET = 17
@@ -80,12 +80,16 @@ def export_onnx(model: LatencyModel, path: Path, check_rows: np.ndarray) -> floa
 
 
 def roundtrip_rows(x: np.ndarray, seed: int = 0) -> np.ndarray:
-    """Rows the export checks: the profile's, 64 perturbed ones, and edge cases (batch sizes at
-    powers of two, a prefill-only iteration, time-shared and spatial quanta, no quantum)."""
+    """Rows the export checks: the profile's, 64 perturbed ones, and edge cases (batch sizes and
+    decode + chunk tokens at and past bucket boundaries, a prefill-only iteration, time-shared
+    and spatial quanta, no quantum)."""
     rng = np.random.default_rng(seed)
     perturbed = x[rng.integers(0, len(x), 64)] * rng.uniform(0.5, 1.0, (64, x.shape[1]))
     batch = STAGE2_FEATURES.index("batch_size")
     perturbed[:, batch] = np.maximum(1.0, np.round(perturbed[:, batch]))
+    for name in ("context_tokens_total", "context_tokens_max", "prefill_chunk_tokens"):
+        column = STAGE2_FEATURES.index(name)  # token counts are integers (bucket boundaries)
+        perturbed[:, column] = np.round(perturbed[:, column])
     edges = []
     for share in (32 / 132, 1.0):
         quanta = [
@@ -97,9 +101,9 @@ def roundtrip_rows(x: np.ndarray, seed: int = 0) -> np.ndarray:
         ]
         iterations = [DecodeIteration(0, 0, 0, 512, share)] + [
             DecodeIteration(b, b * c, c, p, share)
-            for b in (1, 2, 4, 8, 64, 256)
+            for b in (1, 2, 4, 8, 24, 25, 48, 64, 256)  # at and past bucket boundaries
             for c in (64, 1024)
-            for p in (0, 256)
+            for p in (0, 1, 40, 256)
         ]
         edges += [it.row() + list(q) for it in iterations for q in quanta]
     return np.concatenate([x, perturbed, np.array(edges)])
@@ -157,7 +161,16 @@ def write_artifact(
         "model_shape": data.shape.as_dict(),
         "features": list(STAGE2_FEATURES),
         "stage1_features": list(STAGE1_FEATURES),
-        "derived_features": {"stage1": list(STAGE1_DERIVED), "stage2": list(STAGE2_DERIVED)},
+        "derived_features": {
+            "stage1": list(STAGE1_DERIVED),
+            "stage1_chunk": list(CHUNK_DERIVED),
+            "stage2": list(STAGE2_DERIVED),
+        },
+        "engine": data.meta.get("engine"),
+        "buckets": {
+            "batch": list(result.model.batch_buckets),
+            "tokens": list(result.model.token_buckets),
+        },
         "input": INPUT_NAME,
         "outputs": [OUTPUT_NAME],
         "opset": OPSET,

@@ -6,6 +6,15 @@ iteration alone; stage 2 predicts the log slowdown caused by the finetune quantu
 zero when ``ft_tokens == 0``, so ``colocated == alone`` without finetune. Everything, including
 feature normalisation, is inside the module and therefore inside the exported ONNX graph.
 
+Stage 1 has two networks: one for decode-only steps (replayed from the decode graph of the
+batch's bucket) and one for steps carrying prompt chunks (the mixed-step graphs of the token
+bucket holding decode rows + chunk tokens, attention eager); a step's prediction uses exactly
+one of them (``0/1`` gates on ``prefill_chunk_tokens > 0``). The buckets are the deployment's
+(``batch_buckets``: ``EngineConfig.graph_batch_sizes()``; ``token_buckets``:
+``EngineConfig.mixed_graph_token_sizes()``), recorded in the profile's metadata; the log of a
+step's bucket is a sum of 0/1 steps, one per bucket boundary, so any bucket list is exact.
+Stage 2 reads the decode network's estimate (its rows are decode-only steps).
+
 For a small ONNX graph (the runtime must score 64 candidates in tens of microseconds) every
 quantity the features need that is linear in the raw features comes out of ONE matrix product
 ``x @ A + c`` (roofline bytes and FLOPs included: the model shape and hardware ceilings are baked
@@ -42,13 +51,14 @@ BLOCK = (
     "ft_lora_rank",
     "ft_sm_share+eps",
     "batch+eps",
+    "tokens+eps",
     "decode_sm_share_raw",
     "ft_backward",
     "ft_sm_share",
     "share_sum",
     "ft_tokens",
 )
-N_LOG = 13
+N_LOG = 14
 STAGE1_DERIVED = (
     "log_1p_batch",
     "log_1p_context_total",
@@ -59,6 +69,20 @@ STAGE1_DERIVED = (
     "log_t_mem",
     "log_t_comp_x_share",
     "log_batch_bucket",
+    "log_t_roof",
+    "decode_sm_share",
+)
+CHUNK_DERIVED = (
+    "log_1p_batch",
+    "log_1p_context_total",
+    "log_1p_context_mean",
+    "log_1p_context_max",
+    "log_1p_prefill",
+    "log_decode_sm_share",
+    "log_t_mem",
+    "log_t_comp_x_share",
+    "log_token_bucket",
+    "log_tokens",
     "log_t_roof",
     "decode_sm_share",
 )
@@ -111,6 +135,9 @@ def linear_block(shape: ModelShape, hw: Hardware) -> tuple[torch.Tensor, torch.T
     c[col["ft_sm_share+eps"]] = 1e-3
     a[COL["batch_size"], col["batch+eps"]] = 1.0
     c[col["batch+eps"]] = 1e-6
+    a[COL["batch_size"], col["tokens+eps"]] = 1.0
+    a[COL["prefill_chunk_tokens"], col["tokens+eps"]] = 1.0
+    c[col["tokens+eps"]] = 1e-6
     a[COL["decode_sm_share"], col["decode_sm_share_raw"]] = 1.0
     a[COL["ft_backward"], col["ft_backward"]] = 1.0
     a[COL["ft_sm_share"], col["ft_sm_share"]] = 1.0
@@ -156,6 +183,8 @@ class Normalizer(nn.Module):
         self.folded = False
 
     def fit(self, features: torch.Tensor) -> None:
+        if len(features) == 0:  # nothing to learn from (e.g. no chunk steps): identity
+            return
         self.mean.copy_(features.mean(0))
         if len(features) > 1:
             std = features.std(0)
@@ -174,6 +203,25 @@ class Normalizer(nn.Module):
         return f if self.folded else (f - self.mean) / self.std
 
 
+DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+"""``EngineConfig``'s default decode buckets (profiles without an ``engine`` record)."""
+DEFAULT_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+"""Token buckets assumed for profiles without an ``engine`` record (no mixed-step graphs)."""
+STEP_SCALE = 1.0 / math.log(1e6)
+"""Scales ``log(value / threshold)`` into (0, 1] for values up to 1e6 x the threshold."""
+
+
+def step_thresholds(buckets: Sequence[int]) -> tuple[list[float], list[float]]:
+    """(log thresholds, log increments) of ``log bucket(v) = log b0 + sum_i inc_i [v > b_i]``:
+    one boundary per bucket but the last, at ``b_i + 0.5`` (values are integers)."""
+    sizes = sorted(set(int(b) for b in buckets))
+    if not sizes or sizes[0] < 1:
+        raise ValueError(f"buckets {buckets} must be positive integers")
+    logs = [math.log(b) for b in sizes]
+    thresholds = [math.log(b + 0.5) for b in sizes[:-1]]
+    return thresholds, [logs[i + 1] - logs[i] for i in range(len(sizes) - 1)]
+
+
 class LatencyModel(nn.Module):
     """Stage 1 and stage 2 decode-latency predictor over raw features (see module docstring)."""
 
@@ -186,38 +234,76 @@ class LatencyModel(nn.Module):
         hw: Hardware,
         stage1_hidden: Sequence[int] = (16,),
         stage2_hidden: Sequence[int] = (16,),
+        chunk_hidden: Sequence[int] = (),
+        batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
+        token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS,
     ) -> None:
         super().__init__()
         self.shape, self.hw = shape, hw
         self.stage1_hidden, self.stage2_hidden = tuple(stage1_hidden), tuple(stage2_hidden)
+        self.chunk_hidden = tuple(chunk_hidden)
+        self.batch_buckets = tuple(sorted(set(int(b) for b in batch_buckets)))
+        self.token_buckets = tuple(sorted(set(int(b) for b in token_buckets)))
+        self.batch_steps = step_thresholds(self.batch_buckets)
+        self.token_steps = step_thresholds(self.token_buckets)
         block_a, block_c = linear_block(shape, hw)
         self.register_buffer("block_a", block_a)
         self.register_buffer("block_c", block_c)
         self.norm1 = Normalizer(len(STAGE1_DERIVED))
+        self.normc = Normalizer(len(CHUNK_DERIVED))
         self.norm2 = Normalizer(len(STAGE2_DERIVED))
         self.net1 = mlp(len(STAGE1_DERIVED), stage1_hidden)
+        self.netc = mlp(len(CHUNK_DERIVED), chunk_hidden)
         self.net2 = mlp(len(STAGE2_DERIVED), stage2_hidden)
 
     def block(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(logs of the positive block columns [N, 13], the raw columns [N, 5])."""
+        """(logs of the positive block columns [N, N_LOG], the raw columns [N, 5])."""
         linear = x @ self.block_a + self.block_c
         return torch.log(linear[:, :N_LOG]), linear[:, N_LOG:]
+
+    @staticmethod
+    def log_bucket(
+        log_value: torch.Tensor, steps: tuple[list[float], list[float]], first: int
+    ) -> torch.Tensor:
+        """``log`` of the smallest bucket holding each value (``[N, 1]`` logs in and out)."""
+        out = torch.full_like(log_value, math.log(first))
+        for threshold, increment in zip(*steps, strict=True):
+            above = torch.ceil(torch.relu(log_value * STEP_SCALE - threshold * STEP_SCALE))
+            out = out + above * increment
+        return out
+
+    @staticmethod
+    def chunk_gate(x: torch.Tensor) -> torch.Tensor:
+        """``[N, 1]``: 1 for a step carrying prompt chunks (``prefill_chunk_tokens`` > 0.5:
+        token counts are integers), 0 for a decode-only step."""
+        col = COL["prefill_chunk_tokens"]
+        return (x[:, col : col + 1] > 0.5).to(x.dtype)
 
     def stage1_features(
         self, x: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(derived features [N, 11], roofline ms [N]).
+        """(decode-step features [N, 11] (STAGE1_DERIVED), roofline ms [N]).
 
-        ``log_batch_bucket``: decode steps replay CUDA graphs captured for power-of-two batch
-        buckets, so the GEMMs' cost follows the bucket rather than the batch (the epsilon keeps
-        exact powers of two in their own bucket despite rounding).
+        ``log_batch_bucket``: decode steps replay the CUDA graph captured for the batch's
+        bucket, so the GEMMs' cost follows the bucket rather than the batch.
         """
         logs, raw = block if block is not None else self.block(x)
         log_t_comp = logs[:, 7:8] - logs[:, 5:6]  # 2-D slices: no gather/unsqueeze in ONNX
         log_t_roof = torch.maximum(logs[:, 6:7], log_t_comp)
-        log_bucket = torch.ceil(logs[:, 12:13] / LN2 - 1e-4) * LN2
+        log_bucket = self.log_bucket(logs[:, 12:13], self.batch_steps, self.batch_buckets[0])
         f1 = torch.cat([logs[:, :8], log_bucket, log_t_roof, raw[:, :1]], dim=1)
         return f1, torch.exp(log_t_roof[:, 0])
+
+    def chunk_features(
+        self, x: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Features [N, 12] (CHUNK_DERIVED) of a step with prompt chunks: the token bucket of
+        its mixed-step graphs (decode rows + chunk tokens) instead of the batch bucket."""
+        logs, raw = block if block is not None else self.block(x)
+        f1, _ = self.stage1_features(x, (logs, raw))
+        log_tokens = logs[:, 13:14]
+        log_bucket = self.log_bucket(log_tokens, self.token_steps, self.token_buckets[0])
+        return torch.cat([f1[:, :8], log_bucket, log_tokens, f1[:, 9:11]], dim=1)
 
     def stage2_features(
         self,
@@ -228,6 +314,7 @@ class LatencyModel(nn.Module):
     ) -> torch.Tensor:
         """Derived features [N, 11] of the finetune quantum beside the iteration.
 
+        ``alone_ms`` is the decode network's estimate (``alone(x, decode_net_only=True)``).
         ``shares_sms`` is 1 when the decode and finetune shares add up to more than the device
         (time sharing on streams) and 0 for a spatial split.
         """
@@ -246,17 +333,32 @@ class LatencyModel(nn.Module):
             dim=1,
         )
 
+    def _log_alone(
+        self, x: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(log alone ms [N, 1], the decode network's log alone ms [N, 1], f1)."""
+        f1, _ = self.stage1_features(x, block)
+        log_roof = f1[:, 9:10]
+        decode = self.net1(self.norm1(f1))
+        chunk = self.netc(self.normc(self.chunk_features(x, block)))
+        gate = self.chunk_gate(x)
+        return log_roof + decode * (1.0 - gate) + chunk * gate, log_roof + decode, f1
+
     def alone(
-        self, x: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor] | None = None
+        self,
+        x: torch.Tensor,
+        block: tuple[torch.Tensor, torch.Tensor] | None = None,
+        decode_net_only: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(stage-1 ms [N], stage-1 derived features)."""
-        f1, t_roof = self.stage1_features(x, block)
-        return t_roof * torch.exp(self.net1(self.norm1(f1)).squeeze(-1)), f1
+        """(stage-1 ms [N], stage-1 derived features); ``decode_net_only``: the decode
+        network's estimate for every row (what stage 2 reads)."""
+        block = block if block is not None else self.block(x)
+        log_alone, log_decode, f1 = self._log_alone(x, block)
+        return torch.exp((log_decode if decode_net_only else log_alone)[:, 0]), f1
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logs, raw = self.block(x)
-        f1 = self.stage1_features(x, (logs, raw))[0]
-        log_alone = f1[:, 9:10] + self.net1(self.norm1(f1))  # [N, 1]
+        log_alone, log_decode, f1 = self._log_alone(x, (logs, raw))
         shares_sms = (raw[:, 3:4] > 1.0 + 1e-6).to(x.dtype)
         f2 = torch.cat(
             [
@@ -265,18 +367,22 @@ class LatencyModel(nn.Module):
                 logs[:, 8:12],
                 raw[:, 1:3],
                 shares_sms,
-                log_alone,
+                log_decode,
                 logs[:, 6:7] - f1[:, 9:10],
             ],
             dim=1,
-        )  # == stage2_features(x, f1, exp(log_alone)), without the exp/log round trip
+        )  # == stage2_features(x, f1, exp(log_decode)), without the exp/log round trip
         gate = (raw[:, 4:5] > 0).to(x.dtype)
         log_colocated = log_alone + self.net2(self.norm2(f2)) * gate
         return torch.exp(log_alone).squeeze(-1), torch.exp(log_colocated).squeeze(-1)
 
     def fold_normalization(self) -> LatencyModel:
-        """Fold both normalisers into their nets' first layers (in place); returns self."""
-        for norm, net in ((self.norm1, self.net1), (self.norm2, self.net2)):
+        """Fold the normalisers into their nets' first layers (in place); returns self."""
+        for norm, net in (
+            (self.norm1, self.net1),
+            (self.normc, self.netc),
+            (self.norm2, self.net2),
+        ):
             if not norm.folded:
                 first = net[0]
                 assert isinstance(first, nn.Linear)

@@ -20,7 +20,11 @@ REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DATA = REPO / "predictor_models/data/profile-h200-llama3-8b-engine-5400aca-history.csv"
 DEFAULT_ROOT = REPO / "predictor_models/artifacts"
 QUICK = TrainConfig(
-    stage1_candidates=(((16,), 1e-4),), stage2_candidates=(((), 1e-1),), folds=2, steps=120
+    stage1_candidates=(((16,), 1e-4),),
+    chunk_candidates=(((), 1e-3),),
+    stage2_candidates=(((), 1e-1),),
+    folds=2,
+    steps=120,
 )
 """One candidate per stage: seconds instead of minutes (smoke runs and tests)."""
 

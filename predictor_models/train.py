@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_runtime.predictor.schema import STAGE1_FEATURES
+from gpu_runtime.predictor.schema import STAGE1_FEATURES, STAGE2_FEATURES
 from predictor_models.dataset import ProfileData, group_folds, split_by_config
 from predictor_models.model import LatencyModel
 from predictor_models.roofline import H200, Hardware, RooflineBaseline
@@ -27,9 +27,10 @@ class TrainConfig:
     """Settings of one training run.
 
     Attributes:
-        stage1_candidates, stage2_candidates: (hidden widths, L2 weight penalty) pairs tried
-            for each stage, simplest first; hidden ``()`` is a linear model (ridge, solved in
-            closed form).
+        stage1_candidates, chunk_candidates, stage2_candidates: (hidden widths, L2 weight
+            penalty) pairs tried for stage 1's decode-step network, its chunk-step network and
+            stage 2, simplest first; hidden ``()`` is a linear model (ridge, solved in closed
+            form).
             Stage 2 has far fewer rows (each costs a finetune co-run), hence stronger penalties.
         steps: L-BFGS iterations for an MLP.
         folds: cross-validation folds (over configuration buckets) for choosing candidates.
@@ -44,6 +45,11 @@ class TrainConfig:
         ((), 1e-4),
         ((16,), 1e-4),
         ((32, 32), 1e-4),
+    )
+    chunk_candidates: tuple[tuple[tuple[int, ...], float], ...] = (
+        ((), 1e-3),
+        ((8,), 1e-3),
+        ((16,), 1e-3),
     )
     stage2_candidates: tuple[tuple[tuple[int, ...], float], ...] = (
         ((), 1e-2),
@@ -124,30 +130,68 @@ def _fit_net(
     optimizer.step(closure)
 
 
+def engine_buckets(data: ProfileData) -> dict[str, tuple[int, ...]]:
+    """The profiled engine's decode and mixed-step token buckets (``LatencyModel`` keyword
+    arguments; the defaults when the profile has no ``engine`` record)."""
+    engine = data.meta.get("engine") or {}
+    out: dict[str, tuple[int, ...]] = {}
+    if engine.get("graph_batch_sizes"):
+        out["batch_buckets"] = tuple(int(b) for b in engine["graph_batch_sizes"])
+    if engine.get("mixed_cuda_graphs") and engine.get("mixed_graph_token_sizes"):
+        out["token_buckets"] = tuple(int(b) for b in engine["mixed_graph_token_sizes"])
+    return out
+
+
+def chunk_rows(data: ProfileData) -> np.ndarray:
+    """Rows of steps carrying prompt chunks (``LatencyModel.chunk_gate``)."""
+    return np.asarray(data.x[:, STAGE2_FEATURES.index("prefill_chunk_tokens")] > 0.5)
+
+
 def fit_model(
     data: ProfileData,
     stage1: Candidate,
     stage2: Candidate | None,
     cfg: TrainConfig,
     hw: Hardware = H200,
+    chunk: Candidate | None = None,
 ) -> LatencyModel:
-    """Fit stage 1 on stage-1 rows, then (unless ``stage2`` is None) stage 2 on stage-2 rows."""
+    """Fit stage 1's decode network on decode-only stage-1 rows and its chunk network (default
+    the first chunk candidate) on stage-1 rows with prompt chunks, then (unless ``stage2`` is
+    None) stage 2 on stage-2 rows."""
     torch.manual_seed(cfg.seed)
-    model = LatencyModel(data.shape, hw, stage1[0], stage2[0] if stage2 else ())
+    chunk = chunk or cfg.chunk_candidates[0]
+    model = LatencyModel(
+        data.shape,
+        hw,
+        stage1[0],
+        stage2[0] if stage2 else (),
+        chunk_hidden=chunk[0],
+        **engine_buckets(data),
+    )
     x = torch.tensor(data.x, dtype=torch.float32)
     y = torch.tensor(data.latency_ms, dtype=torch.float32)
-    s1 = torch.tensor(data.stage == 1)
+    is_chunk = chunk_rows(data)
+    s1 = torch.tensor((data.stage == 1) & ~is_chunk)
     if not bool(s1.any()):
-        raise ValueError("no stage-1 rows to train on")
+        raise ValueError("no decode-only stage-1 rows to train on")
     with torch.no_grad():
         f1, t_roof = model.stage1_features(x[s1])
         model.norm1.fit(f1)
         inputs1 = model.norm1(f1)
     _fit_net(model.net1, inputs1, torch.log(y[s1] / t_roof), stage1[1], cfg.steps)
+    sc = torch.tensor((data.stage == 1) & is_chunk)
+    if bool(sc.any()):
+        with torch.no_grad():
+            fc = model.chunk_features(x[sc])
+            _, t_roof_c = model.stage1_features(x[sc])
+            model.normc.fit(fc)
+            inputs_c = model.normc(fc)
+        _fit_net(model.netc, inputs_c, torch.log(y[sc] / t_roof_c), chunk[1], cfg.steps)
     s2 = torch.tensor(data.stage == 2)
     if stage2 is not None and bool(s2.any()):
         with torch.no_grad():
-            alone, f1 = model.alone(x[s2])
+            alone, f1 = model.alone(x[s2], decode_net_only=True)
+            predicted_alone = model.alone(x[s2])[0]
             f2 = model.stage2_features(x[s2], f1, alone)
             model.norm2.fit(f2)
             inputs2 = model.norm2(f2)
@@ -155,7 +199,7 @@ def fit_model(
         reference = torch.where(
             torch.tensor(np.isfinite(measured)),
             torch.tensor(np.nan_to_num(measured, nan=1.0), dtype=torch.float32),
-            alone,
+            predicted_alone,
         )
         _fit_net(model.net2, inputs2, torch.log(y[s2] / reference), stage2[1], cfg.steps)
     return model.eval()
@@ -196,19 +240,36 @@ def evaluate(
             "harli": error_metrics(pred[mask], data.latency_ms[mask]),
             "roofline": error_metrics(base, data.latency_ms[mask]),
         }
+    is_chunk = chunk_rows(data)
+    for kind, rows in (("decode", ~is_chunk), ("chunk", is_chunk)):
+        mask = (data.stage == 1) & rows
+        base = baseline.predict(x[torch.tensor(mask)], 1).numpy()
+        out[f"stage1_{kind}"] = {
+            "harli": error_metrics(pred[mask], data.latency_ms[mask]),
+            "roofline": error_metrics(base, data.latency_ms[mask]),
+        }
     return out
 
 
 def _cv_mape(
-    data: ProfileData, stage: int, stage1: Candidate, stage2: Candidate | None, cfg: TrainConfig
+    data: ProfileData,
+    stage: int,
+    stage1: Candidate,
+    stage2: Candidate | None,
+    cfg: TrainConfig,
+    chunk: Candidate | None = None,
+    kind: str | None = None,
 ) -> float:
+    """CV MAPE over ``stage``'s rows (``kind`` "decode" or "chunk": only those steps)."""
     errors: list[float] = []
     for train_idx, val_idx in group_folds(data, cfg.folds, cfg.seed):
         train, val = data.subset(train_idx), data.subset(val_idx)
-        if not np.any(val.stage == stage) or not np.any(train.stage == stage):
-            continue
-        model = fit_model(train, stage1, stage2, cfg)
         mask = val.stage == stage
+        if kind is not None:
+            mask &= chunk_rows(val) if kind == "chunk" else ~chunk_rows(val)
+        if not np.any(mask) or not np.any(train.stage == stage):
+            continue
+        model = fit_model(train, stage1, stage2, cfg, chunk=chunk)
         pred = predict(model, val.x[mask], val.stage[mask])
         errors.extend((np.abs(pred - val.latency_ms[mask]) / val.latency_ms[mask]).tolist())
     value = float(np.mean(errors)) if errors else float("inf")
@@ -228,18 +289,34 @@ def train(data: ProfileData, cfg: TrainConfig | None = None, hw: Hardware = H200
     cfg = cfg or TrainConfig()
     train_idx, test_idx = split_by_config(data, cfg.test_fraction, cfg.seed)
     train_set, test_set = data.subset(train_idx), data.subset(test_idx)
-    cv1 = {_name(c): _cv_mape(train_set, 1, c, None, cfg) for c in cfg.stage1_candidates}
+    cv1 = {
+        _name(c): _cv_mape(train_set, 1, c, None, cfg, kind="decode") for c in cfg.stage1_candidates
+    }
     stage1 = simplest_near_best(cfg.stage1_candidates, cv1, cfg.cv_tolerance)
+    has_chunks = bool(np.any((train_set.stage == 1) & chunk_rows(train_set)))
+    cvc = (
+        {
+            _name(c): _cv_mape(train_set, 1, stage1, None, cfg, chunk=c, kind="chunk")
+            for c in cfg.chunk_candidates
+        }
+        if has_chunks
+        else {}
+    )
+    chunk = (
+        simplest_near_best(cfg.chunk_candidates, cvc, cfg.cv_tolerance)
+        if has_chunks
+        else cfg.chunk_candidates[0]
+    )
     has_stage2 = bool(np.any(train_set.stage == 2))
     cv2 = (
-        {_name(c): _cv_mape(train_set, 2, stage1, c, cfg) for c in cfg.stage2_candidates}
+        {_name(c): _cv_mape(train_set, 2, stage1, c, cfg, chunk) for c in cfg.stage2_candidates}
         if has_stage2
         else {}
     )
     stage2 = (
         simplest_near_best(cfg.stage2_candidates, cv2, cfg.cv_tolerance) if has_stage2 else None
     )
-    model = fit_model(train_set, stage1, stage2, cfg, hw)
+    model = fit_model(train_set, stage1, stage2, cfg, hw, chunk)
     baseline = RooflineBaseline(data.shape, hw)
     x_train = torch.tensor(train_set.x, dtype=torch.float32)
     y_train = torch.tensor(train_set.latency_ms, dtype=torch.float32)
@@ -250,9 +327,13 @@ def train(data: ProfileData, cfg: TrainConfig | None = None, hw: Hardware = H200
     return TrainResult(
         model=model,
         baseline=baseline,
-        chosen={"stage1": _name(stage1), "stage2": _name(stage2) if stage2 else "none"},
+        chosen={
+            "stage1": _name(stage1),
+            "stage1_chunk": _name(chunk) if has_chunks else "none",
+            "stage2": _name(stage2) if stage2 else "none",
+        },
         metrics=evaluate(model, baseline, test_set),
-        cv={"stage1": cv1, "stage2": cv2},
+        cv={"stage1": cv1, "stage1_chunk": cvc, "stage2": cv2},
         n_train={f"stage{s}": int(np.sum(train_set.stage == s)) for s in (1, 2)},
         config=asdict(cfg),
     )

@@ -30,20 +30,26 @@ def data() -> ProfileData:
 
 
 def random_model(
-    data: ProfileData, stage1: tuple[int, ...], stage2: tuple[int, ...]
+    data: ProfileData,
+    stage1: tuple[int, ...],
+    stage2: tuple[int, ...],
+    chunk: tuple[int, ...] = (),
+    **buckets: tuple[int, ...],
 ) -> LatencyModel:
-    """Normalisers fitted on the profile's rows of each stage, every weight random."""
+    """Normalisers fitted on the profile's rows of each kind, every weight random."""
     torch.manual_seed(0)
-    model = LatencyModel(data.shape, H200, stage1, stage2)
+    model = LatencyModel(data.shape, H200, stage1, stage2, chunk_hidden=chunk, **buckets)
     x = torch.tensor(data.x, dtype=torch.float32)
     with torch.no_grad():
-        for net in (model.net1, model.net2):
+        for net in (model.net1, model.netc, model.net2):
             for p in net.parameters():
                 p.normal_(0.0, 0.3)
-        f1, _ = model.stage1_features(x[torch.tensor(data.stage == 1)])
+        s1 = x[torch.tensor(data.stage == 1)]
+        f1, _ = model.stage1_features(s1)
         model.norm1.fit(f1)
+        model.normc.fit(model.chunk_features(s1[s1[:, 4] > 0]))
         s2 = x[torch.tensor(data.stage == 2)]
-        alone, f1 = model.alone(s2)
+        alone, f1 = model.alone(s2, decode_net_only=True)
         model.norm2.fit(model.stage2_features(s2, f1, alone))
     return model.eval()
 
@@ -59,17 +65,34 @@ def optimized_nodes(path: Path, tmp_path: Path) -> list[str]:
     return [n.op_type for n in onnx.load(options.optimized_model_filepath).graph.node]
 
 
+DEPLOYMENT = {
+    "batch_buckets": (1, 2, 4, 8, 16, 24, 32, 48, 64),
+    "token_buckets": (64, 128, 256, 512),
+}
+
+
 @pytest.mark.parametrize(
-    ("stage1", "stage2", "max_nodes"), [((32, 32), (), 14), ((), (8,), 12), ((16,), (8, 8), 17)]
+    ("stage1", "stage2", "chunk", "max_nodes"),
+    [
+        ((32, 32), (), (), 14),
+        ((), (8,), (), 12),
+        ((16,), (8, 8), (), 17),
+        ((16,), (), (16,), 12),  # both stage-1 networks in one chain: no extra node
+        ((32, 32), (), (8,), 18),  # different depths: a chain each
+        ((), (), (8,), 12),
+    ],
 )
+@pytest.mark.parametrize("deployment", [False, True])
 def test_compact_graph_matches_torch_in_few_nodes(
     data: ProfileData,
     tmp_path: Path,
     stage1: tuple[int, ...],
     stage2: tuple[int, ...],
+    chunk: tuple[int, ...],
     max_nodes: int,
+    deployment: bool,
 ) -> None:
-    model = random_model(data, stage1, stage2)
+    model = random_model(data, stage1, stage2, chunk, **(DEPLOYMENT if deployment else {}))
     rows = roundtrip_rows(data.x)
     err = export_onnx(model, tmp_path / "model.onnx", rows)  # raises beyond 1e-5
     assert err <= 1e-5
