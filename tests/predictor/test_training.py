@@ -149,3 +149,61 @@ def test_model_choice_prefers_the_simplest_candidate_near_the_best() -> None:
     assert simplest_near_best(candidates, cv, 0.0) == ((32, 32), 1e-4)
     cv["mlp16@0.0001"] = 0.0320  # 6.7% worse: the best wins
     assert simplest_near_best(candidates, cv, 0.03) == ((32, 32), 1e-4)
+
+
+def synthetic_deployment(n: int, seed: int = 0) -> ProfileData:
+    """Stage-1 rows of a deployment with 24/48 decode buckets and mixed-step graphs: decode
+    steps cost by batch bucket and context, chunk steps by token bucket and share (a law the
+    features can express; checks the bucket steps and the chunk network, not the GPU)."""
+    rng = np.random.default_rng(seed)
+    batch_buckets, token_buckets = (1, 2, 4, 8, 16, 24, 32, 48, 64), (64, 128, 256, 512)
+    rows, latency = [], []
+    for _ in range(n):
+        batch = int(np.exp(rng.uniform(0, np.log(64))))
+        mean = float(np.exp(rng.uniform(np.log(32), np.log(2048))))
+        share = float(rng.choice([48, 64, 96, 132])) / 132
+        prefill = (
+            int(np.exp(rng.uniform(np.log(16), np.log(512 - batch)))) if rng.random() < 0.5 else 0
+        )
+        bucket = next(b for b in batch_buckets if b >= batch)
+        if prefill:
+            tokens = next(t for t in token_buckets if t >= batch + prefill)
+            ms = 6.0 + 0.03 * tokens / share + 1e-5 * batch * mean
+        else:
+            ms = 4.5 + 0.02 * bucket / share**0.3 + 2e-5 * batch * mean
+        rows.append(
+            DecodeIteration(batch, round(batch * mean), round(mean * 1.2), prefill, share).row()
+            + [0.0, 1.0, 1.0, 0.0, 0.0]
+        )
+        latency.append(ms * float(rng.uniform(0.99, 1.01)))
+    base = load_profile(DATA)
+    x = np.array(rows)
+    meta = {
+        **base.meta,
+        "engine": {
+            "graph_batch_sizes": list(batch_buckets),
+            "mixed_cuda_graphs": True,
+            "mixed_graph_token_sizes": list(token_buckets),
+        },
+    }
+    from predictor_models.dataset import config_group
+
+    group = np.array([config_group(r[0], r[2], r[4]) for r in x])
+    return ProfileData(x, np.array(latency), np.ones(n, dtype=int), group, meta, "0" * 64)
+
+
+def test_chunk_steps_get_their_own_network_over_the_deployments_buckets() -> None:
+    torch.set_num_threads(1)
+    data = synthetic_deployment(600)
+    cfg = TrainConfig(
+        stage1_candidates=(((16,), 1e-4),), chunk_candidates=(((16,), 1e-4),), folds=2, steps=200
+    )
+    result = train(data, cfg)
+    assert result.model.batch_buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64)
+    assert result.model.token_buckets == (64, 128, 256, 512)
+    assert result.chosen["stage1_chunk"] == "mlp16@0.0001"
+    for kind in ("stage1_decode", "stage1_chunk"):
+        metrics = result.metrics[kind]
+        assert metrics["harli"]["n"] > 20
+        assert metrics["harli"]["mape"] < 0.03, (kind, metrics)
+        assert metrics["harli"]["mape"] < metrics["roofline"]["mape"]
