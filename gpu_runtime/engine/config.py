@@ -51,6 +51,11 @@ class EngineConfig:
     `MixedPagedAttention` (decode rows in one batched call per layer, chunks via SDPA) and, on
     CUDA with the fused kernels, run the fused step eagerly; False keeps the per-sequence torch
     loop over the model's own forward. None: on with the triton backend."""
+    chunk_attention: str = "varlen"
+    """Attention of steps with prefill chunks under `mixed_batch_attention` on CUDA: "varlen"
+    (one Triton launch per layer for every token of the step, K/V read from the paged cache;
+    `attention/triton_varlen.py`) or "sdpa" (decode rows through the paged-decode kernel, each
+    chunk gathered and attended by SDPA: a dozen launches per chunk and layer)."""
     lora_expand_in_kernels: bool = True
     """With adapters on the fused CUDA path, add the q|k|v and gate|up LoRA expand terms inside
     the RoPE and SwiGLU kernels at small batches (fewer kernels) instead of separate expand
@@ -120,6 +125,8 @@ class EngineConfig:
             )
         if self.attention_backend == "triton" and not self.device.startswith("cuda"):
             raise EngineConfigError(f"attention_backend='triton' needs CUDA, device={self.device}")
+        if self.chunk_attention not in ("varlen", "sdpa"):
+            raise EngineConfigError(f"chunk_attention={self.chunk_attention!r} not in varlen, sdpa")
         if self.decode_blas_library not in (None, "cublas", "cublaslt"):
             raise EngineConfigError(
                 f"decode_blas_library={self.decode_blas_library!r} not in None, cublas, cublaslt"

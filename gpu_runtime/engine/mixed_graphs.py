@@ -179,8 +179,7 @@ class MixedStepGraphs:
         logits: torch.Tensor | None = None
         for index in range(self.num_layers + 1):
             if index > 0:
-                out = attention.attend(index - 1, self._q[:n])  # [n, H, D]
-                self._attn[:n].copy_(out.reshape(n, -1))
+                attention.attend(index - 1, self._q[:n], self._attn[:n].view(self._q[:n].shape))
             if graphs is not None:
                 graphs[index].replay()
             else:

@@ -339,14 +339,18 @@ class ModelRunner(StaticDecodeMixin):
         dev = self.device
         metadata = flat.metadata(self._table_cpu, dev)
         compute_dtype = torch.float32 if dev.type == "cpu" else None
-        decode_fn = None
+        decode_fn = varlen_fn = None
+        if self.use_triton and self.config.chunk_attention == "varlen":
+            from gpu_runtime.engine.attention.triton_varlen import triton_varlen_fn
+
+            varlen_fn = triton_varlen_fn(self.block_size)
         if self.use_triton:
             from gpu_runtime.engine.attention.triton_decode import paged_decode_fn
 
             rows = sum(1 for n in flat.query_lens if n == 1)
             kv_heads = self.model.config.num_key_value_heads
             decode_fn = paged_decode_fn(self.block_size, rows, kv_heads, self._num_sms)
-        return MixedPagedAttention(self.kv_cache, metadata, decode_fn, compute_dtype)
+        return MixedPagedAttention(self.kv_cache, metadata, decode_fn, compute_dtype, varlen_fn)
 
     def _mixed_graph_logits(
         self, order: list[tuple[str, int]], partition: Hashable

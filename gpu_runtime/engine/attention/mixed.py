@@ -5,7 +5,10 @@ chunk beside 32 decode rows that is ~33 gathers and SDPA calls per layer, hundre
 step on a GPU. Here the rows with one query token (decode rows, and a chunk's single last token)
 attend in one batched call per layer (`decode_fn`: the Triton paged-decode kernel on CUDA,
 `torch_paged_decode` elsewhere); only sequences with several query tokens (prefill chunks, few
-per step) go through gather + SDPA. `attend` assumes this step's K/V are already in the cache
+per step) go through gather + SDPA. With a `varlen_fn` (on CUDA: the Triton kernel of
+`triton_varlen.py`), a step with chunks instead attends in one launch per layer for all its
+tokens, reading K/V from the paged cache (`varlen.py`); per chunk and layer, the SDPA path
+launches a dozen kernels from Python. `attend` assumes this step's K/V are already in the cache
 (the fused RoPE kernel writes them); `__call__` writes them first (an `AttentionFn`).
 """
 
@@ -17,6 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
+from gpu_runtime.engine.attention.varlen import (
+    VarlenTiles,
+    build_varlen_tiles,
+    varlen_attention_reference,
+    varlen_block_q,
+)
 from gpu_runtime.engine.kv_cache import PagedKVCache
 
 DecodeFn = Callable[
@@ -24,6 +33,44 @@ DecodeFn = Callable[
 ]
 """`(q [B, H, D], key_cache, value_cache, block_tables [B, W] int32, seq_lens [B] int32) ->
 [B, H, D]`: one query per sequence over its paged context (K/V already written)."""
+
+VarlenFn = Callable[
+    [
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        torch.Tensor,
+        VarlenTiles,
+        torch.Tensor,
+        torch.Tensor,
+    ],
+    torch.Tensor,
+]
+"""`(q [T, H, D], key_cache, value_cache, block_tables [B, W] int32, seq_lens [B] int32, tiles,
+tiles on the device (`tiles.packed()`, int32), out [T, H, D]) -> out`: every query token of a
+step over its paged context in one call (see `varlen.py`)."""
+
+
+def reference_varlen_fn(block_size: int) -> VarlenFn:
+    """A `VarlenFn` in plain torch (`varlen_attention_reference`; CPU tests)."""
+
+    def attend(
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        tiles: VarlenTiles,
+        tiles_device: torch.Tensor,
+        out: torch.Tensor,
+    ) -> torch.Tensor:
+        del tiles_device
+        return varlen_attention_reference(
+            q, key_cache, value_cache, block_tables, seq_lens, tiles, block_size, out
+        )
+
+    return attend
 
 
 def torch_paged_decode(
@@ -72,6 +119,8 @@ class MixedPagedAttention:
 
     decode_fn: for the single-query rows; `None` uses `torch_paged_decode`.
     compute_dtype: dtype of the torch math (fp32 on CPU; None keeps the input dtype).
+    varlen_fn: when given, a step that is not decode-only attends through it, all tokens at
+    once (decode_fn then serves decode-only steps only).
     """
 
     def __init__(
@@ -80,6 +129,7 @@ class MixedPagedAttention:
         metadata: AttentionMetadata,
         decode_fn: DecodeFn | None = None,
         compute_dtype: torch.dtype | None = None,
+        varlen_fn: VarlenFn | None = None,
     ) -> None:
         query_lens, seq_lens = metadata.query_lens_host, metadata.seq_lens_host
         if query_lens is None or seq_lens is None:
@@ -108,6 +158,12 @@ class MixedPagedAttention:
         self.all_decode = len(decode_rows) == len(query_lens) == start
         self.max_decode_len = max((seq_lens[r] for r in decode_rows), default=0)
         self.decode_fn = decode_fn
+        self.varlen_fn = None if self.all_decode else varlen_fn
+        self._tiles: tuple[VarlenTiles, torch.Tensor] | None = None
+        self.num_decode = len(decode_rows)
+        self._chunk_slots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
+        if self.varlen_fn is not None:
+            return  # tiles built at the first `attend` (they need the query heads)
         if self.all_decode:
             self.decode_tables = metadata.block_tables
             self.decode_lens = metadata.seq_lens
@@ -116,10 +172,8 @@ class MixedPagedAttention:
             self.decode_token_index = torch.tensor(decode_tokens, device=dev)
             self.decode_tables = metadata.block_tables.index_select(0, rows)
             self.decode_lens = metadata.seq_lens.index_select(0, rows)
-        self.num_decode = len(decode_rows)
         # per chunk, once per step (every layer reuses them): the cache slot (block, offset)
         # of each context token and, for a chunk after a prefix, its causal mask
-        self._chunk_slots: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = []
         block_size = cache.block_size
         for row, _, count, length in self.chunks:
             positions = torch.arange(length, device=dev)
@@ -140,8 +194,43 @@ class MixedPagedAttention:
             q, key_cache, value_cache, self.decode_tables, self.decode_lens, self.max_decode_len
         )
 
-    def attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
-        """q `[T, H, D]` (this step's K/V already in the cache) -> `[T, H, D]`."""
+    def _varlen(self, layer_idx: int, q: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        assert self.varlen_fn is not None
+        if self._tiles is None:
+            meta = self.metadata
+            assert meta.query_lens_host is not None
+            group = q.shape[1] // self.cache.num_kv_heads
+            tiles = build_varlen_tiles(meta.query_lens_host, varlen_block_q(group))
+            packed = torch.from_numpy(tiles.packed())
+            if meta.seq_lens.device.type == "cuda":
+                packed = packed.pin_memory().to(meta.seq_lens.device, non_blocking=True)
+            self._tiles = (tiles, packed)
+        tiles, packed = self._tiles
+        return self.varlen_fn(
+            q,
+            self.cache.key_caches[layer_idx],
+            self.cache.value_caches[layer_idx],
+            self.metadata.block_tables,
+            self.metadata.seq_lens,
+            tiles,
+            packed,
+            torch.empty_like(q) if out is None else out,
+        )
+
+    def attend(
+        self, layer_idx: int, q: torch.Tensor, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """q `[T, H, D]` (this step's K/V already in the cache) -> `[T, H, D]`, written into
+        `out` when given (returned either way)."""
+        if self.varlen_fn is not None:
+            return self._varlen(layer_idx, q, out)
+        result = self._attend(layer_idx, q)
+        if out is None:
+            return result
+        out.copy_(result)
+        return out
+
+    def _attend(self, layer_idx: int, q: torch.Tensor) -> torch.Tensor:
         if self.all_decode:
             return self._decode(layer_idx, q.contiguous())
         out = torch.empty_like(q)

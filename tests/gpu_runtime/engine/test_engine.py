@@ -161,6 +161,8 @@ def test_bad_requests_and_configs_are_rejected(tiny_llama: CausalLM) -> None:
         _config(decode_skinny_gemm_rows=65)
     with pytest.raises(EngineConfigError, match=r"unknown \['lm_head'\]"):
         _config(decode_skinny_gemm_projections=("o", "lm_head"))
+    with pytest.raises(EngineConfigError, match="chunk_attention='flash'"):
+        _config(chunk_attention="flash")
 
 
 def test_mixed_graph_token_buckets() -> None:
