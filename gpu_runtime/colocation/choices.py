@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpu_runtime.colocation.estimates import PrefillMix, QuantumDurations
+from gpu_runtime.colocation.estimates import LaunchOverhead, PrefillMix, QuantumDurations
 from gpu_runtime.colocation.predictor import (
     DecodeLatencyModel,
     Pair,
@@ -54,6 +54,7 @@ class HarliChoices:
     latency: DecodeLatencyModel
     config: HarliConfig
     durations: QuantumDurations
+    launch_overhead: LaunchOverhead
     slice_costs: SliceCosts
     _slice_states: dict[str, SliceState]
     _prefill: PrefillMix
@@ -93,23 +94,26 @@ class HarliChoices:
         bound: float,
         typical_alone: float,
     ) -> float | None:
-        """Predicted TPOT of the coming iteration with a ``tokens``-token quantum beside decode
-        on ``share`` of the SMs, or None when the choice is unsafe.
+        """Predicted TPOT of the coming iteration with a ``tokens``-token quantum launched
+        beside decode on ``share`` of the SMs (the launch's own cost, ``launch_overhead``,
+        included), or None when the choice is unsafe.
 
         The quantum holds this split for its whole duration, and a request's TPOT is a mean
         over many iterations: the typical iteration while it runs (the queue joined, the recent
         mix of chunk and pure decode steps) must stay under the bound, this one under the SLO,
-        and every running request, its remaining tokens at that typical iteration, must end
-        under the bound (:meth:`_running_keep_slo`)."""
+        and every running request, its remaining tokens at that typical iteration and the
+        launch's cost in one gap, must end under the bound (:meth:`_running_keep_slo`)."""
         memo = self._plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         key = (share, 0 if size_free else tokens)
         if key not in memo:
             self._prefetch(ctx, job, [share], [tokens])
         predicted, expected = memo[key]
+        launch = self.launch_overhead.ms
+        predicted += launch
         if expected > bound or predicted > ctx.tpot_slo_ms:
             return None
-        if not self._running_keep_slo(ctx, bound, expected, typical_alone):
+        if not self._running_keep_slo(ctx, bound, expected, typical_alone, once=launch):
             return None
         return predicted
 

@@ -32,6 +32,11 @@ When decode is idle, a quantum is planned as if one request had just arrived (on
 shared on the whole device), so a request that does arrive while the quantum runs still meets
 the SLO.
 
+An iteration that launches a quantum costs more than one with the quantum already in flight (the
+launch's host work, the quantum's first kernels): that extra, learnt from launch iterations
+(``LaunchOverhead``), is added to the coming iteration's prediction and to one gap of every
+running request.
+
 While a quantum is in flight its SMs are taken: the policy only picks the decode split with the
 lowest predicted TPOT given that quantum (no new launch).
 
@@ -50,6 +55,7 @@ from typing import Any
 from gpu_runtime.colocation.baselines import memory_cap_tokens
 from gpu_runtime.colocation.choices import Choice, HarliChoices
 from gpu_runtime.colocation.estimates import (
+    LaunchOverhead,
     MarginTracker,
     PrefillMix,
     QuantumDurations,
@@ -154,6 +160,8 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self.config = config or HarliConfig()
         self.margins = MarginTracker(self.config)
         self.durations = QuantumDurations(self.config.prior_quantum_overhead_ms)
+        self.launch_overhead = LaunchOverhead(self.config.error_smoothing)
+        self._launch_ms_planned: float | None = None
         self.slice_costs = SliceCosts(
             self.config.slice_call_ms,
             self.config.slice_forward_layer_ms,
@@ -171,6 +179,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
     # ---- planning -----------------------------------------------------------------------
     def plan(self, ctx: IterationContext) -> IterationPlan:
         self.decisions += 1
+        self._launch_ms_planned = None
         self._worst_running = ctx.worst_running_tpot_ms
         self._slo_ms = ctx.tpot_slo_ms
         for job in ctx.jobs:
@@ -241,6 +250,8 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             self._slice_launch[job.job_id] = (key, best.mode, best.slice_base_ms)
         share = 1.0 if not total or best.decode_sms is None else best.decode_sms / total
         solo = self.latency.predict_ms(decode_iteration(ctx.decode, share), None)
+        whole_beside = best.mode is LaunchMode.CONCURRENT and best.max_layers is None
+        self._launch_ms_planned = self.launch_overhead.ms if whole_beside and not idle else None
         return IterationPlan(
             best.decode_sms,
             (launch,),
@@ -294,13 +305,16 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             key = None if quantum.mode is LaunchMode.AFTER_DECODE else quantum.decode_sms
             self.durations.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
         busy = record.decode_batch or record.prefill_tokens
+        launch_ms = self._launch_ms_planned  # this iteration launched a whole quantum beside
+        if busy and launch_ms is not None and record.predicted_ms is not None:
+            self.launch_overhead.observe(record.predicted_ms - launch_ms, record.iteration_ms)
         if busy and record.predicted_ms is not None and self._slo_ms is not None:
             slo = self._slo_ms
             breached = any(f.tpot_ms is not None and f.tpot_ms > slo for f in record.finished)
             breached |= self._worst_running is not None and self._worst_running > slo
             self.margins.observe(record.predicted_ms, record.iteration_ms, slo, breached)
         learn = getattr(self.latency, "observe_record", None)  # models that learn online
-        if learn is not None:
+        if learn is not None and launch_ms is None:  # (a launch's extra is launch_overhead's)
             job = self._jobs.get(record.quanta[0].job_id) if record.quanta else None
             seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
             learn(record, seq_len, rank)

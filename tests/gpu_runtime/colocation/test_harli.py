@@ -322,3 +322,34 @@ def test_typical_iteration_mixes_chunk_steps_and_pure_decode_steps() -> None:
     expected = kinds[0][0] * alone[0] + kinds[1][0] * alone[1]
     assert policy.typical_ms(decode, 1.0, None) == pytest.approx(expected)
     assert expected < 0.5 * alone[1]
+
+
+def test_launch_iterations_teach_their_extra_cost_to_the_coming_prediction() -> None:
+    policy = HarliPolicy(MODEL, HarliConfig(allow_slice=False))
+    decode = DecodeSnapshot.from_contexts([512] * 16)
+    slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 3.0
+    first = policy.plan(context(decode, slo))
+    assert first.launches and first.predicted_ms is not None
+    assert policy.launch_overhead.ms == 0.0
+    for _ in range(4):  # every launch iteration took 3 ms more than the model's prediction
+        included = policy.launch_overhead.ms
+        plan = policy.plan(context(decode, slo))
+        assert plan.launches and plan.predicted_ms is not None
+        policy.observe(record(plan, decode, plan.predicted_ms - included + 3.0))
+        # ...and an iteration with the quantum in flight took what was predicted: not a launch
+        flight = InFlightQuantum("job", plan.launches[0].max_tokens, plan.decode_sms, 0.0)
+        in_flight = policy.plan(context(decode, slo, in_flight=flight))
+        assert not in_flight.launches and in_flight.predicted_ms is not None
+        policy.observe(record(in_flight, decode, in_flight.predicted_ms))
+    assert policy.launch_overhead.ms == pytest.approx(3.0, abs=1e-9)
+    again = policy.plan(context(decode, slo))
+    assert again.launches and again.predicted_ms is not None
+    assert again.decode_sms is not None and first.decode_sms is not None
+    # The first split's launch iteration would now go over the SLO: decode gets more SMs.
+    assert first.predicted_ms + 3.0 > slo and again.decode_sms > first.decode_sms
+    tokens = again.launches[0].max_tokens
+    expected = _predicted(decode, again.decode_sms, LaunchMode.CONCURRENT, tokens) + 3.0
+    assert again.predicted_ms == pytest.approx(expected) and again.predicted_ms <= slo
+    # Predictions that include the overhead no longer count it again.
+    policy.observe(record(again, decode, again.predicted_ms))
+    assert policy.launch_overhead.ms == pytest.approx(3.0, abs=1e-9)
