@@ -545,6 +545,14 @@ def main(argv: list[str] | None = None) -> int:
         help="pool of the phases with a job: decode_only's KV peak + the low watermark + this "
         "(default: --pool-gib for every phase)",
     )
+    tr.add_argument(
+        "--decode-only-kv-peak-blocks",
+        type=int,
+        default=None,
+        help="decode's KV peak alone on this trace, from an earlier run (its decode_only "
+        "kv_peak_blocks): used for --job-pool-extra-gib and --plan-peak-prior when the "
+        "decode_only phase does not run",
+    )
     tr.add_argument("--ft-seq-len", type=int, default=512)
     tr.add_argument("--max-examples", type=int, default=4, help="most examples per quantum")
     tr.add_argument(

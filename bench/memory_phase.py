@@ -19,10 +19,17 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections import Counter
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-from bench.memory_sizing import QuantumSizing, budgeted_policy, lora_trainer, warm_sizes
+from bench.memory_sizing import (
+    QuantumSizing,
+    budgeted_policy,
+    captured_shapes,
+    lora_trainer,
+    warm_sizes,
+)
 
 GIB = 1 << 30
 PAGE = 2 << 20
@@ -177,9 +184,13 @@ class _Phase:
     def _loop(self, model: Any, pool: Any) -> tuple[Any, Any]:
         from gpu_runtime.colocation import HostLoop
 
+        def captured() -> set[int]:
+            job = getattr(self, "job", None)
+            return set() if job is None else captured_shapes(job.trainer)
+
         loop = HostLoop(
             self.engine,
-            budgeted_policy(self.sizing, self.decode_sms),
+            budgeted_policy(self.sizing, self.decode_sms, captured),
             tpot_slo_ms=1e9,
             sharing=self.sharing,
             memory=self.memory,
@@ -239,6 +250,10 @@ class _Phase:
             torch.cuda.empty_cache()  # the eager warm-up's activations; graphs keep theirs
         split = memory.manager.split()
         out["finetune_reserved_gib"] = round(split.finetune_reserved_bytes / GIB, 2)
+        # Every captured shape replays in what finetuning holds now (one shared graph pool):
+        # while it is held and within the plan, the sizing runs the largest of them.
+        for examples in captured_shapes(job.trainer):
+            self.sizing.record_capture(examples, split.finetune_reserved_bytes)
         return out
 
     def _graph_counts(self) -> dict[str, int]:
@@ -465,6 +480,13 @@ class _Phase:
                 sum(q.tokens for q in good) / len(good) if good else 0.0
             ),
             "finetune_quantum_ms_p50": pct([q.duration_ms for q in good], 50),
+            # tokens per quantum -> quanta (which shapes ran, how often)
+            "finetune_quantum_tokens": {
+                str(k): v for k, v in sorted(Counter(q.tokens for q in good).items())
+            },
+            "finetune_footprints_gib": {
+                str(k): round(v / GIB, 2) for k, v in sorted(self.sizing.footprints.items())
+            },
             "finetune_paused_iterations": sum(1 for r in records if r.paused),
             "finetune_errors": self.errors,
             "finetune_graphs": self._graph_state(),

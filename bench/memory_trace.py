@@ -170,9 +170,10 @@ def trace_benchmark(args: Any) -> Path:
     if unknown:
         raise ValueError(f"unknown phases {sorted(unknown)}; expected some of {PHASES}")
     plan["pool_gib"] = {}
+    block_bytes = plan["cpu_page_bytes"] // (2 if device.type == "cuda" else 1)
     for name in phases:
         if name in JOB_PHASES and args.job_pool_extra_gib is not None:
-            plan["pool_gib"][name] = job_pool_gib(args, rows)
+            plan["pool_gib"][name] = job_pool_gib(args, rows, block_bytes=block_bytes)
         if name == "unified":
             plan["plan_peak_prior_blocks"] = _peak_prior_blocks(args, rows)
         if name == "static_split":
@@ -214,24 +215,39 @@ def _headroom_floor(args: Any) -> int:
     return int(args.reserve_low_pages + MemoryPolicyConfig().max_waiting_pages)
 
 
+def _decode_alone_peak_blocks(args: Any, rows: list[dict[str, Any]]) -> int | None:
+    """Decode's KV peak alone on this trace, in blocks: the `decode_only` phase of this run,
+    else `--decode-only-kv-peak-blocks` (from an earlier run of the same trace), else None."""
+    alone = [r for r in rows if r.get("policy") == "decode_only" and "kv_peak_blocks" in r]
+    if alone:
+        return int(alone[0]["kv_peak_blocks"])
+    given = getattr(args, "decode_only_kv_peak_blocks", None)
+    return None if given is None else int(given)
+
+
 def _peak_prior_blocks(args: Any, rows: list[dict[str, Any]]) -> int:
-    """With `--plan-peak-prior decode_only`: decode's KV peak in the `decode_only` phase of
-    this run (the same trace), as the first observation of the unified plan's peak window
-    (what a host would carry over from its history); 0 otherwise."""
+    """With `--plan-peak-prior decode_only`: decode's KV peak alone on the same trace (the
+    `decode_only` phase, or `--decode-only-kv-peak-blocks`), as the first observation of the
+    unified plan's peak window (what a host would carry over from its history); 0
+    otherwise."""
     if args.plan_peak_prior != "decode_only" or not args.plan_peak_window:
         return 0
-    alone = [r for r in rows if r.get("policy") == "decode_only" and "kv_peak_blocks" in r]
-    return int(alone[0]["kv_peak_blocks"]) if alone else 0
+    return _decode_alone_peak_blocks(args, rows) or 0
 
 
-def job_pool_gib(args: Any, rows: list[dict[str, Any]]) -> float:
-    """Pool of the phases with a job under `--job-pool-extra-gib`: `decode_only`'s KV peak
-    plus the low watermark plus the extra, in whole GiB (`--pool-gib` at most; `--pool-gib`
-    when `decode_only` did not run)."""
+def job_pool_gib(args: Any, rows: list[dict[str, Any]], *, block_bytes: int = PAGE) -> float:
+    """Pool of the phases with a job under `--job-pool-extra-gib`: decode's KV peak alone
+    (`decode_only`'s, else `--decode-only-kv-peak-blocks` blocks of `block_bytes`) plus the
+    low watermark plus the extra, in whole GiB (`--pool-gib` at most; `--pool-gib` when
+    neither is known)."""
     alone = [r for r in rows if r.get("policy") == "decode_only" and "kv_peak_gb" in r]
-    if not alone:
-        return float(args.pool_gib)
-    peak_gib = alone[0]["kv_peak_gb"] * 1e9 / GIB
+    if alone:
+        peak_gib = alone[0]["kv_peak_gb"] * 1e9 / GIB
+    else:
+        blocks = _decode_alone_peak_blocks(args, rows)
+        if blocks is None:
+            return float(args.pool_gib)
+        peak_gib = blocks * block_bytes / GIB
     reserve_gib = args.reserve_low_pages * PAGE / GIB
     return float(min(math.ceil(peak_gib + reserve_gib + args.job_pool_extra_gib), args.pool_gib))
 

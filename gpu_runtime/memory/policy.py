@@ -289,11 +289,23 @@ class MemoryManager:
 
     def finetune_plan_bytes(self) -> int:
         """Bytes the next quantum should plan to peak at: the budget less
-        `reclaim_headroom_pages`. A finetune side that stays within it keeps its allocator
-        below the budget the next reclaim leaves, so that reclaim needs no cache flush (on
-        CUDA a flush waits for the device, frees every cached segment and drops the trainers'
-        CUDA graphs: the one costly part of a reclaim)."""
-        return (self.pool.finetune_pages - self.reclaim_headroom_pages()) * self.pool.page_bytes
+        `reclaim_headroom_pages`, but never less than what the finetune allocator already
+        holds while that is within the budget. A finetune side that stays within the budget
+        less the headroom keeps its allocator below the budget the next reclaim leaves, so
+        that reclaim needs no cache flush (on CUDA a flush waits for the device, frees every
+        cached segment and drops the trainers' CUDA graphs: the one costly part of a
+        reclaim). Memory the allocator already holds goes back only by such a flush, whatever
+        the next quantum's size, so planning below it frees nothing: a quantum that fits in it
+        (e.g. the replay of a CUDA graph already captured, whose private pool is held) adds
+        nothing a reclaim would have to flush. Held memory above the budget (a flush is
+        pending) does not count."""
+        pages = self.pool.finetune_pages - self.reclaim_headroom_pages()
+        # Its pools' reserved bytes only: the live figure is process-wide on CUDA
+        # (decode's live growth would count).
+        held = -(-self.pool.backend.finetune_reserved_bytes() // self.pool.page_bytes)
+        if held <= self.pool.finetune_pages:
+            pages = max(pages, held)
+        return pages * self.pool.page_bytes
 
     def busy_spare_pages(self, promised_bytes: int | None) -> int:
         """Budget pages a reclaim may take while a quantum runs, without waiting for it or

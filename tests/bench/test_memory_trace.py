@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from bench.memory_phase import median_ci, slowest_iterations
-from bench.memory_sizing import QuantumSizing, warm_sizes
+from bench.memory_sizing import QuantumSizing, captured_shapes, warm_sizes
 from bench.memory_trace import _peak_prior_blocks, job_pool_gib, trace_comparisons
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -43,6 +43,35 @@ def test_warm_up_runs_one_example_twice_then_each_power_of_two_that_fits() -> No
     assert warm_sizes(sizing, 120 * MIB, 100) == [1, 1]
     assert warm_sizes(sizing, 500 * MIB, 100) == [1, 1, 2, 4]  # 4.5 examples fit
     assert warm_sizes(sizing, 10_000 * MIB, 100) == [1, 1, 2, 4, 8]  # capped at 8
+
+
+def test_a_captured_shape_runs_when_what_its_capture_left_held_fits_the_plan() -> None:
+    # 1 MiB per token, 100 tokens per example, nothing resident, safety 0.9: the estimate
+    # asks 223 MiB for 2 examples; the capture of 1 and 2 examples left 190 MiB held.
+    sizing = QuantumSizing(0, float(MIB), max_examples=4)
+    assert sizing.tokens(200 * MIB, 100) == 100  # the estimate alone: 1 example
+    sizing.record_capture(2, 190 * MIB)
+    sizing.record_capture(1, 190 * MIB)
+    assert sizing.tokens(200 * MIB, 100, captured={1, 2}) == 200
+    assert sizing.tokens(190 * MIB, 100, captured={1, 2}) == 200
+    assert sizing.tokens(180 * MIB, 100, captured={1, 2}) == 100  # not held within it
+    assert sizing.tokens(200 * MIB, 100, captured={1}) == 100  # graphs dropped: estimate
+    assert sizing.tokens(200 * MIB, 100, captured=set()) == 100
+    assert sizing.tokens(500 * MIB, 100, captured={1, 2}) == 400  # the estimate is larger
+    sizing.record_capture(4, 10 * MIB)
+    assert QuantumSizing(0, float(MIB), max_examples=2).tokens(50 * MIB, 100) == 0
+    capped = QuantumSizing(0, float(MIB), max_examples=2)
+    capped.footprints[4] = 10 * MIB
+    assert capped.tokens(50 * MIB, 100, captured={4}) == 0  # above max_examples
+
+
+def test_captured_shapes_are_the_rows_of_the_held_graph_keys() -> None:
+    keys = [SimpleNamespace(rows=2, seq_len=512), SimpleNamespace(rows=1, seq_len=512)]
+    graphs = SimpleNamespace(disabled=None, keys=lambda: keys)
+    assert captured_shapes(SimpleNamespace(graphs=graphs)) == {1, 2}
+    assert captured_shapes(SimpleNamespace(graphs=None)) == set()
+    off = SimpleNamespace(disabled="capture failed", keys=lambda: keys)
+    assert captured_shapes(SimpleNamespace(graphs=off)) == set()
 
 
 def test_comparisons_between_phases() -> None:
@@ -88,6 +117,11 @@ def test_the_job_phases_pool_is_decode_alones_peak_plus_reserve_plus_extra() -> 
     assert job_pool_gib(args, [{"policy": "unified", "kv_peak_gb": 1.0}]) == 56.0
     big = {"policy": "decode_only", "kv_peak_gb": 60.0}
     assert job_pool_gib(args, [big]) == 56.0  # never above --pool-gib
+    # Without decode_only: its peak from an earlier run (M1: 7638 blocks of 2 MiB -> 29 GiB)
+    given = SimpleNamespace(**vars(args), decode_only_kv_peak_blocks=7638)
+    assert job_pool_gib(given, []) == 29.0
+    assert job_pool_gib(given, [], block_bytes=1 << 20) == 21.0  # 7.46 + 1.5 + 12
+    assert job_pool_gib(given, [alone]) == 24.0  # this run's decode_only first
 
 
 def test_the_unified_peak_prior_is_decode_alones_kv_peak_when_asked() -> None:
@@ -95,6 +129,9 @@ def test_the_unified_peak_prior_is_decode_alones_kv_peak_when_asked() -> None:
     on = SimpleNamespace(plan_peak_prior="decode_only", plan_peak_window=256)
     assert _peak_prior_blocks(on, rows) == 321
     assert _peak_prior_blocks(on, []) == 0
+    given = SimpleNamespace(**vars(on), decode_only_kv_peak_blocks=7638)
+    assert _peak_prior_blocks(given, []) == 7638
+    assert _peak_prior_blocks(given, rows) == 321
     assert (
         _peak_prior_blocks(SimpleNamespace(plan_peak_prior="none", plan_peak_window=256), rows) == 0
     )
@@ -157,6 +194,9 @@ def test_three_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
             assert row["finetune_quanta"] == 0 and row["mean_borrowed_gb"] == 0.0
         else:
             assert row["finetune_quanta"] > 0 and row["finetune_warmup"]["quanta"]
+            quanta = row["finetune_quantum_tokens"]
+            assert sum(quanta.values()) == row["finetune_quanta"] - len(row["finetune_errors"])
+            assert row["finetune_footprints_gib"] == {}  # no CUDA graphs on CPU
     assert "decode_iter_ms_p50_ratio_unified_over_decode_only" in result["comparisons"]
     assert result["config"]["phases"] == "decode_only,decode_only_split,unified,static_split"
     # the job phases' pool from decode_only's KV peak, capped at --pool-gib

@@ -384,10 +384,12 @@ def test_quanta_planned_below_the_reclaim_headroom_make_most_reclaims_flush_free
     assert counters.urgent_flushes == 1 and counters.deferred_flushes == 5
     assert counters.finetune_shrinks == 2
     # Planned below 3 intervals of the largest growth (6 pages): the same first flush (no
-    # growth seen yet, no headroom), then the cache sits 6 pages under the budget and every
-    # later reclaim of 2 pages is a cap change.
+    # growth seen yet, no headroom: the cache holds all 60 pages, and until that flush the
+    # plan is what it holds, since planning below it would free nothing), then the cache sits
+    # 6 pages under the budget and every later reclaim of 2 pages is a cap change; the
+    # quanta keep planning for the 46 pages held (the budget less the headroom is 44, 42).
     plans, flushes, manager = run(3)
-    assert plans == [60, 54, 54, 46, 44, 42] and flushes == 1
+    assert plans == [60, 60, 60, 46, 46, 46] and flushes == 1
     assert manager.counters.urgent_flushes == 1 and manager.counters.finetune_shrinks == 5
     assert manager.reclaim_headroom_pages() == 6
     # A static split never reclaims: nothing is held back.
@@ -504,3 +506,37 @@ def test_with_a_peak_window_quanta_are_planned_beside_decodes_recent_peak() -> N
     assert manager.reclaim_headroom_pages() == 0
     with pytest.raises(ValueError, match="plan_peak_window"):
         MemoryPolicyConfig(plan_peak_window=-1)
+
+
+def test_the_plan_never_falls_below_what_finetune_already_holds_within_its_budget() -> None:
+    # The peak term keeps 20 pages out of the plan; the allocator then holds 30 pages (a
+    # graph pool captured in a quiet spell): planning below them frees nothing without a
+    # flush, so the plan is what is held while that is within the budget.
+    manager, pool = _manager(
+        num_pages=64, grow_hold_iterations=0, plan_peak_window=3, plan_peak_prior_blocks=20
+    )
+    manager.set_finetune_demand(60 * PAGE)
+    manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
+    assert manager.finetune_plan_bytes() == 40 * PAGE
+    manager.finetune_quantum_done(peak_bytes=45 * PAGE, resident_bytes=2 * PAGE)
+    assert pool.backend.finetune_reserved_bytes() == 45 * PAGE
+    assert manager.reclaim_headroom_pages() == 20  # decode's expected reclaims: unchanged
+    assert manager.finetune_plan_bytes() == 45 * PAGE
+    # Decode takes back the 15 pages beyond what is held (a cap change): the plan stays at
+    # what is held, the budget.
+    manager.before_step(DecodeDemand(used_blocks=4, next_step_blocks=15))
+    assert pool.finetune_pages == 45 and len(manager.counters.flush_latency) == 0
+    assert manager.finetune_plan_bytes() == 45 * PAGE
+    # Decode needs more: the urgent reclaim flushes (the cache goes), and the plan is the
+    # budget less the headroom again.
+    manager.before_step(DecodeDemand(used_blocks=19, next_step_blocks=4))
+    assert len(manager.counters.flush_latency) == 1
+    assert pool.backend.finetune_reserved_bytes() == 2 * PAGE
+    plan = manager.finetune_plan_bytes() // PAGE
+    assert plan == pool.finetune_pages - manager.reclaim_headroom_pages() < pool.finetune_pages
+    # Under a static split nothing is kept out: the plan is the budget.
+    manager, pool = _manager(num_pages=64, grow_hold_iterations=0, reclaim_from_finetune=False)
+    manager.set_finetune_demand(60 * PAGE)
+    manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
+    manager.finetune_quantum_done(peak_bytes=10 * PAGE, resident_bytes=PAGE)
+    assert manager.finetune_plan_bytes() == pool.finetune_budget_bytes == 60 * PAGE
