@@ -1,0 +1,143 @@
+"""The finetune side of the memory policy: the budget a quantum reads and plans for (the plan
+headroom beside decode's expected reclaims, what finetune already holds), what a reclaim may
+take while a quantum runs, finetune's demand and quantum accounting, and the moves of budget
+to and from finetuning (lending idle pages, returning budget above the demand).
+`FinetuneBudgetMixin` is a base of `MemoryManager` (`gpu_runtime.memory.policy`); it logs on
+the policy's logger."""
+
+from __future__ import annotations
+
+import logging
+
+from gpu_runtime.memory.layout import FinetuneBudgetExceeded
+from gpu_runtime.memory.moves import PageMovesMixin
+
+logger = logging.getLogger("gpu_runtime.memory.policy")
+
+
+class FinetuneBudgetMixin(PageMovesMixin):
+    """Finetuning's budget over the pool; the state is `MemoryManager`'s."""
+
+    @property
+    def finetune_budget_bytes(self) -> int:
+        """Bytes the next finetune quantum may peak at (live state included)."""
+        return self.pool.finetune_budget_bytes
+
+    def reclaim_headroom_pages(self) -> int:
+        """Budget pages decode is expected to take back soon, beyond the free pages: see
+        `DecodeHistory.headroom_pages` (recent growth times `plan_headroom_intervals`, the floor
+        `plan_headroom_min_pages`, decode's recent peak with `plan_peak_window`). 0 under a
+        static split (nothing is ever reclaimed)."""
+        cfg = self.config
+        if not cfg.reclaim_from_finetune or cfg.plan_headroom_intervals == 0:
+            return 0
+        pages = self._round_up(self._history.headroom_pages(self.pool.kv_prefix_pages))
+        return min(max(pages - self.pool.free_pages, 0), self.pool.finetune_pages)
+
+    def finetune_plan_bytes(self) -> int:
+        """Bytes the next quantum should plan to peak at: the budget less
+        `reclaim_headroom_pages`, but never less than what the finetune allocator already
+        holds while that is within the budget. A finetune side that stays within the budget
+        less the headroom keeps its allocator below the budget the next reclaim leaves, so
+        that reclaim needs no cache flush (on CUDA a flush waits for the device, frees every
+        cached segment and drops the trainers' CUDA graphs: the one costly part of a
+        reclaim). Memory the allocator already holds goes back only by such a flush, whatever
+        the next quantum's size, so planning below it frees nothing: a quantum that fits in it
+        (e.g. the replay of a CUDA graph already captured, whose private pool is held) adds
+        nothing a reclaim would have to flush. Held memory above the budget (a flush is
+        pending) does not count."""
+        pages = self.pool.finetune_pages - self.reclaim_headroom_pages()
+        # Its pools' reserved bytes only: the live figure is process-wide on CUDA
+        # (decode's live growth would count).
+        held = -(-self.pool.backend.finetune_reserved_bytes() // self.pool.page_bytes)
+        if held <= self.pool.finetune_pages:
+            pages = max(pages, held)
+        return pages * self.pool.page_bytes
+
+    def busy_spare_pages(self, promised_bytes: int | None) -> int:
+        """Budget pages a reclaim may take while a quantum runs, without waiting for it or
+        flushing: those above both what its allocator holds and what the quantum was promised
+        at launch (`promised_bytes`; None: the whole budget, so nothing is spare). Rounded
+        down to the map unit."""
+        backend = self.pool.backend
+        held = max(backend.finetune_reserved_bytes(), backend.finetune_allocated_bytes())
+        if promised_bytes is None:
+            promised_bytes = self.pool.finetune_budget_bytes
+        held = max(held, promised_bytes)
+        spare = self.pool.finetune_pages - -(-held // self.pool.page_bytes)
+        return self._round_down(max(spare, 0))
+
+    def finetune_headroom_bytes(self) -> int:
+        """Budget left for the next quantum's activations after its live state."""
+        live = self.pool.backend.finetune_allocated_bytes()
+        return max(self.pool.finetune_budget_bytes - live, 0)
+
+    def set_finetune_demand(self, nbytes: int) -> None:
+        """Most memory finetuning can use now (0: no job). Budget grows toward it, never past."""
+        if nbytes < 0:
+            raise ValueError(f"finetune demand must be >= 0, got {nbytes}")
+        self._finetune_demand_pages = nbytes // self.pool.page_bytes
+        logger.info("finetune demand set to %d B (%d pages)", nbytes, self._finetune_demand_pages)
+
+    def finetune_quantum_done(self, *, peak_bytes: int, resident_bytes: int) -> None:
+        """Account a finished quantum; raises `FinetuneBudgetExceeded` if it broke the budget."""
+        self.counters.finetune_quanta += 1
+        try:
+            self.pool.backend.record_finetune_usage(
+                peak_bytes=peak_bytes, resident_bytes=resident_bytes
+            )
+        except FinetuneBudgetExceeded:
+            self.counters.finetune_budget_violations += 1
+            logger.error(
+                "finetune quantum peaked at %d B over its budget %d B",
+                peak_bytes,
+                self.finetune_budget_bytes,
+            )
+            raise
+
+    def record_finetune_oom(self) -> None:
+        """The finetune side lost a quantum to an out-of-memory error under its cap."""
+        self.counters.finetune_ooms += 1
+        logger.warning(
+            "finetune quantum ran out of memory under budget %d B", self.finetune_budget_bytes
+        )
+
+    def _lend_idle_pages(self, keep_free: int) -> None:
+        """Raise the budget by every free page beyond `keep_free`, up to finetune's demand, in
+        one move (a cap change: nothing physical moves), `grow_hold_iterations` after the last
+        reclaim."""
+        if self._iterations_since_reclaim < self.config.grow_hold_iterations:
+            return
+        count = min(
+            self.pool.free_pages - keep_free,
+            self._finetune_demand_pages - self.pool.finetune_pages,
+        )
+        if count <= 0:
+            return
+        before = self.pool.finetune_pages
+        self.pool.lend_to_finetune(count)
+        self.counters.finetune_grows += 1
+        self.counters.finetune_grown_pages += count
+        logger.info("finetune budget grows %d -> %d pages", before, self.pool.finetune_pages)
+
+    def _return_unwanted_budget(self) -> None:
+        """Budget above finetune's demand is idle: take it back in one step (no decode need).
+        A cap change only while a job exists; with no job (demand 0) the cache is flushed."""
+        excess = self.pool.finetune_pages - self._finetune_demand_pages
+        count = min(excess, self.pool.finetune_reclaimable_pages(), self.config.max_step_pages)
+        no_job = self._finetune_demand_pages == 0
+        if not no_job:
+            count = min(count, self.pool.finetune_flush_free_pages())
+        if count <= 0:
+            return
+        before = self.pool.finetune_pages
+        start = self._clock()
+        if self.pool.reclaim_from_finetune(count, allow_flush=no_job):
+            self._count_flush(self._clock() - start, "no job")
+        self.counters.finetune_shrinks += 1
+        self.counters.finetune_reclaimed_pages += count
+        logger.info(
+            "finetune budget shrinks %d -> %d pages (above its demand)",
+            before,
+            self.pool.finetune_pages,
+        )
