@@ -230,10 +230,9 @@ def setup_engine(
             "block_size": engine_config.block_size,
             "num_kv_blocks": engine_config.num_kv_blocks,
             "mixed_cuda_graphs": engine_config.mixed_cuda_graphs,
+            "chunk_attention": engine_config.chunk_attention,
             "mixed_graph_token_sizes": (
-                engine_config.mixed_graph_token_sizes()
-                if engine_config.mixed_cuda_graphs
-                else None
+                engine_config.mixed_graph_token_sizes() if engine_config.mixed_cuda_graphs else None
             ),
         },
     }

@@ -100,22 +100,24 @@ class HarliChoices:
 
         The quantum holds this split for its whole duration, and a request's TPOT is a mean
         over many iterations: the typical iteration while it runs (the queue joined, the recent
-        mix of chunk and pure decode steps) must stay under the bound, this one under the SLO,
-        and every running request, its remaining tokens at that typical iteration and the
-        launch's cost in one gap, must end under the bound (:meth:`_running_keep_slo`)."""
+        mix of chunk and pure decode steps) must stay under the bound, this one (the launch's
+        cost aside) under the SLO, and every running request, its remaining tokens at that
+        typical iteration and the launch's cost in one gap, must end under the bound
+        (:meth:`_running_keep_slo`). The launch's cost is one longer gap, which a request's
+        mean spreads over its tokens: gating every launch on it would stop all finetuning
+        once one slow launch was seen under a tight SLO (the H200 run at 10 ms did)."""
         memo = self._plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         key = (share, 0 if size_free else tokens)
         if key not in memo:
             self._prefetch(ctx, job, [share], [tokens])
         predicted, expected = memo[key]
-        launch = self.launch_overhead.ms
-        predicted += launch
         if expected > bound or predicted > ctx.tpot_slo_ms:
             return None
+        launch = self.launch_overhead.ms  # one gap, not a rate: judged by running requests
         if not self._running_keep_slo(ctx, bound, expected, typical_alone, once=launch):
             return None
-        return predicted
+        return predicted + launch
 
     def _running_keep_slo(
         self, ctx: IterationContext, bound: float, with_ms: float, alone_ms: float, once: float = 0
