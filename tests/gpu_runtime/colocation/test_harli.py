@@ -373,3 +373,18 @@ def test_a_launch_costs_one_gap_of_the_running_requests_not_a_veto() -> None:
     held = dear.plan(ctx)
     assert held.paused and not held.launches and held.note == "request at risk"
     assert HarliPolicy(MODEL, HarliConfig(allow_slice=False)).plan(ctx).launches
+
+
+def test_one_stalled_launch_does_not_price_the_next_ones() -> None:
+    from gpu_runtime.colocation.estimates import LaunchOverhead
+
+    overhead = LaunchOverhead(window=32)
+    for excess in (4.0, 5.0, 332.0, 6.0, 5.0):  # one launch captured a new graph shape
+        overhead.observe(10.0, 10.0 + excess)
+    assert overhead.ms == pytest.approx(5.0)
+    overhead.observe(10.0, 8.0)  # a launch faster than predicted lowers the median
+    assert overhead.ms == pytest.approx(5.0)
+    cheap = LaunchOverhead(window=4)
+    for _ in range(4):
+        cheap.observe(10.0, 9.0)
+    assert cheap.ms == 0.0  # never negative
