@@ -159,3 +159,23 @@ def test_bench_colocate_still_exports_synthetic_examples() -> None:
         [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True
     )
     assert result.returncode == 0, result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("start", range(8))
+def test_warm_up_runs_every_row_count_whatever_the_batch_position(start: int) -> None:
+    """A quantum stops at its optimizer batch's end: the warm-up fills a batch before a size it
+    has no room for, so each of 1..4 rows runs (each is its own CUDA graph per stream)."""
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from colocate_engine import LoopBackend
+
+    data = SimpleNamespace(batch_size=8, position=SimpleNamespace(index=start))
+    backend = SimpleNamespace(trainer=SimpleNamespace(stream=data))
+    ran = []
+    for k in LoopBackend._aligned(backend, (1, 1, 2, 3, 4)):
+        rows = min(k, data.batch_size - data.position.index % data.batch_size)
+        ran.append(rows)
+        data.position.index += rows
+    assert {1, 2, 3, 4} <= set(ran)
+    assert ran[:2] == [1, 1]  # the first (eager) run on a stream repeats its size
