@@ -39,17 +39,11 @@ def _env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": str(ROOT)}
 
 
-@pytest.mark.slow
-def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None:
+def _run_bench(args: list[str], out: Path, gpu: str) -> tuple[str, Path]:
+    """Run bench/colocate.py with ``args`` writing into ``out``: (its stdout, the result file
+    for ``gpu``; the run's iterations are beside it)."""
     result = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "colocate.py"),
-            *("--model", "tiny", "--device", "cpu", "--traces", ",".join(TRACES)),
-            *("--duration", "1", "--calibrate-s", "1", "--warmup-s", "0.5"),
-            *("--engine-warmup-s", "0.5", "--ft-seq-len", "64"),
-            *("--commit", "test", "--out", str(tmp_path)),
-        ],
+        [sys.executable, str(ROOT / "bench" / "colocate.py"), *args, "--out", str(out)],
         cwd=ROOT,
         env=_env(),
         capture_output=True,
@@ -57,7 +51,21 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
         timeout=300,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (path,) = [p for p in tmp_path.glob("colocate-cpu-*.json") if ".iterations." not in p.name]
+    (path,) = [p for p in out.glob(f"colocate-{gpu}-*.json") if ".iterations." not in p.name]
+    return result.stdout, path
+
+
+@pytest.mark.slow
+def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None:
+    stdout, path = _run_bench(
+        [
+            *("--model", "tiny", "--device", "cpu", "--traces", ",".join(TRACES)),
+            *("--duration", "1", "--calibrate-s", "1", "--warmup-s", "0.5"),
+            *("--engine-warmup-s", "0.5", "--ft-seq-len", "64", "--commit", "test"),
+        ],
+        tmp_path,
+        "cpu",
+    )
     out = json.loads(path.read_text())
     iterations = json.loads(path.with_suffix(".iterations.json").read_text())
     assert iterations["columns"][:3] == ["t_ms", "decode_batch", "prefill_tokens"]
@@ -98,7 +106,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
         "low_load_solo_fraction_ge_0.6",
     }
 
-    lines = result.stdout[result.stdout.index("\nTPOT SLO ") :].splitlines()[1:]
+    lines = stdout[stdout.index("\nTPOT SLO ") :].splitlines()[1:]
     assert lines[0].startswith("TPOT SLO ")
     header = ["trace", "policy", "attain", "p50", "p99", "ft", "tok/s", "solo%", "goodput"]
     assert lines[1].split() == header
@@ -115,21 +123,14 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
 @pytest.mark.slow
 def test_simulated_run_sweeps_every_fixed_split_for_the_static_baseline(tmp_path: Path) -> None:
     profile = ROOT / "predictor_models" / "data" / "profile-h200-llama3-8b-engine-3557c1e.csv"
-    result = subprocess.run(
+    _, path = _run_bench(
         [
-            sys.executable,
-            str(ROOT / "bench" / "colocate.py"),
             *("--simulate", str(profile), "--traces", "low,high", "--duration", "2"),
-            *("--decode-groups", "6,8,12", "--commit", "test", "--out", str(tmp_path)),
+            *("--decode-groups", "6,8,12", "--commit", "test"),
         ],
-        cwd=ROOT,
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
+        tmp_path,
+        "sim",
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (path,) = [p for p in tmp_path.glob("colocate-sim-*.json") if ".iterations." not in p.name]
     out = json.loads(path.read_text())
     assert out["simulated"] is True
     config = out["config"]
