@@ -72,7 +72,8 @@ class EngineConfig:
     decode_skinny_gemm_rows: int = 0
     """On CUDA with the fused kernels, decode steps of at most this many rows (<= 64) run
     `decode_skinny_gemm_projections` (without adapters) through the split-K Triton GEMM of
-    `skinny_gemm.py` instead of cuBLAS. 0: cuBLAS everywhere."""
+    `skinny_gemm.py` instead of cuBLAS. 0: cuBLAS everywhere. Off: on the H200 (f4667c4)
+    its heuristic configs made the decode graphs 0.27-0.49 ms slower at b=1..64 (q|k|v, o)."""
     decode_skinny_gemm_projections: tuple[str, ...] = ("qkv", "o")
     """Projections that `decode_skinny_gemm_rows` applies to: "qkv", "o", "gate_up", "down"."""
     async_scheduling: bool = False
@@ -81,9 +82,14 @@ class EngineConfig:
     outputs overlap the device's work. Only when the next step is sure to be a bucketed
     decode-only step over the same requests (no waiting requests, nobody reaching
     `max_tokens`, blocks free for every row); other steps run as before. A request that
-    stops on a token gets one extra (discarded) decode step. Same tokens for greedy and seeded
-    requests; blocks freed at a step's end may still be written by the step launched after it
-    (stream order), so a memory pool must synchronize the stream before unmapping them."""
+    stops on a token gets one extra (discarded) decode step. A request added while a step is
+    in flight is admitted one call later (one step of TTFT), and the rows of that call then
+    run in a decode graph instead of beside the new prompt (bf16-rounding differences on
+    CUDA); with the same steps, tokens and logprobs are those of the synchronous engine.
+    Blocks freed at a step's end may still be written by the step launched after it (stream
+    order), so a memory pool must synchronize the stream before unmapping them. Off by
+    default: a caller that times `step()`, or changes `partition` (stream, SM split) from one
+    call to the next, sees the step launched by the previous call (the co-location loop)."""
     use_cuda_graphs: bool = True
     """Capture the decode step per batch bucket (CUDA only; ignored on CPU)."""
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES

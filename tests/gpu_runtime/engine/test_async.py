@@ -163,3 +163,22 @@ def test_async_step_after_a_stop_token_is_discarded(tiny_llama: CausalLM) -> Non
     assert engine.generate([prompt], GREEDY)[0].output_token_ids == free
     engine.step()
     assert engine.runner.states == {}
+
+
+def test_async_arrival_during_a_step_in_flight_waits_one_call(tiny_llama: CausalLM) -> None:
+    """A request added while a decode step is in flight gets its first token one call later
+    than on the synchronous engine (the step in flight cannot take it): one step of TTFT; the
+    call that returns the step in flight launches nothing after it (the request waits)."""
+    first_call: dict[bool, int] = {}
+    for asynchronous in (False, True):
+        engine = Engine(tiny_llama, _config(async_scheduling=asynchronous))
+        engine.add_request([1, 2, 3, 4, 5], GREEDY)
+        late = ""
+        for call in range(8):
+            if call == 3:
+                late = engine.add_request([7, 8, 9], GREEDY)
+            if any(out.request_id == late for out in engine.step()):
+                first_call.setdefault(asynchronous, call)
+        if asynchronous:
+            assert engine.runner.num_overlapped_steps > 0
+    assert first_call == {False: 3, True: 4}
