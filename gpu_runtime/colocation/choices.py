@@ -93,6 +93,8 @@ class HarliChoices:
         tokens: int,
         bound: float,
         typical_alone: float,
+        examples: int = 0,
+        decode_sms: int | None = None,
     ) -> float | None:
         """Predicted TPOT of the coming iteration with a ``tokens``-token quantum launched
         beside decode on ``share`` of the SMs (the launch's own cost, ``launch_overhead``,
@@ -114,10 +116,17 @@ class HarliChoices:
         predicted, expected = memo[key]
         if expected > bound or predicted > ctx.tpot_slo_ms:
             return None
-        launch = self.launch_overhead.ms  # one gap, not a rate: judged by running requests
+        launch = self._launch_ms(job, examples, decode_sms)  # one gap, not a rate
         if not self._running_keep_slo(ctx, bound, expected, typical_alone, once=launch):
             return None
         return predicted + launch
+
+    def _launch_ms(self, job: JobView, examples: int, decode_sms: int | None) -> float:
+        """What launching ``examples`` beside decode on ``decode_sms`` adds to the coming
+        iteration: the learnt launch overhead, plus ``cold_launch_ms`` when the micro-batch has
+        no graph on that split's stream yet."""
+        cold = (examples, decode_sms) in job.cold_launches
+        return self.launch_overhead.ms + (self.config.cold_launch_ms if cold else 0.0)
 
     def _running_keep_slo(
         self, ctx: IterationContext, bound: float, with_ms: float, alone_ms: float, once: float = 0
@@ -216,8 +225,10 @@ class HarliChoices:
         out: list[Choice] = []
         for k in sizes:
             tokens = k * job.max_seq_len
-            predicted = self._beside_predicted(ctx, job, share, tokens, bound, typical_alone)
+            predicted = self._beside_predicted(ctx, job, share, tokens, bound, typical_alone, k, d)
             if predicted is None:
+                if (k, d) in job.cold_launches:
+                    continue  # a graph not yet there: a bigger size may replay one
                 break  # a bigger quantum beside decode is assumed no kinder to it
             quantum_ms = self.durations.duration_ms(
                 job, d, LaunchMode.CONCURRENT, ft_share, k * job.seq_len

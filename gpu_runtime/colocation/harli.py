@@ -35,7 +35,9 @@ the SLO.
 An iteration that launches a quantum costs more than one with the quantum already in flight (the
 launch's host work, the quantum's first kernels): that extra, learnt from launch iterations
 (``LaunchOverhead``), is added to the coming iteration's prediction and to one gap of every
-running request.
+running request; a launch whose micro-batch has no CUDA graph on that split's stream yet
+(``JobView.cold_launches``) also costs ``cold_launch_ms`` there, so such launches wait for
+decode to be idle or for running requests with room for one long gap.
 
 While a quantum is in flight its SMs are taken: the policy only picks the decode split with the
 lowest predicted TPOT given that quantum (no new launch).
@@ -111,6 +113,10 @@ class HarliConfig:
     idle_probe_context_tokens: int = 512
     """When decode is idle, quanta are planned as if one request of this context were
     decoding (one may arrive while the quantum holds its split)."""
+    cold_launch_ms: float = 300.0
+    """Loop time a concurrent launch costs once when its micro-batch has no CUDA graph on that
+    split's stream yet (``JobView.cold_launches``: first warm-up or capture; 0.1-0.33 s on the
+    H200), charged like the launch overhead: one gap of every running request."""
     max_quantum_ms: float = 250.0
     """Cap on a quantum's expected duration (the smallest size is exempt)."""
     prior_quantum_overhead_ms: float = 0.0
@@ -161,7 +167,8 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self.margins = MarginTracker(self.config)
         self.durations = QuantumDurations(self.config.prior_quantum_overhead_ms)
         self.launch_overhead = LaunchOverhead(self.config.error_smoothing)
-        self._launch_ms_planned: float | None = None
+        self._launch_planned: tuple[float, bool] | None = None
+        """(ms the plan's prediction adds for the launch, whether it was a cold launch)."""
         self.slice_costs = SliceCosts(
             self.config.slice_call_ms,
             self.config.slice_forward_layer_ms,
@@ -179,7 +186,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
     # ---- planning -----------------------------------------------------------------------
     def plan(self, ctx: IterationContext) -> IterationPlan:
         self.decisions += 1
-        self._launch_ms_planned = None
+        self._launch_planned = None
         self._worst_running = ctx.worst_running_tpot_ms
         self._slo_ms = ctx.tpot_slo_ms
         for job in ctx.jobs:
@@ -251,7 +258,9 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         share = 1.0 if not total or best.decode_sms is None else best.decode_sms / total
         solo = self.latency.predict_ms(decode_iteration(ctx.decode, share), None)
         whole_beside = best.mode is LaunchMode.CONCURRENT and best.max_layers is None
-        self._launch_ms_planned = self.launch_overhead.ms if whole_beside and not idle else None
+        if whole_beside and not idle:
+            cold = (best.examples, best.decode_sms) in job.cold_launches
+            self._launch_planned = (self._launch_ms(job, best.examples, best.decode_sms), cold)
         return IterationPlan(
             best.decode_sms,
             (launch,),
@@ -305,16 +314,16 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             key = None if quantum.mode is LaunchMode.AFTER_DECODE else quantum.decode_sms
             self.durations.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
         busy = record.decode_batch or record.prefill_tokens
-        launch_ms = self._launch_ms_planned  # this iteration launched a whole quantum beside
-        if busy and launch_ms is not None and record.predicted_ms is not None:
-            self.launch_overhead.observe(record.predicted_ms - launch_ms, record.iteration_ms)
+        planned = self._launch_planned  # this iteration launched a whole quantum beside
+        if busy and planned is not None and not planned[1] and record.predicted_ms is not None:
+            self.launch_overhead.observe(record.predicted_ms - planned[0], record.iteration_ms)
         if busy and record.predicted_ms is not None and self._slo_ms is not None:
             slo = self._slo_ms
             breached = any(f.tpot_ms is not None and f.tpot_ms > slo for f in record.finished)
             breached |= self._worst_running is not None and self._worst_running > slo
             self.margins.observe(record.predicted_ms, record.iteration_ms, slo, breached)
         learn = getattr(self.latency, "observe_record", None)  # models that learn online
-        if learn is not None and launch_ms is None:  # (a launch's extra is launch_overhead's)
+        if learn is not None and planned is None:  # (a launch's extra is launch_overhead's)
             job = self._jobs.get(record.quanta[0].job_id) if record.quanta else None
             seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
             learn(record, seq_len, rank)

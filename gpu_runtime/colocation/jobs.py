@@ -68,7 +68,7 @@ class JobState:
         """Whether the job's whole micro-batches replay CUDA graphs."""
         return trainer_replays_graphs(self.trainer)
 
-    def view(self) -> JobView:
+    def view(self, cold_launches: frozenset[tuple[int, int | None]] = frozenset()) -> JobView:
         return JobView(
             self.job_id,
             self.seq_len,
@@ -77,4 +77,20 @@ class JobState:
             self.bytes_per_token,
             self.solo_tokens_per_s,
             None if self.graphed else self.layers,
+            cold_launches,
         )
+
+    def cold_launches(
+        self, examples: tuple[int, ...], streams: dict[int | None, int]
+    ) -> frozenset[tuple[int, int | None]]:
+        """(examples, decode SMs) whose next micro-batch would not replay a graph on that
+        split's finetune stream (``streams``: decode SMs -> the stream's CUDA handle), asked of
+        the trainer (``LoraTrainer.replays_next``); empty when the job runs no graphs."""
+        if not self.graphed or not streams:
+            return frozenset()
+        cold = set()
+        for k in examples:
+            for d, handle in streams.items():
+                if self.trainer.replays_next(k * self.max_seq_len, handle) is False:
+                    cold.add((k, d))
+        return frozenset(cold)

@@ -44,6 +44,10 @@ from gpu_runtime.colocation.types import (
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.finetune.trainer import LoraTrainer
 
+COLD_CHECK_EXAMPLES = (1, 2, 4, 8)
+"""Quantum sizes (examples of a job's longest length) whose graph readiness is reported to the
+policy (``JobView.cold_launches``): Harli's sizes."""
+
 
 @dataclass
 class _RequestTiming:
@@ -88,6 +92,7 @@ class HostLoop:
         self._order: list[str] = []
         self._timing: dict[str, _RequestTiming] = {}
         self._index = 0
+        self._cold: dict[str, tuple[Any, frozenset[tuple[int, int | None]]]] = {}
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -278,7 +283,11 @@ class HostLoop:
             in_flight = InFlightQuantum(
                 task.job_id, task.max_tokens, task.decode_sms, self.executor.submitted_at or now
             )
-        runnable = [self._jobs[j].view() for j in self._order if self._jobs[j].runnable]
+        runnable = [
+            self._jobs[j].view(self._cold_launches(self._jobs[j]))
+            for j in self._order
+            if self._jobs[j].runnable
+        ]
         running = self._running_view()
         return IterationContext(
             now=now,
@@ -295,6 +304,25 @@ class HostLoop:
             worst_running_tpot_ms=max((r.tpot_ms for r in running), default=None),
             running=running,
         )
+
+    def _cold_launches(self, job: JobState) -> frozenset[tuple[int, int | None]]:
+        """``JobState.cold_launches`` over every split's finetune stream, asked again only
+        once the job's data position or graphs have changed (after a quantum)."""
+        graphs = job.trainer.graphs
+        if self.sharing is None or graphs is None or not job.graphed:
+            return frozenset()
+        state = (job.trainer.stream.position, sum(graphs.counts.values()), len(graphs.keys()))
+        cached = self._cold.get(job.job_id)
+        if cached is not None and cached[0] == state:
+            return cached[1]
+        streams: dict[int | None, int] = {}
+        for d in self.sharing.table.choices:
+            handle = getattr(self.sharing.partition(d)[1], "cuda_stream", None)
+            if handle is not None:
+                streams[d] = int(handle)
+        cold = job.cold_launches(COLD_CHECK_EXAMPLES, streams)
+        self._cold[job.job_id] = (state, cold)
+        return cold
 
     def _running_view(self) -> tuple[RunningRequest, ...]:
         """Requests decoding with at least ``MIN_TOKENS_FOR_TPOT`` tokens: their TPOT so far

@@ -86,6 +86,10 @@ class JobView:
             for layer-sliced quanta); None: unknown, or the job's whole micro-batches replay
             CUDA graphs (a layer slice runs eagerly: more host time than a whole replayed
             micro-batch), so whole quanta only.
+        cold_launches: (examples, decode SMs) of concurrent quanta (``examples x max_seq_len``
+            tokens, beside decode on that split's finetune stream) whose micro-batch has no
+            CUDA graph there yet: launching one first warms up or captures, a one-off stall of
+            the loop (``HarliConfig.cold_launch_ms``). Empty when unknown or not graphed.
     """
 
     job_id: str
@@ -95,6 +99,7 @@ class JobView:
     bytes_per_token: float | None = None
     tokens_per_s_solo: float | None = None
     layers: int | None = None
+    cold_launches: frozenset[tuple[int, int | None]] = frozenset()
 
 
 @dataclass(frozen=True)

@@ -225,6 +225,14 @@ class MicroBatchGraphs:
         finally:
             current.wait_stream(self._side)
 
+    def would_replay(self, batch: MicroBatch, stream: int) -> bool:
+        """Whether ``batch`` (padded to its bucket) launched from this thread on the CUDA stream
+        whose handle is ``stream`` would replay a captured graph, not run eagerly (the first
+        micro-batch on a (thread, stream)) or be captured now: a pure look, nothing changes."""
+        if self.disabled is not None:
+            return False
+        return graph_key(batch, stream) in self._graphs
+
     def run(self, batch: MicroBatch, denominator: int) -> GraphRun:
         """Forward and backward of ``batch`` (host tensors, sequence padded to its bucket),
         gradients of ``loss_sum / denominator`` added to the adapters' ``.grad``."""

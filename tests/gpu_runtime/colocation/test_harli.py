@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, LaunchMode
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy
 from gpu_runtime.colocation.predictor import decode_iteration
-from gpu_runtime.colocation.types import InFlightQuantum, IterationPlan
+from gpu_runtime.colocation.types import InFlightQuantum, IterationPlan, JobView
 from gpu_runtime.predictor.schema import FinetuneQuantum
 
 from .sim import JOB, OPTIONS, TOTAL_SMS, FakeGpu, context, record
@@ -388,3 +388,69 @@ def test_one_stalled_launch_does_not_price_the_next_ones() -> None:
     for _ in range(4):
         cheap.observe(10.0, 9.0)
     assert cheap.ms == 0.0  # never negative
+
+
+def test_a_launch_without_a_graph_waits_for_room_in_the_running_requests() -> None:
+    """A quantum whose micro-batch has no CUDA graph on its split's stream yet stalls the loop
+    once (warm-up or capture): with nobody decoding, or requests with room for one long gap,
+    it goes ahead (reported with its cost); with a request that cannot take the gap, harli
+    takes a launch that replays instead, or pauses when every one would be cold."""
+    from dataclasses import replace
+
+    from gpu_runtime.colocation.types import RunningRequest
+
+    decode = DecodeSnapshot.from_contexts([512] * 16)
+    slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 3.0
+    config = HarliConfig(allow_slice=False, cold_launch_ms=300.0)
+    warm = HarliPolicy(MODEL, config).plan(context(decode, slo))
+    assert warm.launches and warm.predicted_ms is not None and warm.decode_sms is not None
+    k = warm.launches[0].max_tokens // JOB.max_seq_len
+    all_cold = frozenset((size, d) for size in (1, 2, 4, 8) for d in OPTIONS)
+    one_cold = replace(JOB, cold_launches=frozenset({(k, warm.decode_sms)}))
+    # No request to hold it back: a launch goes ahead though every one is cold, priced.
+    plan = HarliPolicy(MODEL, config).plan(context(decode, slo, jobs=(replace_job(all_cold),)))
+    assert plan.launches and plan.decode_sms is not None and plan.predicted_ms is not None
+    tokens = plan.launches[0].max_tokens
+    expected = _predicted(decode, plan.decode_sms, LaunchMode.CONCURRENT, tokens) + 300.0
+    assert plan.predicted_ms == pytest.approx(expected)
+    # With a warm choice at hand the cold one is not taken (its stall counts against it).
+    assert HarliPolicy(MODEL, config).plan(context(decode, slo, jobs=(one_cold,))).launches
+    # A request with 5 tokens to go and little room: 300 ms in one gap is too much for it.
+    tight = RunningRequest(tokens=30, tpot_ms=slo * 0.9, remaining_tokens=5)
+
+    def busy(job: JobView) -> IterationPlan:
+        ctx = replace(
+            context(decode, slo, jobs=(job,)), running=(tight,), worst_running_tpot_ms=0.9 * slo
+        )
+        return HarliPolicy(MODEL, config).plan(ctx)
+
+    assert busy(JOB).launches  # all warm: it launches
+    other = busy(one_cold)
+    assert other.launches and (
+        other.launches[0].max_tokens // JOB.max_seq_len,
+        other.decode_sms,
+    ) != (k, warm.decode_sms)
+    assert other.predicted_ms is not None and other.predicted_ms < 300.0
+    held = busy(replace(JOB, cold_launches=all_cold))
+    assert held.paused and not held.launches and held.note == "request at risk"
+
+
+def test_a_cold_launch_does_not_teach_the_launch_overhead() -> None:
+    decode = DecodeSnapshot.from_contexts([512] * 16)
+    slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 3.0
+    policy = HarliPolicy(MODEL, HarliConfig(allow_slice=False, cold_launch_ms=300.0))
+    cold = replace_job(frozenset((size, d) for size in (1, 2, 4, 8) for d in OPTIONS))
+    plan = policy.plan(context(decode, slo, jobs=(cold,)))
+    assert plan.launches and plan.predicted_ms is not None
+    policy.observe(record(plan, decode, plan.predicted_ms - 300.0 + 250.0))  # a 250 ms capture
+    assert policy.launch_overhead.ms == 0.0
+    warm = policy.plan(context(decode, slo))
+    assert warm.launches and warm.predicted_ms is not None
+    policy.observe(record(warm, decode, warm.predicted_ms + 2.0))
+    assert policy.launch_overhead.ms == pytest.approx(2.0)
+
+
+def replace_job(cold: frozenset[tuple[int, int | None]]) -> JobView:
+    from dataclasses import replace
+
+    return replace(JOB, cold_launches=cold)

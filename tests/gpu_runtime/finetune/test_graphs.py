@@ -240,3 +240,23 @@ def test_trainer_with_graphs_is_freed_without_the_cycle_collector(
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_replays_next_looks_without_moving_the_data(
+    serving_model: CausalLM, train_examples: Any
+) -> None:
+    """Nothing captured yet: the next micro-batch would not replay (a cold launch); asking
+    changes nothing; a trainer without graphs, or whose graphs were turned off, says None."""
+    hparams = _hparams(len(train_examples), 0.0)
+    graphed = LoraTrainer(serving_model, train_examples, hparams, cuda_graphs=True)
+    longest = max(e.num_tokens for e in train_examples)
+    before = graphed.stream.position
+    assert graphed.replays_next(2 * longest, 0) is False
+    assert graphed.stream.position == before and graphed.graphs is not None
+    assert not graphed.graphs.counts and not graphed.graphs.keys()
+    graphed.step_quantum(max_examples=2)  # warm-up, then the CPU capture fails: graphs off
+    graphed.step_quantum(max_examples=2)
+    assert graphed.graphs.disabled is not None
+    assert graphed.replays_next(2 * longest, 0) is None
+    plain = LoraTrainer(serving_model, train_examples, hparams, cuda_graphs=False)
+    assert plain.replays_next(2 * longest, 0) is None

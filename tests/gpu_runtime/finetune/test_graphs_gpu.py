@@ -190,3 +190,19 @@ def test_start_quantum_launches_without_waiting_and_trains_like_step_quantum() -
     assert launched.history[0].loss == pytest.approx(stepped.history[0].loss, rel=2e-3)
     for p, q in zip(launched.params, stepped.params, strict=True):
         torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-4)
+
+
+def test_replays_next_says_which_launches_have_a_graph_on_which_stream() -> None:
+    serving = _serving()
+    examples = _examples([64] * 16)
+    trainer = LoraTrainer(serving, examples, _hparams(len(examples), dropout=0.0))
+    mine, other = torch.cuda.Stream(), torch.cuda.Stream()  # as the loop's finetune streams
+    assert trainer.replays_next(2 * 64, mine.cuda_stream) is False  # nothing captured yet
+    with torch.cuda.stream(mine):
+        modes = [trainer.step_quantum(max_tokens=2 * 64).graph for _ in range(2)]
+    assert modes == ["eager", "capture"]  # the batch of 4 is done: the next starts afresh
+    assert trainer.replays_next(2 * 64, mine.cuda_stream) is True
+    assert trainer.replays_next(64, mine.cuda_stream) is False  # 1 row: another shape
+    assert trainer.replays_next(2 * 64, other.cuda_stream) is False  # another stream
+    with torch.cuda.stream(mine):
+        assert trainer.step_quantum(max_tokens=2 * 64).graph == "replay"
