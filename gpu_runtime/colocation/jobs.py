@@ -90,7 +90,7 @@ class JobState:
             return frozenset()
         cold = set()
         for k in examples:
-            for d, handle in streams.items():
-                if self.trainer.replays_next(k * self.max_seq_len, handle) is False:
-                    cold.add((k, d))
+            replays = self.trainer.replays_next(k * self.max_seq_len, set(streams.values()))
+            if replays is not None:
+                cold |= {(k, d) for d, handle in streams.items() if not replays[handle]}
         return frozenset(cold)

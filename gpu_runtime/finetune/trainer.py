@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -239,11 +239,14 @@ class LoraTrainer:
             self._unread = launched
         return launched
 
-    def replays_next(self, max_tokens: int | None, stream: int) -> bool | None:
-        """Whether the next whole micro-batch of at most ``max_tokens`` tokens, launched from
-        this thread on the CUDA stream with handle ``stream``, would replay a captured graph
-        (True) or first warm up or be captured, a one-off stall of the launching thread of
-        ~0.1-0.3 s on an H200 (False); None: the job does not run graphs. Nothing changes."""
+    def replays_next(
+        self, max_tokens: int | None, streams: Iterable[int]
+    ) -> dict[int, bool] | None:
+        """Per CUDA stream handle in ``streams``: whether the next whole micro-batch of at most
+        ``max_tokens`` tokens, launched from this thread on that stream, would replay a
+        captured graph (True) or first warm up or be captured, a one-off stall of the launching
+        thread of ~0.1-0.3 s on an H200 (False); None: the job does not run graphs. Nothing
+        changes (the micro-batch is planned and collated on the host once for every stream)."""
         graphs = self.graphs
         if graphs is None or graphs.disabled is not None or self.finished:
             return None
@@ -252,7 +255,7 @@ class LoraTrainer:
         examples = [self.stream.examples[i] for i in plan.example_indices]
         longest = max(e.num_tokens for e in examples)
         batch = collate(examples, self.pad_token_id, seq_len=bucket(longest))
-        return graphs.would_replay(batch, stream)
+        return {stream: graphs.would_replay(batch, stream) for stream in streams}
 
     def _begin_quantum(self) -> tuple[float, int]:
         """(start time, bytes allocated) of a quantum starting now; refuses to start while a

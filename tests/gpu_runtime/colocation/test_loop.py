@@ -329,9 +329,9 @@ def test_job_views_name_the_launches_that_would_not_replay_a_graph() -> None:
         stream = SimpleNamespace(position=0)
         asked = 0
 
-        def replays_next(self, max_tokens: int, stream: int) -> bool:
+        def replays_next(self, max_tokens: int, streams: set[int]) -> dict[int, bool]:
             self.asked += 1
-            return (max_tokens, stream) in captured
+            return {stream: (max_tokens, stream) in captured for stream in streams}
 
     trainer = _Trainer()
     job = JobState("job", trainer, 256, 256, 16)  # type: ignore[arg-type]

@@ -251,12 +251,12 @@ def test_replays_next_looks_without_moving_the_data(
     graphed = LoraTrainer(serving_model, train_examples, hparams, cuda_graphs=True)
     longest = max(e.num_tokens for e in train_examples)
     before = graphed.stream.position
-    assert graphed.replays_next(2 * longest, 0) is False
+    assert graphed.replays_next(2 * longest, [0]) == {0: False}
     assert graphed.stream.position == before and graphed.graphs is not None
     assert not graphed.graphs.counts and not graphed.graphs.keys()
     graphed.step_quantum(max_examples=2)  # warm-up, then the CPU capture fails: graphs off
     graphed.step_quantum(max_examples=2)
     assert graphed.graphs.disabled is not None
-    assert graphed.replays_next(2 * longest, 0) is None
+    assert graphed.replays_next(2 * longest, [0]) is None
     plain = LoraTrainer(serving_model, train_examples, hparams, cuda_graphs=False)
-    assert plain.replays_next(2 * longest, 0) is None
+    assert plain.replays_next(2 * longest, [0]) is None

@@ -197,12 +197,13 @@ def test_replays_next_says_which_launches_have_a_graph_on_which_stream() -> None
     examples = _examples([64] * 16)
     trainer = LoraTrainer(serving, examples, _hparams(len(examples), dropout=0.0))
     mine, other = torch.cuda.Stream(), torch.cuda.Stream()  # as the loop's finetune streams
-    assert trainer.replays_next(2 * 64, mine.cuda_stream) is False  # nothing captured yet
+    both = (mine.cuda_stream, other.cuda_stream)
+    assert trainer.replays_next(2 * 64, both) == dict.fromkeys(both, False)  # nothing yet
     with torch.cuda.stream(mine):
         modes = [trainer.step_quantum(max_tokens=2 * 64).graph for _ in range(2)]
     assert modes == ["eager", "capture"]  # the batch of 4 is done: the next starts afresh
-    assert trainer.replays_next(2 * 64, mine.cuda_stream) is True
-    assert trainer.replays_next(64, mine.cuda_stream) is False  # 1 row: another shape
-    assert trainer.replays_next(2 * 64, other.cuda_stream) is False  # another stream
+    # Captured on one stream only; 1 row is another shape.
+    assert trainer.replays_next(2 * 64, both) == {mine.cuda_stream: True, other.cuda_stream: False}
+    assert trainer.replays_next(64, both) == dict.fromkeys(both, False)
     with torch.cuda.stream(mine):
         assert trainer.step_quantum(max_tokens=2 * 64).graph == "replay"
