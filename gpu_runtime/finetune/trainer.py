@@ -36,7 +36,6 @@ from typing import Any
 import torch
 
 from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan, collate
-from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.graph_policy import CapturePolicy
@@ -48,11 +47,12 @@ from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, TrainerRng, swapped_rng
 from gpu_runtime.finetune.schedule import LrSchedule
 from gpu_runtime.finetune.sliced import SlicedMicroBatch
+from gpu_runtime.finetune.tail import QuantumTailMixin
 from gpu_runtime.finetune.validation import ValidationRun
 from gpu_runtime.model import CausalLM
 
 
-class LoraTrainer:
+class LoraTrainer(QuantumTailMixin):
     """Trains one LoRA adapter over a serving model's shared, frozen base weights."""
 
     def __init__(
@@ -391,99 +391,6 @@ class LoraTrainer:
             graph_peak_bytes=graph_peak,
             events=events,
         )
-
-    def _peak(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
-
-    def _launch_tail(
-        self,
-        plan: MicroBatchPlan,
-        batch: MicroBatch,
-        loss_sum: torch.Tensor,
-        start: float,
-        layer_passes: int,
-        graph: str = "off",
-        graph_fallback: str | None = None,
-        launch_s: float | None = None,
-        graph_peak_bytes: int | None = None,
-        events: tuple[Any, Any] | None = None,
-    ) -> PendingQuantum:
-        """Commit the data position, accumulate, launch the optimizer step at a batch's end;
-        the returned quantum's ``result()`` reads loss and grad norm and reports (its host
-        sync; synchronous quanta call it at once).
-
-        ``graph_peak_bytes``: what a replayed graph's work needs (its pool is not allocated anew
-        on replay, so the allocator's peak alone would not show it)."""
-        self.stream.commit(plan)
-        self._batch_loss_sum += loss_sum.detach()
-        self._batch_tokens += batch.num_tokens
-        batch_tokens = self._batch_tokens
-        learning_rate = None
-        to_read = [loss_sum.detach()]
-        if plan.completes_batch:
-            learning_rate = self.schedule.rate(self.step)
-            to_read += [self._optimizer_step(learning_rate), self._batch_loss_sum.clone()]
-            self._batch_loss_sum.zero_()  # on this stream, after the clone
-            self._batch_tokens = 0
-        values = torch.stack(to_read)
-        if events is not None:
-            events[1].record()
-        host_s = time.perf_counter() - start
-        step, position, finished = self.step, self.stream.position, self.stream.finished
-        every = self.hparams.checkpoint_every_steps
-        due = plan.completes_batch and (finished or (every > 0 and step % every == 0))
-
-        def read(values: list[float], gpu_ms: float | None) -> QuantumResult:
-            grad_norm = batch_loss = None
-            if plan.completes_batch:
-                grad_norm, batch_loss = values[1], values[2] / plan.batch_loss_tokens
-                assert learning_rate is not None
-                self.history.append(
-                    StepRecord(step, batch_loss, learning_rate, grad_norm, batch_tokens)
-                )
-            peak = self._peak()
-            if peak is not None and graph_peak_bytes is not None:
-                peak = max(peak, graph_peak_bytes)
-            written = None
-            if due and self.checkpoint_root is not None:
-                written = save_checkpoint(self, self.checkpoint_root, self.base_model_name_or_path)
-            return QuantumResult(
-                examples=len(plan.example_indices),
-                tokens=batch.num_tokens,
-                padded_tokens=batch.padded_tokens,
-                loss_tokens=batch.num_loss_tokens,
-                loss=values[0] / max(1, batch.num_loss_tokens),
-                optimizer_step=plan.completes_batch,
-                step=step,
-                batch_loss=batch_loss,
-                learning_rate=learning_rate,
-                grad_norm=grad_norm,
-                wall_s=time.perf_counter() - start,
-                peak_memory_bytes=peak,
-                position=position,
-                finished=finished,
-                checkpoint=written,
-                layer_passes=layer_passes,
-                graph=graph,
-                graph_fallback=graph_fallback,
-                launch_s=launch_s,
-                host_s=host_s,
-                gpu_ms=gpu_ms,
-            )
-
-        return PendingQuantum(read, values, events)
-
-    def _optimizer_step(self, learning_rate: float) -> torch.Tensor:
-        """Clip, step, zero; returns the pre-clip gradient norm (on device, unsynced)."""
-        max_norm = self.hparams.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else 1e30)
-        for group in self.optimizer.param_groups:
-            group["lr"] = learning_rate
-        self.optimizer.step()
-        # captured graphs add into the .grad tensors they saw: zero those in place
-        self.optimizer.zero_grad(set_to_none=self.graphs is None)
-        self.step += 1
-        return norm.float()
 
     def validation(
         self, examples: Sequence[TokenizedExample], max_tokens: int = 8192
