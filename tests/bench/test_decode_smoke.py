@@ -1,0 +1,217 @@
+"""`bench/decode.py` on CPU. The script is CUDA-only as shipped (its device, the copy bandwidth,
+the engine's device and the GPU name), so the end-to-end test runs its `main()` on the tiny
+model with exactly those pieces patched: the sweep, the variants, HF eager, the result file and
+the table are the script's own. Also the command line, the report's rows, floor and speedups on
+given timings, and the names other benches import from it."""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from bench import decode, decode_engine, decode_hf
+from bench.decode_args import Sweep, apply_quick, parse_args
+from bench.decode_report import DecodeReport, floor_ms, percentile, print_table, run_config
+from gpu_runtime.engine import EngineConfig
+from gpu_runtime.model import ModelConfig
+
+# BENCHMARKS.md: the row keys of a `decode` result
+ROW_KEYS = {
+    "model",
+    "system",
+    "batch",
+    "context",
+    "tpot_ms_p50",
+    "tpot_ms_p99",
+    "floor_ms",
+    "bandwidth_frac",
+}
+TOP_KEYS = [
+    "name",
+    "commit",
+    "gpu",
+    "torch",
+    "created",
+    "config",
+    "copy_bandwidth_tb_s",
+    "correctness",
+    "rows",
+    "complete",
+    "speedups",
+    "studies",
+    "notes",
+    "wall_s",
+]
+TABLE_HEADER = "model       system     batch   ctx   p50 ms   p99 ms   floor   frac   graph"
+
+
+def test_multilora_imports_inject_and_percentile_from_decode() -> None:
+    from bench.decode import inject, percentile  # bench/multilora.py does
+
+    assert inject is decode_engine.inject
+    assert percentile([3.0, 1.0, 2.0], 50) == 2.0
+
+
+def test_percentile_is_nearest_rank() -> None:
+    values = [float(x) for x in range(1, 101)]
+    assert percentile(values, 99) == 99.0
+    assert percentile(values, 0) == 1.0
+    assert percentile(values, 100) == 100.0
+    assert percentile([5.0], 99) == 5.0
+
+
+def test_command_line_defaults_and_quick() -> None:
+    args = parse_args([])
+    sweep = Sweep.from_args(args)
+    assert sweep.models == ["llama3-8b", "qwen2.5-7b"]
+    assert sweep.batches == [1, 8, 32, 64, 128, 256]
+    assert sweep.contexts == [512, 2048]
+    assert (sweep.hf_eager, sweep.hf_compile) == ([1, 8, 64], [1, 64])
+    assert sweep.chunks == [256, 512, 1024, 2048]
+    assert (sweep.extras, sweep.variants) == ([], ["async", "sync"])
+    assert (args.steps, args.warmup, args.hf_context, args.hf_steps) == (40, 5, 512, 10)
+    assert not (args.profile or args.quick or args.no_fused or args.mixed_graphs)
+    apply_quick(args)
+    quick = Sweep.from_args(args)
+    assert (quick.models, quick.batches, quick.contexts) == (["llama3-8b"], [8, 64], [512])
+    assert (quick.hf_eager, quick.hf_compile, args.steps) == ([64], [], 20)
+
+
+def test_report_rows_floor_speedups_and_table(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = ModelConfig.preset("tiny")
+    args = parse_args(["--models", "tiny", "--batches", "2", "--contexts", "16", "--commit", "c"])
+    bandwidth = 1e9
+    report = DecodeReport(
+        out_dir=tmp_path,
+        commit="c",
+        gpu="test-gpu",
+        config=run_config(args, Sweep.from_args(args)),
+        bandwidth=bandwidth,
+        correctness={},
+        started=0.0,
+    )
+    ours = {
+        "step_ms": [2.0, 1.0, 3.0],
+        "graph_ms": [0.5, 0.5, 0.5],
+        "mean_context": 17.5,
+        "bucket": 2,
+        "phases": {"schedule": [0.1] * 3, "wait": [1.5, 0.5, 2.5]},
+    }
+    report.add_row("tiny", "harli", 2, 16, ours, config)
+    report.add_row("tiny", "hf_eager", 2, 16, {"step_ms": [8.0] * 3, "mean_context": 20}, config)
+    path, rows, ratios = report.write(complete=True)
+
+    assert path.name.startswith("decode-h200-")
+    out = json.loads(path.read_text())
+    assert list(out) == TOP_KEYS
+    assert (out["name"], out["commit"], out["gpu"], out["complete"]) == (
+        "decode",
+        "c",
+        "test-gpu",
+        True,
+    )
+    assert out["rows"] == rows and out["speedups"] == ratios
+    assert [r["system"] for r in rows] == ["harli", "hf_eager", "floor"]
+    assert all(ROW_KEYS <= set(r) for r in rows)
+    harli = rows[0]
+    floor = floor_ms(config, 2, 17.5, bandwidth)
+    assert harli["floor_ms"] == round(floor, 4) > 0
+    assert harli["tpot_ms_p50"] == 2.0 and harli["tpot_ms_p99"] == 3.0
+    assert harli["bandwidth_frac"] == round(floor / 2.0, 4)
+    assert harli["host_ms_p50"] == 0.5 and harli["schedule_ms_p50"] == 0.1
+    assert harli["graph_replay_ms_p50"] == 0.5
+    assert rows[2] == {
+        "model": "tiny",
+        "batch": 2,
+        "context": 16,
+        "floor_ms": harli["floor_ms"],
+        "system": "floor",
+        "tpot_ms_p50": harli["floor_ms"],
+        "tpot_ms_p99": harli["floor_ms"],
+        "bandwidth_frac": 1.0,
+    }
+    assert ratios == [
+        {"model": "tiny", "batch": 2, "context": 16, "vs": "hf_eager", "speedup": 4.0}
+    ]
+
+    capsys.readouterr()
+    print_table(rows, ratios)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == TABLE_HEADER
+    assert lines[1].split()[:4] == ["tiny", "harli", "2", "16"]
+    assert lines[2].split()[:4] == ["tiny", "hf_eager", "2", "16"]
+    assert lines[3] == "speedup tiny b=2 vs hf_eager: 4.0x"
+    assert len(lines) == 4  # no floor row in the table
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The CUDA-only pieces of `bench/decode.py` pointed at the CPU; nothing else changed."""
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(decode, "DEVICE", cpu)
+    monkeypatch.setattr(decode_hf, "DEVICE", cpu)
+    monkeypatch.setattr(decode, "copy_bandwidth", lambda: 1e8)  # tiny floors stay > 0
+
+    def cpu_engine_config(**kwargs: Any) -> EngineConfig:
+        return EngineConfig(**{**kwargs, "device": "cpu"})
+
+    monkeypatch.setattr(decode_engine, "EngineConfig", cpu_engine_config)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "cpu")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny shapes: threads only contend
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("cpu_bench")
+def test_tiny_cpu_run_writes_rows_and_prints_the_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = [
+        *("--models", "tiny", "--batches", "1,2", "--contexts", "16"),
+        *("--steps", "3", "--warmup", "1", "--hf-eager", "2", "--hf-compile", ""),
+        *("--hf-context", "16", "--hf-steps", "2", "--prefill-chunks", "", "--skip-check"),
+        *("--out", str(tmp_path), "--commit", "test"),
+    ]
+    monkeypatch.setattr(sys, "argv", ["decode.py", *argv])
+    decode.main()
+    stdout = capsys.readouterr().out
+
+    (path,) = tmp_path.glob("decode-h200-*.json")
+    out = json.loads(path.read_text())
+    assert list(out) == TOP_KEYS
+    assert (out["commit"], out["gpu"], out["complete"], out["notes"]) == ("test", "cpu", True, [])
+    assert out["config"]["models"] == ["tiny"] and out["config"]["variants"] == "async,sync"
+    rows = out["rows"]
+    assert [(r["system"], r["batch"]) for r in rows] == [
+        ("harli", 1),
+        ("harli", 2),
+        ("harli_sync", 1),
+        ("harli_sync", 2),
+        ("hf_eager", 2),
+        ("floor", 1),
+        ("floor", 2),
+    ]
+    for row in rows:
+        assert ROW_KEYS <= set(row), row
+        assert row["model"] == "tiny" and row["context"] == 16
+        assert row["tpot_ms_p50"] > 0 and row["floor_ms"] > 0 and row["bandwidth_frac"] > 0
+    assert all(r["n_steps"] == 3 and "host_ms_p50" in r for r in rows[:4])
+    assert [(s["batch"], s["vs"]) for s in out["speedups"]] == [(2, "hf_eager")]
+
+    table = stdout[stdout.index(TABLE_HEADER) :].splitlines()
+    assert [line.split()[1] for line in table[1:6]] == ["harli"] * 2 + ["harli_sync"] * 2 + [
+        "hf_eager"
+    ]
+    assert table[6].startswith("speedup tiny b=2 vs hf_eager: ")
+    assert len(table) == 7
