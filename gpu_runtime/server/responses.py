@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import Any
 
 from gpu_runtime.engine.request import RequestOutput
@@ -23,12 +24,15 @@ class Tracked:
 
 
 def text_delta(text: str, sent: int, finished: bool, holdback: int) -> tuple[str, int]:
-    """New text safe to send: hold back a possible stop-string prefix and a partial UTF-8
-    character until the request finishes. Returns the piece and the new sent offset."""
-    upto = len(text) if finished else len(text) - holdback
-    if not finished:
-        while upto > sent and text[upto - 1] == "\ufffd":
-            upto -= 1
+    """New text safe to send; returns the piece and the new sent offset. Until the request
+    finishes, trailing U+FFFDs (a character whose bytes have not all arrived) are held back,
+    then `holdback` more characters (where a stop string could start: a match found later
+    cuts the final text there, so sent text is never cut). Costs O(unsent text), not O(text).
+    """
+    if finished:
+        upto = len(text)
+    else:
+        upto = sent + len(text[sent:].rstrip("\ufffd")) - holdback
     upto = max(upto, sent)
     return text[sent:upto], upto
 
@@ -57,7 +61,7 @@ def completion_logprobs(tokenizer: Any, tracked: Tracked) -> dict[str, Any]:
         "top_logprobs": [
             {_token_text(tokenizer, t): v for t, v in lp.top} for lp in tracked.logprobs
         ],
-        "text_offset": [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))],
+        "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=0))[: len(tokens)],
     }
 
 
