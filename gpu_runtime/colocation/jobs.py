@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from gpu_runtime.colocation.snapshot import trainer_replays_graphs
 from gpu_runtime.colocation.types import JobView, QuantumReport
@@ -54,6 +54,7 @@ class JobState:
     solo_tokens_per_s: float | None = None
     layers: int | None = None
     reports: list[QuantumReport] = field(default_factory=list, repr=False)
+    _cold: tuple[Any, frozenset[tuple[int, int | None]]] | None = field(default=None, repr=False)
 
     @property
     def finished(self) -> bool:
@@ -85,12 +86,24 @@ class JobState:
     ) -> frozenset[tuple[int, int | None]]:
         """(examples, decode SMs) whose next micro-batch would not replay a graph on that
         split's finetune stream (``streams``: decode SMs -> the stream's CUDA handle), asked of
-        the trainer (``LoraTrainer.replays_next``); empty when the job runs no graphs."""
-        if not self.graphed or not streams:
+        the trainer (``LoraTrainer.replays_next``) again only once its data position or graphs
+        have moved (after a quantum); empty when the job runs no graphs."""
+        graphs = self.trainer.graphs
+        if graphs is None or not self.graphed or not streams:
             return frozenset()
+        state = (
+            self.trainer.stream.position,
+            sum(graphs.counts.values()),
+            len(graphs.keys()),
+            examples,
+            frozenset(streams.items()),
+        )
+        if self._cold is not None and self._cold[0] == state:
+            return self._cold[1]
         cold = set()
         for k in examples:
             replays = self.trainer.replays_next(k * self.max_seq_len, set(streams.values()))
             if replays is not None:
                 cold |= {(k, d) for d, handle in streams.items() if not replays[handle]}
-        return frozenset(cold)
+        self._cold = (state, frozenset(cold))
+        return self._cold[1]

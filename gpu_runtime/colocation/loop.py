@@ -92,7 +92,7 @@ class HostLoop:
         self._order: list[str] = []
         self._timing: dict[str, _RequestTiming] = {}
         self._index = 0
-        self._cold: dict[str, tuple[Any, frozenset[tuple[int, int | None]]]] = {}
+        self._finetune_streams: dict[int | None, int] | None = None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -306,23 +306,16 @@ class HostLoop:
         )
 
     def _cold_launches(self, job: JobState) -> frozenset[tuple[int, int | None]]:
-        """``JobState.cold_launches`` over every split's finetune stream, asked again only
-        once the job's data position or graphs have changed (after a quantum)."""
-        graphs = job.trainer.graphs
-        if self.sharing is None or graphs is None or not job.graphed:
+        """``JobState.cold_launches`` over every split's finetune stream (none without one)."""
+        if self.sharing is None:
             return frozenset()
-        state = (job.trainer.stream.position, sum(graphs.counts.values()), len(graphs.keys()))
-        cached = self._cold.get(job.job_id)
-        if cached is not None and cached[0] == state:
-            return cached[1]
-        streams: dict[int | None, int] = {}
-        for d in self.sharing.table.choices:
-            handle = getattr(self.sharing.partition(d)[1], "cuda_stream", None)
-            if handle is not None:
-                streams[d] = int(handle)
-        cold = job.cold_launches(COLD_CHECK_EXAMPLES, streams)
-        self._cold[job.job_id] = (state, cold)
-        return cold
+        if self._finetune_streams is None:  # the partitions are made once, up front
+            self._finetune_streams = {}
+            for d in self.sharing.table.choices:
+                handle = getattr(self.sharing.partition(d)[1], "cuda_stream", None)
+                if handle is not None:
+                    self._finetune_streams[d] = int(handle)
+        return job.cold_launches(COLD_CHECK_EXAMPLES, self._finetune_streams)
 
     def _running_view(self) -> tuple[RunningRequest, ...]:
         """Requests decoding with at least ``MIN_TOKENS_FOR_TPOT`` tokens: their TPOT so far
