@@ -13,9 +13,10 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.memory_phase import median_ci, slowest_iterations
+from bench.memory_phase_row import median_ci, slowest_iterations
 from bench.memory_sizing import QuantumSizing, captured_shapes, warm_sizes
-from bench.memory_trace import _peak_prior_blocks, job_pool_gib, trace_comparisons
+from bench.memory_trace import _peak_prior_blocks, job_pool_gib
+from bench.memory_trace_report import trace_comparisons
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 MIB = 1 << 20

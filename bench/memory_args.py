@@ -1,0 +1,99 @@
+"""The command line of `bench/memory.py trace` (its options, defaults and their meaning; the
+docstring of bench/memory.py says what a run does)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from bench.memory import ROOT
+
+
+def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    """`bench/memory.py trace`'s options on its subcommand parser."""
+    parser.add_argument("--model", default="llama3-8b", help="preset: llama3-8b, qwen2.5-7b, tiny")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals a phase")
+    parser.add_argument("--drain", type=float, default=30.0, help="most seconds to finish after")
+    parser.add_argument("--rate-scale", type=float, default=1.0)
+    parser.add_argument("--prompt-median", type=int, default=1536, help="prompt tokens (median)")
+    parser.add_argument("--output-median", type=int, default=256, help="output tokens (median)")
+    parser.add_argument("--pool-gib", type=float, default=80.0, help="pool size (KV + finetune)")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-batched-tokens", type=int, default=2048)
+    parser.add_argument("--phases", default="decode_only,decode_only_split,unified,static_split")
+    parser.add_argument(
+        "--job-pool-extra-gib",
+        type=float,
+        default=None,
+        help="pool of the phases with a job: decode_only's KV peak + the low watermark + this "
+        "(default: --pool-gib for every phase)",
+    )
+    parser.add_argument(
+        "--decode-only-kv-peak-blocks",
+        type=int,
+        default=None,
+        help="decode's KV peak alone on this trace, from an earlier run (its decode_only "
+        "kv_peak_blocks): used for --job-pool-extra-gib and --plan-peak-prior when the "
+        "decode_only phase does not run",
+    )
+    parser.add_argument("--ft-seq-len", type=int, default=512)
+    parser.add_argument("--max-examples", type=int, default=4, help="most examples per quantum")
+    parser.add_argument(
+        "--sharing",
+        choices=("green", "streams"),
+        default="green",
+        help="green: decode on a `--decode-sms` SM partition, quanta on the rest (falls back "
+        "to streams when green contexts are unavailable); streams: decode on a high-priority "
+        "full-device stream, quanta on a low-priority one",
+    )
+    parser.add_argument("--decode-sms", type=int, default=96, help="decode's SMs beside a job")
+    parser.add_argument(
+        "--plan-headroom-intervals",
+        type=int,
+        default=4,
+        help="quanta are sized to the budget less this many intervals of decode's recent "
+        "growth, so most reclaims need no cache flush (MemoryPolicyConfig)",
+    )
+    parser.add_argument(
+        "--plan-headroom-min-pages",
+        type=int,
+        default=None,
+        help="floor of that headroom (default: the low watermark plus the waiting prompts' "
+        "cap, what a burst's first refill takes)",
+    )
+    parser.add_argument(
+        "--plan-peak-window",
+        type=int,
+        default=256,
+        help="quanta are also planned beside decode's peak over this many quantum boundaries "
+        "(MemoryPolicyConfig.plan_peak_window; 0: off). Phase `unified_no_peak` runs without",
+    )
+    parser.add_argument(
+        "--plan-peak-prior",
+        choices=("decode_only", "none"),
+        default="decode_only",
+        help="decode_only: the unified phase's peak window starts with decode_only's KV peak "
+        "(the same trace; a host's history), aging out like any observation",
+    )
+    parser.add_argument("--reserve-low-pages", type=int, default=1024)
+    parser.add_argument("--reserve-high-pages", type=int, default=3072)
+    parser.add_argument(
+        "--torch-headroom-gib",
+        type=float,
+        default=8.0,
+        help="torch memory decode may add after warm-up, outside the finetune budget (the "
+        "engine's eager mixed prefill+decode steps allocate GiBs at batch ~200)",
+    )
+    parser.add_argument(
+        "--ft-eager",
+        action="store_true",
+        help="eager finetune quanta (default: CUDA-graphed, captured per shape on the "
+        "finetune stream during warm-up; the graphs' private pool is sized into each "
+        "quantum's budget and dropped by a reclaim that must flush)",
+    )
+    parser.add_argument("--step-pages", type=int, default=512)
+    parser.add_argument("--hysteresis", type=int, default=50)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "bench" / "results")))
