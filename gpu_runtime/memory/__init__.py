@@ -24,6 +24,7 @@ from gpu_runtime.memory.policy import (
     MemoryPolicyConfig,
 )
 from gpu_runtime.memory.pool import MemorySplit, PagePool
+from gpu_runtime.memory.work import MemoryWork
 
 __all__ = [
     "BlockManagerLike",
@@ -42,6 +43,7 @@ __all__ = [
     "MemoryPolicyConfig",
     "MemoryPoolError",
     "MemorySplit",
+    "MemoryWork",
     "PageBackend",
     "PagePool",
     "PhysicalMemoryUnavailable",

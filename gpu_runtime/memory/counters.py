@@ -9,17 +9,24 @@ from dataclasses import dataclass, field
 
 
 class LatencySamples:
-    """The last `capacity` durations (seconds) of one kind of event, with percentiles in ms."""
+    """The last `capacity` durations (seconds) of one kind of event, with percentiles in ms;
+    `count` and `total_s` cover every event ever added (for deltas over a window)."""
 
     def __init__(self, capacity: int = 100_000) -> None:
         if capacity <= 0:
             raise ValueError(f"capacity must be positive, got {capacity}")
         self._samples: deque[float] = deque(maxlen=capacity)
+        self.count = 0
+        """Events added so far (not capped by `capacity`)."""
+        self.total_s = 0.0
+        """Their summed duration (seconds)."""
 
     def add(self, seconds: float) -> None:
         if seconds < 0 or math.isnan(seconds):
             raise ValueError(f"a duration must be >= 0, got {seconds}")
         self._samples.append(seconds)
+        self.count += 1
+        self.total_s += seconds
 
     def __len__(self) -> int:
         return len(self._samples)

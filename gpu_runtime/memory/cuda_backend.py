@@ -30,7 +30,7 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 from gpu_runtime.memory.layout import GIB, MIB, FinetuneBudgetExceeded, MemoryPoolError
-from gpu_runtime.memory.torch_pools import FinetunePools
+from gpu_runtime.memory.torch_pools import FinetunePools, allocator_counters
 
 if TYPE_CHECKING:
     import torch
@@ -254,6 +254,15 @@ class CudaVmmBackend:
             self._decode_reserved = decode
             self._apply_cap()
         return finetune
+
+    def allocator_stats(self) -> dict[str, int]:
+        """torch's allocator now (`torch_pools.allocator_counters`): segments, reserved bytes and
+        cumulative device calls, syncs, retries. With finetune pools, as of the last
+        `finetune_reserved_bytes()` (which `EngineMemory.after_decode` calls every iteration):
+        no extra read."""
+        if self._pools is not None and self._pools.last_counters:
+            return dict(self._pools.last_counters)
+        return allocator_counters(self._torch.cuda.memory_stats_as_nested_dict(self._device))
 
     def finetune_allocated_bytes(self) -> int:
         allocated = self._torch.cuda.memory_allocated(self._device)

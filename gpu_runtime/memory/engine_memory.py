@@ -29,6 +29,7 @@ from gpu_runtime.memory.layout import (
     kv_block_bytes,
 )
 from gpu_runtime.memory.policy import DecodeGrant, MemoryManager, MemoryPolicyConfig
+from gpu_runtime.memory.work import MemoryWork, WorkMeter
 
 if TYPE_CHECKING:
     from gpu_runtime.memory.pool import PagePool
@@ -102,6 +103,11 @@ class EngineMemory:
         self.last_grant: DecodeGrant | None = None
         self.process_wide_peaks = False
         """True when `quantum_done` peaks count the whole process (set by `attach` on CUDA)."""
+        self._meter = WorkMeter(manager.counters)
+        self.last_before = MemoryWork()
+        """What the last `before_decode()` did (time, maps, reclaims, flushes, waits)."""
+        self.last_after = MemoryWork()
+        """What the last `after_decode()` did."""
 
     @classmethod
     def prepare(
@@ -158,6 +164,7 @@ class EngineMemory:
         """With no quantum in flight, first refill the reserve (reclaiming if needed: the
         only reclaim that neither waits for nor starves a quantum); then make the step's blocks
         usable, waiting for a running quantum only if they cannot be had otherwise."""
+        self._meter.start()
         running, waiting = scheduler_block_demand(self._bound())
         busy = self._busy()
         if not busy:
@@ -169,8 +176,10 @@ class EngineMemory:
             wait_for_finetune=self.wait_for_finetune,
             promised_bytes=self._promised_bytes if busy else None,
         )
+        self.last_before = self._meter.stop()
 
     def after_decode(self) -> None:
+        self._meter.start()
         # Read what finetune holds once per iteration: on CUDA this also lets the torch cap
         # follow decode's own growth (cached; a snapshot only after a segment came or went).
         self.manager.pool.backend.finetune_reserved_bytes()
@@ -181,6 +190,7 @@ class EngineMemory:
             finetune_busy=busy,
             promised_bytes=self._promised_bytes if busy else None,
         )
+        self.last_after = self._meter.stop()
 
     def finetune_budget_bytes(self) -> int:
         """What the next quantum should fit in: the budget less the pages decode is expected

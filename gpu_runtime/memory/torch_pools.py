@@ -28,6 +28,28 @@ from typing import Any
 PoolId = tuple[int, int]
 DEFAULT_POOL: PoolId = (0, 0)
 
+_EVENT_COUNTERS = {
+    "device_allocs": "num_device_alloc",
+    "device_frees": "num_device_free",
+    "alloc_retries": "num_alloc_retries",
+    "sync_all_streams": "num_sync_all_streams",
+    "ooms": "num_ooms",
+}
+
+
+def allocator_counters(stats: dict[str, Any]) -> dict[str, int]:
+    """From `torch.cuda.memory_stats_as_nested_dict`: the segments and reserved bytes now, and
+    the allocator's cumulative device calls (cudaMalloc/cuMemMap, cudaFree/cuMemUnmap: a
+    cudaFree waits for the whole device), retries after a failed cudaMalloc (each a cache
+    flush), `synchronize_and_free_events` calls and OOMs (0 where this torch lacks one)."""
+    out = {
+        "segments": int(stats.get("segment", {}).get("all", {}).get("current", 0)),
+        "reserved_bytes": int(stats.get("reserved_bytes", {}).get("all", {}).get("current", 0)),
+    }
+    for name, key in _EVENT_COUNTERS.items():
+        out[name] = int(stats.get(key, 0))
+    return out
+
 
 class FinetunePools:
     """Reserved bytes of the finetune pools, and a `MemPool` for finetune's eager tensors."""
@@ -40,6 +62,8 @@ class FinetunePools:
         self._finetune_reserved = 0
         self._total_reserved = 0
         self._mempool: Any = None
+        self.last_counters: dict[str, int] = {}
+        """`allocator_counters` as of the last `refresh` (read there anyway)."""
         self.snapshots = 0
         """Snapshots taken (each is a pass over every segment: should stay rare)."""
         self.available = self._probe()
@@ -71,6 +95,7 @@ class FinetunePools:
 
     def _segment_key(self) -> tuple[int, int, int]:
         stats = self._torch.cuda.memory_stats_as_nested_dict(self._device)
+        self.last_counters = allocator_counters(stats)
         segment = stats.get("segment", {}).get("all", {})
         reserved = stats.get("reserved_bytes", {}).get("all", {}).get("current", 0)
         return int(segment.get("allocated", 0)), int(segment.get("freed", 0)), int(reserved)

@@ -13,6 +13,7 @@ from gpu_runtime.memory import (
     EngineMemory,
     MemoryPolicyConfig,
     MemoryPoolError,
+    MemoryWork,
     create_page_pool,
     engine_kv_layout,
     scheduler_block_demand,
@@ -74,6 +75,9 @@ def test_tokens_match_a_plain_engine_while_memory_moves(model: CausalLM) -> None
     ids: list[str] = []
     pending = list(prompts)
     step = 0
+    work: list[MemoryWork] = []
+    counters = memory.manager.counters
+    mapped_at_start, maps_at_start = counters.decode_pages_mapped, len(counters.map_latency)
     while pending or engine.has_unfinished_requests() or step < 30:
         if pending and step % 3 == 0:  # bursts of two, then quiet
             ids += [engine.add_request(p, GREEDY) for p in pending[:2]]
@@ -83,6 +87,7 @@ def test_tokens_match_a_plain_engine_while_memory_moves(model: CausalLM) -> None
             if out.finished:
                 finished[out.request_id] = out.output_token_ids
         memory.after_decode()
+        work += [memory.last_before, memory.last_after]
         # A finetune quantum fitted to the budget it reads, keeping one page of state.
         budget = memory.finetune_budget_bytes()
         if budget >= page:
@@ -96,6 +101,21 @@ def test_tokens_match_a_plain_engine_while_memory_moves(model: CausalLM) -> None
     assert counters.kv_shrinks > 0 and counters.decode_pages_mapped > 0
     assert counters.finetune_budget_violations == 0
     assert memory.lent_bytes() == pool.finetune_budget_bytes > 0
+    # Every map, unmap and reclaim ran in a before_decode or after_decode call, and each call's
+    # MemoryWork says which.
+    # (the engine's first blocks were mapped when the pool was prepared)
+    assert sum(w.pages_mapped for w in work) == counters.decode_pages_mapped - mapped_at_start
+    assert sum(w.pages_unmapped for w in work) == counters.decode_pages_unmapped > 0
+    assert sum(w.maps for w in work) == len(counters.map_latency) - maps_at_start > 0
+    assert sum(w.reclaims for w in work) == len(counters.reclaim_latency)
+    assert sum(w.map_ms for w in work) <= counters.map_latency.total_s * 1e3 + 1e-9
+    assert (
+        0
+        < sum(w.budget_changes for w in work)
+        <= counters.finetune_grows + counters.finetune_shrinks
+    )
+    assert all(w.ms >= w.map_ms >= 0 for w in work)
+    assert len(MemoryWork.names()) == len(work[0].values())
 
 
 def test_scheduler_demand_counts_next_chunks_and_waiting_prompts(model: CausalLM) -> None:

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
-from gpu_runtime.memory.torch_pools import FinetunePools
+from gpu_runtime.memory.torch_pools import FinetunePools, allocator_counters
 
 MIB = 1 << 20
 
@@ -57,9 +57,15 @@ class FakeAllocator:
 
     def stats(self, device: int) -> dict[str, Any]:
         reserved = sum(s["total_size"] for s in self.segments)
+        current = self.created - self.freed
         return {
-            "segment": {"all": {"allocated": self.created, "freed": self.freed}},
+            "segment": {
+                "all": {"allocated": self.created, "freed": self.freed, "current": current}
+            },
             "reserved_bytes": {"all": {"current": reserved}},
+            "num_device_alloc": self.created,
+            "num_device_free": self.freed,
+            "num_sync_all_streams": 2,
         }
 
 
@@ -92,3 +98,25 @@ def test_without_pool_ids_in_snapshots_the_pools_are_not_available() -> None:
     fake = FakeAllocator()
     fake.segments.append({"device": 0, "total_size": MIB})
     assert not FinetunePools(fake, 0).available
+
+
+def test_allocator_counters_are_read_with_every_refresh() -> None:
+    fake = FakeAllocator()
+    fake.add((0, 0), 100 * MIB)
+    pools = FinetunePools(fake, 0)
+    pools.reset_baseline()
+    assert pools.last_counters == {}  # nothing refreshed yet
+    pools.refresh()
+    fake.add((0, 9), 40 * MIB)
+    fake.free_pool((0, 0))
+    pools.refresh()
+    assert pools.last_counters == {
+        "segments": 1,
+        "reserved_bytes": 40 * MIB,
+        "device_allocs": 2,
+        "device_frees": 1,
+        "alloc_retries": 0,  # not in this allocator's stats
+        "sync_all_streams": 2,
+        "ooms": 0,
+    }
+    assert allocator_counters({}) == dict.fromkeys(pools.last_counters, 0)
