@@ -8,14 +8,17 @@
 Poisson bursts of 45 x `--rate-scale` requests/s for 4 s, 6 s quiet; prompts log-normal median
 `--prompt-median` (1536) tokens in [median/6, 2 x median], outputs median `--output-median`
 (256) in [median/8, 3 x median]; seeded, identical for every phase) runs through the host loop
-in four phases (`--phases`): `decode_only` (no job, whole device), `decode_only_split` (no job,
-decode on the `--decode-sms` green-context split), `unified` and `static_split` (one LoRA job:
-rank 16, q/k/v/o, synthetic `--ft-seq-len`-token examples, CUDA-graphed quanta on the split's
-other SMs unless `--ft-eager`, sized to the budget they read: at most `--max-examples`
-examples, a safety factor that shrinks after an out-of-memory error). `unified`: the pool moves
+and the deployed engine's step shape (`--max-batched-tokens` 512, mixed-step CUDA graphs:
+`--mixed-graphs`) in four phases (`--phases`, run in the order given): `decode_only` (no job,
+whole device), `decode_only_split` (no job, decode on the `--decode-sms` green-context split),
+`unified` and `static_split` (one LoRA job: rank 16, q/k/v/o, synthetic `--ft-seq-len`-token
+examples, CUDA-graphed quanta on the split's other SMs unless `--ft-eager`, sized to the budget
+they read: at most `--max-examples` examples, a safety factor that shrinks after an
+out-of-memory error). `unified`: the pool moves
 pages both ways, quanta planned below decode's expected reclaims (`--plan-headroom-*`).
-`static_split`: decode keeps the KV peak `unified` measured (plus the low watermark) and
-finetuning gets the rest for good. `unified` also plans quanta beside decode's peak over the last
+`static_split`: decode keeps the KV peak `unified` measured (plus the low watermark; run before
+`unified`: `--static-kv-peak-blocks`, else decode alone's peak) and finetuning gets the rest for
+good. `unified` also plans quanta beside decode's peak over the last
 `--plan-peak-window` quantum boundaries (starting from `decode_only`'s KV peak); the optional
 phase `unified_no_peak` plans without that term (more memory for graphed quanta, which the next
 burst may have to flush). `--job-pool-extra-gib` sizes the two job phases' pool from
@@ -27,7 +30,10 @@ reclaims (p50/p99, cache flushes, taken while a quantum ran, waits), decode iter
 them; the whole loop iteration, pool work included), TPOT, finetune memory (budget lent,
 planned for, allocator reserved: time-weighted means, max, a time series), tokens/s and the
 job's graph counts; `comparisons` holds the ratios between phases. A phase that fails becomes a
-row with its error; the file is written after each phase: `memory-<gpu>-<yyyymmdd>.json`. Code:
+row with its error; the file is written after each phase: `memory-<gpu>-<yyyymmdd>.json`, and
+beside it `memory-<gpu>-<yyyymmdd>.iterations.json`, one row per loop iteration of each phase
+(step, quantum beside, what the pool did before and after the step, the allocator's segments
+and device calls: `bench/memory_iterations.py`). Code:
 `bench/memory_args.py` (the options), `bench/memory_trace.py` (setup, the phases in turn),
 `bench/memory_trace_report.py` (result file, comparisons, table), `bench/memory_phase.py` (one
 phase: build and drive), `bench/memory_phase_row.py` (a phase's row), `bench/memory_sizing.py`

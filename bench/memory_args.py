@@ -21,8 +21,38 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pool-gib", type=float, default=80.0, help="pool size (KV + finetune)")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-batched-tokens", type=int, default=2048)
-    parser.add_argument("--phases", default="decode_only,decode_only_split,unified,static_split")
+    parser.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=512,
+        help="the engine's token budget of one step (decode rows + prefill chunk tokens; the "
+        "deployed engine's 512)",
+    )
+    parser.add_argument(
+        "--mixed-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="replay steps carrying prefill chunks from the engine's piecewise graphs, "
+        "captured on decode's split (EngineConfig.mixed_cuda_graphs, as deployed); "
+        "--no-mixed-graphs launches them eagerly",
+    )
+    parser.add_argument(
+        "--phases",
+        default="decode_only,decode_only_split,unified,static_split",
+        help="comma-separated phases, run in the order given (each at most once) from "
+        "decode_only, decode_only_split, unified, static_split, unified_no_peak. A phase uses "
+        "what the phases before it measured: the job phases' pool and unified's peak prior "
+        "decode_only's KV peak (else --decode-only-kv-peak-blocks), static_split's share "
+        "unified's KV peak (else --static-kv-peak-blocks, else decode alone's)",
+    )
+    parser.add_argument(
+        "--static-kv-peak-blocks",
+        type=int,
+        default=None,
+        help="the KV peak static_split reserves for decode (plus the low watermark), from an "
+        "earlier run (a unified row's kv_peak_blocks): for static_split run before unified; "
+        "default: unified's peak in this run, else decode alone's KV peak",
+    )
     parser.add_argument(
         "--job-pool-extra-gib",
         type=float,

@@ -20,6 +20,7 @@ import time
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
+from bench.memory_iterations import IterationLog
 from bench.memory_phase_row import phase_row
 from bench.memory_sizing import (
     QuantumSizing,
@@ -41,9 +42,10 @@ def run_phase(
     prompts: list[list[int]],
     plan: dict,
     sharing: Any = None,
-) -> dict[str, Any]:
-    """One phase on a fresh pool; the pool is closed (and the device's cap lifted) even when
-    the phase fails. `sharing`: the run's `GpuSharing` (None on CPU)."""
+) -> tuple[dict[str, Any], list[list[Any]]]:
+    """One phase on a fresh pool: its result row and its iterations (`ITERATION_COLUMNS`).
+    The pool is closed (and the device's cap lifted) even when the phase fails. `sharing`:
+    the run's `GpuSharing` (None on CPU)."""
     import torch
 
     from gpu_runtime.memory import create_page_pool
@@ -58,7 +60,8 @@ def run_phase(
     )
     try:
         phase = _Phase(name, args, model, prompts, plan, pool, sharing)
-        return phase.drive(trace)
+        row = phase.drive(trace)
+        return row, phase.log.rows
     finally:
         pool.close()
         if cuda:
@@ -108,7 +111,7 @@ class _Phase:
         # (t, budget lent, what quanta were told to plan for, finetune allocator reserved)
         self.lent_samples: list[tuple[float, int, int, int]] = []
         self.records: list[Any] = []
-        self.iteration_events: list[tuple[int, int]] = []  # (reclaims, flushes) per iteration
+        self.log = IterationLog(self.memory, self.engine, args.device.startswith("cuda"))
 
     def _memory(self, model: Any, plan: dict, pool: Any) -> Any:
         from gpu_runtime.memory import EngineMemory, MemoryPolicyConfig
@@ -153,6 +156,7 @@ class _Phase:
                 block_size=16,
                 max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_batched_tokens,
+                mixed_cuda_graphs=args.mixed_graphs,
                 max_model_len=args.max_model_len,
                 device=args.device,
                 cuda_graph_batch_sizes=(1, 2, 4, 8, 16, 32, 64, 128, 256),
@@ -301,17 +305,11 @@ class _Phase:
                     except ValueError:
                         self.rejected += 1
                     i += 1
-                counters = self.memory.manager.counters
-                events = (len(counters.reclaim_latency), len(counters.flush_latency))
                 record = loop.run_iteration()
                 self.records.append(record)
-                self.iteration_events.append(
-                    (
-                        len(counters.reclaim_latency) - events[0],
-                        len(counters.flush_latency) - events[1],
-                    )
-                )
                 self._account(record, start)
+                _, lent, _, reserved = self.lent_samples[-1]
+                self.log.record(record, start, lent, reserved)
                 if now >= next_sample:
                     next_sample = now + 0.25
                     self._sample(now)

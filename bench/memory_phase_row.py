@@ -23,23 +23,7 @@ def phase_row(phase: Any, *, arrived: int, window: float) -> dict[str, Any]:
     with_decode = [r for r in records if r.decode_batch or r.prefill_tokens]
     iter_ms = sorted(r.iteration_ms for r in with_decode)
     pure_decode_ms = sorted(r.iteration_ms for r in with_decode if not r.prefill_tokens)
-    slowest = slowest_iterations(
-        [
-            {
-                "t_s": round(r.timestamp - phase.records[0].timestamp, 3),
-                "iteration_ms": round(r.iteration_ms, 2),
-                "step_ms": round(r.observed_ms, 2),
-                "batch": r.decode_batch,
-                "prefill_tokens": r.prefill_tokens,
-                "quantum_beside_tokens": r.beside_tokens if r.in_flight else 0,
-                "reclaims": events[0],
-                "flushes": events[1],
-            }
-            for r, events in zip(records, phase.iteration_events, strict=True)
-            if r.decode_batch or r.prefill_tokens
-        ],
-        8,
-    )
+    slowest = phase.log.slowest(8)
     ci_low, ci_high = median_ci(iter_ms)
     tpot = sorted(s for r in records for s in r.tpot_samples_ms)
     reports = [q for r in records for q in r.quanta]
@@ -61,6 +45,7 @@ def phase_row(phase: Any, *, arrived: int, window: float) -> dict[str, Any]:
 
     return {
         "model": phase.args.model,
+        "engine": engine_record(phase.engine.config),
         "trace": "memory-bursty",
         "policy": phase.name,
         "ooms": phase.ooms,
@@ -169,7 +154,13 @@ def median_ci(sorted_values: list[float], z: float = 1.96) -> tuple[float, float
     return sorted_values[low], sorted_values[high]
 
 
-def slowest_iterations(rows: list[dict[str, Any]], count: int) -> list[dict[str, Any]]:
-    """The `count` rows with the largest `iteration_ms`, slowest first (what a p99 is made of:
-    batch, prefill chunk, quantum beside, reclaims and cache flushes in that iteration)."""
-    return sorted(rows, key=lambda row: -row["iteration_ms"])[:count]
+def engine_record(config: Any) -> dict[str, Any]:
+    """The decode engine's step shape: token budget, mixed-step graphs, chunk attention."""
+    mixed = bool(config.mixed_cuda_graphs)
+    return {
+        "max_num_batched_tokens": config.max_num_batched_tokens,
+        "mixed_cuda_graphs": mixed,
+        "mixed_graph_token_sizes": list(config.mixed_graph_token_sizes()) if mixed else None,
+        "chunk_attention": config.chunk_attention,
+        "max_num_seqs": config.max_num_seqs,
+    }

@@ -74,7 +74,7 @@ def trace_benchmark(args: Any) -> Path:
     """`decode_only` (no job, whole device: decode's own iteration time), `decode_only_split`
     (no job, on the co-located phases' decode split), `unified` (it also measures decode's KV
     peak), then `static_split` reserving that peak plus the reserve for decode and lending the
-    rest to finetuning for good; `--phases` picks a subset (in this order). With
+    rest to finetuning for good; `--phases` picks some, run in the order given. With
     `--job-pool-extra-gib X` the two phases with a job get a pool of the KV peak `decode_only`
     measured plus the low watermark plus X GiB (the same for both), so that memory is tight
     at decode's peak whatever the trace's load. A phase that fails is recorded as a row with
@@ -87,6 +87,7 @@ def trace_benchmark(args: Any) -> Path:
     from gpu_runtime.model import ModelConfig, build_random_model
 
     wall = time.perf_counter()
+    phases = parse_phases(args.phases)
     # Every move and preemption is counted in the rows; per-event log lines would flood.
     logging.getLogger("gpu_runtime.memory").setLevel(logging.CRITICAL)
     device = torch.device(args.device)
@@ -148,11 +149,13 @@ def trace_benchmark(args: Any) -> Path:
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"memory-{gpu_slug(gpu)}-{today:%Y%m%d}.json"
     rows: list[dict[str, Any]] = []
+    iterations: dict[str, list[list[Any]]] = {}
 
     def phase(name: str) -> None:
         started = time.perf_counter()
         try:
-            rows.append(run_phase(name, args, model, trace, prompts, plan, sharing))
+            row, iterations[name] = run_phase(name, args, model, trace, prompts, plan, sharing)
+            rows.append(row)
         except Exception as exc:  # one phase's failure is a result; the other still runs
             import traceback
 
@@ -163,12 +166,8 @@ def trace_benchmark(args: Any) -> Path:
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        write_trace_result(path, args, spec, plan, rows, gpu, today, wall)
+        write_trace_result(path, args, spec, plan, rows, gpu, today, wall, iterations)
 
-    phases = [p for p in PHASES if p in args.phases.split(",")]
-    unknown = set(args.phases.split(",")) - set(PHASES)
-    if unknown:
-        raise ValueError(f"unknown phases {sorted(unknown)}; expected some of {PHASES}")
     plan["pool_gib"] = {}
     block_bytes = plan["cpu_page_bytes"] // (2 if device.type == "cuda" else 1)
     for name in phases:
@@ -177,12 +176,28 @@ def trace_benchmark(args: Any) -> Path:
         if name == "unified":
             plan["plan_peak_prior_blocks"] = _peak_prior_blocks(args, rows)
         if name == "static_split":
-            plan["static_decode_pages"] = _static_decode_pages(args, device, plan, rows)
+            plan["static_decode_pages"] = _static_decode_pages(
+                args, device, plan, rows, block_bytes=block_bytes
+            )
         phase(name)
     if sharing is not None:
         sharing.close()
     print_trace_table(rows)
     return path
+
+
+def parse_phases(text: str) -> list[str]:
+    """`--phases`: the phases in the order given; unknown or repeated names are an error."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(PHASES))
+    if unknown:
+        raise ValueError(f"unknown phases {unknown}; expected some of {PHASES}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"phases {repeated} given more than once")
+    if not names:
+        raise ValueError(f"no phase given; expected some of {PHASES}")
+    return names
 
 
 def _sharing(args: Any, device: Any) -> tuple[Any, dict[str, Any] | None]:
@@ -253,16 +268,28 @@ def job_pool_gib(args: Any, rows: list[dict[str, Any]], *, block_bytes: int = PA
 
 
 def _static_decode_pages(
-    args: Any, device: Any, plan: dict[str, Any], rows: list[dict[str, Any]]
+    args: Any,
+    device: Any,
+    plan: dict[str, Any],
+    rows: list[dict[str, Any]],
+    *,
+    block_bytes: int = PAGE,
 ) -> int:
-    """Decode's share under the static split: the KV peak `unified` measured plus the low
-    watermark (or 60% of the pool when `unified` did not run)."""
+    """Decode's share under the static split: a KV peak plus the low watermark, in whole map
+    units below the pinned tail. The peak: `unified`'s in this run, else
+    `--static-kv-peak-blocks`, else decode alone's (`_decode_alone_peak_blocks`, blocks of
+    `block_bytes`); 60% of the pool when none is known."""
     unit = 16 if device.type == "cuda" else 1
     page = PAGE if device.type == "cuda" else plan["cpu_page_bytes"]
     pool_gib = plan["pool_gib"].get("static_split", args.pool_gib)
     unified = [r for r in rows if r.get("policy") == "unified" and "kv_peak_pages" in r]
+    blocks = getattr(args, "static_kv_peak_blocks", None)
+    if blocks is None:
+        blocks = _decode_alone_peak_blocks(args, rows)
     if unified:
         peak_pages = unified[0]["kv_peak_pages"] + args.reserve_low_pages
+    elif blocks is not None:
+        peak_pages = -(-int(blocks) * block_bytes // page) + args.reserve_low_pages
     else:
         peak_pages = int(pool_gib * GIB * 0.6) // page
     prefix_limit = int(pool_gib * GIB) // (page * unit) * unit - unit  # less the tail

@@ -22,8 +22,13 @@ def write_trace_result(
     gpu: str,
     today: dt.datetime,
     wall: float,
+    iterations: dict[str, list[list[Any]]] | None = None,
 ) -> None:
+    """The result file at `path`, and with `iterations` (phase -> rows of
+    `ITERATION_COLUMNS`) the iterations beside it (`iterations_path`)."""
     import torch
+
+    from bench.memory_iterations import ITERATION_COLUMNS
 
     comparisons = trace_comparisons(rows)
     result = {
@@ -56,6 +61,14 @@ def write_trace_result(
         "wall_s": round(time.perf_counter() - wall, 1),
     }
     path.write_text(json.dumps(result, indent=1, default=str))
+    if iterations is not None:
+        table = {"columns": ITERATION_COLUMNS, "phases": iterations}
+        iterations_path(path).write_text(json.dumps(table, separators=(",", ":")))
+
+
+def iterations_path(path: Path) -> Path:
+    """`memory-h200-20261130.json` -> `memory-h200-20261130.iterations.json`."""
+    return path.with_suffix(".iterations.json")
 
 
 def trace_comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:

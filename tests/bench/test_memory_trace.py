@@ -13,10 +13,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.memory_phase_row import median_ci, slowest_iterations
+from bench.memory_iterations import ITERATION_COLUMNS, IterationLog
+from bench.memory_phase_row import median_ci
 from bench.memory_sizing import QuantumSizing, captured_shapes, warm_sizes
-from bench.memory_trace import _peak_prior_blocks, job_pool_gib
+from bench.memory_trace import _peak_prior_blocks, _static_decode_pages, job_pool_gib, parse_phases
 from bench.memory_trace_report import trace_comparisons
+from gpu_runtime.memory import MemoryWork
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 MIB = 1 << 20
@@ -32,9 +34,104 @@ def test_median_interval_brackets_the_median_by_order_statistics() -> None:
     assert low == high == 5.0
 
 
-def test_slowest_iterations_are_the_largest_first() -> None:
-    rows = [{"iteration_ms": ms, "i": i} for i, ms in enumerate([3.0, 9.0, 1.0, 7.0])]
-    assert [r["i"] for r in slowest_iterations(rows, 2)] == [1, 3]
+def _fake_phase(stats: dict[str, int] | None) -> tuple[SimpleNamespace, SimpleNamespace]:
+    backend = SimpleNamespace(allocator_stats=lambda: dict(stats or {}))
+    memory = SimpleNamespace(
+        manager=SimpleNamespace(pool=SimpleNamespace(backend=backend)),
+        last_before=MemoryWork(),
+        last_after=MemoryWork(),
+    )
+    times = SimpleNamespace(launch=0.002, wait=0.2)
+    engine = SimpleNamespace(
+        last_step_times=times, block_manager=SimpleNamespace(num_used_blocks=7)
+    )
+    return memory, engine
+
+
+def _record(t: float, ms: float, batch: int, prefill: int = 0, beside: int = 0) -> SimpleNamespace:
+    launch = SimpleNamespace(max_tokens=1024)
+    return SimpleNamespace(
+        timestamp=t,
+        decode_batch=batch,
+        prefill_tokens=prefill,
+        iteration_ms=ms,
+        observed_ms=ms - 1.0,
+        in_flight=bool(beside),
+        beside_tokens=beside or 2048,
+        finetune_launched=(launch,) if not beside else (),
+        quanta=(),
+    )
+
+
+def test_iteration_rows_say_what_ran_before_and_after_the_step() -> None:
+    stats = {"segments": 3, "reserved_bytes": 1 << 30, "device_allocs": 10, "device_frees": 2}
+    stats |= {"alloc_retries": 0, "sync_all_streams": 5}
+    memory, engine = _fake_phase(stats)
+    log = IterationLog(memory, engine, cuda=True)
+    log._host = None  # no pinned-allocator stats on this machine
+    memory.last_before = MemoryWork(ms=2.5, maps=1, pages_mapped=16, reclaims=1, reclaim_ms=2.0)
+    stats["device_allocs"] += 2
+    stats["device_frees"] += 1
+    log.record(_record(100.5, 230.0, 40, prefill=512, beside=1024), 100.0, 2 << 30, 1 << 30)
+    memory.last_before = MemoryWork()
+    memory.last_after = MemoryWork(ms=0.4, pages_unmapped=32, budget_changes=1)
+    log.record(_record(100.8, 14.0, 41), 100.0, 3 << 30, 1 << 30)
+    log.record(_record(100.9, 99.0, 0), 100.0, 3 << 30, 1 << 30)  # no step: not among slowest
+    first, second, idle = (dict(zip(ITERATION_COLUMNS, r, strict=True)) for r in log.rows)
+    assert first["t_ms"] == 500.0 and first["quantum_beside_tokens"] == 1024
+    assert first["quantum_launched_tokens"] == 0 and second["quantum_launched_tokens"] == 1024
+    assert (first["before_maps"], first["before_pages_mapped"], first["before_reclaims"]) == (
+        1,
+        16,
+        1,
+    )
+    assert first["before_reclaim_ms"] == 2.0 and first["after_ms"] == 0.0
+    assert (first["launch_ms"], first["wait_ms"]) == (2.0, 200.0)
+    assert (first["device_allocs"], first["device_frees"], first["sync_all_streams"]) == (2, 1, 0)
+    assert (first["segments"], first["reserved_gib"], first["lent_gib"]) == (3, 1.0, 2.0)
+    assert first["host_allocs"] is None and second["device_allocs"] == 0
+    assert second["after_pages_unmapped"] == 32 and second["after_budget_changes"] == 1
+    assert idle["launch_ms"] is None and idle["kv_used_blocks"] == 7
+    slowest = log.slowest(2)
+    assert [row["iteration_ms"] for row in slowest] == [230.0, 14.0]
+    assert slowest[0]["reclaims"] == 1 and slowest[0]["before_ms"] == 2.5
+    assert slowest[0]["wait_ms"] == 200.0 and slowest[0]["quantum_beside_tokens"] == 1024
+
+
+def test_iteration_rows_without_allocator_stats_leave_those_columns_empty() -> None:
+    memory, engine = _fake_phase(None)
+    log = IterationLog(memory, engine, cuda=False)
+    log.record(_record(1.0, 5.0, 2), 1.0, 0, 0)
+    (row,) = log.rows
+    assert len(row) == len(ITERATION_COLUMNS)
+    assert row[ITERATION_COLUMNS.index("segments") :] == [None] * 7
+
+
+def test_phases_run_in_the_order_given() -> None:
+    assert parse_phases("static_split,unified") == ["static_split", "unified"]
+    assert parse_phases(" unified , decode_only") == ["unified", "decode_only"]
+    with pytest.raises(ValueError, match="unknown"):
+        parse_phases("unified,static")
+    with pytest.raises(ValueError, match="more than once"):
+        parse_phases("unified,static_split,unified")
+    with pytest.raises(ValueError, match="no phase"):
+        parse_phases(",")
+
+
+def test_static_splits_share_is_unifieds_peak_else_the_given_else_decode_alones() -> None:
+    cuda = SimpleNamespace(type="cuda")
+    plan = {"pool_gib": {"static_split": 29.0}, "cpu_page_bytes": 0}
+    args = SimpleNamespace(pool_gib=56.0, reserve_low_pages=768, static_kv_peak_blocks=None)
+    unified = {"policy": "unified", "kv_peak_pages": 8844}
+    alone = {"policy": "decode_only", "kv_peak_blocks": 7638}
+    # M2: unified's 8844 pages + 768, up to whole 16-page map units
+    assert _static_decode_pages(args, cuda, plan, [alone, unified]) == 9616
+    given = SimpleNamespace(**{**vars(args), "static_kv_peak_blocks": 8844})
+    assert _static_decode_pages(given, cuda, plan, [alone]) == 9616  # run before unified
+    assert _static_decode_pages(args, cuda, plan, [alone]) == 8416  # decode alone's 7638
+    assert _static_decode_pages(args, cuda, plan, []) == 8912  # 60% of 29 GiB, 16-page units
+    huge = SimpleNamespace(**{**vars(args), "static_kv_peak_blocks": 10**6})
+    assert _static_decode_pages(huge, cuda, plan, []) == 29 * 512 - 16  # below the tail
 
 
 def test_warm_up_runs_one_example_twice_then_each_power_of_two_that_fits() -> None:
@@ -162,7 +259,7 @@ def test_unified_without_the_peak_window_is_compared_with_both() -> None:
 
 
 @pytest.mark.slow
-def test_three_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
+def test_four_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
     command = [
         sys.executable,
         str(ROOT / "bench" / "memory.py"),
@@ -177,15 +274,19 @@ def test_three_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
         "--step-pages=8",
         "--hysteresis=5",
         "--job-pool-extra-gib=1",
+        "--max-model-len=256",  # decode keeps 16 pages for one request: pages move
+        # static_split before unified: its share from decode alone's KV peak
+        "--phases=decode_only,decode_only_split,static_split,unified",
         f"--out={tmp_path}",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = tmp_path.glob("memory-cpu-*.json")
+    (path,) = tmp_path.glob("memory-cpu-*[0-9].json")
     result = json.loads(path.read_text())
     rows = {row["policy"]: row for row in result["rows"]}
-    assert list(rows) == ["decode_only", "decode_only_split", "unified", "static_split"]
+    order = ["decode_only", "decode_only_split", "static_split", "unified"]
+    assert list(rows) == order
     for policy, row in rows.items():
         assert "error" not in row, row
         assert row["ooms"] == 0 and row["dropped_requests"] == 0
@@ -199,8 +300,32 @@ def test_three_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
             assert sum(quanta.values()) == row["finetune_quanta"] - len(row["finetune_errors"])
             assert row["finetune_footprints_gib"] == {}  # no CUDA graphs on CPU
     assert "decode_iter_ms_p50_ratio_unified_over_decode_only" in result["comparisons"]
-    assert result["config"]["phases"] == "decode_only,decode_only_split,unified,static_split"
+    assert result["config"]["phases"] == ",".join(order)
+    assert result["config"]["max_batched_tokens"] == 512 and result["config"]["mixed_graphs"]
+    assert rows["unified"]["engine"]["max_num_batched_tokens"] == 512
     # the job phases' pool from decode_only's KV peak, capped at --pool-gib
     assert result["config"]["pool_gib_per_phase"] == {"unified": 0.05, "static_split": 0.05}
+    # static_split ran first: decode alone's KV peak (one block a page on CPU) + the reserve
+    peak = rows["decode_only"]["kv_peak_blocks"]
+    assert result["config"]["static_decode_pages"] == peak + 16
     last = proc.stdout.strip().splitlines()
-    assert last[-1].startswith("wrote ") and last[-2].startswith("static_split")
+    assert last[-1].startswith("wrote ") and last[-2].startswith("unified")
+    # One row per loop iteration of every phase, beside the result.
+    table = json.loads(path.with_suffix(".iterations.json").read_text())
+    assert table["columns"] == list(ITERATION_COLUMNS)
+    assert list(table["phases"]) == order
+    column = {name: i for i, name in enumerate(ITERATION_COLUMNS)}
+    for policy, iterations in table["phases"].items():
+        assert len(iterations) == rows[policy]["iterations"]
+        assert all(len(r) == len(ITERATION_COLUMNS) for r in iterations)
+        assert all(r[column["segments"]] is None for r in iterations)  # no allocator on CPU
+        times = [r[column["t_ms"]] for r in iterations]
+        assert times == sorted(times)
+    unified = table["phases"]["unified"]
+    assert sum(r[column["quantum_launched_tokens"]] for r in unified) > 0
+    changes = [
+        r[column["before_budget_changes"]] + r[column["after_budget_changes"]] for r in unified
+    ]
+    assert any(changes) and sum(r[column["before_pages_mapped"]] for r in unified) > 0
+    reclaims = [r[column["before_reclaims"]] + r[column["after_reclaims"]] for r in unified]
+    assert sum(reclaims) == rows["unified"]["reclaims"] > 0
