@@ -163,7 +163,11 @@ def test_finetune_pools_leave_decode_growth_out_and_flush_only_for_finetune_memo
         pool.close()
 
 
-def test_engine_over_the_cuda_pool_matches_a_plain_engine() -> None:
+@pytest.mark.parametrize("mixed_graphs", [False, True])
+def test_engine_over_the_cuda_pool_matches_a_plain_engine(mixed_graphs: bool) -> None:
+    """Same tokens as a plain engine of the same config; with `mixed_graphs` the steps carrying
+    prefill chunks replay the engine's piecewise graphs (the deployed shape), whose padding
+    tokens write to the pool's pinned padding block."""
     from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
     from gpu_runtime.memory import EngineMemory
     from gpu_runtime.model import build_random_model
@@ -182,7 +186,13 @@ def test_engine_over_the_cuda_pool_matches_a_plain_engine() -> None:
         tiny_config("llama", **shape), seed=4, device="cuda", dtype="bfloat16"
     )
     greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
-    fields = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+    fields = dict(
+        block_size=16,
+        max_num_seqs=8,
+        max_num_batched_tokens=64,
+        max_model_len=128,
+        mixed_cuda_graphs=mixed_graphs,
+    )
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 70, 12, 33)]
     plain = Engine(model, EngineConfig(num_kv_blocks=64, device="cuda", **fields))  # type: ignore[arg-type]
@@ -214,6 +224,12 @@ def test_engine_over_the_cuda_pool_matches_a_plain_engine() -> None:
         assert [finished[i] for i in ids] == expected
         pool.check()
         assert memory.lent_bytes() > 0
+        from gpu_runtime.memory.cuda_backend import CudaVmmBackend
+
+        assert isinstance(pool.backend, CudaVmmBackend)
+        stats = pool.backend.allocator_stats()
+        assert stats["segments"] > 0 and stats["reserved_bytes"] > 0
+        assert memory.last_after.ms > 0
         del engine
     finally:
         pool.close()
