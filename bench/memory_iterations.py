@@ -145,22 +145,25 @@ class IterationLog:
 
 
 def _host_allocs_reader() -> Any:
-    """A reader of the pinned host allocator's blocks created so far (None without
-    `torch.cuda.host_memory_stats`)."""
+    """A reader of the pinned host allocator's blocks created so far (its `num_host_alloc`,
+    from the nested stats: no flattening per iteration); None without host allocator stats.
+    A read that fails later returns the last value (the phase goes on)."""
     import torch
 
-    stats = getattr(torch.cuda, "host_memory_stats", None)
+    stats = getattr(torch.cuda, "host_memory_stats_as_nested_dict", None)
     if stats is None:
         return None
+    last = [0]
 
     def read() -> int:
-        values = stats()
-        if "num_host_alloc" in values:
-            return int(values["num_host_alloc"])
-        return int(values.get("allocations.allocated", 0))
+        try:
+            last[0] = int(stats().get("num_host_alloc", last[0]))
+        except Exception:  # a host allocator without stats now: keep the last count
+            pass
+        return last[0]
 
     try:
-        read()
+        stats()
     except Exception:  # a torch whose host allocator has no stats
         return None
     return read
