@@ -164,6 +164,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
     def __init__(self, latency: DecodeLatencyModel, config: HarliConfig | None = None) -> None:
         self.latency = latency
         self.config = config or HarliConfig()
+        self.launch_sizes = self.config.quantum_examples  # the loop reports their graph state
         self.margins = MarginTracker(self.config)
         self.durations = QuantumDurations(self.config.prior_quantum_overhead_ms)
         self.launch_overhead = LaunchOverhead(self.config.error_smoothing)

@@ -82,12 +82,12 @@ class JobState:
         )
 
     def cold_launches(
-        self, examples: tuple[int, ...], streams: dict[int | None, int]
+        self, examples: tuple[int, ...], streams: tuple[tuple[int | None, int], ...]
     ) -> frozenset[tuple[int, int | None]]:
         """(examples, decode SMs) whose next micro-batch would not replay a graph on that
-        split's finetune stream (``streams``: decode SMs -> the stream's CUDA handle), asked of
-        the trainer (``LoraTrainer.replays_next``) again only once its data position or graphs
-        have moved (after a quantum); empty when the job runs no graphs."""
+        split's finetune stream (``streams``: (decode SMs, the stream's CUDA handle) pairs),
+        asked of the trainer (``LoraTrainer.replays_next``) again only once its data position or
+        graphs have moved (after a quantum); empty when the job runs no graphs."""
         graphs = self.trainer.graphs
         if graphs is None or not self.graphed or not streams:
             return frozenset()
@@ -96,14 +96,15 @@ class JobState:
             sum(graphs.counts.values()),
             len(graphs.keys()),
             examples,
-            frozenset(streams.items()),
+            streams,
         )
         if self._cold is not None and self._cold[0] == state:
             return self._cold[1]
+        handles = {handle for _, handle in streams}
         cold = set()
         for k in examples:
-            replays = self.trainer.replays_next(k * self.max_seq_len, set(streams.values()))
+            replays = self.trainer.replays_next(k * self.max_seq_len, handles)
             if replays is not None:
-                cold |= {(k, d) for d, handle in streams.items() if not replays[handle]}
+                cold |= {(k, d) for d, handle in streams if not replays[handle]}
         self._cold = (state, frozenset(cold))
         return self._cold[1]

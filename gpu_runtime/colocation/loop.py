@@ -44,10 +44,6 @@ from gpu_runtime.colocation.types import (
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.finetune.trainer import LoraTrainer
 
-COLD_CHECK_EXAMPLES = (1, 2, 4, 8)
-"""Quantum sizes (examples of a job's longest length) whose graph readiness is reported to the
-policy (``JobView.cold_launches``): Harli's sizes."""
-
 
 @dataclass
 class _RequestTiming:
@@ -92,7 +88,7 @@ class HostLoop:
         self._order: list[str] = []
         self._timing: dict[str, _RequestTiming] = {}
         self._index = 0
-        self._finetune_streams: dict[int | None, int] | None = None
+        self._finetune_streams: tuple[tuple[int | None, int], ...] | None = None
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -306,16 +302,19 @@ class HostLoop:
         )
 
     def _cold_launches(self, job: JobState) -> frozenset[tuple[int, int | None]]:
-        """``JobState.cold_launches`` over every split's finetune stream (none without one)."""
-        if self.sharing is None:
+        """``JobState.cold_launches`` for the policy's quantum sizes over every split's
+        finetune stream (none without a partitioner or when the policy asks for no sizes)."""
+        sizes = self.policy.launch_sizes
+        if self.sharing is None or not sizes:
             return frozenset()
         if self._finetune_streams is None:  # the partitions are made once, up front
-            self._finetune_streams = {}
+            streams = []
             for d in self.sharing.table.choices:
                 handle = getattr(self.sharing.partition(d)[1], "cuda_stream", None)
                 if handle is not None:
-                    self._finetune_streams[d] = int(handle)
-        return job.cold_launches(COLD_CHECK_EXAMPLES, self._finetune_streams)
+                    streams.append((d, int(handle)))
+            self._finetune_streams = tuple(streams)
+        return job.cold_launches(sizes, self._finetune_streams)
 
     def _running_view(self) -> tuple[RunningRequest, ...]:
         """Requests decoding with at least ``MIN_TOKENS_FOR_TPOT`` tokens: their TPOT so far

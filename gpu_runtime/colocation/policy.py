@@ -34,6 +34,9 @@ class CoLocationPolicy(ABC):
     """
 
     name: str = "policy"
+    launch_sizes: tuple[int, ...] = ()
+    """Quantum sizes (examples of a job's longest length) whose graph readiness the policy
+    reads from ``JobView.cold_launches``; empty: the loop does not ask the trainer."""
 
     @abstractmethod
     def plan(self, ctx: IterationContext) -> IterationPlan:

@@ -319,8 +319,9 @@ def test_job_views_name_the_launches_that_would_not_replay_a_graph() -> None:
     from collections import Counter
     from types import SimpleNamespace
 
+    from gpu_runtime.colocation import AnalyticLatencyModel
+    from gpu_runtime.colocation.harli import HarliPolicy
     from gpu_runtime.colocation.jobs import JobState
-    from gpu_runtime.colocation.loop import COLD_CHECK_EXAMPLES
 
     captured = {(2 * 256, 111), (4 * 256, 222)}  # (max tokens, stream handle) with a graph
 
@@ -335,25 +336,30 @@ def test_job_views_name_the_launches_that_would_not_replay_a_graph() -> None:
 
     trainer = _Trainer()
     job = JobState("job", trainer, 256, 256, 16)  # type: ignore[arg-type]
-    cold = job.cold_launches((1, 2, 4), {48: 111, 132: 222})
+    cold = job.cold_launches((1, 2, 4), ((48, 111), (132, 222)))
     assert cold == {(1, 48), (4, 48), (1, 132), (2, 132)}
     assert job.view(cold).cold_launches == cold
     plain = JobState("job", SimpleNamespace(graphs=None), 256, 256, 16)  # type: ignore[arg-type]
-    assert plain.cold_launches((1, 2), {48: 111}) == frozenset()
+    assert plain.cold_launches((1, 2), ((48, 111),)) == frozenset()
 
     handles = {48: 111, 132: 222}
     sharing = SimpleNamespace(
         table=SimpleNamespace(choices=(48, 132)),
         partition=lambda d: (None, SimpleNamespace(cuda_stream=handles[d])),
     )
-    loop = HostLoop(_engine(), DecodeOnlyPolicy(), tpot_slo_ms=1e6, sharing=sharing)
+    harli = HarliPolicy(AnalyticLatencyModel())
+    loop = HostLoop(_engine(), harli, tpot_slo_ms=1e6, sharing=sharing)
     trainer.asked = 0
     seen = loop._cold_launches(job)
     assert (2, 48) not in seen and (4, 132) not in seen
-    assert {(k, d) for k in COLD_CHECK_EXAMPLES for d in (48, 132)} - seen == {(2, 48), (4, 132)}
+    assert {(k, d) for k in harli.launch_sizes for d in (48, 132)} - seen == {(2, 48), (4, 132)}
     asked = trainer.asked
     assert loop._cold_launches(job) == seen and trainer.asked == asked  # nothing moved
     trainer.stream.position = 2  # a quantum ran: asked again
     loop._cold_launches(job)
     assert trainer.asked == 2 * asked
-    assert HostLoop(_engine(), DecodeOnlyPolicy(), tpot_slo_ms=1e6)._cold_launches(job) == set()
+    assert HostLoop(_engine(), harli, tpot_slo_ms=1e6)._cold_launches(job) == set()  # no split
+    # A policy that reads no graph readiness costs the loop nothing.
+    only = HostLoop(_engine(), DecodeOnlyPolicy(), tpot_slo_ms=1e6, sharing=sharing)
+    asked = trainer.asked
+    assert only._cold_launches(job) == set() and trainer.asked == asked
