@@ -37,6 +37,7 @@ import torch
 from safetensors.torch import save_file
 
 from bench.decode import inject, percentile
+from bench.decode_engine import event_times
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.checkpoint import ADAPTER_WEIGHTS
 from gpu_runtime.finetune.hparams import LoraSpec
@@ -127,20 +128,13 @@ def time_mixed_steps(
 @torch.no_grad()
 def replay_ms(replay: Any, steps: int) -> list[float]:
     """Times of `replay()` in ms: CUDA events on CUDA, the host clock elsewhere."""
+    if torch.cuda.is_available():
+        return event_times(replay, steps)
     times = []
-    if not torch.cuda.is_available():
-        for _ in range(steps):
-            start_s = time.perf_counter()
-            replay()
-            times.append((time.perf_counter() - start_s) * 1e3)
-        return times
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(steps):
-        start.record()
+        start_s = time.perf_counter()
         replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+        times.append((time.perf_counter() - start_s) * 1e3)
     return times
 
 
