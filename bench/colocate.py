@@ -195,7 +195,6 @@ def main() -> None:
         try:
             policy = make_policy(
                 name,
-                latency,
                 harli_latency,
                 static_by_trace.get(trace) if static_d is None else static_d,
                 harli_config,

@@ -240,7 +240,6 @@ def choose_static_split(
 
 def make_policy(
     name: str,
-    latency: OnlineLatencyModel,
     harli_latency: DecodeLatencyModel,
     static_d: int | None,
     harli_config: HarliConfig,
