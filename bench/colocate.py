@@ -24,8 +24,9 @@ Per model (Llama-3-8B shape by default; seeded random bf16 weights):
      attainment (the best fixed split, chosen with hindsight of the trace). ``time_slice``
      predicts decode steps with the same latency model as harli.
   6. Every policy on every trace (traces in bench/traces.py, identical for every policy):
-     requests arrive on the wall clock for ``--duration`` s; attainment judges the requests
-     finished inside plus those still decoding at the end with >= 16 tokens (TPOT so far).
+     requests arrive on the wall clock for ``--duration`` s, then the run goes on, policy
+     unchanged, until every request has finished (at most ``--drain-s`` more), so attainment
+     judges whole requests; finetune tokens/s counts the arrival window.
 SLO attainment is per request (mean TPOT <= SLO); TPOT p50/p99 are over token gaps; goodput is
 output tokens/s of requests meeting the SLO. Run:
 ``PYTHONPATH=. python3 bench/colocate.py [--traces low,medium] [--policies harli,naive]``;
@@ -189,7 +190,7 @@ def main() -> None:
         """One policy on one trace; its row (None when skipped or failed). ``static_d``: the
         static split's decode SMs (default: the one chosen for the trace)."""
         label = name if name != "static_split" or static_d is None else f"{name}@{static_d}"
-        if time.perf_counter() - wall + specs[trace].duration_s + 1.0 > args.budget_s:
+        if time.perf_counter() - wall + specs[trace].duration_s + args.drain_s + 1 > args.budget_s:
             skipped.append(f"{trace}/{label}")
             return None
         try:
@@ -201,7 +202,12 @@ def main() -> None:
                 calib_records,
             )
             records, start, end = backend.run(
-                policy, trace_reqs[trace], specs[trace].duration_s, slo_ms, name != "decode_only"
+                policy,
+                trace_reqs[trace],
+                specs[trace].duration_s,
+                slo_ms,
+                name != "decode_only",
+                drain_s=args.drain_s,
             )
         except Exception as exc:  # one failing run must not cost the others' results
             failed[f"{trace}/{label}"] = f"{type(exc).__name__}: {exc}"
@@ -209,7 +215,10 @@ def main() -> None:
             traceback.print_exc()
             return None
         running = list(backend.last_running)
-        r = row_for(args.model, trace, policy, records, start, end, slo_ms, solo_tps, running)
+        window = specs[trace].duration_s  # finetune tokens/s over the arrivals only
+        r = row_for(
+            args.model, trace, policy, records, start, end, slo_ms, solo_tps, running, window
+        )
         if r["quantum_errors"]:
             print(f"  QUANTUM ERRORS {trace}/{label}: {r['first_quantum_error']}", flush=True)
         print(
@@ -253,7 +262,7 @@ def main() -> None:
 
     def write() -> tuple[list[dict[str, Any]], dict[str, Any]]:
         rows = [
-            row_for(args.model, t, pol, recs, s, e, slo_ms, solo_tps, run)
+            row_for(args.model, t, pol, recs, s, e, slo_ms, solo_tps, run, specs[t].duration_s)
             for (t, _), (pol, recs, s, e, run) in results.items()
         ]
         rows.sort(key=lambda r: (traces.index(r["trace"]), POLICIES.index(r["policy"])))
@@ -287,9 +296,12 @@ def main() -> None:
                 ),
                 "slo_parts_ms": slo_parts,
                 "attainment_definition": "share of requests whose mean TPOT <= SLO, over "
-                "requests finished in the window plus those still decoding at its end with "
-                ">= 16 tokens (TPOT so far); finished_slo_attainment counts finished only; "
-                "goodput = tokens of those requests meeting the SLO per second",
+                "every request of the trace: arrivals for duration s, then the run goes on "
+                "(same policy, finetuning included) for up to drain_s until all have finished; "
+                "one still decoding then is judged by its TPOT so far if it has >= 16 tokens "
+                "(unfinished_requests); finished_slo_attainment counts finished only; goodput "
+                "= tokens of requests meeting the SLO per second of the whole run; finetune "
+                "tokens/s counts quanta completed in the arrival window (window_seconds)",
                 "static_split_decode_sms": static_by_trace,
                 "static_split_selection": (
                     "per trace, every fixed split run on the trace; the row is the one with "

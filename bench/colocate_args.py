@@ -19,6 +19,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--traces", default="low,medium,high,bursty")
     parser.add_argument("--policies", default=",".join(POLICIES))
     parser.add_argument("--duration", type=float, default=5.0, help="seconds of arrivals a run")
+    parser.add_argument(
+        "--drain-s",
+        type=float,
+        default=3.0,
+        help="after the arrivals, seconds a run may go on (policy unchanged) until every "
+        "request has finished, so attainment judges whole requests; finetune tokens/s counts "
+        "the arrival window only",
+    )
     parser.add_argument("--rate-scale", type=float, default=1.0)
     parser.add_argument("--slo-factor", type=float, default=1.5)
     parser.add_argument(

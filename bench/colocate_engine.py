@@ -48,10 +48,15 @@ def drive(
     duration_s: float,
     stop: Callable[[list[IterationRecord]], bool] | None = None,
     running: list[FinishedRequest] | None = None,
+    drain_s: float = 0.0,
 ) -> tuple[list[IterationRecord], float, float]:
     """Feed the trace on the wall clock for ``duration_s`` (or until ``stop(records)``, checked
-    every 8 iterations); returns records and the window. Requests still decoding at the end
-    (with at least 16 tokens) are appended to ``running`` with their TPOT so far."""
+    every 8 iterations), then keep iterating (the policy still planning finetune work) until
+    every request has finished or ``drain_s`` more seconds have passed; returns records and
+    the whole run's start and end. Requests still decoding at the end (with at least 16
+    tokens) are appended to ``running`` with their TPOT so far."""
+    if drain_s < 0:
+        raise ValueError(f"drain_s must be >= 0, got {drain_s}")
     if running is None:
         running = []
     if len(prompts) != len(trace):
@@ -59,7 +64,7 @@ def drive(
     start = loop.clock()
     records: list[IterationRecord] = []
     try:
-        _feed(loop, trace, prompts, duration_s, stop, start, records)
+        _feed(loop, trace, prompts, duration_s, drain_s, stop, start, records)
     finally:  # also after an error: the engine and the worker thread serve the next run
         end = loop.clock()
         running.extend(loop.running_requests())
@@ -73,6 +78,7 @@ def _feed(
     trace: list[TraceRequest],
     prompts: list[list[int]],
     duration_s: float,
+    drain_s: float,
     stop: Callable[[list[IterationRecord]], bool] | None,
     start: float,
     records: list[IterationRecord],
@@ -80,9 +86,13 @@ def _feed(
     i = 0
     while True:
         now = loop.clock() - start
-        if now >= duration_s or (stop is not None and len(records) % 8 == 0 and stop(records)):
+        if stop is not None and len(records) % 8 == 0 and stop(records):
             break
-        while i < len(trace) and trace[i].arrival_s <= now:
+        if now >= duration_s and (
+            now >= duration_s + drain_s or not loop.engine.has_unfinished_requests()
+        ):
+            break
+        while i < len(trace) and trace[i].arrival_s <= min(now, duration_s):
             r = trace[i]
             params = SamplingParams(
                 max_tokens=r.output_tokens, temperature=0.0, ignore_eos=True, detokenize=False
@@ -132,7 +142,10 @@ class LoopBackend:
         slo_ms: float,
         with_job: bool,
         stop: Callable[[list[IterationRecord]], bool] | None = None,
+        drain_s: float = 0.0,
     ) -> tuple[list[IterationRecord], float, float]:
+        """``policy`` over ``trace`` (arrivals for ``duration_s``, then up to ``drain_s`` until
+        every request has finished); the records and the run's start and end."""
         prompts = [self._prompt(r) for r in trace]
         if with_job and self.trainer.finished:  # must not happen (2048 examples x 50 epochs)
             print("DATA STREAM FINISHED: restarting it at epoch 0", flush=True)
@@ -145,7 +158,7 @@ class LoopBackend:
             loop.add_job("ft", self.trainer)
             loop.job_state("ft").solo_tokens_per_s = self.solo_tps
         self.last_running = []
-        result = drive(loop, trace, prompts, duration_s, stop, self.last_running)
+        result = drive(loop, trace, prompts, duration_s, stop, self.last_running, drain_s)
         if with_job:  # finish a layer-sliced micro-batch left open, outside the timed window
             reports = loop.job_state("ft").reports
             if reports and not reports[-1].micro_batch_done and not self.trainer.finished:
@@ -268,12 +281,14 @@ class SimBackend:
         slo_ms: float,
         with_job: bool,
         stop: Callable[[list[IterationRecord]], bool] | None = None,
+        drain_s: float = 0.0,
     ) -> tuple[list[IterationRecord], float, float]:
         requests = [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in trace]
         records = self.host.run(
-            policy, requests, duration_s, slo_ms, self.job if with_job else None
+            policy, requests, duration_s, slo_ms, self.job if with_job else None, drain_s
         )
-        return records, 0.0, duration_s
+        end = max((r.timestamp + r.iteration_ms / 1e3 for r in records), default=duration_s)
+        return records, 0.0, max(end, duration_s)
 
 
 Backend = LoopBackend | SimBackend

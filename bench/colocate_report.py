@@ -45,11 +45,19 @@ def row_for(
     slo_ms: float,
     solo_tps: float,
     running: list[FinishedRequest],
+    window_s: float | None = None,
 ) -> dict[str, Any]:
+    """One policy's row on one trace. TPOTs and attainment cover the whole run (arrivals, then
+    the drain until every request has finished); finetune tokens/s covers the arrival window
+    (``window_s`` from ``start``; the whole run when None), where decode's load is the trace's,
+    not the lighter tail of the drain."""
     m = summarize(records, slo_ms, start=start, end=end)
+    window_end = end if window_s is None else min(end, start + window_s)
+    in_window = [r for r in records if r.timestamp < window_end]
+    w = summarize(in_window, slo_ms, start=start, end=window_end)
     launches = [r for r in records if r.finetune_launched]
-    # Attainment over the requests finished in the window and those still decoding at its end
-    # with >= 16 tokens (their mean TPOT so far): a short window finishes few requests.
+    # Attainment over the requests finished in the run and those still decoding at its end
+    # with >= 16 tokens (their mean TPOT so far; none when the drain let every request end).
     judged = request_tpots(records, running)
     met = [t for t in judged if t <= slo_ms]
     good_running = sum(f.output_tokens for f in running if (f.tpot_ms or 0) <= slo_ms)
@@ -66,9 +74,10 @@ def row_for(
         "token_slo_attainment": m.token_slo_attainment,
         "tpot_ms_p50": m.tpot_ms_p50,
         "tpot_ms_p99": m.tpot_ms_p99,
-        "finetune_tokens_per_s": round(m.finetune_tokens_per_s, 1),
+        "finetune_tokens_per_s": round(w.finetune_tokens_per_s, 1),
+        "finetune_tokens_per_s_whole_run": round(m.finetune_tokens_per_s, 1),
         "solo_finetune_tokens_per_s": round(solo_tps, 1),
-        "solo_fraction": round(m.finetune_tokens_per_s / solo_tps, 4) if solo_tps else None,
+        "solo_fraction": round(w.finetune_tokens_per_s / solo_tps, 4) if solo_tps else None,
         "goodput_tokens_per_s": round(m.goodput_tokens_per_s + good_running / seconds, 1),
         "decode_tokens_per_s": round(m.decode_tokens_per_s, 1),
         "finished_requests": m.finished_requests,
@@ -80,6 +89,8 @@ def row_for(
         "prediction_mape": m.prediction_mape,
         "ttft_ms_p50": m.ttft_ms_p50,
         "seconds": round(end - start, 3),
+        "window_seconds": round(window_end - start, 3),
+        "unfinished_requests": len(running),
         "decisions": decision_counts(records),
         "margin_mean": (
             round(statistics.mean(margins), 4)

@@ -147,16 +147,22 @@ class SimulatedHost:
         duration_s: float,
         tpot_slo_ms: float,
         job: JobView | None,
+        drain_s: float = 0.0,
     ) -> list[IterationRecord]:
-        """``trace``: (arrival s, prompt tokens, output tokens) in arrival order."""
+        """``trace``: (arrival s, prompt tokens, output tokens) in arrival order. Arrivals for
+        ``duration_s``, then up to ``drain_s`` more while requests are still decoding."""
+        if drain_s < 0:
+            raise ValueError(f"drain_s must be >= 0, got {drain_s}")
         rng = random.Random(self.seed)
         t = 0.0
-        pending = [_Request(f"r{i}", a, p, o) for i, (a, p, o) in enumerate(trace)]
+        pending = [  # arrivals after the window are not part of the run
+            _Request(f"r{i}", a, p, o) for i, (a, p, o) in enumerate(trace) if a < duration_s
+        ]
         waiting: list[_Request] = []
         running: list[_Request] = []
         flight: tuple[InFlightQuantum, float, LaunchMode] | None = None
         records: list[IterationRecord] = []
-        while t < duration_s:
+        while t < duration_s or (t < duration_s + drain_s and (running or waiting)):
             while pending and pending[0].arrival <= t:
                 waiting.append(pending.pop(0))
             reports: list[QuantumReport] = []

@@ -27,6 +27,8 @@ ROW_KEYS = {
     "solo_finetune_tokens_per_s",
     "solo_fraction",
     "goodput_tokens_per_s",
+    "window_seconds",
+    "unfinished_requests",
     "iterations",
     "quanta",
     "quantum_errors",
@@ -60,7 +62,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
     stdout, path = _run_bench(
         [
             *("--model", "tiny", "--device", "cpu", "--traces", ",".join(TRACES)),
-            *("--duration", "1", "--calibrate-s", "1", "--warmup-s", "0.5"),
+            *("--duration", "1", "--drain-s", "1", "--calibrate-s", "1", "--warmup-s", "0.5"),
             *("--engine-warmup-s", "0.5", "--ft-seq-len", "64", "--commit", "test"),
         ],
         tmp_path,
@@ -92,6 +94,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
         assert row["quantum_errors"] == 0, row["first_quantum_error"]
         assert row["iterations"] > 0
+        assert row["window_seconds"] <= row["seconds"] <= row["window_seconds"] + 3.0
     by = {(r["trace"], r["policy"]): r for r in rows}
     for trace in TRACES:
         assert by[trace, "decode_only"]["finetune_tokens_per_s"] == 0

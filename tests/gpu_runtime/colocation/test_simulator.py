@@ -85,3 +85,17 @@ def test_prefill_cost_has_a_fixed_part_per_chunk_step() -> None:
     assert cost.ms(0, 0.5) == 0.0  # a pure decode step pays nothing
     assert cost.ms(64, 0.5) == pytest.approx(23.0 + 64 * 0.025 / 0.5)
     assert PrefillCost().ms(64, 1.0) == pytest.approx(64 * 0.025)
+
+
+def test_drain_runs_until_every_request_has_finished_and_admits_nothing_after_the_window() -> None:
+    host = _host()
+    trace = [(0.0, 64, 200), (0.01, 64, 200), (0.5, 64, 20)]  # the last arrives after the window
+    cut = host.run(DecodeOnlyPolicy(), trace, duration_s=0.2, tpot_slo_ms=100.0, job=None)
+    assert not [f for r in cut for f in r.finished]  # 200 tokens at >= 5 ms: none in 0.2 s
+    drained = host.run(DecodeOnlyPolicy(), trace, 0.2, 100.0, None, drain_s=30.0)
+    finished = sorted(f.request_id for r in drained for f in r.finished)
+    assert finished == ["r0", "r1"]  # r2 arrives at 0.5 s, after the arrivals' window
+    end = drained[-1].timestamp + drained[-1].iteration_ms / 1e3
+    assert 0.2 < end < 0.2 + 30.0  # it stopped once both had finished, not at the drain's end
+    with pytest.raises(ValueError, match="drain_s"):
+        host.run(DecodeOnlyPolicy(), trace, 0.2, 100.0, None, drain_s=-1.0)
