@@ -13,7 +13,12 @@ so they add nothing to the loss or the gradients), and the stream the graph was 
 graph's kernels run in the context it was captured in (a green-context SM partition, say), so a
 caller that makes another partition's stream current gets its own graph.
 
-**Memory.** All graphs of a trainer share one private memory pool. Inputs, the loss output and the
+**Memory.** By default all graphs of a trainer share one private memory pool. With a grouping
+(:attr:`MicroBatchGraphs.pool_groups`, e.g.
+:func:`~gpu_runtime.finetune.graph_pools.separate_above`) each group of shapes has its own pool,
+and :meth:`MicroBatchGraphs.release_largest_separate` drops the graphs of the largest separately
+pooled shape so that its pool alone can go back to the device (between quanta; the shape is
+captured again when it comes back). Inputs, the loss output and the
 adapters' ``.grad`` tensors are allocated outside it before capture, so a replay of one graph
 cannot overwrite anything another graph, or the caller, reads later. The captured backward adds
 into the ``.grad`` tensors in place; the trainer zeroes them in place after an optimizer step and
@@ -56,6 +61,7 @@ import torch
 from gpu_runtime.finetune.batching import MicroBatch
 from gpu_runtime.finetune.data import IGNORE_INDEX
 from gpu_runtime.finetune.graph_policy import CapturePolicy, GraphKey, bucket_length, loss_slots
+from gpu_runtime.finetune.graph_pools import PoolGroups
 from gpu_runtime.finetune.quantum import TrainerRng
 
 ForwardBackward = Callable[
@@ -174,9 +180,13 @@ class MicroBatchGraphs:
         self.disabled: str | None = None
         """Why graphs are off for good (a failed capture), else None."""
         self.counts: Counter[str] = Counter()
-        """Micro-batches run per mode ("replay", "capture", "eager")."""
+        """Micro-batches run per mode ("replay", "capture", "eager"); "released": graphs dropped
+        by :meth:`release_largest_separate`."""
         self._graphs: dict[GraphKey, _Captured] = {}
-        self._pool: Any = None
+        self.pool_groups = PoolGroups()
+        """Which pool each shape allocates in (default: one shared pool). Replace it only
+        while no graph is captured."""
+        self._pools: dict[Any, Any] = {}  # pool group -> the graphs' private pool handle
         self._warm: set[tuple[int, int]] = set()
         self._side: Any = None
         self._grads: list[torch.Tensor] | None = None
@@ -191,7 +201,31 @@ class MicroBatchGraphs:
         again as they come (per the policy)."""
         self._graphs.clear()
         self.policy.clear()
-        self._pool = None
+        self.pool_groups.clear()
+        self._pools.clear()
+
+    def release_largest_separate(self) -> list[GraphKey]:
+        """Drop the graphs of the separately pooled group with the largest shape
+        (:meth:`PoolGroups.largest_separate`) and that group's pool handle, so the pool goes
+        back to torch's cache once no graph holds it (a cache flush then returns it to the
+        device); the shared pool and its graphs stay. Returns the dropped keys (empty: nothing
+        is pooled separately). Call between quanta only: a replay in flight uses the pool."""
+        group = self.pool_groups.largest_separate()
+        if group is None:
+            return []
+        dropped = sorted(self.pool_groups.keys_of(group), key=lambda k: (k.rows, k.seq_len))
+        for key in dropped:
+            self._drop(key)
+        self.counts["released"] += len(dropped)
+        return dropped
+
+    def _drop(self, key: GraphKey) -> None:
+        """Drop one graph; its group's pool handle goes with the group's last graph."""
+        self._graphs.pop(key, None)
+        self.policy.removed(key)
+        emptied = self.pool_groups.remove(key)
+        if emptied is not None:
+            self._pools.pop(emptied, None)
 
     def disable(self, reason: str) -> None:
         """Turn graphs off for good: drop every graph and run each later micro-batch eagerly,
@@ -248,8 +282,7 @@ class MicroBatchGraphs:
             self._warm.add(warm)
             return run
         if decision.evict is not None:
-            del self._graphs[decision.evict]
-            self.policy.removed(decision.evict)
+            self._drop(decision.evict)
         mode = decision.action
         if mode == "capture":
             try:
@@ -319,7 +352,8 @@ class MicroBatchGraphs:
         if generator is not None:
             default_generator.graphsafe_set_state(generator)
         try:
-            graph.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            group = self.pool_groups.group_of(key)
+            graph.capture_begin(pool=self._pools.get(group), capture_error_mode="thread_local")
             try:
                 loss_sum = self._forward_backward()(
                     ids, positions, loss_positions, loss_targets, denominator
@@ -337,8 +371,9 @@ class MicroBatchGraphs:
             raise
         finally:
             default_generator.graphsafe_set_state(process_state)
-        if self._pool is None:
-            self._pool = graph.pool()
+        if group not in self._pools:
+            self._pools[group] = graph.pool()
+        self.pool_groups.add(key)
         extra = max(0, torch.cuda.max_memory_allocated(self.device) - before)
         entry = _Captured(graph, inputs, denominator, loss_out, extra)
         self._graphs[key] = entry

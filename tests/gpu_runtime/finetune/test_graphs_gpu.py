@@ -207,3 +207,43 @@ def test_replays_next_says_which_launches_have_a_graph_on_which_stream() -> None
     assert trainer.replays_next(64, both) == dict.fromkeys(both, False)
     with torch.cuda.stream(mine):
         assert trainer.step_quantum(max_tokens=2 * 64).graph == "replay"
+
+
+def test_separately_pooled_shape_is_released_alone_and_trains_like_one_pool() -> None:
+    """With `separate_above(1)` the 4-example shape has its own pool: releasing it returns that
+    pool to the device while the 1-example graph keeps replaying, and it is captured again
+    when it comes back; losses equal a trainer whose shapes share one pool."""
+    from gpu_runtime.finetune.graph_pools import SHARED, PoolGroups, separate_above
+
+    serving = _serving()
+    examples = _examples([512] * 40, seed=5)
+    hparams = _hparams(len(examples), dropout=0.0)
+    shared = LoraTrainer(serving, examples, hparams)
+    separate = LoraTrainer(serving, examples, hparams)
+    assert separate.graphs is not None and shared.graphs is not None
+    separate.graphs.pool_groups = PoolGroups(separate_above(1))
+    # micro-batches stay within an optimizer batch (4 examples): 4 x 1, then 4 at once
+    schedule = [1, 1, 1, 1, 4, 4, 1, 1, 1, 1, 4]
+    for trainer in (shared, separate):
+        modes = [trainer.step_quantum(max_examples=n).graph for n in schedule]
+        assert modes == ["eager", "capture", "replay", "replay", "capture"] + ["replay"] * 6
+    groups = separate.graphs.pool_groups.groups()
+    assert set(groups) == {SHARED, ("rows", 4)}
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    held = torch.cuda.memory_reserved()
+    assert shared.graphs.release_largest_separate() == []  # one pool: nothing alone
+    dropped = separate.graphs.release_largest_separate()
+    assert [k.rows for k in dropped] == [4] and separate.graphs.counts["released"] == 1
+    torch.cuda.empty_cache()
+    freed = held - torch.cuda.memory_reserved()
+    assert freed > 0  # the 4-example pool went back; the shared one stays
+    assert {k.rows for k in separate.graphs.keys()} == {1}
+    tail = [1, 1, 1, 1, 4, 4]
+    modes = [separate.step_quantum(max_examples=n).graph for n in tail]
+    assert modes == ["replay"] * 4 + ["capture", "replay"]
+    assert [shared.step_quantum(max_examples=n).graph for n in tail] == ["replay"] * 6
+    torch.cuda.synchronize()
+    assert len(separate.history) == len(shared.history) >= 4
+    for a, b in zip(separate.history, shared.history, strict=True):
+        assert a.loss == pytest.approx(b.loss, rel=1e-3)

@@ -1,0 +1,89 @@
+"""Which private memory pool each captured training graph allocates in, and which pool to drop.
+
+Plain bookkeeping (no torch), so the rules are tested exactly on any machine; the graphs and
+their pools live in :mod:`gpu_runtime.finetune.graphs`.
+
+By default every graph of a trainer shares one pool, sized by the largest shape captured:
+smaller shapes reuse its memory, and the pool goes back to the device only when every graph is
+dropped. With a :class:`PoolGroups` grouping (``group_of``), shapes of one group share a pool
+and each group can be dropped on its own. :func:`separate_above` keeps the shapes of at most
+``rows`` examples in one shared pool (what must fit beside decode's peak) and gives each larger
+shape a pool of its own, which the memory side can release between quanta when decode needs
+that memory (:meth:`PoolGroups.largest_separate`), and which is captured again when memory
+comes back. A separate pool costs what that shape needs on top of the shared pool (the shared
+pool stays), so it pays off only for shapes held when memory is plentiful.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+
+from gpu_runtime.finetune.graph_policy import GraphKey
+
+SHARED: Hashable = "shared"
+"""The group of shapes that share one pool (every shape, without a grouping)."""
+
+GroupOf = Callable[[GraphKey], Hashable]
+
+
+def separate_above(rows: int) -> GroupOf:
+    """Shapes of at most ``rows`` examples share a pool (:data:`SHARED`); each larger shape
+    (by its row count) gets its own."""
+    if rows < 0:
+        raise ValueError(f"rows must be >= 0, got {rows}")
+
+    def group_of(key: GraphKey) -> Hashable:
+        return SHARED if key.rows <= rows else ("rows", key.rows)
+
+    return group_of
+
+
+class PoolGroups:
+    """The captured keys of each pool group (the graphs' pools are the caller's)."""
+
+    def __init__(self, group_of: GroupOf | None = None) -> None:
+        self.group_of: GroupOf = group_of or (lambda key: SHARED)
+        self._keys: dict[Hashable, set[GraphKey]] = {}
+
+    def add(self, key: GraphKey) -> Hashable:
+        """``key`` was captured; returns its group."""
+        group = self.group_of(key)
+        self._keys.setdefault(group, set()).add(key)
+        return group
+
+    def remove(self, key: GraphKey) -> Hashable | None:
+        """``key``'s graph was dropped; returns its group when that left the group empty (its
+        pool can go), else None."""
+        group = self.group_of(key)
+        keys = self._keys.get(group)
+        if keys is None or key not in keys:
+            return None
+        keys.discard(key)
+        if keys:
+            return None
+        del self._keys[group]
+        return group
+
+    def keys_of(self, group: Hashable) -> set[GraphKey]:
+        return set(self._keys.get(group, ()))
+
+    def groups(self) -> dict[Hashable, set[GraphKey]]:
+        """Every group holding a captured key, with its keys."""
+        return {group: set(keys) for group, keys in self._keys.items()}
+
+    def largest_separate(self) -> Hashable | None:
+        """The group, other than :data:`SHARED`, whose largest key has the most rows (ties:
+        the longest sequence): the one to release first. None when every captured key is in
+        the shared pool."""
+        best: tuple[int, int] | None = None
+        found: Hashable | None = None
+        for group, keys in self._keys.items():
+            if group == SHARED:
+                continue
+            size = max((key.rows, key.seq_len) for key in keys)
+            if best is None or size > best:
+                best, found = size, group
+        return found
+
+    def clear(self) -> None:
+        self._keys.clear()
