@@ -71,6 +71,7 @@ from colocate_report import (
     ITERATION_COLUMNS,
     POLICIES,
     compare,
+    definitions,
     iteration_table,
     print_table,
     row_for,
@@ -285,34 +286,9 @@ def main() -> None:
                     "optimizer_batch": 8,
                 },
                 "tpot_slo_ms": slo_ms,
-                "slo_definition": (
-                    f"{args.slo_factor} x decode_only TPOT p50 on the medium trace"
-                    + (
-                        f", raised to {args.slo_headroom} x the slowest request TPOT of "
-                        "decode_only over the traces (an SLO decode alone meets on every trace)"
-                        if args.slo_rule == "attainable"
-                        else ""
-                    )
-                ),
+                **definitions(args),
                 "slo_parts_ms": slo_parts,
-                "attainment_definition": "share of requests whose mean TPOT <= SLO, over "
-                "every request of the trace: arrivals for duration s, then the run goes on "
-                "(same policy, finetuning included) for up to drain_s until all have finished; "
-                "one still decoding then is judged by its TPOT so far if it has >= 16 tokens "
-                "(unfinished_requests); finished_slo_attainment counts finished only; goodput "
-                "= tokens of requests meeting the SLO per second of the whole run; finetune "
-                "tokens/s counts quanta completed in the arrival window (window_seconds)",
                 "static_split_decode_sms": static_by_trace,
-                "static_split_selection": (
-                    "per trace, every fixed split run on the trace; the row is the one with "
-                    "the most finetune tokens/s among those keeping >= 99% attainment, else "
-                    "the best attainment (hindsight of the trace: static_split_sweep)"
-                    if args.static_split == "sweep"
-                    else "per trace, the smallest split under which >= 99% of decode_only's "
-                    "requests on that trace keep a predicted mean TPOT (over the iterations "
-                    "they decoded in, a 2-example quantum always beside) <= 0.95 x SLO (else "
-                    "the largest split)"
-                ),
                 "static_split_sweep": static_sweep,
                 "harli_config": asdict(harli_config),
                 "skipped_runs": skipped,

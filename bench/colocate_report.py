@@ -4,6 +4,7 @@ against the best baseline (`compare`) and the table printed last (`print_table`)
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections import Counter
 from typing import Any
@@ -33,6 +34,37 @@ def request_tpots(records: list[IterationRecord], running: list[FinishedRequest]
     """Mean TPOT of every request finished in the window or still running (>= 16 tokens)."""
     out = [f.tpot_ms for r in records for f in r.finished if f.tpot_ms is not None]
     return out + [f.tpot_ms for f in running if f.tpot_ms is not None]
+
+
+def definitions(args: argparse.Namespace) -> dict[str, str]:
+    """What the result's SLO, attainment and static split mean, in words, for ``args``."""
+    return {
+        "slo_definition": (
+            f"{args.slo_factor} x decode_only TPOT p50 on the medium trace"
+            + (
+                f", raised to {args.slo_headroom} x the slowest request TPOT of "
+                "decode_only over the traces (an SLO decode alone meets on every trace)"
+                if args.slo_rule == "attainable"
+                else ""
+            )
+        ),
+        "attainment_definition": "share of requests whose mean TPOT <= SLO, over every "
+        "request of the trace: arrivals for duration s, then the run goes on (same policy, "
+        "finetuning included) for up to drain_s until all have finished; one still decoding "
+        "then is judged by its TPOT so far if it has >= 16 tokens (unfinished_requests); "
+        "finished_slo_attainment counts finished only; goodput = tokens of requests meeting "
+        "the SLO per second of the whole run; finetune tokens/s counts quanta completed in "
+        "the arrival window (window_seconds)",
+        "static_split_selection": (
+            "per trace, every fixed split run on the trace; the row is the one with the most "
+            "finetune tokens/s among those keeping >= 99% attainment, else the best "
+            "attainment (hindsight of the trace: static_split_sweep)"
+            if args.static_split == "sweep"
+            else "per trace, the smallest split under which >= 99% of decode_only's requests "
+            "on that trace keep a predicted mean TPOT (over the iterations they decoded in, a "
+            "2-example quantum always beside) <= 0.95 x SLO (else the largest split)"
+        ),
+    }
 
 
 def row_for(
