@@ -81,6 +81,10 @@ class MemoryCounters:
     urgent_flushes: int = 0
     """Flushes inside an iteration: decode's next step needed more than the free pages and the
     budget the finetune allocator does not hold (the one case a reclaim may flush)."""
+    graph_releases: int = 0
+    """Times the finetune side dropped a separately pooled CUDA-graph shape between quanta
+    (`MemoryManager.release_finetune_graphs`), each followed by a cache flush (also counted in
+    `flush_latency`)."""
     finetune_grows: int = 0
     """Times the finetune budget was raised."""
     finetune_grown_pages: int = 0

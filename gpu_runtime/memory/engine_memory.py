@@ -205,6 +205,20 @@ class EngineMemory:
             self._promised_bytes = plan
         return plan
 
+    def finetune_release_plan_bytes(self) -> int:
+        """What a quantum may plan for when its memory beyond `finetune_budget_bytes()` is a
+        separately pooled graph shape that `MemoryManager.release_finetune_graphs` can drop
+        between quanta (`MemoryManager.finetune_release_plan_bytes`). A pure read: a finetune
+        side that launches such a quantum calls `promise_finetune_bytes` with it."""
+        return self.manager.finetune_release_plan_bytes()
+
+    def promise_finetune_bytes(self, nbytes: int) -> None:
+        """Raise what the quantum about to launch was promised to `nbytes` (with no quantum in
+        flight; ignored while one runs): while it runs, decode takes no budget below that
+        promise without waiting for it (e.g. a shape being captured into its own pool)."""
+        if not self._busy():
+            self._promised_bytes = max(self._promised_bytes or 0, nbytes)
+
     def lent_bytes(self) -> int:
         return self.manager.pool.finetune_budget_bytes
 

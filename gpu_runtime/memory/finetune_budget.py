@@ -8,6 +8,7 @@ the policy's logger."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from gpu_runtime.memory.layout import FinetuneBudgetExceeded
 from gpu_runtime.memory.moves import PageMovesMixin
@@ -18,20 +19,25 @@ logger = logging.getLogger("gpu_runtime.memory.policy")
 class FinetuneBudgetMixin(PageMovesMixin):
     """Finetuning's budget over the pool; the state is `MemoryManager`'s."""
 
+    release_finetune_graphs: Callable[[], int] | None
+
     @property
     def finetune_budget_bytes(self) -> int:
         """Bytes the next finetune quantum may peak at (live state included)."""
         return self.pool.finetune_budget_bytes
 
-    def reclaim_headroom_pages(self) -> int:
+    def reclaim_headroom_pages(self, *, with_peak: bool = True) -> int:
         """Budget pages decode is expected to take back soon, beyond the free pages: see
         `DecodeHistory.headroom_pages` (recent growth times `plan_headroom_intervals`, the floor
         `plan_headroom_min_pages`, decode's recent peak with `plan_peak_window`). 0 under a
-        static split (nothing is ever reclaimed)."""
+        static split (nothing is ever reclaimed). `with_peak=False`: without the peak term."""
         cfg = self.config
         if not cfg.reclaim_from_finetune or cfg.plan_headroom_intervals == 0:
             return 0
-        pages = self._round_up(self._history.headroom_pages(self.pool.kv_prefix_pages))
+        history = self._history
+        pages = self._round_up(
+            history.headroom_pages(self.pool.kv_prefix_pages, with_peak=with_peak)
+        )
         return min(max(pages - self.pool.free_pages, 0), self.pool.finetune_pages)
 
     def finetune_plan_bytes(self) -> int:
@@ -53,6 +59,52 @@ class FinetuneBudgetMixin(PageMovesMixin):
         if held <= self.pool.finetune_pages:
             pages = max(pages, held)
         return pages * self.pool.page_bytes
+
+    def finetune_release_plan_bytes(self) -> int:
+        """Bytes a quantum may plan to peak at when what it adds beyond `finetune_plan_bytes()`
+        can be released between quanta (a separately pooled CUDA-graph shape, which
+        `release_finetune_graphs` drops): the budget less the plan headroom without the peak
+        term (decode's recent growth and the floor only). Not floored at what finetune holds:
+        held memory above it is what the next quantum boundary releases."""
+        pages = self.pool.finetune_pages - self.reclaim_headroom_pages(with_peak=False)
+        return max(pages, 0) * self.pool.page_bytes
+
+    def _release_finetune_graphs(self, refill_pages: int) -> bool:
+        """Between quanta only (`refill_reserve`): when what finetune's pools hold exceeds
+        `finetune_release_plan_bytes()` (decode grew), or the refill's `refill_pages` need more
+        than the free pages and the budget the allocator does not hold, ask the finetune side
+        to drop its largest separately pooled graphs (`release_finetune_graphs`: the count
+        dropped, 0 when nothing is releasable) and flush its cache, so that the refill and the
+        next reclaims are cap changes. The flush waits for the device (no quantum runs here)
+        and is counted as one (`flush_latency`) and in `graph_releases`. Returns whether it
+        released anything."""
+        release = self.release_finetune_graphs
+        if release is None or not self.config.reclaim_from_finetune:
+            return False
+        page = self.pool.page_bytes
+        held = -(-self.pool.backend.finetune_reserved_bytes() // page)
+        plan = self.finetune_release_plan_bytes() // page
+        room = self.pool.free_pages + self.pool.finetune_flush_free_pages()
+        if held <= plan and refill_pages <= room:
+            return False
+        start = self._clock()
+        dropped = release()
+        if dropped <= 0:
+            return False
+        self.pool.flush_finetune_cache()
+        self.counters.graph_releases += 1
+        self._count_flush(self._clock() - start, "graph release")
+        logger.info(
+            "finetune released %d graphs of its largest separate shape: held %d pages, "
+            "release plan %d, refill %d beyond %d free or unheld; now holds %d pages",
+            dropped,
+            held,
+            plan,
+            refill_pages,
+            room,
+            -(-self.pool.backend.finetune_reserved_bytes() // page),
+        )
+        return True
 
     def busy_spare_pages(self, promised_bytes: int | None) -> int:
         """Budget pages a reclaim may take while a quantum runs, without waiting for it or

@@ -56,14 +56,15 @@ class DecodeHistory:
             return 0
         return max(self._recent_used, default=0)
 
-    def headroom_pages(self, kv_prefix_pages: int) -> int:
+    def headroom_pages(self, kv_prefix_pages: int, *, with_peak: bool = True) -> int:
         """Pages decode may map beyond its `kv_prefix_pages` before long (not yet rounded to
-        the map unit nor reduced by the free pages)."""
+        the map unit nor reduced by the free pages); `with_peak=False` leaves the peak term
+        out (recent growth and the floor only)."""
         cfg = self._config
         layout = self._layout
         growth = max(self._headroom_growth, default=0) * cfg.plan_headroom_intervals
         pages = max(layout.pages_for_blocks(growth), cfg.plan_headroom_min_pages)
-        if cfg.plan_peak_window:
+        if cfg.plan_peak_window and with_peak:
             low_blocks = layout.blocks_in_pages(cfg.reserve_low_pages)
             at_peak = layout.pages_for_blocks(self.peak_used_blocks() + low_blocks)
             pages = max(pages, at_peak - kv_prefix_pages)

@@ -18,7 +18,9 @@ Flushes: a reclaim is a cap change unless finetune's allocator holds more than t
 then its cache must be flushed (on CUDA: waits for the device, drops the trainers' graphs).
 Refills (`refill_reserve`, `maintain`) never flush while a job exists: they take the free pages
 and the budget the allocator does not hold, and leave the rest (`deferred_flushes`). Only
-`before_step` may flush, when the step's own blocks need more (`urgent_flushes`).
+`before_step` may flush, when the step's own blocks need more (`urgent_flushes`), and, with
+`release_finetune_graphs` set, `refill_reserve` (between quanta) after the finetune side drops
+a separately pooled graph shape (`graph_releases`).
 Finetune side: read `finetune_budget_bytes` before each quantum and fit its peak in it; after
 the quantum call `finetune_quantum_done(peak_bytes=..., resident_bytes=...)`.
 The finetune side's methods are in `finetune_budget.py`, the page moves in `moves.py` (bases
@@ -80,6 +82,10 @@ class MemoryManager(FinetuneBudgetMixin):
         self._iterations_above_high = 0
         self._iterations_since_reclaim = self.config.grow_hold_iterations
         self._history = DecodeHistory(self.config, layout)
+        self.release_finetune_graphs: Callable[[], int] | None = None
+        """The finetune side's release of its largest separately pooled CUDA-graph shape (the
+        graphs dropped; 0 when none is), called only from `refill_reserve`, i.e. between
+        quanta: see `_release_finetune_graphs`. None (the default): never called."""
         initial = min(
             max(self.config.min_decode_pages, self.config.reserve_low_pages),
             pool.prefix_limit_pages,
@@ -205,18 +211,32 @@ class MemoryManager(FinetuneBudgetMixin):
         quantum runs) can only defer reclaims: this is the one point of the iteration where a
         reclaim neither waits for a quantum nor cuts a running quantum's budget, and the reserve
         must last until the next such point, one quantum later. It does not touch the
-        hysteresis counters (`maintain` still runs once per iteration)."""
+        hysteresis counters (`maintain` still runs once per iteration).
+
+        With `release_finetune_graphs` set, it first lets the finetune side release its
+        largest separately pooled graph shape when what finetune holds exceeds
+        `finetune_release_plan_bytes()` or the refill needs what only a flush frees (then
+        flushes: `graph_releases`); a quantum never runs here, so none loses its pool."""
         self._check_demand(demand)
         self._history.observe(demand.used_blocks)
         free_blocks = self.usable_blocks - demand.used_blocks
         _, low_blocks, _ = self._watermarks(demand)
         low_blocks += self._history.refill_growth_blocks()
-        if free_blocks >= low_blocks:
-            return 0
         need = self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
-        got = self._grow_decode(
-            need - self.pool.kv_prefix_pages, reason="refill", allow_flush=False
-        )
+        got = 0
+        if free_blocks < low_blocks:
+            got = self._grow_decode(
+                need - self.pool.kv_prefix_pages, reason="refill", allow_flush=False
+            )
+        # After this boundary's refill: what it still lacks (within the KV range) may come
+        # from a graph release, which also runs when decode's growth leaves what finetune
+        # holds above the release plan.
+        room = self.pool.prefix_limit_pages - self.pool.kv_prefix_pages
+        missing = 0
+        if free_blocks < low_blocks:
+            missing = min(max(need - self.pool.kv_prefix_pages, 0), room)
+        if self._release_finetune_graphs(self._round_up(missing)) and missing > 0:
+            got += self._grow_decode(missing, reason="refill", allow_flush=False)
         if got:
             self.counters.refill_maps += 1
             self.counters.refill_pages += got

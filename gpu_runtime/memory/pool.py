@@ -231,6 +231,16 @@ class PagePool:
             )
         return True
 
+    def flush_finetune_cache(self) -> int:
+        """Return the finetune allocator's free cache to the device without a budget change
+        and without `before_flush`: after the finetune side dropped memory only a flush
+        returns (a separately pooled CUDA-graph shape). On CUDA it waits for the device: call
+        it between quanta. Returns the bytes the allocator still holds."""
+        start = time.perf_counter()
+        reserved = self._backend.release_finetune_cache()
+        self.last_flush_s = (0.0, time.perf_counter() - start)
+        return reserved
+
     def reset_baseline(self) -> None:
         """See `PageBackend.reset_baseline`: after decode warm-up, before finetuning starts."""
         self._backend.reset_baseline()

@@ -8,7 +8,8 @@ pool and agrees with the backend, the block manager's usable ids are exactly the
 no request is lost, decode is short of blocks only when finetuning holds nothing reclaimable,
 and finetuning never exceeds its budget. Refills and `maintain` never flush the finetune cache
 while a job exists; a flush happens only inside `before_step`, when the step's own blocks need
-more than the free pages and the budget the finetune allocator does not hold.
+more than the free pages and the budget the finetune allocator does not hold, or (with a
+releasable graph shape) in the refill between quanta, once per release the finetune side made.
 """
 
 from __future__ import annotations
@@ -101,6 +102,8 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         # 0: quanta sized to the whole budget, so decode's growth often needs a flush
         headroom=st.sampled_from([0, 4]),
         peak_window=st.sampled_from([0, 3]),
+        # a finetune side with a separately pooled shape, planned by the release plan
+        releasable=st.booleans(),
     )
     def setup(
         self,
@@ -115,6 +118,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         grow_hold: int,
         headroom: int,
         peak_window: int,
+        releasable: bool,
     ) -> None:
         num_pages = units * unit
         block_bytes = PAGE * block_ratio[0] // block_ratio[1]
@@ -144,6 +148,15 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         self.finetune_resident = 0
         self.finetune_want_peak = 0
         self.promised: int | None = None
+        self.releasable = releasable
+        self.separate_held = False
+        if releasable:
+            self.manager.release_finetune_graphs = self._release_separate_shape
+
+    def _release_separate_shape(self) -> int:
+        """The finetune side drops its separately pooled shape, if it holds one."""
+        held, self.separate_held = self.separate_held, False
+        return int(held)
 
     # ---- decode ---------------------------------------------------------------------------
     @rule(burst=st.lists(st.tuples(st.integers(1, 6), st.integers(0, 8)), min_size=1, max_size=5))
@@ -165,10 +178,15 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         growing = [r for r in self.running if len(r.blocks) < r.total_blocks]
         waiting_blocks = sum(r.prompt_blocks for r in self.waiting)
         flushes = self.manager.counters.flush_latency
+        releases = self.manager.counters.graph_releases
         if not finetune_busy:  # between quanta: the reserve refill (EngineMemory.before_decode)
             before = len(flushes)
             self.binding.refill(waiting_blocks=waiting_blocks)
-            assert len(flushes) == before, "a refill flushed the finetune cache"
+            released = self.manager.counters.graph_releases - releases
+            if released:
+                event("graph release")
+            assert released <= 1 and len(flushes) - before == released, "a refill flushed"
+            releases += released
         # A flush inside the iteration only when the step's own blocks need more than the free
         # pages and the budget the finetune allocator does not hold (a cap change).
         wanted = self.blocks.num_used_blocks + len(growing)
@@ -230,6 +248,8 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         # Off the critical path nothing flushes while a job exists (with none, the idle budget
         # goes back with its cache).
         assert len(flushes) == before or self.finetune_want_peak == 0, "maintain flushed"
+        # Graph shapes are released only by the refill between quanta.
+        assert self.manager.counters.graph_releases == releases, "released outside a refill"
 
     # ---- finetune -------------------------------------------------------------------------
     @rule(pages=st.integers(0, 200))
@@ -242,6 +262,9 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         # What the finetune side reads: the budget less decode's expected reclaims; the
         # quantum's promise while it runs (`decode_iteration(finetune_busy=True)`).
         budget = self.manager.finetune_plan_bytes()
+        if self.releasable and peak_share > 0.5:  # the separate shape: its own plan
+            budget = max(budget, self.manager.finetune_release_plan_bytes())
+            self.separate_held = True
         self.promised = budget
         if budget == 0:
             return
