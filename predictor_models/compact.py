@@ -11,7 +11,8 @@ matrix product (in float64 while folding), so the exported graph is, for ``x`` `
     lg = log(z)
     q = lg @ Aq + cq           [N, Q]   arguments of max(), gates and bucket boundaries, a 1
     r = relu(q);  c = ceil(r)           c: finetune present | shares SMs | 1 | chunk step |
-                                        decode step | batch > b_i ... | tokens > t_i ...
+                                        decode step | batch > b_i ... | tokens > t_i ... |
+                                        decode share > s_i ...
     f = [lg, x, r, c]          [N, F]   every derived feature is linear in f (bucket logs are
                                         sums of boundary steps)
     h = silu(f @ W1 + b1) ...           stage-1 hidden layers of both networks (decode and
@@ -48,13 +49,15 @@ N_RAW = 11  # input columns (STAGE2_FEATURES)
 Z_SHARE_SUM = N_LOG  # z = the N_LOG logged BLOCK columns, then the share sum
 N_Z = N_LOG + 1
 Q_MAX, Q_FT_PRESENT, Q_SHARES_SMS, Q_ONE, Q_CHUNK, Q_DECODE = range(6)
-N_Q_FIXED = 6  # then one column per batch-bucket boundary, then per token-bucket boundary
+N_Q_FIXED = 6  # then one column per batch-bucket boundary, per token-bucket boundary, then
+# per boundary between the profiled decode SM splits
 FT_TOKENS_SCALE = 1.0 / 64.0  # log(1 + ft_tokens) / 64 <= 1
 SHARES_SMS_LOG_THRESHOLD = float(np.log(np.float64(np.float32(1.0 + 1e-6))))
 CHUNK_LOG_THRESHOLD = math.log(1.5)  # prefill > 0.5
 # Columns of x holding the torch model's raw BLOCK columns.
 X_SHARE, X_BACKWARD, X_FT_SHARE = 5, 9, 10
 LG_BATCH, LG_TOKENS, LG_PREFILL = BLOCK.index("batch+eps"), BLOCK.index("tokens+eps"), 4
+LG_SHARE = BLOCK.index("decode_sm_share")
 
 Layers = list[tuple[torch.Tensor, torch.Tensor]]
 """(weight [in, out], bias [out]) per hidden layer, float64."""
@@ -95,9 +98,11 @@ class Layout:
     def __init__(self, model: LatencyModel) -> None:
         self.batch_steps = model.batch_steps
         self.token_steps = model.token_steps
+        self.share_steps = model.share_steps
         self.q_batch = N_Q_FIXED
         self.q_tokens = self.q_batch + len(self.batch_steps[0])
-        self.n_q = self.q_tokens + len(self.token_steps[0])
+        self.q_share = self.q_tokens + len(self.token_steps[0])
+        self.n_q = self.q_share + len(self.share_steps)
         self.f_lg, self.f_x = 0, N_Z
         self.f_relu = N_Z + N_RAW
         self.f_ceil = self.f_relu + self.n_q
@@ -119,11 +124,12 @@ class Layout:
         cq[Q_CHUNK] = -CHUNK_LOG_THRESHOLD * STEP_SCALE
         aq[LG_PREFILL, Q_DECODE] = -1.0
         cq[Q_DECODE] = CHUNK_LOG_THRESHOLD
-        for start, row, steps in (
-            (self.q_batch, LG_BATCH, self.batch_steps),
-            (self.q_tokens, LG_TOKENS, self.token_steps),
+        for start, row, thresholds in (
+            (self.q_batch, LG_BATCH, self.batch_steps[0]),
+            (self.q_tokens, LG_TOKENS, self.token_steps[0]),
+            (self.q_share, LG_SHARE, self.share_steps),
         ):
-            for i, threshold in enumerate(steps[0]):
+            for i, threshold in enumerate(thresholds):
                 aq[row, start + i] = STEP_SCALE
                 cq[start + i] = -threshold * STEP_SCALE
         return aq, cq
@@ -150,14 +156,17 @@ class Layout:
         return m, c
 
     def chunk_map(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(M [n_f, 12], m [12]) with chunk-step features ``fc = f @ M + m``."""
+        """(M [n_f, 12 + share steps], m) with chunk-step features ``fc = f @ M + m``."""
         m1, c1 = self.stage1_map()
-        m = torch.zeros(self.n_f, 12, dtype=torch.float64)
-        c = torch.zeros(12, dtype=torch.float64)
+        n_share = len(self.share_steps)
+        m = torch.zeros(self.n_f, 12 + n_share, dtype=torch.float64)
+        c = torch.zeros(12 + n_share, dtype=torch.float64)
         m[:, :8], c[:8] = m1[:, :8], c1[:8]
         m[:, 8], c[8] = self.log_bucket(self.q_tokens, self.token_steps, self.first_token)
         m[self.f_lg + LG_TOKENS, 9] = 1.0
         m[:, 10:12], c[10:12] = m1[:, 9:11], c1[9:11]
+        for i in range(n_share):
+            m[self.f_ceil + self.q_share + i, 12 + i] = 1.0
         return m, c
 
     def stage2_map(self) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -32,7 +32,7 @@ from gpu_runtime.predictor.schema import (
 )
 from predictor_models.compact import CompactLatencyModel
 from predictor_models.dataset import ProfileData
-from predictor_models.model import CHUNK_DERIVED, STAGE1_DERIVED, STAGE2_DERIVED, LatencyModel
+from predictor_models.model import STAGE1_DERIVED, STAGE2_DERIVED, LatencyModel
 from predictor_models.train import TrainResult
 
 OPSET = 17
@@ -163,13 +163,14 @@ def write_artifact(
         "stage1_features": list(STAGE1_FEATURES),
         "derived_features": {
             "stage1": list(STAGE1_DERIVED),
-            "stage1_chunk": list(CHUNK_DERIVED),
+            "stage1_chunk": list(result.model.chunk_derived),
             "stage2": list(STAGE2_DERIVED),
         },
         "engine": data.meta.get("engine"),
         "buckets": {
             "batch": list(result.model.batch_buckets),
             "tokens": list(result.model.token_buckets),
+            "decode_sm_share_splits": list(result.model.share_splits),
         },
         "input": INPUT_NAME,
         "outputs": [OUTPUT_NAME],

@@ -13,6 +13,10 @@ one of them (``0/1`` gates on ``prefill_chunk_tokens > 0``). The buckets are the
 (``batch_buckets``: ``EngineConfig.graph_batch_sizes()``; ``token_buckets``:
 ``EngineConfig.mixed_graph_token_sizes()``), recorded in the profile's metadata; the log of a
 step's bucket is a sum of 0/1 steps, one per bucket boundary, so any bucket list is exact.
+The chunk network also reads one 0/1 step per boundary between the profiled decode SM splits
+(``share_splits``): on the H200 a chunk step is not monotone in its share (Llama-3-8B, varlen
+chunk attention, 256-token bucket: 12.5 ms on 64 SMs, 13.5 ms on 96), which a smooth function
+of the share does not follow.
 Stage 2 reads the decode network's estimate (its rows are decode-only steps).
 
 For a small ONNX graph (the runtime must score 64 candidates in tens of microseconds) every
@@ -222,6 +226,17 @@ def step_thresholds(buckets: Sequence[int]) -> tuple[list[float], list[float]]:
     return thresholds, [logs[i + 1] - logs[i] for i in range(len(sizes) - 1)]
 
 
+def share_thresholds(splits: Sequence[float]) -> list[float]:
+    """Log decode-SM-share boundaries halfway in log between consecutive profiled splits
+    (fractions of the device, e.g. 48/132 .. 1): a share above boundary i gets step i. The
+    geometric mean of two SM counts (55.4 between 48 and 64) is no whole SM count, so no
+    share a green context can have sits on a boundary (where float32 rounding could flip it)."""
+    shares = sorted(set(float(s) for s in splits))
+    if shares and not 0.0 < shares[0] <= shares[-1] <= 1.0:
+        raise ValueError(f"share splits {splits} must lie in (0, 1]")
+    return [(math.log(a) + math.log(b)) / 2.0 for a, b in zip(shares, shares[1:], strict=False)]
+
+
 class LatencyModel(nn.Module):
     """Stage 1 and stage 2 decode-latency predictor over raw features (see module docstring)."""
 
@@ -237,6 +252,7 @@ class LatencyModel(nn.Module):
         chunk_hidden: Sequence[int] = (),
         batch_buckets: Sequence[int] = DEFAULT_BATCH_BUCKETS,
         token_buckets: Sequence[int] = DEFAULT_TOKEN_BUCKETS,
+        share_splits: Sequence[float] = (),
     ) -> None:
         super().__init__()
         self.shape, self.hw = shape, hw
@@ -246,14 +262,19 @@ class LatencyModel(nn.Module):
         self.token_buckets = tuple(sorted(set(int(b) for b in token_buckets)))
         self.batch_steps = step_thresholds(self.batch_buckets)
         self.token_steps = step_thresholds(self.token_buckets)
+        self.share_splits = tuple(sorted(set(float(s) for s in share_splits)))
+        self.share_steps = share_thresholds(self.share_splits)
+        self.chunk_derived = CHUNK_DERIVED + tuple(
+            f"decode_sm_share>{math.exp(t):.4f}" for t in self.share_steps
+        )
         block_a, block_c = linear_block(shape, hw)
         self.register_buffer("block_a", block_a)
         self.register_buffer("block_c", block_c)
         self.norm1 = Normalizer(len(STAGE1_DERIVED))
-        self.normc = Normalizer(len(CHUNK_DERIVED))
+        self.normc = Normalizer(len(self.chunk_derived))
         self.norm2 = Normalizer(len(STAGE2_DERIVED))
         self.net1 = mlp(len(STAGE1_DERIVED), stage1_hidden)
-        self.netc = mlp(len(CHUNK_DERIVED), chunk_hidden)
+        self.netc = mlp(len(self.chunk_derived), chunk_hidden)
         self.net2 = mlp(len(STAGE2_DERIVED), stage2_hidden)
 
     def block(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -297,13 +318,20 @@ class LatencyModel(nn.Module):
     def chunk_features(
         self, x: torch.Tensor, block: tuple[torch.Tensor, torch.Tensor] | None = None
     ) -> torch.Tensor:
-        """Features [N, 12] (CHUNK_DERIVED) of a step with prompt chunks: the token bucket of
-        its mixed-step graphs (decode rows + chunk tokens) instead of the batch bucket."""
+        """Features [N, 12 + share steps] (``chunk_derived``) of a step with prompt chunks: the
+        token bucket of its mixed-step graphs (decode rows + chunk tokens) instead of the batch
+        bucket, and the share's 0/1 steps (``log_share > t`` as ``ceil(relu(.))``, the same
+        form as the bucket boundaries)."""
         logs, raw = block if block is not None else self.block(x)
         f1, _ = self.stage1_features(x, (logs, raw))
         log_tokens = logs[:, 13:14]
         log_bucket = self.log_bucket(log_tokens, self.token_steps, self.token_buckets[0])
-        return torch.cat([f1[:, :8], log_bucket, log_tokens, f1[:, 9:11]], dim=1)
+        log_share = logs[:, 5:6]
+        steps = [
+            torch.ceil(torch.relu(log_share * STEP_SCALE - t * STEP_SCALE))
+            for t in self.share_steps
+        ]
+        return torch.cat([f1[:, :8], log_bucket, log_tokens, f1[:, 9:11], *steps], dim=1)
 
     def stage2_features(
         self,

@@ -154,6 +154,15 @@ def engine_buckets(data: ProfileData) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def share_splits(data: ProfileData) -> tuple[float, ...]:
+    """The profiled decode SM splits as shares of the device (``LatencyModel.share_splits``),
+    from the metadata's ``decode_sms_choices`` and ``sms`` (empty when not recorded)."""
+    choices, sms = data.meta.get("decode_sms_choices"), data.meta.get("sms")
+    if not choices or not sms:
+        return ()
+    return tuple(sorted({min(int(c), int(sms)) / int(sms) for c in choices}))
+
+
 def chunk_rows(data: ProfileData) -> np.ndarray:
     """Rows of steps carrying prompt chunks (``LatencyModel.chunk_gate``)."""
     return np.asarray(data.x[:, STAGE2_FEATURES.index("prefill_chunk_tokens")] > 0.5)
@@ -178,6 +187,7 @@ def fit_model(
         stage1[0],
         stage2[0] if stage2 else (),
         chunk_hidden=chunk[0],
+        share_splits=share_splits(data),
         **engine_buckets(data),
     )
     x = torch.tensor(data.x, dtype=torch.float32)

@@ -34,11 +34,14 @@ def random_model(
     stage1: tuple[int, ...],
     stage2: tuple[int, ...],
     chunk: tuple[int, ...] = (),
+    share_splits: tuple[float, ...] = (),
     **buckets: tuple[int, ...],
 ) -> LatencyModel:
     """Normalisers fitted on the profile's rows of each kind, every weight random."""
     torch.manual_seed(0)
-    model = LatencyModel(data.shape, H200, stage1, stage2, chunk_hidden=chunk, **buckets)
+    model = LatencyModel(
+        data.shape, H200, stage1, stage2, chunk_hidden=chunk, share_splits=share_splits, **buckets
+    )
     x = torch.tensor(data.x, dtype=torch.float32)
     with torch.no_grad():
         for net in (model.net1, model.netc, model.net2):
@@ -69,6 +72,8 @@ DEPLOYMENT = {
     "batch_buckets": (1, 2, 4, 8, 16, 24, 32, 48, 64),
     "token_buckets": (64, 128, 256, 512),
 }
+DEPLOYMENT_SHARES = (48 / 132, 64 / 132, 96 / 132, 1.0)
+"""The deployment's decode SM splits (the chunk network's share steps)."""
 
 
 @pytest.mark.parametrize(
@@ -92,7 +97,10 @@ def test_compact_graph_matches_torch_in_few_nodes(
     max_nodes: int,
     deployment: bool,
 ) -> None:
-    model = random_model(data, stage1, stage2, chunk, **(DEPLOYMENT if deployment else {}))
+    if deployment:
+        model = random_model(data, stage1, stage2, chunk, DEPLOYMENT_SHARES, **DEPLOYMENT)
+    else:
+        model = random_model(data, stage1, stage2, chunk)
     rows = roundtrip_rows(data.x)
     err = export_onnx(model, tmp_path / "model.onnx", rows)  # raises beyond 1e-5
     assert err <= 1e-5

@@ -16,7 +16,9 @@ from gpu_runtime.predictor.runtime import LatencyPredictor
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 from predictor_models.dataset import ProfileData, load_profile, split_by_config
 from predictor_models.export import write_artifact
-from predictor_models.train import TrainConfig, TrainResult, train
+from predictor_models.model import CHUNK_DERIVED, LatencyModel
+from predictor_models.roofline import H200
+from predictor_models.train import TrainConfig, TrainResult, share_splits, train
 
 DATA = (
     Path(__file__).resolve().parents[2] / "predictor_models/data/profile-h200-llama3-8b-engine.csv"
@@ -154,7 +156,8 @@ def test_model_choice_prefers_the_simplest_candidate_near_the_best() -> None:
 def synthetic_deployment(n: int, seed: int = 0) -> ProfileData:
     """Stage-1 rows of a deployment with 24/48 decode buckets and mixed-step graphs: decode
     steps cost by batch bucket and context, chunk steps by token bucket and share (a law the
-    features can express; checks the bucket steps and the chunk network, not the GPU)."""
+    features can express; checks the bucket steps and the chunk network, not the GPU). As on
+    the H200 with varlen chunk attention, a chunk step on 96 SMs costs what it costs on 64."""
     rng = np.random.default_rng(seed)
     batch_buckets, token_buckets = (1, 2, 4, 8, 16, 24, 32, 48, 64), (64, 128, 256, 512)
     rows, latency = [], []
@@ -168,7 +171,9 @@ def synthetic_deployment(n: int, seed: int = 0) -> ProfileData:
         bucket = next(b for b in batch_buckets if b >= batch)
         if prefill:
             tokens = next(t for t in token_buckets if t >= batch + prefill)
-            ms = 6.0 + 0.03 * tokens / share + 1e-5 * batch * mean
+            ms = (
+                6.0 + 0.03 * tokens / min(share, 64 / 132 if share < 1 else 1) + 1e-5 * batch * mean
+            )
         else:
             ms = 4.5 + 0.02 * bucket / share**0.3 + 2e-5 * batch * mean
         rows.append(
@@ -185,6 +190,8 @@ def synthetic_deployment(n: int, seed: int = 0) -> ProfileData:
             "mixed_cuda_graphs": True,
             "mixed_graph_token_sizes": list(token_buckets),
         },
+        "decode_sms_choices": [48, 64, 96, 132],
+        "sms": 132,
     }
     from predictor_models.dataset import config_group
 
@@ -201,9 +208,32 @@ def test_chunk_steps_get_their_own_network_over_the_deployments_buckets() -> Non
     result = train(data, cfg)
     assert result.model.batch_buckets == (1, 2, 4, 8, 16, 24, 32, 48, 64)
     assert result.model.token_buckets == (64, 128, 256, 512)
+    assert result.model.share_splits == (48 / 132, 64 / 132, 96 / 132, 1.0)
     assert result.chosen["stage1_chunk"] == "mlp16@0.0001"
     for kind in ("stage1_decode", "stage1_chunk"):
         metrics = result.metrics[kind]
         assert metrics["harli"]["n"] > 20
         assert metrics["harli"]["mape"] < 0.03, (kind, metrics)
         assert metrics["harli"]["mape"] < metrics["roofline"]["mape"]
+
+
+def test_chunk_features_step_once_per_boundary_between_the_profiled_splits() -> None:
+    """One 0/1 column per boundary between consecutive splits (48/64/96/132 of 132 SMs), at
+    their geometric mean: 55.4, 78.4 and 112.6 SMs."""
+    data = synthetic_deployment(4)
+    model = LatencyModel(data.shape, H200, share_splits=share_splits(data))
+    assert len(model.chunk_derived) == len(CHUNK_DERIVED) + 3
+    sms = (16, 48, 55, 56, 64, 78, 79, 96, 112, 113, 132)
+    rows = torch.tensor(
+        [
+            DecodeIteration(8, 8 * 512, 600, 100, s / 132).row() + [0.0, 1.0, 1.0, 0.0, 0.0]
+            for s in sms
+        ]
+    )
+    with torch.no_grad():
+        steps = model.chunk_features(rows)[:, len(CHUNK_DERIVED) :]
+    expected = [[int(s > 55.4), int(s > 78.4), int(s > 112.6)] for s in sms]
+    assert steps.tolist() == expected
+    assert share_splits(load_profile(DATA)) == tuple(
+        s / 132 for s in (32, 48, 64, 80, 96, 112, 132)
+    )
