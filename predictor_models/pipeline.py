@@ -17,7 +17,7 @@ from predictor_models.roofline import H200, RooflineBaseline
 from predictor_models.train import TrainConfig, TrainResult, error_metrics, train
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO / "predictor_models/data/profile-h200-llama3-8b-engine-80832f5-mixed.csv"
+DEFAULT_DATA = REPO / "predictor_models/data/profile-h200-llama3-8b-engine-6d741de-varlen.csv"
 DEFAULT_ROOT = REPO / "predictor_models/artifacts"
 QUICK = TrainConfig(
     stage1_candidates=(((16,), 1e-4),),
