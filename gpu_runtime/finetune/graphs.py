@@ -51,7 +51,7 @@ import inspect
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
@@ -181,7 +181,7 @@ class MicroBatchGraphs:
         """Why graphs are off for good (a failed capture), else None."""
         self.counts: Counter[str] = Counter()
         """Micro-batches run per mode ("replay", "capture", "eager"); "released": graphs dropped
-        by :meth:`release_largest_separate`."""
+        by :meth:`release_largest_separate` or :meth:`release_group`."""
         self._graphs: dict[GraphKey, _Captured] = {}
         self.pool_groups = PoolGroups()
         """Which pool each shape allocates in (default: one shared pool). Replace it only
@@ -211,8 +211,12 @@ class MicroBatchGraphs:
         device); the shared pool and its graphs stay. Returns the dropped keys (empty: nothing
         is pooled separately). Call between quanta only: a replay in flight uses the pool."""
         group = self.pool_groups.largest_separate()
-        if group is None:
-            return []
+        return [] if group is None else self.release_group(group)
+
+    def release_group(self, group: Hashable) -> list[GraphKey]:
+        """Drop the graphs of pool group ``group`` (e.g. :data:`~graph_pools.SHARED` before a
+        larger shape is captured into its own pool) and its pool handle; returns the dropped
+        keys, smallest first (empty: the group holds none). Between quanta only."""
         dropped = sorted(self.pool_groups.keys_of(group), key=lambda k: (k.rows, k.seq_len))
         for key in dropped:
             self._drop(key)

@@ -91,9 +91,7 @@ class FinetuneBudgetMixin(PageMovesMixin):
         dropped = release()
         if dropped <= 0:
             return False
-        self.pool.flush_finetune_cache()
-        self.counters.graph_releases += 1
-        self._count_flush(self._clock() - start, "graph release")
+        self._flush_released_graphs(start)
         logger.info(
             "finetune released %d graphs of its largest separate shape: held %d pages, "
             "release plan %d, refill %d beyond %d free or unheld; now holds %d pages",
@@ -105,6 +103,22 @@ class FinetuneBudgetMixin(PageMovesMixin):
             -(-self.pool.backend.finetune_reserved_bytes() // page),
         )
         return True
+
+    def finetune_graphs_released(self, dropped: int) -> None:
+        """The finetune side dropped `dropped` graphs between quanta on its own (e.g. the
+        shapes of its shared pool before a larger shape is captured into a pool of its own):
+        flush the finetune cache so that their pool goes back to the device before the next
+        capture allocates. Counted like a release by `release_finetune_graphs` (a graph
+        release and a flush). Call only with no quantum in flight."""
+        if dropped <= 0:
+            return
+        self._flush_released_graphs(self._clock())
+        logger.info("finetune dropped %d graphs between quanta: cache flushed", dropped)
+
+    def _flush_released_graphs(self, start: float) -> None:
+        self.pool.flush_finetune_cache()
+        self.counters.graph_releases += 1
+        self._count_flush(self._clock() - start, "graph release")
 
     def busy_spare_pages(self, promised_bytes: int | None) -> int:
         """Budget pages a reclaim may take while a quantum runs, without waiting for it or

@@ -55,3 +55,38 @@ def test_ties_between_separate_groups_go_to_the_longer_sequence() -> None:
     groups.add(_key(4, 512))
     groups.add(_key(2, 1024))
     assert groups.largest_separate() == ("len", 512)  # 4 rows beat 2, then the length
+
+
+def test_release_largest_separate_drops_that_shapes_graphs_and_keeps_the_shared_ones() -> None:
+    """The bookkeeping of `MicroBatchGraphs.release_largest_separate` on CPU: captures are
+    impossible here, so the captured state is entered as `_capture` leaves it (the GPU test
+    `test_separately_pooled_shape_is_released_alone_and_trains_like_one_pool` captures)."""
+    import contextlib
+
+    import torch
+
+    from gpu_runtime.finetune.graphs import MicroBatchGraphs
+
+    graphs = MicroBatchGraphs(
+        lambda *args: torch.zeros(()), [], None, torch.device("cpu"), contextlib.nullcontext
+    )
+    assert graphs.release_largest_separate() == []  # nothing captured
+    graphs.pool_groups = PoolGroups(separate_above(2))
+    keys = [_key(1), _key(2), _key(4), _key(4, 256), _key(8)]
+    for key in keys:
+        graphs._graphs[key] = object()  # type: ignore[assignment]
+        graphs._pools.setdefault(graphs.pool_groups.add(key), object())
+        graphs.policy.added(key)
+    assert graphs.release_largest_separate() == [_key(8)]
+    assert graphs.release_largest_separate() == [_key(4, 256), _key(4)]  # both 4-row graphs
+    assert graphs.release_largest_separate() == []  # the shared pool is never released
+    assert set(graphs.keys()) == {_key(1), _key(2)} == set(graphs._graphs)
+    assert list(graphs._pools) == [SHARED] and graphs.counts["released"] == 3
+    # The shared shapes go when a larger shape is to run in its own pool instead.
+    assert graphs.release_group(SHARED) == [_key(1), _key(2)]
+    assert graphs.keys() == [] and graphs._pools == {} and graphs.counts["released"] == 5
+    assert graphs.release_group(SHARED) == []
+    graphs.pool_groups.add(_key(1))
+    graphs.policy.added(_key(1))
+    graphs.release()
+    assert graphs.keys() == [] and graphs._pools == {} and graphs.pool_groups.groups() == {}

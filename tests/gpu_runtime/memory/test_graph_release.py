@@ -161,3 +161,19 @@ def test_the_engine_memory_releases_only_in_before_decode_between_quanta(model: 
     engine.step()
     memory.after_decode()
     assert memory.last_after.flushes == 0
+
+
+def test_graphs_the_finetune_side_drops_itself_are_flushed_and_counted() -> None:
+    manager, pool, shapes = _lent(plan_peak_window=8, plan_peak_prior_blocks=20)
+    manager.finetune_quantum_done(peak_bytes=30 * PAGE, resident_bytes=2 * PAGE)
+    dropped = shapes.groups.keys_of(SHARED)  # the shared shapes, before 4 is captured alone
+    for key in dropped:
+        shapes.groups.remove(key)
+    manager.finetune_graphs_released(len(dropped))
+    c = manager.counters
+    assert c.graph_releases == 1 and len(c.flush_latency) == 1 and c.urgent_flushes == 0
+    assert pool.backend.finetune_reserved_bytes() == 2 * PAGE
+    assert pool.finetune_pages == 60  # no budget change: the pages stay lent
+    manager.finetune_graphs_released(0)  # nothing dropped: no flush
+    assert c.graph_releases == 1 and len(c.flush_latency) == 1
+    pool.check()
