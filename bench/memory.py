@@ -21,7 +21,10 @@ pages both ways, quanta planned below decode's expected reclaims (`--plan-headro
 good. `unified` also plans quanta beside decode's peak over the last
 `--plan-peak-window` quantum boundaries (starting from `decode_only`'s KV peak); the optional
 phase `unified_no_peak` plans without that term (more memory for graphed quanta, which the next
-burst may have to flush). `--job-pool-extra-gib` sizes the two job phases' pool from
+burst may have to flush), and the optional phase `unified_release` keeps the term for the shapes
+that share one graph pool but gives each larger shape a pool of its own, launched when the release
+plan (growth headroom only) covers what its capture held and released between quanta when decode
+grows (`graph_releases`). `--job-pool-extra-gib` sizes the two job phases' pool from
 `decode_only`'s KV peak. Per phase: OOMs (finetune quanta lost to out-of-memory), dropped
 requests (rejected, or lost: neither finished nor still queued/running), requests still
 unfinished when `--drain` s after the last arrival ran out (a window limit, reported apart),

@@ -40,7 +40,9 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         "--phases",
         default="decode_only,decode_only_split,unified,static_split",
         help="comma-separated phases, run in the order given (each at most once) from "
-        "decode_only, decode_only_split, unified, static_split, unified_no_peak. A phase uses "
+        "decode_only, decode_only_split, unified, static_split, unified_no_peak, "
+        "unified_release (unified with shapes above what fits beside decode's peak in graph "
+        "pools of their own, released between quanta when decode grows). A phase uses "
         "what the phases before it measured: the job phases' pool and unified's peak prior "
         "decode_only's KV peak (else --decode-only-kv-peak-blocks), static_split's share "
         "unified's KV peak (else --static-kv-peak-blocks, else decode alone's)",

@@ -2,7 +2,7 @@
 through the host loop over the trace; returns the phase's result row.
 
 `run_phase("decode_only" | "decode_only_split" | "unified" | "static_split" |
-"unified_no_peak", ...)` builds
+"unified_no_peak" | "unified_release", ...)` builds
 everything on a new pool of `plan["pool_gib"][name]` GiB
 (closed again even when the phase fails), warms the job's quanta up (CUDA-graph warm-up and
 captures on the worker thread and finetune stream the loop uses), replays the trace's arrivals
@@ -11,7 +11,9 @@ against the loop clock for `--duration` s, then lets the running requests finish
 iteration time; `decode_only_split` has no job either but decodes on the split the co-located
 phases use (what the split alone costs decode). `unified` and `static_split` decode on the
 `--decode-sms` split (green contexts; the finetune stream gets the other SMs), or on a
-high-priority stream with `--sharing streams`.
+high-priority stream with `--sharing streams`. `unified_release` is `unified` whose shapes
+larger than what fits beside decode's peak get graph pools of their own, planned against the
+release plan (growth headroom only) and released between quanta when decode grows.
 """
 
 from __future__ import annotations
@@ -24,11 +26,15 @@ from bench.memory_iterations import IterationLog
 from bench.memory_phase_row import phase_row
 from bench.memory_sizing import (
     QuantumSizing,
+    ReleaseHooks,
     budgeted_policy,
     captured_shapes,
+    drop_shared_shapes,
     lora_trainer,
-    warm_sizes,
+    refused_shapes,
+    release_separate_shape,
 )
+from bench.memory_warmup import warm_quanta
 
 GIB = 1 << 30
 PAGE = 2 << 20
@@ -86,6 +92,7 @@ class _Phase:
         self.args = args
         self.prompts = prompts
         self.static = name == "static_split"
+        self.release = name == "unified_release"
         self.with_job = not name.startswith("decode_only")
         self.sharing = sharing
         self.decode_sms: int | None = None
@@ -99,7 +106,7 @@ class _Phase:
             plan["resident_bytes"], plan["bytes_per_token"], args.max_examples
         )
         self.loop, self.job = self._loop(model, pool)
-        self.warmup = self._warm_quanta() if self.job is not None else {}
+        self.warmup = warm_quanta(self) if self.job is not None else {}
         self.graphs_at_start = self._graph_counts()
         print(f"[{name}] pool {pool.num_pages} pages, engine ready {self.warmup}", flush=True)
         self.rejected = 0
@@ -190,9 +197,21 @@ class _Phase:
             job = getattr(self, "job", None)
             return set() if job is None else captured_shapes(job.trainer)
 
+        release = None
+        if self.release:
+
+            def job_trainer() -> Any:
+                return None if self.job is None else self.job.trainer
+
+            release = ReleaseHooks(
+                self.memory.finetune_release_plan_bytes,
+                self.memory.promise_finetune_bytes,
+                lambda: refused_shapes(job_trainer()),
+                lambda examples: drop_shared_shapes(job_trainer(), self.memory),
+            )
         loop = HostLoop(
             self.engine,
-            budgeted_policy(self.sizing, self.decode_sms, captured),
+            budgeted_policy(self.sizing, self.decode_sms, captured, release),
             tpot_slo_ms=1e9,
             sharing=self.sharing,
             memory=self.memory,
@@ -210,53 +229,9 @@ class _Phase:
         # A reclaim that must flush drops the trainer's CUDA graphs first (their private pool
         # is not returned by a cache flush).
         pool.before_flush = trainer.release_cuda_graphs
+        if self.release:  # between quanta, decode's growth drops the largest separate shape
+            self.memory.manager.release_finetune_graphs = lambda: release_separate_shape(trainer)
         return loop, loop.add_job("ft", trainer)
-
-    def _warm_quanta(self) -> dict[str, Any]:
-        """Before the clock starts: lend the idle pool to finetuning, then run one quantum of
-        each size that fits the budget through the loop's own executor and finetune stream
-        (the first on a (thread, stream) runs eagerly, the rest are captured), and flush the
-        eager warm-up's cached activations (the graphs' pool stays). Sizes run smallest first,
-        so the graphs' shared pool grows once per new largest shape."""
-        import torch
-
-        from gpu_runtime.colocation.executor import QuantumTask
-        from gpu_runtime.colocation.types import LaunchMode
-
-        memory, loop, job = self.memory, self.loop, self.job
-        memory.after_decode()  # nothing decodes yet: idle pages go to finetuning
-        stream = None
-        if self.sharing is not None and self.decode_sms is not None:
-            stream = self.sharing.partition(self.decode_sms)[1]
-        budget = memory.finetune_budget_bytes()
-        out: dict[str, Any] = {"budget_gib": round(budget / GIB, 2), "quanta": []}
-        for examples in warm_sizes(self.sizing, budget, job.max_seq_len):
-            tokens = examples * job.max_seq_len
-            task = QuantumTask(
-                "ft", job.trainer, tokens, LaunchMode.CONCURRENT, self.decode_sms, stream
-            )
-            before = self._graph_counts()
-            loop.executor.submit(task)
-            if not loop.executor.wait(120.0):
-                raise RuntimeError(f"warm-up quantum of {examples} examples ran over 120 s")
-            (report,) = loop.executor.poll()
-            after = self._graph_counts()
-            modes = sorted(k for k in after if after[k] > before.get(k, 0))
-            out["quanta"].append([examples, round(report.duration_ms, 1), ",".join(modes)])
-            if report.error is not None:  # go on eagerly rather than lose the phase
-                out["error"] = report.error[:400]
-                job.trainer.disable_cuda_graphs(f"warm-up quantum failed: {report.error}")
-                break
-        if torch.cuda.is_available() and self.args.device.startswith("cuda"):
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()  # the eager warm-up's activations; graphs keep theirs
-        split = memory.manager.split()
-        out["finetune_reserved_gib"] = round(split.finetune_reserved_bytes / GIB, 2)
-        # Every captured shape replays in what finetuning holds now (one shared graph pool):
-        # while it is held and within the plan, the sizing runs the largest of them.
-        for examples in captured_shapes(job.trainer):
-            self.sizing.record_capture(examples, split.finetune_reserved_bytes)
-        return out
 
     def _graph_counts(self) -> dict[str, int]:
         graphs = None if self.job is None else self.job.trainer.graphs

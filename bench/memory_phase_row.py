@@ -92,6 +92,7 @@ def phase_row(phase: Any, *, arrived: int, window: float) -> dict[str, Any]:
         "max_finetune_reserved_gb": max((row[3] for row in lent), default=0) / 1e9,
         "busy_reclaims": counters.busy_reclaims,
         "urgent_flushes": counters.urgent_flushes,
+        "graph_releases": counters.graph_releases,
         "deferred_flushes": counters.deferred_flushes,
         "flush_release_ms_p99": finite(counters.flush_release_latency.percentile_ms(99)),
         "finetune_accounting": getattr(

@@ -4,16 +4,23 @@
 bytes per token; `QuantumSizing` turns a budget into a token count (with a safety factor that
 shrinks after an out-of-memory error, and the measured footprints of the CUDA-graph shapes
 captured); `budgeted_policy` is the host loop's policy that launches such a quantum beside
-decode whenever none runs.
+decode whenever none runs; with `ReleaseHooks` (phase `unified_release`) it also launches a
+larger shape pooled on its own when the release plan covers what that shape's capture held
+(dropping the shared pool's shapes first, so the two pools are never held together).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 GIB = 1 << 30
 MIB = 1 << 20
+RECAPTURE_MARGIN = 1.1
+"""A larger shape pooled on its own is captured again only when the release plan covers its
+footprint by this factor (the memory side releases it below 1.0): no capture-release cycles
+while decode hovers at the threshold."""
 
 
 class QuantumSizing:
@@ -28,6 +35,9 @@ class QuantumSizing:
         self.footprints: dict[int, int] = {}
         """Examples per micro-batch -> finetune memory held once that shape was captured
         (its graphs' pool, shared with the smaller shapes, plus the job's live state)."""
+        self.shared_rows: int | None = None
+        """With larger shapes pooled on their own (`unified_release`): the most examples of a
+        shape in the shared pool (what fits beside decode's peak); None: one shared pool."""
 
     def record_capture(self, examples: int, held_bytes: int) -> None:
         """The finetune side holds `held_bytes` after capturing the `examples` shape."""
@@ -52,6 +62,47 @@ class QuantumSizing:
                 examples = max(examples, shape)
         return examples * max_seq_len
 
+    def measured_tokens(
+        self,
+        budget_bytes: int,
+        max_seq_len: int,
+        *,
+        above: int = 0,
+        at_most: int | None = None,
+        refused: Collection[int] = (),
+        captured: Collection[int] = (),
+        margin: float = 1.0,
+    ) -> int:
+        """Tokens of the largest shape of more than `above` and at most `at_most` examples
+        (and `max_examples`) whose measured footprint (`footprints`: what finetuning held
+        once it was captured) fits `budget_bytes`, that footprint times `margin` for a shape
+        not in `captured` (it would be captured again); 0 when none does. Measured shapes
+        only: a shape is captured again (after a release) only where its capture fitted
+        before. `refused`: shapes whose capture ran out of memory (they would run eagerly)."""
+        limit = self.max_examples if at_most is None else min(at_most, self.max_examples)
+        fits = [
+            shape
+            for shape, held in self.footprints.items()
+            if above < shape <= limit
+            and shape not in refused
+            and held * (1.0 if shape in captured else margin) <= budget_bytes
+        ]
+        return max(fits, default=0) * max_seq_len
+
+
+@dataclass(frozen=True)
+class ReleaseHooks:
+    """What `budgeted_policy` needs to launch a shape pooled on its own: the release plan
+    (`EngineMemory.finetune_release_plan_bytes`), the promise of a quantum launched against
+    it (`EngineMemory.promise_finetune_bytes`), the shapes whose capture was refused, and
+    `prepare(examples)`, called before such a shape is captured again (drops the shared
+    pool's shapes and flushes: `drop_shared_shapes`)."""
+
+    plan: Callable[[], int]
+    promise: Callable[[int], None]
+    refused: Callable[[], Collection[int]]
+    prepare: Callable[[int], object]
+
 
 def warm_sizes(sizing: QuantumSizing, budget_bytes: int, max_seq_len: int) -> list[int]:
     """Examples per warm-up quantum, before a phase's clock starts: one example twice (the
@@ -70,11 +121,17 @@ def budgeted_policy(
     sizing: QuantumSizing,
     decode_sms: int | None,
     captured: Callable[[], Collection[int]] | None = None,
+    release: ReleaseHooks | None = None,
 ) -> Any:
     """A quantum beside decode whenever none runs, sized to the budget it reads (fewer
     examples per micro-batch when the budget is small); `decode_sms` is the stream sharing's
     only split (the whole device) on CUDA, None on CPU; `captured()`: the shapes (examples
-    per micro-batch) whose CUDA graphs the job holds now (`captured_shapes`)."""
+    per micro-batch) whose CUDA graphs the job holds now (`captured_shapes`). With `release`
+    (and `sizing.shared_rows` set by the warm-up): the shared pool's shapes run when the
+    plan covers their measured footprint (captured again after a release) or the estimate,
+    and a larger shape whose footprint fits the release plan runs instead (its quantum is
+    promised that plan; not captured: `RECAPTURE_MARGIN`, after `release.prepare`): its own
+    graph pool is what the memory side releases between quanta when decode grows."""
     from gpu_runtime.colocation import CoLocationPolicy, FinetuneLaunch, IterationPlan
 
     class BudgetedQuanta(CoLocationPolicy):
@@ -86,7 +143,27 @@ def budgeted_policy(
             job = ctx.jobs[0]
             budget = ctx.finetune_budget_bytes or 0
             shapes = captured() if captured is not None else ()
-            tokens = sizing.tokens(budget, job.max_seq_len, shapes)
+            seq = job.max_seq_len
+            tokens = sizing.tokens(budget, seq, shapes)
+            shared = sizing.shared_rows
+            if release is not None and shared is not None:
+                refused = release.refused()
+                base = sizing.measured_tokens(budget, seq, at_most=shared, refused=refused)
+                tokens = max(min(tokens, shared * seq), base)
+                plan = release.plan()
+                larger = sizing.measured_tokens(
+                    plan,
+                    seq,
+                    above=shared,
+                    refused=refused,
+                    captured=shapes,
+                    margin=RECAPTURE_MARGIN,
+                )
+                if larger > tokens:
+                    if larger // seq not in shapes:
+                        release.prepare(larger // seq)
+                    release.promise(plan)
+                    tokens = larger
             if tokens < job.max_seq_len:
                 return IterationPlan(
                     decode_sms=decode_sms, paused=True, note=f"budget {budget} B too small"
@@ -104,6 +181,37 @@ def captured_shapes(trainer: Any) -> set[int]:
     if graphs is None or graphs.disabled is not None:
         return set()
     return {int(key.rows) for key in graphs.keys()}
+
+
+def refused_shapes(trainer: Any) -> set[int]:
+    """Examples per micro-batch of the shapes whose capture ran out of memory (eager since)."""
+    graphs = getattr(trainer, "graphs", None)
+    if graphs is None:
+        return set()
+    return {int(key.rows) for key in graphs.policy.refused}
+
+
+def drop_shared_shapes(trainer: Any, memory: Any) -> int:
+    """Before a larger shape is captured into its own pool: drop the shared pool's graphs and
+    let the memory side flush (`MemoryManager.finetune_graphs_released`), so that the two
+    pools are never held together. Returns the graphs dropped."""
+    from gpu_runtime.finetune.graph_pools import SHARED
+
+    graphs = getattr(trainer, "graphs", None)
+    if graphs is None or graphs.disabled is not None:
+        return 0
+    dropped = len(graphs.release_group(SHARED))
+    memory.manager.finetune_graphs_released(dropped)
+    return dropped
+
+
+def release_separate_shape(trainer: Any) -> int:
+    """`MemoryManager.release_finetune_graphs` for `trainer`: drop its largest separately
+    pooled shape's graphs (the count; 0 without graphs or such a shape)."""
+    graphs = getattr(trainer, "graphs", None)
+    if graphs is None or graphs.disabled is not None:
+        return 0
+    return len(graphs.release_largest_separate())
 
 
 def finetune_footprint(trainer: Any, seq_len: int, device: Any) -> tuple[int, float]:

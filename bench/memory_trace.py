@@ -66,8 +66,15 @@ def trace_spec(
     )
 
 
-PHASES = ("decode_only", "decode_only_split", "unified", "static_split", "unified_no_peak")
-JOB_PHASES = ("unified", "static_split", "unified_no_peak")
+PHASES = (
+    "decode_only",
+    "decode_only_split",
+    "unified",
+    "static_split",
+    "unified_no_peak",
+    "unified_release",
+)
+JOB_PHASES = ("unified", "static_split", "unified_no_peak", "unified_release")
 
 
 def trace_benchmark(args: Any) -> Path:
@@ -173,7 +180,7 @@ def trace_benchmark(args: Any) -> Path:
     for name in phases:
         if name in JOB_PHASES and args.job_pool_extra_gib is not None:
             plan["pool_gib"][name] = job_pool_gib(args, rows, block_bytes=block_bytes)
-        if name == "unified":
+        if name in ("unified", "unified_release"):
             plan["plan_peak_prior_blocks"] = _peak_prior_blocks(args, rows)
         if name == "static_split":
             plan["static_decode_pages"] = _static_decode_pages(

@@ -79,7 +79,7 @@ def trace_comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:
     within noise)."""
     by_policy = {row["policy"]: row for row in rows if "error" not in row}
     out: dict[str, Any] = {}
-    for name in ("unified", "unified_no_peak"):
+    for name in ("unified", "unified_no_peak", "unified_release"):
         row = by_policy.get(name)
         if row is not None:  # the target: a reclaim fits within one decode iteration
             out[f"reclaim_ms_p99_over_decode_iter_ms_p50_{name}"] = _ratio(
@@ -89,6 +89,9 @@ def trace_comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ("unified", "static_split"),
         ("unified_no_peak", "static_split"),
         ("unified", "unified_no_peak"),
+        ("unified_release", "static_split"),
+        ("unified_release", "unified"),
+        ("unified_release", "decode_only_split"),
         ("unified", "decode_only"),
         ("static_split", "decode_only"),
         ("unified", "decode_only_split"),
@@ -100,7 +103,7 @@ def trace_comparisons(rows: list[dict[str, Any]]) -> dict[str, Any]:
         if first is None or second is None:
             continue
         keys = ["decode_iter_ms_p50", "decode_iter_ms_p99", "pure_decode_iter_ms_p50"]
-        if b in ("static_split", "unified_no_peak"):
+        if b in ("static_split", "unified_no_peak", "unified"):
             keys = ["mean_borrowed_gb", "finetune_tokens_per_s", *keys]
         for key in keys:
             out[f"{key}_ratio_{a}_over_{b}"] = _ratio(first.get(key), second.get(key))

@@ -261,7 +261,7 @@ def test_unified_without_the_peak_window_is_compared_with_both() -> None:
 
 
 @pytest.mark.slow
-def test_four_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
+def test_five_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
     command = [
         sys.executable,
         str(ROOT / "bench" / "memory.py"),
@@ -278,7 +278,8 @@ def test_four_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
         "--job-pool-extra-gib=1",
         "--max-model-len=256",  # decode keeps 16 pages for one request: pages move
         # static_split before unified: its share from decode alone's KV peak
-        "--phases=decode_only,decode_only_split,static_split,unified",
+        # (unified_release last: no CUDA graphs on CPU, so it runs as unified, with the hooks)
+        "--phases=decode_only,decode_only_split,static_split,unified,unified_release",
         f"--out={tmp_path}",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -287,7 +288,7 @@ def test_four_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
     (path,) = tmp_path.glob("memory-cpu-*[0-9].json")
     result = json.loads(path.read_text())
     rows = {row["policy"]: row for row in result["rows"]}
-    order = ["decode_only", "decode_only_split", "static_split", "unified"]
+    order = ["decode_only", "decode_only_split", "static_split", "unified", "unified_release"]
     assert list(rows) == order
     for policy, row in rows.items():
         assert "error" not in row, row
@@ -306,10 +307,18 @@ def test_four_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
     assert result["config"]["max_batched_tokens"] == 512 and result["config"]["mixed_graphs"]
     assert rows["unified"]["engine"]["max_num_batched_tokens"] == 512
     # the job phases' pool from decode_only's KV peak, capped at --pool-gib
-    assert result["config"]["pool_gib_per_phase"] == {"unified": 0.05, "static_split": 0.05}
+    assert result["config"]["pool_gib_per_phase"] == {
+        "unified": 0.05,
+        "static_split": 0.05,
+        "unified_release": 0.05,
+    }
     # static_split ran first: decode alone's KV peak (one block a page on CPU) + the reserve
     peak = rows["decode_only"]["kv_peak_blocks"]
     assert result["config"]["static_decode_pages"] == peak + 16
+    # unified_release: the warm-up read the release plan; no graphs on CPU, nothing released
+    release = rows["unified_release"]
+    assert release["graph_releases"] == 0 and release["finetune_warmup"]["release_plan_gib"] > 0
+    assert "finetune_tokens_per_s_ratio_unified_release_over_unified" in result["comparisons"]
     last = proc.stdout.strip().splitlines()
     assert last[-1].startswith("wrote ") and last[-2].startswith("unified")
     # One row per loop iteration of every phase, beside the result.

@@ -1,0 +1,102 @@
+"""The warm-up of a phase's LoRA job in `bench/memory.py trace`, before the phase's clock.
+
+`warm_quanta(phase)` lends the idle pool to finetuning, runs one quantum of each size that fits
+through the loop's own executor and finetune stream (the first on a (thread, stream) runs
+eagerly, the rest are captured), flushes the eager warm-up's cached activations (the graphs'
+pools stay) and records what each captured shape left held (`QuantumSizing.footprints`).
+In `unified_release` the shapes the plan fits share one pool and each larger one, up to the
+release plan, is captured into its own after the shared shapes were dropped (the two are
+never held together), so its footprint is its pool alone plus the job's live state; the phase
+starts holding the largest shape captured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.memory_sizing import captured_shapes, warm_sizes
+
+GIB = 1 << 30
+
+
+def warm_quanta(phase: Any) -> dict[str, Any]:
+    """Warm `phase`'s job up (a `memory_phase._Phase` with its memory, loop and job built);
+    returns the row's `finetune_warmup`. Sizes run smallest first, so the graphs' shared pool
+    grows once per new largest shape. `unified_release`: the shapes the plan fits share that
+    pool; larger ones, up to the release plan, get their own (`separate_above`), captured
+    after the shared shapes were dropped and their cache flushed (before the clock: not
+    counted as a release)."""
+    import torch
+
+    from gpu_runtime.colocation.executor import QuantumTask
+    from gpu_runtime.colocation.types import LaunchMode
+
+    memory, loop, job, sizing = phase.memory, phase.loop, phase.job, phase.sizing
+    seq = job.max_seq_len
+    memory.after_decode()  # nothing decodes yet: idle pages go to finetuning
+    stream = None
+    if phase.sharing is not None and phase.decode_sms is not None:
+        stream = phase.sharing.partition(phase.decode_sms)[1]
+    budget = memory.finetune_budget_bytes()
+    out: dict[str, Any] = {"budget_gib": round(budget / GIB, 2), "quanta": []}
+    shared_rows = max(sizing.tokens(budget, seq) // seq, 1)
+    warm_budget = budget
+    graphs = job.trainer.graphs
+    if phase.release:
+        from gpu_runtime.finetune.graph_pools import SHARED, PoolGroups, separate_above
+
+        warm_budget = max(budget, memory.finetune_release_plan_bytes())
+        out["release_plan_gib"] = round(warm_budget / GIB, 2)
+        out["shared_pool_rows"] = sizing.shared_rows = shared_rows
+        if graphs is not None:
+            graphs.pool_groups = PoolGroups(separate_above(shared_rows))
+    held_after: dict[int, int] = {}
+    for examples in warm_sizes(sizing, warm_budget, seq):
+        if phase.release and examples > shared_rows and graphs is not None:
+            if graphs.release_group(SHARED):  # the larger shape's pool alone
+                memory.manager.pool.flush_finetune_cache()
+                out["shared_dropped_before"] = examples
+        task = QuantumTask(
+            "ft", job.trainer, examples * seq, LaunchMode.CONCURRENT, phase.decode_sms, stream
+        )
+        before = phase._graph_counts()
+        loop.executor.submit(task)
+        if not loop.executor.wait(120.0):
+            raise RuntimeError(f"warm-up quantum of {examples} examples ran over 120 s")
+        (report,) = loop.executor.poll()
+        after = phase._graph_counts()
+        modes = sorted(k for k in after if after[k] > before.get(k, 0))
+        out["quanta"].append([examples, round(report.duration_ms, 1), ",".join(modes)])
+        held_after[examples] = memory.manager.split().finetune_reserved_bytes
+        if report.error is not None:  # go on eagerly rather than lose the phase
+            out["error"] = report.error[:400]
+            job.trainer.disable_cuda_graphs(f"warm-up quantum failed: {report.error}")
+            break
+    if torch.cuda.is_available() and phase.args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # the eager warm-up's activations; graphs keep theirs
+    held = memory.manager.split().finetune_reserved_bytes
+    out["finetune_reserved_gib"] = round(held / GIB, 2)
+    for examples, footprint in shape_footprints(
+        captured_shapes(job.trainer), held, held_after, shared_rows if phase.release else None
+    ).items():
+        sizing.record_capture(examples, footprint)
+    return out
+
+
+def shape_footprints(
+    captured: set[int], held: int, held_after: dict[int, int], shared_rows: int | None
+) -> dict[int, int]:
+    """What each captured shape (examples) needs held to replay. One shared graph pool
+    (`shared_rows` None): what finetuning holds after the warm-up (`held`), for every shape.
+    With shapes above `shared_rows` pooled on their own: a shared shape, what was held once
+    the last shared shape was captured (`held_after`: finetune's reserved bytes after each
+    size's warm-up quantum, smallest first); a separate shape, what was held after its own
+    capture (the shared pool and the smaller separate ones included, so conservative)."""
+    if shared_rows is None:
+        return {examples: held for examples in captured}
+    shared = max((n for e, n in held_after.items() if e <= shared_rows), default=0)
+    return {
+        examples: held_after.get(examples, held) if examples > shared_rows else shared
+        for examples in captured
+    }
