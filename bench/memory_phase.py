@@ -201,7 +201,8 @@ class _Phase:
         if self.release:
 
             def job_trainer() -> Any:
-                return None if self.job is None else self.job.trainer
+                job = getattr(self, "job", None)
+                return None if job is None else job.trainer
 
             release = ReleaseHooks(
                 self.memory.finetune_release_plan_bytes,

@@ -51,6 +51,7 @@ def warm_quanta(phase: Any) -> dict[str, Any]:
         if graphs is not None:
             graphs.pool_groups = PoolGroups(separate_above(shared_rows))
     held_after: dict[int, int] = {}
+    captured_in_warmup: set[int] = set()
     for examples in warm_sizes(sizing, warm_budget, seq):
         if phase.release and examples > shared_rows and graphs is not None:
             if graphs.release_group(SHARED):  # the larger shape's pool alone
@@ -68,6 +69,8 @@ def warm_quanta(phase: Any) -> dict[str, Any]:
         modes = sorted(k for k in after if after[k] > before.get(k, 0))
         out["quanta"].append([examples, round(report.duration_ms, 1), ",".join(modes)])
         held_after[examples] = memory.manager.split().finetune_reserved_bytes
+        if "capture" in modes:
+            captured_in_warmup.add(examples)
         if report.error is not None:  # go on eagerly rather than lose the phase
             out["error"] = report.error[:400]
             job.trainer.disable_cuda_graphs(f"warm-up quantum failed: {report.error}")
@@ -77,8 +80,11 @@ def warm_quanta(phase: Any) -> dict[str, Any]:
         torch.cuda.empty_cache()  # the eager warm-up's activations; graphs keep theirs
     held = memory.manager.split().finetune_reserved_bytes
     out["finetune_reserved_gib"] = round(held / GIB, 2)
+    captured = captured_shapes(job.trainer)
+    if phase.release and graphs is not None and graphs.disabled is None:
+        captured |= captured_in_warmup  # the shared shapes, dropped for the larger one
     for examples, footprint in shape_footprints(
-        captured_shapes(job.trainer), held, held_after, shared_rows if phase.release else None
+        captured, held, held_after, shared_rows if phase.release else None
     ).items():
         sizing.record_capture(examples, footprint)
     return out
@@ -92,7 +98,9 @@ def shape_footprints(
     With shapes above `shared_rows` pooled on their own: a shared shape, what was held once
     the last shared shape was captured (`held_after`: finetune's reserved bytes after each
     size's warm-up quantum, smallest first); a separate shape, what was held after its own
-    capture (the shared pool and the smaller separate ones included, so conservative)."""
+    capture (`unified_release` drops the shared shapes before it: its pool alone and the live
+    state; anything still held beside it is included, so conservative). `captured` includes
+    the shared shapes dropped that way: they are captured again by that footprint."""
     if shared_rows is None:
         return {examples: held for examples in captured}
     shared = max((n for e, n in held_after.items() if e <= shared_rows), default=0)
