@@ -43,7 +43,13 @@ class PrefillMix:
 
     A step with a chunk costs a large fixed amount more than a pure decode step, so the mean
     iteration time is a mixture of the two kinds, not the time of one step carrying the mean
-    chunk (which would be a mixed step every time)."""
+    chunk (which would be a mixed step every time).
+
+    The share is bias-corrected (the average over the iterations seen so far, weighted as the
+    EMA weights them): an EMA started at 0 reads ``1 - (1 - a)^n`` of the true share after
+    ``n`` iterations, a third of it after 8 at ``a = 0.05``. That made the first second of a
+    high-load run look like pure decode: harli launched quanta its first chunk steps then
+    broke (the H200 run at 0f65ae9, 8 of 133 requests over the SLO)."""
 
     def __init__(self, smoothing: float, horizon: int = 32) -> None:
         """``horizon``: iterations the mix describes; the prompts already queued (one chunk
@@ -51,14 +57,18 @@ class PrefillMix:
         self.smoothing = smoothing
         self.horizon = horizon
         self.share = 0.0
-        """Fraction of busy iterations with a chunk."""
+        """Fraction of busy iterations with a chunk (bias-corrected EMA)."""
         self.tokens = 0.0
         """Chunk tokens of those iterations."""
+        self._ema = 0.0
+        self._weight = 0.0  # 1 - (1 - a)^n: what the EMA's weights sum to after n iterations
 
     def observe(self, prefill_tokens: int) -> None:
         a = self.smoothing
         mixed = prefill_tokens > 0
-        self.share += a * (float(mixed) - self.share)
+        self._ema += a * (float(mixed) - self._ema)
+        self._weight += a * (1.0 - self._weight)
+        self.share = self._ema / self._weight
         if mixed:
             self.tokens = (
                 prefill_tokens

@@ -454,3 +454,20 @@ def replace_job(cold: frozenset[tuple[int, int | None]]) -> JobView:
     from dataclasses import replace
 
     return replace(JOB, cold_launches=cold)
+
+
+def test_the_chunk_share_is_right_from_the_first_iterations() -> None:
+    """An EMA started at zero would read a third of the share after 8 iterations: the share is
+    the weighted mean over what was seen, so a run's first steps count at their true mix."""
+    from gpu_runtime.colocation.estimates import PrefillMix
+
+    mix = PrefillMix(smoothing=0.05)
+    for i in range(8):  # every other busy iteration carries a chunk
+        mix.observe(256 if i % 2 == 0 else 0)
+    assert 0.45 < mix.share < 0.55
+    for _ in range(300):  # then pure decode for long: the share decays towards 0
+        mix.observe(0)
+    assert mix.share < 0.01
+    for _ in range(300):  # and all chunk steps: towards 1, never above
+        mix.observe(64)
+    assert 0.99 < mix.share <= 1.0
