@@ -104,6 +104,8 @@ class MarginTracker:
         self._recent: deque[tuple[float, float]] = deque(maxlen=config.error_smoothing)
         self._violation = 0.0
         self._breached = False
+        self._observed = 0  # observations so far: the cached margin's version
+        self._cached: tuple[int, float] | None = None
 
     def observe(
         self,
@@ -117,6 +119,7 @@ class MarginTracker:
         prefill chunk) matters less than a bias that persists. A breach episode starts when
         ``requests_breached`` (a request finished over the SLO, or one running is over it)
         turns true; without request figures, when that iteration mean goes above the SLO."""
+        self._observed += 1
         self._violation *= self.config.violation_decay
         if predicted_ms <= 0:
             return
@@ -133,6 +136,12 @@ class MarginTracker:
 
     @property
     def margin(self) -> float:
+        """Read every plan: computed once per observation (a sort of the error window)."""
+        if self._cached is None or self._cached[0] != self._observed:
+            self._cached = (self._observed, self._compute())
+        return self._cached[1]
+
+    def _compute(self) -> float:
         cfg = self.config
         if len(self._errors) < cfg.min_error_samples:
             base = cfg.initial_margin
@@ -159,15 +168,20 @@ class LaunchOverhead:
     def __init__(self, window: int = 32, prior_ms: float = 0.0) -> None:
         self._excess: deque[float] = deque(maxlen=window)
         self.prior_ms = prior_ms
+        self._median: float | None = None
 
     def observe(self, predicted_ms: float, observed_ms: float) -> None:
         self._excess.append(observed_ms - predicted_ms)
+        self._median = None
 
     @property
     def ms(self) -> float:
+        """Asked for every choice of a plan: the median is kept until the next launch."""
         if not self._excess:
             return self.prior_ms
-        return max(0.0, statistics.median(self._excess))
+        if self._median is None:
+            self._median = max(0.0, statistics.median(self._excess))
+        return self._median
 
 
 class QuantumDurations:

@@ -64,7 +64,7 @@ from gpu_runtime.colocation.estimates import (
 )
 from gpu_runtime.colocation.online import beside_quantum
 from gpu_runtime.colocation.policy import CoLocationPolicy
-from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
+from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration, predict_many
 from gpu_runtime.colocation.slicing import SliceCosts, SliceState
 from gpu_runtime.colocation.types import (
     DecodeSnapshot,
@@ -226,15 +226,20 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         choices: list[Choice] = []
         rejected_before = self.risk_rejections
         sliced = self._slice_state(job)
+        # Decode alone on the whole device is the kindest its typical iteration can be: when
+        # even that is over the bound, no quantum beside it can be safe, and the whole batch
+        # of predictions (every split x size) is host time every decode token waits for.
+        hopeless = not idle and self._typical_alone(ctx) > bound
         if sliced is None or not sliced.active:  # a micro-batch in progress goes on in slices
             shares = [d / total for d in options[:-1]] if total and ctx.spatial else []
             if self.config.allow_shared:
                 shares.append(1.0)
-            self._prefetch(ctx, job, shares, [k * job.max_seq_len for k in sizes])
-            if total and ctx.spatial:
+            if not hopeless:
+                self._prefetch_open(ctx, job, shares, [k * job.max_seq_len for k in sizes], bound)
+            if total and ctx.spatial and not hopeless:
                 for d in options[:-1]:
                     choices += self._spatial(ctx, job, d, total, sizes, bound)
-            if self.config.allow_shared:
+            if self.config.allow_shared and not hopeless:
                 choices += self._spatial(ctx, job, full, total, sizes, bound)
             if self.config.allow_slice and not idle:
                 choices += self._slices(ctx, job, full, sizes, bound, solo_full)
@@ -273,6 +278,31 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             + ("" if best.max_layers is None else f" layers={best.max_layers}"),
         )
 
+    def _prefetch_open(
+        self,
+        ctx: IterationContext,
+        job: JobView,
+        shares: list[float],
+        token_counts: list[int],
+        bound: float,
+    ) -> None:
+        """Predictions for the choices in two batched calls: the smallest quantum on every
+        share, then the bigger ones only on the shares where the smallest fits (a bigger
+        quantum is assumed no kinder to decode, so the others are never looked at)."""
+        self._prefetch(ctx, job, shares, token_counts[:1])
+        if len(token_counts) < 2 or getattr(self.latency, "quantum_size_independent", False):
+            return
+        memo = self._plan_memo(ctx)
+        fits = [
+            share
+            for share in shares
+            if (m := memo.get((share, token_counts[0]))) is not None
+            and m[1] <= bound
+            and m[0] <= ctx.tpot_slo_ms
+        ]
+        if fits:
+            self._prefetch(ctx, job, fits, token_counts[1:])
+
     def _in_flight_plan(
         self, ctx: IterationContext, full: int | None, margin: float, bound: float
     ) -> IterationPlan:
@@ -281,20 +311,25 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         job = self._jobs.get(flight.job_id)
         seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
         quantum = beside_quantum(flight.max_tokens, flight.decode_sms, ctx.total_sms, seq_len, rank)
-        best: tuple[float, int | None] | None = None
         candidates: tuple[int | None, ...] = ctx.decode_sms_options or (None,)
         if flight.decode_sms is not None and flight.decode_sms in candidates:
             # Keep the split unless another one is predicted faster with that quantum beside it.
             candidates = (flight.decode_sms, *[c for c in candidates if c != flight.decode_sms])
-        for d in candidates:
-            share = 1.0 if not ctx.total_sms or d is None else d / ctx.total_sms
-            predicted = self.latency.predict_ms(decode_iteration(ctx.decode, share), quantum)
-            if best is None or predicted < best[0] - 1e-9:
-                best = (predicted, d)
-        assert best is not None
-        predicted, d = best
-        share = 1.0 if not ctx.total_sms or d is None else d / ctx.total_sms
-        solo = self.latency.predict_ms(decode_iteration(ctx.decode, share), None)
+        iterations = [
+            decode_iteration(
+                ctx.decode, 1.0 if not ctx.total_sms or d is None else d / ctx.total_sms
+            )
+            for d in candidates
+        ]
+        # One batched call: each split with the quantum beside, then each alone.
+        values = predict_many(
+            self.latency, [(it, quantum) for it in iterations] + [(it, None) for it in iterations]
+        )
+        best = 0
+        for i in range(1, len(candidates)):
+            if values[i] < values[best] - 1e-9:
+                best = i
+        predicted, d, solo = values[best], candidates[best], values[len(candidates) + best]
         note = "quantum in flight" + (" (predicted over bound)" if predicted > bound else "")
         return IterationPlan(d, (), predicted, solo, margin, note=note)
 

@@ -166,7 +166,9 @@ class HostLoop:
             self.memory.before_decode()
         snapshot = decode_snapshot(self.engine)
         ctx = self._context(started, snapshot)
+        planning = self.clock()
         plan = self.policy.plan(ctx)
+        plan_ms = (self.clock() - planning) * 1e3
         validate_plan(plan, ctx)
         decode_stream = finetune_stream = None
         if self.sharing is not None and plan.decode_sms is not None:
@@ -218,6 +220,7 @@ class HostLoop:
             in_flight=beside is not None,
             beside_tokens=0 if beside is None else beside.max_tokens,
             beside_decode_sms=None if beside is None else beside.decode_sms,
+            plan_ms=plan_ms,
         )
         self._index += 1
         self.policy.observe(record)

@@ -307,6 +307,9 @@ class IterationRecord:
     """Token cap of the concurrent quantum that ran beside decode (0: none)."""
     beside_decode_sms: int | None = None
     """The split that quantum was launched with (its SMs are the rest of the device)."""
+    plan_ms: float = 0.0
+    """Host time of the policy's ``plan`` this iteration (part of ``iteration_ms``: every token
+    of the iteration waits for it)."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

@@ -133,4 +133,20 @@ def test_harli_asks_its_choices_in_one_batch_and_plans_the_same() -> None:
         counters.append((model.single_calls, model.batch_calls))
     assert plans[0] == plans[1] and plans[1].launches
     (one_by_one, _), (single, batches) = counters
-    assert batches == 1 and single <= 3 < one_by_one
+    # Three batches: the typical iteration alone first (it may settle the plan), the smallest
+    # quantum on every split, then the bigger sizes on the splits where the smallest fits.
+    assert batches == 3 and single <= 3 < one_by_one
+
+
+def test_harli_asks_nothing_more_when_decode_alone_is_already_over_the_bound() -> None:
+    """The typical iteration alone on the whole device is the kindest any quantum beside decode
+    can leave it: over the bound, harli pauses without asking for any split x size."""
+    decode = DecodeSnapshot.from_contexts([512] * 16, prefill_tokens=64)
+    alone = BASE.predict_ms(decode_iteration(decode, 1.0), None)
+    model = _CountingModel(True)
+    policy = HarliPolicy(model, HarliConfig(allow_slice=False))
+    plan = policy.plan(context(decode, alone * 1.02))  # bound = SLO x (1 - 0.15) < alone
+    assert plan.paused and not plan.launches and plan.note == "no safe choice"
+    assert model.batch_calls == 1  # the typical iteration alone, nothing else
+    roomy = HarliPolicy(_CountingModel(True), HarliConfig(allow_slice=False))
+    assert roomy.plan(context(decode, alone * 3.0)).launches  # with room, it launches

@@ -154,6 +154,7 @@ def test_records_carry_plan_and_observation(train_examples: Any) -> None:
     assert record.prefill_tokens == len(PROMPTS[2]) and record.decode_batch == 0
     assert record.decode_tokens == 1 and record.observed_ms > 0
     assert record.iteration_ms >= record.observed_ms
+    assert 0 < record.plan_ms < record.iteration_ms - record.observed_ms + 1e-6  # host time
     assert record.finetune_launched[0].job_id == "j" and record.quanta[0].tokens > 0
     second = loop.run_iteration()
     assert second.decode_batch == 1 and len(second.tpot_samples_ms) == 1
