@@ -31,8 +31,13 @@ from gpu_runtime.predictor.schema import FinetuneQuantum
 if TYPE_CHECKING:
     from gpu_runtime.colocation.harli import HarliConfig
 
-Mix = tuple[tuple[float, DecodeSnapshot], ...]
-"""(weight, snapshot) of the kinds of iteration expected while a quantum runs."""
+Mix = tuple[tuple[float, float, DecodeSnapshot], ...]
+"""(recent weight, remembered weight, snapshot) of the kinds of iteration expected while a
+quantum runs (`PrefillMix.kinds`)."""
+
+Typical = tuple[float, float]
+"""An expected iteration under the recent mix (the bound a launch must keep), and under the
+remembered one (what running requests are projected with)."""
 
 
 @dataclass(frozen=True)
@@ -58,20 +63,20 @@ class HarliChoices:
     slice_costs: SliceCosts
     _slice_states: dict[str, SliceState]
     _prefill: PrefillMix
-    _typical_cache: tuple[IterationContext, tuple[float, float], Mix] | None = None
+    _typical_cache: tuple[IterationContext, tuple[float, float, float], Mix] | None = None
     _memo_ctx: IterationContext | None = None
-    _memo_prefill: tuple[float, float] = (0.0, 0.0)
-    _memo: dict[tuple[float, int], tuple[float, float]]
-    _memo_alone: float | None = None
+    _memo_prefill: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    _memo: dict[tuple[float, int], tuple[float, float, float]]
+    _memo_alone: Typical | None = None
     risk_rejections: int = 0
     """Choices turned down because a running request would miss the SLO with them."""
 
     def _typical_mix(self, ctx: IterationContext) -> Mix:
-        """`PrefillMix.mix` of ``ctx.decode``, computed once per context."""
-        state = (self._prefill.share, self._prefill.tokens)
+        """`PrefillMix.kinds` of ``ctx.decode``, computed once per context."""
+        state = (self._prefill.share, self._prefill.remembered, self._prefill.tokens)
         cached = self._typical_cache
         if cached is None or cached[0] is not ctx or cached[1] != state:
-            cached = (ctx, state, self._prefill.mix(ctx.decode))
+            cached = (ctx, state, self._prefill.kinds(ctx.decode))
             self._typical_cache = cached
         return cached[2]
 
@@ -92,7 +97,7 @@ class HarliChoices:
         share: float,
         tokens: int,
         bound: float,
-        typical_alone: float,
+        typical_alone: Typical,
         examples: int = 0,
         decode_sms: int | None = None,
     ) -> float | None:
@@ -113,11 +118,13 @@ class HarliChoices:
         key = (share, 0 if size_free else tokens)
         if key not in memo:
             self._prefetch(ctx, job, [share], [tokens])
-        predicted, expected = memo[key]
+        predicted, expected, remembered = memo[key]
         if expected > bound or predicted > ctx.tpot_slo_ms:
             return None
         launch = self._launch_ms(job, examples, decode_sms)  # one gap, not a rate
-        if not self._running_keep_slo(ctx, bound, expected, typical_alone, once=launch):
+        # Running requests are projected with the remembered mix: a burst's chunk steps may
+        # come back while the quantum holds its split, and they have no later lull to wait for.
+        if not self._running_keep_slo(ctx, bound, remembered, typical_alone[1], once=launch):
             return None
         return predicted + launch
 
@@ -165,14 +172,15 @@ class HarliChoices:
         memo = self._plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         mix = self._typical_mix(ctx)
-        weights = [w for w, _ in mix]
+        recent = [w for w, _, _ in mix]
+        remembered = [w for _, w, _ in mix]
         width = 1 + len(mix)  # the coming iteration, then each kind of typical one
         pairs: list[Pair] = []
         keys: list[tuple[float, int]] = []
         for share in shares:
             ft_share = 1.0 if share >= 1.0 else 1.0 - share
             now = decode_iteration(ctx.decode, share)
-            later = [decode_iteration(snap, share) for _, snap in mix]
+            later = [decode_iteration(snap, share) for _, _, snap in mix]
             for tokens in token_counts[:1] if size_free else token_counts:
                 key = (share, 0 if size_free else tokens)
                 if key in memo or key in keys:
@@ -184,26 +192,35 @@ class HarliChoices:
                 keys.append(key)
         alone = self._memo_alone is None
         if alone:
-            pairs += [(decode_iteration(snap, 1.0), None) for _, snap in mix]
+            pairs += [(decode_iteration(snap, 1.0), None) for _, _, snap in mix]
         values = predict_many(self.latency, pairs)
+
+        def typical(row: list[float]) -> Typical:
+            return (
+                sum(w * v for w, v in zip(recent, row, strict=True)),
+                sum(w * v for w, v in zip(remembered, row, strict=True)),
+            )
+
         for i, key in enumerate(keys):
             row = values[i * width : (i + 1) * width]
-            expected = sum(w * v for w, v in zip(weights, row[1:], strict=True))
-            memo[key] = (row[0], expected)
+            memo[key] = (row[0], *typical(row[1:]))
         if alone:
-            tail = values[len(keys) * width :]
-            self._memo_alone = sum(w * v for w, v in zip(weights, tail, strict=True))
+            self._memo_alone = typical(values[len(keys) * width :])
 
-    def _typical_alone(self, ctx: IterationContext) -> float:
+    def _typical_alone(self, ctx: IterationContext) -> Typical:
+        """The typical iteration of decode alone on the whole device (recent, remembered)."""
         self._prefetch(ctx, None, [], [])
         assert self._memo_alone is not None
         return self._memo_alone
 
-    def _plan_memo(self, ctx: IterationContext) -> dict[tuple[float, int], tuple[float, float]]:
-        """(now, typical) predictions already made for this context, by (share, tokens): one
-        plan asks the same ones for every quantum size."""
+    def _plan_memo(
+        self, ctx: IterationContext
+    ) -> dict[tuple[float, int], tuple[float, float, float]]:
+        """(now, typical under the recent mix, typical under the remembered one) predictions
+        already made for this context, by (share, tokens): one plan asks the same ones for
+        every quantum size."""
         # The context itself is held (not its id, which a later context could reuse).
-        state = (self._prefill.share, self._prefill.tokens)
+        state = (self._prefill.share, self._prefill.remembered, self._prefill.tokens)
         if self._memo_ctx is not ctx or self._memo_prefill != state:
             self._memo_ctx, self._memo_prefill = ctx, state
             self._memo = {}
@@ -275,7 +292,7 @@ class HarliChoices:
             splits += list(ctx.decode_sms_options[:-1])
         if state.active and self.config.allow_shared and not idle:
             splits.append(full)
-        typical_alone = self._typical_alone(ctx) if splits else 0.0
+        typical_alone = self._typical_alone(ctx) if splits else (0.0, 0.0)
         out: list[Choice] = []
         for e in examples:
             tokens = e * job.max_seq_len

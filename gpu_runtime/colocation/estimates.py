@@ -47,28 +47,45 @@ class PrefillMix:
 
     The share is bias-corrected (the average over the iterations seen so far, weighted as the
     EMA weights them): an EMA started at 0 reads ``1 - (1 - a)^n`` of the true share after
-    ``n`` iterations, a third of it after 8 at ``a = 0.05``. That made the first second of a
-    high-load run look like pure decode: harli launched quanta its first chunk steps then
-    broke (the H200 run at 0f65ae9, 8 of 133 requests over the SLO)."""
+    ``n`` iterations, a third of it after 8 at ``a = 0.05``, so a policy's first iterations
+    looked like pure decode."""
 
-    def __init__(self, smoothing: float, horizon: int = 32) -> None:
+    def __init__(
+        self, smoothing: float, horizon: int = 32, memory_smoothing: float | None = None
+    ) -> None:
         """``horizon``: iterations the mix describes; the prompts already queued (one chunk
-        step each at least) raise the chunk share over it at once, before the averages move."""
+        step each at least) raise the chunk share over it at once, before the averages move.
+        ``memory_smoothing``: weight of a slower average of the same share; the share used is
+        the larger of the two, so a burst's chunk steps are remembered for ~1/weight busy
+        iterations after it (the next burst comes while a quantum launched in the lull still
+        holds its split); None: the fast average alone."""
+        if not 0 < smoothing <= 1 or (
+            memory_smoothing is not None and not 0 < memory_smoothing <= 1
+        ):
+            raise ValueError(
+                f"smoothing ({smoothing}) and memory_smoothing ({memory_smoothing}) must be "
+                "in (0, 1]"
+            )
         self.smoothing = smoothing
         self.horizon = horizon
         self.share = 0.0
-        """Fraction of busy iterations with a chunk (bias-corrected EMA)."""
+        """Recent fraction of busy iterations with a chunk (bias-corrected EMA)."""
+        self.remembered = 0.0
+        """The larger of ``share`` and the slow average's (``share`` without a memory)."""
         self.tokens = 0.0
         """Chunk tokens of those iterations."""
-        self._ema = 0.0
-        self._weight = 0.0  # 1 - (1 - a)^n: what the EMA's weights sum to after n iterations
+        self._weights = (smoothing,) if memory_smoothing is None else (smoothing, memory_smoothing)
+        self._ema = [0.0] * len(self._weights)
+        self._sum = [0.0] * len(self._weights)  # 1 - (1 - a)^n: what the weights sum to
 
     def observe(self, prefill_tokens: int) -> None:
         a = self.smoothing
         mixed = prefill_tokens > 0
-        self._ema += a * (float(mixed) - self._ema)
-        self._weight += a * (1.0 - self._weight)
-        self.share = self._ema / self._weight
+        for i, w in enumerate(self._weights):
+            self._ema[i] += w * (float(mixed) - self._ema[i])
+            self._sum[i] += w * (1.0 - self._sum[i])
+        shares = [e / s for e, s in zip(self._ema, self._sum, strict=True)]
+        self.share, self.remembered = shares[0], max(shares)
         if mixed:
             self.tokens = (
                 prefill_tokens
@@ -80,18 +97,24 @@ class PrefillMix:
         """(weight, snapshot) of the two kinds of iteration after ``decode`` (waiting requests
         joined); weights sum to 1, a kind with no weight is left out. The chunk share is the
         recent one, or what the queued prompts alone will take of the horizon if more."""
+        return tuple((recent, snap) for recent, _, snap in self.kinds(decode) if recent > 0)
+
+    def kinds(self, decode: DecodeSnapshot) -> tuple[tuple[float, float, DecodeSnapshot], ...]:
+        """(recent weight, remembered weight, snapshot) of each kind of iteration after
+        ``decode``: the weights of :meth:`mix`, and the same with the ``remembered`` share; a
+        kind with neither weight is left out."""
         ahead = lookahead(decode)
         if ahead.batch_size == 0:  # only prompts in flight: every step carries a chunk
             chunk = max(1, ahead.prefill_tokens, round(self.tokens))
-            return ((1.0, replace(ahead, prefill_tokens=chunk)),)
-        queued = decode.waiting_requests + (1 if decode.prefill_tokens > 0 else 0)
-        share = max(self.share, min(1.0, queued / self.horizon))
+            return ((1.0, 1.0, replace(ahead, prefill_tokens=chunk)),)
+        queued = min(1.0, (decode.waiting_requests + (decode.prefill_tokens > 0)) / self.horizon)
+        recent, remembered = max(self.share, queued), max(self.remembered, queued)
         tokens = max(1, round(self.tokens) if self.tokens else decode.prefill_tokens)
         out = []
-        if share < 1.0:
-            out.append((1.0 - share, replace(ahead, prefill_tokens=0)))
-        if share > 0.0:
-            out.append((share, replace(ahead, prefill_tokens=tokens)))
+        if recent < 1.0 or remembered < 1.0:
+            out.append((1.0 - recent, 1.0 - remembered, replace(ahead, prefill_tokens=0)))
+        if recent > 0.0 or remembered > 0.0:
+            out.append((recent, remembered, replace(ahead, prefill_tokens=tokens)))
         return tuple(out)
 
 

@@ -110,6 +110,12 @@ class HarliConfig:
     prefill_smoothing: float = 0.05
     """EMA weight of one busy iteration in how often a step carries a prefill chunk and how
     big it is then (``PrefillMix``: the typical iterations a held split must keep fast)."""
+    prefill_memory_smoothing: float | None = 0.005
+    """EMA weight of a slower chunk share; the typical iteration uses the larger of the two, so
+    a burst's chunk steps weigh for ~200 busy iterations (1-2 s) after it: a quantum launched
+    in a lull holds its split into the next burst (the H200 bursty run at 0f65ae9 launched
+    4-example quanta just before bursts, whose iterations then averaged 10-11 ms against a
+    9.6 ms SLO). None: the recent share alone."""
     idle_probe_context_tokens: int = 512
     """When decode is idle, quanta are planned as if one request of this context were
     decoding (one may arrive while the quantum holds its split)."""
@@ -180,7 +186,11 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self._jobs: dict[str, JobView] = {}
         self._slo_ms: float | None = None
         self._worst_running: float | None = None
-        self._prefill = PrefillMix(self.config.prefill_smoothing, self.config.error_smoothing)
+        self._prefill = PrefillMix(
+            self.config.prefill_smoothing,
+            self.config.error_smoothing,
+            self.config.prefill_memory_smoothing,
+        )
         self.decisions = 0
         self.pauses = 0
 
@@ -229,7 +239,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         # Decode alone on the whole device is the kindest its typical iteration can be: when
         # even that is over the bound, no quantum beside it can be safe, and the whole batch
         # of predictions (every split x size) is host time every decode token waits for.
-        hopeless = not idle and self._typical_alone(ctx) > bound
+        hopeless = not idle and self._typical_alone(ctx)[0] > bound
         if sliced is None or not sliced.active:  # a micro-batch in progress goes on in slices
             shares = [d / total for d in options[:-1]] if total and ctx.spatial else []
             if self.config.allow_shared:

@@ -471,3 +471,67 @@ def test_the_chunk_share_is_right_from_the_first_iterations() -> None:
     for _ in range(300):  # and all chunk steps: towards 1, never above
         mix.observe(64)
     assert 0.99 < mix.share <= 1.0
+
+
+def test_a_burst_of_chunk_steps_is_remembered_through_the_lull_after_it() -> None:
+    from gpu_runtime.colocation.estimates import PrefillMix
+
+    fast = PrefillMix(smoothing=0.05)
+    remembering = PrefillMix(smoothing=0.05, memory_smoothing=0.005)
+    for mix in (fast, remembering):
+        for _ in range(200):  # a burst: a third of the steps carry a chunk
+            mix.observe(0)
+            mix.observe(0)
+            mix.observe(300)
+        for _ in range(100):  # then 100 pure decode steps
+            mix.observe(0)
+    assert fast.share < 0.01 and remembering.share < 0.01  # the recent share has forgotten it
+    assert fast.remembered == fast.share  # no memory: nothing more
+    assert 0.15 < remembering.remembered < 0.33  # the slow one still weighs the burst
+    steady = DecodeSnapshot.from_contexts([512] * 8)
+    kinds = remembering.kinds(steady)  # both kinds, weighted by the recent and the kept share
+    assert [s.prefill_tokens for _, _, s in kinds] == [0, 300]
+    assert kinds[1][0] == pytest.approx(remembering.share)
+    assert kinds[1][1] == pytest.approx(remembering.remembered)
+    assert [(w, s.prefill_tokens) for w, s in remembering.mix(steady)] == [
+        (pytest.approx(1.0 - remembering.share), 0),
+        (pytest.approx(remembering.share), 300),
+    ]
+    with pytest.raises(ValueError, match="memory_smoothing"):
+        PrefillMix(smoothing=0.05, memory_smoothing=0.0)
+
+
+def test_after_a_burst_running_requests_are_projected_with_its_chunk_steps() -> None:
+    """A lull after a burst: the recent chunk share is ~0, so the typical iteration under a
+    quantum looks like pure decode; requests near the SLO are projected to their end with the
+    remembered share, so harli launches smaller quanta for them, or none, where a policy
+    without memory launches bigger ones."""
+    from dataclasses import replace
+
+    from gpu_runtime.colocation.types import RunningRequest
+
+    decode = DecodeSnapshot.from_contexts([512] * 16)
+    burst = DecodeSnapshot.from_contexts([512] * 16, prefill_tokens=400)
+    slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 2.0
+
+    def warmed(memory: float | None) -> HarliPolicy:
+        policy = HarliPolicy(MODEL, HarliConfig(allow_slice=False, prefill_memory_smoothing=memory))
+        for _ in range(150):  # the burst: every other step carries a chunk
+            policy.plan(context(burst, slo))
+            policy.plan(context(decode, slo))
+        for _ in range(100):  # the lull
+            policy.plan(context(decode, slo))
+        return policy
+
+    def launched(plan: IterationPlan) -> int:
+        return sum(launch.max_tokens for launch in plan.launches)
+
+    smaller = []
+    for tenths in range(50, 140, 5):  # requests ever closer to the SLO, then over it
+        late = RunningRequest(tokens=60, tpot_ms=slo * tenths / 100, remaining_tokens=200)
+        ctx = replace(context(decode, slo), running=(late,), worst_running_tpot_ms=late.tpot_ms)
+        forgetful, remembering = warmed(None).plan(ctx), warmed(0.005).plan(ctx)
+        assert launched(remembering) <= launched(forgetful)  # memory only ever holds back
+        if launched(remembering) < launched(forgetful):
+            smaller.append(tenths)
+    assert smaller  # for some requests the memory alone holds back
