@@ -104,5 +104,5 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
-    parser.add_argument("--commit", default=None)
+    parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT"))
     return parser.parse_args(argv)
