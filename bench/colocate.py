@@ -45,7 +45,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import subprocess
 import sys
 import time
 import traceback
@@ -80,6 +79,7 @@ from colocate_setup import setup_engine, setup_simulation, slice_costs
 from colocate_setup import synthetic_examples as synthetic_examples  # bench/memory_sizing.py
 from traces import generate, preset
 
+from bench.provenance import commit_hash
 from gpu_runtime.colocation import (
     CoLocationPolicy,
     DecodeOnlyPolicy,
@@ -270,7 +270,7 @@ def main() -> None:
         comparisons = compare(rows, traces)
         result = {
             "name": "colocate",
-            "commit": args.commit or _git_commit(),
+            "commit": args.commit or commit_hash(),
             "gpu": gpu,
             "torch": torch.__version__,
             "created": today.isoformat(timespec="seconds"),
@@ -396,13 +396,6 @@ def _profile_gpu(path: str) -> str:
     if meta.exists():
         return str(json.loads(meta.read_text()).get("gpu", "unknown GPU"))
     return "unknown GPU"
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _run_and_exit() -> None:

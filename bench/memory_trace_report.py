@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.memory import commit_hash
+from bench.provenance import commit_hash
 
 
 def write_trace_result(

@@ -39,6 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.provenance import commit_hash
 from gpu_runtime.predictor.artifact import artifact_dir, read_metadata
 from gpu_runtime.predictor.runtime import LatencyPredictor, session_options
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
@@ -193,22 +194,6 @@ def host_cpu() -> dict[str, Any]:
     }
 
 
-def _commit() -> str:
-    """``HARLI_COMMIT`` or ``GIT_COMMIT`` when set (a copied tree's ``.git`` may be stale),
-    else git's HEAD."""
-    import subprocess
-
-    for name in ("HARLI_COMMIT", "GIT_COMMIT"):
-        if os.environ.get(name):
-            return os.environ[name]
-    try:
-        return subprocess.check_output(
-            ["git", "rev-parse", "HEAD"], text=True, cwd=REPO, stderr=subprocess.DEVNULL
-        ).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
@@ -306,7 +291,7 @@ def main() -> None:
     by_kind = {k: v for k, v in onnx_metrics.items() if k.endswith(kinds)}
     out = {
         "name": "predictor",
-        "commit": _commit(),
+        "commit": commit_hash(),
         "gpu": meta["gpu"],
         "torch": torch.__version__,
         "created": dt.datetime.now(dt.UTC).isoformat(),

@@ -19,7 +19,6 @@ import datetime as dt
 import json
 import os
 import statistics
-import subprocess
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,19 +26,11 @@ from typing import Any
 
 import torch
 
+from bench.provenance import commit_hash
 from gpu_runtime.sharing import SmPartitioner, StreamSharing
 
 HIDDEN, INTER, N_WEIGHTS, DECODE_BATCH = 4096, 14336, 16, 64
 BIG = 8192
-
-
-def _commit(arg: str | None) -> str:
-    if arg:
-        return arg
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -425,7 +416,7 @@ def main() -> None:
 
     result = {
         "name": "sharing",
-        "commit": _commit(args.commit),
+        "commit": args.commit or commit_hash(),
         "gpu": props.name,
         "torch": torch.__version__,
         "created": dt.datetime.now(dt.UTC).isoformat(),
