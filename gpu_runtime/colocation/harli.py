@@ -23,7 +23,8 @@ quantum is checked on the typical iteration while it runs (running plus waiting 
 mean of a pure decode step and a step with the recent chunk size, weighted by how often steps
 have carried a chunk: ``PrefillMix``) against the bound, and on the coming iteration
 against the SLO itself. Every running request is projected to its end (its mean TPOT so
-far, its remaining tokens at that typical iteration): a choice is rejected when some request
+far, its remaining tokens at that typical iteration, with the chunk share a burst leaves in
+memory for ~200 iterations after it if that is higher): a choice is rejected when some request
 would then end over the bound while decode alone would keep it within the SLO (a request lost
 either way does not hold finetuning back). When nothing is safe, finetuning pauses for that
 iteration (decode gets the whole device) and the plan says why.
@@ -111,11 +112,12 @@ class HarliConfig:
     """EMA weight of one busy iteration in how often a step carries a prefill chunk and how
     big it is then (``PrefillMix``: the typical iterations a held split must keep fast)."""
     prefill_memory_smoothing: float | None = 0.005
-    """EMA weight of a slower chunk share; the typical iteration uses the larger of the two, so
-    a burst's chunk steps weigh for ~200 busy iterations (1-2 s) after it: a quantum launched
-    in a lull holds its split into the next burst (the H200 bursty run at 0f65ae9 launched
-    4-example quanta just before bursts, whose iterations then averaged 10-11 ms against a
-    9.6 ms SLO). None: the recent share alone."""
+    """EMA weight of a slower chunk share. Running requests are projected to their end with the
+    larger of it and the recent share (the launch bound keeps the recent one), so a burst's
+    chunk steps weigh for ~200 busy iterations (1-2 s) after it: a quantum launched in a lull
+    holds its split into the next burst (the H200 bursty run at 0f65ae9 launched 4-example
+    quanta just before bursts, whose iterations then averaged 10-11 ms against a 9.6 ms SLO).
+    None: the recent share alone."""
     idle_probe_context_tokens: int = 512
     """When decode is idle, quanta are planned as if one request of this context were
     decoding (one may arrive while the quantum holds its split)."""
