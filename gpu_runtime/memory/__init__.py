@@ -6,7 +6,12 @@
 
 from gpu_runtime.memory.backend import CpuPageBackend, PageBackend
 from gpu_runtime.memory.counters import LatencySamples, MemoryCounters
-from gpu_runtime.memory.engine_memory import EngineMemory, engine_kv_layout, scheduler_block_demand
+from gpu_runtime.memory.engine_memory import (
+    EngineMemory,
+    engine_kv_layout,
+    scheduler_block_demand,
+    scheduler_waiting_blocks,
+)
 from gpu_runtime.memory.factory import HostMemory, build_host_memory, create_page_pool
 from gpu_runtime.memory.kv_binding import BlockManagerLike, KVPoolBinding
 from gpu_runtime.memory.layout import (
@@ -52,4 +57,5 @@ __all__ = [
     "engine_kv_layout",
     "kv_block_bytes",
     "scheduler_block_demand",
+    "scheduler_waiting_blocks",
 ]

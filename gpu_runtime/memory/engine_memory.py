@@ -61,21 +61,39 @@ def scheduler_block_demand(engine: Any) -> tuple[int, int]:
     Mirrors the continuous-batching scheduler: running requests in order take their next chunk
     (one token when decoding) out of the step's token budget; waiting prompts come after.
     """
+    return _block_demand(engine, count_running=True)
+
+
+def scheduler_waiting_blocks(engine: Any) -> int:
+    """The second figure of `scheduler_block_demand` alone (what `after_decode` needs): the
+    running requests only take their chunks out of the token budget, without the per-request
+    block count."""
+    return _block_demand(engine, count_running=False)[1]
+
+
+def _block_demand(engine: Any, *, count_running: bool) -> tuple[int, int]:
     scheduler = engine.scheduler
+    if not count_running and not getattr(scheduler, "waiting", ()):
+        return 0, 0  # nothing waits: no pass over the running requests for the budget
     block_manager = engine.block_manager
     budget = int(engine.config.max_num_batched_tokens)
+    block_size = block_manager.block_size
     running = 0
     for request in getattr(scheduler, "running", ()):
         if budget <= 0:
             break
-        count = min(request.num_tokens - request.num_computed_tokens, budget)
-        target = request.num_computed_tokens + count
-        running += block_manager.num_new_blocks(request.block_table, target)
+        computed = request.num_computed_tokens
+        count = min(request.num_tokens - computed, budget)
+        if count_running:  # `BlockManager.num_new_blocks`, inlined (once per request and step)
+            new = -(-(computed + count) // block_size) - len(request.block_table)
+            if new > 0:
+                running += new
         budget -= count
     waiting = 0
     for request in getattr(scheduler, "waiting", ()):
-        chunk = min(request.num_tokens - request.num_computed_tokens, max(budget, 1))
-        waiting += block_manager.blocks_for_tokens(request.num_computed_tokens + chunk)
+        computed = request.num_computed_tokens
+        chunk = min(request.num_tokens - computed, max(budget, 1))
+        waiting += block_manager.blocks_for_tokens(computed + chunk)
         budget -= chunk
     return running, waiting
 
@@ -183,7 +201,7 @@ class EngineMemory:
         # Read what finetune holds once per iteration: on CUDA this also lets the torch cap
         # follow decode's own growth (cached; a snapshot only after a segment came or went).
         self.manager.pool.backend.finetune_reserved_bytes()
-        _, waiting = scheduler_block_demand(self._bound())
+        waiting = scheduler_waiting_blocks(self._bound())
         busy = self._busy()
         self.binding.maintain(
             waiting_blocks=waiting,

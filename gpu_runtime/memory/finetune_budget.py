@@ -20,6 +20,7 @@ class FinetuneBudgetMixin(PageMovesMixin):
     """Finetuning's budget over the pool; the state is `MemoryManager`'s."""
 
     release_finetune_graphs: Callable[[], int] | None
+    _headroom_cache: dict[bool, tuple[tuple[bool, int, int, int], int]]
 
     @property
     def finetune_budget_bytes(self) -> int:
@@ -30,7 +31,22 @@ class FinetuneBudgetMixin(PageMovesMixin):
         """Budget pages decode is expected to take back soon, beyond the free pages: see
         `DecodeHistory.headroom_pages` (recent growth times `plan_headroom_intervals`, the floor
         `plan_headroom_min_pages`, decode's recent peak with `plan_peak_window`). 0 under a
-        static split (nothing is ever reclaimed). `with_peak=False`: without the peak term."""
+        static split (nothing is ever reclaimed). `with_peak=False`: without the peak term.
+
+        Read every iteration (`finetune_plan_bytes`) while its inputs change only when pages
+        move or at a quantum boundary: the figure is kept until one of them changes (decode's
+        prefix, the finetune budget, the history's `version`); the config is frozen and the
+        free pages follow from the first two. `_reclaim_headroom_uncached` is the computation."""
+        pool = self.pool
+        key = (with_peak, pool.kv_prefix_pages, pool.finetune_pages, self._history.version)
+        cached = self._headroom_cache.get(with_peak)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        pages = self._reclaim_headroom_uncached(with_peak=with_peak)
+        self._headroom_cache[with_peak] = (key, pages)
+        return pages
+
+    def _reclaim_headroom_uncached(self, *, with_peak: bool = True) -> int:
         cfg = self.config
         if not cfg.reclaim_from_finetune or cfg.plan_headroom_intervals == 0:
             return 0
@@ -190,6 +206,8 @@ class FinetuneBudgetMixin(PageMovesMixin):
         """Budget above finetune's demand is idle: take it back in one step (no decode need).
         A cap change only while a job exists; with no job (demand 0) the cache is flushed."""
         excess = self.pool.finetune_pages - self._finetune_demand_pages
+        if excess <= 0:  # the usual case: no backend reads (on CUDA each is a torch stats call)
+            return
         count = min(excess, self.pool.finetune_reclaimable_pages(), self.config.max_step_pages)
         no_job = self._finetune_demand_pages == 0
         if not no_job:

@@ -82,6 +82,7 @@ class MemoryManager(FinetuneBudgetMixin):
         self._iterations_above_high = 0
         self._iterations_since_reclaim = self.config.grow_hold_iterations
         self._history = DecodeHistory(self.config, layout)
+        self._headroom_cache = {}
         self.release_finetune_graphs: Callable[[], int] | None = None
         """The finetune side's release of its largest separately pooled CUDA-graph shape (the
         graphs dropped; 0 when none is), called only from `refill_reserve`, i.e. between

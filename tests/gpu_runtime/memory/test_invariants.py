@@ -326,6 +326,20 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         assert self.backend.finetune_reserved_bytes() <= self.manager.finetune_budget_bytes
         assert self.backend.finetune_allocated_bytes() <= self.manager.finetune_budget_bytes
 
+    @invariant()
+    def cached_plan_figures_equal_a_fresh_computation(self) -> None:
+        """The reclaim headroom kept between iterations and the history's maxima are what a
+        computation from scratch gives now (test_cached_figures.py compares decisions)."""
+        manager = self.manager
+        for with_peak in (True, False):
+            assert manager.reclaim_headroom_pages(
+                with_peak=with_peak
+            ) == manager._reclaim_headroom_uncached(with_peak=with_peak)
+        history = manager._history
+        assert history.refill_growth_blocks() == max(history._interval_growth, default=0)
+        if manager.config.plan_peak_window:
+            assert history.peak_used_blocks() == max(history._recent_used, default=0)
+
 
 UnifiedPoolMachine.TestCase.settings = settings(
     max_examples=100,
