@@ -37,6 +37,9 @@ class FinetuneBudgetMixin(PageMovesMixin):
         move or at a quantum boundary: the figure is kept until one of them changes (decode's
         prefix, the finetune budget, the history's `version`); the config is frozen and the
         free pages follow from the first two. `_reclaim_headroom_uncached` is the computation."""
+        cfg = self.config
+        if not cfg.reclaim_from_finetune or cfg.plan_headroom_intervals == 0:
+            return 0
         pool = self.pool
         key = (with_peak, pool.kv_prefix_pages, pool.finetune_pages, self._history.version)
         cached = self._headroom_cache.get(with_peak)
