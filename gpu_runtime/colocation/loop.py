@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from gpu_runtime.colocation.executor import (
@@ -30,8 +29,8 @@ from gpu_runtime.colocation.executor import (
 from gpu_runtime.colocation.jobs import FinetuneMemory, JobError, JobState
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
 from gpu_runtime.colocation.snapshot import decode_snapshot, describe_trainer, trainer_layers
+from gpu_runtime.colocation.token_clock import TokenClock
 from gpu_runtime.colocation.types import (
-    MIN_TOKENS_FOR_TPOT,
     FinishedRequest,
     InFlightQuantum,
     IterationContext,
@@ -43,14 +42,6 @@ from gpu_runtime.colocation.types import (
 )
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.finetune.trainer import LoraTrainer
-
-
-@dataclass
-class _RequestTiming:
-    arrival: float | None
-    first: float | None = None
-    last: float | None = None
-    tokens: int = 0
 
 
 class HostLoop:
@@ -86,7 +77,7 @@ class HostLoop:
         self.executor = executor
         self._jobs: dict[str, JobState] = {}
         self._order: list[str] = []
-        self._timing: dict[str, _RequestTiming] = {}
+        self._tokens = TokenClock()
         self._index = 0
         self._finetune_streams: tuple[tuple[int | None, int], ...] | None = None
 
@@ -102,12 +93,12 @@ class HostLoop:
         """Queue a decode request (``Engine.add_request``, with its adapter ``lora_name`` if
         any) and start its latency clock."""
         request_id = self.engine.add_request(prompt, params, request_id, lora_name=lora_name)
-        self._timing[request_id] = _RequestTiming(self.clock() if arrival is None else arrival)
+        self._tokens.start(request_id, self.clock() if arrival is None else arrival)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         self.engine.abort_request(request_id)
-        self._timing.pop(request_id, None)
+        self._tokens.forget(request_id)
 
     # ---- jobs -------------------------------------------------------------------------------
     def add_job(self, job_id: str, trainer: LoraTrainer) -> JobState:
@@ -190,7 +181,7 @@ class HostLoop:
         if self.memory is not None:
             self.memory.after_decode()
         reports += self._collect()
-        samples, finished = self._time_tokens(outputs, emitted)
+        samples, finished = self._tokens.time(outputs, emitted)
         if self.output_sink is not None and outputs:
             self.output_sink(outputs)
         record = IterationRecord(
@@ -250,15 +241,7 @@ class HostLoop:
         """Requests still decoding that emitted at least ``MIN_TOKENS_FOR_TPOT`` tokens, with
         their mean TPOT so far (``finish_reason`` "running"): for figures over a window that
         ends before every request has finished."""
-        out = []
-        for request_id, timing in self._timing.items():
-            if timing.tokens < MIN_TOKENS_FOR_TPOT or timing.first is None:
-                continue
-            assert timing.last is not None
-            tpot = (timing.last - timing.first) * 1e3 / (timing.tokens - 1)
-            ttft = None if timing.arrival is None else (timing.first - timing.arrival) * 1e3
-            out.append(FinishedRequest(request_id, timing.tokens, tpot, ttft, "running"))
-        return out
+        return self._tokens.running()
 
     def close(self) -> None:
         """Wait for the in-flight quantum, account it, stop the worker (a persistent
@@ -322,22 +305,7 @@ class HostLoop:
     def _running_view(self) -> tuple[RunningRequest, ...]:
         """Requests decoding with at least ``MIN_TOKENS_FOR_TPOT`` tokens: their TPOT so far
         and the tokens ``max_tokens`` still allows."""
-        known = getattr(self.engine.scheduler, "requests", None)
-        if known is not None:  # drop requests aborted on the engine behind the loop's back
-            for request_id in [r for r in self._timing if r not in known]:
-                del self._timing[request_id]
-        out = []
-        for request_id, timing in self._timing.items():
-            if timing.tokens >= MIN_TOKENS_FOR_TPOT and timing.first is not None:
-                assert timing.last is not None
-                tpot = (timing.last - timing.first) * 1e3 / (timing.tokens - 1)
-                request = None if known is None else known.get(request_id)
-                remaining = None
-                if request is not None:
-                    limit = request.sampling_params.max_tokens
-                    remaining = max(limit - len(request.output_token_ids), 0)
-                out.append(RunningRequest(timing.tokens, tpot, remaining))
-        return tuple(out)
+        return self._tokens.views(getattr(self.engine.scheduler, "requests", None))
 
     def _task(
         self, job_id: str, launch: Any, plan: IterationPlan, stream: Any = None
@@ -391,30 +359,3 @@ class HostLoop:
             self.memory.quantum_done(peak_bytes=report.peak_memory_bytes, resident_bytes=0)
         if alone and report.duration_ms > 0 and report.tokens:
             state.solo_tokens_per_s = report.tokens / (report.duration_ms / 1e3)
-
-    def _time_tokens(
-        self, outputs: list[RequestOutput], emitted: float
-    ) -> tuple[list[float], list[FinishedRequest]]:
-        samples: list[float] = []
-        finished: list[FinishedRequest] = []
-        for out in outputs:
-            timing = self._timing.setdefault(out.request_id, _RequestTiming(None))
-            count = len(out.new_token_ids)
-            if timing.first is None:
-                timing.first = emitted
-            elif timing.last is not None and count:
-                samples.append((emitted - timing.last) * 1e3 / count)
-            timing.last = emitted
-            timing.tokens += count
-            if out.finished:
-                self._timing.pop(out.request_id, None)
-                tpot = None
-                if timing.tokens > 1 and timing.first is not None:
-                    tpot = (emitted - timing.first) * 1e3 / (timing.tokens - 1)
-                ttft = None
-                if timing.arrival is not None and timing.first is not None:
-                    ttft = (timing.first - timing.arrival) * 1e3
-                finished.append(
-                    FinishedRequest(out.request_id, timing.tokens, tpot, ttft, out.finish_reason)
-                )
-        return samples, finished
