@@ -67,11 +67,10 @@ from colocate_calibrate import (
 )
 from colocate_engine import QUANTUM_EXAMPLES, LoopBackend
 from colocate_report import (
-    ITERATION_COLUMNS,
     POLICIES,
     compare,
     definitions,
-    iteration_table,
+    iterations_document,
     print_table,
     row_for,
 )
@@ -309,15 +308,7 @@ def main() -> None:
             "wall_s": round(time.perf_counter() - wall, 1),
         }
         path.write_text(json.dumps(result, indent=1, default=str))
-        tables = {
-            f"{t}/{pol.name}": iteration_table(recs, s)
-            for (t, _), (pol, recs, s, _, _) in results.items()
-        }
-        tables |= {
-            f"{t}/static_split@{d}": iteration_table(run_[1], run_[2])
-            for (t, d), (_, run_) in sweeps.items()
-        }
-        iterations_path.write_text(json.dumps({"columns": ITERATION_COLUMNS, "runs": tables}))
+        iterations_path.write_text(json.dumps(iterations_document(results, sweeps)))
         return rows, comparisons
 
     # Untimed: decode alone through every trace's kind of load once more (the mixed prefill +

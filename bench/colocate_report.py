@@ -179,6 +179,45 @@ def iteration_table(records: list[IterationRecord], start: float) -> list[list[A
     ]
 
 
+REQUEST_COLUMNS = ("request_id", "output_tokens", "tpot_ms", "ttft_ms", "finish_reason")
+
+
+def request_table(
+    records: list[IterationRecord], running: list[FinishedRequest]
+) -> list[list[Any]]:
+    """One row per request of a run (``REQUEST_COLUMNS``): those that finished, then any still
+    decoding at its end ("running", TPOT so far): what attainment was judged on."""
+    return [
+        [
+            f.request_id,
+            f.output_tokens,
+            None if f.tpot_ms is None else round(f.tpot_ms, 3),
+            None if f.ttft_ms is None else round(f.ttft_ms, 2),
+            f.finish_reason,
+        ]
+        for f in [*(f for r in records for f in r.finished), *running]
+    ]
+
+
+Run = tuple[CoLocationPolicy, list[IterationRecord], float, float, list[FinishedRequest]]
+"""One policy's run on one trace: (policy, records, start, end, requests still running)."""
+
+
+def iterations_document(
+    results: dict[tuple[str, str], Run], sweeps: dict[tuple[str, int], tuple[Any, Run]]
+) -> dict[str, Any]:
+    """The ``.iterations.json`` beside the result: every run's iterations and requests, keyed
+    ``trace/policy`` (the fixed splits swept for static_split as ``trace/static_split@d``)."""
+    runs = {f"{t}/{run[0].name}": run for (t, _), run in results.items()}
+    runs |= {f"{t}/static_split@{d}": run for (t, d), (_, run) in sweeps.items()}
+    return {
+        "columns": ITERATION_COLUMNS,
+        "runs": {key: iteration_table(run[1], run[2]) for key, run in runs.items()},
+        "request_columns": REQUEST_COLUMNS,
+        "requests": {key: request_table(run[1], run[4]) for key, run in runs.items()},
+    }
+
+
 def compare(rows: list[dict[str, Any]], traces: list[str]) -> dict[str, Any]:
     """Harli vs the best baseline keeping >= 99% attainment, per trace and averaged."""
     per_trace: dict[str, Any] = {}

@@ -74,6 +74,8 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
     assert set(iterations["runs"]) == {f"{t}/{p}" for t in TRACES for p in POLICIES}
     for table in iterations["runs"].values():
         assert table and all(len(row) == len(iterations["columns"]) for row in table)
+    assert iterations["request_columns"][:3] == ["request_id", "output_tokens", "tpot_ms"]
+    assert set(iterations["requests"]) == set(iterations["runs"])
 
     assert out["name"] == "colocate"
     assert out["commit"] == "test"
@@ -95,6 +97,13 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
         assert row["quantum_errors"] == 0, row["first_quantum_error"]
         assert row["iterations"] > 0
         assert row["window_seconds"] <= row["seconds"] <= row["window_seconds"] + 3.0
+        judged = [
+            r[2] for r in iterations["requests"][f"{row['trace']}/{row['policy']}"] if r[2]
+        ]  # the requests attainment was judged on, with their TPOT
+        assert len(judged) == row["judged_requests"]
+        if judged:  # (rounded to 3 decimals: one request at the SLO's edge may read either way)
+            met = sum(1 for tpot in judged if tpot <= row["tpot_slo_ms"])
+            assert abs(met / len(judged) - row["slo_attainment"]) <= 1 / len(judged) + 1e-9
     by = {(r["trace"], r["policy"]): r for r in rows}
     for trace in TRACES:
         assert by[trace, "decode_only"]["finetune_tokens_per_s"] == 0
