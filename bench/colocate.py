@@ -68,6 +68,7 @@ from colocate_calibrate import (
 from colocate_engine import QUANTUM_EXAMPLES, LoopBackend
 from colocate_report import (
     POLICIES,
+    Run,
     compare,
     definitions,
     iterations_document,
@@ -80,7 +81,6 @@ from traces import generate, preset
 
 from bench.provenance import commit_hash
 from gpu_runtime.colocation import (
-    CoLocationPolicy,
     DecodeOnlyPolicy,
     HarliConfig,
     summarize,
@@ -166,13 +166,13 @@ def main() -> None:
 
     specs = {t: preset(t, args.duration, args.rate_scale) for t in traces}
     trace_reqs = {t: generate(spec, args.seed) for t, spec in specs.items()}
-    results: dict[tuple[str, str], tuple[CoLocationPolicy, list, float, float, list]] = {}
+    results: dict[tuple[str, str], Run] = {}
     skipped: list[str] = []
     failed: dict[str, str] = {}
     slo_ms = 1e9
     slo_parts: dict[str, float] = {}
     static_by_trace: dict[str, int | None] = {}
-    sweeps: dict[tuple[str, int], tuple[dict[str, Any], tuple]] = {}
+    sweeps: dict[tuple[str, int], tuple[dict[str, Any], Run]] = {}
     static_sweep: dict[str, dict[str, dict[str, Any]]] = {}
     if args.simulate:
         gpu = "none (simulation from a profile measured on " + _profile_gpu(args.simulate) + ")"

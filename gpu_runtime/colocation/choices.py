@@ -40,6 +40,14 @@ Typical = tuple[float, float]
 remembered one (what running requests are projected with)."""
 
 
+def _fits(prediction: tuple[float, float, float], bound: float, slo_ms: float) -> bool:
+    """Whether a quantum beside decode passes the first checks of a choice (a memo entry: the
+    coming iteration, the typical one under the recent mix, under the remembered one): the
+    typical iteration under ``bound``, the coming one under the SLO itself."""
+    now, typical, _ = prediction
+    return typical <= bound and now <= slo_ms
+
+
 @dataclass(frozen=True)
 class Choice:
     decode_sms: int | None
@@ -118,8 +126,8 @@ class HarliChoices:
         key = (share, 0 if size_free else tokens)
         if key not in memo:
             self._prefetch(ctx, job, [share], [tokens])
-        predicted, expected, remembered = memo[key]
-        if expected > bound or predicted > ctx.tpot_slo_ms:
+        predicted, _, remembered = memo[key]
+        if not _fits(memo[key], bound, ctx.tpot_slo_ms):
             return None
         launch = self._launch_ms(job, examples, decode_sms)  # one gap, not a rate
         # Running requests are projected with the remembered mix: a burst's chunk steps may
@@ -206,6 +214,30 @@ class HarliChoices:
             memo[key] = (row[0], *typical(row[1:]))
         if alone:
             self._memo_alone = typical(values[len(keys) * width :])
+
+    def _prefetch_open(
+        self,
+        ctx: IterationContext,
+        job: JobView,
+        shares: list[float],
+        token_counts: list[int],
+        bound: float,
+    ) -> None:
+        """Predictions for the choices in two batched calls: the smallest quantum on every
+        share, then the bigger ones only on the shares where the smallest fits (a bigger
+        quantum is assumed no kinder to decode, so the others are never looked at)."""
+        self._prefetch(ctx, job, shares, token_counts[:1])
+        if len(token_counts) < 2 or getattr(self.latency, "quantum_size_independent", False):
+            return
+        memo = self._plan_memo(ctx)
+        fits = [
+            share
+            for share in shares
+            if (m := memo.get((share, token_counts[0]))) is not None
+            and _fits(m, bound, ctx.tpot_slo_ms)
+        ]
+        if fits:
+            self._prefetch(ctx, job, fits, token_counts[1:])
 
     def _typical_alone(self, ctx: IterationContext) -> Typical:
         """The typical iteration of decode alone on the whole device (recent, remembered)."""

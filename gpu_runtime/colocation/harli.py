@@ -290,31 +290,6 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             + ("" if best.max_layers is None else f" layers={best.max_layers}"),
         )
 
-    def _prefetch_open(
-        self,
-        ctx: IterationContext,
-        job: JobView,
-        shares: list[float],
-        token_counts: list[int],
-        bound: float,
-    ) -> None:
-        """Predictions for the choices in two batched calls: the smallest quantum on every
-        share, then the bigger ones only on the shares where the smallest fits (a bigger
-        quantum is assumed no kinder to decode, so the others are never looked at)."""
-        self._prefetch(ctx, job, shares, token_counts[:1])
-        if len(token_counts) < 2 or getattr(self.latency, "quantum_size_independent", False):
-            return
-        memo = self._plan_memo(ctx)
-        fits = [
-            share
-            for share in shares
-            if (m := memo.get((share, token_counts[0]))) is not None
-            and m[1] <= bound
-            and m[0] <= ctx.tpot_slo_ms
-        ]
-        if fits:
-            self._prefetch(ctx, job, fits, token_counts[1:])
-
     def _in_flight_plan(
         self, ctx: IterationContext, full: int | None, margin: float, bound: float
     ) -> IterationPlan:
