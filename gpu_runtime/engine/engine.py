@@ -380,8 +380,8 @@ class Engine:
 
     def shrink_kv_blocks(self, num_blocks: int) -> list[int]:
         """Take up to `num_blocks` free blocks out of use, highest ids first; returns them.
-        With a step in flight (async scheduling), first waits for it: it may still write
-        blocks freed when the step before it finished a request."""
-        if self._inflight is not None and self._inflight[1].event is not None:
-            self._inflight[1].event.synchronize()
+        With async scheduling, first waits for the last launched step if it may still run
+        (in flight, or discarded after its requests stopped): it may still write blocks freed
+        when a request finished before it was read back."""
+        self.runner.wait_for_launched()
         return self.block_manager.shrink(num_blocks)

@@ -21,7 +21,6 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from gpu_runtime.engine.attention.mixed import MixedPagedAttention
@@ -99,6 +98,8 @@ class ModelRunner(StaticDecodeMixin):
         self._last_launched: StepHandle | None = None
         self.num_overlapped_steps = 0
         """Steps launched before the previous step was read back (inputs from the device)."""
+        self.num_discarded_steps = 0
+        """Launched steps never read back (every request they sampled had finished)."""
         self.last_launch_seconds = 0.0
         """Host time of the last `execute` until the model's work is queued (request state,
         input staging and copies, graph replay or eager kernel launches)."""
@@ -250,6 +251,7 @@ class ModelRunner(StaticDecodeMixin):
         waiting = time.perf_counter()
         if handle.event is not None:
             handle.event.synchronize()
+        handle.device_done = True
         self.last_wait_seconds = time.perf_counter() - waiting
         assert handle.token_host is not None
         tokens = handle.token_host.tolist()
@@ -280,24 +282,20 @@ class ModelRunner(StaticDecodeMixin):
 
     def discard(self, handle: StepHandle) -> None:
         """Forget a launched step whose results nobody needs (every request it sampled has
-        finished); its states keep `UNRESOLVED_TOKEN` and must be dropped next step."""
+        finished); its states keep `UNRESOLVED_TOKEN` and must be dropped next step. The step
+        may still run on the device (see `wait_for_launched`)."""
         handle.resolved = True
+        self.num_discarded_steps += 1
 
-    def _pending_inputs(self, states: list[_RequestState]) -> PendingTokens | None:
-        """Rows whose last token is still on the device: the unresolved step's sampled tensor
-        and, per row, the index into it (-1: the token is on the host)."""
+    def wait_for_launched(self) -> None:
+        """Wait until the device has finished the last launched sampling step, also when it
+        was discarded, not resolved: it may still write KV blocks (and read adapter slots) of
+        requests that finished meanwhile. No-op when already waited for, or on CPU."""
         last = self._last_launched
-        if last is None or last.resolved or last.token_ids is None:
-            return None
-        step = last.step
-        source = np.fromiter(
-            (s.pending_index if s.pending_step == step else -1 for s in states),
-            np.int64,
-            len(states),
-        )
-        if (source < 0).all():
-            return None
-        return last.token_ids, source
+        if last is not None and not last.device_done:
+            if last.event is not None:
+                last.event.synchronize()
+            last.device_done = True
 
     def _forward(
         self,

@@ -92,3 +92,5 @@ class StepHandle:
     event: Any = None
     """CUDA event recorded after the copies back (None on CPU)."""
     resolved: bool = False
+    device_done: bool = False
+    """The host has waited for `event` (resolved, or waited for after a discard)."""

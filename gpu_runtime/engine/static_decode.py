@@ -23,6 +23,7 @@ from gpu_runtime.engine.lora import LoraForward, LoraRuntime
 from gpu_runtime.engine.runner_types import (
     _PADDING_ID,
     PendingTokens,
+    StepHandle,
     _RequestState,
     blas_library,
 )
@@ -55,6 +56,7 @@ class StaticDecodeMixin:
     _fused: FusedDecodeForwardType | None
     _mixed: MixedStepGraphs | None
     _blas: str | None
+    _last_launched: StepHandle | None
 
     def _init_decode_buffers(self, pin: bool) -> None:
         size = self._buckets[-1]
@@ -267,6 +269,22 @@ class StaticDecodeMixin:
             logits = self.decode_forward(bucket)
             used = False
         return logits[:batch], bucket, used
+
+    def _pending_inputs(self, states: list[_RequestState]) -> PendingTokens | None:
+        """Rows whose last token is still on the device: the unresolved step's sampled tensor
+        and, per row, the index into it (-1: the token is on the host)."""
+        last = self._last_launched
+        if last is None or last.resolved or last.token_ids is None:
+            return None
+        step = last.step
+        source = np.fromiter(
+            (s.pending_index if s.pending_step == step else -1 for s in states),
+            np.int64,
+            len(states),
+        )
+        if (source < 0).all():
+            return None
+        return last.token_ids, source
 
     def _gather_pending_tokens(self, pending: PendingTokens) -> None:
         """Token ids of rows whose last token the unresolved step sampled, from its device

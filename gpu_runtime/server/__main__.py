@@ -3,6 +3,8 @@
 Without --model-dir it builds the tiny random model and tokenizer (CPU-friendly, no download)
 into --tiny-dir. API keys come from HARLI_INFERENCE_API_KEYS (comma-separated). Each
 `--adapter NAME=DIR` (a PEFT LoRA directory) is served as model NAME beside the base model.
+Steps run with async scheduling (`--no-async-scheduling` turns it off): this is a decode-only
+deployment with one SM partition, unlike the co-location host loop, which stays synchronous.
 """
 
 from __future__ import annotations
@@ -37,6 +39,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-model-len", type=int, default=512)
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024)
     parser.add_argument("--no-cuda-graphs", action="store_true")
+    parser.add_argument(
+        "--no-async-scheduling",
+        action="store_true",
+        help="read every step's tokens back before launching the next (the engine default; "
+        "this server launches the next decode step first, since it has a single partition)",
+    )
     parser.add_argument(
         "--adapter",
         action="append",
@@ -88,6 +96,9 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, EngineLoop]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         device=args.device,
         use_cuda_graphs=not args.no_cuda_graphs,
+        # one partition and nobody timing or re-partitioning steps: the next decode step can
+        # be launched before this one's tokens are read back (EngineConfig.async_scheduling)
+        async_scheduling=not args.no_async_scheduling,
     )
     engine = _engine(model_dir, config, args)
     engine.capture_cuda_graphs()

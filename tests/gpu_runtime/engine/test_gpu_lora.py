@@ -110,6 +110,115 @@ def test_cuda_engine_serves_adapters_beside_graph_decode(tmp_path: Path) -> None
     assert engine.runner.num_static_decode_steps > before
 
 
+def _adapter_engine(root: Path, async_scheduling: bool) -> tuple[Engine, MultiLoraRuntime]:
+    """bf16 engine with graphs over a fresh seeded model, adapters "alpha" (rank 8) and
+    "beta" (rank 4, all-linear) saved under `root` on first use, two slots."""
+    model = _model()
+    specs = {
+        "alpha": LoraSpec(rank=8, alpha=16),
+        "beta": LoraSpec(rank=4, alpha=8, target_modules=("all-linear",)),
+    }
+    for i, (name, spec) in enumerate(specs.items()):
+        if (root / name).exists():
+            continue
+        tree = build_training_model(model, spec, seed=i)
+        gen = torch.Generator().manual_seed(20 + i)
+        with torch.no_grad():
+            for p in adapter_parameters(tree):
+                p.copy_(torch.randn(p.shape, generator=gen).to(p) * 0.05)
+        save_adapter(tree, spec, root / name)
+    config = EngineConfig(
+        num_kv_blocks=256,
+        block_size=16,
+        max_num_seqs=8,
+        max_model_len=256,
+        max_num_batched_tokens=64,
+        device="cuda",
+        async_scheduling=async_scheduling,
+    )
+    runtime = MultiLoraRuntime(model, max_tokens=config.max_num_batched_tokens, num_slots=2)
+    for name in specs:
+        runtime.register(name, root / name)
+    engine = Engine(model, config, lora=runtime)
+    assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
+    return engine, runtime
+
+
+def _run_adapters(
+    engine: Engine, params: SamplingParams, staggered: bool
+) -> list[tuple[list[int], list[float], str | None]]:
+    """Five requests (two adapters beside base rows), queued up front or one every other
+    call; per request: tokens, logprobs, finish reason."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77, 3, 20)]
+    names: list[str | None] = ["alpha", None, "beta", "beta", None]
+    pending = list(zip(prompts, names, strict=True))
+    ids: list[str] = []
+    tokens: dict[str, list[int]] = {}
+    logprobs: dict[str, list[float]] = {}
+    reasons: dict[str, str | None] = {}
+    call = 0
+    while pending or engine.has_unfinished_requests():
+        while pending and (not staggered or call % 2 == 0):
+            prompt, name = pending.pop(0)
+            ids.append(engine.add_request(prompt, params, lora_name=name))
+            tokens[ids[-1]], logprobs[ids[-1]] = [], []
+            if staggered:
+                break
+        for out in engine.step():
+            tokens[out.request_id] += out.new_token_ids
+            logprobs[out.request_id] += [lp.logprob for lp in out.new_logprobs]
+            if out.finished:
+                reasons[out.request_id] = out.finish_reason
+        call += 1
+    return [(tokens[i], logprobs[i], reasons[i]) for i in ids]
+
+
+def test_async_scheduling_with_adapters(tmp_path: Path) -> None:
+    """Async scheduling over the LoRA graphs. Requests queued up front: the synchronous
+    engine's steps, so bit-equal tokens and logprobs (greedy with logprobs, seeded sampling).
+    One request every other call, some stopping on a token (their next step, in flight,
+    is discarded): rows of some calls run in other kernels than on the synchronous engine
+    (see `test_gpu_decode_paths.py`), so within bf16; every slot released at the end."""
+    greedy = SamplingParams(
+        max_tokens=16, temperature=0.0, logprobs=1, detokenize=False, ignore_eos=True
+    )
+    seeded = SamplingParams(
+        max_tokens=12, temperature=0.8, seed=5, detokenize=False, ignore_eos=True
+    )
+    for params in (greedy, seeded):
+        reference = _run_adapters(_adapter_engine(tmp_path, False)[0], params, False)
+        engine, runtime = _adapter_engine(tmp_path, True)
+        assert _run_adapters(engine, params, False) == reference
+        assert engine.runner.num_overlapped_steps > 0 and engine.runner.num_lora_graph_steps > 0
+        assert runtime._attached == {}
+    free = _run_adapters(_adapter_engine(tmp_path, False)[0], greedy, True)
+    stop = tuple({tokens[6] for tokens, _, _ in free[:3]})
+    stopping = SamplingParams(
+        max_tokens=16, temperature=0.0, logprobs=1, detokenize=False, stop_token_ids=stop
+    )
+    for params in (greedy, stopping):
+        reference = _run_adapters(_adapter_engine(tmp_path, False)[0], params, True)
+        engine, runtime = _adapter_engine(tmp_path, True)
+        got = _run_adapters(engine, params, True)
+        agree = total = 0
+        for (ref_tokens, ref_lps, _), (tokens, lps, _) in zip(reference, got, strict=True):
+            same = next(
+                (i for i, (a, b) in enumerate(zip(ref_tokens, tokens, strict=False)) if a != b),
+                min(len(ref_tokens), len(tokens)),
+            )
+            agree += same
+            total += len(ref_tokens)
+            if same:
+                diff = torch.tensor(ref_lps[:same]) - torch.tensor(lps[:same])
+                assert float(diff.abs().max()) < 0.05, diff
+        assert agree >= 0.9 * total
+        assert engine.runner.num_overlapped_steps > 0 and engine.runner.num_lora_graph_steps > 0
+        assert runtime._attached == {} and not engine.has_unfinished_requests()
+        engine.step()
+        assert engine.runner.states == {}
+
+
 @pytest.mark.parametrize(
     ("tokens", "bounds", "rank", "slots"),
     [(5, (256, 320), 8, 3), (37, (512,), 16, 8), (70, (), 4, 2)],

@@ -55,9 +55,8 @@ def _merged(adapter: HostAdapter) -> CausalLM:
     return merged
 
 
-@pytest.fixture(scope="module")
-def adapter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("adapters")
+def write_adapters(root: Path) -> dict[str, Path]:
+    """`SPECS`' adapters over `_base()` with seeded random A and B, saved under `root`."""
     base = _base()
     dirs: dict[str, Path] = {}
     for i, (name, spec) in enumerate(SPECS.items()):
@@ -69,6 +68,11 @@ def adapter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         dirs[name] = root / name
         save_adapter(tree, spec, dirs[name])
     return dirs
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return write_adapters(tmp_path_factory.mktemp("adapters"))
 
 
 def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:

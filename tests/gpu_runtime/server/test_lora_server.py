@@ -28,13 +28,16 @@ ADAPTERS = {"acme-support": 1, "acme-poet": 2}
 PROMPT = "Once upon a time"
 
 
-def _config() -> EngineConfig:
+def _config(async_scheduling: bool = False) -> EngineConfig:
     return EngineConfig(
         num_kv_blocks=128,
         block_size=8,
         max_num_seqs=8,
         max_num_batched_tokens=128,
         max_model_len=128,
+        static_decode_batches=True,
+        cuda_graph_batch_sizes=(1, 2, 4, 8),
+        async_scheduling=async_scheduling,
     )
 
 
@@ -48,9 +51,12 @@ def _merged(model_dir: Path, adapter: HostAdapter) -> CausalLM:
     return merged
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict[str, str]]]:
-    """Server URL and, per adapter name, the greedy text of the merged-weights model."""
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def served(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[tuple[str, dict[str, str], EngineLoop]]:
+    """Server URL, per adapter name the greedy text of the merged-weights model (synchronous
+    engines), and the engine loop; the served engine is synchronous or async-scheduling."""
     root = tmp_path_factory.mktemp("lora-srv")
     model_dir = build_tiny_model_dir(root / "model", "llama", seed=9)
     tokenizer = load_tokenizer(model_dir)
@@ -76,18 +82,21 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, dict
     huge = build_training_model(base, LoraSpec(rank=8, alpha=8), seed=0)
     save_adapter(huge, LoraSpec(rank=8, alpha=8), root / "acme-huge")
     runtime.register("acme-huge", root / "acme-huge")  # rank 8 > the slots' 4: fails at admission
-    loop = EngineLoop(Engine(base, _config(), tokenizer=tokenizer, lora=runtime))
+    config = _config(async_scheduling=request.param)
+    loop = EngineLoop(Engine(base, config, tokenizer=tokenizer, lora=runtime))
     loop.start()
     app = create_app(loop, MODEL, static_key_checker([KEY]))
     try:
         with serve_in_thread(app) as url:
-            yield url, expected
+            yield url, expected, loop
     finally:
         loop.stop()
 
 
-def test_adapters_are_listed_and_routed_by_name(served: tuple[str, dict[str, str]]) -> None:
-    base_url, expected = served
+def test_adapters_are_listed_and_routed_by_name(
+    served: tuple[str, dict[str, str], EngineLoop],
+) -> None:
+    base_url, expected, loop = served
     client = openai.OpenAI(base_url=base_url, api_key=KEY, max_retries=0, timeout=30)
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL, "acme-huge", "acme-poet", "acme-support"]
@@ -115,3 +124,6 @@ def test_adapters_are_listed_and_routed_by_name(served: tuple[str, dict[str, str
         model="acme-poet", prompt=PROMPT, max_tokens=12, temperature=0
     )
     assert again.choices[0].text == expected["acme-poet"]  # the engine loop is unaffected
+    engine = loop.engine
+    overlapped = loop.run_in_loop(lambda: engine.runner.num_overlapped_steps).result(10)
+    assert (overlapped > 0) == engine.config.async_scheduling

@@ -18,18 +18,17 @@ from gpu_runtime.server.__main__ import build, parse_args
 
 def test_entry_point_serves_the_tiny_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HARLI_INFERENCE_API_KEYS", "k1, k2")
-    args = parse_args(
-        [
-            "--tiny-dir",
-            str(tmp_path / "tiny"),
-            "--model-name",
-            "tiny",
-            "--num-kv-blocks",
-            "64",
-            "--max-num-seqs",
-            "4",
-        ]
-    )
+    args_list = [
+        "--tiny-dir",
+        str(tmp_path / "tiny"),
+        "--model-name",
+        "tiny",
+        "--num-kv-blocks",
+        "64",
+        "--max-num-seqs",
+        "4",
+    ]
+    args = parse_args(args_list)
     app, loop = build(args)
     try:
         client = TestClient(app)
@@ -40,9 +39,19 @@ def test_entry_point_serves_the_tiny_model(tmp_path: Path, monkeypatch: pytest.M
         answer = client.post("/v1/completions", json=body, headers=headers).json()
         assert answer["usage"]["completion_tokens"] <= 3
         assert answer["choices"][0]["finish_reason"] in ("length", "stop")
+        assert loop.engine.config.async_scheduling  # the server's default
     finally:
         loop.stop()
     assert (tmp_path / "tiny" / "config.json").exists()
+    sync_args = parse_args([*args_list, "--no-async-scheduling"])
+    app, loop = build(sync_args)
+    try:
+        assert not loop.engine.config.async_scheduling
+        body = {"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        headers = {"Authorization": "Bearer k1"}
+        assert TestClient(app).post("/v1/completions", json=body, headers=headers).is_success
+    finally:
+        loop.stop()
 
 
 def test_entry_point_serves_adapters_by_name(

@@ -16,10 +16,17 @@ from tests.gpu_runtime.server.serving import serve_in_thread
 
 KEY = "sk-test-key"
 MODEL = "tiny-llama"
+Served = tuple[str, MetricsCollector, EngineLoop]
+"""Base URL, the app's metrics, the engine loop."""
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, MetricsCollector]]:
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async"])
+def served(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Served]:
+    """The server over a synchronous engine, and over an async-scheduling one as
+    `python -m gpu_runtime.server` deploys it (bucketed decode steps, so steps overlap on CPU
+    too; the last test checks that they did)."""
     model_dir: Path = build_tiny_model_dir(tmp_path_factory.mktemp("srv"), "llama", seed=3)
     engine = Engine.from_directory(
         model_dir,
@@ -29,6 +36,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Metr
             max_num_seqs=8,
             max_num_batched_tokens=256,
             max_model_len=256,
+            static_decode_batches=True,
+            cuda_graph_batch_sizes=(1, 2, 4, 8),
+            async_scheduling=request.param,
         ),
     )
     loop = EngineLoop(engine)
@@ -37,7 +47,7 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Metr
     app = create_app(loop, MODEL, static_key_checker([KEY]), metrics)
     try:
         with serve_in_thread(app) as url:
-            yield url, metrics
+            yield url, metrics, loop
     finally:
         loop.stop()
 
@@ -46,8 +56,8 @@ def _client(base: str, key: str = KEY) -> openai.OpenAI:
     return openai.OpenAI(base_url=base, api_key=key, max_retries=0, timeout=30)
 
 
-def test_models_and_completions(served: tuple[str, MetricsCollector]) -> None:
-    base, metrics = served
+def test_models_and_completions(served: Served) -> None:
+    base, metrics, _ = served
     client = _client(base)
     assert [m.id for m in client.models.list()] == [MODEL]
     first = client.completions.create(
@@ -74,7 +84,7 @@ def test_models_and_completions(served: tuple[str, MetricsCollector]) -> None:
     assert any(r.tpot_s is not None and r.tpot_s > 0 for r in records)
 
 
-def test_chat_and_streaming_with_usage(served: tuple[str, MetricsCollector]) -> None:
+def test_chat_and_streaming_with_usage(served: Served) -> None:
     client = _client(served[0])
     messages: list[ChatCompletionMessageParam] = [
         {"role": "user", "content": "Write a short poem about the sea."}
@@ -116,7 +126,7 @@ def test_chat_and_streaming_with_usage(served: tuple[str, MetricsCollector]) -> 
     assert "".join(p.choices[0].text for p in pieces) == plain.choices[0].text
 
 
-def test_stop_strings_cut_the_stream(served: tuple[str, MetricsCollector]) -> None:
+def test_stop_strings_cut_the_stream(served: Served) -> None:
     client = _client(served[0])
     plain = (
         client.completions.create(model=MODEL, prompt="Once upon", max_tokens=20, temperature=0.0)
@@ -143,7 +153,7 @@ def test_stop_strings_cut_the_stream(served: tuple[str, MetricsCollector]) -> No
     assert "".join(p.choices[0].text for p in pieces) == cut.choices[0].text
 
 
-def test_errors_have_openai_shape(served: tuple[str, MetricsCollector]) -> None:
+def test_errors_have_openai_shape(served: Served) -> None:
     base = served[0]
     with pytest.raises(openai.AuthenticationError) as auth:
         _client(base, key="wrong").models.list()
@@ -167,3 +177,13 @@ def test_errors_have_openai_shape(served: tuple[str, MetricsCollector]) -> None:
         client.chat.completions.create(
             model=MODEL, messages=[{"role": "user", "content": "x"}], temperature=5.0
         )
+
+
+def test_async_server_overlapped_steps(served: Served) -> None:
+    """Runs last for each engine: the async engine did launch steps ahead (decode steps of
+    the tests above), the synchronous one never did."""
+    client = _client(served[0])
+    client.completions.create(model=MODEL, prompt="Hello", max_tokens=6, temperature=0.0)
+    engine = served[2].engine
+    overlapped = served[2].run_in_loop(lambda: engine.runner.num_overlapped_steps).result(10)
+    assert (overlapped > 0) == engine.config.async_scheduling
