@@ -139,7 +139,7 @@ def main() -> None:
         elif args.predictor_use == "harli":
             corrected = CorrectedLatencyModel(artifact)
             for record in calib_records:  # this host's offsets, before any timed run
-                corrected.observe_record(record, args.ft_seq_len, rank)
+                corrected.observe_record(record, args.ft_seq_len, rank, seed=True)
             harli_latency = corrected
             info["harli_predictor"] = (
                 f"trained artifact {args.predictor} (ONNX Runtime, CPU, one batched call per "
@@ -354,7 +354,7 @@ def main() -> None:
             # the correction of decode-alone steps (its predictor_check above came first).
             for records in held_out:
                 for record in records:
-                    harli_latency.observe_record(record, args.ft_seq_len, rank)
+                    harli_latency.observe_record(record, args.ft_seq_len, rank, seed=True)
             info["harli_correction_before_runs"] = harli_latency.describe()
     for trace in traces:  # per trace: the best fixed split for it, chosen with its knowledge
         if (trace, "decode_only") in results and args.static_split == "predicted":

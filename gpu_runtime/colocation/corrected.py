@@ -5,22 +5,33 @@ how latency moves with batch, context, prefill chunk, SM share and the quantum b
 but not this host's constant offsets (the loop's own host work per iteration, a different H200,
 an engine changed since the profile). :class:`CorrectedLatencyModel` multiplies its prediction
 by ``sum(observed) / sum(predicted)`` over recent iterations of the same kind (decode SM share,
-whether a quantum ran beside decode, the size class of the step's prefill chunk tokens: none,
-<= 64, <= 128, <= 256, more), falling back to the ratio over every share of that kind, then to
-the same two with any chunk size (a class not yet seen), then to 1. Chunk steps get a ratio per
-size class because the engine replays them from graphs per token bucket: their cost moves with
-the padded bucket in steps a model trained on other chunk sizes can miss in either direction,
-and one ratio over all sizes would under-predict the big ones. A ratio of sums, not a median:
-a request's TPOT is a mean over its iterations, so occasional slow ones (a stall, a launch) must
-raise the prediction as much as they raise that mean; one iteration counts at most
-``ratio_bounds[1]`` times its prediction. Targets are whole iteration times
+where the quantum beside decode ran: none, on SMs of its own or shared with decode on the whole
+device as launched (``BESIDE``), or on SMs decode moved onto after the launch (``OVERLAP``, a
+placement the predictor's profile never timed); the size class of the step's prefill chunk
+tokens: none, <= 64, <= 128, <= 256, more), falling back to the ratio over every share of that
+kind, then to the same two with any chunk size (a class not yet seen), then to 1. Chunk steps
+get a ratio per size class because the engine replays them from graphs per token bucket: their
+cost moves with the padded bucket in steps a model trained on other chunk sizes can miss in
+either direction, and one ratio over all sizes would under-predict the big ones. A ratio of
+sums, not a median: a request's TPOT is a mean over its iterations, so occasional slow ones (a
+stall, a launch) must raise the prediction as much as they raise that mean; one iteration counts
+at most ``ratio_bounds[1]`` times its prediction. Targets are whole iteration times
 (``IterationRecord.iteration_ms``), as for ``OnlineLatencyModel``.
+
+Observations made before serving (a calibration phase, decode alone on a trace) are **seeds**
+(``observe(..., seed=True)``): a key's ratio is taken over its seeds and served iterations
+together until it has ``min_samples`` served ones, then over those alone, and a ratio of served
+iterations alone, of any share, is preferred to one with seeds (``ratio``). A calibration phase
+runs another load than the one served (the H200 benchmark's is a high-load trace) and a ratio is
+one number per kind whatever the batch: on the H200 (Qwen2.5-7B, 07b5533) the 64-SM split's
+seeded ratio was 1.44 where serving at low load showed about 1.13, and with a window of 64 the
+seeds would have outweighed the served iterations for dozens of them.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from gpu_runtime.colocation.online import record_observation
@@ -28,9 +39,14 @@ from gpu_runtime.colocation.predictor import DecodeLatencyModel, Pair, predict_m
 from gpu_runtime.colocation.types import IterationRecord
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 
-Kind = tuple[bool, int]
-"""(a quantum beside decode, the step's chunk class: 0 none, 1 <= 64 tokens, 2 <= 128, 3 <= 256,
-4 more); class -1 stands for any chunk (the coarse fallback)."""
+Kind = tuple[int, int]
+"""(where a quantum ran beside decode: ``ALONE``, ``BESIDE`` or ``OVERLAP``; the step's chunk
+class: 0 none, 1 <= 64 tokens, 2 <= 128, 3 <= 256, 4 more); class -1 stands for any chunk (the
+coarse fallback)."""
+
+ALONE, BESIDE, OVERLAP = 0, 1, 2
+"""Placements of the quantum beside a decode step: none; on SMs of its own (a split) or both on
+the whole device as launched; on SMs decode shares with it after moving to a wider split."""
 
 CHUNK_CLASS_TOKENS = (64, 128, 256)
 """Upper token bounds of chunk classes 1, 2, 3 (class 4 above the last)."""
@@ -50,13 +66,51 @@ def _coarse(kind: Kind) -> Kind:
     return (beside, -1 if size > 0 else 0)
 
 
-def _ratio_of_sums(pairs: deque[tuple[float, float]]) -> float:
-    return sum(o for _, o in pairs) / sum(p for p, _ in pairs)
+PLACEMENT_NAMES = ("alone", "beside", "overlap")
+
+
+def _ratio_of_sums(pairs: Iterable[tuple[float, float]]) -> float:
+    predicted = observed = 0.0
+    for p, o in pairs:
+        predicted += p
+        observed += o
+    return observed / predicted
+
+
+class _Samples:
+    """(predicted, observed) pairs of one key: seeds and served iterations, the last ``window``
+    of each."""
+
+    def __init__(self, window: int) -> None:
+        self.seeds: deque[tuple[float, float]] = deque(maxlen=window)
+        self.served: deque[tuple[float, float]] = deque(maxlen=window)
+
+    def add(self, pair: tuple[float, float], seed: bool) -> None:
+        (self.seeds if seed else self.served).append(pair)
+
+    def ratio(self, min_samples: int) -> tuple[float, bool] | None:
+        """(ratio, whether served iterations alone gave it): over the served iterations once
+        there are ``min_samples`` of them, before that over seeds and served together; None
+        below ``min_samples`` in all."""
+        if len(self.served) >= min_samples:
+            return _ratio_of_sums(self.served), True
+        if len(self.served) + len(self.seeds) >= min_samples:
+            return _ratio_of_sums([*self.seeds, *self.served]), False
+        return None
+
+
+def placement(iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> int:
+    """``ALONE``, ``BESIDE`` or ``OVERLAP`` (see ``Kind``)."""
+    if quantum is None or quantum.tokens <= 0:
+        return ALONE
+    decode, finetune = iteration.decode_sm_share, quantum.sm_share
+    if decode + finetune <= 1.0 + 1e-3 or min(decode, finetune) >= 1.0 - 1e-3:
+        return BESIDE
+    return OVERLAP
 
 
 def _kind(iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> Kind:
-    beside = quantum is not None and quantum.tokens > 0
-    return beside, chunk_class(iteration.prefill_chunk_tokens)
+    return placement(iteration, quantum), chunk_class(iteration.prefill_chunk_tokens)
 
 
 class CorrectedLatencyModel:
@@ -84,25 +138,30 @@ class CorrectedLatencyModel:
         self.window = window
         self.min_samples = min_samples
         self.ratio_bounds = ratio_bounds
-        self._pairs: dict[tuple[float, Kind], deque[tuple[float, float]]] = defaultdict(
-            lambda: deque(maxlen=window)
-        )
-        self._pooled: dict[Kind, deque[tuple[float, float]]] = defaultdict(
-            lambda: deque(maxlen=window)
-        )
-        self._share_ratios: dict[tuple[float, Kind], float] = {}
-        self._kind_ratios: dict[Kind, float] = {}
+        # Per key: (seeds, served iterations), each the last ``window``.
+        self._pairs: dict[tuple[float, Kind], _Samples] = defaultdict(lambda: _Samples(window))
+        self._pooled: dict[Kind, _Samples] = defaultdict(lambda: _Samples(window))
+        self._share_ratios: dict[tuple[float, Kind], tuple[float, bool]] = {}
+        self._kind_ratios: dict[Kind, tuple[float, bool]] = {}
 
     def ratio(self, share: float, kind: Kind) -> float:
-        """The correction applied to iterations of ``kind`` on ``share`` of the SMs."""
+        """The correction applied to iterations of ``kind`` on ``share`` of the SMs: the first
+        of (this share, every share) x (the kind, any chunk size) that has one, taken first
+        among ratios of served iterations alone, then among those with seeds. Serving on
+        another split says more about this host now than seeds on this one: a split harli
+        never takes would otherwise keep a seeded ratio for ever, however wrong (see the module
+        docstring)."""
         share = round(share, 4)
+        fallback: float | None = None
         for key in (kind, _coarse(kind)):
-            cached = self._share_ratios.get((share, key))
-            if cached is None:
-                cached = self._kind_ratios.get(key)
-            if cached is not None:
-                return cached
-        return 1.0
+            for cached in (self._share_ratios.get((share, key)), self._kind_ratios.get(key)):
+                if cached is None:
+                    continue
+                if cached[1]:
+                    return cached[0]
+                if fallback is None:
+                    fallback = cached[0]
+        return 1.0 if fallback is None else fallback
 
     def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
         base = self.base.predict_ms(iteration, quantum)
@@ -117,9 +176,15 @@ class CorrectedLatencyModel:
         ]
 
     def observe(
-        self, iteration: DecodeIteration, quantum: FinetuneQuantum | None, observed_ms: float
+        self,
+        iteration: DecodeIteration,
+        quantum: FinetuneQuantum | None,
+        observed_ms: float,
+        *,
+        seed: bool = False,
     ) -> None:
-        """Add one observed iteration (its prediction by ``base`` is recomputed here)."""
+        """Add one observed iteration (its prediction by ``base`` is recomputed here); ``seed``:
+        observed before serving (see the module docstring)."""
         if observed_ms <= 0:
             return
         predicted = self.base.predict_ms(iteration, quantum)
@@ -131,18 +196,22 @@ class CorrectedLatencyModel:
         share = round(iteration.decode_sm_share, 4)
         for kind in {fine, _coarse(fine)}:
             per_share, pooled = self._pairs[share, kind], self._pooled[kind]
-            per_share.append((predicted, clipped))
-            pooled.append((predicted, clipped))
-            if len(per_share) >= self.min_samples:
-                self._share_ratios[share, kind] = _ratio_of_sums(per_share)
-            if len(pooled) >= self.min_samples:
-                self._kind_ratios[kind] = _ratio_of_sums(pooled)
+            per_share.add((predicted, clipped), seed)
+            pooled.add((predicted, clipped), seed)
+            ratio = per_share.ratio(self.min_samples)
+            if ratio is not None:
+                self._share_ratios[share, kind] = ratio
+            ratio = pooled.ratio(self.min_samples)
+            if ratio is not None:
+                self._kind_ratios[kind] = ratio
 
-    def observe_record(self, record: IterationRecord, seq_len: int = 512, rank: int = 16) -> None:
+    def observe_record(
+        self, record: IterationRecord, seq_len: int = 512, rank: int = 16, *, seed: bool = False
+    ) -> None:
         """Add a loop record (ignored when decode was idle)."""
         observation = record_observation(record, seq_len, rank)
         if observation is not None:
-            self.observe(*observation)
+            self.observe(*observation, seed=seed)
 
     def describe(self) -> dict[str, Any]:
         """The learnt ratios (for results and logs)."""
@@ -154,12 +223,20 @@ class CorrectedLatencyModel:
                 bounds = (*CHUNK_CLASS_TOKENS, None)
                 top = bounds[size - 1]
                 step = f"prefill<={top}" if top is not None else f"prefill>{bounds[-2]}"
-            return f"{'beside' if beside else 'alone'}/{step}"
+            return f"{PLACEMENT_NAMES[beside]}/{step}"
 
         return {
             "per_share": {
                 f"{share}/{name(kind)}": round(m, 4)
-                for (share, kind), m in sorted(self._share_ratios.items())
+                for (share, kind), (m, _) in sorted(self._share_ratios.items())
             },
-            "pooled": {name(kind): round(m, 4) for kind, m in self._kind_ratios.items()},
+            "pooled": {name(kind): round(m, 4) for kind, (m, _) in self._kind_ratios.items()},
+            "seeded": sorted(
+                [
+                    f"{share}/{name(kind)}"
+                    for (share, kind), (_, s) in self._share_ratios.items()
+                    if not s
+                ]
+                + [name(kind) for kind, (_, s) in self._kind_ratios.items() if not s]
+            ),
         }

@@ -150,3 +150,45 @@ def test_harli_asks_nothing_more_when_decode_alone_is_already_over_the_bound() -
     assert model.batch_calls == 1  # the typical iteration alone, nothing else
     roomy = HarliPolicy(_CountingModel(True), HarliConfig(allow_slice=False))
     assert roomy.plan(context(decode, alone * 3.0)).launches  # with room, it launches
+
+
+def test_served_iterations_replace_seeds_and_outrank_seeds_of_the_same_split() -> None:
+    """Seeds (a calibration phase) count until a key has min_samples served iterations; a
+    ratio of served iterations on another split is preferred to a seeded one on this split."""
+    model = CorrectedLatencyModel(BASE, min_samples=4)
+    split, other = _iteration(0.5), _iteration(0.25)
+    quantum_other = FinetuneQuantum(512, 256, 16, True, 0.75)
+    for _ in range(8):  # calibration under another load: this split looked 1.5x slow
+        model.observe(split, QUANTUM, 1.5 * BASE.predict_ms(split, QUANTUM), seed=True)
+    assert model.ratio(0.5, (1, 0)) == pytest.approx(1.5)
+    assert model.describe()["seeded"] == ["0.5/beside/decode", "beside/decode"]
+    # Serving on another split at 1.1x: the seeded 1.5 on this split gives way to it.
+    for _ in range(4):
+        model.observe(other, quantum_other, 1.1 * BASE.predict_ms(other, quantum_other))
+    assert model.ratio(0.25, (1, 0)) == pytest.approx(1.1)
+    assert model.ratio(0.5, (1, 0)) == pytest.approx(1.1)
+    # Served iterations on this split: below min_samples the pooled served ratio (every
+    # split's served iterations, these three too) still comes first, then these alone.
+    for _ in range(3):
+        model.observe(split, QUANTUM, 1.2 * BASE.predict_ms(split, QUANTUM))
+    a, b = BASE.predict_ms(other, quantum_other), BASE.predict_ms(split, QUANTUM)
+    pooled = (4 * 1.1 * a + 3 * 1.2 * b) / (4 * a + 3 * b)
+    assert model.ratio(0.5, (1, 0)) == pytest.approx(pooled)
+    model.observe(split, QUANTUM, 1.2 * BASE.predict_ms(split, QUANTUM))
+    assert model.ratio(0.5, (1, 0)) == pytest.approx(1.2)
+    assert model.describe()["seeded"] == []
+
+
+def test_a_quantum_sharing_the_sms_decode_moved_onto_is_its_own_kind() -> None:
+    """Decode on the whole device beside a quantum launched on a split's SMs (a placement the
+    predictor's profile does not time) neither teaches nor takes the split-beside ratio."""
+    model = CorrectedLatencyModel(BASE, min_samples=4)
+    launched_on_split = FinetuneQuantum(512, 256, 16, True, 0.5)
+    whole = _iteration(1.0)
+    shared = FinetuneQuantum(512, 256, 16, True, 1.0)
+    for _ in range(4):
+        model.observe(whole, launched_on_split, 3.0 * BASE.predict_ms(whole, launched_on_split))
+    assert model.ratio(1.0, (2, 0)) == pytest.approx(3.0)
+    assert model.predict_ms(whole, shared) == BASE.predict_ms(whole, shared)  # BESIDE: untaught
+    assert model.predict_ms(_iteration(0.5), QUANTUM) == BASE.predict_ms(_iteration(0.5), QUANTUM)
+    assert "overlap/decode" in model.describe()["pooled"]

@@ -330,3 +330,28 @@ def test_after_a_burst_running_requests_are_projected_with_its_chunk_steps() -> 
         if launched(remembering) < launched(forgetful):
             smaller.append(tenths)
     assert smaller  # for some requests the memory alone holds back
+
+
+def test_in_flight_decode_holds_the_launch_split_until_it_is_predicted_over_the_bound() -> None:
+    """Decode stays on the split the quantum was launched beside although the whole device
+    (sharing the quantum's SMs) is predicted faster; it moves there only when the held split
+    is predicted over the bound and the whole device is faster."""
+    model = AnalyticLatencyModel(shared_interference=0.02)  # sharing barely slows decode here
+    policy = HarliPolicy(model, HarliConfig(initial_margin=0.1))
+    decode = DecodeSnapshot.from_contexts([512] * 16)
+    flight = InFlightQuantum("job", 512, 64, 0.0)
+    quantum = FinetuneQuantum(512, JOB.seq_len, JOB.lora_rank, True, 1 - 64 / TOTAL_SMS)
+    on_split = model.predict_ms(decode_iteration(decode, 64 / TOTAL_SMS), quantum)
+    on_device = model.predict_ms(decode_iteration(decode, 1.0), quantum)
+    assert on_device < on_split  # the whole device is faster for decode
+    held = policy.plan(context(decode, on_split * 1.5, in_flight=flight))
+    assert held.decode_sms == 64 and held.predicted_ms == pytest.approx(on_split)
+    assert held.note == "quantum in flight" and not held.launches
+    # The held split over the bound (SLO x 0.9), the whole device under it: decode moves.
+    tight = on_split * 1.05
+    moved = policy.plan(context(decode, tight, in_flight=flight))
+    assert moved.decode_sms == TOTAL_SMS and moved.predicted_ms == pytest.approx(on_device)
+    assert "moved" in moved.note and not moved.launches
+    # A quantum launched on the whole device keeps decode there.
+    shared = InFlightQuantum("job", 512, TOTAL_SMS, 0.0)
+    assert policy.plan(context(decode, tight, in_flight=shared)).decode_sms == TOTAL_SMS
