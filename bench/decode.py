@@ -7,19 +7,25 @@ in the KV cache (filled with random values, never zeros), then time `Engine.step
 (scheduler, input preparation, graph replay, sampling, the one host sync) over many decode
 steps; also the graph replay alone with CUDA events. HF runs on the same weight tensors. The
 floor is (weight bytes read once + the batch's KV bytes) / device-to-device copy bandwidth
-measured in the same run.
+measured in the same run; beside it, per row, the compute floor and the per-kernel roofline from
+a bf16 GEMM timed in the same run (``decode_bounds``). The engine runs as
+`python -m gpu_runtime.server` deploys it (async scheduling, system ``harli``) and
+synchronously (``harli_sync``, the engine default and the co-location loop's mode); the JSON's
+``targets`` hold issue 3's two targets against each.
 
 Run: `PYTHONPATH=. python3 bench/decode.py` (see --help; --quick for a smoke run).
 
 This module runs the benchmark; beside it: ``decode_args`` (the command line), ``decode_engine``
 (our engine: build, inject, time, variants, prefill chunks), ``decode_hf`` (the HF references
-and the correctness check), ``decode_report`` (rows, floor, speedups, result file, the table),
+and the correctness check), ``decode_bounds`` (compute floor, roofline), ``decode_report``
+(rows, floor, speedups, targets, result file, the table),
 ``decode_extras`` (the ``--extras`` studies) and ``decode_profile`` (``--profile``).
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 import traceback
 from dataclasses import dataclass
@@ -28,6 +34,7 @@ from pathlib import Path
 import torch
 
 from bench.decode_args import Sweep, apply_quick, parse_args
+from bench.decode_bounds import dense_throughput
 from bench.decode_engine import (
     DEVICE,
     PREFILL_PROMPT,
@@ -43,7 +50,13 @@ from bench.decode_engine import inject as inject  # bench/multilora.py
 from bench.decode_extras import gemm_backends, mixed_step_profile, sampler_paths, skinny_gemms
 from bench.decode_hf import check_correctness, hf_model, time_hf
 from bench.decode_profile import run_profile
-from bench.decode_report import DecodeReport, print_table, run_config
+from bench.decode_report import (
+    DecodeReport,
+    print_table,
+    print_targets,
+    run_config,
+    targets,
+)
 from bench.decode_report import percentile as percentile  # bench/multilora.py
 from gpu_runtime.engine import Engine
 from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
@@ -66,6 +79,7 @@ class DecodeRun:
             report.studies["gemm_backends"] = gemm_backends(model, report.bandwidth, sweep.batches)
             report.write(complete=False)
         self.time_ours(name, model, config)
+        gc.collect()  # the engine's graphs refer back to its runner: free its KV cache now
         torch.cuda.empty_cache()
         self.time_hf_systems(name, model, config)
         del model
@@ -162,7 +176,11 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
 
     bandwidth = copy_bandwidth()
-    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    flops_per_s = dense_throughput(DEVICE)
+    print(
+        f"copy bandwidth {bandwidth / 1e12:.2f} TB/s, bf16 GEMM {flops_per_s / 1e12:.0f} TFLOP/s",
+        flush=True,
+    )
     correctness = {} if args.skip_check else check_correctness()
     print("correctness", correctness, flush=True)
     report = DecodeReport(
@@ -173,6 +191,7 @@ def main() -> None:
         bandwidth=bandwidth,
         correctness=correctness,
         started=started,
+        flops_per_s=flops_per_s,
     )
     if "sampler" in sweep.extras:
         report.studies["sampler_paths"] = sampler_paths(sweep.batches)
@@ -189,6 +208,7 @@ def main() -> None:
     out, rows, ratios = report.write(complete=True)
     print(f"\nwrote {out}; notes: {report.notes}")
     print_table(rows, ratios)
+    print_targets(targets(rows, ratios))
 
 
 if __name__ == "__main__":

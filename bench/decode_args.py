@@ -18,12 +18,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--contexts", default="512,2048")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--hf-eager", default="1,8,64", help="batches for HF eager (ctx 512)")
+    parser.add_argument(
+        "--hf-eager",
+        default="1,8,32,64,128,256",
+        help="batches for HF eager (at --hf-context; its prefill keeps only the last logits)",
+    )
     parser.add_argument("--hf-compile", default="1,64", help="batches for HF compile (ctx 512)")
-    parser.add_argument("--hf-compile-models", default="llama3-8b")
+    parser.add_argument("--hf-compile-models", default="llama3-8b,qwen2.5-7b")
     parser.add_argument("--hf-context", type=int, default=512)
     parser.add_argument("--hf-steps", type=int, default=10)
-    parser.add_argument("--budget-s", type=float, default=400.0, help="skip HF compile past this")
+    parser.add_argument(
+        "--budget-s", type=float, default=330.0, help="skip HF compile rows past this wall time"
+    )
     parser.add_argument("--no-fused", action="store_true", help="plain model forward in graphs")
     parser.add_argument(
         "--prefill-chunks",

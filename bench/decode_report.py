@@ -17,9 +17,21 @@ from typing import Any
 import torch
 
 from bench.decode_args import Sweep
+from bench.decode_bounds import step_bounds
 from gpu_runtime.model import ModelConfig
 
 HF_SYSTEMS = ("hf_eager", "hf_compile")
+BOUND_KEYS = (
+    "floor_bw_ms",
+    "step_tflop",
+    "floor_compute_ms",
+    "floor_serial_ms",
+    "floor_roofline_ms",
+    "compute_bound_kernels",
+)
+"""Per-row bounds beside `floor_ms` (see `bench/decode_bounds.py`); also on the floor rows."""
+TARGET_SPEEDUP, TARGET_BATCH, TARGET_FRAC = 10.0, 64, 0.8
+"""Issue 3: >= 10x HF eager at batch 64; >= 0.8 of the HBM floor at every batch >= 8."""
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -52,6 +64,7 @@ def with_floor_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         if row["system"] == "harli":
             all_rows.append(
                 {k: row[k] for k in ("model", "batch", "context", "floor_ms")}
+                | {k: row[k] for k in BOUND_KEYS if k in row}
                 | {
                     "system": "floor",
                     "tpot_ms_p50": row["floor_ms"],
@@ -63,29 +76,82 @@ def with_floor_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def speedups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Our engine's TPOT p50 over each HF row's at the same (model, batch, context)."""
+    """Each of our systems' TPOT p50 (`ours`: ``harli``, ``harli_sync``, ...) over each HF
+    row's at the same (model, batch, context)."""
     ratios = []
     for row in rows:
-        if row["system"] in HF_SYSTEMS:
-            ours = [
-                r
-                for r in rows
-                if r["system"] == "harli"
-                and r["model"] == row["model"]
-                and r["batch"] == row["batch"]
-                and r["context"] == row["context"]
-            ]
-            if ours:
+        if row["system"] not in HF_SYSTEMS:
+            continue
+        for ours in rows:
+            if (
+                ours["system"].startswith("harli")
+                and ours["model"] == row["model"]
+                and ours["batch"] == row["batch"]
+                and ours["context"] == row["context"]
+            ):
                 ratios.append(
                     {
                         "model": row["model"],
                         "batch": row["batch"],
                         "context": row["context"],
                         "vs": row["system"],
-                        "speedup": round(row["tpot_ms_p50"] / ours[0]["tpot_ms_p50"], 2),
+                        "ours": ours["system"],
+                        "speedup": round(row["tpot_ms_p50"] / ours["tpot_ms_p50"], 2),
                     }
                 )
     return ratios
+
+
+def targets(rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> dict[str, Any]:
+    """Issue 3's targets per (model, our system): the speedup over HF eager at batch 64 (every
+    context HF ran), and per context the lowest fraction of the HBM floor at batch >= 8 with
+    the batches below 0.8 and, there, the per-kernel roofline's fraction of the HBM floor (a
+    row whose roofline is far above the HBM floor cannot reach 0.8 with any kernel)."""
+    speedup = [
+        {k: r[k] for k in ("model", "ours", "context", "speedup")}
+        | {"met": r["speedup"] >= TARGET_SPEEDUP}
+        for r in ratios
+        if r["vs"] == "hf_eager" and r["batch"] == TARGET_BATCH
+    ]
+    bandwidth = []
+    groups = sorted(
+        {(r["model"], r["system"], r["context"]) for r in rows if r["system"].startswith("harli")}
+    )
+    for model, system, context in groups:
+        mine = [
+            r
+            for r in rows
+            if (r["model"], r["system"], r["context"]) == (model, system, context)
+            and r["batch"] >= 8
+        ]
+        if not mine:
+            continue
+        below = [r for r in mine if r["bandwidth_frac"] < TARGET_FRAC]
+        bandwidth.append(
+            {
+                "model": model,
+                "ours": system,
+                "context": context,
+                "min_frac": min(r["bandwidth_frac"] for r in mine),
+                "met": not below,
+                "below": [
+                    {
+                        "batch": r["batch"],
+                        "frac": r["bandwidth_frac"],
+                        "roofline_over_floor": round(r["floor_roofline_ms"] / r["floor_ms"], 3)
+                        if "floor_roofline_ms" in r
+                        else None,
+                    }
+                    for r in below
+                ],
+            }
+        )
+    return {
+        "hf_eager_speedup_b64": speedup,
+        "bandwidth_frac_b_ge_8": bandwidth,
+        "note": "system 'harli' is the run's first variant (async scheduling by default, as "
+        "python -m gpu_runtime.server deploys the engine); 'harli_sync' the engine default",
+    }
 
 
 def run_config(args: argparse.Namespace, sweep: Sweep) -> dict[str, Any]:
@@ -113,6 +179,10 @@ def run_config(args: argparse.Namespace, sweep: Sweep) -> dict[str, Any]:
         "tpot": "wall time of Engine.step() incl. scheduling, input copy, graph replay, "
         "sampling and the host sync; graph_replay_ms is the graph alone (CUDA events)",
         "floor": "(weights except embedding table + batch KV at mean context) / copy bandwidth",
+        "bounds": "floor_compute_ms = step FLOPs / bf16 dense GEMM throughput measured in the "
+        "run (8192^3 matmul); floor_serial_ms = floor_ms + floor_compute_ms (no overlap of "
+        "bytes and math); floor_roofline_ms = sum over the step's kernels of max(bytes / copy "
+        "bandwidth, FLOPs / GEMM throughput) (bench/decode_bounds.py)",
     }
 
 
@@ -129,6 +199,7 @@ class DecodeReport:
     bandwidth: float  # copy bandwidth of this run, bytes/s
     correctness: dict[str, Any]
     started: float  # time.perf_counter() at the start of the run
+    flops_per_s: float | None = None  # bf16 dense GEMM throughput of this run (bounds)
     rows: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     studies: dict[str, Any] = field(default_factory=dict)
@@ -160,6 +231,12 @@ class DecodeReport:
             "n_steps": len(res["step_ms"]),
             "raw_step_ms": [round(x, 4) for x in res["step_ms"]],
         }
+        if self.flops_per_s:
+            row["floor_bw_ms"] = row["floor_ms"]
+            row |= step_bounds(
+                config, batch, res["mean_context"], floor, self.bandwidth, self.flops_per_s
+            )
+            row["roofline_frac"] = round(row["floor_roofline_ms"] / p50, 4)
         if res.get("phases"):
             # host work not overlapped with the device = step wall time - wait at the sync
             for name, values in res["phases"].items():
@@ -190,10 +267,12 @@ class DecodeReport:
             "created": datetime.datetime.now(datetime.UTC).isoformat(),
             "config": self.config,
             "copy_bandwidth_tb_s": round(self.bandwidth / 1e12, 4),
+            "dense_bf16_tflops": round(self.flops_per_s / 1e12, 1) if self.flops_per_s else None,
             "correctness": self.correctness,
             "rows": all_rows,
             "complete": complete,
             "speedups": ratios,
+            "targets": targets(all_rows, ratios),
             "studies": self.studies,
             "notes": self.notes,
             "wall_s": round(time.perf_counter() - self.started, 1),
@@ -206,10 +285,11 @@ class DecodeReport:
 
 
 def print_table(rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> None:
-    """The table printed last: every row but the floor rows, then the speedups over HF."""
+    """The table printed last: every row but the floor rows (roofl: the per-kernel roofline
+    bound, 0 where not computed), then the speedups over HF."""
     print(
         f"{'model':11s} {'system':10s} {'batch':>5s} {'ctx':>5s} {'p50 ms':>8s} {'p99 ms':>8s} "
-        f"{'floor':>7s} {'frac':>6s} {'graph':>7s}"
+        f"{'floor':>7s} {'frac':>6s} {'graph':>7s} {'roofl':>7s}"
     )
     for r in rows:
         if r["system"] == "floor":
@@ -217,7 +297,26 @@ def print_table(rows: list[dict[str, Any]], ratios: list[dict[str, Any]]) -> Non
         print(
             f"{r['model']:11s} {r['system']:10s} {r['batch']:5d} {r['context']:5d} "
             f"{r['tpot_ms_p50']:8.3f} {r['tpot_ms_p99']:8.3f} {r['floor_ms']:7.3f} "
-            f"{r['bandwidth_frac']:6.3f} {r.get('graph_replay_ms_p50', 0):7.3f}"
+            f"{r['bandwidth_frac']:6.3f} {r.get('graph_replay_ms_p50', 0):7.3f} "
+            f"{r.get('floor_roofline_ms', 0):7.3f}"
         )
     for s in ratios:
-        print(f"speedup {s['model']} b={s['batch']} vs {s['vs']}: {s['speedup']}x")
+        print(f"speedup {s['model']} {s['ours']} b={s['batch']} vs {s['vs']}: {s['speedup']}x")
+
+
+def print_targets(goals: dict[str, Any]) -> None:
+    """Issue 3's targets (`targets`), one line each."""
+    for t in goals["hf_eager_speedup_b64"]:
+        print(
+            f"target >=10x HF eager b=64: {t['model']} {t['ours']} ctx={t['context']} "
+            f"{t['speedup']}x {'met' if t['met'] else 'MISSED'}"
+        )
+    for t in goals["bandwidth_frac_b_ge_8"]:
+        below = ", ".join(
+            f"b{b['batch']} {b['frac']} (roofline {b['roofline_over_floor']}x floor)"
+            for b in t["below"]
+        )
+        print(
+            f"target >=0.8 floor b>=8: {t['model']} {t['ours']} ctx={t['context']} "
+            f"min {t['min_frac']} {'met' if t['met'] else 'MISSED: ' + below}"
+        )
