@@ -9,11 +9,23 @@ saved and loads into ``PeftModel``); only the forward computation is arranged di
   concatenated) and add their ``scaling * lora_B`` term through one ``addmm`` whose epilogue does
   the add: no per-module scale and add passes, no fp32 copy of the activations;
 * LoRA dropout draws **one mask per shared input** (q/k/v share one, gate/up another), where peft
-  draws one per module — the same distribution per module, correlated across modules;
+  draws one per module — the same distribution per module, correlated across modules. A layer's
+  masks (bool, one byte per element) are drawn before the layer runs and passed in, and the
+  ``1 / (1 - p)`` rescale rides on the ``scaling * B`` matrix;
 * RMSNorm uses ``torch.nn.functional.rms_norm`` (fused on CUDA), attention SDPA with
   ``enable_gqa`` (no repeated K/V).
 
 With dropout 0 the result equals the peft path up to float rounding (a test holds it there).
+
+**Recomputation** (``activation_checkpointing=True``): each decoder layer runs under
+``torch.utils.checkpoint`` (non-reentrant), which keeps only the layer's input and recomputes
+its activations in the backward. The layer draws no randomness itself (its dropout masks are
+inputs, drawn once in the forward in the same order either way), so the checkpoint does not
+stash or restore any RNG state (``preserve_rng_state=False``): the recomputed forward sees the
+same masks by construction, gradients equal those without recomputation, and the whole thing
+can be captured in a CUDA graph (reading or setting a CUDA generator's state is forbidden
+during a capture). What stays alive per layer is its input ``[B, S, H]`` plus, with dropout,
+its masks (``3 H + I`` bytes per token on a Llama layer).
 """
 
 from __future__ import annotations
@@ -29,6 +41,9 @@ from torch.utils.checkpoint import checkpoint
 from gpu_runtime.finetune.lora import ADAPTER_NAME
 from gpu_runtime.model import CausalLM
 from gpu_runtime.model.llama import apply_rope
+
+Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
+"""One layer's LoRA dropout masks, for the inputs of ``(qkv, o, gate_up, down)``."""
 
 
 @dataclass
@@ -66,8 +81,19 @@ class _Group:
     fused_weight: torch.Tensor | None  # rows of all projections, when the serving model fused them
     fused_bias: torch.Tensor | None
 
-    def forward(self, x: torch.Tensor, training: bool) -> torch.Tensor:
-        """``[..., in] -> [..., sum(out)]``, the outputs concatenated in group order."""
+    @property
+    def dropout(self) -> float:
+        """The LoRA dropout of this group's input (0 when no projection is adapted)."""
+        adapted = [p for p in self.projections if p.lora_a is not None]
+        return adapted[0].dropout if adapted else 0.0
+
+    @property
+    def in_features(self) -> int:
+        return int(self.projections[0].weight.shape[1])
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """``[..., in] -> [..., sum(out)]``, the outputs concatenated in group order; ``mask``
+        (bool, shaped like ``x``): the LoRA input's dropout mask (None: no dropout)."""
         if self.fused_weight is not None:
             out = F.linear(x, self.fused_weight, self.fused_bias)
         else:
@@ -76,8 +102,9 @@ class _Group:
         adapted = [p for p in self.projections if p.lora_a is not None]
         if not adapted:
             return out
-        dropout = adapted[0].dropout
-        x_in = F.dropout(x, dropout) if training and dropout > 0 else x
+        # dropout: the kept inputs, rescaled by 1 / (1 - p) through B below
+        x_in = x if mask is None else x * mask
+        keep_scale = 1.0 if mask is None else 1.0 / (1.0 - self.dropout)
         a_list: list[torch.Tensor] = [p.lora_a for p in adapted if p.lora_a is not None]
         a_cat = torch.cat(a_list) if len(a_list) > 1 else a_list[0]
         shrink = F.linear(x_in, a_cat)  # [..., sum(r)]
@@ -89,7 +116,7 @@ class _Group:
         for p, width in zip(self.projections, widths, strict=True):
             if p.lora_b is not None:
                 rank = p.lora_b.shape[1]
-                b_full[row : row + width, col : col + rank] = p.lora_b * p.scaling
+                b_full[row : row + width, col : col + rank] = p.lora_b * (p.scaling * keep_scale)
                 col += rank
             row += width
         flat = torch.addmm(
@@ -130,10 +157,30 @@ class FusedTrainingForward:
         with torch.autocast(x.device.type, enabled=False):
             return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
 
+    def dropout_masks(self, index: int, lead: tuple[int, ...], device: torch.device) -> Masks:
+        """Layer ``index``'s dropout masks for inputs of leading shape ``lead`` (``[B, S]``),
+        one per group in ``(qkv, o, gate_up, down)`` order, drawn from the current default
+        generators (the trainer swaps its own in); None for a group without dropout, and all
+        None outside train mode."""
+        masks: list[torch.Tensor | None] = []
+        for group in self.layers[index]:
+            p = group.dropout
+            if not self.tree.training or p <= 0:
+                masks.append(None)
+                continue
+            mask = torch.empty((*lead, group.in_features), dtype=torch.bool, device=device)
+            masks.append(mask.bernoulli_(1.0 - p))
+        return masks[0], masks[1], masks[2], masks[3]
+
     def _layer(
-        self, index: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+        self,
+        index: int,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        masks: Masks,
     ) -> torch.Tensor:
-        config, training = self.config, self.tree.training
+        config = self.config
         block: Any = self.tree.model.layers[index]
         qkv, o, gate_up, down = self.layers[index]
         batch, seq = x.shape[:2]
@@ -143,7 +190,7 @@ class FusedTrainingForward:
             config.head_dim,
         )
         h = self._norm(x, block.input_layernorm.weight, config.rms_norm_eps)
-        q, k, v = qkv.forward(h, training).split(
+        q, k, v = qkv.forward(h, masks[0]).split(
             [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
         )
         q = apply_rope(q.reshape(batch, seq, heads, dim), cos, sin).transpose(1, 2)
@@ -151,10 +198,10 @@ class FusedTrainingForward:
         v = v.reshape(batch, seq, kv_heads, dim).transpose(1, 2)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         attn = attn.transpose(1, 2).reshape(batch, seq, heads * dim)
-        x = x + o.forward(attn, training)
+        x = x + o.forward(attn, masks[1])
         h = self._norm(x, block.post_attention_layernorm.weight, config.rms_norm_eps)
-        gate, up = gate_up.forward(h, training).chunk(2, dim=-1)
-        return x + down.forward(F.silu(gate) * up, training)
+        gate, up = gate_up.forward(h, masks[2]).chunk(2, dim=-1)
+        return x + down.forward(F.silu(gate) * up, masks[3])
 
     @property
     def num_layers(self) -> int:
@@ -176,13 +223,26 @@ class FusedTrainingForward:
         layers: range,
         activation_checkpointing: bool,
     ) -> torch.Tensor:
+        """Decoder layers ``layers`` over ``x`` ``[B, S, H]``; with ``activation_checkpointing``
+        (and grad enabled) each layer's activations are recomputed in the backward (see the
+        module docstring)."""
         for i in layers:
+            masks = self.dropout_masks(i, tuple(x.shape[:-1]), x.device)
             if activation_checkpointing and torch.is_grad_enabled():
-                out = checkpoint(self._layer, i, x, cos, sin, use_reentrant=False)
+                out = checkpoint(
+                    self._layer,
+                    i,
+                    x,
+                    cos,
+                    sin,
+                    masks,
+                    use_reentrant=False,
+                    preserve_rng_state=False,
+                )
                 assert isinstance(out, torch.Tensor)
                 x = out
             else:
-                x = self._layer(i, x, cos, sin)
+                x = self._layer(i, x, cos, sin, masks)
         return x
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:

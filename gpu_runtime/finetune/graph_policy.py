@@ -48,6 +48,9 @@ class GraphKey:
     """Loss positions, padded (a :func:`bucket_length` value, at most ``rows * seq_len``)."""
     stream: int
     """Raw handle of the CUDA stream the graph was captured on and replays on."""
+    recompute: bool = False
+    """Whether the micro-batch recomputes its activations in the backward (another graph:
+    other kernels, a smaller pool)."""
 
 
 def loss_slots(rows: int, seq_len: int, loss_positions: int) -> int:

@@ -12,11 +12,14 @@ shape a pool of its own, which the memory side can release between quanta when d
 that memory (:meth:`PoolGroups.largest_separate`), and which is captured again when memory
 comes back. A separate pool costs what that shape needs on top of the shared pool (the shared
 pool stays), so it pays off only for shapes held when memory is plentiful.
+:func:`separate_except` names the shared shapes by (rows, recompute) instead: e.g. every shape
+with activation recomputation shared (they fit beside decode's peak) and the shape without it
+pooled on its own, released when decode grows (the job then recomputes).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Collection, Hashable
 
 from gpu_runtime.finetune.graph_policy import GraphKey
 
@@ -34,6 +37,18 @@ def separate_above(rows: int) -> GroupOf:
 
     def group_of(key: GraphKey) -> Hashable:
         return SHARED if key.rows <= rows else ("rows", key.rows)
+
+    return group_of
+
+
+def separate_except(shared: Collection[tuple[int, bool]]) -> GroupOf:
+    """Shapes whose ``(rows, recompute)`` is in ``shared`` share a pool (:data:`SHARED`);
+    every other shape gets its own."""
+    names = frozenset((int(rows), bool(recompute)) for rows, recompute in shared)
+
+    def group_of(key: GraphKey) -> Hashable:
+        shape = (key.rows, key.recompute)
+        return SHARED if shape in names else ("shape", *shape)
 
     return group_of
 
@@ -73,14 +88,14 @@ class PoolGroups:
 
     def largest_separate(self) -> Hashable | None:
         """The group, other than :data:`SHARED`, whose largest key has the most rows (ties:
-        the longest sequence): the one to release first. None when every captured key is in
-        the shared pool."""
-        best: tuple[int, int] | None = None
+        the longest sequence, then a key without recomputation, which holds more): the one to
+        release first. None when every captured key is in the shared pool."""
+        best: tuple[int, int, bool] | None = None
         found: Hashable | None = None
         for group, keys in self._keys.items():
             if group == SHARED:
                 continue
-            size = max((key.rows, key.seq_len) for key in keys)
+            size = max((key.rows, key.seq_len, not key.recompute) for key in keys)
             if best is None or size > best:
                 best, found = size, group
         return found

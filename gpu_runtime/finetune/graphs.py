@@ -9,9 +9,11 @@ replays the same kernels with one launch (H200, Llama-3-8B shape, 1 x 256 tokens
 **Keys.** A graph is captured per :class:`GraphKey`: micro-batch rows, sequence length padded to
 a bucket (:func:`bucket_length`: at most 4 steps per power of two, so under 25 % padding), the
 count of loss slots padded the same way (unused slots point at position 0 with the ignore target,
-so they add nothing to the loss or the gradients), and the stream the graph was captured on: a
-graph's kernels run in the context it was captured in (a green-context SM partition, say), so a
-caller that makes another partition's stream current gets its own graph.
+so they add nothing to the loss or the gradients), the stream the graph was captured on (a
+graph's kernels run in the context it was captured in, a green-context SM partition, say, so a
+caller that makes another partition's stream current gets its own graph), and whether the
+micro-batch recomputes its activations (the forward-backward is called with that flag; its
+checkpointed layers touch no RNG state, so they capture like the rest).
 
 **Memory.** By default all graphs of a trainer share one private memory pool. With a grouping
 (:attr:`MicroBatchGraphs.pool_groups`, e.g.
@@ -65,21 +67,23 @@ from gpu_runtime.finetune.graph_pools import PoolGroups
 from gpu_runtime.finetune.quantum import TrainerRng
 
 ForwardBackward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "int | torch.Tensor"], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "int | torch.Tensor", bool],
+    torch.Tensor,
 ]
-"""``(input_ids [B, S], positions [B, S], loss_positions [N], loss_targets [N], denominator)``
--> summed loss (fp32 scalar), after running the backward of ``loss_sum / denominator``."""
+"""``(input_ids [B, S], positions [B, S], loss_positions [N], loss_targets [N], denominator,
+recompute)`` -> summed loss (fp32 scalar), after running the backward of
+``loss_sum / denominator`` (with activation recomputation when ``recompute``)."""
 
 
 class GraphCaptureError(RuntimeError):
     """A micro-batch could not be captured (the trainer then runs eagerly)."""
 
 
-def graph_key(batch: MicroBatch, stream: int) -> GraphKey:
+def graph_key(batch: MicroBatch, stream: int, recompute: bool = False) -> GraphKey:
     """The key of ``batch`` (already padded to its sequence bucket) on ``stream``."""
     rows, seq_len = (int(n) for n in batch.input_ids.shape)
     slots = loss_slots(rows, seq_len, int(batch.loss_positions.numel()))
-    return GraphKey(rows, seq_len, slots, stream)
+    return GraphKey(rows, seq_len, slots, stream, recompute)
 
 
 def pack_inputs(batch: MicroBatch, loss_slots: int) -> torch.Tensor:
@@ -263,26 +267,27 @@ class MicroBatchGraphs:
         finally:
             current.wait_stream(self._side)
 
-    def would_replay(self, batch: MicroBatch, stream: int) -> bool:
+    def would_replay(self, batch: MicroBatch, stream: int, recompute: bool = False) -> bool:
         """Whether ``batch`` (padded to its bucket) launched from this thread on the CUDA stream
         whose handle is ``stream`` would replay a captured graph, not run eagerly (the first
         micro-batch on a (thread, stream)) or be captured now: a pure look, nothing changes."""
         if self.disabled is not None:
             return False
-        return graph_key(batch, stream) in self._graphs
+        return graph_key(batch, stream, recompute) in self._graphs
 
-    def run(self, batch: MicroBatch, denominator: int) -> GraphRun:
+    def run(self, batch: MicroBatch, denominator: int, recompute: bool = False) -> GraphRun:
         """Forward and backward of ``batch`` (host tensors, sequence padded to its bucket),
-        gradients of ``loss_sum / denominator`` added to the adapters' ``.grad``."""
+        gradients of ``loss_sum / denominator`` added to the adapters' ``.grad``; with
+        ``recompute``, activations are recomputed in the backward (its own graph)."""
         stream = torch.cuda.current_stream(self.device).cuda_stream if self._is_cuda else 0
-        key = graph_key(batch, stream)
+        key = graph_key(batch, stream, recompute)
         if self.disabled is not None:
-            return self._eager(batch, denominator, self.disabled)
+            return self._eager(batch, denominator, recompute, self.disabled)
         self._check_grads()
         warm = (threading.get_ident(), stream)
         decision = self.policy.decide(key, warm in self._warm)
         if decision.action == "eager":
-            run = self._eager(batch, denominator, decision.reason or "")
+            run = self._eager(batch, denominator, recompute, decision.reason or "")
             self._warm.add(warm)
             return run
         if decision.evict is not None:
@@ -293,11 +298,11 @@ class MicroBatchGraphs:
                 entry = self._capture(key)
             except torch.OutOfMemoryError:  # this shape only; the eager run may fit (or not)
                 self.policy.out_of_memory(key)
-                return self._eager(batch, denominator, "capture ran out of memory")
+                return self._eager(batch, denominator, recompute, "capture ran out of memory")
             except Exception as exc:  # any other capture failure: eager from now on
                 self.disabled = f"capture failed: {type(exc).__name__}: {exc}"[:400]
                 self.release()
-                return self._eager(batch, denominator, self.disabled)
+                return self._eager(batch, denominator, recompute, self.disabled)
             self.policy.added(key)
         else:
             entry = self._graphs[key]
@@ -312,7 +317,7 @@ class MicroBatchGraphs:
     def _is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
-    def _eager(self, batch: MicroBatch, denominator: int, reason: str) -> GraphRun:
+    def _eager(self, batch: MicroBatch, denominator: int, recompute: bool, reason: str) -> GraphRun:
         on_device = batch.to(self.device)
         with self._eager_rng()():
             loss_sum = self._forward_backward()(
@@ -321,6 +326,7 @@ class MicroBatchGraphs:
                 on_device.loss_positions,
                 on_device.loss_targets,
                 denominator,
+                recompute,
             )
         self.counts["eager"] += 1
         return GraphRun(loss_sum, "eager", reason, None)
@@ -360,7 +366,7 @@ class MicroBatchGraphs:
             graph.capture_begin(pool=self._pools.get(group), capture_error_mode="thread_local")
             try:
                 loss_sum = self._forward_backward()(
-                    ids, positions, loss_positions, loss_targets, denominator
+                    ids, positions, loss_positions, loss_targets, denominator, key.recompute
                 )
                 loss_out.copy_(loss_sum.detach())
             except BaseException:

@@ -65,6 +65,8 @@ class QuantumResult:
     """Milliseconds the quantum's work took on its stream (CUDA events; None on CPU or when
     the quantum ran synchronously): for a quantum launched without waiting
     (``LoraTrainer.start_quantum``) its real duration, whenever its result is read."""
+    recompute: bool = False
+    """Whether the completed micro-batch recomputed its activations in the backward."""
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ class QuantumTailMixin:
     base_model_name_or_path: str | None
     _batch_loss_sum: torch.Tensor
     _batch_tokens: int
+    recompute_micro_batches: int
 
     def _peak(self) -> int | None:
         return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
@@ -56,6 +57,7 @@ class QuantumTailMixin:
         launch_s: float | None = None,
         graph_peak_bytes: int | None = None,
         events: tuple[Any, Any] | None = None,
+        recompute: bool = False,
     ) -> PendingQuantum:
         """Commit the data position, accumulate, launch the optimizer step at a batch's end;
         the returned quantum's ``result()`` reads loss and grad norm and reports (its host
@@ -66,6 +68,7 @@ class QuantumTailMixin:
         self.stream.commit(plan)
         self._batch_loss_sum += loss_sum.detach()
         self._batch_tokens += batch.num_tokens
+        self.recompute_micro_batches += int(recompute)
         batch_tokens = self._batch_tokens
         learning_rate = None
         to_read = [loss_sum.detach()]
@@ -120,6 +123,7 @@ class QuantumTailMixin:
                 launch_s=launch_s,
                 host_s=host_s,
                 gpu_ms=gpu_ms,
+                recompute=recompute,
             )
 
         return PendingQuantum(read, values, events)

@@ -3,9 +3,12 @@
 ``LoraTrainer.step_quantum(max_tokens=..., max_examples=...)`` runs one micro-batch (forward and
 backward) of at most that many padded tokens / examples, never crossing an optimizer-batch
 boundary, and when the micro-batch completes the job's batch it also clips, steps AdamW and
-advances the learning-rate schedule. With ``max_layers=k`` a quantum is smaller still: ``k``
-decoder-layer passes (forward or backward) of the micro-batch in progress
-(:mod:`gpu_runtime.finetune.sliced`), with identical results. It returns a
+advances the learning-rate schedule. ``recompute=True`` runs that micro-batch with activation
+recomputation (each decoder layer's activations recomputed in the backward: much less memory,
+about one more forward of time), chosen per quantum (default: :attr:`LoraTrainer.recompute`),
+with the same gradients (:mod:`gpu_runtime.finetune.fused_forward`). With ``max_layers=k`` a
+quantum is smaller still: ``k`` decoder-layer passes (forward or backward) of the micro-batch
+in progress (:mod:`gpu_runtime.finetune.sliced`), with identical results. It returns a
 :class:`QuantumResult`. The result of training does not depend on how the scheduler sized the
 quanta: every micro-batch's summed token loss is divided by the loss-token count of its whole
 optimizer batch, so accumulated gradients are those of the batch mean (up to float rounding;
@@ -20,8 +23,10 @@ quantum's real duration.
 On CUDA, whole-micro-batch quanta replay CUDA graphs of the forward and backward by default
 (:mod:`gpu_runtime.finetune.graphs`; ``cuda_graphs=False`` turns them off): micro-batches are then
 padded to sequence buckets, and the first micro-batch on a stream, layer-sliced quanta and
-anything after a failed capture run eagerly (each :class:`QuantumResult` says which). The
-optimizer step (clip, fused AdamW, in-place zeroing) stays eager.
+anything after a failed capture run eagerly (each :class:`QuantumResult` says which). A
+micro-batch with recomputation is another graph (``GraphKey.recompute``). The optimizer step
+(clip, fused AdamW, in-place zeroing) stays eager. The graphed launches are
+:class:`~gpu_runtime.finetune.graphed.GraphedQuantaMixin`'s.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +44,8 @@ from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.graph_policy import CapturePolicy
-from gpu_runtime.finetune.graphs import GraphRun, MicroBatchGraphs
+from gpu_runtime.finetune.graphed import GraphedQuantaMixin
+from gpu_runtime.finetune.graphs import MicroBatchGraphs
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import PeftTreeStack, chunked_lm_head_loss, training_hidden_states
@@ -52,7 +58,7 @@ from gpu_runtime.finetune.validation import ValidationRun
 from gpu_runtime.model import CausalLM
 
 
-class LoraTrainer(QuantumTailMixin):
+class LoraTrainer(GraphedQuantaMixin, QuantumTailMixin):
     """Trains one LoRA adapter over a serving model's shared, frozen base weights."""
 
     def __init__(
@@ -73,9 +79,10 @@ class LoraTrainer(QuantumTailMixin):
         """``checkpoint_root``: where automatic checkpoints go (none when None);
         ``base_model_name_or_path`` is recorded in each adapter's config; ``fused_forward``
         selects :class:`FusedTrainingForward` (default) over calling the peft-wrapped tree;
-        ``cuda_graphs`` replays captured micro-batches (None: on CUDA, unless activation
-        checkpointing is on; True elsewhere records why each quantum ran eagerly), keeping at
-        most ``max_cuda_graphs`` shapes captured (:class:`CapturePolicy`)."""
+        ``cuda_graphs`` replays captured micro-batches (None: on CUDA, unless recomputation is
+        on without the fused forward, whose peft layers' checkpoint reads the CUDA RNG state,
+        which a capture forbids; True elsewhere records why each quantum ran eagerly), keeping
+        at most ``max_cuda_graphs`` shapes captured (:class:`CapturePolicy`)."""
         self.hparams = hparams
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self.base_model_name_or_path = base_model_name_or_path
@@ -108,9 +115,15 @@ class LoraTrainer(QuantumTailMixin):
         self._batch_tokens = 0
         self._pending: tuple[MicroBatchPlan, MicroBatch, SlicedMicroBatch] | None = None
         self._unread: PendingQuantum | None = None
+        self.recompute = hparams.activation_checkpointing
+        """Whether a quantum whose call does not say recomputes activations (a finetune side
+        that sizes quanta to a memory budget sets it before each launch)."""
+        self.recompute_micro_batches = 0
+        """Micro-batches completed with recomputation (whole or layer-sliced)."""
         if cuda_graphs is None:
-            # torch.utils.checkpoint reads the CUDA RNG state, which a capture forbids
-            cuda_graphs = self.device.type == "cuda" and not hparams.activation_checkpointing
+            cuda_graphs = self.device.type == "cuda" and (
+                fused_forward or not hparams.activation_checkpointing
+            )
         self.graphs: MicroBatchGraphs | None = None
         if cuda_graphs:
             self.graphs = MicroBatchGraphs(
@@ -170,9 +183,9 @@ class LoraTrainer(QuantumTailMixin):
         )
 
     def _loss_sum(self, batch: MicroBatch) -> torch.Tensor:
-        return self._loss_of(
-            batch.input_ids, batch.positions, batch.loss_positions, batch.loss_targets
-        )
+        """Summed token loss of ``batch`` (validation: no backward, nothing to recompute)."""
+        b = batch
+        return self._loss_of(b.input_ids, b.positions, b.loss_positions, b.loss_targets, False)
 
     def _loss_of(
         self,
@@ -180,14 +193,14 @@ class LoraTrainer(QuantumTailMixin):
         positions: torch.Tensor,
         loss_positions: torch.Tensor,
         loss_targets: torch.Tensor,
+        recompute: bool,
     ) -> torch.Tensor:
         """Summed token loss (fp32 scalar); inputs ``[B, S]``, loss positions/targets ``[N]``."""
-        checkpointing = self.hparams.activation_checkpointing
         with self._autocast():
             if self._fused is not None:
-                hidden = self._fused(input_ids, positions, checkpointing)
+                hidden = self._fused(input_ids, positions, recompute)
             else:
-                hidden = training_hidden_states(self.model, input_ids, positions, checkpointing)
+                hidden = training_hidden_states(self.model, input_ids, positions, recompute)
             return chunked_lm_head_loss(
                 self.model, hidden, loss_positions, loss_targets, self.loss_chunk_tokens
             )
@@ -199,10 +212,11 @@ class LoraTrainer(QuantumTailMixin):
         loss_positions: torch.Tensor,
         loss_targets: torch.Tensor,
         denominator: int | torch.Tensor,
+        recompute: bool,
     ) -> torch.Tensor:
         """Summed loss; adds the gradients of ``loss_sum / denominator`` to ``.grad`` (graphs
         pass the denominator as a device scalar: the same fp32 division)."""
-        loss_sum = self._loss_of(input_ids, positions, loss_positions, loss_targets)
+        loss_sum = self._loss_of(input_ids, positions, loss_positions, loss_targets, recompute)
         (loss_sum / denominator).backward()
         return loss_sum
 
@@ -217,45 +231,6 @@ class LoraTrainer(QuantumTailMixin):
 
     def _rng_swap(self) -> contextlib.AbstractContextManager[None]:
         return swapped_rng(self.rng)
-
-    def start_quantum(
-        self, max_tokens: int | None = None, max_examples: int | None = None
-    ) -> PendingQuantum:
-        """A whole micro-batch like ``step_quantum``, launched without waiting for the GPU.
-
-        With CUDA graphs (and no layer-sliced micro-batch in progress) this only issues the
-        graph replay and the optimizer step on the current stream and returns; the caller polls
-        :meth:`PendingQuantum.done` and reads :meth:`PendingQuantum.result` (its ``gpu_ms`` is
-        the quantum's time on the stream). Anything else runs to its end here and comes back
-        done. No other quantum starts until that result has been read (RuntimeError)."""
-        if self.graphs is None or self._pending is not None or self.device.type != "cuda":
-            return PendingQuantum.finished(self.step_quantum(max_tokens, max_examples))
-        start, allocated = self._begin_quantum()
-        with self.graphs.on_stream():
-            launched = self._graphed_micro_batch(
-                max_examples, max_tokens, start, allocated, timed=True
-            )
-        if not launched.done():
-            self._unread = launched
-        return launched
-
-    def replays_next(
-        self, max_tokens: int | None, streams: Iterable[int]
-    ) -> dict[int, bool] | None:
-        """Per CUDA stream handle in ``streams``: whether the next whole micro-batch of at most
-        ``max_tokens`` tokens, launched from this thread on that stream, would replay a
-        captured graph (True) or first warm up or be captured, a one-off stall of the launching
-        thread of ~0.1-0.3 s on an H200 (False); None: the job does not run graphs. Nothing
-        changes (the micro-batch is planned and collated on the host once for every stream)."""
-        graphs = self.graphs
-        if graphs is None or graphs.disabled is not None or self.finished:
-            return None
-        bucket = graphs.padded_length
-        plan = self.stream.plan(None, max_tokens, padded_length=bucket)
-        examples = [self.stream.examples[i] for i in plan.example_indices]
-        longest = max(e.num_tokens for e in examples)
-        batch = collate(examples, self.pad_token_id, seq_len=bucket(longest))
-        return {stream: graphs.would_replay(batch, stream) for stream in streams}
 
     def _begin_quantum(self) -> tuple[float, int]:
         """(start time, bytes allocated) of a quantum starting now; refuses to start while a
@@ -279,29 +254,41 @@ class LoraTrainer(QuantumTailMixin):
         max_tokens: int | None = None,
         max_examples: int | None = None,
         max_layers: int | None = None,
+        recompute: bool | None = None,
     ) -> QuantumResult:
         """One bounded unit of training (see the module docstring). Raises once finished.
 
         ``max_layers=None``: a whole micro-batch (forward and backward). ``max_layers=k``: up to
         ``k`` decoder-layer passes of the micro-batch in progress (starting one if none is);
-        ``max_tokens``/``max_examples`` size a micro-batch when one starts.
+        ``max_tokens``/``max_examples``/``recompute`` size a micro-batch when one starts (a
+        layer-sliced one keeps the mode it started with).
         """
         start, allocated = self._begin_quantum()
+        mode = self._recompute(recompute)
         if max_layers is None and self._pending is None:
             if self.graphs is not None:
                 with self.graphs.on_stream():
                     launched = self._graphed_micro_batch(
-                        max_examples, max_tokens, start, allocated, timed=False
+                        max_examples, max_tokens, mode, start, allocated, False
                     )
                 return launched.result()
             plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
             batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
             launch = time.perf_counter()
             with self._rng_swap():
-                loss_sum = self._loss_sum(batch)
-                (loss_sum / plan.batch_loss_tokens).backward()
+                loss_sum = self._forward_backward(
+                    batch.input_ids,
+                    batch.positions,
+                    batch.loss_positions,
+                    batch.loss_targets,
+                    plan.batch_loss_tokens,
+                    mode,
+                )
             launch_s = time.perf_counter() - launch
-            return self._launch_tail(plan, batch, loss_sum, start, 0, launch_s=launch_s).result()
+            tail = self._launch_tail(
+                plan, batch, loss_sum, start, 0, launch_s=launch_s, recompute=mode
+            )
+            return tail.result()
         if self._pending is None:
             plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
             batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
@@ -312,7 +299,7 @@ class LoraTrainer(QuantumTailMixin):
                 batch.positions,
                 functools.partial(self._chunked_loss, batch),
                 plan.batch_loss_tokens,
-                self.hparams.activation_checkpointing,
+                mode,
             )
             self._pending = (plan, batch, sliced)
         plan, batch, sliced = self._pending
@@ -346,7 +333,13 @@ class LoraTrainer(QuantumTailMixin):
         self._pending = None
         assert sliced.loss_sum is not None
         tail = self._launch_tail(
-            plan, batch, sliced.loss_sum, start, passes, **self._sliced_graph_fields()
+            plan,
+            batch,
+            sliced.loss_sum,
+            start,
+            passes,
+            recompute=sliced.checkpointing,
+            **self._sliced_graph_fields(),
         )
         return tail.result()
 
@@ -354,43 +347,6 @@ class LoraTrainer(QuantumTailMixin):
         if self.graphs is None:
             return {}
         return {"graph": "eager", "graph_fallback": "layer-sliced quanta run eagerly"}
-
-    def _graphed_micro_batch(
-        self,
-        max_examples: int | None,
-        max_tokens: int | None,
-        start: float,
-        allocated: int,
-        timed: bool,
-    ) -> PendingQuantum:
-        """A whole micro-batch through :attr:`graphs` (padded to its sequence bucket), launched;
-        ``timed``: bracket its work with CUDA events (``QuantumResult.gpu_ms``)."""
-        assert self.graphs is not None
-        events = None
-        if timed:
-            events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-            events[0].record()
-        bucket = self.graphs.padded_length
-        plan = self.stream.plan(max_examples, max_tokens, padded_length=bucket)
-        examples = [self.stream.examples[i] for i in plan.example_indices]
-        longest = max(e.num_tokens for e in examples)
-        batch = collate(examples, self.pad_token_id, seq_len=bucket(longest))  # host tensors
-        launch = time.perf_counter()
-        run: GraphRun = self.graphs.run(batch, plan.batch_loss_tokens)
-        launch_s = time.perf_counter() - launch
-        graph_peak = None if run.extra_bytes is None else allocated + run.extra_bytes
-        return self._launch_tail(
-            plan,
-            batch,
-            run.loss_sum,
-            start,
-            0,
-            graph=run.mode,
-            graph_fallback=run.fallback,
-            launch_s=launch_s,
-            graph_peak_bytes=graph_peak,
-            events=events,
-        )
 
     def validation(
         self, examples: Sequence[TokenizedExample], max_tokens: int = 8192

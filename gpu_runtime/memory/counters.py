@@ -99,6 +99,11 @@ class MemoryCounters:
     """Quanta whose reported peak exceeded the budget (a sizing bug on the finetune side)."""
     finetune_ooms: int = 0
     """Quanta the finetune side reported as failed for lack of memory."""
+    finetune_recompute_launches: int = 0
+    """Quanta the finetune side launched with activation recomputation
+    (`MemoryManager.finetune_quantum_mode`): its memory did not fit the shape without."""
+    finetune_mode_switches: int = 0
+    """Times a launch's mode (with or without recomputation) differed from the last one's."""
     reclaim_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)
     """Host time of every move that took pages back from finetuning (cache flush + maps)."""
     map_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)

@@ -20,6 +20,7 @@ class FinetuneBudgetMixin(PageMovesMixin):
     """Finetuning's budget over the pool; the state is `MemoryManager`'s."""
 
     release_finetune_graphs: Callable[[], int] | None
+    _finetune_recompute: bool | None
     _headroom_cache: dict[bool, tuple[tuple[bool, int, int, int], int]]
 
     @property
@@ -179,6 +180,26 @@ class FinetuneBudgetMixin(PageMovesMixin):
                 self.finetune_budget_bytes,
             )
             raise
+
+    def finetune_quantum_mode(self, *, examples: int, recompute: bool) -> None:
+        """The finetune side launches a quantum of `examples` examples per micro-batch, with
+        activation recomputation or without (sized to what `finetune_plan_bytes()` allowed:
+        recomputation is how it fits a budget too small for the shape without). Counted
+        (`finetune_recompute_launches`); a change of mode is a transition, logged and counted
+        (`finetune_mode_switches`)."""
+        if recompute:
+            self.counters.finetune_recompute_launches += 1
+        last = self._finetune_recompute
+        self._finetune_recompute = recompute
+        if last is None or last == recompute:
+            return
+        self.counters.finetune_mode_switches += 1
+        logger.info(
+            "finetune quanta %s activation recomputation (%d examples; budget %d B)",
+            "start" if recompute else "stop",
+            examples,
+            self.finetune_budget_bytes,
+        )
 
     def record_finetune_oom(self) -> None:
         """The finetune side lost a quantum to an out-of-memory error under its cap."""

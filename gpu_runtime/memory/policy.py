@@ -87,6 +87,7 @@ class MemoryManager(FinetuneBudgetMixin):
         """The finetune side's release of its largest separately pooled CUDA-graph shape (the
         graphs dropped; 0 when none is), called only from `refill_reserve`, i.e. between
         quanta: see `_release_finetune_graphs`. None (the default): never called."""
+        self._finetune_recompute: bool | None = None  # the last launch's mode
         initial = min(
             max(self.config.min_decode_pages, self.config.reserve_low_pages),
             pool.prefix_limit_pages,

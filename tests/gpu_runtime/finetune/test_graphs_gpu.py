@@ -247,3 +247,49 @@ def test_separately_pooled_shape_is_released_alone_and_trains_like_one_pool() ->
     assert len(separate.history) == len(shared.history) >= 4
     for a, b in zip(separate.history, shared.history, strict=True):
         assert a.loss == pytest.approx(b.loss, rel=1e-3)
+
+
+def test_graphed_recomputing_quanta_equal_eager_ones() -> None:
+    """Quanta alternating with and without activation recomputation: each mode is captured as
+    its own graph (the checkpointed layers touch no RNG state, so the capture succeeds) and
+    replays the eager trainer's losses, adapters and dropout draws."""
+    serving = _serving()
+    examples = _examples([64] * 16, seed=5)
+    hparams = _hparams(len(examples), dropout=0.1)
+    eager = LoraTrainer(serving, examples, hparams, cuda_graphs=False)
+    graphed = LoraTrainer(serving, examples, hparams)
+    graphs = graphed.graphs
+    assert graphs is not None
+    runs = []
+    for index in range(8):
+        mode = index % 2 == 1
+        result = graphed.step_quantum(max_examples=2, recompute=mode)
+        expected = eager.step_quantum(max_examples=2, recompute=mode)
+        assert result.recompute == expected.recompute == mode
+        assert result.loss == pytest.approx(expected.loss, rel=2e-3)
+        runs.append((result.graph, mode))
+    assert graphs.disabled is None, graphs.disabled
+    assert runs[:3] == [("eager", False), ("capture", True), ("capture", False)]
+    assert {graph for graph, _ in runs[3:]} == {"replay"}
+    assert sorted(key.recompute for key in graphs.keys()) == [False, True]
+    assert graphed.recompute_micro_batches == eager.recompute_micro_batches == 4
+    for p, q in zip(graphed.params, eager.params, strict=True):
+        torch.testing.assert_close(p, q, rtol=2e-2, atol=2e-4)
+    assert graphed.rng.cuda_state is not None and eager.rng.cuda_state is not None
+    assert torch.equal(graphed.rng.cuda_state, eager.rng.cuda_state)
+
+
+def test_a_recomputing_graph_needs_less_memory() -> None:
+    """The memory a captured micro-batch's work needs (`extra_bytes`, what its graph pool must
+    hold): with recomputation only the layers' inputs stay alive through the backward (no
+    dropout here: its masks stay alive in both modes)."""
+    serving = _serving(layers=8)
+    examples = _examples([512] * 8, seed=6)
+    trainer = LoraTrainer(serving, examples, _hparams(len(examples), dropout=0.0))
+    graphs = trainer.graphs
+    assert graphs is not None
+    for mode in (False, True, False):  # warm-up, then one capture per mode
+        trainer.step_quantum(max_examples=2, recompute=mode)
+    assert graphs.disabled is None, graphs.disabled
+    extra = {key.recompute: graphs._graphs[key].extra_bytes for key in graphs.keys()}
+    assert extra[True] < 0.7 * extra[False], extra

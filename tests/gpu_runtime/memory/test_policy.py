@@ -211,6 +211,20 @@ def test_budget_violations_and_ooms_are_counted() -> None:
     assert set(counters) >= {"reclaim_ms_p50", "reclaim_ms_p99", "map_ms_p99", "iterations"}
 
 
+def test_recomputing_launches_and_mode_switches_are_counted_and_logged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    manager, _ = _manager(num_pages=16)
+    with caplog.at_level(logging.INFO, logger="gpu_runtime.memory.policy"):
+        for recompute in (False, False, True, True, False, True):
+            manager.finetune_quantum_mode(examples=2, recompute=recompute)
+    counters = manager.counters.as_dict()
+    assert counters["finetune_recompute_launches"] == 3
+    assert counters["finetune_mode_switches"] == 3  # off -> on -> off -> on
+    lines = [r.getMessage() for r in caplog.records if "recomputation" in r.getMessage()]
+    assert [line.split()[2] for line in lines] == ["start", "stop", "start"]
+
+
 def test_demands_and_configs_are_validated() -> None:
     manager, _ = _manager()
     with pytest.raises(MemoryPoolError, match="only 4 are mapped"):
