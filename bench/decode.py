@@ -139,13 +139,16 @@ class DecodeRun:
                 self.report.add_row(name, system, batch, context, res, config)
 
     def time_hf_systems(self, name: str, model: CausalLM, config: ModelConfig) -> None:
-        """HF eager at its batches, then HF compile (models in --hf-compile-models) while the
+        """HF eager at its batches (one out of memory is a note), then HF compile (models in --hf-compile-models) while the
         run's time budget lasts; a compile that fails is a note, not a row missing silently."""
         args, report = self.args, self.report
         hf = hf_model(model)
         for batch in self.sweep.hf_eager:
-            res = time_hf(model, hf, batch, args.hf_context, args.hf_steps, compiled=False)
-            report.add_row(name, "hf_eager", batch, args.hf_context, res, config)
+            try:  # a batch that does not fit is a note; the smaller ones and compile go on
+                res = time_hf(model, hf, batch, args.hf_context, args.hf_steps, compiled=False)
+                report.add_row(name, "hf_eager", batch, args.hf_context, res, config)
+            except torch.OutOfMemoryError as exc:
+                report.notes.append(f"hf_eager {name} batch {batch} failed: {exc}"[:400])
             torch.cuda.empty_cache()
         if name not in args.hf_compile_models.split(","):
             return
