@@ -139,8 +139,9 @@ class DecodeRun:
                 self.report.add_row(name, system, batch, context, res, config)
 
     def time_hf_systems(self, name: str, model: CausalLM, config: ModelConfig) -> None:
-        """HF eager at its batches (one out of memory is a note), then HF compile (models in --hf-compile-models) while the
-        run's time budget lasts; a compile that fails is a note, not a row missing silently."""
+        """HF eager at its batches (one out of memory is a note), then HF compile (models in
+        --hf-compile-models) while the run's time budget lasts; a compile that fails is a
+        note, not a row missing silently."""
         args, report = self.args, self.report
         hf = hf_model(model)
         for batch in self.sweep.hf_eager:
