@@ -70,7 +70,21 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         "kv_peak_blocks): used for --job-pool-extra-gib and --plan-peak-prior when the "
         "decode_only phase does not run",
     )
-    parser.add_argument("--ft-seq-len", type=int, default=512)
+    parser.add_argument(
+        "--ft-seq-len",
+        type=int,
+        default=512,
+        help="tokens of every synthetic finetune example (long ones, e.g. 2048, make a "
+        "budget too small for one example without activation recomputation)",
+    )
+    parser.add_argument(
+        "--recompute",
+        choices=("auto", "never", "always"),
+        default="auto",
+        help="activation recomputation per quantum: auto, the largest shape without it that "
+        "fits the budget, else the largest with it (gpu_runtime.finetune.quantum_fit); "
+        "never: shapes without only (before recomputation existed); always: with only",
+    )
     parser.add_argument("--max-examples", type=int, default=4, help="most examples per quantum")
     parser.add_argument(
         "--sharing",

@@ -35,6 +35,7 @@ from bench.memory_sizing import (
     release_separate_shape,
 )
 from bench.memory_warmup import warm_quanta
+from gpu_runtime.finetune.quantum_fit import QuantumShape
 
 GIB = 1 << 30
 PAGE = 2 << 20
@@ -103,11 +104,16 @@ class _Phase:
         self.memory = self._memory(model, plan, pool)
         self.engine = self._engine(model)
         self.sizing = QuantumSizing(
-            plan["resident_bytes"], plan["bytes_per_token"], args.max_examples
+            plan["resident_bytes"],
+            plan["bytes_per_token"],
+            args.max_examples,
+            recompute_bytes_per_token=plan.get("recompute_bytes_per_token"),
+            only_recompute=plan.get("recompute") == "always",
         )
         self.loop, self.job = self._loop(model, pool)
         self.warmup = warm_quanta(self) if self.job is not None else {}
         self.graphs_at_start = self._graph_counts()
+        self.recompute_at_start = self._recomputed()
         print(f"[{name}] pool {pool.num_pages} pages, engine ready {self.warmup}", flush=True)
         self.rejected = 0
         self.ooms = 0
@@ -193,9 +199,17 @@ class _Phase:
     def _loop(self, model: Any, pool: Any) -> tuple[Any, Any]:
         from gpu_runtime.colocation import HostLoop
 
-        def captured() -> set[int]:
+        def captured() -> set[QuantumShape]:
             job = getattr(self, "job", None)
             return set() if job is None else captured_shapes(job.trainer)
+
+        def on_launch(shape: QuantumShape) -> None:  # the mode of the quantum launched next
+            job = getattr(self, "job", None)
+            if job is not None:
+                job.trainer.recompute = shape.recompute
+            self.memory.manager.finetune_quantum_mode(
+                examples=shape.examples, recompute=shape.recompute
+            )
 
         release = None
         if self.release:
@@ -208,11 +222,11 @@ class _Phase:
                 self.memory.finetune_release_plan_bytes,
                 self.memory.promise_finetune_bytes,
                 lambda: refused_shapes(job_trainer()),
-                lambda examples: drop_shared_shapes(job_trainer(), self.memory),
+                lambda shape: drop_shared_shapes(job_trainer(), self.memory),
             )
         loop = HostLoop(
             self.engine,
-            budgeted_policy(self.sizing, self.decode_sms, captured, release),
+            budgeted_policy(self.sizing, self.decode_sms, captured, release, on_launch),
             tpot_slo_ms=1e9,
             sharing=self.sharing,
             memory=self.memory,
@@ -237,6 +251,13 @@ class _Phase:
     def _graph_counts(self) -> dict[str, int]:
         graphs = None if self.job is None else self.job.trainer.graphs
         return {} if graphs is None else dict(graphs.counts)
+
+    def _recomputed(self) -> int:
+        return 0 if self.job is None else int(self.job.trainer.recompute_micro_batches)
+
+    def recompute_quanta(self) -> int:
+        """Micro-batches that recomputed activations since the warm-up."""
+        return self._recomputed() - self.recompute_at_start
 
     def graph_state(self) -> dict[str, Any]:
         graphs = None if self.job is None else self.job.trainer.graphs

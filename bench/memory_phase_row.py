@@ -108,9 +108,15 @@ def phase_row(phase: Any, *, arrived: int, window: float) -> dict[str, Any]:
         "finetune_quantum_tokens": {
             str(k): v for k, v in sorted(Counter(q.tokens for q in good).items())
         },
+        # shape ("2": 2 examples, "1r": 1 with recomputation) -> what its capture left held
         "finetune_footprints_gib": {
-            str(k): round(v / GIB, 2) for k, v in sorted(phase.sizing.footprints.items())
+            k.label: round(v / GIB, 2)
+            for k, v in sorted(phase.sizing.footprints.items(), key=lambda kv: kv[0].rank)
         },
+        # the shapes the policy launched in the window, and the micro-batches that recomputed
+        # activations (the trainer's count)
+        "finetune_quantum_shapes": dict(phase.sizing.launched),
+        "finetune_recompute_quanta": phase.recompute_quanta(),
         "finetune_paused_iterations": sum(1 for r in records if r.paused),
         "finetune_errors": phase.errors,
         "finetune_graphs": phase.graph_state(),

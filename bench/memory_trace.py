@@ -114,12 +114,19 @@ def trace_benchmark(args: Any) -> Path:
     scratch = lora_trainer(model, args, examples=64, epochs=1, batch_size=5)
     scratch._bench_allocated_at_start = allocated
     footprint_error = None
+    recompute_per_token = None
     try:
         resident, per_token = finetune_footprint(scratch, args.ft_seq_len, device)
+        if args.recompute != "never":  # the same job's quanta with recomputation
+            again, recompute_per_token = finetune_footprint(
+                scratch, args.ft_seq_len, device, recompute=True
+            )
+            resident = max(resident, again)
     except Exception as exc:  # size quanta from the H200 finetune bench instead: ~7 MiB/token
         footprint_error = f"{type(exc).__name__}: {exc}"
         print(f"footprint measurement failed ({footprint_error}); using 1 GiB + 8 MiB/token")
         resident, per_token = GIB, 8.0 * MIB
+        recompute_per_token = None if args.recompute == "never" else 1.0 * MIB
     del scratch
     gc.collect()
     if device.type == "cuda":
@@ -128,6 +135,8 @@ def trace_benchmark(args: Any) -> Path:
     plan: dict[str, Any] = {
         "resident_bytes": resident,
         "bytes_per_token": per_token,
+        "recompute_bytes_per_token": recompute_per_token,
+        "recompute": args.recompute,
         "reserve_low_pages": args.reserve_low_pages,
         "reserve_high_pages": args.reserve_high_pages,
         "step_pages": args.step_pages,
@@ -147,7 +156,12 @@ def trace_benchmark(args: Any) -> Path:
     }
     print(
         f"setup {time.perf_counter() - wall:.1f}s: {len(trace)} requests; finetune resident "
-        f"{resident / GIB:.2f} GiB, {per_token / 1024:.1f} KiB/token",
+        f"{resident / GIB:.2f} GiB, {per_token / 1024:.1f} KiB/token"
+        + (
+            ""
+            if recompute_per_token is None
+            else f" ({recompute_per_token / 1024:.1f} with recomputation)"
+        ),
         flush=True,
     )
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -46,6 +46,8 @@ def write_trace_result(
                 "seq_len": args.ft_seq_len,
                 "resident_bytes": plan["resident_bytes"],
                 "bytes_per_token": plan["bytes_per_token"],
+                "recompute_bytes_per_token": plan.get("recompute_bytes_per_token"),
+                "recompute": plan.get("recompute", "never"),
                 "footprint_error": plan["footprint_error"],
                 "cuda_graphs": not args.ft_eager,
             },
@@ -134,13 +136,15 @@ def print_trace_table(rows: list[dict[str, Any]]) -> None:
         "kv_peak_gb",
         "mean_borrowed_gb",
         "finetune_tokens_per_s",
+        "finetune_quanta",
+        "finetune_recompute_quanta",
     )
     print(f"{'policy':16}" + "".join(f"{k[:18]:>19}" for k in keys))
     for row in rows:
         if "error" in row:
             print(f"{row['policy']:16} FAILED {row['error']}", flush=True)
             continue
-        cells = [row[k] for k in keys]
+        cells = [row.get(k) for k in keys]
         text = ["-" if c is None else f"{c:.2f}" if isinstance(c, float) else str(c) for c in cells]
         print(f"{row['policy']:16}" + "".join(f"{t:>19}" for t in text), flush=True)
 

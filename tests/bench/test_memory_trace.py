@@ -15,9 +15,10 @@ import pytest
 
 from bench.memory_iterations import ITERATION_COLUMNS, IterationLog, _host_allocs_reader
 from bench.memory_phase_row import median_ci
-from bench.memory_sizing import QuantumSizing, captured_shapes, warm_sizes
+from bench.memory_sizing import QuantumSizing, captured_shapes
 from bench.memory_trace import _peak_prior_blocks, _static_decode_pages, job_pool_gib, parse_phases
 from bench.memory_trace_report import trace_comparisons
+from gpu_runtime.finetune.quantum_fit import QuantumShape
 from gpu_runtime.memory import MemoryWork
 
 ROOT = Path(__file__).resolve().parent.parent.parent
@@ -136,39 +137,53 @@ def test_static_splits_share_is_unifieds_peak_else_the_given_else_decode_alones(
     assert _static_decode_pages(huge, cuda, plan, []) == 29 * 512 - 16  # below the tail
 
 
-def test_warm_up_runs_one_example_twice_then_each_power_of_two_that_fits() -> None:
-    # 1 MiB per token, 100 tokens per example, nothing resident, safety 0.9.
+def _shapes(*examples: int) -> list[QuantumShape]:
+    return [QuantumShape(n) for n in examples]
+
+
+def test_warm_up_captures_each_power_of_two_that_fits() -> None:
+    # 1 MiB per token, 100 tokens per example, nothing resident, safety 0.9 (no recomputation
+    # offered: the plan's shapes are those without).
     sizing = QuantumSizing(0, float(MIB), max_examples=8)
-    assert warm_sizes(sizing, 50 * MIB, 100) == []  # 45 MiB of room: not one example
-    assert warm_sizes(sizing, 120 * MIB, 100) == [1, 1]
-    assert warm_sizes(sizing, 500 * MIB, 100) == [1, 1, 2, 4]  # 4.5 examples fit
-    assert warm_sizes(sizing, 10_000 * MIB, 100) == [1, 1, 2, 4, 8]  # capped at 8
+    assert sizing.warm_plan(50 * MIB, 100)[1] == []  # 45 MiB of room: not one example
+    assert sizing.warm_plan(120 * MIB, 100)[1] == _shapes(1)
+    assert sizing.warm_plan(500 * MIB, 100)[1] == _shapes(1, 2, 4)  # 4.5 examples fit
+    assert sizing.warm_plan(10_000 * MIB, 100)[1] == _shapes(1, 2, 4, 8)  # capped at 8
 
 
 def test_a_captured_shape_runs_when_what_its_capture_left_held_fits_the_plan() -> None:
     # 1 MiB per token, 100 tokens per example, nothing resident, safety 0.9: the estimate
     # asks 223 MiB for 2 examples; the capture of 1 and 2 examples left 190 MiB held.
+    one, two, four = _shapes(1, 2, 4)
     sizing = QuantumSizing(0, float(MIB), max_examples=4)
-    assert sizing.tokens(200 * MIB, 100) == 100  # the estimate alone: 1 example
-    sizing.record_capture(2, 190 * MIB)
-    sizing.record_capture(1, 190 * MIB)
-    assert sizing.tokens(200 * MIB, 100, captured={1, 2}) == 200
-    assert sizing.tokens(190 * MIB, 100, captured={1, 2}) == 200
-    assert sizing.tokens(180 * MIB, 100, captured={1, 2}) == 100  # not held within it
-    assert sizing.tokens(200 * MIB, 100, captured={1}) == 100  # graphs dropped: estimate
-    assert sizing.tokens(200 * MIB, 100, captured=set()) == 100
-    assert sizing.tokens(500 * MIB, 100, captured={1, 2}) == 400  # the estimate is larger
-    sizing.record_capture(4, 10 * MIB)
-    assert QuantumSizing(0, float(MIB), max_examples=2).tokens(50 * MIB, 100) == 0
+    assert sizing.choose(200 * MIB, 100) == one  # the estimate alone: 1 example
+    sizing.record_capture(two, 190 * MIB)
+    sizing.record_capture(one, 190 * MIB)
+    assert sizing.choose(200 * MIB, 100, captured={one, two}) == two
+    assert sizing.choose(190 * MIB, 100, captured={one, two}) == two
+    assert sizing.choose(180 * MIB, 100, captured={one, two}) == one  # not held within it
+    assert sizing.choose(200 * MIB, 100, captured={one}) == one  # graphs dropped: estimate
+    assert sizing.choose(200 * MIB, 100, captured=set()) == one
+    assert sizing.choose(500 * MIB, 100, captured={one, two}) == four  # the estimate is larger
+    assert QuantumSizing(0, float(MIB), max_examples=2).choose(50 * MIB, 100) is None
     capped = QuantumSizing(0, float(MIB), max_examples=2)
-    capped.footprints[4] = 10 * MIB
-    assert capped.tokens(50 * MIB, 100, captured={4}) == 0  # above max_examples
+    capped.footprints[four] = 10 * MIB
+    assert capped.choose(50 * MIB, 100, captured={four}) is None  # above max_examples
+    # with recomputation offered (a quarter of the bytes per token): below one example
+    # without it, the largest with it
+    both = QuantumSizing(0, float(MIB), max_examples=4, recompute_bytes_per_token=MIB / 4)
+    assert both.choose(100 * MIB, 100) == QuantumShape(2, recompute=True)
+    assert both.choose(112 * MIB, 100) == one
 
 
-def test_captured_shapes_are_the_rows_of_the_held_graph_keys() -> None:
-    keys = [SimpleNamespace(rows=2, seq_len=512), SimpleNamespace(rows=1, seq_len=512)]
+def test_captured_shapes_are_the_rows_and_modes_of_the_held_graph_keys() -> None:
+    keys = [
+        SimpleNamespace(rows=2, seq_len=512, recompute=False),
+        SimpleNamespace(rows=1, seq_len=512, recompute=True),
+    ]
     graphs = SimpleNamespace(disabled=None, keys=lambda: keys)
-    assert captured_shapes(SimpleNamespace(graphs=graphs)) == {1, 2}
+    held = {QuantumShape(2), QuantumShape(1, recompute=True)}
+    assert captured_shapes(SimpleNamespace(graphs=graphs)) == held
     assert captured_shapes(SimpleNamespace(graphs=None)) == set()
     off = SimpleNamespace(disabled="capture failed", keys=lambda: keys)
     assert captured_shapes(SimpleNamespace(graphs=off)) == set()
