@@ -109,7 +109,9 @@ class FinetuneHyperparameters:
     max_grad_norm: float = 1.0
     """Gradient clipping on the adapter gradients' global L2 norm; 0 disables it."""
     activation_checkpointing: bool = False
-    """Recompute each decoder layer in backward instead of keeping its activations."""
+    """Recompute each decoder layer in backward instead of keeping its activations: the mode of
+    quanta whose call does not choose one (``LoraTrainer.recompute``; a finetune side sizing
+    quanta to a memory budget chooses per quantum)."""
     checkpoint_every_steps: int = 0
     """Write a checkpoint every N optimizer steps (0: only when asked and at the end)."""
 
