@@ -31,7 +31,7 @@ seeds would have outweighed the served iterations for dozens of them.
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from gpu_runtime.colocation.online import record_observation
@@ -69,33 +69,35 @@ def _coarse(kind: Kind) -> Kind:
 PLACEMENT_NAMES = ("alone", "beside", "overlap")
 
 
-def _ratio_of_sums(pairs: Iterable[tuple[float, float]]) -> float:
-    predicted = observed = 0.0
-    for p, o in pairs:
-        predicted += p
-        observed += o
-    return observed / predicted
-
-
 class _Samples:
     """(predicted, observed) pairs of one key: seeds and served iterations, the last ``window``
-    of each."""
+    of each, with their running sums (a ratio per observation, no pass over the window)."""
 
     def __init__(self, window: int) -> None:
-        self.seeds: deque[tuple[float, float]] = deque(maxlen=window)
-        self.served: deque[tuple[float, float]] = deque(maxlen=window)
+        self.window = window
+        self.seeds: deque[tuple[float, float]] = deque()
+        self.served: deque[tuple[float, float]] = deque()
+        self._sums = {True: [0.0, 0.0], False: [0.0, 0.0]}
 
     def add(self, pair: tuple[float, float], seed: bool) -> None:
-        (self.seeds if seed else self.served).append(pair)
+        pairs, sums = (self.seeds if seed else self.served), self._sums[seed]
+        pairs.append(pair)
+        sums[0] += pair[0]
+        sums[1] += pair[1]
+        if len(pairs) > self.window:
+            old = pairs.popleft()
+            sums[0] -= old[0]
+            sums[1] -= old[1]
 
     def ratio(self, min_samples: int) -> tuple[float, bool] | None:
         """(ratio, whether served iterations alone gave it): over the served iterations once
         there are ``min_samples`` of them, before that over seeds and served together; None
         below ``min_samples`` in all."""
+        served, seeds = self._sums[False], self._sums[True]
         if len(self.served) >= min_samples:
-            return _ratio_of_sums(self.served), True
+            return served[1] / served[0], True
         if len(self.served) + len(self.seeds) >= min_samples:
-            return _ratio_of_sums([*self.seeds, *self.served]), False
+            return (served[1] + seeds[1]) / (served[0] + seeds[0]), False
         return None
 
 
@@ -141,6 +143,7 @@ class CorrectedLatencyModel:
         # Per key: (seeds, served iterations), each the last ``window``.
         self._pairs: dict[tuple[float, Kind], _Samples] = defaultdict(lambda: _Samples(window))
         self._pooled: dict[Kind, _Samples] = defaultdict(lambda: _Samples(window))
+        self._bases: dict[Pair, float] = {}
         self._share_ratios: dict[tuple[float, Kind], tuple[float, bool]] = {}
         self._kind_ratios: dict[Kind, tuple[float, bool]] = {}
 
@@ -165,15 +168,25 @@ class CorrectedLatencyModel:
 
     def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
         base = self.base.predict_ms(iteration, quantum)
+        self._remember(((iteration, quantum),), (base,))
         return base * self.ratio(iteration.decode_sm_share, _kind(iteration, quantum))
 
     def predict_many(self, pairs: Sequence[Pair]) -> list[float]:
         """``predict_ms`` of every pair, the base model asked once (``predict_many``)."""
         bases = predict_many(self.base, pairs)
+        self._remember(pairs, bases)
         return [
             b * self.ratio(it.decode_sm_share, _kind(it, q))
             for b, (it, q) in zip(bases, pairs, strict=True)
         ]
+
+    def _remember(self, pairs: Sequence[Pair], bases: Sequence[float]) -> None:
+        """Keep the base predictions of the latest plans: the iteration the loop then runs is
+        usually one of them, and ``observe`` needs its base prediction (one model call per
+        iteration less on the token path)."""
+        if len(self._bases) > 1024:
+            self._bases.clear()
+        self._bases.update(zip(pairs, bases, strict=True))
 
     def observe(
         self,
@@ -187,7 +200,9 @@ class CorrectedLatencyModel:
         observed before serving (see the module docstring)."""
         if observed_ms <= 0:
             return
-        predicted = self.base.predict_ms(iteration, quantum)
+        predicted = self._bases.get((iteration, quantum))
+        if predicted is None:
+            predicted = self.base.predict_ms(iteration, quantum)
         if not predicted > 0:
             return
         low, high = self.ratio_bounds

@@ -192,3 +192,22 @@ def test_a_quantum_sharing_the_sms_decode_moved_onto_is_its_own_kind() -> None:
     assert model.predict_ms(whole, shared) == BASE.predict_ms(whole, shared)  # BESIDE: untaught
     assert model.predict_ms(_iteration(0.5), QUANTUM) == BASE.predict_ms(_iteration(0.5), QUANTUM)
     assert "overlap/decode" in model.describe()["pooled"]
+
+
+def test_observing_a_planned_iteration_does_not_ask_the_base_model_again() -> None:
+    calls: list[int] = []
+
+    class Counting(AnalyticLatencyModel):
+        def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
+            calls.append(1)
+            return super().predict_ms(iteration, quantum)
+
+    model = CorrectedLatencyModel(Counting(), min_samples=1)
+    planned, other = _iteration(0.5), _iteration(0.5, batch=8)
+    model.predict_many([(planned, QUANTUM), (planned, None)])
+    asked = len(calls)
+    model.observe(planned, QUANTUM, 2.0 * BASE.predict_ms(planned, QUANTUM))
+    assert len(calls) == asked  # its base prediction was kept from the plan
+    assert model.ratio(0.5, (1, 0)) == pytest.approx(2.0)
+    model.observe(other, None, BASE.predict_ms(other, None))
+    assert len(calls) == asked + 1  # never planned: asked once

@@ -10,7 +10,7 @@ from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, LaunchM
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy
 from gpu_runtime.colocation.predictor import decode_iteration
 from gpu_runtime.colocation.types import InFlightQuantum, IterationPlan
-from gpu_runtime.predictor.schema import FinetuneQuantum
+from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 
 from .sim import JOB, OPTIONS, TOTAL_SMS, FakeGpu, context, record
 
@@ -223,7 +223,7 @@ def test_running_requests_are_projected_to_their_end() -> None:
 
     from gpu_runtime.colocation.types import RunningRequest
 
-    policy = HarliPolicy(MODEL, HarliConfig(allow_slice=False))
+    policy = HarliPolicy(MODEL, HarliConfig(allow_slice=False, replan_backoff=0))
     decode = DecodeSnapshot.from_contexts([512] * 16)
     slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 2.0
     base = context(decode, slo)
@@ -355,3 +355,41 @@ def test_in_flight_decode_holds_the_launch_split_until_it_is_predicted_over_the_
     # A quantum launched on the whole device keeps decode there.
     shared = InFlightQuantum("job", 512, TOTAL_SMS, 0.0)
     assert policy.plan(context(decode, tight, in_flight=shared)).decode_sms == TOTAL_SMS
+
+
+class _CountingModel(AnalyticLatencyModel):
+    calls = 0
+
+    def predict_ms(self, iteration: DecodeIteration, quantum: FinetuneQuantum | None) -> float:
+        type(self).calls += 1
+        return super().predict_ms(iteration, quantum)
+
+
+def test_after_plans_that_found_nothing_safe_it_pauses_without_predicting_for_a_while() -> None:
+    """Under overload every plan finds nothing: the next min(n, replan_backoff) iterations pause
+    without asking the model; a request finishing (a smaller batch) ends the backoff at once."""
+    model = _CountingModel()
+    policy = HarliPolicy(model, HarliConfig(replan_backoff=3))
+    decode = DecodeSnapshot.from_contexts([1024] * 64)
+    tight = context(decode, model.predict_ms(decode_iteration(decode, 1.0), None) * 1.01)
+    notes = []
+    for _ in range(12):
+        before = _CountingModel.calls
+        plan = policy.plan(tight)
+        assert plan.paused and not plan.launches and plan.decode_sms == TOTAL_SMS
+        asked = _CountingModel.calls > before
+        assert asked == (plan.note != "backing off")
+        notes.append("plan" if asked else "skip")
+    # 1 skip after the first failed plan, 2 after the second, then 3 at most.
+    assert (
+        notes
+        == ["plan", "skip", "plan", "skip", "skip", "plan"] + ["skip"] * 3 + ["plan"] + ["skip"] * 2
+    )
+    assert policy.pauses == 12
+    smaller = DecodeSnapshot.from_contexts([1024] * 63)  # a request finished: plan at once
+    before = _CountingModel.calls
+    assert policy.plan(context(smaller, tight.tpot_slo_ms)).note != "backing off"
+    assert _CountingModel.calls > before
+    # A plan that finds a safe choice ends the streak: no backoff after it.
+    loose = context(smaller, tight.tpot_slo_ms * 3)
+    assert policy.plan(loose).launches and policy.plan(loose).launches
