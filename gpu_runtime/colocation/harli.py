@@ -204,6 +204,8 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         )
         self._failed_plans = 0
         """Plans in a row that found nothing safe."""
+        self._backing_off = False
+        """This iteration's plan paused without asking the model."""
         self._backoff: tuple[int, int, float] = (0, 0, 0.0)
         """(iterations still to pause without planning, the batch and the SLO when the backoff
         began)."""
@@ -214,6 +216,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
     def plan(self, ctx: IterationContext) -> IterationPlan:
         self.decisions += 1
         self._launch_planned = None
+        self._backing_off = False
         self._worst_running = ctx.worst_running_tpot_ms
         self._slo_ms = ctx.tpot_slo_ms
         for job in ctx.jobs:
@@ -235,6 +238,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             left = 0  # a request finished or nothing decodes: plan again now
         if left > 0 and ctx.jobs and slo == ctx.tpot_slo_ms:
             self._backoff = (left - 1, batch, slo)
+            self._backing_off = True
             self.pauses += 1
             return IterationPlan(full, (), None, None, margin, paused=True, note="backing off")
         self._backoff = (0, 0, 0.0)
@@ -379,7 +383,10 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             breached |= self._worst_running is not None and self._worst_running > slo
             self.margins.observe(record.predicted_ms, record.iteration_ms, slo, breached)
         learn = getattr(self.latency, "observe_record", None)  # models that learn online
-        if learn is not None and planned is None:  # (a launch's extra is launch_overhead's)
+        # Not from a launch iteration (its extra is launch_overhead's), nor from a pause that
+        # asked nothing (the model would be asked now for its base prediction: the host time
+        # the backoff saves; decode alone on the whole device is learnt from the other ones).
+        if learn is not None and planned is None and not self._backing_off:
             job = self._jobs.get(record.quanta[0].job_id) if record.quanta else None
             seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
             learn(record, seq_len, rank)

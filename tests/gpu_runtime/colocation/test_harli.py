@@ -368,16 +368,19 @@ class _CountingModel(AnalyticLatencyModel):
 def test_after_plans_that_found_nothing_safe_it_pauses_without_predicting_for_a_while() -> None:
     """Under overload every plan finds nothing: the next min(n, replan_backoff) iterations pause
     without asking the model; a request finishing (a smaller batch) ends the backoff at once."""
+    from gpu_runtime.colocation.corrected import CorrectedLatencyModel
+
     model = _CountingModel()
-    policy = HarliPolicy(model, HarliConfig(replan_backoff=3))
+    policy = HarliPolicy(CorrectedLatencyModel(model), HarliConfig(replan_backoff=3))
     decode = DecodeSnapshot.from_contexts([1024] * 64)
     tight = context(decode, model.predict_ms(decode_iteration(decode, 1.0), None) * 1.01)
     notes = []
-    for _ in range(12):
+    for i in range(12):
         before = _CountingModel.calls
         plan = policy.plan(tight)
         assert plan.paused and not plan.launches and plan.decode_sms == TOTAL_SMS
-        asked = _CountingModel.calls > before
+        policy.observe(record(plan, decode, tight.tpot_slo_ms * 0.9, index=i))
+        asked = _CountingModel.calls > before  # planning or learning from the iteration
         assert asked == (plan.note != "backing off")
         notes.append("plan" if asked else "skip")
     # 1 skip after the first failed plan, 2 after the second, then 3 at most.
