@@ -2,17 +2,57 @@
 
 The partition key lets a co-location scheduler capture the same bucket once per SM partition
 (e.g. per green context): capture with that partition's stream current, replay on it.
+
+Captures run under `gc_paused_for_capture`: Python's cyclic garbage collector must not run while
+a stream is capturing. A dropped engine is cyclic garbage (its runner holds its graphs, whose
+forward is the runner's bound method); collected in the middle of another engine's capture, its
+`CUDAGraph`s are destroyed there (`cudaGraphExecDestroy`, refused while a stream captures in
+global mode: "operation not permitted when stream is capturing (function reset)") and the
+capture is invalidated (`cudaErrorStreamCaptureInvalidated` at `capture_end`, after the next
+library call in the capture fails, e.g. cuBLASLt `gemm_and_bias`). `torch.cuda.graph` no longer
+runs `gc.collect()` before capturing (`torch.compiler.config.force_cudagraph_gc`, off by default).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+import gc
+import threading
+from collections.abc import Callable, Hashable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 GraphKey = tuple[int, Hashable]
+
+_gc_lock = threading.Lock()
+_gc_pauses = 0
+_gc_was_enabled = False
+
+
+@contextmanager
+def gc_paused_for_capture() -> Iterator[None]:
+    """Collect cyclic garbage now, then keep the automatic collector off until the outermost
+    such block ends (nested blocks neither collect again nor re-enable it); the collector's
+    previous state comes back on exit, also on an exception. Wrap a whole series of captures in
+    one block: a full collection costs milliseconds to tens of milliseconds."""
+    global _gc_pauses, _gc_was_enabled
+    with _gc_lock:
+        outermost = _gc_pauses == 0
+        _gc_pauses += 1
+        if outermost:
+            _gc_was_enabled = gc.isenabled()
+            gc.disable()
+    try:
+        if outermost:
+            gc.collect()
+        yield
+    finally:
+        with _gc_lock:
+            _gc_pauses -= 1
+            if _gc_pauses == 0 and _gc_was_enabled:
+                gc.enable()
 
 
 @dataclass
@@ -56,7 +96,18 @@ class DecodeGraphs:
         stream: torch.cuda.Stream | None = None,
         warmup_iters: int = 2,
     ) -> None:
-        """Warm up (compiles kernels) and capture `forward(batch_size)` on `stream`."""
+        """Warm up (compiles kernels) and capture `forward(batch_size)` on `stream` (with the
+        garbage collector paused, see `gc_paused_for_capture`)."""
+        with gc_paused_for_capture():
+            self._capture(batch_size, partition, stream, warmup_iters)
+
+    def _capture(
+        self,
+        batch_size: int,
+        partition: Hashable,
+        stream: torch.cuda.Stream | None,
+        warmup_iters: int,
+    ) -> None:
         stream = stream or torch.cuda.Stream()
         current = torch.cuda.current_stream()
         stream.wait_stream(current)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from gpu_runtime.engine.attention.mixed import MixedPagedAttention
+from gpu_runtime.engine.cuda_graphs import gc_paused_for_capture
 from gpu_runtime.engine.flat_batch import FlatBatch
 from gpu_runtime.engine.fused_ops import rms_norm, rope_and_cache_write, silu_and_mul
 from gpu_runtime.engine.kv_cache import PagedKVCache
@@ -194,23 +195,25 @@ class MixedStepGraphs:
         self, bucket: int, partition: Hashable = None, stream: torch.cuda.Stream | None = None
     ) -> None:
         """Warm up (compiles kernels) and capture the bucket's `num_layers + 1` graphs on
-        `stream`, over padding tokens only (their K/V go to the padding block)."""
+        `stream`, over padding tokens only (their K/V go to the padding block). The garbage
+        collector is paused meanwhile (`cuda_graphs.gc_paused_for_capture`)."""
         self._inputs[:, :bucket].zero_()
         self._inputs[2, :bucket].fill_(self.cache.pad_block)
         self._rows.zero_()
         stream = stream or torch.cuda.Stream()
         current = torch.cuda.current_stream()
-        stream.wait_stream(current)
-        with torch.cuda.stream(stream):
+        with gc_paused_for_capture():
+            stream.wait_stream(current)
+            with torch.cuda.stream(stream):
+                for index in range(self.num_layers + 1):
+                    self.segment(index, bucket)
+            current.wait_stream(stream)
+            graphs = []
             for index in range(self.num_layers + 1):
-                self.segment(index, bucket)
-        current.wait_stream(stream)
-        graphs = []
-        for index in range(self.num_layers + 1):
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                self.segment(index, bucket)
-            if self._pool is None:
-                self._pool = graph.pool()
-            graphs.append(graph)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                    self.segment(index, bucket)
+                if self._pool is None:
+                    self._pool = graph.pool()
+                graphs.append(graph)
         self._graphs[(bucket, partition)] = graphs

@@ -17,7 +17,7 @@ import torch
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.config import EngineConfig
-from gpu_runtime.engine.cuda_graphs import DecodeGraphs
+from gpu_runtime.engine.cuda_graphs import DecodeGraphs, gc_paused_for_capture
 from gpu_runtime.engine.kv_cache import PagedKVCache
 from gpu_runtime.engine.lora import LoraForward, LoraRuntime
 from gpu_runtime.engine.runner_types import (
@@ -200,7 +200,7 @@ class StaticDecodeMixin:
         for size in sizes:
             if size not in self._buckets:
                 raise ValueError(f"batch size {size} is not a bucket of {self._buckets}")
-        with blas_library(self._blas):
+        with blas_library(self._blas), gc_paused_for_capture():  # one collection for all
             for size in sizes:
                 self._graphs.capture(size, partition, stream)
                 if self._lora_graphs is not None:

@@ -4,10 +4,14 @@ engine; skinny GEMMs in the decode graphs: the same logprobs within bf16 toleran
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.engine.cuda_graphs import DecodeGraphs
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
 
@@ -57,16 +61,18 @@ def _model(architecture: str) -> CausalLM:
     return build_random_model(config, seed=4, device=torch.device("cuda"), dtype="bfloat16")
 
 
+_ENGINE_CONFIG: dict[str, object] = dict(
+    num_kv_blocks=256,
+    block_size=16,
+    max_num_seqs=8,
+    max_model_len=256,
+    max_num_batched_tokens=64,
+    device="cuda",
+)
+
+
 def _engine(model: CausalLM, **overrides: object) -> Engine:
-    base: dict[str, object] = dict(
-        num_kv_blocks=256,
-        block_size=16,
-        max_num_seqs=8,
-        max_model_len=256,
-        max_num_batched_tokens=64,
-        device="cuda",
-    )
-    base.update(overrides)
+    base = {**_ENGINE_CONFIG, **overrides}
     engine = Engine(model, EngineConfig(**base))  # type: ignore[arg-type]
     assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
     return engine
@@ -127,6 +133,53 @@ def test_async_scheduling_gives_the_synchronous_tokens(architecture: str) -> Non
         assert engine.runner.num_overlapped_steps > 0
         engine.step()
         assert engine.runner.states == {}
+
+
+def test_capture_survives_a_collection_of_dropped_engines() -> None:
+    """A dropped engine is cyclic garbage holding its CUDA graphs. D2 (b38f5a4) failed
+    `test_async_scheduling_gives_the_synchronous_tokens[qwen2]` when the automatic collector
+    freed one in the middle of another engine's capture: four "operation not permitted when
+    stream is capturing (function reset)" warnings (its four graphs destroyed there), then
+    cuBLASLt's `gemm_and_bias` failing and `cudaErrorStreamCaptureInvalidated`. Here a
+    collection runs inside every capture on purpose; the capture collects first, so the dropped
+    graphs are gone before it begins and the new graphs give the reference tokens."""
+    model = _model("qwen2")  # q|k|v bias: the linear that failed in D2
+    prompts = _async_prompts()
+    reference = _run(_engine(model), prompts, _GREEDY, staggered=False)
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        dropped = _engine(model)
+        runner = weakref.ref(dropped.runner)
+        del dropped
+        assert runner() is not None  # cyclic garbage, graphs included
+        engine = Engine(model, EngineConfig(**_ENGINE_CONFIG))  # type: ignore[arg-type]
+        forward = engine.runner.decode_forward
+        collected_while_capturing = []
+
+        def collecting_forward(bucket: int) -> torch.Tensor:
+            if torch.cuda.is_current_stream_capturing():
+                collected_while_capturing.append(gc.collect())
+            return forward(bucket)
+
+        graphs = DecodeGraphs(collecting_forward)
+        engine.runner._graphs = graphs
+        assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
+        assert runner() is None
+        assert len(collected_while_capturing) == 4
+    finally:
+        if was_enabled:
+            gc.enable()
+    replayed = []
+    replay = graphs.replay
+
+    def counting_replay(batch_size: int, partition: object = None) -> torch.Tensor:
+        replayed.append(batch_size)
+        return replay(batch_size, partition)
+
+    graphs.replay = counting_replay  # type: ignore[method-assign]
+    assert _run(engine, prompts, _GREEDY, staggered=False) == reference
+    assert replayed  # the decode steps ran the graphs captured above
 
 
 @pytest.mark.parametrize("architecture", ["llama", "qwen2"])
