@@ -122,6 +122,7 @@ class HostRuntime:
             output_sink=self._outputs_sink,
             memory=serving.memory.memory if serving.memory is not None else None,
             sharing=serving.sharing,
+            choose_recompute=True,  # quanta fit the pool's budget by recomputing when they must
         )
         if serving.memory is not None:
             serving.memory.bind_loop(self.loop)

@@ -1,4 +1,10 @@
-"""The loop's finetune-job state and the memory-pool contract it calls (no torch here)."""
+"""The loop's finetune-job state and the memory-pool contract it calls (no torch here).
+
+With a memory pool, a job whose hparams do not force activation recomputation has it chosen
+per launch (``JobState.choose_mode``): the next launch recomputes only when one example without
+recomputation does not fit the budget and one with it does (``QuantumFit.choose``'s order), and
+the bytes per token the policy sizes the quantum by are that mode's.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from gpu_runtime.colocation.snapshot import trainer_replays_graphs
 from gpu_runtime.colocation.types import JobView, QuantumReport
+from gpu_runtime.finetune.quantum_fit import QuantumFit
 
 if TYPE_CHECKING:
     from gpu_runtime.finetune.trainer import LoraTrainer
@@ -29,6 +36,17 @@ class FinetuneMemory(Protocol):
 
     def quantum_done(self, *, peak_bytes: int, resident_bytes: int) -> None:
         """Account a finished quantum's peak and what it keeps between quanta."""
+
+    def finetune_quantum_mode(self, *, examples: int, recompute: bool) -> None:
+        """The quantum about to launch: examples per micro-batch, with or without recomputation
+        (counted; switches logged)."""
+
+
+RECOMPUTE_LAYERS_ESTIMATE = 3.0
+"""A recomputing micro-batch keeps each layer's input and recomputes one layer at a time: about
+one layer's activations plus the inputs and the loss's, taken as 3 layers' worth of the bytes
+per token without recomputation (above the H200's measure, M7: 320 of 4,891 KiB per token over
+32 layers, 2.1 layers' worth) until a recomputing quantum is measured."""
 
 
 class JobError(KeyError):
@@ -53,7 +71,15 @@ class JobState:
     bytes_per_token: float | None = None
     solo_tokens_per_s: float | None = None
     layers: int | None = None
+    choose_recompute: bool = False
+    """Whether the loop picks each launch's recomputation from the budget (``choose_mode``)."""
+    recompute: bool = False
+    """The mode of the job's next launch (what ``choose_mode`` picked)."""
+    measured_bytes_per_token: dict[bool, float] = field(default_factory=dict)
+    """Activation bytes per token seen per mode (recompute -> bytes; peaks beyond what was
+    allocated when a quantum started, over its tokens)."""
     reports: list[QuantumReport] = field(default_factory=list, repr=False)
+    _recomputed: int = field(default=0, repr=False)
     _cold: tuple[Any, frozenset[tuple[int, int | None]]] | None = field(default=None, repr=False)
 
     @property
@@ -68,6 +94,44 @@ class JobState:
     def graphed(self) -> bool:
         """Whether the job's whole micro-batches replay CUDA graphs."""
         return trainer_replays_graphs(self.trainer)
+
+    def choose_mode(self, budget_bytes: int | None) -> None:
+        """Pick the next launch's mode for ``budget_bytes`` and set ``bytes_per_token`` (what
+        the policy caps quantum tokens by) to that mode's figure. Without recomputation until
+        a quantum without it has been measured or while one example without it fits; with it
+        when only that fits (``QuantumFit.choose``, no safety factor: the same arithmetic as
+        the policy's cap). Its bytes per token before a recomputing quantum was measured:
+        ``RECOMPUTE_LAYERS_ESTIMATE / layers`` of those without (no estimate, so no
+        recomputation, when the layer count is unknown)."""
+        if not self.choose_recompute:
+            return
+        plain = self.measured_bytes_per_token.get(False)
+        self.recompute = False
+        self.bytes_per_token = plain
+        if budget_bytes is None or plain is None:
+            return
+        recomputing = self.measured_bytes_per_token.get(True)
+        if recomputing is None and self.layers:
+            recomputing = plain * min(1.0, RECOMPUTE_LAYERS_ESTIMATE / self.layers)
+        if recomputing is None:
+            return
+        fit = QuantumFit(0, plain, 1, recomputing, safety=1.0)
+        shape = fit.choose(budget_bytes, self.max_seq_len)
+        if shape is not None and shape.recompute:
+            self.recompute = True
+            self.bytes_per_token = recomputing
+
+    def record_quantum(self, report: QuantumReport) -> None:
+        """Learn bytes per token from a finished quantum, by the mode its micro-batch ran in
+        (the trainer's count of recomputing micro-batches moved: one quantum of a trainer
+        runs at a time)."""
+        done = int(getattr(self.trainer, "recompute_micro_batches", 0))
+        recomputed = done > self._recomputed
+        self._recomputed = done
+        if report.finetune_peak_bytes is None or not report.tokens:
+            return
+        self.bytes_per_token = report.finetune_peak_bytes / report.tokens
+        self.measured_bytes_per_token[recomputed] = self.bytes_per_token
 
     def view(self, cold_launches: frozenset[tuple[int, int | None]] = frozenset()) -> JobView:
         return JobView(

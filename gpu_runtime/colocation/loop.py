@@ -59,9 +59,13 @@ class HostLoop:
         output_sink: Callable[[list[RequestOutput]], None] | None = None,
         clock: Callable[[], float] = time.perf_counter,
         executor: QuantumExecutor | None = None,
+        choose_recompute: bool = False,
     ) -> None:
         """``sharing``: a ``gpu_runtime.sharing.GpuSharing`` (None on CPU or to run decode on
-        the current stream); ``memory``: the unified pool's adapter (None: no budget)."""
+        the current stream); ``memory``: the unified pool's adapter (None: no budget);
+        ``choose_recompute``: with ``memory``, pick each launch's activation recomputation from
+        the budget (``JobState.choose_mode``) for jobs whose hparams do not force it (off for a
+        finetune side that sets the trainer's mode itself, e.g. ``bench/memory.py``)."""
         if tpot_slo_ms <= 0:
             raise ValueError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
         self.engine = engine
@@ -75,6 +79,7 @@ class HostLoop:
         if executor is None:
             executor = (ThreadedExecutor if engine.config.is_cuda else SequentialExecutor)(clock)
         self.executor = executor
+        self.choose_recompute = choose_recompute
         self._jobs: dict[str, JobState] = {}
         self._order: list[str] = []
         self._tokens = TokenClock()
@@ -108,6 +113,12 @@ class HostLoop:
         seq_len, max_seq_len, rank = describe_trainer(trainer)
         state = JobState(job_id, trainer, seq_len, max_seq_len, rank)
         state.layers = trainer_layers(trainer)
+        # Recomputation chosen per launch (with a pool) unless the hparams force it.
+        state.choose_recompute = (
+            self.choose_recompute
+            and self.memory is not None
+            and getattr(trainer, "recompute", None) is False
+        )
         self._jobs[job_id] = state
         self._order.append(job_id)
         return state
@@ -265,11 +276,13 @@ class HostLoop:
             in_flight = InFlightQuantum(
                 task.job_id, task.max_tokens, task.decode_sms, self.executor.submitted_at or now
             )
-        runnable = [
-            self._jobs[j].view(self._cold_launches(self._jobs[j]))
-            for j in self._order
-            if self._jobs[j].runnable
-        ]
+        budget = None if self.memory is None else self.memory.finetune_budget_bytes()
+        runnable = []
+        for j in self._order:
+            job = self._jobs[j]
+            if job.runnable:
+                job.choose_mode(budget)
+                runnable.append(job.view(self._cold_launches(job)))
         running = self._running_view()
         return IterationContext(
             now=now,
@@ -279,9 +292,7 @@ class HostLoop:
             spatial=spatial,
             jobs=tuple(runnable),
             in_flight=in_flight,
-            finetune_budget_bytes=(
-                None if self.memory is None else self.memory.finetune_budget_bytes()
-            ),
+            finetune_budget_bytes=budget,
             tpot_slo_ms=self.tpot_slo_ms,
             worst_running_tpot_ms=max((r.tpot_ms for r in running), default=None),
             running=running,
@@ -313,7 +324,13 @@ class HostLoop:
         # Round robin: the launched job goes to the back of the order.
         self._order.remove(job_id)
         self._order.append(job_id)
-        trainer = self._jobs[job_id].trainer
+        job = self._jobs[job_id]
+        trainer = job.trainer
+        if job.choose_recompute:  # the mode `choose_mode` sized this launch by
+            trainer.recompute = job.recompute
+            if self.memory is not None and launch.max_layers is None:
+                examples = max(1, launch.max_tokens // max(1, job.max_seq_len))
+                self.memory.finetune_quantum_mode(examples=examples, recompute=job.recompute)
         return QuantumTask(
             job_id,
             trainer,
@@ -353,8 +370,7 @@ class HostLoop:
         if report.loss is not None:  # a layer slice that did not finish its micro-batch has none
             state.last_loss = report.loss
         state.step = report.step if report.step is not None else state.step
-        if report.finetune_peak_bytes is not None and report.tokens:
-            state.bytes_per_token = report.finetune_peak_bytes / report.tokens
+        state.record_quantum(report)
         if report.peak_memory_bytes is not None and self.memory is not None:
             self.memory.quantum_done(peak_bytes=report.peak_memory_bytes, resident_bytes=0)
         if alone and report.duration_ms > 0 and report.tokens:

@@ -254,6 +254,11 @@ class EngineMemory:
         except FinetuneBudgetExceeded as exc:
             logger.warning("finetune quantum over budget: %s", exc)
 
+    def finetune_quantum_mode(self, *, examples: int, recompute: bool) -> None:
+        """The quantum about to launch recomputes or not (`MemoryManager.finetune_quantum_mode`:
+        counted, switches logged)."""
+        self.manager.finetune_quantum_mode(examples=examples, recompute=recompute)
+
     def _busy(self) -> bool:
         return bool(self.finetune_busy()) if self.finetune_busy is not None else False
 
