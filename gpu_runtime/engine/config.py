@@ -65,6 +65,13 @@ class EngineConfig:
     prefill chunks, piecewise per token bucket (`mixed_graph_token_sizes`): everything between
     two attentions is replayed from a graph, the attention runs eagerly. Such steps without
     adapters then replay them; off, they launch every kernel from Python."""
+    gc_freeze_after_capture: bool = True
+    """After `capture_cuda_graphs` captured anything, move every live Python object into the
+    cyclic collector's permanent generation (`cuda_graphs.freeze_long_lived`), so automatic
+    full collections stop walking the model, engine and imported modules (a few hundred ms
+    inside a step otherwise; see `cuda_graphs.py`). The next capture and the next runner built
+    unfreeze first and collect, so a dropped engine is still freed then (not by a plain
+    `gc.collect()` in between). False leaves the collector as it is."""
     decode_blas_library: str | None = None
     """BLAS library of the model's GEMMs on CUDA ("cublas", "cublaslt"; None: torch's current
     choice), set while decode graphs are captured (graphs keep the kernels chosen then) and

@@ -17,6 +17,7 @@ touch the runtime and replay the base graphs.
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
@@ -26,7 +27,7 @@ import torch
 from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.config import EngineConfig
-from gpu_runtime.engine.cuda_graphs import DecodeGraphs
+from gpu_runtime.engine.cuda_graphs import DecodeGraphs, thaw_engine_freeze
 from gpu_runtime.engine.flat_batch import FlatBatch, flatten_step
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.lora import LoraForward, LoraRuntime
@@ -68,6 +69,8 @@ class ModelRunner(StaticDecodeMixin):
         self.model = model
         self.lora = lora
         self.device = torch.device(config.device)
+        if thaw_engine_freeze():  # an earlier engine froze the heap: free dropped ones first
+            gc.collect()
         self.model.fuse_projections()
         weight_dtype = model.model.embed_tokens.weight.dtype
         kv_dtype = torch_dtype(config.kv_dtype) if config.kv_dtype else weight_dtype

@@ -17,7 +17,7 @@ import torch
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
 from gpu_runtime.engine.config import EngineConfig
-from gpu_runtime.engine.cuda_graphs import DecodeGraphs, gc_paused_for_capture
+from gpu_runtime.engine.cuda_graphs import DecodeGraphs, freeze_long_lived, gc_paused_for_capture
 from gpu_runtime.engine.kv_cache import PagedKVCache
 from gpu_runtime.engine.lora import LoraForward, LoraRuntime
 from gpu_runtime.engine.runner_types import (
@@ -208,6 +208,8 @@ class StaticDecodeMixin:
             if self._mixed is not None:
                 for tokens in reversed(self._mixed.buckets):
                     self._mixed.capture(tokens, partition, stream)
+        if self.config.gc_freeze_after_capture:
+            freeze_long_lived()  # full collections stop walking the model and engine
         return sizes
 
     def _decode_logits(
