@@ -144,4 +144,6 @@ def test_thaw_leaves_a_freeze_the_engine_did_not_make_alone(_thawed: None) -> No
     count = gc.get_freeze_count()
     assert count > 0
     assert not thaw_engine_freeze()
-    assert gc.get_freeze_count() == count
+    # Still frozen (an unfreeze empties the permanent generation); a frozen object freed by
+    # its reference count meanwhile may take the count down by a few.
+    assert count - 100 <= gc.get_freeze_count() <= count
