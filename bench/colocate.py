@@ -43,6 +43,7 @@ policies) and ``colocate_report`` (rows, comparisons, the table).
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import sys
@@ -193,6 +194,9 @@ def main() -> None:
         if time.perf_counter() - wall + specs[trace].duration_s + args.drain_s + 1 > args.budget_s:
             skipped.append(f"{trace}/{label}")
             return None
+        # What earlier runs left (their records) is long-lived: out of the collector's full
+        # passes, which would walk it at a random iteration of this run (engine README).
+        gc.freeze()
         try:
             policy = make_policy(
                 name,
