@@ -9,18 +9,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan, collate
+from gpu_runtime.finetune.batching import DataStream, collate
 from gpu_runtime.finetune.graphs import GraphRun, MicroBatchGraphs
 from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import QuantumResult
+from gpu_runtime.finetune.tail import QuantumTailMixin
 
 
-class GraphedQuantaMixin:
-    """The trainer's graphed launches (the attributes and methods below are the trainer's)."""
+class GraphedQuantaMixin(QuantumTailMixin):
+    """The trainer's graphed launches (the attributes and methods below are the trainer's;
+    every launch ends in the shared tail, ``QuantumTailMixin._launch_tail``)."""
 
     graphs: MicroBatchGraphs | None
     device: torch.device
@@ -30,7 +32,7 @@ class GraphedQuantaMixin:
     _pending: object | None
     _unread: PendingQuantum | None
 
-    if TYPE_CHECKING:  # the trainer's (LoraTrainer, QuantumTailMixin)
+    if TYPE_CHECKING:  # the trainer's (LoraTrainer)
 
         @property
         def finished(self) -> bool: ...
@@ -44,21 +46,6 @@ class GraphedQuantaMixin:
         ) -> QuantumResult: ...
 
         def _begin_quantum(self) -> tuple[float, int]: ...
-
-        def _launch_tail(
-            self,
-            plan: MicroBatchPlan,
-            batch: MicroBatch,
-            loss_sum: torch.Tensor,
-            start: float,
-            layer_passes: int,
-            graph: str = "off",
-            graph_fallback: str | None = None,
-            launch_s: float | None = None,
-            graph_peak_bytes: int | None = None,
-            events: tuple[Any, Any] | None = None,
-            recompute: bool = False,
-        ) -> PendingQuantum: ...
 
     def _recompute(self, recompute: bool | None) -> bool:
         return self.recompute if recompute is None else recompute

@@ -53,12 +53,11 @@ from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, TrainerRng, swapped_rng
 from gpu_runtime.finetune.schedule import LrSchedule
 from gpu_runtime.finetune.sliced import SlicedMicroBatch
-from gpu_runtime.finetune.tail import QuantumTailMixin
 from gpu_runtime.finetune.validation import ValidationRun
 from gpu_runtime.model import CausalLM
 
 
-class LoraTrainer(GraphedQuantaMixin, QuantumTailMixin):
+class LoraTrainer(GraphedQuantaMixin):
     """Trains one LoRA adapter over a serving model's shared, frozen base weights."""
 
     def __init__(
