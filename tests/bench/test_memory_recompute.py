@@ -5,48 +5,20 @@ accounting: 64 KiB per token without recomputation, 16 with)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent.parent
+from tests.bench.memory_runs import run_tiny_trace
 
 
 def _run(tmp_path: Path, *extra: str) -> dict[str, Any]:
     # 0.05 GiB pool of 8 KiB CPU pages; the static split keeps 3000 + 16 for decode, so
     # finetuning gets ~27.6 MiB: one 512-token example is estimated at 36.4 MiB without
     # recomputation (64 KiB / token / 0.9) and 9.1 MiB with it. Unified lends ~45 MiB.
-    command = [
-        sys.executable,
-        str(ROOT / "bench" / "memory.py"),
-        "trace",
-        "--model=tiny",
-        "--device=cpu",
-        "--duration=2",
-        "--drain=1",
-        "--pool-gib=0.05",
-        "--reserve-low-pages=16",
-        "--reserve-high-pages=48",
-        "--step-pages=8",
-        "--hysteresis=5",
-        "--max-model-len=256",
-        "--static-kv-peak-blocks=3000",
-        "--ft-seq-len=512",
-        "--max-examples=1",
-        f"--out={tmp_path}",
-        *extra,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = tmp_path.glob("memory-cpu-*[0-9].json")
-    result: dict[str, Any] = json.loads(path.read_text())
-    return result
+    flags = ("--static-kv-peak-blocks=3000", "--ft-seq-len=512", "--max-examples=1")
+    return run_tiny_trace(tmp_path, *flags, *extra).result
 
 
 @pytest.mark.slow

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -20,8 +17,8 @@ from bench.memory_trace import _peak_prior_blocks, _static_decode_pages, job_poo
 from bench.memory_trace_report import trace_comparisons
 from gpu_runtime.finetune.quantum_fit import QuantumShape
 from gpu_runtime.memory import MemoryWork
+from tests.bench.memory_runs import run_tiny_trace
 
-ROOT = Path(__file__).resolve().parent.parent.parent
 MIB = 1 << 20
 
 
@@ -277,31 +274,14 @@ def test_unified_without_the_peak_window_is_compared_with_both() -> None:
 
 @pytest.mark.slow
 def test_five_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
-    command = [
-        sys.executable,
-        str(ROOT / "bench" / "memory.py"),
-        "trace",
-        "--model=tiny",
-        "--device=cpu",
-        "--duration=2",
-        "--drain=1",
-        "--pool-gib=0.05",
-        "--reserve-low-pages=16",
-        "--reserve-high-pages=48",
-        "--step-pages=8",
-        "--hysteresis=5",
+    run = run_tiny_trace(
+        tmp_path,
         "--job-pool-extra-gib=1",
-        "--max-model-len=256",  # decode keeps 16 pages for one request: pages move
         # static_split before unified: its share from decode alone's KV peak
         # (unified_release last: no CUDA graphs on CPU, so it runs as unified, with the hooks)
         "--phases=decode_only,decode_only_split,static_split,unified,unified_release",
-        f"--out={tmp_path}",
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    (path,) = tmp_path.glob("memory-cpu-*[0-9].json")
-    result = json.loads(path.read_text())
+    )
+    result = run.result
     rows = {row["policy"]: row for row in result["rows"]}
     order = ["decode_only", "decode_only_split", "static_split", "unified", "unified_release"]
     assert list(rows) == order
@@ -334,10 +314,10 @@ def test_five_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
     release = rows["unified_release"]
     assert release["graph_releases"] == 0 and release["finetune_warmup"]["release_plan_gib"] > 0
     assert "finetune_tokens_per_s_ratio_unified_release_over_unified" in result["comparisons"]
-    last = proc.stdout.strip().splitlines()
+    last = run.stdout.strip().splitlines()
     assert last[-1].startswith("wrote ") and last[-2].startswith("unified")
     # One row per loop iteration of every phase, beside the result.
-    table = json.loads(path.with_suffix(".iterations.json").read_text())
+    table = json.loads(run.path.with_suffix(".iterations.json").read_text())
     assert table["columns"] == list(ITERATION_COLUMNS)
     assert list(table["phases"]) == order
     column = {name: i for i, name in enumerate(ITERATION_COLUMNS)}
