@@ -132,7 +132,7 @@ class MarginTracker:
 
     def observe(
         self,
-        predicted_ms: float,
+        predicted_ms: float | None,
         observed_ms: float,
         tpot_slo_ms: float,
         requests_breached: bool | None = None,
@@ -140,19 +140,26 @@ class MarginTracker:
         """One busy iteration. Errors are judged on the mean over the last ``error_smoothing``
         iterations: a request's TPOT is a mean over its tokens, so one slow iteration (a
         prefill chunk) matters less than a bias that persists. A breach episode starts when
-        ``requests_breached`` (a request finished over the SLO, or one running is over it)
-        turns true; without request figures, when that iteration mean goes above the SLO."""
+        ``requests_breached`` (a request finished over the SLO, or one running is headed over
+        it) turns true; without request figures, when that iteration mean goes above the SLO.
+
+        An iteration planned without a prediction (``predicted_ms`` None: a plan backoff) adds
+        no error but still ages the breach term and still reports breaches: the breach term
+        decays per busy iteration, not per prediction. (It decayed only with predictions on
+        the H200 at d60ecfc: under backoff, 4 of 5 Qwen medium iterations asked nothing, and a
+        0.30 margin from a burst's breaches took 4 s to fall to 0.12 while harli paused.)"""
         self._observed += 1
         self._violation *= self.config.violation_decay
-        if predicted_ms <= 0:
-            return
-        self._recent.append((predicted_ms, observed_ms))
-        predicted = sum(p for p, _ in self._recent)
-        observed = sum(o for _, o in self._recent)
-        self._errors.append((observed - predicted) / predicted)
+        if predicted_ms is not None and predicted_ms > 0:
+            self._recent.append((predicted_ms, observed_ms))
+            predicted = sum(p for p, _ in self._recent)
+            observed = sum(o for _, o in self._recent)
+            self._errors.append((observed - predicted) / predicted)
         breached = requests_breached
         if breached is None:
-            breached = observed / len(self._recent) > tpot_slo_ms
+            if not self._recent:
+                return
+            breached = sum(o for _, o in self._recent) / len(self._recent) > tpot_slo_ms
         if breached and not self._breached:  # once per episode, not per iteration of it
             self._violation += self.config.violation_step
         self._breached = breached

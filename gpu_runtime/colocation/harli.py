@@ -47,8 +47,9 @@ that split is predicted over the bound and the whole device faster.
 The margin adapts: ``base_margin`` plus the ``error_quantile`` of recent relative prediction
 errors ``(observed - predicted) / predicted`` (only under-predictions count; each a mean over
 ``error_smoothing`` iterations), capped at ``max_margin``; each time a request misses the SLO
-(finishes over it, or a running one's mean TPOT so far goes over it), ``violation_step`` is
-added, decaying by ``violation_decay`` per iteration.
+(finishes over it, or a running one's mean TPOT so far is over it and would stay over it at
+decode alone's typical iteration), ``violation_step`` is added, decaying by
+``violation_decay`` per busy iteration (those of a plan backoff included).
 """
 
 from __future__ import annotations
@@ -196,7 +197,10 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self._slice_launch: dict[str, tuple[int | None, LaunchMode, float]] = {}
         self._jobs: dict[str, JobView] = {}
         self._slo_ms: float | None = None
-        self._worst_running: float | None = None
+        self._running_over = False
+        """At this iteration's plan, a running request was headed over the SLO."""
+        self._alone_ms: float | None = None
+        """Decode alone's typical iteration (remembered mix) at the last plan that predicted it."""
         self._prefill = PrefillMix(
             self.config.prefill_smoothing,
             self.config.error_smoothing,
@@ -217,7 +221,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self.decisions += 1
         self._launch_planned = None
         self._backing_off = False
-        self._worst_running = ctx.worst_running_tpot_ms
+        self._running_over = self._headed_over(ctx)
         self._slo_ms = ctx.tpot_slo_ms
         for job in ctx.jobs:
             self._jobs[job.job_id] = job
@@ -267,7 +271,10 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         # Decode alone on the whole device is the kindest its typical iteration can be: when
         # even that is over the bound, no quantum beside it can be safe, and the whole batch
         # of predictions (every split x size) is host time every decode token waits for.
-        hopeless = not idle and self._typical_alone(ctx)[0] > bound
+        hopeless = False
+        if not idle:
+            alone = self._typical_alone(ctx)
+            hopeless, self._alone_ms = alone[0] > bound, alone[1]
         if sliced is None or not sliced.active:  # a micro-batch in progress goes on in slices
             shares = [d / total for d in options[:-1]] if total and ctx.spatial else []
             if self.config.allow_shared:
@@ -357,6 +364,25 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             note += " (predicted over bound)"
         return IterationPlan(d, (), predicted, solo, margin, note=note)
 
+    def _headed_over(self, ctx: IterationContext) -> bool:
+        """Whether a running request is headed over the SLO: its mean so far is over it and it
+        would still end over it if its remaining tokens took decode alone's typical iteration
+        (as last predicted; before any, its mean so far decides). A request's first tokens
+        carry its own prefill chunks and those of requests arriving beside it, so its early mean
+        is often over a tight SLO and then falls (H200, Qwen2.5-7B at d60ecfc, SLO 7.81 ms:
+        steps with a chunk took 14-16 ms, decode steps 5-6.5); counting such a request as a
+        breach raised harli's margin by 0.05 four times in one burst (to 0.30), which then
+        turned down every split for seconds while decode alone ran at 5.3 ms."""
+        slo = ctx.tpot_slo_ms
+        worst = ctx.worst_running_tpot_ms
+        if worst is None or worst <= slo:
+            return False
+        alone = self._alone_ms
+        if alone is None:
+            return True
+        horizon = self.config.unknown_remaining_tokens
+        return any(r.tpot_ms > slo and r.final_tpot_ms(alone, horizon) > slo for r in ctx.running)
+
     # ---- feedback -----------------------------------------------------------------------
     def observe(self, record: IterationRecord) -> None:
         for quantum in record.quanta:
@@ -377,10 +403,10 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         planned = self._launch_planned  # this iteration launched a whole quantum beside
         if busy and planned is not None and not planned[1] and record.predicted_ms is not None:
             self.launch_overhead.observe(record.predicted_ms - planned[0], record.iteration_ms)
-        if busy and record.predicted_ms is not None and self._slo_ms is not None:
+        if busy and self._slo_ms is not None:  # backoff iterations too: the breach term ages
             slo = self._slo_ms
             breached = any(f.tpot_ms is not None and f.tpot_ms > slo for f in record.finished)
-            breached |= self._worst_running is not None and self._worst_running > slo
+            breached |= self._running_over
             self.margins.observe(record.predicted_ms, record.iteration_ms, slo, breached)
         learn = getattr(self.latency, "observe_record", None)  # models that learn online
         # Not from a launch iteration (its extra is launch_overhead's), nor from a pause that

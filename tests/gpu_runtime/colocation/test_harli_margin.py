@@ -1,0 +1,99 @@
+"""What raises Harli's margin after requests miss, and how it ages (fake clock, analytic model)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot
+from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy, MarginTracker
+from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.types import IterationContext, RunningRequest
+
+from .sim import context, record
+
+MODEL = AnalyticLatencyModel()
+DECODE = DecodeSnapshot.from_contexts([512] * 16)
+SLO = MODEL.predict_ms(decode_iteration(DECODE, 1.0), None) * 2.0
+
+
+def _with_running(*running: RunningRequest, slo: float = SLO) -> IterationContext:
+    return replace(
+        context(DECODE, slo), running=running, worst_running_tpot_ms=max(r.tpot_ms for r in running)
+    )
+
+
+def _step(policy: HarliPolicy, ctx: IterationContext, index: int) -> None:
+    """Plan one iteration and report it back as observed exactly as predicted."""
+    plan = policy.plan(ctx)
+    observed = plan.predicted_ms if plan.predicted_ms is not None else ctx.tpot_slo_ms * 0.5
+    policy.observe(record(plan, ctx.decode, observed, index=index))
+
+
+def test_an_early_mean_over_the_slo_that_decode_alone_brings_back_is_no_breach() -> None:
+    """A request whose first tokens carried prefill chunks is over the SLO so far, but with its
+    remaining tokens at decode alone's typical iteration it ends well under: no bump. One that
+    would stay over even then (few tokens left) is a breach, once per episode."""
+    config = HarliConfig(min_error_samples=4, replan_backoff=0)
+    policy = HarliPolicy(MODEL, config)
+    for i in range(10):
+        _step(policy, context(DECODE, SLO), i)
+    calm = policy.margins.margin
+    assert calm == pytest.approx(config.base_margin)
+    alone = policy.typical_ms(DECODE, 1.0, None)
+    early = RunningRequest(tokens=20, tpot_ms=SLO * 1.3, remaining_tokens=300)
+    assert early.final_tpot_ms(alone, config.unknown_remaining_tokens) < SLO
+    for i in range(10, 20):
+        _step(policy, _with_running(early), i)
+    assert policy.margins.margin == pytest.approx(calm)
+    late = RunningRequest(tokens=200, tpot_ms=SLO * 1.3, remaining_tokens=10)
+    assert late.final_tpot_ms(alone, config.unknown_remaining_tokens) > SLO
+    for i in range(20, 25):  # one episode: one step, however many iterations it lasts
+        _step(policy, _with_running(late), i)
+    bumped = policy.margins.margin
+    step = config.violation_step * config.violation_decay**4
+    assert bumped == pytest.approx(calm + step, rel=1e-6)
+
+
+def test_without_a_prediction_of_decode_alone_yet_the_mean_so_far_decides() -> None:
+    policy = HarliPolicy(MODEL, HarliConfig(replan_backoff=0))
+    over = RunningRequest(tokens=20, tpot_ms=SLO * 1.3, remaining_tokens=300)
+    assert policy._headed_over(_with_running(over))
+    under = RunningRequest(tokens=20, tpot_ms=SLO * 0.9, remaining_tokens=300)
+    assert not policy._headed_over(_with_running(under))
+
+
+def test_the_breach_term_ages_in_backoff_iterations_that_predict_nothing() -> None:
+    """Under overload most plans back off (no prediction): the margin a breach added must still
+    decay per busy iteration, or harli stays paused long after decode has recovered."""
+    config = HarliConfig(replan_backoff=4, min_error_samples=4)
+    policy = HarliPolicy(MODEL, config)
+    heavy = DecodeSnapshot.from_contexts([1024] * 64)
+    tight = MODEL.predict_ms(decode_iteration(heavy, 1.0), None) * 1.01  # nothing fits
+    lost = RunningRequest(tokens=200, tpot_ms=tight * 1.5, remaining_tokens=5)
+    ctx = replace(context(heavy, tight), running=(lost,), worst_running_tpot_ms=lost.tpot_ms)
+    _step(policy, ctx, 0)  # a breach episode begins
+    calm_ctx = context(heavy, tight)
+    notes = []
+    for i in range(1, 101):
+        plan = policy.plan(calm_ctx)
+        notes.append(plan.note)
+        policy.observe(record(plan, heavy, tight * 0.9, index=i))
+    assert notes.count("backing off") > 50  # most iterations asked the model nothing
+    violation = policy.margins._violation
+    assert violation == pytest.approx(config.violation_step * config.violation_decay**100)
+
+
+def test_margin_tracker_counts_errors_only_from_predicted_iterations() -> None:
+    config = HarliConfig(min_error_samples=2, base_margin=0.02)
+    tracker = MarginTracker(config)
+    for _ in range(10):
+        tracker.observe(10.0, 12.0, tpot_slo_ms=20.0)
+    biased = tracker.margin
+    assert biased == pytest.approx(0.02 + 0.2)
+    for _ in range(50):  # unpredicted iterations: no error, no breach, the margin holds
+        tracker.observe(None, 40.0, tpot_slo_ms=20.0, requests_breached=False)
+    assert tracker.margin == pytest.approx(biased)
+    tracker.observe(None, 40.0, tpot_slo_ms=20.0, requests_breached=True)
+    assert tracker.margin == pytest.approx(biased + config.violation_step)
