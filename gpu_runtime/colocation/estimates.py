@@ -123,7 +123,8 @@ class MarginTracker:
 
     def __init__(self, config: HarliConfig) -> None:
         self.config = config
-        self._errors: deque[float] = deque(maxlen=config.error_window)
+        self._errors: deque[tuple[int, float]] = deque()
+        """(busy iteration, relative error) of the last ``error_window`` busy iterations."""
         self._recent: deque[tuple[float, float]] = deque(maxlen=config.error_smoothing)
         self._violation = 0.0
         self._breached = False
@@ -145,16 +146,23 @@ class MarginTracker:
 
         An iteration planned without a prediction (``predicted_ms`` None: a plan backoff) adds
         no error but still ages the breach term and still reports breaches: the breach term
-        decays per busy iteration, not per prediction. (It decayed only with predictions on
+        decays per busy iteration, not per prediction, and errors leave the window after
+        ``error_window`` busy iterations, predicted or not (the newest ``min_error_samples``
+        stay). (It decayed only with predictions on
         the H200 at d60ecfc: under backoff, 4 of 5 Qwen medium iterations asked nothing, and a
-        0.30 margin from a burst's breaches took 4 s to fall to 0.12 while harli paused.)"""
+        0.30 margin from a burst's breaches took 4 s to fall to 0.12 while harli paused; at e63b9f1,
+        Llama medium's 256 predicted iterations spanned the whole trace, and errors of its first
+        second held the margin at 0.14-0.17 to the end.)"""
         self._observed += 1
         self._violation *= self.config.violation_decay
+        oldest = self._observed - self.config.error_window  # the newest few are kept however old
+        while len(self._errors) > self.config.min_error_samples and self._errors[0][0] <= oldest:
+            self._errors.popleft()
         if predicted_ms is not None and predicted_ms > 0:
             self._recent.append((predicted_ms, observed_ms))
             predicted = sum(p for p, _ in self._recent)
             observed = sum(o for _, o in self._recent)
-            self._errors.append((observed - predicted) / predicted)
+            self._errors.append((self._observed, (observed - predicted) / predicted))
         breached = requests_breached
         if breached is None:
             if not self._recent:
@@ -176,7 +184,7 @@ class MarginTracker:
         if len(self._errors) < cfg.min_error_samples:
             base = cfg.initial_margin
         else:
-            ordered = sorted(self._errors)
+            ordered = sorted(e for _, e in self._errors)
             index = min(len(ordered) - 1, int(cfg.error_quantile * len(ordered)))
             base = cfg.base_margin + max(ordered[index], 0.0)
         return min(base + self._violation, cfg.max_margin)

@@ -92,7 +92,8 @@ class HarliConfig:
     """Quantile of recent relative under-prediction errors (each a mean over
     ``error_smoothing`` iterations) added to the margin."""
     error_window: int = 256
-    """Iterations the error quantile is taken over."""
+    """Busy iterations the error quantile is taken over (those that predicted nothing, in a
+    plan backoff, count too: the window is a span of time, not a number of predictions)."""
     error_smoothing: int = 32
     """Iterations each error (and each SLO breach check) is averaged over: a share of a
     request's life (a few hundred tokens), over which its mean TPOT is made; also the horizon

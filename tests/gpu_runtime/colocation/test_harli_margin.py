@@ -97,3 +97,23 @@ def test_margin_tracker_counts_errors_only_from_predicted_iterations() -> None:
     assert tracker.margin == pytest.approx(biased)
     tracker.observe(None, 40.0, tpot_slo_ms=20.0, requests_breached=True)
     assert tracker.margin == pytest.approx(biased + config.violation_step)
+
+
+def test_errors_leave_the_window_after_error_window_busy_iterations_predicted_or_not() -> None:
+    """Under backoff few iterations predict: the error window is a span of busy iterations, so
+    early errors stop counting when that span has passed, however few predictions it held; the
+    newest ``min_error_samples`` errors always stay (no fall back to the initial margin)."""
+    config = HarliConfig(base_margin=0.02, error_window=64, min_error_samples=4, error_smoothing=1)
+    tracker = MarginTracker(config)
+    for _ in range(10):
+        tracker.observe(10.0, 13.0, tpot_slo_ms=20.0)  # 30% under-predicted
+    assert tracker.margin == pytest.approx(0.02 + 0.3)
+    for i in range(200):  # mostly backoff: every 10th iteration predicts, exactly
+        tracker.observe(10.0 if i % 10 == 0 else None, 10.0, 20.0, requests_breached=False)
+    assert tracker.margin == pytest.approx(0.02)
+    quiet = MarginTracker(config)
+    for _ in range(10):
+        quiet.observe(10.0, 11.0, tpot_slo_ms=20.0)
+    for _ in range(500):  # nothing predicted for a long time: the last errors still stand
+        quiet.observe(None, 10.0, 20.0, requests_breached=False)
+    assert quiet.margin == pytest.approx(0.02 + 0.1)
