@@ -24,18 +24,15 @@ from typing import Any
 
 from bench.memory_iterations import IterationLog
 from bench.memory_phase_row import phase_row
-from bench.memory_sizing import (
-    QuantumSizing,
-    ReleaseHooks,
-    budgeted_policy,
+from bench.memory_sizing import QuantumSizing, ReleaseHooks, budgeted_policy, lora_trainer
+from bench.memory_warmup import warm_quanta
+from gpu_runtime.finetune.quantum_fit import QuantumShape
+from gpu_runtime.finetune.shape_release import (
     captured_shapes,
     drop_shared_shapes,
-    lora_trainer,
     refused_shapes,
     release_separate_shape,
 )
-from bench.memory_warmup import warm_quanta
-from gpu_runtime.finetune.quantum_fit import QuantumShape
 
 GIB = 1 << 30
 PAGE = 2 << 20

@@ -20,13 +20,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_runtime.finetune.quantum_fit import QuantumFit, QuantumShape, best
+from gpu_runtime.finetune.shape_release import RECAPTURE_MARGIN
 
 GIB = 1 << 30
 MIB = 1 << 20
-RECAPTURE_MARGIN = 1.1
-"""A larger shape pooled on its own is captured again only when the release plan covers its
-footprint by this factor (the memory side releases it below 1.0): no capture-release cycles
-while decode hovers at the threshold."""
 
 
 @dataclass
@@ -47,7 +44,7 @@ class ReleaseHooks:
     (`EngineMemory.finetune_release_plan_bytes`), the promise of a quantum launched against
     it (`EngineMemory.promise_finetune_bytes`), the shapes whose capture was refused, and
     `prepare(shape)`, called before such a shape is captured again (drops the shared pool's
-    shapes and flushes: `drop_shared_shapes`)."""
+    shapes and flushes: `gpu_runtime.finetune.shape_release.drop_shared_shapes`)."""
 
     plan: Callable[[], int]
     promise: Callable[[int], None]
@@ -65,14 +62,14 @@ def budgeted_policy(
     """A quantum beside decode whenever none runs, sized to the budget it reads (the choice
     order: fewer examples, then recomputation, when the budget is small); `decode_sms` is the
     stream sharing's only split (the whole device) on CUDA, None on CPU; `captured()`: the
-    shapes whose CUDA graphs the job holds now (`captured_shapes`); `on_launch(shape)` before
-    each launch (the phase sets the trainer's mode and tells the memory manager). With
-    `release` (and `sizing.shared` set by the warm-up): the shared pool's shapes run when the
-    plan covers their measured footprint (captured again after a release) or the estimate,
-    and a shape the choice order puts first whose footprint fits the release plan runs
-    instead (its quantum is promised that plan; not captured: `RECAPTURE_MARGIN`, after
-    `release.prepare`): its own graph pool is what the memory side releases between quanta
-    when decode grows."""
+    shapes whose CUDA graphs the job holds now (`shape_release.captured_shapes`);
+    `on_launch(shape)` before each launch (the phase sets the trainer's mode and tells the
+    memory manager). With `release` (and `sizing.shared` set by the warm-up): the shared
+    pool's shapes run when the plan covers their measured footprint (captured again after a
+    release) or the estimate, and a shape the choice order puts first whose footprint fits
+    the release plan runs instead (its quantum is promised that plan; not captured:
+    `RECAPTURE_MARGIN`, after `release.prepare`): its own graph pool is what the memory side
+    releases between quanta when decode grows."""
     from gpu_runtime.colocation import CoLocationPolicy, FinetuneLaunch, IterationPlan
 
     class BudgetedQuanta(CoLocationPolicy):
@@ -119,46 +116,6 @@ def budgeted_policy(
             return IterationPlan(decode_sms=decode_sms, launches=(launch,))
 
     return BudgetedQuanta()
-
-
-def captured_shapes(trainer: Any) -> set[QuantumShape]:
-    """The shapes (examples per micro-batch, recomputation) whose CUDA graphs `trainer` holds
-    now (none without graphs, or once they are off for good)."""
-    graphs = getattr(trainer, "graphs", None)
-    if graphs is None or graphs.disabled is not None:
-        return set()
-    return {QuantumShape(int(key.rows), bool(key.recompute)) for key in graphs.keys()}
-
-
-def refused_shapes(trainer: Any) -> set[QuantumShape]:
-    """The shapes whose capture ran out of memory (eager since)."""
-    graphs = getattr(trainer, "graphs", None)
-    if graphs is None:
-        return set()
-    return {QuantumShape(int(key.rows), bool(key.recompute)) for key in graphs.policy.refused}
-
-
-def drop_shared_shapes(trainer: Any, memory: Any) -> int:
-    """Before a larger shape is captured into its own pool: drop the shared pool's graphs and
-    let the memory side flush (`MemoryManager.finetune_graphs_released`), so that the two
-    pools are never held together. Returns the graphs dropped."""
-    from gpu_runtime.finetune.graph_pools import SHARED
-
-    graphs = getattr(trainer, "graphs", None)
-    if graphs is None or graphs.disabled is not None:
-        return 0
-    dropped = len(graphs.release_group(SHARED))
-    memory.manager.finetune_graphs_released(dropped)
-    return dropped
-
-
-def release_separate_shape(trainer: Any) -> int:
-    """`MemoryManager.release_finetune_graphs` for `trainer`: drop its largest separately
-    pooled shape's graphs (the count; 0 without graphs or such a shape)."""
-    graphs = getattr(trainer, "graphs", None)
-    if graphs is None or graphs.disabled is not None:
-        return 0
-    return len(graphs.release_largest_separate())
 
 
 CPU_BYTES_PER_TOKEN = {False: 64.0 * 1024, True: 16.0 * 1024}

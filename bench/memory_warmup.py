@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.memory_sizing import captured_shapes
 from gpu_runtime.finetune.quantum_fit import QuantumShape
+from gpu_runtime.finetune.shape_release import captured_shapes
 
 GIB = 1 << 30
 

@@ -15,6 +15,8 @@ pool stays), so it pays off only for shapes held when memory is plentiful.
 :func:`separate_except` names the shared shapes by (rows, recompute) instead: e.g. every shape
 with activation recomputation shared (they fit beside decode's peak) and the shape without it
 pooled on its own, released when decode grows (the job then recomputes).
+:class:`LaunchPoolGroups` places each shape when it is first captured, by whether its launch
+was planned against the release plan (the host agent's loop, which has no warm-up plan).
 """
 
 from __future__ import annotations
@@ -102,3 +104,44 @@ class PoolGroups:
 
     def clear(self) -> None:
         self._keys.clear()
+
+
+class LaunchPoolGroups(PoolGroups):
+    """Pool groups decided per launch, for a finetune side that learns only at launch time
+    which shapes fit beside decode's peak (the host agent's loop): a shape first captured
+    while :attr:`separate_launch` is set (a launch planned against the release plan) gets a
+    pool of its own, ``("shape", rows, recompute)`` as :func:`separate_except` names it; any
+    other shape goes to the shared pool. A shape keeps its group while any of its keys is
+    captured (a pool's graphs must be told apart by the group they were captured in) and is
+    placed again at its next capture once they are all dropped."""
+
+    def __init__(self) -> None:
+        super().__init__(self._group)
+        self.separate_launch = False
+        """Whether the micro-batch launched now was planned against the release plan."""
+        self._placed: dict[tuple[int, bool], Hashable] = {}
+
+    def _group(self, key: GraphKey) -> Hashable:
+        shape = (key.rows, key.recompute)
+        placed = self._placed.get(shape)
+        if placed is not None:
+            return placed
+        return ("shape", *shape) if self.separate_launch else SHARED
+
+    def add(self, key: GraphKey) -> Hashable:
+        group = super().add(key)
+        self._placed[(key.rows, key.recompute)] = group
+        return group
+
+    def remove(self, key: GraphKey) -> Hashable | None:
+        emptied = super().remove(key)
+        shape = (key.rows, key.recompute)
+        if shape in self._placed and not any(
+            (k.rows, k.recompute) == shape for keys in self._keys.values() for k in keys
+        ):
+            del self._placed[shape]
+        return emptied
+
+    def clear(self) -> None:
+        super().clear()
+        self._placed.clear()

@@ -306,7 +306,9 @@ class MicroBatchGraphs:
             self.policy.added(key)
         else:
             entry = self._graphs[key]
-        packed = pack_inputs(batch, key.loss_slots).pin_memory()  # a truly asynchronous copy
+        packed = pack_inputs(batch, key.loss_slots)
+        if self._is_cuda:
+            packed = packed.pin_memory()  # a truly asynchronous copy
         entry.inputs.copy_(packed, non_blocking=True)
         entry.denominator.fill_(float(denominator))
         entry.graph.replay()
@@ -340,8 +342,8 @@ class MicroBatchGraphs:
             self._grads = None
 
     def _capture(self, key: GraphKey) -> _Captured:
-        if not self._is_cuda:
-            raise GraphCaptureError(f"CUDA graphs need a CUDA device, not {self.device}")
+        """Capture ``key``'s micro-batch into its pool group's private pool (the static inputs,
+        denominator and loss output outside it) and register the graph."""
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
@@ -351,6 +353,30 @@ class MicroBatchGraphs:
         inputs[2 * cells + key.loss_slots :] = IGNORE_INDEX
         denominator = torch.ones((), dtype=torch.float32, device=self.device)
         loss_out = torch.zeros((), dtype=torch.float32, device=self.device)
+        group = self.pool_groups.group_of(key)
+        graph, extra = self._capture_graph(
+            key, self._pools.get(group), inputs, denominator, loss_out
+        )
+        if group not in self._pools:
+            self._pools[group] = graph.pool()
+        self.pool_groups.add(key)
+        entry = _Captured(graph, inputs, denominator, loss_out, extra)
+        self._graphs[key] = entry
+        return entry
+
+    def _capture_graph(
+        self,
+        key: GraphKey,
+        pool: Any,
+        inputs: torch.Tensor,
+        denominator: torch.Tensor,
+        loss_out: torch.Tensor,
+    ) -> tuple[Any, int]:
+        """The CUDA-only part of a capture: ``(graph, bytes its work needs above what was
+        allocated before it)``, the graph's work reading ``inputs`` and ``denominator`` and
+        writing ``loss_out``, captured into ``pool`` (None: a new private pool)."""
+        if not self._is_cuda:
+            raise GraphCaptureError(f"CUDA graphs need a CUDA device, not {self.device}")
         ids, positions, loss_positions, loss_targets = unpack_inputs(inputs, key)
         graph = torch.cuda.CUDAGraph()
         index = self.device.index if self.device.index is not None else torch.cuda.current_device()
@@ -362,8 +388,7 @@ class MicroBatchGraphs:
         if generator is not None:
             default_generator.graphsafe_set_state(generator)
         try:
-            group = self.pool_groups.group_of(key)
-            graph.capture_begin(pool=self._pools.get(group), capture_error_mode="thread_local")
+            graph.capture_begin(pool=pool, capture_error_mode="thread_local")
             try:
                 loss_sum = self._forward_backward()(
                     ids, positions, loss_positions, loss_targets, denominator, key.recompute
@@ -381,10 +406,4 @@ class MicroBatchGraphs:
             raise
         finally:
             default_generator.graphsafe_set_state(process_state)
-        if group not in self._pools:
-            self._pools[group] = graph.pool()
-        self.pool_groups.add(key)
-        extra = max(0, torch.cuda.max_memory_allocated(self.device) - before)
-        entry = _Captured(graph, inputs, denominator, loss_out, extra)
-        self._graphs[key] = entry
-        return entry
+        return graph, max(0, torch.cuda.max_memory_allocated(self.device) - before)

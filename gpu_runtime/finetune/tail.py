@@ -64,7 +64,8 @@ class QuantumTailMixin:
         sync; synchronous quanta call it at once).
 
         ``graph_peak_bytes``: what a replayed graph's work needs (its pool is not allocated anew
-        on replay, so the allocator's peak alone would not show it)."""
+        on replay, so the allocator's peak alone would not show it); where the allocator keeps
+        no figure (CPU), the peak reported."""
         self.stream.commit(plan)
         self._batch_loss_sum += loss_sum.detach()
         self._batch_tokens += batch.num_tokens
@@ -94,8 +95,8 @@ class QuantumTailMixin:
                     StepRecord(step, batch_loss, learning_rate, grad_norm, batch_tokens)
                 )
             peak = self._peak()
-            if peak is not None and graph_peak_bytes is not None:
-                peak = max(peak, graph_peak_bytes)
+            if graph_peak_bytes is not None:  # no allocator figure (CPU): the graph's own
+                peak = graph_peak_bytes if peak is None else max(peak, graph_peak_bytes)
             written = None
             if due and self.checkpoint_root is not None:
                 written = save_checkpoint(

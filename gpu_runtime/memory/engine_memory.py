@@ -237,6 +237,12 @@ class EngineMemory:
         if not self._busy():
             self._promised_bytes = max(self._promised_bytes or 0, nbytes)
 
+    def finetune_graphs_released(self, dropped: int) -> None:
+        """The finetune side dropped `dropped` CUDA graphs between quanta on its own (e.g. the
+        shared pool's before a shape is captured into a pool of its own): their pool is
+        flushed (`MemoryManager.finetune_graphs_released`). With no quantum in flight."""
+        self.manager.finetune_graphs_released(dropped)
+
     def lent_bytes(self) -> int:
         return self.manager.pool.finetune_budget_bytes
 

@@ -12,7 +12,7 @@ import pytest
 
 from bench.memory_iterations import ITERATION_COLUMNS, IterationLog, _host_allocs_reader
 from bench.memory_phase_row import median_ci
-from bench.memory_sizing import QuantumSizing, captured_shapes
+from bench.memory_sizing import QuantumSizing
 from bench.memory_trace import _peak_prior_blocks, _static_decode_pages, job_pool_gib, parse_phases
 from bench.memory_trace_report import trace_comparisons
 from gpu_runtime.finetune.quantum_fit import QuantumShape
@@ -171,19 +171,6 @@ def test_a_captured_shape_runs_when_what_its_capture_left_held_fits_the_plan() -
     both = QuantumSizing(0, float(MIB), max_examples=4, recompute_bytes_per_token=MIB / 4)
     assert both.choose(100 * MIB, 100) == QuantumShape(2, recompute=True)
     assert both.choose(112 * MIB, 100) == one
-
-
-def test_captured_shapes_are_the_rows_and_modes_of_the_held_graph_keys() -> None:
-    keys = [
-        SimpleNamespace(rows=2, seq_len=512, recompute=False),
-        SimpleNamespace(rows=1, seq_len=512, recompute=True),
-    ]
-    graphs = SimpleNamespace(disabled=None, keys=lambda: keys)
-    held = {QuantumShape(2), QuantumShape(1, recompute=True)}
-    assert captured_shapes(SimpleNamespace(graphs=graphs)) == held
-    assert captured_shapes(SimpleNamespace(graphs=None)) == set()
-    off = SimpleNamespace(disabled="capture failed", keys=lambda: keys)
-    assert captured_shapes(SimpleNamespace(graphs=off)) == set()
 
 
 def test_comparisons_between_phases() -> None:
