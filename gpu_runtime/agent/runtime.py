@@ -123,6 +123,9 @@ class HostRuntime:
             memory=serving.memory.memory if serving.memory is not None else None,
             sharing=serving.sharing,
             choose_recompute=True,  # quanta fit the pool's budget by recomputing when they must
+            # graph pools per shape: a quantum without recomputation may use the memory decode
+            # lends between its peaks, its pool released between quanta when decode grows
+            release_graph_shapes=serving.memory is not None,
         )
         if serving.memory is not None:
             serving.memory.bind_loop(self.loop)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from gpu_runtime.colocation.executor import (
     QuantumExecutor,
@@ -26,7 +26,7 @@ from gpu_runtime.colocation.executor import (
     SequentialExecutor,
     ThreadedExecutor,
 )
-from gpu_runtime.colocation.jobs import FinetuneMemory, JobError, JobState
+from gpu_runtime.colocation.jobs import FinetuneMemory, JobError, JobState, ReleasePlanMemory
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
 from gpu_runtime.colocation.snapshot import decode_snapshot, describe_trainer, trainer_layers
 from gpu_runtime.colocation.token_clock import TokenClock
@@ -36,6 +36,7 @@ from gpu_runtime.colocation.types import (
     IterationContext,
     IterationPlan,
     IterationRecord,
+    JobView,
     LaunchMode,
     QuantumReport,
     RunningRequest,
@@ -60,14 +61,23 @@ class HostLoop:
         clock: Callable[[], float] = time.perf_counter,
         executor: QuantumExecutor | None = None,
         choose_recompute: bool = False,
+        release_graph_shapes: bool = False,
     ) -> None:
         """``sharing``: a ``gpu_runtime.sharing.GpuSharing`` (None on CPU or to run decode on
         the current stream); ``memory``: the unified pool's adapter (None: no budget);
         ``choose_recompute``: with ``memory``, pick each launch's activation recomputation from
         the budget (``JobState.choose_mode``) for jobs whose hparams do not force it (off for a
-        finetune side that sets the trainer's mode itself, e.g. ``bench/memory.py``)."""
+        finetune side that sets the trainer's mode itself, e.g. ``bench/memory.py``);
+        ``release_graph_shapes``: with ``choose_recompute`` and a ``ReleasePlanMemory``, those
+        jobs' CUDA-graph shapes are pooled per launch and a launch may plan against the
+        release plan in a pool of its own (``JobState.choose_mode``), which the memory manager
+        releases between quanta (``HostMemory.bind_loop`` sets its hook)."""
         if tpot_slo_ms <= 0:
             raise ValueError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
+        if release_graph_shapes and not (
+            choose_recompute and hasattr(memory, "finetune_release_plan_bytes")
+        ):
+            raise ValueError("release_graph_shapes needs choose_recompute and a ReleasePlanMemory")
         self.engine = engine
         self.policy = policy
         self.tpot_slo_ms = tpot_slo_ms
@@ -80,6 +90,7 @@ class HostLoop:
             executor = (ThreadedExecutor if engine.config.is_cuda else SequentialExecutor)(clock)
         self.executor = executor
         self.choose_recompute = choose_recompute
+        self.release_graph_shapes = release_graph_shapes
         self._jobs: dict[str, JobState] = {}
         self._order: list[str] = []
         self._tokens = TokenClock()
@@ -119,6 +130,8 @@ class HostLoop:
             and self.memory is not None
             and getattr(trainer, "recompute", None) is False
         )
+        if self.release_graph_shapes and state.choose_recompute:
+            state.pool_shapes_per_launch()  # graph shapes released one at a time
         self._jobs[job_id] = state
         self._order.append(job_id)
         return state
@@ -277,11 +290,17 @@ class HostLoop:
                 task.job_id, task.max_tokens, task.decode_sms, self.executor.submitted_at or now
             )
         budget = None if self.memory is None else self.memory.finetune_budget_bytes()
-        runnable = []
+        release = None
+        if self.release_graph_shapes and in_flight is None:
+            release = self._release_memory().finetune_release_plan_bytes()
+        runnable: list[JobView] = []
+        planned = budget  # the policies launch the first runnable job: its plan is the budget
         for j in self._order:
             job = self._jobs[j]
             if job.runnable:
-                job.choose_mode(budget)
+                job.choose_mode(budget, release if job.release_shapes else None)
+                if not runnable:
+                    planned = job.planned_bytes
                 runnable.append(job.view(self._cold_launches(job)))
         running = self._running_view()
         return IterationContext(
@@ -292,11 +311,14 @@ class HostLoop:
             spatial=spatial,
             jobs=tuple(runnable),
             in_flight=in_flight,
-            finetune_budget_bytes=budget,
+            finetune_budget_bytes=planned,
             tpot_slo_ms=self.tpot_slo_ms,
             worst_running_tpot_ms=max((r.tpot_ms for r in running), default=None),
             running=running,
         )
+
+    def _release_memory(self) -> ReleasePlanMemory:
+        return cast(ReleasePlanMemory, self.memory)  # checked in __init__
 
     def _cold_launches(self, job: JobState) -> frozenset[tuple[int, int | None]]:
         """``JobState.cold_launches`` for the policy's quantum sizes over every split's
@@ -328,8 +350,11 @@ class HostLoop:
         trainer = job.trainer
         if job.choose_recompute:  # the mode `choose_mode` sized this launch by
             trainer.recompute = job.recompute
+            examples = max(1, launch.max_tokens // max(1, job.max_seq_len))
+            if job.release_shapes:  # where its graphs go; a separate shape alone
+                idle = self.executor.in_flight is None
+                job.prepare_launch(examples, self._release_memory(), idle)
             if self.memory is not None and launch.max_layers is None:
-                examples = max(1, launch.max_tokens // max(1, job.max_seq_len))
                 self.memory.finetune_quantum_mode(examples=examples, recompute=job.recompute)
         return QuantumTask(
             job_id,

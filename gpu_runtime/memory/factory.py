@@ -7,6 +7,7 @@ import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+from gpu_runtime.finetune.shape_release import release_largest_separate
 from gpu_runtime.memory.backend import CpuPageBackend
 from gpu_runtime.memory.config import MemoryPolicyConfig
 from gpu_runtime.memory.engine_memory import EngineMemory, engine_kv_layout
@@ -113,7 +114,11 @@ class HostMemory:
     def bind_loop(self, loop: Any) -> None:
         """Let the pool see the loop's in-flight quantum (`HostLoop.executor`): reclaims then
         happen between quanta and never cut a running quantum's budget; a reclaim that must
-        flush the finetune cache first drops the loop's trainers' CUDA graphs."""
+        flush the finetune cache first drops the loop's trainers' CUDA graphs. A loop built with
+        `release_graph_shapes` (the agent's) also gets the manager's release hook: between
+        quanta, when decode's growth leaves what finetune holds above the release plan, the
+        largest shape its jobs pool on their own is dropped and flushed
+        (`release_largest_separate`), the shared pool kept."""
         executor = loop.executor
         self.memory.finetune_busy = lambda: executor.in_flight is not None
         self.memory.wait_for_finetune = lambda: executor.wait()
@@ -126,6 +131,12 @@ class HostMemory:
                     release()
 
         self.pool.before_flush = release_graphs
+        if getattr(loop, "release_graph_shapes", False):  # one separate shape per release
+
+            def trainers() -> list[Any]:
+                return [loop.job_state(job_id).trainer for job_id in loop.job_ids]
+
+            self.manager.release_finetune_graphs = lambda: release_largest_separate(trainers())
 
     def set_finetune_jobs(self, count: int) -> None:
         """`count` finetune jobs on the loop: with any, finetuning may borrow every page decode

@@ -18,6 +18,7 @@ from gpu_runtime.colocation.types import (
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+from gpu_runtime.finetune.shape_release import RECAPTURE_MARGIN
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.memory import MemoryPolicyConfig, build_host_memory, engine_kv_layout
 from gpu_runtime.model import CausalLM, build_random_model
@@ -186,4 +187,56 @@ def test_hparams_that_force_recomputation_are_left_alone(model: CausalLM) -> Non
     for _ in range(10):
         loop.run_iteration()
     assert trainer.recompute and trainer.recompute_micro_batches >= 1
+    loop.close()
+
+
+def test_choose_mode_runs_without_recomputation_against_the_release_plan(
+    model: CausalLM,
+) -> None:
+    """With graph shapes released one at a time (`release_shapes`): one example without
+    recomputation that fits only the release plan runs in a pool of its own, planned for that
+    plan (by `RECAPTURE_MARGIN` until such a shape is held), before any recomputing shape."""
+    state = _state(model)
+    state.release_shapes = True
+    state.measured_bytes_per_token.update({False: 1000.0, True: 50.0})
+    one = SEQ * 1000
+    state.choose_mode(one, release_bytes=10 * one)  # fits the plan: the shared pool
+    assert (state.recompute, state.separate, state.planned_bytes) == (False, False, one)
+    margin = int(one * RECAPTURE_MARGIN) + 1
+    state.choose_mode(one - 1, release_bytes=margin)
+    assert (state.recompute, state.separate, state.planned_bytes) == (False, True, margin)
+    assert state.bytes_per_token == 1000.0
+    state.choose_mode(one - 1, release_bytes=one)  # not held: the margin is missing
+    assert (state.recompute, state.separate, state.planned_bytes) == (True, False, one - 1)
+    assert state.bytes_per_token == 50.0
+    state.choose_mode(one - 1)  # no release plan (a quantum in flight): as before
+    assert state.recompute and not state.separate
+    fixed = _state(model)
+    fixed.choose_recompute = False
+    fixed.choose_mode(5, release_bytes=10**9)
+    assert not fixed.separate and fixed.planned_bytes == 5
+
+
+def test_release_graph_shapes_needs_a_release_plan_and_chosen_modes(model: CausalLM) -> None:
+    loop, host = _loop(model)
+    with pytest.raises(ValueError, match="release_graph_shapes"):
+        HostLoop(loop.engine, BudgetSeen(), tpot_slo_ms=1e9, release_graph_shapes=True)
+    with pytest.raises(ValueError, match="release_graph_shapes"):
+        HostLoop(
+            loop.engine,
+            BudgetSeen(),
+            tpot_slo_ms=1e9,
+            memory=host.memory,  # type: ignore[attr-defined]
+            release_graph_shapes=True,
+        )
+    # Without graphs (a CPU trainer) the job's shapes stay as they were.
+    released = HostLoop(
+        loop.engine,
+        BudgetSeen(),
+        tpot_slo_ms=1e9,
+        memory=host.memory,  # type: ignore[attr-defined]
+        choose_recompute=True,
+        release_graph_shapes=True,
+    )
+    assert not released.add_job("ft", _trainer(model)).release_shapes
     loop.close()
