@@ -80,6 +80,7 @@ from colocate_setup import setup_engine, setup_simulation, slice_costs
 from colocate_setup import synthetic_examples as synthetic_examples  # bench/memory_sizing.py
 from traces import generate, preset
 
+from bench.gpu_state import gpu_state
 from bench.provenance import commit_hash
 from gpu_runtime.colocation import (
     DecodeOnlyPolicy,
@@ -197,6 +198,7 @@ def main() -> None:
         # What earlier runs left (their records) is long-lived: out of the collector's full
         # passes, which would walk it at a random iteration of this run (engine README).
         gc.freeze()
+        before = gpu_state()
         try:
             policy = make_policy(
                 name,
@@ -223,6 +225,7 @@ def main() -> None:
         r = row_for(
             args.model, trace, policy, records, start, end, slo_ms, solo_tps, running, window
         )
+        r["gpu_state"] = {"before": before, "after": gpu_state()}
         if r["quantum_errors"]:
             print(f"  QUANTUM ERRORS {trace}/{label}: {r['first_quantum_error']}", flush=True)
         print(
