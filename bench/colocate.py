@@ -175,6 +175,7 @@ def main() -> None:
     slo_parts: dict[str, float] = {}
     static_by_trace: dict[str, int | None] = {}
     sweeps: dict[tuple[str, int], tuple[dict[str, Any], Run]] = {}
+    states: dict[tuple[str, str], dict[str, Any]] = {}  # GPU state around each run, by label
     static_sweep: dict[str, dict[str, dict[str, Any]]] = {}
     if args.simulate:
         gpu = "none (simulation from a profile measured on " + _profile_gpu(args.simulate) + ")"
@@ -225,7 +226,8 @@ def main() -> None:
         r = row_for(
             args.model, trace, policy, records, start, end, slo_ms, solo_tps, running, window
         )
-        r["gpu_state"] = {"before": before, "after": gpu_state()}
+        states[trace, label] = {"before": before, "after": gpu_state()}
+        r["gpu_state"] = states[trace, label]
         if r["quantum_errors"]:
             print(f"  QUANTUM ERRORS {trace}/{label}: {r['first_quantum_error']}", flush=True)
         print(
@@ -268,10 +270,14 @@ def main() -> None:
         }
 
     def write() -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        rows = [
-            row_for(args.model, t, pol, recs, s, e, slo_ms, solo_tps, run, specs[t].duration_s)
-            for (t, _), (pol, recs, s, e, run) in results.items()
-        ]
+        rows = []
+        for (t, name), (pol, recs, s, e, run) in results.items():
+            row = row_for(
+                args.model, t, pol, recs, s, e, slo_ms, solo_tps, run, specs[t].duration_s
+            )
+            swept = (t, f"{name}@{static_by_trace.get(t)}")  # static_split's best in a sweep
+            row["gpu_state"] = states.get(swept) or states.get((t, name))
+            rows.append(row)
         rows.sort(key=lambda r: (traces.index(r["trace"]), POLICIES.index(r["policy"])))
         comparisons = compare(rows, traces)
         result = {

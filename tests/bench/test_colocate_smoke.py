@@ -96,6 +96,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
         assert ROW_KEYS <= set(row), ROW_KEYS - set(row)
         assert row["quantum_errors"] == 0, row["first_quantum_error"]
         assert row["iterations"] > 0
+        assert set(row["gpu_state"]) == {"before", "after"}  # nvidia-smi's reading, None on CPU
         assert row["window_seconds"] <= row["seconds"] <= row["window_seconds"] + 3.0
         judged = [
             r[2] for r in iterations["requests"][f"{row['trace']}/{row['policy']}"] if r[2]
