@@ -1,6 +1,7 @@
 """The choices Harli weighs before a decode iteration, and the checks each must pass.
 
-:class:`HarliChoices` is the half of `HarliPolicy` that enumerates options and predicts them:
+:class:`HarliChoices` is the half of `HarliPolicy` that enumerates options (their predictions
+come from `TypicalPredictions`, ``typical.py``):
 whole quanta beside decode on a split (``_spatial``), whole quanta after decode (``_slices``),
 and layer-sliced quanta either way (``_layer_sliced``), each with its predicted TPOT and its
 expected finetune tokens/s. The policy (``harli.py``) picks among them, tracks the margin and
@@ -12,40 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from gpu_runtime.colocation.estimates import LaunchOverhead, PrefillMix, QuantumDurations
-from gpu_runtime.colocation.predictor import (
-    DecodeLatencyModel,
-    Pair,
-    decode_iteration,
-    predict_many,
-)
+from gpu_runtime.colocation.estimates import LaunchOverhead, QuantumDurations
 from gpu_runtime.colocation.slicing import SliceCosts, SliceState
 from gpu_runtime.colocation.types import (
-    DecodeSnapshot,
     IterationContext,
     JobView,
     LaunchMode,
 )
-from gpu_runtime.predictor.schema import FinetuneQuantum
+from gpu_runtime.colocation.typical import Typical, TypicalPredictions, fits_bound
 
 if TYPE_CHECKING:
     from gpu_runtime.colocation.harli import HarliConfig
-
-Mix = tuple[tuple[float, float, DecodeSnapshot], ...]
-"""(recent weight, remembered weight, snapshot) of the kinds of iteration expected while a
-quantum runs (`PrefillMix.kinds`)."""
-
-Typical = tuple[float, float]
-"""An expected iteration under the recent mix (the bound a launch must keep), and under the
-remembered one (what running requests are projected with)."""
-
-
-def _fits(prediction: tuple[float, float, float], bound: float, slo_ms: float) -> bool:
-    """Whether a quantum beside decode passes the first checks of a choice (a memo entry: the
-    coming iteration, the typical one under the recent mix, under the remembered one): the
-    typical iteration under ``bound``, the coming one under the SLO itself."""
-    now, typical, _ = prediction
-    return typical <= bound and now <= slo_ms
 
 
 @dataclass(frozen=True)
@@ -61,42 +39,16 @@ class Choice:
     """Uncorrected slice estimate (what `SliceCosts` learns its correction against)."""
 
 
-class HarliChoices:
+class HarliChoices(TypicalPredictions):
     """Enumerates and predicts Harli's choices (see the module docstring)."""
 
-    latency: DecodeLatencyModel
     config: HarliConfig
     durations: QuantumDurations
     launch_overhead: LaunchOverhead
     slice_costs: SliceCosts
     _slice_states: dict[str, SliceState]
-    _prefill: PrefillMix
-    _typical_cache: tuple[IterationContext, tuple[float, float, float], Mix] | None = None
-    _memo_ctx: IterationContext | None = None
-    _memo_prefill: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    _memo: dict[tuple[float, int], tuple[float, float, float]]
-    _memo_alone: Typical | None = None
     risk_rejections: int = 0
     """Choices turned down because a running request would miss the SLO with them."""
-
-    def _typical_mix(self, ctx: IterationContext) -> Mix:
-        """`PrefillMix.kinds` of ``ctx.decode``, computed once per context."""
-        state = (self._prefill.share, self._prefill.remembered, self._prefill.tokens)
-        cached = self._typical_cache
-        if cached is None or cached[0] is not ctx or cached[1] != state:
-            cached = (ctx, state, self._prefill.kinds(ctx.decode))
-            self._typical_cache = cached
-        return cached[2]
-
-    def typical_ms(
-        self, decode: DecodeSnapshot, share: float, quantum: FinetuneQuantum | None
-    ) -> float:
-        """Expected latency of the iterations after ``decode`` (the waiting requests joined;
-        with and without a prefill chunk, weighted by how often each kind has come)."""
-        mix = self._prefill.mix(decode)
-        pairs: list[Pair] = [(decode_iteration(snap, share), quantum) for _, snap in mix]
-        values = predict_many(self.latency, pairs)
-        return sum(w * v for (w, _), v in zip(mix, values, strict=True))
 
     def _beside_predicted(
         self,
@@ -125,9 +77,9 @@ class HarliChoices:
         size_free = getattr(self.latency, "quantum_size_independent", False)
         key = (share, 0 if size_free else tokens)
         if key not in memo:
-            self._prefetch(ctx, job, [share], [tokens])
+            self._prefetch(ctx, job, [share], [tokens], bound)
         predicted, _, remembered = memo[key]
-        if not _fits(memo[key], bound, ctx.tpot_slo_ms):
+        if not fits_bound(memo[key], bound, ctx.tpot_slo_ms):
             return None
         launch = self._launch_ms(job, examples, decode_sms)  # one gap, not a rate
         # Running requests are projected with the remembered mix: a burst's chunk steps may
@@ -165,99 +117,6 @@ class HarliChoices:
                 self.risk_rejections += 1
                 return False
         return True
-
-    def _prefetch(
-        self,
-        ctx: IterationContext,
-        job: JobView | None,
-        shares: list[float],
-        token_counts: list[int],
-    ) -> None:
-        """Ask the latency model, in one call (``predict_many``), for every prediction not yet
-        in this plan's memo that whole quanta of ``token_counts`` tokens beside decode on
-        ``shares`` may need (the coming and the typical iteration with each), and for the
-        typical iteration alone."""
-        memo = self._plan_memo(ctx)
-        size_free = getattr(self.latency, "quantum_size_independent", False)
-        mix = self._typical_mix(ctx)
-        recent = [w for w, _, _ in mix]
-        remembered = [w for _, w, _ in mix]
-        width = 1 + len(mix)  # the coming iteration, then each kind of typical one
-        pairs: list[Pair] = []
-        keys: list[tuple[float, int]] = []
-        for share in shares:
-            ft_share = 1.0 if share >= 1.0 else 1.0 - share
-            now = decode_iteration(ctx.decode, share)
-            later = [decode_iteration(snap, share) for _, _, snap in mix]
-            for tokens in token_counts[:1] if size_free else token_counts:
-                key = (share, 0 if size_free else tokens)
-                if key in memo or key in keys:
-                    continue
-                assert job is not None
-                seq_len = max(job.seq_len, 1)
-                quantum = FinetuneQuantum(tokens, seq_len, job.lora_rank, True, ft_share)
-                pairs += [(now, quantum), *((it, quantum) for it in later)]
-                keys.append(key)
-        alone = self._memo_alone is None
-        if alone:
-            pairs += [(decode_iteration(snap, 1.0), None) for _, _, snap in mix]
-        values = predict_many(self.latency, pairs)
-
-        def typical(row: list[float]) -> Typical:
-            return (
-                sum(w * v for w, v in zip(recent, row, strict=True)),
-                sum(w * v for w, v in zip(remembered, row, strict=True)),
-            )
-
-        for i, key in enumerate(keys):
-            row = values[i * width : (i + 1) * width]
-            memo[key] = (row[0], *typical(row[1:]))
-        if alone:
-            self._memo_alone = typical(values[len(keys) * width :])
-
-    def _prefetch_open(
-        self,
-        ctx: IterationContext,
-        job: JobView,
-        shares: list[float],
-        token_counts: list[int],
-        bound: float,
-    ) -> None:
-        """Predictions for the choices in two batched calls: the smallest quantum on every
-        share, then the bigger ones only on the shares where the smallest fits (a bigger
-        quantum is assumed no kinder to decode, so the others are never looked at)."""
-        self._prefetch(ctx, job, shares, token_counts[:1])
-        if len(token_counts) < 2 or getattr(self.latency, "quantum_size_independent", False):
-            return
-        memo = self._plan_memo(ctx)
-        fits = [
-            share
-            for share in shares
-            if (m := memo.get((share, token_counts[0]))) is not None
-            and _fits(m, bound, ctx.tpot_slo_ms)
-        ]
-        if fits:
-            self._prefetch(ctx, job, fits, token_counts[1:])
-
-    def _typical_alone(self, ctx: IterationContext) -> Typical:
-        """The typical iteration of decode alone on the whole device (recent, remembered)."""
-        self._prefetch(ctx, None, [], [])
-        assert self._memo_alone is not None
-        return self._memo_alone
-
-    def _plan_memo(
-        self, ctx: IterationContext
-    ) -> dict[tuple[float, int], tuple[float, float, float]]:
-        """(now, typical under the recent mix, typical under the remembered one) predictions
-        already made for this context, by (share, tokens): one plan asks the same ones for
-        every quantum size."""
-        # The context itself is held (not its id, which a later context could reuse).
-        state = (self._prefill.share, self._prefill.remembered, self._prefill.tokens)
-        if self._memo_ctx is not ctx or self._memo_prefill != state:
-            self._memo_ctx, self._memo_prefill = ctx, state
-            self._memo = {}
-            self._memo_alone = None
-        return self._memo
 
     def _spatial(
         self,

@@ -27,12 +27,15 @@ def _predicted(decode: DecodeSnapshot, decode_sms: int, mode: LaunchMode, tokens
     return MODEL.predict_ms(iteration, quantum)
 
 
-def _typical(policy: HarliPolicy, decode: DecodeSnapshot, decode_sms: int, tokens: int) -> float:
-    """What the policy expects of the iterations while a quantum launched now runs."""
+def _typical(
+    policy: HarliPolicy, decode: DecodeSnapshot, decode_sms: int, tokens: int, bound: float
+) -> float:
+    """What the policy expects of the iterations while a quantum launched now runs (chunk
+    steps over ``bound`` on the split moved to the whole device, as in flight)."""
     share = decode_sms / TOTAL_SMS
     ft_share = 1.0 if share >= 1 else 1 - share
     quantum = FinetuneQuantum(tokens, JOB.seq_len, JOB.lora_rank, True, ft_share)
-    return policy.typical_ms(decode, share, quantum)
+    return policy.typical_ms(decode, share, quantum, bound)
 
 
 @settings(max_examples=150, deadline=None)
@@ -62,7 +65,7 @@ def test_never_picks_a_choice_predicted_to_break_the_slo(
 
     def safe(d: int, tokens: int) -> bool:
         return (
-            _typical(policy, decode, d, tokens) <= bound
+            _typical(policy, decode, d, tokens, bound) <= bound
             and _predicted(decode, d, LaunchMode.CONCURRENT, tokens) <= slo_ms
         )
 

@@ -136,3 +136,32 @@ def test_a_cold_launch_does_not_teach_the_launch_overhead() -> None:
     assert warm.launches and warm.predicted_ms is not None
     policy.observe(record(warm, decode, warm.predicted_ms + 2.0))
     assert policy.launch_overhead.ms == pytest.approx(2.0)
+
+
+def test_chunk_steps_over_the_bound_on_a_split_are_priced_where_they_will_run() -> None:
+    """While a quantum runs, a step carrying a prefill chunk that is over the bound on the held
+    split moves to the whole device (the in-flight plan). The launch check prices it there
+    too: some launches are on splits whose chunk steps, priced on the split, would break the
+    bound; none breaks it as it will run."""
+    decode = DecodeSnapshot.from_contexts([512] * 16)
+    chunky = DecodeSnapshot.from_contexts([512] * 16, 256)
+    solo = MODEL.predict_ms(decode_iteration(decode, 1.0), None)
+    priced_on_split_over = 0
+    for i in range(40):
+        policy = HarliPolicy(MODEL, HarliConfig(allow_slice=False, replan_backoff=0))
+        slo = solo * (1.2 + 0.05 * i)
+        for _ in range(20):  # a chunk in every other step
+            policy.plan(context(chunky, slo))
+            policy.plan(context(decode, slo))
+        plan = policy.plan(context(decode, slo))
+        if not plan.launches or plan.decode_sms in (None, TOTAL_SMS):
+            continue
+        assert plan.margin is not None
+        bound = slo * (1 - plan.margin)
+        share = plan.decode_sms / TOTAL_SMS
+        quantum = FinetuneQuantum(
+            plan.launches[0].max_tokens, JOB.seq_len, JOB.lora_rank, True, 1 - share
+        )
+        assert policy.typical_ms(decode, share, quantum, bound) <= bound
+        priced_on_split_over += policy.typical_ms(decode, share, quantum) > bound
+    assert priced_on_split_over > 0
