@@ -15,25 +15,10 @@ from gpu_runtime.colocation.types import (
     LaunchMode,
     QuantumReport,
 )
-from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.finetune.data import TokenizedExample
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.shape_release import RECAPTURE_MARGIN
-from gpu_runtime.finetune.trainer import LoraTrainer
-from gpu_runtime.memory import MemoryPolicyConfig, build_host_memory, engine_kv_layout
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
-
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
-ENGINE = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=64)
-POLICY = MemoryPolicyConfig(
-    reserve_low_pages=2,
-    reserve_high_pages=6,
-    max_step_pages=4,
-    shrink_after_iterations=2,
-    grow_hold_iterations=1,
-)
-SEQ = 12
+from tests.gpu_runtime.tiny_host import GREEDY, SEQ, tiny_host, tiny_trainer
 
 
 @pytest.fixture(scope="module")
@@ -41,25 +26,8 @@ def model() -> CausalLM:
     return build_random_model(tiny_config("llama"), seed=11)
 
 
-def _trainer(model: CausalLM, *, checkpointing: bool = False, epochs: int = 4) -> LoraTrainer:
-    gen = torch.Generator().manual_seed(5)
-    examples = [
-        TokenizedExample(tuple(ids), tuple(ids))
-        for ids in torch.randint(1, 480, (4, SEQ), generator=gen).tolist()
-    ]
-    hparams = resolve_hyperparameters(
-        n_train_examples=4,
-        n_epochs=epochs,
-        batch_size=2,
-        lora=LoraSpec(rank=4, alpha=8),
-        seed=0,
-        activation_checkpointing=checkpointing,
-    )
-    return LoraTrainer(model, examples, hparams)
-
-
 def _state(model: CausalLM, layers: int | None = 32) -> JobState:
-    state = JobState("ft", _trainer(model), SEQ, SEQ, 4, layers=layers)
+    state = JobState("ft", tiny_trainer(model), SEQ, SEQ, 4, layers=layers)
     state.choose_recompute = True
     return state
 
@@ -128,12 +96,7 @@ class BudgetSeen(NaivePolicy):
 
 
 def _loop(model: CausalLM) -> tuple[HostLoop, object]:
-    block = engine_kv_layout(model.config, block_size=4, dtype="float32", page_bytes=1).block_bytes
-    config = EngineConfig(num_kv_blocks=1, **ENGINE)  # type: ignore[arg-type]
-    host = build_host_memory(model, config, pool_bytes=48 * block, policy=POLICY)
-    engine = Engine(model, host.engine_config, kv_storage_factory=host.storage_factory)
-    host.attach(engine)
-    host.decode_ready()
+    host, engine = tiny_host(model)
     loop = HostLoop(
         engine, BudgetSeen(), tpot_slo_ms=1e9, memory=host.memory, choose_recompute=True
     )
@@ -144,7 +107,7 @@ def _loop(model: CausalLM) -> tuple[HostLoop, object]:
 
 def test_loop_runs_and_counts_the_mode_the_budget_allows(model: CausalLM) -> None:
     loop, host = _loop(model)
-    trainer = _trainer(model, epochs=20)
+    trainer = tiny_trainer(model, epochs=20)
     state = loop.add_job("ft", trainer)
     assert state.choose_recompute  # a pool, and hparams that do not force recomputation
     counters = host.memory.manager.counters  # type: ignore[attr-defined]
@@ -180,7 +143,7 @@ def test_loop_runs_and_counts_the_mode_the_budget_allows(model: CausalLM) -> Non
 
 def test_hparams_that_force_recomputation_are_left_alone(model: CausalLM) -> None:
     loop, _ = _loop(model)
-    trainer = _trainer(model, checkpointing=True)
+    trainer = tiny_trainer(model, checkpointing=True)
     state = loop.add_job("ft", trainer)
     assert not state.choose_recompute
     state.measured_bytes_per_token.update({False: 1.0})  # would choose without
@@ -238,5 +201,5 @@ def test_release_graph_shapes_needs_a_release_plan_and_chosen_modes(model: Causa
         choose_recompute=True,
         release_graph_shapes=True,
     )
-    assert not released.add_job("ft", _trainer(model)).release_shapes
+    assert not released.add_job("ft", tiny_trainer(model)).release_shapes
     loop.close()

@@ -21,9 +21,9 @@ from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.memory import DecodeDemand
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
-from tests.gpu_runtime.colocation.test_loop_recompute import SEQ, _trainer
 from tests.gpu_runtime.finetune.cpu_graphs import with_cpu_graphs
 from tests.gpu_runtime.memory.test_policy import PAGE, _manager
+from tests.gpu_runtime.tiny_host import SEQ, tiny_trainer
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +72,7 @@ def test_captured_shapes_are_the_rows_and_modes_of_the_held_graph_keys() -> None
 
 
 def _graphed(model: CausalLM, per_token: int = 100) -> LoraTrainer:
-    trainer = with_cpu_graphs(_trainer(model), lambda key: per_token * key.rows * SEQ)
+    trainer = with_cpu_graphs(tiny_trainer(model), lambda key: per_token * key.rows * SEQ)
     assert trainer.graphs is not None
     trainer.graphs.pool_groups = LaunchPoolGroups()
     return trainer
@@ -91,7 +91,7 @@ def _run(trainer: LoraTrainer, examples: int, separate: bool, recompute: bool = 
 def test_cpu_replays_train_like_eager_quanta(model: CausalLM) -> None:
     """The CPU stand-in for a capture replays what an eager quantum computes: the same
     losses after each optimizer step, so tests of the loop's graph pools train as it would."""
-    eager, graphed = _trainer(model), _graphed(model)
+    eager, graphed = tiny_trainer(model), _graphed(model)
     modes = [_run(graphed, 1, separate=False) for _ in range(8)]
     for _ in range(8):
         eager.step_quantum(max_tokens=SEQ)

@@ -8,33 +8,19 @@ import pytest
 import torch
 
 from gpu_runtime.colocation import HostLoop, NaivePolicy
-from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
-from gpu_runtime.memory import MemoryPolicyConfig, build_host_memory, engine_kv_layout
+from gpu_runtime.memory import build_host_memory
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
-
-GREEDY = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
-ENGINE = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=64)
-POLICY = MemoryPolicyConfig(
-    reserve_low_pages=2,
-    reserve_high_pages=6,
-    max_step_pages=4,
-    shrink_after_iterations=2,
-    grow_hold_iterations=1,
-)
+from tests.gpu_runtime.tiny_host import ENGINE, GREEDY, POLICY, block_bytes
 
 
 @pytest.fixture(scope="module")
 def model() -> CausalLM:
     return build_random_model(tiny_config("llama"), seed=11)
-
-
-def _block_bytes(model: CausalLM) -> int:
-    layout = engine_kv_layout(model.config, block_size=4, dtype="float32", page_bytes=1)
-    return layout.block_bytes
 
 
 def test_host_memory_wires_engine_and_loop_and_returns_the_budget(model: CausalLM) -> None:
@@ -43,7 +29,7 @@ def test_host_memory_wires_engine_and_loop_and_returns_the_budget(model: CausalL
     plain = Engine(model, EngineConfig(num_kv_blocks=128, **ENGINE))  # type: ignore[arg-type]
     expected = [o.output_token_ids for o in plain.generate(prompts, GREEDY)]
 
-    block = _block_bytes(model)
+    block = block_bytes(model)
     config = EngineConfig(num_kv_blocks=1, **ENGINE)  # type: ignore[arg-type]
     host = build_host_memory(model, config, pool_bytes=48 * block, policy=POLICY)
     assert host.pool.page_bytes == block and host.pool.num_pages == 48
@@ -100,7 +86,7 @@ def test_host_memory_checks_its_arguments(model: CausalLM) -> None:
     config = EngineConfig(num_kv_blocks=1, **ENGINE)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs pool_bytes"):
         build_host_memory(model, config)
-    host = build_host_memory(model, config, pool_bytes=48 * _block_bytes(model), policy=POLICY)
+    host = build_host_memory(model, config, pool_bytes=48 * block_bytes(model), policy=POLICY)
     with pytest.raises(ValueError, match="job count"):
         host.set_finetune_jobs(-1)
     host.close()

@@ -23,15 +23,13 @@ import torch
 from gpu_runtime.colocation import HostLoop, IterationPlan, NaivePolicy
 from gpu_runtime.colocation.baselines import memory_cap_tokens
 from gpu_runtime.colocation.types import IterationContext
-from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.graph_pools import SHARED, LaunchPoolGroups
 from gpu_runtime.finetune.quantum_fit import QuantumShape
 from gpu_runtime.finetune.shape_release import captured_shapes, separate_shapes
-from gpu_runtime.memory import build_host_memory, engine_kv_layout
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
-from tests.gpu_runtime.colocation.test_loop_recompute import ENGINE, GREEDY, POLICY, SEQ, _trainer
 from tests.gpu_runtime.finetune.cpu_graphs import with_cpu_graphs
+from tests.gpu_runtime.tiny_host import GREEDY, POLICY, SEQ, tiny_host, tiny_trainer
 
 POOL_PER_TOKEN = {False: 3072, True: 512}
 """Graph pool bytes per example token without / with recomputation: one example is 18 / 3
@@ -69,12 +67,7 @@ def test_a_reclaim_under_the_agents_loop_releases_one_shape_between_quanta(
     model: CausalLM, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="gpu_runtime.memory.policy")
-    page = engine_kv_layout(model.config, block_size=4, dtype="float32", page_bytes=1).block_bytes
-    config = EngineConfig(num_kv_blocks=1, **ENGINE)  # type: ignore[arg-type]
-    host = build_host_memory(model, config, pool_bytes=48 * page, policy=RELEASE_POLICY)
-    engine = Engine(model, host.engine_config, kv_storage_factory=host.storage_factory)
-    host.attach(engine)
-    host.decode_ready()
+    host, engine = tiny_host(model, RELEASE_POLICY)
     loop = HostLoop(
         engine,
         WithinBudget(),
@@ -95,7 +88,7 @@ def test_a_reclaim_under_the_agents_loop_releases_one_shape_between_quanta(
 
     manager.release_finetune_graphs = observed_release
     trainer = with_cpu_graphs(
-        _trainer(model, epochs=50), lambda key: POOL_PER_TOKEN[key.recompute] * key.rows * SEQ
+        tiny_trainer(model, epochs=50), lambda key: POOL_PER_TOKEN[key.recompute] * key.rows * SEQ
     )
     state = loop.add_job("ft", trainer)
     assert state.release_shapes and trainer.graphs is not None
