@@ -26,13 +26,13 @@ from gpu_runtime.memory import HostMemory, MemoryPolicyConfig, build_host_memory
 from gpu_runtime.model.loader import load_model, load_tokenizer
 
 DEFAULT_DECODE_GROUPS = (4, 8, 12)
+"""32, 64 and 96 decode SMs on Hopper (plus the whole device): few splits, few graphs."""
 HOST_MEMORY_POLICY = MemoryPolicyConfig(plan_peak_window=256)
 """The pool's policy on a host: quanta in the shared graph pool are planned beside decode's
 peak over the last 256 quantum boundaries (the memory bench's `--plan-peak-window`), so that a
 burst's reclaims are cap changes; a quantum without recomputation that fits only the release
 plan (growth headroom alone) runs in a graph pool of its own, released between quanta when
 decode grows (the bench's `unified_release`; `HostLoop(release_graph_shapes=True)`)."""
-"""32, 64 and 96 decode SMs on Hopper (plus the whole device): few splits, few graphs."""
 
 
 @dataclass(frozen=True)
