@@ -28,9 +28,16 @@ def write_trace_result(
     `ITERATION_COLUMNS`) the iterations beside it (`iterations_path`)."""
     import torch
 
+    from bench.memory_equal_batch import compare_phases
     from bench.memory_iterations import ITERATION_COLUMNS
 
     comparisons = trace_comparisons(rows)
+    if iterations is not None and "static_split" in iterations:
+        phases = {
+            name: [dict(zip(ITERATION_COLUMNS, row, strict=True)) for row in table]
+            for name, table in iterations.items()
+        }
+        comparisons["equal_batch"] = compare_phases(phases)  # bench/memory_equal_batch.py
     result = {
         "name": "memory",
         "commit": commit_hash(),

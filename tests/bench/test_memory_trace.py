@@ -301,6 +301,12 @@ def test_five_phases_run_end_to_end_on_the_tiny_model(tmp_path: Path) -> None:
     release = rows["unified_release"]
     assert release["graph_releases"] == 0 and release["finetune_warmup"]["release_plan_gib"] > 0
     assert "finetune_tokens_per_s_ratio_unified_release_over_unified" in result["comparisons"]
+    equal = result["comparisons"]["equal_batch"]  # per iteration at equal batch, vs static
+    assert set(equal) == {
+        f"{name}_over_static_split"
+        for name in ("decode_only", "decode_only_split", "unified", "unified_release")
+    }
+    assert set(equal["unified_over_static_split"]) == {"iteration_ms", "step_ms", "wait_ms"}
     last = run.stdout.strip().splitlines()
     assert last[-1].startswith("wrote ") and last[-2].startswith("unified")
     # One row per loop iteration of every phase, beside the result.
