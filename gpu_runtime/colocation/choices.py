@@ -23,7 +23,7 @@ from gpu_runtime.colocation.types import (
 from gpu_runtime.colocation.typical import Typical, TypicalPredictions, fits_bound
 
 if TYPE_CHECKING:
-    from gpu_runtime.colocation.harli import HarliConfig
+    from gpu_runtime.colocation.harli_config import HarliConfig
 
 
 @dataclass(frozen=True)
@@ -255,4 +255,20 @@ class HarliChoices(TypicalPredictions):
             ):
                 value = k * job.seq_len / (predicted / 1e3)
                 out.append(Choice(full, LaunchMode.AFTER_DECODE, k, predicted, value, quantum_ms))
+        return out
+
+    def _idle_slices(self, job: JobView, full: int | None, sizes: list[int]) -> list[Choice]:
+        """Quanta alone on the whole device while decode is idle, of at most ``idle_slice_ms``
+        expected duration (a request arriving meanwhile waits that long for its first token;
+        its TPOT is untouched); valued at their own rate, as nothing decodes."""
+        cap = self.config.idle_slice_ms
+        cap = self.config.max_quantum_ms if cap is None else cap
+        out: list[Choice] = []
+        for k in sizes:
+            quantum_ms = self.durations.duration_ms(
+                job, None, LaunchMode.AFTER_DECODE, 1.0, k * job.seq_len
+            )
+            if 0 < quantum_ms <= cap:
+                value = k * job.seq_len / (quantum_ms / 1e3)
+                out.append(Choice(full, LaunchMode.AFTER_DECODE, k, 0.0, value, quantum_ms))
         return out

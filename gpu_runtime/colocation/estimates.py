@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from gpu_runtime.colocation.types import DecodeSnapshot, JobView, LaunchMode
 
 if TYPE_CHECKING:
-    from gpu_runtime.colocation.harli import HarliConfig
+    from gpu_runtime.colocation.harli_config import HarliConfig
 
 PRIOR_SOLO_TOKENS_PER_S = 10_000.0
 """Rate assumed for a job before any of its quanta was timed (only ratios between choices

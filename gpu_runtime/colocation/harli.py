@@ -29,9 +29,11 @@ would then end over the bound while decode alone would keep it within the SLO (a
 either way does not hold finetuning back). When nothing is safe, finetuning pauses for that
 iteration (decode gets the whole device) and the plan says why.
 
-When decode is idle, a quantum is planned as if one request had just arrived (on a split, or
-shared on the whole device), so a request that does arrive while the quantum runs still meets
-the SLO.
+When decode is idle, a quantum alone on the whole device (time slicing) is weighed, at most
+``idle_slice_ms`` long: a request arriving meanwhile waits for its first token, its TPOT
+untouched. Beside it, quanta beside decode are planned as if one request had just arrived (on a
+split, or shared on the whole device), so a request that does arrive while such a quantum runs
+still meets the SLO; the highest expected tokens/s wins (alone, usually).
 
 An iteration that launches a quantum costs more than one with the quantum already in flight (the
 launch's host work, the quantum's first kernels): that extra, learnt from launch iterations
@@ -54,7 +56,7 @@ decode alone's typical iteration), ``violation_step`` is added, decaying by
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from gpu_runtime.colocation.baselines import memory_cap_tokens
@@ -65,6 +67,7 @@ from gpu_runtime.colocation.estimates import (
     PrefillMix,
     QuantumDurations,
 )
+from gpu_runtime.colocation.harli_config import HarliConfig
 from gpu_runtime.colocation.online import beside_quantum
 from gpu_runtime.colocation.policy import CoLocationPolicy
 from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration, predict_many
@@ -78,101 +81,6 @@ from gpu_runtime.colocation.types import (
     JobView,
     LaunchMode,
 )
-
-
-@dataclass(frozen=True)
-class HarliConfig:
-    """Knobs of the Harli policy (see the module docstring)."""
-
-    base_margin: float = 0.03
-    """Margin kept even when predictions have been exact (fraction of the SLO)."""
-    max_margin: float = 0.5
-    """Cap on the adaptive margin."""
-    error_quantile: float = 0.9
-    """Quantile of recent relative under-prediction errors (each a mean over
-    ``error_smoothing`` iterations) added to the margin."""
-    error_window: int = 256
-    """Busy iterations the error quantile is taken over (those that predicted nothing, in a
-    plan backoff, count too: the window is a span of time, not a number of predictions)."""
-    error_smoothing: int = 32
-    """Iterations each error (and each SLO breach check) is averaged over: a share of a
-    request's life (a few hundred tokens), over which its mean TPOT is made; also the horizon
-    of the typical-iteration mix."""
-    min_error_samples: int = 8
-    """Below this many observations the margin is ``initial_margin``."""
-    initial_margin: float = 0.15
-    """Margin used before enough errors were observed."""
-    violation_step: float = 0.05
-    """Margin added when a request misses the SLO (once per episode)."""
-    violation_decay: float = 0.98
-    """Per-iteration decay factor of that extra margin."""
-    quantum_examples: tuple[int, ...] = (1, 2, 4, 8)
-    """Quantum sizes considered, in examples of the job's longest length."""
-    unknown_remaining_tokens: int = 64
-    """Tokens assumed still to come for a running request whose limit is unknown, when
-    projecting its final mean TPOT (``IterationContext.running``)."""
-    prefill_smoothing: float = 0.05
-    """EMA weight of one busy iteration in how often a step carries a prefill chunk and how
-    big it is then (``PrefillMix``: the typical iterations a held split must keep fast)."""
-    prefill_memory_smoothing: float | None = 0.005
-    """EMA weight of a slower chunk share. Running requests are projected to their end with the
-    larger of it and the recent share (the launch bound keeps the recent one), so a burst's
-    chunk steps weigh for ~200 busy iterations (1-2 s) after it: a quantum launched in a lull
-    holds its split into the next burst (the H200 bursty run at 0f65ae9 launched 4-example
-    quanta just before bursts, whose iterations then averaged 10-11 ms against a 9.6 ms SLO).
-    None: the recent share alone."""
-    idle_probe_context_tokens: int = 512
-    """When decode is idle, quanta are planned as if one request of this context were
-    decoding (one may arrive while the quantum holds its split)."""
-    cold_launch_ms: float = 300.0
-    """Loop time a concurrent launch costs once when its micro-batch has no CUDA graph on that
-    split's stream yet (``JobView.cold_launches``: first warm-up or capture; 0.1-0.33 s on the
-    H200), charged like the launch overhead: one gap of every running request."""
-    max_quantum_ms: float = 250.0
-    """Cap on a quantum's expected duration (the smallest size is exempt)."""
-    prior_quantum_overhead_ms: float = 0.0
-    """Fixed cost per quantum assumed before two quantum sizes were timed on a choice."""
-    allow_shared: bool = True
-    """Consider a quantum beside decode on the whole device (no spatial split)."""
-    allow_slice: bool = True
-    """Consider a quantum after the decode step (time slicing)."""
-    slice_call_ms: float | None = None
-    """Measured fixed cost of one layer-sliced call (with the two below; None: slices are
-    priced as their share of a whole quantum's expected duration)."""
-    slice_forward_layer_ms: float | None = None
-    """Measured cost of one forward layer pass in a slice."""
-    slice_backward_layer_ms: float | None = None
-    """Measured cost of one backward layer pass in a slice."""
-    replan_backoff: int = 4
-    """After ``n`` plans in a row found nothing safe, the next ``min(n, replan_backoff)`` busy
-    iterations pause without asking the model (until a running request finishes): under
-    overload every plan found nothing, and its predictions cost ~0.3 ms of every token (H200,
-    Llama-3-8B high load at c3a19d2: harli's pure-decode iterations 0.6 ms slower than decode
-    alone's, 51 of 133 requests over the SLO). 0: plan every iteration."""
-    layer_slices: tuple[int, ...] = (1, 2, 4, 8, 16)
-    """``max_layers`` values of layer-sliced quanta considered (jobs whose layer count is
-    known); a micro-batch in progress only continues in slices. Empty: whole quanta only."""
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.base_margin <= self.max_margin < 1:
-            raise ValueError(
-                f"need 0 <= base_margin ({self.base_margin}) <= max_margin ({self.max_margin}) < 1"
-            )
-        if not 0 <= self.initial_margin < 1:
-            raise ValueError(f"initial_margin must be in [0, 1), got {self.initial_margin}")
-        if not 0.5 <= self.error_quantile <= 1.0:
-            raise ValueError(f"error_quantile must be in [0.5, 1], got {self.error_quantile}")
-        if not self.quantum_examples or min(self.quantum_examples) < 1:
-            raise ValueError(f"quantum_examples must be positive, got {self.quantum_examples}")
-        if self.replan_backoff < 0:
-            raise ValueError(f"replan_backoff must be >= 0, got {self.replan_backoff}")
-        if self.layer_slices and min(self.layer_slices) < 1:
-            raise ValueError(f"layer_slices must be positive, got {self.layer_slices}")
-        if self.max_quantum_ms <= 0 or self.prior_quantum_overhead_ms < 0:
-            raise ValueError(
-                f"max_quantum_ms ({self.max_quantum_ms}) must be > 0 and "
-                f"prior_quantum_overhead_ms ({self.prior_quantum_overhead_ms}) >= 0"
-            )
 
 
 class HarliPolicy(HarliChoices, CoLocationPolicy):
@@ -291,6 +199,8 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
                 choices += self._slices(ctx, job, full, sizes, bound, solo_full)
         if sliced is not None:
             choices += self._layer_sliced(ctx, job, sliced, full, sizes, bound, solo_full)
+        if idle and (sliced is None or not sliced.active):
+            choices += self._idle_slices(job, full, sizes)
         if not choices:
             if idle:
                 return IterationPlan(full, (), None, None, margin, note="idle, no safe split")
@@ -306,6 +216,9 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         assert best.mode is not None
         tokens = best.examples * job.max_seq_len
         launch = FinetuneLaunch(job.job_id, tokens, best.mode, best.quantum_ms, best.max_layers)
+        if idle and best.mode is LaunchMode.AFTER_DECODE:  # nothing decodes: nothing predicted
+            note = f"decode idle: alone k={best.examples}"
+            return IterationPlan(full, (launch,), None, None, margin, note=note)
         if best.max_layers is not None:
             assert sliced is not None
             if not sliced.active:

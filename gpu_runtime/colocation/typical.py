@@ -23,7 +23,7 @@ from gpu_runtime.colocation.types import DecodeSnapshot, IterationContext, JobVi
 from gpu_runtime.predictor.schema import FinetuneQuantum
 
 if TYPE_CHECKING:
-    from gpu_runtime.colocation.harli import HarliConfig
+    from gpu_runtime.colocation.harli_config import HarliConfig
 
 Mix = tuple[tuple[float, float, DecodeSnapshot], ...]
 """(recent weight, remembered weight, snapshot) of the kinds of iteration expected while a

@@ -160,7 +160,9 @@ def test_in_flight_quantum_keeps_its_split_and_blocks_new_launches() -> None:
 
 
 def test_idle_decode_plans_for_a_request_arriving_during_the_quantum() -> None:
-    policy = HarliPolicy(MODEL)
+    """Without idle time slices (``idle_slice_ms=0``), an idle quantum runs beside decode on
+    the smallest split safe for a request that may arrive while it runs."""
+    policy = HarliPolicy(MODEL, HarliConfig(idle_slice_ms=0))
     idle = DecodeSnapshot(0, 0, 0)
     roomy = policy.plan(context(idle, 1e4))
     assert roomy.decode_sms == OPTIONS[0] and roomy.launches

@@ -3,6 +3,8 @@ running requests) and launches whose micro-batch has no CUDA graph yet."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, LaunchMode
@@ -165,3 +167,37 @@ def test_chunk_steps_over_the_bound_on_a_split_are_priced_where_they_will_run() 
         assert policy.typical_ms(decode, share, quantum, bound) <= bound
         priced_on_split_over += policy.typical_ms(decode, share, quantum) > bound
     assert priced_on_split_over > 0
+
+
+def test_idle_decode_runs_a_quantum_alone_on_the_whole_device_within_the_cap() -> None:
+    """Nothing decodes: a quantum alone on the whole device (time slicing) harvests at the solo
+    rate, and a request arriving meanwhile only waits for its first token, so it is chosen
+    over one beside decode on a split, even under an SLO no split could keep, as long as its
+    expected duration is within ``idle_slice_ms`` (default ``max_quantum_ms``)."""
+    idle = DecodeSnapshot(0, 0, 0)
+    config = HarliConfig(prior_quantum_overhead_ms=20.0, max_quantum_ms=150.0)
+    policy = HarliPolicy(MODEL, config)
+    plan = policy.plan(context(idle, 12.0))
+    (launch,) = plan.launches
+    assert launch.mode is LaunchMode.AFTER_DECODE and plan.decode_sms == TOTAL_SMS
+    assert plan.predicted_ms is None and plan.note.startswith("decode idle: alone k=")
+    assert launch.predicted_ms is not None and launch.predicted_ms <= 150.0
+    # The biggest size whose expected duration fits the cap (a fixed cost per quantum).
+    sizes = [k for k in config.quantum_examples if k * JOB.max_seq_len == launch.max_tokens]
+    durations = {
+        k: policy.durations.duration_ms(JOB, None, LaunchMode.AFTER_DECODE, 1.0, k * JOB.seq_len)
+        for k in config.quantum_examples
+    }
+    assert sizes == [max(k for k, ms in durations.items() if ms <= 150.0)]
+    # An SLO no split keeps for an arriving request: still a quantum alone.
+    assert policy.plan(context(idle, 1.0)).launches[0].mode is LaunchMode.AFTER_DECODE
+    # A cap below the smallest quantum, or 0: only quanta beside decode, as before.
+    for cap in (min(durations.values()) / 2, 0.0):
+        beside = HarliPolicy(MODEL, replace(config, idle_slice_ms=cap))
+        assert beside.plan(context(idle, 12.0)).launches[0].mode is LaunchMode.CONCURRENT
+        assert beside.plan(context(idle, 1.0)).launches == ()
+    with pytest.raises(ValueError, match="idle_slice_ms"):
+        HarliConfig(idle_slice_ms=-1.0)
+    # Busy decode: no idle slice (the usual choices).
+    busy = policy.plan(context(DecodeSnapshot.from_contexts([512] * 8), 12.0))
+    assert not busy.note.startswith("decode idle")

@@ -99,3 +99,38 @@ def test_drain_runs_until_every_request_has_finished_and_admits_nothing_after_th
     assert 0.2 < end < 0.2 + 30.0  # it stopped once both had finished, not at the drain's end
     with pytest.raises(ValueError, match="drain_s"):
         host.run(DecodeOnlyPolicy(), trace, 0.2, 100.0, None, drain_s=-1.0)
+
+
+def test_harli_harvests_idle_gaps_alone_and_keeps_every_request_within_the_slo() -> None:
+    """Bursts of requests with idle gaps between them: with idle time slices harli runs quanta
+    alone on the whole device in the gaps (a request arriving then waits for its first token
+    at most one quantum), harvesting more than with quanta only beside decode, and every
+    request still meets the SLO; the slower first tokens are bounded by the quantum cap."""
+    from gpu_runtime.colocation import HarliConfig, HarliPolicy
+
+    host = _host()
+    bursts = [(0.5 * b + 0.004 * i, 64, 30) for b in range(4) for i in range(4)]
+    slo = 12.0
+    runs = {}
+    for cap in (0.0, None):
+        config = HarliConfig(idle_slice_ms=cap, max_quantum_ms=60.0, allow_slice=False)
+        records = host.run(HarliPolicy(AnalyticLatencyModel(), config), bursts, 2.0, slo, JOB, 1)
+        runs[cap] = (records, summarize(records, slo, start=0.0, end=2.0))
+    alone_records, alone = runs[None]
+    beside_records, beside = runs[0.0]
+    idle_alone = [
+        q
+        for r in alone_records
+        if not (r.decode_batch or r.prefill_tokens)
+        for q in r.finetune_launched
+        if q.mode is LaunchMode.AFTER_DECODE
+    ]
+    assert idle_alone and not any(
+        q.mode is LaunchMode.AFTER_DECODE for r in beside_records for q in r.finetune_launched
+    )
+    assert alone.finetune_tokens > beside.finetune_tokens
+    assert alone.slo_attainment == beside.slo_attainment == 1.0
+    assert alone.finished_requests == beside.finished_requests == len(bursts)
+    ttfts = [f.ttft_ms for r in alone_records for f in r.finished if f.ttft_ms is not None]
+    longest = max(q.duration_ms for r in alone_records for q in r.quanta)
+    assert max(ttfts) <= longest + 4 * (5.0 + 0.1 * 4) + 1.0  # a quantum, then the prompts
