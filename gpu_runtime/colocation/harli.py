@@ -138,6 +138,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         full = options[-1] if options else None
         margin = self.margins.margin
         idle = ctx.decode.is_idle
+        queued = ctx.decode.waiting_requests  # requests no step has taken up yet
         if not idle:
             self._prefill.observe(ctx.decode.prefill_tokens)
         if idle:
@@ -199,7 +200,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
                 choices += self._slices(ctx, job, full, sizes, bound, solo_full)
         if sliced is not None:
             choices += self._layer_sliced(ctx, job, sliced, full, sizes, bound, solo_full)
-        if idle and (sliced is None or not sliced.active):
+        if idle and not queued and (sliced is None or not sliced.active):
             choices += self._idle_slices(job, full, sizes)
         if not choices:
             if idle:

@@ -198,6 +198,10 @@ def test_idle_decode_runs_a_quantum_alone_on_the_whole_device_within_the_cap() -
         assert beside.plan(context(idle, 1.0)).launches == ()
     with pytest.raises(ValueError, match="idle_slice_ms"):
         HarliConfig(idle_slice_ms=-1.0)
+    # Requests waiting for a step (none taken up yet): nothing alone that would hold them up.
+    waiting = DecodeSnapshot(0, 0, 0, waiting_requests=2)
+    assert waiting.is_idle
+    assert policy.plan(context(waiting, 12.0)).launches[0].mode is LaunchMode.CONCURRENT
     # Busy decode: no idle slice (the usual choices).
     busy = policy.plan(context(DecodeSnapshot.from_contexts([512] * 8), 12.0))
     assert not busy.note.startswith("decode idle")
