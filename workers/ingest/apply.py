@@ -1,0 +1,56 @@
+"""Applying one host report: deduplication by message id, then the handler of its kind.
+
+See the package docstring (`workers.ingest`) for the at-most-once and stale-report contracts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db import IntegrityError, transaction
+
+from api.models import GpuHost
+from gpu_runtime.agent.protocol import check_report
+from workers.ingest.heartbeat import heartbeat
+from workers.ingest.jobs import (
+    checkpoint,
+    job_failed,
+    job_progress,
+    job_started,
+    job_stopped,
+    job_succeeded,
+)
+from workers.ingest.metrics import metrics
+from workers.models import ProcessedReport
+
+
+def host_report_apply(*, message: dict[str, Any]) -> str:
+    """Apply one report; returns "applied", "duplicate", "stale" or "unknown_host"."""
+    check_report(message)
+    if not GpuHost.objects.filter(name=message["host"]).exists():
+        return "unknown_host"  # nothing to apply, so nothing to deduplicate
+    with transaction.atomic():
+        try:
+            with transaction.atomic():
+                ProcessedReport.objects.create(
+                    message_id=message["message_id"], kind=message["kind"], host=message["host"]
+                )
+        except IntegrityError:
+            return "duplicate"
+        host = GpuHost.objects.select_for_update().filter(name=message["host"]).first()
+        if host is None:
+            return "unknown_host"
+        handler = _HANDLERS[message["kind"]]
+        return handler(host, message)
+
+
+_HANDLERS = {
+    "heartbeat": heartbeat,
+    "job_started": job_started,
+    "job_progress": job_progress,
+    "checkpoint": checkpoint,
+    "job_succeeded": job_succeeded,
+    "job_failed": job_failed,
+    "job_stopped": job_stopped,
+    "metrics": metrics,
+}

@@ -1,0 +1,110 @@
+"""Heartbeats: the host's liveness and agent state, and the commands they call for (stop a
+placement that moved elsewhere, load missing adapters or the deployment's base model, drain or
+undrain to follow the host's status)."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from api.models import OPEN_PLACEMENT_STATES, Adapter, GpuHost, HostStatus, Placement
+from workers.ingest.common import stop_on_commit
+from workers.models import HostAgentState
+
+
+def heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
+    now = timezone.now()
+    fields = ["last_heartbeat_at"]
+    host.last_heartbeat_at = now
+    if "predictor_version" in message:  # the latency predictor the agent loaded (or none)
+        mape = message.get("predictor_mape")
+        host.predictor_version = message["predictor_version"] or None
+        host.predictor_mape = float(mape) if mape is not None else None
+        fields += ["predictor_version", "predictor_mape"]
+    draining = bool(message.get("draining", False))
+    if host.status in (HostStatus.OFFLINE, HostStatus.LOST):
+        # A host back from the dead that still drains stays drained (the operator's intent).
+        host.status = HostStatus.DRAINING if draining else HostStatus.ONLINE
+        fields.append("status")
+    host.save(update_fields=fields)
+    HostAgentState.objects.update_or_create(
+        host=host,
+        defaults={
+            "base_model": str(message.get("base_model", "")),
+            "server_url": str(message.get("server_url", "")),
+            "draining": bool(message.get("draining", False)),
+            "total_bytes": int(message["total_bytes"]),
+            "free_bytes": int(message["free_bytes"]),
+            "harvestable_tokens_per_s": float(message.get("harvestable_tokens_per_s", 0.0)),
+            "harvest": dict(message.get("harvest") or {}),
+            "placements": list(message["placements"]),
+            "adapters": list(message.get("adapters", [])),
+            "reported_at": now,
+        },
+    )
+    # A host back from the dead may still train placements that moved elsewhere: stop them.
+    reported = [int(p) for p in message["placements"]]
+    stale = Placement.objects.filter(pk__in=reported).exclude(
+        host=host, state__in=OPEN_PLACEMENT_STATES
+    )
+    for placement in stale.select_related("job"):
+        stop_on_commit(host, placement)
+    _offer_missing_adapters(host, set(message.get("adapters", [])))
+    _offer_base_model(host, str(message.get("base_model", "")))
+    # The agent follows the host's status: draining, or back in service (`host_undrain`).
+    if (host.status == HostStatus.DRAINING) != draining and host.status in (
+        HostStatus.ONLINE,
+        HostStatus.DRAINING,
+    ):
+        from workers.commands import send_host_command
+
+        command = "drain" if host.status == HostStatus.DRAINING else "undrain"
+        transaction.on_commit(
+            partial(send_host_command, host_name=host.name, command=command), robust=True
+        )
+    return "applied"
+
+
+def _offer_base_model(host: GpuHost, serving: str) -> None:
+    """Send `load_base_model` when the host serves another model than its deployment's."""
+    deployment = host.deployment
+    if deployment is None or deployment.base_model.name == serving:
+        return
+    base = deployment.base_model
+    fields = {"base_model": base.name, "model_dir": base.checkpoint_dir or None,
+              "preset": base.preset}  # fmt: skip
+    name = host.name
+
+    def send() -> None:
+        from workers.commands import send_host_command
+
+        send_host_command(host_name=name, command="load_base_model", **fields)
+
+    transaction.on_commit(send)
+
+
+def _offer_missing_adapters(host: GpuHost, served: set[str]) -> None:
+    """Send `load_adapter` for finished adapters of the host's base model it does not serve."""
+    if host.deployment_id is None or host.status != HostStatus.ONLINE:
+        return
+    missing = list(
+        Adapter.objects.filter(base_model__deployments__hosts=host)
+        .exclude(name__in=served)
+        .exclude(path="")
+        .values_list("name", "path")
+    )
+    if not missing:
+        return
+
+    def send() -> None:
+        from workers.commands import send_host_command
+
+        for name, key in missing:
+            send_host_command(
+                host_name=host.name, command="load_adapter", name=name, storage_key=key
+            )
+
+    transaction.on_commit(send)

@@ -1,0 +1,228 @@
+"""Reports about one placement of a fine-tuning job: its start, optimizer steps, checkpoints,
+and outcome (succeeded, failed, stopped). A report about a placement that is no longer open is
+stale (see the package docstring, `workers.ingest`)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Any
+
+from django.db import transaction
+from django.utils import timezone
+
+from api.errors import ConflictError
+from api.models import (
+    OPEN_PLACEMENT_STATES,
+    EventType,
+    FinetuneJob,
+    GpuHost,
+    HostStatus,
+    JobEvent,
+    JobMetric,
+    JobStatus,
+    Placement,
+    PlacementState,
+)
+from api.services.jobs import (
+    finetune_job_fail,
+    finetune_job_succeed,
+    finetune_job_transition,
+    job_checkpoint_record,
+    job_event_record,
+)
+from workers.ingest.common import report_time, stop_on_commit
+from workers.models import RollupSeries
+from workers.rollups import rollup_add
+
+# Reports sent once per optimizer step: a stale one does not send a stop of its own (the
+# heartbeats' check does, once per heartbeat).
+_PER_STEP_REPORTS = ("job_progress", "checkpoint")
+
+
+def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
+    """The open placement the report is about, or None (stale; see the package docstring)."""
+    placement = (
+        Placement.objects.select_for_update()
+        .select_related("job")
+        .filter(pk=int(message["placement_id"]), job_id=message["job_id"], host=host)
+        .first()
+    )
+    if placement is None:
+        return None
+    if placement.state in OPEN_PLACEMENT_STATES:
+        return placement
+    if message["kind"] in _PER_STEP_REPORTS and placement.job.status == JobStatus.PAUSED:
+        # A pause ends at the host's next batch boundary, after the release here: the steps
+        # trained until then and the checkpoint the pause writes still count.
+        return placement
+    if message["kind"] not in _PER_STEP_REPORTS:
+        stop_on_commit(host, placement)
+    return None
+
+
+def _job(message: dict[str, Any]) -> FinetuneJob:
+    return FinetuneJob.objects.select_related("tenant", "base_model").get(pk=message["job_id"])
+
+
+def job_started(host: GpuHost, message: dict[str, Any]) -> str:
+    placement = _open_placement(host, message)
+    if placement is None:
+        return "stale"
+    if placement.state == PlacementState.PENDING:
+        placement.state = PlacementState.ACTIVE
+        placement.started_at = timezone.now()
+        placement.save(update_fields=["state", "started_at"])
+    job = _job(message)
+    step = int(message["resumed_from_step"])
+    if job.status == JobStatus.QUEUED:
+        text = (
+            f"Fine-tuning resumed on host {host.name} from checkpoint step {step}"
+            if step
+            else f"Fine-tuning started on host {host.name}"
+        )
+        finetune_job_transition(job=job, to=JobStatus.RUNNING, message=text)
+    return "applied"
+
+
+def job_progress(host: GpuHost, message: dict[str, Any]) -> str:
+    if _open_placement(host, message) is None:
+        return "stale"
+    recorded = _step_record(
+        host,
+        _job(message),
+        report_time(message),
+        step=int(message["step"]),
+        loss=float(message["train_loss"]),
+        total=message.get("total_steps"),
+        learning_rate=message.get("learning_rate"),
+        tokens_per_s=float(message.get("tokens_per_s", 0.0)),
+        valid_loss=message.get("valid_loss"),
+    )
+    return "applied" if recorded else "duplicate"
+
+
+def _step_record(
+    host: GpuHost,
+    job: FinetuneJob,
+    ts: datetime,
+    *,
+    step: int,
+    loss: float,
+    total: Any,
+    learning_rate: Any,
+    tokens_per_s: float,
+    valid_loss: Any = None,
+    recovered: bool = False,
+) -> bool:
+    """One optimizer step of `job` on `host`: JobMetric, "Step" event, rollup. A step this
+    host already reported is skipped (a progress report recovered from a checkpoint report
+    first, then redelivered late); False then."""
+    if JobEvent.objects.filter(
+        job=job, type=EventType.METRICS, data__step=step, data__host=host.name
+    ).exists():
+        return False
+    JobMetric.objects.create(
+        job=job, ts=ts, step=step, train_loss=loss, tokens_per_s=tokens_per_s,
+        valid_loss=valid_loss,
+    )  # fmt: skip
+    data: dict[str, Any] = {
+        "step": step,
+        "total_steps": total,
+        "train_loss": loss,
+        "learning_rate": learning_rate,
+        "tokens_per_s": tokens_per_s,
+        "host": host.name,
+    }
+    if recovered:
+        data["recovered"] = True  # its own progress report never arrived
+    job_event_record(
+        job=job,
+        message=f"Step {step}/{total}: training loss={loss:.4f}",
+        type=EventType.METRICS,
+        data=data,
+    )
+    rollup_add(
+        series=RollupSeries.JOB,
+        key=job.id,
+        ts=ts,
+        values={"train_loss": loss, "tokens_per_s": tokens_per_s, "step": step},
+    )
+    return True
+
+
+def checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
+    if _open_placement(host, message) is None:
+        return "stale"
+    job = _job(message)
+    ts = report_time(message)
+    for entry in message.get("recent_steps") or []:  # steps whose progress report was lost
+        _step_record(
+            host,
+            job,
+            ts,
+            step=int(entry["step"]),
+            loss=float(entry["train_loss"]),
+            total=message.get("total_steps"),
+            learning_rate=entry.get("learning_rate"),
+            tokens_per_s=0.0,
+            recovered=True,
+        )
+    metrics = {k: v for k, v in dict(message["metrics"]).items() if k != "step"}
+    try:
+        job_checkpoint_record(
+            job=job, step=int(message["step"]), metrics=metrics, path=message["storage_key"]
+        )
+    except ConflictError:
+        # The same step again (written before a failover): keep the first record.
+        return "duplicate"
+    return "applied"
+
+
+def job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
+    if _open_placement(host, message) is None:
+        return "stale"
+    job = finetune_job_succeed(
+        job=_job(message),
+        trained_tokens=int(message["trained_tokens"]),
+        adapter_path=str(message["adapter_key"]),
+    )
+    name, key, base = job.fine_tuned_model, str(message["adapter_key"]), job.base_model_id
+    hosts = list(
+        GpuHost.objects.filter(
+            status__in=(HostStatus.ONLINE, HostStatus.DRAINING), deployment__base_model_id=base
+        )
+    )
+
+    def announce() -> None:
+        from workers.commands import send_host_command
+
+        for target in hosts:
+            send_host_command(
+                host_name=target.name, command="load_adapter", name=name, storage_key=key
+            )
+
+    transaction.on_commit(announce)
+    return "applied"
+
+
+def job_failed(host: GpuHost, message: dict[str, Any]) -> str:
+    if _open_placement(host, message) is None:
+        return "stale"
+    finetune_job_fail(job=_job(message), code=str(message["code"]), message=str(message["message"]))
+    return "applied"
+
+
+def job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
+    job = _job(message)
+    job_event_record(
+        job=job,
+        message=f"Host {host.name} stopped training ({message['reason']}) at step "
+        f"{message.get('step', '?')}",
+        data={
+            "host": host.name,
+            "reason": message["reason"],
+            "step": message.get("step"),
+            "stopped_at": message.get("sent_at"),  # Unix s, the host's clock
+        },
+    )
+    return "applied"
