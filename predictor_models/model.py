@@ -36,205 +36,43 @@ import torch
 from torch import nn
 
 from gpu_runtime.predictor.schema import ModelShape
+from predictor_models.buckets import (
+    DEFAULT_BATCH_BUCKETS,
+    DEFAULT_TOKEN_BUCKETS,
+    STEP_SCALE,
+    share_thresholds,
+    step_thresholds,
+)
+from predictor_models.features import (
+    BLOCK,
+    CHUNK_DERIVED,
+    LN2,
+    N_LOG,
+    STAGE1_DERIVED,
+    STAGE2_DERIVED,
+    linear_block,
+)
+from predictor_models.layers import Normalizer, mlp
 from predictor_models.roofline import COL, Hardware
 
-LN2 = math.log(2.0)
-# Columns of the linear block L = x @ A + c. The first N_LOG are strictly positive and are
-# logged; the rest are used as they are.
-BLOCK = (
-    "1+batch",
-    "1+context_total",
-    "1+context_mean",
-    "1+context_max",
-    "1+prefill",
-    "decode_sm_share",
-    "t_mem_ms",
-    "t_comp_ms*share",
-    "1+ft_tokens",
-    "ft_seq_len",
-    "ft_lora_rank",
-    "ft_sm_share+eps",
-    "batch+eps",
-    "tokens+eps",
-    "decode_sm_share_raw",
-    "ft_backward",
-    "ft_sm_share",
-    "share_sum",
-    "ft_tokens",
-)
-N_LOG = 14
-STAGE1_DERIVED = (
-    "log_1p_batch",
-    "log_1p_context_total",
-    "log_1p_context_mean",
-    "log_1p_context_max",
-    "log_1p_prefill",
-    "log_decode_sm_share",
-    "log_t_mem",
-    "log_t_comp_x_share",
-    "log_batch_bucket",
-    "log_t_roof",
-    "decode_sm_share",
-)
-CHUNK_DERIVED = (
-    "log_1p_batch",
-    "log_1p_context_total",
-    "log_1p_context_mean",
-    "log_1p_context_max",
-    "log_1p_prefill",
-    "log_decode_sm_share",
-    "log_t_mem",
-    "log_t_comp_x_share",
-    "log_token_bucket",
-    "log_tokens",
-    "log_t_roof",
-    "decode_sm_share",
-)
-STAGE2_DERIVED = (
-    "log_1p_batch",
-    "decode_sm_share",
-    "log_1p_ft_tokens",
-    "log_ft_seq_len",
-    "log_ft_rank",
-    "log_ft_sm_share",
-    "ft_backward",
-    "ft_sm_share",
-    "shares_sms",
-    "log_alone_pred",
-    "log_mem_over_roof",
-)
-
-
-def linear_block(shape: ModelShape, hw: Hardware) -> tuple[torch.Tensor, torch.Tensor]:
-    """(A [11, len(BLOCK)], c [len(BLOCK)]) of the block ``x @ A + c`` (see BLOCK)."""
-    a = torch.zeros(len(COL), len(BLOCK), dtype=torch.float64)
-    c = torch.zeros(len(BLOCK), dtype=torch.float64)
-    col = {name: i for i, name in enumerate(BLOCK)}
-    for j, feature in enumerate(
-        (
-            "batch_size",
-            "context_tokens_total",
-            "context_tokens_mean",
-            "context_tokens_max",
-            "prefill_chunk_tokens",
-        )
-    ):
-        a[COL[feature], j] = 1.0
-        c[j] = 1.0
-    a[COL["decode_sm_share"], col["decode_sm_share"]] = 1.0
-    kv = shape.kv_bytes_per_token / hw.hbm_bytes_per_ms
-    for feature in ("context_tokens_total", "batch_size", "prefill_chunk_tokens"):
-        a[COL[feature], col["t_mem_ms"]] = kv
-    c[col["t_mem_ms"]] = shape.weight_bytes / hw.hbm_bytes_per_ms
-    gemm = 2.0 * shape.linear_params / hw.flops_per_ms
-    attn = shape.attention_flops_per_query_key / hw.flops_per_ms
-    a[COL["batch_size"], col["t_comp_ms*share"]] = gemm + attn
-    a[COL["prefill_chunk_tokens"], col["t_comp_ms*share"]] = gemm
-    a[COL["context_tokens_total"], col["t_comp_ms*share"]] = attn
-    a[COL["ft_tokens"], col["1+ft_tokens"]] = 1.0
-    c[col["1+ft_tokens"]] = 1.0
-    a[COL["ft_seq_len"], col["ft_seq_len"]] = 1.0
-    a[COL["ft_lora_rank"], col["ft_lora_rank"]] = 1.0
-    a[COL["ft_sm_share"], col["ft_sm_share+eps"]] = 1.0
-    c[col["ft_sm_share+eps"]] = 1e-3
-    a[COL["batch_size"], col["batch+eps"]] = 1.0
-    c[col["batch+eps"]] = 1e-6
-    a[COL["batch_size"], col["tokens+eps"]] = 1.0
-    a[COL["prefill_chunk_tokens"], col["tokens+eps"]] = 1.0
-    c[col["tokens+eps"]] = 1e-6
-    a[COL["decode_sm_share"], col["decode_sm_share_raw"]] = 1.0
-    a[COL["ft_backward"], col["ft_backward"]] = 1.0
-    a[COL["ft_sm_share"], col["ft_sm_share"]] = 1.0
-    a[COL["decode_sm_share"], col["share_sum"]] = 1.0
-    a[COL["ft_sm_share"], col["share_sum"]] = 1.0
-    a[COL["ft_tokens"], col["ft_tokens"]] = 1.0
-    return a.float(), c.float()
-
-
-def mlp(n_in: int, hidden: Sequence[int]) -> nn.Sequential:
-    """``hidden=()`` is a linear model; the last layer starts at zero (prediction = prior)."""
-    layers: list[nn.Module] = []
-    width = n_in
-    for h in hidden:
-        layers += [nn.Linear(width, h), nn.SiLU()]
-        width = h
-    last = nn.Linear(width, 1)
-    nn.init.zeros_(last.weight)
-    nn.init.zeros_(last.bias)
-    layers.append(last)
-    return nn.Sequential(*layers)
-
-
-class Normalizer(nn.Module):
-    """``(f - mean) / std`` with buffers set from training features.
-
-    A feature that is constant in training gets ``std = inf`` (it normalises to 0): it carried no
-    information there, and dividing by a tiny std would turn any other value into an enormous
-    input (e.g. prefill-chunk tokens when every profiled iteration had none, which drove
-    predictions to 0 ms); such a feature acts only through the roofline terms.
-
-    ``fold_into(linear)`` moves the normalisation into the next layer's weights (exactly the
-    same function, two fewer ops in the exported graph) and turns this module into identity.
-    """
-
-    mean: torch.Tensor
-    std: torch.Tensor
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.register_buffer("mean", torch.zeros(n))
-        self.register_buffer("std", torch.ones(n))
-        self.folded = False
-
-    def fit(self, features: torch.Tensor) -> None:
-        if len(features) == 0:  # nothing to learn from (e.g. no chunk steps): identity
-            return
-        self.mean.copy_(features.mean(0))
-        if len(features) > 1:
-            std = features.std(0)
-            self.std.copy_(torch.where(std > 1e-6, std, math.inf))
-
-    @torch.no_grad()
-    def fold_into(self, linear: nn.Linear) -> None:
-        scaled = linear.weight / self.std  # [out, in]
-        linear.bias.sub_(scaled @ self.mean)
-        linear.weight.copy_(scaled)
-        self.mean.zero_()
-        self.std.fill_(1.0)
-        self.folded = True
-
-    def forward(self, f: torch.Tensor) -> torch.Tensor:
-        return f if self.folded else (f - self.mean) / self.std
-
-
-DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-"""``EngineConfig``'s default decode buckets (profiles without an ``engine`` record)."""
-DEFAULT_TOKEN_BUCKETS = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
-"""Token buckets assumed for profiles without an ``engine`` record (no mixed-step graphs)."""
-STEP_SCALE = 1.0 / math.log(1e6)
-"""Scales ``log(value / threshold)`` into (0, 1] for values up to 1e6 x the threshold."""
-
-
-def step_thresholds(buckets: Sequence[int]) -> tuple[list[float], list[float]]:
-    """(log thresholds, log increments) of ``log bucket(v) = log b0 + sum_i inc_i [v > b_i]``:
-    one boundary per bucket but the last, at ``b_i + 0.5`` (values are integers)."""
-    sizes = sorted(set(int(b) for b in buckets))
-    if not sizes or sizes[0] < 1:
-        raise ValueError(f"buckets {buckets} must be positive integers")
-    logs = [math.log(b) for b in sizes]
-    thresholds = [math.log(b + 0.5) for b in sizes[:-1]]
-    return thresholds, [logs[i + 1] - logs[i] for i in range(len(sizes) - 1)]
-
-
-def share_thresholds(splits: Sequence[float]) -> list[float]:
-    """Log decode-SM-share boundaries halfway in log between consecutive profiled splits
-    (fractions of the device, e.g. 48/132 .. 1): a share above boundary i gets step i. The
-    geometric mean of two SM counts (55.4 between 48 and 64) is no whole SM count, so no
-    share a green context can have sits on a boundary (where float32 rounding could flip it)."""
-    shares = sorted(set(float(s) for s in splits))
-    if shares and not 0.0 < shares[0] <= shares[-1] <= 1.0:
-        raise ValueError(f"share splits {splits} must lie in (0, 1]")
-    return [(math.log(a) + math.log(b)) / 2.0 for a, b in zip(shares, shares[1:], strict=False)]
+# The building blocks live in features, buckets and layers; they stay importable from here.
+__all__ = [
+    "BLOCK",
+    "CHUNK_DERIVED",
+    "DEFAULT_BATCH_BUCKETS",
+    "DEFAULT_TOKEN_BUCKETS",
+    "LN2",
+    "LatencyModel",
+    "N_LOG",
+    "Normalizer",
+    "STAGE1_DERIVED",
+    "STAGE2_DERIVED",
+    "STEP_SCALE",
+    "linear_block",
+    "mlp",
+    "share_thresholds",
+    "step_thresholds",
+]
 
 
 class LatencyModel(nn.Module):
