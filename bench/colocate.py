@@ -352,6 +352,7 @@ def main() -> None:
         slo_factor=args.slo_factor,
         slo_headroom=args.slo_headroom,
         slo_rule=args.slo_rule,
+        fixed_ms=args.tpot_slo_ms,
     )
     if slo_flag is not None:
         info["slo_flag"] = slo_flag

@@ -171,12 +171,14 @@ def tpot_slo(
     slo_factor: float,
     slo_headroom: float,
     slo_rule: str,
+    fixed_ms: float | None = None,
 ) -> tuple[float, str | None]:
     """The TPOT SLO from decode_only's runs per trace (records, start, end, still running):
     ``slo_parts`` must hold ``factor_x_medium_p50``; it gains ``attainable`` (``slo_headroom`` x
     the slowest request decode_only served on any trace; a window finishes tens of requests:
     their p99 is their maximum anyway) and, when medium's p50 looks suspect, the median-based
-    part. Returns (SLO ms, the flag saying why medium's p50 was replaced, or None)."""
+    part. With ``fixed_ms`` the SLO is that (the parts are still computed; ``fixed`` joins
+    them). Returns (SLO ms, the flag saying why medium's p50 was replaced, or None)."""
     worst = [max(tpots) for v in decode_only.values() if (tpots := request_tpots(v[0], v[3]))]
     if worst:
         slo_parts["attainable"] = slo_headroom * max(worst)
@@ -196,6 +198,8 @@ def tpot_slo(
         slo_parts["factor_x_median_p50"] = slo_ms
     if slo_rule == "attainable" and "attainable" in slo_parts:
         slo_ms = max(slo_ms, slo_parts["attainable"])
+    if fixed_ms is not None:
+        slo_parts["fixed"] = slo_ms = fixed_ms
     return slo_ms, flag
 
 

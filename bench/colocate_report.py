@@ -40,7 +40,9 @@ def definitions(args: argparse.Namespace) -> dict[str, str]:
     """What the result's SLO, attainment and static split mean, in words, for ``args``."""
     return {
         "slo_definition": (
-            f"{args.slo_factor} x decode_only TPOT p50 on the medium trace"
+            f"fixed at {args.tpot_slo_ms} ms (--tpot-slo-ms); the rule's parts recorded beside"
+            if getattr(args, "tpot_slo_ms", None) is not None
+            else f"{args.slo_factor} x decode_only TPOT p50 on the medium trace"
             + (
                 f", raised to {args.slo_headroom} x the slowest request TPOT of "
                 "decode_only over the traces (an SLO decode alone meets on every trace)"

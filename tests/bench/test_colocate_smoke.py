@@ -193,3 +193,32 @@ def test_warm_up_runs_every_row_count_whatever_the_batch_position(start: int) ->
         data.position.index += rows
     assert {1, 2, 3, 4} <= set(ran)
     assert ran[:2] == [1, 1]  # the first (eager) run on a stream repeats its size
+
+
+def test_a_fixed_slo_judges_every_policy_and_keeps_the_rules_parts(tmp_path: Path) -> None:
+    """``--tpot-slo-ms``: every row is judged against that SLO, the rule's parts are still
+    recorded beside it, and the definition says it was fixed; a non-positive one is refused."""
+    profile = ROOT / "predictor_models" / "data" / "profile-h200-llama3-8b-engine-3557c1e.csv"
+    _, path = _run_bench(
+        [
+            *("--simulate", str(profile), "--traces", "low", "--duration", "1"),
+            *("--policies", "decode_only,harli", "--tpot-slo-ms", "7.5", "--commit", "test"),
+        ],
+        tmp_path,
+        "sim",
+    )
+    out = json.loads(path.read_text())
+    config = out["config"]
+    assert config["tpot_slo_ms"] == 7.5 and config["slo_parts_ms"]["fixed"] == 7.5
+    assert "factor_x_medium_p50" in config["slo_parts_ms"]
+    assert config["slo_definition"].startswith("fixed at 7.5 ms")
+    assert {r["tpot_slo_ms"] for r in out["rows"]} == {7.5}
+    refused = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "colocate.py"), "--tpot-slo-ms", "0"],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert refused.returncode == 2 and "--tpot-slo-ms must be > 0" in refused.stderr
