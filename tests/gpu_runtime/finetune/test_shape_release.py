@@ -22,7 +22,7 @@ from gpu_runtime.memory import DecodeDemand
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
 from tests.gpu_runtime.finetune.cpu_graphs import with_cpu_graphs
-from tests.gpu_runtime.memory.test_policy import PAGE, _manager
+from tests.gpu_runtime.memory.policy_helpers import PAGE, policy_manager
 from tests.gpu_runtime.tiny_host import SEQ, tiny_trainer
 
 
@@ -125,7 +125,7 @@ def test_the_largest_separate_shape_among_jobs_is_released_first(model: CausalLM
 def test_shared_shapes_are_dropped_and_flushed_before_a_shape_is_captured_alone(
     model: CausalLM,
 ) -> None:
-    manager, pool = _manager(num_pages=64, grow_hold_iterations=0)
+    manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0)
     manager.set_finetune_demand(60 * PAGE)
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     trainer = _graphed(model)

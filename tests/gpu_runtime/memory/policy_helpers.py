@@ -17,7 +17,7 @@ PAGE = 4096
 LOGGER = "gpu_runtime.memory.policy"
 
 
-def _manager(
+def policy_manager(
     num_pages: int = 64, unit: int = 1, tail: int = 0, **config: Any
 ) -> tuple[MemoryManager, PagePool]:
     """A manager over ``num_pages`` CPU pages of ``PAGE`` bytes (one block a page), with small
@@ -37,7 +37,7 @@ def _manager(
     return MemoryManager(pool, KVLayout(page_bytes=PAGE, block_bytes=PAGE), cfg), pool
 
 
-def _steps(manager: MemoryManager, demand: DecodeDemand, n: int) -> None:
+def run_steps(manager: MemoryManager, demand: DecodeDemand, n: int) -> None:
     """``n`` iterations of ``before_step`` then ``maintain`` at the same demand."""
     for _ in range(n):
         manager.before_step(demand)

@@ -16,8 +16,8 @@ from gpu_runtime.finetune.graph_pools import SHARED, PoolGroups, separate_above
 from gpu_runtime.memory import DecodeDemand
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
+from tests.gpu_runtime.memory.policy_helpers import PAGE, policy_manager
 from tests.gpu_runtime.memory.test_engine_memory import _pooled_engine
-from tests.gpu_runtime.memory.test_policy import PAGE, _manager
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +46,7 @@ class _Shapes:
 
 
 def _lent(**config: Any) -> tuple[Any, Any, _Shapes]:
-    manager, pool = _manager(num_pages=64, grow_hold_iterations=0, **config)
+    manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0, **config)
     manager.set_finetune_demand(60 * PAGE)
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     assert pool.finetune_pages == 60

@@ -15,13 +15,11 @@ from gpu_runtime.memory import (
     MemoryPolicyConfig,
     MemoryPoolError,
 )
-
-# test_graph_release and finetune/test_shape_release import PAGE and _manager from here.
-from tests.gpu_runtime.memory.policy_helpers import LOGGER, PAGE, _manager
+from tests.gpu_runtime.memory.policy_helpers import LOGGER, PAGE, policy_manager
 
 
 def test_starts_with_the_low_watermark_mapped_and_refills_in_steps() -> None:
-    manager, pool = _manager()
+    manager, pool = policy_manager()
     assert manager.usable_blocks == 4 and pool.free_pages == 60
     # 3 blocks used: free 1 < low 4 -> refill by at most max_step_pages per maintain.
     demand = DecodeDemand(used_blocks=3, top_used_block=3, waiting_blocks=6)
@@ -37,7 +35,7 @@ def test_starts_with_the_low_watermark_mapped_and_refills_in_steps() -> None:
 
 
 def test_urgent_need_is_mapped_inline_and_counted() -> None:
-    manager, pool = _manager()
+    manager, pool = policy_manager()
     grant = manager.before_step(DecodeDemand(used_blocks=4, top_used_block=4, next_step_blocks=10))
     assert grant.usable_blocks == 14 and grant.short_blocks == 0
     assert manager.counters.urgent_maps == 1 and manager.counters.urgent_pages == 10
@@ -48,7 +46,7 @@ def test_urgent_need_is_mapped_inline_and_counted() -> None:
 def test_kv_shrinks_only_after_the_hysteresis_and_never_below_used_blocks(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    manager, pool = _manager(max_step_pages=8)
+    manager, pool = policy_manager(max_step_pages=8)
     manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=40))
     assert manager.usable_blocks == 40
     caplog.set_level(logging.INFO, logger=LOGGER)
@@ -80,7 +78,9 @@ def test_kv_shrinks_only_after_the_hysteresis_and_never_below_used_blocks(
 
 
 def test_moves_are_whole_map_units() -> None:
-    manager, pool = _manager(num_pages=64, unit=4, tail=4, reserve_low_pages=2, max_step_pages=8)
+    manager, pool = policy_manager(
+        num_pages=64, unit=4, tail=4, reserve_low_pages=2, max_step_pages=8
+    )
     assert pool.kv_prefix_pages == 4  # low watermark 2 rounded up to a unit
     grant = manager.before_step(DecodeDemand(used_blocks=3, top_used_block=3, next_step_blocks=3))
     assert grant.usable_blocks == 8
@@ -95,7 +95,7 @@ def test_moves_are_whole_map_units() -> None:
 
 
 def test_budget_violations_and_ooms_are_counted() -> None:
-    manager, pool = _manager(num_pages=16, grow_hold_iterations=0)
+    manager, pool = policy_manager(num_pages=16, grow_hold_iterations=0)
     manager.set_finetune_demand(4 * PAGE)
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     with pytest.raises(FinetuneBudgetExceeded):
@@ -112,7 +112,7 @@ def test_budget_violations_and_ooms_are_counted() -> None:
 def test_recomputing_launches_and_mode_switches_are_counted_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    manager, _ = _manager(num_pages=16)
+    manager, _ = policy_manager(num_pages=16)
     with caplog.at_level(logging.INFO, logger="gpu_runtime.memory.policy"):
         for recompute in (False, False, True, True, False, True):
             manager.finetune_quantum_mode(examples=2, recompute=recompute)
@@ -124,7 +124,7 @@ def test_recomputing_launches_and_mode_switches_are_counted_and_logged(
 
 
 def test_demands_and_configs_are_validated() -> None:
-    manager, _ = _manager()
+    manager, _ = policy_manager()
     with pytest.raises(MemoryPoolError, match="only 4 are mapped"):
         manager.before_step(DecodeDemand(used_blocks=5))
     with pytest.raises(ValueError, match="top_used_block"):
@@ -134,13 +134,13 @@ def test_demands_and_configs_are_validated() -> None:
     with pytest.raises(ValueError, match="must exceed"):
         MemoryPolicyConfig(reserve_low_pages=8, reserve_high_pages=8)
     with pytest.raises(ValueError, match="map unit"):
-        _manager(num_pages=16, unit=4, max_step_pages=2)
+        policy_manager(num_pages=16, unit=4, max_step_pages=2)
     with pytest.raises(ValueError, match="finetune demand"):
         manager.set_finetune_demand(-1)
 
 
 def test_a_shrink_blocked_by_a_live_top_block_waits_another_hysteresis_period() -> None:
-    manager, _ = _manager(max_step_pages=8)
+    manager, _ = policy_manager(max_step_pages=8)
     manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=40))
     calls: list[int] = []
 

@@ -8,12 +8,12 @@ from typing import Any
 import pytest
 
 from gpu_runtime.memory import DecodeDemand, MemoryManager, MemoryPolicyConfig, PagePool
-from tests.gpu_runtime.memory.policy_helpers import PAGE, _manager
+from tests.gpu_runtime.memory.policy_helpers import PAGE, policy_manager
 
 
 def test_quanta_planned_below_the_reclaim_headroom_make_most_reclaims_flush_free() -> None:
     def run(intervals: int) -> tuple[list[int], int, MemoryManager]:
-        manager, pool = _manager(
+        manager, pool = policy_manager(
             num_pages=64, grow_hold_iterations=0, plan_headroom_intervals=intervals
         )
         manager.set_finetune_demand(60 * PAGE)
@@ -56,7 +56,9 @@ def test_quanta_planned_below_the_reclaim_headroom_make_most_reclaims_flush_free
     assert manager.counters.urgent_flushes == 1 and manager.counters.finetune_shrinks == 5
     assert manager.reclaim_headroom_pages() == 6
     # A static split never reclaims: nothing is held back.
-    manager, pool = _manager(num_pages=16, grow_hold_iterations=0, reclaim_from_finetune=False)
+    manager, pool = policy_manager(
+        num_pages=16, grow_hold_iterations=0, reclaim_from_finetune=False
+    )
     manager.set_finetune_demand(12 * PAGE)
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     assert manager.reclaim_headroom_pages() == 0
@@ -67,7 +69,7 @@ def test_quanta_planned_below_the_reclaim_headroom_make_most_reclaims_flush_free
 
 def test_the_plan_headroom_remembers_a_burst_over_a_quiet_spell_and_has_a_floor() -> None:
     def manager_for(**config: Any) -> tuple[MemoryManager, PagePool]:
-        manager, pool = _manager(num_pages=64, grow_hold_iterations=0, **config)
+        manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0, **config)
         manager.set_finetune_demand(60 * PAGE)
         for _ in range(20):
             manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
@@ -100,7 +102,7 @@ def test_the_plan_headroom_remembers_a_burst_over_a_quiet_spell_and_has_a_floor(
 
 
 def test_with_a_peak_window_quanta_are_planned_beside_decodes_recent_peak() -> None:
-    manager, pool = _manager(
+    manager, pool = policy_manager(
         num_pages=64, grow_hold_iterations=0, plan_peak_window=3, plan_peak_prior_blocks=20
     )
     manager.set_finetune_demand(60 * PAGE)
@@ -117,7 +119,7 @@ def test_with_a_peak_window_quanta_are_planned_beside_decodes_recent_peak() -> N
     assert manager.usable_blocks == 6 and pool.finetune_pages == 58
     assert plans == [40, 40, 58]
     # Off by default: only the growth and the floor count.
-    manager, pool = _manager(num_pages=64, grow_hold_iterations=0, plan_peak_prior_blocks=20)
+    manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0, plan_peak_prior_blocks=20)
     manager.set_finetune_demand(60 * PAGE)
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     assert manager.reclaim_headroom_pages() == 0
@@ -129,7 +131,7 @@ def test_the_plan_never_falls_below_what_finetune_already_holds_within_its_budge
     # The peak term keeps 20 pages out of the plan; the allocator then holds 30 pages (a
     # graph pool captured in a quiet spell): planning below them frees nothing without a
     # flush, so the plan is what is held while that is within the budget.
-    manager, pool = _manager(
+    manager, pool = policy_manager(
         num_pages=64, grow_hold_iterations=0, plan_peak_window=3, plan_peak_prior_blocks=20
     )
     manager.set_finetune_demand(60 * PAGE)
@@ -152,7 +154,9 @@ def test_the_plan_never_falls_below_what_finetune_already_holds_within_its_budge
     plan = manager.finetune_plan_bytes() // PAGE
     assert plan == pool.finetune_pages - manager.reclaim_headroom_pages() < pool.finetune_pages
     # Under a static split nothing is kept out: the plan is the budget.
-    manager, pool = _manager(num_pages=64, grow_hold_iterations=0, reclaim_from_finetune=False)
+    manager, pool = policy_manager(
+        num_pages=64, grow_hold_iterations=0, reclaim_from_finetune=False
+    )
     manager.set_finetune_demand(60 * PAGE)
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     manager.finetune_quantum_done(peak_bytes=10 * PAGE, resident_bytes=PAGE)

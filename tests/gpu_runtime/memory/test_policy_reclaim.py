@@ -9,16 +9,16 @@ import logging
 import pytest
 
 from gpu_runtime.memory import DecodeDemand, MemoryPolicyConfig
-from tests.gpu_runtime.memory.policy_helpers import LOGGER, PAGE, _manager, _steps
+from tests.gpu_runtime.memory.policy_helpers import LOGGER, PAGE, policy_manager, run_steps
 
 
 def test_decode_reclaims_from_finetuning_before_it_preempts(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    manager, pool = _manager(num_pages=32, grow_hold_iterations=0)
+    manager, pool = policy_manager(num_pages=32, grow_hold_iterations=0)
     manager.set_finetune_demand(24 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
-    _steps(manager, idle, 6)
+    run_steps(manager, idle, 6)
     assert pool.finetune_pages == 24 and pool.free_pages == 4
     manager.finetune_quantum_done(peak_bytes=20 * PAGE, resident_bytes=6 * PAGE)
     caplog.set_level(logging.INFO, logger=LOGGER)
@@ -45,10 +45,10 @@ def test_decode_reclaims_from_finetuning_before_it_preempts(
 
 
 def test_finetune_grows_back_with_hysteresis_and_returns_what_it_does_not_want() -> None:
-    manager, pool = _manager(num_pages=32, grow_hold_iterations=3)
+    manager, pool = policy_manager(num_pages=32, grow_hold_iterations=3)
     manager.set_finetune_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
-    _steps(manager, idle, 1)
+    run_steps(manager, idle, 1)
     assert pool.finetune_pages == 12  # lending is a cap change: all idle pages in one move
     manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=30))
     assert pool.finetune_pages < 12
@@ -67,7 +67,7 @@ def test_finetune_grows_back_with_hysteresis_and_returns_what_it_does_not_want()
 
 
 def test_budget_above_the_demand_goes_back_without_a_flush_while_a_job_exists() -> None:
-    manager, pool = _manager(num_pages=32, grow_hold_iterations=0)
+    manager, pool = policy_manager(num_pages=32, grow_hold_iterations=0)
     manager.set_finetune_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
@@ -89,7 +89,7 @@ def test_budget_above_the_demand_goes_back_without_a_flush_while_a_job_exists() 
 
 
 def test_refill_defers_reclaims_while_a_finetune_quantum_runs() -> None:
-    manager, pool = _manager(num_pages=16, grow_hold_iterations=0, max_step_pages=8)
+    manager, pool = policy_manager(num_pages=16, grow_hold_iterations=0, max_step_pages=8)
     manager.set_finetune_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
@@ -105,7 +105,7 @@ def test_refill_defers_reclaims_while_a_finetune_quantum_runs() -> None:
 
 
 def test_an_urgent_reclaim_waits_for_the_running_quantum_first() -> None:
-    manager, pool = _manager(num_pages=16, grow_hold_iterations=0, max_step_pages=8)
+    manager, pool = policy_manager(num_pages=16, grow_hold_iterations=0, max_step_pages=8)
     manager.set_finetune_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
@@ -123,7 +123,7 @@ def test_an_urgent_reclaim_waits_for_the_running_quantum_first() -> None:
 
 
 def test_a_static_split_never_takes_finetune_pages_back() -> None:
-    manager, pool = _manager(
+    manager, pool = policy_manager(
         num_pages=16, grow_hold_iterations=0, max_step_pages=8, reclaim_from_finetune=False
     )
     manager.set_finetune_demand(12 * PAGE)
@@ -142,7 +142,7 @@ def test_a_static_split_never_takes_finetune_pages_back() -> None:
 
 
 def test_between_quanta_the_reserve_is_refilled_from_finetune_without_touching_hysteresis() -> None:
-    manager, pool = _manager(
+    manager, pool = policy_manager(
         num_pages=16, grow_hold_iterations=0, max_step_pages=2, shrink_after_iterations=2
     )
     manager.set_finetune_demand(12 * PAGE)
@@ -160,7 +160,7 @@ def test_between_quanta_the_reserve_is_refilled_from_finetune_without_touching_h
 
 
 def test_the_reserve_between_quanta_covers_decode_growth_over_one_quantum() -> None:
-    manager, pool = _manager(num_pages=64, grow_hold_iterations=0, max_step_pages=2)
+    manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0, max_step_pages=2)
     manager.set_finetune_demand(60 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     for _ in range(30):
@@ -183,7 +183,7 @@ def test_the_reserve_between_quanta_covers_decode_growth_over_one_quantum() -> N
 
 
 def test_idle_pages_are_lent_while_decode_grows_keeping_what_its_reserve_lacks() -> None:
-    manager, pool = _manager(num_pages=64, grow_hold_iterations=0, max_step_pages=2)
+    manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0, max_step_pages=2)
     manager.set_finetune_demand(64 * PAGE)
     # Decode is below its low watermark (a long queue): it refills by one step of 2 pages, and
     # every free page beyond the 6 its reserve still lacks (4 used + low 4 + waiting 4 = 12
@@ -195,7 +195,7 @@ def test_idle_pages_are_lent_while_decode_grows_keeping_what_its_reserve_lacks()
 
 
 def test_while_a_quantum_runs_decode_takes_the_budget_it_was_not_promised_without_waiting() -> None:
-    manager, pool = _manager(num_pages=32, grow_hold_iterations=0, max_step_pages=8)
+    manager, pool = policy_manager(num_pages=32, grow_hold_iterations=0, max_step_pages=8)
     manager.set_finetune_demand(28 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
@@ -229,7 +229,7 @@ def test_while_a_quantum_runs_decode_takes_the_budget_it_was_not_promised_withou
     assert waits == [1] and manager.counters.finetune_waits == 1
     assert manager.usable_blocks == 16 and pool.finetune_pages == 16
     # The reserve refill during a quantum takes the spare too, and defers the rest.
-    manager, pool = _manager(num_pages=32, grow_hold_iterations=0, max_step_pages=8)
+    manager, pool = policy_manager(num_pages=32, grow_hold_iterations=0, max_step_pages=8)
     manager.set_finetune_demand(28 * PAGE)
     manager.maintain(idle)
     manager.finetune_quantum_done(peak_bytes=12 * PAGE, resident_bytes=2 * PAGE)
