@@ -81,6 +81,7 @@ from gpu_runtime.colocation.types import (
     JobView,
     LaunchMode,
 )
+from gpu_runtime.colocation.typical import moves_to_whole
 
 
 class HarliPolicy(HarliChoices, CoLocationPolicy):
@@ -271,7 +272,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         values = predict_many(
             self.latency, [(it, quantum) for it in iterations] + [(it, None) for it in iterations]
         )
-        moved = len(candidates) > 1 and values[0] > bound and values[1] < values[0] - 1e-9
+        moved = len(candidates) > 1 and moves_to_whole(values[0], values[1], bound)
         best = 1 if moved else 0
         predicted, d, solo = values[best], candidates[best], values[len(candidates) + best]
         note = "quantum in flight" + (" (moved: split over bound)" if moved else "")

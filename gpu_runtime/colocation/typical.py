@@ -34,6 +34,13 @@ Typical = tuple[float, float]
 remembered one (what running requests are projected with)."""
 
 
+def moves_to_whole(on_split_ms: float, on_whole_ms: float, bound: float) -> bool:
+    """Whether decode leaves the split a quantum holds for the whole device (beside the
+    quantum's SMs): the split predicted over the bound and the whole device faster. The
+    in-flight plan decides by it, and a launch prices the iterations it will hold by it."""
+    return on_split_ms > bound and on_whole_ms < on_split_ms - 1e-9
+
+
 def fits_bound(prediction: tuple[float, float, float], bound: float, slo_ms: float) -> bool:
     """Whether a quantum beside decode passes the first checks of a choice (a memo entry: the
     coming iteration, the typical one under the recent mix, under the remembered one): the
@@ -85,7 +92,7 @@ class TypicalPredictions:
             assert bound is not None
             for i, (_, snap) in enumerate(mix):
                 whole = values[len(mix) + i]
-                if snap.prefill_tokens > 0 and held[i] > bound and whole < held[i]:
+                if snap.prefill_tokens > 0 and moves_to_whole(held[i], whole, bound):
                     held[i] = whole
         return sum(w * v for (w, _), v in zip(mix, held, strict=True))
 
@@ -150,7 +157,7 @@ class TypicalPredictions:
                 assert bound is not None
                 moved = values[first + 1 + len(mix) : first + 1 + len(mix) + len(chunked)]
                 for i, on_whole in zip(chunked, moved, strict=True):
-                    if row[i] > bound and on_whole < row[i]:
+                    if moves_to_whole(row[i], on_whole, bound):
                         row[i] = on_whole
             memo[key] = (values[first], *typical(row))
         if alone:
