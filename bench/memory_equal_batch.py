@@ -92,13 +92,14 @@ def compare_phases(
         raise ValueError(f"no {baseline!r} phase among {sorted(phases)}")
     width = options.get("bin_width", 4)
     count = options.get("min_count", 10)
+    base = {key: bins_of(phases[baseline], key, width) for key in KEYS}
     out: dict[str, dict[str, Any]] = {}
     for name, rows in phases.items():
         if name == baseline:
             continue
         entry: dict[str, Any] = {}
         for key in KEYS:
-            a, b = bins_of(rows, key, width), bins_of(phases[baseline], key, width)
+            a, b = bins_of(rows, key, width), base[key]
             interval = bootstrap_interval(
                 a, b, options.get("reps", 300), options.get("seed", 0), count
             )
