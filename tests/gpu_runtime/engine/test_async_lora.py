@@ -54,6 +54,7 @@ def _engine(
     asynchronous: bool,
     num_slots: int = 3,
     tokenizer: Any = None,
+    max_rank: int = 8,
     **overrides: object,
 ) -> tuple[Engine, MultiLoraRuntime]:
     base = _base()
@@ -70,7 +71,7 @@ def _engine(
     settings.update(overrides)
     config = EngineConfig(**settings)  # type: ignore[arg-type]
     runtime = MultiLoraRuntime(
-        base, max_tokens=config.max_num_batched_tokens, num_slots=num_slots, max_rank=8
+        base, max_tokens=config.max_num_batched_tokens, num_slots=num_slots, max_rank=max_rank
     )
     for name, directory in adapter_dirs.items():
         runtime.register(name, directory)
@@ -250,21 +251,7 @@ def test_preempted_adapter_requests_reattach_under_async(
 def test_adapter_rejected_at_admission_under_async(adapter_dirs: dict[str, Path]) -> None:
     """An adapter that does not fit the slots (rank 8 > 4) fails only its request, also when
     it arrives while other requests' steps overlap."""
-    base = _base()
-    config = EngineConfig(
-        num_kv_blocks=96,
-        block_size=4,
-        max_num_seqs=8,
-        max_num_batched_tokens=24,
-        max_model_len=64,
-        static_decode_batches=True,
-        cuda_graph_batch_sizes=(1, 2, 4, 8),
-        async_scheduling=True,
-    )
-    runtime = MultiLoraRuntime(base, max_tokens=24, max_rank=4)
-    for name, directory in adapter_dirs.items():
-        runtime.register(name, directory)
-    engine = Engine(base, config, lora=runtime)
+    engine, runtime = _engine(adapter_dirs, True, num_slots=8, max_rank=4)
     prompts = _prompts(15, (6, 9, 4))
     arrivals: list[Arrival] = [(0, prompts[0], "support-bot"), (0, prompts[2], None)]
     arrivals.append((4, prompts[1], "poet"))
