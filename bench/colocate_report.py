@@ -122,6 +122,7 @@ def row_for(
         "decode_sm_share_mean": m.decode_sm_share_mean,
         "prediction_mape": m.prediction_mape,
         "ttft_ms_p50": m.ttft_ms_p50,
+        "ttft_ms_p99": m.ttft_ms_p99,
         "seconds": round(end - start, 3),
         "window_seconds": round(window_end - start, 3),
         "unfinished_requests": len(running),
@@ -271,7 +272,7 @@ def print_table(rows: list[dict[str, Any]], comparisons: dict[str, Any], slo_ms:
     print(f"\nTPOT SLO {slo_ms:.2f} ms")
     head = (
         f"{'trace':8s} {'policy':13s} {'attain':>7s} {'p50':>7s} {'p99':>7s} "
-        f"{'ft tok/s':>9s} {'solo%':>6s} {'goodput':>8s}"
+        f"{'ft tok/s':>9s} {'solo%':>6s} {'goodput':>8s} {'ttft99':>7s}"
     )
     print(head)
     for r in rows:
@@ -281,7 +282,7 @@ def print_table(rows: list[dict[str, Any]], comparisons: dict[str, Any], slo_ms:
             f"{'-' if att is None else f'{att:.3f}':>7s} "
             f"{r['tpot_ms_p50'] or 0:7.2f} {r['tpot_ms_p99'] or 0:7.2f} "
             f"{r['finetune_tokens_per_s']:9.0f} {100 * (r['solo_fraction'] or 0):6.1f} "
-            f"{r['goodput_tokens_per_s']:8.0f}"
+            f"{r['goodput_tokens_per_s']:8.0f} {r.get('ttft_ms_p99') or 0:7.1f}"
         )
     for trace, entry in comparisons["per_trace"].items():
         print(f"{trace}: {entry}")

@@ -62,6 +62,9 @@ class IntervalMetrics:
     prediction_mape: float | None
     """Mean |observed - predicted| / observed of the iterations that had a prediction."""
     ttft_ms_p50: float | None
+    ttft_ms_p99: float | None
+    """Time to first token of the requests finished in the interval (p99): quanta that run
+    alone on the whole device while decode is idle delay a new request's first token."""
 
     @property
     def seconds(self) -> float:
@@ -156,4 +159,5 @@ def summarize(
         decode_sm_share_mean=sum(shares) / len(shares) if shares else None,
         prediction_mape=sum(errors) / len(errors) if errors else None,
         ttft_ms_p50=percentile(ttfts, 50),
+        ttft_ms_p99=percentile(ttfts, 99),
     )

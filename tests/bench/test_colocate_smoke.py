@@ -121,11 +121,14 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
 
     lines = stdout[stdout.index("\nTPOT SLO ") :].splitlines()[1:]
     assert lines[0].startswith("TPOT SLO ")
-    header = ["trace", "policy", "attain", "p50", "p99", "ft", "tok/s", "solo%", "goodput"]
+    header = ["trace", "policy", "attain", "p50", "p99", "ft", "tok/s", "solo%", "goodput", "ttft99"]
     assert lines[1].split() == header
     table = [line.split() for line in lines[2 : 2 + len(rows)]]
     assert [cells[:2] for cells in table] == [[r["trace"], r["policy"]] for r in rows]
-    assert all(len(cells) == 8 for cells in table)
+    assert all(len(cells) == 9 for cells in table)
+    ttft_p99 = [r["ttft_ms_p99"] or 0.0 for r in rows]
+    assert [float(cells[8]) for cells in table] == [pytest.approx(t, abs=0.051) for t in ttft_p99]
+    assert all(r["ttft_ms_p99"] is None or r["ttft_ms_p99"] >= r["ttft_ms_p50"] for r in rows)
     assert [line.split(":")[0] for line in lines[2 + len(rows) :]] == [
         *TRACES,
         "mean harli / best baseline (>=99%)",

@@ -50,5 +50,6 @@ def test_interval_metrics() -> None:
     assert m.decode_sm_share_mean == pytest.approx(0.5)
     assert m.prediction_mape == pytest.approx((0.0 + 4.0 / 12.0) / 2)
     assert m.ttft_ms_p50 == pytest.approx(17.5)
+    assert m.ttft_ms_p99 == pytest.approx(29.75)
     empty = agg.flush(3.0)
     assert empty.start == 2.0 and empty.iterations == 0 and empty.slo_attainment is None
