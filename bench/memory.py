@@ -32,12 +32,18 @@ reclaims (p50/p99, cache flushes, taken while a quantum ran, waits), decode iter
 (p50 with a 95% interval, p99, without prefill, the slowest iterations and what happened in
 them; the whole loop iteration, pool work included), TPOT, finetune memory (budget lent,
 planned for, allocator reserved: time-weighted means, max, a time series), tokens/s and the
-job's graph counts; `comparisons` holds the ratios between phases. A phase that fails becomes a
-row with its error; the file is written after each phase: `memory-<gpu>-<yyyymmdd>.json`, and
-beside it `memory-<gpu>-<yyyymmdd>.iterations.json`, one row per loop iteration of each phase
-(step, quantum beside, what the pool did before and after the step, the allocator's segments
-and device calls: `bench/memory_iterations.py`). Code:
-`bench/memory_args.py` (the options), `bench/memory_trace.py` (setup, the phases in turn),
+job's graph counts; `comparisons` holds the ratios between phases. A phase given more than once
+(`--phases static_split,unified_release,static_split,unified_release`) runs again with its first
+run's pool, decode share and peak prior, labelled `<phase>#2`, `#3`, ... wherever phases are
+named (rows, iterations, `config.phase_settings`, comparisons; the first run keeps the bare
+name): each repeat over its first run is the run's own measure of noise (A/A), and
+`comparisons.equal_batch` judges every A/B pairing against it (`bench/memory_equal_batch.py`;
+the table printed last ends with that spread). A phase that fails becomes a row with its
+error; the file is written after each phase: `memory-<gpu>-<yyyymmdd>.json`, and beside it
+`memory-<gpu>-<yyyymmdd>.iterations.json`, one row per loop iteration of each phase (step,
+quantum beside, what the pool did before and after the step, the allocator's segments and
+device calls: `bench/memory_iterations.py`). Code: `bench/memory_args.py` (the options, the
+repeats' labels), `bench/memory_trace.py` (setup, the phases in turn),
 `bench/memory_trace_report.py` (result file, comparisons, table), `bench/memory_phase.py` (one
 phase: build and drive), `bench/memory_phase_row.py` (a phase's row), `bench/memory_sizing.py`
 (the finetune side's quantum sizing).

@@ -1,12 +1,97 @@
 """The command line of `bench/memory.py trace` (its options, defaults and their meaning; the
-docstring of bench/memory.py says what a run does)."""
+docstring of bench/memory.py says what a run does), and the labels its phases carry in a result.
+
+A phase may be given more than once (`--phases static_split,unified_release,static_split,
+unified_release`): its first run keeps the bare name, each repeat is labelled `<phase>#2`,
+`<phase>#3`, ... in the order run (`phase_labels`), and that label keys the phase's row, its
+iterations and its comparisons, so files without repeats read as before. A repeat is configured
+exactly as its phase's first run (bench/memory_trace.py), so a pair of runs of one phase (an
+A/A pair) differs only by when it ran: the same run's measure of noise."""
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Iterable, Sequence
 
 from bench.memory import ROOT
+
+PHASES = (
+    "decode_only",
+    "decode_only_split",
+    "unified",
+    "static_split",
+    "unified_no_peak",
+    "unified_release",
+)
+JOB_PHASES = ("unified", "static_split", "unified_no_peak", "unified_release")
+REPEAT_MARK = "#"
+"""`unified#2`: the second run of `unified` in one result."""
+
+
+def parse_phases(text: str) -> list[str]:
+    """`--phases`: the phases in the order given, a phase as often as given. An unknown name, a
+    name carrying the repeat mark or an empty list is a ValueError that says what to give."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    marked = [name for name in names if REPEAT_MARK in name]
+    if marked:
+        raise ValueError(
+            f"phase names {marked} carry {REPEAT_MARK!r}, which marks a repeat in the result "
+            f"(unified{REPEAT_MARK}2 is unified's second run): give the bare name again instead"
+        )
+    unknown = sorted(set(names) - set(PHASES))
+    if unknown:
+        raise ValueError(f"unknown phases {unknown}; expected some of {PHASES}")
+    if not names:
+        raise ValueError(f"no phase given; expected some of {PHASES}")
+    return names
+
+
+def phases_argument(text: str) -> str:
+    """argparse `type` of `--phases`: the list checked by `parse_phases` (its error becomes
+    the parser's), kept as text (`config.phases` in the result) without blanks."""
+    try:
+        return ",".join(parse_phases(text))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+
+
+def phase_labels(names: Sequence[str]) -> list[str]:
+    """The label of each run of `names` (in order): the bare name for a phase's first run,
+    `<phase>#k` for its k-th."""
+    seen: dict[str, int] = {}
+    labels = []
+    for name in names:
+        seen[name] = seen.get(name, 0) + 1
+        labels.append(name if seen[name] == 1 else f"{name}{REPEAT_MARK}{seen[name]}")
+    return labels
+
+
+def phase_of(label: str) -> str:
+    """`unified#2` -> `unified`; a bare name is its own phase."""
+    return label.partition(REPEAT_MARK)[0]
+
+
+def occurrence_of(label: str) -> int:
+    """`unified#2` -> 2; a bare name is a phase's first run (1)."""
+    _, mark, number = label.partition(REPEAT_MARK)
+    return int(number) if mark else 1
+
+
+def occurrences(labels: Iterable[str]) -> dict[str, list[str]]:
+    """Phase -> its labels among `labels`, by occurrence (phases in order of first sight)."""
+    out: dict[str, list[str]] = {}
+    for label in labels:
+        out.setdefault(phase_of(label), []).append(label)
+    return {phase: sorted(found, key=occurrence_of) for phase, found in out.items()}
+
+
+def occurrence_pairs(a: Sequence[str], b: Sequence[str]) -> list[tuple[str, str]]:
+    """Every pairing of a label of `a` with one of `b`: the runs of the same rank first
+    (first with first, second with second, ...), then the crossed ones in order
+    (`unified` with `static_split#2`, `unified#2` with `static_split`, ...)."""
+    pairs = [(x, y) for i, x in enumerate(a) for j, y in enumerate(b) if i == j]
+    return pairs + [(x, y) for i, x in enumerate(a) for j, y in enumerate(b) if i != j]
 
 
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
@@ -38,14 +123,18 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--phases",
+        type=phases_argument,
         default="decode_only,decode_only_split,unified,static_split",
-        help="comma-separated phases, run in the order given (each at most once) from "
+        help="comma-separated phases, run in the order given, from "
         "decode_only, decode_only_split, unified, static_split, unified_no_peak, "
         "unified_release (unified with shapes above what fits beside decode's peak in graph "
         "pools of their own, released between quanta when decode grows). A phase uses "
-        "what the phases before it measured: the job phases' pool and unified's peak prior "
-        "decode_only's KV peak (else --decode-only-kv-peak-blocks), static_split's share "
-        "unified's KV peak (else --static-kv-peak-blocks, else decode alone's)",
+        "what the phases before its first run measured: the job phases' pool and unified's "
+        "peak prior decode_only's KV peak (else --decode-only-kv-peak-blocks), "
+        "static_split's share unified's KV peak (else --static-kv-peak-blocks, else decode "
+        "alone's). A phase given again runs again, configured as its first run, labelled "
+        "<phase>#2, #3, ... in the result (the same run's A/A pairs: "
+        "bench/memory_equal_batch.py reads them as noise)",
     )
     parser.add_argument(
         "--static-kv-peak-blocks",

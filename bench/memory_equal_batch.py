@@ -13,8 +13,23 @@ On the H200 (`bench/results/memory-trace-m{5,7,8}-h200-20261130.iterations.json`
 unified phases at 0.988-1.010x of `static_split` per iteration at equal batch (the step's
 device part, ``wait_ms``, 0.983-1.014x), where the all-iteration p50 read 0.991-1.023x.
 
+Noise, measured in the same run: a trace may run a phase more than once (`--phases
+static_split,unified_release,static_split,unified_release`; repeats labelled `<phase>#2`, ...,
+each configured as its phase's first run: bench/memory_args.py). Then `compare_phases` also
+gives, per key, each repeat over its phase's first run (A/A: `static_split#2_over_static_split`,
+the same binning and bootstrap) and every pairing of a compared phase's runs with the
+baseline's (`occurrence_pairs`: `unified_release_over_static_split`,
+`unified_release#2_over_static_split#2`, `unified_release_over_static_split#2`, ...). Each A/B
+pairing carries a verdict per key, ``within_noise``: true when the distance of its ratio from
+1.0 is no larger than the largest distance from 1.0 of any A/A ratio of that key in the same
+run, false when larger, null when the run has no repeat (or either ratio is missing). A phase's
+verdict is that of its first runs' pairing (`<phase>_over_<baseline>`, the figure a run without
+repeats reports); the other pairings show whether it holds however the runs are paired. Without
+repeats the output is as it was, with ``within_noise`` null.
+
 ``PYTHONPATH=. python3 bench/memory_equal_batch.py ITERATIONS.json [...] --out FILE`` prints the
-comparisons against `static_split` and writes them as JSON.
+comparisons against `static_split` (and with repeats the A/A spread and the verdicts) and writes
+them as JSON.
 """
 
 from __future__ import annotations
@@ -26,15 +41,20 @@ import random
 import statistics
 import sys
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench.memory_args import occurrence_pairs, occurrences, phase_of
 from bench.provenance import commit_hash
 
 Bins = dict[tuple[int, bool], list[float]]
 KEYS = ("iteration_ms", "step_ms", "wait_ms")
 """The whole loop iteration, the decode step, and the step's wait for the device."""
+WITHIN_NOISE_RULE = (
+    "within_noise: |A/B ratio - 1| <= the largest |A/A ratio - 1| of the same key in the same "
+    "run (A/A: a repeat of a phase over its first run); null without a repeat"
+)
 
 
 def bins_of(rows: Sequence[dict[str, Any]], key: str, bin_width: int = 4) -> Bins:
@@ -86,29 +106,110 @@ def bootstrap_interval(
 def compare_phases(
     phases: dict[str, list[dict[str, Any]]], baseline: str = "static_split", **options: Any
 ) -> dict[str, dict[str, Any]]:
-    """Every other phase against ``baseline``: per key of `KEYS`, the equal-batch ratio and its
-    interval (``options``: ``bin_width``, ``min_count``, ``reps``, ``seed``)."""
+    """Every other phase against ``baseline``: per key of `KEYS`, the equal-batch ratio, its
+    interval and ``within_noise`` (``options``: ``bin_width``, ``min_count``, ``reps``,
+    ``seed``). ``phases`` is keyed by label; with repeats, every pairing of a phase's runs with
+    the baseline's, then each repeat over its phase's first run (A/A, no verdict), as the
+    module's docstring says. ``<a>_over_<b>`` -> {key: {"ratio", "ci95"[, "within_noise"]}}."""
     if baseline not in phases:
         raise ValueError(f"no {baseline!r} phase among {sorted(phases)}")
     width = options.get("bin_width", 4)
     count = options.get("min_count", 10)
-    base = {key: bins_of(phases[baseline], key, width) for key in KEYS}
-    out: dict[str, dict[str, Any]] = {}
-    for name, rows in phases.items():
-        if name == baseline:
-            continue
-        entry: dict[str, Any] = {}
+    binned: dict[tuple[str, str], Bins] = {}
+
+    def bins(label: str, key: str) -> Bins:  # each run binned once per key
+        if (label, key) not in binned:
+            binned[label, key] = bins_of(phases[label], key, width)
+        return binned[label, key]
+
+    def entry(a: str, b: str) -> dict[str, Any]:
+        out: dict[str, Any] = {}
         for key in KEYS:
-            a, b = bins_of(rows, key, width), base[key]
             interval = bootstrap_interval(
-                a, b, options.get("reps", 300), options.get("seed", 0), count
+                bins(a, key), bins(b, key), options.get("reps", 300), options.get("seed", 0), count
             )
-            entry[key] = {
-                "ratio": equal_batch_ratio(a, b, count),
+            out[key] = {
+                "ratio": equal_batch_ratio(bins(a, key), bins(b, key), count),
                 "ci95": None if interval is None else list(interval),
             }
-        out[f"{name}_over_{baseline}"] = entry
+        return out
+
+    runs = occurrences(phases)
+    out: dict[str, dict[str, Any]] = {}
+    for name, labels in runs.items():
+        if name != baseline:
+            for a, b in occurrence_pairs(labels, runs[baseline]):
+                out[f"{a}_over_{b}"] = entry(a, b)
+    same = {f"{x}_over_{ls[0]}": entry(x, ls[0]) for ls in runs.values() for x in ls[1:]}
+    largest = largest_a_a_distance(same)
+    for pair in out.values():
+        for key in KEYS:
+            ratio, noise = pair[key]["ratio"], largest[key]
+            within = None if ratio is None or noise is None else abs(ratio - 1.0) <= noise
+            pair[key]["within_noise"] = within
+    return out | same
+
+
+def has_repeats(phases: Iterable[str]) -> bool:
+    """Whether some phase among these labels ran more than once."""
+    return any(len(labels) > 1 for labels in occurrences(phases).values())
+
+
+def is_a_a(pair: str) -> bool:
+    """``unified#2_over_unified`` is an A/A pair (both sides one phase); the rest are A/B."""
+    a, _, b = pair.partition("_over_")
+    return phase_of(a) == phase_of(b)
+
+
+def largest_a_a_distance(comparisons: dict[str, dict[str, Any]]) -> dict[str, float | None]:
+    """Per key, the largest |ratio - 1| over the A/A pairs among ``comparisons`` (None: no A/A
+    pair with a ratio for that key)."""
+    out: dict[str, float | None] = {}
+    for key in KEYS:
+        found = [
+            abs(entry[key]["ratio"] - 1.0)
+            for pair, entry in comparisons.items()
+            if is_a_a(pair) and entry[key]["ratio"] is not None
+        ]
+        out[key] = max(found) if found else None
     return out
+
+
+def noise_lines(comparisons: dict[str, dict[str, Any]]) -> list[str]:
+    """The A/A spread and the A/B verdicts of one run's `compare_phases`, as printed lines
+    (none without a repeat)."""
+    same = [pair for pair in comparisons if is_a_a(pair)]
+    if not same:
+        return []
+    largest = largest_a_a_distance(comparisons)
+    lines = ["  same-run noise at equal batch (A/A: a repeat over its phase's first run):"]
+    for pair in same:
+        lines.append(f"    {pair:40s} " + _cells(comparisons[pair]))
+    spread = "  ".join(
+        f"{key} {'-' if largest[key] is None else f'{largest[key]:.4f}'}" for key in KEYS
+    )
+    lines.append(f"    largest A/A distance from 1.0: {spread}")
+    lines.append(f"  {WITHIN_NOISE_RULE}; a phase's verdict is its first runs' pairing:")
+    verdicts = {True: "within", False: "OUTSIDE", None: "-"}
+    for pair, entry in comparisons.items():
+        if not is_a_a(pair):
+            cells = [
+                f"{key} {entry[key]['ratio']:.4f} {verdicts[entry[key]['within_noise']]}"
+                if entry[key]["ratio"]
+                else f"{key} -"
+                for key in KEYS
+            ]
+            lines.append(f"    {pair:40s} " + "  ".join(cells))
+    return lines
+
+
+def _cells(entry: dict[str, Any]) -> str:
+    cells = []
+    for key in KEYS:
+        ratio, ci = entry[key]["ratio"], entry[key]["ci95"]
+        interval = "" if ci is None else f" [{ci[0]:.4f}-{ci[1]:.4f}]"
+        cells.append(f"{key} {ratio:.4f}{interval}" if ratio else f"{key} -")
+    return "  ".join(cells)
 
 
 def load_phases(path: Path) -> dict[str, list[dict[str, Any]]]:
@@ -134,7 +235,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "commit": commit_hash(),
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "derived_from": "the iteration rows of the files below (no GPU run of its own)",
-        "config": {"bin_width": args.bin_width, "min_count": args.min_count, "reps": args.reps},
+        "config": {
+            "bin_width": args.bin_width,
+            "min_count": args.min_count,
+            "reps": args.reps,
+            "within_noise": WITHIN_NOISE_RULE,
+        },
         "files": {},
     }
     for path in args.iterations:
@@ -143,13 +249,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         result["files"][path.name] = comparisons
         print(path.name)
+        width = max([36, *(len(pair) for pair in comparisons)])
         for pair, entry in comparisons.items():
-            cells = []
-            for key in KEYS:
-                ratio, ci = entry[key]["ratio"], entry[key]["ci95"]
-                interval = "" if ci is None else f" [{ci[0]:.4f}-{ci[1]:.4f}]"
-                cells.append(f"{key} {ratio:.4f}{interval}" if ratio else f"{key} -")
-            print(f"  {pair:36s} " + "  ".join(cells))
+            print(f"  {pair:{width}s} " + _cells(entry))
+        for line in noise_lines(comparisons):
+            print(line)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1))
     return 0

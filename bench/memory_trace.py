@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.memory import gpu_slug
+from bench.memory_args import JOB_PHASES, parse_phases, phase_labels
 from bench.memory_phase import run_phase
 from bench.memory_sizing import finetune_footprint, lora_trainer
 from bench.memory_trace_report import print_trace_table, write_trace_result
@@ -66,17 +67,6 @@ def trace_spec(
     )
 
 
-PHASES = (
-    "decode_only",
-    "decode_only_split",
-    "unified",
-    "static_split",
-    "unified_no_peak",
-    "unified_release",
-)
-JOB_PHASES = ("unified", "static_split", "unified_no_peak", "unified_release")
-
-
 def trace_benchmark(args: Any) -> Path:
     """`decode_only` (no job, whole device: decode's own iteration time), `decode_only_split`
     (no job, on the co-located phases' decode split), `unified` (it also measures decode's KV
@@ -84,8 +74,10 @@ def trace_benchmark(args: Any) -> Path:
     rest to finetuning for good; `--phases` picks some, run in the order given. With
     `--job-pool-extra-gib X` the two phases with a job get a pool of the KV peak `decode_only`
     measured plus the low watermark plus X GiB (the same for both), so that memory is tight
-    at decode's peak whatever the trace's load. A phase that fails is recorded as a row with
-    its error; the result file is written after each phase."""
+    at decode's peak whatever the trace's load. A phase given again runs again under its
+    label (`<phase>#2`, ...: bench/memory_args.py) with its first run's settings
+    (`phase_settings`). A phase that fails is recorded as a row with its error; the result
+    file is written after each phase."""
     import gc
 
     import torch
@@ -171,54 +163,78 @@ def trace_benchmark(args: Any) -> Path:
     path = out_dir / f"memory-{gpu_slug(gpu)}-{today:%Y%m%d}.json"
     rows: list[dict[str, Any]] = []
     iterations: dict[str, list[list[Any]]] = {}
+    comparisons: dict[str, Any] = {}
 
-    def phase(name: str) -> None:
+    def phase(name: str, label: str) -> None:
         started = time.perf_counter()
         try:
-            row, iterations[name] = run_phase(name, args, model, trace, prompts, plan, sharing)
-            rows.append(row)
+            row, iterations[label] = run_phase(name, args, model, trace, prompts, plan, sharing)
+            rows.append({**row, "policy": label})
         except Exception as exc:  # one phase's failure is a result; the other still runs
             import traceback
 
             traceback.print_exc()
             error = f"{type(exc).__name__}: {exc}"
-            rows.append({"model": args.model, "policy": name, "error": error})
-        print(f"[{name}] {time.perf_counter() - started:.1f} s", flush=True)
+            rows.append({"model": args.model, "policy": label, "error": error})
+        print(f"[{label}] {time.perf_counter() - started:.1f} s", flush=True)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        write_trace_result(path, args, spec, plan, rows, gpu, today, wall, iterations)
+        comparisons.update(
+            write_trace_result(path, args, spec, plan, rows, gpu, today, wall, iterations)
+        )
 
     plan["pool_gib"] = {}
+    plan["phase_settings"] = {}
     block_bytes = plan["cpu_page_bytes"] // (2 if device.type == "cuda" else 1)
-    for name in phases:
-        if name in JOB_PHASES and args.job_pool_extra_gib is not None:
-            plan["pool_gib"][name] = job_pool_gib(args, rows, block_bytes=block_bytes)
-        if name in ("unified", "unified_release"):
-            plan["plan_peak_prior_blocks"] = _peak_prior_blocks(args, rows)
-        if name == "static_split":
-            plan["static_decode_pages"] = _static_decode_pages(
-                args, device, plan, rows, block_bytes=block_bytes
-            )
-        phase(name)
+    first_runs: dict[str, dict[str, Any]] = {}
+    for name, label in zip(phases, phase_labels(phases), strict=True):
+        if name not in first_runs:
+            first_runs[name] = phase_settings(name, args, device, plan, rows, block_bytes)
+        else:
+            print(f"[{label}] {name} again, with its first run's settings", flush=True)
+        settings = first_runs[name]
+        plan.update((key, value) for key, value in settings.items() if key != "pool_gib")
+        if name in plan["pool_gib"]:
+            plan["pool_gib"][label] = plan["pool_gib"][name]
+        plan["phase_settings"][label] = settings
+        phase(name, label)
     if sharing is not None:
         sharing.close()
-    print_trace_table(rows)
+    print_trace_table(rows, comparisons)
     return path
 
 
-def parse_phases(text: str) -> list[str]:
-    """`--phases`: the phases in the order given; unknown or repeated names are an error."""
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(PHASES))
-    if unknown:
-        raise ValueError(f"unknown phases {unknown}; expected some of {PHASES}")
-    repeated = sorted({name for name in names if names.count(name) > 1})
-    if repeated:
-        raise ValueError(f"phases {repeated} given more than once")
-    if not names:
-        raise ValueError(f"no phase given; expected some of {PHASES}")
-    return names
+def phase_settings(
+    name: str,
+    args: Any,
+    device: Any,
+    plan: dict[str, Any],
+    rows: list[dict[str, Any]],
+    block_bytes: int,
+) -> dict[str, Any]:
+    """What the first run of phase `name` is given from what the phases before it measured
+    (`rows`), set in `plan`: its pool (`plan["pool_gib"][name]`, under `--job-pool-extra-gib`),
+    the plan's peak prior (`unified`, `unified_release`) and static_split's decode share.
+    Returns the plan values that run reads (bench/memory_phase.py): its pool in GiB, the peak
+    prior (every phase's memory policy reads it; left as the phases before set it where the
+    phase sets none) and for static_split its decode share. Every repeat of the phase is given
+    the same, whatever ran between, so that an A/A pair differs only by when it ran."""
+    if name in JOB_PHASES and args.job_pool_extra_gib is not None:
+        plan["pool_gib"][name] = job_pool_gib(args, rows, block_bytes=block_bytes)
+    if name in ("unified", "unified_release"):
+        plan["plan_peak_prior_blocks"] = _peak_prior_blocks(args, rows)
+    if name == "static_split":
+        plan["static_decode_pages"] = _static_decode_pages(
+            args, device, plan, rows, block_bytes=block_bytes
+        )
+    settings = {
+        "pool_gib": float(plan["pool_gib"].get(name, args.pool_gib)),
+        "plan_peak_prior_blocks": plan.get("plan_peak_prior_blocks", 0),
+    }
+    if name == "static_split":
+        settings["static_decode_pages"] = plan["static_decode_pages"]
+    return settings
 
 
 def _sharing(args: Any, device: Any) -> tuple[Any, dict[str, Any] | None]:
