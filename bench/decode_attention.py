@@ -71,11 +71,6 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def _default_tile(splits: int) -> tuple[int, int, int]:
-    """The tile `paged_decode_attention` picks when the caller passes none."""
-    return (64, 4, 3) if splits == 1 else (32, 4, 2)
-
-
 def best_split_per_batch(rows: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
     """Per batch: the (split, tile) whose time summed over the batch's contexts is least.
 
@@ -130,10 +125,8 @@ def _reference(
 @torch.no_grad()
 def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
     from bench.decode_engine import copy_bandwidth, event_times
-    from gpu_runtime.engine.attention.triton_decode import (
-        choose_num_splits,
-        paged_decode_attention,
-    )
+    from gpu_runtime.engine.attention.decode_split import choose_num_splits, choose_tile
+    from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
 
     device = torch.device("cuda")
     bandwidth = copy_bandwidth()
@@ -197,7 +190,8 @@ def measure(args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
                             "num_warps": warps,
                             "num_stages": stages,
                             "current": splits == current
-                            and (block_n, warps, stages) == _default_tile(splits),
+                            and (block_n, warps, stages)
+                            == tuple(choose_tile(batch * KV_HEADS, splits, num_sms)),
                             "us_per_layer_p50": round(us, 3),
                             "us_per_layer_max": round(sorted(times)[-1] * 1e3 / args.layers, 3),
                             "floor_us": round(floor_us, 3),

@@ -10,12 +10,14 @@ CUDA-graph safe.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from gpu_runtime.engine.attention.decode_split import choose_num_splits, choose_tile
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.kv_cache import PagedKVCache
 
@@ -134,18 +136,9 @@ def _merge_splits_kernel(
     )
 
 
-def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
-    """Splits per sequence so that about 3 programs per SM run (power of two, 1..64).
-
-    The H200 sweep (bench/results/decode-profile-h200-20261130.json) showed one split per
-    sequence streaming best once batch x KV heads fills the chip; splitting further only adds
-    the merge kernel's cost.
-    """
-    target = -(-3 * num_sms // max(1, batch * num_kv_heads))
-    splits = 1
-    while splits < target and splits < 64:
-        splits *= 2
-    return splits
+@functools.cache
+def _device_sms(device: torch.device) -> int:
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def paged_decode_attention(
@@ -158,14 +151,17 @@ def paged_decode_attention(
     num_splits: int,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int | None = None,
+    num_sms: int | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
     q `[B, H, D]`; key/value_cache `[num_blocks, Hkv, block_size, D]` (a strided view is fine,
     last dim contiguous); block_tables `[B, W]` int32; seq_lens `[B]` int32 (context length
-    including the new token, whose K/V must already be written). Returns `[B, H, D]`.
+    including the new token, whose K/V must already be written). Returns `[B, H, D]`. The
+    tile left unset (`block_n`, `num_warps`, `num_stages`) is `decode_split.choose_tile`'s for
+    this batch on `num_sms` SMs (default: the device's).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
@@ -176,12 +172,12 @@ def paged_decode_attention(
         raise ValueError("last dims of q and caches must be contiguous")
     if key_cache.stride() != value_cache.stride():
         raise ValueError("key and value caches must have equal strides")
-    # Tiles from the H200 sweep in bench/results/decode-profile-h200-20261130.json: one long
-    # split per sequence streams best with 64-token tiles, 3 stages; split contexts with 32.
-    if block_n is None:
-        block_n = 64 if num_splits == 1 else 32
-    if num_stages is None:
-        num_stages = 3 if num_splits == 1 else 2
+    if num_sms is None:
+        num_sms = _device_sms(q.device)
+    tile = choose_tile(batch * num_kv_heads, num_splits, num_sms)
+    block_n = tile.block_n if block_n is None else block_n
+    num_warps = tile.num_warps if num_warps is None else num_warps
+    num_stages = tile.num_stages if num_stages is None else num_stages
     block_n = max(16, min(block_n, 128))
     group_pad = max(16, triton.next_power_of_2(group))
     if num_splits > 1:
@@ -249,7 +245,9 @@ def paged_decode_fn(
         tables: torch.Tensor,
         lens: torch.Tensor,
     ) -> torch.Tensor:
-        return paged_decode_attention(q, key_cache, value_cache, tables, lens, block_size, splits)
+        return paged_decode_attention(
+            q, key_cache, value_cache, tables, lens, block_size, splits, num_sms=num_sms
+        )
 
     return decode
 

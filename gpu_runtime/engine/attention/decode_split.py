@@ -1,0 +1,57 @@
+"""How the paged decode kernel divides its work: splits per sequence and the tile.
+
+Pure integer rules (no torch, no Triton), so they are tested on CPU. The figures come from
+`bench/decode_attention.py` on the H200 (Llama-3-8B heads, 32 layers replayed from one CUDA
+graph; `bench/results/decode-attention-h200-20261130.json`), per layer at context 512 / 2048:
+- batch 1 (8 programs): 32 splits of 32-token tiles 5.6 / 9.0 us; one split 13.5 / 58.6.
+- batch 8 (64 programs): 8 splits 10.5 / 25.1 us, within 3% of the best at either context.
+- batch 32 (256 programs, ~2 per SM): one split with 128-token tiles 22.0 / 66.8 us, against
+  25.0 / 73.6 with the 2 splits an earlier rule (3 programs per SM) chose.
+- batch >= 64 (>= 512 programs): one split with 64-token tiles, 3 stages, is fastest (35.5 /
+  123 us at batch 64; 128-token tiles 41.1 / 148).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+MAX_SPLITS = 32
+"""No more splits than this: at batch 1 the sweep's best summed over both contexts was 32."""
+SINGLE_SPLIT_PROGRAMS_PER_SM = 1.25
+"""From this many (sequence, KV head) programs per SM on, each sequence is one split."""
+SPLIT_PROGRAMS_PER_SM = 3
+"""Below that, split until about this many programs per SM run."""
+LARGE_TILE_PROGRAMS_PER_SM = 3
+"""One split with fewer programs per SM than this streams best with 128-token tiles."""
+
+
+class DecodeTile(NamedTuple):
+    block_n: int
+    num_warps: int
+    num_stages: int
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
+    """Splits per sequence (a power of two, 1..`MAX_SPLITS`) for a batch bucket; fixed per
+    bucket because a CUDA graph fixes its grid, while contexts vary from step to step."""
+    if batch < 1 or num_kv_heads < 1 or num_sms < 1:
+        raise ValueError(
+            f"batch, num_kv_heads and num_sms must be >= 1, got {batch}, {num_kv_heads}, {num_sms}"
+        )
+    programs = batch * num_kv_heads
+    if programs >= SINGLE_SPLIT_PROGRAMS_PER_SM * num_sms:
+        return 1
+    target = -(-SPLIT_PROGRAMS_PER_SM * num_sms // programs)
+    splits = 1
+    while splits < target and splits < MAX_SPLITS:
+        splits *= 2
+    return splits
+
+
+def choose_tile(programs: int, num_splits: int, num_sms: int = 132) -> DecodeTile:
+    """The kernel's tile for `programs` = batch x KV heads and `num_splits` splits each."""
+    if num_splits > 1:
+        return DecodeTile(32, 4, 2)  # split contexts: short ranges, many programs
+    if programs < LARGE_TILE_PROGRAMS_PER_SM * num_sms:
+        return DecodeTile(128, 4, 2)  # few programs: more bytes in flight per program
+    return DecodeTile(64, 4, 3)
