@@ -139,10 +139,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             run = layer_gemms(rows, weights, backward)
             reference = [t.float() for t in run()]
             whole: dict[str, float] = {}
+            side_stream = torch.cuda.Stream(device)  # graphs are not captured on the default
             for library in ("cublas", "cublaslt"):
                 with sm_target(None, library):
-                    whole[library] = time_graph(run, torch.cuda.current_stream(), args.layers,
-                                                args.reps)  # fmt: skip
+                    whole[library] = time_graph(run, side_stream, args.layers, args.reps)
             for decode_sms in args.decode_groups:
                 decode_stream, finetune_stream = sharing.partition(decode_sms * 8)
                 sms = total - decode_sms * 8 if side == "finetune" else decode_sms * 8

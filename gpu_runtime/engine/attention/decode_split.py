@@ -33,12 +33,16 @@ class DecodeTile(NamedTuple):
 
 def choose_num_splits(batch: int, num_kv_heads: int, num_sms: int = 132) -> int:
     """Splits per sequence (a power of two, 1..`MAX_SPLITS`) for a batch bucket; fixed per
-    bucket because a CUDA graph fixes its grid, while contexts vary from step to step."""
-    if batch < 1 or num_kv_heads < 1 or num_sms < 1:
+    bucket because a CUDA graph fixes its grid, while contexts vary from step to step. A batch
+    of 0 rows (a mixed step with no decode rows) gets 1: its launch has no programs."""
+    if batch < 0 or num_kv_heads < 1 or num_sms < 1:
         raise ValueError(
-            f"batch, num_kv_heads and num_sms must be >= 1, got {batch}, {num_kv_heads}, {num_sms}"
+            f"batch must be >= 0, num_kv_heads and num_sms >= 1, got {batch}, {num_kv_heads}, "
+            f"{num_sms}"
         )
     programs = batch * num_kv_heads
+    if programs == 0:
+        return 1
     if programs >= SINGLE_SPLIT_PROGRAMS_PER_SM * num_sms:
         return 1
     target = -(-SPLIT_PROGRAMS_PER_SM * num_sms // programs)

@@ -37,6 +37,9 @@ def test_tiles() -> None:
     assert choose_tile(256, 1, num_sms=64) == DecodeTile(64, 4, 3)  # 4 per SM on 64 SMs
 
 
-def test_bad_arguments_are_refused() -> None:
-    with pytest.raises(ValueError, match="got 0, 8, 132"):
-        choose_num_splits(0, 8, 132)
+def test_no_rows_is_one_split_and_bad_arguments_are_refused() -> None:
+    assert choose_num_splits(0, 8, 132) == 1  # a mixed step without decode rows
+    with pytest.raises(ValueError, match="got -1, 8, 132"):
+        choose_num_splits(-1, 8, 132)
+    with pytest.raises(ValueError, match="got 8, 0, 132"):
+        choose_num_splits(8, 0, 132)
