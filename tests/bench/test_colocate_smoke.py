@@ -121,7 +121,18 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
 
     lines = stdout[stdout.index("\nTPOT SLO ") :].splitlines()[1:]
     assert lines[0].startswith("TPOT SLO ")
-    header = ["trace", "policy", "attain", "p50", "p99", "ft", "tok/s", "solo%", "goodput", "ttft99"]
+    header = [
+        "trace",
+        "policy",
+        "attain",
+        "p50",
+        "p99",
+        "ft",
+        "tok/s",
+        "solo%",
+        "goodput",
+        "ttft99",
+    ]
     assert lines[1].split() == header
     table = [line.split() for line in lines[2 : 2 + len(rows)]]
     assert [cells[:2] for cells in table] == [[r["trace"], r["policy"]] for r in rows]
