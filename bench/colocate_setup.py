@@ -180,7 +180,7 @@ def setup_engine(
         sharing = create_sharing(device, decode_groups=groups)
         t0 = time.perf_counter()
         for d in sharing.table.choices:
-            engine.capture_cuda_graphs(partition=d, stream=sharing.partition(d)[0])
+            engine.capture_cuda_graphs(partition=d, stream=sharing.partition(d)[0], sm_count=d)
         sync(device)
         capture_s = time.perf_counter() - t0
     hparams = resolve_hyperparameters(

@@ -35,6 +35,11 @@ BLOCK_SIZE = 16
 MAX_MODEL_LEN = 8192
 
 
+def _sm_count(partition: Any) -> int | None:
+    """SMs of a partition keyed by its decode SM count (the profiler's keys); None otherwise."""
+    return partition if isinstance(partition, int) and not isinstance(partition, bool) else None
+
+
 class EngineSourceError(RuntimeError):
     """The decode engine lacks what the profiler drives."""
 
@@ -262,7 +267,9 @@ class EngineDecode:
         with prefill tokens, the mixed step (``chunks``: see ``EngineMixedStep``)."""
         runner = self.runner
         if self.mixed_graphs and partition not in self._partitions:
-            runner.capture_cuda_graphs(None, partition=partition, stream=stream)
+            runner.capture_cuda_graphs(
+                None, partition=partition, stream=stream, sm_count=_sm_count(partition)
+            )
             self._partitions.add(partition)
         if prefill_tokens:
             return EngineMixedStep(self, contexts, prefill_tokens, partition, chunks)
@@ -273,6 +280,8 @@ class EngineDecode:
         step.stage()
         graphs = runner._graphs
         if graphs is None or not graphs.has(bucket, partition):
-            runner.capture_cuda_graphs((bucket,), partition=partition, stream=stream)
+            runner.capture_cuda_graphs(
+                (bucket,), partition=partition, stream=stream, sm_count=_sm_count(partition)
+            )
             step.stage()  # warm-up runs wrote the buffers' KV slots; restage for timing
         return step

@@ -137,7 +137,9 @@ def _capture_graphs(engine: Engine, sharing: Any) -> None:
         engine.capture_cuda_graphs()
         return
     for decode_sms in sharing.table.choices:
-        engine.capture_cuda_graphs(partition=decode_sms, stream=sharing.partition(decode_sms)[0])
+        engine.capture_cuda_graphs(
+            partition=decode_sms, stream=sharing.partition(decode_sms)[0], sm_count=decode_sms
+        )
 
 
 def lora_runtime(engine: Engine) -> MultiLoraRuntime:

@@ -76,6 +76,12 @@ class EngineConfig:
     """BLAS library of the model's GEMMs on CUDA ("cublas", "cublaslt"; None: torch's current
     choice), set while decode graphs are captured (graphs keep the kernels chosen then) and
     around eager steps, restored afterwards."""
+    partition_gemm_sm_target: bool = True
+    """Decode and mixed-step graphs captured for an SM partition
+    (`capture_cuda_graphs(sm_count=n)`, n below the device's SMs) plan their GEMMs for n SMs:
+    cuBLASLt with an SM-count target during the capture (`runner_types.gemm_sm_target`). On the
+    H200 decode-shaped GEMMs ran 1.10-1.23x faster on 32-48 SMs
+    (`bench/results/carveout-h200-20261201.json`). False: partitions capture as the device."""
     decode_skinny_gemm_rows: int = 0
     """On CUDA with the fused kernels, decode steps of at most this many rows (<= 64) run
     `decode_skinny_gemm_projections` (without adapters) through the split-K Triton GEMM of

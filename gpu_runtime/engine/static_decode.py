@@ -26,6 +26,7 @@ from gpu_runtime.engine.runner_types import (
     StepHandle,
     _RequestState,
     blas_library,
+    gemm_sm_target,
 )
 from gpu_runtime.model.llama import CausalLM
 
@@ -184,11 +185,14 @@ class StaticDecodeMixin:
         batch_sizes: tuple[int, ...] | None = None,
         partition: Hashable = None,
         stream: torch.cuda.Stream | None = None,
+        sm_count: int | None = None,
     ) -> list[int]:
         """Capture the decode step for each bucket (largest first); returns those captured.
 
-        `partition`/`stream` key and place the capture for one SM partition. With a LoRA
-        runtime on the fused path, the LoRA step is captured too (same buckets, same pool).
+        `partition`/`stream` key and place the capture for one SM partition; `sm_count`, the
+        SMs that partition's kernels may use, lets its GEMMs plan for them
+        (`EngineConfig.partition_gemm_sm_target`). With a LoRA runtime on the fused path, the
+        LoRA step is captured too (same buckets, same pool).
         """
         if not (self.use_triton and self.config.use_cuda_graphs):
             return []
@@ -200,7 +204,12 @@ class StaticDecodeMixin:
         for size in sizes:
             if size not in self._buckets:
                 raise ValueError(f"batch size {size} is not a bucket of {self._buckets}")
-        with blas_library(self._blas), gc_paused_for_capture():  # one collection for all
+        target = sm_count if self.config.partition_gemm_sm_target else None
+        with (
+            blas_library(self._blas),
+            gemm_sm_target(target, self._num_sms),
+            gc_paused_for_capture(),  # one collection for all
+        ):
             for size in sizes:
                 self._graphs.capture(size, partition, stream)
                 if self._lora_graphs is not None:

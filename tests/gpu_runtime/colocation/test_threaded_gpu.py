@@ -65,7 +65,7 @@ def _run_beside_sampled_decode(sharing: Any, launch_inline: bool) -> None:
     )
     split = sharing.table.choices[0]
     for d in sharing.table.choices:
-        engine.capture_cuda_graphs(partition=d, stream=sharing.partition(d)[0])
+        engine.capture_cuda_graphs(partition=d, stream=sharing.partition(d)[0], sm_count=d)
     examples = _examples(32, 64)
     hparams = resolve_hyperparameters(
         n_train_examples=len(examples),
