@@ -62,6 +62,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "captured per split (EngineConfig.mixed_cuda_graphs); --no-mixed-graphs launches "
         "them eagerly",
     )
+    parser.add_argument(
+        "--partition-gemm-sm-target",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="decode graphs of each split plan their GEMMs for the split's SMs "
+        "(EngineConfig.partition_gemm_sm_target)",
+    )
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument(

@@ -169,6 +169,7 @@ def setup_engine(
         device=str(device),
         cuda_graph_batch_sizes=buckets,
         mixed_cuda_graphs=args.mixed_graphs,
+        partition_gemm_sm_target=args.partition_gemm_sm_target,
     )
     engine = Engine(model, engine_config)
     sharing = None
@@ -231,6 +232,7 @@ def setup_engine(
             "num_kv_blocks": engine_config.num_kv_blocks,
             "mixed_cuda_graphs": engine_config.mixed_cuda_graphs,
             "chunk_attention": engine_config.chunk_attention,
+            "partition_gemm_sm_target": engine_config.partition_gemm_sm_target,
             "mixed_graph_token_sizes": (
                 engine_config.mixed_graph_token_sizes() if engine_config.mixed_cuda_graphs else None
             ),

@@ -76,12 +76,15 @@ class EngineConfig:
     """BLAS library of the model's GEMMs on CUDA ("cublas", "cublaslt"; None: torch's current
     choice), set while decode graphs are captured (graphs keep the kernels chosen then) and
     around eager steps, restored afterwards."""
-    partition_gemm_sm_target: bool = True
+    partition_gemm_sm_target: bool = False
     """Decode and mixed-step graphs captured for an SM partition
     (`capture_cuda_graphs(sm_count=n)`, n below the device's SMs) plan their GEMMs for n SMs:
-    cuBLASLt with an SM-count target during the capture (`runner_types.gemm_sm_target`). On the
-    H200 decode-shaped GEMMs ran 1.10-1.23x faster on 32-48 SMs
-    (`bench/results/carveout-h200-20261201.json`). False: partitions capture as the device."""
+    cuBLASLt with an SM-count target during the capture (`runner_types.gemm_sm_target`). Alone,
+    decode-shaped GEMMs ran 1.10-1.23x faster on 32-48 SMs on the H200
+    (`bench/results/carveout-h200-20261201.json`); in the co-location loop (one run a model at
+    1800ced, `colocate-1800ced-*`) Qwen2.5-7B's 64-SM steps beside a quantum were ~13% faster
+    relative to decode alone and its harvest summed over the traces +9%, while Llama-3-8B's
+    48-SM steps were unchanged and its summed harvest -5%. Off until repeated runs decide."""
     decode_skinny_gemm_rows: int = 0
     """On CUDA with the fused kernels, decode steps of at most this many rows (<= 64) run
     `decode_skinny_gemm_projections` (without adapters) through the split-K Triton GEMM of

@@ -89,6 +89,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
     assert "factor_x_medium_p50" in config["slo_parts_ms"]
     assert config["solo_finetune"]["tokens_per_s_8_examples"] > 0
     assert config["check"]["greedy_token_agreement"] == 1.0
+    assert config["engine"]["partition_gemm_sm_target"] is False  # off unless asked
 
     rows = out["rows"]
     assert [(r["trace"], r["policy"]) for r in rows] == [(t, p) for t in TRACES for p in POLICIES]
