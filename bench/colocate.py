@@ -88,6 +88,7 @@ from gpu_runtime.colocation import (
     summarize,
 )
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
+from gpu_runtime.colocation.harli_config import GPU_LAUNCH_OVERHEAD_PRIOR_MS
 from gpu_runtime.colocation.predictor import DecodeLatencyModel
 from gpu_runtime.model import ModelConfig
 
@@ -164,6 +165,7 @@ def main() -> None:
         quantum_examples=QUANTUM_EXAMPLES,
         max_quantum_ms=args.max_quantum_ms,
         prior_quantum_overhead_ms=overhead_ms,
+        launch_overhead_prior_ms=GPU_LAUNCH_OVERHEAD_PRIOR_MS if device.type == "cuda" else 0.0,
     )
 
     specs = {t: preset(t, args.duration, args.rate_scale) for t in traces}

@@ -137,18 +137,23 @@ def _decode_groups(parser: argparse.ArgumentParser, text: str) -> tuple[int, ...
     return groups
 
 
-def build_policy(name: str, predictor: Any) -> Any:
+def build_policy(name: str, predictor: Any, device: str = "cpu") -> Any:
     """The co-location policy `name` for an engine; "harli" plans with the host's predictor,
     corrected online by the loop's own iterations (``CorrectedLatencyModel``; one batched ONNX
-    call per plan), and falls back to "naive", logged, when the host has none for its model."""
-    from gpu_runtime.colocation import DecodeOnlyPolicy, HarliPolicy, NaivePolicy
+    call per plan), and falls back to "naive", logged, when the host has none for its model.
+    On a CUDA `device` harli charges a first concurrent launch the measured prior
+    (``GPU_LAUNCH_OVERHEAD_PRIOR_MS``) until it has timed one."""
+    from gpu_runtime.colocation import DecodeOnlyPolicy, HarliConfig, HarliPolicy, NaivePolicy
     from gpu_runtime.colocation.corrected import CorrectedLatencyModel
+    from gpu_runtime.colocation.harli_config import GPU_LAUNCH_OVERHEAD_PRIOR_MS
 
     if name == "decode_only":
         return DecodeOnlyPolicy()
     if name == "harli":
         if predictor is not None:
-            return HarliPolicy(CorrectedLatencyModel(predictor.predictor))
+            prior = GPU_LAUNCH_OVERHEAD_PRIOR_MS if device.startswith("cuda") else 0.0
+            config = HarliConfig(launch_overhead_prior_ms=prior)
+            return HarliPolicy(CorrectedLatencyModel(predictor.predictor), config)
         logger.warning("no latency predictor for this model: co-location policy naive")
     return NaivePolicy(quantum_examples=4)
 
@@ -210,7 +215,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
         base_model=config.base_model,
         serving=serving,
         engine_spec=spec,
-        policy=functools.partial(build_policy, config.policy),
+        policy=functools.partial(build_policy, config.policy, device=config.device),
         tpot_slo_ms=config.tpot_slo_ms,
         storage=open_storage(config.storage),
         work_dir=work_dir,

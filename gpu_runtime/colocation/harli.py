@@ -95,7 +95,9 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         self.launch_sizes = self.config.quantum_examples  # the loop reports their graph state
         self.margins = MarginTracker(self.config)
         self.durations = QuantumDurations(self.config.prior_quantum_overhead_ms)
-        self.launch_overhead = LaunchOverhead(self.config.error_smoothing)
+        self.launch_overhead = LaunchOverhead(
+            self.config.error_smoothing, self.config.launch_overhead_prior_ms
+        )
         self._launch_planned: tuple[float, bool] | None = None
         """(ms the plan's prediction adds for the launch, whether it was a cold launch)."""
         self.slice_costs = SliceCosts(
@@ -323,7 +325,15 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             slo = self._slo_ms
             breached = any(f.tpot_ms is not None and f.tpot_ms > slo for f in record.finished)
             breached |= self._running_over
-            self.margins.observe(record.predicted_ms, record.iteration_ms, slo, breached)
+            # An iteration of decode alone (paused, nothing safe) is judged without this
+            # policy's own plan time: a full search that found nothing cost 0.75 ms on the
+            # H200 at 1800ced, which a prediction learnt from cheap plans does not hold; counted
+            # as error it kept the margin at 0.38-0.44, so every plan searched and found
+            # nothing again (1.2 s paused at the start of Llama-3-8B's low trace).
+            observed = record.iteration_ms
+            if not (record.in_flight or record.finetune_launched):
+                observed = max(observed - record.plan_ms, 0.0)
+            self.margins.observe(record.predicted_ms, observed, slo, breached)
         learn = getattr(self.latency, "observe_record", None)  # models that learn online
         # Not from a launch iteration (its extra is launch_overhead's), nor from a pause that
         # asked nothing (the model would be asked now for its base prediction: the host time

@@ -82,9 +82,10 @@ class EngineConfig:
     cuBLASLt with an SM-count target during the capture (`runner_types.gemm_sm_target`). Alone,
     decode-shaped GEMMs ran 1.10-1.23x faster on 32-48 SMs on the H200
     (`bench/results/carveout-h200-20261201.json`); in the co-location loop (one run a model at
-    1800ced, `colocate-1800ced-*`) Qwen2.5-7B's 64-SM steps beside a quantum were ~13% faster
+    1800ced, `colocate-1800ced-*`) Qwen2.5-7B's 64-SM steps beside a quantum were ~10% faster
     relative to decode alone and its harvest summed over the traces +9%, while Llama-3-8B's
-    48-SM steps were unchanged and its summed harvest -5%. Off until repeated runs decide."""
+    48-SM steps were unchanged and its summed harvest -5% (gpu_runtime/sharing/README.md).
+    Off until repeated runs decide."""
     decode_skinny_gemm_rows: int = 0
     """On CUDA with the fused kernels, decode steps of at most this many rows (<= 64) run
     `decode_skinny_gemm_projections` (without adapters) through the split-K Triton GEMM of

@@ -17,6 +17,7 @@ from gpu_runtime.agent.predictor import (
 from gpu_runtime.agent.serving import EngineSpec
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, HarliPolicy, NaivePolicy
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
+from gpu_runtime.colocation.harli_config import GPU_LAUNCH_OVERHEAD_PRIOR_MS
 from gpu_runtime.colocation.predictor import decode_iteration
 from gpu_runtime.engine import EngineConfig
 from gpu_runtime.predictor.artifact import ArtifactError
@@ -141,4 +142,7 @@ def test_policy_harli_plans_with_the_predictor(tiny_model_dir: Path, tiny_artifa
     assert isinstance(policy.latency, CorrectedLatencyModel)  # learns this host's offsets
     probe = decode_iteration(DecodeSnapshot.from_contexts([100]), 1.0)
     assert policy.latency.predict_ms(probe, None) == predictor.predictor.stage1(probe)
+    assert policy.launch_overhead.ms == 0.0  # a CPU host: launches are not charged up front
+    on_gpu = build_policy("harli", predictor, device="cuda:0")
+    assert on_gpu.launch_overhead.ms == GPU_LAUNCH_OVERHEAD_PRIOR_MS > 0
     assert isinstance(build_policy("harli", None), NaivePolicy)

@@ -103,7 +103,11 @@ def test_margin_grows_when_observations_exceed_predictions() -> None:
     for i in range(50):  # iterations with the quantum in flight, all 30% slower than predicted
         plan = policy.plan(context(decode, slo, in_flight=flight))
         assert plan.predicted_ms is not None and not plan.launches
-        policy.observe(record(plan, decode, plan.predicted_ms * 1.3, index=i))
+        beside = flight.max_tokens
+        rec = record(
+            plan, decode, plan.predicted_ms * 1.3, i, beside=beside, beside_sms=flight.decode_sms
+        )
+        policy.observe(rec)
     launch_ms = policy.launch_overhead.ms
     later = policy.plan(context(decode, slo))
     assert later.margin is not None and later.margin >= 0.3 + 0.03 - 1e-9

@@ -117,3 +117,36 @@ def test_errors_leave_the_window_after_error_window_busy_iterations_predicted_or
     for _ in range(500):  # nothing predicted for a long time: the last errors still stand
         quiet.observe(None, 10.0, 20.0, requests_breached=False)
     assert quiet.margin == pytest.approx(0.02 + 0.1)
+
+
+def test_a_paused_plans_own_search_time_is_no_prediction_error() -> None:
+    """Decode alone (nothing safe) judged without the plan's host time: a search that took
+    20% of the iteration leaves the margin as it was, while decode alone really running 20%
+    over its prediction raises it. (On the H200 a paused plan's 0.75 ms search counted as error and
+    kept the margin at 0.38-0.44 for 1.2 s while harli stayed paused.)"""
+    config = HarliConfig(min_error_samples=4, replan_backoff=0)
+    policy = HarliPolicy(MODEL, config)
+    for i in range(10):
+        _step(policy, context(DECODE, SLO), i)
+    calm = policy.margins.margin
+    alone = policy.plan(context(DECODE, SLO, jobs=()))
+    assert not alone.launches and alone.predicted_ms is not None
+    search_ms = alone.predicted_ms * 0.2
+    for i in range(10, 40):
+        rec = record(alone, DECODE, alone.predicted_ms + search_ms, index=i)
+        assert not rec.in_flight and not rec.finetune_launched
+        policy.observe(replace(rec, plan_ms=search_ms))
+    assert policy.margins.margin == pytest.approx(calm)
+    for i in range(40, 70):  # decode alone really 20% slower than predicted: that is error
+        policy.observe(record(alone, DECODE, alone.predicted_ms * 1.2, index=i))
+    assert policy.margins.margin > calm + 0.1
+
+
+def test_the_launch_overhead_prior_is_charged_until_a_launch_is_timed() -> None:
+    with pytest.raises(ValueError, match="launch_overhead_prior_ms must be >= 0, got -1"):
+        HarliConfig(launch_overhead_prior_ms=-1.0)
+    policy = HarliPolicy(MODEL, HarliConfig(launch_overhead_prior_ms=3.0))
+    assert policy.launch_overhead.ms == 3.0
+    policy.launch_overhead.observe(predicted_ms=6.0, observed_ms=7.0)
+    assert policy.launch_overhead.ms == pytest.approx(1.0)  # learnt from then on
+    assert HarliPolicy(MODEL).launch_overhead.ms == 0.0
