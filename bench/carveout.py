@@ -17,16 +17,15 @@ per layer, its fraction of the whole device's speed, and the target's speed-up.
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import statistics
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.provenance import commit_hash, write_result
 
 HIDDEN, INTERMEDIATE, Q_KV = 4096, 14336, 6144  # Llama-3-8B: q|k|v = 4096 + 2 x 1024
 SHAPES = (("qkv", HIDDEN, Q_KV), ("o", HIDDEN, HIDDEN), ("gate_up", HIDDEN, 2 * INTERMEDIATE),
@@ -50,7 +49,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--decode-rows", type=str, default="8,64")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=20)
-    parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    parser.add_argument("--commit", default=commit_hash())
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args(argv)
     args.decode_rows = [int(x) for x in args.decode_rows.split(",") if x.strip()]
@@ -196,26 +195,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench/carveout.py measures green-context partitions: it needs CUDA")
     rows = measure(args)
-    gpu = torch.cuda.get_device_name()
-    gpu_key = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
-    now = datetime.datetime.now(datetime.UTC)
-    out = Path(args.out) / f"carveout-{gpu_key}-{now:%Y%m%d}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
     config = {k: v for k, v in vars(args).items() if k not in ("commit", "out")}
     config["shapes"] = [list(s) for s in SHAPES]
-    out.write_text(
-        json.dumps(
-            {
-                "name": "carveout",
-                "commit": args.commit,
-                "gpu": gpu,
-                "torch": torch.__version__,
-                "created": now.isoformat(),
-                "config": config,
-                "rows": rows,
-            },
-            indent=1,
-        )
+    gpu = torch.cuda.get_device_name()
+    out = write_result(
+        "carveout", args.out, gpu, torch.__version__, args.commit, config=config, rows=rows
     )
     print(f"wrote {out}")
     print(f"{'side':8s} {'rows':>5s} {'sms':>4s} {'lib':8s} {'target':>6s} {'ms/layer':>9s} "

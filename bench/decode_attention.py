@@ -20,16 +20,15 @@ is least (`best_split_per_batch`), which is what a choice fixed per bucket can u
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
-import json
 import os
 import statistics
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from bench.provenance import commit_hash, write_result
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B (Qwen2.5-7B: 28 / 4)
 TILES = ((64, 4, 3), (32, 4, 2), (64, 4, 2), (128, 4, 2))  # block_n, warps, stages
@@ -60,7 +59,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=32, help="calls per graph (one a layer)")
     parser.add_argument("--distinct", type=int, default=8, help="distinct per-layer caches")
     parser.add_argument("--reps", type=int, default=20, help="timed replays per configuration")
-    parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
+    parser.add_argument("--commit", default=commit_hash())
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args(argv)
     if args.layers < 1 or args.distinct < 1 or args.reps < 3:
@@ -221,30 +220,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         key = f"{row['batch']}/{row['context']}"
         if key not in fastest or row["us_per_layer_p50"] < fastest[key]["us_per_layer_p50"]:
             fastest[key] = row
-    gpu = torch.cuda.get_device_name()
-    gpu_key = "h200" if "H200" in gpu else gpu.lower().replace(" ", "-")
-    now = datetime.datetime.now(datetime.UTC)
-    out = Path(args.out) / f"decode-attention-{gpu_key}-{now:%Y%m%d}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: v for k, v in vars(args).items() if k not in ("commit", "out")}
+    config: dict[str, Any] = {k: v for k, v in vars(args).items() if k not in ("commit", "out")}
     config["tiles"] = [list(t) for t in TILES]
     config["heads"] = [HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE]
-    out.write_text(
-        json.dumps(
-            {
-                "name": "decode-attention",
-                "commit": args.commit,
-                "gpu": gpu,
-                "torch": torch.__version__,
-                "created": now.isoformat(),
-                "copy_bandwidth_tb_s": round(bandwidth / 1e12, 4),
-                "config": config,
-                "rows": rows,
-                "fastest": fastest,
-                "best_split_per_batch": {str(b): v for b, v in best.items()},
-            },
-            indent=1,
-        )
+    out = write_result(
+        "decode-attention",
+        args.out,
+        torch.cuda.get_device_name(),
+        torch.__version__,
+        args.commit,
+        copy_bandwidth_tb_s=round(bandwidth / 1e12, 4),
+        config=config,
+        rows=rows,
+        fastest=fastest,
+        best_split_per_batch={str(b): v for b, v in best.items()},
     )
     print(f"wrote {out}")
     print(f"{'batch':>5s} {'ctx':>5s} {'floor':>7s} {'current':>8s} {'fastest':>8s}  config")

@@ -1,10 +1,13 @@
-"""Which commit a benchmark ran at, for its result file."""
+"""Which commit a benchmark ran at, and its result file."""
 
 from __future__ import annotations
 
+import datetime
+import json
 import os
 import subprocess
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -22,3 +25,28 @@ def commit_hash() -> str:
         ).strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
+
+
+def gpu_key(gpu_name: str) -> str:
+    """The `<gpu>` of a result file's name: "h200" for any H200, else the name in lower case."""
+    return "h200" if "H200" in gpu_name else gpu_name.lower().replace(" ", "-")
+
+
+def write_result(
+    name: str, out_dir: str | Path, gpu: str, torch_version: str, commit: str, **body: Any
+) -> Path:
+    """Write `<out_dir>/<name>-<gpu>-<yyyymmdd>.json` (BENCHMARKS.md's result file): `name`,
+    `commit`, `gpu`, `torch`, `created`, then `body` (`config`, `rows`, ...). Returns the path."""
+    now = datetime.datetime.now(datetime.UTC)
+    out = Path(out_dir) / f"{name}-{gpu_key(gpu)}-{now:%Y%m%d}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    document = {
+        "name": name,
+        "commit": commit,
+        "gpu": gpu,
+        "torch": torch_version,
+        "created": now.isoformat(),
+        **body,
+    }
+    out.write_text(json.dumps(document, indent=1))
+    return out

@@ -1,0 +1,34 @@
+"""bench/provenance.py: the result file every benchmark writes (BENCHMARKS.md's shape)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+from bench.provenance import gpu_key, write_result
+
+
+def test_gpu_key() -> None:
+    assert gpu_key("NVIDIA H200") == "h200"
+    assert gpu_key("NVIDIA A100-SXM4-80GB") == "nvidia-a100-sxm4-80gb"
+
+
+def test_write_result_names_the_file_and_holds_the_required_keys(tmp_path: Path) -> None:
+    path = write_result(
+        "decode-attention",
+        tmp_path / "out",
+        "NVIDIA H200",
+        "2.11.0",
+        "abc1234",
+        config={"batches": [1, 8]},
+        rows=[{"batch": 1, "us_per_layer_p50": 5.3}],
+    )
+    day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    assert path == tmp_path / "out" / f"decode-attention-h200-{day}.json"
+    document = json.loads(path.read_text())
+    assert list(document)[:5] == ["name", "commit", "gpu", "torch", "created"]
+    assert document["name"] == "decode-attention" and document["commit"] == "abc1234"
+    assert document["config"] == {"batches": [1, 8]}
+    assert document["rows"] == [{"batch": 1, "us_per_layer_p50": 5.3}]
+    assert datetime.datetime.fromisoformat(document["created"]).tzinfo is not None
