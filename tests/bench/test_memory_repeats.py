@@ -163,9 +163,21 @@ def test_a_repeated_phase_runs_again_as_it_first_ran(tmp_path: Path) -> None:
         "unified#2_over_unified",
     ]
     assert comparisons["equal_batch_within_noise_rule"].startswith("within_noise:")
-    # the step's verdict against the run's A/A spread (CPU: no device wait, so none for it)
-    assert isinstance(equal["unified_over_static_split"]["step_ms"]["within_noise"], bool)
-    assert equal["unified_over_static_split"]["wait_ms"]["within_noise"] is None
+    # each verdict is the rule applied to the run's own figures: none where the tiny CPU trace
+    # left too few iterations per batch bin for a ratio (it varies with the machine's timing;
+    # the rule itself is tested on synthetic phases in test_memory_equal_batch.py)
+    for key in ("iteration_ms", "step_ms", "wait_ms"):
+        aa = [
+            equal[p][key]["ratio"]
+            for p in ("static_split#2_over_static_split", "unified#2_over_unified")
+        ]
+        spread = [abs(r - 1.0) for r in aa if r is not None]
+        ab = equal["unified_over_static_split"][key]
+        expected = (
+            None if ab["ratio"] is None or not spread else abs(ab["ratio"] - 1.0) <= max(spread)
+        )
+        assert ab["within_noise"] == expected
+    assert equal["unified_over_static_split"]["wait_ms"]["within_noise"] is None  # CPU: no wait
     # the table printed last shows the repeats, then the A/A spread
     out = run.stdout
     assert "\nstatic_split#2 " in out and "\nunified#2 " in out
