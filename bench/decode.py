@@ -46,7 +46,7 @@ from bench.decode_engine import (
     time_engine,
     time_prefill_chunks,
 )
-from bench.decode_engine import inject as inject  # bench/multilora.py
+from bench.decode_engine import inject as inject  # bench/multilora_measure.py
 from bench.decode_extras import gemm_backends, mixed_step_profile, sampler_paths, skinny_gemms
 from bench.decode_hf import check_correctness, hf_model, time_hf
 from bench.decode_profile import run_profile
@@ -57,7 +57,7 @@ from bench.decode_report import (
     run_config,
     targets,
 )
-from bench.decode_report import percentile as percentile  # bench/multilora.py
+from bench.decode_report import percentile as percentile  # bench/multilora_*.py
 from gpu_runtime.engine import Engine
 from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
 

@@ -64,7 +64,7 @@ TABLE_HEADER = "model       system     batch   ctx   p50 ms   p99 ms   floor   f
 
 
 def test_multilora_imports_inject_and_percentile_from_decode() -> None:
-    from bench.decode import inject, percentile  # bench/multilora.py does
+    from bench.decode import inject, percentile  # bench/multilora_measure.py does
 
     assert inject is decode_engine.inject
     assert percentile([3.0, 1.0, 2.0], 50) == 2.0
