@@ -27,11 +27,6 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))]
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def reset_peak(device: torch.device) -> int:
     """Clear the peak counter; returns bytes allocated now (the row's baseline)."""
     gc.collect()
