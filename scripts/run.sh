@@ -39,7 +39,7 @@ if [ -n "${HARLI_MODEL_DIR:-}" ]; then
   base_model=${HARLI_BASE_MODEL:-$(basename "$HARLI_MODEL_DIR")}
   deployment="${base_model}-chat"
   device=${HARLI_DEVICE:-$(command -v nvidia-smi >/dev/null && echo cuda || echo cpu)}
-  agent_args+=(--model-dir "$HARLI_MODEL_DIR" --device "$device")
+  agent_args+=(--model-dir "$HARLI_MODEL_DIR" --device "$device" --tpot-slo-ms 50 --ttft-slo-ms 1000)
   if [ "$device" != cpu ]; then
     gpu_kind=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n1 | tr ' ' '-')
     gpu_gb=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -n1)

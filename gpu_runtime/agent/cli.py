@@ -54,6 +54,13 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--key-cache-ttl-s", type=float,
                    default=float(env("HARLI_KEY_CACHE_TTL_S", "10")))  # fmt: skip
     p.add_argument("--tpot-slo-ms", type=float, default=50.0)
+    p.add_argument(
+        "--ttft-slo-ms",
+        type=float,
+        default=None,
+        help="the deployment's TTFT SLO: harli's idle time slices take at most half "
+        "of it (default: up to its quantum cap)",
+    )
     p.add_argument("--policy", choices=["naive", "decode_only", "harli"],
                    default=env("HARLI_POLICY", "harli"),
                    help="co-location policy (harli falls back to naive on a host without a "
@@ -105,6 +112,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             metrics_interval_s=args.metrics_interval_s,
             key_cache_ttl_s=args.key_cache_ttl_s,
             tpot_slo_ms=args.tpot_slo_ms,
+            ttft_slo_ms=args.ttft_slo_ms,
             policy=args.policy,
             memory_bytes=int(args.memory_gb * GIB),
             num_kv_blocks=args.num_kv_blocks,
@@ -137,22 +145,23 @@ def _decode_groups(parser: argparse.ArgumentParser, text: str) -> tuple[int, ...
     return groups
 
 
-def build_policy(name: str, predictor: Any, device: str = "cpu") -> Any:
+def build_policy(
+    name: str, predictor: Any, device: str = "cpu", ttft_slo_ms: float | None = None
+) -> Any:
     """The co-location policy `name` for an engine; "harli" plans with the host's predictor,
     corrected online by the loop's own iterations (``CorrectedLatencyModel``; one batched ONNX
     call per plan), and falls back to "naive", logged, when the host has none for its model.
-    On a CUDA `device` harli charges a first concurrent launch the measured prior
-    (``GPU_LAUNCH_OVERHEAD_PRIOR_MS``) until it has timed one."""
-    from gpu_runtime.colocation import DecodeOnlyPolicy, HarliConfig, HarliPolicy, NaivePolicy
+    Harli's knobs for this host (`device`, the deployment's `ttft_slo_ms`) come from
+    ``host_harli_config``."""
+    from gpu_runtime.colocation import DecodeOnlyPolicy, HarliPolicy, NaivePolicy
     from gpu_runtime.colocation.corrected import CorrectedLatencyModel
-    from gpu_runtime.colocation.harli_config import GPU_LAUNCH_OVERHEAD_PRIOR_MS
+    from gpu_runtime.colocation.harli_config import host_harli_config
 
     if name == "decode_only":
         return DecodeOnlyPolicy()
     if name == "harli":
         if predictor is not None:
-            prior = GPU_LAUNCH_OVERHEAD_PRIOR_MS if device.startswith("cuda") else 0.0
-            config = HarliConfig(launch_overhead_prior_ms=prior)
+            config = host_harli_config(device, ttft_slo_ms)
             return HarliPolicy(CorrectedLatencyModel(predictor.predictor), config)
         logger.warning("no latency predictor for this model: co-location policy naive")
     return NaivePolicy(quantum_examples=4)
@@ -215,7 +224,9 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
         base_model=config.base_model,
         serving=serving,
         engine_spec=spec,
-        policy=functools.partial(build_policy, config.policy, device=config.device),
+        policy=functools.partial(
+            build_policy, config.policy, device=config.device, ttft_slo_ms=config.ttft_slo_ms
+        ),
         tpot_slo_ms=config.tpot_slo_ms,
         storage=open_storage(config.storage),
         work_dir=work_dir,

@@ -48,6 +48,10 @@ class AgentConfig:
     key_cache_ttl_s: float = 10.0
     """A revoked API key stops working on this host at most this long after revocation."""
     tpot_slo_ms: float = 50.0
+    ttft_slo_ms: float | None = None
+    """The deployment's TTFT SLO: harli's idle time slices (a quantum alone on the device while
+    decode is idle, which a new request waits for) take at most half of it. None: no cap but the
+    quantum's."""
     policy: str = "harli"
     """Co-location policy ("harli" falls back to "naive" without a latency predictor)."""
     memory_bytes: int = 16 * GIB
@@ -95,6 +99,10 @@ class AgentConfig:
                 f"key_cache_ttl_s must be >= 0, got {self.key_cache_ttl_s}",
             ),
             (self.tpot_slo_ms > 0, f"tpot_slo_ms must be > 0, got {self.tpot_slo_ms}"),
+            (
+                self.ttft_slo_ms is None or self.ttft_slo_ms > 0,
+                f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms}",
+            ),
             (0 <= self.server_port < 65536, f"server_port out of range: {self.server_port}"),
             (self.memory_bytes > 0, f"memory_bytes must be > 0, got {self.memory_bytes}"),
             (self.lora_slots >= 1, f"lora_slots must be >= 1, got {self.lora_slots}"),

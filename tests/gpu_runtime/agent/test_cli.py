@@ -31,6 +31,8 @@ def test_defaults_and_options() -> None:
                          "--no-mixed-graphs"])  # fmt: skip
     assert (config.max_num_seqs, config.max_num_batched_tokens) == (32, 256)
     assert config.mixed_cuda_graphs is False
+    assert parse_args(BASE).ttft_slo_ms is None
+    assert parse_args([*BASE, "--ttft-slo-ms", "120"]).ttft_slo_ms == 120.0
 
 
 @pytest.mark.parametrize(
@@ -38,6 +40,7 @@ def test_defaults_and_options() -> None:
     [
         (["--memory-pool", "on"], "a memory pool on the CPU needs its size"),
         (["--lora-slots", "0"], "lora_slots must be >= 1, got 0"),
+        (["--ttft-slo-ms", "0"], "ttft_slo_ms must be > 0, got 0.0"),
         (["--heartbeat-s", "0"], "heartbeat_s must be > 0, got 0.0"),
         (["--decode-groups", "4,x"], "expected comma-separated integers"),
         (["--decode-groups", "0"], "expected positive integers"),

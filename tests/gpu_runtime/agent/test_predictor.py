@@ -145,4 +145,9 @@ def test_policy_harli_plans_with_the_predictor(tiny_model_dir: Path, tiny_artifa
     assert policy.launch_overhead.ms == 0.0  # a CPU host: launches are not charged up front
     on_gpu = build_policy("harli", predictor, device="cuda:0")
     assert on_gpu.launch_overhead.ms == GPU_LAUNCH_OVERHEAD_PRIOR_MS > 0
+    assert on_gpu.config.idle_slice_ms is None  # no TTFT SLO: slices up to the quantum cap
+    tight = build_policy("harli", predictor, device="cuda:0", ttft_slo_ms=100.0)
+    assert tight.config.idle_slice_ms == 50.0  # half the TTFT SLO
+    loose = build_policy("harli", predictor, ttft_slo_ms=2000.0)
+    assert loose.config.idle_slice_ms == loose.config.max_quantum_ms
     assert isinstance(build_policy("harli", None), NaivePolicy)

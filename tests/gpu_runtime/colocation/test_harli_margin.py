@@ -150,3 +150,20 @@ def test_the_launch_overhead_prior_is_charged_until_a_launch_is_timed() -> None:
     policy.launch_overhead.observe(predicted_ms=6.0, observed_ms=7.0)
     assert policy.launch_overhead.ms == pytest.approx(1.0)  # learnt from then on
     assert HarliPolicy(MODEL).launch_overhead.ms == 0.0
+
+
+def test_host_config_caps_idle_slices_by_the_ttft_slo() -> None:
+    from gpu_runtime.colocation.harli_config import (
+        GPU_LAUNCH_OVERHEAD_PRIOR_MS,
+        IDLE_SLICE_TTFT_SHARE,
+        host_harli_config,
+    )
+
+    cpu = host_harli_config("cpu")
+    assert cpu.launch_overhead_prior_ms == 0.0 and cpu.idle_slice_ms is None
+    gpu = host_harli_config("cuda:1", ttft_slo_ms=80.0)
+    assert gpu.launch_overhead_prior_ms == GPU_LAUNCH_OVERHEAD_PRIOR_MS
+    assert gpu.idle_slice_ms == IDLE_SLICE_TTFT_SHARE * 80.0
+    assert host_harli_config("cuda", ttft_slo_ms=1e4).idle_slice_ms == HarliConfig().max_quantum_ms
+    with pytest.raises(ValueError, match="ttft_slo_ms must be > 0 or None, got -5"):
+        host_harli_config("cuda", ttft_slo_ms=-5.0)
