@@ -40,7 +40,7 @@ batch 32, context 512, CUDA graphs on CUDA: base-only rows, every row on one of 
 16), and mixed, for q/k/v/o and all-linear LoRA (see that file's docstring).
 
 Run: `PYTHONPATH=. python3 bench/finetune.py` (see --help; `--model tiny --device cpu` is a
-smoke run). Writes `<out>/finetune-h200-<yyyymmdd>.json` after every row and prints a table last.
+smoke run). Writes `<out>/finetune-<gpu>-<yyyymmdd>.json` after every row and prints a table last.
 """
 
 from __future__ import annotations
@@ -67,6 +67,7 @@ from bench.finetune_runs import (
     run_hf,
     run_ours,
 )
+from bench.provenance import gpu_key
 from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.model import ModelConfig, build_random_model
 
@@ -86,7 +87,7 @@ def main() -> None:
     decode_rows: list[dict[str, Any]] = []
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-    out = Path(args.out) / f"finetune-h200-{day}.json"
+    out = Path(args.out) / f"finetune-{gpu_key(gpu)}-{day}.json"
 
     def write() -> dict[str, Any]:
         return write_result(out, args, config, gpu, base_bytes, rows, decode_rows, started)

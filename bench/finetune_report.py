@@ -80,7 +80,8 @@ def write_result(
         "config": {
             **vars(args),
             "model_config": config.to_hf_config(),
-            "lora": "rank 16, alpha 32, dropout 0.05; AdamW fused, lr 2e-4, clip 1.0",
+            "lora": f"rank {args.rank}, alpha {2 * args.rank}, dropout 0.05; AdamW fused, lr 2e-4, "
+            "clip 1.0",
             "base_weights_gb": base_bytes / GB,
         },
         "rows": rows,
