@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bench.script_runs import run_script
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SEQ, MICROS, RANK, STEPS, WARMUP = 16, (1, 2), 4, 3, 1
@@ -53,31 +52,19 @@ CPU_CHECK = {  # no fused LoRA decode step on CPU: the check says so instead of 
 }
 
 
-def _day() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-
-
 @pytest.mark.slow
 def test_tiny_cpu_run_writes_rows_decode_rows_and_prints_the_tables_last(tmp_path: Path) -> None:
-    before = _day()
-    result = subprocess.run(
+    stdout, path = run_script(
+        "finetune.py",
         [
-            *(sys.executable, str(ROOT / "bench" / "finetune.py")),
             *("--model", "tiny", "--device", "cpu", "--targets", "qkvo", "--seq", str(SEQ)),
             *("--micro", ",".join(map(str, MICROS)), "--rank", str(RANK)),
             *("--steps", str(STEPS), "--warmup", str(WARMUP)),
-            *("--out", str(tmp_path), "--commit", "test"),
+            *("--commit", "test"),
         ],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        capture_output=True,
-        text=True,
-        timeout=300,
+        tmp_path,
+        "finetune",
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    # the script names its file for the H200 whatever the device (its docstring says so)
-    (path,) = tmp_path.iterdir()
-    assert path.name in {f"finetune-cpu-{day}.json" for day in (before, _day())}
 
     out = json.loads(path.read_text())
     assert list(out) == TOP_KEYS
@@ -149,7 +136,6 @@ def test_tiny_cpu_run_writes_rows_decode_rows_and_prints_the_tables_last(tmp_pat
             expected = round(row["tpot_ms_p50"] / base[row["lora_targets"]] - 1, 4)
             assert row["overhead_frac"] == pytest.approx(expected, abs=1e-4)
 
-    stdout = result.stdout
     lines = stdout[stdout.index("\nwrote ") :].splitlines()[1:]
     assert lines[0] == f"wrote {path} in {out['wall_s']} s"
     assert lines[1].split() == [

@@ -7,13 +7,12 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.bench.script_runs import run_script
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 MODES = ("shared+kernels", "shared", "separate")
@@ -44,10 +43,6 @@ CPU_CHECK = {
 }
 
 
-def _day() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-
-
 def _expected_rows(first_set: bool) -> list[tuple[str, str, int]]:
     """(system, mix, adapter rows) of one target set and mode, in the order the script writes
     them; the mixed decode+prefill steps are timed once, on the run's first set."""
@@ -64,25 +59,19 @@ def _expected_rows(first_set: bool) -> list[tuple[str, str, int]]:
 def test_tiny_cpu_run_writes_every_mode_and_mix_and_prints_the_table_last(
     tmp_path: Path,
 ) -> None:
-    before = _day()
-    result = subprocess.run(
+    stdout, path = run_script(
+        "multilora.py",
         [
-            *(sys.executable, str(ROOT / "bench" / "multilora.py")),
             *("--model", "tiny", "--device", "cpu", "--batch", str(BATCH)),
             *("--context", str(CONTEXT), "--adapters", str(ADAPTERS), "--rank", str(RANK)),
             *("--steps", str(STEPS), "--warmup", str(WARMUP), "--mixed-steps"),
-            *("--out", str(tmp_path), "--commit", "test"),
+            *("--commit", "test"),
         ],
-        cwd=ROOT,
+        tmp_path,
+        "multilora",
         # one thread: tiny shapes on a shared machine only contend (`bench/finetune.py` sets it)
-        env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
-        timeout=300,
+        env={"OMP_NUM_THREADS": "1"},
     )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    (path,) = tmp_path.iterdir()
-    assert path.name in {f"multilora-cpu-{day}.json" for day in (before, _day())}
 
     out = json.loads(path.read_text())
     assert list(out) == TOP_KEYS
@@ -133,7 +122,6 @@ def test_tiny_cpu_run_writes_every_mode_and_mix_and_prints_the_table_last(
     slot_mem = {r["lora_targets"]: r["slot_mem_gb"] for r in rows}
     assert slot_mem["all"] >= slot_mem["qkvo"]
 
-    stdout = result.stdout
     lines = stdout[stdout.index("\nwrote ") :].splitlines()[1:]
     # the run's wall time when it prints, after the file's last write
     wrote, seconds = lines[0].rsplit(" in ", 1)
