@@ -81,8 +81,7 @@ from colocate_setup import synthetic_examples as synthetic_examples  # bench/mem
 from traces import generate, preset
 
 from bench.gpu_state import gpu_state
-from bench.provenance import commit_hash
-from bench.provenance import gpu_key as result_gpu_key
+from bench.provenance import commit_hash, gpu_slug
 from gpu_runtime.colocation import (
     DecodeOnlyPolicy,
     HarliConfig,
@@ -185,7 +184,7 @@ def main() -> None:
         gpu_key = "sim-" + _profile_gpu(args.simulate).lower().replace("nvidia ", "")
     else:
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-        gpu_key = result_gpu_key(gpu)
+        gpu_key = gpu_slug(gpu)
     today = datetime.datetime.now(datetime.UTC)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -67,7 +67,7 @@ from bench.finetune_runs import (
     run_hf,
     run_ours,
 )
-from bench.provenance import gpu_key
+from bench.provenance import gpu_slug
 from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.model import ModelConfig, build_random_model
 
@@ -87,7 +87,7 @@ def main() -> None:
     decode_rows: list[dict[str, Any]] = []
     gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-    out = Path(args.out) / f"finetune-{gpu_key(gpu)}-{day}.json"
+    out = Path(args.out) / f"finetune-{gpu_slug(gpu)}-{day}.json"
 
     def write() -> dict[str, Any]:
         return write_result(out, args, config, gpu, base_bytes, rows, decode_rows, started)

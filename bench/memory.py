@@ -70,14 +70,6 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 
-def gpu_slug(name: str) -> str:
-    lowered = name.lower()
-    for known in ("h200", "h100", "a100", "l40s"):
-        if known in lowered:
-            return known
-    return "".join(ch if ch.isalnum() else "-" for ch in lowered).strip("-") or "gpu"
-
-
 def main(argv: list[str] | None = None) -> int:
     from bench.memory_args import add_trace_arguments
 

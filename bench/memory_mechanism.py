@@ -17,8 +17,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench.memory import ROOT, gpu_slug
-from bench.provenance import commit_hash
+from bench.memory import ROOT
+from bench.provenance import commit_hash, gpu_slug
 
 MIB = 1 << 20
 GIB = 1 << 30

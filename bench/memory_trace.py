@@ -11,11 +11,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.memory import gpu_slug
 from bench.memory_args import JOB_PHASES, parse_phases, phase_labels
 from bench.memory_phase import run_phase
 from bench.memory_sizing import finetune_footprint, lora_trainer
 from bench.memory_trace_report import print_trace_table, write_trace_result
+from bench.provenance import gpu_slug
 
 GIB = 1 << 30
 MIB = 1 << 20

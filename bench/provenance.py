@@ -27,9 +27,14 @@ def commit_hash() -> str:
         return "unknown"
 
 
-def gpu_key(gpu_name: str) -> str:
-    """The `<gpu>` of a result file's name: "h200" for any H200, else the name in lower case."""
-    return "h200" if "H200" in gpu_name else gpu_name.lower().replace(" ", "-")
+def gpu_slug(name: str) -> str:
+    """The `<gpu>` of a result file's name: a known GPU's short name ("h200" for any H200), else
+    the name in lower case with every other character a dash ("cpu" on the CPU)."""
+    lowered = name.lower()
+    for known in ("h200", "h100", "a100", "l40s"):
+        if known in lowered:
+            return known
+    return "".join(ch if ch.isalnum() else "-" for ch in lowered).strip("-") or "gpu"
 
 
 def write_result(
@@ -38,7 +43,7 @@ def write_result(
     """Write `<out_dir>/<name>-<gpu>-<yyyymmdd>.json` (BENCHMARKS.md's result file): `name`,
     `commit`, `gpu`, `torch`, `created`, then `body` (`config`, `rows`, ...). Returns the path."""
     now = datetime.datetime.now(datetime.UTC)
-    out = Path(out_dir) / f"{name}-{gpu_key(gpu)}-{now:%Y%m%d}.json"
+    out = Path(out_dir) / f"{name}-{gpu_slug(gpu)}-{now:%Y%m%d}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     document = {
         "name": name,

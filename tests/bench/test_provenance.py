@@ -6,12 +6,14 @@ import datetime
 import json
 from pathlib import Path
 
-from bench.provenance import gpu_key, write_result
+from bench.provenance import gpu_slug, write_result
 
 
-def test_gpu_key() -> None:
-    assert gpu_key("NVIDIA H200") == "h200"
-    assert gpu_key("NVIDIA A100-SXM4-80GB") == "nvidia-a100-sxm4-80gb"
+def test_gpu_slug() -> None:
+    assert gpu_slug("NVIDIA H200") == "h200"
+    assert gpu_slug("NVIDIA A100-SXM4-80GB") == "a100"
+    assert gpu_slug("cpu") == "cpu"
+    assert gpu_slug("Some GPU (rev 2)") == "some-gpu--rev-2"
 
 
 def test_write_result_names_the_file_and_holds_the_required_keys(tmp_path: Path) -> None:
