@@ -41,7 +41,7 @@ BLOCK = (
     "ft_tokens",
 )
 N_LOG = 14
-STAGE1_DERIVED = (
+STEP_DERIVED = (
     "log_1p_batch",
     "log_1p_context_total",
     "log_1p_context_mean",
@@ -50,19 +50,11 @@ STAGE1_DERIVED = (
     "log_decode_sm_share",
     "log_t_mem",
     "log_t_comp_x_share",
-    "log_batch_bucket",
-    "log_t_roof",
-    "decode_sm_share",
 )
+"""The step's own columns, read by both decode-step networks."""
+STAGE1_DERIVED = (*STEP_DERIVED, "log_batch_bucket", "log_t_roof", "decode_sm_share")
 CHUNK_DERIVED = (
-    "log_1p_batch",
-    "log_1p_context_total",
-    "log_1p_context_mean",
-    "log_1p_context_max",
-    "log_1p_prefill",
-    "log_decode_sm_share",
-    "log_t_mem",
-    "log_t_comp_x_share",
+    *STEP_DERIVED,
     "log_token_bucket",
     "log_tokens",
     "log_t_roof",
