@@ -43,6 +43,17 @@ def _rows(batches: list[int], per_row_ms: float, seed: int) -> list[dict[str, An
     return rows
 
 
+def _iterations_file(path: Path, phases: dict[str, list[dict[str, Any]]]) -> Path:
+    """Write `phases` as `bench/memory.py trace` writes its `.iterations.json`; returns `path`."""
+    columns = ["decode_batch", "prefill_tokens", "iteration_ms", "step_ms", "wait_ms"]
+    table = {
+        "columns": columns,
+        "phases": {n: [[r[c] for c in columns] for r in rows] for n, rows in phases.items()},
+    }
+    path.write_text(json.dumps(table))
+    return path
+
+
 def test_a_phase_with_larger_batches_is_judged_at_equal_batch() -> None:
     """The same per-iteration cost, but one phase's batches run larger: its all-iteration
     median is far slower, its equal-batch ratio is 1.0. A phase 2% slower per iteration at the
@@ -91,13 +102,7 @@ def test_every_phase_is_compared_with_the_static_split(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="no 'static_split' phase"):
         compare_phases({"unified": phases["unified"]})
     # The command line reads an iterations file and writes the comparisons.
-    columns = ["decode_batch", "prefill_tokens", "iteration_ms", "step_ms", "wait_ms"]
-    table = {
-        "columns": columns,
-        "phases": {n: [[r[c] for c in columns] for r in rows] for n, rows in phases.items()},
-    }
-    source = tmp_path / "run.iterations.json"
-    source.write_text(json.dumps(table))
+    source = _iterations_file(tmp_path / "run.iterations.json", phases)
     assert main([str(source), "--reps", "20", "--out", str(tmp_path / "eq.json")]) == 0
     written = json.loads((tmp_path / "eq.json").read_text())
     assert set(written["files"]["run.iterations.json"]) == {"unified_over_static_split"}
@@ -167,14 +172,7 @@ def test_repeats_give_the_same_runs_noise_and_a_verdict_against_it(tmp_path: Pat
     }
     assert single["unified_over_static_split"]["iteration_ms"]["within_noise"] is True
     # The command line prints the rule, the A/A spread and the verdicts, and writes them.
-    columns = ["decode_batch", "prefill_tokens", "iteration_ms", "step_ms", "wait_ms"]
-    phases = _repeated_run(1.03, 1.03)
-    table = {
-        "columns": columns,
-        "phases": {n: [[r[c] for c in columns] for r in rows] for n, rows in phases.items()},
-    }
-    source = tmp_path / "interleaved.iterations.json"
-    source.write_text(json.dumps(table))
+    source = _iterations_file(tmp_path / "interleaved.iterations.json", _repeated_run(1.03, 1.03))
     assert main([str(source), "--reps", "20", "--out", str(tmp_path / "eq.json")]) == 0
     written = json.loads((tmp_path / "eq.json").read_text())
     assert written["config"]["within_noise"] == WITHIN_NOISE_RULE
