@@ -30,6 +30,7 @@ from bench.decode_report import (
 )
 from gpu_runtime.engine import EngineConfig
 from gpu_runtime.model import ModelConfig
+from tests.bench.script_runs import RESULT_HEAD
 
 # BENCHMARKS.md: the row keys of a `decode` result
 ROW_KEYS = {
@@ -43,12 +44,7 @@ ROW_KEYS = {
     "bandwidth_frac",
 }
 TOP_KEYS = [
-    "name",
-    "commit",
-    "gpu",
-    "torch",
-    "created",
-    "config",
+    *RESULT_HEAD,
     "copy_bandwidth_tb_s",
     "dense_bf16_tflops",
     "correctness",

@@ -10,17 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.script_runs import run_script
+from tests.bench.script_runs import RESULT_HEAD, run_script
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 SEQ, MICROS, RANK, STEPS, WARMUP = 16, (1, 2), 4, 3, 1
 TOP_KEYS = [
-    "name",
-    "commit",
-    "gpu",
-    "torch",
-    "created",
-    "config",
+    *RESULT_HEAD,
     "rows",
     "multi_lora_decode",
     "ratios",

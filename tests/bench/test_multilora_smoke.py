@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.bench.script_runs import run_script
+from tests.bench.script_runs import RESULT_HEAD, run_script
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 MODES = ("shared+kernels", "shared", "separate")
 TARGETS = ("qkvo", "all")
 BATCH, CONTEXT, ADAPTERS, RANK, STEPS, WARMUP = 2, 16, 2, 4, 3, 1
-TOP_KEYS = ["name", "commit", "gpu", "torch", "created", "config", "checks", "rows", "wall_s"]
+TOP_KEYS = [*RESULT_HEAD, "checks", "rows", "wall_s"]
 ROW_KEYS = {
     "model",
     "system",

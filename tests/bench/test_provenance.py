@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from bench.provenance import gpu_slug, write_result
+from tests.bench.script_runs import RESULT_HEAD
 
 
 def test_gpu_slug() -> None:
@@ -29,7 +30,7 @@ def test_write_result_names_the_file_and_holds_the_required_keys(tmp_path: Path)
     day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     assert path == tmp_path / "out" / f"decode-attention-h200-{day}.json"
     document = json.loads(path.read_text())
-    assert list(document)[:5] == ["name", "commit", "gpu", "torch", "created"]
+    assert list(document)[:6] == RESULT_HEAD
     assert document["name"] == "decode-attention" and document["commit"] == "abc1234"
     assert document["config"] == {"batches": [1, 8]}
     assert document["rows"] == [{"batch": 1, "us_per_layer_p50": 5.3}]
