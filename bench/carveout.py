@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from bench.provenance import commit_hash, write_result
+from gpu_runtime.engine.runner_types import blas_library, sm_carveout
 
 HIDDEN, INTERMEDIATE, Q_KV = 4096, 14336, 6144  # Llama-3-8B: q|k|v = 4096 + 2 x 1024
 SHAPES = (("qkv", HIDDEN, Q_KV), ("o", HIDDEN, HIDDEN), ("gate_up", HIDDEN, 2 * INTERMEDIATE),
@@ -64,16 +65,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 @contextmanager
 def sm_target(carveout: int | None, library: str) -> Iterator[None]:
     """cuBLAS plans for the device's SMs less `carveout` (None: the whole device) with the
-    preferred BLAS `library`, inside the block."""
-    previous_carveout = torch._C._get_sm_carveout_experimental()
-    previous_library = torch.backends.cuda.preferred_blas_library()
-    torch._C._set_sm_carveout_experimental(carveout)
-    torch.backends.cuda.preferred_blas_library(library)
-    try:
+    preferred BLAS `library`, inside the block (the engine's `blas_library` and
+    `sm_carveout`)."""
+    with blas_library(library), sm_carveout(carveout):
         yield
-    finally:
-        torch._C._set_sm_carveout_experimental(previous_carveout)
-        torch.backends.cuda.preferred_blas_library(previous_library)
 
 
 def layer_gemms(rows: int, weights: list[torch.Tensor], backward: bool) -> Callable[[], Any]:

@@ -29,9 +29,21 @@ def blas_library(name: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def sm_carveout(carveout: int | None) -> Iterator[None]:
+    """Inside the block, cuBLAS plans its GEMMs for the device's SMs less `carveout` (torch's
+    experimental SM carveout; None: all of them); the previous setting is restored after."""
+    previous = torch._C._get_sm_carveout_experimental()
+    torch._C._set_sm_carveout_experimental(carveout)
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(previous)
+
+
+@contextlib.contextmanager
 def gemm_sm_target(sm_count: int | None, device_sms: int) -> Iterator[None]:
     """Inside the block, cuBLAS GEMMs plan for `sm_count` SMs instead of the device's
-    `device_sms`: cuBLASLt with an SM-count target (torch's experimental SM carveout, the
+    `device_sms`: cuBLASLt (`blas_library`) with an SM-count target (`sm_carveout`, the
     device's SMs less the target). None, or a count covering the device: unchanged.
 
     For graphs captured on a green-context partition (they keep the kernels chosen then). On the
@@ -42,15 +54,8 @@ def gemm_sm_target(sm_count: int | None, device_sms: int) -> Iterator[None]:
         return
     if sm_count < 1:
         raise ValueError(f"sm_count must be >= 1, got {sm_count}")
-    previous_carveout = torch._C._get_sm_carveout_experimental()
-    previous_library = torch.backends.cuda.preferred_blas_library()
-    torch._C._set_sm_carveout_experimental(device_sms - sm_count)
-    try:
-        torch.backends.cuda.preferred_blas_library("cublaslt")
+    with blas_library("cublaslt"), sm_carveout(device_sms - sm_count):
         yield
-    finally:
-        torch._C._set_sm_carveout_experimental(previous_carveout)
-        torch.backends.cuda.preferred_blas_library(previous_library)
 
 
 _PADDING_ID = "\x00padding"
