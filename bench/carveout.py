@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from bench.cli_types import positive_ints
 from bench.provenance import commit_hash, write_result
 from gpu_runtime.engine.runner_types import blas_library, sm_carveout
 
@@ -33,31 +34,22 @@ SHAPES = (("qkv", HIDDEN, Q_KV), ("o", HIDDEN, HIDDEN), ("gate_up", HIDDEN, 2 * 
           ("down", INTERMEDIATE, HIDDEN))  # fmt: skip
 
 
-def parse_groups(text: str) -> tuple[int, ...]:
-    try:
-        groups = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"--decode-groups: {text!r} is not ints") from exc
-    if not groups or any(g < 1 for g in groups):
-        raise argparse.ArgumentTypeError(f"--decode-groups: positive ints, got {text!r}")
-    return groups
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--decode-groups", type=parse_groups, default=(4, 6, 12))
+    parser.add_argument(
+        "--decode-groups", type=positive_ints("--decode-groups"), default=[4, 6, 12]
+    )
     parser.add_argument("--finetune-rows", type=int, default=1024, help="tokens a micro-batch")
-    parser.add_argument("--decode-rows", type=str, default="8,64")
+    parser.add_argument("--decode-rows", type=positive_ints("--decode-rows"), default=[8, 64])
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--commit", default=commit_hash())
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     args = parser.parse_args(argv)
-    args.decode_rows = [int(x) for x in args.decode_rows.split(",") if x.strip()]
-    if args.layers < 1 or args.reps < 3 or args.finetune_rows < 1 or not args.decode_rows:
+    if args.layers < 1 or args.reps < 3 or args.finetune_rows < 1:
         parser.error(
-            f"need --layers >= 1, --reps >= 3, rows >= 1; got {args.layers}, {args.reps}, "
-            f"{args.finetune_rows}, {args.decode_rows}"
+            f"need --layers >= 1, --reps >= 3, --finetune-rows >= 1; got {args.layers}, "
+            f"{args.reps}, {args.finetune_rows}"
         )
     return args
 
@@ -123,7 +115,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         torch.randn(n, k, generator=gen, device=device, dtype=torch.bfloat16) * k**-0.5
         for _, k, n in SHAPES
     ]
-    sharing = SmPartitioner(device, decode_groups=args.decode_groups)
+    sharing = SmPartitioner(device, decode_groups=tuple(args.decode_groups))
     rows_out: list[dict[str, Any]] = []
     cases = [("finetune", args.finetune_rows, True)] + [
         ("decode", r, False) for r in args.decode_rows

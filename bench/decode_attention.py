@@ -28,34 +28,20 @@ from typing import Any
 
 import torch
 
+from bench.cli_types import positive_ints
 from bench.provenance import commit_hash, write_result
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B (Qwen2.5-7B: 28 / 4)
 TILES = ((64, 4, 3), (32, 4, 2), (64, 4, 2), (128, 4, 2))  # block_n, warps, stages
 
 
-def parse_ints(text: str, name: str) -> list[int]:
-    """Comma-separated positive integers, e.g. ``1,8,64``; a clear error otherwise."""
-    try:
-        values = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(f"{name}: {text!r} is not a comma list of ints") from exc
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{name}: needs positive integers, got {text!r}")
-    return values
-
-
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--batches", type=lambda s: parse_ints(s, "--batches"), default=[1, 8, 32, 64, 128, 256]
+        "--batches", type=positive_ints("--batches"), default=[1, 8, 32, 64, 128, 256]
     )
-    parser.add_argument(
-        "--contexts", type=lambda s: parse_ints(s, "--contexts"), default=[512, 2048]
-    )
-    parser.add_argument(
-        "--splits", type=lambda s: parse_ints(s, "--splits"), default=[1, 2, 4, 8, 16, 32]
-    )
+    parser.add_argument("--contexts", type=positive_ints("--contexts"), default=[512, 2048])
+    parser.add_argument("--splits", type=positive_ints("--splits"), default=[1, 2, 4, 8, 16, 32])
     parser.add_argument("--layers", type=int, default=32, help="calls per graph (one a layer)")
     parser.add_argument("--distinct", type=int, default=8, help="distinct per-layer caches")
     parser.add_argument("--reps", type=int, default=20, help="timed replays per configuration")

@@ -31,8 +31,21 @@ def test_layer_gemms_compute_forward_and_input_gradient() -> None:
 
 
 @pytest.mark.parametrize(
-    "argv", [["--decode-groups", "0"], ["--decode-groups", "a"], ["--reps", "1"], ["--layers", "0"]]
+    "argv",
+    [
+        ["--decode-groups", "0"],
+        ["--decode-groups", "a"],
+        ["--decode-rows", "8,x"],
+        ["--decode-rows", "0"],
+        ["--reps", "1"],
+        ["--layers", "0"],
+    ],
 )
 def test_bad_options_are_refused(argv: list[str]) -> None:
     with pytest.raises(SystemExit):
         parse_args(argv)
+
+
+def test_default_groups_and_rows() -> None:
+    args = parse_args([])
+    assert args.decode_groups == [4, 6, 12] and args.decode_rows == [8, 64]
