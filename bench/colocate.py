@@ -49,7 +49,7 @@ import os
 import sys
 import time
 import traceback
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +84,10 @@ from bench.gpu_state import gpu_state
 from bench.provenance import commit_hash, gpu_slug
 from gpu_runtime.colocation import (
     DecodeOnlyPolicy,
-    HarliConfig,
     summarize,
 )
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
-from gpu_runtime.colocation.harli_config import GPU_LAUNCH_OVERHEAD_PRIOR_MS
+from gpu_runtime.colocation.harli_config import host_harli_config
 from gpu_runtime.colocation.predictor import DecodeLatencyModel
 from gpu_runtime.model import ModelConfig
 
@@ -158,14 +157,14 @@ def main() -> None:
     print(f"calibrated {calib_info} at {time.perf_counter() - wall:.1f}s", flush=True)
     measured = slice_costs(info["solo_finetune"].get("layer_sliced") or {})
     call_ms, forward_ms, backward_ms = measured if measured else (None, None, None)
-    harli_config = HarliConfig(
+    harli_config = replace(
+        host_harli_config(device.type),  # as a runtime host of this device sets harli up
         slice_call_ms=call_ms,
         slice_forward_layer_ms=forward_ms,
         slice_backward_layer_ms=backward_ms,
         quantum_examples=QUANTUM_EXAMPLES,
         max_quantum_ms=args.max_quantum_ms,
         prior_quantum_overhead_ms=overhead_ms,
-        launch_overhead_prior_ms=GPU_LAUNCH_OVERHEAD_PRIOR_MS if device.type == "cuda" else 0.0,
     )
 
     specs = {t: preset(t, args.duration, args.rate_scale) for t in traces}
