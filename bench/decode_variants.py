@@ -3,9 +3,9 @@
 - ``sync`` / ``async``: `EngineConfig.async_scheduling` off / on, on the run's first graphs;
 - ``skinny`` / ``skinny-all``: async with the split-K Triton GEMMs for q|k|v and o (all four
   projections) at batch <= 64, on re-captured graphs;
-- ``prefetch-<targets>[-el][-ss]``: async with L2 prefetch of `<targets>` (``+``-joined
+- ``prefetch-<targets>[-el]``: async with L2 prefetch of `<targets>` (``+``-joined
   `prefetch_plan.PREFETCH_TARGETS`, e.g. ``prefetch-o+kv``), ``-el`` with L2's evict-last
-  priority, ``-ss`` from a second stream, on re-captured graphs.
+  priority, on re-captured graphs.
 """
 
 from __future__ import annotations
@@ -46,15 +46,13 @@ def parse_variant(name: str) -> Variant:
         return Variant(name, skinny_rows=SKINNY_MAX_ROWS, skinny_projections=frozenset(projections))
     if name.startswith("prefetch-"):
         spec = name.removeprefix("prefetch-")
-        side_stream = spec.endswith("-ss")
-        spec = spec.removesuffix("-ss")
         evict_last = spec.endswith("-el")
         targets = frozenset(spec.removesuffix("-el").split("+"))
         try:
-            prefetch = L2Prefetch(targets=targets, evict_last=evict_last, side_stream=side_stream)
+            prefetch = L2Prefetch(targets=targets, evict_last=evict_last)
         except ValueError as exc:
             raise ValueError(f"variant {name!r}: {exc}") from None
         return Variant(name, prefetch=prefetch)
     raise ValueError(
-        f"unknown variant {name!r}: sync, async, skinny, skinny-all or prefetch-<targets>[-el][-ss]"
+        f"unknown variant {name!r}: sync, async, skinny, skinny-all or prefetch-<targets>[-el]"
     )

@@ -7,8 +7,7 @@ short enough that launches, not bytes, would otherwise dominate at small batch.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -52,7 +51,6 @@ class FusedDecodeForward:
         cuBLAS; read at call time (graphs keep what they captured). `l2_prefetch`: what the
         step prefetches into L2 (`prefetch_plan`; default none), also read at call time."""
         self.l2_prefetch = l2_prefetch if l2_prefetch is not None else L2Prefetch()
-        self._side: torch.cuda.Stream | None = None
         self.skinny_max_rows = skinny_max_rows
         self.skinny_projections = frozenset(skinny_projections)
         self.num_sms = 132
@@ -117,15 +115,14 @@ class FusedDecodeForward:
             key_cache = self.cache.key_caches[index]
             value_cache = self.cache.value_caches[index]
             if prefetch_kv_blocks:  # loads during the norm and the q|k|v GEMM
-                with self._prefetch_branch():
-                    prefetch_kv(
-                        key_cache,
-                        value_cache,
-                        metadata.block_tables,
-                        metadata.seq_lens,
-                        self.cache.block_size,
-                        prefetch,
-                    )
+                prefetch_kv(
+                    key_cache,
+                    value_cache,
+                    metadata.block_tables,
+                    metadata.seq_lens,
+                    self.cache.block_size,
+                    prefetch,
+                )
             h, residual = rms_norm(x, layer.input_layernorm.weight, self.eps, residual)
             lora = groups[index] if groups is not None else None
             qkv_group = _group(lora, "qkv")
@@ -138,8 +135,7 @@ class FusedDecodeForward:
             else:
                 qkv = lora_linear(h, attn.qkv_weight, attn.qkv_bias, qkv_group, slots)  # type: ignore[arg-type]
             if prefetch_o:  # loads during RoPE and attention
-                with self._prefetch_branch():
-                    prefetch_tensor(attn.o_proj.weight, prefetch)
+                prefetch_tensor(attn.o_proj.weight, prefetch)
             q = rope_and_cache_write(
                 qkv,
                 positions,
@@ -154,8 +150,6 @@ class FusedDecodeForward:
                 self.head_dim,
                 qkv_rows,
             )  # [B, H, D]
-            if prefetch_kv_blocks:
-                self._join_prefetch()
             if attention is not None:
                 out = attention.attend(index, q)
             else:
@@ -168,8 +162,6 @@ class FusedDecodeForward:
                     self.cache.block_size,
                     num_splits,
                 )
-            if prefetch_o:
-                self._join_prefetch()
             o = _group(lora, "o")
             if o is None and "o" in skinny:
                 x = self._skinny(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias)
@@ -195,24 +187,6 @@ class FusedDecodeForward:
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
         return model.compute_logits(h)
-
-    @contextlib.contextmanager
-    def _prefetch_branch(self) -> Iterator[None]:
-        """Where prefetch kernels go: in line, or (`L2Prefetch.side_stream`) on a second stream
-        that first waits for the work queued so far."""
-        if not self.l2_prefetch.side_stream:
-            yield
-            return
-        main = torch.cuda.current_stream()
-        if self._side is None:
-            self._side = torch.cuda.Stream(device=main.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            yield
-
-    def _join_prefetch(self) -> None:
-        if self.l2_prefetch.side_stream and self._side is not None:
-            torch.cuda.current_stream().wait_stream(self._side)
 
     def _skinny(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None

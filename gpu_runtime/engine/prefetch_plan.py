@@ -33,9 +33,6 @@ class L2Prefetch:
     """Bytes one bulk prefetch instruction asks for (one per thread)."""
     evict_last: bool = False
     """Prefetched lines carry L2's evict-last priority instead of the normal one."""
-    side_stream: bool = False
-    """Issue the prefetch kernels on a second stream (a parallel branch of a captured graph,
-    joined before the consumer) instead of in line, where the next kernel waits for them."""
     kv_max_bytes: int = 24 << 20
     """K/V bytes per layer prefetched at most, shared evenly by the step's rows: more would not
     stay in L2 beside the weights streaming through it."""

@@ -26,16 +26,11 @@ def test_prefetch_variants_name_their_targets_and_priority() -> None:
     both = parse_variant("prefetch-o+kv-el")
     assert both.prefetch.targets == {"o", "kv"} and both.prefetch.evict_last
     assert both.async_scheduling and both.recaptured and both.runs(256)
-    assert not both.prefetch.side_stream
     only_o = parse_variant("prefetch-o")
     assert only_o.prefetch.targets == {"o"} and not only_o.prefetch.evict_last
-    beside = parse_variant("prefetch-kv-ss").prefetch
-    assert beside.targets == {"kv"} and beside.side_stream and not beside.evict_last
 
 
-@pytest.mark.parametrize(
-    "name", ["prefetch-", "prefetch-qkv", "fast", "prefetch-o-el-el", "prefetch-o-ss-el"]
-)
+@pytest.mark.parametrize("name", ["prefetch-", "prefetch-qkv", "fast", "prefetch-o-el-el"])
 def test_unknown_variants_are_refused_by_name(name: str) -> None:
     with pytest.raises(ValueError, match=repr(name).replace("+", r"\+")):
         parse_variant(name)

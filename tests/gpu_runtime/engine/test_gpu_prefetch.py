@@ -59,10 +59,3 @@ def test_prefetching_decode_graphs_give_the_same_tokens_and_logprobs(architectur
     for targets in (("o",), ("kv",), ("o", "kv")):
         got = _run(_engine(model, decode_l2_prefetch=targets), prompts, greedy)
         assert got == expected, targets  # a hint: the same kernels compute the same bits
-    engine = _engine(model, decode_l2_prefetch=("o", "kv"))
-    fused = engine.runner._fused
-    assert fused is not None
-    fused.l2_prefetch = L2Prefetch(targets=frozenset({"o", "kv"}), side_stream=True)
-    engine.runner._graphs = None
-    engine.capture_cuda_graphs()  # the prefetches on a parallel branch of each graph
-    assert _run(engine, prompts, greedy) == expected
