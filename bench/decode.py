@@ -58,7 +58,6 @@ from bench.decode_report import (
     targets,
 )
 from bench.decode_report import percentile as percentile  # bench/multilora_*.py
-from bench.decode_variants import parse_variant
 from gpu_runtime.engine import Engine
 from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
 
@@ -88,7 +87,7 @@ class DecodeRun:
 
     def time_ours(self, name: str, model: CausalLM, config: ModelConfig) -> None:
         """Our engine on one model: the plain variants on one set of graphs, the chunk studies
-        (first model), then the skinny and prefetch variants on re-captured graphs."""
+        (first model), then the skinny variants on re-captured graphs (batches <= 64)."""
         sweep, report = self.sweep, self.report
         first = name == sweep.models[0]
         engine = build_engine(model, self.args, sweep)
@@ -96,7 +95,7 @@ class DecodeRun:
         buckets = sorted({bucket_for(engine, x) for x in sweep.batches})
         engine.capture_cuda_graphs(batch_sizes=tuple(buckets))
         print(f"{name}: captured {buckets} in {time.perf_counter() - t0:.1f}s", flush=True)
-        plain = [v for v in sweep.variants if not parse_variant(v).recaptured]
+        plain = [v for v in sweep.variants if not v.startswith("skinny")]
         for variant in plain:  # same graphs: only the scheduling mode changes
             set_variant(engine, variant, buckets)
             try:
@@ -119,14 +118,12 @@ class DecodeRun:
             if "skinny" in sweep.extras and first:
                 report.studies["skinny_gemms"] = skinny_gemms(model, report.bandwidth)
                 report.write(complete=False)
+            small = [b for b in sweep.batches if b <= 64]
             for variant in [v for v in sweep.variants if v not in plain]:  # re-captured graphs
-                timed = [b for b in sweep.batches if parse_variant(variant).runs(b)]
-                set_variant(engine, variant, buckets)
-                self.time_variant(name, config, engine, variant, timed)
+                set_variant(engine, variant, [b for b in buckets if b <= 64])
+                self.time_variant(name, config, engine, variant, small)
         except Exception as exc:
-            report.notes.append(
-                f"{name} re-captured variants failed: {type(exc).__name__}: {exc}"[:600]
-            )
+            report.notes.append(f"{name} skinny GEMMs failed: {type(exc).__name__}: {exc}"[:600])
             traceback.print_exc()
 
     def time_variant(

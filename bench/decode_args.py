@@ -6,8 +6,6 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from bench.decode_variants import parse_variant
-
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``bench/decode.py``'s options (the module docstring there says what a run does)."""
@@ -64,8 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="engine variants timed per (batch, context), the first as system 'harli', the "
         "others as 'harli_<variant>': sync, async (EngineConfig.async_scheduling), skinny "
         "(async + split-K Triton GEMMs for q|k|v and o at batch <= 64), skinny-all (all four "
-        "projections), prefetch-<o|kv|o+kv>[-el] (async + L2 prefetch, -el: evict-last); "
-        "skinny and prefetch variants re-capture the decode graphs, skinny runs batches <= 64",
+        "projections); skinny variants re-capture the decode graphs and run batches <= 64",
     )
     parser.add_argument("--quick", action="store_true", help="smoke: llama, batch 8/64, ctx 512")
     parser.add_argument(
@@ -107,7 +104,7 @@ class Sweep:
             hf_compile=_ints(args.hf_compile),
             chunks=_ints(args.prefill_chunks),
             extras=_names(args.extras),
-            variants=[parse_variant(v).name for v in _names(args.variants)],
+            variants=_names(args.variants),
         )
 
 

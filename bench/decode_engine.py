@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from bench.decode_args import Sweep
-from bench.decode_variants import parse_variant
 from gpu_runtime.engine import Engine, EngineConfig, Request, RequestStatus, SamplingParams
 from gpu_runtime.engine.engine import StepTimes
 from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler
@@ -169,28 +168,27 @@ def time_engine(
 
 
 def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
-    """Switch a built engine to a bench variant (`decode_variants`): the scheduling mode (a
-    config field the engine reads per step) and, for a re-captured variant, the fused step's GEMM
-    and prefetch choices with the decode graphs captured again (the mixed-step graphs are kept).
-    ``sync`` and ``async`` keep the graphs the engine has (its config's choices)."""
-    spec = parse_variant(variant)
+    """Switch a built engine to a bench variant: the scheduling mode (a config field the engine
+    reads per step) and, for the skinny variants, the fused step's GEMM choice with the decode
+    graphs captured again (the mixed-step graphs are kept as they are)."""
+    if variant not in ("sync", "async", "skinny", "skinny-all"):
+        raise ValueError(f"unknown variant {variant!r}")
     torch.cuda.synchronize()  # no graph of the old set may still run when it is dropped
-    engine.config = dataclasses.replace(engine.config, async_scheduling=spec.async_scheduling)
+    engine.config = dataclasses.replace(engine.config, async_scheduling=variant != "sync")
     runner = engine.runner
     fused = runner._fused
-    if not spec.recaptured:
+    rows = 64 if variant.startswith("skinny") else 0
+    projections = frozenset(
+        ("qkv", "o", "gate_up", "down") if variant == "skinny-all" else ("qkv", "o")
+    )
+    if fused is None or (fused.skinny_max_rows, fused.skinny_projections) == (rows, projections):
         return
-    wanted = (spec.skinny_rows, spec.skinny_projections, spec.prefetch)
-    if fused is None or (fused.skinny_max_rows, fused.skinny_projections, fused.l2_prefetch) == (
-        wanted
-    ):
-        return
-    fused.skinny_max_rows, fused.skinny_projections, fused.l2_prefetch = wanted
+    fused.skinny_max_rows, fused.skinny_projections = rows, projections
     mixed, runner._mixed = runner._mixed, None
     runner._graphs = runner._lora_graphs = None
     torch.cuda.empty_cache()
     try:
-        runner.capture_cuda_graphs(batch_sizes=tuple(b for b in buckets if spec.runs(b)))
+        runner.capture_cuda_graphs(batch_sizes=tuple(buckets))
     finally:
         runner._mixed = mixed
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from gpu_runtime.engine.prefetch_plan import PREFETCH_TARGETS
-
 DEFAULT_GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 
@@ -95,11 +93,6 @@ class EngineConfig:
     its heuristic configs made the decode graphs 0.27-0.49 ms slower at b=1..64 (q|k|v, o)."""
     decode_skinny_gemm_projections: tuple[str, ...] = ("qkv", "o")
     """Projections that `decode_skinny_gemm_rows` applies to: "qkv", "o", "gate_up", "down"."""
-    decode_l2_prefetch: tuple[str, ...] = ()
-    """On CUDA with the fused kernels, what decode steps prefetch into L2 ahead of use while
-    HBM is otherwise idle (`prefetch_plan`): "o" (the o-projection weight, during RoPE and
-    attention), "kv" (the batch's K/V blocks, during the norm and the q|k|v GEMM). Changes no
-    value; read when graphs are captured."""
     async_scheduling: bool = False
     """`Engine.step()` launches the next decode step before reading the current one's sampled
     tokens (its inputs are gathered on the device), so scheduling, staging, stop rules and
@@ -175,12 +168,6 @@ class EngineConfig:
             raise EngineConfigError(
                 f"decode_skinny_gemm_projections={self.decode_skinny_gemm_projections}: "
                 f"unknown {sorted(unknown)}"
-            )
-        unknown = set(self.decode_l2_prefetch) - set(PREFETCH_TARGETS)
-        if unknown:
-            raise EngineConfigError(
-                f"decode_l2_prefetch={self.decode_l2_prefetch}: unknown {sorted(unknown)}, "
-                f"known: {list(PREFETCH_TARGETS)}"
             )
         if not 0 <= self.max_logprobs <= 100:
             raise EngineConfigError(f"max_logprobs={self.max_logprobs} must be in [0, 100]")

@@ -16,9 +16,7 @@ from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
 from gpu_runtime.engine.fused_ops import LoraRows, rms_norm, rope_and_cache_write, silu_and_mul
 from gpu_runtime.engine.kv_cache import PagedKVCache
-from gpu_runtime.engine.l2_prefetch import prefetch_kv, prefetch_tensor
 from gpu_runtime.engine.lora import LoraGroup, linear_and_shrink, lora_linear
-from gpu_runtime.engine.prefetch_plan import L2Prefetch
 from gpu_runtime.model.llama import CausalLM
 
 FUSED_EXPAND_MAX_ROWS = 64
@@ -40,7 +38,6 @@ class FusedDecodeForward:
         fuse_lora_expand: bool = True,
         skinny_max_rows: int = 0,
         skinny_projections: Sequence[str] = ("qkv", "o"),
-        l2_prefetch: L2Prefetch | None = None,
     ) -> None:
         """`lora_groups` (per layer, `LoraRuntime.decode_groups()`): the stacked adapter slots
         added when a call passes `lora_slots`; `fuse_lora_expand`: at batch <=
@@ -48,9 +45,7 @@ class FusedDecodeForward:
         kernels instead of separate expand kernels. `skinny_max_rows` (0: off): calls of at
         most that many tokens run `skinny_projections` ("qkv", "o", "gate_up", "down") without
         an adapter group through the split-K Triton GEMM (`skinny_gemm.py`) instead of
-        cuBLAS; read at call time (graphs keep what they captured). `l2_prefetch`: what the
-        step prefetches into L2 (`prefetch_plan`; default none), also read at call time."""
-        self.l2_prefetch = l2_prefetch if l2_prefetch is not None else L2Prefetch()
+        cuBLAS; read at call time (graphs keep what they captured)."""
         self.skinny_max_rows = skinny_max_rows
         self.skinny_projections = frozenset(skinny_projections)
         self.num_sms = 132
@@ -105,24 +100,10 @@ class FusedDecodeForward:
         fuse_expand = self.fuse_lora_expand and input_ids.shape[0] <= FUSED_EXPAND_MAX_ROWS
         batch = input_ids.shape[0]
         skinny = self.skinny_projections if 0 < batch <= self.skinny_max_rows else frozenset()
-        prefetch = self.l2_prefetch
-        prefetch_o = "o" in prefetch.targets
-        prefetch_kv_blocks = "kv" in prefetch.targets and attention is None
         x = model.model.embed_tokens(input_ids)  # [B, hidden]
         residual: torch.Tensor | None = None
         for index, layer in enumerate(model.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
-            key_cache = self.cache.key_caches[index]
-            value_cache = self.cache.value_caches[index]
-            if prefetch_kv_blocks:  # loads during the norm and the q|k|v GEMM
-                prefetch_kv(
-                    key_cache,
-                    value_cache,
-                    metadata.block_tables,
-                    metadata.seq_lens,
-                    self.cache.block_size,
-                    prefetch,
-                )
             h, residual = rms_norm(x, layer.input_layernorm.weight, self.eps, residual)
             lora = groups[index] if groups is not None else None
             qkv_group = _group(lora, "qkv")
@@ -134,8 +115,8 @@ class FusedDecodeForward:
                 qkv = self._skinny(h, attn.qkv_weight, attn.qkv_bias)  # type: ignore[arg-type]
             else:
                 qkv = lora_linear(h, attn.qkv_weight, attn.qkv_bias, qkv_group, slots)  # type: ignore[arg-type]
-            if prefetch_o:  # loads during RoPE and attention
-                prefetch_tensor(attn.o_proj.weight, prefetch)
+            key_cache = self.cache.key_caches[index]
+            value_cache = self.cache.value_caches[index]
             q = rope_and_cache_write(
                 qkv,
                 positions,

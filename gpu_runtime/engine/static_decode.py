@@ -20,7 +20,6 @@ from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.cuda_graphs import DecodeGraphs, freeze_long_lived, gc_paused_for_capture
 from gpu_runtime.engine.kv_cache import PagedKVCache
 from gpu_runtime.engine.lora import LoraForward, LoraRuntime
-from gpu_runtime.engine.prefetch_plan import L2Prefetch
 from gpu_runtime.engine.runner_types import (
     _PADDING_ID,
     PendingTokens,
@@ -98,7 +97,6 @@ class StaticDecodeMixin:
                 fuse_lora_expand=self.config.lora_expand_in_kernels,
                 skinny_max_rows=self.config.decode_skinny_gemm_rows,
                 skinny_projections=self.config.decode_skinny_gemm_projections,
-                l2_prefetch=L2Prefetch(targets=frozenset(self.config.decode_l2_prefetch)),
             )
             if self.config.mixed_cuda_graphs and self.mixed_attention:
                 from gpu_runtime.engine.mixed_graphs import MixedStepGraphs
