@@ -17,6 +17,12 @@ from bench.finetune_runs import GB
 from gpu_runtime.model import ModelConfig
 
 
+def _times(ratio: float | None) -> str:
+    """A memory ratio as printed: ``n/a`` where the reference measured none (no peak counter
+    on the CPU)."""
+    return "n/a" if ratio is None else f"{ratio}x"
+
+
 def mem_ratio(row: dict[str, Any], ref: dict[str, Any], key: str) -> float | None:
     return round(row[key] / ref[key], 3) if ref[key] else None
 
@@ -122,8 +128,8 @@ def print_tables(
     for ratio in result["ratios"]:
         print(
             f"speedup {ratio['targets']} seq {ratio['seq_len']} mb {ratio['micro_batch']}: "
-            f"{ratio['speedup']:.2f}x tokens/s, peak mem {ratio['peak_mem_ratio']}x, "
-            f"extra mem on a decode GPU {ratio['extra_mem_ratio']}x"
+            f"{ratio['speedup']:.2f}x tokens/s, peak mem {_times(ratio['peak_mem_ratio'])}, "
+            f"extra mem on a decode GPU {_times(ratio['extra_mem_ratio'])}"
         )
     for gain in result["graph_gains"]:
         print(
@@ -134,8 +140,14 @@ def print_tables(
             f"{gain['launch_ms_graphed']} ms)"
         )
     for d in decode_rows:
+        if "forward_ms_p50" in d:  # the eager LoRA forward: no step, no graph
+            print(
+                f"decode batch {d['batch']} {d['system']:16s} adapters {d['adapters']} "
+                f"{d['targets']:4s} forward {d['forward_ms_p50']:.3f} ms (eager)"
+            )
+            continue
         if "step_ms_p50" not in d:
-            print(f"decode: {d}")
+            print(f"decode {d['system']}: {d.get('status', 'no timing')}")
             continue
         print(
             f"decode batch {d['batch']} {d['system']:16s} adapters {d['adapters']} "

@@ -147,11 +147,18 @@ def test_tiny_cpu_run_writes_rows_decode_rows_and_prints_the_tables_last(tmp_pat
     assert [line.split(":")[0] for line in speedups] == [
         f"speedup qkvo seq {SEQ} mb {m}" for m in MICROS
     ]
+    for line, ratio in zip(speedups, out["ratios"], strict=True):
+        assert ratio["peak_mem_ratio"] is None  # HF's peak on the CPU: no counter, no ratio
+        assert f"peak mem n/a, extra mem on a decode GPU {ratio['extra_mem_ratio']}x" in line
     decode_lines = lines[4 + len(rows) :]
     assert len(decode_lines) == len(decode)  # one per decode row, and nothing after
     for line, row in zip(decode_lines, decode, strict=True):
         if row["system"] == "harli_eager_lora":
-            assert line.startswith("decode: {'system': 'harli_eager_lora'")
+            assert line.split()[:7] == [
+                *("decode", "batch", "32", "harli_eager_lora"),
+                *("adapters", "8", row["lora_targets"]),
+            ]
+            assert line.endswith(f"forward {row['forward_ms_p50']:.3f} ms (eager)")
         else:
             assert line.split()[:4] == ["decode", "batch", "32", row["system"]]
             assert line.endswith("graph=False")
