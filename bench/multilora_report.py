@@ -120,16 +120,17 @@ def result_document(
 
 
 def print_table(rows: list[dict[str, Any]], checks: dict[str, Any]) -> None:
-    """Every row's step p50, graph (or eager forward) ms and overheads, then every check."""
-    print(
-        f"{'system':17s} {'targets':7s} {'mode':14s} {'mix':9s} {'p50 ms':>8s} {'graph ms':>9s} "
-        f"{'overhead':>9s} {'graph ovh':>9s}"
-    )
+    """Every row's step p50, graph (or eager forward) ms and overheads, then every check; the
+    text columns are as wide as their longest value, so the numbers stay under their headers."""
+    names = ("system", "targets", "mode", "mix")
+    widths = [max([len(name), *(len(str(r[name])) for r in rows)]) for name in names]
+    head = " ".join(f"{name:{w}s}" for name, w in zip(names, widths, strict=True))
+    print(f"{head} {'p50 ms':>8s} {'graph ms':>9s} {'overhead':>9s} {'graph ovh':>9s}")
     for r in rows:
         graph = r.get("graph_replay_ms_p50") or r.get("forward_ms_p50") or 0.0
+        text = " ".join(f"{str(r[name]):{w}s}" for name, w in zip(names, widths, strict=True))
         print(
-            f"{r['system']:17s} {r['targets']:7s} {r['mode']:14s} {r['mix']:9s} "
-            f"{r.get('tpot_ms_p50', 0):8.3f} {graph:9.3f} {r.get('overhead_frac', 0):+9.3f} "
+            f"{text} {r.get('tpot_ms_p50', 0):8.3f} {graph:9.3f} {r.get('overhead_frac', 0):+9.3f} "
             f"{r.get('graph_overhead_frac') or 0:+9.3f}"
         )
     for name, check in checks.items():

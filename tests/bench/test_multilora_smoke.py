@@ -131,6 +131,12 @@ def test_tiny_cpu_run_writes_every_mode_and_mix_and_prints_the_table_last(
         *("system", "targets", "mode", "mix", "p50", "ms"),
         *("graph", "ms", "overhead", "graph", "ovh"),
     ]
+    # every number ends where its header ends, whatever the longest system name
+    header = lines[1]
+    ends = [header.index(h) + len(h) for h in ("p50 ms", "graph ms", "overhead", "graph ovh")]
+    for line in lines[2 : 2 + len(rows)]:
+        assert len(line) == ends[-1] and all(line[end - 1].isdigit() for end in ends)
+        assert all(line[end] == " " for end in ends[:-1])
     table = [line.split() for line in lines[2 : 2 + len(rows)]]
     half_digit = 5.01e-4  # printed to 3 decimals: half a last digit, and float slack
     for cells, row in zip(table, rows, strict=True):
