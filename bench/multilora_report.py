@@ -17,6 +17,7 @@ import torch
 
 from bench.decode import percentile
 from bench.multilora_setup import MODES
+from bench.provenance import gpu_slug
 
 GB = 1e9
 
@@ -88,10 +89,10 @@ def finish_rows(rows: list[dict[str, Any]], fields: dict[str, Any], slot_bytes: 
 
 
 def result_path(out_dir: str, gpu: str) -> Path:
-    """``<out_dir>/multilora-<gpu tag>-<yyyymmdd>.json`` (UTC day), its folder created."""
+    """``<out_dir>/multilora-<gpu>-<yyyymmdd>.json`` (UTC day; `provenance.gpu_slug`, as every
+    bench names its file), its folder created."""
     day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-    tag = "h200" if "H200" in gpu else gpu.split()[-1].lower()
-    out = Path(out_dir) / f"multilora-{tag}-{day}.json"
+    out = Path(out_dir) / f"multilora-{gpu_slug(gpu)}-{day}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     return out
 

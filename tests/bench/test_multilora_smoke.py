@@ -147,3 +147,14 @@ def test_tiny_cpu_run_writes_every_mode_and_mix_and_prints_the_table_last(
     assert lines[2 + len(rows) :] == [
         f"check {name}: {check}" for name, check in out["checks"].items()
     ]
+
+
+def test_result_file_is_named_like_every_bench_result(tmp_path: Path) -> None:
+    from bench.multilora_report import result_path
+
+    day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
+    assert result_path(str(tmp_path), "NVIDIA H200").name == f"multilora-h200-{day}.json"
+    # an unknown GPU keeps its whole name (its last word alone could name two different GPUs)
+    named = result_path(str(tmp_path / "out"), "NVIDIA RTX 6000 Ada Generation")
+    assert named.name == f"multilora-nvidia-rtx-6000-ada-generation-{day}.json"
+    assert named.parent.is_dir()
