@@ -39,10 +39,15 @@ def _guard(notes: dict[str, Any], key: str, fn: Callable[[], Any]) -> Any:
 
 def main() -> None:
     args = parse_args(__doc__)
-    groups = tuple(int(k) for k in args.groups.split(",")) if args.groups else None
+    groups: tuple[int, ...] | None = args.groups
     if args.probe:
         probe(groups)
         return
+    if not torch.cuda.is_available():
+        raise SystemExit(
+            "bench/sharing.py measures SM partitions and streams on a CUDA GPU; "
+            f"torch {torch.__version__} sees none"
+        )
     device = torch.device("cuda", 0)
     props = torch.cuda.get_device_properties(device)
     notes: dict[str, Any] = {}
@@ -79,7 +84,7 @@ def main() -> None:
     sharing.close()
 
     result = build_result(
-        args.commit, props.name, props.multi_processor_count, w, reps, notes, rows
+        args.commit, props.name, props.multi_processor_count, w.decode_bytes, reps, notes, rows
     )
     path = result_path(args.out, props.name)
     path.write_text(json.dumps(result, indent=1))

@@ -5,13 +5,34 @@ from __future__ import annotations
 import argparse
 import os
 
+from bench.cli_types import positive_ints
+
+WARMUP_CALLS = 3
+"""Timed calls each figure drops before its median (``times[3:]`` in ``bench/sharing_measure``)."""
+
+
+def _decode_groups(text: str) -> tuple[int, ...] | None:
+    """``--groups``: comma-separated positive ints (``2,4,6``); empty means every group."""
+    return tuple(positive_ints("--groups")(text)) if text.strip() else None
+
 
 def parse_args(description: str, argv: list[str] | None = None) -> argparse.Namespace:
-    """``bench/sharing.py``'s options; ``description`` is its module docstring."""
+    """``bench/sharing.py``'s options; ``description`` is its module docstring. ``groups`` is a
+    tuple of ints or None (the partitioner's default); a bad value is the parser's error."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=None)
     parser.add_argument("--reps", type=int, default=30)
-    parser.add_argument("--groups", default="", help="decode SM groups k (k*8 SMs), e.g. 2,4,6")
+    parser.add_argument(
+        "--groups",
+        type=_decode_groups,
+        default=None,
+        help="decode SM groups k (k*8 SMs), e.g. 2,4,6",
+    )
     parser.add_argument("--probe", action="store_true", help="only check creation + a bf16 GEMM")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.reps <= WARMUP_CALLS:
+        parser.error(
+            f"--reps must exceed the {WARMUP_CALLS} warm-up calls a figure drops; got {args.reps}"
+        )
+    return args

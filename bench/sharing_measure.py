@@ -23,7 +23,7 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _decode_row(
-    w: Workloads,
+    decode_bytes: int,
     copy_tbs: float,
     experiment: str,
     mech: str,
@@ -32,6 +32,8 @@ def _decode_row(
     bg: str,
     times: list[float],
 ) -> dict[str, Any]:
+    """One decode-pass row from per-call ``times`` (ms; the first 3 are warm-up), with the
+    pass's ``decode_bytes`` over its median as bandwidth, and that over ``copy_tbs``."""
     p50 = statistics.median(times[3:])
     return {
         "experiment": experiment,
@@ -41,8 +43,8 @@ def _decode_row(
         "background": bg,
         "decode_pass_ms_p50": p50,
         "decode_pass_ms_p99": _pct(times[3:], 0.99),
-        "bandwidth_tbs": w.decode_bytes / p50 / 1e9,
-        "bandwidth_frac": w.decode_bytes / p50 / 1e9 / copy_tbs,
+        "bandwidth_tbs": decode_bytes / p50 / 1e9,
+        "bandwidth_frac": decode_bytes / p50 / 1e9 / copy_tbs,
     }
 
 
@@ -56,7 +58,7 @@ def solo_rows(
         info = sharing.info(k)
         rows.append(
             _decode_row(
-                w,
+                w.decode_bytes,
                 copy_tbs,
                 "decode_alone",
                 "green_context" if info.spatial else "streams",
@@ -114,7 +116,7 @@ def beside_rows(
         bg_reps = 80 if mech == "green_context" else 300
         rows.append(
             _decode_row(
-                w,
+                w.decode_bytes,
                 copy_tbs,
                 "decode_beside_gemm",
                 mech,

@@ -12,19 +12,20 @@ from typing import Any
 import torch
 
 from bench.provenance import commit_hash
-from bench.sharing_workloads import BIG, DECODE_BATCH, HIDDEN, INTER, N_WEIGHTS, Workloads
+from bench.sharing_workloads import BIG, DECODE_BATCH, HIDDEN, INTER, N_WEIGHTS
 
 
 def build_result(
     commit: str | None,
     gpu_name: str,
     sms: int,
-    w: Workloads,
+    decode_bytes: int,
     reps: int,
     notes: dict[str, Any],
     rows: list[dict[str, Any]],
 ) -> dict[str, Any]:
-    """The run's JSON; ``notes`` and ``rows`` are held, not copied, so later notes are in it."""
+    """The run's JSON (``decode_bytes``: the bytes one decode pass moves, ``Workloads``'s);
+    ``notes`` and ``rows`` are held, not copied, so later notes are in it."""
     return {
         "name": "sharing",
         "commit": commit or commit_hash(),
@@ -33,7 +34,7 @@ def build_result(
         "created": dt.datetime.now(dt.UTC).isoformat(),
         "config": {
             "decode_pass": f"{N_WEIGHTS}x [{DECODE_BATCH},{HIDDEN}]@[{HIDDEN},{INTER}]",
-            "decode_bytes": w.decode_bytes,
+            "decode_bytes": decode_bytes,
             "big_gemm": BIG,
             "reps": reps,
             "sms": sms,
