@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from bench.provenance import commit_hash
+from bench.provenance import commit_hash, gpu_slug
 from bench.sharing_workloads import BIG, DECODE_BATCH, HIDDEN, INTER, N_WEIGHTS
 
 
@@ -45,11 +45,11 @@ def build_result(
 
 
 def result_path(out_dir: str, gpu_name: str) -> Path:
-    """``<out_dir>/sharing-<last word of the GPU's name>-<yyyymmdd>.json``; creates ``out_dir``."""
+    """``<out_dir>/sharing-<gpu>-<yyyymmdd>.json`` (`provenance.gpu_slug`, as every bench names
+    its file); creates ``out_dir``."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    gpu = gpu_name.split()[-1].lower()
-    return out / f"sharing-{gpu}-{dt.datetime.now(dt.UTC):%Y%m%d}.json"
+    return out / f"sharing-{gpu_slug(gpu_name)}-{dt.datetime.now(dt.UTC):%Y%m%d}.json"
 
 
 def print_report(notes: dict[str, Any], rows: list[dict[str, Any]], path: Path) -> None:

@@ -226,6 +226,9 @@ def test_result_path_is_named_by_gpu_and_day(tmp_path: Path) -> None:
     path = result_path(str(out), "NVIDIA H200")
     assert out.is_dir() and path.parent == out
     assert path.name in {f"sharing-h200-{day}.json" for day in _days()}, path.name
+    # a variant's last word is not its GPU: named like every bench's file (provenance.gpu_slug)
+    nvl = result_path(str(out), "NVIDIA H200 NVL")
+    assert nvl.name in {f"sharing-h200-{day}.json" for day in _days()}, nvl.name
 
 
 def test_report_prints_notes_then_one_table_line_per_row(
