@@ -34,22 +34,22 @@ output tokens/s of requests meeting the SLO. Run:
 ``<out>/colocate-<gpu>-<yyyymmdd>.json`` (and every run's iterations beside it, in
 ``.iterations.json``) and prints a table last.
 
-This module runs the benchmark; beside it: ``colocate_args`` (the command line),
-``colocate_setup`` (model, engine, LoRA job, solo finetune speed), ``colocate_engine`` (drive
-loop, backends, quantum warm-up), ``colocate_calibrate`` (calibration, SLO, static split,
-policies) and ``colocate_report`` (rows, comparisons, the table).
+This module runs the benchmark's phases in order; beside it: ``colocate_args`` (the command
+line), ``colocate_setup`` (model, engine, LoRA job, solo finetune speed), ``colocate_engine``
+(drive loop, backends, quantum warm-up), ``colocate_calibrate`` (calibration, SLO, static split,
+policies), ``colocate_runs`` (one policy on one trace, the static split's sweep, the result
+files rewritten after each run) and ``colocate_report`` (rows, comparisons, the table).
 """
 
 from __future__ import annotations
 
 import datetime
-import gc
 import json
 import os
 import sys
 import time
 import traceback
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,29 +59,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench/traces.py besi
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repository root
 
 from colocate_args import parse_args
-from colocate_calibrate import (
-    calibrate,
-    choose_static_split,
-    make_policy,
-    predictor_check,
-    tpot_slo,
-)
+from colocate_calibrate import calibrate, choose_static_split, predictor_check, tpot_slo
 from colocate_engine import QUANTUM_EXAMPLES, LoopBackend
-from colocate_report import (
-    POLICIES,
-    Run,
-    compare,
-    definitions,
-    iterations_document,
-    print_table,
-    row_for,
-)
+from colocate_report import POLICIES, print_table
+from colocate_runs import Runs
 from colocate_setup import setup_engine, setup_simulation, slice_costs
 from colocate_setup import synthetic_examples as synthetic_examples  # bench/memory_sizing.py
 from traces import generate, preset
 
-from bench.gpu_state import gpu_state
-from bench.provenance import commit_hash, gpu_slug
+from bench.provenance import gpu_slug
 from gpu_runtime.colocation import (
     DecodeOnlyPolicy,
     summarize,
@@ -169,15 +155,6 @@ def main() -> None:
 
     specs = {t: preset(t, args.duration, args.rate_scale) for t in traces}
     trace_reqs = {t: generate(spec, args.seed) for t, spec in specs.items()}
-    results: dict[tuple[str, str], Run] = {}
-    skipped: list[str] = []
-    failed: dict[str, str] = {}
-    slo_ms = 1e9
-    slo_parts: dict[str, float] = {}
-    static_by_trace: dict[str, int | None] = {}
-    sweeps: dict[tuple[str, int], tuple[dict[str, Any], Run]] = {}
-    states: dict[tuple[str, str], dict[str, Any]] = {}  # GPU state around each run, by label
-    static_sweep: dict[str, dict[str, dict[str, Any]]] = {}
     if args.simulate:
         gpu = "none (simulation from a profile measured on " + _profile_gpu(args.simulate) + ")"
         gpu_key = "sim-" + _profile_gpu(args.simulate).lower().replace("nvidia ", "")
@@ -188,142 +165,24 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"colocate-{gpu_key}-{today:%Y%m%d}.json"
-    iterations_path = path.with_suffix(".iterations.json")  # every run's iterations
-
-    def run(trace: str, name: str, static_d: int | None = None) -> dict[str, Any] | None:
-        """One policy on one trace; its row (None when skipped or failed). ``static_d``: the
-        static split's decode SMs (default: the one chosen for the trace)."""
-        label = name if name != "static_split" or static_d is None else f"{name}@{static_d}"
-        if time.perf_counter() - wall + specs[trace].duration_s + args.drain_s + 1 > args.budget_s:
-            skipped.append(f"{trace}/{label}")
-            return None
-        # What earlier runs left (their records) is long-lived: out of the collector's full
-        # passes, which would walk it at a random iteration of this run (engine README).
-        gc.freeze()
-        before = gpu_state()
-        try:
-            policy = make_policy(
-                name,
-                harli_latency,
-                static_by_trace.get(trace) if static_d is None else static_d,
-                harli_config,
-                calib_records,
-            )
-            records, start, end = backend.run(
-                policy,
-                trace_reqs[trace],
-                specs[trace].duration_s,
-                slo_ms,
-                name != "decode_only",
-                drain_s=args.drain_s,
-            )
-        except Exception as exc:  # one failing run must not cost the others' results
-            failed[f"{trace}/{label}"] = f"{type(exc).__name__}: {exc}"
-            print(f"  {trace:7s} {label:12s} FAILED {failed[f'{trace}/{label}']}", flush=True)
-            traceback.print_exc()
-            return None
-        running = list(backend.last_running)
-        window = specs[trace].duration_s  # finetune tokens/s over the arrivals only
-        r = row_for(
-            args.model, trace, policy, records, start, end, slo_ms, solo_tps, running, window
-        )
-        states[trace, label] = {"before": before, "after": gpu_state()}
-        r["gpu_state"] = states[trace, label]
-        if r["quantum_errors"]:
-            print(f"  QUANTUM ERRORS {trace}/{label}: {r['first_quantum_error']}", flush=True)
-        print(
-            f"  {trace:7s} {label:12s} att={r['slo_attainment']} "
-            f"ft={r['finetune_tokens_per_s']} p50={r['tpot_ms_p50']} p99={r['tpot_ms_p99']} "
-            f"t={time.perf_counter() - wall:.0f}s",
-            flush=True,
-        )
-        if static_d is None:
-            results[trace, name] = (policy, records, start, end, running)
-        else:
-            sweeps[trace, static_d] = (r, (policy, records, start, end, running))
-        return r
-
-    def sweep_static(trace: str) -> None:
-        """Every fixed split on ``trace``; the static split's row is the best of them: the
-        most finetune tokens/s among those keeping >= 99% attainment, else the best
-        attainment (the best fixed split, chosen with hindsight of this very trace)."""
-        rows = {
-            d: r
-            for d in backend.choices[:-1]
-            if (r := run(trace, "static_split", static_d=int(d))) is not None
-        }
-        if not rows:
-            return
-        keeping = {d: r for d, r in rows.items() if (r["slo_attainment"] or 0) >= 0.99}
-        if keeping:
-            best = max(keeping, key=lambda d: keeping[d]["finetune_tokens_per_s"])
-        else:
-            best = max(rows, key=lambda d: rows[d]["slo_attainment"] or 0)
-        static_by_trace[trace] = best
-        results[trace, "static_split"] = sweeps[trace, best][1]
-        static_sweep[trace] = {
-            str(d): {
-                "slo_attainment": r["slo_attainment"],
-                "finetune_tokens_per_s": r["finetune_tokens_per_s"],
-                "request_tpot_ms_p99": r["request_tpot_ms_p99"],
-            }
-            for d, r in rows.items()
-        }
-
-    def write() -> tuple[list[dict[str, Any]], dict[str, Any]]:
-        rows = []
-        for (t, name), (pol, recs, s, e, run) in results.items():
-            row = row_for(
-                args.model, t, pol, recs, s, e, slo_ms, solo_tps, run, specs[t].duration_s
-            )
-            swept = (t, f"{name}@{static_by_trace.get(t)}")  # static_split's best in a sweep
-            row["gpu_state"] = states.get(swept) or states.get((t, name))
-            rows.append(row)
-        rows.sort(key=lambda r: (traces.index(r["trace"]), POLICIES.index(r["policy"])))
-        comparisons = compare(rows, traces)
-        result = {
-            "name": "colocate",
-            "commit": args.commit or commit_hash(),
-            "gpu": gpu,
-            "torch": torch.__version__,
-            "created": today.isoformat(timespec="seconds"),
-            "config": {
-                **{k: v for k, v in vars(args).items() if k != "out"},
-                "traces": {t: s.as_dict() for t, s in specs.items()},
-                **info,
-                "finetune": {
-                    "lora_rank": rank,
-                    "alpha": 32,
-                    "dropout": args.ft_dropout,
-                    "seq_len": args.ft_seq_len,
-                    "optimizer_batch": 8,
-                },
-                "tpot_slo_ms": slo_ms,
-                **definitions(args),
-                "slo_parts_ms": slo_parts,
-                "static_split_decode_sms": static_by_trace,
-                "static_split_sweep": static_sweep,
-                "harli_config": asdict(harli_config),
-                "skipped_runs": skipped,
-                "failed_runs": failed,
-                "data_stream_restarts": getattr(backend, "stream_restarts", 0),
-                "graph_state_end": (
-                    backend.graph_state() if isinstance(backend, LoopBackend) else None
-                ),
-                "harli_correction_end": (
-                    harli_latency.describe()
-                    if isinstance(harli_latency, CorrectedLatencyModel)
-                    else None
-                ),
-            },
-            "simulated": bool(args.simulate),
-            "rows": rows,
-            "comparisons": comparisons,
-            "wall_s": round(time.perf_counter() - wall, 1),
-        }
-        path.write_text(json.dumps(result, indent=1, default=str))
-        iterations_path.write_text(json.dumps(iterations_document(results, sweeps)))
-        return rows, comparisons
+    runs = Runs(
+        args=args,
+        backend=backend,
+        specs=specs,
+        trace_reqs=trace_reqs,
+        traces=traces,
+        harli_latency=harli_latency,
+        harli_config=harli_config,
+        calib_records=calib_records,
+        solo_tps=solo_tps,
+        rank=rank,
+        info=info,
+        gpu=gpu,
+        created=today,
+        path=path,
+        wall=wall,
+    )
+    results, slo_parts, static_by_trace = runs.results, runs.slo_parts, runs.static_by_trace
 
     # Untimed: decode alone through every trace's kind of load once more (the mixed prefill +
     # decode path compiles shapes on first use; run4's first timed run had a 49 ms TPOT p50).
@@ -334,7 +193,7 @@ def main() -> None:
     info["engine_warmup_s"] = round(time.perf_counter() - t0, 1)
     slo_trace = "medium" if "medium" in traces else traces[0]
     for trace in [slo_trace] + [t for t in traces if t != slo_trace]:
-        run(trace, "decode_only")
+        runs.run(trace, "decode_only")
         if (trace, "decode_only") not in results:
             continue
         if not latency.fitted_shares:  # calibration fitted nothing: at least the whole device
@@ -347,7 +206,7 @@ def main() -> None:
                 raise SystemExit(f"decode_only on {slo_trace} gave no TPOT sample: {base}")
             slo_parts["factor_x_medium_p50"] = args.slo_factor * base.tpot_ms_p50
     decode_only = {k[0]: v[1:] for k, v in results.items() if k[1] == "decode_only"}
-    slo_ms, slo_flag = tpot_slo(
+    runs.slo_ms, slo_flag = tpot_slo(
         decode_only,
         slo_parts,
         slo_factor=args.slo_factor,
@@ -377,24 +236,24 @@ def main() -> None:
                 harli_latency,
                 backend,
                 [results[trace, "decode_only"][1]],
-                slo_ms,
+                runs.slo_ms,
                 2 * args.ft_seq_len,
                 args.ft_seq_len,
                 rank,
             )
-    print(f"SLO {slo_ms:.2f} ms ({slo_parts}); static splits {static_by_trace}", flush=True)
-    write()
+    print(f"SLO {runs.slo_ms:.2f} ms ({slo_parts}); static splits {static_by_trace}", flush=True)
+    runs.write()
     for trace in traces:
         for name in policies:
             if name == "static_split" and args.static_split == "sweep" and backend.choices:
-                sweep_static(trace)
-                write()
+                runs.sweep_static(trace)
+                runs.write()
             elif name != "decode_only":
-                run(trace, name)
-                write()
-    rows, comparisons = write()
+                runs.run(trace, name)
+                runs.write()
+    rows, comparisons = runs.write()
     print(f"wrote {path} ({time.perf_counter() - wall:.0f} s)")
-    print_table(rows, comparisons, slo_ms)
+    print_table(rows, comparisons, runs.slo_ms)
 
 
 def _profile_gpu(path: str) -> str:
