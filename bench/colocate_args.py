@@ -65,9 +65,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--partition-gemm-sm-target",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=True,
         help="decode graphs of each split plan their GEMMs for the split's SMs "
-        "(EngineConfig.partition_gemm_sm_target)",
+        "(EngineConfig.partition_gemm_sm_target, on by default; --no-partition-gemm-sm-target: "
+        "the library's own choice)",
     )
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)

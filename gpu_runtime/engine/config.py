@@ -76,16 +76,17 @@ class EngineConfig:
     """BLAS library of the model's GEMMs on CUDA ("cublas", "cublaslt"; None: torch's current
     choice), set while decode graphs are captured (graphs keep the kernels chosen then) and
     around eager steps, restored afterwards."""
-    partition_gemm_sm_target: bool = False
+    partition_gemm_sm_target: bool = True
     """Decode and mixed-step graphs captured for an SM partition
     (`capture_cuda_graphs(sm_count=n)`, n below the device's SMs) plan their GEMMs for n SMs:
-    cuBLASLt with an SM-count target during the capture (`runner_types.gemm_sm_target`). Alone,
-    decode-shaped GEMMs ran 1.10-1.23x faster on 32-48 SMs on the H200
-    (`bench/results/carveout-h200-20261201.json`); in the co-location loop (one run a model at
-    1800ced, `colocate-1800ced-*`) Qwen2.5-7B's 64-SM steps beside a quantum were ~10% faster
-    relative to decode alone and its harvest summed over the traces +9%, while Llama-3-8B's
-    48-SM steps were unchanged and its summed harvest -5% (gpu_runtime/sharing/README.md).
-    Off until repeated runs decide."""
+    cuBLASLt with an SM-count target during the capture (`runner_types.gemm_sm_target`); graphs
+    captured for the whole device are untouched. Alone, decode-shaped GEMMs ran 1.10-1.23x
+    faster on 32-48 SMs on the H200 (`bench/results/carveout-h200-20261201.json`). In the
+    co-location loop, two runs a model with it on (1800ced, a539a2f) against runs without it
+    (f55939a, 8eb0d49): Qwen2.5-7B's steps beside a quantum were 5-9% faster on 64 and 96 SMs
+    and its harvest summed over the traces +9% / +24%; Llama-3-8B's 64 / 96-SM steps 1-3%
+    faster, its summed harvest -5% / +11%; attainment 1.00 on every trace of all four
+    (`gpu_runtime/sharing/README.md`). False: the library's own choice on every partition."""
     decode_skinny_gemm_rows: int = 0
     """On CUDA with the fused kernels, decode steps of at most this many rows (<= 64) run
     `decode_skinny_gemm_projections` (without adapters) through the split-K Triton GEMM of

@@ -89,7 +89,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
     assert "factor_x_medium_p50" in config["slo_parts_ms"]
     assert config["solo_finetune"]["tokens_per_s_8_examples"] > 0
     assert config["check"]["greedy_token_agreement"] == 1.0
-    assert config["engine"]["partition_gemm_sm_target"] is False  # off unless asked
+    assert config["engine"]["partition_gemm_sm_target"] is True  # the engine's default
 
     rows = out["rows"]
     assert [(r["trace"], r["policy"]) for r in rows] == [(t, p) for t in TRACES for p in POLICIES]
@@ -237,3 +237,14 @@ def test_a_fixed_slo_judges_every_policy_and_keeps_the_rules_parts(tmp_path: Pat
         timeout=60,
     )
     assert refused.returncode == 2 and "--tpot-slo-ms must be > 0" in refused.stderr
+
+
+def test_partition_gemm_target_follows_the_engine_default_and_can_be_turned_off() -> None:
+    sys.path.insert(0, str(ROOT / "bench"))  # the bench's modules import their siblings
+    from colocate_args import parse_args
+
+    from gpu_runtime.engine import EngineConfig
+
+    default = EngineConfig(num_kv_blocks=8).partition_gemm_sm_target
+    assert default is True and parse_args([]).partition_gemm_sm_target is default
+    assert parse_args(["--no-partition-gemm-sm-target"]).partition_gemm_sm_target is False
