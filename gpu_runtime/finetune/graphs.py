@@ -4,7 +4,9 @@ Launched eagerly, one micro-batch of an 8B model is thousands of kernels, each p
 and autograd bookkeeping on the host, whatever the number of tokens; the quantum runs on a worker
 thread, so that host work also competes with the decode loop for the GIL. A captured graph
 replays the same kernels with one launch (H200, Llama-3-8B shape, 1 x 256 tokens: a quantum
-93 -> 27 ms, its host time 93 -> 5 ms; see bench/finetune.py).
+93 -> 27 ms, its host time 93 -> 5 ms; see bench/finetune.py). A micro-batch's key, its packed
+static inputs and what a run reports live in :mod:`gpu_runtime.finetune.graph_buffers` (the
+names are re-exported here).
 
 **Keys.** A graph is captured per :class:`GraphKey`: micro-batch rows, sequence length padded to
 a bucket (:func:`bucket_length`: at most 4 steps per power of two, so under 25 % padding), the
@@ -55,91 +57,37 @@ import weakref
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from gpu_runtime.finetune.batching import MicroBatch
 from gpu_runtime.finetune.data import IGNORE_INDEX
-from gpu_runtime.finetune.graph_policy import CapturePolicy, GraphKey, bucket_length, loss_slots
+from gpu_runtime.finetune.graph_buffers import (
+    ForwardBackward,
+    GraphRun,
+    _Captured,
+    graph_key,
+    pack_inputs,
+    unpack_inputs,
+)
+from gpu_runtime.finetune.graph_policy import CapturePolicy, GraphKey, bucket_length
 from gpu_runtime.finetune.graph_pools import PoolGroups
 from gpu_runtime.finetune.quantum import TrainerRng
 
-ForwardBackward = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, "int | torch.Tensor", bool],
-    torch.Tensor,
+__all__ = [
+    "ForwardBackward",
+    "GraphCaptureError",
+    "GraphRun",
+    "MicroBatchGraphs",
+    "graph_key",
+    "pack_inputs",
+    "unpack_inputs",
 ]
-"""``(input_ids [B, S], positions [B, S], loss_positions [N], loss_targets [N], denominator,
-recompute)`` -> summed loss (fp32 scalar), after running the backward of
-``loss_sum / denominator`` (with activation recomputation when ``recompute``)."""
 
 
 class GraphCaptureError(RuntimeError):
     """A micro-batch could not be captured (the trainer then runs eagerly)."""
-
-
-def graph_key(batch: MicroBatch, stream: int, recompute: bool = False) -> GraphKey:
-    """The key of ``batch`` (already padded to its sequence bucket) on ``stream``."""
-    rows, seq_len = (int(n) for n in batch.input_ids.shape)
-    slots = loss_slots(rows, seq_len, int(batch.loss_positions.numel()))
-    return GraphKey(rows, seq_len, slots, stream, recompute)
-
-
-def pack_inputs(batch: MicroBatch, loss_slots: int) -> torch.Tensor:
-    """One int64 vector ``[ids (B*S) | positions (B*S) | loss positions | loss targets]``, the loss
-    parts padded to ``loss_slots`` with position 0 / the ignore target (one host-to-device copy)."""
-    n = int(batch.loss_positions.numel())
-    if n > loss_slots:
-        raise ValueError(f"{n} loss positions do not fit {loss_slots} slots")
-    pad = loss_slots - n
-    return torch.cat(
-        [
-            batch.input_ids.reshape(-1),
-            batch.positions.reshape(-1),
-            batch.loss_positions,
-            torch.zeros(pad, dtype=torch.long, device=batch.loss_positions.device),
-            batch.loss_targets,
-            torch.full((pad,), IGNORE_INDEX, dtype=torch.long, device=batch.loss_targets.device),
-        ]
-    )
-
-
-def unpack_inputs(
-    packed: torch.Tensor, key: GraphKey
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Views ``(input_ids [B, S], positions [B, S], loss_positions [N], loss_targets [N])``."""
-    cells = key.rows * key.seq_len
-    shape = (key.rows, key.seq_len)
-    return (
-        packed[:cells].view(shape),
-        packed[cells : 2 * cells].view(shape),
-        packed[2 * cells : 2 * cells + key.loss_slots],
-        packed[2 * cells + key.loss_slots :],
-    )
-
-
-@dataclass
-class _Captured:
-    graph: Any  # torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # packed int64 inputs (outside the pool)
-    denominator: torch.Tensor  # fp32 [] (outside the pool)
-    loss_sum: torch.Tensor  # fp32 [] the replay writes (outside the pool)
-    extra_bytes: int  # memory the captured work needs above what was allocated before it
-
-
-@dataclass(frozen=True)
-class GraphRun:
-    """How one micro-batch's forward and backward ran."""
-
-    loss_sum: torch.Tensor
-    """Summed token loss (fp32 scalar on the device; not synced)."""
-    mode: str
-    """"replay", "capture" (captured now, then replayed) or "eager"."""
-    fallback: str | None
-    """Why it ran eagerly (None when a graph ran)."""
-    extra_bytes: int | None
-    """For graph runs: memory the graph's work needs above what was allocated at capture."""
 
 
 def _weak(fn: Callable[..., Any]) -> Callable[[], Callable[..., Any]]:
