@@ -5,8 +5,11 @@ step path (flattened tokens, their attention, the mixed-step graphs) in `general
 It executes one `SchedulerOutput` per call. Its per-request state (tokens, block table row) is
 built from the scheduler's full data once, then updated by diffs. Decode-only batches on CUDA go
 through the Triton paged-decode kernel, padded to a batch bucket and replayed from a CUDA graph;
-everything else (prefill chunks, mixed batches, CPU) uses gather + SDPA. The only host sync is
-the copy of the sampled tokens at the end of `execute`.
+everything else (prefill chunks, mixed batches, CPU) takes the general path: `MixedPagedAttention`
+(one varlen Triton launch per layer on CUDA) eagerly or from the mixed-step graphs, or, with
+`mixed_batch_attention` off (its default without the triton backend, e.g. on CPU), the model's
+own forward per sequence with gather + SDPA. The only host sync is the copy of the sampled tokens
+at the end of `execute`.
 
 Adapters: with a `LoraRuntime`, a decode step whose batch holds a request with a `lora_name`
 runs, on CUDA with the fused kernels, the same fused step plus each row's LoRA terms (the row's
