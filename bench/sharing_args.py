@@ -7,6 +7,9 @@ import os
 
 from bench.cli_types import positive_ints
 
+MEASURED_GROUPS = (6, 7, 9)
+"""Groups the measurements use (48, 56 and 72 SMs: the 48-SM check, the 48/84 and 72/60 splits,
+the 48 <-> 56 switching); a ``--groups`` list must hold them, except with ``--probe``."""
 WARMUP_CALLS = 3
 """Timed calls each figure drops before its median (``times[3:]`` in ``bench/sharing_measure``)."""
 
@@ -27,10 +30,16 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
         "--groups",
         type=_decode_groups,
         default=None,
-        help="decode SM groups k (k*8 SMs), e.g. 2,4,6",
+        help="decode SM groups k (k*8 SMs), e.g. 2,4,6,7,9; a full run needs 6, 7 and 9",
     )
     parser.add_argument("--probe", action="store_true", help="only check creation + a bf16 GEMM")
     args = parser.parse_args(argv)
+    missing = [k for k in MEASURED_GROUPS if args.groups is not None and k not in args.groups]
+    if missing and not args.probe:
+        parser.error(
+            f"--groups must include {', '.join(map(str, MEASURED_GROUPS))} (48, 56 and 72 SMs, "
+            f"which the measurements use); missing {','.join(map(str, missing))}"
+        )
     if args.reps <= WARMUP_CALLS:
         parser.error(
             f"--reps must exceed the {WARMUP_CALLS} warm-up calls a figure drops; got {args.reps}"

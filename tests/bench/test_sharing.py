@@ -119,6 +119,8 @@ def test_groups_are_a_tuple_of_ints_and_empty_means_every_group() -> None:
     assert args.groups == (2, 4, 6, 7, 8, 9, 10, 12, 14)
     assert (args.reps, args.probe, args.commit) == (4, True, "46d4fa5")
     assert parse_args("", ["--groups", ""]).groups is None
+    # a probe only creates partitions: any groups will do
+    assert parse_args("", ["--groups", "2,4", "--probe"]).groups == (2, 4)
 
 
 @pytest.mark.parametrize(
@@ -128,6 +130,7 @@ def test_groups_are_a_tuple_of_ints_and_empty_means_every_group() -> None:
         (["--groups", "6,x"], "--groups"),
         (["--groups", "0"], "--groups"),
         (["--groups", "6,-1"], "--groups"),
+        (["--groups", "2,4,6"], "missing 7,9"),  # the 56 and 72-SM partitions are measured
         (["--reps", "x"], "--reps"),
         (["--reps", "3"], "--reps"),  # every figure drops 3 warm-up calls: nothing left to time
         (["--reps", "0"], "--reps"),
