@@ -7,6 +7,8 @@ import os
 
 from colocate_report import POLICIES
 
+from gpu_runtime.engine.config import EngineConfig
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``bench/colocate.py``'s options (the module docstring there says what a run does)."""
@@ -65,10 +67,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--partition-gemm-sm-target",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=EngineConfig.partition_gemm_sm_target,
         help="decode graphs of each split plan their GEMMs for the split's SMs "
-        "(EngineConfig.partition_gemm_sm_target, on by default; --no-partition-gemm-sm-target: "
-        "the library's own choice)",
+        "(EngineConfig.partition_gemm_sm_target, whose default this follows; "
+        "--no-partition-gemm-sm-target: the library's own choice)",
     )
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)

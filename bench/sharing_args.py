@@ -34,8 +34,9 @@ def parse_args(description: str, argv: list[str] | None = None) -> argparse.Name
     )
     parser.add_argument("--probe", action="store_true", help="only check creation + a bf16 GEMM")
     args = parser.parse_args(argv)
-    missing = [k for k in MEASURED_GROUPS if args.groups is not None and k not in args.groups]
-    if missing and not args.probe:
+    measured = args.groups is None or args.probe  # the partitioner's default holds them all
+    missing = [] if measured else [k for k in MEASURED_GROUPS if k not in args.groups]
+    if missing:
         parser.error(
             f"--groups must include {', '.join(map(str, MEASURED_GROUPS))} (48, 56 and 72 SMs, "
             f"which the measurements use); missing {','.join(map(str, missing))}"
