@@ -6,6 +6,11 @@ import argparse
 import os
 from dataclasses import dataclass
 
+VARIANTS = ("sync", "async", "skinny", "skinny-all", "pdl", "merge", "pdl-merge")
+"""Engine variants `--variants` knows: the scheduling mode (sync / async; every other variant is
+async), the split-K Triton GEMMs at batches <= 64 (skinny: q|k|v and o; skinny-all: all four),
+the decode step's programmatic dependent launch (pdl) and fused split merge (merge)."""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """``bench/decode.py``'s options (the module docstring there says what a run does)."""
@@ -62,7 +67,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="engine variants timed per (batch, context), the first as system 'harli', the "
         "others as 'harli_<variant>': sync, async (EngineConfig.async_scheduling), skinny "
         "(async + split-K Triton GEMMs for q|k|v and o at batch <= 64), skinny-all (all four "
-        "projections); skinny variants re-capture the decode graphs and run batches <= 64",
+        "projections), pdl (async + EngineConfig.decode_programmatic_launch), merge (async + "
+        "decode_fused_split_merge), pdl-merge (both); variants other than sync and async "
+        "re-capture the decode graphs; skinny variants run batches <= 64",
     )
     parser.add_argument("--quick", action="store_true", help="smoke: llama, batch 8/64, ctx 512")
     parser.add_argument(
@@ -72,7 +79,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--out", default=os.environ.get("OUT", "bench/results"))
     parser.add_argument("--commit", default=os.environ.get("GIT_COMMIT", "unknown"))
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    unknown = [v for v in _names(args.variants) if v not in VARIANTS]
+    if unknown or not _names(args.variants):
+        parser.error(
+            f"--variants {args.variants!r}: unknown {unknown}; known: {', '.join(VARIANTS)}"
+        )
+    return args
 
 
 def apply_quick(args: argparse.Namespace) -> None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from bench.decode_args import Sweep
+from bench.decode_args import VARIANTS, Sweep
 from gpu_runtime.engine import Engine, EngineConfig, Request, RequestStatus, SamplingParams
 from gpu_runtime.engine.engine import StepTimes
 from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler
@@ -169,10 +169,10 @@ def time_engine(
 
 def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     """Switch a built engine to a bench variant: the scheduling mode (a config field the engine
-    reads per step) and, for the skinny variants, the fused step's GEMM choice with the decode
-    graphs captured again (the mixed-step graphs are kept as they are)."""
-    if variant not in ("sync", "async", "skinny", "skinny-all"):
-        raise ValueError(f"unknown variant {variant!r}")
+    reads per step) and the fused step's kernel choices, with the decode graphs captured again
+    when those change (the mixed-step graphs are kept as they are)."""
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown variant {variant!r}; known: {', '.join(VARIANTS)}")
     torch.cuda.synchronize()  # no graph of the old set may still run when it is dropped
     engine.config = dataclasses.replace(engine.config, async_scheduling=variant != "sync")
     runner = engine.runner
@@ -181,9 +181,11 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     projections = frozenset(
         ("qkv", "o", "gate_up", "down") if variant == "skinny-all" else ("qkv", "o")
     )
-    if fused is None or (fused.skinny_max_rows, fused.skinny_projections) == (rows, projections):
+    kernels = (rows, projections, variant.startswith("pdl"), variant.endswith("merge"))
+    if fused is None or _kernels(fused) == kernels:
         return
     fused.skinny_max_rows, fused.skinny_projections = rows, projections
+    fused.programmatic_launch, fused.fused_split_merge = kernels[2], kernels[3]
     mixed, runner._mixed = runner._mixed, None
     runner._graphs = runner._lora_graphs = None
     torch.cuda.empty_cache()
@@ -191,6 +193,15 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
         runner.capture_cuda_graphs(batch_sizes=tuple(buckets))
     finally:
         runner._mixed = mixed
+
+
+def _kernels(fused: Any) -> tuple[int, frozenset[str], bool, bool]:
+    return (
+        fused.skinny_max_rows,
+        fused.skinny_projections,
+        fused.programmatic_launch,
+        fused.fused_split_merge,
+    )
 
 
 def recover(engine: Engine) -> None:

@@ -94,6 +94,15 @@ class EngineConfig:
     its heuristic configs made the decode graphs 0.27-0.49 ms slower at b=1..64 (q|k|v, o)."""
     decode_skinny_gemm_projections: tuple[str, ...] = ("qkv", "o")
     """Projections that `decode_skinny_gemm_rows` applies to: "qkv", "o", "gate_up", "down"."""
+    decode_programmatic_launch: bool = False
+    """On CUDA with the fused kernels, the decode step's Triton kernels (norms, RoPE, attention,
+    SwiGLU) are launched as programmatic dependents (Hopper's programmatic dependent launch):
+    each may be scheduled while the kernel before it finishes, and waits for it on the device
+    before reading its output (`fused_ops`). Read when a step or graph is built."""
+    decode_fused_split_merge: bool = False
+    """On CUDA with the fused kernels, a decode attention split over its context (small batches)
+    merges its splits inside its own kernel (the last split of each sequence and KV head to
+    finish, counted by an atomic) instead of a second kernel per layer."""
     async_scheduling: bool = False
     """`Engine.step()` launches the next decode step before reading the current one's sampled
     tokens (its inputs are gathered on the device), so scheduling, staging, stop rules and

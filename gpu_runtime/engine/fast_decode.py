@@ -23,6 +23,11 @@ FUSED_EXPAND_MAX_ROWS = 64
 """Largest decode batch whose q|k|v and gate|up LoRA expand runs inside RoPE / SwiGLU."""
 
 
+MERGE_COUNTERS = 1024
+"""(sequence, KV head) programs a fused split merge can count; split attention runs only below
+1.25 programs per SM (`decode_split`), so this covers any device; beyond it the merge kernel."""
+
+
 class FusedDecodeForward:
     """Callable `(input_ids [B], positions [B], metadata, num_splits) -> logits [B, V]`.
 
@@ -38,6 +43,8 @@ class FusedDecodeForward:
         fuse_lora_expand: bool = True,
         skinny_max_rows: int = 0,
         skinny_projections: Sequence[str] = ("qkv", "o"),
+        programmatic_launch: bool = False,
+        fused_split_merge: bool = False,
     ) -> None:
         """`lora_groups` (per layer, `LoraRuntime.decode_groups()`): the stacked adapter slots
         added when a call passes `lora_slots`; `fuse_lora_expand`: at batch <=
@@ -45,7 +52,12 @@ class FusedDecodeForward:
         kernels instead of separate expand kernels. `skinny_max_rows` (0: off): calls of at
         most that many tokens run `skinny_projections` ("qkv", "o", "gate_up", "down") without
         an adapter group through the split-K Triton GEMM (`skinny_gemm.py`) instead of
-        cuBLAS; read at call time (graphs keep what they captured)."""
+        cuBLAS; read at call time (graphs keep what they captured). `programmatic_launch`:
+        the step's Triton kernels are launched as programmatic dependents (`fused_ops`);
+        `fused_split_merge`: a split decode attention merges its splits in its own kernel
+        (`paged_decode_attention`'s merge counters). Both are read at call time too."""
+        self.programmatic_launch = programmatic_launch
+        self.fused_split_merge = fused_split_merge
         self.skinny_max_rows = skinny_max_rows
         self.skinny_projections = frozenset(skinny_projections)
         self.num_sms = 132
@@ -69,6 +81,8 @@ class FusedDecodeForward:
         half = self.head_dim // 2
         self.cos = cos[:, 0, :half].contiguous()
         self.sin = sin[:, 0, :half].contiguous()
+        # zero between launches: each fused-merge launch leaves them as it found them
+        self.merge_counters = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
         for layer in model.decoder_layers:
             if layer.self_attn.qkv_weight is None or layer.mlp.gate_up_weight is None:
                 raise ValueError("FusedDecodeForward needs model.fuse_projections() first")
@@ -100,11 +114,14 @@ class FusedDecodeForward:
         fuse_expand = self.fuse_lora_expand and input_ids.shape[0] <= FUSED_EXPAND_MAX_ROWS
         batch = input_ids.shape[0]
         skinny = self.skinny_projections if 0 < batch <= self.skinny_max_rows else frozenset()
+        pdl = self.programmatic_launch
+        fits = batch * self.num_kv_heads <= self.merge_counters.numel()
+        counters = self.merge_counters if self.fused_split_merge and fits else None
         x = model.model.embed_tokens(input_ids)  # [B, hidden]
         residual: torch.Tensor | None = None
         for index, layer in enumerate(model.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
-            h, residual = rms_norm(x, layer.input_layernorm.weight, self.eps, residual)
+            h, residual = rms_norm(x, layer.input_layernorm.weight, self.eps, residual, pdl)
             lora = groups[index] if groups is not None else None
             qkv_group = _group(lora, "qkv")
             qkv_rows: LoraRows | None = None
@@ -130,6 +147,7 @@ class FusedDecodeForward:
                 self.num_kv_heads,
                 self.head_dim,
                 qkv_rows,
+                pdl,
             )  # [B, H, D]
             if attention is not None:
                 out = attention.attend(index, q)
@@ -142,13 +160,17 @@ class FusedDecodeForward:
                     metadata.seq_lens,
                     self.cache.block_size,
                     num_splits,
+                    pdl=pdl,
+                    merge_counters=counters,
                 )
             o = _group(lora, "o")
             if o is None and "o" in skinny:
                 x = self._skinny(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias)
             else:
                 x = lora_linear(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias, o, slots)
-            h, residual = rms_norm(x, layer.post_attention_layernorm.weight, self.eps, residual)
+            h, residual = rms_norm(
+                x, layer.post_attention_layernorm.weight, self.eps, residual, pdl
+            )
             gu_group = _group(lora, "gate_up")
             gu_rows: LoraRows | None = None
             if gu_group is not None and slots is not None and fuse_expand:
@@ -158,13 +180,13 @@ class FusedDecodeForward:
                 gate_up = self._skinny(h, mlp.gate_up_weight, None)  # type: ignore[arg-type]
             else:
                 gate_up = lora_linear(h, mlp.gate_up_weight, None, gu_group, slots)  # type: ignore[arg-type]
-            act = silu_and_mul(gate_up, gu_rows)
+            act = silu_and_mul(gate_up, gu_rows, pdl)
             down = _group(lora, "down")
             if down is None and "down" in skinny:
                 x = self._skinny(act, mlp.down_proj.weight, None)
             else:
                 x = lora_linear(act, mlp.down_proj.weight, None, down, slots)
-        h, _ = rms_norm(x, model.model.norm.weight, self.eps, residual)
+        h, _ = rms_norm(x, model.model.norm.weight, self.eps, residual, pdl)
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
         return model.compute_logits(h)

@@ -9,6 +9,13 @@ Each replaces a chain of small torch kernels, which dominate a decode step's lau
 The last two optionally add each row's LoRA expand term first (`LoraRows`: the row's slot, its
 shrink values and the slots' stacked B), so a small decode batch with adapters needs no
 separate expand kernel for q|k|v and gate|up. Rows with slot -1 take exactly the base path.
+
+`pdl=True` launches a kernel as a programmatic dependent of the one before it in the stream
+(Hopper's programmatic dependent launch; `launch_pdl` in Triton): it may be scheduled while its
+predecessor's last programs still run. Each such kernel waits for its predecessor
+(`gdc_wait`) before it touches anything a kernel may have written (only weights are read
+before), and lets its own dependents be scheduled once its inputs are loaded
+(`gdc_launch_dependents`), so a dependent's pre-wait part never overlaps two kernels back.
 """
 
 from __future__ import annotations
@@ -54,28 +61,38 @@ def _rms_norm_kernel(
     stride_ro,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
+    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # a weight: no kernel writes it
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
+    if HAS_RESIDUAL:
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
     xf = x.to(tl.float32)
     variance = tl.sum(xf * xf, 0) / hidden
     normed = (xf * tl.rsqrt(variance + eps)).to(x_ptr.dtype.element_ty)
-    w = tl.load(weight_ptr + offs, mask=mask, other=0.0)
     y = (normed.to(tl.float32) * w.to(tl.float32)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[T, hidden]`. Returns (norm(x + residual), x + residual); without a residual the
-    second item is x itself."""
+    second item is x itself. `pdl`: launched as a programmatic dependent (module docstring)."""
     rows, hidden = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else x
@@ -94,7 +111,9 @@ def rms_norm(
         residual_out.stride(0),
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
+        USE_PDL=pdl,
         num_warps=8 if hidden >= 4096 else 4,
+        launch_pdl=pdl,
     )
     return out, residual_out
 
@@ -126,16 +145,21 @@ def _rope_cache_kernel(
     lora_width,
     HALF: tl.constexpr,
     LORA_RANK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0)
     head = tl.program_id(1)  # 0..H-1: q heads, H..H+Hkv-1: k heads (v copied alongside)
     offs = tl.arange(0, HALF)
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     pos = tl.load(positions_ptr + token)
     cos = tl.load(cos_ptr + pos * HALF + offs).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HALF + offs).to(tl.float32)
     base = qkv_ptr + token * stride_qkv + head * (2 * HALF)
     x1 = tl.load(base + offs).to(tl.float32)
     x2 = tl.load(base + HALF + offs).to(tl.float32)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     slot = -1
     if LORA_RANK > 0:
         slot = tl.load(slots_ptr + token)
@@ -193,12 +217,14 @@ def rope_and_cache_write(
     num_kv_heads: int,
     head_dim: int,
     lora: LoraRows | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """qkv `[T, (H + 2 Hkv) * D]` -> rotated q `[T, H, D]`; rotated k and v go to the cache
     (`[num_blocks, Hkv, block_size, D]` views) at (slot_blocks, slot_offsets).
 
     cos_table/sin_table: `[max_positions, D / 2]` contiguous (the model's RoPE, in its dtype).
     `lora` (group q|k|v): each adapter row's expand term is added to q, k and v first.
+    `pdl`: launched as a programmatic dependent (module docstring).
     """
     tokens = qkv.shape[0]
     q_out = torch.empty(tokens, num_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
@@ -223,7 +249,9 @@ def rope_and_cache_write(
         *_lora_args(lora, qkv),
         HALF=head_dim // 2,
         LORA_RANK=lora.rank if lora is not None else 0,
+        USE_PDL=pdl,
         num_warps=1,
+        launch_pdl=pdl,
     )
     return q_out
 
@@ -243,12 +271,17 @@ def _silu_mul_kernel(
     lora_width,
     BLOCK: tl.constexpr,
     LORA_RANK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
     gate = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gu + inter + offs, mask=mask, other=0.0)
+    if USE_PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if LORA_RANK > 0:
         slot = tl.load(slots_ptr + row)
         if slot >= 0:  # + the row's slot's expand terms of gate and up
@@ -268,9 +301,12 @@ def _silu_mul_kernel(
     tl.store(out_ptr + row * stride_o + offs, y, mask=mask)
 
 
-def silu_and_mul(gate_up: torch.Tensor, lora: LoraRows | None = None) -> torch.Tensor:
+def silu_and_mul(
+    gate_up: torch.Tensor, lora: LoraRows | None = None, pdl: bool = False
+) -> torch.Tensor:
     """`[T, 2 I]` (gate then up) -> silu(gate) * up `[T, I]`; `lora` (group gate|up): each
-    adapter row's expand terms are added to gate and up first."""
+    adapter row's expand terms are added to gate and up first. `pdl`: launched as a
+    programmatic dependent (module docstring)."""
     rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
@@ -284,6 +320,8 @@ def silu_and_mul(gate_up: torch.Tensor, lora: LoraRows | None = None) -> torch.T
         *_lora_args(lora, gate_up),
         BLOCK=block,
         LORA_RANK=lora.rank if lora is not None else 0,
+        USE_PDL=pdl,
         num_warps=4,
+        launch_pdl=pdl,
     )
     return out

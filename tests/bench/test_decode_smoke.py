@@ -92,6 +92,15 @@ def test_command_line_defaults_and_quick() -> None:
     assert (quick.hf_eager, quick.hf_compile, args.steps) == ([64], [], 20)
 
 
+def test_variants_are_checked_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
+    args = parse_args(["--variants", "async,pdl,pdl-merge,merge,skinny"])
+    assert Sweep.from_args(args).variants == ["async", "pdl", "pdl-merge", "merge", "skinny"]
+    for bad in ("async,pdl-fast", ","):
+        with pytest.raises(SystemExit):
+            parse_args(["--variants", bad])
+        assert "--variants" in capsys.readouterr().err
+
+
 def test_report_rows_floor_speedups_and_table(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

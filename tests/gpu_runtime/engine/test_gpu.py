@@ -19,8 +19,9 @@ def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "splits"), [(32, 8, 1), (28, 4, 8), (8, 8, 4)])
+@pytest.mark.parametrize(("pdl", "fused_merge"), [(False, False), (True, False), (True, True)])
 def test_paged_decode_kernel_matches_gather_reference(
-    heads: int, kv_heads: int, splits: int
+    heads: int, kv_heads: int, splits: int, pdl: bool, fused_merge: bool
 ) -> None:
     from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
 
@@ -34,8 +35,26 @@ def test_paged_decode_kernel_matches_gather_reference(
     table = torch.randperm(blocks - 1, device=dev)[: 6 * width].view(6, width).int()
     q = torch.randn(6, heads, dim, device=dev, dtype=dt)
     lens = torch.tensor(seq_lens, device=dev, dtype=torch.int32)
+    counters = torch.zeros(6 * kv_heads, device=dev, dtype=torch.int32) if fused_merge else None
     out = torch.full_like(q, float("nan"))
-    paged_decode_attention(q, key_cache, value_cache, table, lens, bs, splits, out=out)
+    for _ in range(2):  # a fused merge leaves its counters as it found them: twice, same result
+        first = out.clone()
+        out.fill_(float("nan"))
+        paged_decode_attention(
+            q,
+            key_cache,
+            value_cache,
+            table,
+            lens,
+            bs,
+            splits,
+            out=out,
+            pdl=pdl,
+            merge_counters=counters,
+        )
+    assert torch.equal(first, out)
+    if counters is not None:
+        assert int(counters.abs().sum()) == 0
     for i, length in enumerate(seq_lens):
         if length == 0:
             assert torch.all(out[i] == 0)
@@ -50,7 +69,8 @@ def test_paged_decode_kernel_matches_gather_reference(
         assert _rel_err(out[i], ref) < 1e-2, (i, length)
 
 
-def test_fused_ops_match_torch() -> None:
+@pytest.mark.parametrize("pdl", [False, True])
+def test_fused_ops_match_torch(pdl: bool) -> None:
     from gpu_runtime.engine.fused_ops import rms_norm, rope_and_cache_write, silu_and_mul
     from gpu_runtime.model.llama import RMSNorm
 
@@ -60,14 +80,14 @@ def test_fused_ops_match_torch() -> None:
     r = torch.randn(5, 4096, device=dev, dtype=dt)
     norm = RMSNorm(4096, 1e-5, device=dev, dtype=dt)
     norm.weight.data.normal_(1.0, 0.1)
-    out, res = rms_norm(x, norm.weight, 1e-5, r)
+    out, res = rms_norm(x, norm.weight, 1e-5, r, pdl)
     assert torch.equal(res, x + r)
     assert _rel_err(out, norm(x + r)) < 1e-2
-    out, same = rms_norm(x, norm.weight, 1e-5)
+    out, same = rms_norm(x, norm.weight, 1e-5, pdl=pdl)
     assert same is x and _rel_err(out, norm(x)) < 1e-2
     gu = torch.randn(5, 2 * 1000, device=dev, dtype=dt)
     ref = torch.nn.functional.silu(gu[:, :1000]) * gu[:, 1000:]
-    assert _rel_err(silu_and_mul(gu), ref) < 1e-2
+    assert _rel_err(silu_and_mul(gu, pdl=pdl), ref) < 1e-2
     heads, kv, dim, bs = 8, 2, 128, 16
     model = build_random_model(
         tiny_config("llama", num_attention_heads=heads, num_key_value_heads=kv, head_dim=dim),
@@ -93,6 +113,7 @@ def test_fused_ops_match_torch() -> None:
         heads,
         kv,
         dim,
+        pdl=pdl,
     )
     c, s = model.rope_cos_sin(positions, dt)
     q_ref = apply_rope(qkv[:, : heads * dim].view(5, heads, dim), c, s)
