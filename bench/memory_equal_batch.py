@@ -9,7 +9,7 @@ chunk; the ratio is of the two phases' per-bin medians, summed over the bins bot
 (at least ``min_count`` iterations each) with weight min(count a, count b). Its 95% interval is
 a bootstrap over iterations within each bin.
 
-On the H200 (`bench/results/memory-trace-m{5,7,8}-h200-20261130.iterations.json`) it puts the
+On the H200 (`bench/results/memory-trace-m{5,7,8}-h200-20261130.iterations.json.gz`) it puts the
 unified phases at 0.988-1.010x of `static_split` per iteration at equal batch (the step's
 device part, ``wait_ms``, 0.983-1.014x), where the all-iteration p50 read 0.991-1.023x.
 
@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import gzip
 import json
 import random
 import statistics
@@ -213,8 +214,10 @@ def _cells(entry: dict[str, Any]) -> str:
 
 
 def load_phases(path: Path) -> dict[str, list[dict[str, Any]]]:
-    """The `<result>.iterations.json` table as phase -> rows (dicts by column)."""
-    table = json.loads(path.read_text())
+    """The `<result>.iterations.json` table as phase -> rows (dicts by column); a `.gz` file
+    (how `bench/results/` keeps them) is read through gzip."""
+    raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    table = json.loads(raw)
     columns = table["columns"]
     return {
         name: [dict(zip(columns, row, strict=True)) for row in rows]

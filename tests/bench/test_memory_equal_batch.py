@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import random
 from pathlib import Path
@@ -106,6 +107,12 @@ def test_every_phase_is_compared_with_the_static_split(tmp_path: Path) -> None:
     assert main([str(source), "--reps", "20", "--out", str(tmp_path / "eq.json")]) == 0
     written = json.loads((tmp_path / "eq.json").read_text())
     assert set(written["files"]["run.iterations.json"]) == {"unified_over_static_split"}
+    # bench/results/ keeps them gzipped: the same comparisons from the .gz file
+    packed = tmp_path / "run.iterations.json.gz"
+    packed.write_bytes(gzip.compress(source.read_bytes()))
+    assert main([str(packed), "--reps", "20", "--out", str(tmp_path / "gz.json")]) == 0
+    from_gz = json.loads((tmp_path / "gz.json").read_text())["files"]["run.iterations.json.gz"]
+    assert from_gz == written["files"]["run.iterations.json"]
 
 
 def _scaled(rows: list[dict[str, Any]], factor: float) -> list[dict[str, Any]]:
