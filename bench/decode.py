@@ -87,7 +87,7 @@ class DecodeRun:
 
     def time_ours(self, name: str, model: CausalLM, config: ModelConfig) -> None:
         """Our engine on one model: the variants over every batch (sync and async on the same
-        graphs, pdl / merge on re-captured ones), the chunk studies (first model), then the
+        graphs, pdl-all / no-pdl on re-captured ones), the chunk studies (first model), then the
         skinny variants on re-captured graphs (batches <= 64)."""
         sweep, report = self.sweep, self.report
         first = name == sweep.models[0]
@@ -97,7 +97,7 @@ class DecodeRun:
         engine.capture_cuda_graphs(batch_sizes=tuple(buckets))
         print(f"{name}: captured {buckets} in {time.perf_counter() - t0:.1f}s", flush=True)
         plain = [v for v in sweep.variants if not v.startswith("skinny")]
-        for variant in plain:  # all batches (pdl / merge variants re-capture their graphs)
+        for variant in plain:  # all batches (pdl-all / no-pdl re-capture their graphs)
             set_variant(engine, variant, buckets)
             try:
                 self.time_variant(name, config, engine, variant, sweep.batches)

@@ -6,10 +6,11 @@ import argparse
 import os
 from dataclasses import dataclass
 
-VARIANTS = ("sync", "async", "skinny", "skinny-all", "pdl", "merge", "pdl-merge")
+VARIANTS = ("sync", "async", "skinny", "skinny-all", "pdl-all", "no-pdl")
 """Engine variants `--variants` knows: the scheduling mode (sync / async; every other variant is
 async), the split-K Triton GEMMs at batches <= 64 (skinny: q|k|v and o; skinny-all: all four),
-the decode step's programmatic dependent launch (pdl) and fused split merge (merge)."""
+programmatic dependent launch at every batch (pdl-all) or none (no-pdl) instead of the
+engine's `decode_programmatic_launch_rows`."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,9 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="engine variants timed per (batch, context), the first as system 'harli', the "
         "others as 'harli_<variant>': sync, async (EngineConfig.async_scheduling), skinny "
         "(async + split-K Triton GEMMs for q|k|v and o at batch <= 64), skinny-all (all four "
-        "projections), pdl (async + EngineConfig.decode_programmatic_launch), merge (async + "
-        "decode_fused_split_merge), pdl-merge (both); variants other than sync and async "
-        "re-capture the decode graphs; skinny variants run batches <= 64",
+        "projections), pdl-all / no-pdl (async with programmatic dependent launch at every "
+        "batch / none, instead of EngineConfig.decode_programmatic_launch_rows); variants "
+        "other than sync and async re-capture the decode graphs; skinny variants run "
+        "batches <= 64",
     )
     parser.add_argument("--quick", action="store_true", help="smoke: llama, batch 8/64, ctx 512")
     parser.add_argument(

@@ -181,11 +181,14 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     projections = frozenset(
         ("qkv", "o", "gate_up", "down") if variant == "skinny-all" else ("qkv", "o")
     )
-    kernels = (rows, projections, variant.startswith("pdl"), variant.endswith("merge"))
+    pdl_rows = {"pdl-all": 1 << 30, "no-pdl": 0}.get(
+        variant, engine.config.decode_programmatic_launch_rows
+    )
+    kernels = (rows, projections, pdl_rows)
     if fused is None or _kernels(fused) == kernels:
         return
     fused.skinny_max_rows, fused.skinny_projections = rows, projections
-    fused.programmatic_launch, fused.fused_split_merge = kernels[2], kernels[3]
+    fused.programmatic_launch_rows = pdl_rows
     mixed, runner._mixed = runner._mixed, None
     runner._graphs = runner._lora_graphs = None
     torch.cuda.empty_cache()
@@ -195,13 +198,8 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
         runner._mixed = mixed
 
 
-def _kernels(fused: Any) -> tuple[int, frozenset[str], bool, bool]:
-    return (
-        fused.skinny_max_rows,
-        fused.skinny_projections,
-        fused.programmatic_launch,
-        fused.fused_split_merge,
-    )
+def _kernels(fused: Any) -> tuple[int, frozenset[str], int]:
+    return (fused.skinny_max_rows, fused.skinny_projections, fused.programmatic_launch_rows)
 
 
 def recover(engine: Engine) -> None:

@@ -94,15 +94,14 @@ class EngineConfig:
     its heuristic configs made the decode graphs 0.27-0.49 ms slower at b=1..64 (q|k|v, o)."""
     decode_skinny_gemm_projections: tuple[str, ...] = ("qkv", "o")
     """Projections that `decode_skinny_gemm_rows` applies to: "qkv", "o", "gate_up", "down"."""
-    decode_programmatic_launch: bool = False
-    """On CUDA with the fused kernels, the decode step's Triton kernels (norms, RoPE, attention,
-    SwiGLU) are launched as programmatic dependents (Hopper's programmatic dependent launch):
-    each may be scheduled while the kernel before it finishes, and waits for it on the device
-    before reading its output (`fused_ops`). Read when a step or graph is built."""
-    decode_fused_split_merge: bool = False
-    """On CUDA with the fused kernels, a decode attention split over its context (small batches)
-    merges its splits inside its own kernel (the last split of each sequence and KV head to
-    finish, counted by an atomic) instead of a second kernel per layer."""
+    decode_programmatic_launch_rows: int = 32
+    """On CUDA with the fused kernels, decode steps of at most this many rows launch their
+    Triton kernels (norms, RoPE, attention, SwiGLU) as programmatic dependents (Hopper's
+    programmatic dependent launch): each may be scheduled while the kernel before it finishes,
+    and waits for it on the device before reading its output (`fused_ops`). 0: never. On the
+    H200 (58dd31f, `bench/results/decode-pdl-h200-20261201.json`, one run) it made decode
+    steps 0.7-1.6% faster at b = 1-32 and 0.4-1.8% slower at b = 64-256, both models, both
+    contexts; hence 32. Read when a graph is captured or an eager step runs."""
     async_scheduling: bool = False
     """`Engine.step()` launches the next decode step before reading the current one's sampled
     tokens (its inputs are gathered on the device), so scheduling, staging, stop rules and
@@ -168,6 +167,13 @@ class EngineConfig:
         if any(s < 1 for s in sizes) or list(sizes) != sorted(set(sizes)):
             raise EngineConfigError(
                 f"cuda_graph_batch_sizes={sizes} must be increasing positive integers"
+            )
+        if not isinstance(self.decode_programmatic_launch_rows, int) or (
+            self.decode_programmatic_launch_rows < 0
+        ):
+            raise EngineConfigError(
+                f"decode_programmatic_launch_rows={self.decode_programmatic_launch_rows!r} must "
+                "be an integer >= 0"
             )
         if not 0 <= self.decode_skinny_gemm_rows <= 64:
             raise EngineConfigError(

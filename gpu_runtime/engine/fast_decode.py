@@ -23,11 +23,6 @@ FUSED_EXPAND_MAX_ROWS = 64
 """Largest decode batch whose q|k|v and gate|up LoRA expand runs inside RoPE / SwiGLU."""
 
 
-MERGE_COUNTERS = 1024
-"""(sequence, KV head) programs a fused split merge can count; split attention runs only below
-1.25 programs per SM (`decode_split`), so this covers any device; beyond it the merge kernel."""
-
-
 class FusedDecodeForward:
     """Callable `(input_ids [B], positions [B], metadata, num_splits) -> logits [B, V]`.
 
@@ -43,8 +38,7 @@ class FusedDecodeForward:
         fuse_lora_expand: bool = True,
         skinny_max_rows: int = 0,
         skinny_projections: Sequence[str] = ("qkv", "o"),
-        programmatic_launch: bool = False,
-        fused_split_merge: bool = False,
+        programmatic_launch_rows: int = 0,
     ) -> None:
         """`lora_groups` (per layer, `LoraRuntime.decode_groups()`): the stacked adapter slots
         added when a call passes `lora_slots`; `fuse_lora_expand`: at batch <=
@@ -52,12 +46,10 @@ class FusedDecodeForward:
         kernels instead of separate expand kernels. `skinny_max_rows` (0: off): calls of at
         most that many tokens run `skinny_projections` ("qkv", "o", "gate_up", "down") without
         an adapter group through the split-K Triton GEMM (`skinny_gemm.py`) instead of
-        cuBLAS; read at call time (graphs keep what they captured). `programmatic_launch`:
-        the step's Triton kernels are launched as programmatic dependents (`fused_ops`);
-        `fused_split_merge`: a split decode attention merges its splits in its own kernel
-        (`paged_decode_attention`'s merge counters). Both are read at call time too."""
-        self.programmatic_launch = programmatic_launch
-        self.fused_split_merge = fused_split_merge
+        cuBLAS; read at call time (graphs keep what they captured).
+        `programmatic_launch_rows` (0: off): calls of at most that many tokens launch their
+        Triton kernels as programmatic dependents (`fused_ops`); read at call time too."""
+        self.programmatic_launch_rows = programmatic_launch_rows
         self.skinny_max_rows = skinny_max_rows
         self.skinny_projections = frozenset(skinny_projections)
         self.num_sms = 132
@@ -81,8 +73,6 @@ class FusedDecodeForward:
         half = self.head_dim // 2
         self.cos = cos[:, 0, :half].contiguous()
         self.sin = sin[:, 0, :half].contiguous()
-        # zero between launches: each fused-merge launch leaves them as it found them
-        self.merge_counters = torch.zeros(MERGE_COUNTERS, dtype=torch.int32, device=device)
         for layer in model.decoder_layers:
             if layer.self_attn.qkv_weight is None or layer.mlp.gate_up_weight is None:
                 raise ValueError("FusedDecodeForward needs model.fuse_projections() first")
@@ -114,9 +104,7 @@ class FusedDecodeForward:
         fuse_expand = self.fuse_lora_expand and input_ids.shape[0] <= FUSED_EXPAND_MAX_ROWS
         batch = input_ids.shape[0]
         skinny = self.skinny_projections if 0 < batch <= self.skinny_max_rows else frozenset()
-        pdl = self.programmatic_launch
-        fits = batch * self.num_kv_heads <= self.merge_counters.numel()
-        counters = self.merge_counters if self.fused_split_merge and fits else None
+        pdl = 0 < batch <= self.programmatic_launch_rows
         x = model.model.embed_tokens(input_ids)  # [B, hidden]
         residual: torch.Tensor | None = None
         for index, layer in enumerate(model.decoder_layers):
@@ -161,7 +149,6 @@ class FusedDecodeForward:
                     self.cache.block_size,
                     num_splits,
                     pdl=pdl,
-                    merge_counters=counters,
                 )
             o = _group(lora, "o")
             if o is None and "o" in skinny:

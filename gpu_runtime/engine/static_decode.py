@@ -97,8 +97,7 @@ class StaticDecodeMixin:
                 fuse_lora_expand=self.config.lora_expand_in_kernels,
                 skinny_max_rows=self.config.decode_skinny_gemm_rows,
                 skinny_projections=self.config.decode_skinny_gemm_projections,
-                programmatic_launch=self.config.decode_programmatic_launch,
-                fused_split_merge=self.config.decode_fused_split_merge,
+                programmatic_launch_rows=self.config.decode_programmatic_launch_rows,
             )
             if self.config.mixed_cuda_graphs and self.mixed_attention:
                 from gpu_runtime.engine.mixed_graphs import MixedStepGraphs

@@ -93,9 +93,9 @@ def test_command_line_defaults_and_quick() -> None:
 
 
 def test_variants_are_checked_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse_args(["--variants", "async,pdl,pdl-merge,merge,skinny"])
-    assert Sweep.from_args(args).variants == ["async", "pdl", "pdl-merge", "merge", "skinny"]
-    for bad in ("async,pdl-fast", ","):
+    args = parse_args(["--variants", "async,no-pdl,pdl-all,skinny"])
+    assert Sweep.from_args(args).variants == ["async", "no-pdl", "pdl-all", "skinny"]
+    for bad in ("async,pdl", ","):
         with pytest.raises(SystemExit):
             parse_args(["--variants", bad])
         assert "--variants" in capsys.readouterr().err

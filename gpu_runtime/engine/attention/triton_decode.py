@@ -3,8 +3,7 @@
 One program per (sequence, KV head, split): it loads the G query heads that share the KV head
 (GQA: one K/V read serves all of them, the G rows padded to 16 for the tensor cores), walks its
 share of the sequence's context through the block table, and keeps an online softmax. With more
-than one split, a second kernel merges the partial results by their log-sum-exp (or, with
-merge counters, the last split of each sequence and KV head to finish). Padded batch
+than one split, a second kernel merges the partial results by their log-sum-exp. Padded batch
 slots have seq_len 0 and produce zeros. Shapes are fixed per batch bucket, so the launch is
 CUDA-graph safe.
 """
@@ -24,45 +23,6 @@ from gpu_runtime.engine.kv_cache import PagedKVCache
 
 
 @triton.jit
-def _merge_rows(
-    part_out_ptr,
-    part_lse_ptr,
-    first,
-    g_mask,
-    GROUP_PAD: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-):
-    """The merged output `[GROUP_PAD, HEAD_DIM]` of the heads whose first partial row is
-    `first`, read past L1 (other programs of this launch wrote them)."""
-    offs_d = tl.arange(0, HEAD_DIM)
-    m_all = tl.full([GROUP_PAD], float("-inf"), dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + first + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
-        )
-        m_all = tl.maximum(m_all, lse)
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    denom = tl.zeros([GROUP_PAD], dtype=tl.float32)
-    merged = tl.zeros([GROUP_PAD, HEAD_DIM], dtype=tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(
-            part_lse_ptr + first + s, mask=g_mask, other=float("-inf"), cache_modifier=".cg"
-        )
-        w = tl.exp(lse - m_safe)
-        part = tl.load(
-            part_out_ptr + (first + s)[:, None] * HEAD_DIM + offs_d[None, :],
-            mask=g_mask[:, None],
-            other=0.0,
-            cache_modifier=".cg",
-        )
-        denom += w
-        merged += part * w[:, None]
-    denom = tl.where(denom == 0.0, 1.0, denom)
-    return merged / denom[:, None]
-
-
-@triton.jit
 def _paged_decode_kernel(
     q_ptr,
     k_cache_ptr,
@@ -72,7 +32,6 @@ def _paged_decode_kernel(
     out_ptr,
     part_out_ptr,
     part_lse_ptr,
-    counter_ptr,
     scale,
     stride_qb,
     stride_qh,
@@ -89,7 +48,6 @@ def _paged_decode_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    FUSED_MERGE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -137,8 +95,8 @@ def _paged_decode_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_safe[:, None]
-    o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     if NUM_SPLITS == 1:
+        o_ptrs = out_ptr + seq * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         row = (seq * num_heads + heads) * NUM_SPLITS + split  # [GROUP_PAD]
@@ -147,23 +105,6 @@ def _paged_decode_kernel(
         )
         lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log(l_safe))
         tl.store(part_lse_ptr + row, lse, mask=g_mask)
-        if FUSED_MERGE:  # the last of the sequence's splits to finish merges them all
-            tl.debug_barrier()  # every thread's partials stored before the release below
-            counter = counter_ptr + seq * tl.num_programs(1) + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if done == NUM_SPLITS - 1:
-                tl.debug_barrier()
-                merged = _merge_rows(
-                    part_out_ptr,
-                    part_lse_ptr,
-                    (seq * num_heads + heads) * NUM_SPLITS,
-                    g_mask,
-                    GROUP_PAD,
-                    HEAD_DIM,
-                    NUM_SPLITS,
-                )
-                tl.store(o_ptrs, merged.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # ready for the next launch
 
 
 @triton.jit
@@ -224,7 +165,6 @@ def paged_decode_attention(
     num_stages: int | None = None,
     num_sms: int | None = None,
     pdl: bool = False,
-    merge_counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -233,11 +173,7 @@ def paged_decode_attention(
     including the new token, whose K/V must already be written). Returns `[B, H, D]`. The
     tile left unset (`block_n`, `num_warps`, `num_stages`) is `decode_split.choose_tile`'s for
     this batch on `num_sms` SMs (default: the device's).
-
-    `merge_counters` (int32, at least B x Hkv elements, all zero; the kernel leaves them zero):
-    with more than one split, the last split of each (sequence, KV head) to finish merges the
-    partial results itself (counted by an atomic) instead of a second kernel. `pdl`: both
-    kernels are launched as programmatic dependents (`fused_ops`' docstring).
+    `pdl`: both kernels are launched as programmatic dependents (`fused_ops`' docstring).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
@@ -250,15 +186,6 @@ def paged_decode_attention(
         raise ValueError("key and value caches must have equal strides")
     if num_sms is None:
         num_sms = _device_sms(q.device)
-    fused_merge = merge_counters is not None and num_splits > 1
-    if fused_merge:
-        assert merge_counters is not None
-        if merge_counters.dtype != torch.int32 or merge_counters.numel() < batch * num_kv_heads:
-            raise ValueError(
-                f"merge_counters must be int32 with >= {batch * num_kv_heads} elements, got "
-                f"{merge_counters.dtype} with {merge_counters.numel()}"
-            )
-    counters = merge_counters if fused_merge else seq_lens
     tile = choose_tile(batch * num_kv_heads, num_splits, num_sms)
     block_n = tile.block_n if block_n is None else block_n
     num_warps = tile.num_warps if num_warps is None else num_warps
@@ -282,7 +209,6 @@ def paged_decode_attention(
         out,
         part_out,
         part_lse,
-        counters,
         head_dim**-0.5,
         q.stride(0),
         q.stride(1),
@@ -299,13 +225,12 @@ def paged_decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
-        FUSED_MERGE=fused_merge,
         USE_PDL=pdl,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
     )
-    if num_splits > 1 and not fused_merge:
+    if num_splits > 1:
         _merge_splits_kernel[(batch, num_heads)](
             part_out,
             part_lse,
