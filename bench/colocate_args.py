@@ -72,6 +72,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(EngineConfig.partition_gemm_sm_target, whose default this follows; "
         "--no-partition-gemm-sm-target: the library's own choice)",
     )
+    parser.add_argument(
+        "--decode-programmatic-launch-rows",
+        type=int,
+        default=EngineConfig.decode_programmatic_launch_rows,
+        help="decode buckets of at most this many rows launch their Triton kernels as "
+        "programmatic dependents (EngineConfig.decode_programmatic_launch_rows, whose default "
+        "this follows; 0: never)",
+    )
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument(

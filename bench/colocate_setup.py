@@ -170,6 +170,7 @@ def setup_engine(
         cuda_graph_batch_sizes=buckets,
         mixed_cuda_graphs=args.mixed_graphs,
         partition_gemm_sm_target=args.partition_gemm_sm_target,
+        decode_programmatic_launch_rows=args.decode_programmatic_launch_rows,
     )
     engine = Engine(model, engine_config)
     sharing = None
@@ -233,6 +234,7 @@ def setup_engine(
             "mixed_cuda_graphs": engine_config.mixed_cuda_graphs,
             "chunk_attention": engine_config.chunk_attention,
             "partition_gemm_sm_target": engine_config.partition_gemm_sm_target,
+            "decode_programmatic_launch_rows": engine_config.decode_programmatic_launch_rows,
             "mixed_graph_token_sizes": (
                 engine_config.mixed_graph_token_sizes() if engine_config.mixed_cuda_graphs else None
             ),

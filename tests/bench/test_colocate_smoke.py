@@ -90,6 +90,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
     assert config["solo_finetune"]["tokens_per_s_8_examples"] > 0
     assert config["check"]["greedy_token_agreement"] == 1.0
     assert config["engine"]["partition_gemm_sm_target"] is True  # the engine's default
+    assert config["engine"]["decode_programmatic_launch_rows"] == 32
 
     rows = out["rows"]
     assert [(r["trace"], r["policy"]) for r in rows] == [(t, p) for t in TRACES for p in POLICIES]
@@ -248,3 +249,8 @@ def test_partition_gemm_target_follows_the_engine_default_and_can_be_turned_off(
     default = EngineConfig(num_kv_blocks=8).partition_gemm_sm_target
     assert default is True and parse_args([]).partition_gemm_sm_target is default
     assert parse_args(["--no-partition-gemm-sm-target"]).partition_gemm_sm_target is False
+    rows = EngineConfig(num_kv_blocks=8).decode_programmatic_launch_rows
+    assert parse_args([]).decode_programmatic_launch_rows == rows == 32
+    assert (
+        parse_args(["--decode-programmatic-launch-rows", "0"]).decode_programmatic_launch_rows == 0
+    )
