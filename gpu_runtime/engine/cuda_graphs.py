@@ -18,7 +18,8 @@ engine are never garbage, yet each automatic full (generation-2) collection walk
 a one-off stall of a few hundred ms inside whichever step allocated at that moment (the 257 and
 336 ms chunk steps of the Qwen co-location runs, 333 ms outside `step()` in a Llama run). What
 was frozen by the engine is unfrozen (`thaw_engine_freeze`) before the next capture and when a
-new runner is built, so a dropped engine still gets collected then.
+new runner is built, so a dropped engine still gets collected then, and by
+`free_dropped_captures`, which closing a green-context partitioner calls first.
 """
 
 from __future__ import annotations
@@ -63,6 +64,19 @@ def thaw_engine_freeze() -> bool:
         gc.unfreeze()
         _engine_froze = False
         return True
+
+
+def free_dropped_captures(device: torch.device | None = None) -> None:
+    """Free every dropped engine's graphs and memory now: undo the engine's freeze, collect,
+    then (on CUDA) wait for the device and return the allocator's cached blocks. Call it
+    before destroying what graphs were captured in (a green context, `SmPartitioner.close`):
+    a `CUDAGraph` freed after its context is gone aborts the process, and a plain
+    `gc.collect()` leaves a frozen dropped engine alive."""
+    thaw_engine_freeze()
+    gc.collect()
+    if torch.cuda.is_available() and (device is None or device.type == "cuda"):
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
 
 
 @contextmanager

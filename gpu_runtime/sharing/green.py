@@ -189,10 +189,14 @@ class SmPartitioner(GpuSharing):
         return decode.stream, finetune.stream
 
     def close(self) -> None:
-        """Synchronise, then destroy every stream and green context (idempotent)."""
+        """Free dropped engines' graphs and cached allocator blocks (a graph captured in a
+        green context must be gone before it is), synchronise, then destroy every stream and
+        green context (idempotent). Graphs of an engine still alive must be dropped first."""
         if not self._sides:
             return
-        torch.cuda.synchronize(self.device)
+        from gpu_runtime.engine.cuda_graphs import free_dropped_captures
+
+        free_dropped_captures(self.device)
         drv = self._driver
         sides, self._sides = self._sides, {}
         for pair in sides.values():

@@ -10,9 +10,11 @@ import weakref
 from collections.abc import Iterator
 
 import pytest
+import torch
 
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.cuda_graphs import (
+    free_dropped_captures,
     freeze_long_lived,
     gc_paused_for_capture,
     thaw_engine_freeze,
@@ -123,6 +125,21 @@ def test_a_frozen_dropped_cycle_is_freed_at_the_next_capture(_thawed: None) -> N
     with gc_paused_for_capture():
         assert dropped() is None  # the next capture unfreezes and collects first
     assert gc.get_freeze_count() == 0
+
+
+def test_free_dropped_captures_frees_a_frozen_dropped_engine(_thawed: None) -> None:
+    """What closing a green-context partitioner runs first: an engine dropped after the freeze
+    (a test's or a deployment's, whose graphs live in the contexts) is freed by it, where a
+    plain collection leaves it to be freed after the contexts are gone (a process abort)."""
+    engine = _Node()
+    freeze_long_lived()
+    dropped = weakref.ref(engine)
+    del engine
+    gc.collect()
+    assert dropped() is not None
+    free_dropped_captures(torch.device("cpu"))
+    assert dropped() is None and gc.get_freeze_count() == 0
+    free_dropped_captures()  # nothing frozen, no CUDA: a plain collection
 
 
 def test_a_frozen_dropped_engine_is_freed_when_the_next_runner_is_built(
