@@ -80,6 +80,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "programmatic dependents (EngineConfig.decode_programmatic_launch_rows, whose default "
         "this follows; 0: never)",
     )
+    parser.add_argument(
+        "--launch-during-decode",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="hand each concurrent quantum to the executor once the decode step is queued "
+        "(HostLoop's launch_during_decode: its host launch work overlaps the step) instead of "
+        "before the step",
+    )
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument(
@@ -134,4 +142,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.tpot_slo_ms is not None and not args.tpot_slo_ms > 0:
         parser.error(f"--tpot-slo-ms must be > 0, got {args.tpot_slo_ms}")
+    if args.launch_during_decode and args.simulate:
+        parser.error("--launch-during-decode applies to the host loop; --simulate does not run it")
     return args

@@ -129,6 +129,9 @@ class LoopBackend:
         self.last_running: list[FinishedRequest] = []
         self.stream_restarts = 0
         self.make_trainer: Callable[[bool | None], LoraTrainer] | None = None
+        self.launch_during_decode = (
+            False  # HostLoop's launch_during_decode (--launch-during-decode)
+        )
         # One worker thread for every run: graphed quanta warm up once per (thread, stream).
         self.executor: ThreadedExecutor | None = None
         if engine.config.is_cuda:
@@ -152,7 +155,12 @@ class LoopBackend:
             self.stream_restarts += 1
             self.trainer.stream.restore(DataPosition(0, 0))
         loop = HostLoop(
-            self.engine, policy, tpot_slo_ms=slo_ms, sharing=self.sharing, executor=self.executor
+            self.engine,
+            policy,
+            tpot_slo_ms=slo_ms,
+            sharing=self.sharing,
+            executor=self.executor,
+            launch_during_decode=self.launch_during_decode,
         )
         if with_job:
             loop.add_job("ft", self.trainer)

@@ -225,6 +225,7 @@ def setup_engine(
         "sharing": None
         if sharing is None
         else {"mechanism": sharing.mechanism, "choices": list(sharing.table.choices)},
+        "launch_during_decode": args.launch_during_decode,
         "engine": {
             "max_num_seqs": engine_config.max_num_seqs,
             "max_num_batched_tokens": engine_config.max_num_batched_tokens,
@@ -242,6 +243,7 @@ def setup_engine(
     }
     backend = LoopBackend(engine, sharing, trainer, vocab, solo_tps)
     backend.make_trainer = make_trainer
+    backend.launch_during_decode = args.launch_during_decode
     return backend, info
 
 

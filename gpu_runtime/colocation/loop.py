@@ -7,7 +7,8 @@ Each ``run_iteration()``:
 3. starts the plan's CONCURRENT quantum on the finetune stream of the chosen split (a worker
    thread on GPU; inline right after decode on CPU), runs the decode step on the decode stream
    (``engine.step(partition=decode_sms)``, so CUDA graphs captured for that split replay), then
-   any AFTER_DECODE quantum inline on the whole device;
+   any AFTER_DECODE quantum inline on the whole device; with ``launch_during_decode`` the
+   CONCURRENT quantum starts once the step is queued, before the host waits for it;
 4. times every token against its request's previous one and emits an ``IterationRecord`` to the
    metrics sink and to ``policy.observe``.
 Not thread-safe: one thread owns the loop and its engine (the finetune worker thread only runs
@@ -62,6 +63,7 @@ class HostLoop:
         executor: QuantumExecutor | None = None,
         choose_recompute: bool = False,
         release_graph_shapes: bool = False,
+        launch_during_decode: bool = False,
     ) -> None:
         """``sharing``: a ``gpu_runtime.sharing.GpuSharing`` (None on CPU or to run decode on
         the current stream); ``memory``: the unified pool's adapter (None: no budget);
@@ -71,7 +73,11 @@ class HostLoop:
         ``release_graph_shapes``: with ``choose_recompute`` and a ``ReleasePlanMemory``, those
         jobs' CUDA-graph shapes are pooled per launch and a launch may plan against the
         release plan in a pool of its own (``JobState.choose_mode``), which the memory manager
-        releases between quanta (``HostMemory.bind_loop`` sets its hook)."""
+        releases between quanta (``HostMemory.bind_loop`` sets its hook);
+        ``launch_during_decode``: a CONCURRENT quantum is handed to the executor once the decode
+        step is queued on the device (``Engine.step``'s ``on_launched``) instead of before the
+        step, so the host time of launching it (graph replays, optimizer step) overlaps the
+        step instead of delaying it; an iteration that runs no step still launches it."""
         if tpot_slo_ms <= 0:
             raise ValueError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
         if release_graph_shapes and not (
@@ -91,6 +97,7 @@ class HostLoop:
         self.executor = executor
         self.choose_recompute = choose_recompute
         self.release_graph_shapes = release_graph_shapes
+        self.launch_during_decode = launch_during_decode
         self._jobs: dict[str, JobState] = {}
         self._order: list[str] = []
         self._tokens = TokenClock()
@@ -188,12 +195,19 @@ class HostLoop:
         decode_stream = finetune_stream = None
         if self.sharing is not None and plan.decode_sms is not None:
             decode_stream, finetune_stream = self.sharing.partition(plan.decode_sms)
-        for launch in plan.launches:
-            if launch.mode is LaunchMode.CONCURRENT:
+        concurrent = [launch for launch in plan.launches if launch.mode is LaunchMode.CONCURRENT]
+
+        def submit() -> None:
+            while concurrent:
+                launch = concurrent.pop(0)
                 self.executor.submit(self._task(launch.job_id, launch, plan, finetune_stream))
-        beside = self.executor.in_flight
+
+        if not self.launch_during_decode:
+            submit()
         decode_start = self.clock()
-        outputs = self._decode(decode_stream, plan.decode_sms)
+        outputs = self._decode(decode_stream, plan.decode_sms, submit)
+        submit()  # a step that ran nothing called no hook
+        beside = self.executor.in_flight
         emitted = self.clock()
         for launch in plan.launches:
             if launch.mode is LaunchMode.AFTER_DECODE:
@@ -366,13 +380,15 @@ class HostLoop:
             launch.max_layers,
         )
 
-    def _decode(self, stream: Any, decode_sms: int | None) -> list[RequestOutput]:
+    def _decode(
+        self, stream: Any, decode_sms: int | None, on_launched: Callable[[], None]
+    ) -> list[RequestOutput]:
         if stream is None:
-            return self.engine.step(partition=decode_sms)
+            return self.engine.step(partition=decode_sms, on_launched=on_launched)
         import torch
 
         with torch.cuda.stream(stream):
-            return self.engine.step(partition=decode_sms)
+            return self.engine.step(partition=decode_sms, on_launched=on_launched)
 
     def _collect(self) -> list[QuantumReport]:
         """Account the reports of concurrent quanta that finished since the last poll."""

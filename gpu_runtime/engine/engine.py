@@ -171,14 +171,19 @@ class Engine:
         return self.scheduler.has_unfinished_requests()
 
     # ---- the loop ---------------------------------------------------------------------------
-    def step(self, partition: Hashable = None) -> list[RequestOutput]:
+    def step(
+        self, partition: Hashable = None, on_launched: Callable[[], None] | None = None
+    ) -> list[RequestOutput]:
         """Schedule, execute, sample, apply stop rules; returns outputs of sampled requests.
 
         With `config.async_scheduling`, a call may launch the next decode step before it
         reads this one's tokens back (see `EngineConfig.async_scheduling`); each call still
-        returns the outputs of one step."""
+        returns the outputs of one step. `on_launched` is called once the step's device work
+        is queued and before the host waits for it (the co-location loop launches a finetune
+        quantum there, so its host work overlaps the step on the device); not called when the
+        call runs no step."""
         if self.config.async_scheduling:
-            return self._step_async(partition)
+            return self._step_async(partition, on_launched)
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         scheduled = time.perf_counter()
@@ -189,16 +194,15 @@ class Engine:
                 runner.execute(plan, partition)
             self._record_times(started, scheduled, 0.0, 0.0, 0.0)
             return outputs
-        result = runner.execute(plan, partition)
+        handle = runner.launch(plan, partition)
+        launch, sample = runner.last_launch_seconds, runner.last_sample_seconds
+        hook_error = _call_hook(on_launched)
+        result = runner.resolve(handle)
         self.scheduler.update_from_output(plan, result.sampled)
         self._sampled_outputs(result, outputs)
-        self._record_times(
-            started,
-            scheduled,
-            runner.last_launch_seconds,
-            runner.last_sample_seconds,
-            runner.last_wait_seconds,
-        )
+        self._record_times(started, scheduled, launch, sample, runner.last_wait_seconds)
+        if hook_error is not None:  # the step itself completed: the engine stays consistent
+            raise hook_error
         return outputs
 
     def _rejected_outputs(self) -> list[RequestOutput]:
@@ -244,7 +248,9 @@ class Engine:
                 )
             )
 
-    def _step_async(self, partition: Hashable) -> list[RequestOutput]:
+    def _step_async(
+        self, partition: Hashable, on_launched: Callable[[], None] | None = None
+    ) -> list[RequestOutput]:
         """One step's outputs; the next decode step is launched before they are read back
         whenever `_can_overlap` allows it (then it is this call's successor's step)."""
         started = time.perf_counter()
@@ -277,6 +283,7 @@ class Engine:
                 following = (after, runner.launch(after, partition))
                 launch += runner.last_launch_seconds
                 sample += runner.last_sample_seconds
+        hook_error = _call_hook(on_launched)
         result = runner.resolve(handle)
         if overlapped:
             requests = self._requests()
@@ -298,6 +305,8 @@ class Engine:
             if idle.finished_request_ids:
                 runner.execute(idle, partition)
         self._record_times(started, scheduled, launch, sample, runner.last_wait_seconds)
+        if hook_error is not None:
+            raise hook_error
         return outputs
 
     def _requests(self) -> dict[str, Request]:
@@ -385,3 +394,15 @@ class Engine:
         when a request finished before it was read back."""
         self.runner.wait_for_launched()
         return self.block_manager.shrink(num_blocks)
+
+
+def _call_hook(hook: Callable[[], None] | None) -> Exception | None:
+    """Run `Engine.step`'s `on_launched`; an error is returned, to be raised once the launched
+    step has been read back and applied (a step left unresolved would corrupt the next)."""
+    if hook is None:
+        return None
+    try:
+        hook()
+    except Exception as exc:
+        return exc
+    return None

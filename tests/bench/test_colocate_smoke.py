@@ -91,6 +91,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
     assert config["check"]["greedy_token_agreement"] == 1.0
     assert config["engine"]["partition_gemm_sm_target"] is True  # the engine's default
     assert config["engine"]["decode_programmatic_launch_rows"] == 32
+    assert config["launch_during_decode"] is False
 
     rows = out["rows"]
     assert [(r["trace"], r["policy"]) for r in rows] == [(t, p) for t in TRACES for p in POLICIES]
@@ -240,7 +241,7 @@ def test_a_fixed_slo_judges_every_policy_and_keeps_the_rules_parts(tmp_path: Pat
     assert refused.returncode == 2 and "--tpot-slo-ms must be > 0" in refused.stderr
 
 
-def test_partition_gemm_target_follows_the_engine_default_and_can_be_turned_off() -> None:
+def test_engine_options_follow_the_engine_defaults_and_can_be_changed() -> None:
     sys.path.insert(0, str(ROOT / "bench"))  # the bench's modules import their siblings
     from colocate_args import parse_args
 

@@ -20,6 +20,7 @@ from gpu_runtime.colocation import (
     NaivePolicy,
     PlanError,
 )
+from gpu_runtime.colocation.executor import QuantumTask, SequentialExecutor
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
@@ -215,6 +216,54 @@ def test_threaded_executor_overlaps_quanta_with_decode_and_accounts_every_token(
     assert [outputs[i] for i in ids] == _decode_alone()
     assert any(r.in_flight for r in records)
     assert loop.executor.in_flight is None
+
+
+class _WhenSubmitted(SequentialExecutor):
+    """Notes, per concurrent quantum, whether a decode step was queued and not yet read back."""
+
+    def __init__(self, engine: Engine) -> None:
+        super().__init__(time.perf_counter)
+        self.engine = engine
+        self.during_step: list[bool] = []
+
+    def _start(self, task: QuantumTask) -> None:
+        last = self.engine.runner._last_launched
+        self.during_step.append(last is not None and not last.resolved)
+        super()._start(task)
+
+
+@pytest.mark.parametrize("during", [False, True])
+def test_launch_during_decode_starts_quanta_while_the_step_is_queued(
+    train_examples: Any, during: bool
+) -> None:
+    """`launch_during_decode`: the quantum is handed over once the step is queued (its host
+    work then overlaps the step on a GPU), or after the call when it ran no step; off, before
+    the step. Decode and training come out the same either way."""
+    engine = _engine()
+    trainer = _trainer(engine, train_examples)
+    executor = _WhenSubmitted(engine)
+    outputs: dict[str, list[int]] = {}
+    loop = HostLoop(
+        engine,
+        NaivePolicy(quantum_examples=1),
+        tpot_slo_ms=1e6,
+        executor=executor,
+        launch_during_decode=during,
+        output_sink=lambda batch: outputs.update({o.request_id: o.output_token_ids for o in batch}),
+    )
+    ids = [loop.add_request(p, PARAMS) for p in PROMPTS]
+    loop.add_job("j", trainer)
+    records = loop.run_until_idle(max_iterations=500)
+    loop.close()
+    assert [outputs[i] for i in ids] == _decode_alone()
+    state = loop.job_state("j")
+    assert state.finished and state.failed is None
+    assert state.tokens_trained == sum(e.num_tokens for e in train_examples)
+    launched = [r for r in records if r.finetune_launched]
+    assert len(executor.during_step) == len(launched) > 0
+    stepped = [r.decode_tokens > 0 for r in launched]
+    assert executor.during_step == (stepped if during else [False] * len(launched))
+    assert any(executor.during_step) is during
 
 
 class _Recording(DecodeOnlyPolicy):

@@ -182,3 +182,53 @@ def test_async_arrival_during_a_step_in_flight_waits_one_call(tiny_llama: Causal
         if asynchronous:
             assert engine.runner.num_overlapped_steps > 0
     assert first_call == {False: 3, True: 4}
+
+
+@pytest.mark.parametrize("asynchronous", [False, True])
+def test_on_launched_runs_while_the_step_is_queued(
+    tiny_llama: CausalLM, asynchronous: bool
+) -> None:
+    """`Engine.step(on_launched=...)`, the co-location loop's hook for launching a finetune
+    quantum beside the step: called once per step that runs, after its launch and before it is
+    read back, never for a call that runs nothing; the tokens are those of steps without it.
+    A hook that raises fails the call only after the step was applied: the engine goes on."""
+    prompts = _prompts(5, (3, 17, 9))
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    expected = [
+        o.output_token_ids
+        for o in Engine(tiny_llama, _config(async_scheduling=asynchronous)).generate(
+            prompts, params
+        )
+    ]
+    engine = Engine(tiny_llama, _config(async_scheduling=asynchronous))
+    runner = engine.runner
+    seen: list[tuple[int, bool]] = []
+
+    def hook() -> None:
+        last = runner._last_launched
+        seen.append((runner._num_launched, last is not None and not last.resolved))
+
+    assert engine.step(on_launched=hook) == [] and seen == []  # nothing to run: no call
+    ids = [engine.add_request(p, params) for p in prompts]
+    tokens: dict[str, list[int]] = {}
+    calls = 0
+    while engine.has_unfinished_requests():
+        before = len(seen)
+        for out in engine.step(on_launched=hook):
+            tokens[out.request_id] = out.output_token_ids
+        calls += 1
+        assert len(seen) == before + 1  # once per call that ran a step
+        assert seen[-1][1]  # the step it follows is launched, not yet read back
+    assert [tokens[i] for i in ids] == expected
+    assert len(seen) == calls
+
+    def broken() -> None:
+        raise RuntimeError("executor is closed")
+
+    rid = engine.add_request(prompts[0], params)
+    with pytest.raises(RuntimeError, match="executor is closed"):
+        engine.step(on_launched=broken)
+    while engine.has_unfinished_requests():  # the step it raised in was applied
+        for out in engine.step():
+            tokens[out.request_id] = out.output_token_ids
+    assert tokens[rid] == expected[0]
