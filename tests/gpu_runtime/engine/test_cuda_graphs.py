@@ -115,13 +115,20 @@ def test_full_collections_after_the_freeze_skip_what_was_alive(_thawed: None) ->
     assert len(walked) < frozen // 4
 
 
-def test_a_frozen_dropped_cycle_is_freed_at_the_next_capture(_thawed: None) -> None:
-    engine = _Node()  # alive when frozen, dropped afterwards (an engine a test let go)
+def _frozen_dropped_engine() -> weakref.ref[_Node]:
+    """An engine alive when the heap was frozen and dropped afterwards: a plain collection
+    leaves it alive. Returns a weak reference to it."""
+    engine = _Node()
     freeze_long_lived()
     dropped = weakref.ref(engine)
     del engine
     gc.collect()
-    assert dropped() is not None  # frozen: a plain collection does not free it
+    assert dropped() is not None
+    return dropped
+
+
+def test_a_frozen_dropped_cycle_is_freed_at_the_next_capture(_thawed: None) -> None:
+    dropped = _frozen_dropped_engine()  # an engine a test let go
     with gc_paused_for_capture():
         assert dropped() is None  # the next capture unfreezes and collects first
     assert gc.get_freeze_count() == 0
@@ -131,12 +138,7 @@ def test_free_dropped_captures_frees_a_frozen_dropped_engine(_thawed: None) -> N
     """What closing a green-context partitioner runs first: an engine dropped after the freeze
     (a test's or a deployment's, whose graphs live in the contexts) is freed by it, where a
     plain collection leaves it to be freed after the contexts are gone (a process abort)."""
-    engine = _Node()
-    freeze_long_lived()
-    dropped = weakref.ref(engine)
-    del engine
-    gc.collect()
-    assert dropped() is not None
+    dropped = _frozen_dropped_engine()
     free_dropped_captures(torch.device("cpu"))
     assert dropped() is None and gc.get_freeze_count() == 0
     free_dropped_captures()  # nothing frozen, no CUDA: a plain collection
@@ -145,12 +147,7 @@ def test_free_dropped_captures_frees_a_frozen_dropped_engine(_thawed: None) -> N
 def test_a_frozen_dropped_engine_is_freed_when_the_next_runner_is_built(
     _thawed: None, tiny_llama: CausalLM
 ) -> None:
-    engine = _Node()
-    freeze_long_lived()
-    dropped = weakref.ref(engine)
-    del engine
-    gc.collect()
-    assert dropped() is not None
+    dropped = _frozen_dropped_engine()
     ModelRunner(tiny_llama, EngineConfig(num_kv_blocks=8, max_num_seqs=2, max_model_len=64))
     assert dropped() is None
     assert gc.get_freeze_count() == 0
