@@ -168,9 +168,8 @@ class EngineConfig:
             raise EngineConfigError(
                 f"cuda_graph_batch_sizes={sizes} must be increasing positive integers"
             )
-        if not isinstance(self.decode_programmatic_launch_rows, int) or (
-            self.decode_programmatic_launch_rows < 0
-        ):
+        rows = self.decode_programmatic_launch_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             raise EngineConfigError(
                 f"decode_programmatic_launch_rows={self.decode_programmatic_launch_rows!r} must "
                 "be an integer >= 0"
