@@ -251,7 +251,16 @@ def setup_simulation(args: argparse.Namespace, rank: int) -> tuple[Backend, dict
     """`SimulatedHost` whose latencies are fitted to a profiler CSV measured on a GPU."""
     truth, costs = fit_truth_from_profile(args.simulate)
     fixed = float(getattr(args, "sim_prefill_fixed_ms", 0.0))
-    host = SimulatedHost(truth, costs, prefill=PrefillCost(fixed_ms=fixed), seed=args.seed)
+    launch = float(getattr(args, "sim_launch_host_ms", 0.0))
+    during = bool(getattr(args, "launch_during_decode", False))
+    host = SimulatedHost(
+        truth,
+        costs,
+        prefill=PrefillCost(fixed_ms=fixed),
+        launch_host_ms=launch,
+        launch_during_decode=during,
+        seed=args.seed,
+    )
     seq = args.ft_seq_len
     job = JobView("ft", seq, seq, rank, tokens_per_s_solo=None)
     eight = costs.duration_ms(8 * seq, 1.0, LaunchMode.AFTER_DECODE)
@@ -269,7 +278,11 @@ def setup_simulation(args: argparse.Namespace, rank: int) -> tuple[Backend, dict
         "quantum latencies modelled from the profile below (measured on a GPU), prefill cost "
         f"modelled ({fixed} ms per step with a chunk, plus 0.025 ms/token on the whole "
         "device, inverse to the SM share), lognormal "
-        "noise sigma 0.05, 0.4 ms host overhead per iteration. Not a GPU measurement.",
+        f"noise sigma 0.05, 0.4 ms host overhead per iteration, {launch} ms host time per "
+        f"quantum launch ({'beside' if during else 'before'} the decode step). Not a GPU "
+        "measurement.",
+        "launch_during_decode": during,
+        "sim_launch_host_ms": launch,
         "profile": args.simulate,
         "quantum_cost_model": asdict(costs),
         "solo_finetune": solo,

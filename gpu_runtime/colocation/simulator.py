@@ -138,7 +138,17 @@ class SimulatedHost:
     prefill: PrefillCost = field(default_factory=PrefillCost)
     noise_sigma: float = 0.05
     host_overhead_ms: float = 0.4
+    launch_host_ms: float = 0.0
+    """Host time to launch one concurrent quantum, spent before the decode step (the iteration
+    takes launch + step), or, with ``launch_during_decode``, beside it (max(launch, step)), as
+    ``HostLoop(launch_during_decode=...)`` orders them. The quantum's device work starts at the
+    iteration's start either way (its kernels are issued as the launch proceeds)."""
+    launch_during_decode: bool = False
     seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.launch_host_ms < 0:
+            raise ValueError(f"launch_host_ms must be >= 0, got {self.launch_host_ms}")
 
     def run(
         self,
@@ -197,8 +207,10 @@ class SimulatedHost:
             validate_plan(plan, ctx)
             d = plan.decode_sms or self.total_sms
             share = d / self.total_sms
+            launch_ms = 0.0
             for launch in plan.launches:
                 if launch.mode is LaunchMode.CONCURRENT:
+                    launch_ms += self.launch_host_ms
                     ms = self.quanta.duration_ms(launch.max_tokens, _ft_share(share), launch.mode)
                     flight = (
                         InFlightQuantum(launch.job_id, launch.max_tokens, plan.decode_sms, t),
@@ -211,6 +223,7 @@ class SimulatedHost:
                     + ([flight[1]] if flight else [])
                     + ([pending[0].arrival] if pending else [])
                 )
+                nxt = max(nxt, t + launch_ms / 1e3)  # the launch holds the host all the same
                 observed = 0.0
             else:
                 beside = None
@@ -229,7 +242,9 @@ class SimulatedHost:
                 else:
                     ms = self.truth.predict_ms(DecodeIteration(1, 1, 1, 0, share), beside)
                 ms += self.prefill.ms(decode.prefill_tokens, share)
-                observed = ms * math.exp(rng.gauss(0.0, self.noise_sigma)) + self.host_overhead_ms
+                step = ms * math.exp(rng.gauss(0.0, self.noise_sigma))
+                host = max(step, launch_ms) if self.launch_during_decode else step + launch_ms
+                observed = host + self.host_overhead_ms
                 nxt = t + observed / 1e3
             emit = nxt  # tokens exist once the decode step is done; a slice comes after
             for launch in plan.launches:

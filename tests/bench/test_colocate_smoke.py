@@ -156,7 +156,7 @@ def test_simulated_run_sweeps_every_fixed_split_for_the_static_baseline(tmp_path
     _, path = _run_bench(
         [
             *("--simulate", str(profile), "--traces", "low,high", "--duration", "2"),
-            *("--decode-groups", "6,8,12", "--commit", "test"),
+            *("--decode-groups", "6,8,12", "--commit", "test", "--sim-launch-host-ms", "2.5"),
         ],
         tmp_path,
         "sim",
@@ -164,6 +164,8 @@ def test_simulated_run_sweeps_every_fixed_split_for_the_static_baseline(tmp_path
     out = json.loads(path.read_text())
     assert out["simulated"] is True
     config = out["config"]
+    assert (config["sim_launch_host_ms"], config["launch_during_decode"]) == (2.5, False)
+    assert "2.5 ms host time per quantum launch (before the decode step)" in config["backend"]
     sweep, chosen = config["static_split_sweep"], config["static_split_decode_sms"]
     choices = config["sharing"]["choices"]
     for trace in ("low", "high"):

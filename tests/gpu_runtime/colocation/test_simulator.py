@@ -70,6 +70,30 @@ def test_quanta_take_their_modelled_time_and_slow_decode_beside_them() -> None:
     assert sum(r.finetune_tokens for r in naive) > 0
 
 
+@pytest.mark.parametrize("during", [False, True])
+def test_a_launch_holds_the_host_before_the_step_or_beside_it(during: bool) -> None:
+    """``launch_host_ms``: an iteration that launches a concurrent quantum takes launch + step,
+    or max(launch, step) when the launch overlaps the step; the others are unchanged."""
+    host = _host()
+    host.launch_host_ms, host.launch_during_decode = 3.0, during
+    records = host.run(StaticSplitPolicy(66, quantum_examples=2), TRACE, 2.0, 100.0, JOB)
+    launched = [
+        r for r in records if r.finetune_launched and r.decode_batch and not r.prefill_tokens
+    ]
+    assert launched
+    for r in launched:
+        step = (5.0 + 0.1 * r.decode_batch) * 2 * (1.08 if r.in_flight else 1.0)
+        assert r.observed_ms == pytest.approx(max(step, 3.0) if during else step + 3.0)
+    beside = [r for r in records if r.in_flight and not r.finetune_launched and r.decode_batch]
+    assert all(
+        r.observed_ms == pytest.approx((5.0 + 0.1 * r.decode_batch) * 2 * 1.08)
+        for r in beside
+        if not r.prefill_tokens
+    )
+    with pytest.raises(ValueError, match="launch_host_ms must be >= 0"):
+        SimulatedHost(host.truth, host.quanta, launch_host_ms=-1.0)
+
+
 def test_truth_fitted_from_the_committed_h200_profile() -> None:
     truth, costs = fit_truth_from_profile(PROFILE)
     assert truth.fitted_shares[-1] == 1.0 and len(truth.fitted_shares) >= 5
