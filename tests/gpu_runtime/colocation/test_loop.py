@@ -187,10 +187,12 @@ def test_harli_on_the_loop_trains_under_a_loose_slo_and_pauses_under_an_impossib
     assert all(r.paused and not r.finetune_launched for r in busy)
 
 
+@pytest.mark.parametrize("during", [False, True])
 def test_threaded_executor_overlaps_quanta_with_decode_and_accounts_every_token(
-    train_examples: Any,
+    train_examples: Any, during: bool
 ) -> None:
-    """The GPU executor (a worker thread) on CPU: quanta run beside decode, none is lost."""
+    """The GPU executor (a worker thread) on CPU: quanta run beside decode, none is lost; also
+    when they are handed over from inside the decode step (``launch_during_decode``)."""
     from gpu_runtime.colocation import ThreadedExecutor
 
     engine = _engine()
@@ -200,6 +202,7 @@ def test_threaded_executor_overlaps_quanta_with_decode_and_accounts_every_token(
         NaivePolicy(quantum_examples=1),
         tpot_slo_ms=1e6,
         executor=ThreadedExecutor(time.perf_counter),
+        launch_during_decode=during,
     )
     outputs: dict[str, list[int]] = {}
     loop.output_sink = lambda batch: outputs.update(
