@@ -171,8 +171,7 @@ class EngineConfig:
         rows = self.decode_programmatic_launch_rows
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             raise EngineConfigError(
-                f"decode_programmatic_launch_rows={self.decode_programmatic_launch_rows!r} must "
-                "be an integer >= 0"
+                f"decode_programmatic_launch_rows={rows!r} must be an integer >= 0"
             )
         if not 0 <= self.decode_skinny_gemm_rows <= 64:
             raise EngineConfigError(
