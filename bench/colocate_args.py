@@ -7,6 +7,7 @@ import os
 
 from colocate_report import POLICIES
 
+from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.engine.config import EngineConfig
 
 
@@ -83,10 +84,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--launch-during-decode",
         action=argparse.BooleanOptionalAction,
-        default=False,
+        default=LAUNCH_DURING_DECODE,
         help="hand each concurrent quantum to the executor once the decode step is queued "
-        "(HostLoop's launch_during_decode: its host launch work overlaps the step) instead of "
-        "before the step",
+        "(HostLoop's launch_during_decode, whose default this follows: its host launch work "
+        "overlaps the step); --no-launch-during-decode: before the step",
     )
     parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
     parser.add_argument("--ft-seq-len", type=int, default=256)

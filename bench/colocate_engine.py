@@ -24,6 +24,7 @@ from gpu_runtime.colocation import (
     LaunchMode,
 )
 from gpu_runtime.colocation.executor import QuantumTask, ThreadedExecutor, run_quantum
+from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.colocation.simulator import SimulatedHost
 from gpu_runtime.colocation.types import FinishedRequest, JobView
 from gpu_runtime.engine import Engine, SamplingParams
@@ -129,9 +130,7 @@ class LoopBackend:
         self.last_running: list[FinishedRequest] = []
         self.stream_restarts = 0
         self.make_trainer: Callable[[bool | None], LoraTrainer] | None = None
-        self.launch_during_decode = (
-            False  # HostLoop's launch_during_decode (--launch-during-decode)
-        )
+        self.launch_during_decode = LAUNCH_DURING_DECODE  # --launch-during-decode
         # One worker thread for every run: graphed quanta warm up once per (thread, stream).
         self.executor: ThreadedExecutor | None = None
         if engine.config.is_cuda:

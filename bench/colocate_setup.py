@@ -28,6 +28,7 @@ from gpu_runtime.colocation import (
     NaivePolicy,
     StaticSplitPolicy,
 )
+from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.colocation.simulator import PrefillCost, SimulatedHost, fit_truth_from_profile
 from gpu_runtime.colocation.types import JobView
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
@@ -252,7 +253,7 @@ def setup_simulation(args: argparse.Namespace, rank: int) -> tuple[Backend, dict
     truth, costs = fit_truth_from_profile(args.simulate)
     fixed = float(getattr(args, "sim_prefill_fixed_ms", 0.0))
     launch = float(getattr(args, "sim_launch_host_ms", 0.0))
-    during = bool(getattr(args, "launch_during_decode", False))
+    during = bool(getattr(args, "launch_during_decode", LAUNCH_DURING_DECODE))
     host = SimulatedHost(
         truth,
         costs,

@@ -129,6 +129,7 @@ class MarginTracker:
         self._violation = 0.0
         self._breached = False
         self._observed = 0  # observations so far: the cached margin's version
+        self._predictions = 0  # observations that carried a prediction
         self._cached: tuple[int, float] | None = None
 
     def observe(
@@ -159,6 +160,7 @@ class MarginTracker:
         while len(self._errors) > self.config.min_error_samples and self._errors[0][0] <= oldest:
             self._errors.popleft()
         if predicted_ms is not None and predicted_ms > 0:
+            self._predictions += 1
             self._recent.append((predicted_ms, observed_ms))
             predicted = sum(p for p, _ in self._recent)
             observed = sum(o for _, o in self._recent)
@@ -187,6 +189,9 @@ class MarginTracker:
             ordered = sorted(e for _, e in self._errors)
             index = min(len(ordered) - 1, int(cfg.error_quantile * len(ordered)))
             base = cfg.base_margin + max(ordered[index], 0.0)
+            if cfg.initial_margin_predictions:  # few, overlapping errors: a weak quantile
+                fading = 1.0 - self._predictions / cfg.initial_margin_predictions
+                base = max(base, cfg.initial_margin * fading)
         return min(base + self._violation, cfg.max_margin)
 
 

@@ -45,6 +45,14 @@ from gpu_runtime.colocation.types import (
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.finetune.trainer import LoraTrainer
 
+LAUNCH_DURING_DECODE = True
+"""`HostLoop`'s default for ``launch_during_decode``. On the H200 at 017bdfb (same machine, one
+after the other; `bench/results/colocate-launch-*-h200-20261201.json`), harli's iterations that
+launched a graphed quantum before the step took 9.38 / 8.37 ms at the median (Llama-3-8B /
+Qwen2.5-7B; p90 12.67 / 11.44, max 15.1 / 15.9) against 7.00 / 6.16 ms for iterations beside a
+quantum already in flight; launched from inside the step, 7.16 / 5.92 (p90 7.97 / 6.51, max
+9.0 / 7.6): the launch's host time no longer delays any token."""
+
 
 class HostLoop:
     """Runs decode iterations and finetune quanta as a `CoLocationPolicy` plans them."""
@@ -63,7 +71,7 @@ class HostLoop:
         executor: QuantumExecutor | None = None,
         choose_recompute: bool = False,
         release_graph_shapes: bool = False,
-        launch_during_decode: bool = False,
+        launch_during_decode: bool = LAUNCH_DURING_DECODE,
     ) -> None:
         """``sharing``: a ``gpu_runtime.sharing.GpuSharing`` (None on CPU or to run decode on
         the current stream); ``memory``: the unified pool's adapter (None: no budget);
@@ -74,10 +82,11 @@ class HostLoop:
         jobs' CUDA-graph shapes are pooled per launch and a launch may plan against the
         release plan in a pool of its own (``JobState.choose_mode``), which the memory manager
         releases between quanta (``HostMemory.bind_loop`` sets its hook);
-        ``launch_during_decode``: a CONCURRENT quantum is handed to the executor once the decode
-        step is queued on the device (``Engine.step``'s ``on_launched``) instead of before the
-        step, so the host time of launching it (graph replays, optimizer step) overlaps the
-        step instead of delaying it; an iteration that runs no step still launches it."""
+        ``launch_during_decode`` (default ``LAUNCH_DURING_DECODE``): a CONCURRENT quantum is
+        handed to the executor once the decode step is queued on the device (``Engine.step``'s
+        ``on_launched``) instead of before the step, so the host time of launching it (graph
+        replays, optimizer step) overlaps the step instead of delaying it; an iteration that
+        runs no step still launches it. False: before the step."""
         if tpot_slo_ms <= 0:
             raise ValueError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
         if release_graph_shapes and not (

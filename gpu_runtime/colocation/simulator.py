@@ -17,6 +17,7 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.colocation.online import OnlineLatencyModel
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
 from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
@@ -143,7 +144,7 @@ class SimulatedHost:
     takes launch + step), or, with ``launch_during_decode``, beside it (max(launch, step)), as
     ``HostLoop(launch_during_decode=...)`` orders them. The quantum's device work starts at the
     iteration's start either way (its kernels are issued as the launch proceeds)."""
-    launch_during_decode: bool = False
+    launch_during_decode: bool = LAUNCH_DURING_DECODE
     seed: int = 0
 
     def __post_init__(self) -> None:

@@ -91,7 +91,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
     assert config["check"]["greedy_token_agreement"] == 1.0
     assert config["engine"]["partition_gemm_sm_target"] is True  # the engine's default
     assert config["engine"]["decode_programmatic_launch_rows"] == 32
-    assert config["launch_during_decode"] is False
+    assert config["launch_during_decode"] is True  # HostLoop's default
 
     rows = out["rows"]
     assert [(r["trace"], r["policy"]) for r in rows] == [(t, p) for t in TRACES for p in POLICIES]
@@ -157,6 +157,7 @@ def test_simulated_run_sweeps_every_fixed_split_for_the_static_baseline(tmp_path
         [
             *("--simulate", str(profile), "--traces", "low,high", "--duration", "2"),
             *("--decode-groups", "6,8,12", "--commit", "test", "--sim-launch-host-ms", "2.5"),
+            "--no-launch-during-decode",
         ],
         tmp_path,
         "sim",

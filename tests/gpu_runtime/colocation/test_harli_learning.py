@@ -103,7 +103,7 @@ def test_margin_bumps_on_requests_missing_the_slo_not_on_slow_prefill_iterations
 
     from gpu_runtime.colocation.types import FinishedRequest
 
-    policy = HarliPolicy(MODEL, HarliConfig(min_error_samples=4))
+    policy = HarliPolicy(MODEL, HarliConfig(min_error_samples=4, initial_margin_predictions=0))
     decode = DecodeSnapshot.from_contexts([512] * 16)
     slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 2.0
     for i in range(20):  # iterations slower than the SLO (prefill chunks), exactly predicted

@@ -35,7 +35,7 @@ def test_an_early_mean_over_the_slo_that_decode_alone_brings_back_is_no_breach()
     """A request whose first tokens carried prefill chunks is over the SLO so far, but with its
     remaining tokens at decode alone's typical iteration it ends well under: no bump. One that
     would stay over even then (few tokens left) is a breach, once per episode."""
-    config = HarliConfig(min_error_samples=4, replan_backoff=0)
+    config = HarliConfig(min_error_samples=4, replan_backoff=0, initial_margin_predictions=0)
     policy = HarliPolicy(MODEL, config)
     for i in range(10):
         _step(policy, context(DECODE, SLO), i)
@@ -103,7 +103,13 @@ def test_errors_leave_the_window_after_error_window_busy_iterations_predicted_or
     """Under backoff few iterations predict: the error window is a span of busy iterations, so
     early errors stop counting when that span has passed, however few predictions it held; the
     newest ``min_error_samples`` errors always stay (no fall back to the initial margin)."""
-    config = HarliConfig(base_margin=0.02, error_window=64, min_error_samples=4, error_smoothing=1)
+    config = HarliConfig(
+        base_margin=0.02,
+        error_window=64,
+        min_error_samples=4,
+        error_smoothing=1,
+        initial_margin_predictions=0,
+    )
     tracker = MarginTracker(config)
     for _ in range(10):
         tracker.observe(10.0, 13.0, tpot_slo_ms=20.0)  # 30% under-predicted
@@ -119,12 +125,47 @@ def test_errors_leave_the_window_after_error_window_busy_iterations_predicted_or
     assert quiet.margin == pytest.approx(0.02 + 0.1)
 
 
+def test_the_initial_margin_fades_out_under_the_learnt_one() -> None:
+    """Exact predictions from the start: the learnt margin is the base one, but the initial
+    margin stays a floor that falls linearly to nothing over ``initial_margin_predictions``
+    predictions (unpredicted iterations do not age it); a learnt margin above the floor wins."""
+    config = HarliConfig(
+        base_margin=0.02, initial_margin=0.2, min_error_samples=4, initial_margin_predictions=100
+    )
+    tracker = MarginTracker(config)
+    for _ in range(3):
+        tracker.observe(10.0, 10.0, tpot_slo_ms=20.0)
+    assert tracker.margin == pytest.approx(0.2)  # too few errors: the initial margin itself
+    for _ in range(22):
+        tracker.observe(10.0, 10.0, tpot_slo_ms=20.0)
+    assert tracker.margin == pytest.approx(0.2 * (1 - 25 / 100))
+    for _ in range(40):  # no predictions: the floor holds
+        tracker.observe(None, 10.0, tpot_slo_ms=20.0, requests_breached=False)
+    assert tracker.margin == pytest.approx(0.2 * (1 - 25 / 100))
+    for _ in range(25):
+        tracker.observe(10.0, 10.0, tpot_slo_ms=20.0)
+    assert tracker.margin == pytest.approx(0.2 * (1 - 50 / 100))
+    for _ in range(50):
+        tracker.observe(10.0, 10.0, tpot_slo_ms=20.0)
+    assert tracker.margin == pytest.approx(0.02)  # faded: the learnt margin alone
+    biased = MarginTracker(config)
+    for _ in range(10):  # 30% under-predicted: the learnt margin is above the floor
+        biased.observe(10.0, 13.0, tpot_slo_ms=20.0)
+    assert biased.margin == pytest.approx(0.02 + 0.3)
+    unfaded = MarginTracker(replace(config, initial_margin_predictions=0))
+    for _ in range(10):
+        unfaded.observe(10.0, 10.0, tpot_slo_ms=20.0)
+    assert unfaded.margin == pytest.approx(0.02)
+    with pytest.raises(ValueError, match="initial_margin_predictions must be >= 0, got -1"):
+        HarliConfig(initial_margin_predictions=-1)
+
+
 def test_a_paused_plans_own_search_time_is_no_prediction_error() -> None:
     """Decode alone (nothing safe) judged without the plan's host time: a search that took
     20% of the iteration leaves the margin as it was, while decode alone really running 20%
     over its prediction raises it. (On the H200 a paused plan's 0.75 ms search counted as error and
     kept the margin at 0.38-0.44 for 1.2 s while harli stayed paused.)"""
-    config = HarliConfig(min_error_samples=4, replan_backoff=0)
+    config = HarliConfig(min_error_samples=4, replan_backoff=0, initial_margin_predictions=0)
     policy = HarliPolicy(MODEL, config)
     for i in range(10):
         _step(policy, context(DECODE, SLO), i)
