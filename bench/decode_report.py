@@ -18,6 +18,7 @@ import torch
 
 from bench.decode_args import Sweep
 from bench.decode_bounds import step_bounds
+from bench.provenance import gpu_slug
 from gpu_runtime.model import ModelConfig
 
 HF_SYSTEMS = ("hf_eager", "hf_compile")
@@ -188,9 +189,9 @@ def run_config(args: argparse.Namespace, sweep: Sweep) -> dict[str, Any]:
 
 @dataclass
 class DecodeReport:
-    """One run's result file, ``<out>/decode-h200-<yyyymmdd>.json``, rewritten after every row
-    so that a killed run keeps what it measured; `rows`, `notes` and `studies` fill as the run
-    goes."""
+    """One run's result file, ``<out>/decode-<gpu>-<yyyymmdd>.json`` (`provenance.gpu_slug`),
+    rewritten after every row so that a killed run keeps what it measured; `rows`, `notes` and
+    `studies` fill as the run goes."""
 
     out_dir: Path
     commit: str
@@ -278,7 +279,7 @@ class DecodeReport:
             "wall_s": round(time.perf_counter() - self.started, 1),
         }
         day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
-        out = self.out_dir / f"decode-h200-{day}.json"
+        out = self.out_dir / f"decode-{gpu_slug(self.gpu)}-{day}.json"
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=1))
         return out, all_rows, ratios
