@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from gpu_runtime.engine.attention.mixed import MixedPagedAttention
-from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
+from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention, torch_compute_dtype
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.flat_batch import FlatBatch, flatten_step
 from gpu_runtime.engine.kv_cache import PagedKVCache
@@ -52,7 +52,7 @@ class GeneralStepMixin:
         """Attention of a flattened step (decode rows in one Triton call on CUDA)."""
         dev = self.device
         metadata = flat.metadata(self._table_cpu, dev)
-        compute_dtype = torch.float32 if dev.type == "cpu" else None
+        compute_dtype = torch_compute_dtype(dev)
         decode_fn = varlen_fn = None
         if self.use_triton and self.config.chunk_attention == "varlen":
             from gpu_runtime.engine.attention.triton_varlen import triton_varlen_fn
@@ -100,8 +100,7 @@ class GeneralStepMixin:
             metadata = attention.metadata
         else:
             metadata = flat.metadata(self._table_cpu, dev)
-            compute_dtype = torch.float32 if dev.type == "cpu" else None
-            attention = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
+            attention = TorchPagedAttention(self.kv_cache, metadata, torch_compute_dtype(dev))
         ids = torch.tensor(flat.tokens, device=dev)
         positions = torch.tensor(flat.positions, device=dev)
         index = torch.tensor(flat.sample_index, dtype=torch.long, device=dev)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
-from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention
+from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention, torch_compute_dtype
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.cuda_graphs import DecodeGraphs, freeze_long_lived, gc_paused_for_capture
 from gpu_runtime.engine.kv_cache import PagedKVCache
@@ -161,8 +161,8 @@ class StaticDecodeMixin:
         if not self.use_triton:  # same buffers, torch attention (CPU coverage of the staging)
             metadata.query_lens_host = [1] * bucket
             metadata.seq_lens_host = self._stage_seq_lens_np[:bucket].tolist()
-            compute_dtype = torch.float32 if self.device.type == "cpu" else None
-            reference = TorchPagedAttention(self.kv_cache, metadata, compute_dtype)
+            dtype = torch_compute_dtype(self.device)
+            reference = TorchPagedAttention(self.kv_cache, metadata, dtype)
             hidden = model_forward(
                 self._buf_ints[0, :bucket], self._buf_ints[1, :bucket], reference
             )

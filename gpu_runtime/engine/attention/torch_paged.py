@@ -12,6 +12,12 @@ from gpu_runtime.engine.attention.metadata import AttentionMetadata
 from gpu_runtime.engine.kv_cache import PagedKVCache
 
 
+def torch_compute_dtype(device: torch.device) -> torch.dtype | None:
+    """The dtype the torch attention paths compute in on ``device``: fp32 on the CPU (its bf16
+    math is slow and loose), None (the inputs' dtype) elsewhere."""
+    return torch.float32 if device.type == "cpu" else None
+
+
 class TorchPagedAttention:
     """`AttentionFn` over a `PagedKVCache`: writes this step's K/V, then attends per sequence.
 
