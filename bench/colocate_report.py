@@ -15,7 +15,7 @@ from gpu_runtime.colocation import (
     summarize,
 )
 from gpu_runtime.colocation.metrics import percentile
-from gpu_runtime.colocation.types import FinishedRequest
+from gpu_runtime.colocation.types import FinishedRequest, LaunchMode
 
 POLICIES = ("decode_only", "naive", "time_slice", "static_split", "harli")
 BASELINES = ("naive", "time_slice", "static_split")
@@ -28,6 +28,33 @@ def decision_counts(records: list[IterationRecord], top: int = 8) -> dict[str, i
         key = r.note.split(" (")[0]
         notes[key] = notes.get(key, 0) + 1
     return dict(sorted(notes.items(), key=lambda kv: -kv[1])[:top])
+
+
+def launch_iteration_stats(records: list[IterationRecord]) -> dict[str, float | int | None]:
+    """What launching a concurrent quantum adds to a token gap: the time of decode iterations
+    without a prefill chunk (plan time left out) that launched one, against those beside a
+    quantum already in flight (p50 / p90 / max, ms; None without such iterations). Launched
+    before the step, the launch's host work is in the first; from inside it (the default), it
+    overlaps the step."""
+
+    def gap(r: IterationRecord) -> float:
+        return r.iteration_ms - r.plan_ms
+
+    decode = [r for r in records if r.decode_batch and not r.prefill_tokens]
+    launched = [
+        gap(r)
+        for r in decode
+        if any(launch.mode is LaunchMode.CONCURRENT for launch in r.finetune_launched)
+    ]
+    beside = [gap(r) for r in decode if r.in_flight and not r.finetune_launched]
+    return {
+        "launch_iterations": len(launched),
+        "launch_iteration_ms_p50": percentile(launched, 50),
+        "launch_iteration_ms_p90": percentile(launched, 90),
+        "launch_iteration_ms_max": round(max(launched), 3) if launched else None,
+        "in_flight_iteration_ms_p50": percentile(beside, 50),
+        "in_flight_iteration_ms_p90": percentile(beside, 90),
+    }
 
 
 def request_tpots(records: list[IterationRecord], running: list[FinishedRequest]) -> list[float]:
@@ -135,6 +162,7 @@ def row_for(
         "quanta": len(quanta := [q for r in records for q in r.quanta]),
         "quantum_ms_p50": percentile([q.duration_ms for q in quanta if q.tokens], 50),
         "quantum_graph_modes": dict(Counter(str(q.graph) for q in quanta)),
+        **launch_iteration_stats(records),
         "iteration_ms_p50": percentile([r.iteration_ms for r in records], 50),
         "iteration_ms_p99": percentile([r.iteration_ms for r in records], 99),
         "quantum_errors": len(errors := [q.error for r in records for q in r.quanta if q.error]),

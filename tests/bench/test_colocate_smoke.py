@@ -34,6 +34,9 @@ ROW_KEYS = {
     "quantum_errors",
     "decisions",
     "policy_config",
+    "launch_iterations",
+    "launch_iteration_ms_p50",
+    "in_flight_iteration_ms_p50",
 }
 
 
