@@ -32,7 +32,21 @@ from bench.cli_types import positive_ints
 from bench.provenance import commit_hash, write_result
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 32, 8, 128, 16  # Llama-3-8B (Qwen2.5-7B: 28 / 4)
-TILES = ((64, 4, 3), (32, 4, 2), (64, 4, 2), (128, 4, 2))  # block_n, warps, stages
+TILES = (
+    (64, 4, 3),
+    (32, 4, 2),
+    (64, 4, 2),
+    (128, 4, 2),
+    (16, 4, 2),
+    (16, 2, 2),
+    (32, 2, 2),
+    (32, 8, 2),
+)
+"""block_n, warps, stages. Registers a thread, compiled by Triton 3.6 for sm_90 (Llama heads,
+8 splits; `cuobjdump -res-usage`), and so programs an SM can hold: 32/4 254 (2), 64/4 255 with
+136 bytes spilled (2), 16/4 112 (4), 16/2 136 (7), 32/2 255 (4), 32/8 124 (2). At b = 8 with 8
+splits (512 programs) 32/4/2, the engine's split tile, runs in two waves on 132 SMs; 16/4 and
+16/2 fit one."""
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

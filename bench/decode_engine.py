@@ -167,6 +167,16 @@ def time_engine(
     }
 
 
+SKINNY_PROJECTIONS = {
+    "skinny-all": ("qkv", "o", "gate_up", "down"),
+    "skinny-prefetch": ("qkv", "o", "down"),
+    "skinny-prefetch-all": ("qkv", "o", "gate_up", "down"),
+    "skinny-prefetch-o": ("o",),
+}
+"""Projections of the skinny variants other than `skinny` (q|k|v and o). The prefetch ones leave
+gate|up to cuBLAS by default: it reads at 0.96 of copy bandwidth at M = 8 (D1)."""
+
+
 def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     """Switch a built engine to a bench variant: the scheduling mode (a config field the engine
     reads per step) and the fused step's kernel choices, with the decode graphs captured again
@@ -177,18 +187,19 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     engine.config = dataclasses.replace(engine.config, async_scheduling=variant != "sync")
     runner = engine.runner
     fused = runner._fused
-    rows = 64 if variant.startswith("skinny") else 0
-    projections = frozenset(
-        ("qkv", "o", "gate_up", "down") if variant == "skinny-all" else ("qkv", "o")
-    )
     pdl_rows = {"pdl-all": 1 << 30, "no-pdl": 0}.get(
         variant, engine.config.decode_programmatic_launch_rows
     )
-    kernels = (rows, projections, pdl_rows)
+    prefetch = variant.startswith("skinny-prefetch")
+    # prefetching GEMMs only where their kernels launch as programmatic dependents (<= 16 rows)
+    rows = (min(pdl_rows, 16) if prefetch else 64) if variant.startswith("skinny") else 0
+    projections = frozenset(SKINNY_PROJECTIONS.get(variant, ("qkv", "o")))
+    kernels = (rows, projections, pdl_rows, prefetch)
     if fused is None or _kernels(fused) == kernels:
         return
     fused.skinny_max_rows, fused.skinny_projections = rows, projections
     fused.programmatic_launch_rows = pdl_rows
+    fused.skinny_prefetch = prefetch
     mixed, runner._mixed = runner._mixed, None
     runner._graphs = runner._lora_graphs = None
     torch.cuda.empty_cache()
@@ -198,8 +209,13 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
         runner._mixed = mixed
 
 
-def _kernels(fused: Any) -> tuple[int, frozenset[str], int]:
-    return (fused.skinny_max_rows, fused.skinny_projections, fused.programmatic_launch_rows)
+def _kernels(fused: Any) -> tuple[int, frozenset[str], int, bool]:
+    return (
+        fused.skinny_max_rows,
+        fused.skinny_projections,
+        fused.programmatic_launch_rows,
+        fused.skinny_prefetch,
+    )
 
 
 def recover(engine: Engine) -> None:
