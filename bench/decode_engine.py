@@ -173,8 +173,8 @@ SKINNY_PROJECTIONS = {
     "skinny-prefetch-all": ("qkv", "o", "gate_up", "down"),
     "skinny-prefetch-o": ("o",),
 }
-"""Projections of the skinny variants other than `skinny` (q|k|v and o). The prefetch ones leave
-gate|up to cuBLAS by default: it reads at 0.96 of copy bandwidth at M = 8 (D1)."""
+"""Projections of the skinny variants other than `skinny` (q|k|v and o). `skinny-prefetch` leaves
+gate|up to cuBLAS, which reads it at 0.96 of copy bandwidth at M = 8 (D1); `-all` does not."""
 
 
 def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
@@ -187,15 +187,21 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     engine.config = dataclasses.replace(engine.config, async_scheduling=variant != "sync")
     runner = engine.runner
     fused = runner._fused
+    if fused is None:  # no fused step (CPU): only the scheduling mode changes
+        return
+    from gpu_runtime.engine.skinny_gemm import PREFETCH_MAX_ROWS  # Triton: with the fused step
+
     pdl_rows = {"pdl-all": 1 << 30, "no-pdl": 0}.get(
         variant, engine.config.decode_programmatic_launch_rows
     )
     prefetch = variant.startswith("skinny-prefetch")
-    # prefetching GEMMs only where their kernels launch as programmatic dependents (<= 16 rows)
-    rows = (min(pdl_rows, 16) if prefetch else 64) if variant.startswith("skinny") else 0
+    # prefetching GEMMs only where their kernels launch as programmatic dependents
+    rows = 0
+    if variant.startswith("skinny"):
+        rows = min(pdl_rows, PREFETCH_MAX_ROWS) if prefetch else 64
     projections = frozenset(SKINNY_PROJECTIONS.get(variant, ("qkv", "o")))
     kernels = (rows, projections, pdl_rows, prefetch)
-    if fused is None or _kernels(fused) == kernels:
+    if _kernels(fused) == kernels:
         return
     fused.skinny_max_rows, fused.skinny_projections = rows, projections
     fused.programmatic_launch_rows = pdl_rows
