@@ -6,24 +6,11 @@ import argparse
 import os
 from dataclasses import dataclass
 
-VARIANTS = (
-    "sync",
-    "async",
-    "skinny",
-    "skinny-all",
-    "skinny-prefetch",
-    "skinny-prefetch-all",
-    "skinny-prefetch-o",
-    "pdl-all",
-    "no-pdl",
-)
+VARIANTS = ("sync", "async", "skinny", "skinny-all", "pdl-all", "no-pdl")
 """Engine variants `--variants` knows: the scheduling mode (sync / async; every other variant is
 async), the split-K Triton GEMMs at batches <= 64 (skinny: q|k|v and o; skinny-all: all four),
-the weight-prefetching Triton GEMMs in steps that launch as programmatic dependents
-(`EngineConfig.decode_skinny_gemm_prefetch`; skinny-prefetch: q|k|v, o and down;
-skinny-prefetch-all: all four; skinny-prefetch-o: o alone), programmatic dependent launch at
-every batch (pdl-all) or none (no-pdl) instead of the engine's
-`decode_programmatic_launch_rows`."""
+programmatic dependent launch at every batch (pdl-all) or none (no-pdl) instead of the
+engine's `decode_programmatic_launch_rows`."""
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -81,9 +68,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="engine variants timed per (batch, context), the first as system 'harli', the "
         "others as 'harli_<variant>': sync, async (EngineConfig.async_scheduling), skinny "
         "(async + split-K Triton GEMMs for q|k|v and o at batch <= 64), skinny-all (all four "
-        "projections), skinny-prefetch / -all / -o (weight-prefetching Triton GEMMs for "
-        "q|k|v, o and down / all four / o, in steps launched as programmatic dependents), "
-        "pdl-all / no-pdl (async with programmatic dependent launch at every "
+        "projections), pdl-all / no-pdl (async with programmatic dependent launch at every "
         "batch / none, instead of EngineConfig.decode_programmatic_launch_rows); variants "
         "other than sync and async re-capture the decode graphs; skinny variants run "
         "batches <= 64",

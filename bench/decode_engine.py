@@ -167,16 +167,6 @@ def time_engine(
     }
 
 
-SKINNY_PROJECTIONS = {
-    "skinny-all": ("qkv", "o", "gate_up", "down"),
-    "skinny-prefetch": ("qkv", "o", "down"),
-    "skinny-prefetch-all": ("qkv", "o", "gate_up", "down"),
-    "skinny-prefetch-o": ("o",),
-}
-"""Projections of the skinny variants other than `skinny` (q|k|v and o). `skinny-prefetch` leaves
-gate|up to cuBLAS, which reads it at 0.96 of copy bandwidth at M = 8 (D1); `-all` does not."""
-
-
 def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     """Switch a built engine to a bench variant: the scheduling mode (a config field the engine
     reads per step) and the fused step's kernel choices, with the decode graphs captured again
@@ -187,25 +177,18 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     engine.config = dataclasses.replace(engine.config, async_scheduling=variant != "sync")
     runner = engine.runner
     fused = runner._fused
-    if fused is None:  # no fused step (CPU): only the scheduling mode changes
-        return
-    from gpu_runtime.engine.skinny_gemm import PREFETCH_MAX_ROWS  # Triton: with the fused step
-
+    rows = 64 if variant.startswith("skinny") else 0
+    projections = frozenset(
+        ("qkv", "o", "gate_up", "down") if variant == "skinny-all" else ("qkv", "o")
+    )
     pdl_rows = {"pdl-all": 1 << 30, "no-pdl": 0}.get(
         variant, engine.config.decode_programmatic_launch_rows
     )
-    prefetch = variant.startswith("skinny-prefetch")
-    # prefetching GEMMs only where their kernels launch as programmatic dependents
-    rows = 0
-    if variant.startswith("skinny"):
-        rows = min(pdl_rows, PREFETCH_MAX_ROWS) if prefetch else 64
-    projections = frozenset(SKINNY_PROJECTIONS.get(variant, ("qkv", "o")))
-    kernels = (rows, projections, pdl_rows, prefetch)
-    if _kernels(fused) == kernels:
+    kernels = (rows, projections, pdl_rows)
+    if fused is None or _kernels(fused) == kernels:
         return
     fused.skinny_max_rows, fused.skinny_projections = rows, projections
     fused.programmatic_launch_rows = pdl_rows
-    fused.skinny_prefetch = prefetch
     mixed, runner._mixed = runner._mixed, None
     runner._graphs = runner._lora_graphs = None
     torch.cuda.empty_cache()
@@ -215,13 +198,8 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
         runner._mixed = mixed
 
 
-def _kernels(fused: Any) -> tuple[int, frozenset[str], int, bool]:
-    return (
-        fused.skinny_max_rows,
-        fused.skinny_projections,
-        fused.programmatic_launch_rows,
-        fused.skinny_prefetch,
-    )
+def _kernels(fused: Any) -> tuple[int, frozenset[str], int]:
+    return (fused.skinny_max_rows, fused.skinny_projections, fused.programmatic_launch_rows)
 
 
 def recover(engine: Engine) -> None:

@@ -36,7 +36,6 @@ WARPS_PER_SM = 64
 POINTER_TYPES = {
     "part_out_ptr": "*fp32",
     "part_lse_ptr": "*fp32",
-    "ws_ptr": "*fp32",
     "block_tables_ptr": "*i32",
     "seq_lens_ptr": "*i32",
     "slots_ptr": "*i32",
@@ -90,7 +89,7 @@ def resources(cubin: bytes, cuobjdump: str) -> tuple[int, int]:
 def cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], int, int]]:
     """(label, kernel getter, constexprs, num_warps, num_stages) for the decode step's kernels
     at Llama-3-8B's shapes (hidden 4096, 32 heads of 128, 8 KV heads, block 16)."""
-    from gpu_runtime.engine import fused_ops, skinny_gemm
+    from gpu_runtime.engine import fused_ops
     from gpu_runtime.engine.attention import triton_decode
 
     attention = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16}
@@ -106,7 +105,6 @@ def cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], int, int]]:
                         "BLOCK_N": block_n,
                         "NUM_SPLITS": splits,
                         "USE_PDL": True,
-                        "EARLY_TRIGGER": False,
                     },  # fmt: skip
                     warps,
                     stages,
@@ -121,7 +119,6 @@ def cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], int, int]]:
                 "SPLITS_PAD": 8,
                 "HEAD_DIM": 128,
                 "USE_PDL": True,
-                "EARLY_TRIGGER": False,
             },  # fmt: skip
             4,
             1,
@@ -131,7 +128,7 @@ def cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], int, int]]:
         (
             "rms_norm hidden=4096",
             lambda: fused_ops._rms_norm_kernel,
-            {"HAS_RESIDUAL": True, "BLOCK": 4096, "USE_PDL": True, "EARLY_TRIGGER": False},
+            {"HAS_RESIDUAL": True, "BLOCK": 4096, "USE_PDL": True},
             8,
             1,
         )
@@ -140,21 +137,11 @@ def cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], int, int]]:
         (
             "silu_and_mul",
             lambda: fused_ops._silu_mul_kernel,
-            {"BLOCK": 1024, "LORA_RANK": 0, "USE_PDL": True, "EARLY_TRIGGER": False},
+            {"BLOCK": 1024, "LORA_RANK": 0, "USE_PDL": True},
             4,
             1,
         )
     )
-    for block_n, block_k in ((32, 512), (32, 256), (64, 512)):
-        out.append(
-            (
-                f"prefetch_gemm M<=16 {block_n}x{block_k}",
-                lambda: skinny_gemm._prefetch_gemm_kernel,
-                {"BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": block_k, "USE_PDL": True},
-                4,
-                1,
-            )
-        )
     return out
 
 

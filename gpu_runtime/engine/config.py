@@ -94,13 +94,6 @@ class EngineConfig:
     its heuristic configs made the decode graphs 0.27-0.49 ms slower at b=1..64 (q|k|v, o)."""
     decode_skinny_gemm_projections: tuple[str, ...] = ("qkv", "o")
     """Projections that `decode_skinny_gemm_rows` applies to: "qkv", "o", "gate_up", "down"."""
-    decode_skinny_gemm_prefetch: bool = False
-    """With `decode_skinny_gemm_rows`: those projections load each program's weight tile
-    before waiting for the kernel before them (`skinny_gemm.prefetch_linear`, at most 16
-    rows), which in steps of at most `decode_programmatic_launch_rows` rows releases them at
-    its start, so the weight reads overlap the latency-bound norm, attention and SwiGLU
-    kernels. Off: not yet measured on the GPU (`bench/decode.py --variants
-    async,skinny-prefetch,skinny-prefetch-o,skinny-prefetch-all`)."""
     decode_programmatic_launch_rows: int = 32
     """On CUDA with the fused kernels, decode steps of at most this many rows launch their
     Triton kernels (norms, RoPE, attention, SwiGLU) as programmatic dependents (Hopper's
@@ -183,15 +176,6 @@ class EngineConfig:
         if not 0 <= self.decode_skinny_gemm_rows <= 64:
             raise EngineConfigError(
                 f"decode_skinny_gemm_rows={self.decode_skinny_gemm_rows} must be in [0, 64]"
-            )
-        if self.decode_skinny_gemm_prefetch and not (
-            self.decode_skinny_gemm_rows and self.decode_programmatic_launch_rows
-        ):
-            raise EngineConfigError(
-                "decode_skinny_gemm_prefetch needs decode_skinny_gemm_rows "
-                f"({self.decode_skinny_gemm_rows}) and decode_programmatic_launch_rows "
-                f"({self.decode_programmatic_launch_rows}) > 0: its GEMMs prefetch only in "
-                "steps launched as programmatic dependents"
             )
         unknown = set(self.decode_skinny_gemm_projections) - {"qkv", "o", "gate_up", "down"}
         if unknown:

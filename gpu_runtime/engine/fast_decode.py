@@ -17,7 +17,6 @@ from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
 from gpu_runtime.engine.fused_ops import LoraRows, rms_norm, rope_and_cache_write, silu_and_mul
 from gpu_runtime.engine.kv_cache import PagedKVCache
 from gpu_runtime.engine.lora import LoraGroup, linear_and_shrink, lora_linear
-from gpu_runtime.engine.skinny_gemm import PREFETCH_MAX_ROWS, prefetch_linear, skinny_linear
 from gpu_runtime.model.llama import CausalLM
 
 FUSED_EXPAND_MAX_ROWS = 64
@@ -40,7 +39,6 @@ class FusedDecodeForward:
         skinny_max_rows: int = 0,
         skinny_projections: Sequence[str] = ("qkv", "o"),
         programmatic_launch_rows: int = 0,
-        skinny_prefetch: bool = False,
     ) -> None:
         """`lora_groups` (per layer, `LoraRuntime.decode_groups()`): the stacked adapter slots
         added when a call passes `lora_slots`; `fuse_lora_expand`: at batch <=
@@ -50,13 +48,8 @@ class FusedDecodeForward:
         an adapter group through the split-K Triton GEMM (`skinny_gemm.py`) instead of
         cuBLAS; read at call time (graphs keep what they captured).
         `programmatic_launch_rows` (0: off): calls of at most that many tokens launch their
-        Triton kernels as programmatic dependents (`fused_ops`); read at call time too.
-        `skinny_prefetch`: the skinny projections run `skinny_gemm.prefetch_linear` instead
-        (each program's weight tile loaded before it waits; cuBLAS past `PREFETCH_MAX_ROWS`),
-        and in programmatic-launch calls the kernel before each of them releases it at its
-        start (`early_trigger`), so its weight reads overlap that kernel."""
+        Triton kernels as programmatic dependents (`fused_ops`); read at call time too."""
         self.programmatic_launch_rows = programmatic_launch_rows
-        self.skinny_prefetch = skinny_prefetch
         self.skinny_max_rows = skinny_max_rows
         self.skinny_projections = frozenset(skinny_projections)
         self.num_sms = 132
@@ -114,28 +107,17 @@ class FusedDecodeForward:
         pdl = 0 < batch <= self.programmatic_launch_rows
         x = model.model.embed_tokens(input_ids)  # [B, hidden]
         residual: torch.Tensor | None = None
-        prefetch = self.skinny_prefetch and pdl and batch <= PREFETCH_MAX_ROWS
-
-        def early(name: str, group: LoraGroup | None) -> bool:
-            """Whether the kernel before projection `name` releases it at its start."""
-            return prefetch and group is None and name in skinny
-
         for index, layer in enumerate(model.decoder_layers):
             attn, mlp = layer.self_attn, layer.mlp
+            h, residual = rms_norm(x, layer.input_layernorm.weight, self.eps, residual, pdl)
             lora = groups[index] if groups is not None else None
             qkv_group = _group(lora, "qkv")
-            o = _group(lora, "o")
-            gu_group = _group(lora, "gate_up")
-            down = _group(lora, "down")
-            h, residual = rms_norm(
-                x, layer.input_layernorm.weight, self.eps, residual, pdl, early("qkv", qkv_group)
-            )
             qkv_rows: LoraRows | None = None
             if qkv_group is not None and slots is not None and fuse_expand:
                 qkv, shrink = linear_and_shrink(h, attn.qkv_weight, attn.qkv_bias, qkv_group)  # type: ignore[arg-type]
                 qkv_rows = LoraRows(shrink, qkv_group.b, slots, qkv_group.max_rank)
             elif qkv_group is None and "qkv" in skinny:
-                qkv = self._skinny(h, attn.qkv_weight, attn.qkv_bias, pdl)  # type: ignore[arg-type]
+                qkv = self._skinny(h, attn.qkv_weight, attn.qkv_bias)  # type: ignore[arg-type]
             else:
                 qkv = lora_linear(h, attn.qkv_weight, attn.qkv_bias, qkv_group, slots)  # type: ignore[arg-type]
             key_cache = self.cache.key_caches[index]
@@ -167,31 +149,28 @@ class FusedDecodeForward:
                     self.cache.block_size,
                     num_splits,
                     pdl=pdl,
-                    early_trigger=early("o", o),
                 )
+            o = _group(lora, "o")
             if o is None and "o" in skinny:
-                x = self._skinny(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias, pdl)
+                x = self._skinny(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias)
             else:
                 x = lora_linear(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias, o, slots)
             h, residual = rms_norm(
-                x,
-                layer.post_attention_layernorm.weight,
-                self.eps,
-                residual,
-                pdl,
-                early("gate_up", gu_group),
+                x, layer.post_attention_layernorm.weight, self.eps, residual, pdl
             )
+            gu_group = _group(lora, "gate_up")
             gu_rows: LoraRows | None = None
             if gu_group is not None and slots is not None and fuse_expand:
                 gate_up, shrink = linear_and_shrink(h, mlp.gate_up_weight, None, gu_group)  # type: ignore[arg-type]
                 gu_rows = LoraRows(shrink, gu_group.b, slots, gu_group.max_rank)
             elif gu_group is None and "gate_up" in skinny:
-                gate_up = self._skinny(h, mlp.gate_up_weight, None, pdl)  # type: ignore[arg-type]
+                gate_up = self._skinny(h, mlp.gate_up_weight, None)  # type: ignore[arg-type]
             else:
                 gate_up = lora_linear(h, mlp.gate_up_weight, None, gu_group, slots)  # type: ignore[arg-type]
-            act = silu_and_mul(gate_up, gu_rows, pdl, early("down", down))
+            act = silu_and_mul(gate_up, gu_rows, pdl)
+            down = _group(lora, "down")
             if down is None and "down" in skinny:
-                x = self._skinny(act, mlp.down_proj.weight, None, pdl)
+                x = self._skinny(act, mlp.down_proj.weight, None)
             else:
                 x = lora_linear(act, mlp.down_proj.weight, None, down, slots)
         h, _ = rms_norm(x, model.model.norm.weight, self.eps, residual, pdl)
@@ -200,10 +179,10 @@ class FusedDecodeForward:
         return model.compute_logits(h)
 
     def _skinny(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pdl: bool
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.skinny_prefetch:
-            return prefetch_linear(x, weight, bias, pdl)
+        from gpu_runtime.engine.skinny_gemm import skinny_linear
+
         return skinny_linear(x, weight, bias, num_sms=self.num_sms)
 
 

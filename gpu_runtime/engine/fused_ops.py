@@ -16,10 +16,6 @@ predecessor's last programs still run. Each such kernel waits for its predecesso
 (`gdc_wait`) before it touches anything a kernel may have written (only weights are read
 before), and lets its own dependents be scheduled once its inputs are loaded
 (`gdc_launch_dependents`), so a dependent's pre-wait part never overlaps two kernels back.
-`early_trigger=True` (with `pdl`) releases the dependents at the kernel's start instead: the
-next kernel is then a weight-prefetching GEMM (`skinny_gemm.prefetch_linear`), whose pre-wait
-part (its weight tile) may run for this kernel's whole life; it still waits for this kernel to
-finish before it reads anything this kernel wrote.
 """
 
 from __future__ import annotations
@@ -66,14 +62,10 @@ def _rms_norm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     BLOCK: tl.constexpr,
     USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    if USE_PDL:
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
     w = tl.load(weight_ptr + offs, mask=mask, other=0.0)  # a weight: no kernel writes it
     if USE_PDL:
         tl.extra.cuda.gdc_wait()
@@ -81,8 +73,7 @@ def _rms_norm_kernel(
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + row * stride_r + offs, mask=mask, other=0.0)
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     if HAS_RESIDUAL:
         x = (x.to(tl.float32) + r.to(tl.float32)).to(x_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_ro + offs, x, mask=mask)
@@ -99,11 +90,9 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     pdl: bool = False,
-    early_trigger: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x `[T, hidden]`. Returns (norm(x + residual), x + residual); without a residual the
-    second item is x itself. `pdl`, `early_trigger`: launched as a programmatic dependent,
-    releasing its own dependents at its start (module docstring)."""
+    second item is x itself. `pdl`: launched as a programmatic dependent (module docstring)."""
     rows, hidden = x.shape
     out = torch.empty_like(x)
     residual_out = torch.empty_like(x) if residual is not None else x
@@ -123,7 +112,6 @@ def rms_norm(
         HAS_RESIDUAL=residual is not None,
         BLOCK=triton.next_power_of_2(hidden),
         USE_PDL=pdl,
-        EARLY_TRIGGER=early_trigger,
         num_warps=8 if hidden >= 4096 else 4,
         launch_pdl=pdl,
     )
@@ -284,20 +272,16 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     LORA_RANK: tl.constexpr,
     USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < inter
     if USE_PDL:
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     gate = tl.load(gu_ptr + row * stride_gu + offs, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(gu_ptr + row * stride_gu + inter + offs, mask=mask, other=0.0)
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     if LORA_RANK > 0:
         slot = tl.load(slots_ptr + row)
         if slot >= 0:  # + the row's slot's expand terms of gate and up
@@ -318,15 +302,11 @@ def _silu_mul_kernel(
 
 
 def silu_and_mul(
-    gate_up: torch.Tensor,
-    lora: LoraRows | None = None,
-    pdl: bool = False,
-    early_trigger: bool = False,
+    gate_up: torch.Tensor, lora: LoraRows | None = None, pdl: bool = False
 ) -> torch.Tensor:
     """`[T, 2 I]` (gate then up) -> silu(gate) * up `[T, I]`; `lora` (group gate|up): each
-    adapter row's expand terms are added to gate and up first. `pdl`, `early_trigger`:
-    launched as a programmatic dependent, releasing its own dependents at its start (module
-    docstring)."""
+    adapter row's expand terms are added to gate and up first. `pdl`: launched as a
+    programmatic dependent (module docstring)."""
     rows, width = gate_up.shape
     inter = width // 2
     out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
@@ -341,7 +321,6 @@ def silu_and_mul(
         BLOCK=block,
         LORA_RANK=lora.rank if lora is not None else 0,
         USE_PDL=pdl,
-        EARLY_TRIGGER=early_trigger,
         num_warps=4,
         launch_pdl=pdl,
     )

@@ -98,7 +98,6 @@ class StaticDecodeMixin:
                 skinny_max_rows=self.config.decode_skinny_gemm_rows,
                 skinny_projections=self.config.decode_skinny_gemm_projections,
                 programmatic_launch_rows=self.config.decode_programmatic_launch_rows,
-                skinny_prefetch=self.config.decode_skinny_gemm_prefetch,
             )
             if self.config.mixed_cuda_graphs and self.mixed_attention:
                 from gpu_runtime.engine.mixed_graphs import MixedStepGraphs

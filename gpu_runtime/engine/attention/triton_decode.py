@@ -49,14 +49,11 @@ def _paged_decode_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     if USE_PDL:
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     seq_len = tl.load(seq_lens_ptr + seq)
     per_split = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
@@ -95,8 +92,7 @@ def _paged_decode_kernel(
         m_i = m_new
 
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     l_safe = tl.where(l_i == 0.0, 1.0, l_i)
     result = acc / l_safe[:, None]
     if NUM_SPLITS == 1:
@@ -123,7 +119,6 @@ def _merge_splits_kernel(
     SPLITS_PAD: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     USE_PDL: tl.constexpr,
-    EARLY_TRIGGER: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -131,8 +126,6 @@ def _merge_splits_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < NUM_SPLITS
     if USE_PDL:
-        if EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     row = (seq * num_heads + head) * NUM_SPLITS + offs_s
     lse = tl.load(part_lse_ptr + row, mask=s_mask, other=float("-inf"))
@@ -146,8 +139,7 @@ def _merge_splits_kernel(
         part_out_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=s_mask[:, None], other=0.0
     )
     if USE_PDL:
-        if not EARLY_TRIGGER:
-            tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_launch_dependents()
     merged = tl.sum(parts * w[:, None], 0) / denom
     tl.store(
         out_ptr + seq * stride_ob + head * stride_oh + offs_d, merged.to(out_ptr.dtype.element_ty)
@@ -173,7 +165,6 @@ def paged_decode_attention(
     num_stages: int | None = None,
     num_sms: int | None = None,
     pdl: bool = False,
-    early_trigger: bool = False,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -182,9 +173,7 @@ def paged_decode_attention(
     including the new token, whose K/V must already be written). Returns `[B, H, D]`. The
     tile left unset (`block_n`, `num_warps`, `num_stages`) is `decode_split.choose_tile`'s for
     this batch on `num_sms` SMs (default: the device's).
-    `pdl`: both kernels are launched as programmatic dependents (`fused_ops`' docstring);
-    `early_trigger`: each releases its dependents at its start (the projection after it then
-    prefetches its weights for the whole of both kernels).
+    `pdl`: both kernels are launched as programmatic dependents (`fused_ops`' docstring).
     """
     batch, num_heads, head_dim = q.shape
     num_kv_heads = key_cache.shape[1]
@@ -237,7 +226,6 @@ def paged_decode_attention(
         BLOCK_N=block_n,
         NUM_SPLITS=num_splits,
         USE_PDL=pdl,
-        EARLY_TRIGGER=early_trigger,
         num_warps=num_warps,
         num_stages=num_stages,
         launch_pdl=pdl,
@@ -254,7 +242,6 @@ def paged_decode_attention(
             SPLITS_PAD=max(2, triton.next_power_of_2(num_splits)),
             HEAD_DIM=head_dim,
             USE_PDL=pdl,
-            EARLY_TRIGGER=early_trigger,
             num_warps=4,
             launch_pdl=pdl,
         )

@@ -159,17 +159,6 @@ def test_bad_requests_and_configs_are_rejected(tiny_llama: CausalLM) -> None:
         _config(decode_blas_library="mkl")
     with pytest.raises(EngineConfigError, match="decode_skinny_gemm_rows=65"):
         _config(decode_skinny_gemm_rows=65)
-    with pytest.raises(EngineConfigError, match=r"needs decode_skinny_gemm_rows \(0\)"):
-        _config(decode_skinny_gemm_prefetch=True)
-    with pytest.raises(EngineConfigError, match=r"decode_programmatic_launch_rows \(0\) > 0"):
-        _config(
-            decode_skinny_gemm_prefetch=True,
-            decode_skinny_gemm_rows=32,
-            decode_programmatic_launch_rows=0,
-        )
-    assert _config(
-        decode_skinny_gemm_prefetch=True, decode_skinny_gemm_rows=32
-    ).decode_skinny_gemm_prefetch
     for rows in (-1, 2.5, True):
         with pytest.raises(EngineConfigError, match=f"decode_programmatic_launch_rows={rows}"):
             _config(decode_programmatic_launch_rows=rows)

@@ -1,7 +1,6 @@
-"""CUDA-only: the split-K and weight-prefetching skinny GEMMs against torch, and the decode
-paths that change how a step runs but not what it computes (async scheduling: the same tokens
-as the synchronous engine; skinny GEMMs in the decode graphs: the same logprobs within bf16
-tolerance)."""
+"""CUDA-only: the split-K skinny GEMM against torch, and the decode paths that change how a
+step runs but not what it computes (async scheduling: the same tokens as the synchronous
+engine; skinny GEMMs in the decode graphs: the same logprobs within bf16 tolerance)."""
 
 from __future__ import annotations
 
@@ -46,35 +45,6 @@ def test_skinny_linear_matches_torch(rows: int) -> None:
             err = float((out.float() - ref).norm() / ref.norm())
             assert err < 5e-3, (n, k, config, err)
             assert torch.equal(out, skinny_linear(x, weight, bias, config))  # deterministic
-
-
-@pytest.mark.parametrize("rows", [1, 8, 16])
-@pytest.mark.parametrize("pdl", [False, True])
-def test_prefetch_linear_matches_torch(rows: int, pdl: bool) -> None:
-    """The weight-prefetching GEMM: Llama-3-8B's q|k|v (bias as Qwen2's), o and down shapes and
-    an odd one (K not a multiple of the slice, N of the tile), launched plainly or as a
-    programmatic dependent; deterministic."""
-    from gpu_runtime.engine.skinny_gemm import choose_prefetch_config, prefetch_linear
-
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(rows)
-    shapes = ((6144, 4096, True), (4096, 4096, False), (4096, 14336, False), (1000, 700, True))
-    for n, k, with_bias in shapes:
-        weight = torch.randn(n, k, device=dev, generator=gen).to(torch.bfloat16) * 0.02
-        bias = torch.randn(n, device=dev, generator=gen).to(torch.bfloat16) if with_bias else None
-        wide = torch.randn(rows, k + 64, device=dev, generator=gen).to(torch.bfloat16)
-        x = wide[:, :k]  # strided rows
-        ref = torch.nn.functional.linear(
-            x.float(), weight.float(), bias.float() if bias is not None else None
-        )
-        config = choose_prefetch_config(rows, n, k)
-        assert config is not None and config.split == -(-k // 512)
-        out = prefetch_linear(x, weight, bias, pdl)
-        assert out.shape == (rows, n) and out.dtype == torch.bfloat16
-        err = float((out.float() - ref).norm() / ref.norm())
-        assert err < 5e-3, (n, k, config, err)
-        assert torch.equal(out, prefetch_linear(x, weight, bias, pdl))
-    assert choose_prefetch_config(17, 4096, 4096) is None  # past 16 rows: cuBLAS
 
 
 def _model(architecture: str) -> CausalLM:
@@ -286,29 +256,6 @@ def test_skinny_gemm_decode_graphs_match_cublas() -> None:
         decode_skinny_gemm_projections=("qkv", "o", "gate_up", "down"),
         async_scheduling=True,
     )
-    _assert_within_bf16(expected, _run(engine, prompts, greedy))
-
-
-@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
-def test_prefetching_gemm_decode_graphs_match_cublas(architecture: str) -> None:
-    """All four projections through the weight-prefetching GEMM in steps launched as
-    programmatic dependents (the kernels before them releasing them at their start): the
-    tokens and logprobs of the cuBLAS graphs within bf16 tolerance."""
-    model = _model(architecture)
-    gen = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77, 3, 20)]
-    greedy = SamplingParams(
-        max_tokens=16, temperature=0.0, logprobs=1, detokenize=False, ignore_eos=True
-    )
-    expected = _run(_engine(model, async_scheduling=True), prompts, greedy)
-    engine = _engine(
-        model,
-        decode_skinny_gemm_rows=16,
-        decode_skinny_gemm_projections=("qkv", "o", "gate_up", "down"),
-        decode_skinny_gemm_prefetch=True,
-        async_scheduling=True,
-    )
-    assert engine.runner._fused is not None and engine.runner._fused.skinny_prefetch
     _assert_within_bf16(expected, _run(engine, prompts, greedy))
 
 
