@@ -60,7 +60,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parent.parent))  # the repositor
 
 from colocate_args import parse_args
 from colocate_calibrate import calibrate, choose_static_split, predictor_check, tpot_slo
-from colocate_engine import QUANTUM_EXAMPLES, LoopBackend
+from colocate_engine import LoopBackend
 from colocate_report import POLICIES, print_table
 from colocate_runs import Runs
 from colocate_setup import setup_engine, setup_simulation, slice_costs
@@ -97,20 +97,22 @@ def main() -> None:
         backend, info = setup_engine(args, device, rank)
     solo_tps = float(info["solo_finetune"]["tokens_per_s_8_examples"])
     overhead_ms = float(info["solo_finetune"]["quantum_overhead_ms"])
+    info["quantum_examples"] = list(args.quantum_examples)
     if isinstance(backend, LoopBackend):
         t0 = time.perf_counter()
-        info["quantum_warmup"] = backend.warm_quanta(QUANTUM_EXAMPLES, args.ft_seq_len)
+        info["quantum_warmup"] = backend.warm_quanta(args.quantum_examples, args.ft_seq_len)
         info["quantum_warmup_s"] = round(time.perf_counter() - t0, 1)
         print(f"quanta warmed {info['quantum_warmup']}", flush=True)
     latency, calib_records, calib_info = calibrate(
-        backend, args.calibrate_s, args.warmup_s, args.ft_seq_len, rank
+        backend, args.calibrate_s, args.warmup_s, args.ft_seq_len, rank, args.quantum_examples
     )
     info["calibration"] = calib_info
     harli_latency: DecodeLatencyModel = latency
     info["harli_predictor"] = (
         "OnlineLatencyModel fitted in this run from a calibration phase (separate seeded "
-        "high-load trace: decode alone on the least-sampled split, then 1-, 2-, 4-example quanta "
-        "beside decode on every split), updated online during Harli's runs"
+        "high-load trace: decode alone on the least-sampled split, then quanta of "
+        f"{list(args.quantum_examples)} examples beside decode on every split), updated online "
+        "during Harli's runs"
     )
     artifact: Any = None
     if args.predictor:
@@ -148,7 +150,7 @@ def main() -> None:
         slice_call_ms=call_ms,
         slice_forward_layer_ms=forward_ms,
         slice_backward_layer_ms=backward_ms,
-        quantum_examples=QUANTUM_EXAMPLES,
+        quantum_examples=args.quantum_examples,
         max_quantum_ms=args.max_quantum_ms,
         prior_quantum_overhead_ms=overhead_ms,
     )

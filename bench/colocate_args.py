@@ -5,10 +5,22 @@ from __future__ import annotations
 import argparse
 import os
 
+from colocate_engine import QUANTUM_EXAMPLES
 from colocate_report import POLICIES
 
+from bench.cli_types import positive_ints
 from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.engine.config import EngineConfig
+
+
+def quantum_sizes(text: str) -> tuple[int, ...]:
+    """``--quantum-examples``: distinct positive sizes, ascending (``1,2,4,8``)."""
+    sizes = positive_ints("--quantum-examples")(text)
+    if sizes != sorted(set(sizes)):
+        raise argparse.ArgumentTypeError(
+            f"--quantum-examples: sizes must be distinct and ascending, got {text!r}"
+        )
+    return tuple(sizes)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -99,6 +111,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup-s", type=float, default=2.0, help="discarded first use of every split"
     )
     parser.add_argument("--max-quantum-ms", type=float, default=120.0)
+    parser.add_argument(
+        "--quantum-examples",
+        type=quantum_sizes,
+        default=QUANTUM_EXAMPLES,
+        help="quantum sizes in examples for calibration and harli, ascending (default "
+        f"{','.join(map(str, QUANTUM_EXAMPLES))}); the baselines keep theirs",
+    )
     parser.add_argument(
         "--budget-s",
         type=float,

@@ -15,7 +15,7 @@ from typing import Any
 if str(Path(__file__).resolve().parent) not in sys.path:  # bench/traces.py beside this file
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from colocate_engine import QUANTUM_EXAMPLES, Backend
+from colocate_engine import BASELINE_MAX_EXAMPLES, QUANTUM_EXAMPLES, Backend
 from colocate_report import request_tpots
 from traces import generate, preset
 
@@ -39,13 +39,19 @@ from gpu_runtime.colocation.types import DecodeSnapshot, FinishedRequest
 
 
 def calibrate(
-    backend: Backend, seconds: float, warm_s: float, ft_seq_len: int, lora_rank: int
+    backend: Backend,
+    seconds: float,
+    warm_s: float,
+    ft_seq_len: int,
+    lora_rank: int,
+    quantum_examples: tuple[int, ...] = QUANTUM_EXAMPLES,
 ) -> tuple[OnlineLatencyModel, list[IterationRecord], dict[str, Any]]:
     """Fit Harli's stage-1/2 model from a separate seeded high-load trace driven by
-    `CalibrationPolicy`: decode alone on the least-sampled split, then 1-, 2- and 4-example quanta
-    beside decode on the least-sampled split, until every split has its samples or ``seconds``
-    passed. Before it, a discarded warm-up of ``warm_s`` s uses every split's streams once
-    (prefill, decode and a quantum), so first-use costs do not land in the samples."""
+    `CalibrationPolicy`: decode alone on the least-sampled split, then quanta of each of
+    `quantum_examples` beside decode on the least-sampled split, until every split has its
+    samples or ``seconds`` passed. Before it, a discarded warm-up of ``warm_s`` s uses every
+    split's streams once (prefill, decode and a quantum), so first-use costs do not land in the
+    samples."""
     info: dict[str, Any] = {}
     wall = time.perf_counter()
     if warm_s > 0:
@@ -59,7 +65,7 @@ def calibrate(
         info["warmup"] = {"seconds": round(e - s, 2), "iterations": len(got), **warm.counts()}
     model = OnlineLatencyModel(min_samples=6)
     policy = CalibrationPolicy(
-        solo_target=40, beside_target=24, solo_s=seconds * 0.5, quantum_examples=QUANTUM_EXAMPLES
+        solo_target=40, beside_target=24, solo_s=seconds * 0.5, quantum_examples=quantum_examples
     )
     spec = preset("high", duration_s=seconds)
     records, s, e = backend.run(
@@ -252,13 +258,13 @@ def make_policy(
     if name == "decode_only":
         return DecodeOnlyPolicy()
     if name == "naive":
-        return NaivePolicy(quantum_examples=4)
+        return NaivePolicy(quantum_examples=BASELINE_MAX_EXAMPLES)
     if name == "time_slice":
         return TimeSlicePolicy(
             harli_latency,
             margin=0.1,
-            max_quantum_examples=QUANTUM_EXAMPLES[-1],
-            idle_quantum_examples=4,
+            max_quantum_examples=BASELINE_MAX_EXAMPLES,
+            idle_quantum_examples=BASELINE_MAX_EXAMPLES,
         )
     if name == "static_split":
         return StaticSplitPolicy(static_d, quantum_examples=2)

@@ -32,8 +32,11 @@ from gpu_runtime.finetune.batching import DataPosition
 from gpu_runtime.finetune.trainer import LoraTrainer
 
 QUANTUM_EXAMPLES = (1, 2, 4)
-"""Quantum sizes (examples) any policy uses: each (size, stream) is one CUDA graph, warmed up
-before the timed runs."""
+"""Quantum sizes (examples) calibration and harli use unless `--quantum-examples` says otherwise:
+each (size, stream) is one CUDA graph, warmed up before the timed runs."""
+BASELINE_MAX_EXAMPLES = 4
+"""The largest quantum a baseline policy launches (naive's and time_slice's), whatever sizes
+harli is given."""
 
 
 def reset_engine(engine: Engine) -> None:

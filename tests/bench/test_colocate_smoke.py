@@ -95,6 +95,7 @@ def test_tiny_cpu_run_writes_every_policy_on_every_trace(tmp_path: Path) -> None
     assert config["engine"]["partition_gemm_sm_target"] is True  # the engine's default
     assert config["engine"]["decode_programmatic_launch_rows"] == 32
     assert config["launch_during_decode"] is True  # HostLoop's default
+    assert config["quantum_examples"] == [1, 2, 4]  # calibration's and harli's sizes
 
     rows = out["rows"]
     assert [(r["trace"], r["policy"]) for r in rows] == [(t, p) for t in TRACES for p in POLICIES]
@@ -261,3 +262,17 @@ def test_engine_options_follow_the_engine_defaults_and_can_be_changed() -> None:
     assert (
         parse_args(["--decode-programmatic-launch-rows", "0"]).decode_programmatic_launch_rows == 0
     )
+
+
+def test_quantum_sizes_are_distinct_ascending_positive_integers(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    sys.path.insert(0, str(ROOT / "bench"))
+    from colocate_args import parse_args
+
+    assert parse_args([]).quantum_examples == (1, 2, 4)
+    assert parse_args(["--quantum-examples", "1,2,4,8"]).quantum_examples == (1, 2, 4, 8)
+    for bad, says in (("4,2", "distinct and ascending"), ("2,2", "distinct"), ("0,1", "positive")):
+        with pytest.raises(SystemExit):
+            parse_args(["--quantum-examples", bad])
+        assert says in capsys.readouterr().err
