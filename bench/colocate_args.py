@@ -9,6 +9,8 @@ from colocate_engine import QUANTUM_EXAMPLES
 from colocate_report import POLICIES
 
 from bench.cli_types import positive_ints
+from gpu_runtime.agent.config import DEFAULT_DECODE_GROUPS
+from gpu_runtime.colocation.harli_config import GPU_MAX_QUANTUM_MS
 from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.engine.config import EngineConfig
 
@@ -101,7 +103,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(HostLoop's launch_during_decode, whose default this follows: its host launch work "
         "overlaps the step); --no-launch-during-decode: before the step",
     )
-    parser.add_argument("--decode-groups", default="4,5,6,8,10", help="decode SMs / 8 per split")
+    parser.add_argument(
+        "--decode-groups",
+        default=",".join(map(str, DEFAULT_DECODE_GROUPS)),
+        help="decode SMs / 8 per split (default: the host agent's)",
+    )
     parser.add_argument("--ft-seq-len", type=int, default=256)
     parser.add_argument(
         "--ft-dropout", type=float, default=0.05, help="the job's LoRA dropout (platform default)"
@@ -110,7 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--warmup-s", type=float, default=2.0, help="discarded first use of every split"
     )
-    parser.add_argument("--max-quantum-ms", type=float, default=120.0)
+    parser.add_argument(
+        "--max-quantum-ms",
+        type=float,
+        default=GPU_MAX_QUANTUM_MS,
+        help="harli's cap on a quantum's expected duration (default: a GPU host's)",
+    )
     parser.add_argument(
         "--quantum-examples",
         type=quantum_sizes,

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_runtime.agent.config import (
+    DEFAULT_DECODE_GROUPS,
     DEFAULT_LORA_MAX_RANK,
     GIB,
     AgentConfig,
@@ -83,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--memory-pool-gb", type=float, default=None,
                    help="pool size (CPU: required with --memory-pool on; CUDA: default "
                    "free device memory less 4 GiB)")  # fmt: skip
-    p.add_argument("--decode-groups", default="4,8,12",
+    p.add_argument("--decode-groups", default=",".join(map(str, DEFAULT_DECODE_GROUPS)),
                    help="CUDA: decode SM splits in units of 8 SMs (Hopper), comma-separated; "
                    "'all' creates every split")  # fmt: skip
     p.add_argument("--lora-slots", type=int, default=8, help="adapters resident at once")

@@ -9,6 +9,14 @@ from pathlib import Path
 DEFAULT_LORA_MAX_RANK = 64
 """The largest LoRA rank a host serves by default; the control plane refuses jobs above it."""
 
+DEFAULT_DECODE_GROUPS = (6, 8, 12)
+"""Decode SMs in units of 8 (48, 64 and 96 on Hopper), besides the whole device: the splits of
+every H200 co-location run in which harli kept >= 99% TPOT attainment on all four traces for
+both Llama-3-8B and Qwen2.5-7B (`bench/results/colocate-fade[-qwen2.5-7b]-h200-20261201.json`).
+With a 32-SM split as well, Qwen2.5-7B at its 7.87 ms SLO fell to 0.977 / 0.988 at the high and
+bursty traces with (4, 8, 12) and a 250 ms cap (`colocate-agent-defaults-*`) and to 0.624 /
+0.927 with (4, 6, 8, 12) (`colocate-groups4-*`)."""
+
 GIB = 2**30
 
 
@@ -76,7 +84,7 @@ class AgentConfig:
     """Unified KV/finetune memory pool: None = on CUDA devices only."""
     memory_pool_bytes: int | None = None
     """The pool's size; required for a pool on CPU, on CUDA None = free memory less 4 GiB."""
-    decode_groups: tuple[int, ...] | None = (4, 8, 12)
+    decode_groups: tuple[int, ...] | None = DEFAULT_DECODE_GROUPS
     """CUDA: decode SM splits (units of the SM granularity) besides the whole device; None:
     every split."""
     predictor_path: Path | None = None

@@ -19,14 +19,12 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.agent.config import DEFAULT_LORA_MAX_RANK
+from gpu_runtime.agent.config import DEFAULT_DECODE_GROUPS, DEFAULT_LORA_MAX_RANK
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.memory import HostMemory, MemoryPolicyConfig, build_host_memory
 from gpu_runtime.model.loader import load_model, load_tokenizer
 
-DEFAULT_DECODE_GROUPS = (4, 8, 12)
-"""32, 64 and 96 decode SMs on Hopper (plus the whole device): few splits, few graphs."""
 HOST_MEMORY_POLICY = MemoryPolicyConfig(plan_peak_window=256)
 """The pool's policy on a host: quanta in the shared graph pool are planned beside decode's
 peak over the last 256 quantum boundaries (the memory bench's `--plan-peak-window`), so that a

@@ -12,6 +12,12 @@ GPU_LAUNCH_OVERHEAD_PRIOR_MS = 3.0
 `bench/results/colocate-*.iterations.json` up to 1800ced) took 1.3-11 ms longer than predicted
 with no launch timed yet (median 3.1): charged nothing, that first excess went into the margin's
 error window and raised the margin from its initial 0.15 to 0.3-0.44 at every trace's start."""
+GPU_MAX_QUANTUM_MS = 150.0
+"""GPU hosts' cap on a quantum's expected duration: the cap of every H200 co-location run in
+which harli kept >= 99% TPOT attainment on all four traces for both Llama-3-8B and Qwen2.5-7B
+(`bench/results/colocate-fade[-qwen2.5-7b]-h200-20261201.json`, 48/64/96-SM splits). With 250
+ms (and a 32-SM split) Qwen2.5-7B's 4-example quanta on 68 SMs ran 150-157 ms (median) at the
+high and bursty traces and attainment fell to 0.977 / 0.988 (`colocate-agent-defaults-*`)."""
 
 
 @dataclass(frozen=True)
@@ -145,14 +151,17 @@ waits up to its length for its first token and keeps the rest for queueing and i
 
 def host_harli_config(device: str, ttft_slo_ms: float | None = None) -> HarliConfig:
     """Harli's knobs on a runtime host: on CUDA a first launch is charged
-    `GPU_LAUNCH_OVERHEAD_PRIOR_MS`; with the deployment's `ttft_slo_ms`, idle time slices are at
-    most `IDLE_SLICE_TTFT_SHARE` of it (and never over `max_quantum_ms`). On the H200 at f55939a,
+    `GPU_LAUNCH_OVERHEAD_PRIOR_MS` and quanta are capped at `GPU_MAX_QUANTUM_MS`; with the
+    deployment's `ttft_slo_ms`, idle time slices are at most `IDLE_SLICE_TTFT_SHARE` of it (and
+    never over `max_quantum_ms`). On the H200 at f55939a,
     slices of up to 150 ms took harli's TTFT p99 to 30-82 ms against decode alone's 17-40."""
     if ttft_slo_ms is not None and not ttft_slo_ms > 0:
         raise ValueError(f"ttft_slo_ms must be > 0 or None, got {ttft_slo_ms}")
     base = HarliConfig()
-    prior = GPU_LAUNCH_OVERHEAD_PRIOR_MS if device.startswith("cuda") else 0.0
+    gpu = device.startswith("cuda")
+    prior = GPU_LAUNCH_OVERHEAD_PRIOR_MS if gpu else 0.0
+    cap = GPU_MAX_QUANTUM_MS if gpu else base.max_quantum_ms
     idle = None
     if ttft_slo_ms is not None:
-        idle = min(base.max_quantum_ms, IDLE_SLICE_TTFT_SHARE * ttft_slo_ms)
-    return replace(base, launch_overhead_prior_ms=prior, idle_slice_ms=idle)
+        idle = min(cap, IDLE_SLICE_TTFT_SHARE * ttft_slo_ms)
+    return replace(base, launch_overhead_prior_ms=prior, idle_slice_ms=idle, max_quantum_ms=cap)

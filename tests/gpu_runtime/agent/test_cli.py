@@ -15,7 +15,7 @@ def test_defaults_and_options() -> None:
     config = parse_args(BASE)
     assert config.memory_pool is None and config.predictor_path is None  # pool: CUDA only
     assert (config.lora_slots, config.lora_max_rank) == (8, 64)
-    assert config.decode_groups == (4, 8, 12)
+    assert config.decode_groups == (6, 8, 12)
     assert parse_args([*BASE, "--decode-groups", "all"]).decode_groups is None
     assert parse_args([*BASE, "--decode-groups", "2,6"]).decode_groups == (2, 6)
     config = parse_args([*BASE, "--memory-pool", "on", "--memory-pool-gb", "0.5",

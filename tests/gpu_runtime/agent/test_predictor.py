@@ -17,7 +17,7 @@ from gpu_runtime.agent.predictor import (
 from gpu_runtime.agent.serving import EngineSpec
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, HarliPolicy, NaivePolicy
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
-from gpu_runtime.colocation.harli_config import GPU_LAUNCH_OVERHEAD_PRIOR_MS
+from gpu_runtime.colocation.harli_config import GPU_LAUNCH_OVERHEAD_PRIOR_MS, GPU_MAX_QUANTUM_MS
 from gpu_runtime.colocation.predictor import decode_iteration
 from gpu_runtime.engine import EngineConfig
 from gpu_runtime.predictor.artifact import ArtifactError
@@ -146,6 +146,7 @@ def test_policy_harli_plans_with_the_predictor(tiny_model_dir: Path, tiny_artifa
     on_gpu = build_policy("harli", predictor, device="cuda:0")
     assert on_gpu.launch_overhead.ms == GPU_LAUNCH_OVERHEAD_PRIOR_MS > 0
     assert on_gpu.config.idle_slice_ms is None  # no TTFT SLO: slices up to the quantum cap
+    assert on_gpu.config.max_quantum_ms == GPU_MAX_QUANTUM_MS
     tight = build_policy("harli", predictor, device="cuda:0", ttft_slo_ms=100.0)
     assert tight.config.idle_slice_ms == 50.0  # half the TTFT SLO
     loose = build_policy("harli", predictor, ttft_slo_ms=2000.0)

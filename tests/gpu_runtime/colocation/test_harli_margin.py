@@ -196,15 +196,18 @@ def test_the_launch_overhead_prior_is_charged_until_a_launch_is_timed() -> None:
 def test_host_config_caps_idle_slices_by_the_ttft_slo() -> None:
     from gpu_runtime.colocation.harli_config import (
         GPU_LAUNCH_OVERHEAD_PRIOR_MS,
+        GPU_MAX_QUANTUM_MS,
         IDLE_SLICE_TTFT_SHARE,
         host_harli_config,
     )
 
     cpu = host_harli_config("cpu")
     assert cpu.launch_overhead_prior_ms == 0.0 and cpu.idle_slice_ms is None
+    assert cpu.max_quantum_ms == HarliConfig().max_quantum_ms
     gpu = host_harli_config("cuda:1", ttft_slo_ms=80.0)
     assert gpu.launch_overhead_prior_ms == GPU_LAUNCH_OVERHEAD_PRIOR_MS
+    assert gpu.max_quantum_ms == GPU_MAX_QUANTUM_MS < HarliConfig().max_quantum_ms
     assert gpu.idle_slice_ms == IDLE_SLICE_TTFT_SHARE * 80.0
-    assert host_harli_config("cuda", ttft_slo_ms=1e4).idle_slice_ms == HarliConfig().max_quantum_ms
+    assert host_harli_config("cuda", ttft_slo_ms=1e4).idle_slice_ms == GPU_MAX_QUANTUM_MS
     with pytest.raises(ValueError, match="ttft_slo_ms must be > 0 or None, got -5"):
         host_harli_config("cuda", ttft_slo_ms=-5.0)
