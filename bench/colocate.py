@@ -97,7 +97,6 @@ def main() -> None:
         backend, info = setup_engine(args, device, rank)
     solo_tps = float(info["solo_finetune"]["tokens_per_s_8_examples"])
     overhead_ms = float(info["solo_finetune"]["quantum_overhead_ms"])
-    info["quantum_examples"] = list(args.quantum_examples)
     if isinstance(backend, LoopBackend):
         t0 = time.perf_counter()
         info["quantum_warmup"] = backend.warm_quanta(args.quantum_examples, args.ft_seq_len)
