@@ -89,23 +89,25 @@ def resources(cubin: bytes, cuobjdump: str) -> tuple[int, int]:
 def cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], int, int]]:
     """(label, kernel getter, constexprs, num_warps, num_stages) for the decode step's kernels
     at Llama-3-8B's shapes (hidden 4096, 32 heads of 128, 8 KV heads, block 16)."""
+    from bench.decode_attention import BLOCK_SIZE, HEAD_DIM, HEADS, KV_HEADS, TILES
     from gpu_runtime.engine import fused_ops
     from gpu_runtime.engine.attention import triton_decode
 
-    attention = {"GROUP": 4, "GROUP_PAD": 16, "HEAD_DIM": 128, "BLOCK_SIZE": 16}
+    attention = {
+        "GROUP": HEADS // KV_HEADS,
+        "GROUP_PAD": 16,  # the query group padded for the tensor cores (paged_decode_attention)
+        "HEAD_DIM": HEAD_DIM,
+        "BLOCK_SIZE": BLOCK_SIZE,
+    }
     out: list[tuple[str, Callable[[], Any], dict[str, Any], int, int]] = []
-    for block_n, warps, stages in ((32, 4, 2), (64, 4, 3), (128, 4, 2), (16, 4, 2), (16, 2, 2)):
+    for block_n, warps, stages in TILES:  # the tiles `bench/decode_attention.py` times
         for splits in (1, 8):
+            constexprs = {**attention, "BLOCK_N": block_n, "NUM_SPLITS": splits, "USE_PDL": True}
             out.append(
                 (
                     f"paged_decode {block_n}/{warps}/{stages} splits={splits}",
                     lambda: triton_decode._paged_decode_kernel,
-                    {
-                        **attention,
-                        "BLOCK_N": block_n,
-                        "NUM_SPLITS": splits,
-                        "USE_PDL": True,
-                    },  # fmt: skip
+                    constexprs,
                     warps,
                     stages,
                 )
@@ -114,12 +116,7 @@ def cases() -> list[tuple[str, Callable[[], Any], dict[str, Any], int, int]]:
         (
             "merge_splits splits=8",
             lambda: triton_decode._merge_splits_kernel,
-            {
-                "NUM_SPLITS": 8,
-                "SPLITS_PAD": 8,
-                "HEAD_DIM": 128,
-                "USE_PDL": True,
-            },  # fmt: skip
+            {"NUM_SPLITS": 8, "SPLITS_PAD": 8, "HEAD_DIM": HEAD_DIM, "USE_PDL": True},
             4,
             1,
         )
