@@ -153,8 +153,8 @@ def host_harli_config(device: str, ttft_slo_ms: float | None = None) -> HarliCon
     """Harli's knobs on a runtime host: on CUDA a first launch is charged
     `GPU_LAUNCH_OVERHEAD_PRIOR_MS` and quanta are capped at `GPU_MAX_QUANTUM_MS`; with the
     deployment's `ttft_slo_ms`, idle time slices are at most `IDLE_SLICE_TTFT_SHARE` of it (and
-    never over `max_quantum_ms`). On the H200 at f55939a,
-    slices of up to 150 ms took harli's TTFT p99 to 30-82 ms against decode alone's 17-40."""
+    never over `max_quantum_ms`). On the H200 at f55939a, slices of up to 150 ms took harli's
+    TTFT p99 to 30-82 ms against decode alone's 17-40."""
     if ttft_slo_ms is not None and not ttft_slo_ms > 0:
         raise ValueError(f"ttft_slo_ms must be > 0 or None, got {ttft_slo_ms}")
     base = HarliConfig()
