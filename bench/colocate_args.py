@@ -104,6 +104,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "overlaps the step); --no-launch-during-decode: before the step",
     )
     parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=EngineConfig.async_scheduling,
+        help="the engine launches each decode step before reading the previous one back "
+        "(EngineConfig.async_scheduling, whose default this follows), and the loop plans the "
+        "next iteration inside the step (gpu_runtime.colocation.ahead); every policy runs so",
+    )
+    parser.add_argument(
         "--decode-groups",
         default=",".join(map(str, DEFAULT_DECODE_GROUPS)),
         help="decode SMs / 8 per split (default: the host agent's)",

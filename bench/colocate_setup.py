@@ -172,6 +172,7 @@ def setup_engine(
         mixed_cuda_graphs=args.mixed_graphs,
         partition_gemm_sm_target=args.partition_gemm_sm_target,
         decode_programmatic_launch_rows=args.decode_programmatic_launch_rows,
+        async_scheduling=args.async_scheduling,
     )
     engine = Engine(model, engine_config)
     sharing = None
@@ -237,6 +238,7 @@ def setup_engine(
             "chunk_attention": engine_config.chunk_attention,
             "partition_gemm_sm_target": engine_config.partition_gemm_sm_target,
             "decode_programmatic_launch_rows": engine_config.decode_programmatic_launch_rows,
+            "async_scheduling": engine_config.async_scheduling,
             "mixed_graph_token_sizes": (
                 engine_config.mixed_graph_token_sizes() if engine_config.mixed_cuda_graphs else None
             ),

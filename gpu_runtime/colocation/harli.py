@@ -56,7 +56,7 @@ decode alone's typical iteration), ``violation_step`` is added, decaying by
 
 from __future__ import annotations
 
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gpu_runtime.colocation.baselines import memory_cap_tokens
@@ -82,6 +82,16 @@ from gpu_runtime.colocation.types import (
     LaunchMode,
 )
 from gpu_runtime.colocation.typical import moves_to_whole
+
+
+@dataclass(frozen=True)
+class _PlanMemo:
+    """What `HarliPolicy.observe` needs of the plan an iteration ran (`IterationPlan.memo`)."""
+
+    launch_planned: tuple[float, bool] | None
+    """(expected launch cost, cold) of a whole quantum launched beside decode."""
+    backing_off: bool
+    running_over: bool
 
 
 class HarliPolicy(HarliChoices, CoLocationPolicy):
@@ -130,6 +140,11 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
 
     # ---- planning -----------------------------------------------------------------------
     def plan(self, ctx: IterationContext) -> IterationPlan:
+        plan = self._plan(ctx)
+        memo = _PlanMemo(self._launch_planned, self._backing_off, self._running_over)
+        return replace(plan, memo=memo)
+
+    def _plan(self, ctx: IterationContext) -> IterationPlan:
         self.decisions += 1
         self._launch_planned = None
         self._backing_off = False
@@ -318,27 +333,30 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             key = None if quantum.mode is LaunchMode.AFTER_DECODE else quantum.decode_sms
             self.durations.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
         busy = record.decode_batch or record.prefill_tokens
-        planned = self._launch_planned  # this iteration launched a whole quantum beside
+        memo = record.plan_memo if isinstance(record.plan_memo, _PlanMemo) else None
+        if memo is None:  # a record of another loop: this policy's latest plan
+            memo = _PlanMemo(self._launch_planned, self._backing_off, self._running_over)
+        planned = memo.launch_planned  # this iteration launched a whole quantum beside
         if busy and planned is not None and not planned[1] and record.predicted_ms is not None:
             self.launch_overhead.observe(record.predicted_ms - planned[0], record.iteration_ms)
         if busy and self._slo_ms is not None:  # backoff iterations too: the breach term ages
             slo = self._slo_ms
             breached = any(f.tpot_ms is not None and f.tpot_ms > slo for f in record.finished)
-            breached |= self._running_over
+            breached |= memo.running_over
             # An iteration of decode alone (paused, nothing safe) is judged without this
             # policy's own plan time: a full search that found nothing cost 0.75 ms on the
             # H200 at 1800ced, which a prediction learnt from cheap plans does not hold; counted
             # as error it kept the margin at 0.38-0.44, so every plan searched and found
             # nothing again (1.2 s paused at the start of Llama-3-8B's low trace).
             observed = record.iteration_ms
-            if not (record.in_flight or record.finetune_launched):
+            if not (record.in_flight or record.finetune_launched or record.planned_ahead):
                 observed = max(observed - record.plan_ms, 0.0)
             self.margins.observe(record.predicted_ms, observed, slo, breached)
         learn = getattr(self.latency, "observe_record", None)  # models that learn online
         # Not from a launch iteration (its extra is launch_overhead's), nor from a pause that
         # asked nothing (the model would be asked now for its base prediction: the host time
         # the backoff saves; decode alone on the whole device is learnt from the other ones).
-        if learn is not None and planned is None and not self._backing_off:
+        if learn is not None and planned is None and not memo.backing_off:
             job = self._jobs.get(record.quanta[0].job_id) if record.quanta else None
             seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
             learn(record, seq_len, rank)

@@ -11,6 +11,9 @@ Each ``run_iteration()``:
    CONCURRENT quantum starts once the step is queued, before the host waits for it;
 4. times every token against its request's previous one and emits an ``IterationRecord`` to the
    metrics sink and to ``policy.observe``.
+With an engine that schedules asynchronously (`EngineConfig.async_scheduling`), steps 1-2 of the
+next iteration run inside this one's step, while the device computes, whenever the engine
+launches the next step ahead (`gpu_runtime.colocation.ahead`).
 Not thread-safe: one thread owns the loop and its engine (the finetune worker thread only runs
 ``step_quantum`` of the job it was handed).
 """
@@ -21,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any, cast
 
+from gpu_runtime.colocation.ahead import LoopAhead, PlannedIteration
 from gpu_runtime.colocation.executor import (
     QuantumExecutor,
     QuantumTask,
@@ -112,6 +116,9 @@ class HostLoop:
         self._tokens = TokenClock()
         self._index = 0
         self._finetune_streams: tuple[tuple[int | None, int], ...] | None = None
+        self._ahead = LoopAhead(self)
+        self.pending: PlannedIteration | None = None
+        """The next iteration's plan, made while the current step ran (async engines)."""
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -192,24 +199,24 @@ class HostLoop:
     def run_iteration(self) -> IterationRecord:
         """Plan, launch, decode, account (see the module docstring); returns the record."""
         started = self.clock()
-        reports = self._collect()
-        if self.memory is not None:  # before planning: a reclaim changes the finetune budget
-            self.memory.before_decode()
-        snapshot = decode_snapshot(self.engine)
-        ctx = self._context(started, snapshot)
-        planning = self.clock()
-        plan = self.policy.plan(ctx)
-        plan_ms = (self.clock() - planning) * 1e3
-        validate_plan(plan, ctx)
+        planned, self.pending = self.pending, None
+        if planned is None:
+            planned = self.plan_iteration(started)
+        snapshot, ctx, plan, reports = planned.snapshot, planned.ctx, planned.plan, planned.reports
         decode_stream = finetune_stream = None
         if self.sharing is not None and plan.decode_sms is not None:
             decode_stream, finetune_stream = self.sharing.partition(plan.decode_sms)
-        concurrent = [launch for launch in plan.launches if launch.mode is LaunchMode.CONCURRENT]
+        concurrent = [
+            launch
+            for launch in plan.launches
+            if launch.mode is LaunchMode.CONCURRENT and not planned.launched
+        ]
 
         def submit() -> None:
             while concurrent:
                 launch = concurrent.pop(0)
-                self.executor.submit(self._task(launch.job_id, launch, plan, finetune_stream))
+                task = self.quantum_task(launch.job_id, launch, plan, finetune_stream)
+                self.executor.submit(task)
 
         if not self.launch_during_decode:
             submit()
@@ -217,10 +224,12 @@ class HostLoop:
         outputs = self._decode(decode_stream, plan.decode_sms, submit)
         submit()  # a step that ran nothing called no hook
         beside = self.executor.in_flight
+        if self.pending is not None and self.pending.launched:
+            beside = None  # launched for the step ahead: it waited for this one to end
         emitted = self.clock()
         for launch in plan.launches:
             if launch.mode is LaunchMode.AFTER_DECODE:
-                report = self.executor.run_now(self._task(launch.job_id, launch, plan))
+                report = self.executor.run_now(self.quantum_task(launch.job_id, launch, plan))
                 self._account(report, alone=True)
                 reports.append(report)
         observed_ms = (self.clock() - decode_start) * 1e3
@@ -258,13 +267,29 @@ class HostLoop:
             in_flight=beside is not None,
             beside_tokens=0 if beside is None else beside.max_tokens,
             beside_decode_sms=None if beside is None else beside.decode_sms,
-            plan_ms=plan_ms,
+            plan_ms=planned.plan_ms,
+            plan_memo=plan.memo,
+            planned_ahead=planned.ahead,
         )
         self._index += 1
         self.policy.observe(record)
         if self.metrics_sink is not None:
             self.metrics_sink(record)
         return record
+
+    def plan_iteration(self, now: float) -> PlannedIteration:
+        """Collect finished quanta, let the memory pool make room, read the coming decode work
+        and ask the policy for its plan (checked)."""
+        reports = self._collect()
+        if self.memory is not None:  # before planning: a reclaim changes the finetune budget
+            self.memory.before_decode()
+        snapshot = decode_snapshot(self.engine)
+        ctx = self._context(now, snapshot)
+        planning = self.clock()
+        plan = self.policy.plan(ctx)
+        plan_ms = (self.clock() - planning) * 1e3
+        validate_plan(plan, ctx)
+        return PlannedIteration(reports, snapshot, ctx, plan, plan_ms)
 
     def run_until_idle(self, max_iterations: int = 1_000_000) -> list[IterationRecord]:
         """Iterate until no request is pending and no job can run (tests, batch runs)."""
@@ -363,9 +388,11 @@ class HostLoop:
         and the tokens ``max_tokens`` still allows."""
         return self._tokens.views(getattr(self.engine.scheduler, "requests", None))
 
-    def _task(
+    def quantum_task(
         self, job_id: str, launch: Any, plan: IterationPlan, stream: Any = None
     ) -> QuantumTask:
+        """The executor's task for one of ``plan``'s launches (the job goes to the back of
+        the round robin)."""
         # Round robin: the launched job goes to the back of the order.
         self._order.remove(job_id)
         self._order.append(job_id)
@@ -392,12 +419,13 @@ class HostLoop:
     def _decode(
         self, stream: Any, decode_sms: int | None, on_launched: Callable[[], None]
     ) -> list[RequestOutput]:
+        ahead = self._ahead
         if stream is None:
-            return self.engine.step(partition=decode_sms, on_launched=on_launched)
+            return self.engine.step(decode_sms, on_launched, ahead)
         import torch
 
         with torch.cuda.stream(stream):
-            return self.engine.step(partition=decode_sms, on_launched=on_launched)
+            return self.engine.step(decode_sms, on_launched, ahead)
 
     def _collect(self) -> list[QuantumReport]:
         """Account the reports of concurrent quanta that finished since the last poll."""

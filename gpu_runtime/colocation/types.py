@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Any
 
 
 class PlanError(ValueError):
@@ -207,6 +208,9 @@ class IterationPlan:
         margin: the safety margin the decision used (fraction of the SLO), if any.
         paused: True when the policy wanted finetuning but judged no choice safe.
         note: free-form reason, kept in the record.
+        memo: the policy's own note on the plan, handed back in the record
+            (``IterationRecord.plan_memo``): what ``observe`` needs of its plan, which a
+            loop planning ahead may already have replaced by the next one.
     """
 
     decode_sms: int | None = None
@@ -216,6 +220,7 @@ class IterationPlan:
     margin: float | None = None
     paused: bool = False
     note: str = ""
+    memo: Any = None
 
     @property
     def finetune_tokens_planned(self) -> int:
@@ -308,8 +313,14 @@ class IterationRecord:
     beside_decode_sms: int | None = None
     """The split that quantum was launched with (its SMs are the rest of the device)."""
     plan_ms: float = 0.0
-    """Host time of the policy's ``plan`` this iteration (part of ``iteration_ms``: every token
-    of the iteration waits for it)."""
+    """Host time of the policy's ``plan`` for this iteration (part of ``iteration_ms``, so
+    every token of the iteration waits for it, unless the loop planned it ahead inside the
+    previous iteration's step: `gpu_runtime.colocation.ahead`)."""
+    plan_memo: Any = None
+    """``IterationPlan.memo`` of the plan this iteration ran."""
+    planned_ahead: bool = False
+    """The plan was made inside the previous iteration's step (`gpu_runtime.colocation.ahead`):
+    its ``plan_ms`` overlapped that step on the device instead of delaying this one."""
     extra: dict[str, float] = field(default_factory=dict)
 
     @property

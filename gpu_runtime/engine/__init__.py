@@ -2,7 +2,7 @@
 
 from gpu_runtime.engine.block_manager import BlockManager, NoFreeBlocksError
 from gpu_runtime.engine.config import EngineConfig, EngineConfigError
-from gpu_runtime.engine.engine import Engine, UnknownAdapterError
+from gpu_runtime.engine.engine import Engine, StepAhead, UnknownAdapterError
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.request import (
@@ -36,6 +36,7 @@ __all__ = [
     "RequestStatus",
     "SamplingParams",
     "SamplingParamsError",
+    "StepAhead",
     "Scheduler",
     "SchedulerOutput",
     "TokenLogprob",

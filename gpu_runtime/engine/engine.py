@@ -7,7 +7,7 @@ import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
@@ -44,6 +44,18 @@ class StepTimes(NamedTuple):
     """Waiting for the device at the one host sync."""
     post: float
     """After the sync: tokens into runner and scheduler state, stop rules, outputs."""
+
+
+class StepAhead(Protocol):
+    """A caller's say over the step that `Engine.step` launches ahead (async scheduling)."""
+
+    def plan(self) -> tuple[Hashable, Any] | None:
+        """Called once the next step is known (this step's tokens counted as placeholders,
+        before it is scheduled): its `(partition, stream)` (stream None: the current one), or
+        None to launch nothing ahead (the next call then runs its step synchronously)."""
+
+    def launched(self) -> None:
+        """Called right after the step ahead was launched."""
 
 
 class UnknownAdapterError(ValueError):
@@ -172,18 +184,23 @@ class Engine:
 
     # ---- the loop ---------------------------------------------------------------------------
     def step(
-        self, partition: Hashable = None, on_launched: Callable[[], None] | None = None
+        self,
+        partition: Hashable = None,
+        on_launched: Callable[[], None] | None = None,
+        ahead: StepAhead | None = None,
     ) -> list[RequestOutput]:
         """Schedule, execute, sample, apply stop rules; returns outputs of sampled requests.
 
         With `config.async_scheduling`, a call may launch the next decode step before it
         reads this one's tokens back (see `EngineConfig.async_scheduling`); each call still
-        returns the outputs of one step. `on_launched` is called once the step's device work
-        is queued and before the host waits for it (the co-location loop launches a finetune
-        quantum there, so its host work overlaps the step on the device); not called when the
-        call runs no step."""
+        returns the outputs of one step. The step ahead runs on `partition` unless `ahead`
+        chooses its partition and stream, or declines it (`StepAhead`: the co-location loop
+        plans the next iteration there, while this step runs on the device). `on_launched`
+        is called once this call's step is queued and before the host waits for it (the
+        co-location loop launches a finetune quantum there, so its host work overlaps the step
+        on the device); not called when the call runs no step."""
         if self.config.async_scheduling:
-            return self._step_async(partition, on_launched)
+            return self._step_async(partition, on_launched, ahead)
         started = time.perf_counter()
         plan = self.scheduler.schedule()
         scheduled = time.perf_counter()
@@ -249,10 +266,14 @@ class Engine:
             )
 
     def _step_async(
-        self, partition: Hashable, on_launched: Callable[[], None] | None = None
+        self,
+        partition: Hashable,
+        on_launched: Callable[[], None] | None = None,
+        ahead: StepAhead | None = None,
     ) -> list[RequestOutput]:
         """One step's outputs; the next decode step is launched before they are read back
-        whenever `_can_overlap` allows it (then it is this call's successor's step)."""
+        whenever `_can_overlap` allows it and `ahead` does not decline (then it is this
+        call's successor's step)."""
         started = time.perf_counter()
         scheduler, runner = self.scheduler, self.runner
         outputs: list[RequestOutput] = []
@@ -271,19 +292,26 @@ class Engine:
         else:
             plan, handle = inflight
         scheduled = time.perf_counter() - launch - sample
+        hook_error = _call_hook(on_launched)
         following: tuple[SchedulerOutput, StepHandle] | None = None
         overlapped = self._can_overlap(plan, handle)
         if overlapped:
             # count the step's tokens as known (placeholders) and plan the next step on them
             unresolved = dict.fromkeys(handle.sampled_ids, UNRESOLVED_TOKEN)
             scheduler.update_from_output(plan, unresolved)
-            after = scheduler.schedule()
-            outputs += self._rejected_outputs()
-            if not after.is_empty:
-                following = (after, runner.launch(after, partition))
-                launch += runner.last_launch_seconds
-                sample += runner.last_sample_seconds
-        hook_error = _call_hook(on_launched)
+            target: tuple[Hashable, Any] | None = (partition, None)
+            if ahead is not None:
+                target, error = _ask_ahead(ahead.plan)
+                hook_error = hook_error or error
+            if target is not None:
+                after = scheduler.schedule()
+                outputs += self._rejected_outputs()
+                if not after.is_empty:
+                    following = (after, self._launch_ahead(after, *target))
+                    launch += runner.last_launch_seconds
+                    sample += runner.last_sample_seconds
+                    if ahead is not None:
+                        hook_error = hook_error or _call_hook(ahead.launched)
         result = runner.resolve(handle)
         if overlapped:
             requests = self._requests()
@@ -308,6 +336,19 @@ class Engine:
         if hook_error is not None:
             raise hook_error
         return outputs
+
+    def _launch_ahead(self, plan: SchedulerOutput, partition: Hashable, stream: Any) -> StepHandle:
+        """Launch the step ahead on `stream` (None: the current one), ordered after the
+        current stream's work (the step it reads its input tokens from)."""
+        if stream is None:
+            return self.runner.launch(plan, partition)
+        import torch
+
+        current = torch.cuda.current_stream()
+        if stream != current:
+            stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            return self.runner.launch(plan, partition)
 
     def _requests(self) -> dict[str, Request]:
         requests: dict[str, Request] = getattr(self.scheduler, "requests", {})
@@ -394,6 +435,17 @@ class Engine:
         when a request finished before it was read back."""
         self.runner.wait_for_launched()
         return self.block_manager.shrink(num_blocks)
+
+
+def _ask_ahead(
+    plan: Callable[[], tuple[Hashable, Any] | None],
+) -> tuple[tuple[Hashable, Any] | None, Exception | None]:
+    """`StepAhead.plan`'s answer; an error declines the step ahead and is raised once this
+    call's step has been read back and applied, as `on_launched`'s is."""
+    try:
+        return plan(), None
+    except Exception as exc:
+        return None, exc
 
 
 def _call_hook(hook: Callable[[], None] | None) -> Exception | None:
