@@ -10,6 +10,7 @@ from colocate_report import POLICIES
 
 from bench.cli_types import positive_ints
 from gpu_runtime.agent.config import DEFAULT_DECODE_GROUPS
+from gpu_runtime.colocation.ahead import ASYNC_SCHEDULING
 from gpu_runtime.colocation.harli_config import GPU_MAX_QUANTUM_MS
 from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.engine.config import EngineConfig
@@ -106,10 +107,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=EngineConfig.async_scheduling,
+        default=ASYNC_SCHEDULING,
         help="the engine launches each decode step before reading the previous one back "
-        "(EngineConfig.async_scheduling, whose default this follows), and the loop plans the "
-        "next iteration inside the step (gpu_runtime.colocation.ahead); every policy runs so",
+        "(EngineConfig.async_scheduling) and the loop plans the next iteration inside the "
+        "step (gpu_runtime.colocation.ahead; the host agent's default, ASYNC_SCHEDULING); "
+        "every policy runs so. --no-async-scheduling: synchronous steps",
     )
     parser.add_argument(
         "--decode-groups",

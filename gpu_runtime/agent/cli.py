@@ -185,6 +185,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
     from gpu_runtime.agent.protocol import report
     from gpu_runtime.agent.runtime import HostRuntime, submit_command
     from gpu_runtime.agent.serving import EngineSpec
+    from gpu_runtime.colocation.ahead import ASYNC_SCHEDULING
     from gpu_runtime.engine import EngineConfig
     from gpu_runtime.model.tiny import build_tiny_model_dir
     from gpu_runtime.server import EngineLoop, MetricsCollector, create_app
@@ -207,6 +208,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
             max_model_len=config.max_model_len,
             device=config.device,
             mixed_cuda_graphs=config.mixed_cuda_graphs,
+            async_scheduling=ASYNC_SCHEDULING,  # the loop plans each step ahead
         ),
         dtype=config.dtype,
         lora_slots=config.lora_slots,

@@ -25,6 +25,14 @@ from gpu_runtime.colocation.types import (
     QuantumReport,
 )
 
+ASYNC_SCHEDULING = True
+"""Whether a co-location host's engine schedules asynchronously (`EngineConfig.async_scheduling`,
+so its loop plans ahead): the host agent's engine and `bench/colocate.py --async-scheduling`.
+On the H200 at 3a3d0b1 (`bench/results/colocate-async*-h200-20261201.json`), decode_only's
+TPOT p50 fell 8-12% on every trace of both models against the synchronous runs of the same day,
+and harli kept 99% on every trace of both (Qwen2.5-7B had missed it at high and bursty with the
+synchronous loop that morning, its violators running with no quantum beside them)."""
+
 if TYPE_CHECKING:
     from gpu_runtime.colocation.loop import HostLoop
 
