@@ -115,7 +115,8 @@ class EngineConfig:
     Blocks freed at a step's end may still be written by the step launched after it (stream
     order), so a memory pool must synchronize the stream before unmapping them. Off by
     default: a caller that times `step()`, or changes `partition` (stream, SM split) from one
-    call to the next, sees the step launched by the previous call (the co-location loop)."""
+    call to the next, sees the step launched by the previous call unless it chooses the step
+    ahead's partition itself (`Engine.step`'s `ahead`, as the co-location loop does)."""
     use_cuda_graphs: bool = True
     """Capture the decode step per batch bucket (CUDA only; ignored on CPU)."""
     cuda_graph_batch_sizes: tuple[int, ...] = DEFAULT_GRAPH_BATCH_SIZES

@@ -77,7 +77,10 @@ class _Watched(CoLocationPolicy):
         self.inner.observe(record)
 
 
-def _run(engine: Engine, policy: CoLocationPolicy, examples: Any, params: SamplingParams) -> Any:
+def _loop(
+    engine: Engine, policy: CoLocationPolicy, examples: Any, params: SamplingParams
+) -> tuple[HostLoop, list[str], dict[str, list[int]]]:
+    """A loop with the prompts queued and job "j" added; outputs by request id."""
     outputs: dict[str, list[int]] = {}
     loop = HostLoop(
         engine,
@@ -87,6 +90,11 @@ def _run(engine: Engine, policy: CoLocationPolicy, examples: Any, params: Sampli
     )
     ids = [loop.add_request(p, params) for p in PROMPTS]
     loop.add_job("j", _trainer(engine, examples))
+    return loop, ids, outputs
+
+
+def _run(engine: Engine, policy: CoLocationPolicy, examples: Any, params: SamplingParams) -> Any:
+    loop, ids, outputs = _loop(engine, policy, examples, params)
     records = loop.run_until_idle(max_iterations=500)
     loop.close()
     return loop, records, [outputs[i] for i in ids]
@@ -189,15 +197,7 @@ def test_a_plan_that_fails_ahead_is_raised_after_the_step_and_the_loop_goes_on(
 ) -> None:
     engine = _async_engine()
     policy = _Watched(_FailsOnce(at=6), engine)
-    outputs: dict[str, list[int]] = {}
-    loop = HostLoop(
-        engine,
-        policy,
-        tpot_slo_ms=1e6,
-        output_sink=lambda batch: outputs.update({o.request_id: o.output_token_ids for o in batch}),
-    )
-    ids = [loop.add_request(p, LONG) for p in PROMPTS]
-    loop.add_job("j", _trainer(engine, train_examples))
+    loop, ids, outputs = _loop(engine, policy, train_examples, LONG)
     with pytest.raises(RuntimeError, match="plan failed"):
         for _ in range(50):
             loop.run_iteration()
