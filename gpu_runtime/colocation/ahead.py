@@ -7,8 +7,11 @@ the policy's plan, the snapshot and the loop's bookkeeping run while the device 
 the step ahead is launched on the split the plan chose. The plan's CONCURRENT quantum is
 launched right after the step ahead, on a finetune stream that first waits for the current
 step to end (a CUDA event), so it runs beside the step it was planned with. A plan that puts a
-quantum after decode, or a loop with a memory pool (which must make room before a step is
-scheduled), declines: the next iteration then runs its step synchronously with that plan.
+quantum after decode declines: the next iteration then runs its step synchronously with that
+plan. With a memory pool, the pool makes room for the step ahead there too
+(`memory.before_decode`, before it is scheduled), and its `after_decode` for the current
+iteration runs while the step ahead computes, as `MemoryManager.maintain` expects; the pool
+waits for that step before it unmaps any KV page (`MemoryManager.before_decode_unmap`).
 """
 
 from __future__ import annotations
@@ -63,8 +66,6 @@ class LoopAhead:
 
     def plan(self) -> tuple[Hashable, Any] | None:
         loop = self.loop
-        if loop.memory is not None:
-            return None
         planned = loop.plan_iteration(loop.clock())
         planned.ahead = True
         loop.pending = planned

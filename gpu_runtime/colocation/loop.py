@@ -200,6 +200,10 @@ class HostLoop:
         """Plan, launch, decode, account (see the module docstring); returns the record."""
         started = self.clock()
         planned, self.pending = self.pending, None
+        if planned is not None and self._names_a_gone_job(planned):
+            earlier = planned.reports  # planned ahead, then its job was paused or removed
+            planned = self.plan_iteration(started)
+            planned.reports[:0] = earlier
         if planned is None:
             planned = self.plan_iteration(started)
         snapshot, ctx, plan, reports = planned.snapshot, planned.ctx, planned.plan, planned.reports
@@ -364,6 +368,16 @@ class HostLoop:
             worst_running_tpot_ms=max((r.tpot_ms for r in running), default=None),
             running=running,
         )
+
+    def _names_a_gone_job(self, planned: PlannedIteration) -> bool:
+        """A plan made ahead, not yet launched, whose job can no longer run a quantum."""
+        if planned.launched:
+            return False
+        for launch in planned.plan.launches:
+            job = self._jobs.get(launch.job_id)
+            if job is None or not job.runnable:
+                return True
+        return False
 
     def _release_memory(self) -> ReleasePlanMemory:
         return cast(ReleasePlanMemory, self.memory)  # checked in __init__

@@ -162,6 +162,7 @@ class EngineMemory:
         if engine.runner.kv_cache.storage.data_ptr() != self.manager.pool.kv_storage().data_ptr():
             raise MemoryPoolError("the engine's KV storage is not the pool's range")
         self.binding.attach(engine.block_manager)
+        self.manager.before_decode_unmap = engine.runner.wait_for_launched
         self._engine = engine
         self.process_wide_peaks = bool(engine.config.is_cuda)
 

@@ -87,6 +87,11 @@ class MemoryManager(FinetuneBudgetMixin):
         """The finetune side's release of its largest separately pooled CUDA-graph shape (the
         graphs dropped; 0 when none is), called only from `refill_reserve`, i.e. between
         quanta: see `_release_finetune_graphs`. None (the default): never called."""
+        self.before_decode_unmap: Callable[[], object] | None = None
+        """Called before decode's KV pages are unmapped: waits for any decode step still on
+        the device that may write them (`EngineMemory.attach` sets the engine's
+        `runner.wait_for_launched`: with async scheduling, a step launched ahead for a request
+        that has since stopped writes blocks already freed). None: nothing to wait for."""
         self._finetune_recompute: bool | None = None  # the last launch's mode
         initial = min(
             max(self.config.min_decode_pages, self.config.reserve_low_pages),
@@ -288,6 +293,8 @@ class MemoryManager(FinetuneBudgetMixin):
             self._iterations_above_high = 0
             return
         before = self.pool.kv_prefix_pages
+        if self.before_decode_unmap is not None:
+            self.before_decode_unmap()
         self.pool.shrink_decode(count)
         self.counters.kv_shrinks += 1
         self.counters.decode_pages_unmapped += count

@@ -179,6 +179,36 @@ def test_a_plan_with_a_quantum_after_decode_declines_the_step_ahead(train_exampl
     assert loop.job_state("j").tokens_trained == sum(r.finetune_tokens for r in records)
 
 
+@pytest.mark.parametrize("change", ["pause", "remove"])
+def test_a_plan_kept_from_ahead_is_made_again_when_its_job_stops_between_calls(
+    train_examples: Any, change: str
+) -> None:
+    """A declined plan is kept for the next call; pausing or removing its job in between makes
+    the loop plan that iteration again instead of launching the job."""
+    engine = _async_engine()
+    loop, ids, outputs = _loop(engine, _AfterDecodeEveryOther(), train_examples, LONG)
+    for _ in range(40):
+        loop.run_iteration()
+        kept = loop.pending
+        if kept is not None and kept.plan.launches and not kept.launched:
+            break
+    else:
+        pytest.fail("no plan with a quantum after decode was kept from ahead")
+    if change == "pause":
+        loop.pause_job("j")
+    else:
+        loop.remove_job("j")
+    record = loop.run_iteration()
+    assert not record.finetune_launched and not record.quanta
+    if change == "pause":
+        loop.resume_job("j")
+    records = loop.run_until_idle(max_iterations=500)
+    loop.close()
+    assert [outputs[i] for i in ids] == _decode_alone(LONG)
+    trained = any(r.quanta for r in records)
+    assert trained == (change == "pause")
+
+
 class _FailsOnce(NaivePolicy):
     def __init__(self, at: int) -> None:
         super().__init__(quantum_examples=1)

@@ -233,3 +233,116 @@ def test_engine_over_the_cuda_pool_matches_a_plain_engine(mixed_graphs: bool) ->
         del engine
     finally:
         pool.close()
+
+
+def test_a_loop_planning_ahead_over_the_cuda_pool_matches_a_plain_engine() -> None:
+    """The co-location loop over an async engine and the CUDA pool (the GPU host's defaults):
+    steps launched ahead, a LoRA job's quanta beside them, requests stopping on tokens (their
+    step ahead is discarded but may still write freed blocks; the pool waits for it before
+    unmapping KV pages, counted in the CPU test): the tokens of a plain synchronous engine,
+    the pool consistent."""
+    from gpu_runtime.colocation import HostLoop, NaivePolicy
+    from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+    from gpu_runtime.finetune.data import TokenizedExample
+    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.finetune.trainer import LoraTrainer
+    from gpu_runtime.memory import EngineMemory
+    from gpu_runtime.model import build_random_model
+    from gpu_runtime.model.tiny import tiny_config
+
+    shape = dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+    )
+    model = build_random_model(
+        tiny_config("llama", **shape), seed=4, device="cuda", dtype="bfloat16"
+    )
+    fields = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 70, 12, 33, 9, 40)]
+    plain = Engine(model, EngineConfig(num_kv_blocks=64, device="cuda", **fields))  # type: ignore[arg-type]
+    plain.capture_cuda_graphs()
+
+    def run_plain(engine: Engine, params: list[SamplingParams]) -> list[list[int]]:
+        ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+        done: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():  # queued up front, as the loop's below
+            done |= {o.request_id: o.output_token_ids for o in engine.step() if o.finished}
+        return [done[i] for i in ids]
+
+    greedy = SamplingParams(max_tokens=48, temperature=0.0, detokenize=False, ignore_eos=True)
+    free = run_plain(plain, [greedy] * len(prompts))
+    # Each request stops on the token it would sample at step 12 + 4 i (or earlier, where that
+    # token came before): stops on tokens mid-batch, whose steps ahead are discarded.
+    params = [
+        SamplingParams(
+            max_tokens=48,
+            temperature=0.0,
+            detokenize=False,
+            ignore_eos=True,
+            stop_token_ids=(tokens[12 + 4 * i],),
+        )
+        for i, tokens in enumerate(free)
+    ]
+    expected = run_plain(plain, params)
+    assert all(len(t) < 48 for t in expected)
+    del plain
+    torch.cuda.empty_cache()
+
+    pool = create_page_pool(device="cuda", pool_bytes=512 * MIB, pinned_tail_pages=1)
+    try:
+        config = MemoryPolicyConfig(
+            reserve_low_pages=16,
+            reserve_high_pages=32,
+            max_step_pages=16,
+            shrink_after_iterations=2,
+        )
+        memory = EngineMemory.prepare(
+            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, policy=config
+        )
+        pooled = {**fields, **memory.engine_config_fields()}
+        engine_config = EngineConfig(device="cuda", async_scheduling=True, **pooled)  # type: ignore[arg-type]
+        engine = Engine(model, engine_config, kv_storage_factory=memory.binding.storage_factory)
+        memory.attach(engine)
+        engine.capture_cuda_graphs()
+        memory.decode_ready()
+        examples = [
+            TokenizedExample(tuple(ids), tuple(ids))
+            for ids in torch.randint(1, 1000, (8, 32), generator=gen).tolist()
+        ]
+        hparams = resolve_hyperparameters(
+            n_train_examples=8, n_epochs=2, batch_size=2, lora=LoraSpec(rank=8, alpha=16), seed=0
+        )
+        with memory.finetune_allocations():
+            trainer = LoraTrainer(model, examples, hparams)
+        outputs: dict[str, list[int]] = {}
+        loop = HostLoop(
+            engine,
+            NaivePolicy(quantum_examples=1),
+            tpot_slo_ms=1e9,
+            memory=memory,
+            output_sink=lambda batch: outputs.update(
+                {o.request_id: o.output_token_ids for o in batch}
+            ),
+        )
+        memory.finetune_busy = lambda: loop.executor.in_flight is not None
+        memory.manager.set_finetune_demand(256 * MIB)
+        loop.add_job("ft", trainer)
+        ids = [loop.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+        records = loop.run_until_idle(max_iterations=2000)
+        loop.close()
+        torch.cuda.synchronize()
+        assert [outputs[i] for i in ids] == expected
+        assert sum(r.planned_ahead for r in records) > 0
+        assert engine.runner.num_discarded_steps > 0  # steps ahead of requests that stopped
+        assert loop.job_state("ft").finished and loop.job_state("ft").failed is None
+        assert memory.manager.counters.finetune_budget_violations == 0
+        pool.check()
+        del engine
+    finally:
+        pool.close()

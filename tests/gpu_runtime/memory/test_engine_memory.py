@@ -35,7 +35,9 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [torch.randint(1, 480, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _pooled_engine(model: CausalLM, pages: int) -> tuple[Engine, EngineMemory]:
+def _pooled_engine(model: CausalLM, pages: int, **extra: Any) -> tuple[Engine, EngineMemory]:
+    """An engine over a CPU pool of `pages` one-block pages; `extra`: more `EngineConfig`
+    fields."""
     layout = engine_kv_layout(model.config, block_size=4, dtype="float32", page_bytes=1)
     page = layout.block_bytes  # one block per page
     pool = create_page_pool(
@@ -55,7 +57,8 @@ def _pooled_engine(model: CausalLM, pages: int) -> tuple[Engine, EngineMemory]:
     memory = EngineMemory.prepare(
         pool, model.config, block_size=4, kv_dtype="float32", max_model_len=64, policy=policy
     )
-    config = EngineConfig(**ENGINE, **memory.engine_config_fields())  # type: ignore[arg-type]
+    fields = {**ENGINE, **memory.engine_config_fields(), **extra}
+    config = EngineConfig(**fields)
     engine = Engine(model, config, kv_storage_factory=memory.binding.storage_factory)
     memory.attach(engine)
     return engine, memory
@@ -158,6 +161,68 @@ def test_the_host_loop_runs_decode_and_a_lora_job_over_the_pool(model: CausalLM)
     assert finished == set(ids)
     assert loop.job_state("ft").finished and loop.job_state("ft").failed is None
     assert max(r.memory_lent_bytes or 0 for r in records) > 0
+    memory.manager.pool.check()
+
+
+def test_a_loop_planning_ahead_over_the_pool_decodes_as_a_plain_engine(model: CausalLM) -> None:
+    """Async scheduling over the pool: the loop plans (and the pool makes room for) each step
+    ahead inside the current one, the pool's maintenance runs while the step ahead computes,
+    and it waits for that step before unmapping KV pages."""
+    from gpu_runtime.colocation import HostLoop, NaivePolicy
+    from gpu_runtime.finetune.data import TokenizedExample
+    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.finetune.trainer import LoraTrainer
+
+    params = [
+        SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True)
+        for n in (12, 20, 6, 16)
+    ]
+    prompts = _prompts(6, (6, 20, 9, 30))
+    plain = Engine(model, EngineConfig(num_kv_blocks=128, **ENGINE))  # type: ignore[arg-type]
+    expected = [
+        plain.generate([p], q)[0].output_token_ids for p, q in zip(prompts, params, strict=True)
+    ]
+
+    static = dict(static_decode_batches=True, cuda_graph_batch_sizes=(1, 2, 4, 8))
+    engine, memory = _pooled_engine(model, pages=48, async_scheduling=True, **static)
+    assert memory.manager.before_decode_unmap == engine.runner.wait_for_launched
+    waits: list[int] = []
+    wait_for_launched = engine.runner.wait_for_launched
+
+    def counted() -> None:
+        waits.append(memory.manager.pool.kv_prefix_pages)
+        wait_for_launched()
+
+    memory.manager.before_decode_unmap = counted
+    gen = torch.Generator().manual_seed(5)
+    examples = [
+        TokenizedExample(tuple(ids), tuple(ids))
+        for ids in torch.randint(1, 480, (8, 12), generator=gen).tolist()
+    ]
+    hparams = resolve_hyperparameters(
+        n_train_examples=8, n_epochs=2, batch_size=2, lora=LoraSpec(rank=4, alpha=8), seed=0
+    )
+    outputs: dict[str, list[int]] = {}
+    loop = HostLoop(
+        engine,
+        NaivePolicy(quantum_examples=1),
+        tpot_slo_ms=1e9,
+        memory=memory,
+        output_sink=lambda batch: outputs.update({o.request_id: o.output_token_ids for o in batch}),
+    )
+    memory.finetune_busy = lambda: loop.executor.in_flight is not None
+    memory.manager.set_finetune_demand(16 * memory.manager.pool.page_bytes)
+    loop.add_job("ft", LoraTrainer(model, examples, hparams))
+    ids = [loop.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
+    records = loop.run_until_idle(max_iterations=400)
+    loop.close()
+    assert [outputs[i] for i in ids] == expected
+    assert sum(r.planned_ahead for r in records) >= 5
+    assert loop.job_state("ft").finished and loop.job_state("ft").failed is None
+    counters = memory.manager.counters
+    assert counters.kv_shrinks > 0 and len(waits) == counters.kv_shrinks
+    assert counters.finetune_budget_violations == 0
+    assert engine.block_manager.num_usable_blocks == memory.manager.usable_blocks
     memory.manager.pool.check()
 
 
