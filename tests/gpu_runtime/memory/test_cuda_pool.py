@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -19,6 +21,25 @@ MIB = 1 << 20
 GIB = 1 << 30
 
 pytestmark = pytest.mark.gpu
+
+
+def _small_cuda_model() -> Any:
+    """A 4-layer Llama-shaped model (hidden 512, 1,000 tokens), bf16, random weights, on CUDA."""
+    from gpu_runtime.model import build_random_model
+    from gpu_runtime.model.tiny import tiny_config
+
+    shape = dict(
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        vocab_size=1000,
+    )
+    return build_random_model(
+        tiny_config("llama", **shape), seed=4, device="cuda", dtype="bfloat16"
+    )
 
 
 def _llama3_8b_layout(page_bytes: int) -> KVLayout:
@@ -170,21 +191,8 @@ def test_engine_over_the_cuda_pool_matches_a_plain_engine(mixed_graphs: bool) ->
     tokens write to the pool's pinned padding block."""
     from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
     from gpu_runtime.memory import EngineMemory
-    from gpu_runtime.model import build_random_model
-    from gpu_runtime.model.tiny import tiny_config
 
-    shape = dict(
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=1000,
-    )
-    model = build_random_model(
-        tiny_config("llama", **shape), seed=4, device="cuda", dtype="bfloat16"
-    )
+    model = _small_cuda_model()
     greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
     fields = dict(
         block_size=16,
@@ -247,21 +255,8 @@ def test_a_loop_planning_ahead_over_the_cuda_pool_matches_a_plain_engine() -> No
     from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
     from gpu_runtime.memory import EngineMemory
-    from gpu_runtime.model import build_random_model
-    from gpu_runtime.model.tiny import tiny_config
 
-    shape = dict(
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=1000,
-    )
-    model = build_random_model(
-        tiny_config("llama", **shape), seed=4, device="cuda", dtype="bfloat16"
-    )
+    model = _small_cuda_model()
     fields = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 70, 12, 33, 9, 40)]

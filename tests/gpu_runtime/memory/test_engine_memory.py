@@ -35,6 +35,17 @@ def _prompts(seed: int, lengths: tuple[int, ...]) -> list[list[int]]:
     return [torch.randint(1, 480, (n,), generator=gen).tolist() for n in lengths]
 
 
+def _examples(n: int) -> list[Any]:
+    """`n` LoRA examples of 12 random tokens, every token a target."""
+    from gpu_runtime.finetune.data import TokenizedExample
+
+    gen = torch.Generator().manual_seed(5)
+    return [
+        TokenizedExample(tuple(ids), tuple(ids))
+        for ids in torch.randint(1, 480, (n, 12), generator=gen).tolist()
+    ]
+
+
 def _pooled_engine(model: CausalLM, pages: int, **extra: Any) -> tuple[Engine, EngineMemory]:
     """An engine over a CPU pool of `pages` one-block pages; `extra`: more `EngineConfig`
     fields."""
@@ -135,16 +146,11 @@ def test_scheduler_demand_counts_next_chunks_and_waiting_prompts(model: CausalLM
 
 def test_the_host_loop_runs_decode_and_a_lora_job_over_the_pool(model: CausalLM) -> None:
     from gpu_runtime.colocation import HostLoop, NaivePolicy
-    from gpu_runtime.finetune.data import TokenizedExample
     from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
 
     engine, memory = _pooled_engine(model, pages=48)
-    gen = torch.Generator().manual_seed(5)
-    examples = [
-        TokenizedExample(tuple(ids), tuple(ids))
-        for ids in torch.randint(1, 480, (4, 12), generator=gen).tolist()
-    ]
+    examples = _examples(4)
     hparams = resolve_hyperparameters(
         n_train_examples=4, n_epochs=1, batch_size=2, lora=LoraSpec(rank=4, alpha=8), seed=0
     )
@@ -169,7 +175,6 @@ def test_a_loop_planning_ahead_over_the_pool_decodes_as_a_plain_engine(model: Ca
     ahead inside the current one, the pool's maintenance runs while the step ahead computes,
     and it waits for that step before unmapping KV pages."""
     from gpu_runtime.colocation import HostLoop, NaivePolicy
-    from gpu_runtime.finetune.data import TokenizedExample
     from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
 
@@ -194,11 +199,7 @@ def test_a_loop_planning_ahead_over_the_pool_decodes_as_a_plain_engine(model: Ca
         wait_for_launched()
 
     memory.manager.before_decode_unmap = counted
-    gen = torch.Generator().manual_seed(5)
-    examples = [
-        TokenizedExample(tuple(ids), tuple(ids))
-        for ids in torch.randint(1, 480, (8, 12), generator=gen).tolist()
-    ]
+    examples = _examples(8)
     hparams = resolve_hyperparameters(
         n_train_examples=8, n_epochs=2, batch_size=2, lora=LoraSpec(rank=4, alpha=8), seed=0
     )
