@@ -94,6 +94,10 @@ class _PlanMemo:
     running_over: bool
 
 
+_NO_PLAN = _PlanMemo(None, False, False)
+"""A record that carries no plan of this policy: nothing launched, no backoff, no breach."""
+
+
 class HarliPolicy(HarliChoices, CoLocationPolicy):
     """QoS-guaranteed, throughput-maximising co-location (see the module docstring)."""
 
@@ -333,9 +337,7 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             key = None if quantum.mode is LaunchMode.AFTER_DECODE else quantum.decode_sms
             self.durations.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
         busy = record.decode_batch or record.prefill_tokens
-        memo = record.plan_memo if isinstance(record.plan_memo, _PlanMemo) else None
-        if memo is None:  # a record of another loop: this policy's latest plan
-            memo = _PlanMemo(self._launch_planned, self._backing_off, self._running_over)
+        memo = record.plan_memo if isinstance(record.plan_memo, _PlanMemo) else _NO_PLAN
         planned = memo.launch_planned  # this iteration launched a whole quantum beside
         if busy and planned is not None and not planned[1] and record.predicted_ms is not None:
             self.launch_overhead.observe(record.predicted_ms - planned[0], record.iteration_ms)

@@ -286,6 +286,7 @@ class SimulatedHost:
                 in_flight=flight is not None,
                 beside_tokens=flight[0].max_tokens if flight else 0,
                 beside_decode_sms=flight[0].decode_sms if flight else None,
+                plan_memo=plan.memo,
             )
             records.append(record)
             policy.observe(record)

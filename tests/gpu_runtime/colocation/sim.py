@@ -81,6 +81,7 @@ def record(
         in_flight=bool(beside),
         beside_tokens=beside,
         beside_decode_sms=beside_sms,
+        plan_memo=plan.memo,
     )
 
 
