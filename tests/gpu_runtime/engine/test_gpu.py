@@ -10,6 +10,7 @@ from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.model import build_random_model
 from gpu_runtime.model.llama import apply_rope
 from gpu_runtime.model.tiny import tiny_config
+from tests.gpu_runtime.small_model import small_config, small_cuda_model
 
 pytestmark = pytest.mark.gpu
 
@@ -127,17 +128,8 @@ def test_cuda_graph_engine_logprobs_match_hf_bf16(
     from transformers import AutoConfig, AutoModelForCausalLM
 
     dev = torch.device("cuda")
-    config = tiny_config(
-        architecture,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=1000,
-    )
-    model = build_random_model(config, seed=4, device=dev, dtype="bfloat16")
+    config = small_config(architecture)
+    model = small_cuda_model(architecture)
     hf = (
         AutoModelForCausalLM.from_config(
             AutoConfig.for_model(**config.to_hf_config()), dtype=torch.bfloat16

@@ -12,8 +12,8 @@ import torch
 
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.engine.cuda_graphs import DecodeGraphs
-from gpu_runtime.model import CausalLM, build_random_model
-from gpu_runtime.model.tiny import tiny_config
+from gpu_runtime.model import CausalLM
+from tests.gpu_runtime.small_model import small_cuda_model
 
 pytestmark = pytest.mark.gpu
 
@@ -45,20 +45,6 @@ def test_skinny_linear_matches_torch(rows: int) -> None:
             err = float((out.float() - ref).norm() / ref.norm())
             assert err < 5e-3, (n, k, config, err)
             assert torch.equal(out, skinny_linear(x, weight, bias, config))  # deterministic
-
-
-def _model(architecture: str) -> CausalLM:
-    config = tiny_config(
-        architecture,
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=1000,
-    )
-    return build_random_model(config, seed=4, device=torch.device("cuda"), dtype="bfloat16")
 
 
 _ENGINE_CONFIG: dict[str, object] = dict(
@@ -120,7 +106,7 @@ def test_async_scheduling_gives_the_synchronous_tokens(architecture: str) -> Non
     """Every request queued before the first step: the async engine runs the synchronous
     engine's steps (same batches, same graphs; only decode-only steps overlap), so tokens and
     logprobs are bit-equal (greedy with logprobs, seeded sampling)."""
-    model = _model(architecture)
+    model = small_cuda_model(architecture)
     prompts = _async_prompts()
     seeded = SamplingParams(
         max_tokens=12, temperature=0.8, seed=5, detokenize=False, ignore_eos=True
@@ -143,7 +129,7 @@ def test_capture_survives_a_collection_of_dropped_engines() -> None:
     cuBLASLt's `gemm_and_bias` failing and `cudaErrorStreamCaptureInvalidated`. Here a
     collection runs inside every capture on purpose; the capture collects first, so the dropped
     graphs are gone before it begins and the new graphs give the reference tokens."""
-    model = _model("qwen2")  # q|k|v bias: the linear that failed in D2
+    model = small_cuda_model("qwen2")  # q|k|v bias: the linear that failed in D2
     prompts = _async_prompts()
     reference = _run(_engine(model), prompts, _GREEDY, staggered=False)
     was_enabled = gc.isenabled()
@@ -191,7 +177,7 @@ def test_async_scheduling_with_arrivals_agrees_within_bf16(architecture: str) ->
     apart, which failed this test's earlier bit-equality check). A request
     that stops on a token has its next step computed and discarded, which can move the others
     into another bucket for that step."""
-    model = _model(architecture)
+    model = small_cuda_model(architecture)
     prompts = _async_prompts()
     expected = _run(_engine(model), prompts, _GREEDY)
     stop = tuple({t for tokens, _, _ in list(expected.values())[:2] for t in tokens[5:6]})
@@ -243,7 +229,7 @@ def _assert_within_bf16(expected: dict[str, tuple], got: dict[str, tuple]) -> No
 
 
 def test_skinny_gemm_decode_graphs_match_cublas() -> None:
-    model = _model("qwen2")  # q|k|v bias
+    model = small_cuda_model("qwen2")  # q|k|v bias
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77, 3, 20)]
     greedy = SamplingParams(
@@ -263,7 +249,7 @@ def test_skinny_gemm_decode_graphs_match_cublas() -> None:
 def test_programmatic_launch_keeps_the_tokens(rows: int) -> None:
     """Programmatic dependent launch changes when kernels start, not what they compute: with it
     at no bucket, the small ones or every one, the same tokens and logprobs bit for bit."""
-    model = _model("llama")
+    model = small_cuda_model("llama")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77, 3, 20)]
     greedy = SamplingParams(
@@ -358,7 +344,7 @@ def test_varlen_kernel_matches_the_reference_bf16(block_size: int) -> None:
 def test_varlen_chunk_attention_gives_the_sdpa_tokens() -> None:
     """Engines differing only in `chunk_attention`, with mixed-step graphs: greedy tokens and
     logprobs agree (bf16 rounding aside)."""
-    model = _model("llama")
+    model = small_cuda_model("llama")
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 140, 77, 3, 60)]
     greedy = SamplingParams(

@@ -17,25 +17,16 @@ from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
-from gpu_runtime.model import CausalLM, build_random_model
-from gpu_runtime.model.tiny import tiny_config
+from gpu_runtime.model import CausalLM
+from tests.gpu_runtime.small_model import small_config, small_cuda_model
 
 pytestmark = pytest.mark.gpu
 
-CONFIG = tiny_config(
-    "llama",
-    hidden_size=512,
-    intermediate_size=1024,
-    num_hidden_layers=4,
-    num_attention_heads=8,
-    num_key_value_heads=2,
-    head_dim=64,
-    vocab_size=1000,
-)
+CONFIG = small_config("llama")
 
 
 def _model() -> CausalLM:
-    return build_random_model(CONFIG, seed=4, device="cuda", dtype="bfloat16")
+    return small_cuda_model("llama")
 
 
 @torch.no_grad()

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 
@@ -16,30 +14,12 @@ from gpu_runtime.memory import (
     create_page_pool,
     kv_block_bytes,
 )
+from tests.gpu_runtime.small_model import small_cuda_model
 
 MIB = 1 << 20
 GIB = 1 << 30
 
 pytestmark = pytest.mark.gpu
-
-
-def _small_cuda_model() -> Any:
-    """A 4-layer Llama-shaped model (hidden 512, 1,000 tokens), bf16, random weights, on CUDA."""
-    from gpu_runtime.model import build_random_model
-    from gpu_runtime.model.tiny import tiny_config
-
-    shape = dict(
-        hidden_size=512,
-        intermediate_size=1024,
-        num_hidden_layers=4,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=64,
-        vocab_size=1000,
-    )
-    return build_random_model(
-        tiny_config("llama", **shape), seed=4, device="cuda", dtype="bfloat16"
-    )
 
 
 def _llama3_8b_layout(page_bytes: int) -> KVLayout:
@@ -192,7 +172,7 @@ def test_engine_over_the_cuda_pool_matches_a_plain_engine(mixed_graphs: bool) ->
     from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
     from gpu_runtime.memory import EngineMemory
 
-    model = _small_cuda_model()
+    model = small_cuda_model()
     greedy = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
     fields = dict(
         block_size=16,
@@ -256,7 +236,7 @@ def test_a_loop_planning_ahead_over_the_cuda_pool_matches_a_plain_engine() -> No
     from gpu_runtime.finetune.trainer import LoraTrainer
     from gpu_runtime.memory import EngineMemory
 
-    model = _small_cuda_model()
+    model = small_cuda_model()
     fields = dict(block_size=16, max_num_seqs=8, max_num_batched_tokens=64, max_model_len=128)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 70, 12, 33, 9, 40)]
