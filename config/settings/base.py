@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import dj_database_url
-
+from config.database import database_settings
 from config.env import BASE_DIR, env_int, env_list, env_str
 from gpu_runtime.agent.config import broker_transport_options
 
@@ -63,11 +62,17 @@ MIGRATION_MODULES = {
 }
 
 DATA_DIR = BASE_DIR / "var"
+# DATABASE_URL unset: SQLite under var/, set up for concurrent writers (config.database).
 DATABASE_URL = env_str("DATABASE_URL", "")
+# How long a SQLite connection waits for another process's write to finish.
+SQLITE_BUSY_TIMEOUT_MS = env_int("HARLI_SQLITE_BUSY_TIMEOUT_MS", 20_000)
 DATABASES = {
-    "default": dj_database_url.parse(DATABASE_URL, conn_max_age=60)
-    if DATABASE_URL
-    else {"ENGINE": "django.db.backends.sqlite3", "NAME": DATA_DIR / "harli.sqlite3"}
+    "default": database_settings(
+        url=DATABASE_URL,
+        sqlite_path=DATA_DIR / "harli.sqlite3",
+        conn_max_age=60,
+        busy_timeout_ms=SQLITE_BUSY_TIMEOUT_MS,
+    )
 }
 DEFAULT_AUTO_FIELD = "django.db.models.BigAutoField"
 AUTH_USER_MODEL = "api.User"

@@ -117,20 +117,30 @@ def progress_from(
 def reported_total_steps(*, job_ids: Sequence[str]) -> dict[str, int]:
     """The step count each job's host announced (the newest progress event's `total_steps`).
 
-    Hosts count the steps of the data they actually load, so this beats the estimate."""
+    Hosts count the steps of the data they actually load, so this beats the estimate. The
+    subquery picks each job's newest progress event by its id only; the JSON is decoded here,
+    from whole `data` values (a JSON key extracted inside a subquery comes back as a native
+    value on SQLite, which Django then fails to decode)."""
     newest = (
         JobEvent.objects.filter(
             job=OuterRef("pk"), type=EventType.METRICS, data__has_key="total_steps"
         )
         .order_by("-created_at", "-id")
-        .values("data__total_steps")[:1]
+        .values("pk")[:1]
     )
-    rows = (
+    event_ids = (
         FinetuneJob.objects.filter(pk__in=list(job_ids))
-        .annotate(total=Subquery(newest))
-        .values_list("pk", "total")
+        .annotate(event_id=Subquery(newest))
+        .filter(event_id__isnull=False)
+        .values_list("event_id", flat=True)
     )
-    return {pk: int(total) for pk, total in rows if isinstance(total, int) and total > 0}
+    rows = JobEvent.objects.filter(pk__in=list(event_ids)).values_list("job_id", "data")
+    result = {}
+    for job_id, data in rows:
+        total = data.get("total_steps") if isinstance(data, dict) else None
+        if isinstance(total, int) and not isinstance(total, bool) and total > 0:
+            result[job_id] = total
+    return result
 
 
 def job_progress_map(*, jobs: Sequence[FinetuneJob]) -> dict[str, JobProgress]:

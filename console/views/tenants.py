@@ -32,8 +32,13 @@ def _render(
     issued: IssuedKey | None = None,
     status: int = 200,
 ) -> HttpResponse:
+    # Two joins (keys, jobs) multiply each other's rows: each count is of distinct ids.
     tenants = api_selectors.tenant_list().annotate(
-        active_keys=Count("users__api_keys", filter=Q(users__api_keys__revoked_at__isnull=True)),
+        active_keys=Count(
+            "users__api_keys",
+            filter=Q(users__api_keys__revoked_at__isnull=True),
+            distinct=True,
+        ),
         job_count=Count("jobs", distinct=True),
     )
     response = render_page(

@@ -148,13 +148,15 @@ def test_apikeys_issue_in_a_subprocess_prints_the_key_last() -> None:
     """The real `python manage.py` entry point, on the test database."""
     from django.db import connection
 
+    from config.database import database_url
+
     Tenant.objects.all().delete()
     call_command("tenants", "create", "acme", stdout=StringIO())
     db = connection.settings_dict
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "config.settings.test",
-        "DATABASE_URL": f"postgres://{db['USER']}@{db['HOST']}:{db['PORT']}/{db['NAME']}",
+        "DATABASE_URL": database_url(db),
     }
     result = subprocess.run(
         [sys.executable, "manage.py", "apikeys", "issue", "--tenant", "acme"],

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import pytest
 from django.test import Client
 
-from api.models import ApiKey, DeploymentMetric, GpuHost, HostStatus, JobStatus, User, UserRole
+from api.models import (
+    ApiKey,
+    DeploymentMetric,
+    FinetuneJob,
+    GpuHost,
+    HostStatus,
+    JobStatus,
+    User,
+    UserRole,
+)
 from tests.console.seed import (
     DEPLOYMENT_OLD_POINTS,
     DEPLOYMENT_POINTS,
@@ -251,6 +261,23 @@ def test_issue_shows_the_key_once_and_revoke_works(operator_client: Client, seed
     operator_client.post(f"/console/keys/{key.pk}/revoke/")
     key.refresh_from_db()
     assert key.revoked_at is not None
+
+
+def test_tenants_page_counts_active_keys_and_jobs_apart(
+    operator_client: Client, seeded: Seeded
+) -> None:
+    """acme has two jobs and, after this, two keys of which one is revoked: 1 active key, 2
+    jobs (keys and jobs joined and counted without distinct show 2 active keys)."""
+    from api.services.apikeys import api_key_issue_for_tenant, api_key_revoke
+
+    revoked = api_key_issue_for_tenant(tenant=seeded.tenant, name="old").api_key
+    api_key_revoke(prefix_or_id=str(revoked.pk))
+    assert FinetuneJob.objects.filter(tenant=seeded.tenant).count() == 2
+    page = operator_client.get("/console/tenants/").content.decode()
+    row = page[page.index('<tr data-tenant="acme">') :]
+    row = row[: row.index("</tr>")]
+    cells = re.findall(r'<td class="num">(?:<a [^>]*>)?(\d+)', row)
+    assert cells == ["1", "2"], row
 
 
 def test_tenant_creation_and_its_errors(operator_client: Client) -> None:

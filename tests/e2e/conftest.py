@@ -1,6 +1,6 @@
-"""One cluster per e2e module: private Redis (append-only), the test PostgreSQL database,
-`runserver`, a Celery worker and beat, and two host agents: `agent-a` with a latency predictor
-artifact for the tiny model, `agent-b` without.
+"""One cluster per e2e module: private Redis (append-only), the test database (PostgreSQL, or
+the SQLite file with HARLI_TEST_DB=sqlite), `runserver`, a Celery worker and beat, and two host
+agents: `agent-a` with a latency predictor artifact for the tiny model, `agent-b` without.
 
 Short intervals for the tests come from the environment: heartbeats every 0.5 s, a host is lost
 after 4 s of silence, reconciliation every second, checkpoints every 10 optimizer steps, key
@@ -98,13 +98,14 @@ def cluster(
 ) -> Iterator[Cluster]:
     from django.db import connection
 
+    from config.database import database_url
+
     tmp = tmp_path_factory.mktemp("cluster")
     db = connection.settings_dict
     env = {
         **os.environ,
         "DJANGO_SETTINGS_MODULE": "config.settings.test",
-        "DATABASE_URL": f"postgres://{db['USER'] or 'postgres'}@{db['HOST']}:{db['PORT']}/"
-        f"{db['NAME']}",
+        "DATABASE_URL": database_url(db),
         "HARLI_STORAGE_DIR": str(tmp / "storage"),
         "HARLI_HOST_LOST_AFTER_S": "4",
         "HARLI_RECONCILE_INTERVAL_S": "1",
