@@ -60,7 +60,5 @@ def database_url(settings_dict: dict[str, Any]) -> str:
     user = quote(settings_dict.get("USER") or "postgres", safe="")
     password = settings_dict.get("PASSWORD")
     auth = f"{user}:{quote(password, safe='')}" if password else user
-    return (
-        f"postgres://{auth}@{settings_dict['HOST']}:{settings_dict['PORT']}/"
-        f"{settings_dict['NAME']}"
-    )
+    host, port, name = settings_dict["HOST"], settings_dict["PORT"], settings_dict["NAME"]
+    return f"postgres://{auth}@{host}:{port}/{name}"

@@ -11,6 +11,7 @@ from django.utils import timezone
 from api.models import (
     Deployment,
     DeploymentMetric,
+    EventType,
     FinetuneJob,
     GpuHost,
     HostMetric,
@@ -28,6 +29,7 @@ from api.services.jobs import (
     finetune_job_create,
     finetune_job_start,
     job_checkpoint_record,
+    job_event_record,
 )
 from api.services.tenants import operator_create, tenant_create
 
@@ -41,7 +43,7 @@ HOST_A_POINTS = 30
 HOST_B_POINTS = 20
 DEPLOYMENT_POINTS = 24  # alternating gpu-a (v1) / gpu-b (v2): 12 each
 DEPLOYMENT_OLD_POINTS = 6  # two hours ago: inside 6h, outside 1h
-JOB_STEPS = 15  # steps 1..15; validation loss at 5, 10, 15
+JOB_STEPS = 15  # steps 1..15, a metric row and a progress event each; valid loss at 5, 10, 15
 JOB_TOTAL_STEPS = 30  # 3 examples, auto -> 10 epochs of batch 1
 
 
@@ -71,7 +73,9 @@ def _training_file(tenant: Tenant) -> str:
 
 
 def seed_console() -> Seeded:
-    """Create the operator, two tenants, a deployment with metrics, three hosts, three jobs."""
+    """Create the operator, two tenants, a deployment with metrics, three hosts, three jobs
+    (the running one with metric rows, progress events that announce its step count, and a
+    checkpoint)."""
     now = timezone.now()
     operator_create(username=OPERATOR[0], password=OPERATOR[1])
     acme = tenant_create(name="acme")
@@ -154,6 +158,20 @@ def seed_console() -> Seeded:
         )
         for step in range(1, JOB_STEPS + 1)
     )
+    for step in range(1, JOB_STEPS + 1):  # the progress events its host's reports leave
+        job_event_record(
+            job=running,
+            message=f"Step {step}/{JOB_TOTAL_STEPS}: training loss={2.5 - 0.1 * step:.4f}",
+            type=EventType.METRICS,
+            data={
+                "step": step,
+                "total_steps": JOB_TOTAL_STEPS,
+                "train_loss": 2.5 - 0.1 * step,
+                "learning_rate": 1e-4,
+                "tokens_per_s": 800.0 + step,
+                "host": hosts[0].name,
+            },
+        )
     job_checkpoint_record(job=running, step=10, metrics={"train_loss": 1.5, "valid_loss": 1.6})
     queued = finetune_job_create(tenant=globex, model="tiny", training_file=_training_file(globex))
     cancelled = finetune_job_cancel(

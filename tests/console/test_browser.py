@@ -180,7 +180,15 @@ def test_operator_tour_of_every_page(page: Any, fleet: Seeded) -> None:
     assert loss["points"] == {"train loss": JOB_STEPS, "validation loss": JOB_STEPS // 5}
     assert plot(page, "chart-job-throughput")["points"] == {"tokens/s": JOB_STEPS}
     assert page.inner_text("#job-status") == "Running"
+    assert page.locator("#checkpoints-table tbody tr").count() == 1
+    assert page.locator("#events li").count() >= 2  # created, started
+    assert page.inner_text("#metric-events").startswith(f"{JOB_STEPS + 1} progress")
     shot(page, "job")
+    for other in (fleet.queued_job, fleet.cancelled_job):
+        page.goto(f"/console/jobs/{other.pk}/")
+        assert page.inner_text("#job-status") == other.get_status_display()
+        assert page.locator("#events li").count() >= 1
+    page.goto(f"/console/jobs/{fleet.running_job.pk}/")
     page.once("dialog", lambda dialog: dialog.accept())
     page.click("button[data-action=cancel]")
     page.wait_for_selector("#job-status >> text=Cancelled")
