@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The whole test suite: set-up, services, lint, types, tests.
-# Extra arguments go to pytest (e.g. scripts/test.sh tests/api -k files).
+# The whole test suite: set-up, services, lint, types, then pytest twice: every test on
+# PostgreSQL, and the tests that use the database (tests/api, cli, workers, console, e2e; the
+# list is DATABASE_TEST_DIRS in tests/conftest.py) again on SQLite, the embedded default.
+# Extra arguments go to both pytest runs (e.g. scripts/test.sh tests/api -k files).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --browser
@@ -8,4 +10,5 @@ bash scripts/services.sh
 . .venv/bin/activate
 echo "== ruff"; ruff check .
 echo "== mypy"; mypy .
-echo "== pytest"; pytest "$@"
+echo "== pytest on PostgreSQL (every test)"; HARLI_TEST_DB=postgres pytest "$@"
+echo "== pytest on SQLite (the tests that use the database)"; HARLI_TEST_DB=sqlite pytest "$@"

@@ -1,4 +1,5 @@
-"""Suite-wide fixtures and markers, and the SQLite test database's files."""
+"""Suite-wide fixtures and markers; on SQLite (HARLI_TEST_DB=sqlite), the tests that use the
+database and the test database's files."""
 
 from __future__ import annotations
 
@@ -7,14 +8,19 @@ from pathlib import Path
 import pytest
 
 
+def _on_sqlite() -> bool:
+    from django.conf import settings
+
+    return bool(settings.DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3")
+
+
 def _sqlite_test_files() -> list[Path]:
     """The SQLite test database of this process and its WAL files ([] on PostgreSQL)."""
     from django.conf import settings
 
-    database = settings.DATABASES["default"]
-    if database["ENGINE"] != "django.db.backends.sqlite3":
+    if not _on_sqlite():
         return []
-    name = Path(database["TEST"]["NAME"])
+    name = Path(settings.DATABASES["default"]["TEST"]["NAME"])
     return [name, name.with_name(name.name + "-wal"), name.with_name(name.name + "-shm")]
 
 
@@ -39,7 +45,23 @@ def _cuda_available() -> bool:
     return bool(torch.cuda.is_available())
 
 
+# The tests that use the database; `HARLI_TEST_DB=sqlite pytest` runs only these (the rest
+# run once, in the PostgreSQL pass).
+DATABASE_TEST_DIRS = ("api", "cli", "workers", "console", "e2e")
+TESTS = Path(__file__).resolve().parent
+
+
+def _uses_the_database(item: pytest.Item) -> bool:
+    parts = item.path.resolve().relative_to(TESTS).parts
+    return len(parts) > 1 and parts[0] in DATABASE_TEST_DIRS
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if _on_sqlite():
+        deselected = [item for item in items if not _uses_the_database(item)]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if _uses_the_database(item)]
     if _cuda_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs CUDA")

@@ -41,6 +41,34 @@ def wait_until(check: Callable[[], Any], timeout: float, what: str, every: float
         time.sleep(every)
 
 
+def others_in_a_transaction() -> bool:
+    """Whether another session of the test database is inside a statement or a transaction
+    (one that may hold a lock): on PostgreSQL from `pg_stat_activity`; on SQLite, where every
+    transaction of the platform begins IMMEDIATE (holding the write lock), when the write lock
+    cannot be taken at once."""
+    import sqlite3
+
+    from django.db import connection
+
+    if connection.vendor == "postgresql":
+        with connection.cursor() as cursor:
+            cursor.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
+                "AND pid <> pg_backend_pid() AND state <> 'idle'"
+            )
+            (busy,) = cursor.fetchone() or (0,)
+        return bool(busy)
+    probe = sqlite3.connect(connection.settings_dict["NAME"], timeout=0, isolation_level=None)
+    try:
+        probe.execute("BEGIN IMMEDIATE")
+        probe.execute("ROLLBACK")
+        return False
+    except sqlite3.OperationalError:  # "database is locked": a writer holds the lock
+        return True
+    finally:
+        probe.close()
+
+
 def port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):

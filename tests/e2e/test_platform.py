@@ -1,5 +1,5 @@
 """End to end on CPU with real processes: a tenant's job trains on a host agent, its adapter
-serves completions, metrics land in PostgreSQL, a pause or cancel stops the job on its host
+serves completions, metrics land in the database, a pause or cancel stops the job on its host
 within a second even while the worker reading heartbeats is stalled, a broker restart loses
 nothing, and a host killed with SIGKILL hands its job to the other host, which resumes from
 the last checkpoint."""
@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from tests.e2e.cluster import Cluster, Proc, wait_until
+from tests.e2e.cluster import Cluster, Proc, others_in_a_transaction, wait_until
 from tests.e2e.conftest import Tenants, training_jsonl
 from tests.gpu_runtime.agent.artifacts import VERSION
 
@@ -166,17 +166,14 @@ def _freeze_outside_a_transaction(worker: Proc) -> None:
     """SIGSTOP `worker` at a moment when no other session of the test database is inside a
     statement or transaction: frozen inside one, it could hold the job's row lock, and the
     pause would wait for it."""
-    from django.db import connection
-
     for _ in range(100):
         worker.signal_group(signal.SIGSTOP)
         time.sleep(0.1)  # a statement in flight finishes
-        with connection.cursor() as cursor:
-            cursor.execute(
-                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
-                "AND pid <> pg_backend_pid() AND state <> 'idle'"
-            )
-            (busy,) = cursor.fetchone() or (0,)
+        try:
+            busy = others_in_a_transaction()
+        except BaseException:
+            worker.signal_group(signal.SIGCONT)
+            raise
         if not busy:
             return
         worker.signal_group(signal.SIGCONT)
