@@ -48,8 +48,6 @@ MAX_LISTED_EXAMPLES = 10
 
 def training_max_seq_len(context_length: int) -> int:
     """The most tokens one training example of a base model with `context_length` may have."""
-    if context_length < 2:
-        raise ValueError(f"context_length must be >= 2, got {context_length}")
     return min(context_length, MAX_TRAINING_SEQ_LEN)
 
 
