@@ -282,7 +282,8 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
 
     from api.models import FinetuneJob
     from gpu_runtime.agent.jobs import build_job_run
-    from gpu_runtime.model.loader import load_model, load_tokenizer
+    from gpu_runtime.contract.tokenizer import load_training_tokenizer
+    from gpu_runtime.model.loader import load_model
     from gpu_runtime.storage import LocalStorage
     from workers.commands import job_spec
 
@@ -294,10 +295,9 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
         spec=spec,
         placement_id=0,
         serving_model=load_model(cluster.model_dir),
-        tokenizer=load_tokenizer(cluster.model_dir),
+        tokenizer=load_training_tokenizer(cluster.model_dir),
         storage=LocalStorage(Path(cluster.env["HARLI_STORAGE_DIR"])),
         work_dir=cluster.tmp / "reference",
-        max_model_len=512,
         base_model_path=None,
     )
     run.trainer.checkpoint_root = None
