@@ -15,6 +15,7 @@ from kombu.exceptions import OperationalError as BrokerOperationalError
 from api.models import FinetuneJob, JobCheckpoint, Placement
 from config.celery import app
 from gpu_runtime.agent.protocol import HOST_COMMAND_TASK, adapter_key, check_command, host_queue
+from gpu_runtime.contract.training_data import training_max_seq_len
 from workers.conf import worker_settings
 
 logger = logging.getLogger(__name__)
@@ -27,8 +28,11 @@ def job_spec(*, job: FinetuneJob, resume: JobCheckpoint | None) -> dict[str, Any
     return {
         "id": job.id,
         "base_model": job.base_model.name,
+        "training_file": job.training_file_id,
         "training_file_key": job.training_file.storage_key,
+        "validation_file": job.validation_file_id,
         "validation_file_key": job.validation_file.storage_key if job.validation_file else None,
+        "max_seq_len": training_max_seq_len(job.base_model.context_length),
         "hyperparameters": dict(job.hyperparameters),
         "lora": {
             "rank": job.lora_rank,

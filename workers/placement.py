@@ -38,6 +38,7 @@ from api.models import (
     Placement,
 )
 from api.services.jobs import job_event_record
+from gpu_runtime.contract.training_data import training_max_seq_len
 from workers.conf import worker_settings
 from workers.models import HostAgentState, PlacementDecision
 
@@ -87,7 +88,7 @@ def finetune_memory_estimate(*, job: FinetuneJob) -> int:
     adapter_params = layers * sum(rank * sum(dims[t]) for t in targets if t in dims)
     batch = job.hyperparameters.get("batch_size")
     micro_batch = batch if isinstance(batch, int) else 1
-    tokens = micro_batch * min(job.base_model.context_length, 2048)
+    tokens = micro_batch * training_max_seq_len(job.base_model.context_length)
     activations = tokens * hidden * layers * ACTIVATION_BYTES_PER_UNIT
     return max(MIN_FINETUNE_BYTES, adapter_params * ADAPTER_BYTES_PER_PARAM + activations)
 

@@ -17,6 +17,7 @@ from django.db import transaction
 from django.utils import timezone
 
 from api.errors import ConflictError, HarliError
+from api.file_tokens import job_files_check_tokens
 from api.hyperparameters import parse_hyperparameters, parse_lora, parse_seed, parse_suffix
 from api.models import (
     OPEN_PLACEMENT_STATES,
@@ -202,6 +203,7 @@ def finetune_job_create(
         if validation_file is not None
         else None
     )
+    job_files_check_tokens(base_model=base_model, training_file=train, validation_file=valid)
     with transaction.atomic():
         job = FinetuneJob.objects.create(
             tenant=tenant,

@@ -1,36 +1,55 @@
 """Turning a placement's JobSpec into a trainer on this host, and its files into storage.
 
-The training file is read from storage; "auto" hyperparameters resolve with
+The training file is read from storage and tokenized with the host's training tokenizer under the
+JobSpec's `max_seq_len` (the rule of `gpu_runtime.contract.training_data`, which the control
+plane checked the file against before queueing); "auto" hyperparameters resolve with
 `gpu_runtime.finetune.hparams.resolve_hyperparameters` (deterministic in the file), so every host
 that runs the job builds the same trainer and a checkpoint written on one resumes exactly on
 another. Checkpoints are written locally by the trainer, then copied to storage under
 `checkpoints/<job>/step-<N>`; the finished adapter goes to `adapters/<job>`.
+
+A job that cannot start raises :class:`JobSetupError`, whose message goes to the tenant: it names
+files by id and lines by number; storage keys, local paths and the underlying exception are
+only logged here.
 """
 
 from __future__ import annotations
 
+import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime.contract.chat import ChatTokenizer
+from gpu_runtime.contract.training_data import jsonl_lines
 from gpu_runtime.finetune.checkpoint import (
     ADAPTER_CONFIG,
     ADAPTER_WEIGHTS,
     load_checkpoint,
     save_checkpoint,
 )
-from gpu_runtime.finetune.data import TokenizedExample, tokenize_lines
+from gpu_runtime.finetune.data import (
+    ExamplesTooLongError,
+    TokenizedExample,
+    TrainingDataError,
+    tokenize_lines,
+)
 from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
 from gpu_runtime.storage import Storage
 
-MAX_SEQ_LEN_CAP = 2048
+logger = logging.getLogger(__name__)
 
 
 class JobSetupError(RuntimeError):
-    """A job that cannot start here (bad file, bad settings, missing checkpoint)."""
+    """A job that cannot start here (bad file, bad settings, missing checkpoint); `code` is the
+    `job_failed` report's (`invalid_file_format`, `example_too_long`, `job_setup_failed`)."""
+
+    def __init__(self, message: str, code: str = "job_setup_failed") -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -59,10 +78,21 @@ class JobRun:
 
 
 def read_examples(
-    storage: Storage, key: str, tokenizer: Any, max_seq_len: int
+    storage: Storage, key: str, file_id: str, tokenizer: ChatTokenizer, max_seq_len: int
 ) -> tuple[TokenizedExample, ...]:
-    text = b"".join(storage.read_chunks(key)).decode("utf-8")
-    return tokenize_lines(text.splitlines(), tokenizer, max_seq_len, source=key).examples
+    """The examples of file `file_id` stored under `key`; JobSetupError naming the file by id."""
+    source = f"file {file_id}"
+    try:
+        data = b"".join(storage.read_chunks(key))
+    except (FileNotFoundError, OSError) as exc:
+        logger.error("cannot read %s (storage key %s): %s", source, key, exc)
+        raise JobSetupError(f"{source} cannot be read from storage; upload it again") from exc
+    try:
+        return tokenize_lines(jsonl_lines(data), tokenizer, max_seq_len, source=source).examples
+    except ExamplesTooLongError as exc:
+        raise JobSetupError(str(exc), code="example_too_long") from exc
+    except TrainingDataError as exc:
+        raise JobSetupError(str(exc), code="invalid_file_format") from exc
 
 
 def build_job_run(
@@ -70,20 +100,24 @@ def build_job_run(
     spec: dict[str, Any],
     placement_id: int,
     serving_model: CausalLM,
-    tokenizer: Any,
+    tokenizer: ChatTokenizer | None,
     storage: Storage,
     work_dir: Path,
-    max_model_len: int,
     base_model_path: str | None,
 ) -> JobRun:
-    """Build the trainer for `spec`, restored from `spec["resume_from"]` when given."""
+    """Build the trainer for `spec`, restored from `spec["resume_from"]` when given.
+    `tokenizer` is the host's training tokenizer (None: the model directory has none)."""
     job_id = str(spec["id"])
+    if tokenizer is None:
+        raise JobSetupError(f"host has no training tokenizer for base model {spec['base_model']}")
     workdir = Path(work_dir) / "jobs" / job_id / f"placement-{placement_id}"
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
-    max_seq_len = min(max_model_len, MAX_SEQ_LEN_CAP)
+    max_seq_len = int(spec["max_seq_len"])
+    examples = read_examples(
+        storage, spec["training_file_key"], str(spec["training_file"]), tokenizer, max_seq_len
+    )
     try:
-        examples = read_examples(storage, spec["training_file_key"], tokenizer, max_seq_len)
         hyper = dict(spec["hyperparameters"])
         lora = dict(spec["lora"])
         hparams = resolve_hyperparameters(
@@ -101,7 +135,7 @@ def build_job_run(
             max_seq_len=max_seq_len,
             checkpoint_every_steps=int(spec.get("checkpoint_every_steps", 0)),
         )
-    except (ValueError, KeyError, FileNotFoundError) as exc:
+    except (ValueError, KeyError) as exc:
         raise JobSetupError(f"job {job_id}: {exc}") from exc
     trainer = LoraTrainer(
         serving_model,
@@ -119,7 +153,10 @@ def build_job_run(
             storage.get_tree(str(resume["storage_key"]), local)
             load_checkpoint(trainer, local)
         except (FileNotFoundError, ValueError, RuntimeError) as exc:
-            raise JobSetupError(f"job {job_id}: cannot resume from {resume}: {exc}") from exc
+            logger.error("job %s: cannot resume from %s: %s", job_id, resume, exc)
+            raise JobSetupError(
+                f"job {job_id}: the checkpoint of step {resume.get('step')} cannot be restored"
+            ) from exc
         resumed = trainer.step
     return JobRun(
         placement_id=placement_id,

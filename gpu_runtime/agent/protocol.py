@@ -18,10 +18,20 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
 * `{"command": "drain", "command_id"}` — accept no new placement; finish what runs.
 * `{"command": "undrain", "command_id"}` — back in service: report `draining` false again.
 
-JobSpec: `{"id", "base_model", "training_file_key", "validation_file_key" (or null),
+JobSpec: `{"id", "base_model", "training_file" (its file id), "training_file_key",
+"validation_file" (or null), "validation_file_key" (or null), "max_seq_len",
 "hyperparameters": {"n_epochs", "batch_size", "learning_rate_multiplier"} (numbers or "auto"),
 "lora": {"rank", "alpha", "dropout", "target_modules"}, "seed", "checkpoint_every_steps",
-"fine_tuned_model", "resume_from" (or null)}`.
+"fine_tuned_model", "resume_from" (or null)}`. `max_seq_len` is the control plane's
+`gpu_runtime.contract.training_data.training_max_seq_len` of the base model's context length, the
+limit it checked the files against; the host trains with it and refuses a longer example.
+Messages a host reports (`job_failed.message`) reach the tenant: they name files by their ids
+and lines by number, never a storage key or a local path.
+
+Tokenizers: a host that serves a base model publishes the files of its training tokenizer
+(`gpu_runtime.contract.tokenizer.TOKENIZER_FILES`, plus `manifest.json`: `{"base_model",
+"digest"}`) as a tree under :func:`tokenizer_key` before it trains; the control plane tokenizes
+training files with them when it cannot read the model's directory itself.
 
 Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict with
 `{"message_id" (unique, the dedupe key), "kind", "host", "sent_at" (Unix s)}` plus, by kind:
@@ -93,7 +103,9 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
 JOB_SPEC_FIELDS = (
     "id",
     "base_model",
+    "training_file",
     "training_file_key",
+    "max_seq_len",
     "hyperparameters",
     "lora",
     "seed",
@@ -118,6 +130,11 @@ def checkpoint_key(job_id: str, step: int) -> str:
 def adapter_key(job_id: str) -> str:
     """Storage prefix of a job's finished adapter."""
     return f"adapters/{job_id}"
+
+
+def tokenizer_key(base_model: str) -> str:
+    """Storage prefix of the training tokenizer a host published for `base_model`."""
+    return f"tokenizers/{base_model}"
 
 
 def new_message_id() -> str:

@@ -33,6 +33,7 @@ from gpu_runtime.agent.reporting import (
     weights_bytes,
 )
 from gpu_runtime.agent.serving import EngineSpec, ServingEngine, lora_runtime
+from gpu_runtime.agent.tokenizers import host_training_tokenizer
 from gpu_runtime.agent.training import HostJobs
 from gpu_runtime.colocation import (
     CoLocationPolicy,
@@ -91,6 +92,11 @@ class HostRuntime:
         self.send = send
         self.total_bytes = total_bytes
         self.base_model_path = base_model_path
+        self.training_tokenizer = (
+            host_training_tokenizer(storage, base_model, base_model_path)
+            if base_model_path
+            else None
+        )
         self.metrics_interval_s = metrics_interval_s
         self.request_metrics = request_metrics
         self.jobs = HostJobs(self)
@@ -262,6 +268,7 @@ class HostRuntime:
         if self.host_memory is None:
             self.loop.close()
         self.base_model, self.base_model_path = name, str(directory)
+        self.training_tokenizer = host_training_tokenizer(self.storage, name, directory)
         self._use_engine(serving)
         self.adapters.forget()  # adapters of the old base model do not apply to the new one
 

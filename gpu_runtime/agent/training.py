@@ -51,10 +51,9 @@ class HostJobs:
                 spec=spec,
                 placement_id=placement_id,
                 serving_model=self.host.engine.runner.model,
-                tokenizer=self.host.engine.tokenizer,
+                tokenizer=self.host.training_tokenizer,
                 storage=self.host.storage,
                 work_dir=self.host.work_dir,
-                max_model_len=self.host.engine.config.max_model_len,
                 base_model_path=self.host.base_model_path,
             )
         except JobSetupError as exc:
@@ -62,7 +61,7 @@ class HostJobs:
                 "job_failed",
                 placement_id=placement_id,
                 job_id=job_id,
-                code="job_setup_failed",
+                code=exc.code,
                 message=str(exc),
             )
             return

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.finetune.chat import ChatTokenizer
+from gpu_runtime.contract.chat import ChatTokenizer
 from gpu_runtime.finetune.checkpoint import latest_checkpoint, load_checkpoint
 from gpu_runtime.finetune.data import TokenizedDataset, load_jsonl
 from gpu_runtime.finetune.hparams import AUTO, LoraSpec, resolve_hyperparameters

@@ -61,9 +61,21 @@ def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
     cluster: Cluster, seeded: Tenants
 ) -> None:
     from api.models import HostMetric, JobMetric
+    from gpu_runtime.storage import LocalStorage
     from workers.models import MetricRollup
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
+    # The hosts published the tokenizer they train with; a job whose example is longer than
+    # the base model's context is refused before it is queued.
+    assert LocalStorage(Path(cluster.env["HARLI_STORAGE_DIR"])).exists("tokenizers/tiny/.complete")
+    long = client.files.create(
+        file=("long.jsonl", b'{"prompt": "' + b"word " * 600 + b'", "completion": " x"}\n'),
+        purpose="fine-tune",
+    )
+    with pytest.raises(openai.BadRequestError) as too_long:
+        client.fine_tuning.jobs.create(model="tiny", training_file=long.id)
+    assert (too_long.value.code, too_long.value.param) == ("example_too_long", "training_file")
+    assert "line 1 (" in too_long.value.message
     job = _create_job(client, epochs=3, batch=2, suffix="e2e")
     assert job.status == "queued"
     job = _wait_succeeded(client, job.id, cluster, timeout=60)
@@ -279,7 +291,8 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
 
     from api.models import FinetuneJob
     from gpu_runtime.agent.jobs import build_job_run
-    from gpu_runtime.model.loader import load_model, load_tokenizer
+    from gpu_runtime.contract.tokenizer import load_training_tokenizer
+    from gpu_runtime.model.loader import load_model
     from gpu_runtime.storage import LocalStorage
     from workers.commands import job_spec
 
@@ -291,10 +304,9 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
         spec=spec,
         placement_id=0,
         serving_model=load_model(cluster.model_dir),
-        tokenizer=load_tokenizer(cluster.model_dir),
+        tokenizer=load_training_tokenizer(cluster.model_dir),
         storage=LocalStorage(Path(cluster.env["HARLI_STORAGE_DIR"])),
         work_dir=cluster.tmp / "reference",
-        max_model_len=512,
         base_model_path=None,
     )
     run.trainer.checkpoint_root = None

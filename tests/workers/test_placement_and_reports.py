@@ -75,6 +75,8 @@ def test_placement_chooses_by_throughput_share_and_headroom(
     assert command["placement_id"] == placement.pk
     assert command["job"]["id"] == job.id
     assert command["job"]["training_file_key"] == job.training_file.storage_key
+    assert command["job"]["training_file"] == job.training_file_id
+    assert command["job"]["max_seq_len"] == 512  # the tiny preset's context length
     assert command["job"]["resume_from"] is None
     assert drain_host_queue("h1") == []
     # Placing again is a no-op: one open placement per job.

@@ -30,6 +30,7 @@ from api.services.jobs import (
     job_checkpoint_record,
     job_event_record,
 )
+from api.tenant_text import without_locations
 from workers.ingest.common import report_time, stop_on_commit
 from workers.models import RollupSeries
 from workers.rollups import rollup_add
@@ -208,7 +209,8 @@ def job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
 def job_failed(host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
-    finetune_job_fail(job=_job(message), code=str(message["code"]), message=str(message["message"]))
+    text = without_locations(str(message["message"]))  # hosts send none; a safety net
+    finetune_job_fail(job=_job(message), code=str(message["code"]), message=text)
     return "applied"
 
 

@@ -24,7 +24,8 @@ PAIRS = [
     ("Q: the sea", " A: a short poem about the sea"),
     ("Q: decode", " A: reads every weight once per step"),
 ]
-TRAIN_KEY = "files/t1/file-train.jsonl"
+TRAIN_FILE = "file-train"
+TRAIN_KEY = f"files/t1/{TRAIN_FILE}.jsonl"
 
 
 @pytest.fixture(scope="session")
@@ -46,8 +47,11 @@ def job_spec(job_id: str = "ftjob-1", resume_from: Any = None, **extra: Any) -> 
     return {
         "id": job_id,
         "base_model": "tiny",
+        "training_file": TRAIN_FILE,
         "training_file_key": TRAIN_KEY,
+        "validation_file": None,
         "validation_file_key": None,
+        "max_seq_len": 256,
         "hyperparameters": {"n_epochs": 2, "batch_size": 2, "learning_rate_multiplier": 5},
         "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0, "target_modules": ["q_proj", "v_proj"]},
         "seed": 7,

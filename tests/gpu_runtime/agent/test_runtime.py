@@ -162,10 +162,34 @@ def test_a_stop_that_overtakes_its_placement_drops_the_placement(
     assert reports.wait_for("job_started")["placement_id"] == 8
 
 
-def test_bad_training_file_fails_the_job(host: Host, reports: Reports) -> None:
-    _place(host, 1, training_file_key="files/t1/missing.jsonl")
-    failed = reports.wait_for("job_failed")
-    assert failed["code"] == "job_setup_failed" and "missing.jsonl" in failed["message"]
+def test_job_setup_failures_name_files_by_id_and_never_a_location(
+    host: Host, reports: Reports, storage: LocalStorage, tmp_path: Path
+) -> None:
+    """What a host reports reaches the tenant: file ids and line numbers, no key, no path."""
+    import json
+
+    good = json.dumps({"prompt": "Q: hi", "completion": " A: there"})
+    storage.save("files/t1/file-bad.jsonl", [f"{good}\n\n{{not json\n".encode()])
+    long = json.dumps({"prompt": "word " * 300, "completion": " end"})
+    storage.save("files/t1/file-long.jsonl", [f"{good}\n{long}\n".encode()])
+    _place(host, 1, training_file_key="files/t1/file-gone.jsonl", training_file="file-gone")
+    _place(host, 2, training_file_key="files/t1/file-bad.jsonl", training_file="file-bad")
+    _place(host, 3, training_file_key="files/t1/file-long.jsonl", training_file="file-long")
+    _place(host, 4, resume_from={"step": 2, "storage_key": "checkpoints/ftjob-1/step-000002"})
+    failed = {m["placement_id"]: m for m in (reports.wait_for("job_failed") for _ in range(4))}
+    assert failed[1]["code"] == "job_setup_failed"
+    assert failed[1]["message"] == "file file-gone cannot be read from storage; upload it again"
+    assert failed[2]["code"] == "invalid_file_format"
+    assert failed[2]["message"].startswith("file file-bad, line 3: not valid JSON (")
+    assert failed[3]["code"] == "example_too_long"
+    assert failed[3]["message"].startswith(
+        "file file-long: 1 example(s) longer than the limit of 256 tokens: line 2 ("
+    )
+    assert failed[4]["message"] == "job ftjob-1: the checkpoint of step 2 cannot be restored"
+    for message in failed.values():
+        text = message["message"]
+        for location in ("files/", "checkpoints/", ".jsonl", str(storage.root), str(tmp_path)):
+            assert location not in text, text
 
 
 def test_metrics_and_status(host: Host, reports: Reports) -> None:

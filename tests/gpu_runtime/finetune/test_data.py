@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.finetune.chat import ChatMessage, render_chat_with_loss_spans
+from gpu_runtime.contract.chat import ChatMessage, render_chat_with_loss_spans
 from gpu_runtime.finetune.data import (
     IGNORE_INDEX,
+    ExamplesTooLongError,
     TrainingDataError,
     load_jsonl,
     tokenize_lines,
@@ -89,14 +90,21 @@ def test_prompt_completion_labels_completion_and_eos(tokenizer: Any) -> None:
     assert example.labels[0] == IGNORE_INDEX
 
 
-def test_truncation_and_dropping_are_counted(tokenizer: Any) -> None:
+def test_too_long_examples_are_refused_with_their_lines_and_counts(tokenizer: Any) -> None:
     long_prompt = json.dumps({"prompt": "word " * 100, "completion": " end"})
     ok = json.dumps({"prompt": "Hi", "completion": " there friend of mine"})
-    dataset = tokenize_lines([long_prompt, ok], tokenizer, max_seq_len=12)
-    assert dataset.num_lines == 2
-    assert dataset.num_dropped_no_loss_tokens == 1  # prompt alone fills 12 tokens
-    assert len(dataset.examples) == 1
-    assert dataset.examples[0].num_tokens <= 12
+    with pytest.raises(ExamplesTooLongError) as info:
+        tokenize_lines([ok, "", long_prompt, long_prompt], tokenizer, max_seq_len=16, source="f")
+    counted = tokenize_lines([long_prompt], tokenizer, max_seq_len=512).examples[0].num_tokens
+    assert [(e.line_number, e.num_tokens) for e in info.value.examples] == [
+        (3, counted),
+        (4, counted),
+    ]
+    assert str(info.value) == (
+        f"f: 2 example(s) longer than the limit of 16 tokens: line 3 ({counted} tokens), "
+        f"line 4 ({counted} tokens)"
+    )
+    assert tokenize_lines([ok], tokenizer, max_seq_len=16).examples[0].num_tokens == 15
 
 
 @pytest.mark.parametrize(
@@ -123,7 +131,7 @@ def test_malformed_lines_name_file_and_line(
     path.write_text(f"{good}\n\n{line}\n")
     with pytest.raises(TrainingDataError, match=message) as info:
         load_jsonl(path, tokenizer, 512)
-    assert f"{path}:3:" in str(info.value)
+    assert f"{path}, line 3:" in str(info.value)
 
 
 def test_mixed_formats_rejected(tokenizer: Any) -> None:
@@ -142,5 +150,5 @@ def test_empty_file_rejected(tokenizer: Any, tmp_path: Path) -> None:
 def test_template_errors_name_the_line(tokenizer: Any) -> None:
     tokenizer.chat_template = "{{ raise_exception('no system messages') }}"
     line = _chat_line(("user", "Hi"), ("assistant", "Hello"))
-    with pytest.raises(TrainingDataError, match=r"f.jsonl:1: chat template failed"):
+    with pytest.raises(TrainingDataError, match=r"f.jsonl, line 1: chat template failed"):
         tokenize_lines([line], tokenizer, 512, source="f.jsonl")

@@ -1,0 +1,9 @@
+"""Rules the control plane and the runtime hosts share, in one place (imports neither torch nor
+Django, so the web process can use them):
+
+* `training_data` — JSONL training files to token sequences with loss labels, per format, and
+  the longest example a job may train on (`training_max_seq_len`);
+* `chat` — rendering a conversation with the tokenizer's chat template, and its assistant spans;
+* `tokenizer` — the training tokenizer of a base model, loaded from its tokenizer files;
+* `tiny_tokenizer` — the tiny built-in model's tokenizer.
+"""
