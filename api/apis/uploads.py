@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
 from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.request import Request
@@ -96,12 +96,11 @@ class UploadCollectionApi(TenantScopedAPIView):
 class UploadPartsApi(TenantScopedAPIView):
     parser_classes = [MultiPartParser, FormParser]
 
-    class PartCreateSerializer(serializers.Serializer):
-        data = serializers.FileField(help_text="the part's bytes")
-
     @extend_schema(
         operation_id="uploads_parts_create",
-        request=PartCreateSerializer,
+        request=inline_serializer(
+            "UploadPartCreate", {"data": serializers.FileField(help_text="the part's bytes")}
+        ),
         responses={
             200: UploadPartSerializer,
             400: ErrorSerializer,

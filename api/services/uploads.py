@@ -100,7 +100,7 @@ def upload_create(
         return Upload.objects.create(
             tenant=tenant,
             filename=clean_filename(filename),
-            purpose=purpose,
+            purpose=str(purpose),
             bytes=declared_bytes,
             created_at=now,
             expires_at=now + timedelta(seconds=int(settings.HARLI_UPLOAD_EXPIRES_S)),

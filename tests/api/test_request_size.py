@@ -28,12 +28,12 @@ class UnreadableBody:
 
 
 def post_declaring(api: ApiClient, path: str, content_length: int) -> Any:
+    environ: dict[str, Any] = {
+        "CONTENT_LENGTH": str(content_length),
+        "wsgi.input": UnreadableBody(),
+    }
     return api.client.post(
-        path,
-        content_type="multipart/form-data; boundary=xyz",
-        headers=api.headers,
-        CONTENT_LENGTH=str(content_length),
-        **{"wsgi.input": UnreadableBody()},
+        path, content_type="multipart/form-data; boundary=xyz", headers=api.headers, **environ
     )
 
 
