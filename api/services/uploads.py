@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import re
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from datetime import datetime, timedelta
 
@@ -223,7 +224,7 @@ def _part_ids(part_ids: object) -> list[str]:
         raise HarliError("'part_ids' must be a non-empty list of part ids.", param="part_ids")
     if not all(isinstance(part_id, str) for part_id in part_ids):
         raise HarliError("'part_ids' must contain only strings.", param="part_ids")
-    repeated = sorted({p for p in part_ids if part_ids.count(p) > 1})
+    repeated = sorted(p for p, n in Counter(part_ids).items() if n > 1)
     if repeated:
         raise HarliError(
             f"'part_ids' names {', '.join(repeated)} more than once.",
