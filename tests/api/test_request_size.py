@@ -84,7 +84,7 @@ def test_live_server_answers_413_before_the_body_arrives(live_server: Any) -> No
         f"Content-Length: {10 * 1024**3}\r\n\r\n"
     )
     started = time.monotonic()
-    with socket.create_connection((address.hostname, address.port), timeout=10) as conn:
+    with socket.create_connection((str(address.hostname), address.port or 80), timeout=10) as conn:
         conn.sendall(head.encode() + b"--xyz\r\nabc")
         received = b""
         while b"\r\n\r\n" not in received or not received.rstrip().endswith(b"}"):

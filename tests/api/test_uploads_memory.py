@@ -33,7 +33,7 @@ class Server:
         self.headers = {"Authorization": f"Bearer {key}"}
 
     def post(self, path: str, body: Any, headers: dict[str, str]) -> tuple[int, dict[str, Any]]:
-        conn = http.client.HTTPConnection(self.address.hostname, self.address.port, timeout=60)
+        conn = http.client.HTTPConnection(self.address.netloc, timeout=60)
         try:
             conn.request("POST", path, body=body, headers={**self.headers, **headers})
             response = conn.getresponse()
