@@ -1,12 +1,18 @@
-"""Keep the uniform error body for unknown API URLs when DEBUG shows Django's HTML 404 page."""
+"""API middleware: the uniform error body for unknown API URLs under DEBUG, and request-size
+limits enforced from the headers before any body is read."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from django.http import HttpRequest, HttpResponse
+from django.conf import settings
+from django.http import HttpRequest, HttpResponse, JsonResponse
+from django.urls import Resolver404, resolve
 
-from api.errors import is_api_path, not_found_view
+from api.errors import error_body, is_api_path, not_found_view
+
+# Room for the multipart framing and form fields around the file in an upload's body.
+MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
 
 class ApiNotFoundMiddleware:
@@ -27,3 +33,51 @@ class ApiNotFoundMiddleware:
         ):
             return not_found_view(request)
         return response
+
+
+class RequestSizeLimitMiddleware:
+    """Answer 413 to an upload whose declared `Content-Length` cannot fit, before the body is
+    read or spooled (Django's `DATA_UPLOAD_MAX_MEMORY_SIZE` check, applied to file routes).
+
+    `POST /v1/files` may carry `HARLI_MAX_UPLOAD_BYTES` of file, a part
+    (`POST /v1/uploads/{id}/parts`) `HARLI_UPLOAD_PART_MAX_BYTES`, each plus
+    `MULTIPART_OVERHEAD_BYTES` of framing. This refuses only bodies too big for any file within
+    the limit; the services check the file's exact size once it is parsed. The server still
+    decides what happens to the unread bytes (runserver discards them after answering).
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        refusal = self._refusal(request)
+        return refusal if refusal is not None else self.get_response(request)
+
+    def _refusal(self, request: HttpRequest) -> HttpResponse | None:
+        if request.method != "POST" or not request.path_info.startswith("/v1/"):
+            return None
+        try:
+            declared = int(request.META.get("CONTENT_LENGTH") or 0)
+            route = resolve(request.path_info).view_name
+        except (ValueError, Resolver404):
+            return None
+        if route == "v1:files":
+            limit = int(settings.HARLI_MAX_UPLOAD_BYTES)
+            what, param, code = "a file sent to POST /v1/files", "file", "file_too_large"
+            advice = "Upload larger files in parts with the Uploads API (POST /v1/uploads)."
+        elif route == "v1:upload-parts":
+            limit = int(settings.HARLI_UPLOAD_PART_MAX_BYTES)
+            what, param, code = "an upload part", "data", "part_too_large"
+            advice = "Split the file into smaller parts."
+        else:
+            return None
+        if declared <= limit + MULTIPART_OVERHEAD_BYTES:
+            return None
+        message = (
+            f"The request body has {declared} bytes; {what} may have at most {limit} bytes. "
+            f"{advice}"
+        )
+        return JsonResponse(
+            error_body(message, type_="invalid_request_error", param=param, code=code),
+            status=413,
+        )

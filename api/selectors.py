@@ -24,6 +24,7 @@ from api.models import (
     JobEvent,
     Placement,
     Tenant,
+    Upload,
 )
 
 BASE_MODEL_OWNER = "harli"
@@ -39,6 +40,13 @@ def file_get(*, tenant: Tenant, file_id: str) -> File:
     if file is None:
         raise NotFoundError(f"No such File object: {file_id}", param="file_id")
     return file
+
+
+def upload_get(*, tenant: Tenant, upload_id: str) -> Upload:
+    upload = Upload.objects.filter(tenant=tenant, pk=upload_id).select_related("tenant").first()
+    if upload is None:
+        raise NotFoundError(f"No such Upload object: {upload_id}", param="upload_id")
+    return upload
 
 
 def finetune_job_list(*, tenant: Tenant | None, status: str | None = None) -> QuerySet[FinetuneJob]:

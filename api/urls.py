@@ -7,14 +7,19 @@ from __future__ import annotations
 
 from django.urls import URLPattern, path
 
-from api.apis import files, jobs, models, ops
+from api.apis import files, jobs, models, ops, uploads
 
 JOB = "fine_tuning/jobs/<str:fine_tuning_job_id>"
+UPLOAD = "uploads/<str:upload_id>"
 
 v1_urlpatterns: list[URLPattern] = [
     path("files", files.FileCollectionApi.as_view(), name="files"),
     path("files/<str:file_id>", files.FileDetailApi.as_view(), name="file"),
     path("files/<str:file_id>/content", files.FileContentApi.as_view(), name="file-content"),
+    path("uploads", uploads.UploadCollectionApi.as_view(), name="uploads"),
+    path(f"{UPLOAD}/parts", uploads.UploadPartsApi.as_view(), name="upload-parts"),
+    path(f"{UPLOAD}/complete", uploads.UploadCompleteApi.as_view(), name="upload-complete"),
+    path(f"{UPLOAD}/cancel", uploads.UploadCancelApi.as_view(), name="upload-cancel"),
     path("fine_tuning/jobs", jobs.JobCollectionApi.as_view(), name="jobs"),
     path(JOB, jobs.JobDetailApi.as_view(), name="job"),
     path(f"{JOB}/cancel", jobs.JobCancelApi.as_view(), name="job-cancel"),

@@ -3,7 +3,7 @@
 Every task: `acks_late` (a task lost with its worker runs again), retries only for transient
 database/broker errors (`autoretry_for`), soft and hard time limits. Idempotence: placement
 skips jobs already placed; host reports are deduplicated by message id; reconciliation only
-moves rows whose state still calls for it.
+moves rows whose state still calls for it; the upload sweep only expires uploads still pending.
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from typing import Any
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as BrokerOperationalError
 
+from api.services.uploads import upload_expire_due
 from config.celery import app
 from gpu_runtime.agent.protocol import HOST_REPORT_TASK, ProtocolError
 from workers.ingest import host_report_apply
@@ -56,3 +57,9 @@ def host_report(message: dict[str, Any]) -> str:
 def reconcile_fleet() -> dict[str, Any]:
     """One reconciliation pass (see `workers.reconcile`)."""
     return asdict(reconcile())
+
+
+@app.task(name="workers.expire_uploads", soft_time_limit=60, time_limit=120, **COMMON)
+def expire_uploads() -> list[str]:
+    """Expire pending uploads past `expires_at`, dropping their parts; returns their ids."""
+    return upload_expire_due()

@@ -20,6 +20,7 @@ from api.models.finetune import (
 from api.models.fleet import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
 from api.models.metrics import DeploymentMetric, HostMetric, JobMetric
 from api.models.tenancy import ApiKey, Tenant, User, UserRole
+from api.models.uploads import Upload, UploadPart, UploadStatus
 
 __all__ = [
     "DEFAULT_LORA_TARGET_MODULES",
@@ -48,6 +49,9 @@ __all__ = [
     "Placement",
     "PlacementState",
     "Tenant",
+    "Upload",
+    "UploadPart",
+    "UploadStatus",
     "User",
     "UserRole",
 ]

@@ -35,3 +35,11 @@ def new_event_id() -> str:
 
 def new_checkpoint_id() -> str:
     return f"ftckpt-{random_token()}"
+
+
+def new_upload_id() -> str:
+    return f"upload_{random_token()}"
+
+
+def new_upload_part_id() -> str:
+    return f"part_{random_token()}"

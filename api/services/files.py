@@ -3,6 +3,10 @@
 Order in `file_create`: validate the upload (nothing written) -> store bytes under a fresh key ->
 insert the row. If storing or the transaction fails, the stored bytes are removed, so neither a
 row without bytes nor bytes without a row survive an error.
+
+The Uploads API (`api.services.uploads`) assembles a file in storage first, then validates it
+with `file_stored_check` (the same content check as `file_create`) and inserts its row with
+`file_row_create`.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from api.errors import ConflictError, HarliError
 from api.models import File, FilePurpose, FileStatus, FinetuneJob, Tenant
 from api.models.ids import new_file_id
 from api.storage import get_storage
-from api.training_files import check_training_lines
+from api.training_files import TrainingFileReport, check_training_lines
 from api.transitions import TERMINAL_STATUSES
 
 MAX_FILENAME_LENGTH = 255
@@ -63,7 +67,7 @@ class UploadSource:
         return self._chunks
 
 
-def _clean_filename(name: str) -> str:
+def clean_filename(name: str) -> str:
     """The base name, without path separators, quotes or control characters (it is echoed in
     a Content-Disposition header)."""
     base = name.replace("\\", "/").rsplit("/", 1)[-1]
@@ -71,29 +75,90 @@ def _clean_filename(name: str) -> str:
     return cleaned.strip()[:MAX_FILENAME_LENGTH] or "upload.jsonl"
 
 
-def file_create(*, tenant: Tenant, purpose: str, upload: UploadSource) -> File:
-    """Validate and store a training file for `tenant`. Raises HarliError (4xx) on bad input."""
+def file_purpose_check(*, purpose: object) -> None:
+    """Raise HarliError unless `purpose` is one this server accepts."""
     if purpose != FilePurpose.FINE_TUNE:
         raise HarliError(
             f"Unsupported purpose {purpose!r}; this server accepts only 'fine-tune'.",
             param="purpose",
             code="invalid_purpose",
         )
+
+
+def file_storage_key(*, tenant: Tenant, file_id: str) -> str:
+    return f"files/{tenant.pk}/{file_id}.jsonl"
+
+
+def _content_check(lines: Iterable[bytes]) -> TrainingFileReport:
+    """The content rules every training file meets, however it arrived."""
+    return check_training_lines(lines)
+
+
+def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
+    """The lines of a byte stream, each ending in its newline, as iterating a file yields them."""
+    partial: list[bytes] = []  # the start of a line that spans chunks
+    for chunk in chunks:
+        *complete, rest = chunk.split(b"\n")
+        for line in complete:
+            partial.append(line)
+            yield b"".join(partial) + b"\n"
+            partial = []
+        if rest:
+            partial.append(rest)
+    if partial:
+        yield b"".join(partial)
+
+
+def file_stored_check(*, storage_key: str) -> TrainingFileReport:
+    """Validate bytes already in storage as `file_create` validates an upload; raises the same
+    TrainingFileError. Reads the bytes as a stream."""
+    return _content_check(_split_lines(get_storage().read_chunks(storage_key)))
+
+
+def file_row_create(
+    *,
+    tenant: Tenant,
+    file_id: str,
+    purpose: str,
+    filename: str,
+    size: int,
+    report: TrainingFileReport,
+    storage_key: str,
+) -> File:
+    """Insert the row of a validated file whose bytes are stored under `storage_key`."""
+    with transaction.atomic():
+        return File.objects.create(
+            id=file_id,
+            tenant=tenant,
+            filename=filename,
+            purpose=purpose,
+            bytes=size,
+            line_count=report.example_count,
+            format=report.format or "",
+            status=FileStatus.PROCESSED,
+            storage_key=storage_key,
+        )
+
+
+def file_create(*, tenant: Tenant, purpose: str, upload: UploadSource) -> File:
+    """Validate and store a training file for `tenant`. Raises HarliError (4xx) on bad input."""
+    file_purpose_check(purpose=purpose)
     if upload.size == 0:
         raise HarliError("The uploaded file is empty.", param="file", code="empty_file")
     limit = int(settings.HARLI_MAX_UPLOAD_BYTES)
     if upload.size > limit:
         raise HarliError(
-            f"The uploaded file has {upload.size} bytes; the limit is {limit}.",
+            f"The uploaded file has {upload.size} bytes; one request may carry at most "
+            f"{limit}. Upload larger files in parts with the Uploads API (POST /v1/uploads).",
             param="file",
             code="file_too_large",
             http_status=413,
         )
-    filename = _clean_filename(upload.filename)
-    report = check_training_lines(upload.lines())
+    filename = clean_filename(upload.filename)
+    report = _content_check(upload.lines())
 
     file_id = new_file_id()
-    storage_key = f"files/{tenant.pk}/{file_id}.jsonl"
+    storage_key = file_storage_key(tenant=tenant, file_id=file_id)
     storage = get_storage()
     try:
         written = storage.save(storage_key, upload.chunks())
@@ -103,18 +168,15 @@ def file_create(*, tenant: Tenant, purpose: str, upload: UploadSource) -> File:
                 param="file",
                 code="upload_size_mismatch",
             )
-        with transaction.atomic():
-            return File.objects.create(
-                id=file_id,
-                tenant=tenant,
-                filename=filename,
-                purpose=purpose,
-                bytes=written,
-                line_count=report.example_count,
-                format=report.format or "",
-                status=FileStatus.PROCESSED,
-                storage_key=storage_key,
-            )
+        return file_row_create(
+            tenant=tenant,
+            file_id=file_id,
+            purpose=purpose,
+            filename=filename,
+            size=written,
+            report=report,
+            storage_key=storage_key,
+        )
     except BaseException:
         storage.delete(storage_key)
         raise

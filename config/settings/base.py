@@ -26,6 +26,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "django.middleware.security.SecurityMiddleware",
+    "api.middleware.RequestSizeLimitMiddleware",
     "whitenoise.middleware.WhiteNoiseMiddleware",
     "django.contrib.sessions.middleware.SessionMiddleware",
     "django.middleware.common.CommonMiddleware",
@@ -109,7 +110,13 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {
     **broker_transport_options(CELERY_BROKER_URL, HARLI_BROKER_DIR),
 }
 
+# One `POST /v1/files` carries at most HARLI_MAX_UPLOAD_BYTES of file; larger files go through
+# the Uploads API (`/v1/uploads`): parts of at most HARLI_UPLOAD_PART_MAX_BYTES (OpenAI: 64 MB),
+# at most HARLI_UPLOAD_MAX_BYTES in all (OpenAI: 8 GB), completed within HARLI_UPLOAD_EXPIRES_S.
 HARLI_MAX_UPLOAD_BYTES = env_int("HARLI_MAX_UPLOAD_BYTES", 512 * 1024 * 1024)
+HARLI_UPLOAD_PART_MAX_BYTES = env_int("HARLI_UPLOAD_PART_MAX_BYTES", 64 * 1024 * 1024)
+HARLI_UPLOAD_MAX_BYTES = env_int("HARLI_UPLOAD_MAX_BYTES", 8 * 1024 * 1024 * 1024)
+HARLI_UPLOAD_EXPIRES_S = env_int("HARLI_UPLOAD_EXPIRES_S", 3600)
 # Uploaded file bytes (api.storage.LocalStorage). Relative paths are taken from the repo root.
 HARLI_STORAGE_DIR = BASE_DIR / env_str("HARLI_STORAGE_DIR", "var/storage")
 

@@ -28,6 +28,7 @@ from api.services.jobs import (
     finetune_job_succeed,
     job_checkpoint_record,
 )
+from api.services.uploads import upload_create, upload_part_add
 from tests.api.conftest import VALID_JSONL, ApiClient
 
 pytestmark = pytest.mark.django_db
@@ -104,10 +105,19 @@ def victim(tiny: object, other_tenant: Tenant) -> Victim:
     finished = finetune_job_succeed(job=job, trained_tokens=10, adapter_path="/a")
     running = finetune_job_create(tenant=tenant, model="tiny", training_file=file.id)
     assert finished.fine_tuned_model is not None
+    upload = upload_create(
+        tenant=tenant,
+        filename="big.jsonl",
+        purpose="fine-tune",
+        declared_bytes=len(VALID_JSONL),
+        mime_type="text/jsonl",
+    )
+    upload_part_add(upload=upload, data=UploadSource.from_bytes(filename="p", data=VALID_JSONL))
     fillers = {
         "file_id": file.id,
         "fine_tuning_job_id": running.id,
         "model": finished.fine_tuned_model,
+        "upload_id": upload.id,
         # operator-only routes
         "name": tenant.name,
         "job_id": running.id,
@@ -164,6 +174,7 @@ def test_other_tenants_objects_are_404_on_every_tenant_route(
         assert response.status_code != 404, f"owner {method.upper()} {url} is 404"
     assert "GET v1/files/<str:file_id>/content" in checked
     assert "POST v1/fine_tuning/jobs/<str:fine_tuning_job_id>/cancel" in checked
+    assert "POST v1/uploads/<str:upload_id>/complete" in checked
 
 
 def test_tenant_collections_hide_and_refuse_other_tenants_objects(
