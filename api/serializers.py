@@ -182,6 +182,12 @@ class ModelObjectSerializer(serializers.Serializer):
         return int(entry.created.timestamp())
 
 
+class ModelDeletedSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(default="model")
+    deleted = serializers.BooleanField()
+
+
 def list_serializer(item: type[serializers.Serializer], name: str) -> type[serializers.Serializer]:
     """A schema-only serializer for `{"object": "list", "data": [item], "has_more": ...}`."""
     fields: dict[str, Any] = {
