@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import tarfile
 import time
+from functools import partial
 from pathlib import Path
 
 import httpx
@@ -31,6 +32,10 @@ def _refused(agent: OpenAI, model: str) -> bool:
     except openai.NotFoundError:
         return True
     return False
+
+
+def _lists(agent: OpenAI, model: str) -> bool:
+    return model in [m.id for m in agent.models.list()]
 
 
 def test_checkpoint_serves_by_name_and_deleted_models_leave_every_host(
@@ -88,8 +93,7 @@ def test_checkpoint_serves_by_name_and_deleted_models_leave_every_host(
 
     agents = {host: _client(cluster.agent_url(host), seeded.key) for host in AGENTS}
     for host, agent in agents.items():
-        wait_until(lambda a=agent: model in [m.id for m in a.models.list()], 20,
-                   f"{host} to serve the adapter")  # fmt: skip
+        wait_until(partial(_lists, agent, model), 20, f"{host} to serve the adapter")
         assert agent.completions.create(model=model, prompt="Q: hi", max_tokens=2).choices
 
     deleted = client.models.delete(model)
@@ -101,13 +105,13 @@ def test_checkpoint_serves_by_name_and_deleted_models_leave_every_host(
     storage = Path(cluster.env["HARLI_STORAGE_DIR"])
     wait_until(lambda: not (storage / "adapters" / job.id).exists(), 10, "the bytes to go")
     for host, agent in agents.items():
-        wait_until(lambda a=agent: _refused(a, model), 10, f"{host} to refuse {model}")
+        wait_until(partial(_refused, agent, model), 10, f"{host} to refuse {model}")
         assert model not in [m.id for m in agent.models.list()]
     # The checkpoint is a model of its own: still served until it is deleted too.
     assert agents["agent-a"].completions.create(model=ckpt_model, prompt="x", max_tokens=2)
     assert client.models.delete(ckpt_model).deleted
     for host, agent in agents.items():
-        wait_until(lambda a=agent: _refused(a, ckpt_model), 10, f"{host} to refuse the ckpt")
+        wait_until(partial(_refused, agent, ckpt_model), 10, f"{host} to refuse the ckpt")
 
     # Heartbeats (every 0.5 s) do not bring either back.
     time.sleep(2.5)

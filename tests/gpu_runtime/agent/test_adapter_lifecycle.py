@@ -5,6 +5,7 @@ unloaded like an adapter."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 
 import openai
@@ -100,7 +101,7 @@ def test_checkpoint_is_served_by_name_on_demand_and_only_to_allowed_keys(
         return key == "k-acme" and name == CHECKPOINT
 
     grants = {
-        key: KeyGrant(frozenset({"tiny", MODEL}), unlisted=lambda n, k=key: allowed(k, n))
+        key: KeyGrant(frozenset({"tiny", MODEL}), unlisted=partial(allowed, key))
         for key in ("k-acme", "k-globex")
     }
     idle_host.loop.start()
