@@ -49,7 +49,7 @@ def adapter_archive(*, storage_key: str, model_name: str, base_model_name: str) 
     storage = get_storage()
     weights_key = f"{storage_key}/{ADAPTER_WEIGHTS}"
     config_key = f"{storage_key}/{ADAPTER_CONFIG}"
-    complete = storage_key and storage.exists(f"{storage_key}/{COMPLETE_MARKER}")
+    complete = bool(storage_key) and storage.exists(f"{storage_key}/{COMPLETE_MARKER}")
     if not complete or not storage.exists(weights_key) or not storage.exists(config_key):
         raise NotFoundError(
             f"The weights of {model_name!r} are not stored any more.",

@@ -29,6 +29,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 
 from gpu_runtime.server.auth import KeyGrant
@@ -90,7 +91,8 @@ class KeyVerifier:
                     self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
         if grant is None:
             raise KeyRejected("Incorrect API key provided.")
-        return grant
+        # Bound to the key per call: the cache keeps digests, never the key itself.
+        return replace(grant, unlisted=partial(self.allows_model, key))
 
     def _lookup(self, key: str) -> KeyGrant | None:
         self.lookups += 1
@@ -107,7 +109,7 @@ class KeyVerifier:
         except (urllib.error.URLError, OSError, ValueError) as exc:
             raise KeyRejected(f"cannot reach the control plane to check the key: {exc}") from exc
         models = frozenset(str(entry["id"]) for entry in body.get("data", []))
-        return KeyGrant(models=models, unlisted=partial(self.allows_model, key))
+        return KeyGrant(models=models)
 
     def allows_model(self, key: str, model: str) -> bool:
         """Whether the control plane lets `key` retrieve `model` (cached, see the module

@@ -159,6 +159,10 @@ class AdapterManager:
     def names(self) -> list[str]:
         return sorted(self._directories)
 
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is registered (one dict lookup: safe from any thread)."""
+        return name in self._directories
+
     def slot_of(self, name: str) -> int | None:
         return self._slot_of.get(name)
 

@@ -78,7 +78,7 @@ class MultiLoraRuntime:
         return self.manager.names()
 
     def has(self, name: str) -> bool:
-        return name in self.manager.names()
+        return self.manager.has(name)
 
     def can_admit(self, name: str) -> bool:
         """Whether :meth:`attach` would succeed now (resident, or a slot no request holds)."""

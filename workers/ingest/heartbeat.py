@@ -126,6 +126,8 @@ def deleted_models(served: set[str]) -> list[str]:
     whose row is gone (deleted, pruned, or its job deleted), or an adapter with no row whose
     job has ended or is gone (deleted). A job that has not ended yet keeps its name: its host
     serves the adapter before the control plane has recorded the success."""
+    if not served:
+        return []
     adapters = set(Adapter.objects.filter(name__in=served).values_list("name", flat=True))
     checkpoints: dict[str, tuple[str, int]] = {}
     plain: dict[str, str] = {}
