@@ -26,6 +26,8 @@ from api.models import (
     Tenant,
     Upload,
 )
+from api.services.jobs import fine_tuned_model_name
+from gpu_runtime.agent.protocol import parse_checkpoint_model
 
 BASE_MODEL_OWNER = "harli"
 
@@ -72,6 +74,40 @@ def job_checkpoint_list(*, job: FinetuneJob) -> QuerySet[JobCheckpoint]:
     return JobCheckpoint.objects.filter(job=job).select_related("job__tenant", "job__base_model")
 
 
+def job_checkpoint_get(*, job: FinetuneJob, checkpoint_id: str) -> JobCheckpoint:
+    """One checkpoint of `job` (already scoped to the tenant by `finetune_job_get`)."""
+    checkpoint = job_checkpoint_list(job=job).filter(pk=checkpoint_id).first()
+    if checkpoint is None:
+        raise NotFoundError(f"No such checkpoint: {checkpoint_id}", param="checkpoint_id")
+    return checkpoint
+
+
+def checkpoint_model_find(*, tenant: Tenant, model_id: str) -> JobCheckpoint | None:
+    """The tenant's checkpoint named `model_id` (`<job's fine-tuned model>:ckpt-step-<N>`, as
+    `fine_tuned_model_checkpoint` names it), or None. The whole name must match the job's."""
+    parsed = parse_checkpoint_model(model_id)
+    if parsed is None:
+        return None
+    model, job_id, step = parsed
+    checkpoint = (
+        JobCheckpoint.objects.select_related("job__tenant", "job__base_model")
+        .filter(job__tenant=tenant, job_id=job_id, step=step)
+        .first()
+    )
+    if checkpoint is None or fine_tuned_model_name(job=checkpoint.job) != model:
+        return None
+    return checkpoint
+
+
+def adapter_find(*, tenant: Tenant, model_id: str) -> Adapter | None:
+    """The tenant's finished adapter named `model_id`, or None."""
+    return (
+        Adapter.objects.select_related("job", "base_model", "tenant")
+        .filter(tenant=tenant, name=model_id)
+        .first()
+    )
+
+
 @dataclass(frozen=True)
 class ModelEntry:
     """One entry of `GET /v1/models`: a base model or one of the tenant's adapters."""
@@ -95,15 +131,19 @@ def model_list(*, tenant: Tenant) -> list[ModelEntry]:
 
 
 def model_get(*, tenant: Tenant, model_id: str) -> ModelEntry:
+    """A base model, one of the tenant's adapters, or one of its jobs' checkpoints."""
     base_model = BaseModel.objects.filter(name=model_id).first()
     if base_model is not None:
         return ModelEntry(
             id=base_model.name, created=base_model.created_at, owned_by=BASE_MODEL_OWNER
         )
-    adapter = Adapter.objects.filter(tenant=tenant, name=model_id).first()
-    if adapter is None:
-        raise NotFoundError(f"The model {model_id!r} does not exist.", param="model")
-    return ModelEntry(id=adapter.name, created=adapter.created_at, owned_by=tenant.name)
+    adapter = adapter_find(tenant=tenant, model_id=model_id)
+    if adapter is not None:
+        return ModelEntry(id=adapter.name, created=adapter.created_at, owned_by=tenant.name)
+    checkpoint = checkpoint_model_find(tenant=tenant, model_id=model_id)
+    if checkpoint is not None:  # retrievable, not listed (as OpenAI's checkpoints)
+        return ModelEntry(id=model_id, created=checkpoint.created_at, owned_by=tenant.name)
+    raise NotFoundError(f"The model {model_id!r} does not exist.", param="model")
 
 
 # Operator reads: the whole fleet, every tenant.

@@ -12,6 +12,7 @@ from rest_framework import serializers
 
 from api.models import File, FinetuneJob, JobCheckpoint, JobEvent
 from api.services.jobs import fine_tuned_model_name
+from gpu_runtime.agent.protocol import checkpoint_model_name
 
 
 def unix(moment: datetime | None) -> int | None:
@@ -166,7 +167,7 @@ class JobCheckpointSerializer(serializers.Serializer):
         return int(checkpoint.created_at.timestamp())
 
     def get_fine_tuned_model_checkpoint(self, checkpoint: JobCheckpoint) -> str:
-        return f"{fine_tuned_model_name(job=checkpoint.job)}:ckpt-step-{checkpoint.step}"
+        return checkpoint_model_name(fine_tuned_model_name(job=checkpoint.job), checkpoint.step)
 
 
 class ModelObjectSerializer(serializers.Serializer):
@@ -180,6 +181,12 @@ class ModelObjectSerializer(serializers.Serializer):
 
     def get_created(self, entry: Any) -> int:
         return int(entry.created.timestamp())
+
+
+class ModelDeletedSerializer(serializers.Serializer):
+    id = serializers.CharField()
+    object = serializers.CharField(default="model")
+    deleted = serializers.BooleanField()
 
 
 def list_serializer(item: type[serializers.Serializer], name: str) -> type[serializers.Serializer]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from django.urls import URLPattern, path
 
-from api.apis import files, jobs, models, ops, uploads
+from api.apis import adapters, files, jobs, models, ops, uploads
 
 JOB = "fine_tuning/jobs/<str:fine_tuning_job_id>"
 UPLOAD = "uploads/<str:upload_id>"
@@ -27,8 +27,14 @@ v1_urlpatterns: list[URLPattern] = [
     path(f"{JOB}/resume", jobs.JobResumeApi.as_view(), name="job-resume"),
     path(f"{JOB}/events", jobs.JobEventsApi.as_view(), name="job-events"),
     path(f"{JOB}/checkpoints", jobs.JobCheckpointsApi.as_view(), name="job-checkpoints"),
+    path(
+        f"{JOB}/checkpoints/<str:checkpoint_id>/content",
+        adapters.JobCheckpointContentApi.as_view(),
+        name="job-checkpoint-content",
+    ),
     path("models", models.ModelCollectionApi.as_view(), name="models"),
     path("models/<str:model>", models.ModelDetailApi.as_view(), name="model"),
+    path("models/<str:model>/content", adapters.ModelContentApi.as_view(), name="model-content"),
 ]
 
 ops_urlpatterns: list[URLPattern] = [

@@ -120,3 +120,36 @@ def send_stop(*, host_name: str, placement_id: int, job_id: str, command: str) -
     logger.info("sent %s of job %s (placement %s) to host %s", command, job_id, placement_id,
                 host_name)  # fmt: skip
     return True
+
+
+def send_unload(*, host_name: str, name: str) -> bool:
+    """Tell a host to stop serving model `name`; False (logged) when the broker did not take
+    it. While the host still serves it, its heartbeats name it and the heartbeat handler
+    (`workers.ingest.heartbeat`) sends the unload again."""
+    try:
+        send_host_command(host_name=host_name, command="unload_adapter", name=name)
+    except (BrokerOperationalError, OSError) as exc:
+        logger.warning("unload of %s not sent to host %s: %s; its next heartbeat will", name,
+                       host_name, exc)  # fmt: skip
+        return False
+    return True
+
+
+def unload_everywhere(*, name: str, base_model_id: int) -> list[str]:
+    """Send `unload_adapter` for `name` to every host that may serve it: each host of a
+    deployment of its base model, and any other host whose last heartbeat named it. Returns
+    the host names, sorted."""
+    from api.models import GpuHost
+    from workers.models import HostAgentState
+
+    hosts = set(
+        GpuHost.objects.filter(deployment__base_model_id=base_model_id).values_list(
+            "name", flat=True
+        )
+    )
+    for state in HostAgentState.objects.select_related("host"):
+        if name in (state.adapters or []):
+            hosts.add(state.host.name)
+    for host_name in sorted(hosts):
+        send_unload(host_name=host_name, name=name)
+    return sorted(hosts)

@@ -1,4 +1,5 @@
-"""`/v1/models`: base models plus the tenant's finished adapters."""
+"""`/v1/models`: base models plus the tenant's finished adapters (checkpoints are retrievable by
+name, not listed, as OpenAI's); delete a fine-tuned model or checkpoint."""
 
 from __future__ import annotations
 
@@ -8,7 +9,13 @@ from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
 from api.selectors import model_get, model_list
-from api.serializers import ErrorSerializer, ModelListSerializer, ModelObjectSerializer
+from api.serializers import (
+    ErrorSerializer,
+    ModelDeletedSerializer,
+    ModelListSerializer,
+    ModelObjectSerializer,
+)
+from api.services.models import fine_tuned_model_delete
 
 
 class ModelCollectionApi(TenantScopedAPIView):
@@ -24,3 +31,17 @@ class ModelDetailApi(TenantScopedAPIView):
     )
     def get(self, request: Request, model: str) -> Response:
         return Response(ModelObjectSerializer(model_get(tenant=self.tenant, model_id=model)).data)
+
+    @extend_schema(
+        operation_id="models_delete",
+        summary="Delete a fine-tuned model or checkpoint (unloaded from every host)",
+        responses={
+            200: ModelDeletedSerializer,
+            403: ErrorSerializer,
+            404: ErrorSerializer,
+            409: ErrorSerializer,
+        },
+    )
+    def delete(self, request: Request, model: str) -> Response:
+        fine_tuned_model_delete(tenant=self.tenant, model_id=model)
+        return Response({"id": model, "object": "model", "deleted": True})

@@ -1,10 +1,11 @@
-"""Finished adapters served by name on this host.
+"""Finished adapters (and checkpoints) served by name on this host.
 
 An adapter is registered with the engine's LoRA runtime (`engine.lora`), so its requests run
 in the same decode batches as base-model requests over the one copy of the base weights (see
 `gpu_runtime/engine/README.md`, Adapters). The runtime reads the adapter directory again when it
 reloads an adapter evicted from host memory, so every adapter keeps a private copy under
-`<work_dir>/adapters/<name>`. Loop thread only.
+`<work_dir>/adapters/<name>`. Loop thread only, except :meth:`HostAdapters.fetch_peft`
+(files only; the caller registers the result on the loop thread).
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import re
 import shutil
 from pathlib import Path
 
+from gpu_runtime.finetune.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
-from gpu_runtime.storage import Storage
+from gpu_runtime.storage import COMPLETE_MARKER, Storage
 
 
 def _directory_name(name: str) -> str:
@@ -49,6 +51,33 @@ class HostAdapters:
         directory = self._target(name)
         shutil.copytree(source, directory)
         lora.register(name, directory)
+
+    def fetch_peft(self, name: str, storage_key: str) -> Path:
+        """Copy only the PEFT files (config and weights) of the tree at `storage_key` (a
+        checkpoint also holds trainer state, which serving does not read) into `name`'s
+        directory; FileNotFoundError when no complete tree is stored there."""
+        if not self.storage.exists(f"{storage_key}/{COMPLETE_MARKER}"):
+            raise FileNotFoundError(f"no complete tree stored under {storage_key!r}")
+        directory = self._target(name)
+        directory.mkdir()
+        for file_name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+            chunks = self.storage.read_chunks(f"{storage_key}/{file_name}")
+            with (directory / file_name).open("wb") as out:
+                for chunk in chunks:
+                    out.write(chunk)
+        return directory
+
+    def register(self, lora: MultiLoraRuntime, name: str, directory: Path) -> None:
+        """Serve the PEFT directory `directory` (from :meth:`fetch_peft`) as `name`."""
+        if not lora.has(name):
+            lora.register(name, directory)
+
+    def unload(self, lora: MultiLoraRuntime, name: str) -> bool:
+        """Stop serving `name` (see `MultiLoraRuntime.unregister`) and drop its copy; False
+        when it was not served."""
+        served = lora.unregister(name)
+        shutil.rmtree(self.root / _directory_name(name), ignore_errors=True)
+        return served
 
     def forget(self) -> None:
         """Drop every fetched copy (the base model changed: they no longer apply)."""

@@ -8,6 +8,11 @@ bad or revoked. Answers are cached by the key's SHA-256 for `ttl_s` seconds (fai
 after revocation, and the control plane sees at most one check per key per TTL per host.
 When the control plane cannot be reached, the key is refused (fail closed).
 
+The list leaves out jobs' checkpoints (OpenAI's does too), so a grant also answers for a model
+it does not list by asking `GET /v1/models/{name}` with the same key (`KeyGrant.unlisted`):
+200 allows it, anything else refuses it. Those answers are cached per key and name with the
+same TTLs, so a deleted or pruned checkpoint is refused within `ttl_s` seconds too.
+
 A `KeyVerifier` is the host server's `ApiKeyChecker` (`gpu_runtime.server.auth`): called with a
 key it returns the grant, or None to refuse it (401). The server calls it from a worker thread,
 so the blocking lookup never stalls the event loop.
@@ -21,8 +26,11 @@ import logging
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 
 from gpu_runtime.server.auth import KeyGrant
 
@@ -52,6 +60,7 @@ class KeyVerifier:
         self.timeout_s = timeout_s
         self.clock = clock
         self._cache: dict[str, tuple[float, KeyGrant | None]] = {}
+        self._named: dict[tuple[str, str], tuple[float, bool]] = {}
         self._lock = threading.Lock()
         self.lookups = 0
 
@@ -82,7 +91,8 @@ class KeyVerifier:
                     self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
         if grant is None:
             raise KeyRejected("Incorrect API key provided.")
-        return grant
+        # Bound to the key per call: the cache keeps digests, never the key itself.
+        return replace(grant, unlisted=partial(self.allows_model, key))
 
     def _lookup(self, key: str) -> KeyGrant | None:
         self.lookups += 1
@@ -100,3 +110,34 @@ class KeyVerifier:
             raise KeyRejected(f"cannot reach the control plane to check the key: {exc}") from exc
         models = frozenset(str(entry["id"]) for entry in body.get("data", []))
         return KeyGrant(models=models)
+
+    def allows_model(self, key: str, model: str) -> bool:
+        """Whether the control plane lets `key` retrieve `model` (cached, see the module
+        docstring); False when it cannot be asked (fail closed)."""
+        entry = (hashlib.sha256(key.encode()).hexdigest(), model)
+        now = self.clock()
+        with self._lock:
+            cached = self._named.get(entry)
+        if cached is not None and cached[0] > now:
+            return cached[1]
+        allowed = self._retrieve(key, model)
+        ttl = self.ttl_s if allowed else self.negative_ttl_s
+        with self._lock:
+            self._named[entry] = (now + ttl, allowed)
+            if len(self._named) > 10_000:
+                self._named = {k: v for k, v in self._named.items() if v[0] > now}
+        return allowed
+
+    def _retrieve(self, key: str, model: str) -> bool:
+        self.lookups += 1
+        url = f"{self.control_url}/v1/models/{urllib.parse.quote(model, safe='')}"
+        request = urllib.request.Request(url, headers={"Authorization": f"Bearer {key}"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                body = json.loads(response.read())
+        except urllib.error.HTTPError:
+            return False
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            logger.warning("cannot ask the control plane about model %s: %s", model, exc)
+            return False
+        return isinstance(body, dict) and body.get("id") == model

@@ -182,6 +182,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
 
     from gpu_runtime.agent.auth import KeyVerifier
     from gpu_runtime.agent.channel import CommandConsumer, ReportSender
+    from gpu_runtime.agent.checkpoint_models import CheckpointModels
     from gpu_runtime.agent.protocol import report
     from gpu_runtime.agent.runtime import HostRuntime, submit_command
     from gpu_runtime.agent.serving import EngineSpec
@@ -243,7 +244,13 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
     loop = EngineLoop(runtime)
     loop.start()
     verifier = KeyVerifier(config.control_url, ttl_s=config.key_cache_ttl_s)
-    app = create_app(loop, lambda: runtime.status().base_model, verifier, request_metrics)
+    app = create_app(
+        loop,
+        lambda: runtime.status().base_model,
+        verifier,
+        request_metrics,
+        model_loader=CheckpointModels(loop, runtime),
+    )
     server = ThreadedServer(app, config.server_host, config.server_port)
     server.start()
     server_url = config.advertise_url or server.url

@@ -13,6 +13,11 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
   again whenever a heartbeat names a placement that is no longer open; the agent ignores (and
   logs) one for a placement it does not train, and drops a placement whose stop came first.
 * `{"command": "load_adapter", "command_id", "name", "storage_key"}` — serve an adapter by name.
+* `{"command": "unload_adapter", "command_id", "name"}` — stop serving a model by name (a
+  deleted fine-tuned model, or a checkpoint deleted or pruned): new requests for it are
+  refused (404) at once, requests already decoding with it finish, then its slot is freed.
+  Sent to every host that may serve it when the deletion commits, and again whenever a
+  heartbeat names it; a name the host does not serve is a no-op.
 * `{"command": "load_base_model", "command_id", "base_model", "model_dir" (or null),
   "preset" (or "")}` — serve another base model (only when idle; sent again until it is).
 * `{"command": "drain", "command_id"}` — accept no new placement; finish what runs.
@@ -69,7 +74,16 @@ HOST_REPORT_TASK = "workers.host_report"
 CONTROL_QUEUE = "control"
 
 COMMANDS = frozenset(
-    {"apply_placement", "pause", "cancel", "load_adapter", "load_base_model", "drain", "undrain"}
+    {
+        "apply_placement",
+        "pause",
+        "cancel",
+        "load_adapter",
+        "unload_adapter",
+        "load_base_model",
+        "drain",
+        "undrain",
+    }
 )
 REPORT_KINDS = frozenset(
     {
@@ -96,6 +110,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "pause": ("placement_id", "job_id"),
     "cancel": ("placement_id", "job_id"),
     "load_adapter": ("name", "storage_key"),
+    "unload_adapter": ("name",),
     "load_base_model": ("base_model",),
     "drain": (),
     "undrain": (),
@@ -135,6 +150,36 @@ def adapter_key(job_id: str) -> str:
 def tokenizer_key(base_model: str) -> str:
     """Storage prefix of the training tokenizer a host published for `base_model`."""
     return f"tokenizers/{base_model}"
+
+
+CHECKPOINT_MODEL_MARKER = ":ckpt-step-"
+
+
+def checkpoint_model_name(fine_tuned_model: str, step: int) -> str:
+    """The model name of a job's checkpoint (OpenAI's `fine_tuned_model_checkpoint`):
+    `<the job's fine-tuned model name>:ckpt-step-<step>`."""
+    return f"{fine_tuned_model}{CHECKPOINT_MODEL_MARKER}{step}"
+
+
+def parse_checkpoint_model(name: str) -> tuple[str, str, int] | None:
+    """`(fine-tuned model name, job id, step)` of a checkpoint model name, else None.
+
+    Fine-tuned model names end with `:<job id>` (`ft:<base>:<tenant>:<suffix>:<job id>`), and
+    the checkpoint's storage prefix is `checkpoint_key(job id, step)`.
+    """
+    model, marker, step_text = name.rpartition(CHECKPOINT_MODEL_MARKER)
+    if (
+        not marker
+        or not model.startswith("ft:")
+        or not (step_text.isascii() and step_text.isdigit())
+    ):
+        return None
+    if step_text != str(int(step_text)):  # one spelling per step: no leading zeros
+        return None
+    job_id = model.rsplit(":", 1)[-1]
+    if not job_id or model.count(":") < 4:
+        return None
+    return model, job_id, int(step_text)
 
 
 def new_message_id() -> str:

@@ -231,6 +231,9 @@ class HostRuntime:
         elif name == "load_adapter":
             lora = lora_runtime(self._engine)
             self.adapters.load(lora, str(command["name"]), str(command["storage_key"]))
+        elif name == "unload_adapter":
+            if self.adapters.unload(lora_runtime(self._engine), str(command["name"])):
+                logger.info("stopped serving %s", command["name"])
         elif name in ("drain", "undrain"):
             self._draining = name == "drain"
         elif name == "load_base_model":
@@ -238,6 +241,15 @@ class HostRuntime:
                 str(command["base_model"]), command.get("model_dir"), command.get("preset")
             )
         self.refresh_status()
+
+    def serve_fetched(self, name: str, directory: Path, base_model: str) -> bool:
+        """Serve the PEFT directory `directory` as `name` when this host still serves
+        `base_model` (it was fetched for it); False otherwise. Loop thread only."""
+        if base_model != self.base_model:
+            return False
+        self.adapters.register(lora_runtime(self._engine), name, directory)
+        self.refresh_status()
+        return True
 
     def _load_base_model(self, name: str, model_dir: str | None, preset: str | None) -> None:
         """Serve another base model. Only on an idle host (no job, no request in flight);

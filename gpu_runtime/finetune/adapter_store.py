@@ -10,6 +10,9 @@
   slot is held, :class:`NoFreeAdapterSlotError` tells the scheduler to keep the request waiting.
 * Host copies (pinned on CUDA) of at most ``max_host_adapters`` adapters are kept in LRU order,
   so a re-acquired adapter is copied to the GPU without touching the disk.
+* ``unregister(name)`` — ``name`` is no longer servable: it leaves :meth:`names` and host
+  memory at once, so no new request acquires it; requests holding its slot keep it until they
+  release it, and the slot is then cleared and freed.
 
 The manager holds plain bookkeeping; the tensors live in :class:`StackedLoraWeights`.
 """
@@ -119,16 +122,46 @@ class AdapterManager:
             (s, None) for s in range(weights.num_slots)
         )
         self.disk_loads = 0
+        self._retired: set[str] = set()  # unregistered while requests still held its slot
 
     def register(self, name: str, directory: str | Path) -> None:
         """Make ``name`` servable (read and checked now, so a bad adapter fails here)."""
         if name in self._directories:
             raise ValueError(f"adapter {name!r} is already registered")
         self._directories[name] = Path(directory)
-        self._host_adapter(name)
+        try:
+            self._host_adapter(name)
+        except BaseException:
+            del self._directories[name]  # a bad adapter is not left half-registered
+            raise
+        self._retired.discard(name)  # served again: a slot it still holds stays its own
+
+    def unregister(self, name: str) -> bool:
+        """Stop serving ``name`` (see the module docstring); False when it was not registered."""
+        if name not in self._directories:
+            return False
+        del self._directories[name]
+        self._host.pop(name, None)
+        slot = self._slot_of.get(name)
+        if slot is not None:
+            if self._refs[slot] == 0:
+                self._free_slot(name, slot)
+            else:
+                self._retired.add(name)
+        return True
+
+    def _free_slot(self, name: str, slot: int) -> None:
+        del self._slot_of[name]
+        self._name_in_slot[slot] = None
+        self.weights.clear_slot(slot)
+        self._slot_lru.move_to_end(slot, last=False)  # the first one a new adapter takes
 
     def names(self) -> list[str]:
         return sorted(self._directories)
+
+    def has(self, name: str) -> bool:
+        """Whether ``name`` is registered (one dict lookup: safe from any thread)."""
+        return name in self._directories
 
     def slot_of(self, name: str) -> int | None:
         return self._slot_of.get(name)
@@ -161,6 +194,8 @@ class AdapterManager:
 
     def acquire(self, name: str) -> int:
         """The slot serving ``name`` for one more request, loading it if needed."""
+        if name not in self._directories:
+            raise UnknownAdapterError(name)
         slot = self._slot_of.get(name)
         if slot is None:
             free = [s for s in self._slot_lru if self._refs[s] == 0]
@@ -185,3 +220,6 @@ class AdapterManager:
         if slot is None or self._refs[slot] == 0:
             raise RuntimeError(f"adapter {name!r} released more often than acquired")
         self._refs[slot] -= 1
+        if self._refs[slot] == 0 and name in self._retired:
+            self._retired.discard(name)
+            self._free_slot(name, slot)

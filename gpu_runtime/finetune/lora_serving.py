@@ -69,11 +69,16 @@ class MultiLoraRuntime:
     def register(self, name: str, directory: str | Path) -> None:
         self.manager.register(name, directory)
 
+    def unregister(self, name: str) -> bool:
+        """Stop serving ``name``: new requests for it are refused, attached ones finish with
+        its slot (freed when the last detaches). False when it was not registered."""
+        return self.manager.unregister(name)
+
     def names(self) -> list[str]:
         return self.manager.names()
 
     def has(self, name: str) -> bool:
-        return name in self.manager.names()
+        return self.manager.has(name)
 
     def can_admit(self, name: str) -> bool:
         """Whether :meth:`attach` would succeed now (resident, or a slot no request holds)."""

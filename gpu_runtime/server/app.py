@@ -7,7 +7,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +39,19 @@ AdapterNames = Callable[[], list[str]]
 """The adapter (model) names to list in `/v1/models` beside the base model."""
 
 
+class ModelLoader(Protocol):
+    """Serves, on demand, models a key may call that the host does not list (checkpoints)."""
+
+    def claims(self, name: str) -> bool:
+        """Whether `name` is one this loader could serve (cheap; no I/O)."""
+        ...
+
+    def load(self, name: str) -> str | None:
+        """Make `name` servable and return its adapter name, or None when it cannot be served
+        here. Blocks (the server calls it from a worker thread)."""
+        ...
+
+
 def create_app(
     engine_loop: EngineLoop,
     model_name: str | Callable[[], str],
@@ -46,6 +59,7 @@ def create_app(
     metrics: MetricsCollector | None = None,
     adapter_lookup: AdapterLookup | None = None,
     adapter_names: AdapterNames | None = None,
+    model_loader: ModelLoader | None = None,
 ) -> FastAPI:
     """The FastAPI app. `engine_loop` must be started by the caller. `model_name` is the base
     model's name (or a callable giving it now, for a host that may load another base model).
@@ -53,8 +67,10 @@ def create_app(
     grant read as nonexistent. `adapter_lookup` routes model names to adapters and
     `adapter_names` lists them; both default to the engine's LoRA runtime (`engine.lora`, read
     per request: an adapter is served under its own name), and to no adapters without one. A
-    `model` that is neither the base model nor an adapter gets a 404 `model_not_found`. The
-    engine (tokenizer, limits) is read from the loop per request too."""
+    `model` that is neither the base model nor an adapter gets a 404 `model_not_found`, unless
+    `model_loader` claims it, the grant allows it by name (`KeyGrant.allows_unlisted`) and the
+    loader can serve it (a checkpoint, loaded on its first request). The engine (tokenizer,
+    limits) is read from the loop per request too."""
     if engine_loop.engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
     collector = metrics or MetricsCollector()
@@ -107,14 +123,19 @@ def create_app(
             )
         return grant
 
-    def resolve_model(name: str, grant: KeyGrant) -> str | None:
+    async def resolve_model(name: str, grant: KeyGrant) -> str | None:
         """The adapter to use for `name` (None: the base model); 404 for anything else."""
-        if grant.allows(name):
-            if name == base_name():
-                return None
-            lora = lookup(name)
-            if lora is not None:
-                return lora
+        listed = grant.allows(name)
+        if listed and name == base_name():
+            return None
+        lora = lookup(name) if listed else None
+        if lora is not None:
+            return lora
+        if model_loader is not None and model_loader.claims(name):
+            if await asyncio.to_thread(grant.allows_unlisted, name):
+                lora = lookup(name) or await asyncio.to_thread(model_loader.load, name)
+                if lora is not None:
+                    return lora
         raise OpenAIError(
             404, f"The model '{name}' does not exist.", param="model", code="model_not_found"
         )
@@ -191,7 +212,7 @@ def create_app(
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, grant: KeyGrant = Depends(require_key)) -> Any:
-        lora = resolve_model(body.model, grant)
+        lora = await resolve_model(body.model, grant)
         try:
             prompts = [encode(p) for p in body.prompts()]
         except ValueError as exc:
@@ -292,7 +313,7 @@ def create_app(
     async def chat_completions(
         body: ChatCompletionRequest, grant: KeyGrant = Depends(require_key)
     ) -> Any:
-        lora = resolve_model(body.model, grant)
+        lora = await resolve_model(body.model, grant)
         messages = [m.model_dump() for m in body.messages]
         ids = list(
             tokenizer().apply_chat_template(

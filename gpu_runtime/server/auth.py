@@ -5,18 +5,28 @@ from __future__ import annotations
 import hmac
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
 class KeyGrant:
     """An accepted key. `models` are the model names it may call (None: every model the server
-    serves); any other model reads as nonexistent to it (404, never 403)."""
+    serves); any other model reads as nonexistent to it (404, never 403), unless `unlisted`
+    grants it by name."""
 
     models: frozenset[str] | None = None
+    unlisted: Callable[[str], bool] | None = field(default=None, compare=False)
+    """Whether the key may call a model its list leaves out (a job's checkpoint: the control
+    plane lists none, as OpenAI's `/v1/models` does not), asked per name; may block."""
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
+
+    def allows_unlisted(self, model: str) -> bool:
+        """`allows`, else the answer of `unlisted` (may block: call it from a worker thread)."""
+        if self.allows(model):
+            return True
+        return self.unlisted is not None and self.unlisted(model)
 
 
 ApiKeyChecker = Callable[[str | None], KeyGrant | None]

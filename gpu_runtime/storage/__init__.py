@@ -12,7 +12,14 @@ The control plane (`api.storage`) and the host agents use the same :class:`Stora
 network file system, sees alike.
 """
 
-from gpu_runtime.storage.base import Storage, StorageError, validate_key
+from gpu_runtime.storage.base import COMPLETE_MARKER, Storage, StorageError, validate_key
 from gpu_runtime.storage.local import LocalStorage, open_storage
 
-__all__ = ["LocalStorage", "Storage", "StorageError", "open_storage", "validate_key"]
+__all__ = [
+    "COMPLETE_MARKER",
+    "LocalStorage",
+    "Storage",
+    "StorageError",
+    "open_storage",
+    "validate_key",
+]

@@ -6,6 +6,9 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Protocol
 
+COMPLETE_MARKER = ".complete"
+"""The key under a tree's prefix that :meth:`Storage.put_tree` writes last."""
+
 
 class StorageError(ValueError):
     """A bad key or a storage URL no backend understands."""
@@ -40,6 +43,10 @@ class Storage(Protocol):
         """True when `key` holds bytes."""
         ...
 
+    def size(self, key: str) -> int:
+        """The number of bytes under `key`; FileNotFoundError when the key is absent."""
+        ...
+
     def list_keys(self, prefix: str) -> list[str]:
         """Every key under the directory-like `prefix`, sorted; [] when there is none."""
         ...
@@ -57,4 +64,9 @@ class Storage(Protocol):
 
         FileNotFoundError when no complete tree is stored under `prefix`.
         """
+        ...
+
+    def delete_tree(self, prefix: str) -> None:
+        """Remove every key under `prefix`, the completion marker first (so :meth:`get_tree`
+        refuses the tree at once); no error when there is none."""
         ...

@@ -9,9 +9,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
-from gpu_runtime.storage.base import Storage, StorageError, validate_key
-
-COMPLETE_MARKER = ".complete"
+from gpu_runtime.storage.base import COMPLETE_MARKER, Storage, StorageError, validate_key
 
 
 class LocalStorage:
@@ -56,6 +54,12 @@ class LocalStorage:
     def exists(self, key: str) -> bool:
         return self.path(key).is_file()
 
+    def size(self, key: str) -> int:
+        path = self.path(key)
+        if not path.is_file():
+            raise FileNotFoundError(f"no key {key!r} in {self!r}")
+        return path.stat().st_size
+
     def list_keys(self, prefix: str) -> list[str]:
         base = self.path(prefix)
         if not base.is_dir():
@@ -92,6 +96,11 @@ class LocalStorage:
             out.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.path(key), out)
         return target
+
+    def delete_tree(self, prefix: str) -> None:
+        base = self.path(prefix)
+        self.delete(f"{prefix}/{COMPLETE_MARKER}")
+        shutil.rmtree(base, ignore_errors=True)
 
 
 def _file_chunks(path: Path, chunk_size: int = 1 << 20) -> Iterator[bytes]:

@@ -29,6 +29,9 @@ from api.services.jobs import (
     job_checkpoint_record,
 )
 from api.services.uploads import upload_create, upload_part_add
+from api.storage import get_storage
+from gpu_runtime.agent.protocol import adapter_key, checkpoint_key
+from gpu_runtime.storage import COMPLETE_MARKER
 from tests.api.conftest import VALID_JSONL, ApiClient
 
 pytestmark = pytest.mark.django_db
@@ -81,6 +84,14 @@ def walk(patterns: list[Any], prefix: str = "") -> Iterator[Route]:
             yield Route(route=prefix + text, view=pattern.callback)
 
 
+def _store_peft_tree(key: str) -> None:
+    """PEFT-shaped files under `key` (the downloads only stream them)."""
+    storage = get_storage()
+    storage.save(f"{key}/adapter_config.json", [b'{"peft_type": "LORA"}'])
+    storage.save(f"{key}/adapter_model.safetensors", [b"weights"])
+    storage.save(f"{key}/{COMPLETE_MARKER}", [b"ok"])
+
+
 @dataclass
 class Victim:
     tenant: Tenant
@@ -102,8 +113,13 @@ def victim(tiny: object, other_tenant: Tenant) -> Victim:
     job = finetune_job_create(tenant=tenant, model="tiny", training_file=file.id, suffix="x")
     job = finetune_job_start(job=job)
     job_checkpoint_record(job=job, step=1, metrics={"train_loss": 1.0})
-    finished = finetune_job_succeed(job=job, trained_tokens=10, adapter_path="/a")
+    _store_peft_tree(adapter_key(job.id))
+    finished = finetune_job_succeed(job=job, trained_tokens=10, adapter_path=adapter_key(job.id))
     running = finetune_job_create(tenant=tenant, model="tiny", training_file=file.id)
+    _store_peft_tree(checkpoint_key(running.id, 3))
+    checkpoint = job_checkpoint_record(
+        job=running, step=3, metrics={"train_loss": 1.0}, path=checkpoint_key(running.id, 3)
+    )
     assert finished.fine_tuned_model is not None
     upload = upload_create(
         tenant=tenant,
@@ -118,6 +134,7 @@ def victim(tiny: object, other_tenant: Tenant) -> Victim:
         "fine_tuning_job_id": running.id,
         "model": finished.fine_tuned_model,
         "upload_id": upload.id,
+        "checkpoint_id": checkpoint.id,
         # operator-only routes
         "name": tenant.name,
         "job_id": running.id,
@@ -175,6 +192,10 @@ def test_other_tenants_objects_are_404_on_every_tenant_route(
     assert "GET v1/files/<str:file_id>/content" in checked
     assert "POST v1/fine_tuning/jobs/<str:fine_tuning_job_id>/cancel" in checked
     assert "POST v1/uploads/<str:upload_id>/complete" in checked
+    assert "DELETE v1/models/<str:model>" in checked
+    assert "GET v1/models/<str:model>/content" in checked
+    content = "v1/fine_tuning/jobs/<str:fine_tuning_job_id>/checkpoints/<str:checkpoint_id>/content"
+    assert f"GET {content}" in checked
 
 
 def test_tenant_collections_hide_and_refuse_other_tenants_objects(

@@ -1,6 +1,6 @@
 """Heartbeats: the host's liveness and agent state, and the commands they call for (stop a
-placement that moved elsewhere, load missing adapters or the deployment's base model, drain or
-undrain to follow the host's status)."""
+placement that moved elsewhere, load missing adapters or the deployment's base model, unload
+models that were deleted, drain or undrain to follow the host's status)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,17 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from api.models import OPEN_PLACEMENT_STATES, Adapter, GpuHost, HostStatus, Placement
+from api.models import (
+    OPEN_PLACEMENT_STATES,
+    Adapter,
+    FinetuneJob,
+    GpuHost,
+    HostStatus,
+    JobCheckpoint,
+    Placement,
+)
+from api.transitions import TERMINAL_STATUSES
+from gpu_runtime.agent.protocol import parse_checkpoint_model
 from workers.ingest.common import stop_on_commit
 from workers.models import HostAgentState
 
@@ -53,6 +63,7 @@ def heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
     for placement in stale.select_related("job"):
         stop_on_commit(host, placement)
     _offer_missing_adapters(host, set(message.get("adapters", [])))
+    _retire_deleted_models(host, set(message.get("adapters", [])))
     _offer_base_model(host, str(message.get("base_model", "")))
     # The agent follows the host's status: draining, or back in service (`host_undrain`).
     if (host.status == HostStatus.DRAINING) != draining and host.status in (
@@ -106,5 +117,49 @@ def _offer_missing_adapters(host: GpuHost, served: set[str]) -> None:
             send_host_command(
                 host_name=host.name, command="load_adapter", name=name, storage_key=key
             )
+
+    transaction.on_commit(send)
+
+
+def deleted_models(served: set[str]) -> list[str]:
+    """The fine-tuned names among `served` that the control plane no longer has: a checkpoint
+    whose row is gone (deleted, pruned, or its job deleted), or an adapter with no row whose
+    job has ended or is gone (deleted). A job that has not ended yet keeps its name: its host
+    serves the adapter before the control plane has recorded the success."""
+    if not served:
+        return []
+    adapters = set(Adapter.objects.filter(name__in=served).values_list("name", flat=True))
+    checkpoints: dict[str, tuple[str, int]] = {}
+    plain: dict[str, str] = {}
+    for name in served - adapters:
+        parsed = parse_checkpoint_model(name)
+        if parsed is not None:
+            checkpoints[name] = (parsed[1], parsed[2])
+        elif name.startswith("ft:"):
+            plain[name] = name.rsplit(":", 1)[-1]
+    job_ids = {job for job, _ in checkpoints.values()} | set(plain.values())
+    kept = set(JobCheckpoint.objects.filter(job_id__in=job_ids).values_list("job_id", "step"))
+    live = set(
+        FinetuneJob.objects.filter(pk__in=job_ids)
+        .exclude(status__in=TERMINAL_STATUSES)
+        .values_list("pk", flat=True)
+    )
+    gone = [name for name, entry in checkpoints.items() if entry not in kept]
+    gone += [name for name, job_id in plain.items() if job_id not in live]
+    return sorted(gone)
+
+
+def _retire_deleted_models(host: GpuHost, served: set[str]) -> None:
+    """Send `unload_adapter` for what the host serves that was deleted: the safety net behind
+    the unload sent when the deletion committed (`api.services.models`)."""
+    gone = deleted_models(served)
+    if not gone:
+        return
+
+    def send() -> None:
+        from workers.commands import send_unload
+
+        for name in gone:
+            send_unload(host_name=host.name, name=name)
 
     transaction.on_commit(send)

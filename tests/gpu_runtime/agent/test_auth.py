@@ -51,3 +51,35 @@ def test_unreachable_control_plane_fails_closed() -> None:
     verifier = KeyVerifier("http://127.0.0.1:9", ttl_s=10.0, timeout_s=1.0)
     with pytest.raises(KeyRejected, match="cannot reach the control plane"):
         verifier.check("hk-" + "y" * 40)
+
+
+@pytest.mark.django_db(transaction=True)
+def test_unlisted_checkpoints_are_granted_per_name_for_their_owner_only(
+    live_server: object,
+) -> None:
+    from api.models import JobCheckpoint
+    from api.services.files import UploadSource, file_create
+    from api.services.jobs import finetune_job_create, job_checkpoint_record
+    from gpu_runtime.agent.protocol import checkpoint_model_name
+    from tests.api.conftest import VALID_JSONL
+
+    base_model_register(name="tiny", preset="tiny")
+    acme = tenant_create(name="acme")
+    key = api_key_issue_for_tenant(tenant=acme).key
+    other = api_key_issue_for_tenant(tenant=tenant_create(name="globex")).key
+    upload = UploadSource.from_bytes(filename="t.jsonl", data=VALID_JSONL)
+    file = file_create(tenant=acme, purpose="fine-tune", upload=upload)
+    job = finetune_job_create(tenant=acme, model="tiny", training_file=file.id)
+    job_checkpoint_record(job=job, step=4, metrics={})
+    name = checkpoint_model_name(f"ft:tiny:acme::{job.id}", 4)
+    clock = FakeClock()
+    verifier = KeyVerifier(str(live_server), ttl_s=10.0, negative_ttl_s=2.0, clock=clock)
+    grant = verifier.check(key)
+    assert not grant.allows(name)  # /v1/models lists no checkpoint
+    assert grant.allows_unlisted(name) and grant.allows_unlisted(name)
+    assert verifier.lookups == 2  # the list, then the name once (cached)
+    assert not verifier.check(other).allows_unlisted(name)  # another tenant's: refused
+    assert not grant.allows_unlisted(checkpoint_model_name(f"ft:tiny:acme::{job.id}", 5))
+    JobCheckpoint.objects.filter(job=job).delete()  # pruned or deleted
+    clock.now += 10.1
+    assert not verifier.check(key).allows_unlisted(name)  # refused once the TTL ran out
