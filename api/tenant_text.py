@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import re
 
-from gpu_runtime.agent.protocol import tokenizer_key
-
 HIDDEN = "<internal path>"
-_STORAGE_ROOTS = ("files", "checkpoints", "adapters", tokenizer_key("x").split("/")[0])
+_STORAGE_ROOTS = ("files", "checkpoints", "adapters", "tokenizers")  # gpu_runtime.storage's
 _STORAGE_KEY = re.compile(r"\b(?:" + "|".join(_STORAGE_ROOTS) + r")/[^\s'\"(),;]+")
 # A path of two or more segments starting at "/" or "~/" or "X:\", not inside a word or URL.
 _LOCAL_PATH = re.compile(

@@ -18,7 +18,7 @@ from gpu_runtime.contract.tokenizer import (
     tokenizer_digest,
     tokenizer_files,
 )
-from gpu_runtime.storage import Storage
+from gpu_runtime.storage import Storage, StorageError
 
 logger = logging.getLogger(__name__)
 MANIFEST = "manifest.json"
@@ -27,11 +27,11 @@ MANIFEST = "manifest.json"
 def published_digest(storage: Storage, base_model: str) -> str | None:
     """The digest of the tokenizer published for `base_model`, or None when there is none."""
     key = tokenizer_key(base_model)
-    if not storage.exists(f"{key}/.complete") or not storage.exists(f"{key}/{MANIFEST}"):
-        return None
     try:
+        if not storage.exists(f"{key}/.complete"):
+            return None
         manifest = json.loads(b"".join(storage.read_chunks(f"{key}/{MANIFEST}")))
-    except (OSError, ValueError):
+    except (OSError, ValueError):  # absent, unreadable, or a name no key can hold
         return None
     digest = manifest.get("digest") if isinstance(manifest, dict) else None
     return digest if isinstance(digest, str) else None
@@ -57,11 +57,15 @@ def host_training_tokenizer(
     storage: Storage, base_model: str, model_dir: str | Path
 ) -> ChatTokenizer | None:
     """Load the training tokenizer of `model_dir` and publish its files; None (logged) when the
-    directory has none (jobs then fail at setup, naming the missing tokenizer)."""
+    directory has none (jobs then fail at setup, naming the missing tokenizer). A failed publish
+    is logged: this host still trains, and the control plane answers 409 until one succeeds."""
     try:
         tokenizer = load_training_tokenizer(model_dir)
-        publish_tokenizer(storage, base_model, model_dir)
     except TokenizerFilesError as exc:
         logger.error("base model %s has no training tokenizer: %s", base_model, exc)
         return None
+    try:
+        publish_tokenizer(storage, base_model, model_dir)
+    except (OSError, StorageError) as exc:
+        logger.error("could not publish the tokenizer of %s: %s", base_model, exc)
     return tokenizer

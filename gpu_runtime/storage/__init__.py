@@ -6,6 +6,7 @@ The control plane (`api.storage`) and the host agents use the same :class:`Stora
 * `files/<tenant id>/<file id>.jsonl` — an uploaded training file;
 * `checkpoints/<job id>/step-<NNNNNN>/...` — a trainer checkpoint (a directory tree);
 * `adapters/<job id>/...` — a finished PEFT adapter (a directory tree).
+* `tokenizers/<base model>/...` — the training tokenizer a host published (a directory tree).
 
 :func:`open_storage` picks the backend from a URL or path; today that is a local directory
 (`file:///abs/path` or a plain path), which every process of one machine, or of hosts sharing a

@@ -45,7 +45,7 @@ def test_a_failure_report_reaches_the_tenant_without_keys_or_paths(
     for body in seen:
         for location in (key, str(storage_dir), "checkpoints/", "files/"):
             assert location not in body, body
-    assert job.error["message"] == (
+    assert job.error is not None and job.error["message"] == (
         f"engine loop error: [Errno 2] No such file or directory: '{HIDDEN}'; "
         f"cannot resume from {{'step': 2, 'storage_key': '{HIDDEN}'}}"
     )

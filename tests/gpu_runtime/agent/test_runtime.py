@@ -186,6 +186,7 @@ def test_job_setup_failures_name_files_by_id_and_never_a_location(
         "file file-long: 1 example(s) longer than the limit of 256 tokens: line 2 ("
     )
     assert failed[4]["message"] == "job ftjob-1: the checkpoint of step 2 cannot be restored"
+    assert storage.exists("tokenizers/tiny/.complete")  # published when the host started
     for message in failed.values():
         text = message["message"]
         for location in ("files/", "checkpoints/", ".jsonl", str(storage.root), str(tmp_path)):

@@ -1,0 +1,44 @@
+"""The shared rules import neither torch nor Django, and the control plane's use of them (the
+job-file check, a tokenizer built and used) pulls no torch into the web process."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+CONTRACT = """
+import sys, tempfile, json
+from gpu_runtime.contract import chat, tiny_tokenizer, tokenizer, training_data
+with tempfile.TemporaryDirectory() as d:
+    tiny_tokenizer.build_tiny_tokenizer(d)
+    tok = tokenizer.load_training_tokenizer(d)
+line = json.dumps({"prompt": "Q: hi", "completion": " A: there"})
+assert training_data.tokenize_training_lines([line], tok, 64, "f").examples
+print(sorted(m for m in ("torch", "django") if m in sys.modules))
+"""
+CONTROL_PLANE = """
+import os, sys
+import django
+os.environ["DJANGO_SETTINGS_MODULE"] = "config.settings.test"
+django.setup()
+import api.file_tokens, api.services.jobs, workers.commands, workers.ingest.jobs
+from api.base_model_tokenizers import base_model_tokenizer
+from api.models import BaseModel
+base_model_tokenizer(base_model=BaseModel(name="tiny", preset="tiny", context_length=512))
+print("torch" in sys.modules)
+"""
+
+
+def _run(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout.strip().splitlines()[-1]
+
+
+def test_the_contract_imports_neither_torch_nor_django() -> None:
+    assert _run(CONTRACT) == "[]"
+
+
+def test_the_control_planes_file_check_imports_no_torch() -> None:
+    assert _run(CONTROL_PLANE) == "False"
