@@ -11,6 +11,9 @@ Two JSONL formats are read, one JSON object per line, one format per file:
   completion tokens and that EOS carry labels. A token that straddles the boundary counts as a
   completion token.
 
+A third format, DPO's preference pairs, is read by :mod:`gpu_runtime.finetune.preference_data`
+with this module's chat tokenization.
+
 Labels are aligned with ``input_ids`` (``labels[t]`` is the target for position ``t``; the loss
 shifts them), ``-100`` where no loss is taken. Sequences longer than ``max_seq_len`` are cut on the
 right; one that has no label left after the cut is dropped and counted. Malformed lines raise
