@@ -1,6 +1,7 @@
 """Turning a placement's JobSpec into a trainer on this host, and its files into storage.
 
-The training file is read from storage; "auto" hyperparameters resolve with
+The training file is read from storage (a DPO job's, `spec["method"] == "dpo"`, holds preference
+pairs and trains a `DpoTrainer`); "auto" hyperparameters resolve with
 `gpu_runtime.finetune.hparams.resolve_hyperparameters` (deterministic in the file), so every host
 that runs the job builds the same trainer and a checkpoint written on one resumes exactly on
 another. Checkpoints are written locally by the trainer, then copied to storage under
@@ -21,7 +22,9 @@ from gpu_runtime.finetune.checkpoint import (
     save_checkpoint,
 )
 from gpu_runtime.finetune.data import TokenizedExample, tokenize_lines
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+from gpu_runtime.finetune.dpo_trainer import DpoTrainer
+from gpu_runtime.finetune.hparams import LoraSpec, resolve_dpo_beta, resolve_hyperparameters
+from gpu_runtime.finetune.preference_data import PreferencePair, tokenize_preference_lines
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
 from gpu_runtime.storage import Storage
@@ -65,6 +68,13 @@ def read_examples(
     return tokenize_lines(text.splitlines(), tokenizer, max_seq_len, source=key).examples
 
 
+def read_pairs(
+    storage: Storage, key: str, tokenizer: Any, max_seq_len: int
+) -> tuple[PreferencePair, ...]:
+    text = b"".join(storage.read_chunks(key)).decode("utf-8")
+    return tokenize_preference_lines(text.splitlines(), tokenizer, max_seq_len, source=key).pairs
+
+
 def build_job_run(
     *,
     spec: dict[str, Any],
@@ -82,12 +92,20 @@ def build_job_run(
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     max_seq_len = min(max_model_len, MAX_SEQ_LEN_CAP)
+    dpo = spec.get("method", "supervised") == "dpo"
+    pairs: tuple[PreferencePair, ...] = ()
+    examples: tuple[TokenizedExample, ...] = ()
     try:
-        examples = read_examples(storage, spec["training_file_key"], tokenizer, max_seq_len)
+        key = spec["training_file_key"]
+        if dpo:
+            pairs = read_pairs(storage, key, tokenizer, max_seq_len)
+        else:
+            examples = read_examples(storage, key, tokenizer, max_seq_len)
         hyper = dict(spec["hyperparameters"])
         lora = dict(spec["lora"])
+        options = {"dpo_beta": resolve_dpo_beta(hyper.get("beta", "auto"))} if dpo else {}
         hparams = resolve_hyperparameters(
-            n_train_examples=len(examples),
+            n_train_examples=len(pairs) if dpo else len(examples),
             n_epochs=hyper.get("n_epochs", "auto"),
             batch_size=hyper.get("batch_size", "auto"),
             learning_rate_multiplier=hyper.get("learning_rate_multiplier", "auto"),
@@ -100,16 +118,19 @@ def build_job_run(
             seed=int(spec["seed"]),
             max_seq_len=max_seq_len,
             checkpoint_every_steps=int(spec.get("checkpoint_every_steps", 0)),
+            **options,
         )
     except (ValueError, KeyError, FileNotFoundError) as exc:
         raise JobSetupError(f"job {job_id}: {exc}") from exc
-    trainer = LoraTrainer(
-        serving_model,
-        examples,
-        hparams,
-        pad_token_id=int(getattr(tokenizer, "pad_token_id", None) or 0),
-        checkpoint_root=workdir / "checkpoints",
-        base_model_name_or_path=base_model_path,
+    common: dict[str, Any] = {
+        "pad_token_id": int(getattr(tokenizer, "pad_token_id", None) or 0),
+        "checkpoint_root": workdir / "checkpoints",
+        "base_model_name_or_path": base_model_path,
+    }
+    trainer = (
+        DpoTrainer(serving_model, pairs, hparams, **common)
+        if dpo
+        else LoraTrainer(serving_model, examples, hparams, **common)
     )
     resumed = 0
     resume = spec.get("resume_from")

@@ -19,7 +19,9 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
 * `{"command": "undrain", "command_id"}` — back in service: report `draining` false again.
 
 JobSpec: `{"id", "base_model", "training_file_key", "validation_file_key" (or null),
-"hyperparameters": {"n_epochs", "batch_size", "learning_rate_multiplier"} (numbers or "auto"),
+"method" ("supervised" or "dpo"; absent: supervised),
+"hyperparameters": {"n_epochs", "batch_size", "learning_rate_multiplier"} (numbers or "auto";
+a DPO job's also "beta"),
 "lora": {"rank", "alpha", "dropout", "target_modules"}, "seed", "checkpoint_every_steps",
 "fine_tuned_model", "resume_from" (or null)}`.
 
@@ -34,7 +36,8 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
 * `job_started`: `placement_id`, `job_id`, `resumed_from_step` (0 for a fresh start),
   `total_steps`.
 * `job_progress`: `placement_id`, `job_id`, `step`, `total_steps`, `train_loss`,
-  `learning_rate`, `tokens_per_s`, `trained_tokens`.
+  `learning_rate`, `tokens_per_s`, `trained_tokens`; a DPO job's also the
+  :data:`PREFERENCE_METRICS` of that step (in checkpoint `metrics` too).
 * `checkpoint`: `placement_id`, `job_id`, `step`, `storage_key`, `metrics` (`train_loss`, ...),
   `total_steps`, `recent_steps` (`{"step", "train_loss", "learning_rate"}` of every step since
   the previous checkpoint report: the control plane records any whose `job_progress` was lost).
@@ -90,6 +93,14 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "drain": (),
     "undrain": (),
 }
+PREFERENCE_METRICS = (
+    "train_preference_accuracy",
+    "train_chosen_reward",
+    "train_rejected_reward",
+    "train_reward_margin",
+)
+"""A DPO step's metrics: the fraction of the batch's pairs whose preferred output got the
+higher implicit reward, the mean rewards of both outputs, and their mean margin."""
 JOB_SPEC_FIELDS = (
     "id",
     "base_model",

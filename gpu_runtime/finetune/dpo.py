@@ -103,9 +103,7 @@ def sequence_logprobs(
     losses = _ChunkedTokenCrossEntropy.apply(flat, loss_targets, tree.compute_logits, chunk_tokens)
     assert isinstance(losses, torch.Tensor)
     owner = torch.div(loss_positions, seq, rounding_mode="floor")  # [N] row of each target
-    return torch.zeros(rows, dtype=torch.float32, device=hidden.device).index_add(
-        0, owner, -losses
-    )
+    return torch.zeros(rows, dtype=torch.float32, device=hidden.device).index_add(0, owner, -losses)
 
 
 @dataclass(frozen=True)
@@ -118,9 +116,7 @@ class DpoTerms:
     """``[3]``: pairs ranked right, summed preferred reward, summed other reward."""
 
 
-def dpo_terms(
-    policy_logps: torch.Tensor, reference_logps: torch.Tensor, beta: float
-) -> DpoTerms:
+def dpo_terms(policy_logps: torch.Tensor, reference_logps: torch.Tensor, beta: float) -> DpoTerms:
     """DPO over ``n`` pairs laid out as ``[preferred rows..., other rows...]`` (``[2n]`` each)."""
     chosen, rejected = policy_logps.chunk(2)
     ref_chosen, ref_rejected = reference_logps.detach().chunk(2)

@@ -150,7 +150,8 @@ class DpoTrainer(LoraTrainer):
         self._batch_stats += terms.stats
         if plan.completes_batch:
             # before the tail: a checkpoint it writes holds this step's record
-            correct, chosen, rejected = (v / plan.batch_loss_tokens for v in self._batch_stats.tolist())
+            pairs_in_batch = plan.batch_loss_tokens
+            correct, chosen, rejected = (v / pairs_in_batch for v in self._batch_stats.tolist())
             self.preference_history.append(
                 PreferenceRecord(self.step + 1, correct, chosen, rejected)
             )
@@ -162,8 +163,6 @@ class DpoTrainer(LoraTrainer):
         )
         return tail.result()
 
-    def validation(
-        self, examples: Sequence[Any], max_tokens: int = 8192
-    ) -> ValidationRun:
+    def validation(self, examples: Sequence[Any], max_tokens: int = 8192) -> ValidationRun:
         """Not offered: a DPO job takes no validation file (the control plane refuses one)."""
         raise ValueError("validation files are not supported for DPO jobs")
