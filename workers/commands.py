@@ -12,7 +12,7 @@ from typing import Any
 
 from kombu.exceptions import OperationalError as BrokerOperationalError
 
-from api.models import FinetuneJob, JobCheckpoint, Placement
+from api.models import FinetuneJob, JobCheckpoint, JobMethod, Placement
 from config.celery import app
 from gpu_runtime.agent.protocol import HOST_COMMAND_TASK, adapter_key, check_command, host_queue
 from workers.conf import worker_settings
@@ -29,7 +29,9 @@ def job_spec(*, job: FinetuneJob, resume: JobCheckpoint | None) -> dict[str, Any
         "base_model": job.base_model.name,
         "training_file_key": job.training_file.storage_key,
         "validation_file_key": job.validation_file.storage_key if job.validation_file else None,
-        "hyperparameters": dict(job.hyperparameters),
+        "method": job.method,
+        "hyperparameters": dict(job.hyperparameters)
+        | ({"beta": job.dpo_beta} if job.method == JobMethod.DPO else {}),
         "lora": {
             "rank": job.lora_rank,
             "alpha": job.lora_alpha,
