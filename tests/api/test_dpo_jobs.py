@@ -17,7 +17,7 @@ from gpu_runtime.agent.protocol import check_command
 from tests.api.conftest import VALID_JSONL, ApiClient, assert_error, jsonl
 from workers.commands import job_spec
 
-PREFERENCE_LINE = {
+PREFERENCE_LINE: dict[str, Any] = {
     "input": {
         "messages": [{"role": "user", "content": "Capital of France?"}],
         "tools": [],

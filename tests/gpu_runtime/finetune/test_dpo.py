@@ -212,9 +212,9 @@ def test_resume_reproduces_the_uninterrupted_dpo_run(
     for a, b in zip(full.history, resumed.history, strict=True):
         assert (a.step, a.learning_rate) == (b.step, b.learning_rate)
         assert abs(a.loss - b.loss) < 1e-6, (a, b)
-    for a, b in zip(full.preference_history, resumed.preference_history, strict=True):
-        assert a.step == b.step and a.accuracy == b.accuracy
-        assert abs(a.margin - b.margin) < 1e-6
+    for x, y in zip(full.preference_history, resumed.preference_history, strict=True):
+        assert x.step == y.step and x.accuracy == y.accuracy
+        assert abs(x.margin - y.margin) < 1e-6
     for p, q in zip(full.params, resumed.params, strict=True):
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
