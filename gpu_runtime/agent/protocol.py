@@ -93,6 +93,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "drain": (),
     "undrain": (),
 }
+JOB_METHODS = ("supervised", "dpo")
 PREFERENCE_METRICS = (
     "train_preference_accuracy",
     "train_chosen_reward",
@@ -186,4 +187,8 @@ def check_command(message: Any) -> dict[str, Any]:
         missing = [f for f in JOB_SPEC_FIELDS if f not in job]
         if missing:
             raise ProtocolError(f"apply_placement.job lacks {missing}")
+        if job.get("method", "supervised") not in JOB_METHODS:
+            raise ProtocolError(
+                f"apply_placement.job.method {job['method']!r} is not one of {list(JOB_METHODS)}"
+            )
     return message

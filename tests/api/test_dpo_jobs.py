@@ -13,7 +13,7 @@ from api.services.apikeys import api_key_issue_for_tenant
 from api.services.files import UploadSource, file_create
 from api.services.fleet import base_model_register
 from api.services.tenants import tenant_create
-from gpu_runtime.agent.protocol import check_command
+from gpu_runtime.agent.protocol import ProtocolError, check_command
 from tests.api.conftest import VALID_JSONL, ApiClient, assert_error, jsonl
 from workers.commands import job_spec
 
@@ -69,7 +69,10 @@ def test_dpo_job_is_stored_rendered_and_sent_to_the_host(
     assert (job.method, job.dpo_beta) == ("dpo", 0.25)
     spec = job_spec(job=job, resume=None)
     assert spec["method"] == "dpo" and spec["hyperparameters"]["beta"] == 0.25
-    check_command({"command": "apply_placement", "command_id": "c", "placement_id": 1, "job": spec})
+    command = {"command": "apply_placement", "command_id": "c", "placement_id": 1, "job": spec}
+    check_command(command)
+    with pytest.raises(ProtocolError, match="method"):
+        check_command({**command, "job": {**spec, "method": "reinforcement"}})
     auto = FinetuneJob.objects.get(pk=create(api, preference_file, method=dpo()).json()["id"])
     assert auto.dpo_beta == "auto" and job_spec(job=auto, resume=None)["hyperparameters"]["beta"]
 
