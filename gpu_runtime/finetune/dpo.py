@@ -21,7 +21,7 @@ hidden state only, so the backward only scales those rows by the incoming per-to
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,11 +33,20 @@ from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.model import CausalLM
 
 
+def tuner_layers(tree: CausalLM) -> list[BaseTunerLayer]:
+    """The tree's peft LoRA layers (what :func:`adapters_disabled` switches off)."""
+    return [m for m in tree.modules() if isinstance(m, BaseTunerLayer)]
+
+
 @contextlib.contextmanager
-def adapters_disabled(tree: CausalLM, fused: FusedTrainingForward | None) -> Iterator[None]:
-    """Run ``tree`` (and its fused forward) as the base model: every LoRA layer is bypassed."""
-    layers = [m for m in tree.modules() if isinstance(m, BaseTunerLayer)]
-    grads = [p.requires_grad for p in tree.parameters()]
+def adapters_disabled(
+    layers: Sequence[BaseTunerLayer],
+    params: Sequence[torch.nn.Parameter],
+    fused: FusedTrainingForward | None,
+) -> Iterator[None]:
+    """Run the tree whose LoRA ``layers`` (and trainable ``params``) these are, and its fused
+    forward, as the base model: every adapter is bypassed; all is restored on exit."""
+    grads = [p.requires_grad for p in params]
     for layer in layers:
         layer.enable_adapters(False)
     if fused is not None:
@@ -47,8 +56,8 @@ def adapters_disabled(tree: CausalLM, fused: FusedTrainingForward | None) -> Ite
     finally:
         for layer in layers:
             layer.enable_adapters(True)
-        for param, grad in zip(tree.parameters(), grads, strict=True):
-            param.requires_grad_(grad)  # peft's toggles touch requires_grad
+        for param, grad in zip(params, grads, strict=True):
+            param.requires_grad_(grad)  # peft's toggles set requires_grad
         if fused is not None:
             fused.adapters_enabled = True
 
@@ -103,7 +112,9 @@ def sequence_logprobs(
     losses = _ChunkedTokenCrossEntropy.apply(flat, loss_targets, tree.compute_logits, chunk_tokens)
     assert isinstance(losses, torch.Tensor)
     owner = torch.div(loss_positions, seq, rounding_mode="floor")  # [N] row of each target
-    return torch.zeros(rows, dtype=torch.float32, device=hidden.device).index_add(0, owner, -losses)
+    # a [B, N] one-hot matmul rather than index_add: deterministic on CUDA (no atomics)
+    rows_of = torch.arange(rows, device=hidden.device).unsqueeze(1) == owner.unsqueeze(0)
+    return rows_of.float() @ -losses
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ from gpu_runtime.finetune.dpo import (
     adapters_disabled,
     dpo_terms,
     sequence_logprobs,
+    tuner_layers,
 )
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.loss import training_hidden_states
@@ -79,6 +80,7 @@ class DpoTrainer(LoraTrainer):
         self.beta = float(hparams.dpo_beta)
         self.pairs: tuple[PreferencePair, ...] = tuple(train_pairs)
         self.preference_history: list[PreferenceRecord] = []
+        self._tuner_layers = tuner_layers(self.model)
         self._batch_stats = torch.zeros(3, dtype=torch.float32, device=self.device)
 
     def restore_preference_history(self, history: Sequence[dict[str, float]]) -> None:
@@ -114,7 +116,8 @@ class DpoTrainer(LoraTrainer):
         off, eval mode, no gradient)."""
         self.model.eval()
         try:
-            with adapters_disabled(self.model, self._fused), self._autocast():
+            off = adapters_disabled(self._tuner_layers, self.params, self._fused)
+            with off, self._autocast():
                 return self._logprobs(batch, self._hidden(batch, False))
         finally:
             self.model.train()

@@ -127,12 +127,16 @@ def test_malformed_preference_lines_name_the_line(
         )
 
 
-@pytest.mark.parametrize("fused_forward", [True, False])
+@pytest.mark.parametrize(("fused_forward", "chunk"), [(True, 2048), (False, 3)])
 def test_dpo_loss_and_gradients_equal_a_direct_computation(
-    serving_model: Any, pairs: tuple[PreferencePair, ...], fused_forward: bool
+    serving_model: Any, pairs: tuple[PreferencePair, ...], fused_forward: bool, chunk: int
 ) -> None:
     trainer = DpoTrainer(
-        serving_model, pairs, hparams(len(pairs), dpo_beta=0.5), fused_forward=fused_forward
+        serving_model,
+        pairs,
+        hparams(len(pairs), dpo_beta=0.5),
+        fused_forward=fused_forward,
+        loss_chunk_tokens=chunk,  # 3: the log-probabilities in many chunks
     )
     with torch.no_grad():
         for p in trainer.params:
