@@ -169,3 +169,24 @@ def test_openai_client_creates_a_dpo_job(live_server: Any) -> None:
     with pytest.raises(openai.BadRequestError) as supervised:
         client.fine_tuning.jobs.create(model="tiny", training_file=prefs.id)
     assert supervised.value.param == "training_file"
+
+
+@pytest.mark.django_db
+def test_a_dpo_job_is_charged_two_rows_of_activations_per_example(tenant: Tenant) -> None:
+    from workers.placement import (
+        ACTIVATION_BYTES_PER_UNIT,
+        finetune_memory_estimate,
+    )
+
+    llama = base_model_register(name="llama", preset="llama3-8b")
+    settings = {"n_epochs": "auto", "batch_size": 4, "learning_rate_multiplier": "auto"}
+
+    def estimate(method: str) -> int:
+        job = FinetuneJob(
+            tenant=tenant, base_model=llama, hyperparameters=settings, method=method, seed=0
+        )
+        return finetune_memory_estimate(job=job)
+
+    config = llama.config
+    one_row = 4 * 2048 * config["hidden_size"] * config["num_hidden_layers"]
+    assert estimate("dpo") - estimate("supervised") == one_row * ACTIVATION_BYTES_PER_UNIT
