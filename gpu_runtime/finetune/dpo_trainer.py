@@ -48,6 +48,8 @@ class DpoTrainer(LoraTrainer):
 
     layer_sliced_quanta = False
     """Quanta are whole micro-batches (the co-location loop offers no layer slices)."""
+    trains_preferences = True
+    """Its hparams carry ``dpo_beta`` (a plain ``LoraTrainer`` refuses them)."""
 
     def __init__(
         self,

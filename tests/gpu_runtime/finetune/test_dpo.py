@@ -223,6 +223,17 @@ def test_resume_reproduces_the_uninterrupted_dpo_run(
         torch.testing.assert_close(p, q, rtol=0, atol=1e-6)
 
 
+def test_a_supervised_trainer_refuses_dpo_settings(
+    serving_model: Any, train_examples: Any, pairs: tuple[PreferencePair, ...]
+) -> None:
+    from gpu_runtime.finetune.trainer import LoraTrainer
+
+    with pytest.raises(ValueError, match="DpoTrainer"):
+        LoraTrainer(serving_model, train_examples, hparams(len(train_examples)))
+    with pytest.raises(ValueError, match="dpo_beta"):
+        DpoTrainer(serving_model, pairs, hparams(len(pairs), dpo_beta=None))
+
+
 def test_quanta_are_whole_micro_batches_within_the_token_budget(
     serving_model: Any, pairs: tuple[PreferencePair, ...]
 ) -> None:
