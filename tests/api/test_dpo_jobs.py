@@ -188,5 +188,6 @@ def test_a_dpo_job_is_charged_two_rows_of_activations_per_example(tenant: Tenant
         return finetune_memory_estimate(job=job)
 
     config = llama.config
+    assert config is not None
     one_row = 4 * 2048 * config["hidden_size"] * config["num_hidden_layers"]
     assert estimate("dpo") - estimate("supervised") == one_row * ACTIVATION_BYTES_PER_UNIT
