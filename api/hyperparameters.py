@@ -3,6 +3,9 @@
 Hyperparameters come either at the top level (`hyperparameters`, OpenAI's older shape) or in
 `method = {"type": "supervised", "supervised": {"hyperparameters": {...}}}`. Each of `n_epochs`,
 `batch_size` and `learning_rate_multiplier` is a number in range or "auto" (the default).
+A DPO job gives `method = {"type": "dpo", "dpo": {"hyperparameters": {...}}}` with the same
+three plus `beta` (a number in `BETA_RANGE`, or "auto": 0.1 on the host); a top-level
+`hyperparameters` object then cannot also be given.
 LoRA options come in an extension object `lora = {"rank", "alpha", "dropout", "target_modules"}`.
 """
 
@@ -25,6 +28,10 @@ LORA_RANK_RANGE = (1, DEFAULT_LORA_MAX_RANK)
 SUFFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MODULE_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 SEED_RANGE = (0, 2**31 - 1)
+SUPERVISED = "supervised"
+DPO = "dpo"
+BETA_RANGE = (0.0, 2.0)
+"""DPO's beta: above the low end (exclusive) and at most the high end."""
 
 
 def _invalid(param: str, message: str) -> HarliError:
@@ -58,9 +65,9 @@ def parse_hyperparameters(hyperparameters: Any, method: Any) -> dict[str, int | 
     if method is not None:
         if not isinstance(method, dict):
             raise HarliError("method must be an object.", param="method")
-        if method.get("type") != "supervised":
+        if method.get("type") != SUPERVISED:
             raise HarliError(
-                f"Only method type 'supervised' is supported, got {method.get('type')!r}.",
+                f"Method type must be 'supervised' or 'dpo', got {method.get('type')!r}.",
                 param="method.type",
                 code="unsupported_method",
             )
@@ -96,6 +103,49 @@ def parse_hyperparameters(hyperparameters: Any, method: Any) -> dict[str, int | 
             bounds=LEARNING_RATE_MULTIPLIER_RANGE,
         ),
     }
+
+
+@dataclass(frozen=True)
+class TrainingMethod:
+    """A job's method: its type, OpenAI's three hyperparameters and, for DPO, beta."""
+
+    type: str
+    hyperparameters: dict[str, int | float | str]
+    beta: float | str | None = None
+    """A number or "auto" for DPO; None for supervised."""
+
+
+def _beta(value: Any) -> float | str:
+    if value is None or value == AUTO:
+        return AUTO
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid("beta", f"beta must be a number or 'auto', got {value!r}.")
+    low, high = BETA_RANGE
+    if not low < float(value) <= high:
+        raise _invalid("beta", f"beta must be greater than {low} and at most {high}, got {value}.")
+    return float(value)
+
+
+def parse_method(hyperparameters: Any, method: Any) -> TrainingMethod:
+    """The job's method (supervised unless `method.type` is "dpo"); see the module docstring."""
+    if not isinstance(method, dict) or method.get("type") != DPO:
+        return TrainingMethod(SUPERVISED, parse_hyperparameters(hyperparameters, method))
+    dpo = method.get("dpo") or {}
+    if not isinstance(dpo, dict):
+        raise HarliError("method.dpo must be an object.", param="method.dpo")
+    unknown = sorted(set(method) - {"type", "dpo"})
+    if unknown:
+        raise HarliError(f"Unknown method field(s): {', '.join(unknown)}.", param="method")
+    if hyperparameters is not None:
+        raise HarliError(
+            "Give a DPO job's hyperparameters in method.dpo.hyperparameters.",
+            param="hyperparameters",
+        )
+    given = dpo.get("hyperparameters") or {}
+    if not isinstance(given, dict):
+        raise _invalid("hyperparameters", "method.dpo.hyperparameters must be an object.")
+    rest = {k: v for k, v in given.items() if k != "beta"}
+    return TrainingMethod(DPO, parse_hyperparameters(rest, None), beta=_beta(given.get("beta")))
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 
 from rest_framework import serializers
 
-from api.models import File, FinetuneJob, JobCheckpoint, JobEvent
+from api.models import File, FinetuneJob, JobCheckpoint, JobEvent, JobMethod
 from api.services.jobs import fine_tuned_model_name
 from gpu_runtime.agent.protocol import checkpoint_model_name
 
@@ -68,6 +68,14 @@ class HyperparametersSerializer(serializers.Serializer):
     learning_rate_multiplier = serializers.JSONField(help_text='a number or "auto"')
 
 
+def job_method(job: FinetuneJob) -> dict[str, Any]:
+    """OpenAI's `method`: `{"type", <type>: {"hyperparameters"}}`; a DPO job's has `beta`."""
+    if job.method == JobMethod.DPO:
+        hyperparameters = {**job.hyperparameters, "beta": job.dpo_beta}
+        return {"type": "dpo", "dpo": {"hyperparameters": hyperparameters}}
+    return {"type": "supervised", "supervised": {"hyperparameters": job.hyperparameters}}
+
+
 class FineTuningJobSerializer(serializers.Serializer):
     id = serializers.CharField()
     object = serializers.SerializerMethodField()
@@ -101,7 +109,7 @@ class FineTuningJobSerializer(serializers.Serializer):
         return unix(job.finished_at)
 
     def get_method(self, job: FinetuneJob) -> dict[str, Any]:
-        return {"type": "supervised", "supervised": {"hyperparameters": job.hyperparameters}}
+        return job_method(job)
 
     def get_lora(self, job: FinetuneJob) -> dict[str, Any]:
         return {

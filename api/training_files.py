@@ -1,16 +1,19 @@
 """Validation of uploaded training files (JSONL, one example per line).
 
-Two formats, one per file:
+Three formats, one per file:
 - chat: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}` with at
   least one assistant message (the part the model learns);
-- prompt/completion: `{"prompt": "...", "completion": "..."}`.
+- prompt/completion: `{"prompt": "...", "completion": "..."}`;
+- preference (DPO jobs only, OpenAI's): `{"input": {"messages": [...]}, "preferred_output":
+  [{"role": "assistant", "content": "..."}], "non_preferred_output": [...]}`; `input.tools` is
+  refused (no tool use in training), `input.parallel_tool_calls` may only be a boolean.
 Blank lines are skipped. Errors carry 1-based physical line numbers.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,12 +89,75 @@ def _prompt_completion_error(example: dict[str, Any]) -> str | None:
     return None
 
 
+PREFERENCE_KEYS = frozenset({"input", "preferred_output", "non_preferred_output"})
+
+
+def _preference_output_error(example: dict[str, Any], key: str) -> str | None:
+    output = example.get(key)
+    if not isinstance(output, list) or len(output) != 1 or not isinstance(output[0], dict):
+        return f"'{key}' must be a list of exactly one assistant message"
+    message = output[0]
+    if message.get("role") != "assistant":
+        return f"{key}[0].role must be 'assistant', got {message.get('role')!r}"
+    extra = sorted(set(message) - {"role", "content"})
+    if extra:
+        return f"{key}[0] has unsupported field(s): {', '.join(extra)}"
+    content = message.get("content")
+    if not isinstance(content, str) or not content:
+        return f"{key}[0].content must be a non-empty string"
+    return None
+
+
+def _preference_error(example: dict[str, Any]) -> str | None:
+    extra = sorted(set(example) - PREFERENCE_KEYS)
+    if extra:
+        return f"a preference example has unsupported field(s): {', '.join(extra)}"
+    prompt = example.get("input")
+    if not isinstance(prompt, dict):
+        return "'input' must be an object with 'messages'"
+    if prompt.get("tools"):
+        return "input.tools is not supported: preference training uses no tools"
+    if not isinstance(prompt.get("tools", []), list):
+        return "input.tools must be a list"
+    if not isinstance(prompt.get("parallel_tool_calls", False), bool):
+        return "input.parallel_tool_calls must be a boolean"
+    extra = sorted(set(prompt) - {"messages", "tools", "parallel_tool_calls"})
+    if extra:
+        return f"input has unsupported field(s): {', '.join(extra)}"
+    messages = prompt.get("messages")
+    if not isinstance(messages, list) or not messages:
+        return "input.messages must be a non-empty list"
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            return f"input.messages[{index}] must be an object"
+        if message.get("role") not in CHAT_ROLES:
+            return (
+                f"input.messages[{index}].role must be one of {', '.join(sorted(CHAT_ROLES))}, "
+                f"got {message.get('role')!r}"
+            )
+        if not isinstance(message.get("content"), str):
+            return f"input.messages[{index}].content must be a string"
+    return _preference_output_error(example, "preferred_output") or _preference_output_error(
+        example, "non_preferred_output"
+    )
+
+
 def _example_format(example: dict[str, Any]) -> str | None:
+    if PREFERENCE_KEYS & set(example):
+        return FileFormat.PREFERENCE
     if "messages" in example:
         return FileFormat.CHAT
     if "prompt" in example or "completion" in example:
         return FileFormat.PROMPT_COMPLETION
     return None
+
+
+FORMAT_CHECKERS: dict[str, Callable[[dict[str, Any]], str | None]] = {
+    FileFormat.CHAT: _chat_error,
+    FileFormat.PROMPT_COMPLETION: _prompt_completion_error,
+    FileFormat.PREFERENCE: _preference_error,
+}
+"""Per format: the check of one example, returning what is wrong with it or None."""
 
 
 def validate_training_lines(lines: Iterable[bytes]) -> TrainingFileReport:
@@ -116,14 +182,12 @@ def validate_training_lines(lines: Iterable[bytes]) -> TrainingFileReport:
         line_format = _example_format(example)
         if line_format is None:
             report.add_error(
-                line_number, "expected a chat example ('messages') or 'prompt' and 'completion'"
+                line_number,
+                "expected a chat example ('messages'), 'prompt' and 'completion', or a "
+                "preference example ('input', 'preferred_output', 'non_preferred_output')",
             )
             continue
-        problem = (
-            _chat_error(example)
-            if line_format == FileFormat.CHAT
-            else _prompt_completion_error(example)
-        )
+        problem = FORMAT_CHECKERS[line_format](example)
         if problem:
             report.add_error(line_number, problem)
             continue
@@ -147,3 +211,27 @@ def check_training_lines(lines: Iterable[bytes]) -> TrainingFileReport:
     if report.example_count == 0:
         raise TrainingFileError(report, "The training file contains no examples.")
     return report
+
+
+METHOD_FORMATS = {
+    "supervised": (FileFormat.CHAT, FileFormat.PROMPT_COMPLETION),
+    "dpo": (FileFormat.PREFERENCE,),
+}
+"""The file formats each job method trains on."""
+
+
+def check_method_format(*, method: str, file_format: str, file_id: str, param: str) -> None:
+    """Raise a 400 unless a `method` job can train on a file of `file_format`."""
+    if file_format in METHOD_FORMATS[method]:
+        return
+    if method == "dpo":
+        message = (
+            f"File {file_id} is in {file_format or 'an unknown'} format; a DPO job needs a "
+            "preference file (lines with 'input', 'preferred_output', 'non_preferred_output')."
+        )
+    else:
+        message = (
+            f"File {file_id} holds preference pairs, which only a DPO job trains on; give "
+            "method={'type': 'dpo', ...} or a chat or prompt/completion file."
+        )
+    raise HarliError(message, param=param, code="invalid_file_format")

@@ -12,7 +12,7 @@ from typing import Any
 
 from kombu.exceptions import OperationalError as BrokerOperationalError
 
-from api.models import FinetuneJob, JobCheckpoint, Placement
+from api.models import FinetuneJob, JobCheckpoint, JobMethod, Placement
 from config.celery import app
 from gpu_runtime.agent.protocol import HOST_COMMAND_TASK, adapter_key, check_command, host_queue
 from gpu_runtime.contract.training_data import training_max_seq_len
@@ -33,7 +33,9 @@ def job_spec(*, job: FinetuneJob, resume: JobCheckpoint | None) -> dict[str, Any
         "validation_file": job.validation_file_id,
         "validation_file_key": job.validation_file.storage_key if job.validation_file else None,
         "max_seq_len": training_max_seq_len(job.base_model.context_length),
-        "hyperparameters": dict(job.hyperparameters),
+        "method": job.method,
+        "hyperparameters": dict(job.hyperparameters)
+        | ({"beta": job.dpo_beta} if job.method == JobMethod.DPO else {}),
         "lora": {
             "rank": job.lora_rank,
             "alpha": job.lora_alpha,

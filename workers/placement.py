@@ -34,6 +34,7 @@ from api.models import (
     GpuHost,
     HostStatus,
     JobEvent,
+    JobMethod,
     JobStatus,
     Placement,
 )
@@ -61,7 +62,8 @@ def finetune_memory_estimate(*, job: FinetuneJob) -> int:
     """Bytes a job borrows on its host: adapter state plus one micro-batch of activations.
 
     Uses the base model's config (preset models); a checkpoint-dir model without a stored
-    config is charged :data:`MIN_FINETUNE_BYTES`. Sequences count at min(context, 2048).
+    config is charged :data:`MIN_FINETUNE_BYTES`. Sequences count at min(context, 2048); a
+    DPO example is two of them (its preferred and other output).
     """
     config = job.base_model.config
     if not config:
@@ -88,7 +90,8 @@ def finetune_memory_estimate(*, job: FinetuneJob) -> int:
     adapter_params = layers * sum(rank * sum(dims[t]) for t in targets if t in dims)
     batch = job.hyperparameters.get("batch_size")
     micro_batch = batch if isinstance(batch, int) else 1
-    tokens = micro_batch * training_max_seq_len(job.base_model.context_length)
+    rows = 2 if job.method == JobMethod.DPO else 1
+    tokens = rows * micro_batch * training_max_seq_len(job.base_model.context_length)
     activations = tokens * hidden * layers * ACTIVATION_BYTES_PER_UNIT
     return max(MIN_FINETUNE_BYTES, adapter_params * ADAPTER_BYTES_PER_PARAM + activations)
 

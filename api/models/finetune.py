@@ -33,6 +33,7 @@ class FileStatus(models.TextChoices):
 class FileFormat(models.TextChoices):
     CHAT = "chat", "Chat messages"
     PROMPT_COMPLETION = "prompt_completion", "Prompt / completion"
+    PREFERENCE = "preference", "Preference pairs (DPO)"
 
 
 class File(models.Model):
@@ -64,6 +65,11 @@ class JobStatus(models.TextChoices):
     CANCELLED = "cancelled", "Cancelled"
 
 
+class JobMethod(models.TextChoices):
+    SUPERVISED = "supervised", "Supervised"
+    DPO = "dpo", "DPO"  # trains on a preference file
+
+
 DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
@@ -75,7 +81,8 @@ class FinetuneJob(models.Model):
     """A LoRA finetuning job, in the lifecycle of OpenAI's fine-tuning jobs plus `paused`.
 
     `hyperparameters` holds what the tenant asked for: `n_epochs`, `batch_size` and
-    `learning_rate_multiplier`, each a number or the string "auto". `error` is null or
+    `learning_rate_multiplier`, each a number or the string "auto"; `method` is supervised or
+    DPO, whose `dpo_beta` is a number or "auto" (null for supervised). `error` is null or
     `{"code", "message", "param"}`. `fine_tuned_model` is set on success, named
     `ft:<base>:<tenant>:<suffix>:<job id>`. The training files are referenced without a database
     constraint so that deleting a file after the job ended keeps the job's record intact.
@@ -99,6 +106,10 @@ class FinetuneJob(models.Model):
         max_length=20, choices=JobStatus.choices, default=JobStatus.VALIDATING_FILES
     )
     hyperparameters = models.JSONField()
+    method = models.CharField(
+        max_length=16, choices=JobMethod.choices, default=JobMethod.SUPERVISED
+    )
+    dpo_beta = models.JSONField(null=True, blank=True)
     lora_rank = models.PositiveIntegerField(default=16, validators=[MinValueValidator(1)])
     lora_alpha = models.FloatField(default=32.0)
     lora_dropout = models.FloatField(default=0.05)

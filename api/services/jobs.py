@@ -18,7 +18,7 @@ from django.utils import timezone
 
 from api.errors import ConflictError, HarliError
 from api.file_tokens import job_files_check_tokens
-from api.hyperparameters import parse_hyperparameters, parse_lora, parse_seed, parse_suffix
+from api.hyperparameters import parse_lora, parse_method, parse_seed, parse_suffix
 from api.models import (
     OPEN_PLACEMENT_STATES,
     Adapter,
@@ -31,11 +31,13 @@ from api.models import (
     FinetuneJob,
     JobCheckpoint,
     JobEvent,
+    JobMethod,
     JobStatus,
     Placement,
     PlacementState,
     Tenant,
 )
+from api.training_files import check_method_format
 from api.transitions import TERMINAL_STATUSES, is_legal_transition
 
 # Leaving these statuses ends the job's hold on a host, so its open placement is released.
@@ -188,7 +190,7 @@ def finetune_job_create(
             param="model",
             code="model_not_found",
         )
-    hyper = parse_hyperparameters(hyperparameters, method)
+    training_method = parse_method(hyperparameters, method)
     lora_options = parse_lora(lora)
     clean_suffix = parse_suffix(suffix)
     clean_seed = parse_seed(seed)
@@ -203,6 +205,7 @@ def finetune_job_create(
         if validation_file is not None
         else None
     )
+    _check_method_files(method=training_method.type, train=train, valid=valid)
     job_files_check_tokens(base_model=base_model, training_file=train, validation_file=valid)
     with transaction.atomic():
         job = FinetuneJob.objects.create(
@@ -211,7 +214,9 @@ def finetune_job_create(
             training_file=train,
             validation_file=valid,
             status=JobStatus.VALIDATING_FILES,
-            hyperparameters=hyper,
+            hyperparameters=training_method.hyperparameters,
+            method=training_method.type,
+            dpo_beta=training_method.beta,
             lora_rank=lora_options.rank,
             lora_alpha=lora_options.alpha,
             lora_dropout=lora_options.dropout,
@@ -236,6 +241,25 @@ def finetune_job_create(
         job_id = job.id
         transaction.on_commit(lambda: finetune_job_dispatch(job_id=job_id))
     return job
+
+
+def _check_method_files(*, method: str, train: File, valid: File | None) -> None:
+    """The training (and validation) file must be of a format the method trains on; a DPO
+    job takes no validation file. (A file not processed is refused later, for that.)"""
+    if train.status == FileStatus.PROCESSED:
+        check_method_format(
+            method=method, file_format=train.format, file_id=train.id, param="training_file"
+        )
+    if valid is None:
+        return
+    if method == JobMethod.DPO:
+        raise HarliError(
+            "A DPO job takes no validation file.", param="validation_file", code="invalid_file"
+        )
+    if valid.status == FileStatus.PROCESSED:
+        check_method_format(
+            method=method, file_format=valid.format, file_id=valid.id, param="validation_file"
+        )
 
 
 def finetune_job_cancel(*, job: FinetuneJob) -> FinetuneJob:

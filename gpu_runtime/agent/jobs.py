@@ -2,7 +2,8 @@
 
 The training file is read from storage and tokenized with the host's training tokenizer under the
 JobSpec's `max_seq_len` (the rule of `gpu_runtime.contract.training_data`, which the control
-plane checked the file against before queueing); "auto" hyperparameters resolve with
+plane checked the file against before queueing; a DPO job's, `spec["method"] == "dpo"`, holds
+preference pairs and trains a `DpoTrainer`); "auto" hyperparameters resolve with
 `gpu_runtime.finetune.hparams.resolve_hyperparameters` (deterministic in the file), so every host
 that runs the job builds the same trainer and a checkpoint written on one resumes exactly on
 another. Checkpoints are written locally by the trainer, then copied to storage under
@@ -35,7 +36,9 @@ from gpu_runtime.finetune.data import (
     TrainingDataError,
     tokenize_lines,
 )
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+from gpu_runtime.finetune.dpo_trainer import DpoTrainer
+from gpu_runtime.finetune.hparams import LoraSpec, resolve_dpo_beta, resolve_hyperparameters
+from gpu_runtime.finetune.preference_data import PreferencePair, tokenize_preference_lines
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
 from gpu_runtime.storage import Storage
@@ -77,18 +80,36 @@ class JobRun:
         return sum(record.tokens for record in self.trainer.history)
 
 
+def _read_lines(storage: Storage, key: str, source: str) -> list[bytes]:
+    try:
+        return jsonl_lines(b"".join(storage.read_chunks(key)))
+    except (FileNotFoundError, OSError) as exc:
+        logger.error("cannot read %s (storage key %s): %s", source, key, exc)
+        raise JobSetupError(f"{source} cannot be read from storage; upload it again") from exc
+
+
 def read_examples(
     storage: Storage, key: str, file_id: str, tokenizer: ChatTokenizer, max_seq_len: int
 ) -> tuple[TokenizedExample, ...]:
     """The examples of file `file_id` stored under `key`; JobSetupError naming the file by id."""
     source = f"file {file_id}"
+    lines = _read_lines(storage, key, source)
     try:
-        data = b"".join(storage.read_chunks(key))
-    except (FileNotFoundError, OSError) as exc:
-        logger.error("cannot read %s (storage key %s): %s", source, key, exc)
-        raise JobSetupError(f"{source} cannot be read from storage; upload it again") from exc
+        return tokenize_lines(lines, tokenizer, max_seq_len, source=source).examples
+    except ExamplesTooLongError as exc:
+        raise JobSetupError(str(exc), code="example_too_long") from exc
+    except TrainingDataError as exc:
+        raise JobSetupError(str(exc), code="invalid_file_format") from exc
+
+
+def read_pairs(
+    storage: Storage, key: str, file_id: str, tokenizer: ChatTokenizer, max_seq_len: int
+) -> tuple[PreferencePair, ...]:
+    """The preference pairs of DPO file `file_id` stored under `key` (errors as read_examples)."""
+    source = f"file {file_id}"
+    lines = _read_lines(storage, key, source)
     try:
-        return tokenize_lines(jsonl_lines(data), tokenizer, max_seq_len, source=source).examples
+        return tokenize_preference_lines(lines, tokenizer, max_seq_len, source=source).pairs
     except ExamplesTooLongError as exc:
         raise JobSetupError(str(exc), code="example_too_long") from exc
     except TrainingDataError as exc:
@@ -114,14 +135,20 @@ def build_job_run(
     shutil.rmtree(workdir, ignore_errors=True)
     workdir.mkdir(parents=True)
     max_seq_len = int(spec["max_seq_len"])
-    examples = read_examples(
-        storage, spec["training_file_key"], str(spec["training_file"]), tokenizer, max_seq_len
-    )
+    dpo = spec.get("method", "supervised") == "dpo"
+    pairs: tuple[PreferencePair, ...] = ()
+    examples: tuple[TokenizedExample, ...] = ()
+    key, file_id = spec["training_file_key"], str(spec["training_file"])
+    if dpo:
+        pairs = read_pairs(storage, key, file_id, tokenizer, max_seq_len)
+    else:
+        examples = read_examples(storage, key, file_id, tokenizer, max_seq_len)
     try:
         hyper = dict(spec["hyperparameters"])
         lora = dict(spec["lora"])
+        options = {"dpo_beta": resolve_dpo_beta(hyper.get("beta", "auto"))} if dpo else {}
         hparams = resolve_hyperparameters(
-            n_train_examples=len(examples),
+            n_train_examples=len(pairs) if dpo else len(examples),
             n_epochs=hyper.get("n_epochs", "auto"),
             batch_size=hyper.get("batch_size", "auto"),
             learning_rate_multiplier=hyper.get("learning_rate_multiplier", "auto"),
@@ -134,16 +161,19 @@ def build_job_run(
             seed=int(spec["seed"]),
             max_seq_len=max_seq_len,
             checkpoint_every_steps=int(spec.get("checkpoint_every_steps", 0)),
+            **options,
         )
     except (ValueError, KeyError) as exc:
         raise JobSetupError(f"job {job_id}: {exc}") from exc
-    trainer = LoraTrainer(
-        serving_model,
-        examples,
-        hparams,
-        pad_token_id=int(getattr(tokenizer, "pad_token_id", None) or 0),
-        checkpoint_root=workdir / "checkpoints",
-        base_model_name_or_path=base_model_path,
+    common: dict[str, Any] = {
+        "pad_token_id": int(getattr(tokenizer, "pad_token_id", None) or 0),
+        "checkpoint_root": workdir / "checkpoints",
+        "base_model_name_or_path": base_model_path,
+    }
+    trainer = (
+        DpoTrainer(serving_model, pairs, hparams, **common)
+        if dpo
+        else LoraTrainer(serving_model, examples, hparams, **common)
     )
     resumed = 0
     resume = spec.get("resume_from")

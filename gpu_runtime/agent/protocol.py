@@ -25,7 +25,9 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
 
 JobSpec: `{"id", "base_model", "training_file" (its file id), "training_file_key",
 "validation_file" (or null), "validation_file_key" (or null), "max_seq_len",
-"hyperparameters": {"n_epochs", "batch_size", "learning_rate_multiplier"} (numbers or "auto"),
+"method" ("supervised" or "dpo"; absent: supervised),
+"hyperparameters": {"n_epochs", "batch_size", "learning_rate_multiplier"} (numbers or "auto";
+a DPO job's also "beta"),
 "lora": {"rank", "alpha", "dropout", "target_modules"}, "seed", "checkpoint_every_steps",
 "fine_tuned_model", "resume_from" (or null)}`. `max_seq_len` is the control plane's
 `gpu_runtime.contract.training_data.training_max_seq_len` of the base model's context length, the
@@ -49,7 +51,8 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
 * `job_started`: `placement_id`, `job_id`, `resumed_from_step` (0 for a fresh start),
   `total_steps`.
 * `job_progress`: `placement_id`, `job_id`, `step`, `total_steps`, `train_loss`,
-  `learning_rate`, `tokens_per_s`, `trained_tokens`.
+  `learning_rate`, `tokens_per_s`, `trained_tokens`; a DPO job's also the
+  :data:`PREFERENCE_METRICS` of that step (in checkpoint `metrics` too).
 * `checkpoint`: `placement_id`, `job_id`, `step`, `storage_key`, `metrics` (`train_loss`, ...),
   `total_steps`, `recent_steps` (`{"step", "train_loss", "learning_rate"}` of every step since
   the previous checkpoint report: the control plane records any whose `job_progress` was lost).
@@ -115,6 +118,15 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "drain": (),
     "undrain": (),
 }
+JOB_METHODS = ("supervised", "dpo")
+PREFERENCE_METRICS = (
+    "train_preference_accuracy",
+    "train_chosen_reward",
+    "train_rejected_reward",
+    "train_reward_margin",
+)
+"""A DPO step's metrics: the fraction of the batch's pairs whose preferred output got the
+higher implicit reward, the mean rewards of both outputs, and their mean margin."""
 JOB_SPEC_FIELDS = (
     "id",
     "base_model",
@@ -237,4 +249,8 @@ def check_command(message: Any) -> dict[str, Any]:
         missing = [f for f in JOB_SPEC_FIELDS if f not in job]
         if missing:
             raise ProtocolError(f"apply_placement.job lacks {missing}")
+        if job.get("method", "supervised") not in JOB_METHODS:
+            raise ProtocolError(
+                f"apply_placement.job.method {job['method']!r} is not one of {list(JOB_METHODS)}"
+            )
     return message

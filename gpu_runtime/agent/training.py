@@ -183,6 +183,7 @@ class HostJobs:
                 learning_rate=last.learning_rate,
                 tokens_per_s=run.tokens_since_report / elapsed,
                 trained_tokens=run.trained_tokens,
+                **preference_metrics(run, last.step),
             )
             run.started_at, run.tokens_since_report, run.reported_step = now, 0, last.step
         if quantum.checkpoint is not None:
@@ -194,6 +195,7 @@ class HostJobs:
         key = upload_checkpoint(self.host.storage, run, local)
         history = run.trainer.history
         metrics: dict[str, Any] = {"train_loss": history[-1].loss if history else None}
+        metrics.update(preference_metrics(run, run.trainer.step))
         recent = [
             {"step": r.step, "train_loss": r.loss, "learning_rate": r.learning_rate}
             for r in history
@@ -248,3 +250,11 @@ class HostJobs:
     def adapter_state_bytes(self) -> int:
         """Adapter weights, gradients and two AdamW moments (fp32) of every job here."""
         return sum(16 * sum(p.numel() for p in run.trainer.params) for run in self.runs.values())
+
+
+def preference_metrics(run: JobRun, step: int) -> dict[str, float]:
+    """A DPO job's preference metrics of optimizer step `step` (none for supervised jobs)."""
+    records = getattr(run.trainer, "preference_history", None)
+    if not records or records[-1].step != step:
+        return {}
+    return dict(records[-1].metrics())

@@ -52,7 +52,10 @@ def describe_trainer(trainer: Any) -> tuple[int, int, int]:
 
 
 def trainer_layers(trainer: Any) -> int | None:
-    """Decoder layers of the model a trainer trains (None when it does not say)."""
+    """Decoder layers of the model a trainer trains (None when it does not say, or when its
+    ``layer_sliced_quanta`` is False: a policy offers layer slices only to jobs with layers)."""
+    if getattr(trainer, "layer_sliced_quanta", True) is False:
+        return None
     for owner in (trainer, getattr(trainer, "model", None)):
         config = getattr(owner, "config", None)
         layers = getattr(config, "num_hidden_layers", None)

@@ -15,6 +15,11 @@ is one more function and its key test in :func:`detect_format`):
   tokenized with the tokenizer's special tokens (BOS); the tokenizer's EOS is appended; only the
   completion tokens and that EOS carry labels. A token that straddles the boundary counts as a
   completion token.
+* preference (DPO): ``{"input": {"messages": [...]}, "preferred_output": [{"role":
+  "assistant", "content": str}], "non_preferred_output": [...]}`` (``input.tools`` is refused).
+  Each output becomes a chat example of the input messages (no labels) plus that one assistant
+  message, so both rows of a :class:`PreferencePair` share the prompt tokens; the length limit
+  applies to the longer row.
 
 Labels are aligned with ``input_ids`` (``labels[t]`` is the target for position ``t``; the loss
 shifts them), :data:`IGNORE_INDEX` where no loss is taken. An example longer than the job's
@@ -119,10 +124,50 @@ class TokenizedExample:
 
 
 @dataclass(frozen=True)
+class PreferencePair:
+    """One DPO example: the same prompt completed with the preferred and the other output."""
+
+    chosen: TokenizedExample
+    rejected: TokenizedExample
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the pair's two rows padded to the longer one: what a micro-batch computes
+        for it (the data stream sizes micro-batches and orders batches by it)."""
+        return 2 * self.longest_row_tokens
+
+    @property
+    def longest_row_tokens(self) -> int:
+        """The longer row's tokens: what the length limit applies to."""
+        return max(self.chosen.num_tokens, self.rejected.num_tokens)
+
+    @property
+    def num_loss_tokens(self) -> int:
+        """1 when both outputs carry labels, else 0: a pair is one term of the DPO loss, whose
+        batch value is the mean over pairs (the data stream counts loss terms with this)."""
+        return int(self.chosen.num_loss_tokens > 0 and self.rejected.num_loss_tokens > 0)
+
+    @property
+    def rows(self) -> tuple[TokenizedExample, TokenizedExample]:
+        return self.chosen, self.rejected
+
+
+TrainingExample = TokenizedExample | PreferencePair
+"""What one line of a training file becomes."""
+
+
+def longest_row_tokens(example: TrainingExample) -> int:
+    """The tokens of the longest sequence `example` trains on (the length limit's measure)."""
+    if isinstance(example, PreferencePair):
+        return example.longest_row_tokens
+    return example.num_tokens
+
+
+@dataclass(frozen=True)
 class TokenizedFile:
     """Every usable example of one file, the line each came from, and what was dropped."""
 
-    examples: tuple[TokenizedExample, ...]
+    examples: tuple[TrainingExample, ...]
     line_numbers: tuple[int, ...]
     data_format: str
     num_lines: int
@@ -221,10 +266,69 @@ def _prompt_completion_record(tokenizer: ChatTokenizer, record: dict[str, Any]) 
     return tokenize_prompt_completion(tokenizer, prompt, completion)
 
 
-ExampleTokenizer = Callable[[ChatTokenizer, dict[str, Any]], TokenizedExample]
+def _preference_output(raw: Any, name: str) -> ChatMessage:
+    if not isinstance(raw, list) or len(raw) != 1 or not isinstance(raw[0], dict):
+        raise ExampleError(f"'{name}' must be a list of one assistant message")
+    message = raw[0]
+    if message.get("role") != "assistant":
+        raise ExampleError(f"{name}[0].role must be 'assistant'")
+    content = message.get("content")
+    if not isinstance(content, str) or not content:
+        raise ExampleError(f"{name}[0].content must be a non-empty string")
+    return ChatMessage(role="assistant", content=content)
+
+
+def _preference_prompt(record: dict[str, Any]) -> list[ChatMessage]:
+    prompt = record.get("input")
+    if not isinstance(prompt, dict):
+        raise ExampleError("'input' must be an object with 'messages'")
+    if prompt.get("tools"):
+        raise ExampleError("input.tools is not supported")
+    raw = prompt.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise ExampleError("input.messages must be a non-empty list")
+    messages = []
+    for j, item in enumerate(raw):
+        role = item.get("role") if isinstance(item, dict) else None
+        content = item.get("content") if isinstance(item, dict) else None
+        if role not in CHAT_ROLES or not isinstance(content, str):
+            raise ExampleError(
+                f"input.messages[{j}] needs a role in {', '.join(sorted(CHAT_ROLES))} and "
+                "string content"
+            )
+        messages.append(ChatMessage(role=role, content=content, weight=0))
+    return messages
+
+
+def tokenize_preference_pair(
+    tokenizer: ChatTokenizer,
+    prompt: Sequence[ChatMessage],
+    chosen: ChatMessage,
+    rejected: ChatMessage,
+) -> PreferencePair:
+    """Tokenize one pair; labels only on each output (prompt messages carry weight 0)."""
+    quiet = [ChatMessage(m.role, m.content, weight=0) for m in prompt]
+    try:
+        return PreferencePair(
+            chosen=tokenize_chat(tokenizer, [*quiet, chosen]),
+            rejected=tokenize_chat(tokenizer, [*quiet, rejected]),
+        )
+    except ChatTemplateError as exc:
+        raise ExampleError(str(exc)) from exc
+
+
+def _preference_record(tokenizer: ChatTokenizer, record: dict[str, Any]) -> PreferencePair:
+    prompt = _preference_prompt(record)
+    chosen = _preference_output(record.get("preferred_output"), "preferred_output")
+    rejected = _preference_output(record.get("non_preferred_output"), "non_preferred_output")
+    return tokenize_preference_pair(tokenizer, prompt, chosen, rejected)
+
+
+ExampleTokenizer = Callable[[ChatTokenizer, dict[str, Any]], TrainingExample]
 FORMAT_TOKENIZERS: dict[str, ExampleTokenizer] = {
     "chat": _chat_record,
     "prompt_completion": _prompt_completion_record,
+    "preference": _preference_record,
 }
 """Format name -> the function that checks one record of it and tokenizes it."""
 
@@ -235,8 +339,11 @@ def detect_format(record: dict[str, Any]) -> str:
         return "chat"
     if "prompt" in record and "completion" in record:
         return "prompt_completion"
+    if "input" in record:
+        return "preference"
     raise ExampleError(
-        "expected an object with 'messages', or with 'prompt' and 'completion'; "
+        "expected an object with 'messages', with 'prompt' and 'completion', or a preference "
+        "example ('input', 'preferred_output', 'non_preferred_output'); "
         f"got keys {sorted(record)}"
     )
 
@@ -253,7 +360,7 @@ def tokenize_training_lines(
     ExamplesTooLongError naming every example over `max_seq_len` (see the module docstring)."""
     if max_seq_len < 2:
         raise ValueError(f"max_seq_len must be >= 2, got {max_seq_len}")
-    examples: list[TokenizedExample] = []
+    examples: list[TrainingExample] = []
     line_numbers: list[int] = []
     overlong: list[OverlongExample] = []
     data_format: str | None = None
@@ -282,8 +389,8 @@ def tokenize_training_lines(
             raise TrainingDataError(source, line_number, f"not valid JSON ({exc.msg})") from None
         except ExampleError as exc:
             raise TrainingDataError(source, line_number, str(exc)) from None
-        if example.num_tokens > max_seq_len:
-            overlong.append(OverlongExample(line_number, example.num_tokens))
+        if longest_row_tokens(example) > max_seq_len:
+            overlong.append(OverlongExample(line_number, longest_row_tokens(example)))
         elif example.num_loss_tokens == 0:
             num_dropped += 1
         else:

@@ -6,6 +6,8 @@ Entry points:
   the job's latest checkpoint when there is one);
 * :meth:`LoraTrainer.step_quantum` — one bounded unit of training (a micro-batch, or a few
   decoder layers of one) returning a :class:`QuantumResult`;
+* :class:`DpoTrainer` — the same quanta with DPO's loss over preference pairs
+  (:mod:`gpu_runtime.finetune.preference_data`), the adapter-off base model as the reference;
 * :class:`MultiLoraRuntime` — finished adapters served by name beside base requests in one batch.
 """
 
@@ -17,6 +19,7 @@ from gpu_runtime.finetune.checkpoint import (
     save_checkpoint,
 )
 from gpu_runtime.finetune.data import TokenizedDataset, TrainingDataError, load_jsonl
+from gpu_runtime.finetune.dpo_trainer import DpoTrainer
 from gpu_runtime.finetune.hparams import (
     FinetuneHyperparameters,
     HyperparameterError,
@@ -30,6 +33,7 @@ from gpu_runtime.finetune.trainer import LoraTrainer
 
 __all__ = [
     "CheckpointError",
+    "DpoTrainer",
     "FinetuneHyperparameters",
     "FinetuneJob",
     "HyperparameterError",

@@ -5,7 +5,8 @@ An adapter directory holds ``adapter_config.json`` and ``adapter_model.safetenso
 ``peft.PeftModel.from_pretrained`` loads it over the HF model of the same config.
 
 A checkpoint ``<root>/step-<NNNNNN>/`` is an adapter directory plus ``trainer_state.pt``
-(optimizer, schedule position, RNG, data position, loss history) and ``checkpoint.json``
+(optimizer, schedule position, RNG, data position, loss history, and a DPO trainer's
+preference metrics) and ``checkpoint.json``
 (hyperparameters and a fingerprint of the training data, checked on resume). It is written to a
 temporary directory beside it and renamed into place, so a reader never sees half a checkpoint.
 Checkpoints are taken at optimizer-batch boundaries only, where no gradient is pending.
@@ -28,6 +29,7 @@ from gpu_runtime.finetune.batching import DataPosition
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters, LoraSpec
 from gpu_runtime.finetune.lora import ADAPTER_NAME, PEFT_KEY_PREFIX, adapter_state_dict, lora_config
+from gpu_runtime.finetune.preference_data import PreferencePair
 
 if TYPE_CHECKING:
     from gpu_runtime.finetune.trainer import LoraTrainer
@@ -96,11 +98,14 @@ def load_adapter_weights(tree: torch.nn.Module, directory: str | Path) -> None:
         param.copy_(tensor)
 
 
-def data_fingerprint(examples: Sequence[TokenizedExample]) -> str:
-    """SHA-256 over every example's ids and labels: resuming on other data is refused."""
+def data_fingerprint(examples: Sequence[TokenizedExample | PreferencePair]) -> str:
+    """SHA-256 over every example's ids and labels (both rows of a preference pair): resuming
+    on other data is refused."""
     digest = hashlib.sha256()
     for example in examples:
-        digest.update(json.dumps([example.input_ids, example.labels]).encode())
+        rows = example.rows if isinstance(example, PreferencePair) else (example,)
+        for row in rows:
+            digest.update(json.dumps([row.input_ids, row.labels]).encode())
     return digest.hexdigest()
 
 
@@ -133,6 +138,9 @@ def save_checkpoint(
         "position": trainer.stream.position.to_dict(),
         "history": [vars(record) for record in trainer.history],
     }
+    preference = getattr(trainer, "preference_history", None)
+    if preference is not None:
+        state["preference_history"] = [vars(record) for record in preference]
     torch.save(state, tmp / TRAINER_STATE)
     meta = {
         "step": trainer.step,
@@ -162,3 +170,6 @@ def load_checkpoint(trainer: LoraTrainer, path: str | Path) -> None:
     trainer.rng.load_state_dict(state["rng"])
     trainer.stream.restore(DataPosition.from_dict(state["position"]))
     trainer.restore_progress(int(state["step"]), state["history"])
+    restore_preference = getattr(trainer, "restore_preference_history", None)
+    if restore_preference is not None:
+        restore_preference(state.get("preference_history", []))

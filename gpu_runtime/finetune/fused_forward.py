@@ -91,16 +91,19 @@ class _Group:
     def in_features(self) -> int:
         return int(self.projections[0].weight.shape[1])
 
-    def forward(self, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, mask: torch.Tensor | None, adapters: bool = True
+    ) -> torch.Tensor:
         """``[..., in] -> [..., sum(out)]``, the outputs concatenated in group order; ``mask``
-        (bool, shaped like ``x``): the LoRA input's dropout mask (None: no dropout)."""
+        (bool, shaped like ``x``): the LoRA input's dropout mask (None: no dropout);
+        ``adapters=False``: the base projections alone."""
         if self.fused_weight is not None:
             out = F.linear(x, self.fused_weight, self.fused_bias)
         else:
             outs = [F.linear(x, p.weight, p.bias) for p in self.projections]
             out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         adapted = [p for p in self.projections if p.lora_a is not None]
-        if not adapted:
+        if not adapted or not adapters:
             return out
         # dropout: the kept inputs, rescaled by 1 / (1 - p) through B below
         x_in = x if mask is None else x * mask
@@ -133,6 +136,8 @@ class FusedTrainingForward:
     def __init__(self, tree: CausalLM, serving: CausalLM) -> None:
         self.tree = tree
         self.config = tree.config
+        self.adapters_enabled = True
+        """False: every projection computes the base model alone (DPO's reference pass)."""
         self.layers: list[tuple[_Group, _Group, _Group, _Group]] = []
         layer: Any
         served: Any
@@ -190,7 +195,8 @@ class FusedTrainingForward:
             config.head_dim,
         )
         h = self._norm(x, block.input_layernorm.weight, config.rms_norm_eps)
-        q, k, v = qkv.forward(h, masks[0]).split(
+        on = self.adapters_enabled
+        q, k, v = qkv.forward(h, masks[0], on).split(
             [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
         )
         q = apply_rope(q.reshape(batch, seq, heads, dim), cos, sin).transpose(1, 2)
@@ -198,10 +204,10 @@ class FusedTrainingForward:
         v = v.reshape(batch, seq, kv_heads, dim).transpose(1, 2)
         attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         attn = attn.transpose(1, 2).reshape(batch, seq, heads * dim)
-        x = x + o.forward(attn, masks[1])
+        x = x + o.forward(attn, masks[1], on)
         h = self._norm(x, block.post_attention_layernorm.weight, config.rms_norm_eps)
-        gate, up = gate_up.forward(h, masks[2]).chunk(2, dim=-1)
-        return x + down.forward(F.silu(gate) * up, masks[3])
+        gate, up = gate_up.forward(h, masks[2], on).chunk(2, dim=-1)
+        return x + down.forward(F.silu(gate) * up, masks[3], on)
 
     @property
     def num_layers(self) -> int:

@@ -9,7 +9,8 @@ options ``rank``, ``alpha``, ``dropout``, ``target_modules`` and the job's ``see
 * ``n_epochs = clamp(ceil(300 / n), 3, 10)`` — small files get more passes;
 * ``batch_size = clamp(next_power_of_two(ceil(n / 100)), 1, 32)``;
 * ``learning_rate_multiplier = 1.0``; the peak learning rate is
-  ``BASE_LEARNING_RATE (2e-4) * learning_rate_multiplier``, a usual LoRA rate.
+  ``BASE_LEARNING_RATE (2e-4) * learning_rate_multiplier``, a usual LoRA rate;
+* a DPO job's ``beta = DEFAULT_DPO_BETA (0.1)`` (:func:`resolve_dpo_beta`).
 
 ``target_modules`` may name projections (``q_proj`` ... ``down_proj``) or be the shorthand
 ``["all-linear"]`` (every projection of attention and MLP, never ``lm_head``).
@@ -23,6 +24,7 @@ from typing import Any, Literal
 
 AUTO = "auto"
 BASE_LEARNING_RATE = 2e-4
+DEFAULT_DPO_BETA = 0.1
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
@@ -114,6 +116,10 @@ class FinetuneHyperparameters:
     quanta to a memory budget chooses per quantum)."""
     checkpoint_every_steps: int = 0
     """Write a checkpoint every N optimizer steps (0: only when asked and at the end)."""
+    dpo_beta: float | None = None
+    """DPO's beta (the weight of the policy's divergence from the reference, > 0): the job
+    trains on preference pairs (:class:`~gpu_runtime.finetune.dpo_trainer.DpoTrainer`). None:
+    supervised training."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -132,6 +138,10 @@ class FinetuneHyperparameters:
                 self.checkpoint_every_steps >= 0,
                 f"checkpoint_every_steps must be >= 0, got {self.checkpoint_every_steps}",
             ),
+            (
+                self.dpo_beta is None or self.dpo_beta > 0,
+                f"dpo_beta must be > 0, got {self.dpo_beta}",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -147,6 +157,15 @@ class FinetuneHyperparameters:
         lora["target_modules"] = tuple(lora["target_modules"])
         values["adam_betas"] = tuple(values["adam_betas"])
         return cls(lora=LoraSpec(**lora), **values)
+
+
+def resolve_dpo_beta(beta: float | str = AUTO) -> float:
+    """A DPO job's beta: ``DEFAULT_DPO_BETA`` for "auto", else the positive number given."""
+    if beta == AUTO:
+        return DEFAULT_DPO_BETA
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or beta <= 0:
+        raise HyperparameterError(f"beta must be a positive number or 'auto', got {beta!r}")
+    return float(beta)
 
 
 def _next_power_of_two(n: int) -> int:

@@ -82,6 +82,8 @@ class LoraTrainer(GraphedQuantaMixin):
         on without the fused forward, whose peft layers' checkpoint reads the CUDA RNG state,
         which a capture forbids; True elsewhere records why each quantum ran eagerly), keeping
         at most ``max_cuda_graphs`` shapes captured (:class:`CapturePolicy`)."""
+        if hparams.dpo_beta is not None and not getattr(self, "trains_preferences", False):
+            raise ValueError("dpo_beta is set: a DPO job trains with DpoTrainer")
         self.hparams = hparams
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self.base_model_name_or_path = base_model_name_or_path

@@ -81,7 +81,11 @@ def test_method_shape_is_accepted(api: ApiClient, training_file: File, tiny: Bas
         ({"hyperparameters": {"batch_size": 1000}}, "batch_size"),
         ({"hyperparameters": {"learning_rate_multiplier": -1}}, "learning_rate_multiplier"),
         ({"hyperparameters": {"warmup": 3}}, "hyperparameters.warmup"),
-        ({"method": {"type": "dpo"}}, "method.type"),
+        ({"method": {"type": "reinforcement"}}, "method.type"),
+        ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0}}}}, "beta"),
+        ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": 2.5}}}}, "beta"),
+        ({"method": {"type": "dpo", "dpo": {"hyperparameters": {"beta": "x"}}}}, "beta"),
+        ({"method": {"type": "dpo"}}, "training_file"),  # a chat file
         ({"lora": {"rank": 0}}, "lora.rank"),
         ({"lora": {"rank": 128}}, "lora.rank"),  # trainable, but larger than hosts serve
         ({"lora": {"dropout": 1.5}}, "lora.dropout"),

@@ -31,6 +31,7 @@ from api.services.jobs import (
     job_event_record,
 )
 from api.tenant_text import without_locations
+from gpu_runtime.agent.protocol import PREFERENCE_METRICS
 from workers.ingest.common import report_time, stop_on_commit
 from workers.models import RollupSeries
 from workers.rollups import rollup_add
@@ -98,6 +99,7 @@ def job_progress(host: GpuHost, message: dict[str, Any]) -> str:
         learning_rate=message.get("learning_rate"),
         tokens_per_s=float(message.get("tokens_per_s", 0.0)),
         valid_loss=message.get("valid_loss"),
+        preference={k: float(message[k]) for k in PREFERENCE_METRICS if k in message},
     )
     return "applied" if recorded else "duplicate"
 
@@ -114,6 +116,7 @@ def _step_record(
     tokens_per_s: float,
     valid_loss: Any = None,
     recovered: bool = False,
+    preference: dict[str, float] | None = None,
 ) -> bool:
     """One optimizer step of `job` on `host`: JobMetric, "Step" event, rollup. A step this
     host already reported is skipped (a progress report recovered from a checkpoint report
@@ -134,6 +137,7 @@ def _step_record(
         "tokens_per_s": tokens_per_s,
         "host": host.name,
     }
+    data.update(preference or {})  # a DPO step's preference metrics
     if recovered:
         data["recovered"] = True  # its own progress report never arrived
     job_event_record(

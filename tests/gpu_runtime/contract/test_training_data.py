@@ -18,6 +18,7 @@ from gpu_runtime.contract.tokenizer import (
 from gpu_runtime.contract.training_data import (
     FORMAT_TOKENIZERS,
     ExamplesTooLongError,
+    PreferencePair,
     TrainingDataError,
     jsonl_lines,
     tokenize_training_lines,
@@ -56,8 +57,9 @@ def test_lines_split_as_the_upload_check_splits_them(tokenizer: Any) -> None:
         tokenize_training_lines(jsonl_lines(data + b"{}\n"), tokenizer, 64, "training file x")
     assert (info.value.line_number, str(info.value)) == (
         5,
-        "training file x, line 5: expected an object with 'messages', or with 'prompt' and "
-        "'completion'; got keys []",
+        "training file x, line 5: expected an object with 'messages', with 'prompt' and "
+        "'completion', or a preference example ('input', 'preferred_output', "
+        "'non_preferred_output'); got keys []",
     )
     with pytest.raises(TrainingDataError, match="line 2: not valid UTF-8"):
         tokenize_training_lines([PAIR.encode(), b"\xff\n"], tokenizer, 64, "f")
@@ -75,11 +77,38 @@ def test_every_too_long_example_is_counted_after_the_first_ten(tokenizer: Any) -
 
 
 def test_each_format_is_one_function(tokenizer: Any) -> None:
-    assert sorted(FORMAT_TOKENIZERS) == ["chat", "prompt_completion"]
+    assert sorted(FORMAT_TOKENIZERS) == ["chat", "preference", "prompt_completion"]
     chat = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}
     direct = FORMAT_TOKENIZERS["chat"](tokenizer, chat)
     (through,) = tokenize_training_lines([json.dumps(chat)], tokenizer, 64, "f").examples
     assert direct == through
+
+
+def test_a_preference_pair_is_limited_by_its_longer_row(tokenizer: Any) -> None:
+    def pair(preferred: str, other: str) -> str:
+        return json.dumps(
+            {
+                "input": {"messages": [{"role": "user", "content": "which?"}]},
+                "preferred_output": [{"role": "assistant", "content": preferred}],
+                "non_preferred_output": [{"role": "assistant", "content": other}],
+            }
+        )
+
+    (short,) = tokenize_training_lines([pair("yes", "no")], tokenizer, 512, "f").examples
+    assert isinstance(short, PreferencePair)
+    prompt = len(short.chosen.input_ids) - short.chosen.num_loss_tokens
+    assert short.chosen.input_ids[:prompt] == short.rejected.input_ids[:prompt]
+    assert short.num_loss_tokens == 1
+    long_line = pair("yes", "no " * 200)
+    (long,) = tokenize_training_lines([long_line], tokenizer, 512, "f").examples
+    assert isinstance(long, PreferencePair)
+    limit = long.longest_row_tokens - 1
+    assert long.rejected.num_tokens == long.longest_row_tokens > long.chosen.num_tokens
+    with pytest.raises(ExamplesTooLongError) as info:
+        tokenize_training_lines([pair("yes", "no"), long_line], tokenizer, limit, "f")
+    assert [(e.line_number, e.num_tokens) for e in info.value.examples] == [
+        (2, long.longest_row_tokens)
+    ]
 
 
 def test_a_directory_without_tokenizer_json_has_no_training_tokenizer(tmp_path: Path) -> None:

@@ -1,0 +1,173 @@
+"""DPO on a LoRA adapter, in the same bounded quanta as supervised training.
+
+:class:`DpoTrainer` is a :class:`~gpu_runtime.finetune.trainer.LoraTrainer` whose examples are
+preference pairs (:class:`~gpu_runtime.finetune.preference_data.PreferencePair`) and whose loss
+is DPO's (:mod:`gpu_runtime.finetune.dpo`), so a co-location loop drives it exactly like a
+supervised job: ``step_quantum(max_tokens=..., max_examples=...)`` runs one micro-batch of
+pairs (its preferred rows, then its other rows, in one ``[2n, S]`` batch), never crossing an
+optimizer-batch boundary; ``max_tokens`` bounds the padded tokens of both rows. Each micro-batch
+first runs the reference pass (the same weights with the adapter off, eval mode, no gradient),
+then the policy's forward and backward; the batch loss is the mean over its pairs, whatever the
+micro-batch sizes. Data order, checkpoints, exact resume and the optimizer step are the
+supervised trainer's.
+
+Whole micro-batches only, run eagerly: no CUDA graphs and no layer-sliced quanta
+(:attr:`DpoTrainer.layer_sliced_quanta` tells the loop, which then never asks for them).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from gpu_runtime.finetune.batching import MicroBatch
+from gpu_runtime.finetune.data import TokenizedExample
+from gpu_runtime.finetune.dpo import (
+    PreferenceRecord,
+    adapters_disabled,
+    dpo_terms,
+    sequence_logprobs,
+    tuner_layers,
+)
+from gpu_runtime.finetune.hparams import FinetuneHyperparameters
+from gpu_runtime.finetune.loss import training_hidden_states
+from gpu_runtime.finetune.preference_data import PreferencePair
+from gpu_runtime.finetune.quantum import QuantumResult
+from gpu_runtime.finetune.trainer import LoraTrainer
+from gpu_runtime.finetune.validation import ValidationRun
+from gpu_runtime.model import CausalLM
+
+
+class DpoTrainer(LoraTrainer):
+    """Trains one LoRA adapter with DPO over a serving model's shared, frozen base weights."""
+
+    layer_sliced_quanta = False
+    """Quanta are whole micro-batches (the co-location loop offers no layer slices)."""
+    trains_preferences = True
+    """Its hparams carry ``dpo_beta`` (a plain ``LoraTrainer`` refuses them)."""
+
+    def __init__(
+        self,
+        serving_model: CausalLM,
+        train_pairs: Sequence[PreferencePair],
+        hparams: FinetuneHyperparameters,
+        *,
+        pad_token_id: int = 0,
+        pad_to_multiple: int = 8,
+        loss_chunk_tokens: int = 2048,
+        checkpoint_root: str | Path | None = None,
+        base_model_name_or_path: str | None = None,
+        fused_forward: bool = True,
+    ) -> None:
+        if hparams.dpo_beta is None:
+            raise ValueError("a DPO trainer needs hparams.dpo_beta")
+        # The data stream reads only num_tokens and num_loss_tokens, which a pair has.
+        super().__init__(
+            serving_model,
+            cast("Sequence[TokenizedExample]", train_pairs),
+            hparams,
+            pad_token_id=pad_token_id,
+            pad_to_multiple=pad_to_multiple,
+            loss_chunk_tokens=loss_chunk_tokens,
+            checkpoint_root=checkpoint_root,
+            base_model_name_or_path=base_model_name_or_path,
+            fused_forward=fused_forward,
+            cuda_graphs=False,
+        )
+        self.beta = float(hparams.dpo_beta)
+        self.pairs: tuple[PreferencePair, ...] = tuple(train_pairs)
+        self.preference_history: list[PreferenceRecord] = []
+        self._tuner_layers = tuner_layers(self.model)
+        self._batch_stats = torch.zeros(3, dtype=torch.float32, device=self.device)
+
+    def restore_preference_history(self, history: Sequence[dict[str, float]]) -> None:
+        """Set the per-step preference metrics (used by checkpoint loading)."""
+        self.preference_history = [
+            PreferenceRecord(
+                step=int(h["step"]),
+                accuracy=float(h["accuracy"]),
+                chosen_reward=float(h["chosen_reward"]),
+                rejected_reward=float(h["rejected_reward"]),
+            )
+            for h in history
+        ]
+
+    def _pair_padded(self, length: int) -> int:
+        """Padded tokens of a pair whose ``num_tokens`` is ``length`` (two rows of half)."""
+        row = length // 2
+        return 2 * (-(-row // self.pad_to_multiple) * self.pad_to_multiple)
+
+    def _hidden(self, batch: MicroBatch, recompute: bool) -> torch.Tensor:
+        if self._fused is not None:
+            return self._fused(batch.input_ids, batch.positions, recompute)
+        return training_hidden_states(self.model, batch.input_ids, batch.positions, recompute)
+
+    def _logprobs(self, batch: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
+        return sequence_logprobs(
+            self.model, hidden, batch.loss_positions, batch.loss_targets, self.loss_chunk_tokens
+        )
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        """Summed completion log-probabilities ``[rows]`` under the base model (the adapter
+        off, eval mode, no gradient)."""
+        self.model.eval()
+        try:
+            off = adapters_disabled(self._tuner_layers, self.params, self._fused)
+            with off, self._autocast():
+                return self._logprobs(batch, self._hidden(batch, False))
+        finally:
+            self.model.train()
+
+    def pair_batch(self, pairs: Sequence[PreferencePair]) -> MicroBatch:
+        """The ``[2n, S]`` micro-batch of ``pairs``: preferred rows, then the other rows."""
+        return self._prepare([p.chosen for p in pairs] + [p.rejected for p in pairs])
+
+    def step_quantum(
+        self,
+        max_tokens: int | None = None,
+        max_examples: int | None = None,
+        max_layers: int | None = None,
+        recompute: bool | None = None,
+    ) -> QuantumResult:
+        """One micro-batch of at most ``max_examples`` pairs and ``max_tokens`` padded tokens
+        (see the module docstring). Raises once finished, and for ``max_layers``."""
+        if max_layers is not None:
+            raise ValueError("DPO quanta are whole micro-batches; max_layers is not supported")
+        start, _ = self._begin_quantum()
+        mode = self._recompute(recompute)
+        plan = self.stream.plan(max_examples, max_tokens, padded_length=self._pair_padded)
+        pairs = [self.pairs[i] for i in plan.example_indices]
+        batch = self.pair_batch(pairs)
+        launch = time.perf_counter()
+        reference = self.reference_logprobs(batch)
+        with self._rng_swap():
+            with self._autocast():
+                policy = self._logprobs(batch, self._hidden(batch, mode))
+            terms = dpo_terms(policy, reference, self.beta)
+            (terms.loss_sum / plan.batch_loss_tokens).backward()
+        launch_s = time.perf_counter() - launch
+        self._batch_stats += terms.stats
+        if plan.completes_batch:
+            # before the tail: a checkpoint it writes holds this step's record
+            pairs_in_batch = plan.batch_loss_tokens
+            correct, chosen, rejected = (v / pairs_in_batch for v in self._batch_stats.tolist())
+            self.preference_history.append(
+                PreferenceRecord(self.step + 1, correct, chosen, rejected)
+            )
+            self._batch_stats.zero_()
+        # the tail reports the mean over pairs: one loss term per pair
+        per_pair = dataclasses.replace(batch, num_loss_tokens=len(pairs))
+        tail = self._launch_tail(
+            plan, per_pair, terms.loss_sum, start, 0, launch_s=launch_s, recompute=mode
+        )
+        return tail.result()
+
+    def validation(self, examples: Sequence[Any], max_tokens: int = 8192) -> ValidationRun:
+        """Not offered: a DPO job takes no validation file (the control plane refuses one)."""
+        raise ValueError("validation files are not supported for DPO jobs")

@@ -1,0 +1,96 @@
+"""A DPO placement on the host's engine loop (CPU): it trains beside decode to success with its
+preference metrics in every progress and checkpoint report, and another host resumes it from a
+checkpoint with the same losses and metrics."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from gpu_runtime.agent.protocol import PREFERENCE_METRICS
+from gpu_runtime.finetune.dpo import PreferenceRecord
+from gpu_runtime.storage import LocalStorage
+from tests.gpu_runtime.agent.conftest import Host, Reports, job_spec, make_runtime
+
+PREFS_KEY = "files/t1/file-prefs.jsonl"
+PREFERENCES = [
+    ("Q: colour of the sky?", "blue", "red"),
+    ("Q: hello", "world", "numbers"),
+    ("Q: adapters", "low-rank", "continuous"),
+    ("Q: the sea", "a short poem about the sea", "blue"),
+]
+
+
+def _store_preferences(storage: LocalStorage) -> None:
+    lines = "".join(
+        json.dumps(
+            {
+                "input": {"messages": [{"role": "user", "content": q}]},
+                "preferred_output": [{"role": "assistant", "content": good}],
+                "non_preferred_output": [{"role": "assistant", "content": bad}],
+            }
+        )
+        + "\n"
+        for q, good, bad in PREFERENCES
+    )
+    storage.save(PREFS_KEY, [lines.encode()])
+
+
+def _place(host: Host, placement_id: int, **extra: Any) -> None:
+    spec = job_spec(
+        training_file_key=PREFS_KEY,
+        method="dpo",
+        hyperparameters={
+            "n_epochs": 3,
+            "batch_size": 2,
+            "learning_rate_multiplier": 5,
+            "beta": 0.2,
+        },
+        **extra,
+    )
+    host.command(
+        {"command": "apply_placement", "command_id": f"c{placement_id}",
+         "placement_id": placement_id, "job": spec}
+    )  # fmt: skip
+
+
+def test_dpo_placement_reports_preference_metrics_and_resumes_exactly(
+    tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path, host: Host, reports: Reports
+) -> None:
+    assert list(PreferenceRecord(1, 1.0, 0.0, 0.0).metrics()) == list(PREFERENCE_METRICS)
+    _store_preferences(storage)
+    _place(host, 1)
+    assert reports.wait_for("job_started")["total_steps"] == 6
+    full = reports.wait_for("job_succeeded")
+    progress = {m["step"]: m for m in reports.seen if m["kind"] == "job_progress"}
+    assert sorted(progress) == [1, 2, 3, 4, 5, 6]
+    assert abs(progress[1]["train_loss"] - 0.693147) < 1e-4  # step 1: policy == reference
+    assert progress[1]["train_reward_margin"] == 0.0
+    for report in progress.values():
+        assert set(PREFERENCE_METRICS) <= set(report)
+    checkpoints = [m for m in reports.seen if m["kind"] == "checkpoint"]
+    assert [c["step"] for c in checkpoints] == [2, 4, 6]
+    for checkpoint in checkpoints:
+        step = progress[checkpoint["step"]]
+        assert {k: checkpoint["metrics"][k] for k in PREFERENCE_METRICS} == {
+            k: step[k] for k in PREFERENCE_METRICS
+        }
+    assert storage.exists("adapters/ftjob-1/adapter_model.safetensors")
+    assert host.runtime.status().adapters == ["ft:tiny:t1::ftjob-1"]
+
+    other = Reports()
+    second = make_runtime(tiny_model_dir, storage, tmp_path / "work2", other)
+    second.loop.start()
+    try:
+        _place(second, 2, resume_from={"step": 2, "storage_key": "checkpoints/ftjob-1/step-000002"})
+        assert other.wait_for("job_started")["resumed_from_step"] == 2
+        done = other.wait_for("job_succeeded")
+    finally:
+        second.stop()
+    resumed = {m["step"]: m for m in other.seen if m["kind"] == "job_progress"}
+    assert sorted(resumed) == [3, 4, 5, 6]
+    for step, report in resumed.items():
+        assert abs(report["train_loss"] - progress[step]["train_loss"]) < 1e-5
+        assert abs(report["train_reward_margin"] - progress[step]["train_reward_margin"]) < 1e-5
+    assert done["trained_tokens"] == full["trained_tokens"]
