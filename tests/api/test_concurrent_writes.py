@@ -67,3 +67,20 @@ def test_pause_and_resume_from_many_connections_at_once(
     assert done["paused"] - done["resumed"] in (0, 1)
     final = FinetuneJob.objects.get(pk=job.pk).status
     assert final == (JobStatus.PAUSED if done["paused"] > done["resumed"] else JobStatus.QUEUED)
+
+
+@pytest.mark.django_db
+def test_a_sqlite_connection_runs_in_wal_mode_with_a_busy_timeout() -> None:
+    from django.conf import settings
+    from django.db import connection
+
+    if connection.vendor != "sqlite":
+        pytest.skip("SQLite only (HARLI_TEST_DB=sqlite)")
+    with connection.cursor() as cursor:
+        cursor.execute("PRAGMA journal_mode")
+        assert cursor.fetchone() == ("wal",)
+        cursor.execute("PRAGMA busy_timeout")
+        assert cursor.fetchone() == (settings.SQLITE_BUSY_TIMEOUT_MS,)
+        cursor.execute("PRAGMA synchronous")
+        assert cursor.fetchone() == (1,)  # NORMAL
+    assert connection.transaction_mode == "IMMEDIATE"
