@@ -83,4 +83,5 @@ def test_a_sqlite_connection_runs_in_wal_mode_with_a_busy_timeout() -> None:
         assert cursor.fetchone() == (settings.SQLITE_BUSY_TIMEOUT_MS,)
         cursor.execute("PRAGMA synchronous")
         assert cursor.fetchone() == (1,)  # NORMAL
-    assert connection.transaction_mode == "IMMEDIATE"
+    # Django begins every atomic block with this mode (the concurrency test above shows why).
+    assert connection.transaction_mode == "IMMEDIATE"  # type: ignore[attr-defined]
