@@ -11,4 +11,6 @@ bash scripts/services.sh
 echo "== ruff"; ruff check .
 echo "== mypy"; mypy .
 echo "== pytest on PostgreSQL (every test)"; HARLI_TEST_DB=postgres pytest "$@"
-echo "== pytest on SQLite (the tests that use the database)"; HARLI_TEST_DB=sqlite pytest "$@"
+echo "== pytest on SQLite (the tests that use the database)"
+# Exit status 5: none of the tests named in "$@" uses the database; nothing to run again.
+HARLI_TEST_DB=sqlite pytest "$@" || [ $? -eq 5 ]
