@@ -47,6 +47,14 @@ def tenant(db: None) -> Tenant:
     return tenant_create(name="acme")
 
 
+@pytest.fixture(autouse=True)
+def empty_host_queues() -> None:
+    """Each test starts with empty host queues: the in-memory broker lives as long as the test
+    process, so commands another test sent and never read would otherwise reach this one."""
+    for host in ("h1", "h2", "h3", "h4"):
+        drain_host_queue(host)
+
+
 def make_host(name: str, deployment: Deployment | None) -> GpuHost:
     return host_register(name=name, gpu_kind="cpu", gpu_memory_bytes=16 * GIB,
                          deployment=deployment)  # fmt: skip
