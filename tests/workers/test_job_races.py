@@ -66,10 +66,13 @@ def test_a_resume_waits_for_the_paused_host_and_resumes_from_its_pause_checkpoin
     with django_capture_on_commit_callbacks(execute=True):
         assert job_place(job_id=job.id) is None
         assert reconcile().placed_jobs == []
-    assert job.events.filter(
-        message=f"Waiting for host h1 to stop placement {placed.pk} (it checkpoints at its "
-        "batch boundary first)"
-    ).count() == 1
+    assert (
+        job.events.filter(
+            message=f"Waiting for host h1 to stop placement {placed.pk} (it checkpoints at its "
+            "batch boundary first)"
+        ).count()
+        == 1
+    )
     drain_host_queue("h1")  # the heartbeat's safety net: pause again (ignored by the host)
     # Its last step, the pause's checkpoint and its stop arrive while the job is queued.
     assert host_report_apply(message=_progress(placed, 2)) == "applied"
