@@ -138,9 +138,14 @@ def _choose(eligible: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def job_place(*, job_id: str) -> Placement | None:
-    """Place a queued job without an open placement; None when it needs none or no host fits.
+    """Place a queued job without an open placement; None when it needs none, no host fits,
+    or its previous host still trains it (a resume right after a pause: it waits for that
+    host's stop, see :func:`_still_training`).
 
     Idempotent: a job that is not queued, or already has an open placement, is left alone.
+    The job's row lock (PostgreSQL; SQLite's write transaction) orders this against a
+    concurrent pause or cancel: either the job is paused first and not placed, or its new
+    placement is released by the pause and the host told to stop it.
     """
     with transaction.atomic():
         job = (
