@@ -210,15 +210,19 @@ def test_a_stalled_job_is_flagged_and_cleared_when_progress_resumes(
     host = Placement.objects.get(job_id=job.id, state="active").host.name
     cluster.procs[host].signal_group(signal.SIGSTOP)
     stopped_agents.append(host)
-    wait_until(lambda: FinetuneJob.objects.get(pk=job.id).stalled_at, 30, "the stall flag")
+    # The flag comes STALL_AFTER_S after the last progress report the worker read: on a loaded
+    # machine the worker first works through the reports the host sent before it stopped.
+    wait_until(lambda: FinetuneJob.objects.get(pk=job.id).stalled_at, 180, "the stall flag")
     assert client.fine_tuning.jobs.retrieve(job.id).status == "running"
     cluster.procs[host].signal_group(signal.SIGCONT)
     wait_until(lambda: FinetuneJob.objects.get(pk=job.id).stalled_at is None, 30,
                "the flag to clear")  # fmt: skip
     _wait_succeeded(client, job.id, cluster, timeout=120)
     events = _events(client, job.id)
-    assert sum(1 for m in events if m.startswith(f"No progress from host {host} since ")) == 1
-    assert sum(1 for m in events if m.startswith(f"Progress from host {host} again")) == 1
+    flagged = sum(1 for m in events if m.startswith(f"No progress from host {host} since "))
+    cleared = sum(1 for m in events if m.startswith(f"Progress from host {host} again"))
+    assert flagged >= 1 and cleared == flagged  # (a slow worker may have flagged a gap too)
+    assert FinetuneJob.objects.get(pk=job.id).stalled_at is None
 
 
 # Last in the module: the broker outage leaves the hosts' links reconnecting for a while.
@@ -229,16 +233,19 @@ def test_a_pause_after_the_last_step_holds_and_its_resume_finishes(
     success report is still on its way. The host has finished (it ignores the pause); the job
     stays paused with its final checkpoint; resumed, it succeeds from that checkpoint at once
     (it used to sit at "Fine-tuning resumed ... from checkpoint step N" for ever)."""
-    from api.models import JobCheckpoint, JobMetric
+    from api.models import JobCheckpoint
     from workers.models import ProcessedReport
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
     job = _create_job(client, epochs=20, batch=1, suffix="last")
     total = 20 * 8
-    wait_until(lambda: JobMetric.objects.filter(job_id=job.id, step__gte=3).exists(), 60,
-               "training to be under way")  # fmt: skip
+    storage = Path(cluster.env["HARLI_STORAGE_DIR"])
+    # The host's first checkpoint in storage: training is under way there (what the worker
+    # has read may lag behind on a loaded machine).
+    wait_until(lambda: (storage / "checkpoints" / job.id / "step-000010" / ".complete").exists(),
+               60, "the host's first checkpoint")  # fmt: skip
     cluster.procs["redis"].stop()
-    adapter = Path(cluster.env["HARLI_STORAGE_DIR"]) / "adapters" / job.id
+    adapter = storage / "adapters" / job.id
     try:
         wait_until(lambda: any(adapter.glob("*.safetensors")), 60, "the host to finish")
         # The stop this sends cannot reach the broker; it is logged, the pause stands.
@@ -246,7 +253,7 @@ def test_a_pause_after_the_last_step_holds_and_its_resume_finishes(
     finally:
         cluster.start_redis()
     wait_until(
-        lambda: ProcessedReport.objects.filter(kind="job_succeeded").exists(), 60,
+        lambda: ProcessedReport.objects.filter(kind="job_succeeded").exists(), 180,
         "the host's success report to be read",
     )  # fmt: skip
     paused = client.fine_tuning.jobs.retrieve(job.id)
