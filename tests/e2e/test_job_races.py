@@ -99,7 +99,8 @@ def _trains_nothing(host: str, after: float) -> None:
 
     def idle() -> bool:
         state = HostAgentState.objects.filter(host__name=host).first()
-        return bool(state and state.reported_at.timestamp() > after and not state.placements)
+        reported = state.reported_at if state is not None else None
+        return bool(state and reported and reported.timestamp() > after and not state.placements)
 
     wait_until(idle, 30, f"{host} to train nothing")
 
