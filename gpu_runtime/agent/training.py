@@ -1,7 +1,9 @@
 """The finetune jobs placed on this host: a placement's JobSpec becomes a trainer on the
 host's `HostLoop`, and finished quanta become reports (progress, checkpoints copied to storage
 before they are reported, success with the adapter, which the host then serves at once).
-Pauses finish at the next optimizer-batch boundary with a checkpoint. Loop thread only.
+A pause lets the loop finish the optimizer batch in progress and no more (also when that is the
+last batch: the job then stops there, paused, with no success), and checkpoints there; a
+placement resumed from the final checkpoint succeeds at once. Loop thread only.
 """
 
 from __future__ import annotations
