@@ -213,3 +213,26 @@ def test_a_job_that_never_reported_a_step_is_flagged_from_its_start(
     _age(job, placed, 61)
     assert reconcile().stalled_jobs == [job.id]
     assert PlacementState.ACTIVE == Placement.objects.get(pk=placed.pk).state
+
+
+def test_a_resume_does_not_wait_for_a_host_gone_silent(
+    placed: Placement,
+    job: FinetuneJob,
+    deployment: Any,
+    django_capture_on_commit_callbacks: Any,
+) -> None:
+    """The wait for the paused host's stop lasts while that host heartbeats: one silent for
+    `HARLI_HOST_LOST_AFTER_S` is not waited for (its stale reports never count again)."""
+    make_host("h2", deployment)
+    heartbeat("h2", harvestable_tokens_per_s=100.0)
+    with django_capture_on_commit_callbacks(execute=True):
+        finetune_job_pause(job=job)
+        finetune_job_resume(job=job)
+    heartbeat("h1", placements=[placed.pk])
+    assert job_place(job_id=job.id) is None
+    silent = timezone.now() - timedelta(seconds=600)
+    HostAgentState.objects.filter(host__name="h1").update(reported_at=silent)
+    with django_capture_on_commit_callbacks(execute=True):
+        second = job_place(job_id=job.id)
+    assert second is not None and second.host.name == "h2"
+    assert host_report_apply(message=_checkpoint(placed, 4)) == "stale"
