@@ -5,6 +5,8 @@
 * `HARLI_REDISPATCH_AFTER_S` (default 15): a pending placement the host has not started after
   this long is sent again (the agent drops duplicates by placement id).
 * `HARLI_CHECKPOINT_EVERY_STEPS` (default 10): optimizer steps between checkpoints of a job.
+* `HARLI_JOB_STALL_AFTER_S` (default 300): a running job with no progress report from its host
+  for this long is flagged as stalled (an event, and a badge in the console).
 
 Read at call time so tests and the run command can shorten them per process.
 """
@@ -22,6 +24,7 @@ class WorkerSettings:
     reconcile_interval_s: int
     redispatch_after_s: int
     checkpoint_every_steps: int
+    job_stall_after_s: int
 
 
 def worker_settings() -> WorkerSettings:
@@ -30,6 +33,7 @@ def worker_settings() -> WorkerSettings:
         reconcile_interval_s=env_int("HARLI_RECONCILE_INTERVAL_S", 5),
         redispatch_after_s=env_int("HARLI_REDISPATCH_AFTER_S", 15),
         checkpoint_every_steps=env_int("HARLI_CHECKPOINT_EVERY_STEPS", 10),
+        job_stall_after_s=env_int("HARLI_JOB_STALL_AFTER_S", 300),
     )
     for name, value in vars(values).items():
         if value < 1:

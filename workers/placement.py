@@ -37,6 +37,7 @@ from api.models import (
     JobMethod,
     JobStatus,
     Placement,
+    PlacementState,
 )
 from api.services.jobs import job_event_record
 from gpu_runtime.contract.training_data import training_max_seq_len
@@ -141,9 +142,14 @@ def _choose(eligible: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def job_place(*, job_id: str) -> Placement | None:
-    """Place a queued job without an open placement; None when it needs none or no host fits.
+    """Place a queued job without an open placement; None when it needs none, no host fits,
+    or its previous host still trains it (a resume right after a pause: it waits for that
+    host's stop, see :func:`_still_training`).
 
     Idempotent: a job that is not queued, or already has an open placement, is left alone.
+    The job's row lock (PostgreSQL; SQLite's write transaction) orders this against a
+    concurrent pause or cancel: either the job is paused first and not placed, or its new
+    placement is released by the pause and the host told to stop it.
     """
     with transaction.atomic():
         job = (
@@ -156,8 +162,17 @@ def job_place(*, job_id: str) -> Placement | None:
             return None
         if Placement.objects.filter(job=job, state__in=OPEN_PLACEMENT_STATES).exists():
             return None
-        need = finetune_memory_estimate(job=job)
         fresh_after = timezone.now() - timedelta(seconds=worker_settings().host_lost_after_s)
+        stopping = _still_training(job=job, fresh_after=fresh_after)
+        if stopping is not None:
+            _note(
+                job=job,
+                message=f"Waiting for host {stopping.host.name} to stop placement {stopping.pk} "
+                "(it checkpoints at its batch boundary first)",
+                level=EventLevel.INFO,
+            )
+            return None
+        need = finetune_memory_estimate(job=job)
         load: dict[int, int] = {}
         for host_id in Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES).values_list(
             "host_id", flat=True
@@ -199,10 +214,36 @@ def job_place(*, job_id: str) -> Placement | None:
         return placement
 
 
+def _still_training(*, job: FinetuneJob, fresh_after: Any) -> Placement | None:
+    """The job's previous placement while its host may still train it: released (a pause),
+    and the host's latest heartbeat, recent, names it. A resumed job waits for that host's
+    stop (`job_stopped`, or a heartbeat without it), so it never trains on two hosts at once
+    and resumes from the checkpoint its pause writes. A host gone silent is not waited for."""
+    previous = (
+        Placement.objects.filter(job=job)
+        .select_related("host", "host__agent_state")
+        .order_by("-created_at", "-id")
+        .first()
+    )
+    if previous is None or previous.state != PlacementState.RELEASED:
+        return None
+    host = previous.host
+    state: HostAgentState | None = getattr(host, "agent_state", None)
+    if host.status not in (HostStatus.ONLINE, HostStatus.DRAINING) or state is None:
+        return None
+    if state.reported_at is None or state.reported_at < fresh_after:
+        return None
+    return previous if previous.pk in state.placements else None
+
+
 def _note_waiting(*, job: FinetuneJob, rows: list[dict[str, Any]]) -> None:
     """Record why no host fits, once per distinct reason set (reconciliation retries often)."""
     summary = "; ".join(f"{r['host']}: {r['why']}" for r in rows) or "no hosts registered"
-    message = f"Waiting for a host ({summary})"
+    _note(job=job, message=f"Waiting for a host ({summary})", level=EventLevel.WARN)
+
+
+def _note(*, job: FinetuneJob, message: str, level: str) -> None:
+    """Record `message` unless it is the job's latest event already."""
     last = JobEvent.objects.filter(job=job).order_by("-created_at", "-id").first()
     if last is None or last.message != message:
-        job_event_record(job=job, message=message, level=EventLevel.WARN)
+        job_event_record(job=job, message=message, level=level)

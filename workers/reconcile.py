@@ -6,12 +6,17 @@
 2. Every queued job without an open placement is placed (`workers.placement.job_place`).
 3. A pending placement its host has not started within `HARLI_REDISPATCH_AFTER_S` is sent
    again (a lost broker message); the agent drops duplicates by placement id.
+4. A running job whose host has sent no progress (step or checkpoint report) for
+   `HARLI_JOB_STALL_AFTER_S`, counted from its start on that host, is flagged: `stalled_at`,
+   and one warning event naming the host and the time of its last progress. The host may
+   still heartbeat: this is about the job, not the host. Its next progress report, or a
+   status change, clears the flag (`workers.ingest.jobs`, `api.services.jobs`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from django.db import transaction
 from django.db.models import Q
@@ -20,9 +25,11 @@ from django.utils import timezone
 from api.models import (
     OPEN_PLACEMENT_STATES,
     EventLevel,
+    EventType,
     FinetuneJob,
     GpuHost,
     HostStatus,
+    JobEvent,
     JobStatus,
     Placement,
     PlacementState,
@@ -38,6 +45,7 @@ class ReconcileResult:
     requeued_jobs: list[str] = field(default_factory=list)
     placed_jobs: list[str] = field(default_factory=list)
     redispatched: list[int] = field(default_factory=list)
+    stalled_jobs: list[str] = field(default_factory=list)
 
 
 def host_mark_lost(*, host_id: int, silent_s: float) -> list[str]:
@@ -107,4 +115,55 @@ def reconcile() -> ReconcileResult:
     for placement_id in stuck.values_list("pk", flat=True):
         send_placement(placement_id=placement_id)
         result.redispatched.append(placement_id)
+    stall_before = now - timedelta(seconds=conf.job_stall_after_s)
+    running = Placement.objects.filter(
+        state=PlacementState.ACTIVE, job__status=JobStatus.RUNNING, job__stalled_at__isnull=True
+    )
+    for placement_id in running.values_list("pk", flat=True):
+        if job_flag_stall(placement_id=placement_id, before=stall_before):
+            result.stalled_jobs.append(
+                Placement.objects.values_list("job_id", flat=True).get(pk=placement_id)
+            )
     return result
+
+
+def _last_progress(placement: Placement) -> datetime | None:
+    """When the placement's host last showed progress: its start, or its latest step or
+    checkpoint report after that (the control plane's clock, not the host's)."""
+    started = placement.started_at
+    if started is None:
+        return None
+    latest = (
+        JobEvent.objects.filter(job_id=placement.job_id, type=EventType.METRICS,
+                                created_at__gte=started)
+        .order_by("-created_at")
+        .values_list("created_at", flat=True)
+        .first()
+    )  # fmt: skip
+    return latest or started
+
+
+def job_flag_stall(*, placement_id: int, before: datetime) -> bool:
+    """Flag the placement's running job as stalled when its host's last progress is older than
+    `before`; True when it did. Checked again under the job's row lock."""
+    with transaction.atomic():
+        placement = Placement.objects.select_related("host").get(pk=placement_id)
+        job = FinetuneJob.objects.select_for_update().get(pk=placement.job_id)
+        if job.status != JobStatus.RUNNING or job.stalled_at is not None:
+            return False
+        placement.refresh_from_db(fields=["state"])
+        if placement.state != PlacementState.ACTIVE:
+            return False
+        last = _last_progress(placement)
+        if last is None or last >= before:
+            return False
+        job.stalled_at = timezone.now()
+        job.save(update_fields=["stalled_at"])
+        job_event_record(
+            job=job,
+            message=f"No progress from host {placement.host.name} since "
+            f"{last.isoformat(timespec='seconds')}",
+            level=EventLevel.WARN,
+            data={"host": placement.host.name, "last_progress_at": last.isoformat()},
+        )
+    return True

@@ -123,6 +123,9 @@ class FinetuneJob(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     finished_at = models.DateTimeField(null=True, blank=True)
+    stalled_at = models.DateTimeField(null=True, blank=True)
+    """Set while the job runs with no progress from its host for `HARLI_JOB_STALL_AFTER_S`
+    (`workers.reconcile`); cleared by its next progress report or status change."""
 
     class Meta:
         ordering = ["-created_at", "-id"]

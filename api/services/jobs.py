@@ -91,8 +91,8 @@ def finetune_job_transition(
     """Move `job` to status `to`, or raise ConflictError when the table forbids it.
 
     Sets `started_at` on the first `running`, `finished_at` on a terminal status, `error` on
-    `failed`, releases the open placement when the job stops holding a host, and records `message`
-    as a JobEvent. Returns the refreshed job.
+    `failed`, clears the stall flag (`stalled_at`), releases the open placement when the job
+    stops holding a host, and records `message` as a JobEvent. Returns the refreshed job.
     """
     with transaction.atomic():
         locked = (
@@ -118,6 +118,9 @@ def finetune_job_transition(
         if to == JobStatus.FAILED:
             locked.error = error or {"code": "failed", "message": message, "param": None}
             fields.append("error")
+        if locked.stalled_at is not None:  # the stall flag is about the run that just changed
+            locked.stalled_at = None
+            fields.append("stalled_at")
         locked.save(update_fields=fields)
         if to in _RELEASES_PLACEMENT:
             opened = Placement.objects.filter(job=locked, state__in=OPEN_PLACEMENT_STATES)

@@ -9,9 +9,12 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
 * `{"command": "apply_placement", "command_id", "placement_id", "job": JobSpec}` — train a job;
   `job.resume_from` is `{"step", "storage_key"}` when it continues from a checkpoint.
 * `{"command": "pause" | "cancel", "command_id", "placement_id", "job_id"}` — stop training and
-  release the job (pause writes a checkpoint first). Sent when a pause or cancel commits, and
-  again whenever a heartbeat names a placement that is no longer open; the agent ignores (and
-  logs) one for a placement it does not train, and drops a placement whose stop came first.
+  release the job. A pause finishes the optimizer batch in progress, then reports the
+  checkpoint it writes there and `job_stopped`, before heartbeats stop naming the placement;
+  a pause that meets the last batch stops there too (no `job_succeeded`). Sent when a pause or
+  cancel commits, and again whenever a heartbeat names a placement that is no longer open; the
+  agent ignores (and logs) one for a placement it does not train, and drops a placement whose
+  stop came first. A placement whose `resume_from` is the final step succeeds at once.
 * `{"command": "load_adapter", "command_id", "name", "storage_key"}` — serve an adapter by name.
 * `{"command": "unload_adapter", "command_id", "name"}` — stop serving a model by name (a
   deleted fine-tuned model, or a checkpoint deleted or pruned): new requests for it are

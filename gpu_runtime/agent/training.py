@@ -1,7 +1,9 @@
 """The finetune jobs placed on this host: a placement's JobSpec becomes a trainer on the
 host's `HostLoop`, and finished quanta become reports (progress, checkpoints copied to storage
 before they are reported, success with the adapter, which the host then serves at once).
-Pauses finish at the next optimizer-batch boundary with a checkpoint. Loop thread only.
+A pause lets the loop finish the optimizer batch in progress and no more (also when that is the
+last batch: the job then stops there, paused, with no success), and checkpoints there; a
+placement resumed from the final checkpoint succeeds at once. Loop thread only.
 """
 
 from __future__ import annotations
@@ -76,6 +78,10 @@ class HostJobs:
             resumed_from_step=run.resumed_from_step,
             total_steps=run.trainer.total_steps,
         )
+        if run.trainer.finished:
+            # Resumed from its final checkpoint (a pause landed after the last step): there is
+            # no quantum left to finish it, so it finishes now, from that checkpoint.
+            self._succeed(run, run.workdir / "resume")
 
     def stop(self, job_id: str, placement_id: int, command: str) -> None:
         """Pause or cancel the run of `placement_id`. Idempotent: the control plane sends a
@@ -117,11 +123,12 @@ class HostJobs:
             )
             return
         run.stopping = "paused"
-        self.host.loop.pause_job(job_id)
+        self.host.loop.pause_job(job_id, at_batch_end=True)
         self.finish_pauses()
 
     def finish_pauses(self) -> None:
-        """Pause jobs whose batch is complete: checkpoint to storage, report, release."""
+        """Pause jobs whose batch is complete (the loop runs a pausing job only to finish the
+        batch in progress): checkpoint to storage, report, release."""
         for run in list(self.runs.values()):
             if run.stopping != "paused":
                 continue
@@ -129,18 +136,23 @@ class HostJobs:
             if in_flight is not None and in_flight.job_id == run.job_id:
                 continue
             if run.trainer.has_pending_gradients:
-                self.host.loop.resume_job(run.job_id)  # finish the batch first
                 continue
-            self.remove(run)
-            local = checkpoint_now(run, self.host.base_model_path)
-            self._report_checkpoint(run, local)
-            self.host.report(
-                "job_stopped",
-                placement_id=run.placement_id,
-                job_id=run.job_id,
-                reason="paused",
-                step=run.trainer.step,
-            )
+            self._finish_pause(run)
+
+    def _finish_pause(self, run: JobRun) -> None:
+        """Report the pause's checkpoint (unless the last one reported is at this step) and
+        `job_stopped`, then release the run: a heartbeat that no longer names the placement
+        is sent after both, so the control plane can resume the job from that checkpoint."""
+        if run.checkpointed_step != run.trainer.step:
+            self._report_checkpoint(run, checkpoint_now(run, self.host.base_model_path))
+        self.host.report(
+            "job_stopped",
+            placement_id=run.placement_id,
+            job_id=run.job_id,
+            reason="paused",
+            step=run.trainer.step,
+        )
+        self.remove(run)
 
     def remove(self, run: JobRun) -> None:
         """Take the job off the loop; its captured micro-batch graphs go too (their memory
@@ -189,6 +201,11 @@ class HostJobs:
         if quantum.checkpoint is not None:
             self._report_checkpoint(run, Path(quantum.checkpoint))
         if quantum.job_finished:
+            if run.stopping == "paused":
+                # Paused on the last batch: the control plane holds the job paused; its
+                # resume finishes it from the final checkpoint.
+                self._finish_pause(run)
+                return
             self._succeed(run, Path(quantum.checkpoint) if quantum.checkpoint else None)
 
     def _report_checkpoint(self, run: JobRun, local: Path) -> None:

@@ -92,6 +92,9 @@ class JobState:
     max_seq_len: int
     lora_rank: int
     paused: bool = False
+    stop_at_batch_end: bool = False
+    """Run only to finish the optimizer batch in progress, then no new quanta (a host's
+    pause: it checkpoints at that boundary)."""
     failed: str | None = None
     tokens_trained: int = 0
     quanta: int = 0
@@ -125,7 +128,9 @@ class JobState:
 
     @property
     def runnable(self) -> bool:
-        return not (self.paused or self.failed or self.finished)
+        if self.paused or self.failed or self.finished:
+            return False
+        return not self.stop_at_batch_end or bool(self.trainer.has_pending_gradients)
 
     @property
     def graphed(self) -> bool:

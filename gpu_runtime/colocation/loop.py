@@ -156,12 +156,18 @@ class HostLoop(LoopViews):
         self._order.append(job_id)
         return state
 
-    def pause_job(self, job_id: str) -> None:
-        """No new quanta for the job (a quantum in flight completes normally)."""
-        self.job_state(job_id).paused = True
+    def pause_job(self, job_id: str, *, at_batch_end: bool = False) -> None:
+        """No new quanta for the job (a quantum in flight completes normally); with
+        ``at_batch_end``, only those that finish the optimizer batch in progress."""
+        state = self.job_state(job_id)
+        if at_batch_end:
+            state.stop_at_batch_end = True
+        else:
+            state.paused = True
 
     def resume_job(self, job_id: str) -> None:
-        self.job_state(job_id).paused = False
+        state = self.job_state(job_id)
+        state.paused = state.stop_at_batch_end = False
 
     def remove_job(self, job_id: str) -> LoraTrainer:
         """Take the job off the loop (waiting for its in-flight quantum); returns its trainer."""

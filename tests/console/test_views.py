@@ -348,3 +348,23 @@ def test_empty_fleet_shows_empty_states(db: None) -> None:
     assert 'id="empty-jobs"' in client.get("/console/jobs/").content.decode()
     status, body = _json(client, "/console/charts/fleet/memory")
     assert status == 200 and body["empty"] and body["message"] == "No hosts registered yet."
+
+
+def test_a_stalled_job_shows_stalled_not_running(operator_client: Client, seeded: Seeded) -> None:
+    """Reconciliation's stall flag replaces the Running badge on the list and the job page,
+    and goes once the flag is cleared."""
+    job = seeded.running_job
+    stalled = FinetuneJob.objects.filter(pk=job.pk)
+    stalled.update(stalled_at=seeded.now)
+    listing = operator_client.get("/console/jobs/?host=gpu-a").content.decode()
+    row = listing[listing.index(f'data-job="{job.pk}"') :]
+    row = row[: row.index("</tr>")]
+    assert 'class="badge badge-stalled"' in row and ">Stalled</span>" in row
+    assert "badge-running" not in row
+    detail = operator_client.get(f"/console/jobs/{job.pk}/").content.decode()
+    status = detail[detail.index('id="job-status"') :]
+    assert status[: status.index("</span>")].endswith(">Stalled")
+    assert "badge-stalled" in status[:200]
+    stalled.update(stalled_at=None)
+    listing = operator_client.get("/console/jobs/?host=gpu-a").content.decode()
+    assert "badge-stalled" not in listing and "badge-running" in listing

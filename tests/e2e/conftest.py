@@ -93,8 +93,18 @@ def seeded(cluster: Cluster, transactional_db: None) -> Iterator[Tenants]:
 
 
 @pytest.fixture(scope="module")
+def cluster_env() -> dict[str, str]:
+    """What a test module adds to (or changes in) its cluster's environment; a module that
+    needs other intervals overrides this fixture."""
+    return {}
+
+
+@pytest.fixture(scope="module")
 def cluster(
-    django_db_setup: None, tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    django_db_setup: None,
+    tiny_model_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+    cluster_env: dict[str, str],
 ) -> Iterator[Cluster]:
     from django.db import connection
 
@@ -114,6 +124,7 @@ def cluster(
         "HARLI_BROKER_VISIBILITY_TIMEOUT_S": "5",
         "PYTHONUNBUFFERED": "1",
         "HARLI_LOG_LEVEL": "WARNING",
+        **cluster_env,
     }
     redis_port, web_port = free_port(), free_port()
     env["CELERY_BROKER_URL"] = f"redis://127.0.0.1:{redis_port}/0"

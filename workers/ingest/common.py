@@ -10,7 +10,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from api.models import GpuHost, JobStatus, Placement
+from api.models import GpuHost, JobStatus, Placement, PlacementState
 
 
 def report_time(message: dict[str, Any]) -> datetime:
@@ -20,11 +20,25 @@ def report_time(message: dict[str, Any]) -> datetime:
     return timezone.now()
 
 
+def pausing(placement: Placement) -> bool:
+    """Whether a closed placement is one a pause released and the job still waits on: the
+    job's latest placement, released, the job paused or resumed and queued (not placed
+    anywhere since). Its host pauses it at a batch boundary, and the steps and checkpoint it
+    reports until then count (`workers.ingest.jobs`)."""
+    if placement.state != PlacementState.RELEASED or placement.job.status not in (
+        JobStatus.PAUSED,
+        JobStatus.QUEUED,
+    ):
+        return False
+    latest = Placement.objects.filter(job_id=placement.job_id).order_by("-created_at", "-id")
+    return latest.values_list("pk", flat=True).first() == placement.pk
+
+
 def stop_on_commit(host: GpuHost, placement: Placement) -> None:
-    """Tell the host to stop a placement that is no longer open: pause when the job is
-    paused (the host checkpoints first), cancel otherwise. The safety net behind the stop that
-    a pause or cancel sends at its own commit (`api.services.jobs`); the host ignores a stop
-    for a placement it no longer trains."""
+    """Tell the host to stop a placement that is no longer open: pause when the job waits on
+    it (:func:`pausing`: the host checkpoints first), cancel otherwise. The safety net behind
+    the stop that a pause or cancel sends at its own commit (`api.services.jobs`); the host
+    ignores a stop for a placement it no longer trains."""
     from workers.commands import send_stop
 
     stop = partial(
@@ -32,6 +46,6 @@ def stop_on_commit(host: GpuHost, placement: Placement) -> None:
         host_name=host.name,
         placement_id=placement.pk,
         job_id=placement.job_id,
-        command="pause" if placement.job.status == JobStatus.PAUSED else "cancel",
+        command="pause" if pausing(placement) else "cancel",
     )
     transaction.on_commit(stop, robust=True)

@@ -32,8 +32,8 @@ from api.services.jobs import (
 )
 from api.tenant_text import without_locations
 from gpu_runtime.agent.protocol import PREFERENCE_METRICS
-from workers.ingest.common import report_time, stop_on_commit
-from workers.models import RollupSeries
+from workers.ingest.common import pausing, report_time, stop_on_commit
+from workers.models import HostAgentState, RollupSeries
 from workers.rollups import rollup_add
 
 # Reports sent once per optimizer step: a stale one does not send a stop of its own (the
@@ -42,7 +42,11 @@ _PER_STEP_REPORTS = ("job_progress", "checkpoint")
 
 
 def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
-    """The open placement the report is about, or None (stale; see the package docstring)."""
+    """The placement the report is about while it counts, or None (stale; see the package
+    docstring). Besides open placements, per-step reports count from the job's latest
+    placement once a pause released it, while the job is paused or resumed and waiting for
+    this host's stop (`workers.placement`): the steps the host trained until its batch
+    boundary, and the checkpoint the pause writes there, are what the job resumes from."""
     placement = (
         Placement.objects.select_for_update()
         .select_related("job")
@@ -53,11 +57,10 @@ def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
         return None
     if placement.state in OPEN_PLACEMENT_STATES:
         return placement
-    if message["kind"] in _PER_STEP_REPORTS and placement.job.status == JobStatus.PAUSED:
-        # A pause ends at the host's next batch boundary, after the release here: the steps
-        # trained until then and the checkpoint the pause writes still count.
-        return placement
-    if message["kind"] not in _PER_STEP_REPORTS:
+    if message["kind"] in _PER_STEP_REPORTS:
+        if pausing(placement):
+            return placement
+    else:
         stop_on_commit(host, placement)
     return None
 
@@ -86,12 +89,27 @@ def job_started(host: GpuHost, message: dict[str, Any]) -> str:
     return "applied"
 
 
+def _progressed(host: GpuHost, job: FinetuneJob) -> None:
+    """Progress from the job's host clears its stall flag (`workers.reconcile`), with an event."""
+    if job.stalled_at is None:
+        return
+    FinetuneJob.objects.filter(pk=job.pk).update(stalled_at=None)
+    job_event_record(
+        job=job,
+        message=f"Progress from host {host.name} again (stalled since "
+        f"{job.stalled_at.isoformat(timespec='seconds')})",
+    )
+    job.stalled_at = None
+
+
 def job_progress(host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
+    job = _job(message)
+    _progressed(host, job)
     recorded = _step_record(
         host,
-        _job(message),
+        job,
         report_time(message),
         step=int(message["step"]),
         loss=float(message["train_loss"]),
@@ -159,6 +177,7 @@ def checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     job = _job(message)
+    _progressed(host, job)
     ts = report_time(message)
     for entry in message.get("recent_steps") or []:  # steps whose progress report was lost
         _step_record(
@@ -219,6 +238,9 @@ def job_failed(host: GpuHost, message: dict[str, Any]) -> str:
 
 
 def job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
+    """The host released a placement (paused at a batch boundary, or cancelled). From now on
+    it does not train it: the host's agent state forgets the placement at once (its next
+    heartbeat says so too), and a job resumed meanwhile is placed again."""
     job = _job(message)
     job_event_record(
         job=job,
@@ -231,4 +253,22 @@ def job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
             "stopped_at": message.get("sent_at"),  # Unix s, the host's clock
         },
     )
+    _forget_placement(host, int(message["placement_id"]))
+    if job.status == JobStatus.QUEUED:
+        job_id = job.id
+
+        def place() -> None:
+            from workers.tasks import place_job
+
+            place_job.delay(job_id)
+
+        transaction.on_commit(place, robust=True)
     return "applied"
+
+
+def _forget_placement(host: GpuHost, placement_id: int) -> None:
+    """Drop `placement_id` from what the host's agent state says it trains."""
+    state = HostAgentState.objects.select_for_update().filter(host=host).first()
+    if state is not None and placement_id in state.placements:
+        state.placements = [p for p in state.placements if p != placement_id]
+        state.save(update_fields=["placements"])

@@ -419,3 +419,24 @@ def test_job_views_name_the_launches_that_would_not_replay_a_graph() -> None:
     only = HostLoop(_engine(), DecodeOnlyPolicy(), tpot_slo_ms=1e6, sharing=sharing)
     asked = trainer.asked
     assert only._cold_launches(job) == set() and trainer.asked == asked
+
+
+def test_a_job_paused_at_its_batch_end_runs_only_to_finish_the_batch(
+    train_examples: Any,
+) -> None:
+    """A host's pause: the quanta of the batch in progress run (its gradients are not
+    thrown away), then none, however often the loop plans; resume lifts it."""
+    engine = _engine()
+    loop = HostLoop(engine, NaivePolicy(quantum_examples=1), tpot_slo_ms=1e6)
+    loop.add_job("job-a", _trainer(engine, train_examples, epochs=3))
+    trainer = loop.job_state("job-a").trainer
+    loop.run_iteration()  # the first of the batch's 4 one-example quanta
+    assert trainer.has_pending_gradients and trainer.step == 0
+    loop.pause_job("job-a", at_batch_end=True)
+    assert loop.job_state("job-a").runnable
+    records = loop.run_until_idle(max_iterations=50)
+    assert sum(len(r.quanta) for r in records) == 3
+    assert trainer.step == 1 and not trainer.has_pending_gradients
+    assert not loop.job_state("job-a").runnable and not loop.has_work()
+    loop.resume_job("job-a")
+    assert loop.run_iteration().finetune_tokens > 0
