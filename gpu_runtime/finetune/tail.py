@@ -39,6 +39,7 @@ class QuantumTailMixin:
     checkpoint_root: Path | None
     base_model_name_or_path: str | None
     _batch_loss_sum: torch.Tensor
+    _batch_correct: torch.Tensor
     _batch_tokens: int
     recompute_micro_batches: int
 
@@ -75,8 +76,13 @@ class QuantumTailMixin:
         to_read = [loss_sum.detach()]
         if plan.completes_batch:
             learning_rate = self.schedule.rate(self.step)
-            to_read += [self._optimizer_step(learning_rate), self._batch_loss_sum.clone()]
+            to_read += [
+                self._optimizer_step(learning_rate),
+                self._batch_loss_sum.clone(),
+                self._batch_correct.clone(),
+            ]
             self._batch_loss_sum.zero_()  # on this stream, after the clone
+            self._batch_correct.zero_()
             self._batch_tokens = 0
         values = torch.stack(to_read)
         if events is not None:
@@ -90,14 +96,17 @@ class QuantumTailMixin:
             grad_norm = batch_loss = None
             if plan.completes_batch:
                 grad_norm, batch_loss = values[1], values[2] / plan.batch_loss_tokens
+                accuracy = values[3] / max(1, plan.batch_loss_tokens)
                 assert learning_rate is not None
                 self.history.append(
-                    StepRecord(step, batch_loss, learning_rate, grad_norm, batch_tokens)
+                    StepRecord(step, batch_loss, learning_rate, grad_norm, batch_tokens, accuracy)
                 )
             peak = self._peak()
             if graph_peak_bytes is not None:  # no allocator figure (CPU): the graph's own
                 peak = graph_peak_bytes if peak is None else max(peak, graph_peak_bytes)
             written = None
+            if due:
+                cast("LoraTrainer", self).checkpoint_metrics(final=finished)
             if due and self.checkpoint_root is not None:
                 written = save_checkpoint(
                     cast("LoraTrainer", self), self.checkpoint_root, self.base_model_name_or_path

@@ -53,7 +53,12 @@ from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, TrainerRng, swapped_rng
 from gpu_runtime.finetune.schedule import LrSchedule
 from gpu_runtime.finetune.sliced import SlicedMicroBatch
-from gpu_runtime.finetune.validation import ValidationRun
+from gpu_runtime.finetune.validation import (
+    VALID_SAMPLE_TOKENS,
+    ValidationRun,
+    checkpoint_metrics,
+    validation_sample,
+)
 from gpu_runtime.model import CausalLM
 
 
@@ -74,6 +79,8 @@ class LoraTrainer(GraphedQuantaMixin):
         fused_forward: bool = True,
         cuda_graphs: bool | None = None,
         max_cuda_graphs: int = 32,
+        validation_examples: Sequence[TokenizedExample] = (),
+        valid_sample_tokens: int = VALID_SAMPLE_TOKENS,
     ) -> None:
         """``checkpoint_root``: where automatic checkpoints go (none when None);
         ``base_model_name_or_path`` is recorded in each adapter's config; ``fused_forward``
@@ -81,7 +88,10 @@ class LoraTrainer(GraphedQuantaMixin):
         ``cuda_graphs`` replays captured micro-batches (None: on CUDA, unless recomputation is
         on without the fused forward, whose peft layers' checkpoint reads the CUDA RNG state,
         which a capture forbids; True elsewhere records why each quantum ran eagerly), keeping
-        at most ``max_cuda_graphs`` shapes captured (:class:`CapturePolicy`)."""
+        at most ``max_cuda_graphs`` shapes captured (:class:`CapturePolicy`);
+        ``validation_examples`` (a validation file) are evaluated at every checkpoint, a fixed
+        sample of at most ``valid_sample_tokens`` tokens each time and all of them at the last
+        (:func:`~gpu_runtime.finetune.validation.checkpoint_metrics`)."""
         self.hparams = hparams
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
         self.base_model_name_or_path = base_model_name_or_path
@@ -111,6 +121,15 @@ class LoraTrainer(GraphedQuantaMixin):
         self.step = 0
         self.history: list[StepRecord] = []
         self._batch_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._batch_correct = torch.zeros((), dtype=torch.float32, device=self.device)
+        """Argmax hits of the optimizer batch in progress (token accuracy; the loss adds in
+        place, so captured graphs add into this very tensor)."""
+        self.validation_examples = tuple(validation_examples)
+        self.valid_sample = validation_sample(
+            self.validation_examples, valid_sample_tokens, hparams.seed
+        )
+        self.last_metrics: dict[str, Any] | None = None
+        """The metrics of the latest checkpoint written (:meth:`checkpoint_metrics`)."""
         self._batch_tokens = 0
         self._pending: tuple[MicroBatchPlan, MicroBatch, SlicedMicroBatch] | None = None
         self._unread: PendingQuantum | None = None
@@ -172,6 +191,7 @@ class LoraTrainer(GraphedQuantaMixin):
                 learning_rate=float(h["learning_rate"]),
                 grad_norm=float(h["grad_norm"]),
                 tokens=int(h["tokens"]),
+                accuracy=None if h.get("accuracy") is None else float(h["accuracy"]),
             )
             for h in history
         ]
@@ -181,10 +201,13 @@ class LoraTrainer(GraphedQuantaMixin):
             self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"
         )
 
-    def _loss_sum(self, batch: MicroBatch) -> torch.Tensor:
-        """Summed token loss of ``batch`` (validation: no backward, nothing to recompute)."""
+    def _loss_sum(self, batch: MicroBatch, correct_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Summed token loss of ``batch`` (validation: no backward, nothing to recompute);
+        argmax hits are added to ``correct_out`` when given."""
         b = batch
-        return self._loss_of(b.input_ids, b.positions, b.loss_positions, b.loss_targets, False)
+        return self._loss_of(
+            b.input_ids, b.positions, b.loss_positions, b.loss_targets, False, correct_out
+        )
 
     def _loss_of(
         self,
@@ -193,15 +216,22 @@ class LoraTrainer(GraphedQuantaMixin):
         loss_positions: torch.Tensor,
         loss_targets: torch.Tensor,
         recompute: bool,
+        correct_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Summed token loss (fp32 scalar); inputs ``[B, S]``, loss positions/targets ``[N]``."""
+        """Summed token loss (fp32 scalar); inputs ``[B, S]``, loss positions/targets ``[N]``;
+        argmax hits are added to ``correct_out`` when given."""
         with self._autocast():
             if self._fused is not None:
                 hidden = self._fused(input_ids, positions, recompute)
             else:
                 hidden = training_hidden_states(self.model, input_ids, positions, recompute)
             return chunked_lm_head_loss(
-                self.model, hidden, loss_positions, loss_targets, self.loss_chunk_tokens
+                self.model,
+                hidden,
+                loss_positions,
+                loss_targets,
+                self.loss_chunk_tokens,
+                correct_out,
             )
 
     def _forward_backward(
@@ -215,13 +245,20 @@ class LoraTrainer(GraphedQuantaMixin):
     ) -> torch.Tensor:
         """Summed loss; adds the gradients of ``loss_sum / denominator`` to ``.grad`` (graphs
         pass the denominator as a device scalar: the same fp32 division)."""
-        loss_sum = self._loss_of(input_ids, positions, loss_positions, loss_targets, recompute)
+        loss_sum = self._loss_of(
+            input_ids, positions, loss_positions, loss_targets, recompute, self._batch_correct
+        )
         (loss_sum / denominator).backward()
         return loss_sum
 
     def _chunked_loss(self, batch: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
         return chunked_lm_head_loss(
-            self.model, hidden, batch.loss_positions, batch.loss_targets, self.loss_chunk_tokens
+            self.model,
+            hidden,
+            batch.loss_positions,
+            batch.loss_targets,
+            self.loss_chunk_tokens,
+            self._batch_correct,
         )
 
     def _prepare(self, examples: Sequence[TokenizedExample]) -> MicroBatch:
@@ -361,3 +398,9 @@ class LoraTrainer(GraphedQuantaMixin):
         while not run.step():
             pass
         return run.loss
+
+    def checkpoint_metrics(self, *, final: bool) -> dict[str, Any]:
+        """OpenAI's checkpoint metrics at the current step, kept as :attr:`last_metrics`
+        (see :func:`~gpu_runtime.finetune.validation.checkpoint_metrics`)."""
+        self.last_metrics = checkpoint_metrics(self, final=final)
+        return self.last_metrics

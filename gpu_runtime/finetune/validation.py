@@ -1,9 +1,20 @@
-"""A validation file's loss, one bounded micro-batch at a time (a scheduler can interleave it)."""
+"""A validation file's loss and token accuracy, one bounded micro-batch at a time (a scheduler can
+interleave it), and the metrics a checkpoint carries (OpenAI's names).
+
+At every checkpoint the trainer evaluates a fixed sample of the validation examples (a seeded
+choice of at most ``VALID_SAMPLE_TOKENS`` tokens, the same at every checkpoint so the values
+compare): ``valid_loss`` and ``valid_mean_token_accuracy``. The final checkpoint also evaluates
+every validation example: ``full_valid_loss`` and ``full_valid_mean_token_accuracy``. Both run in
+eval mode (no dropout) without gradients, and leave the trainer's state untouched.
+``train_loss`` and ``train_mean_token_accuracy`` are those of the last optimizer batch, measured
+in its own forward. Token accuracy is the fraction of loss targets the logits' argmax predicts.
+"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -12,11 +23,24 @@ from gpu_runtime.finetune.data import TokenizedExample
 if TYPE_CHECKING:
     from gpu_runtime.finetune.trainer import LoraTrainer
 
+VALID_SAMPLE_TOKENS = 16384
+"""Token budget of the validation sample evaluated at each checkpoint."""
+VALID_MICRO_BATCH_TOKENS = 8192
+"""Padded tokens per validation micro-batch."""
+CHECKPOINT_METRIC_KEYS = (
+    "train_loss",
+    "train_mean_token_accuracy",
+    "valid_loss",
+    "valid_mean_token_accuracy",
+    "full_valid_loss",
+    "full_valid_mean_token_accuracy",
+)
+
 
 class ValidationRun:
-    """Mean token loss of a validation set, one micro-batch of at most ``max_tokens`` padded
-    tokens per :meth:`step` (eval mode: no dropout; no gradients; trainer state untouched).
-    Examples go longest first, so each micro-batch holds similar lengths."""
+    """Mean token loss and accuracy of a validation set, one micro-batch of at most
+    ``max_tokens`` padded tokens per :meth:`step` (eval mode: no dropout; no gradients; trainer
+    state untouched). Examples go longest first, so each micro-batch holds similar lengths."""
 
     def __init__(
         self, trainer: LoraTrainer, examples: Sequence[TokenizedExample], max_tokens: int
@@ -29,6 +53,7 @@ class ValidationRun:
         self._order = sorted(range(len(examples)), key=lambda i: -examples[i].num_tokens)
         self._next = 0
         self._total = torch.zeros((), dtype=torch.float32, device=trainer.device)
+        self._correct = torch.zeros((), dtype=torch.float32, device=trainer.device)
         self._count = 0
 
     @property
@@ -46,7 +71,7 @@ class ValidationRun:
         batch = self.trainer._prepare(chunk)
         self.trainer.model.eval()
         try:
-            self._total += self.trainer._loss_sum(batch)
+            self._total += self.trainer._loss_sum(batch, self._correct)
         finally:
             self.trainer.model.train()
         self._count += batch.num_loss_tokens
@@ -59,3 +84,61 @@ class ValidationRun:
         if not self.done:
             raise RuntimeError("validation run not complete")
         return float(self._total.item()) / max(1, self._count)
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction of loss targets the argmax predicts (once :attr:`done`)."""
+        if not self.done:
+            raise RuntimeError("validation run not complete")
+        return float(self._correct.item()) / max(1, self._count)
+
+
+def validation_sample(
+    examples: Sequence[TokenizedExample], max_tokens: int, seed: int
+) -> tuple[TokenizedExample, ...]:
+    """A seeded choice of examples totalling at most ``max_tokens`` tokens (at least one
+    example when there is any), in file order: the same for every checkpoint of a job."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    chosen: list[int] = []
+    used = 0
+    for index in order:
+        tokens = examples[index].num_tokens
+        if chosen and used + tokens > max_tokens:
+            continue
+        chosen.append(index)
+        used += tokens
+    return tuple(examples[i] for i in sorted(chosen))
+
+
+def _evaluate(
+    trainer: LoraTrainer, examples: Sequence[TokenizedExample]
+) -> tuple[float, float] | tuple[None, None]:
+    if not examples:
+        return None, None
+    run = ValidationRun(trainer, examples, VALID_MICRO_BATCH_TOKENS)
+    while not run.step():
+        pass
+    return run.loss, run.accuracy
+
+
+def checkpoint_metrics(trainer: LoraTrainer, *, final: bool) -> dict[str, Any]:
+    """Every key of ``CHECKPOINT_METRIC_KEYS`` for the trainer's current step (see the module
+    docstring); a value that was not measured (no validation file, ``full_*`` before the final
+    checkpoint, no step yet) is None. Between batches only."""
+    last = trainer.history[-1] if trainer.history else None
+    valid_loss, valid_accuracy = _evaluate(trainer, trainer.valid_sample)
+    full_loss, full_accuracy = (
+        _evaluate(trainer, trainer.validation_examples) if final else (None, None)
+    )
+    return {
+        "step": trainer.step,
+        "train_loss": None if last is None else last.loss,
+        "train_mean_token_accuracy": None if last is None else last.accuracy,
+        "valid_loss": valid_loss,
+        "valid_mean_token_accuracy": valid_accuracy,
+        "full_valid_loss": full_loss,
+        "full_valid_mean_token_accuracy": full_accuracy,
+    }
