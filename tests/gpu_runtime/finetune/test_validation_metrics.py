@@ -39,7 +39,9 @@ def _direct(tree: torch.nn.Module, examples: Any) -> tuple[float, float]:
     hidden = training_hidden_states(tree, batch.input_ids, batch.positions)  # type: ignore[arg-type]
     logits = tree.compute_logits(hidden)[:, :-1].float()  # type: ignore[operator]
     labels = batch.labels[:, 1:]
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+    loss = F.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
+    )
     mask = labels != IGNORE_INDEX
     hits = ((logits.argmax(-1) == labels) & mask).sum()
     count = int(mask.sum())
