@@ -1,6 +1,6 @@
 """Turning a placement's JobSpec into a trainer on this host, and its files into storage.
 
-The training file is read from storage; "auto" hyperparameters resolve with
+The training (and validation) file is read from storage; "auto" hyperparameters resolve with
 `gpu_runtime.finetune.hparams.resolve_hyperparameters` (deterministic in the file), so every host
 that runs the job builds the same trainer and a checkpoint written on one resumes exactly on
 another. Checkpoints are written locally by the trainer, then copied to storage under
@@ -21,7 +21,7 @@ from gpu_runtime.finetune.checkpoint import (
     save_checkpoint,
 )
 from gpu_runtime.finetune.data import TokenizedExample, tokenize_lines
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+from gpu_runtime.finetune.hparams import BASE_LEARNING_RATE, LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
 from gpu_runtime.storage import Storage
@@ -84,6 +84,10 @@ def build_job_run(
     max_seq_len = min(max_model_len, MAX_SEQ_LEN_CAP)
     try:
         examples = read_examples(storage, spec["training_file_key"], tokenizer, max_seq_len)
+        valid_key = spec.get("validation_file_key")
+        validation = (
+            read_examples(storage, str(valid_key), tokenizer, max_seq_len) if valid_key else ()
+        )
         hyper = dict(spec["hyperparameters"])
         lora = dict(spec["lora"])
         hparams = resolve_hyperparameters(
@@ -110,6 +114,7 @@ def build_job_run(
         pad_token_id=int(getattr(tokenizer, "pad_token_id", None) or 0),
         checkpoint_root=workdir / "checkpoints",
         base_model_name_or_path=base_model_path,
+        validation_examples=validation,
     )
     resumed = 0
     resume = spec.get("resume_from")
@@ -131,6 +136,16 @@ def build_job_run(
         reported_step=resumed,
         checkpointed_step=resumed,
     )
+
+
+def resolved_hyperparameters(trainer: LoraTrainer) -> dict[str, Any]:
+    """What the job's "auto" settings became on this host, in the control plane's names."""
+    hparams = trainer.hparams
+    return {
+        "n_epochs": hparams.n_epochs,
+        "batch_size": hparams.batch_size,
+        "learning_rate_multiplier": float(f"{hparams.learning_rate / BASE_LEARNING_RATE:.12g}"),
+    }
 
 
 def upload_checkpoint(storage: Storage, run: JobRun, local: Path) -> str:

@@ -16,6 +16,7 @@ from gpu_runtime.agent.jobs import (
     JobSetupError,
     build_job_run,
     checkpoint_now,
+    resolved_hyperparameters,
     upload_adapter,
     upload_checkpoint,
 )
@@ -26,6 +27,17 @@ if TYPE_CHECKING:
     from gpu_runtime.agent.runtime import HostRuntime
 
 logger = logging.getLogger(__name__)
+
+
+def _valid_metrics(run: JobRun, step: int) -> dict[str, Any]:
+    """The validation figures of step `step` when the checkpoint of that step measured them."""
+    metrics = run.trainer.last_metrics
+    if metrics is None or metrics["step"] != step or metrics["valid_loss"] is None:
+        return {}
+    return {
+        "valid_loss": metrics["valid_loss"],
+        "valid_mean_token_accuracy": metrics["valid_mean_token_accuracy"],
+    }
 
 
 class HostJobs:
@@ -76,6 +88,7 @@ class HostJobs:
             job_id=job_id,
             resumed_from_step=run.resumed_from_step,
             total_steps=run.trainer.total_steps,
+            hyperparameters=resolved_hyperparameters(run.trainer),
         )
 
     def stop(self, job_id: str, placement_id: int, command: str) -> None:
@@ -184,6 +197,8 @@ class HostJobs:
                 learning_rate=last.learning_rate,
                 tokens_per_s=run.tokens_since_report / elapsed,
                 trained_tokens=run.trained_tokens,
+                train_accuracy=last.accuracy,
+                **_valid_metrics(run, last.step),
             )
             run.started_at, run.tokens_since_report, run.reported_step = now, 0, last.step
         if quantum.checkpoint is not None:
@@ -193,11 +208,19 @@ class HostJobs:
 
     def _report_checkpoint(self, run: JobRun, local: Path) -> None:
         key = upload_checkpoint(self.host.storage, run, local)
-        history = run.trainer.history
-        metrics: dict[str, Any] = {"train_loss": history[-1].loss if history else None}
+        trainer = run.trainer
+        metrics = trainer.last_metrics
+        if metrics is None or metrics["step"] != trainer.step:  # a pause's checkpoint
+            metrics = trainer.checkpoint_metrics(final=trainer.finished)
+        metrics = {k: v for k, v in metrics.items() if k != "step"}
         recent = [
-            {"step": r.step, "train_loss": r.loss, "learning_rate": r.learning_rate}
-            for r in history
+            {
+                "step": r.step,
+                "train_loss": r.loss,
+                "learning_rate": r.learning_rate,
+                "train_accuracy": r.accuracy,
+            }
+            for r in trainer.history
             if r.step > run.checkpointed_step
         ]
         self.host.report(
