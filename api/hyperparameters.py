@@ -4,6 +4,9 @@ Hyperparameters come either at the top level (`hyperparameters`, OpenAI's older 
 `method = {"type": "supervised", "supervised": {"hyperparameters": {...}}}`. Each of `n_epochs`,
 `batch_size` and `learning_rate_multiplier` is a number in range or "auto" (the default).
 LoRA options come in an extension object `lora = {"rank", "alpha", "dropout", "target_modules"}`.
+`metadata` is OpenAI's: at most 16 string pairs, keys up to 64 characters, values up to 512.
+`integrations` (OpenAI's Weights & Biases reporting) is refused: this server has no wandb package
+and no network to reach it, and a setting it would not honour must not be accepted.
 """
 
 from __future__ import annotations
@@ -25,6 +28,9 @@ LORA_RANK_RANGE = (1, DEFAULT_LORA_MAX_RANK)
 SUFFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 MODULE_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 SEED_RANGE = (0, 2**31 - 1)
+METADATA_MAX_PAIRS = 16
+METADATA_KEY_MAX = 64
+METADATA_VALUE_MAX = 512
 
 
 def _invalid(param: str, message: str) -> HarliError:
@@ -167,3 +173,48 @@ def parse_seed(seed: Any) -> int | None:
     if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise HarliError(f"seed must be between 0 and {SEED_RANGE[1]}, got {seed}.", param="seed")
     return seed
+
+
+def parse_metadata(metadata: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: null, or at most 16 string keys (1-64 chars) to strings (<= 512)."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise HarliError("metadata must map strings to strings.", param="metadata")
+    if len(metadata) > METADATA_MAX_PAIRS:
+        raise HarliError(
+            f"metadata holds at most {METADATA_MAX_PAIRS} pairs, got {len(metadata)}.",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if not 1 <= len(key) <= METADATA_KEY_MAX:
+            raise HarliError(
+                f"metadata keys are 1-{METADATA_KEY_MAX} characters, got {key!r}.",
+                param="metadata",
+            )
+        if len(value) > METADATA_VALUE_MAX:
+            raise HarliError(
+                f"metadata[{key!r}] is longer than {METADATA_VALUE_MAX} characters.",
+                param="metadata",
+            )
+    return dict(metadata)
+
+
+def parse_integrations(integrations: Any) -> None:
+    """Refuse any integration (see the module docstring); null or [] asks for none."""
+    if integrations is None or integrations == []:
+        return
+    kinds = (
+        sorted({str(i.get("type")) for i in integrations if isinstance(i, dict)})
+        if isinstance(integrations, list)
+        else []
+    )
+    named = f" ({', '.join(kinds)})" if kinds else ""
+    raise HarliError(
+        f"integrations{named} are not supported on this server: the wandb package is not "
+        "installed and no integration can be reached. Omit 'integrations'.",
+        param="integrations",
+        code="unsupported_integration",
+    )

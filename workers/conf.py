@@ -5,6 +5,8 @@
 * `HARLI_REDISPATCH_AFTER_S` (default 15): a pending placement the host has not started after
   this long is sent again (the agent drops duplicates by placement id).
 * `HARLI_CHECKPOINT_EVERY_STEPS` (default 10): optimizer steps between checkpoints of a job.
+* `HARLI_KEEP_CHECKPOINTS` (default 3, as OpenAI keeps): checkpoints a job keeps, the latest;
+  older ones are deleted from the list and from storage.
 
 Read at call time so tests and the run command can shorten them per process.
 """
@@ -22,6 +24,7 @@ class WorkerSettings:
     reconcile_interval_s: int
     redispatch_after_s: int
     checkpoint_every_steps: int
+    keep_checkpoints: int
 
 
 def worker_settings() -> WorkerSettings:
@@ -30,6 +33,7 @@ def worker_settings() -> WorkerSettings:
         reconcile_interval_s=env_int("HARLI_RECONCILE_INTERVAL_S", 5),
         redispatch_after_s=env_int("HARLI_REDISPATCH_AFTER_S", 15),
         checkpoint_every_steps=env_int("HARLI_CHECKPOINT_EVERY_STEPS", 10),
+        keep_checkpoints=env_int("HARLI_KEEP_CHECKPOINTS", 3),
     )
     for name, value in vars(values).items():
         if value < 1:
