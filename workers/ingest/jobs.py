@@ -10,7 +10,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from api.errors import ConflictError
+from api.errors import ConflictError, HarliError
 from api.models import (
     OPEN_PLACEMENT_STATES,
     EventType,
@@ -36,6 +36,7 @@ from api.services.jobs import (
     job_checkpoint_record,
     job_event_record,
 )
+from gpu_runtime.agent.protocol import ProtocolError
 from workers.conf import worker_settings
 from workers.ingest.common import report_time, stop_on_commit
 from workers.models import RollupSeries
@@ -89,11 +90,14 @@ def job_started(host: GpuHost, message: dict[str, Any]) -> str:
         )
         finetune_job_transition(job=job, to=JobStatus.RUNNING, message=text)
     if "hyperparameters" in message:
-        finetune_job_settings_record(
-            job=job,
-            hyperparameters=message["hyperparameters"],
-            total_steps=message.get("total_steps"),
-        )
+        try:
+            finetune_job_settings_record(
+                job=job,
+                hyperparameters=message["hyperparameters"],
+                total_steps=message.get("total_steps"),
+            )
+        except HarliError as exc:  # the whole report is then dropped as malformed
+            raise ProtocolError(f"job_started of job {job.id}: {exc}") from exc
     return "applied"
 
 
