@@ -20,7 +20,7 @@ from datetime import datetime, timedelta
 from django.db.models import F, Window
 from django.db.models.functions import RowNumber
 
-from api.models import FinetuneJob, JobMetric, JobStatus
+from api.models import File, FinetuneJob, JobMetric, JobStatus
 from gpu_runtime.finetune.hparams import HyperparameterError, resolve_hyperparameters
 
 # The ETA's rate is measured over this many latest reports, so a pause long ago or a change of
@@ -63,7 +63,10 @@ def estimated_total_steps(*, job: FinetuneJob) -> int | None:
     (`gpu_runtime.finetune.hparams`). None if unknowable."""
     if job.total_steps:
         return job.total_steps
-    examples = job.training_file.line_count if job.training_file_id else 0
+    try:
+        examples = job.training_file.line_count
+    except File.DoesNotExist:  # deleted after the job ended (no database constraint)
+        return None
     if examples < 1:
         return None
     hyper = job.hyperparameters or {}
