@@ -7,7 +7,10 @@ far, the checkpoints it keeps, and the results file of a finished job.
   `fine-tune-results` owned by the job's tenant, downloadable as any file; a row is the latest
   report of its step (a step trained again after a failover counts once, as trained last).
 * A job keeps its latest `keep` checkpoints (`HARLI_KEEP_CHECKPOINTS`, `workers.conf`); older
-  ones leave the checkpoint list at once and storage after commit.
+  ones leave the checkpoint list at once and storage after commit. Nothing is pruned while a
+  placement of the job is pending: the host it was sent to has yet to load the checkpoint it was
+  told to resume from, which a late checkpoint of the previous placement (a pause lets it land)
+  must not delete; the next checkpoint report prunes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ from typing import Any
 from django.db import transaction
 
 from api.errors import HarliError
-from api.models import File, FilePurpose, FileStatus, FinetuneJob, JobCheckpoint, JobMetric
+from api.models import (
+    File,
+    FilePurpose,
+    FileStatus,
+    FinetuneJob,
+    JobCheckpoint,
+    JobMetric,
+    Placement,
+    PlacementState,
+)
 from api.models.ids import new_file_id
 from api.storage import get_storage
 
@@ -91,6 +103,8 @@ def job_checkpoints_prune(*, job: FinetuneJob, keep: int) -> list[int]:
     reads as a checkpoint). Returns the steps deleted."""
     if keep < 1:
         raise ValueError(f"keep must be >= 1, got {keep}")
+    if Placement.objects.filter(job=job, state=PlacementState.PENDING).exists():
+        return []
     with transaction.atomic():
         kept = list(
             JobCheckpoint.objects.filter(job=job).order_by("-step").values_list("pk", flat=True)

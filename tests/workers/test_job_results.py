@@ -136,3 +136,19 @@ def test_a_bad_resolved_report_is_dropped_as_malformed(
                                "learning_rate_multiplier": 1.0})  # fmt: skip
     job.refresh_from_db()
     assert job.resolved_hyperparameters is None and job.status == "queued"
+
+
+def test_nothing_is_pruned_while_a_placement_is_pending(
+    placement: Placement, job: FinetuneJob
+) -> None:
+    from api.services.job_results import job_checkpoints_prune
+    from api.services.jobs import job_checkpoint_record
+
+    for step in (1, 2, 3):
+        job_checkpoint_record(job=job, step=step, metrics={}, path=checkpoint_key(job.id, step))
+    assert placement.state == "pending"  # sent, its host has not loaded its checkpoint yet
+    assert job_checkpoints_prune(job=job, keep=1) == []
+    assert JobCheckpoint.objects.filter(job=job).count() == 3
+    Placement.objects.filter(pk=placement.pk).update(state="active")
+    assert job_checkpoints_prune(job=job, keep=1) == [1, 2]
+    assert list(JobCheckpoint.objects.filter(job=job).values_list("step", flat=True)) == [3]
