@@ -16,6 +16,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from gpu_runtime.storage import LocalStorage
 from tests.e2e.cluster import Cluster, Proc, wait_until
 from tests.e2e.conftest import Tenants, training_jsonl
 from tests.gpu_runtime.agent.artifacts import VERSION
@@ -90,9 +91,9 @@ def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
     assert kept.step_number == 12
     assert kept.metrics.valid_loss is not None and kept.metrics.full_valid_loss is not None
     assert kept.metrics.train_mean_token_accuracy is not None
-    assert not (
-        Path(cluster.env["HARLI_STORAGE_DIR"]) / f"checkpoints/{job.id}/step-000010"
-    ).exists()
+    stored = LocalStorage(cluster.env["HARLI_STORAGE_DIR"])
+    assert stored.list_keys(f"checkpoints/{job.id}/step-000010") == []
+    assert stored.exists(f"checkpoints/{job.id}/step-000012/.complete")
     (result_id,) = job.result_files
     rows = client.files.content(result_id).text.splitlines()
     assert rows[0] == "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy"
