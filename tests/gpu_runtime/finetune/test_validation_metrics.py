@@ -128,6 +128,7 @@ def test_checkpoints_carry_validation_metrics_measured_in_eval_mode(
     assert [m["step"] for m in seen] == [2, 4]
     # the history (accuracy included) survives a checkpoint round trip
     resumed = LoraTrainer(serving_model, train, hparams, validation_examples=valid)
+    assert result.checkpoint is not None
     load_checkpoint(resumed, result.checkpoint)
     assert [r.accuracy for r in resumed.history] == [r.accuracy for r in trainer.history]
 
