@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db.models import QuerySet
-from django.db.models.fields.json import KeyTextTransform
+from django.db.models.fields.json import KeyTransform
 
 from api.errors import NotFoundError
 from api.models import (
@@ -55,7 +55,7 @@ def finetune_job_list(
     for index, (key, value) in enumerate(sorted((metadata or {}).items())):
         # a key transform, not `metadata__<key>`: a key may hold "__" or a lookup's name
         alias = f"metadata_{index}"
-        jobs = jobs.alias(**{alias: KeyTextTransform(key, "metadata")}).filter(**{alias: value})
+        jobs = jobs.alias(**{alias: KeyTransform(key, "metadata")}).filter(**{alias: value})
     return jobs.filter(status=status) if status else jobs
 
 
