@@ -36,8 +36,8 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
   what "auto" resolved to on the host).
 * `job_progress`: `placement_id`, `job_id`, `step`, `total_steps`, `train_loss`,
   `train_accuracy` (mean token accuracy of the step's batch), `learning_rate`, `tokens_per_s`,
-  `trained_tokens` (the job's total so far), and `valid_loss`, `valid_mean_token_accuracy` when
-  the step wrote a checkpoint and the job has a validation file.
+  `trained_tokens` (the job's total so far). (The validation loss of a checkpoint's step comes
+  with the checkpoint; the control plane also accepts `valid_loss` here.)
 * `checkpoint`: `placement_id`, `job_id`, `step`, `storage_key`, `metrics` (`train_loss`,
   `train_mean_token_accuracy`, `valid_loss`, `valid_mean_token_accuracy`, `full_valid_loss`,
   `full_valid_mean_token_accuracy`; null where not measured, see

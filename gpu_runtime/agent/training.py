@@ -29,17 +29,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def _valid_metrics(run: JobRun, step: int) -> dict[str, Any]:
-    """The validation figures of step `step` when the checkpoint of that step measured them."""
-    metrics = run.trainer.last_metrics
-    if metrics is None or metrics["step"] != step or metrics["valid_loss"] is None:
-        return {}
-    return {
-        "valid_loss": metrics["valid_loss"],
-        "valid_mean_token_accuracy": metrics["valid_mean_token_accuracy"],
-    }
-
-
 class HostJobs:
     """Job id -> `JobRun` of the jobs this host trains (see the module docstring)."""
 
@@ -198,7 +187,6 @@ class HostJobs:
                 tokens_per_s=run.tokens_since_report / elapsed,
                 trained_tokens=run.trained_tokens,
                 train_accuracy=last.accuracy,
-                **_valid_metrics(run, last.step),
             )
             run.started_at, run.tokens_since_report, run.reported_step = now, 0, last.step
         if quantum.checkpoint is not None:
@@ -211,7 +199,7 @@ class HostJobs:
         trainer = run.trainer
         metrics = trainer.last_metrics
         if metrics is None or metrics["step"] != trainer.step:  # a pause's checkpoint
-            metrics = trainer.checkpoint_metrics(final=trainer.finished)
+            metrics = trainer.checkpoint_metrics(final=trainer.stream.finished)
         metrics = {k: v for k, v in metrics.items() if k != "step"}
         recent = [
             {

@@ -2,7 +2,8 @@
 eager, graphed and layer-sliced paths: commit the data position, accumulate the micro-batch's
 loss into its optimizer batch, and at the batch's end clip, step AdamW and zero the gradients;
 then hand back a :class:`PendingQuantum` whose ``result()`` reads loss and grad norm (the
-quantum's one host sync), records the step and writes a due checkpoint."""
+quantum's one host sync), records the step and writes a due checkpoint (or, with a validation
+file, hands it to the validation quanta that follow: ``LoraTrainer._checkpoint_due``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan
-from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.graphs import MicroBatchGraphs
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.pending import PendingQuantum
@@ -106,11 +106,7 @@ class QuantumTailMixin:
                 peak = graph_peak_bytes if peak is None else max(peak, graph_peak_bytes)
             written = None
             if due:
-                cast("LoraTrainer", self).checkpoint_metrics(final=finished)
-            if due and self.checkpoint_root is not None:
-                written = save_checkpoint(
-                    cast("LoraTrainer", self), self.checkpoint_root, self.base_model_name_or_path
-                )
+                written = cast("LoraTrainer", self)._checkpoint_due(final=finished)
             return QuantumResult(
                 examples=len(plan.example_indices),
                 tokens=batch.num_tokens,
@@ -125,7 +121,7 @@ class QuantumTailMixin:
                 wall_s=time.perf_counter() - start,
                 peak_memory_bytes=peak,
                 position=position,
-                finished=finished,
+                finished=finished and not cast("LoraTrainer", self).evaluating,
                 checkpoint=written,
                 layer_passes=layer_passes,
                 graph=graph,

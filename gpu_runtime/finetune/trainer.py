@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan, collate
+from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.graph_policy import CapturePolicy
@@ -55,6 +56,7 @@ from gpu_runtime.finetune.schedule import LrSchedule
 from gpu_runtime.finetune.sliced import SlicedMicroBatch
 from gpu_runtime.finetune.validation import (
     VALID_SAMPLE_TOKENS,
+    CheckpointEvaluation,
     ValidationRun,
     checkpoint_metrics,
     validation_sample,
@@ -130,6 +132,8 @@ class LoraTrainer(GraphedQuantaMixin):
         )
         self.last_metrics: dict[str, Any] | None = None
         """The metrics of the latest checkpoint written (:meth:`checkpoint_metrics`)."""
+        self._evaluation: CheckpointEvaluation | None = None
+        """The validation passes of a due checkpoint, run as quanta before it is written."""
         self._batch_tokens = 0
         self._pending: tuple[MicroBatchPlan, MicroBatch, SlicedMicroBatch] | None = None
         self._unread: PendingQuantum | None = None
@@ -168,7 +172,13 @@ class LoraTrainer(GraphedQuantaMixin):
 
     @property
     def finished(self) -> bool:
-        return self.stream.finished
+        """Every epoch consumed and the final checkpoint's validation passes done."""
+        return self.stream.finished and self._evaluation is None
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether the next quanta run a due checkpoint's validation passes."""
+        return self._evaluation is not None
 
     @property
     def total_steps(self) -> int:
@@ -299,6 +309,8 @@ class LoraTrainer(GraphedQuantaMixin):
         ``max_tokens``/``max_examples``/``recompute`` size a micro-batch when one starts (a
         layer-sliced one keeps the mode it started with).
         """
+        if self._evaluation is not None:
+            return self._evaluation_quantum(max_tokens)
         start, allocated = self._begin_quantum()
         mode = self._recompute(recompute)
         if max_layers is None and self._pending is None:
@@ -398,6 +410,60 @@ class LoraTrainer(GraphedQuantaMixin):
         while not run.step():
             pass
         return run.loss
+
+    def _checkpoint_due(self, *, final: bool) -> Path | None:
+        """A checkpoint is due after this optimizer step: with a validation file its passes
+        become the next quanta (:meth:`_evaluation_quantum` writes it); without, its metrics
+        are the step's own and it is written now (when there is a checkpoint root)."""
+        if self.validation_examples:
+            self._evaluation = CheckpointEvaluation(self, final=final)
+            return None
+        self.checkpoint_metrics(final=final)
+        return self._write_checkpoint()
+
+    def _write_checkpoint(self) -> Path | None:
+        if self.checkpoint_root is None:
+            return None
+        return save_checkpoint(self, self.checkpoint_root, self.base_model_name_or_path)
+
+    def _evaluation_quantum(self, max_tokens: int | None) -> QuantumResult:
+        """One micro-batch of the due checkpoint's validation passes (forward only, at most
+        ``max_tokens`` padded tokens); the last one records the metrics and writes the
+        checkpoint. No example is trained, so ``tokens`` is 0."""
+        start, _ = self._begin_quantum()
+        evaluation = self._evaluation
+        assert evaluation is not None
+        evaluation.step(max_tokens)
+        written = None
+        if evaluation.done:
+            self._evaluation = None
+            self.last_metrics = evaluation.metrics()
+            written = self._write_checkpoint()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return QuantumResult(
+            examples=0,
+            tokens=0,
+            padded_tokens=0,
+            loss_tokens=0,
+            loss=None,
+            optimizer_step=False,
+            step=self.step,
+            batch_loss=None,
+            learning_rate=None,
+            grad_norm=None,
+            wall_s=time.perf_counter() - start,
+            peak_memory_bytes=self._peak(),
+            position=self.stream.position,
+            finished=self.finished,
+            checkpoint=written,
+            **self._evaluation_graph_fields(),
+        )
+
+    def _evaluation_graph_fields(self) -> dict[str, Any]:
+        if self.graphs is None:
+            return {}
+        return {"graph": "eager", "graph_fallback": "validation passes run eagerly"}
 
     def checkpoint_metrics(self, *, final: bool) -> dict[str, Any]:
         """OpenAI's checkpoint metrics at the current step, kept as :attr:`last_metrics`

@@ -5,7 +5,11 @@ At every checkpoint the trainer evaluates a fixed sample of the validation examp
 choice of at most ``VALID_SAMPLE_TOKENS`` tokens, the same at every checkpoint so the values
 compare): ``valid_loss`` and ``valid_mean_token_accuracy``. The final checkpoint also evaluates
 every validation example: ``full_valid_loss`` and ``full_valid_mean_token_accuracy``. Both run in
-eval mode (no dropout) without gradients, and leave the trainer's state untouched.
+eval mode (no dropout) without gradients, and leave the trainer's state untouched. With a
+validation file the trainer runs them as quanta of their own (:class:`CheckpointEvaluation`,
+one micro-batch of at most the quantum's token budget each, on the quantum's thread and stream)
+after the optimizer step that made a checkpoint due, and writes that checkpoint with the last of
+them; training resumes after it (so the checkpoint holds exactly the state that was evaluated).
 ``train_loss`` and ``train_mean_token_accuracy`` are those of the last optimizer batch, measured
 in its own forward. Token accuracy is the fraction of loss targets the logits' argmax predicts.
 """
@@ -61,12 +65,13 @@ class ValidationRun:
         return self._next >= len(self._order)
 
     @torch.no_grad()
-    def step(self) -> bool:
-        """Evaluate the next micro-batch; returns whether the run is complete."""
+    def step(self, max_tokens: int | None = None) -> bool:
+        """Evaluate the next micro-batch (at most ``max_tokens`` padded tokens, default the
+        run's; one example at least); returns whether the run is complete."""
         if self.done:
             return True
         longest = self.examples[self._order[self._next]].num_tokens
-        rows = max(1, self.max_tokens // longest)
+        rows = max(1, (max_tokens or self.max_tokens) // longest)
         chunk = [self.examples[i] for i in self._order[self._next : self._next + rows]]
         batch = self.trainer._prepare(chunk)
         self.trainer.model.eval()
@@ -113,32 +118,59 @@ def validation_sample(
     return tuple(examples[i] for i in sorted(chosen))
 
 
-def _evaluate(
-    trainer: LoraTrainer, examples: Sequence[TokenizedExample]
-) -> tuple[float, float] | tuple[None, None]:
-    if not examples:
-        return None, None
-    run = ValidationRun(trainer, examples, VALID_MICRO_BATCH_TOKENS)
-    while not run.step():
-        pass
-    return run.loss, run.accuracy
+class CheckpointEvaluation:
+    """The validation passes of one checkpoint (the sample, and at the final checkpoint the
+    full set), one micro-batch per :meth:`step`; :meth:`metrics` once :attr:`done`."""
+
+    def __init__(self, trainer: LoraTrainer, *, final: bool) -> None:
+        self.trainer = trainer
+        self.final = final
+        self.step_number = trainer.step
+        sample, full = trainer.valid_sample, trainer.validation_examples
+        self.sample = ValidationRun(trainer, sample, VALID_MICRO_BATCH_TOKENS) if sample else None
+        self.full = None
+        if final and full and len(full) != len(sample):  # else the sample is the full set
+            self.full = ValidationRun(trainer, full, VALID_MICRO_BATCH_TOKENS)
+
+    @property
+    def done(self) -> bool:
+        return all(run is None or run.done for run in (self.sample, self.full))
+
+    def step(self, max_tokens: int | None = None) -> None:
+        """Evaluate the next micro-batch of the first unfinished pass."""
+        for run in (self.sample, self.full):
+            if run is not None and not run.done:
+                run.step(max_tokens)
+                return
+
+    def metrics(self) -> dict[str, Any]:
+        """Every key of ``CHECKPOINT_METRIC_KEYS`` (see :func:`checkpoint_metrics`)."""
+        if not self.done:
+            raise RuntimeError("checkpoint evaluation not complete")
+        last = self.trainer.history[-1] if self.trainer.history else None
+        valid_loss = valid_accuracy = full_loss = full_accuracy = None
+        if self.sample is not None:
+            valid_loss, valid_accuracy = self.sample.loss, self.sample.accuracy
+        if self.full is not None:
+            full_loss, full_accuracy = self.full.loss, self.full.accuracy
+        elif self.final:
+            full_loss, full_accuracy = valid_loss, valid_accuracy
+        return {
+            "step": self.step_number,
+            "train_loss": None if last is None else last.loss,
+            "train_mean_token_accuracy": None if last is None else last.accuracy,
+            "valid_loss": valid_loss,
+            "valid_mean_token_accuracy": valid_accuracy,
+            "full_valid_loss": full_loss,
+            "full_valid_mean_token_accuracy": full_accuracy,
+        }
 
 
 def checkpoint_metrics(trainer: LoraTrainer, *, final: bool) -> dict[str, Any]:
-    """Every key of ``CHECKPOINT_METRIC_KEYS`` for the trainer's current step (see the module
-    docstring); a value that was not measured (no validation file, ``full_*`` before the final
-    checkpoint, no step yet) is None. Between batches only."""
-    last = trainer.history[-1] if trainer.history else None
-    valid_loss, valid_accuracy = _evaluate(trainer, trainer.valid_sample)
-    full_loss, full_accuracy = (
-        _evaluate(trainer, trainer.validation_examples) if final else (None, None)
-    )
-    return {
-        "step": trainer.step,
-        "train_loss": None if last is None else last.loss,
-        "train_mean_token_accuracy": None if last is None else last.accuracy,
-        "valid_loss": valid_loss,
-        "valid_mean_token_accuracy": valid_accuracy,
-        "full_valid_loss": full_loss,
-        "full_valid_mean_token_accuracy": full_accuracy,
-    }
+    """Every key of ``CHECKPOINT_METRIC_KEYS`` for the trainer's current step, evaluated in one
+    call (see the module docstring); a value that was not measured (no validation file,
+    ``full_*`` before the final checkpoint, no step yet) is None. Between batches only."""
+    evaluation = CheckpointEvaluation(trainer, final=final)
+    while not evaluation.done:
+        evaluation.step()
+    return evaluation.metrics()

@@ -141,3 +141,40 @@ def test_no_validation_file_leaves_valid_metrics_null(
     metrics = trainer.checkpoint_metrics(final=True)
     assert metrics["train_loss"] == trainer.history[-1].loss
     assert metrics["valid_loss"] is None and metrics["full_valid_loss"] is None
+
+
+def test_validation_runs_as_bounded_quanta_before_the_checkpoint_is_written(
+    serving_model: CausalLM, train_examples: Any, tmp_path: Path
+) -> None:
+    train, valid = train_examples[:4], train_examples[4:]
+    hparams = _hparams(4, n_epochs=2, batch_size=4, checkpoint_every_steps=1)
+    trainer = LoraTrainer(
+        serving_model, train, hparams, checkpoint_root=tmp_path, validation_examples=valid
+    )
+    longest = max(e.num_tokens for e in valid)
+    first = trainer.step_quantum()
+    assert first.optimizer_step and first.checkpoint is None and trainer.evaluating
+    position = trainer.stream.position
+    evaluated = []
+    while trainer.evaluating:  # one example per quantum at this budget
+        evaluated.append(trainer.step_quantum(max_tokens=longest))
+        assert trainer.stream.position == position and trainer.step == 1
+    assert len(evaluated) == len(trainer.valid_sample)  # the sample only: not the last step
+    assert all(r.tokens == 0 and not r.optimizer_step for r in evaluated)
+    assert [r.checkpoint is not None for r in evaluated][-1] and not any(
+        r.checkpoint for r in evaluated[:-1]
+    )
+    assert trainer.last_metrics is not None and trainer.last_metrics["step"] == 1
+    last = trainer.step_quantum()
+    assert last.optimizer_step and trainer.stream.finished and not trainer.finished
+    final = []
+    while not trainer.finished:
+        final.append(trainer.step_quantum(max_tokens=longest))
+    assert final[-1].finished and final[-1].checkpoint is not None
+    assert len(final) == len(trainer.valid_sample) + (
+        len(valid) if len(valid) != len(trainer.valid_sample) else 0
+    )
+    metrics = trainer.last_metrics
+    assert metrics is not None and metrics["step"] == 2 and metrics["full_valid_loss"] is not None
+    with pytest.raises(RuntimeError):
+        trainer.step_quantum()
