@@ -310,7 +310,7 @@ class LoraTrainer(GraphedQuantaMixin):
         layer-sliced one keeps the mode it started with).
         """
         if self._evaluation is not None:
-            return self._evaluation_quantum(max_tokens)
+            return self._evaluation.quantum(max_tokens)
         start, allocated = self._begin_quantum()
         mode = self._recompute(recompute)
         if max_layers is None and self._pending is None:
@@ -426,44 +426,11 @@ class LoraTrainer(GraphedQuantaMixin):
             return None
         return save_checkpoint(self, self.checkpoint_root, self.base_model_name_or_path)
 
-    def _evaluation_quantum(self, max_tokens: int | None) -> QuantumResult:
-        """One micro-batch of the due checkpoint's validation passes (forward only, at most
-        ``max_tokens`` padded tokens); the last one records the metrics and writes the
-        checkpoint. No example is trained, so ``tokens`` is 0."""
-        start, _ = self._begin_quantum()
-        evaluation = self._evaluation
-        assert evaluation is not None
-        evaluation.step(max_tokens)
-        written = None
-        if evaluation.done:
-            self._evaluation = None
-            self.last_metrics = evaluation.metrics()
-            written = self._write_checkpoint()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return QuantumResult(
-            examples=0,
-            tokens=0,
-            padded_tokens=0,
-            loss_tokens=0,
-            loss=None,
-            optimizer_step=False,
-            step=self.step,
-            batch_loss=None,
-            learning_rate=None,
-            grad_norm=None,
-            wall_s=time.perf_counter() - start,
-            peak_memory_bytes=self._peak(),
-            position=self.stream.position,
-            finished=self.finished,
-            checkpoint=written,
-            **self._evaluation_graph_fields(),
-        )
-
-    def _evaluation_graph_fields(self) -> dict[str, Any]:
-        if self.graphs is None:
-            return {}
-        return {"graph": "eager", "graph_fallback": "validation passes run eagerly"}
+    def _evaluated(self, metrics: dict[str, Any]) -> Path | None:
+        """The due checkpoint's validation passes are done: keep their metrics, write it."""
+        self._evaluation = None
+        self.last_metrics = metrics
+        return self._write_checkpoint()
 
     def checkpoint_metrics(self, *, final: bool) -> dict[str, Any]:
         """OpenAI's checkpoint metrics at the current step, kept as :attr:`last_metrics`

@@ -17,12 +17,14 @@ in its own forward. Token accuracy is the fraction of loss targets the logits' a
 from __future__ import annotations
 
 import random
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gpu_runtime.finetune.data import TokenizedExample
+from gpu_runtime.finetune.quantum import QuantumResult
 
 if TYPE_CHECKING:
     from gpu_runtime.finetune.trainer import LoraTrainer
@@ -142,6 +144,38 @@ class CheckpointEvaluation:
             if run is not None and not run.done:
                 run.step(max_tokens)
                 return
+
+    def quantum(self, max_tokens: int | None) -> QuantumResult:
+        """One micro-batch of these passes as a trainer quantum (forward only, at most
+        ``max_tokens`` padded tokens); the last one hands the metrics to the trainer, which
+        writes the checkpoint. No example is trained, so ``tokens`` is 0."""
+        trainer = self.trainer
+        start, _ = trainer._begin_quantum()
+        self.step(max_tokens)
+        written = trainer._evaluated(self.metrics()) if self.done else None
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+        graph: dict[str, Any] = {}
+        if trainer.graphs is not None:
+            graph = {"graph": "eager", "graph_fallback": "validation passes run eagerly"}
+        return QuantumResult(
+            examples=0,
+            tokens=0,
+            padded_tokens=0,
+            loss_tokens=0,
+            loss=None,
+            optimizer_step=False,
+            step=trainer.step,
+            batch_loss=None,
+            learning_rate=None,
+            grad_norm=None,
+            wall_s=time.perf_counter() - start,
+            peak_memory_bytes=trainer._peak(),
+            position=trainer.stream.position,
+            finished=trainer.finished,
+            checkpoint=written,
+            **graph,
+        )
 
     def metrics(self) -> dict[str, Any]:
         """Every key of ``CHECKPOINT_METRIC_KEYS`` (see :func:`checkpoint_metrics`)."""
