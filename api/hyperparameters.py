@@ -7,6 +7,9 @@ A DPO job gives `method = {"type": "dpo", "dpo": {"hyperparameters": {...}}}` wi
 three plus `beta` (a number in `BETA_RANGE`, or "auto": 0.1 on the host); a top-level
 `hyperparameters` object then cannot also be given.
 LoRA options come in an extension object `lora = {"rank", "alpha", "dropout", "target_modules"}`.
+`metadata` is OpenAI's: at most 16 string pairs, keys up to 64 characters, values up to 512.
+`integrations` (OpenAI's Weights & Biases reporting) is refused: this server has no wandb package
+and no network to reach it, and a setting it would not honour must not be accepted.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ SUPERVISED = "supervised"
 DPO = "dpo"
 BETA_RANGE = (0.0, 2.0)
 """DPO's beta: above the low end (exclusive) and at most the high end."""
+METADATA_MAX_PAIRS = 16
+METADATA_KEY_MAX = 64
+METADATA_VALUE_MAX = 512
 
 
 def _invalid(param: str, message: str) -> HarliError:
@@ -217,3 +223,48 @@ def parse_seed(seed: Any) -> int | None:
     if not SEED_RANGE[0] <= seed <= SEED_RANGE[1]:
         raise HarliError(f"seed must be between 0 and {SEED_RANGE[1]}, got {seed}.", param="seed")
     return seed
+
+
+def parse_metadata(metadata: Any) -> dict[str, str] | None:
+    """OpenAI's metadata: null, or at most 16 string keys (1-64 chars) to strings (<= 512)."""
+    if metadata is None:
+        return None
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise HarliError("metadata must map strings to strings.", param="metadata")
+    if len(metadata) > METADATA_MAX_PAIRS:
+        raise HarliError(
+            f"metadata holds at most {METADATA_MAX_PAIRS} pairs, got {len(metadata)}.",
+            param="metadata",
+        )
+    for key, value in metadata.items():
+        if not 1 <= len(key) <= METADATA_KEY_MAX:
+            raise HarliError(
+                f"metadata keys are 1-{METADATA_KEY_MAX} characters, got {key!r}.",
+                param="metadata",
+            )
+        if len(value) > METADATA_VALUE_MAX:
+            raise HarliError(
+                f"metadata[{key!r}] is longer than {METADATA_VALUE_MAX} characters.",
+                param="metadata",
+            )
+    return dict(metadata)
+
+
+def parse_integrations(integrations: Any) -> None:
+    """Refuse any integration (see the module docstring); null or [] asks for none."""
+    if integrations is None or integrations == []:
+        return
+    kinds = (
+        sorted({str(i.get("type")) for i in integrations if isinstance(i, dict)})
+        if isinstance(integrations, list)
+        else []
+    )
+    named = f" ({', '.join(kinds)})" if kinds else ""
+    raise HarliError(
+        f"integrations{named} are not supported on this server: the wandb package is not "
+        "installed and no integration can be reached. Omit 'integrations'.",
+        param="integrations",
+        code="unsupported_integration",
+    )

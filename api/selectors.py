@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from django.db.models import QuerySet
+from django.db.models.fields.json import KeyTransform
 
 from api.errors import NotFoundError
 from api.models import (
@@ -51,11 +52,20 @@ def upload_get(*, tenant: Tenant, upload_id: str) -> Upload:
     return upload
 
 
-def finetune_job_list(*, tenant: Tenant | None, status: str | None = None) -> QuerySet[FinetuneJob]:
-    """Jobs of `tenant`; `tenant=None` means every tenant and is for operator views only."""
-    jobs = FinetuneJob.objects.select_related("tenant", "base_model")
+def finetune_job_list(
+    *, tenant: Tenant | None, status: str | None = None, metadata: dict[str, str] | None = None
+) -> QuerySet[FinetuneJob]:
+    """Jobs of `tenant`; `tenant=None` means every tenant and is for operator views only.
+    `metadata`: only jobs whose metadata holds every one of these pairs."""
+    jobs = FinetuneJob.objects.select_related("tenant", "base_model").prefetch_related(
+        "result_files"
+    )
     if tenant is not None:
         jobs = jobs.filter(tenant=tenant)
+    for index, (key, value) in enumerate(sorted((metadata or {}).items())):
+        # a key transform, not `metadata__<key>`: a key may hold "__" or a lookup's name
+        alias = f"metadata_{index}"
+        jobs = jobs.alias(**{alias: KeyTransform(key, "metadata")}).filter(**{alias: value})
     return jobs.filter(status=status) if status else jobs
 
 

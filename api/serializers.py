@@ -1,6 +1,8 @@
 """Output shapes of the tenant API, as OpenAI's objects (files, jobs, events, checkpoints, models).
 
 Timestamps are Unix seconds. These serializers only render; input checks live in the services.
+A job's `estimated_finish` comes from `api.progress` (the console's ETA); a list view passes the
+progress of its page as the `progress` context entry (one query for the page).
 """
 
 from __future__ import annotations
@@ -8,9 +10,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from api.models import File, FinetuneJob, JobCheckpoint, JobEvent, JobMethod
+from api.progress import JobProgress, job_progress_map
 from api.services.jobs import fine_tuned_model_name
 from gpu_runtime.agent.protocol import checkpoint_model_name
 
@@ -63,17 +67,25 @@ class FileDeletedSerializer(serializers.Serializer):
 
 
 class HyperparametersSerializer(serializers.Serializer):
-    n_epochs = serializers.JSONField(help_text='an integer or "auto"')
-    batch_size = serializers.JSONField(help_text='an integer or "auto"')
-    learning_rate_multiplier = serializers.JSONField(help_text='a number or "auto"')
+    n_epochs = serializers.JSONField(help_text='an integer, or "auto" until a host starts the job')
+    batch_size = serializers.JSONField(help_text='an integer, or "auto" until a host starts it')
+    learning_rate_multiplier = serializers.JSONField(help_text='a number, or "auto" until then')
+
+
+def job_hyperparameters(job: FinetuneJob) -> dict[str, Any]:
+    """What the tenant asked for, with each "auto" replaced by what the job's host resolved it
+    to once a host started the job."""
+    return {**job.hyperparameters, **(job.resolved_hyperparameters or {})}
 
 
 def job_method(job: FinetuneJob) -> dict[str, Any]:
     """OpenAI's `method`: `{"type", <type>: {"hyperparameters"}}`; a DPO job's has `beta`."""
+    hyperparameters = job_hyperparameters(job)
     if job.method == JobMethod.DPO:
-        hyperparameters = {**job.hyperparameters, "beta": job.dpo_beta}
+        # a host's resolved "beta" (in resolved_hyperparameters) replaces a requested "auto"
+        hyperparameters = {"beta": job.dpo_beta, **hyperparameters}
         return {"type": "dpo", "dpo": {"hyperparameters": hyperparameters}}
-    return {"type": "supervised", "supervised": {"hyperparameters": job.hyperparameters}}
+    return {"type": "supervised", "supervised": {"hyperparameters": hyperparameters}}
 
 
 class FineTuningJobSerializer(serializers.Serializer):
@@ -83,7 +95,7 @@ class FineTuningJobSerializer(serializers.Serializer):
     error = serializers.JSONField(allow_null=True)
     fine_tuned_model = serializers.CharField(allow_null=True)
     finished_at = serializers.SerializerMethodField()
-    hyperparameters = HyperparametersSerializer()
+    hyperparameters = serializers.SerializerMethodField()
     method = serializers.SerializerMethodField()
     lora = serializers.SerializerMethodField()
     model = serializers.SerializerMethodField()
@@ -108,6 +120,10 @@ class FineTuningJobSerializer(serializers.Serializer):
     def get_finished_at(self, job: FinetuneJob) -> int | None:
         return unix(job.finished_at)
 
+    @extend_schema_field(HyperparametersSerializer)
+    def get_hyperparameters(self, job: FinetuneJob) -> dict[str, Any]:
+        return job_hyperparameters(job)
+
     def get_method(self, job: FinetuneJob) -> dict[str, Any]:
         return job_method(job)
 
@@ -126,16 +142,19 @@ class FineTuningJobSerializer(serializers.Serializer):
         return job.tenant.name
 
     def get_result_files(self, job: FinetuneJob) -> list[str]:
-        return []
+        return sorted(f.id for f in job.result_files.all())
 
     def get_user_provided_suffix(self, job: FinetuneJob) -> str | None:
         return job.suffix or None
 
     def get_integrations(self, job: FinetuneJob) -> list[Any]:
-        return []
+        return []  # the create service refuses every integration
 
     def get_estimated_finish(self, job: FinetuneJob) -> int | None:
-        return None
+        progress: JobProgress | None = self.context.get("progress", {}).get(job.pk)
+        if progress is None:
+            progress = job_progress_map(jobs=[job])[job.pk]
+        return unix(progress.estimated_finish)
 
 
 class JobEventSerializer(serializers.Serializer):

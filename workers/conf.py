@@ -7,6 +7,8 @@
 * `HARLI_CHECKPOINT_EVERY_STEPS` (default 10): optimizer steps between checkpoints of a job.
 * `HARLI_JOB_STALL_AFTER_S` (default 300): a running job with no progress report from its host
   for this long is flagged as stalled (an event, and a badge in the console).
+* `HARLI_KEEP_CHECKPOINTS` (default 3, as OpenAI keeps): checkpoints a job keeps, the latest;
+  older ones are deleted from the list and from storage.
 
 Read at call time so tests and the run command can shorten them per process.
 """
@@ -25,6 +27,7 @@ class WorkerSettings:
     redispatch_after_s: int
     checkpoint_every_steps: int
     job_stall_after_s: int
+    keep_checkpoints: int
 
 
 def worker_settings() -> WorkerSettings:
@@ -34,6 +37,7 @@ def worker_settings() -> WorkerSettings:
         redispatch_after_s=env_int("HARLI_REDISPATCH_AFTER_S", 15),
         checkpoint_every_steps=env_int("HARLI_CHECKPOINT_EVERY_STEPS", 10),
         job_stall_after_s=env_int("HARLI_JOB_STALL_AFTER_S", 300),
+        keep_checkpoints=env_int("HARLI_KEEP_CHECKPOINTS", 3),
     )
     for name, value in vars(values).items():
         if value < 1:

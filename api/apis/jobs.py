@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
+from typing import Any
 
-from drf_spectacular.utils import extend_schema
+from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
 from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
@@ -15,6 +17,7 @@ from api.apis.files import PAGING_PARAMETERS
 from api.errors import HarliError
 from api.models import FinetuneJob
 from api.pagination import cursor_page, page_body, parse_limit
+from api.progress import job_progress_map
 from api.selectors import finetune_job_get, finetune_job_list, job_checkpoint_list, job_event_list
 from api.serializers import (
     ErrorSerializer,
@@ -31,6 +34,41 @@ from api.services.jobs import (
     finetune_job_pause,
     finetune_job_resume,
 )
+
+CREATE_FIELDS = frozenset(
+    {
+        "model",
+        "training_file",
+        "validation_file",
+        "hyperparameters",
+        "method",
+        "lora",
+        "suffix",
+        "seed",
+        "metadata",
+        "integrations",
+    }
+)
+LIST_PARAMETERS = frozenset({"after", "limit"})
+METADATA_PARAMETER = re.compile(r"^metadata\[(?P<key>[^\[\]]+)\]$")
+
+
+def list_metadata_filter(query: Any) -> dict[str, str]:
+    """`metadata[<key>]=<value>` pairs of the list's query (OpenAI's shape); any other name
+    than those and `after` / `limit` is refused, not ignored."""
+    wanted: dict[str, str] = {}
+    for name in query:
+        match = METADATA_PARAMETER.match(name)
+        if match is not None:
+            wanted[match["key"]] = query.get(name)
+        elif name not in LIST_PARAMETERS:
+            raise HarliError(
+                f"Unknown query parameter: {name!r}. This list takes after, limit and "
+                "metadata[<key>]=<value>.",
+                param=name,
+                code="unknown_parameter",
+            )
+    return wanted
 
 
 class JobCollectionApi(TenantScopedAPIView):
@@ -50,6 +88,9 @@ class JobCollectionApi(TenantScopedAPIView):
         suffix = serializers.CharField(required=False, allow_null=True)
         seed = serializers.IntegerField(required=False, allow_null=True)
         metadata = serializers.JSONField(required=False, allow_null=True)
+        integrations = serializers.JSONField(
+            required=False, allow_null=True, help_text="refused (400): none is supported"
+        )
 
     @extend_schema(
         operation_id="fine_tuning_jobs_create",
@@ -60,6 +101,9 @@ class JobCollectionApi(TenantScopedAPIView):
         body = request.data
         if not isinstance(body, dict):
             raise HarliError("The request body must be a JSON object.")
+        unknown = sorted(set(body) - CREATE_FIELDS)
+        if unknown:
+            raise HarliError(f"Unknown parameter: {unknown[0]!r}.", param=unknown[0])
         for required in ("model", "training_file"):
             if body.get(required) in (None, ""):
                 raise HarliError(f"Missing required parameter: '{required}'.", param=required)
@@ -74,22 +118,35 @@ class JobCollectionApi(TenantScopedAPIView):
             suffix=body.get("suffix"),
             seed=body.get("seed"),
             metadata=body.get("metadata"),
+            integrations=body.get("integrations"),
         )
         return Response(FineTuningJobSerializer(job).data)
 
     @extend_schema(
         operation_id="fine_tuning_jobs_list",
-        parameters=PAGING_PARAMETERS,
-        responses={200: FineTuningJobListSerializer},
+        parameters=[
+            *PAGING_PARAMETERS,
+            OpenApiParameter(
+                "metadata",
+                {"type": "object", "additionalProperties": {"type": "string"}},
+                style="deepObject",
+                explode=True,
+                description="only jobs whose metadata holds these pairs: metadata[key]=value",
+            ),
+        ],
+        responses={200: FineTuningJobListSerializer, 400: ErrorSerializer},
     )
     def get(self, request: Request) -> Response:
+        metadata = list_metadata_filter(request.query_params)
         page = cursor_page(
-            finetune_job_list(tenant=self.tenant),
+            finetune_job_list(tenant=self.tenant, metadata=metadata),
             after=request.query_params.get("after"),
             limit=parse_limit(request.query_params.get("limit")),
             order=("created_at", "id"),
         )
-        return Response(page_body(page, list(FineTuningJobSerializer(page.items, many=True).data)))
+        context = {"progress": job_progress_map(jobs=list(page.items))}
+        data = FineTuningJobSerializer(page.items, many=True, context=context).data
+        return Response(page_body(page, list(data)))
 
 
 class JobDetailApi(TenantScopedAPIView):

@@ -22,6 +22,8 @@ from api.models.tenancy import Tenant
 
 class FilePurpose(models.TextChoices):
     FINE_TUNE = "fine-tune", "fine-tune"
+    FINE_TUNE_RESULTS = "fine-tune-results", "fine-tune-results"
+    """A finished job's metrics CSV (written by the platform; never uploaded, never trained on)."""
 
 
 class FileStatus(models.TextChoices):
@@ -37,7 +39,8 @@ class FileFormat(models.TextChoices):
 
 
 class File(models.Model):
-    """An uploaded training file. Its bytes live in `api.storage` under `storage_key`."""
+    """An uploaded training file, or a job's results file (purpose `fine-tune-results`, `job`
+    set). Its bytes live in `api.storage` under `storage_key`."""
 
     id = models.CharField(primary_key=True, max_length=PUBLIC_ID_MAX_LENGTH, default=new_file_id)
     tenant = models.ForeignKey(Tenant, on_delete=models.CASCADE, related_name="files")
@@ -49,6 +52,14 @@ class File(models.Model):
     status = models.CharField(max_length=16, choices=FileStatus.choices)
     status_details = models.TextField(blank=True)
     storage_key = models.CharField(max_length=255, unique=True)
+    job = models.ForeignKey(
+        "FinetuneJob",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="result_files",
+        help_text="the job whose results this file holds (purpose fine-tune-results)",
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
@@ -81,9 +92,12 @@ class FinetuneJob(models.Model):
     """A LoRA finetuning job, in the lifecycle of OpenAI's fine-tuning jobs plus `paused`.
 
     `hyperparameters` holds what the tenant asked for: `n_epochs`, `batch_size` and
-    `learning_rate_multiplier`, each a number or the string "auto"; `method` is supervised or
-    DPO, whose `dpo_beta` is a number or "auto" (null for supervised). `error` is null or
-    `{"code", "message", "param"}`. `fine_tuned_model` is set on success, named
+    `learning_rate_multiplier`, each a number or the string "auto" (hosts resolve "auto" from
+    these, so they never change); `resolved_hyperparameters` holds the numbers the host that
+    started the job resolved them to, and `total_steps` the optimizer steps it counted (both null
+    until a host starts it). `method` is supervised or DPO, whose `dpo_beta` is a number or
+    "auto" (null for supervised). `trained_tokens` grows with each progress report. `error` is
+    null or `{"code", "message", "param"}`. `fine_tuned_model` is set on success, named
     `ft:<base>:<tenant>:<suffix>:<job id>`. The training files are referenced without a database
     constraint so that deleting a file after the job ended keeps the job's record intact.
     """
@@ -110,6 +124,8 @@ class FinetuneJob(models.Model):
         max_length=16, choices=JobMethod.choices, default=JobMethod.SUPERVISED
     )
     dpo_beta = models.JSONField(null=True, blank=True)
+    resolved_hyperparameters = models.JSONField(null=True, blank=True)
+    total_steps = models.PositiveIntegerField(null=True, blank=True)
     lora_rank = models.PositiveIntegerField(default=16, validators=[MinValueValidator(1)])
     lora_alpha = models.FloatField(default=32.0)
     lora_dropout = models.FloatField(default=0.05)

@@ -71,7 +71,11 @@ class JobMetric(models.Model):
     ts = models.DateTimeField()
     step = models.PositiveIntegerField()
     train_loss = models.FloatField()
+    train_accuracy = models.FloatField(null=True, blank=True)
+    """Mean token accuracy of the step's batch."""
     valid_loss = models.FloatField(null=True, blank=True)
+    """Validation loss at this step (steps that wrote a checkpoint, with a validation file)."""
+    valid_mean_token_accuracy = models.FloatField(null=True, blank=True)
     tokens_per_s = models.FloatField(default=0.0)
 
     class Meta:

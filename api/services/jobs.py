@@ -18,7 +18,14 @@ from django.utils import timezone
 
 from api.errors import ConflictError, HarliError
 from api.file_tokens import job_files_check_tokens
-from api.hyperparameters import parse_lora, parse_method, parse_seed, parse_suffix
+from api.hyperparameters import (
+    parse_integrations,
+    parse_lora,
+    parse_metadata,
+    parse_method,
+    parse_seed,
+    parse_suffix,
+)
 from api.models import (
     OPEN_PLACEMENT_STATES,
     Adapter,
@@ -179,6 +186,7 @@ def finetune_job_create(
     suffix: Any = None,
     seed: Any = None,
     metadata: Any = None,
+    integrations: Any = None,
 ) -> FinetuneJob:
     """Create a job for `tenant`, check its files, and queue it (dispatch after commit).
 
@@ -197,11 +205,8 @@ def finetune_job_create(
     lora_options = parse_lora(lora)
     clean_suffix = parse_suffix(suffix)
     clean_seed = parse_seed(seed)
-    if metadata is not None and (
-        not isinstance(metadata, dict)
-        or not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())
-    ):
-        raise HarliError("metadata must map strings to strings.", param="metadata")
+    clean_metadata = parse_metadata(metadata)
+    parse_integrations(integrations)
     train = _training_file(tenant=tenant, file_id=training_file, param="training_file")
     valid = (
         _training_file(tenant=tenant, file_id=validation_file, param="validation_file")
@@ -226,7 +231,7 @@ def finetune_job_create(
             lora_target_modules=list(lora_options.target_modules),
             suffix=clean_suffix,
             seed=clean_seed if clean_seed is not None else secrets.randbelow(2**31),
-            metadata=metadata,
+            metadata=clean_metadata,
         )
         job_event_record(job=job, message=f"Created fine-tuning job: {job.id}")
         job_event_record(job=job, message=f"Validating training file: {train.id}")

@@ -14,7 +14,6 @@ from console.selectors.jobs import (
     job_progress_map,
     job_series,
     progress_from,
-    reported_total_steps,
 )
 from console.selectors.metrics import (
     DEPLOYMENT_COLUMNS,
@@ -73,6 +72,5 @@ __all__ = [
     "predictor_accuracy",
     "predictor_pairs",
     "progress_from",
-    "reported_total_steps",
     "summarize",
 ]

@@ -1,9 +1,10 @@
 """Turning a placement's JobSpec into a trainer on this host, and its files into storage.
 
-The training file is read from storage and tokenized with the host's training tokenizer under the
-JobSpec's `max_seq_len` (the rule of `gpu_runtime.contract.training_data`, which the control
-plane checked the file against before queueing; a DPO job's, `spec["method"] == "dpo"`, holds
-preference pairs and trains a `DpoTrainer`); "auto" hyperparameters resolve with
+The training file (and a supervised job's validation file) is read from storage and tokenized with
+the host's training tokenizer under the JobSpec's `max_seq_len` (the rule of
+`gpu_runtime.contract.training_data`, which the control plane checked the files against before
+queueing; a DPO job's, `spec["method"] == "dpo"`, holds preference pairs and trains a
+`DpoTrainer`); "auto" hyperparameters resolve with
 `gpu_runtime.finetune.hparams.resolve_hyperparameters` (deterministic in the file), so every host
 that runs the job builds the same trainer and a checkpoint written on one resumes exactly on
 another. Checkpoints are written locally by the trainer, then copied to storage under
@@ -37,7 +38,12 @@ from gpu_runtime.finetune.data import (
     tokenize_lines,
 )
 from gpu_runtime.finetune.dpo_trainer import DpoTrainer
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_dpo_beta, resolve_hyperparameters
+from gpu_runtime.finetune.hparams import (
+    BASE_LEARNING_RATE,
+    LoraSpec,
+    resolve_dpo_beta,
+    resolve_hyperparameters,
+)
 from gpu_runtime.finetune.preference_data import PreferencePair, tokenize_preference_lines
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
@@ -139,10 +145,15 @@ def build_job_run(
     pairs: tuple[PreferencePair, ...] = ()
     examples: tuple[TokenizedExample, ...] = ()
     key, file_id = spec["training_file_key"], str(spec["training_file"])
+    validation: tuple[TokenizedExample, ...] = ()
     if dpo:
         pairs = read_pairs(storage, key, file_id, tokenizer, max_seq_len)
     else:
         examples = read_examples(storage, key, file_id, tokenizer, max_seq_len)
+        valid_key = spec.get("validation_file_key")
+        if valid_key:
+            valid_id = str(spec.get("validation_file"))
+            validation = read_examples(storage, str(valid_key), valid_id, tokenizer, max_seq_len)
     try:
         hyper = dict(spec["hyperparameters"])
         lora = dict(spec["lora"])
@@ -173,7 +184,7 @@ def build_job_run(
     trainer = (
         DpoTrainer(serving_model, pairs, hparams, **common)
         if dpo
-        else LoraTrainer(serving_model, examples, hparams, **common)
+        else LoraTrainer(serving_model, examples, hparams, validation_examples=validation, **common)
     )
     resumed = 0
     resume = spec.get("resume_from")
@@ -198,6 +209,19 @@ def build_job_run(
         reported_step=resumed,
         checkpointed_step=resumed,
     )
+
+
+def resolved_hyperparameters(trainer: LoraTrainer) -> dict[str, Any]:
+    """What the job's "auto" settings became on this host, in the control plane's names."""
+    hparams = trainer.hparams
+    resolved: dict[str, Any] = {
+        "n_epochs": hparams.n_epochs,
+        "batch_size": hparams.batch_size,
+        "learning_rate_multiplier": float(f"{hparams.learning_rate / BASE_LEARNING_RATE:.12g}"),
+    }
+    if hparams.dpo_beta is not None:
+        resolved["beta"] = hparams.dpo_beta
+    return resolved
 
 
 def upload_checkpoint(storage: Storage, run: JobRun, local: Path) -> str:

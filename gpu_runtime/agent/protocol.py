@@ -52,13 +52,19 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
   `placements` (ids the host trains), `adapters` (names it serves), `predictor_version` and
   `predictor_mape` (the latency predictor artifact loaded, null without one).
 * `job_started`: `placement_id`, `job_id`, `resumed_from_step` (0 for a fresh start),
-  `total_steps`.
+  `total_steps`, `hyperparameters` (`{"n_epochs", "batch_size", "learning_rate_multiplier"}`,
+  what "auto" resolved to on the host).
 * `job_progress`: `placement_id`, `job_id`, `step`, `total_steps`, `train_loss`,
-  `learning_rate`, `tokens_per_s`, `trained_tokens`; a DPO job's also the
-  :data:`PREFERENCE_METRICS` of that step (in checkpoint `metrics` too).
-* `checkpoint`: `placement_id`, `job_id`, `step`, `storage_key`, `metrics` (`train_loss`, ...),
-  `total_steps`, `recent_steps` (`{"step", "train_loss", "learning_rate"}` of every step since
-  the previous checkpoint report: the control plane records any whose `job_progress` was lost).
+  `train_accuracy` (mean token accuracy of the step's batch), `learning_rate`, `tokens_per_s`,
+  `trained_tokens` (the job's total so far); a DPO job's also the :data:`PREFERENCE_METRICS` of
+  that step (in checkpoint `metrics` too). (The validation loss of a checkpoint's step comes
+  with the checkpoint; the control plane also accepts `valid_loss` here.)
+* `checkpoint`: `placement_id`, `job_id`, `step`, `storage_key`, `metrics` (`train_loss`,
+  `train_mean_token_accuracy`, `valid_loss`, `valid_mean_token_accuracy`, `full_valid_loss`,
+  `full_valid_mean_token_accuracy`; null where not measured, see
+  `gpu_runtime.finetune.validation`), `total_steps`, `recent_steps` (`{"step", "train_loss",
+  "learning_rate", "train_accuracy"}` of every step since the previous checkpoint report: the
+  control plane records any whose `job_progress` was lost).
 * `job_succeeded`: `placement_id`, `job_id`, `trained_tokens`, `adapter_key`, `train_loss`.
 * `job_failed`: `placement_id`, `job_id`, `code`, `message`.
 * `job_stopped`: `placement_id`, `job_id`, `reason` ("paused" | "cancelled"), `step`.

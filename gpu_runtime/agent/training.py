@@ -18,6 +18,7 @@ from gpu_runtime.agent.jobs import (
     JobSetupError,
     build_job_run,
     checkpoint_now,
+    resolved_hyperparameters,
     upload_adapter,
     upload_checkpoint,
 )
@@ -77,6 +78,7 @@ class HostJobs:
             job_id=job_id,
             resumed_from_step=run.resumed_from_step,
             total_steps=run.trainer.total_steps,
+            hyperparameters=resolved_hyperparameters(run.trainer),
         )
         if run.trainer.finished:
             # Resumed from its final checkpoint (a pause landed after the last step): there is
@@ -195,6 +197,7 @@ class HostJobs:
                 learning_rate=last.learning_rate,
                 tokens_per_s=run.tokens_since_report / elapsed,
                 trained_tokens=run.trained_tokens,
+                train_accuracy=last.accuracy,
                 **preference_metrics(run, last.step),
             )
             run.started_at, run.tokens_since_report, run.reported_step = now, 0, last.step
@@ -210,12 +213,20 @@ class HostJobs:
 
     def _report_checkpoint(self, run: JobRun, local: Path) -> None:
         key = upload_checkpoint(self.host.storage, run, local)
-        history = run.trainer.history
-        metrics: dict[str, Any] = {"train_loss": history[-1].loss if history else None}
-        metrics.update(preference_metrics(run, run.trainer.step))
+        trainer = run.trainer
+        metrics = trainer.last_metrics
+        if metrics is None or metrics["step"] != trainer.step:  # a pause's checkpoint
+            metrics = trainer.checkpoint_metrics(final=trainer.stream.finished)
+        metrics = {k: v for k, v in metrics.items() if k != "step"}
+        metrics.update(preference_metrics(run, trainer.step))
         recent = [
-            {"step": r.step, "train_loss": r.loss, "learning_rate": r.learning_rate}
-            for r in history
+            {
+                "step": r.step,
+                "train_loss": r.loss,
+                "learning_rate": r.learning_rate,
+                "train_accuracy": r.accuracy,
+            }
+            for r in trainer.history
             if r.step > run.checkpointed_step
         ]
         self.host.report(

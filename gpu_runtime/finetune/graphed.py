@@ -37,6 +37,9 @@ class GraphedQuantaMixin(QuantumTailMixin):
         @property
         def finished(self) -> bool: ...
 
+        @property
+        def evaluating(self) -> bool: ...
+
         def step_quantum(
             self,
             max_tokens: int | None = None,
@@ -63,7 +66,12 @@ class GraphedQuantaMixin(QuantumTailMixin):
         :meth:`PendingQuantum.done` and reads :meth:`PendingQuantum.result` (its ``gpu_ms`` is
         the quantum's time on the stream). Anything else runs to its end here and comes back
         done. No other quantum starts until that result has been read (RuntimeError)."""
-        if self.graphs is None or self._pending is not None or self.device.type != "cuda":
+        if (
+            self.graphs is None
+            or self._pending is not None
+            or self.device.type != "cuda"
+            or self.evaluating
+        ):
             return PendingQuantum.finished(
                 self.step_quantum(max_tokens, max_examples, recompute=recompute)
             )
@@ -85,7 +93,7 @@ class GraphedQuantaMixin(QuantumTailMixin):
         thread of ~0.1-0.3 s on an H200 (False); None: the job does not run graphs. Nothing
         changes (the micro-batch is planned and collated on the host once for every stream)."""
         graphs = self.graphs
-        if graphs is None or graphs.disabled is not None or self.finished:
+        if graphs is None or graphs.disabled is not None or self.finished or self.evaluating:
             return None
         bucket = graphs.padded_length
         plan = self.stream.plan(None, max_tokens, padded_length=bucket)

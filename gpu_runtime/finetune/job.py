@@ -83,6 +83,7 @@ def open_job(
         checkpoint_root=checkpoint_root,
         base_model_name_or_path=base_model_name_or_path,
         cuda_graphs=cuda_graphs,
+        validation_examples=() if validation is None else validation.examples,
     )
     resumed = latest_checkpoint(checkpoint_root) if Path(checkpoint_root).exists() else None
     if resumed is not None:

@@ -9,7 +9,10 @@ states of the positions that have a target (known on the host when the micro-bat
 no device sync), then, ``chunk_tokens`` positions at a time, computes the logits (bf16 under
 autocast), the fp32 cross-entropy and its gradient with respect to those hidden states, and
 drops the logits. The backward pass then only scales the stored ``[N, hidden]`` gradient. The LM
-head is frozen (LoRA never targets it), so no weight gradient is lost.
+head is frozen (LoRA never targets it), so no weight gradient is lost. Given ``correct_out`` (a
+device scalar), it also adds the number of targets the logits' argmax predicts to it, in place:
+the token accuracy costs no extra logits and no sync, and a CUDA graph that captured the call adds
+into the same tensor on every replay.
 """
 
 from __future__ import annotations
@@ -106,6 +109,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         targets: torch.Tensor,
         compute_logits: Callable[[torch.Tensor], torch.Tensor],
         chunk_tokens: int,
+        correct_out: torch.Tensor | None,
     ) -> torch.Tensor:
         grad_hidden = torch.empty_like(hidden)
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
@@ -118,6 +122,9 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
                 (grad,) = torch.autograd.grad(loss, piece)
             grad_hidden[start:end] = grad
             total += loss.detach()
+            if correct_out is not None:
+                hits = logits.detach().argmax(dim=-1) == targets[start:end]
+                correct_out += hits.sum().to(correct_out.dtype)
         ctx.save_for_backward(grad_hidden)
         return total
 
@@ -125,7 +132,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         (grad_hidden,) = ctx.saved_tensors
         # scale in fp32: 1/denominator is not exact in bf16
-        return ((grad_hidden.float() * grad_output).to(grad_hidden.dtype), None, None, None)
+        return ((grad_hidden.float() * grad_output).to(grad_hidden.dtype), None, None, None, None)
 
 
 def chunked_lm_head_loss(
@@ -134,15 +141,20 @@ def chunked_lm_head_loss(
     loss_positions: torch.Tensor,
     loss_targets: torch.Tensor,
     chunk_tokens: int = 2048,
+    correct_out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Summed token cross-entropy (fp32 scalar) of the predictions at ``loss_positions``.
 
     hidden: ``[B, S, H]``; loss_positions: ``[N]`` flat indices into ``B * S`` of the positions
-    that predict; loss_targets: ``[N]`` the tokens they must predict.
+    that predict; loss_targets: ``[N]`` the tokens they must predict (ignored slots never count
+    as correct); correct_out: ``[]`` fp32, gets the count of argmax hits added (see the module
+    docstring).
     """
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     flat = hidden.reshape(-1, hidden.shape[-1]).index_select(0, loss_positions)  # [N, H]
-    result = _ChunkedCrossEntropy.apply(flat, loss_targets, tree.compute_logits, chunk_tokens)
+    result = _ChunkedCrossEntropy.apply(
+        flat, loss_targets, tree.compute_logits, chunk_tokens, correct_out
+    )
     assert isinstance(result, torch.Tensor)
     return result

@@ -79,6 +79,9 @@ class StepRecord:
     learning_rate: float
     grad_norm: float
     tokens: int
+    accuracy: float | None = None
+    """Mean token accuracy of the batch (argmax hits / loss targets, in train mode, during the
+    step's own forward); None in a history restored from a checkpoint that did not keep it."""
 
 
 class TrainerRng:

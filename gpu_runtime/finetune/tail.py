@@ -2,7 +2,8 @@
 eager, graphed and layer-sliced paths: commit the data position, accumulate the micro-batch's
 loss into its optimizer batch, and at the batch's end clip, step AdamW and zero the gradients;
 then hand back a :class:`PendingQuantum` whose ``result()`` reads loss and grad norm (the
-quantum's one host sync), records the step and writes a due checkpoint."""
+quantum's one host sync), records the step and writes a due checkpoint (or, with a validation
+file, hands it to the validation quanta that follow: ``LoraTrainer._checkpoint_due``)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan
-from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.graphs import MicroBatchGraphs
 from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.pending import PendingQuantum
@@ -39,6 +39,7 @@ class QuantumTailMixin:
     checkpoint_root: Path | None
     base_model_name_or_path: str | None
     _batch_loss_sum: torch.Tensor
+    _batch_correct: torch.Tensor
     _batch_tokens: int
     recompute_micro_batches: int
 
@@ -75,8 +76,13 @@ class QuantumTailMixin:
         to_read = [loss_sum.detach()]
         if plan.completes_batch:
             learning_rate = self.schedule.rate(self.step)
-            to_read += [self._optimizer_step(learning_rate), self._batch_loss_sum.clone()]
+            to_read += [
+                self._optimizer_step(learning_rate),
+                self._batch_loss_sum.clone(),
+                self._batch_correct.clone(),
+            ]
             self._batch_loss_sum.zero_()  # on this stream, after the clone
+            self._batch_correct.zero_()
             self._batch_tokens = 0
         values = torch.stack(to_read)
         if events is not None:
@@ -90,18 +96,17 @@ class QuantumTailMixin:
             grad_norm = batch_loss = None
             if plan.completes_batch:
                 grad_norm, batch_loss = values[1], values[2] / plan.batch_loss_tokens
+                accuracy = values[3] / max(1, plan.batch_loss_tokens)
                 assert learning_rate is not None
                 self.history.append(
-                    StepRecord(step, batch_loss, learning_rate, grad_norm, batch_tokens)
+                    StepRecord(step, batch_loss, learning_rate, grad_norm, batch_tokens, accuracy)
                 )
             peak = self._peak()
             if graph_peak_bytes is not None:  # no allocator figure (CPU): the graph's own
                 peak = graph_peak_bytes if peak is None else max(peak, graph_peak_bytes)
             written = None
-            if due and self.checkpoint_root is not None:
-                written = save_checkpoint(
-                    cast("LoraTrainer", self), self.checkpoint_root, self.base_model_name_or_path
-                )
+            if due:
+                written = cast("LoraTrainer", self)._checkpoint_due(final=finished)
             return QuantumResult(
                 examples=len(plan.example_indices),
                 tokens=batch.num_tokens,
@@ -116,7 +121,7 @@ class QuantumTailMixin:
                 wall_s=time.perf_counter() - start,
                 peak_memory_bytes=peak,
                 position=position,
-                finished=finished,
+                finished=finished and not cast("LoraTrainer", self).evaluating,
                 checkpoint=written,
                 layer_passes=layer_passes,
                 graph=graph,

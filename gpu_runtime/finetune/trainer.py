@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan, collate
+from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.graph_policy import CapturePolicy
@@ -53,7 +54,13 @@ from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, TrainerRng, swapped_rng
 from gpu_runtime.finetune.schedule import LrSchedule
 from gpu_runtime.finetune.sliced import SlicedMicroBatch
-from gpu_runtime.finetune.validation import ValidationRun
+from gpu_runtime.finetune.validation import (
+    VALID_SAMPLE_TOKENS,
+    CheckpointEvaluation,
+    ValidationRun,
+    checkpoint_metrics,
+    validation_sample,
+)
 from gpu_runtime.model import CausalLM
 
 
@@ -74,6 +81,8 @@ class LoraTrainer(GraphedQuantaMixin):
         fused_forward: bool = True,
         cuda_graphs: bool | None = None,
         max_cuda_graphs: int = 32,
+        validation_examples: Sequence[TokenizedExample] = (),
+        valid_sample_tokens: int = VALID_SAMPLE_TOKENS,
     ) -> None:
         """``checkpoint_root``: where automatic checkpoints go (none when None);
         ``base_model_name_or_path`` is recorded in each adapter's config; ``fused_forward``
@@ -81,7 +90,10 @@ class LoraTrainer(GraphedQuantaMixin):
         ``cuda_graphs`` replays captured micro-batches (None: on CUDA, unless recomputation is
         on without the fused forward, whose peft layers' checkpoint reads the CUDA RNG state,
         which a capture forbids; True elsewhere records why each quantum ran eagerly), keeping
-        at most ``max_cuda_graphs`` shapes captured (:class:`CapturePolicy`)."""
+        at most ``max_cuda_graphs`` shapes captured (:class:`CapturePolicy`);
+        ``validation_examples`` (a validation file) are evaluated at every checkpoint, a fixed
+        sample of at most ``valid_sample_tokens`` tokens each time and all of them at the last
+        (:func:`~gpu_runtime.finetune.validation.checkpoint_metrics`)."""
         if hparams.dpo_beta is not None and not getattr(self, "trains_preferences", False):
             raise ValueError("dpo_beta is set: a DPO job trains with DpoTrainer")
         self.hparams = hparams
@@ -113,6 +125,17 @@ class LoraTrainer(GraphedQuantaMixin):
         self.step = 0
         self.history: list[StepRecord] = []
         self._batch_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self._batch_correct = torch.zeros((), dtype=torch.float32, device=self.device)
+        """Argmax hits of the optimizer batch in progress (token accuracy; the loss adds in
+        place, so captured graphs add into this very tensor)."""
+        self.validation_examples = tuple(validation_examples)
+        self.valid_sample = validation_sample(
+            self.validation_examples, valid_sample_tokens, hparams.seed
+        )
+        self.last_metrics: dict[str, Any] | None = None
+        """The metrics of the latest checkpoint written (:meth:`checkpoint_metrics`)."""
+        self._evaluation: CheckpointEvaluation | None = None
+        """The validation passes of a due checkpoint, run as quanta before it is written."""
         self._batch_tokens = 0
         self._pending: tuple[MicroBatchPlan, MicroBatch, SlicedMicroBatch] | None = None
         self._unread: PendingQuantum | None = None
@@ -151,7 +174,13 @@ class LoraTrainer(GraphedQuantaMixin):
 
     @property
     def finished(self) -> bool:
-        return self.stream.finished
+        """Every epoch consumed and the final checkpoint's validation passes done."""
+        return self.stream.finished and self._evaluation is None
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether the next quanta run a due checkpoint's validation passes."""
+        return self._evaluation is not None
 
     @property
     def total_steps(self) -> int:
@@ -174,6 +203,7 @@ class LoraTrainer(GraphedQuantaMixin):
                 learning_rate=float(h["learning_rate"]),
                 grad_norm=float(h["grad_norm"]),
                 tokens=int(h["tokens"]),
+                accuracy=None if h.get("accuracy") is None else float(h["accuracy"]),
             )
             for h in history
         ]
@@ -183,10 +213,13 @@ class LoraTrainer(GraphedQuantaMixin):
             self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"
         )
 
-    def _loss_sum(self, batch: MicroBatch) -> torch.Tensor:
-        """Summed token loss of ``batch`` (validation: no backward, nothing to recompute)."""
+    def _loss_sum(self, batch: MicroBatch, correct_out: torch.Tensor | None = None) -> torch.Tensor:
+        """Summed token loss of ``batch`` (validation: no backward, nothing to recompute);
+        argmax hits are added to ``correct_out`` when given."""
         b = batch
-        return self._loss_of(b.input_ids, b.positions, b.loss_positions, b.loss_targets, False)
+        return self._loss_of(
+            b.input_ids, b.positions, b.loss_positions, b.loss_targets, False, correct_out
+        )
 
     def _loss_of(
         self,
@@ -195,15 +228,22 @@ class LoraTrainer(GraphedQuantaMixin):
         loss_positions: torch.Tensor,
         loss_targets: torch.Tensor,
         recompute: bool,
+        correct_out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Summed token loss (fp32 scalar); inputs ``[B, S]``, loss positions/targets ``[N]``."""
+        """Summed token loss (fp32 scalar); inputs ``[B, S]``, loss positions/targets ``[N]``;
+        argmax hits are added to ``correct_out`` when given."""
         with self._autocast():
             if self._fused is not None:
                 hidden = self._fused(input_ids, positions, recompute)
             else:
                 hidden = training_hidden_states(self.model, input_ids, positions, recompute)
             return chunked_lm_head_loss(
-                self.model, hidden, loss_positions, loss_targets, self.loss_chunk_tokens
+                self.model,
+                hidden,
+                loss_positions,
+                loss_targets,
+                self.loss_chunk_tokens,
+                correct_out,
             )
 
     def _forward_backward(
@@ -217,13 +257,20 @@ class LoraTrainer(GraphedQuantaMixin):
     ) -> torch.Tensor:
         """Summed loss; adds the gradients of ``loss_sum / denominator`` to ``.grad`` (graphs
         pass the denominator as a device scalar: the same fp32 division)."""
-        loss_sum = self._loss_of(input_ids, positions, loss_positions, loss_targets, recompute)
+        loss_sum = self._loss_of(
+            input_ids, positions, loss_positions, loss_targets, recompute, self._batch_correct
+        )
         (loss_sum / denominator).backward()
         return loss_sum
 
     def _chunked_loss(self, batch: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
         return chunked_lm_head_loss(
-            self.model, hidden, batch.loss_positions, batch.loss_targets, self.loss_chunk_tokens
+            self.model,
+            hidden,
+            batch.loss_positions,
+            batch.loss_targets,
+            self.loss_chunk_tokens,
+            self._batch_correct,
         )
 
     def _prepare(self, examples: Sequence[TokenizedExample]) -> MicroBatch:
@@ -264,6 +311,8 @@ class LoraTrainer(GraphedQuantaMixin):
         ``max_tokens``/``max_examples``/``recompute`` size a micro-batch when one starts (a
         layer-sliced one keeps the mode it started with).
         """
+        if self._evaluation is not None:
+            return self._evaluation.quantum(max_tokens)
         start, allocated = self._begin_quantum()
         mode = self._recompute(recompute)
         if max_layers is None and self._pending is None:
@@ -363,3 +412,30 @@ class LoraTrainer(GraphedQuantaMixin):
         while not run.step():
             pass
         return run.loss
+
+    def _checkpoint_due(self, *, final: bool) -> Path | None:
+        """A checkpoint is due after this optimizer step: with a validation file its passes
+        become the next quanta (:meth:`_evaluation_quantum` writes it); without, its metrics
+        are the step's own and it is written now (when there is a checkpoint root)."""
+        if self.validation_examples:
+            self._evaluation = CheckpointEvaluation(self, final=final)
+            return None
+        self.checkpoint_metrics(final=final)
+        return self._write_checkpoint()
+
+    def _write_checkpoint(self) -> Path | None:
+        if self.checkpoint_root is None:
+            return None
+        return save_checkpoint(self, self.checkpoint_root, self.base_model_name_or_path)
+
+    def _evaluated(self, metrics: dict[str, Any]) -> Path | None:
+        """The due checkpoint's validation passes are done: keep their metrics, write it."""
+        self._evaluation = None
+        self.last_metrics = metrics
+        return self._write_checkpoint()
+
+    def checkpoint_metrics(self, *, final: bool) -> dict[str, Any]:
+        """OpenAI's checkpoint metrics at the current step, kept as :attr:`last_metrics`
+        (see :func:`~gpu_runtime.finetune.validation.checkpoint_metrics`)."""
+        self.last_metrics = checkpoint_metrics(self, final=final)
+        return self.last_metrics

@@ -1,22 +1,52 @@
-"""A validation file's loss, one bounded micro-batch at a time (a scheduler can interleave it)."""
+"""A validation file's loss and token accuracy, one bounded micro-batch at a time (a scheduler can
+interleave it), and the metrics a checkpoint carries (OpenAI's names).
+
+At every checkpoint the trainer evaluates a fixed sample of the validation examples (a seeded
+choice of at most ``VALID_SAMPLE_TOKENS`` tokens, the same at every checkpoint so the values
+compare): ``valid_loss`` and ``valid_mean_token_accuracy``. The final checkpoint also evaluates
+every validation example: ``full_valid_loss`` and ``full_valid_mean_token_accuracy``. Both run in
+eval mode (no dropout) without gradients, and leave the trainer's state untouched. With a
+validation file the trainer runs them as quanta of their own (:class:`CheckpointEvaluation`,
+one micro-batch of at most the quantum's token budget each, on the quantum's thread and stream)
+after the optimizer step that made a checkpoint due, and writes that checkpoint with the last of
+them; training resumes after it (so the checkpoint holds exactly the state that was evaluated).
+``train_loss`` and ``train_mean_token_accuracy`` are those of the last optimizer batch, measured
+in its own forward. Token accuracy is the fraction of loss targets the logits' argmax predicts.
+"""
 
 from __future__ import annotations
 
+import random
+import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from gpu_runtime.finetune.data import TokenizedExample
+from gpu_runtime.finetune.quantum import QuantumResult
 
 if TYPE_CHECKING:
     from gpu_runtime.finetune.trainer import LoraTrainer
 
+VALID_SAMPLE_TOKENS = 16384
+"""Token budget of the validation sample evaluated at each checkpoint."""
+VALID_MICRO_BATCH_TOKENS = 8192
+"""Padded tokens per validation micro-batch."""
+CHECKPOINT_METRIC_KEYS = (
+    "train_loss",
+    "train_mean_token_accuracy",
+    "valid_loss",
+    "valid_mean_token_accuracy",
+    "full_valid_loss",
+    "full_valid_mean_token_accuracy",
+)
+
 
 class ValidationRun:
-    """Mean token loss of a validation set, one micro-batch of at most ``max_tokens`` padded
-    tokens per :meth:`step` (eval mode: no dropout; no gradients; trainer state untouched).
-    Examples go longest first, so each micro-batch holds similar lengths."""
+    """Mean token loss and accuracy of a validation set, one micro-batch of at most
+    ``max_tokens`` padded tokens per :meth:`step` (eval mode: no dropout; no gradients; trainer
+    state untouched). Examples go longest first, so each micro-batch holds similar lengths."""
 
     def __init__(
         self, trainer: LoraTrainer, examples: Sequence[TokenizedExample], max_tokens: int
@@ -29,6 +59,7 @@ class ValidationRun:
         self._order = sorted(range(len(examples)), key=lambda i: -examples[i].num_tokens)
         self._next = 0
         self._total = torch.zeros((), dtype=torch.float32, device=trainer.device)
+        self._correct = torch.zeros((), dtype=torch.float32, device=trainer.device)
         self._count = 0
 
     @property
@@ -36,17 +67,18 @@ class ValidationRun:
         return self._next >= len(self._order)
 
     @torch.no_grad()
-    def step(self) -> bool:
-        """Evaluate the next micro-batch; returns whether the run is complete."""
+    def step(self, max_tokens: int | None = None) -> bool:
+        """Evaluate the next micro-batch (at most ``max_tokens`` padded tokens, default the
+        run's; one example at least); returns whether the run is complete."""
         if self.done:
             return True
         longest = self.examples[self._order[self._next]].num_tokens
-        rows = max(1, self.max_tokens // longest)
+        rows = max(1, (max_tokens or self.max_tokens) // longest)
         chunk = [self.examples[i] for i in self._order[self._next : self._next + rows]]
         batch = self.trainer._prepare(chunk)
         self.trainer.model.eval()
         try:
-            self._total += self.trainer._loss_sum(batch)
+            self._total += self.trainer._loss_sum(batch, self._correct)
         finally:
             self.trainer.model.train()
         self._count += batch.num_loss_tokens
@@ -59,3 +91,120 @@ class ValidationRun:
         if not self.done:
             raise RuntimeError("validation run not complete")
         return float(self._total.item()) / max(1, self._count)
+
+    @property
+    def accuracy(self) -> float:
+        """Fraction of loss targets the argmax predicts (once :attr:`done`)."""
+        if not self.done:
+            raise RuntimeError("validation run not complete")
+        return float(self._correct.item()) / max(1, self._count)
+
+
+def validation_sample(
+    examples: Sequence[TokenizedExample], max_tokens: int, seed: int
+) -> tuple[TokenizedExample, ...]:
+    """A seeded choice of examples totalling at most ``max_tokens`` tokens (at least one
+    example when there is any), in file order: the same for every checkpoint of a job."""
+    if max_tokens < 1:
+        raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    chosen: list[int] = []
+    used = 0
+    for index in order:
+        tokens = examples[index].num_tokens
+        if chosen and used + tokens > max_tokens:
+            continue
+        chosen.append(index)
+        used += tokens
+    return tuple(examples[i] for i in sorted(chosen))
+
+
+class CheckpointEvaluation:
+    """The validation passes of one checkpoint (the sample, and at the final checkpoint the
+    full set), one micro-batch per :meth:`step`; :meth:`metrics` once :attr:`done`."""
+
+    def __init__(self, trainer: LoraTrainer, *, final: bool) -> None:
+        self.trainer = trainer
+        self.final = final
+        self.step_number = trainer.step
+        sample, full = trainer.valid_sample, trainer.validation_examples
+        self.sample = ValidationRun(trainer, sample, VALID_MICRO_BATCH_TOKENS) if sample else None
+        self.full = None
+        if final and full and len(full) != len(sample):  # else the sample is the full set
+            self.full = ValidationRun(trainer, full, VALID_MICRO_BATCH_TOKENS)
+
+    @property
+    def done(self) -> bool:
+        return all(run is None or run.done for run in (self.sample, self.full))
+
+    def step(self, max_tokens: int | None = None) -> None:
+        """Evaluate the next micro-batch of the first unfinished pass."""
+        for run in (self.sample, self.full):
+            if run is not None and not run.done:
+                run.step(max_tokens)
+                return
+
+    def quantum(self, max_tokens: int | None) -> QuantumResult:
+        """One micro-batch of these passes as a trainer quantum (forward only, at most
+        ``max_tokens`` padded tokens); the last one hands the metrics to the trainer, which
+        writes the checkpoint. No example is trained, so ``tokens`` is 0."""
+        trainer = self.trainer
+        start, _ = trainer._begin_quantum()
+        self.step(max_tokens)
+        written = trainer._evaluated(self.metrics()) if self.done else None
+        if trainer.device.type == "cuda":
+            torch.cuda.synchronize(trainer.device)
+        graph: dict[str, Any] = {}
+        if trainer.graphs is not None:
+            graph = {"graph": "eager", "graph_fallback": "validation passes run eagerly"}
+        return QuantumResult(
+            examples=0,
+            tokens=0,
+            padded_tokens=0,
+            loss_tokens=0,
+            loss=None,
+            optimizer_step=False,
+            step=trainer.step,
+            batch_loss=None,
+            learning_rate=None,
+            grad_norm=None,
+            wall_s=time.perf_counter() - start,
+            peak_memory_bytes=trainer._peak(),
+            position=trainer.stream.position,
+            finished=trainer.finished,
+            checkpoint=written,
+            **graph,
+        )
+
+    def metrics(self) -> dict[str, Any]:
+        """Every key of ``CHECKPOINT_METRIC_KEYS`` (see :func:`checkpoint_metrics`)."""
+        if not self.done:
+            raise RuntimeError("checkpoint evaluation not complete")
+        last = self.trainer.history[-1] if self.trainer.history else None
+        valid_loss = valid_accuracy = full_loss = full_accuracy = None
+        if self.sample is not None:
+            valid_loss, valid_accuracy = self.sample.loss, self.sample.accuracy
+        if self.full is not None:
+            full_loss, full_accuracy = self.full.loss, self.full.accuracy
+        elif self.final:
+            full_loss, full_accuracy = valid_loss, valid_accuracy
+        return {
+            "step": self.step_number,
+            "train_loss": None if last is None else last.loss,
+            "train_mean_token_accuracy": None if last is None else last.accuracy,
+            "valid_loss": valid_loss,
+            "valid_mean_token_accuracy": valid_accuracy,
+            "full_valid_loss": full_loss,
+            "full_valid_mean_token_accuracy": full_accuracy,
+        }
+
+
+def checkpoint_metrics(trainer: LoraTrainer, *, final: bool) -> dict[str, Any]:
+    """Every key of ``CHECKPOINT_METRIC_KEYS`` for the trainer's current step, evaluated in one
+    call (see the module docstring); a value that was not measured (no validation file,
+    ``full_*`` before the final checkpoint, no step yet) is None. Between batches only."""
+    evaluation = CheckpointEvaluation(trainer, final=final)
+    while not evaluation.done:
+        evaluation.step()
+    return evaluation.metrics()

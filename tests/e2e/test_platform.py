@@ -16,6 +16,7 @@ import openai
 import pytest
 from openai import OpenAI
 
+from gpu_runtime.storage import LocalStorage
 from tests.e2e.cluster import Cluster, Proc, others_in_a_transaction, wait_until
 from tests.e2e.conftest import Tenants, training_jsonl
 from tests.gpu_runtime.agent.artifacts import VERSION
@@ -27,14 +28,22 @@ def _client(url: str, key: str) -> OpenAI:
     return OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30)
 
 
-def _create_job(client: OpenAI, *, epochs: int, batch: int, suffix: str) -> Any:
+def _create_job(client: OpenAI, *, epochs: int, batch: int, suffix: str, **extra: Any) -> Any:
     upload = client.files.create(file=("train.jsonl", training_jsonl()), purpose="fine-tune")
+    multiplier = extra.pop("learning_rate_multiplier", 5)
+    if extra.pop("validate", False):
+        extra["validation_file"] = upload.id
     return client.fine_tuning.jobs.create(
         model="tiny",
         training_file=upload.id,
-        hyperparameters={"n_epochs": epochs, "batch_size": batch, "learning_rate_multiplier": 5},
+        hyperparameters={
+            "n_epochs": epochs,
+            "batch_size": batch,
+            "learning_rate_multiplier": multiplier,
+        },
         suffix=suffix,
         seed=7,
+        **extra,
     )
 
 
@@ -61,7 +70,6 @@ def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
     cluster: Cluster, seeded: Tenants
 ) -> None:
     from api.models import HostMetric, JobMetric
-    from gpu_runtime.storage import LocalStorage
     from workers.models import MetricRollup
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
@@ -76,15 +84,32 @@ def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
         client.fine_tuning.jobs.create(model="tiny", training_file=long.id)
     assert (too_long.value.code, too_long.value.param) == ("example_too_long", "training_file")
     assert "line 1 (" in too_long.value.message
-    job = _create_job(client, epochs=3, batch=2, suffix="e2e")
-    assert job.status == "queued"
+    job = _create_job(client, epochs=3, batch=2, suffix="e2e", validate=True,
+                      learning_rate_multiplier="auto", metadata={"run": "e2e"})  # fmt: skip
+    assert job.status == "queued" and job.hyperparameters.learning_rate_multiplier == "auto"
     job = _wait_succeeded(client, job.id, cluster, timeout=60)
     assert job.fine_tuned_model.startswith("ft:tiny:acme:e2e:")
     assert job.trained_tokens > 0
+    assert job.hyperparameters.learning_rate_multiplier == 1.0  # what "auto" became
+    assert (job.hyperparameters.n_epochs, job.hyperparameters.batch_size) == (3, 2)
+    assert [j.id for j in client.fine_tuning.jobs.list(metadata={"run": "e2e"})] == [job.id]
     events = _events(client, job.id)
     assert any(m.startswith("Fine-tuning started on host agent-") for m in events)
     assert events[-1] == f"New fine-tuned model created: {job.fine_tuned_model}"
-    assert [c.step_number for c in client.fine_tuning.jobs.checkpoints.list(job.id)] == [12, 10]
+    # HARLI_KEEP_CHECKPOINTS=1: step 10's checkpoint was written, then deleted
+    assert "Checkpoint saved at step 10" in events
+    (kept,) = client.fine_tuning.jobs.checkpoints.list(job.id)
+    assert kept.step_number == 12
+    assert kept.metrics.valid_loss is not None and kept.metrics.full_valid_loss is not None
+    assert kept.metrics.train_mean_token_accuracy is not None
+    stored = LocalStorage(cluster.env["HARLI_STORAGE_DIR"])
+    assert stored.list_keys(f"checkpoints/{job.id}/step-000010") == []
+    assert stored.exists(f"checkpoints/{job.id}/step-000012/.complete")
+    (result_id,) = job.result_files
+    rows = client.files.content(result_id).text.splitlines()
+    assert rows[0] == "step,train_loss,train_accuracy,valid_loss,valid_mean_token_accuracy"
+    assert [int(r.split(",")[0]) for r in rows[1:]] == list(range(1, 13))
+    assert rows[10].split(",")[3] and rows[12].split(",")[3]  # validation at steps 10 and 12
     assert sorted(JobMetric.objects.filter(job_id=job.id).values_list("step", flat=True)) == list(
         range(1, 13)
     )
@@ -293,7 +318,6 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
     from gpu_runtime.agent.jobs import build_job_run
     from gpu_runtime.contract.tokenizer import load_training_tokenizer
     from gpu_runtime.model.loader import load_model
-    from gpu_runtime.storage import LocalStorage
     from workers.commands import job_spec
 
     job = FinetuneJob.objects.select_related("base_model", "tenant", "training_file").get(pk=job_id)
@@ -403,7 +427,9 @@ def test_broker_restart_mid_job_loses_no_job_and_no_event(
         raise AssertionError(f"steps never reported: {missing}") from None
     assert steps() == list(range(1, total + 1))
     checkpoints = sorted(JobCheckpoint.objects.filter(job_id=job.id).values_list("step", flat=True))
-    assert checkpoints == list(range(10, total + 1, 10))
+    assert checkpoints == [total]  # HARLI_KEEP_CHECKPOINTS=1
     events = _events(client, job.id)
+    saved = [int(m.rsplit(" ", 1)[1]) for m in events if m.startswith("Checkpoint saved at step")]
+    assert sorted(saved) == list(range(10, total + 1, 10))
     assert sum(1 for m in events if m.startswith("Step ")) == total
     assert sum(1 for m in events if m.startswith("Fine-tuning started")) == 1

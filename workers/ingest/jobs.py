@@ -10,7 +10,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
-from api.errors import ConflictError
+from api.errors import ConflictError, HarliError
 from api.models import (
     OPEN_PLACEMENT_STATES,
     EventType,
@@ -23,6 +23,12 @@ from api.models import (
     Placement,
     PlacementState,
 )
+from api.services.job_results import (
+    finetune_job_settings_record,
+    finetune_job_trained_tokens_update,
+    job_checkpoints_prune,
+    job_result_file_create,
+)
 from api.services.jobs import (
     finetune_job_fail,
     finetune_job_succeed,
@@ -31,7 +37,8 @@ from api.services.jobs import (
     job_event_record,
 )
 from api.tenant_text import without_locations
-from gpu_runtime.agent.protocol import PREFERENCE_METRICS
+from gpu_runtime.agent.protocol import PREFERENCE_METRICS, ProtocolError
+from workers.conf import worker_settings
 from workers.ingest.common import pausing, report_time, stop_on_commit
 from workers.models import HostAgentState, RollupSeries
 from workers.rollups import rollup_add
@@ -86,6 +93,15 @@ def job_started(host: GpuHost, message: dict[str, Any]) -> str:
             else f"Fine-tuning started on host {host.name}"
         )
         finetune_job_transition(job=job, to=JobStatus.RUNNING, message=text)
+    if "hyperparameters" in message:
+        try:
+            finetune_job_settings_record(
+                job=job,
+                hyperparameters=message["hyperparameters"],
+                total_steps=message.get("total_steps"),
+            )
+        except HarliError as exc:  # the whole report is then dropped as malformed
+            raise ProtocolError(f"job_started of job {job.id}: {exc}") from exc
     return "applied"
 
 
@@ -117,8 +133,12 @@ def job_progress(host: GpuHost, message: dict[str, Any]) -> str:
         learning_rate=message.get("learning_rate"),
         tokens_per_s=float(message.get("tokens_per_s", 0.0)),
         valid_loss=message.get("valid_loss"),
+        train_accuracy=message.get("train_accuracy"),
+        valid_accuracy=message.get("valid_mean_token_accuracy"),
         preference={k: float(message[k]) for k in PREFERENCE_METRICS if k in message},
     )
+    if recorded and "trained_tokens" in message:
+        finetune_job_trained_tokens_update(job=job, trained_tokens=message["trained_tokens"])
     return "applied" if recorded else "duplicate"
 
 
@@ -133,6 +153,8 @@ def _step_record(
     learning_rate: Any,
     tokens_per_s: float,
     valid_loss: Any = None,
+    train_accuracy: Any = None,
+    valid_accuracy: Any = None,
     recovered: bool = False,
     preference: dict[str, float] | None = None,
 ) -> bool:
@@ -145,25 +167,28 @@ def _step_record(
         return False
     JobMetric.objects.create(
         job=job, ts=ts, step=step, train_loss=loss, tokens_per_s=tokens_per_s,
-        valid_loss=valid_loss,
+        valid_loss=valid_loss, train_accuracy=train_accuracy,
+        valid_mean_token_accuracy=valid_accuracy,
     )  # fmt: skip
     data: dict[str, Any] = {
         "step": step,
         "total_steps": total,
         "train_loss": loss,
+        "train_mean_token_accuracy": train_accuracy,
         "learning_rate": learning_rate,
         "tokens_per_s": tokens_per_s,
         "host": host.name,
     }
     data.update(preference or {})  # a DPO step's preference metrics
+    if valid_loss is not None:
+        data["valid_loss"] = valid_loss
+        data["valid_mean_token_accuracy"] = valid_accuracy
     if recovered:
         data["recovered"] = True  # its own progress report never arrived
-    job_event_record(
-        job=job,
-        message=f"Step {step}/{total}: training loss={loss:.4f}",
-        type=EventType.METRICS,
-        data=data,
-    )
+    text = f"Step {step}/{total}: training loss={loss:.4f}"
+    if valid_loss is not None:
+        text += f", validation loss={float(valid_loss):.4f}"
+    job_event_record(job=job, message=text, type=EventType.METRICS, data=data)
     rollup_add(
         series=RollupSeries.JOB,
         key=job.id,
@@ -189,16 +214,22 @@ def checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
             total=message.get("total_steps"),
             learning_rate=entry.get("learning_rate"),
             tokens_per_s=0.0,
+            train_accuracy=entry.get("train_accuracy"),
             recovered=True,
         )
     metrics = {k: v for k, v in dict(message["metrics"]).items() if k != "step"}
+    step = int(message["step"])
     try:
-        job_checkpoint_record(
-            job=job, step=int(message["step"]), metrics=metrics, path=message["storage_key"]
-        )
+        job_checkpoint_record(job=job, step=step, metrics=metrics, path=message["storage_key"])
     except ConflictError:
         # The same step again (written before a failover): keep the first record.
         return "duplicate"
+    if metrics.get("valid_loss") is not None:  # the step's row, if its progress report was lost
+        JobMetric.objects.filter(job=job, step=step, valid_loss__isnull=True).update(
+            valid_loss=metrics["valid_loss"],
+            valid_mean_token_accuracy=metrics.get("valid_mean_token_accuracy"),
+        )
+    job_checkpoints_prune(job=job, keep=worker_settings().keep_checkpoints)
     return "applied"
 
 
@@ -210,6 +241,7 @@ def job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
         trained_tokens=int(message["trained_tokens"]),
         adapter_path=str(message["adapter_key"]),
     )
+    job_result_file_create(job=job)
     name, key, base = job.fine_tuned_model, str(message["adapter_key"]), job.base_model_id
     hosts = list(
         GpuHost.objects.filter(

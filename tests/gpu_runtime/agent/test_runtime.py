@@ -259,3 +259,29 @@ def test_a_failed_iteration_fails_the_jobs_and_serving_goes_on(
     assert host.runtime.status().placements == []
     out, _ = host.generate("tiny", [5, 6, 7, 8], GREEDY)  # the engine thread serves on
     assert len(out.output_token_ids) == 6
+
+
+def test_reports_carry_resolved_hyperparameters_accuracy_and_validation_loss(
+    host: Host, reports: Reports, storage: LocalStorage
+) -> None:
+    from tests.gpu_runtime.agent.conftest import TRAIN_KEY
+
+    storage.save("files/valid.jsonl", [b"".join(storage.read_chunks(TRAIN_KEY))])
+    auto = {"n_epochs": "auto", "batch_size": 2, "learning_rate_multiplier": "auto"}
+    _place(host, 1, validation_file_key="files/valid.jsonl", hyperparameters=auto)
+    started = reports.wait_for("job_started")
+    # 6 examples: "auto" epochs = clamp(ceil(300 / 6), 3, 10) = 10
+    assert started["hyperparameters"] == {
+        "n_epochs": 10,
+        "batch_size": 2,
+        "learning_rate_multiplier": 1.0,
+    }
+    reports.wait_for("job_succeeded", timeout=120)
+    progress = [m for m in reports.seen if m["kind"] == "job_progress"]
+    assert all(0.0 <= m["train_accuracy"] <= 1.0 for m in progress)
+    checkpoints = [m for m in reports.seen if m["kind"] == "checkpoint"]
+    assert checkpoints and all(c["metrics"]["valid_loss"] > 0 for c in checkpoints)
+    assert [c["metrics"]["full_valid_loss"] is not None for c in checkpoints][-1] is True
+    assert all(c["metrics"]["full_valid_loss"] is None for c in checkpoints[:-1])
+    assert [c["step"] for c in checkpoints] == list(range(2, 31, 2))
+    assert checkpoints[-1]["metrics"]["train_mean_token_accuracy"] == progress[-1]["train_accuracy"]
