@@ -108,8 +108,11 @@ class Channel(filesystem.Channel):
 
     def _set_aside(self, claimed: str, name: str, queue: str, error: Exception) -> None:
         failed = Path(self.failed_folder)
-        failed.mkdir(parents=True, exist_ok=True)
-        shutil.move(claimed, failed / name)
+        try:
+            failed.mkdir(parents=True, exist_ok=True)
+            shutil.move(claimed, failed / name)
+        except OSError as exc:
+            raise ChannelError(f"Cannot move unreadable file {claimed!r} to {failed}") from exc
         logger.error("queue %s: moved unreadable message file %s to %s: %s",
                      queue, name, failed, error)  # fmt: skip
 

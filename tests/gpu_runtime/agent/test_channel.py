@@ -18,9 +18,15 @@ from kombu import Connection, Producer
 from kombu.transport import filesystem
 
 from gpu_runtime.agent import channel as channel_module
-from gpu_runtime.agent.channel import CommandConsumer, host_queue_declaration
+from gpu_runtime.agent.channel import CommandConsumer, ReportSender, host_queue_declaration
 from gpu_runtime.agent.config import broker_transport, broker_transport_options
-from gpu_runtime.agent.protocol import HOST_COMMAND_TASK, host_queue
+from gpu_runtime.agent.protocol import (
+    CONTROL_QUEUE,
+    HOST_COMMAND_TASK,
+    HOST_REPORT_TASK,
+    host_queue,
+    report,
+)
 
 URL = "filesystem://"
 HOST = "h1"
@@ -148,3 +154,20 @@ def test_a_consume_loop_that_keeps_crashing_gives_up(
     assert consumer.failed
     assert not consumer.alive()
     assert consumer.restarts == 2
+
+
+def test_reports_travel_over_the_atomic_transport(options: dict[str, object]) -> None:
+    sender = ReportSender(URL, options, broker_transport(URL))
+    with sender.app.connection_for_write() as connection:
+        assert type(connection.transport).__module__ == "gpu_runtime.agent.fs_transport"
+    sender.start()
+    sender.send(report("heartbeat", HOST, free_bytes=1, total_bytes=2, placements=[]))
+    sender.stop(timeout=10)
+    assert sender.sent == 1
+    with Connection(URL, transport=broker_transport(URL), transport_options=options) as conn:
+        control = conn.SimpleQueue(CONTROL_QUEUE)
+        message = control.get(timeout=5)
+        assert message.headers["task"] == HOST_REPORT_TASK
+        assert message.payload[0][0]["kind"] == "heartbeat"
+        message.ack()
+        control.close()
