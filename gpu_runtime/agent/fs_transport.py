@@ -65,7 +65,8 @@ def decode_message_file(raw: bytes) -> dict[str, Any]:
 class Channel(filesystem.Channel):
     """The stock channel with atomic publishes, atomic claims and corrupt files set aside."""
 
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    # kombu's bases name the payload differently (`message`, `payload`): mypy sees a conflict
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         name = f"{monotonic_ns():020d}_{uuid.uuid4()}.{queue}.msg"  # sorts in publish order
         folder = self.data_folder_out
         temporary = os.path.join(folder, f".{name}.tmp")
@@ -78,7 +79,7 @@ class Channel(filesystem.Channel):
                 os.remove(temporary)
             raise ChannelError(f"Cannot add file {name!r} to {folder!r}") from exc
 
-    def _get(self, queue: str) -> dict[str, Any]:
+    def _get(self, queue: str, timeout: float | None = None) -> dict[str, Any]:
         wanted = f"{queue}.msg"
         folder = self.data_folder_in
         for name in sorted(os.listdir(folder)):
