@@ -2,6 +2,7 @@
 
 * `protocol` — the message formats between control plane and agents;
 * `channel` — host-queue consumer (kombu) and control-queue report sender (Celery);
+* `fs_transport` — the `filesystem://` transport of every process (atomic message files);
 * `serving` — the host's one engine per base model, with the LoRA runtime serving adapters;
 * `runtime` — `HostRuntime`, the engine-loop driver owning `HostLoop`, jobs and commands (the
   `gpu_runtime.server` app serves inference over the same `EngineLoop`);

@@ -3,7 +3,12 @@
 :class:`CommandConsumer` is a kombu consumer of `host.<name>` running in its own thread. It
 decodes the Celery task messages the control plane publishes (protocol 2: body
 `[args, kwargs, embed]`, header `task`), checks each command, hands it to a callback that only
-enqueues it for the engine loop, then acks. It reconnects by itself after a broker restart.
+enqueues it for the engine loop, then acks. It reconnects by itself after a broker restart. A
+message it cannot decode or check, or whose callback raises, is logged and acked (dropped): no
+message ends the thread. Should the consume loop raise anyway (a transport defect), it starts
+again after a pause, up to :data:`CONSUMER_RESTARTS` times in :data:`CONSUMER_RESTART_WINDOW_S`;
+past that the thread ends with `failed` set, and the agent exits non-zero (`cli.run_agent`), so
+a supervisor sees a host that cannot take commands instead of one that heartbeats without them.
 
 :class:`ReportSender` publishes reports to the control queue as Celery tasks from one thread, in
 order, from an outbox: a report leaves the outbox only once the broker took it, so a broker
@@ -34,6 +39,10 @@ from gpu_runtime.agent.protocol import (
 
 logger = logging.getLogger(__name__)
 
+CONSUMER_RESTARTS = 5
+"""Crashes of the consume loop tolerated within :data:`CONSUMER_RESTART_WINDOW_S`."""
+CONSUMER_RESTART_WINDOW_S = 60.0
+
 
 def host_queue_declaration(host: str) -> Queue:
     """The queue exactly as Celery declares it when the control plane publishes to it."""
@@ -46,8 +55,10 @@ def decode_task_message(body: Any, headers: dict[str, Any]) -> dict[str, Any]:
     task = headers.get("task")
     if task != HOST_COMMAND_TASK:
         raise ProtocolError(f"host queue got task {task!r}, expected {HOST_COMMAND_TASK!r}")
-    if not isinstance(body, (list, tuple)) or len(body) != 3 or not body[0]:
+    if not isinstance(body, (list, tuple)) or len(body) != 3:
         raise ProtocolError(f"not a Celery protocol-2 body: {body!r:.200}")
+    if not isinstance(body[0], (list, tuple)) or len(body[0]) != 1:
+        raise ProtocolError(f"a host command task has one positional argument: {body!r:.200}")
     return check_command(body[0][0])
 
 
@@ -64,30 +75,76 @@ class CommandConsumer(ConsumerMixin):
         self.queue = host_queue_declaration(host)
         self.on_command = on_command
         self.thread: threading.Thread | None = None
+        self.dropped = 0
+        """Messages dropped as undecodable, malformed or failing in `on_command`."""
+        self.restarts = 0
+        self.failed = False
+        """The consume loop crashed more often than the restart budget allows; it has ended."""
 
     def get_consumers(self, consumer_cls: Any, channel: Any) -> list[Any]:
         return [
             consumer_cls(
                 queues=[self.queue],
                 callbacks=[self._on_message],
+                on_decode_error=self._on_decode_error,
                 accept=["json"],
                 prefetch_count=8,
             )
         ]
 
+    def _drop(self, message: Any, reason: str) -> None:
+        self.dropped += 1
+        logger.error("dropping bad host command (%s): %s", self.queue.name, reason)
+        message.ack()
+
+    def _on_decode_error(self, message: Any, exc: Exception) -> None:
+        self._drop(message, f"undecodable body ({message.content_type}): {exc}")
+
     def _on_message(self, body: Any, message: Any) -> None:
         try:
             command = decode_task_message(body, dict(message.headers or {}))
-        except ProtocolError as exc:
-            logger.error("dropping bad host command: %s", exc)
-            message.ack()
+        except Exception as exc:  # ProtocolError, or a header map that is not one
+            self._drop(message, f"{type(exc).__name__}: {exc}")
             return
-        self.on_command(command)
+        try:
+            self.on_command(command)
+        except Exception as exc:  # a defect in the handler must not end the consumer
+            logger.exception("host command %s failed to enqueue", command.get("command_id"))
+            self._drop(message, f"on_command raised {type(exc).__name__}: {exc}")
+            return
         message.ack()
 
+    def _supervise(self) -> None:
+        crashes: deque[float] = deque()
+        while not self.should_stop:
+            try:
+                self.run()
+                return
+            except Exception:
+                now = time.monotonic()
+                crashes.append(now)
+                while crashes and now - crashes[0] > CONSUMER_RESTART_WINDOW_S:
+                    crashes.popleft()
+                if len(crashes) > CONSUMER_RESTARTS:
+                    self.failed = True
+                    logger.critical(
+                        "host-queue consumer crashed %d times in %.0f s; giving up",
+                        len(crashes),
+                        CONSUMER_RESTART_WINDOW_S,
+                        exc_info=True,
+                    )
+                    return
+                self.restarts += 1
+                logger.exception("host-queue consumer crashed; restarting")
+                time.sleep(min(0.2 * 2 ** (len(crashes) - 1), 5.0))
+
     def start(self) -> None:
-        self.thread = threading.Thread(target=self.run, name="host-queue", daemon=True)
+        self.thread = threading.Thread(target=self._supervise, name="host-queue", daemon=True)
         self.thread.start()
+
+    def alive(self) -> bool:
+        """The consume thread runs (False once it gave up or ended for any reason)."""
+        return self.thread is not None and self.thread.is_alive() and not self.failed
 
     def stop(self, timeout: float = 5.0) -> None:
         self.should_stop = True
@@ -98,11 +155,17 @@ class CommandConsumer(ConsumerMixin):
 class ReportSender:
     """Ordered, at-least-once publisher of reports to the control queue (see module doc)."""
 
-    def __init__(self, broker_url: str, transport_options: dict[str, object] | None = None) -> None:
+    def __init__(
+        self,
+        broker_url: str,
+        transport_options: dict[str, object] | None = None,
+        transport: str | None = None,
+    ) -> None:
         self.app = Celery("harli-agent", broker=broker_url, set_as_current=False)
         self.app.conf.update(
             task_serializer="json",
             accept_content=["json"],
+            broker_transport=transport,
             broker_transport_options=transport_options or {},
             broker_connection_retry_on_startup=True,
         )

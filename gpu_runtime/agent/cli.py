@@ -5,7 +5,8 @@ base model with its LoRA runtime for adapters, driven by `HostRuntime`: `HostLoo
 iterations and finetune quanta), the OpenAI-compatible server of `gpu_runtime.server` over that
 loop (streaming, usage, `/v1/models`, keys checked against the control plane), the host-queue
 consumer; then sends heartbeats from the main thread until SIGTERM or SIGINT, and stops
-everything in reverse order.
+everything in reverse order. Exits with status 3 (HOST_QUEUE_LOST_EXIT) if the host-queue
+consumer gave up (`channel.CommandConsumer`).
 Without `--model-dir` it builds the tiny built-in model (random weights, seed 0) under
 `--work-dir`, so every agent started that way serves identical weights.
 """
@@ -17,6 +18,7 @@ import functools
 import logging
 import os
 import signal
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -27,6 +29,7 @@ from gpu_runtime.agent.config import (
     GIB,
     AgentConfig,
     AgentConfigError,
+    broker_transport,
     broker_transport_options,
     env_broker_url,
 )
@@ -176,8 +179,13 @@ def _total_bytes(config: AgentConfig) -> int:
     return int(torch.cuda.get_device_properties(torch.device(config.device)).total_memory)
 
 
-def run_agent(config: AgentConfig, stop: threading.Event) -> None:
-    """Run until `stop` is set (see the module docstring)."""
+HOST_QUEUE_LOST_EXIT = 3
+"""Exit status when the host-queue consumer gave up: the host would heartbeat but take no
+command, so the agent ends and its supervisor (run.sh, systemd) sees it."""
+
+
+def run_agent(config: AgentConfig, stop: threading.Event) -> int:
+    """Run until `stop` is set (see the module docstring); the process's exit status."""
     from kombu import Connection
 
     from gpu_runtime.agent.auth import KeyVerifier
@@ -220,7 +228,8 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
     )
     serving = spec.build(model_dir)
     options = broker_transport_options(config.broker_url, config.broker_dir)
-    sender = ReportSender(config.broker_url, options)
+    transport = broker_transport(config.broker_url)
+    sender = ReportSender(config.broker_url, options, transport)
     sender.start()
     request_metrics = MetricsCollector()
     runtime = HostRuntime(
@@ -258,14 +267,18 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
     def on_command(command: dict[str, Any]) -> None:
         submit_command(loop, runtime, command)
 
-    consumer = CommandConsumer(
-        Connection(config.broker_url, transport_options=options), config.host, on_command
-    )
+    connection = Connection(config.broker_url, transport=transport, transport_options=options)
+    consumer = CommandConsumer(connection, config.host, on_command)
     consumer.start()
     logger.info("agent %s serving %s at %s", config.host, config.base_model, server_url)
     print(f"agent {config.host} ready: {server_url}", flush=True)
+    status = 0
     try:
         while not stop.is_set():
+            if not consumer.alive():
+                logger.critical("the host-queue consumer of %s has stopped; exiting", config.host)
+                status = HOST_QUEUE_LOST_EXIT
+                break
             fields = runtime.status().heartbeat_fields()
             sender.send(report("heartbeat", config.host, server_url=server_url, **fields))
             stop.wait(config.heartbeat_s)
@@ -274,6 +287,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> None:
         server.stop()
         loop.stop()
         sender.stop()
+    return status
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -289,4 +303,4 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    run_agent(config, stop)
+    sys.exit(run_agent(config, stop))

@@ -142,7 +142,8 @@ def broker_transport_options(broker_url: str, broker_dir: Path | None) -> dict[s
     """Transport options for `broker_url`: the folders of a `filesystem://` broker, else none.
 
     The control plane builds the same options from `HARLI_BROKER_DIR`, so both sides use the
-    same folders: one `queue/` folder for every queue's messages, `processed/` for consumed ones.
+    same folders: one `queue/` folder for every queue's messages, `processed/` for consumed ones,
+    `failed/` for message files that could not be read (see `fs_transport`).
     """
     if not broker_url.startswith("filesystem://"):
         return {}
@@ -151,15 +152,30 @@ def broker_transport_options(broker_url: str, broker_dir: Path | None) -> dict[s
     queue = Path(broker_dir) / "queue"
     processed = Path(broker_dir) / "processed"
     control = Path(broker_dir) / "control"
-    for folder in (queue, processed, control):
+    failed = Path(broker_dir) / "failed"
+    for folder in (queue, processed, control, failed):
         folder.mkdir(parents=True, exist_ok=True)
     return {
         "data_folder_in": str(queue),
         "data_folder_out": str(queue),
         "processed_folder": str(processed),
         "control_folder": str(control),
+        "failed_folder": str(failed),
         "store_processed": False,
     }
+
+
+def broker_transport(broker_url: str) -> str | None:
+    """The kombu transport for `broker_url` (Celery's `broker_transport`): None keeps the URL's.
+
+    A `filesystem://` broker is served by `fs_transport` (atomic message files) in every
+    process, never by kombu's stock filesystem transport.
+    """
+    if broker_url.startswith("filesystem://"):
+        from gpu_runtime.agent.fs_transport import TRANSPORT
+
+        return TRANSPORT
+    return None
 
 
 def env_broker_url() -> str:

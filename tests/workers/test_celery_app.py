@@ -87,3 +87,76 @@ def test_worker_process_starts_on_redis_and_answers_ping() -> None:
         worker.terminate()
         worker.wait(timeout=20)
         client.close()
+
+
+def test_filesystem_broker_uses_the_atomic_transport(tmp_path: Path) -> None:
+    env = {**os.environ, "CELERY_BROKER_URL": "filesystem://", "HARLI_BROKER_DIR": str(tmp_path)}
+    env["DJANGO_SETTINGS_MODULE"] = "config.settings.test"
+    code = (
+        "import django; django.setup(); from config.celery import app; "
+        "c = app.connection_for_write(); "
+        "print(type(c.transport).__module__, c.transport_options['failed_folder'])"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert result.stdout.split() == ["gpu_runtime.agent.fs_transport", str(tmp_path / "failed")]
+
+
+@pytest.mark.e2e
+def test_worker_on_the_filesystem_broker_sets_a_damaged_file_aside_and_goes_on(
+    tmp_path: Path,
+) -> None:
+    """A damaged message file in the control queue no longer stops the worker's consumer."""
+    from kombu.transport import filesystem
+
+    from gpu_runtime.agent.config import broker_transport, broker_transport_options
+
+    env = {**os.environ, "CELERY_BROKER_URL": "filesystem://", "HARLI_BROKER_DIR": str(tmp_path)}
+    env["DJANGO_SETTINGS_MODULE"] = "config.settings.test"
+    queue = tmp_path / "queue"
+    filesystem.Transport.global_state.clear()  # bindings of other brokers this process used
+    client = Celery("harli-test-client", broker="filesystem://", set_as_current=False)
+    client.conf.update(
+        broker_transport=broker_transport("filesystem://"),
+        broker_transport_options=broker_transport_options("filesystem://", tmp_path),
+    )
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "celery",
+            "-A",
+            "config",
+            "worker",
+            "--pool",
+            "solo",
+            "-Q",
+            "control",
+            "--loglevel",
+            "INFO",
+            "--without-gossip",
+            "--without-mingle",
+            "--without-heartbeat",
+        ],  # fmt: skip
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        (queue / f"{'0' * 20}_damaged.control.msg").write_bytes(b"")
+        # no task of that name: the worker logs it as unregistered and discards the message
+        client.send_task("harli.test.nothing", queue="control", routing_key="control")
+        deadline = time.monotonic() + 60
+        while os.listdir(queue) and time.monotonic() < deadline and worker.poll() is None:
+            time.sleep(0.2)
+        assert worker.poll() is None, worker.stdout.read() if worker.stdout else ""
+        assert os.listdir(queue) == [], "the worker stopped consuming"
+        assert os.listdir(tmp_path / "failed") == [f"{'0' * 20}_damaged.control.msg"]
+    finally:
+        worker.terminate()
+        output = worker.communicate(timeout=20)[0]
+        filesystem.Transport.global_state.clear()
+    assert "harli.test.nothing" in output  # it received the task after the damaged file
