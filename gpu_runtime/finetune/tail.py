@@ -96,7 +96,12 @@ class QuantumTailMixin:
             grad_norm = batch_loss = None
             if plan.completes_batch:
                 grad_norm, batch_loss = values[1], values[2] / plan.batch_loss_tokens
-                accuracy = values[3] / max(1, plan.batch_loss_tokens)
+                # a DPO step has no token targets: its accuracy is the preference metrics'
+                accuracy = (
+                    None
+                    if getattr(self, "trains_preferences", False)
+                    else values[3] / max(1, plan.batch_loss_tokens)
+                )
                 assert learning_rate is not None
                 self.history.append(
                     StepRecord(step, batch_loss, learning_rate, grad_norm, batch_tokens, accuracy)

@@ -69,6 +69,7 @@ def test_dpo_placement_reports_preference_metrics_and_resumes_exactly(
     assert progress[1]["train_reward_margin"] == 0.0
     for report in progress.values():
         assert set(PREFERENCE_METRICS) <= set(report)
+        assert report["train_accuracy"] is None  # pairs have no token targets
     checkpoints = [m for m in reports.seen if m["kind"] == "checkpoint"]
     assert [c["step"] for c in checkpoints] == [2, 4, 6]
     for checkpoint in checkpoints:
@@ -76,6 +77,7 @@ def test_dpo_placement_reports_preference_metrics_and_resumes_exactly(
         assert {k: checkpoint["metrics"][k] for k in PREFERENCE_METRICS} == {
             k: step[k] for k in PREFERENCE_METRICS
         }
+        assert checkpoint["metrics"]["train_mean_token_accuracy"] is None
     assert storage.exists("adapters/ftjob-1/adapter_model.safetensors")
     assert host.runtime.status().adapters == ["ft:tiny:t1::ftjob-1"]
 
