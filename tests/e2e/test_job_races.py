@@ -33,8 +33,13 @@ STALL_AFTER_S = 2
 @pytest.fixture(scope="module")
 def cluster_env() -> dict[str, str]:
     # Hosts are lost only after 30 s: an agent stopped (SIGSTOP) to hold a moment, or a broker
-    # outage, never hands its job elsewhere here. Stalls are flagged after 2 s.
-    return {"HARLI_HOST_LOST_AFTER_S": "30", "HARLI_JOB_STALL_AFTER_S": str(STALL_AFTER_S)}
+    # outage, never hands its job elsewhere here. Stalls are flagged after 2 s. Every checkpoint
+    # is kept, so a test can find the one a pause wrote after the job went on.
+    return {
+        "HARLI_HOST_LOST_AFTER_S": "30",
+        "HARLI_JOB_STALL_AFTER_S": str(STALL_AFTER_S),
+        "HARLI_KEEP_CHECKPOINTS": "1000",
+    }
 
 
 @pytest.fixture
@@ -182,10 +187,13 @@ def test_a_pause_at_a_checkpoint_resumed_at_once_resumes_from_the_pause(
     from workers.models import PlacementDecision
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
-    job = _create_job(client, epochs=50, batch=2, suffix="ckpt")
-    total = 50 * 4
-    wait_until(lambda: JobCheckpoint.objects.filter(job_id=job.id, step=10).exists(), 60,
-               "the first checkpoint")  # fmt: skip
+    job = _create_job(client, epochs=50, batch=1, suffix="ckpt")
+    total = 50 * 8
+    # The host's first checkpoint in storage, not its row: the worker may record it when the
+    # host is far on (the tiny job trains ~60 steps/s), and the pause must land mid-training.
+    storage = Path(cluster.env["HARLI_STORAGE_DIR"])
+    wait_until(lambda: (storage / "checkpoints" / job.id / "step-000010" / ".complete").exists(),
+               60, "the first checkpoint")  # fmt: skip
     assert client.fine_tuning.jobs.pause(job.id).status == "paused"
     assert client.fine_tuning.jobs.resume(job.id).status == "queued"
     stopped = _host_stop(client, job.id, "paused")

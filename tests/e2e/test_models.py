@@ -22,6 +22,12 @@ from tests.e2e.conftest import AGENTS, Tenants, training_jsonl
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
 
+@pytest.fixture(scope="module")
+def cluster_env() -> dict[str, str]:
+    # The job's checkpoints at steps 10 and 12 are both kept: step 10's is called by name.
+    return {"HARLI_KEEP_CHECKPOINTS": "3"}
+
+
 def _client(url: str, key: str) -> OpenAI:
     return OpenAI(base_url=url, api_key=key, max_retries=0, timeout=30)
 
