@@ -146,9 +146,7 @@ class ValidationRun:
         return float(self._correct.item()) / max(1, self._count)
 
 
-def validation_sample(
-    examples: Sequence[ItemT], max_tokens: int, seed: int
-) -> tuple[ItemT, ...]:
+def validation_sample(examples: Sequence[ItemT], max_tokens: int, seed: int) -> tuple[ItemT, ...]:
     """A seeded choice of examples totalling at most ``max_tokens`` tokens (at least one
     example when there is any), in file order: the same for every checkpoint of a job."""
     if max_tokens < 1:

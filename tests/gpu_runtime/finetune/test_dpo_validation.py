@@ -112,8 +112,7 @@ def test_without_a_validation_file_the_valid_metrics_are_null(
     metrics = trainer.checkpoint_metrics(final=True)
     assert metrics["train_loss"] == trainer.history[-1].loss
     assert all(
-        metrics[k] is None
-        for k in ("valid_loss", "full_valid_loss", "valid_preference_accuracy")
+        metrics[k] is None for k in ("valid_loss", "full_valid_loss", "valid_preference_accuracy")
     )
 
 
@@ -145,10 +144,12 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
         and torch.equal(rng_a, rng_b)
         and len(opt_a) == len(opt_b)
         and all(
-            all(torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k]
-                for k in x)
+            all(
+                torch.equal(x[k], y[k]) if isinstance(x[k], torch.Tensor) else x[k] == y[k]
+                for k in x
+            )
             for x, y in zip(opt_a, opt_b, strict=True)
-        )  # fmt: skip
+        )
         and rest_a == rest_b
     )
 
