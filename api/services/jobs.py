@@ -38,7 +38,6 @@ from api.models import (
     FinetuneJob,
     JobCheckpoint,
     JobEvent,
-    JobMethod,
     JobStatus,
     Placement,
     PlacementState,
@@ -252,19 +251,13 @@ def finetune_job_create(
 
 
 def _check_method_files(*, method: str, train: File, valid: File | None) -> None:
-    """The training (and validation) file must be of a format the method trains on; a DPO
-    job takes no validation file. (A file not processed is refused later, for that.)"""
+    """The training and validation files must be of a format the method trains on (a DPO
+    job's both preference files). (A file not processed is refused later, for that.)"""
     if train.status == FileStatus.PROCESSED:
         check_method_format(
             method=method, file_format=train.format, file_id=train.id, param="training_file"
         )
-    if valid is None:
-        return
-    if method == JobMethod.DPO:
-        raise HarliError(
-            "A DPO job takes no validation file.", param="validation_file", code="invalid_file"
-        )
-    if valid.status == FileStatus.PROCESSED:
+    if valid is not None and valid.status == FileStatus.PROCESSED:
         check_method_format(
             method=method, file_format=valid.format, file_id=valid.id, param="validation_file"
         )

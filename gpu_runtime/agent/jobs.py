@@ -1,9 +1,9 @@
 """Turning a placement's JobSpec into a trainer on this host, and its files into storage.
 
-The training file (and a supervised job's validation file) is read from storage and tokenized with
-the host's training tokenizer under the JobSpec's `max_seq_len` (the rule of
+The training file (and the validation file, when the job has one) is read from storage and
+tokenized with the host's training tokenizer under the JobSpec's `max_seq_len` (the rule of
 `gpu_runtime.contract.training_data`, which the control plane checked the files against before
-queueing; a DPO job's, `spec["method"] == "dpo"`, holds preference pairs and trains a
+queueing; a DPO job's, `spec["method"] == "dpo"`, hold preference pairs and train a
 `DpoTrainer`); "auto" hyperparameters resolve with
 `gpu_runtime.finetune.hparams.resolve_hyperparameters` (deterministic in the file), so every host
 that runs the job builds the same trainer and a checkpoint written on one resumes exactly on
@@ -146,13 +146,15 @@ def build_job_run(
     examples: tuple[TokenizedExample, ...] = ()
     key, file_id = spec["training_file_key"], str(spec["training_file"])
     validation: tuple[TokenizedExample, ...] = ()
+    valid_pairs: tuple[PreferencePair, ...] = ()
+    valid_key, valid_id = spec.get("validation_file_key"), str(spec.get("validation_file"))
     if dpo:
         pairs = read_pairs(storage, key, file_id, tokenizer, max_seq_len)
+        if valid_key:
+            valid_pairs = read_pairs(storage, str(valid_key), valid_id, tokenizer, max_seq_len)
     else:
         examples = read_examples(storage, key, file_id, tokenizer, max_seq_len)
-        valid_key = spec.get("validation_file_key")
         if valid_key:
-            valid_id = str(spec.get("validation_file"))
             validation = read_examples(storage, str(valid_key), valid_id, tokenizer, max_seq_len)
     try:
         hyper = dict(spec["hyperparameters"])
@@ -182,7 +184,7 @@ def build_job_run(
         "base_model_name_or_path": base_model_path,
     }
     trainer = (
-        DpoTrainer(serving_model, pairs, hparams, **common)
+        DpoTrainer(serving_model, pairs, hparams, validation_pairs=valid_pairs, **common)
         if dpo
         else LoraTrainer(serving_model, examples, hparams, validation_examples=validation, **common)
     )

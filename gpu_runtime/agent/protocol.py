@@ -62,7 +62,9 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
 * `checkpoint`: `placement_id`, `job_id`, `step`, `storage_key`, `metrics` (`train_loss`,
   `train_mean_token_accuracy`, `valid_loss`, `valid_mean_token_accuracy`, `full_valid_loss`,
   `full_valid_mean_token_accuracy`; null where not measured, see
-  `gpu_runtime.finetune.validation`), `total_steps`, `recent_steps` (`{"step", "train_loss",
+  `gpu_runtime.finetune.validation`; a DPO job's also its step's :data:`PREFERENCE_METRICS` and
+  `valid_preference_accuracy`, `full_valid_preference_accuracy`, its token accuracies being
+  null), `total_steps`, `recent_steps` (`{"step", "train_loss",
   "learning_rate", "train_accuracy"}` of every step since the previous checkpoint report: the
   control plane records any whose `job_progress` was lost).
 * `job_succeeded`: `placement_id`, `job_id`, `trained_tokens`, `adapter_key`, `train_loss`.

@@ -11,6 +11,13 @@ then the policy's forward and backward; the batch loss is the mean over its pair
 micro-batch sizes. Data order, checkpoints, exact resume and the optimizer step are the
 supervised trainer's.
 
+Validation pairs (a preference validation file) are evaluated at every checkpoint exactly as a
+supervised trainer's examples (:mod:`gpu_runtime.finetune.validation`: a seeded sample at each,
+all of them at the last, in bounded quanta, eval mode, no gradient), with DPO's loss
+(:class:`DpoValidationEvaluator`): ``valid_loss`` is the mean DPO loss over the pairs (policy:
+the adapter on; reference: the adapter off) and ``valid_preference_accuracy`` the fraction of
+pairs ranked right; the token-accuracy fields stay null.
+
 Whole micro-batches only, run eagerly: no CUDA graphs and no layer-sliced quanta
 (:attr:`DpoTrainer.layer_sliced_quanta` tells the loop, which then never asks for them).
 """
@@ -39,7 +46,7 @@ from gpu_runtime.finetune.loss import training_hidden_states
 from gpu_runtime.finetune.preference_data import PreferencePair
 from gpu_runtime.finetune.quantum import QuantumResult
 from gpu_runtime.finetune.trainer import LoraTrainer
-from gpu_runtime.finetune.validation import ValidationRun
+from gpu_runtime.finetune.validation import VALID_SAMPLE_TOKENS, BatchEvaluator
 from gpu_runtime.model import CausalLM
 
 
@@ -63,7 +70,11 @@ class DpoTrainer(LoraTrainer):
         checkpoint_root: str | Path | None = None,
         base_model_name_or_path: str | None = None,
         fused_forward: bool = True,
+        validation_pairs: Sequence[PreferencePair] = (),
+        valid_sample_tokens: int = VALID_SAMPLE_TOKENS,
     ) -> None:
+        """As :class:`LoraTrainer`'s; ``validation_pairs`` are its ``validation_examples``
+        (evaluated with DPO's loss, see the module docstring)."""
         if hparams.dpo_beta is None:
             raise ValueError("a DPO trainer needs hparams.dpo_beta")
         # The data stream reads only num_tokens and num_loss_tokens, which a pair has.
@@ -78,6 +89,8 @@ class DpoTrainer(LoraTrainer):
             base_model_name_or_path=base_model_name_or_path,
             fused_forward=fused_forward,
             cuda_graphs=False,
+            validation_examples=cast("Sequence[TokenizedExample]", validation_pairs),
+            valid_sample_tokens=valid_sample_tokens,
         )
         self.beta = float(hparams.dpo_beta)
         self.pairs: tuple[PreferencePair, ...] = tuple(train_pairs)
@@ -115,14 +128,15 @@ class DpoTrainer(LoraTrainer):
     @torch.no_grad()
     def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
         """Summed completion log-probabilities ``[rows]`` under the base model (the adapter
-        off, eval mode, no gradient)."""
+        off, eval mode, no gradient); the model's mode is restored after."""
+        training = self.model.training
         self.model.eval()
         try:
             off = adapters_disabled(self._tuner_layers, self.params, self._fused)
             with off, self._autocast():
                 return self._logprobs(batch, self._hidden(batch, False))
         finally:
-            self.model.train()
+            self.model.train(training)
 
     def pair_batch(self, pairs: Sequence[PreferencePair]) -> MicroBatch:
         """The ``[2n, S]`` micro-batch of ``pairs``: preferred rows, then the other rows."""
@@ -139,6 +153,8 @@ class DpoTrainer(LoraTrainer):
         (see the module docstring). Raises once finished, and for ``max_layers``."""
         if max_layers is not None:
             raise ValueError("DPO quanta are whole micro-batches; max_layers is not supported")
+        if self._evaluation is not None:
+            return self._evaluation.quantum(max_tokens)
         start, _ = self._begin_quantum()
         mode = self._recompute(recompute)
         plan = self.stream.plan(max_examples, max_tokens, padded_length=self._pair_padded)
@@ -168,6 +184,26 @@ class DpoTrainer(LoraTrainer):
         )
         return tail.result()
 
-    def validation(self, examples: Sequence[Any], max_tokens: int = 8192) -> ValidationRun:
-        """Not offered: a DPO job takes no validation file (the control plane refuses one)."""
-        raise ValueError("validation files are not supported for DPO jobs")
+    def validation_evaluator(self) -> BatchEvaluator:
+        """How this trainer evaluates a validation micro-batch: DPO's loss over pairs."""
+        return DpoValidationEvaluator(self)
+
+
+class DpoValidationEvaluator:
+    """A DPO trainer's validation micro-batch of pairs: summed DPO loss (the policy with the
+    adapter on, the reference with it off; no gradient, the caller's eval mode), pairs ranked
+    right, and the pair count."""
+
+    accuracy_key = "preference_accuracy"
+
+    def __init__(self, trainer: DpoTrainer) -> None:
+        self.trainer = trainer
+
+    def __call__(self, items: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        trainer = self.trainer
+        batch = trainer.pair_batch(items)
+        reference = trainer.reference_logprobs(batch)
+        with trainer._autocast():
+            policy = trainer._logprobs(batch, trainer._hidden(batch, False))
+        terms = dpo_terms(policy, reference, trainer.beta)
+        return terms.loss_sum, terms.stats[0], len(items)

@@ -56,7 +56,9 @@ from gpu_runtime.finetune.schedule import LrSchedule
 from gpu_runtime.finetune.sliced import SlicedMicroBatch
 from gpu_runtime.finetune.validation import (
     VALID_SAMPLE_TOKENS,
+    BatchEvaluator,
     CheckpointEvaluation,
+    TokenLossEvaluator,
     ValidationRun,
     checkpoint_metrics,
     validation_sample,
@@ -398,6 +400,10 @@ class LoraTrainer(GraphedQuantaMixin):
             return {}
         return {"graph": "eager", "graph_fallback": "layer-sliced quanta run eagerly"}
 
+    def validation_evaluator(self) -> BatchEvaluator:
+        """How this trainer evaluates a validation micro-batch: token loss and accuracy."""
+        return TokenLossEvaluator(self)
+
     def validation(
         self, examples: Sequence[TokenizedExample], max_tokens: int = 8192
     ) -> ValidationRun:
@@ -406,8 +412,9 @@ class LoraTrainer(GraphedQuantaMixin):
         return ValidationRun(self, examples, max_tokens)
 
     def evaluate(self, examples: Sequence[TokenizedExample], max_tokens: int = 8192) -> float:
-        """Mean token loss of ``examples`` (a validation file) with the current adapter, in one
-        call. Leaves the trainer's state (data position, RNG, gradients) untouched."""
+        """Mean validation loss of ``examples`` (a validation file) with the current adapter, in
+        one call (:meth:`validation_evaluator`'s loss). Leaves the trainer's state (data
+        position, RNG, gradients) untouched."""
         run = self.validation(examples, max_tokens)
         while not run.step():
             pass

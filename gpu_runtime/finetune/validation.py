@@ -1,17 +1,24 @@
-"""A validation file's loss and token accuracy, one bounded micro-batch at a time (a scheduler can
+"""A validation file's loss and accuracy, one bounded micro-batch at a time (a scheduler can
 interleave it), and the metrics a checkpoint carries (OpenAI's names).
 
 At every checkpoint the trainer evaluates a fixed sample of the validation examples (a seeded
 choice of at most ``VALID_SAMPLE_TOKENS`` tokens, the same at every checkpoint so the values
-compare): ``valid_loss`` and ``valid_mean_token_accuracy``. The final checkpoint also evaluates
-every validation example: ``full_valid_loss`` and ``full_valid_mean_token_accuracy``. Both run in
-eval mode (no dropout) without gradients, and leave the trainer's state untouched. With a
-validation file the trainer runs them as quanta of their own (:class:`CheckpointEvaluation`,
-one micro-batch of at most the quantum's token budget each, on the quantum's thread and stream)
-after the optimizer step that made a checkpoint due, and writes that checkpoint with the last of
-them; training resumes after it (so the checkpoint holds exactly the state that was evaluated).
+compare): ``valid_loss`` and ``valid_<accuracy>``. The final checkpoint also evaluates every
+validation example: ``full_valid_loss`` and ``full_valid_<accuracy>``. Both run in eval mode (no
+dropout) without gradients, and leave the trainer's state untouched. With a validation file the
+trainer runs them as quanta of their own (:class:`CheckpointEvaluation`, one micro-batch of at
+most the quantum's token budget each, on the quantum's thread and stream) after the optimizer
+step that made a checkpoint due, and writes that checkpoint with the last of them; training
+resumes after it (so the checkpoint holds exactly the state that was evaluated).
 ``train_loss`` and ``train_mean_token_accuracy`` are those of the last optimizer batch, measured
-in its own forward. Token accuracy is the fraction of loss targets the logits' argmax predicts.
+in its own forward.
+
+What one micro-batch's loss and accuracy are is the trainer's
+(:meth:`~gpu_runtime.finetune.trainer.LoraTrainer.validation_evaluator`, a
+:class:`BatchEvaluator`): a supervised trainer's is the mean token loss and the fraction of loss
+targets the logits' argmax predicts (``mean_token_accuracy``, :class:`TokenLossEvaluator`); a DPO
+trainer's the mean DPO loss over pairs and the fraction of pairs ranked right
+(``preference_accuracy``; its token-accuracy fields are then null: pairs have no token targets).
 """
 
 from __future__ import annotations
@@ -19,11 +26,10 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
-from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.quantum import QuantumResult
 
 if TYPE_CHECKING:
@@ -43,17 +49,55 @@ CHECKPOINT_METRIC_KEYS = (
 )
 
 
-class ValidationRun:
-    """Mean token loss and accuracy of a validation set, one micro-batch of at most
-    ``max_tokens`` padded tokens per :meth:`step` (eval mode: no dropout; no gradients; trainer
-    state untouched). Examples go longest first, so each micro-batch holds similar lengths."""
+class Measured(Protocol):
+    """A validation item: a tokenized example or a preference pair (its padded row tokens)."""
 
-    def __init__(
-        self, trainer: LoraTrainer, examples: Sequence[TokenizedExample], max_tokens: int
-    ) -> None:
+    @property
+    def num_tokens(self) -> int: ...
+
+
+ItemT = TypeVar("ItemT", bound=Measured)
+
+
+class BatchEvaluator(Protocol):
+    """How a trainer evaluates one validation micro-batch (the strategy :class:`ValidationRun`
+    runs; called in eval mode without gradients)."""
+
+    accuracy_key: str
+    """The accuracy's metric name after ``valid_`` / ``full_valid_``."""
+
+    def __call__(self, items: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """``(summed loss, summed hits, loss terms)`` of ``items``: fp32 device scalars (not
+        synced) and the count both means divide by."""
+        ...
+
+
+class TokenLossEvaluator:
+    """A supervised trainer's validation micro-batch: summed token loss, argmax hits over its
+    loss targets, and their count."""
+
+    accuracy_key = "mean_token_accuracy"
+
+    def __init__(self, trainer: LoraTrainer) -> None:
+        self.trainer = trainer
+
+    def __call__(self, items: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        batch = self.trainer._prepare(items)
+        hits = torch.zeros((), dtype=torch.float32, device=self.trainer.device)
+        return self.trainer._loss_sum(batch, hits), hits, batch.num_loss_tokens
+
+
+class ValidationRun:
+    """Mean loss and accuracy (the trainer's :class:`BatchEvaluator`) of a validation set, one
+    micro-batch of at most ``max_tokens`` padded tokens per :meth:`step` (eval mode: no dropout;
+    no gradients; trainer state untouched). Items go longest first, so each micro-batch holds
+    similar lengths."""
+
+    def __init__(self, trainer: LoraTrainer, examples: Sequence[Measured], max_tokens: int) -> None:
         if not examples:
             raise ValueError("a validation run needs at least one example")
         self.trainer = trainer
+        self.evaluator = trainer.validation_evaluator()
         self.examples = list(examples)
         self.max_tokens = max_tokens
         self._order = sorted(range(len(examples)), key=lambda i: -examples[i].num_tokens)
@@ -75,34 +119,34 @@ class ValidationRun:
         longest = self.examples[self._order[self._next]].num_tokens
         rows = max(1, (max_tokens or self.max_tokens) // longest)
         chunk = [self.examples[i] for i in self._order[self._next : self._next + rows]]
-        batch = self.trainer._prepare(chunk)
-        self.trainer.model.eval()
+        model = self.trainer.model
+        model.eval()
         try:
-            self._total += self.trainer._loss_sum(batch, self._correct)
+            loss_sum, hits, count = self.evaluator(chunk)
         finally:
-            self.trainer.model.train()
-        self._count += batch.num_loss_tokens
+            model.train()
+        self._total += loss_sum
+        self._correct += hits
+        self._count += count
         self._next += len(chunk)
         return self.done
 
     @property
     def loss(self) -> float:
-        """Mean token loss (once :attr:`done`)."""
+        """Mean loss per loss term (once :attr:`done`)."""
         if not self.done:
             raise RuntimeError("validation run not complete")
         return float(self._total.item()) / max(1, self._count)
 
     @property
     def accuracy(self) -> float:
-        """Fraction of loss targets the argmax predicts (once :attr:`done`)."""
+        """Hits per loss term (once :attr:`done`)."""
         if not self.done:
             raise RuntimeError("validation run not complete")
         return float(self._correct.item()) / max(1, self._count)
 
 
-def validation_sample(
-    examples: Sequence[TokenizedExample], max_tokens: int, seed: int
-) -> tuple[TokenizedExample, ...]:
+def validation_sample(examples: Sequence[ItemT], max_tokens: int, seed: int) -> tuple[ItemT, ...]:
     """A seeded choice of examples totalling at most ``max_tokens`` tokens (at least one
     example when there is any), in file order: the same for every checkpoint of a job."""
     if max_tokens < 1:
@@ -178,7 +222,8 @@ class CheckpointEvaluation:
         )
 
     def metrics(self) -> dict[str, Any]:
-        """Every key of ``CHECKPOINT_METRIC_KEYS`` (see :func:`checkpoint_metrics`)."""
+        """Every key of ``CHECKPOINT_METRIC_KEYS``, and ``valid_<accuracy>`` and
+        ``full_valid_<accuracy>`` of the trainer's evaluator (see :func:`checkpoint_metrics`)."""
         if not self.done:
             raise RuntimeError("checkpoint evaluation not complete")
         last = self.trainer.history[-1] if self.trainer.history else None
@@ -189,20 +234,24 @@ class CheckpointEvaluation:
             full_loss, full_accuracy = self.full.loss, self.full.accuracy
         elif self.final:
             full_loss, full_accuracy = valid_loss, valid_accuracy
-        return {
+        metrics: dict[str, Any] = {
             "step": self.step_number,
             "train_loss": None if last is None else last.loss,
             "train_mean_token_accuracy": None if last is None else last.accuracy,
             "valid_loss": valid_loss,
-            "valid_mean_token_accuracy": valid_accuracy,
+            "valid_mean_token_accuracy": None,
             "full_valid_loss": full_loss,
-            "full_valid_mean_token_accuracy": full_accuracy,
+            "full_valid_mean_token_accuracy": None,
         }
+        key = self.trainer.validation_evaluator().accuracy_key
+        metrics[f"valid_{key}"], metrics[f"full_valid_{key}"] = valid_accuracy, full_accuracy
+        return metrics
 
 
 def checkpoint_metrics(trainer: LoraTrainer, *, final: bool) -> dict[str, Any]:
-    """Every key of ``CHECKPOINT_METRIC_KEYS`` for the trainer's current step, evaluated in one
-    call (see the module docstring); a value that was not measured (no validation file,
+    """Every key of ``CHECKPOINT_METRIC_KEYS`` (and the trainer's own accuracy keys, see
+    :meth:`CheckpointEvaluation.metrics`) for the trainer's current step, evaluated in one call
+    (see the module docstring); a value that was not measured (no validation file,
     ``full_*`` before the final checkpoint, no step yet) is None. Between batches only."""
     evaluation = CheckpointEvaluation(trainer, final=final)
     while not evaluation.done:

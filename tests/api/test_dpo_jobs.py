@@ -78,6 +78,24 @@ def test_dpo_job_is_stored_rendered_and_sent_to_the_host(
 
 
 @pytest.mark.django_db
+def test_a_dpo_job_takes_a_preference_validation_file(
+    api: ApiClient, preference_file: File, tenant: Tenant, tiny: BaseModel
+) -> None:
+    other = file_create(
+        tenant=tenant,
+        purpose="fine-tune",
+        upload=UploadSource.from_bytes(filename="valid.jsonl", data=PREFERENCE_JSONL),
+    )
+    response = create(api, preference_file, method=dpo(), validation_file=other.id)
+    assert response.status_code == 200, response.content
+    body = response.json()
+    assert (body["validation_file"], body["status"]) == (other.id, "queued")
+    spec = job_spec(job=FinetuneJob.objects.get(pk=body["id"]), resume=None)
+    assert spec["method"] == "dpo" and spec["validation_file"] == other.id
+    assert spec["validation_file_key"] == other.storage_key
+
+
+@pytest.mark.django_db
 def test_a_supervised_job_keeps_its_spec(
     api: ApiClient, training_file: File, tiny: BaseModel
 ) -> None:
@@ -94,7 +112,7 @@ def test_a_supervised_job_keeps_its_spec(
         ("preference", {}, "training_file", "only a DPO job"),
         ("preference", {"method": {"type": "supervised"}}, "training_file", "only a DPO job"),
         ("chat", {"method": dpo()}, "training_file", "needs a preference file"),
-        ("preference", {"method": dpo(), "validation_file": "pref"}, "validation_file", "DPO"),
+        ("preference", {"method": dpo(), "validation_file": "chat"}, "validation_file", "DPO"),
         ("chat", {"validation_file": "pref"}, "validation_file", "only a DPO job"),
         ("preference", {"method": dpo(), "hyperparameters": {}}, "hyperparameters", "method.dpo"),
         ("preference", {"method": dpo(warmup=1)}, "hyperparameters.warmup", "warmup"),
@@ -110,8 +128,9 @@ def test_mismatched_files_and_settings_are_refused(
     param: str,
     says: str,
 ) -> None:
-    if extra.get("validation_file") == "pref":
-        extra = {**extra, "validation_file": preference_file.id}
+    valid = {"pref": preference_file.id, "chat": training_file.id}
+    if extra.get("validation_file") in valid:
+        extra = {**extra, "validation_file": valid[extra["validation_file"]]}
     file = preference_file if train == "preference" else training_file
     error = assert_error(create(api, file, **extra), 400, param=param)
     assert says in error["message"]

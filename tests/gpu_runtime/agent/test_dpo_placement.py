@@ -1,6 +1,7 @@
 """A DPO placement on the host's engine loop (CPU): it trains beside decode to success with its
 preference metrics in every progress and checkpoint report, and another host resumes it from a
-checkpoint with the same losses and metrics."""
+checkpoint with the same losses and metrics; with a preference validation file its checkpoint
+reports carry the validation DPO loss and preference accuracy."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from gpu_runtime.storage import LocalStorage
 from tests.gpu_runtime.agent.conftest import Host, Reports, job_spec, make_runtime
 
 PREFS_KEY = "files/t1/file-prefs.jsonl"
+VALID_KEY = "files/t1/file-valid.jsonl"
 PREFERENCES = [
     ("Q: colour of the sky?", "blue", "red"),
     ("Q: hello", "world", "numbers"),
@@ -22,7 +24,9 @@ PREFERENCES = [
 ]
 
 
-def _store_preferences(storage: LocalStorage) -> None:
+def _store_preferences(
+    storage: LocalStorage, key: str = PREFS_KEY, rows: list[tuple[str, str, str]] = PREFERENCES
+) -> None:
     lines = "".join(
         json.dumps(
             {
@@ -32,9 +36,9 @@ def _store_preferences(storage: LocalStorage) -> None:
             }
         )
         + "\n"
-        for q, good, bad in PREFERENCES
+        for q, good, bad in rows
     )
-    storage.save(PREFS_KEY, [lines.encode()])
+    storage.save(key, [lines.encode()])
 
 
 def _place(host: Host, placement_id: int, **extra: Any) -> None:
@@ -96,3 +100,37 @@ def test_dpo_placement_reports_preference_metrics_and_resumes_exactly(
         assert abs(report["train_loss"] - progress[step]["train_loss"]) < 1e-5
         assert abs(report["train_reward_margin"] - progress[step]["train_reward_margin"]) < 1e-5
     assert done["trained_tokens"] == full["trained_tokens"]
+
+
+def test_dpo_checkpoint_reports_carry_the_validation_loss(
+    storage: LocalStorage, host: Host, reports: Reports
+) -> None:
+    _store_preferences(storage)
+    valid = [("Q: grass?", "green", "purple"), ("Q: 2 + 2", "4", "five"), ("Q: up", "down", "x")]
+    _store_preferences(storage, VALID_KEY, valid)
+    _place(host, 1, validation_file="file-valid", validation_file_key=VALID_KEY)
+    reports.wait_for("job_succeeded")
+    checkpoints = [m["metrics"] for m in reports.seen if m["kind"] == "checkpoint"]
+    assert len(checkpoints) == 3  # steps 2, 4 and 6
+    for metrics in checkpoints:
+        assert isinstance(metrics["valid_loss"], float) and metrics["valid_loss"] > 0
+        assert 0.0 <= metrics["valid_preference_accuracy"] <= 1.0
+        for key in ("train", "valid", "full_valid"):
+            assert metrics[f"{key}_mean_token_accuracy"] is None
+        assert set(PREFERENCE_METRICS) <= set(metrics)
+    assert [m["full_valid_loss"] is None for m in checkpoints] == [True, True, False]
+    assert checkpoints[-1]["full_valid_preference_accuracy"] is not None
+    assert len({m["valid_loss"] for m in checkpoints}) == 3  # the adapter moved between them
+
+
+def test_a_dpo_job_refuses_a_supervised_validation_file(
+    storage: LocalStorage, host: Host, reports: Reports
+) -> None:
+    from tests.gpu_runtime.agent.conftest import TRAIN_FILE, TRAIN_KEY
+
+    _store_preferences(storage)
+    _place(host, 1, validation_file=TRAIN_FILE, validation_file_key=TRAIN_KEY)
+    failed = reports.wait_for("job_failed")
+    assert failed["code"] == "invalid_file_format"
+    assert TRAIN_FILE in failed["message"] and "preference" in failed["message"]
+    assert TRAIN_KEY not in failed["message"]
