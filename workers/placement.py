@@ -144,7 +144,8 @@ def _choose(eligible: list[dict[str, Any]]) -> dict[str, Any]:
 def job_place(*, job_id: str) -> Placement | None:
     """Place a queued job without an open placement; None when it needs none, no host fits,
     or its previous host still trains it (a resume right after a pause: it waits for that
-    host's stop, see :func:`_still_training`).
+    host's stop, see :func:`_still_training`, and for the checkpoint that stop reported, see
+    :func:`_checkpoint_in_flight`).
 
     Idempotent: a job that is not queued, or already has an open placement, is left alone.
     The job's row lock (PostgreSQL; SQLite's write transaction) orders this against a
@@ -169,6 +170,15 @@ def job_place(*, job_id: str) -> Placement | None:
                 job=job,
                 message=f"Waiting for host {stopping.host.name} to stop placement {stopping.pk} "
                 "(it checkpoints at its batch boundary first)",
+                level=EventLevel.INFO,
+            )
+            return None
+        awaited = _checkpoint_in_flight(job=job)
+        if awaited is not None:
+            _note(
+                job=job,
+                message=f"Waiting for the checkpoint of step {awaited.stopped_step} that host "
+                f"{awaited.host.name} stopped at",
                 level=EventLevel.INFO,
             )
             return None
@@ -234,6 +244,29 @@ def _still_training(*, job: FinetuneJob, fresh_after: Any) -> Placement | None:
     if state.reported_at is None or state.reported_at < fresh_after:
         return None
     return previous if previous.pk in state.placements else None
+
+
+def _checkpoint_in_flight(*, job: FinetuneJob) -> Placement | None:
+    """The job's previous placement when its host reported stopping at a step whose checkpoint
+    is not recorded yet: the checkpoint report was sent first but may be applied later (a
+    report retried after a transient error runs behind the ones sent after it). The job waits
+    for it at most HARLI_REDISPATCH_AFTER_S after the stop, then resumes from the latest
+    checkpoint recorded (a report the broker lost never comes)."""
+    previous = (
+        Placement.objects.filter(job=job)
+        .select_related("host")
+        .order_by("-created_at", "-id")
+        .first()
+    )
+    if previous is None or previous.stopped_step is None or previous.stopped_at is None:
+        return None
+    waited = timezone.now() - previous.stopped_at
+    if waited > timedelta(seconds=worker_settings().redispatch_after_s):
+        return None
+    latest = (
+        job.checkpoints.exclude(path="").order_by("-step").values_list("step", flat=True).first()
+    )
+    return previous if (latest or 0) < previous.stopped_step else None
 
 
 def _note_waiting(*, job: FinetuneJob, rows: list[dict[str, Any]]) -> None:

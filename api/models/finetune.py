@@ -238,6 +238,10 @@ class Placement(models.Model):
     created_at = models.DateTimeField(auto_now_add=True)
     started_at = models.DateTimeField(null=True, blank=True)
     ended_at = models.DateTimeField(null=True, blank=True)
+    stopped_step = models.PositiveIntegerField(null=True, blank=True)
+    """The step its host reported stopping at (`job_stopped`): a pause's checkpoint is there."""
+    stopped_at = models.DateTimeField(null=True, blank=True)
+    """When that stop report was applied."""
 
     class Meta:
         ordering = ["-created_at", "-id"]

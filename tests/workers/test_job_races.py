@@ -94,6 +94,50 @@ def test_a_resume_waits_for_the_paused_host_and_resumes_from_its_pause_checkpoin
     }
 
 
+def test_a_stop_applied_before_its_checkpoint_waits_for_that_checkpoint(
+    placed: Placement, job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    """The host sends the pause's checkpoint, then its stop; a retried checkpoint report is
+    applied after the stop. The resumed job waits for it and resumes from it."""
+    assert host_report_apply(message=_checkpoint(placed, 10)) == "applied"
+    with django_capture_on_commit_callbacks(execute=True):
+        finetune_job_pause(job=job)
+        finetune_job_resume(job=job)
+    drain_host_queue("h1")
+    with django_capture_on_commit_callbacks(execute=True):
+        stopped = _report("job_stopped", placed, reason="paused", step=18)
+        assert host_report_apply(message=stopped) == "applied"
+        assert job_place(job_id=job.id) is None  # step 18's checkpoint is not recorded yet
+    assert job.events.filter(
+        message="Waiting for the checkpoint of step 18 that host h1 stopped at"
+    ).exists()
+    assert not Placement.objects.filter(job=job).exclude(pk=placed.pk).exists()
+    with django_capture_on_commit_callbacks(execute=True) as callbacks:
+        assert host_report_apply(message=_checkpoint(placed, 18)) == "applied"
+    assert callbacks, "the awaited checkpoint places the job at once"
+    with django_capture_on_commit_callbacks(execute=True):
+        second = job_place(job_id=job.id)
+    assert second is not None
+    assert PlacementDecision.objects.get(placement=second).resume_step == 18
+
+
+def test_a_stop_whose_checkpoint_never_comes_resumes_from_the_latest_after_a_while(
+    placed: Placement, job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    assert host_report_apply(message=_checkpoint(placed, 10)) == "applied"
+    with django_capture_on_commit_callbacks(execute=True):
+        finetune_job_pause(job=job)
+        finetune_job_resume(job=job)
+        stopped = _report("job_stopped", placed, reason="paused", step=18)
+        assert host_report_apply(message=stopped) == "applied"
+        assert job_place(job_id=job.id) is None
+    Placement.objects.filter(pk=placed.pk).update(stopped_at=timezone.now() - timedelta(seconds=60))
+    with django_capture_on_commit_callbacks(execute=True):
+        second = job_place(job_id=job.id)
+    assert second is not None
+    assert PlacementDecision.objects.get(placement=second).resume_step == 10
+
+
 def test_a_success_that_raced_a_pause_leaves_the_job_paused_with_its_final_checkpoint(
     placed: Placement, job: FinetuneJob, django_capture_on_commit_callbacks: Any
 ) -> None:

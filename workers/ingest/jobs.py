@@ -230,6 +230,8 @@ def checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
             valid_mean_token_accuracy=metrics.get("valid_mean_token_accuracy"),
         )
     job_checkpoints_prune(job=job, keep=worker_settings().keep_checkpoints)
+    if job.status == JobStatus.QUEUED:  # a resumed job may wait for this checkpoint
+        _place_on_commit(job.id)
     return "applied"
 
 
@@ -285,17 +287,27 @@ def job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
             "stopped_at": message.get("sent_at"),  # Unix s, the host's clock
         },
     )
-    _forget_placement(host, int(message["placement_id"]))
+    placement_id = int(message["placement_id"])
+    _forget_placement(host, placement_id)
+    step = message.get("step")
+    if isinstance(step, int) and not isinstance(step, bool) and step >= 0:
+        Placement.objects.filter(pk=placement_id, job=job).update(
+            stopped_step=step, stopped_at=timezone.now()
+        )
     if job.status == JobStatus.QUEUED:
-        job_id = job.id
-
-        def place() -> None:
-            from workers.tasks import place_job
-
-            place_job.delay(job_id)
-
-        transaction.on_commit(place, robust=True)
+        _place_on_commit(job.id)
     return "applied"
+
+
+def _place_on_commit(job_id: str) -> None:
+    """Place a queued job once this transaction commits (a resumed job that waited)."""
+
+    def place() -> None:
+        from workers.tasks import place_job
+
+        place_job.delay(job_id)
+
+    transaction.on_commit(place, robust=True)
 
 
 def _forget_placement(host: GpuHost, placement_id: int) -> None:
