@@ -9,8 +9,12 @@ import pytest
 
 
 def _on_sqlite() -> bool:
-    from django.conf import settings
-
+    """Whether the test database is SQLite; False where Django is not installed (a GPU
+    machine runs the runtime's tests, which need neither Django nor a database)."""
+    try:
+        from django.conf import settings
+    except ImportError:
+        return False
     return bool(settings.DATABASES["default"]["ENGINE"] == "django.db.backends.sqlite3")
 
 
