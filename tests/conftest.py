@@ -20,10 +20,10 @@ def _on_sqlite() -> bool:
 
 def _sqlite_test_files() -> list[Path]:
     """The SQLite test database of this process and its WAL files ([] on PostgreSQL)."""
-    from django.conf import settings
-
     if not _on_sqlite():
         return []
+    from django.conf import settings
+
     name = Path(settings.DATABASES["default"]["TEST"]["NAME"])
     return [name, name.with_name(name.name + "-wal"), name.with_name(name.name + "-shm")]
 
