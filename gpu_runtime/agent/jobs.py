@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import logging
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from gpu_runtime.contract.chat import ChatTokenizer
 from gpu_runtime.contract.training_data import jsonl_lines
@@ -50,6 +51,9 @@ from gpu_runtime.model import CausalLM
 from gpu_runtime.storage import Storage
 
 logger = logging.getLogger(__name__)
+
+
+T = TypeVar("T")
 
 
 class JobSetupError(RuntimeError):
@@ -86,40 +90,45 @@ class JobRun:
         return sum(record.tokens for record in self.trainer.history)
 
 
-def _read_lines(storage: Storage, key: str, source: str) -> list[bytes]:
+def _read_file(
+    storage: Storage, key: str, file_id: str, tokenize: Callable[[list[bytes], str], T]
+) -> T:
+    """`tokenize(lines, source)` of file `file_id` stored under `key`; JobSetupError naming the
+    file by id (never by its storage key) when it cannot be read or trained on."""
+    source = f"file {file_id}"
     try:
-        return jsonl_lines(b"".join(storage.read_chunks(key)))
+        lines = jsonl_lines(b"".join(storage.read_chunks(key)))
     except (FileNotFoundError, OSError) as exc:
         logger.error("cannot read %s (storage key %s): %s", source, key, exc)
         raise JobSetupError(f"{source} cannot be read from storage; upload it again") from exc
+    try:
+        return tokenize(lines, source)
+    except ExamplesTooLongError as exc:
+        raise JobSetupError(str(exc), code="example_too_long") from exc
+    except TrainingDataError as exc:
+        raise JobSetupError(str(exc), code="invalid_file_format") from exc
 
 
 def read_examples(
     storage: Storage, key: str, file_id: str, tokenizer: ChatTokenizer, max_seq_len: int
 ) -> tuple[TokenizedExample, ...]:
-    """The examples of file `file_id` stored under `key`; JobSetupError naming the file by id."""
-    source = f"file {file_id}"
-    lines = _read_lines(storage, key, source)
-    try:
+    """The examples of file `file_id` stored under `key` (errors: see `_read_file`)."""
+
+    def tokenize(lines: list[bytes], source: str) -> tuple[TokenizedExample, ...]:
         return tokenize_lines(lines, tokenizer, max_seq_len, source=source).examples
-    except ExamplesTooLongError as exc:
-        raise JobSetupError(str(exc), code="example_too_long") from exc
-    except TrainingDataError as exc:
-        raise JobSetupError(str(exc), code="invalid_file_format") from exc
+
+    return _read_file(storage, key, file_id, tokenize)
 
 
 def read_pairs(
     storage: Storage, key: str, file_id: str, tokenizer: ChatTokenizer, max_seq_len: int
 ) -> tuple[PreferencePair, ...]:
-    """The preference pairs of DPO file `file_id` stored under `key` (errors as read_examples)."""
-    source = f"file {file_id}"
-    lines = _read_lines(storage, key, source)
-    try:
+    """The preference pairs of DPO file `file_id` stored under `key` (errors as above)."""
+
+    def tokenize(lines: list[bytes], source: str) -> tuple[PreferencePair, ...]:
         return tokenize_preference_lines(lines, tokenizer, max_seq_len, source=source).pairs
-    except ExamplesTooLongError as exc:
-        raise JobSetupError(str(exc), code="example_too_long") from exc
-    except TrainingDataError as exc:
-        raise JobSetupError(str(exc), code="invalid_file_format") from exc
+
+    return _read_file(storage, key, file_id, tokenize)
 
 
 def build_job_run(

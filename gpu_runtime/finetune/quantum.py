@@ -6,6 +6,7 @@ import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -67,6 +68,36 @@ class QuantumResult:
     (``LoraTrainer.start_quantum``) its real duration, whenever its result is read."""
     recompute: bool = False
     """Whether the completed micro-batch recomputed its activations in the backward."""
+
+
+def no_training_result(
+    *,
+    step: int,
+    position: DataPosition,
+    finished: bool,
+    wall_s: float,
+    peak: int | None,
+    **fields: Any,
+) -> QuantumResult:
+    """A quantum that trained no example (a layer slice short of its micro-batch's end, or a
+    validation pass): no tokens, no loss, no optimizer step; `fields` as QuantumResult's."""
+    return QuantumResult(
+        examples=0,
+        tokens=0,
+        padded_tokens=0,
+        loss_tokens=0,
+        loss=None,
+        optimizer_step=False,
+        step=step,
+        batch_loss=None,
+        learning_rate=None,
+        grad_norm=None,
+        wall_s=wall_s,
+        peak_memory_bytes=peak,
+        position=position,
+        finished=finished,
+        **fields,
+    )
 
 
 @dataclass(frozen=True)

@@ -51,7 +51,13 @@ from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import PeftTreeStack, chunked_lm_head_loss, training_hidden_states
 from gpu_runtime.finetune.pending import PendingQuantum
-from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, TrainerRng, swapped_rng
+from gpu_runtime.finetune.quantum import (
+    QuantumResult,
+    StepRecord,
+    TrainerRng,
+    no_training_result,
+    swapped_rng,
+)
 from gpu_runtime.finetune.schedule import LrSchedule
 from gpu_runtime.finetune.sliced import SlicedMicroBatch
 from gpu_runtime.finetune.validation import (
@@ -362,21 +368,12 @@ class LoraTrainer(GraphedQuantaMixin):
             host_s = time.perf_counter() - start
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            return QuantumResult(
-                examples=0,
-                tokens=0,
-                padded_tokens=0,
-                loss_tokens=0,
-                loss=None,
-                optimizer_step=False,
+            return no_training_result(
                 step=self.step,
-                batch_loss=None,
-                learning_rate=None,
-                grad_norm=None,
-                wall_s=time.perf_counter() - start,
-                peak_memory_bytes=self._peak(),
                 position=self.stream.position,
                 finished=False,
+                wall_s=time.perf_counter() - start,
+                peak=self._peak(),
                 layer_passes=passes,
                 micro_batch_done=False,
                 host_s=host_s,

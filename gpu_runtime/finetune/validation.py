@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeVar
 
 import torch
 
-from gpu_runtime.finetune.quantum import QuantumResult
+from gpu_runtime.finetune.quantum import QuantumResult, no_training_result
 
 if TYPE_CHECKING:
     from gpu_runtime.finetune.trainer import LoraTrainer
@@ -202,21 +202,12 @@ class CheckpointEvaluation:
         graph: dict[str, Any] = {}
         if trainer.graphs is not None:
             graph = {"graph": "eager", "graph_fallback": "validation passes run eagerly"}
-        return QuantumResult(
-            examples=0,
-            tokens=0,
-            padded_tokens=0,
-            loss_tokens=0,
-            loss=None,
-            optimizer_step=False,
+        return no_training_result(
             step=trainer.step,
-            batch_loss=None,
-            learning_rate=None,
-            grad_norm=None,
-            wall_s=time.perf_counter() - start,
-            peak_memory_bytes=trainer._peak(),
             position=trainer.stream.position,
             finished=trainer.finished,
+            wall_s=time.perf_counter() - start,
+            peak=trainer._peak(),
             checkpoint=written,
             **graph,
         )
