@@ -54,3 +54,16 @@ def fraction_pct(value: object) -> str:
     if not _is_number(value):
         return MISSING
     return f"{100.0 * value:.1f}%"
+
+
+@register.simple_tag
+def job_setting(job: object, name: str) -> str:
+    """A job's training setting `name` as a host ran it: the value the tenant gave, or, for
+    "auto", what the job's host resolved it to ("1.0 (auto)"; "auto" until a host starts it).
+    A DPO job's `beta` is `dpo_beta`."""
+    requested = getattr(job, "hyperparameters", None) or {}
+    value = getattr(job, "dpo_beta", None) if name == "beta" else requested.get(name)
+    resolved = (getattr(job, "resolved_hyperparameters", None) or {}).get(name)
+    if value == "auto":
+        return "auto" if resolved is None else f"{resolved} (auto)"
+    return MISSING if value is None else str(value)

@@ -368,3 +368,27 @@ def test_a_stalled_job_shows_stalled_not_running(operator_client: Client, seeded
     stalled.update(stalled_at=None)
     listing = operator_client.get("/console/jobs/?host=gpu-a").content.decode()
     assert "badge-stalled" not in listing and "badge-running" in listing
+
+
+def test_job_page_shows_what_auto_settings_became(operator_client: Client, seeded: Seeded) -> None:
+    """The settings card shows a host's resolved value beside "auto", as the API does."""
+    job = seeded.running_job
+    FinetuneJob.objects.filter(pk=job.pk).update(
+        hyperparameters={"n_epochs": 3, "batch_size": "auto", "learning_rate_multiplier": "auto"},
+        resolved_hyperparameters=None,
+    )
+
+    def settings() -> str:
+        page = operator_client.get(f"/console/jobs/{job.pk}/").content.decode()
+        card = page[page.index("<h2>Settings</h2>") :]
+        return card[: card.index("</dl>")]
+
+    before = settings()
+    assert "<dt>Epochs</dt><dd>3</dd>" in before
+    assert "<dt>Batch size</dt><dd>auto</dd>" in before  # no host has resolved it yet
+    FinetuneJob.objects.filter(pk=job.pk).update(
+        resolved_hyperparameters={"n_epochs": 3, "batch_size": 4, "learning_rate_multiplier": 2.0}
+    )
+    after = settings()
+    assert "<dt>Batch size</dt><dd>4 (auto)</dd>" in after
+    assert "<dt>LR multiplier</dt><dd>2.0 (auto)</dd>" in after
