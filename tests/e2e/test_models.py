@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import io
 import tarfile
-import time
+from datetime import timedelta
 from functools import partial
 from pathlib import Path
 
@@ -47,6 +47,8 @@ def _lists(agent: OpenAI, model: str) -> bool:
 def test_checkpoint_serves_by_name_and_deleted_models_leave_every_host(
     cluster: Cluster, seeded: Tenants
 ) -> None:
+    from django.utils import timezone
+
     from workers.models import HostAgentState
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
@@ -119,8 +121,16 @@ def test_checkpoint_serves_by_name_and_deleted_models_leave_every_host(
     for host, agent in agents.items():
         wait_until(partial(_refused, agent, ckpt_model), 10, f"{host} to refuse the ckpt")
 
-    # Heartbeats (every 0.5 s) do not bring either back.
-    time.sleep(2.5)
+    # Heartbeats do not bring either back: wait until each host's heartbeats of the next 2 s
+    # (4 at 0.5 s) have been applied, however far behind the worker runs.
+    after = timezone.now() + timedelta(seconds=2)
+
+    def heartbeat_applied(host: str) -> bool:
+        state = HostAgentState.objects.filter(host__name=host, reported_at__gt=after)
+        return state.exists()
+
+    for host in AGENTS:
+        wait_until(partial(heartbeat_applied, host), 30, f"{host}'s heartbeats after the deletes")
     for host, agent in agents.items():
         assert _refused(agent, model) and _refused(agent, ckpt_model)
         served = HostAgentState.objects.get(host__name=host).adapters
