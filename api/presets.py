@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.contract.model_config import ModelConfig
 
 
 @dataclass(frozen=True)

@@ -59,11 +59,11 @@ class JobProgress:
 def estimated_total_steps(*, job: FinetuneJob) -> int | None:
     """Optimizer steps the runtime takes: as its host counted them, else epochs x
     ceil(examples / batch size) with "auto" resolved by the runtime's own rule
-    (`gpu_runtime.finetune.hparams`, imported only then: its package loads torch). None if
+    (`gpu_runtime.contract.hparams`, imported only then: its package loads torch). None if
     unknowable."""
     if job.total_steps:
         return job.total_steps
-    from gpu_runtime.finetune.hparams import HyperparameterError, resolve_hyperparameters
+    from gpu_runtime.contract.hparams import HyperparameterError, resolve_hyperparameters
 
     try:
         examples = job.training_file.line_count

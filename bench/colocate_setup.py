@@ -31,9 +31,9 @@ from gpu_runtime.colocation import (
 from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.colocation.simulator import PrefillCost, SimulatedHost, fit_truth_from_profile
 from gpu_runtime.colocation.types import JobView
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.data import TokenizedExample
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import ModelConfig, build_random_model
 

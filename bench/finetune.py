@@ -68,7 +68,7 @@ from bench.finetune_runs import (
     run_ours,
 )
 from bench.provenance import gpu_slug
-from gpu_runtime.finetune.hparams import LoraSpec
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.model import ModelConfig, build_random_model
 
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.batching import epoch_order
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
 

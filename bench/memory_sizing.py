@@ -165,7 +165,7 @@ def lora_trainer(model: Any, args: Any, *, examples: int, epochs: int, batch_siz
     """The bench's LoRA job (rank 16, alpha 32, q/k/v/o, no dropout) on `examples` synthetic
     `--ft-seq-len`-token examples; CUDA-graphed quanta on CUDA unless `--ft-eager`."""
     from bench.colocate import synthetic_examples
-    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
 
     hparams = resolve_hyperparameters(

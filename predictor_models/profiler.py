@@ -136,7 +136,7 @@ class Profiler:
 
     def _tree(self, rank: int) -> Any:
         if rank not in self.trees:
-            from gpu_runtime.finetune.hparams import LoraSpec
+            from gpu_runtime.contract.hparams import LoraSpec
             from gpu_runtime.finetune.lora import build_training_model
 
             self.trees[rank] = build_training_model(self.model, LoraSpec(rank=rank), seed=rank)

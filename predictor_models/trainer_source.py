@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from gpu_runtime.contract.hparams import FinetuneHyperparameters, LoraSpec
 from gpu_runtime.finetune.data import TokenizedExample
-from gpu_runtime.finetune.hparams import FinetuneHyperparameters, LoraSpec
 from gpu_runtime.finetune.quantum import QuantumResult
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM

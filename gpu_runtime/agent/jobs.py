@@ -5,7 +5,7 @@ tokenized with the host's training tokenizer under the JobSpec's `max_seq_len` (
 `gpu_runtime.contract.training_data`, which the control plane checked the files against before
 queueing; a DPO job's, `spec["method"] == "dpo"`, hold preference pairs and train a
 `DpoTrainer`); "auto" hyperparameters resolve with
-`gpu_runtime.finetune.hparams.resolve_hyperparameters` (deterministic in the file), so every host
+`gpu_runtime.contract.hparams.resolve_hyperparameters` (deterministic in the file), so every host
 that runs the job builds the same trainer and a checkpoint written on one resumes exactly on
 another. Checkpoints are written locally by the trainer, then copied to storage under
 `checkpoints/<job>/step-<N>`; the finished adapter goes to `adapters/<job>`.
@@ -25,6 +25,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from gpu_runtime.contract.chat import ChatTokenizer
+from gpu_runtime.contract.hparams import (
+    BASE_LEARNING_RATE,
+    LoraSpec,
+    resolve_dpo_beta,
+    resolve_hyperparameters,
+)
 from gpu_runtime.contract.training_data import jsonl_lines
 from gpu_runtime.finetune.checkpoint import (
     ADAPTER_CONFIG,
@@ -39,12 +45,6 @@ from gpu_runtime.finetune.data import (
     tokenize_lines,
 )
 from gpu_runtime.finetune.dpo_trainer import DpoTrainer
-from gpu_runtime.finetune.hparams import (
-    BASE_LEARNING_RATE,
-    LoraSpec,
-    resolve_dpo_beta,
-    resolve_hyperparameters,
-)
 from gpu_runtime.finetune.preference_data import PreferencePair, tokenize_preference_lines
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM

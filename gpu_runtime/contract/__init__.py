@@ -5,5 +5,7 @@ Django, so the web process can use them):
   the longest example a job may train on (`training_max_seq_len`);
 * `chat` — rendering a conversation with the tokenizer's chat template, and its assistant spans;
 * `tokenizer` — the training tokenizer of a base model, loaded from its tokenizer files;
-* `tiny_tokenizer` — the tiny built-in model's tokenizer.
+* `tiny_tokenizer` — the tiny built-in model's tokenizer;
+* `model_config` — a model's shape (`ModelConfig`, its presets, the HF `config.json` form);
+* `hparams` — a job's hyperparameters as hosts resolve them ("auto", LoRA options, ranges).
 """

@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.contract.model_config import ModelConfig
 
 KVStorageFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
 

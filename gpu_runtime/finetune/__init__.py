@@ -11,6 +11,12 @@ Entry points:
 * :class:`MultiLoraRuntime` — finished adapters served by name beside base requests in one batch.
 """
 
+from gpu_runtime.contract.hparams import (
+    FinetuneHyperparameters,
+    HyperparameterError,
+    LoraSpec,
+    resolve_hyperparameters,
+)
 from gpu_runtime.finetune.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -20,12 +26,6 @@ from gpu_runtime.finetune.checkpoint import (
 )
 from gpu_runtime.finetune.data import TokenizedDataset, TrainingDataError, load_jsonl
 from gpu_runtime.finetune.dpo_trainer import DpoTrainer
-from gpu_runtime.finetune.hparams import (
-    FinetuneHyperparameters,
-    HyperparameterError,
-    LoraSpec,
-    resolve_hyperparameters,
-)
 from gpu_runtime.finetune.job import FinetuneJob, open_job
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.finetune.quantum import QuantumResult, StepRecord

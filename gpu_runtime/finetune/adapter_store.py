@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.checkpoint import read_adapter
-from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.lora import PEFT_KEY_PREFIX
 from gpu_runtime.model import ModelConfig
 

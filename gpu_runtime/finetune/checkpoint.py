@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from gpu_runtime.contract.hparams import FinetuneHyperparameters, LoraSpec
 from gpu_runtime.finetune.batching import DataPosition
 from gpu_runtime.finetune.data import TokenizedExample
-from gpu_runtime.finetune.hparams import FinetuneHyperparameters, LoraSpec
 from gpu_runtime.finetune.lora import ADAPTER_NAME, PEFT_KEY_PREFIX, adapter_state_dict, lora_config
 from gpu_runtime.finetune.preference_data import PreferencePair
 

@@ -32,6 +32,7 @@ from typing import Any, cast
 
 import torch
 
+from gpu_runtime.contract.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.batching import MicroBatch
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.dpo import (
@@ -41,7 +42,6 @@ from gpu_runtime.finetune.dpo import (
     sequence_logprobs,
     tuner_layers,
 )
-from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.loss import training_hidden_states
 from gpu_runtime.finetune.preference_data import PreferencePair
 from gpu_runtime.finetune.quantum import QuantumResult

@@ -1,7 +1,7 @@
 """One finetune job on a runtime host: files + the control plane's settings -> a trainer.
 
 :func:`open_job` reads and tokenizes the training (and optional validation) JSONL, resolves the
-job's OpenAI-style hyperparameters ("auto" included, see :mod:`gpu_runtime.finetune.hparams`),
+job's OpenAI-style hyperparameters ("auto" included, see :mod:`gpu_runtime.contract.hparams`),
 builds a :class:`LoraTrainer` over the serving model's tensors and, when ``checkpoint_root``
 already holds a checkpoint of this job (a host that lost the job, or a restart), resumes from the
 latest one. The host loop then calls ``job.trainer.step_quantum(...)`` between decode steps.
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any
 
 from gpu_runtime.contract.chat import ChatTokenizer
+from gpu_runtime.contract.hparams import AUTO, LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.checkpoint import latest_checkpoint, load_checkpoint
 from gpu_runtime.finetune.data import TokenizedDataset, load_jsonl
-from gpu_runtime.finetune.hparams import AUTO, LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
 

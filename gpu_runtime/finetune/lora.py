@@ -20,7 +20,7 @@ import torch
 from peft import LoraConfig, get_peft_model_state_dict, inject_adapter_in_model
 from torch import nn
 
-from gpu_runtime.finetune.hparams import LoraSpec
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.model import CausalLM
 
 ADAPTER_NAME = "default"

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import torch
 
+from gpu_runtime.contract.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from gpu_runtime.engine.lora import LoraGroup
 from gpu_runtime.finetune.adapter_store import AdapterManager, UnknownAdapterError
-from gpu_runtime.finetune.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from gpu_runtime.finetune.lora_forward import MultiLoraForward
 from gpu_runtime.finetune.multi_lora import StackedLoraWeights
 from gpu_runtime.model import CausalLM

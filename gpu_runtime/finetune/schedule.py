@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from gpu_runtime.finetune.hparams import LrScheduleKind
+from gpu_runtime.contract.hparams import LrScheduleKind
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from gpu_runtime.contract.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan
 from gpu_runtime.finetune.graphs import MicroBatchGraphs
-from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import QuantumResult, StepRecord
 from gpu_runtime.finetune.schedule import LrSchedule

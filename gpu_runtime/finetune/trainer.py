@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.contract.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan, collate
 from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
@@ -47,7 +48,6 @@ from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.graph_policy import CapturePolicy
 from gpu_runtime.finetune.graphed import GraphedQuantaMixin
 from gpu_runtime.finetune.graphs import MicroBatchGraphs
-from gpu_runtime.finetune.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import PeftTreeStack, chunked_lm_head_loss, training_hidden_states
 from gpu_runtime.finetune.pending import PendingQuantum

@@ -1,6 +1,6 @@
 """Llama-family model (Llama 3, Qwen2/2.5): config, module tree with HF names, loading."""
 
-from gpu_runtime.model.config import ModelConfig, ModelConfigError
+from gpu_runtime.contract.model_config import ModelConfig, ModelConfigError
 from gpu_runtime.model.llama import AttentionFn, CausalLM, DenseCausalAttention
 from gpu_runtime.model.loader import (
     ModelLoadError,

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.contract.model_config import ModelConfig
 
 
 class AttentionFn(Protocol):

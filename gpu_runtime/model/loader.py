@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.contract.model_config import ModelConfig
 from gpu_runtime.model.llama import CausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

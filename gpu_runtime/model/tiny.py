@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from gpu_runtime.contract.model_config import ModelConfig
 from gpu_runtime.contract.tiny_tokenizer import (
     CHAT_TEMPLATE,
     SPECIAL_TOKENS,
     TOKENIZER_VOCAB,
     build_tiny_tokenizer,
 )
-from gpu_runtime.model.config import ModelConfig
 from gpu_runtime.model.loader import build_random_model, save_model
 
 __all__ = [

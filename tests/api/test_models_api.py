@@ -41,8 +41,8 @@ class Trained:
 
 
 def _peft_tree(base: Any, directory: Path, seed: int) -> Path:
+    from gpu_runtime.contract.hparams import LoraSpec
     from gpu_runtime.finetune.checkpoint import save_adapter
-    from gpu_runtime.finetune.hparams import LoraSpec
     from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 
     spec = LoraSpec(rank=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj"))

@@ -9,7 +9,7 @@ import pytest
 
 from api.presets import PRESETS, preset_get
 from api.storage import LocalStorage
-from gpu_runtime.model.config import ModelConfig
+from gpu_runtime.contract.model_config import ModelConfig
 
 
 def test_preset_shapes() -> None:

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.data import TokenizedExample
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.memory import MemoryPolicyConfig, build_host_memory, engine_kv_layout
 from gpu_runtime.memory.factory import HostMemory

@@ -6,7 +6,7 @@ import random
 
 import torch
 
-from gpu_runtime.finetune.hparams import LoraSpec
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.lora import build_training_model
 from gpu_runtime.model import ModelConfig, build_random_model
 from predictor_models.profile import sample_decode, sample_finetune

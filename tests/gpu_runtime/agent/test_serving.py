@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gpu_runtime.agent.serving import lora_runtime
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.engine import SamplingParams
 from gpu_runtime.finetune.checkpoint import save_adapter
-from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.server import KeyGrant, create_app

@@ -21,8 +21,8 @@ from gpu_runtime.colocation import (
     PlanError,
 )
 from gpu_runtime.colocation.executor import QuantumTask, SequentialExecutor
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import build_random_model
 from gpu_runtime.model.tiny import tiny_config

@@ -14,9 +14,9 @@ from gpu_runtime.colocation import HostLoop
 from gpu_runtime.colocation.baselines import StaticSplitPolicy
 from gpu_runtime.colocation.executor import ThreadedExecutor
 from gpu_runtime.colocation.types import QuantumReport
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.sharing import create_sharing
 from tests.gpu_runtime.finetune.conftest import cuda_serving_model

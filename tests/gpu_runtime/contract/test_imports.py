@@ -1,5 +1,6 @@
-"""The shared rules import neither torch nor Django, and the control plane's use of them (the
-job-file check, a tokenizer built and used) pulls no torch into the web process."""
+"""The shared rules import neither torch nor Django, the control plane's use of them (the
+job-file check, a tokenizer built and used) pulls no torch into the web process, and no module
+of the control plane's packages loads torch at all."""
 
 from __future__ import annotations
 
@@ -28,6 +29,21 @@ base_model_tokenizer(base_model=BaseModel(name="tiny", preset="tiny", context_le
 print("torch" in sys.modules)
 """
 
+EVERY_MODULE = """
+import importlib, os, pkgutil, sys
+import django
+os.environ["DJANGO_SETTINGS_MODULE"] = "config.settings.test"
+django.setup()
+names = []
+for package in ("config", "api", "console", "workers"):
+    root = importlib.import_module(package)
+    for info in pkgutil.walk_packages(root.__path__, package + "."):
+        if not info.name.startswith("config.settings."):  # production needs its environment
+            names.append(info.name)
+loaded = [n for n in names if importlib.import_module(n) and "torch" in sys.modules]
+print(len(names), loaded[:1])
+"""
+
 
 def _run(code: str) -> str:
     done = subprocess.run(
@@ -42,3 +58,9 @@ def test_the_contract_imports_neither_torch_nor_django() -> None:
 
 def test_the_control_planes_file_check_imports_no_torch() -> None:
     assert _run(CONTROL_PLANE) == "False"
+
+
+def test_no_module_of_the_control_plane_loads_torch() -> None:
+    count, first = _run(EVERY_MODULE).split(" ", 1)
+    assert int(count) > 90  # every module was walked (api, console, workers and config)
+    assert first == "[]", f"{first} loads torch"

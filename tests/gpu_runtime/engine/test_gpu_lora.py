@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.engine.lora import LoraGroup, lora_expand_add_reference
 from gpu_runtime.finetune.adapter_store import HostAdapter
 from gpu_runtime.finetune.checkpoint import save_adapter
-from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.model import CausalLM

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -17,7 +18,6 @@ from gpu_runtime.finetune.checkpoint import (
     save_adapter,
     save_checkpoint,
 )
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import training_hidden_states
 from gpu_runtime.finetune.trainer import LoraTrainer

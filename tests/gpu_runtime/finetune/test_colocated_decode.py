@@ -7,8 +7,8 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import build_random_model
 from gpu_runtime.model.tiny import tiny_config

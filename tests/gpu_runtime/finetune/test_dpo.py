@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from gpu_runtime.contract.chat import ChatMessage
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.contract.training_data import IGNORE_INDEX, TrainingDataError, tokenize_chat
 from gpu_runtime.finetune.checkpoint import load_checkpoint
 from gpu_runtime.finetune.dpo_trainer import DpoTrainer
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.loss import training_hidden_states
 from gpu_runtime.finetune.preference_data import PreferencePair, tokenize_preference_lines
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.dpo_trainer import DpoTrainer
-from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.preference_data import PreferencePair, tokenize_preference_lines
 from tests.gpu_runtime.finetune.conftest import cuda_serving_model
 from tests.gpu_runtime.finetune.test_dpo import TOY, hparams, preference_line

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.checkpoint import load_checkpoint
 from gpu_runtime.finetune.dpo_trainer import DpoTrainer
-from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.preference_data import PreferencePair, tokenize_preference_lines
 from gpu_runtime.finetune.validation import CHECKPOINT_METRIC_KEYS, validation_sample
 from tests.gpu_runtime.finetune.test_dpo import TOY, direct_logps, hparams, preference_line

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
-from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import training_hidden_states
 from gpu_runtime.model import build_random_model

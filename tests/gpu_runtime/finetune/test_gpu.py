@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.finetune.trainer import LoraTrainer

@@ -8,11 +8,11 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.batching import DataStream, collate
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
 from gpu_runtime.finetune.graph_policy import CapturePolicy, GraphKey, bucket_length
 from gpu_runtime.finetune.graphs import graph_key, pack_inputs, unpack_inputs
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import chunked_lm_head_loss, training_hidden_states
 from gpu_runtime.finetune.trainer import LoraTrainer

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.checkpoint import latest_checkpoint, load_checkpoint
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
 from tests.gpu_runtime.finetune.conftest import cuda_serving_model

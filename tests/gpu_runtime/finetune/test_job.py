@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.finetune.hparams import LoraSpec
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.job import open_job
 
 

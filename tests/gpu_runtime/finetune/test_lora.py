@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.lora import (
     SharedWeightsError,
     adapter_parameters,

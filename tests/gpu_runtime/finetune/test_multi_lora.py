@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.adapter_store import (
     AdapterManager,
     HostAdapter,
@@ -16,7 +17,6 @@ from gpu_runtime.finetune.adapter_store import (
     UnknownAdapterError,
 )
 from gpu_runtime.finetune.checkpoint import save_adapter
-from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.finetune.multi_lora import (

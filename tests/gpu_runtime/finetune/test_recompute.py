@@ -10,12 +10,12 @@ from typing import Any
 import pytest
 import torch
 
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.batching import collate
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.graph_policy import CapturePolicy, GraphKey
 from gpu_runtime.finetune.graph_pools import SHARED, PoolGroups, separate_except
 from gpu_runtime.finetune.graphs import graph_key
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM

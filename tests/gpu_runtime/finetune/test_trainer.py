@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_runtime.finetune.batching import collate
-from gpu_runtime.finetune.hparams import (
+from gpu_runtime.contract.hparams import (
     HyperparameterError,
     LoraSpec,
     resolve_hyperparameters,
 )
+from gpu_runtime.finetune.batching import collate
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import chunked_lm_head_loss, training_hidden_states
 from gpu_runtime.finetune.schedule import LrSchedule

@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.batching import collate
 from gpu_runtime.finetune.checkpoint import load_checkpoint
 from gpu_runtime.finetune.data import IGNORE_INDEX
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.loss import training_hidden_states
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.finetune.validation import CHECKPOINT_METRIC_KEYS, validation_sample

@@ -230,9 +230,9 @@ def test_a_loop_planning_ahead_over_the_cuda_pool_matches_a_plain_engine() -> No
     unmapping KV pages, counted in the CPU test): the tokens of a plain synchronous engine,
     the pool consistent."""
     from gpu_runtime.colocation import HostLoop, NaivePolicy
+    from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
     from gpu_runtime.finetune.data import TokenizedExample
-    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
     from gpu_runtime.memory import EngineMemory
 

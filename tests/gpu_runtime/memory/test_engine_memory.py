@@ -146,7 +146,7 @@ def test_scheduler_demand_counts_next_chunks_and_waiting_prompts(model: CausalLM
 
 def test_the_host_loop_runs_decode_and_a_lora_job_over_the_pool(model: CausalLM) -> None:
     from gpu_runtime.colocation import HostLoop, NaivePolicy
-    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
 
     engine, memory = _pooled_engine(model, pages=48)
@@ -175,7 +175,7 @@ def test_a_loop_planning_ahead_over_the_pool_decodes_as_a_plain_engine(model: Ca
     ahead inside the current one, the pool's maintenance runs while the step ahead computes,
     and it waits for that step before unmapping KV pages."""
     from gpu_runtime.colocation import HostLoop, NaivePolicy
-    from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
+    from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
     from gpu_runtime.finetune.trainer import LoraTrainer
 
     params = [

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from gpu_runtime.colocation import HostLoop, NaivePolicy
+from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.data import TokenizedExample
-from gpu_runtime.finetune.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.memory import build_host_memory
 from gpu_runtime.model import CausalLM, build_random_model

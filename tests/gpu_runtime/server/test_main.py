@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.checkpoint import save_adapter
-from gpu_runtime.finetune.hparams import LoraSpec
 from gpu_runtime.finetune.lora import build_training_model
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.model.loader import load_model
