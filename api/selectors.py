@@ -84,6 +84,11 @@ def job_checkpoint_list(*, job: FinetuneJob) -> QuerySet[JobCheckpoint]:
     return JobCheckpoint.objects.filter(job=job).select_related("job__tenant", "job__base_model")
 
 
+def job_checkpoint_latest(*, job: FinetuneJob) -> JobCheckpoint | None:
+    """The job's latest stored checkpoint (the one it resumes from), or None."""
+    return JobCheckpoint.objects.filter(job=job).exclude(path="").order_by("-step").first()
+
+
 def job_checkpoint_get(*, job: FinetuneJob, checkpoint_id: str) -> JobCheckpoint:
     """One checkpoint of `job` (already scoped to the tenant by `finetune_job_get`)."""
     checkpoint = job_checkpoint_list(job=job).filter(pk=checkpoint_id).first()

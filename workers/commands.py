@@ -13,6 +13,7 @@ from typing import Any
 from kombu.exceptions import OperationalError as BrokerOperationalError
 
 from api.models import FinetuneJob, JobCheckpoint, JobMethod, Placement
+from api.selectors import job_checkpoint_latest
 from config.celery import app
 from gpu_runtime.agent.protocol import HOST_COMMAND_TASK, adapter_key, check_command, host_queue
 from gpu_runtime.contract.training_data import training_max_seq_len
@@ -69,7 +70,7 @@ def send_host_command(*, host_name: str, command: str, **fields: Any) -> dict[st
 def placement_command(*, placement: Placement) -> dict[str, Any]:
     """apply_placement for `placement`, resuming from the job's latest checkpoint if any."""
     job = placement.job
-    resume = JobCheckpoint.objects.filter(job=job).exclude(path="").order_by("-step").first()
+    resume = job_checkpoint_latest(job=job)
     return {"placement_id": placement.pk, "job": job_spec(job=job, resume=resume)}
 
 

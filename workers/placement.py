@@ -33,12 +33,14 @@ from api.models import (
     FinetuneJob,
     GpuHost,
     HostStatus,
+    JobCheckpoint,
     JobEvent,
     JobMethod,
     JobStatus,
     Placement,
     PlacementState,
 )
+from api.selectors import job_checkpoint_latest
 from api.services.jobs import job_event_record
 from gpu_runtime.contract.training_data import training_max_seq_len
 from workers.conf import worker_settings
@@ -164,7 +166,14 @@ def job_place(*, job_id: str) -> Placement | None:
         if Placement.objects.filter(job=job, state__in=OPEN_PLACEMENT_STATES).exists():
             return None
         fresh_after = timezone.now() - timedelta(seconds=worker_settings().host_lost_after_s)
-        stopping = _still_training(job=job, fresh_after=fresh_after)
+        previous = (
+            Placement.objects.filter(job=job)
+            .select_related("host", "host__agent_state")
+            .order_by("-created_at", "-id")
+            .first()
+        )
+        latest = job_checkpoint_latest(job=job)
+        stopping = _still_training(previous=previous, fresh_after=fresh_after)
         if stopping is not None:
             _note(
                 job=job,
@@ -173,7 +182,7 @@ def job_place(*, job_id: str) -> Placement | None:
                 level=EventLevel.INFO,
             )
             return None
-        awaited = _checkpoint_in_flight(job=job)
+        awaited = _checkpoint_in_flight(previous=previous, latest=latest)
         if awaited is not None:
             _note(
                 job=job,
@@ -197,7 +206,6 @@ def job_place(*, job_id: str) -> Placement | None:
         best = _choose(eligible)
         host = next(h for h in hosts if h.name == best["host"])
         placement = Placement.objects.create(job=job, host=host)
-        latest = job.checkpoints.exclude(path="").order_by("-step").first()
         reasons = {
             "policy": POLICY,
             "needed_bytes": need,
@@ -224,17 +232,11 @@ def job_place(*, job_id: str) -> Placement | None:
         return placement
 
 
-def _still_training(*, job: FinetuneJob, fresh_after: Any) -> Placement | None:
-    """The job's previous placement while its host may still train it: released (a pause),
+def _still_training(*, previous: Placement | None, fresh_after: Any) -> Placement | None:
+    """The job's `previous` placement while its host may still train it: released (a pause),
     and the host's latest heartbeat, recent, names it. A resumed job waits for that host's
     stop (`job_stopped`, or a heartbeat without it), so it never trains on two hosts at once
     and resumes from the checkpoint its pause writes. A host gone silent is not waited for."""
-    previous = (
-        Placement.objects.filter(job=job)
-        .select_related("host", "host__agent_state")
-        .order_by("-created_at", "-id")
-        .first()
-    )
     if previous is None or previous.state != PlacementState.RELEASED:
         return None
     host = previous.host
@@ -246,27 +248,21 @@ def _still_training(*, job: FinetuneJob, fresh_after: Any) -> Placement | None:
     return previous if previous.pk in state.placements else None
 
 
-def _checkpoint_in_flight(*, job: FinetuneJob) -> Placement | None:
-    """The job's previous placement when its host reported stopping at a step whose checkpoint
-    is not recorded yet: the checkpoint report was sent first but may be applied later (a
-    report retried after a transient error runs behind the ones sent after it). The job waits
-    for it at most HARLI_REDISPATCH_AFTER_S after the stop, then resumes from the latest
-    checkpoint recorded (a report the broker lost never comes)."""
-    previous = (
-        Placement.objects.filter(job=job)
-        .select_related("host")
-        .order_by("-created_at", "-id")
-        .first()
-    )
+def _checkpoint_in_flight(
+    *, previous: Placement | None, latest: JobCheckpoint | None
+) -> Placement | None:
+    """The job's `previous` placement when its host reported stopping at a step whose
+    checkpoint is not recorded yet (`latest` is the job's latest recorded one): the checkpoint
+    report was sent first but may be applied later (a report retried after a transient error
+    runs behind the ones sent after it). The job waits for it at most HARLI_REDISPATCH_AFTER_S
+    after the stop, then resumes from `latest` (a report the broker lost never comes)."""
     if previous is None or previous.stopped_step is None or previous.stopped_at is None:
         return None
     waited = timezone.now() - previous.stopped_at
     if waited > timedelta(seconds=worker_settings().redispatch_after_s):
         return None
-    latest = (
-        job.checkpoints.exclude(path="").order_by("-step").values_list("step", flat=True).first()
-    )
-    return previous if (latest or 0) < previous.stopped_step else None
+    recorded = latest.step if latest is not None else 0
+    return previous if recorded < previous.stopped_step else None
 
 
 def _note_waiting(*, job: FinetuneJob, rows: list[dict[str, Any]]) -> None:

@@ -34,6 +34,7 @@ from api.models import (
     Placement,
     PlacementState,
 )
+from api.selectors import job_checkpoint_latest
 from api.services.jobs import finetune_job_transition, job_event_record
 from workers.conf import worker_settings
 from workers.placement import job_place
@@ -65,7 +66,7 @@ def host_mark_lost(*, host_id: int, silent_s: float) -> list[str]:
             placement.ended_at = now
             placement.save(update_fields=["state", "ended_at"])
             job = FinetuneJob.objects.select_for_update().get(pk=placement.job_id)
-            latest = job.checkpoints.exclude(path="").order_by("-step").first()
+            latest = job_checkpoint_latest(job=job)
             step = latest.step if latest else 0
             text = (
                 f"Host {host.name} lost (no heartbeat for {silent_s:.0f} s); the job resumes "
