@@ -19,6 +19,11 @@ from typing import Any
 
 from api.errors import HarliError
 from api.models.finetune import FileFormat
+from gpu_runtime.contract.training_data import (
+    PREFERENCE_KEYS,
+    ExampleError,
+    parse_preference_record,
+)
 
 CHAT_ROLES = frozenset({"system", "user", "assistant"})
 MAX_REPORTED_ERRORS = 10
@@ -89,57 +94,13 @@ def _prompt_completion_error(example: dict[str, Any]) -> str | None:
     return None
 
 
-PREFERENCE_KEYS = frozenset({"input", "preferred_output", "non_preferred_output"})
-
-
-def _preference_output_error(example: dict[str, Any], key: str) -> str | None:
-    output = example.get(key)
-    if not isinstance(output, list) or len(output) != 1 or not isinstance(output[0], dict):
-        return f"'{key}' must be a list of exactly one assistant message"
-    message = output[0]
-    if message.get("role") != "assistant":
-        return f"{key}[0].role must be 'assistant', got {message.get('role')!r}"
-    extra = sorted(set(message) - {"role", "content"})
-    if extra:
-        return f"{key}[0] has unsupported field(s): {', '.join(extra)}"
-    content = message.get("content")
-    if not isinstance(content, str) or not content:
-        return f"{key}[0].content must be a non-empty string"
-    return None
-
-
 def _preference_error(example: dict[str, Any]) -> str | None:
-    extra = sorted(set(example) - PREFERENCE_KEYS)
-    if extra:
-        return f"a preference example has unsupported field(s): {', '.join(extra)}"
-    prompt = example.get("input")
-    if not isinstance(prompt, dict):
-        return "'input' must be an object with 'messages'"
-    if prompt.get("tools"):
-        return "input.tools is not supported: preference training uses no tools"
-    if not isinstance(prompt.get("tools", []), list):
-        return "input.tools must be a list"
-    if not isinstance(prompt.get("parallel_tool_calls", False), bool):
-        return "input.parallel_tool_calls must be a boolean"
-    extra = sorted(set(prompt) - {"messages", "tools", "parallel_tool_calls"})
-    if extra:
-        return f"input has unsupported field(s): {', '.join(extra)}"
-    messages = prompt.get("messages")
-    if not isinstance(messages, list) or not messages:
-        return "input.messages must be a non-empty list"
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return f"input.messages[{index}] must be an object"
-        if message.get("role") not in CHAT_ROLES:
-            return (
-                f"input.messages[{index}].role must be one of {', '.join(sorted(CHAT_ROLES))}, "
-                f"got {message.get('role')!r}"
-            )
-        if not isinstance(message.get("content"), str):
-            return f"input.messages[{index}].content must be a string"
-    return _preference_output_error(example, "preferred_output") or _preference_output_error(
-        example, "non_preferred_output"
-    )
+    """The hosts' own rule (`gpu_runtime.contract.training_data`), which needs no tokenizer."""
+    try:
+        parse_preference_record(example)
+    except ExampleError as exc:
+        return str(exc)
+    return None
 
 
 def _example_format(example: dict[str, Any]) -> str | None:

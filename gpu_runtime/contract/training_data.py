@@ -266,12 +266,18 @@ def _prompt_completion_record(tokenizer: ChatTokenizer, record: dict[str, Any]) 
     return tokenize_prompt_completion(tokenizer, prompt, completion)
 
 
+PREFERENCE_KEYS = frozenset({"input", "preferred_output", "non_preferred_output"})
+
+
 def _preference_output(raw: Any, name: str) -> ChatMessage:
     if not isinstance(raw, list) or len(raw) != 1 or not isinstance(raw[0], dict):
-        raise ExampleError(f"'{name}' must be a list of one assistant message")
+        raise ExampleError(f"'{name}' must be a list of exactly one assistant message")
     message = raw[0]
     if message.get("role") != "assistant":
-        raise ExampleError(f"{name}[0].role must be 'assistant'")
+        raise ExampleError(f"{name}[0].role must be 'assistant', got {message.get('role')!r}")
+    extra = sorted(set(message) - {"role", "content"})
+    if extra:
+        raise ExampleError(f"{name}[0] has unsupported field(s): {', '.join(extra)}")
     content = message.get("content")
     if not isinstance(content, str) or not content:
         raise ExampleError(f"{name}[0].content must be a non-empty string")
@@ -279,25 +285,50 @@ def _preference_output(raw: Any, name: str) -> ChatMessage:
 
 
 def _preference_prompt(record: dict[str, Any]) -> list[ChatMessage]:
+    extra = sorted(set(record) - PREFERENCE_KEYS)
+    if extra:
+        raise ExampleError(f"a preference example has unsupported field(s): {', '.join(extra)}")
     prompt = record.get("input")
     if not isinstance(prompt, dict):
         raise ExampleError("'input' must be an object with 'messages'")
     if prompt.get("tools"):
-        raise ExampleError("input.tools is not supported")
+        raise ExampleError("input.tools is not supported: preference training uses no tools")
+    if not isinstance(prompt.get("tools", []), list):
+        raise ExampleError("input.tools must be a list")
+    if not isinstance(prompt.get("parallel_tool_calls", False), bool):
+        raise ExampleError("input.parallel_tool_calls must be a boolean")
+    extra = sorted(set(prompt) - {"messages", "tools", "parallel_tool_calls"})
+    if extra:
+        raise ExampleError(f"input has unsupported field(s): {', '.join(extra)}")
     raw = prompt.get("messages")
     if not isinstance(raw, list) or not raw:
         raise ExampleError("input.messages must be a non-empty list")
     messages = []
     for j, item in enumerate(raw):
-        role = item.get("role") if isinstance(item, dict) else None
-        content = item.get("content") if isinstance(item, dict) else None
-        if role not in CHAT_ROLES or not isinstance(content, str):
+        if not isinstance(item, dict):
+            raise ExampleError(f"input.messages[{j}] must be an object")
+        role, content = item.get("role"), item.get("content")
+        if role not in CHAT_ROLES:
             raise ExampleError(
-                f"input.messages[{j}] needs a role in {', '.join(sorted(CHAT_ROLES))} and "
-                "string content"
+                f"input.messages[{j}].role must be one of {', '.join(sorted(CHAT_ROLES))}, "
+                f"got {role!r}"
             )
+        if not isinstance(content, str):
+            raise ExampleError(f"input.messages[{j}].content must be a string")
         messages.append(ChatMessage(role=role, content=content, weight=0))
     return messages
+
+
+def parse_preference_record(
+    record: dict[str, Any],
+) -> tuple[list[ChatMessage], ChatMessage, ChatMessage]:
+    """A preference example's prompt messages, preferred and other output; ExampleError (the
+    reason, without a location) when it breaks the format. Needs no tokenizer: the upload
+    check applies it before any tokenizer is at hand."""
+    prompt = _preference_prompt(record)
+    chosen = _preference_output(record.get("preferred_output"), "preferred_output")
+    rejected = _preference_output(record.get("non_preferred_output"), "non_preferred_output")
+    return prompt, chosen, rejected
 
 
 def tokenize_preference_pair(
@@ -318,10 +349,7 @@ def tokenize_preference_pair(
 
 
 def _preference_record(tokenizer: ChatTokenizer, record: dict[str, Any]) -> PreferencePair:
-    prompt = _preference_prompt(record)
-    chosen = _preference_output(record.get("preferred_output"), "preferred_output")
-    rejected = _preference_output(record.get("non_preferred_output"), "non_preferred_output")
-    return tokenize_preference_pair(tokenizer, prompt, chosen, rejected)
+    return tokenize_preference_pair(tokenizer, *parse_preference_record(record))
 
 
 ExampleTokenizer = Callable[[ChatTokenizer, dict[str, Any]], TrainingExample]
