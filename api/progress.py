@@ -21,6 +21,7 @@ from django.db.models import F, Window
 from django.db.models.functions import RowNumber
 
 from api.models import File, FinetuneJob, JobMetric, JobStatus
+from gpu_runtime.contract.hparams import HyperparameterError, resolve_hyperparameters
 
 # The ETA's rate is measured over this many latest reports, so a pause long ago or a change of
 # host (and speed) weighs no more than the recent pace.
@@ -59,12 +60,9 @@ class JobProgress:
 def estimated_total_steps(*, job: FinetuneJob) -> int | None:
     """Optimizer steps the runtime takes: as its host counted them, else epochs x
     ceil(examples / batch size) with "auto" resolved by the runtime's own rule
-    (`gpu_runtime.contract.hparams`, imported only then: its package loads torch). None if
-    unknowable."""
+    (`gpu_runtime.contract.hparams`). None if unknowable."""
     if job.total_steps:
         return job.total_steps
-    from gpu_runtime.contract.hparams import HyperparameterError, resolve_hyperparameters
-
     try:
         examples = job.training_file.line_count
     except File.DoesNotExist:  # deleted after the job ended (no database constraint)
