@@ -89,11 +89,6 @@ def file_storage_key(*, tenant: Tenant, file_id: str) -> str:
     return f"files/{tenant.pk}/{file_id}.jsonl"
 
 
-def _content_check(lines: Iterable[bytes]) -> TrainingFileReport:
-    """The content rules every training file meets, however it arrived."""
-    return check_training_lines(lines)
-
-
 def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
     """The lines of a byte stream, each ending in its newline, as iterating a file yields them."""
     partial: list[bytes] = []  # the start of a line that spans chunks
@@ -109,10 +104,25 @@ def _split_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
         yield b"".join(partial)
 
 
+def storage_save_exactly(
+    *, storage_key: str, chunks: Iterable[bytes], size: int, what: str, param: str
+) -> int:
+    """Store `chunks` under `storage_key`; HarliError unless exactly `size` bytes (what the
+    client declared for `what`) were written. The caller removes the bytes on any error."""
+    written = get_storage().save(storage_key, chunks)
+    if written != size:
+        raise HarliError(
+            f"Stored {written} bytes but the {what} declared {size}.",
+            param=param,
+            code="upload_size_mismatch",
+        )
+    return written
+
+
 def file_stored_check(*, storage_key: str) -> TrainingFileReport:
     """Validate bytes already in storage as `file_create` validates an upload; raises the same
     TrainingFileError. Reads the bytes as a stream."""
-    return _content_check(_split_lines(get_storage().read_chunks(storage_key)))
+    return check_training_lines(_split_lines(get_storage().read_chunks(storage_key)))
 
 
 def file_row_create(
@@ -155,19 +165,19 @@ def file_create(*, tenant: Tenant, purpose: str, upload: UploadSource) -> File:
             http_status=413,
         )
     filename = clean_filename(upload.filename)
-    report = _content_check(upload.lines())
+    report = check_training_lines(upload.lines())
 
     file_id = new_file_id()
     storage_key = file_storage_key(tenant=tenant, file_id=file_id)
     storage = get_storage()
     try:
-        written = storage.save(storage_key, upload.chunks())
-        if written != upload.size:
-            raise HarliError(
-                f"Stored {written} bytes but the upload declared {upload.size}.",
-                param="file",
-                code="upload_size_mismatch",
-            )
+        written = storage_save_exactly(
+            storage_key=storage_key,
+            chunks=upload.chunks(),
+            size=upload.size,
+            what="upload",
+            param="file",
+        )
         return file_row_create(
             tenant=tenant,
             file_id=file_id,

@@ -37,6 +37,7 @@ from api.services.files import (
     file_row_create,
     file_storage_key,
     file_stored_check,
+    storage_save_exactly,
 )
 from api.storage import Storage, get_storage
 
@@ -202,13 +203,9 @@ def upload_part_add(*, upload: Upload, data: UploadSource) -> UploadPart:
     storage_key = f"{_parts_prefix(upload)}/{part_id}"
     storage = get_storage()
     try:
-        written = storage.save(storage_key, data.chunks())
-        if written != data.size:
-            raise HarliError(
-                f"Stored {written} bytes but the part declared {data.size}.",
-                param="data",
-                code="upload_size_mismatch",
-            )
+        written = storage_save_exactly(
+            storage_key=storage_key, chunks=data.chunks(), size=data.size, what="part", param="data"
+        )
         with transaction.atomic():
             locked = _lock_pending(upload, "add a part to")
             return UploadPart.objects.create(
