@@ -99,7 +99,7 @@ class QuantumTailMixin:
                 # a DPO step has no token targets: its accuracy is the preference metrics'
                 accuracy = (
                     None
-                    if getattr(self, "trains_preferences", False)
+                    if cast("LoraTrainer", self).trains_preferences
                     else values[3] / max(1, plan.batch_loss_tokens)
                 )
                 assert learning_rate is not None

@@ -75,6 +75,12 @@ from gpu_runtime.model import CausalLM
 class LoraTrainer(GraphedQuantaMixin):
     """Trains one LoRA adapter over a serving model's shared, frozen base weights."""
 
+    layer_sliced_quanta = True
+    """Quanta may be slices of layers (`max_layers`); the co-location loop offers them."""
+    trains_preferences = False
+    """Trains on preference pairs (DPO): hparams carry ``dpo_beta``, steps have no token
+    accuracy."""
+
     def __init__(
         self,
         serving_model: CausalLM,
@@ -102,7 +108,7 @@ class LoraTrainer(GraphedQuantaMixin):
         ``validation_examples`` (a validation file) are evaluated at every checkpoint, a fixed
         sample of at most ``valid_sample_tokens`` tokens each time and all of them at the last
         (:func:`~gpu_runtime.finetune.validation.checkpoint_metrics`)."""
-        if hparams.dpo_beta is not None and not getattr(self, "trains_preferences", False):
+        if hparams.dpo_beta is not None and not self.trains_preferences:
             raise ValueError("dpo_beta is set: a DPO job trains with DpoTrainer")
         self.hparams = hparams
         self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
