@@ -234,10 +234,14 @@ def job_place(*, job_id: str) -> Placement | None:
 
 def _still_training(*, previous: Placement | None, fresh_after: Any) -> Placement | None:
     """The job's `previous` placement while its host may still train it: released (a pause),
-    and the host's latest heartbeat, recent, names it. A resumed job waits for that host's
-    stop (`job_stopped`, or a heartbeat without it), so it never trains on two hosts at once
-    and resumes from the checkpoint its pause writes. A host gone silent is not waited for."""
+    its host heartbeating recently, no stop from it applied yet, and either the host's latest
+    heartbeat names it or no heartbeat has been applied since the host started it (so none
+    could have). A resumed job waits for that host's stop (`job_stopped`, or a later heartbeat
+    without it), so it never trains on two hosts at once and resumes from the checkpoint its
+    pause writes. A host gone silent is not waited for."""
     if previous is None or previous.state != PlacementState.RELEASED:
+        return None
+    if previous.stopped_at is not None:
         return None
     host = previous.host
     state: HostAgentState | None = getattr(host, "agent_state", None)
@@ -245,7 +249,10 @@ def _still_training(*, previous: Placement | None, fresh_after: Any) -> Placemen
         return None
     if state.reported_at is None or state.reported_at < fresh_after:
         return None
-    return previous if previous.pk in state.placements else None
+    if previous.pk in state.placements:
+        return previous
+    started = previous.started_at
+    return previous if started is not None and state.reported_at <= started else None
 
 
 def _checkpoint_in_flight(

@@ -94,6 +94,22 @@ def test_a_resume_waits_for_the_paused_host_and_resumes_from_its_pause_checkpoin
     }
 
 
+def test_a_resume_waits_even_before_a_heartbeat_names_the_started_placement(
+    placed: Placement, job: FinetuneJob, django_capture_on_commit_callbacks: Any
+) -> None:
+    """The host started the placement, but no heartbeat applied since says so (the worker
+    runs behind): the resumed job still waits for the host's stop."""
+    assert HostAgentState.objects.get(host__name="h1").placements == []  # sent before start
+    with django_capture_on_commit_callbacks(execute=True):
+        finetune_job_pause(job=job)
+        finetune_job_resume(job=job)
+        assert job_place(job_id=job.id) is None
+    drain_host_queue("h1")
+    heartbeat("h1", placements=[])  # applied after the start: the host no longer trains it
+    with django_capture_on_commit_callbacks(execute=True):
+        assert job_place(job_id=job.id) is not None
+
+
 def test_a_stop_applied_before_its_checkpoint_waits_for_that_checkpoint(
     placed: Placement, job: FinetuneJob, django_capture_on_commit_callbacks: Any
 ) -> None:
