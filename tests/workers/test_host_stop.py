@@ -88,6 +88,7 @@ def test_resume_goes_through_placement_again(
             message.ack()
         control.close()
     assert ("workers.place_job", [job.id]) in tasks
+    heartbeat("h1", placements=[])  # the host has stopped the paused placement
     with django_capture_on_commit_callbacks(execute=True):
         again = job_place(job_id=job.id)
     assert again is not None and again.pk != placed.pk
