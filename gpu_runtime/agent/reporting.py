@@ -11,6 +11,7 @@ from typing import Any
 
 from gpu_runtime.agent.predictor import HarvestEstimate, PredictorInfo
 from gpu_runtime.colocation import IntervalMetrics
+from gpu_runtime.contract.statistics import percentile
 from gpu_runtime.engine import Engine
 from gpu_runtime.server.metrics import RequestMetrics
 
@@ -62,13 +63,6 @@ def kv_bytes_per_block(engine: Engine) -> int:
     )
 
 
-def _percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
-
-
 def deployment_metrics(
     interval: IntervalMetrics,
     requests: list[RequestMetrics],
@@ -87,8 +81,8 @@ def deployment_metrics(
     return {
         "tpot_p50_ms": interval.tpot_ms_p50,
         "tpot_p99_ms": interval.tpot_ms_p99,
-        "ttft_p50_ms": _percentile(ttfts, 0.5),
-        "ttft_p99_ms": _percentile(ttfts, 0.99),
+        "ttft_p50_ms": percentile(ttfts, 50),
+        "ttft_p99_ms": percentile(ttfts, 99),
         "slo_attainment": (
             interval.slo_attainment
             if interval.slo_attainment is not None

@@ -8,4 +8,5 @@ Django, so the web process can use them):
 * `tiny_tokenizer` — the tiny built-in model's tokenizer;
 * `model_config` — a model's shape (`ModelConfig`, its presets, the HF `config.json` form);
 * `hparams` — a job's hyperparameters as hosts resolve them ("auto", LoRA options, ranges).
+* `statistics` — the one percentile definition of reports, result files and the console.
 """

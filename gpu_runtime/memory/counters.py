@@ -7,6 +7,8 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+from gpu_runtime.contract.statistics import percentile
+
 
 class LatencySamples:
     """The last `capacity` durations (seconds) of one kind of event, with percentiles in ms;
@@ -35,14 +37,9 @@ class LatencySamples:
         return [s * 1e3 for s in self._samples]
 
     def percentile_ms(self, q: float) -> float:
-        """Nearest-rank percentile `q` in [0, 100] in milliseconds; NaN when empty."""
-        if not 0 <= q <= 100:
-            raise ValueError(f"q must be in [0, 100], got {q}")
-        if not self._samples:
-            return math.nan
-        ordered = sorted(self._samples)
-        rank = max(math.ceil(q / 100 * len(ordered)), 1)
-        return ordered[rank - 1] * 1e3
+        """Percentile `q` in [0, 100] (`contract.statistics`) in milliseconds; NaN when empty."""
+        value = percentile(self._samples, q)
+        return math.nan if value is None else value * 1e3
 
 
 @dataclass

@@ -12,7 +12,7 @@ from gpu_runtime.colocation import (
     MetricsAggregator,
     QuantumReport,
 )
-from gpu_runtime.colocation.metrics import percentile
+from gpu_runtime.contract.statistics import percentile
 
 from .sim import record
 
