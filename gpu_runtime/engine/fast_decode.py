@@ -1,8 +1,11 @@
 """The CUDA decode step over a `CausalLM`'s own weights, with fused Triton kernels.
 
-Same math as `CausalLM.forward` + `compute_logits` for one token per sequence (checked against
-it in the GPU tests), in about ten kernels per layer instead of about thirty-five: the step is
-short enough that launches, not bytes, would otherwise dominate at small batch.
+The model's own decoder walk (`DecoderStack.run`) over `FusedDecodeOps`: same math as
+`CausalLM.forward` + `compute_logits` for one token per sequence (checked against it in the GPU
+tests), in about ten kernels per layer instead of about thirty-five: the step is short enough
+that launches, not bytes, would otherwise dominate at small batch. The residual add rides in the
+RMSNorm kernel (`fused_ops.rms_norm`), the K/V cache write in the RoPE kernel, the q|k|v and
+gate|up LoRA expand (small batches) in the RoPE and SwiGLU kernels.
 """
 
 from __future__ import annotations
@@ -18,9 +21,16 @@ from gpu_runtime.engine.fused_ops import LoraRows, rms_norm, rope_and_cache_writ
 from gpu_runtime.engine.kv_cache import PagedKVCache
 from gpu_runtime.engine.lora import LoraGroup, linear_and_shrink, lora_linear
 from gpu_runtime.model.llama import CausalLM
+from gpu_runtime.model.modules import MLP, Attention, RMSNorm
 
 FUSED_EXPAND_MAX_ROWS = 64
 """Largest decode batch whose q|k|v and gate|up LoRA expand runs inside RoPE / SwiGLU."""
+
+LayerLoraGroups = tuple[LoraGroup | None, LoraGroup | None, LoraGroup | None, LoraGroup | None]
+"""One layer's adapter groups in `(qkv, o, gate_up, down)` order (None: not adapted)."""
+
+ProjectionRows = tuple[torch.Tensor, LoraRows | None]
+"""A fused projection's output `[B, out]` and the LoRA rows its consuming kernel expands."""
 
 
 class FusedDecodeForward:
@@ -76,6 +86,13 @@ class FusedDecodeForward:
         for layer in model.decoder_layers:
             if layer.self_attn.qkv_weight is None or layer.mlp.gate_up_weight is None:
                 raise ValueError("FusedDecodeForward needs model.fuse_projections() first")
+        # per layer: the (qkv, o, gate_up, down) adapter groups, None where not adapted
+        self.layer_groups: list[LayerLoraGroups] | None = None
+        if lora_groups is not None:
+            self.layer_groups = [
+                (_group(g, "qkv"), _group(g, "o"), _group(g, "gate_up"), _group(g, "down"))
+                for g in lora_groups
+            ]
 
     def __call__(
         self,
@@ -97,93 +114,146 @@ class FusedDecodeForward:
         `attention` (any step: prefill chunks too; positions and cache slots per token): attends
         instead of the one-query-per-row kernel. `logits_rows`: only these rows get logits."""
         model = self.model
-        groups = self.lora_groups if lora_slots is not None else None
-        slots = lora_slots
-        # small batches: q|k|v and gate|up expand terms inside the RoPE and SwiGLU kernels (each
-        # row reads its slot's B: rows x R x out bytes); larger: one tl.dot expand kernel
-        fuse_expand = self.fuse_lora_expand and input_ids.shape[0] <= FUSED_EXPAND_MAX_ROWS
         batch = input_ids.shape[0]
-        skinny = self.skinny_projections if 0 < batch <= self.skinny_max_rows else frozenset()
-        pdl = 0 < batch <= self.programmatic_launch_rows
-        x = model.model.embed_tokens(input_ids)  # [B, hidden]
-        residual: torch.Tensor | None = None
-        for index, layer in enumerate(model.decoder_layers):
-            attn, mlp = layer.self_attn, layer.mlp
-            h, residual = rms_norm(x, layer.input_layernorm.weight, self.eps, residual, pdl)
-            lora = groups[index] if groups is not None else None
-            qkv_group = _group(lora, "qkv")
-            qkv_rows: LoraRows | None = None
-            if qkv_group is not None and slots is not None and fuse_expand:
-                qkv, shrink = linear_and_shrink(h, attn.qkv_weight, attn.qkv_bias, qkv_group)  # type: ignore[arg-type]
-                qkv_rows = LoraRows(shrink, qkv_group.b, slots, qkv_group.max_rank)
-            elif qkv_group is None and "qkv" in skinny:
-                qkv = self._skinny(h, attn.qkv_weight, attn.qkv_bias)  # type: ignore[arg-type]
-            else:
-                qkv = lora_linear(h, attn.qkv_weight, attn.qkv_bias, qkv_group, slots)  # type: ignore[arg-type]
-            key_cache = self.cache.key_caches[index]
-            value_cache = self.cache.value_caches[index]
-            q = rope_and_cache_write(
-                qkv,
-                positions,
-                self.cos,
-                self.sin,
-                key_cache,
-                value_cache,
-                metadata.slot_blocks,
-                metadata.slot_offsets,
-                self.num_heads,
-                self.num_kv_heads,
-                self.head_dim,
-                qkv_rows,
-                pdl,
-            )  # [B, H, D]
-            if attention is not None:
-                out = attention.attend(index, q)
-            else:
-                out = paged_decode_attention(
-                    q,
-                    key_cache,
-                    value_cache,
-                    metadata.block_tables,
-                    metadata.seq_lens,
-                    self.cache.block_size,
-                    num_splits,
-                    pdl=pdl,
-                )
-            o = _group(lora, "o")
-            if o is None and "o" in skinny:
-                x = self._skinny(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias)
-            else:
-                x = lora_linear(out.view(batch, -1), attn.o_proj.weight, attn.o_proj.bias, o, slots)
-            h, residual = rms_norm(
-                x, layer.post_attention_layernorm.weight, self.eps, residual, pdl
-            )
-            gu_group = _group(lora, "gate_up")
-            gu_rows: LoraRows | None = None
-            if gu_group is not None and slots is not None and fuse_expand:
-                gate_up, shrink = linear_and_shrink(h, mlp.gate_up_weight, None, gu_group)  # type: ignore[arg-type]
-                gu_rows = LoraRows(shrink, gu_group.b, slots, gu_group.max_rank)
-            elif gu_group is None and "gate_up" in skinny:
-                gate_up = self._skinny(h, mlp.gate_up_weight, None)  # type: ignore[arg-type]
-            else:
-                gate_up = lora_linear(h, mlp.gate_up_weight, None, gu_group, slots)  # type: ignore[arg-type]
-            act = silu_and_mul(gate_up, gu_rows, pdl)
-            down = _group(lora, "down")
-            if down is None and "down" in skinny:
-                x = self._skinny(act, mlp.down_proj.weight, None)
-            else:
-                x = lora_linear(act, mlp.down_proj.weight, None, down, slots)
-        h, _ = rms_norm(x, model.model.norm.weight, self.eps, residual, pdl)
+        ops = FusedDecodeOps(self, batch, positions, metadata, num_splits, lora_slots, attention)
+        h = model.model.run(ops, input_ids)
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
         return model.compute_logits(h)
 
-    def _skinny(
+    def skinny(
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     ) -> torch.Tensor:
+        """`F.linear` through the split-K Triton GEMM (`skinny_gemm.py`)."""
         from gpu_runtime.engine.skinny_gemm import skinny_linear
 
         return skinny_linear(x, weight, bias, num_sms=self.num_sms)
+
+
+class FusedDecodeOps:
+    """`DecoderOps` of one call of `FusedDecodeForward` (see `FusedDecodeForward.__call__`).
+
+    Per call: the batch size B, the tokens' positions `[B]`, the attention metadata, the per-row
+    LoRA slots, and the choices that depend on the batch size (in-kernel LoRA expand, split-K
+    GEMMs, programmatic launch), made once here, not per layer.
+    """
+
+    def __init__(
+        self,
+        step: FusedDecodeForward,
+        batch: int,
+        positions: torch.Tensor,
+        metadata: AttentionMetadata,
+        num_splits: int,
+        lora_slots: torch.Tensor | None,
+        attention: MixedPagedAttention | None,
+    ) -> None:
+        self.step = step
+        self.cache = step.cache
+        self.positions = positions
+        self.metadata = metadata
+        self.num_splits = num_splits
+        self.attention = attention
+        self.eps = step.eps
+        self.groups = step.layer_groups if lora_slots is not None else None
+        self.slots = lora_slots
+        self.batch = batch
+        # small batches: q|k|v and gate|up expand terms inside the RoPE and SwiGLU kernels (each
+        # row reads its slot's B: rows x R x out bytes); larger: one tl.dot expand kernel
+        self.fuse_expand = step.fuse_lora_expand and batch <= FUSED_EXPAND_MAX_ROWS
+        self.skinny = step.skinny_projections if 0 < batch <= step.skinny_max_rows else frozenset()
+        self.pdl = 0 < batch <= step.programmatic_launch_rows
+
+    def _group(self, index: int, position: int) -> LoraGroup | None:
+        return self.groups[index][position] if self.groups is not None else None
+
+    def norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm(x, norm.weight, self.eps, residual, self.pdl)
+
+    def _fused_in(
+        self,
+        h: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: LoraGroup | None,
+        name: str,
+    ) -> ProjectionRows:
+        """A fused projection (q|k|v or gate|up) whose LoRA expand may ride in the next kernel."""
+        slots = self.slots
+        if group is not None and slots is not None and self.fuse_expand:
+            out, shrink = linear_and_shrink(h, weight, bias, group)
+            return out, LoraRows(shrink, group.b, slots, group.max_rank)
+        if group is None and name in self.skinny:
+            return self.step.skinny(h, weight, bias), None
+        return lora_linear(h, weight, bias, group, slots), None
+
+    def _out(
+        self,
+        x: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        group: LoraGroup | None,
+        name: str,
+    ) -> torch.Tensor:
+        if group is None and name in self.skinny:
+            return self.step.skinny(x, weight, bias)
+        return lora_linear(x, weight, bias, group, self.slots)
+
+    def qkv(self, index: int, attn: Attention, h: torch.Tensor) -> ProjectionRows:
+        weight = attn.qkv_weight
+        assert weight is not None
+        return self._fused_in(h, weight, attn.qkv_bias, self._group(index, 0), "qkv")
+
+    def rope_and_attend(self, index: int, attn: Attention, qkv: ProjectionRows) -> torch.Tensor:
+        step, metadata = self.step, self.metadata
+        key_cache = self.cache.key_caches[index]
+        value_cache = self.cache.value_caches[index]
+        q = rope_and_cache_write(
+            qkv[0],
+            self.positions,
+            step.cos,
+            step.sin,
+            key_cache,
+            value_cache,
+            metadata.slot_blocks,
+            metadata.slot_offsets,
+            step.num_heads,
+            step.num_kv_heads,
+            step.head_dim,
+            qkv[1],
+            self.pdl,
+        )  # [B, H, D]
+        if self.attention is not None:
+            out = self.attention.attend(index, q)
+        else:
+            out = paged_decode_attention(
+                q,
+                key_cache,
+                value_cache,
+                metadata.block_tables,
+                metadata.seq_lens,
+                self.cache.block_size,
+                self.num_splits,
+                pdl=self.pdl,
+            )
+        return out.view(self.batch, -1)
+
+    def o(self, index: int, attn: Attention, out: torch.Tensor) -> torch.Tensor:
+        o_proj = attn.o_proj
+        return self._out(out, o_proj.weight, o_proj.bias, self._group(index, 1), "o")
+
+    def gate_up(self, index: int, mlp: MLP, h: torch.Tensor) -> ProjectionRows:
+        weight = mlp.gate_up_weight
+        assert weight is not None
+        return self._fused_in(h, weight, None, self._group(index, 2), "gate_up")
+
+    def silu_and_mul(self, index: int, gate_up: ProjectionRows) -> torch.Tensor:
+        return silu_and_mul(gate_up[0], gate_up[1], self.pdl)
+
+    def down(self, index: int, mlp: MLP, act: torch.Tensor) -> torch.Tensor:
+        return self._out(act, mlp.down_proj.weight, None, self._group(index, 3), "down")
 
 
 def _group(lora: Mapping[str, LoraGroup] | None, name: str) -> LoraGroup | None:

@@ -28,7 +28,7 @@ from typing import Protocol
 
 import torch
 
-from gpu_runtime.model.llama import AttentionFn
+from gpu_runtime.model.attention import AttentionFn
 
 GROUP_MODULES: dict[str, tuple[str, ...]] = {
     "qkv": ("q_proj", "k_proj", "v_proj"),

@@ -15,7 +15,9 @@ saved and loads into ``PeftModel``); only the forward computation is arranged di
 * RMSNorm uses ``torch.nn.functional.rms_norm`` (fused on CUDA), attention SDPA with
   ``enable_gqa`` (no repeated K/V).
 
-With dropout 0 the result equals the peft path up to float rounding (a test holds it there).
+The layer walk is the model's own (``DecoderStack.layer_output``); :class:`FusedTrainingOps`,
+one per layer and forward (it holds that layer's masks), supplies these kernels. With dropout 0
+the result equals the peft path up to float rounding (a test holds it there).
 
 **Recomputation** (``activation_checkpointing=True``): each decoder layer runs under
 ``torch.utils.checkpoint`` (non-reentrant), which keeps only the layer's input and recomputes
@@ -36,11 +38,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
+from gpu_runtime.contract.model_config import ModelConfig
 from gpu_runtime.finetune.lora import ADAPTER_NAME
+from gpu_runtime.finetune.loss import run_layer_range
 from gpu_runtime.model import CausalLM
-from gpu_runtime.model.llama import apply_rope
+from gpu_runtime.model.module_ops import GateUpProjections, QKVProjections
+from gpu_runtime.model.modules import MLP, Attention, RMSNorm
+from gpu_runtime.model.rope import apply_rope
 
 Masks = tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]
 """One layer's LoRA dropout masks, for the inputs of ``(qkv, o, gate_up, down)``."""
@@ -130,6 +135,75 @@ class _Group:
         return flat.reshape(out.shape)
 
 
+LayerGroups = tuple[_Group, _Group, _Group, _Group]
+"""One layer's projection groups: ``(qkv, o, gate_up, down)``."""
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    with torch.autocast(x.device.type, enabled=False):
+        return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+
+
+class FusedTrainingOps:
+    """``DecoderOps`` of one layer of one forward: its groups, its dropout masks, RoPE cos/sin
+    ``[B, S, 1, D]``; ``adapters=False``: the base projections alone."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        groups: LayerGroups,
+        masks: Masks,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        adapters: bool,
+    ) -> None:
+        self.eps = config.rms_norm_eps
+        self.groups = groups
+        self.masks = masks
+        self.cos = cos
+        self.sin = sin
+        self.adapters = adapters
+
+    def norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        stream = x if residual is None else residual + x
+        return _rms_norm(stream, norm.weight, self.eps), stream
+
+    def qkv(self, index: int, attn: Attention, h: torch.Tensor) -> QKVProjections:
+        heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q, k, v = (
+            self.groups[0]
+            .forward(h, self.masks[0], self.adapters)
+            .split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+        )
+        return q, k, v
+
+    def rope_and_attend(self, index: int, attn: Attention, qkv: QKVProjections) -> torch.Tensor:
+        q, k, v = qkv
+        batch, seq = q.shape[:2]
+        heads, kv_heads, dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        q = apply_rope(q.reshape(batch, seq, heads, dim), self.cos, self.sin).transpose(1, 2)
+        k = apply_rope(k.reshape(batch, seq, kv_heads, dim), self.cos, self.sin).transpose(1, 2)
+        v = v.reshape(batch, seq, kv_heads, dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2).reshape(batch, seq, heads * dim)
+
+    def o(self, index: int, attn: Attention, out: torch.Tensor) -> torch.Tensor:
+        return self.groups[1].forward(out, self.masks[1], self.adapters)
+
+    def gate_up(self, index: int, mlp: MLP, h: torch.Tensor) -> GateUpProjections:
+        gate, up = self.groups[2].forward(h, self.masks[2], self.adapters).chunk(2, dim=-1)
+        return gate, up
+
+    def silu_and_mul(self, index: int, gate_up: GateUpProjections) -> torch.Tensor:
+        gate, up = gate_up
+        return F.silu(gate) * up
+
+    def down(self, index: int, mlp: MLP, act: torch.Tensor) -> torch.Tensor:
+        return self.groups[3].forward(act, self.masks[3], self.adapters)
+
+
 class FusedTrainingForward:
     """Callable ``(input_ids [B, S], positions [B, S]) -> hidden [B, S, H]`` over a LoRA tree."""
 
@@ -138,7 +212,7 @@ class FusedTrainingForward:
         self.config = tree.config
         self.adapters_enabled = True
         """False: every projection computes the base model alone (DPO's reference pass)."""
-        self.layers: list[tuple[_Group, _Group, _Group, _Group]] = []
+        self.layers: list[LayerGroups] = []
         layer: Any
         served: Any
         for layer, served in zip(tree.model.layers, serving.model.layers, strict=True):
@@ -157,11 +231,6 @@ class FusedTrainingForward:
             down = _Group([_projection(mlp.down_proj)], None, None)
             self.layers.append((qkv, o, gate_up, down))
 
-    @staticmethod
-    def _norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        with torch.autocast(x.device.type, enabled=False):
-            return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
-
     def dropout_masks(self, index: int, lead: tuple[int, ...], device: torch.device) -> Masks:
         """Layer ``index``'s dropout masks for inputs of leading shape ``lead`` (``[B, S]``),
         one per group in ``(qkv, o, gate_up, down)`` order, drawn from the current default
@@ -176,38 +245,6 @@ class FusedTrainingForward:
             mask = torch.empty((*lead, group.in_features), dtype=torch.bool, device=device)
             masks.append(mask.bernoulli_(1.0 - p))
         return masks[0], masks[1], masks[2], masks[3]
-
-    def _layer(
-        self,
-        index: int,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        masks: Masks,
-    ) -> torch.Tensor:
-        config = self.config
-        block: Any = self.tree.model.layers[index]
-        qkv, o, gate_up, down = self.layers[index]
-        batch, seq = x.shape[:2]
-        heads, kv_heads, dim = (
-            config.num_attention_heads,
-            config.num_key_value_heads,
-            config.head_dim,
-        )
-        h = self._norm(x, block.input_layernorm.weight, config.rms_norm_eps)
-        on = self.adapters_enabled
-        q, k, v = qkv.forward(h, masks[0], on).split(
-            [heads * dim, kv_heads * dim, kv_heads * dim], dim=-1
-        )
-        q = apply_rope(q.reshape(batch, seq, heads, dim), cos, sin).transpose(1, 2)
-        k = apply_rope(k.reshape(batch, seq, kv_heads, dim), cos, sin).transpose(1, 2)
-        v = v.reshape(batch, seq, kv_heads, dim).transpose(1, 2)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        attn = attn.transpose(1, 2).reshape(batch, seq, heads * dim)
-        x = x + o.forward(attn, masks[1], on)
-        h = self._norm(x, block.post_attention_layernorm.weight, config.rms_norm_eps)
-        gate, up = gate_up.forward(h, masks[2], on).chunk(2, dim=-1)
-        return x + down.forward(F.silu(gate) * up, masks[3], on)
 
     @property
     def num_layers(self) -> int:
@@ -231,28 +268,20 @@ class FusedTrainingForward:
     ) -> torch.Tensor:
         """Decoder layers ``layers`` over ``x`` ``[B, S, H]``; with ``activation_checkpointing``
         (and grad enabled) each layer's activations are recomputed in the backward (see the
-        module docstring)."""
-        for i in layers:
-            masks = self.dropout_masks(i, tuple(x.shape[:-1]), x.device)
-            if activation_checkpointing and torch.is_grad_enabled():
-                out = checkpoint(
-                    self._layer,
-                    i,
-                    x,
-                    cos,
-                    sin,
-                    masks,
-                    use_reentrant=False,
-                    preserve_rng_state=False,
-                )
-                assert isinstance(out, torch.Tensor)
-                x = out
-            else:
-                x = self._layer(i, x, cos, sin, masks)
-        return x
+        module docstring: the masks are drawn here, before the layer, so no RNG state is
+        stashed)."""
+
+        def layer_ops(index: int, x: torch.Tensor) -> FusedTrainingOps:
+            masks = self.dropout_masks(index, tuple(x.shape[:-1]), x.device)
+            groups = self.layers[index]
+            return FusedTrainingOps(self.config, groups, masks, cos, sin, self.adapters_enabled)
+
+        return run_layer_range(
+            self.tree.model, layer_ops, x, layers, activation_checkpointing, False
+        )
 
     def final_norm(self, x: torch.Tensor) -> torch.Tensor:
-        return self._norm(x, self.tree.model.norm.weight, self.config.rms_norm_eps)
+        return _rms_norm(x, self.tree.model.norm.weight, self.config.rms_norm_eps)
 
     def __call__(
         self,

@@ -1,23 +1,63 @@
 """The serving model's forward pass with the batched multi-LoRA term, for the decode engine.
 
-:class:`MultiLoraForward` runs exactly the serving model's own computation — its modules, its
-fused ``q|k|v`` and ``gate|up`` GEMMs when it has them, the injected ``attention`` object (paged
-or dense), ``[T]`` flattened or ``[B, S]`` tokens — and adds ``weights.delta(...)`` after each
-adapted projection. Tokens without an adapter get a delta of exactly zero, so their hidden states
-equal the serving model's bit for bit, in the same batch as adapter tokens. It mirrors
-``CausalLM.forward`` line by line; a test holds the two equal.
+:class:`MultiLoraForward` runs the serving model's own decoder (``DecoderStack.run``) over
+:class:`MultiLoraOps`: the model's modules — its fused ``q|k|v`` and ``gate|up`` GEMMs when it
+has them, the injected ``attention`` object (paged or dense), ``[T]`` flattened or ``[B, S]``
+tokens — exactly as ``CausalLM.forward`` runs them (``ModuleOps``), plus ``weights.delta(...)``
+added after each adapted projection. Tokens without an adapter get a delta of exactly zero, so
+their hidden states equal the serving model's bit for bit, in the same batch as adapter tokens.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
 
 from gpu_runtime.finetune.multi_lora import StackedLoraWeights
 from gpu_runtime.model import CausalLM
-from gpu_runtime.model.llama import AttentionFn, DenseCausalAttention, apply_rope
+from gpu_runtime.model.attention import AttentionFn, DenseCausalAttention
+from gpu_runtime.model.module_ops import GateUpProjections, ModuleOps, QKVProjections
+from gpu_runtime.model.modules import MLP, Attention, RMSNorm
+
+
+class MultiLoraOps:
+    """``ModuleOps`` plus each token's adapter term after every adapted projection."""
+
+    def __init__(self, base: ModuleOps, weights: StackedLoraWeights) -> None:
+        self.base = base
+        self.weights = weights
+
+    def _add(self, y: torch.Tensor, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
+        delta = self.weights.delta(layer, module, x)
+        return y if delta is None else y + delta
+
+    def norm(
+        self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.base.norm(norm, x, residual)
+
+    def qkv(self, index: int, attn: Attention, h: torch.Tensor) -> QKVProjections:
+        q, k, v = attn.project(h)
+        return (
+            self._add(q, index, "q_proj", h),
+            self._add(k, index, "k_proj", h),
+            self._add(v, index, "v_proj", h),
+        )
+
+    def rope_and_attend(self, index: int, attn: Attention, qkv: QKVProjections) -> torch.Tensor:
+        return self.base.rope_and_attend(index, attn, qkv)
+
+    def o(self, index: int, attn: Attention, out: torch.Tensor) -> torch.Tensor:
+        return self._add(attn.o_proj(out), index, "o_proj", out)
+
+    def gate_up(self, index: int, mlp: MLP, h: torch.Tensor) -> GateUpProjections:
+        gate, up = mlp.gate_up(h)
+        return self._add(gate, index, "gate_proj", h), self._add(up, index, "up_proj", h)
+
+    def silu_and_mul(self, index: int, gate_up: GateUpProjections) -> torch.Tensor:
+        return self.base.silu_and_mul(index, gate_up)
+
+    def down(self, index: int, mlp: MLP, act: torch.Tensor) -> torch.Tensor:
+        return self._add(mlp.down_proj(act), index, "down_proj", act)
 
 
 class MultiLoraForward:
@@ -26,39 +66,6 @@ class MultiLoraForward:
     def __init__(self, serving: CausalLM, weights: StackedLoraWeights) -> None:
         self.serving = serving
         self.weights = weights
-
-    def _add(self, y: torch.Tensor, layer: int, module: str, x: torch.Tensor) -> torch.Tensor:
-        delta = self.weights.delta(layer, module, x)
-        return y if delta is None else y + delta
-
-    def _attention(
-        self,
-        index: int,
-        attn: Any,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        attention: AttentionFn,
-    ) -> torch.Tensor:
-        lead = x.shape[:-1]
-        q_flat, k_flat, v_flat = attn.project(x)
-        q_flat = self._add(q_flat, index, "q_proj", x)
-        k_flat = self._add(k_flat, index, "k_proj", x)
-        v_flat = self._add(v_flat, index, "v_proj", x)
-        q = q_flat.reshape(*lead, attn.num_heads, attn.head_dim)
-        k = k_flat.reshape(*lead, attn.num_kv_heads, attn.head_dim)
-        v = v_flat.reshape(*lead, attn.num_kv_heads, attn.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        out = attention(index, q, k, v).reshape(*lead, attn.num_heads * attn.head_dim)
-        return self._add(attn.o_proj(out), index, "o_proj", out)
-
-    def _mlp(self, index: int, mlp: Any, x: torch.Tensor) -> torch.Tensor:
-        gate, up = mlp.gate_up(x)
-        gate = self._add(gate, index, "gate_proj", x)
-        up = self._add(up, index, "up_proj", x)
-        hidden = F.silu(gate) * up
-        return self._add(mlp.down_proj(hidden), index, "down_proj", hidden)
 
     def __call__(
         self,
@@ -81,12 +88,6 @@ class MultiLoraForward:
             if input_ids.dim() != 2:
                 raise ValueError("attention=None needs [B, S] input_ids")
             attention = DenseCausalAttention()
-        x = model.model.embed_tokens(input_ids)
-        cos, sin = model.rope_cos_sin(positions, x.dtype)
-        layer: Any
-        for index, layer in enumerate(model.model.layers):
-            x = x + self._attention(
-                index, layer.self_attn, layer.input_layernorm(x), cos, sin, attention
-            )
-            x = x + self._mlp(index, layer.mlp, layer.post_attention_layernorm(x))
-        return model.model.norm(x)
+        cos, sin = model.rope_cos_sin(positions, model.model.embed_tokens.weight.dtype)
+        ops = MultiLoraOps(ModuleOps(cos, sin, attention), self.weights)
+        return model.model.run(ops, input_ids)

@@ -1,8 +1,11 @@
-"""Training forward pass and a chunked LM-head cross-entropy.
+"""Training forward pass over the decoder, and a chunked LM-head cross-entropy.
 
-:func:`training_hidden_states` mirrors ``CausalLM.forward`` layer by layer (a test holds the two
-equal) so each decoder layer can be recomputed in backward (activation checkpointing) and the
-trainer can run layer ranges.
+:func:`training_hidden_states` runs the peft-wrapped tree's own decoder (``DecoderStack``) over
+``ModuleOps`` with dense causal attention — ``CausalLM.forward``'s computation, so the two are
+equal — one :meth:`DecoderStack.layer_output` at a time (:func:`run_layer_range`), so each
+decoder layer can be recomputed in backward (activation checkpointing) and the trainer can run
+layer ranges. Both training forwards (this one and the fused one) run their layers through
+:func:`run_layer_range`.
 
 :func:`chunked_lm_head_loss` never materialises ``[B, S, V]`` logits: it gathers the hidden
 states of the positions that have a target (known on the host when the micro-batch is built, so
@@ -24,8 +27,43 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from gpu_runtime.model import CausalLM
-from gpu_runtime.model.llama import DenseCausalAttention
+from gpu_runtime.model import CausalLM, DecoderOps, DecoderStack
+from gpu_runtime.model.attention import DenseCausalAttention
+from gpu_runtime.model.module_ops import ModuleOps
+
+LayerOpsFn = Callable[[int, torch.Tensor], DecoderOps[Any, Any]]
+"""``(layer index, stream x [B, S, H]) -> the ops that layer runs with``."""
+
+
+def run_layer_range(
+    stack: DecoderStack,
+    layer_ops: LayerOpsFn,
+    x: torch.Tensor,
+    layers: range,
+    activation_checkpointing: bool,
+    preserve_rng_state: bool = True,
+) -> torch.Tensor:
+    """The residual stream after decoder layers ``layers`` of ``stack`` from ``x`` ``[B, S, H]``.
+
+    With ``activation_checkpointing`` (and grad enabled) each layer runs under non-reentrant
+    ``torch.utils.checkpoint`` (its input is kept, its activations recomputed in backward);
+    ``preserve_rng_state=False`` only for ops that draw no randomness inside the layer."""
+    for index in layers:
+        ops = layer_ops(index, x)
+        if activation_checkpointing and torch.is_grad_enabled():
+            out = checkpoint(
+                stack.layer_output,
+                ops,
+                index,
+                x,
+                use_reentrant=False,
+                preserve_rng_state=preserve_rng_state,
+            )
+            assert isinstance(out, torch.Tensor)
+            x = out
+        else:
+            x = stack.layer_output(ops, index, x)
+    return x
 
 
 def embed(
@@ -46,16 +84,8 @@ def run_layers(
     activation_checkpointing: bool,
 ) -> torch.Tensor:
     """Decoder layers ``layers`` over ``x`` ``[B, S, H]`` with dense causal attention."""
-    attention = DenseCausalAttention()
-    for i in layers:
-        layer = tree.model.layers[i]
-        if activation_checkpointing and torch.is_grad_enabled():
-            out = checkpoint(layer, x, cos, sin, attention, use_reentrant=False)
-            assert isinstance(out, torch.Tensor)
-            x = out
-        else:
-            x = layer(x, cos, sin, attention)
-    return x
+    ops = ModuleOps(cos, sin, DenseCausalAttention())
+    return run_layer_range(tree.model, lambda index, x: ops, x, layers, activation_checkpointing)
 
 
 def training_hidden_states(

@@ -1,7 +1,10 @@
-"""Llama-family model (Llama 3, Qwen2/2.5): config, module tree with HF names, loading."""
+"""Llama-family model (Llama 3, Qwen2/2.5): config, module tree with HF names, the one decoder
+definition over pluggable ops (`decoder`), loading."""
 
 from gpu_runtime.contract.model_config import ModelConfig, ModelConfigError
-from gpu_runtime.model.llama import AttentionFn, CausalLM, DenseCausalAttention
+from gpu_runtime.model.attention import AttentionFn, DenseCausalAttention
+from gpu_runtime.model.decoder import DecoderOps, DecoderStack
+from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import (
     ModelLoadError,
     build_random_model,
@@ -15,6 +18,8 @@ from gpu_runtime.model.loader import (
 __all__ = [
     "AttentionFn",
     "CausalLM",
+    "DecoderOps",
+    "DecoderStack",
     "DenseCausalAttention",
     "ModelConfig",
     "ModelConfigError",

@@ -1,219 +1,27 @@
-"""Llama-family decoder (Llama 3, Qwen2/2.5) with HF parameter names.
+"""Llama-family causal LM (Llama 3, Qwen2/2.5) with HF parameter names.
 
 `CausalLM.forward(input_ids, positions, attention)` returns the final-normed hidden states;
-`compute_logits` applies the LM head. Attention is injected per call: `None` means dense causal
-SDPA over `[B, S]` (training and reference path); the decode engine passes a paged-attention
-object that reads and writes its KV cache. Nothing in this module holds per-step state.
+`compute_logits` applies the LM head. The decoder itself (`DecoderStack.run`) is written once in
+`gpu_runtime.model.decoder`; `forward` runs it over `ModuleOps`, with the attention injected per
+call: `None` means dense causal SDPA over `[B, S]` (training and reference path); the decode
+engine passes a paged-attention object that reads and writes its KV cache. The fast paths run
+the same `DecoderStack.run` over their own ops. Nothing in this module holds per-step state.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
-from typing import Any, Protocol, cast
+from typing import Any, cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gpu_runtime.contract.model_config import ModelConfig
-
-
-class AttentionFn(Protocol):
-    """One attention step for one layer.
-
-    q: `[..., n_heads, head_dim]`, k/v: `[..., n_kv_heads, head_dim]` (RoPE applied), with the
-    same leading dims as the layer input (`[B, S]` dense or `[T]` flattened tokens). Returns
-    `[..., n_heads, head_dim]`.
-    """
-
-    def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor: ...
-
-
-class DenseCausalAttention:
-    """Causal SDPA over dense `[B, S]` batches.
-
-    key_padding_mask: optional `[B, S]` bool, True for real tokens. Padding queries attend to
-    themselves only (so no row is fully masked); their outputs are meaningless and must be
-    ignored by the caller.
-    """
-
-    def __init__(self, key_padding_mask: torch.Tensor | None = None) -> None:
-        self.key_padding_mask = key_padding_mask
-
-    def __call__(
-        self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-    ) -> torch.Tensor:
-        if q.dim() != 4:
-            raise ValueError(f"dense attention needs [B, S, H, D] inputs, got q {tuple(q.shape)}")
-        groups = q.shape[2] // k.shape[2]
-        qt = q.transpose(1, 2)  # [B, H, S, D]
-        kt = k.transpose(1, 2).repeat_interleave(groups, dim=1)
-        vt = v.transpose(1, 2).repeat_interleave(groups, dim=1)
-        if self.key_padding_mask is None:
-            out = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)
-        else:
-            seq = q.shape[1]
-            causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-            mask = causal[None] & self.key_padding_mask[:, None, :].to(torch.bool)
-            mask = mask | torch.eye(seq, dtype=torch.bool, device=q.device)[None]
-            out = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None])
-        return out.transpose(1, 2)
-
-
-def rope_inv_freq(config: ModelConfig, device: torch.device | str = "cpu") -> torch.Tensor:
-    """RoPE inverse frequencies `[head_dim // 2]` in fp32, with Llama-3 scaling if configured."""
-    dim = config.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    inv_freq = 1.0 / (config.rope_theta**exponent)
-    scaling = config.rope_scaling
-    if scaling is None:
-        return inv_freq
-    factor = float(scaling["factor"])
-    low = float(scaling["low_freq_factor"])
-    high = float(scaling["high_freq_factor"])
-    old_len = float(scaling.get("original_max_position_embeddings", config.max_position_embeddings))
-    low_freq_wavelen = old_len / low
-    high_freq_wavelen = old_len / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_len / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x `[..., heads, D]`; cos/sin `[..., 1, D]` in x's dtype."""
-    return x * cos + _rotate_half(x) * sin
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32, cast back, then scaled (HF order)."""
-
-    def __init__(
-        self,
-        size: int,
-        eps: float,
-        device: torch.device | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
-
-
-class Attention(nn.Module):
-    """Self-attention projections; the attention itself is the injected `AttentionFn`."""
-
-    def __init__(self, config: ModelConfig, **factory: Any) -> None:
-        super().__init__()
-        h, d = config.hidden_size, config.head_dim
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
-        self.head_dim = d
-        bias = config.attention_bias
-        o_bias = bias and config.architecture == "llama"
-        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias, **factory)
-        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, **factory)
-        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, **factory)
-        self.o_proj = nn.Linear(self.num_heads * d, h, bias=o_bias, **factory)
-        # Set by CausalLM.fuse_projections: q/k/v weights are row views of these.
-        self.qkv_weight: torch.Tensor | None = None
-        self.qkv_bias: torch.Tensor | None = None
-
-    def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Flat q, k, v of `x` (one fused GEMM when the projections are fused)."""
-        if self.qkv_weight is not None:
-            qkv = F.linear(x, self.qkv_weight, self.qkv_bias)
-            nq, nkv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-            q, k, v = qkv.split([nq, nkv, nkv], dim=-1)
-            return q, k, v
-        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        layer_idx: int,
-        attention: AttentionFn,
-    ) -> torch.Tensor:
-        lead = x.shape[:-1]
-        q_flat, k_flat, v_flat = self.project(x)
-        q = q_flat.reshape(*lead, self.num_heads, self.head_dim)
-        k = k_flat.reshape(*lead, self.num_kv_heads, self.head_dim)
-        v = v_flat.reshape(*lead, self.num_kv_heads, self.head_dim)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        out = attention(layer_idx, q, k, v)
-        return self.o_proj(out.reshape(*lead, self.num_heads * self.head_dim))
-
-
-class MLP(nn.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, config: ModelConfig, **factory: Any) -> None:
-        super().__init__()
-        h, i = config.hidden_size, config.intermediate_size
-        self.gate_proj = nn.Linear(h, i, bias=False, **factory)
-        self.up_proj = nn.Linear(h, i, bias=False, **factory)
-        self.down_proj = nn.Linear(i, h, bias=False, **factory)
-        self.gate_up_weight: torch.Tensor | None = None
-
-    def gate_up(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gate and up projections of `x` (one fused GEMM when they are fused)."""
-        if self.gate_up_weight is not None:
-            gate, up = F.linear(x, self.gate_up_weight).chunk(2, dim=-1)
-            return gate, up
-        return self.gate_proj(x), self.up_proj(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up(x)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class DecoderLayer(nn.Module):
-    """Pre-norm attention block then pre-norm MLP block."""
-
-    def __init__(self, config: ModelConfig, layer_idx: int, **factory: Any) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.self_attn = Attention(config, **factory)
-        self.mlp = MLP(config, **factory)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
-
-    def forward(
-        self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attention: AttentionFn
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, self.layer_idx, attention)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class DecoderStack(nn.Module):
-    """`model.*` of the HF layout: embeddings, layers, final norm (and RoPE frequencies)."""
-
-    def __init__(self, config: ModelConfig, **factory: Any) -> None:
-        super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
-        self.layers = nn.ModuleList(
-            DecoderLayer(config, i, **factory) for i in range(config.num_hidden_layers)
-        )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+from gpu_runtime.model.attention import AttentionFn, DenseCausalAttention
+from gpu_runtime.model.decoder import DecoderStack
+from gpu_runtime.model.module_ops import ModuleOps
+from gpu_runtime.model.modules import DecoderLayer
+from gpu_runtime.model.rope import rope_inv_freq
 
 
 class CausalLM(nn.Module):
@@ -274,11 +82,8 @@ class CausalLM(nn.Module):
             if input_ids.dim() != 2:
                 raise ValueError("attention=None needs [B, S] input_ids")
             attention = DenseCausalAttention()
-        x = self.model.embed_tokens(input_ids)
-        cos, sin = self.rope_cos_sin(positions, x.dtype)
-        for layer in self.decoder_layers:
-            x = layer(x, cos, sin, attention)
-        return self.model.norm(x)
+        cos, sin = self.rope_cos_sin(positions, self.model.embed_tokens.weight.dtype)
+        return self.model.run(ModuleOps(cos, sin, attention), input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """LM head: `[..., hidden] -> [..., vocab]`."""

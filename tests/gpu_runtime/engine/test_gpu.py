@@ -8,7 +8,7 @@ import torch
 
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.model import build_random_model
-from gpu_runtime.model.llama import apply_rope
+from gpu_runtime.model.rope import apply_rope
 from gpu_runtime.model.tiny import tiny_config
 from tests.gpu_runtime.small_model import small_config, small_cuda_model
 
@@ -55,7 +55,7 @@ def test_paged_decode_kernel_matches_gather_reference(
 @pytest.mark.parametrize("pdl", [False, True])
 def test_fused_ops_match_torch(pdl: bool) -> None:
     from gpu_runtime.engine.fused_ops import rms_norm, rope_and_cache_write, silu_and_mul
-    from gpu_runtime.model.llama import RMSNorm
+    from gpu_runtime.model.modules import RMSNorm
 
     torch.manual_seed(1)
     dev, dt = torch.device("cuda"), torch.bfloat16

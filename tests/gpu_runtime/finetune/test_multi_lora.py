@@ -24,7 +24,7 @@ from gpu_runtime.finetune.multi_lora import (
     gathered_lora_delta,
 )
 from gpu_runtime.model import CausalLM, build_random_model
-from gpu_runtime.model.llama import DenseCausalAttention
+from gpu_runtime.model.attention import DenseCausalAttention
 from gpu_runtime.model.tiny import tiny_config
 
 
