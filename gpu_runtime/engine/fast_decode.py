@@ -86,8 +86,12 @@ class FusedDecodeForward:
         for layer in model.decoder_layers:
             if layer.self_attn.qkv_weight is None or layer.mlp.gate_up_weight is None:
                 raise ValueError("FusedDecodeForward needs model.fuse_projections() first")
-        # per layer: the (qkv, o, gate_up, down) adapter groups, None where not adapted
-        self.layer_groups: list[LayerLoraGroups] | None = None
+        # per layer: the (qkv, o, gate_up, down) adapter groups, None where not adapted; the
+        # base step reads all None
+        self.base_groups: list[LayerLoraGroups] = [(None, None, None, None)] * len(
+            model.decoder_layers
+        )
+        self.layer_groups = self.base_groups
         if lora_groups is not None:
             self.layer_groups = [
                 (_group(g, "qkv"), _group(g, "o"), _group(g, "gate_up"), _group(g, "down"))
@@ -155,7 +159,7 @@ class FusedDecodeOps:
         self.num_splits = num_splits
         self.attention = attention
         self.eps = step.eps
-        self.groups = step.layer_groups if lora_slots is not None else None
+        self.groups = step.layer_groups if lora_slots is not None else step.base_groups
         self.slots = lora_slots
         self.batch = batch
         # small batches: q|k|v and gate|up expand terms inside the RoPE and SwiGLU kernels (each
@@ -163,9 +167,6 @@ class FusedDecodeOps:
         self.fuse_expand = step.fuse_lora_expand and batch <= FUSED_EXPAND_MAX_ROWS
         self.skinny = step.skinny_projections if 0 < batch <= step.skinny_max_rows else frozenset()
         self.pdl = 0 < batch <= step.programmatic_launch_rows
-
-    def _group(self, index: int, position: int) -> LoraGroup | None:
-        return self.groups[index][position] if self.groups is not None else None
 
     def norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
@@ -204,7 +205,7 @@ class FusedDecodeOps:
     def qkv(self, index: int, attn: Attention, h: torch.Tensor) -> ProjectionRows:
         weight = attn.qkv_weight
         assert weight is not None
-        return self._fused_in(h, weight, attn.qkv_bias, self._group(index, 0), "qkv")
+        return self._fused_in(h, weight, attn.qkv_bias, self.groups[index][0], "qkv")
 
     def rope_and_attend(self, index: int, attn: Attention, qkv: ProjectionRows) -> torch.Tensor:
         step, metadata = self.step, self.metadata
@@ -242,18 +243,18 @@ class FusedDecodeOps:
 
     def o(self, index: int, attn: Attention, out: torch.Tensor) -> torch.Tensor:
         o_proj = attn.o_proj
-        return self._out(out, o_proj.weight, o_proj.bias, self._group(index, 1), "o")
+        return self._out(out, o_proj.weight, o_proj.bias, self.groups[index][1], "o")
 
     def gate_up(self, index: int, mlp: MLP, h: torch.Tensor) -> ProjectionRows:
         weight = mlp.gate_up_weight
         assert weight is not None
-        return self._fused_in(h, weight, None, self._group(index, 2), "gate_up")
+        return self._fused_in(h, weight, None, self.groups[index][2], "gate_up")
 
     def silu_and_mul(self, index: int, gate_up: ProjectionRows) -> torch.Tensor:
         return silu_and_mul(gate_up[0], gate_up[1], self.pdl)
 
     def down(self, index: int, mlp: MLP, act: torch.Tensor) -> torch.Tensor:
-        return self._out(act, mlp.down_proj.weight, None, self._group(index, 3), "down")
+        return self._out(act, mlp.down_proj.weight, None, self.groups[index][3], "down")
 
 
 def _group(lora: Mapping[str, LoraGroup] | None, name: str) -> LoraGroup | None:
