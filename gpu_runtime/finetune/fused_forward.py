@@ -41,7 +41,7 @@ from torch import nn
 
 from gpu_runtime.contract.model_config import ModelConfig
 from gpu_runtime.finetune.lora import ADAPTER_NAME
-from gpu_runtime.finetune.loss import run_layer_range
+from gpu_runtime.finetune.loss import embed, run_layer_range
 from gpu_runtime.model import CausalLM
 from gpu_runtime.model.module_ops import GateUpProjections, QKVProjections
 from gpu_runtime.model.modules import MLP, Attention, RMSNorm
@@ -254,9 +254,7 @@ class FusedTrainingForward:
         self, input_ids: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Token embeddings ``[B, S, H]`` and RoPE cos/sin for ``positions``."""
-        x = self.tree.model.embed_tokens(input_ids)
-        cos, sin = self.tree.rope_cos_sin(positions, x.dtype)
-        return x, cos, sin
+        return embed(self.tree, input_ids, positions)
 
     def run_layers(
         self,
