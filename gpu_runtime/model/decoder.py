@@ -21,7 +21,7 @@ at RoPE + attention (dense, paged, fused with the cache write) and at the activa
 that also adds the gate|up LoRA expand), and nowhere else. The same seams are where tensor
 parallelism shards a layer: q|k|v and gate|up are column-parallel, attention runs on the local
 heads, o and down are row-parallel and end in a reduction; a sharded ops does that once for
-every path instead of in five copies of the walk.
+every path.
 
 Contracts:
 
@@ -36,6 +36,9 @@ Contracts:
 * Per-layer state (the KV cache of layer `index`, its adapter slots) is looked up by `index`;
   per-call state (RoPE cos/sin of the positions, attention metadata, per-token slots) lives in
   the ops object, built per forward. Nothing here holds per-step state.
+* Training runs `layer_output` (one layer with its residual added, so one tensor enters each
+  layer) over a layer range, each optionally recomputed in backward
+  (`finetune.loss.run_layer_range`); serving runs `run`.
 * Cost: one method call per step of the walk; no tensor is allocated outside the ops.
 """
 
