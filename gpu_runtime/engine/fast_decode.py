@@ -165,7 +165,9 @@ class FusedDecodeOps:
         # small batches: q|k|v and gate|up expand terms inside the RoPE and SwiGLU kernels (each
         # row reads its slot's B: rows x R x out bytes); larger: one tl.dot expand kernel
         self.fuse_expand = step.fuse_lora_expand and batch <= FUSED_EXPAND_MAX_ROWS
-        self.skinny = step.skinny_projections if 0 < batch <= step.skinny_max_rows else frozenset()
+        self.skinny_projections = (
+            step.skinny_projections if 0 < batch <= step.skinny_max_rows else frozenset()
+        )
         self.pdl = 0 < batch <= step.programmatic_launch_rows
 
     def norm(
@@ -173,39 +175,17 @@ class FusedDecodeOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return rms_norm(x, norm.weight, self.eps, residual, self.pdl)
 
-    def _fused_in(
-        self,
-        h: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        group: LoraGroup | None,
-        name: str,
-    ) -> ProjectionRows:
-        """A fused projection (q|k|v or gate|up) whose LoRA expand may ride in the next kernel."""
-        slots = self.slots
+    def qkv(self, index: int, attn: Attention, h: torch.Tensor) -> ProjectionRows:
+        """q|k|v `[B, (H + 2 KV) D]`; the adapter rows, when the RoPE kernel adds the expand."""
+        weight, bias = attn.qkv_weight, attn.qkv_bias
+        assert weight is not None
+        group, slots = self.groups[index][0], self.slots
         if group is not None and slots is not None and self.fuse_expand:
-            out, shrink = linear_and_shrink(h, weight, bias, group)
-            return out, LoraRows(shrink, group.b, slots, group.max_rank)
-        if group is None and name in self.skinny:
+            qkv, shrink = linear_and_shrink(h, weight, bias, group)
+            return qkv, LoraRows(shrink, group.b, slots, group.max_rank)
+        if group is None and "qkv" in self.skinny_projections:
             return self.step.skinny(h, weight, bias), None
         return lora_linear(h, weight, bias, group, slots), None
-
-    def _out(
-        self,
-        x: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        group: LoraGroup | None,
-        name: str,
-    ) -> torch.Tensor:
-        if group is None and name in self.skinny:
-            return self.step.skinny(x, weight, bias)
-        return lora_linear(x, weight, bias, group, self.slots)
-
-    def qkv(self, index: int, attn: Attention, h: torch.Tensor) -> ProjectionRows:
-        weight = attn.qkv_weight
-        assert weight is not None
-        return self._fused_in(h, weight, attn.qkv_bias, self.groups[index][0], "qkv")
 
     def rope_and_attend(self, index: int, attn: Attention, qkv: ProjectionRows) -> torch.Tensor:
         step, metadata = self.step, self.metadata
@@ -242,19 +222,33 @@ class FusedDecodeOps:
         return out.view(self.batch, -1)
 
     def o(self, index: int, attn: Attention, out: torch.Tensor) -> torch.Tensor:
-        o_proj = attn.o_proj
-        return self._out(out, o_proj.weight, o_proj.bias, self.groups[index][1], "o")
+        weight, bias = attn.o_proj.weight, attn.o_proj.bias
+        group = self.groups[index][1]
+        if group is None and "o" in self.skinny_projections:
+            return self.step.skinny(out, weight, bias)
+        return lora_linear(out, weight, bias, group, self.slots)
 
     def gate_up(self, index: int, mlp: MLP, h: torch.Tensor) -> ProjectionRows:
+        """gate|up `[B, 2 I]`; the adapter rows, when the SwiGLU kernel adds the expand."""
         weight = mlp.gate_up_weight
         assert weight is not None
-        return self._fused_in(h, weight, None, self.groups[index][2], "gate_up")
+        group, slots = self.groups[index][2], self.slots
+        if group is not None and slots is not None and self.fuse_expand:
+            gate_up, shrink = linear_and_shrink(h, weight, None, group)
+            return gate_up, LoraRows(shrink, group.b, slots, group.max_rank)
+        if group is None and "gate_up" in self.skinny_projections:
+            return self.step.skinny(h, weight, None), None
+        return lora_linear(h, weight, None, group, slots), None
 
     def silu_and_mul(self, index: int, gate_up: ProjectionRows) -> torch.Tensor:
         return silu_and_mul(gate_up[0], gate_up[1], self.pdl)
 
     def down(self, index: int, mlp: MLP, act: torch.Tensor) -> torch.Tensor:
-        return self._out(act, mlp.down_proj.weight, None, self.groups[index][3], "down")
+        weight = mlp.down_proj.weight
+        group = self.groups[index][3]
+        if group is None and "down" in self.skinny_projections:
+            return self.step.skinny(act, weight, None)
+        return lora_linear(act, weight, None, group, self.slots)
 
 
 def _group(lora: Mapping[str, LoraGroup] | None, name: str) -> LoraGroup | None:
