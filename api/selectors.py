@@ -28,7 +28,7 @@ from api.models import (
     Upload,
 )
 from api.services.jobs import fine_tuned_model_name
-from gpu_runtime.agent.protocol import parse_checkpoint_model
+from gpu_runtime.contract.protocol import parse_checkpoint_model
 
 BASE_MODEL_OWNER = "harli"
 

@@ -1,4 +1,4 @@
-"""Messages to a host's queue `host.<name>` (formats in `gpu_runtime.agent.protocol`).
+"""Messages to a host's queue `host.<name>` (formats in `gpu_runtime.contract.protocol`).
 
 Every sender here publishes; callers run it from `transaction.on_commit` so a host never hears
 of a row that was rolled back.
@@ -15,7 +15,7 @@ from kombu.exceptions import OperationalError as BrokerOperationalError
 from api.models import FinetuneJob, JobCheckpoint, JobMethod, Placement
 from api.selectors import job_checkpoint_latest
 from config.celery import app
-from gpu_runtime.agent.protocol import HOST_COMMAND_TASK, adapter_key, check_command, host_queue
+from gpu_runtime.contract.protocol import HOST_COMMAND_TASK, adapter_key, check_command, host_queue
 from gpu_runtime.contract.training_data import training_max_seq_len
 from workers.conf import worker_settings
 

@@ -17,7 +17,7 @@ from kombu.exceptions import OperationalError as BrokerOperationalError
 
 from api.services.uploads import upload_expire_due
 from config.celery import app
-from gpu_runtime.agent.protocol import HOST_REPORT_TASK, ProtocolError
+from gpu_runtime.contract.protocol import HOST_REPORT_TASK, ProtocolError
 from workers.ingest import host_report_apply
 from workers.placement import job_place
 from workers.reconcile import reconcile

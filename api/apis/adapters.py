@@ -25,7 +25,7 @@ from api.selectors import (
 )
 from api.serializers import ErrorSerializer
 from api.services.jobs import fine_tuned_model_name
-from gpu_runtime.agent.protocol import checkpoint_model_name
+from gpu_runtime.contract.protocol import checkpoint_model_name
 
 ARCHIVE_RESPONSES = {
     (200, "application/gzip"): OpenApiResponse(

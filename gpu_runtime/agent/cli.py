@@ -191,10 +191,10 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.agent.auth import KeyVerifier
     from gpu_runtime.agent.channel import CommandConsumer, ReportSender
     from gpu_runtime.agent.checkpoint_models import CheckpointModels
-    from gpu_runtime.agent.protocol import report
     from gpu_runtime.agent.runtime import HostRuntime, submit_command
     from gpu_runtime.agent.serving import EngineSpec
     from gpu_runtime.colocation.ahead import ASYNC_SCHEDULING
+    from gpu_runtime.contract.protocol import report
     from gpu_runtime.engine import EngineConfig
     from gpu_runtime.model.tiny import build_tiny_model_dir
     from gpu_runtime.server import EngineLoop, MetricsCollector, create_app

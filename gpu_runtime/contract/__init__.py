@@ -7,6 +7,8 @@ Django, so the web process can use them):
 * `tokenizer` — the training tokenizer of a base model, loaded from its tokenizer files;
 * `tiny_tokenizer` — the tiny built-in model's tokenizer;
 * `model_config` — a model's shape (`ModelConfig`, its presets, the HF `config.json` form);
-* `hparams` — a job's hyperparameters as hosts resolve them ("auto", LoRA options, ranges).
-* `statistics` — the one percentile definition of reports, result files and the console.
+* `hparams` — a job's hyperparameters as hosts resolve them ("auto", LoRA options, ranges);
+* `statistics` — the one percentile definition of reports, result files and the console;
+* `protocol` — the messages between the control plane and the host agents (commands, reports,
+  storage keys, fine-tuned model names).
 """

@@ -13,7 +13,7 @@ from api.services.apikeys import api_key_issue_for_tenant
 from api.services.files import UploadSource, file_create
 from api.services.fleet import base_model_register
 from api.services.tenants import tenant_create
-from gpu_runtime.agent.protocol import ProtocolError, check_command
+from gpu_runtime.contract.protocol import ProtocolError, check_command
 from tests.api.conftest import VALID_JSONL, ApiClient, assert_error, jsonl
 from workers.commands import job_spec
 

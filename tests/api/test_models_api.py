@@ -23,7 +23,7 @@ from api.services.jobs import (
     job_checkpoint_record,
 )
 from api.storage import get_storage
-from gpu_runtime.agent.protocol import adapter_key, checkpoint_key, checkpoint_model_name
+from gpu_runtime.contract.protocol import adapter_key, checkpoint_key, checkpoint_model_name
 from tests.api.conftest import ApiClient, assert_error
 
 pytestmark = pytest.mark.django_db

@@ -14,7 +14,7 @@ from api.services.files import UploadSource, file_create
 from api.services.fleet import base_model_register, deployment_create, host_register
 from api.services.jobs import finetune_job_create
 from api.services.tenants import operator_create, tenant_create
-from gpu_runtime.agent.protocol import report
+from gpu_runtime.contract.protocol import report
 from workers.ingest import host_report_apply
 
 pytestmark = pytest.mark.django_db

@@ -19,7 +19,7 @@ from api.services.fleet import base_model_register, deployment_create, host_regi
 from api.services.jobs import finetune_job_create
 from api.services.tenants import tenant_create
 from gpu_runtime.agent.channel import decode_task_message, host_queue_declaration
-from gpu_runtime.agent.protocol import report
+from gpu_runtime.contract.protocol import report
 from workers.ingest import host_report_apply
 
 GIB = 2**30

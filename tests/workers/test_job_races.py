@@ -14,7 +14,7 @@ from django.utils import timezone
 
 from api.models import FinetuneJob, JobCheckpoint, JobEvent, JobStatus, Placement, PlacementState
 from api.services.jobs import finetune_job_cancel, finetune_job_pause, finetune_job_resume
-from gpu_runtime.agent.protocol import report
+from gpu_runtime.contract.protocol import report
 from tests.workers.conftest import drain_host_queue, heartbeat, make_host
 from workers.ingest import host_report_apply
 from workers.models import HostAgentState, PlacementDecision

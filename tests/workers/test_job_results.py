@@ -13,7 +13,7 @@ from api.models import File, FinetuneJob, JobCheckpoint, JobMetric, Placement
 from api.serializers import FineTuningJobSerializer
 from api.services.files import file_content_chunks
 from api.storage import get_storage
-from gpu_runtime.agent.protocol import ProtocolError, checkpoint_key, report
+from gpu_runtime.contract.protocol import ProtocolError, checkpoint_key, report
 from tests.workers.conftest import drain_host_queue, heartbeat, make_host
 from workers.commands import placement_command
 from workers.ingest import host_report_apply

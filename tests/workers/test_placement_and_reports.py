@@ -24,7 +24,7 @@ from api.models import (
 )
 from api.services.fleet import base_model_register, deployment_create
 from api.services.jobs import finetune_job_cancel, finetune_job_pause
-from gpu_runtime.agent.protocol import report
+from gpu_runtime.contract.protocol import report
 from tests.workers.conftest import GIB, drain_host_queue, heartbeat, make_host
 from workers.ingest import host_report_apply
 from workers.models import MetricRollup, PlacementDecision

@@ -10,7 +10,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 
 from api.models import GpuHost
-from gpu_runtime.agent.protocol import check_report
+from gpu_runtime.contract.protocol import check_report
 from workers.ingest.heartbeat import heartbeat
 from workers.ingest.jobs import (
     checkpoint,

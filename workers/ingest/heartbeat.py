@@ -20,7 +20,7 @@ from api.models import (
     Placement,
 )
 from api.transitions import TERMINAL_STATUSES
-from gpu_runtime.agent.protocol import parse_checkpoint_model
+from gpu_runtime.contract.protocol import parse_checkpoint_model
 from workers.ingest.common import stop_on_commit
 from workers.models import HostAgentState
 

@@ -37,7 +37,7 @@ from api.services.jobs import (
     job_event_record,
 )
 from api.tenant_text import without_locations
-from gpu_runtime.agent.protocol import PREFERENCE_METRICS, ProtocolError
+from gpu_runtime.contract.protocol import PREFERENCE_METRICS, ProtocolError
 from workers.conf import worker_settings
 from workers.ingest.common import pausing, report_time, stop_on_commit
 from workers.models import HostAgentState, RollupSeries
