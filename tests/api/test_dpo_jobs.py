@@ -12,10 +12,10 @@ from api.models import BaseModel, File, FinetuneJob, JobEvent, Tenant
 from api.services.apikeys import api_key_issue_for_tenant
 from api.services.files import UploadSource, file_create
 from api.services.fleet import base_model_register
+from api.services.placement_dispatch import job_spec
 from api.services.tenants import tenant_create
 from gpu_runtime.contract.protocol import ProtocolError, check_command
 from tests.api.conftest import VALID_JSONL, ApiClient, assert_error, jsonl
-from workers.commands import job_spec
 
 PREFERENCE_LINE: dict[str, Any] = {
     "input": {
@@ -192,7 +192,7 @@ def test_openai_client_creates_a_dpo_job(live_server: Any) -> None:
 
 @pytest.mark.django_db
 def test_a_dpo_job_is_charged_two_rows_of_activations_per_example(tenant: Tenant) -> None:
-    from workers.placement import (
+    from api.services.placement import (
         ACTIVATION_BYTES_PER_UNIT,
         finetune_memory_estimate,
     )

@@ -22,7 +22,7 @@ import os, sys
 import django
 os.environ["DJANGO_SETTINGS_MODULE"] = "config.settings.test"
 django.setup()
-import api.file_tokens, api.services.jobs, workers.commands, workers.ingest.jobs
+import api.file_tokens, api.services.jobs, workers.commands, api.services.reports.jobs
 from api.base_model_tokenizers import base_model_tokenizer
 from api.models import BaseModel
 base_model_tokenizer(base_model=BaseModel(name="tiny", preset="tiny", context_length=512))

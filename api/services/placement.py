@@ -22,29 +22,32 @@ commits.
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
+from api.fleet_settings import fleet_settings
 from api.models import (
     OPEN_PLACEMENT_STATES,
     EventLevel,
     FinetuneJob,
     GpuHost,
+    HostAgentState,
     HostStatus,
     JobCheckpoint,
     JobEvent,
     JobMethod,
     JobStatus,
     Placement,
+    PlacementDecision,
     PlacementState,
 )
 from api.selectors import job_checkpoint_latest
 from api.services.jobs import job_event_record
+from api.services.placement_dispatch import placement_send
 from gpu_runtime.contract.training_data import training_max_seq_len
-from workers.conf import worker_settings
-from workers.models import HostAgentState, PlacementDecision
 
 MIB = 2**20
 # Activation bytes per (token x hidden unit x layer) of LoRA training without recomputation.
@@ -165,7 +168,7 @@ def job_place(*, job_id: str) -> Placement | None:
             return None
         if Placement.objects.filter(job=job, state__in=OPEN_PLACEMENT_STATES).exists():
             return None
-        fresh_after = timezone.now() - timedelta(seconds=worker_settings().host_lost_after_s)
+        fresh_after = timezone.now() - timedelta(seconds=fleet_settings().host_lost_after_s)
         previous = (
             Placement.objects.filter(job=job)
             .select_related("host", "host__agent_state")
@@ -223,12 +226,7 @@ def job_place(*, job_id: str) -> Placement | None:
         )
         placement_id = placement.pk
 
-        def dispatch() -> None:
-            from workers.commands import send_placement
-
-            send_placement(placement_id=placement_id)
-
-        transaction.on_commit(dispatch)
+        transaction.on_commit(partial(placement_send, placement_id=placement_id))
         return placement
 
 
@@ -266,7 +264,7 @@ def _checkpoint_in_flight(
     if previous is None or previous.stopped_step is None or previous.stopped_at is None:
         return None
     waited = timezone.now() - previous.stopped_at
-    if waited > timedelta(seconds=worker_settings().redispatch_after_s):
+    if waited > timedelta(seconds=fleet_settings().redispatch_after_s):
         return None
     recorded = latest.step if latest is not None else 0
     return previous if recorded < previous.stopped_step else None

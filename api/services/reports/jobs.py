@@ -1,27 +1,32 @@
 """Reports about one placement of a fine-tuning job: its start, optimizer steps, checkpoints,
 and outcome (succeeded, failed, stopped). A report about a placement that is no longer open is
-stale (see the package docstring, `workers.ingest`)."""
+stale (see the package docstring, `api.services.reports`)."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
+from api.dispatch import host_dispatch
 from api.errors import ConflictError, HarliError
+from api.fleet_settings import fleet_settings
 from api.models import (
     OPEN_PLACEMENT_STATES,
     EventType,
     FinetuneJob,
     GpuHost,
+    HostAgentState,
     HostStatus,
     JobEvent,
     JobMetric,
     JobStatus,
     Placement,
     PlacementState,
+    RollupSeries,
 )
 from api.services.job_results import (
     finetune_job_settings_record,
@@ -36,12 +41,10 @@ from api.services.jobs import (
     job_checkpoint_record,
     job_event_record,
 )
+from api.services.reports.common import pausing, report_time, stop_on_commit
+from api.services.rollups import rollup_add
 from api.tenant_text import without_locations
 from gpu_runtime.contract.protocol import PREFERENCE_METRICS, ProtocolError
-from workers.conf import worker_settings
-from workers.ingest.common import pausing, report_time, stop_on_commit
-from workers.models import HostAgentState, RollupSeries
-from workers.rollups import rollup_add
 
 # Reports sent once per optimizer step: a stale one does not send a stop of its own (the
 # heartbeats' check does, once per heartbeat).
@@ -52,7 +55,7 @@ def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
     """The placement the report is about while it counts, or None (stale; see the package
     docstring). Besides open placements, per-step reports count from the job's latest
     placement once a pause released it, while the job is paused or resumed and waiting for
-    this host's stop (`workers.placement`): the steps the host trained until its batch
+    this host's stop (`api.services.placement`): the steps the host trained until its batch
     boundary, and the checkpoint the pause writes there, are what the job resumes from."""
     placement = (
         Placement.objects.select_for_update()
@@ -229,7 +232,7 @@ def checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
             valid_loss=metrics["valid_loss"],
             valid_mean_token_accuracy=metrics.get("valid_mean_token_accuracy"),
         )
-    job_checkpoints_prune(job=job, keep=worker_settings().keep_checkpoints)
+    job_checkpoints_prune(job=job, keep=fleet_settings().keep_checkpoints)
     if job.status == JobStatus.QUEUED:  # a resumed job may wait for this checkpoint
         _place_on_commit(job.id)
     return "applied"
@@ -252,10 +255,8 @@ def job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
     )
 
     def announce() -> None:
-        from workers.commands import send_host_command
-
         for target in hosts:
-            send_host_command(
+            host_dispatch().host_command_send(
                 host_name=target.name, command="load_adapter", name=name, storage_key=key
             )
 
@@ -302,12 +303,7 @@ def job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
 def _place_on_commit(job_id: str) -> None:
     """Place a queued job once this transaction commits (a resumed job that waited)."""
 
-    def place() -> None:
-        from workers.tasks import place_job
-
-        place_job.delay(job_id)
-
-    transaction.on_commit(place, robust=True)
+    transaction.on_commit(partial(host_dispatch().job_place_queue, job_id=job_id), robust=True)
 
 
 def _forget_placement(host: GpuHost, placement_id: int) -> None:

@@ -17,6 +17,6 @@ checkpoints and outcome), `metrics` (host and deployment time series), `common` 
 time stamp and the stop for a placement that is no longer open).
 """
 
-from workers.ingest.apply import host_report_apply
+from api.services.reports.apply import host_report_apply
 
 __all__ = ["host_report_apply"]

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.models import DeploymentMetric, GpuHost, HostMetric
-from workers.ingest.common import report_time
-from workers.models import RollupSeries
-from workers.rollups import rollup_add
+from api.models import DeploymentMetric, GpuHost, HostMetric, RollupSeries
+from api.services.reports.common import report_time
+from api.services.rollups import rollup_add
 
 
 def metrics(host: GpuHost, message: dict[str, Any]) -> str:

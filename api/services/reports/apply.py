@@ -1,6 +1,6 @@
 """Applying one host report: deduplication by message id, then the handler of its kind.
 
-See the package docstring (`workers.ingest`) for the at-most-once and stale-report contracts.
+See the package docstring (`api.services.reports`) for the at-most-once and stale-report contracts.
 """
 
 from __future__ import annotations
@@ -9,10 +9,9 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 
-from api.models import GpuHost
-from gpu_runtime.contract.protocol import check_report
-from workers.ingest.heartbeat import heartbeat
-from workers.ingest.jobs import (
+from api.models import GpuHost, ProcessedReport
+from api.services.reports.heartbeat import heartbeat
+from api.services.reports.jobs import (
     checkpoint,
     job_failed,
     job_progress,
@@ -20,8 +19,8 @@ from workers.ingest.jobs import (
     job_stopped,
     job_succeeded,
 )
-from workers.ingest.metrics import metrics
-from workers.models import ProcessedReport
+from api.services.reports.metrics import metrics
+from gpu_runtime.contract.protocol import check_report
 
 
 def host_report_apply(*, message: dict[str, Any]) -> str:
