@@ -2,8 +2,8 @@
 
 A host is eligible when it is `online`, serves a deployment of the job's base model, heartbeated
 within `HARLI_HOST_LOST_AFTER_S`, is not draining, and reports at least the job's estimated
-finetune memory free (:func:`finetune_memory_estimate`). Among eligible hosts, two things
-decide:
+finetune memory free (:func:`finetune_memory_estimate`, `gpu_runtime.contract.footprint`).
+Among eligible hosts, two things decide:
 
 1. **Harvestable throughput**: the host's `harvestable_tokens_per_s` shared with the jobs
    already placed there (divided by 1 + their number). A host with a latency predictor reports
@@ -47,59 +47,36 @@ from api.models import (
 from api.selectors import job_checkpoint_latest
 from api.services.jobs import job_event_record
 from api.services.placement_dispatch import placement_send
+from gpu_runtime.contract.footprint import MIN_FINETUNE_BYTES, finetune_footprint_bytes
+from gpu_runtime.contract.model_config import ModelConfig
 from gpu_runtime.contract.training_data import training_max_seq_len
 
-MIB = 2**20
-# Activation bytes per (token x hidden unit x layer) of LoRA training without recomputation.
-ACTIVATION_BYTES_PER_UNIT = 34
-# Adapter weight + gradient + two AdamW moments, fp32.
-ADAPTER_BYTES_PER_PARAM = 16
-MIN_FINETUNE_BYTES = 64 * MIB
 THROUGHPUT_TOLERANCE = 0.1
 """Throughput shares within this fraction of the best count as equal (headroom decides)."""
 POLICY = (
     f"harvestable tokens/s / (1 + open placements), within {THROUGHPUT_TOLERANCE:.0%} of the "
     "best; then the most memory headroom after the job; then the name"
 )
-_PROJECTION_DIMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def finetune_memory_estimate(*, job: FinetuneJob) -> int:
-    """Bytes a job borrows on its host: adapter state plus one micro-batch of activations.
+    """Bytes a job borrows on its host (`gpu_runtime.contract.footprint`).
 
     Uses the base model's config (preset models); a checkpoint-dir model without a stored
     config is charged :data:`MIN_FINETUNE_BYTES`. Sequences count at min(context, 2048); a
     DPO example is two of them (its preferred and other output).
     """
-    config = job.base_model.config
-    if not config:
+    if not job.base_model.config:
         return MIN_FINETUNE_BYTES
-    hidden = int(config["hidden_size"])
-    layers = int(config["num_hidden_layers"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads", heads))
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    inter = int(config["intermediate_size"])
-    dims = {
-        "q_proj": (hidden, heads * head_dim),
-        "k_proj": (hidden, kv_heads * head_dim),
-        "v_proj": (hidden, kv_heads * head_dim),
-        "o_proj": (heads * head_dim, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-    targets = list(job.lora_target_modules)
-    if targets == ["all-linear"]:
-        targets = list(_PROJECTION_DIMS)
-    rank = job.lora_rank
-    adapter_params = layers * sum(rank * sum(dims[t]) for t in targets if t in dims)
     batch = job.hyperparameters.get("batch_size")
     micro_batch = batch if isinstance(batch, int) else 1
     rows = 2 if job.method == JobMethod.DPO else 1
-    tokens = rows * micro_batch * training_max_seq_len(job.base_model.context_length)
-    activations = tokens * hidden * layers * ACTIVATION_BYTES_PER_UNIT
-    return max(MIN_FINETUNE_BYTES, adapter_params * ADAPTER_BYTES_PER_PARAM + activations)
+    return finetune_footprint_bytes(
+        ModelConfig.from_hf_config(job.base_model.config),
+        rank=job.lora_rank,
+        target_modules=list(job.lora_target_modules),
+        tokens=rows * micro_batch * training_max_seq_len(job.base_model.context_length),
+    )
 
 
 def _candidate(

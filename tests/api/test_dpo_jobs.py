@@ -192,10 +192,8 @@ def test_openai_client_creates_a_dpo_job(live_server: Any) -> None:
 
 @pytest.mark.django_db
 def test_a_dpo_job_is_charged_two_rows_of_activations_per_example(tenant: Tenant) -> None:
-    from api.services.placement import (
-        ACTIVATION_BYTES_PER_UNIT,
-        finetune_memory_estimate,
-    )
+    from api.services.placement import finetune_memory_estimate
+    from gpu_runtime.contract.footprint import ACTIVATION_BYTES_PER_UNIT
 
     llama = base_model_register(name="llama", preset="llama3-8b")
     settings = {"n_epochs": "auto", "batch_size": 4, "learning_rate_multiplier": "auto"}
