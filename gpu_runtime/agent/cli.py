@@ -25,7 +25,6 @@ from typing import Any
 
 from gpu_runtime.agent.config import (
     DEFAULT_DECODE_GROUPS,
-    DEFAULT_LORA_MAX_RANK,
     GIB,
     AgentConfig,
     AgentConfigError,
@@ -33,6 +32,7 @@ from gpu_runtime.agent.config import (
     broker_transport_options,
     env_broker_url,
 )
+from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 
 logger = logging.getLogger("gpu_runtime.agent")
 
