@@ -44,6 +44,7 @@ from api.models import (
     PlacementState,
     Tenant,
 )
+from api.selectors import fine_tuned_model_name
 from api.training_files import check_method_format
 from api.transitions import TERMINAL_STATUSES, is_legal_transition
 
@@ -52,11 +53,6 @@ _RELEASES_PLACEMENT = TERMINAL_STATUSES | {JobStatus.PAUSED}
 # Statuses the control plane sets while a host may still be training the job: the host of each
 # released placement gets this command at commit. (Succeeded and failed come from the host.)
 _HOST_STOP_COMMANDS: dict[str, str] = {JobStatus.PAUSED: "pause", JobStatus.CANCELLED: "cancel"}
-
-
-def fine_tuned_model_name(*, job: FinetuneJob) -> str:
-    """`ft:<base>:<tenant>:<suffix>:<job id>` (suffix may be empty, as in OpenAI's names)."""
-    return f"ft:{job.base_model.name}:{job.tenant.name}:{job.suffix}:{job.id}"
 
 
 def _training_file(*, tenant: Tenant, file_id: Any, param: str) -> File:

@@ -22,8 +22,7 @@ from api.models import (
     Placement,
     PlacementDecision,
 )
-from api.selectors import job_checkpoint_latest
-from api.services.jobs import fine_tuned_model_name
+from api.selectors import fine_tuned_model_name, job_checkpoint_latest
 from gpu_runtime.contract.protocol import adapter_key
 from gpu_runtime.contract.training_data import training_max_seq_len
 
