@@ -144,7 +144,7 @@ class FinetuneJob(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     stalled_at = models.DateTimeField(null=True, blank=True)
     """Set while the job runs with no progress from its host for `HARLI_JOB_STALL_AFTER_S`
-    (`workers.reconcile`); cleared by its next progress report or status change."""
+    (`api.services.reconcile`); cleared by its next progress report or status change."""
 
     class Meta:
         ordering = ["-created_at", "-id"]

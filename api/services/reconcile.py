@@ -1,4 +1,5 @@
-"""Reconciliation, run by beat every `HARLI_RECONCILE_INTERVAL_S` seconds.
+"""Reconciliation, run by beat every `HARLI_RECONCILE_INTERVAL_S` seconds (the
+`workers.reconcile` task).
 
 1. A host `online` or `draining` whose last heartbeat is older than `HARLI_HOST_LOST_AFTER_S`
    is `lost`: its open placements become `lost`, and each of their running jobs goes back to

@@ -26,7 +26,7 @@ from api.transitions import TERMINAL_STATUSES
 from gpu_runtime.contract.protocol import parse_checkpoint_model
 
 
-def heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
+def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     now = timezone.now()
     fields = ["last_heartbeat_at"]
     host.last_heartbeat_at = now

@@ -79,7 +79,7 @@ def _job(message: dict[str, Any]) -> FinetuneJob:
     return FinetuneJob.objects.select_related("tenant", "base_model").get(pk=message["job_id"])
 
 
-def job_started(host: GpuHost, message: dict[str, Any]) -> str:
+def job_started_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     placement = _open_placement(host, message)
     if placement is None:
         return "stale"
@@ -109,7 +109,8 @@ def job_started(host: GpuHost, message: dict[str, Any]) -> str:
 
 
 def _progressed(host: GpuHost, job: FinetuneJob) -> None:
-    """Progress from the job's host clears its stall flag (`workers.reconcile`), with an event."""
+    """Progress from the job's host clears its stall flag (`api.services.reconcile`), with an
+    event."""
     if job.stalled_at is None:
         return
     FinetuneJob.objects.filter(pk=job.pk).update(stalled_at=None)
@@ -121,7 +122,7 @@ def _progressed(host: GpuHost, job: FinetuneJob) -> None:
     job.stalled_at = None
 
 
-def job_progress(host: GpuHost, message: dict[str, Any]) -> str:
+def job_progress_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     job = _job(message)
@@ -201,7 +202,7 @@ def _step_record(
     return True
 
 
-def checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
+def checkpoint_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     job = _job(message)
@@ -238,7 +239,7 @@ def checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
     return "applied"
 
 
-def job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
+def job_succeeded_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     job = finetune_job_succeed(
@@ -264,7 +265,7 @@ def job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
     return "applied"
 
 
-def job_failed(host: GpuHost, message: dict[str, Any]) -> str:
+def job_failed_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     text = without_locations(str(message["message"]))  # hosts send none; a safety net
@@ -272,7 +273,7 @@ def job_failed(host: GpuHost, message: dict[str, Any]) -> str:
     return "applied"
 
 
-def job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
+def job_stopped_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     """The host released a placement (paused at a batch boundary, or cancelled). From now on
     it does not train it: the host's agent state forgets the placement at once (its next
     heartbeat says so too), and a job resumed meanwhile is placed again."""

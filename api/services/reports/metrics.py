@@ -10,7 +10,7 @@ from api.services.reports.common import report_time
 from api.services.rollups import rollup_add
 
 
-def metrics(host: GpuHost, message: dict[str, Any]) -> str:
+def metrics_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     ts = report_time(message)
     hm = dict(message["host_metrics"])
     HostMetric.objects.create(
