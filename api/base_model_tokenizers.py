@@ -5,7 +5,7 @@ Sources, first that has one wins:
 1. the registered checkpoint directory (`BaseModel.checkpoint_dir`), when this process can read
    its tokenizer files;
 2. the tokenizer a host serving the model published to storage
-   (`gpu_runtime.agent.protocol.tokenizer_key`; every host does when it loads a model);
+   (`gpu_runtime.contract.protocol.tokenizer_key`; every host does when it loads a model);
 3. for the `tiny` preset, the runtime's deterministic tiny tokenizer, built here.
 Each is loaded with `gpu_runtime.contract.tokenizer.load_training_tokenizer`, the loader the hosts
 train with, so the counts are the hosts'. Without any source the job is refused with a 409 that
@@ -22,9 +22,9 @@ from pathlib import Path
 from api.errors import ConflictError
 from api.models import BaseModel
 from api.storage import get_storage
-from gpu_runtime.agent.protocol import tokenizer_key
 from gpu_runtime.agent.tokenizers import published_digest
 from gpu_runtime.contract.chat import ChatTokenizer
+from gpu_runtime.contract.protocol import tokenizer_key
 from gpu_runtime.contract.tokenizer import (
     TokenizerFilesError,
     load_training_tokenizer,

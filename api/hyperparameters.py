@@ -6,6 +6,7 @@ Hyperparameters come either at the top level (`hyperparameters`, OpenAI's older 
 A DPO job gives `method = {"type": "dpo", "dpo": {"hyperparameters": {...}}}` with the same
 three plus `beta` (a number in `BETA_RANGE`, or "auto": 0.1 on the host); a top-level
 `hyperparameters` object then cannot also be given.
+Ranges and LoRA defaults are the contract's (`gpu_runtime.contract.hparams`).
 LoRA options come in an extension object `lora = {"rank", "alpha", "dropout", "target_modules"}`.
 `metadata` is OpenAI's: at most 16 string pairs, keys up to 64 characters, values up to 512.
 `integrations` (OpenAI's Weights & Biases reporting) is refused: this server has no wandb package
@@ -19,13 +20,19 @@ from dataclasses import dataclass
 from typing import Any
 
 from api.errors import HarliError
-from api.models.finetune import DEFAULT_LORA_TARGET_MODULES
-from gpu_runtime.agent.config import DEFAULT_LORA_MAX_RANK
+from gpu_runtime.contract.hparams import (
+    AUTO,
+    BATCH_SIZE_RANGE,
+    BETA_RANGE,
+    DEFAULT_LORA_ALPHA,
+    DEFAULT_LORA_DROPOUT,
+    DEFAULT_LORA_MAX_RANK,
+    DEFAULT_LORA_RANK,
+    DEFAULT_LORA_TARGET_MODULES,
+    LEARNING_RATE_MULTIPLIER_RANGE,
+    N_EPOCHS_RANGE,
+)
 
-AUTO = "auto"
-N_EPOCHS_RANGE = (1, 50)
-BATCH_SIZE_RANGE = (1, 256)
-LEARNING_RATE_MULTIPLIER_RANGE = (1e-6, 10.0)
 LORA_RANK_RANGE = (1, DEFAULT_LORA_MAX_RANK)
 """Ranks the hosts' adapter slots hold: a larger adapter could be trained but never served."""
 SUFFIX_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -33,8 +40,6 @@ MODULE_PATTERN = re.compile(r"^[A-Za-z_][A-Za-z0-9_.]{0,63}$")
 SEED_RANGE = (0, 2**31 - 1)
 SUPERVISED = "supervised"
 DPO = "dpo"
-BETA_RANGE = (0.0, 2.0)
-"""DPO's beta: above the low end (exclusive) and at most the high end."""
 METADATA_MAX_PAIRS = 16
 METADATA_KEY_MAX = 64
 METADATA_VALUE_MAX = 512
@@ -156,10 +161,13 @@ def parse_method(hyperparameters: Any, method: Any) -> TrainingMethod:
 
 @dataclass(frozen=True)
 class LoraOptions:
-    rank: int = 16
-    alpha: float = 32.0
-    dropout: float = 0.05
-    target_modules: tuple[str, ...] = tuple(DEFAULT_LORA_TARGET_MODULES)
+    """A job's LoRA options as given (module names are checked by the host, which expands
+    "all-linear"); defaults are the contract's."""
+
+    rank: int = DEFAULT_LORA_RANK
+    alpha: float = DEFAULT_LORA_ALPHA
+    dropout: float = DEFAULT_LORA_DROPOUT
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGET_MODULES
 
 
 def parse_lora(lora: Any) -> LoraOptions:

@@ -1,9 +1,10 @@
 """Known architectures with random weights, registrable as base models (`--preset NAME`).
 
 `tiny` runs anywhere (tests, the local demo); the others have the shapes of real models for GPU
-benchmarks. The shapes themselves are the runtime's (`gpu_runtime.model.ModelConfig.preset`), so
-the control plane and the hosts can never disagree on them; a preset's `config` is that shape as
-a Hugging Face `config.json` dict, from which the runtime builds the model.
+benchmarks. The shapes themselves are the contract's (`ModelConfig.preset`, in
+`gpu_runtime.contract.model_config`), so the control plane and the hosts can never disagree on
+them; a preset's `config` is that shape as a Hugging Face `config.json` dict, from which the
+runtime builds the model.
 """
 
 from __future__ import annotations

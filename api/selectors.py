@@ -27,10 +27,14 @@ from api.models import (
     Tenant,
     Upload,
 )
-from api.services.jobs import fine_tuned_model_name
-from gpu_runtime.agent.protocol import parse_checkpoint_model
+from gpu_runtime.contract.protocol import parse_checkpoint_model
 
 BASE_MODEL_OWNER = "harli"
+
+
+def fine_tuned_model_name(*, job: FinetuneJob) -> str:
+    """`ft:<base>:<tenant>:<suffix>:<job id>` (suffix may be empty, as in OpenAI's names)."""
+    return f"ft:{job.base_model.name}:{job.tenant.name}:{job.suffix}:{job.id}"
 
 
 def file_list(*, tenant: Tenant, purpose: str | None = None) -> QuerySet[File]:

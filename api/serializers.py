@@ -15,8 +15,8 @@ from rest_framework import serializers
 
 from api.models import File, FinetuneJob, JobCheckpoint, JobEvent, JobMethod
 from api.progress import JobProgress, job_progress_map
-from api.services.jobs import fine_tuned_model_name
-from gpu_runtime.agent.protocol import checkpoint_model_name
+from api.selectors import fine_tuned_model_name
+from gpu_runtime.contract.protocol import checkpoint_model_name
 
 
 def unix(moment: datetime | None) -> int | None:

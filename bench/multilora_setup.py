@@ -42,7 +42,7 @@ def build_model(name: str, device: torch.device) -> tuple[CausalLM, str]:
 
 def write_adapter(directory: Path, config: ModelConfig, spec: LoraSpec, seed: int) -> None:
     """A PEFT adapter with random A (~ 1/sqrt(in)) and B (~ 0.02): a visible effect on logits."""
-    from gpu_runtime.finetune.adapter_store import projection_shapes
+    from gpu_runtime.contract.footprint import projection_shapes
 
     gen = torch.Generator().manual_seed(seed)
     shapes = projection_shapes(config)

@@ -1,5 +1,7 @@
-"""Celery tasks of the control plane: placement, reconciliation, metrics ingestion.
+"""The control plane's Celery side: thin tasks (placement, report ingestion, reconciliation,
+the upload sweep) and the messaging to the hosts' queues.
 
-Tasks are thin (ids in, rows loaded, one service called), queued with `transaction.on_commit`,
-and run by `celery -A config worker` (see config/celery.py for the broker and queues).
+Tasks take ids or messages and call one `api` service; every write is there. The messaging
+(`workers.commands`) is the domain's `api.dispatch.HostDispatch`, registered at start-up, and
+tasks run under `celery -A config worker` (see config/celery.py for the broker and queues).
 """

@@ -15,12 +15,12 @@ from typing import Any
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as BrokerOperationalError
 
+from api.services.placement import job_place
+from api.services.reconcile import fleet_reconcile
+from api.services.reports import host_report_apply
 from api.services.uploads import upload_expire_due
 from config.celery import app
-from gpu_runtime.agent.protocol import HOST_REPORT_TASK, ProtocolError
-from workers.ingest import host_report_apply
-from workers.placement import job_place
-from workers.reconcile import reconcile
+from gpu_runtime.contract.protocol import HOST_REPORT_TASK, ProtocolError
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def place_job(job_id: str) -> int | None:
 
 @app.task(name=HOST_REPORT_TASK, soft_time_limit=30, time_limit=60, **COMMON)
 def host_report(message: dict[str, Any]) -> str:
-    """Apply one report from a host agent (see `workers.ingest`); malformed ones are dropped."""
+    """Apply one report from a host agent (`api.services.reports`); malformed ones are dropped."""
     try:
         return host_report_apply(message=message)
     except ProtocolError as exc:
@@ -55,8 +55,8 @@ def host_report(message: dict[str, Any]) -> str:
 
 @app.task(name="workers.reconcile", soft_time_limit=60, time_limit=120, **COMMON)
 def reconcile_fleet() -> dict[str, Any]:
-    """One reconciliation pass (see `workers.reconcile`)."""
-    return asdict(reconcile())
+    """One reconciliation pass (`api.services.reconcile`)."""
+    return asdict(fleet_reconcile())
 
 
 @app.task(name="workers.expire_uploads", soft_time_limit=60, time_limit=120, **COMMON)

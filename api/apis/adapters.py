@@ -20,12 +20,12 @@ from api.errors import NotFoundError
 from api.selectors import (
     adapter_find,
     checkpoint_model_find,
+    fine_tuned_model_name,
     finetune_job_get,
     job_checkpoint_get,
 )
 from api.serializers import ErrorSerializer
-from api.services.jobs import fine_tuned_model_name
-from gpu_runtime.agent.protocol import checkpoint_model_name
+from gpu_runtime.contract.protocol import checkpoint_model_name
 
 ARCHIVE_RESPONSES = {
     (200, "application/gzip"): OpenApiResponse(

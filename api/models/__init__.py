@@ -1,5 +1,6 @@
 """The control plane's domain models; import them from here (`from api.models import File`)."""
 
+from api.models.agents import HostAgentState, PlacementDecision, ProcessedReport
 from api.models.finetune import (
     DEFAULT_LORA_TARGET_MODULES,
     OPEN_PLACEMENT_STATES,
@@ -19,11 +20,22 @@ from api.models.finetune import (
     PlacementState,
 )
 from api.models.fleet import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
-from api.models.metrics import DeploymentMetric, HostMetric, JobMetric
+from api.models.metrics import (
+    DeploymentMetric,
+    HostMetric,
+    JobMetric,
+    MetricRollup,
+    RollupSeries,
+)
 from api.models.tenancy import ApiKey, Tenant, User, UserRole
 from api.models.uploads import Upload, UploadPart, UploadStatus
 
 __all__ = [
+    "RollupSeries",
+    "MetricRollup",
+    "ProcessedReport",
+    "PlacementDecision",
+    "HostAgentState",
     "DEFAULT_LORA_TARGET_MODULES",
     "OPEN_PLACEMENT_STATES",
     "Adapter",

@@ -18,6 +18,7 @@ from api.models.ids import (
     new_job_id,
 )
 from api.models.tenancy import Tenant
+from gpu_runtime.contract import hparams, training_data
 
 
 class FilePurpose(models.TextChoices):
@@ -33,9 +34,9 @@ class FileStatus(models.TextChoices):
 
 
 class FileFormat(models.TextChoices):
-    CHAT = "chat", "Chat messages"
-    PROMPT_COMPLETION = "prompt_completion", "Prompt / completion"
-    PREFERENCE = "preference", "Preference pairs (DPO)"
+    CHAT = training_data.CHAT_FORMAT, "Chat messages"
+    PROMPT_COMPLETION = training_data.PROMPT_COMPLETION_FORMAT, "Prompt / completion"
+    PREFERENCE = training_data.PREFERENCE_FORMAT, "Preference pairs (DPO)"
 
 
 class File(models.Model):
@@ -81,7 +82,7 @@ class JobMethod(models.TextChoices):
     DPO = "dpo", "DPO"  # trains on a preference file
 
 
-DEFAULT_LORA_TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj"]
+DEFAULT_LORA_TARGET_MODULES = list(hparams.DEFAULT_LORA_TARGET_MODULES)
 
 
 def default_lora_target_modules() -> list[str]:
@@ -126,9 +127,11 @@ class FinetuneJob(models.Model):
     dpo_beta = models.JSONField(null=True, blank=True)
     resolved_hyperparameters = models.JSONField(null=True, blank=True)
     total_steps = models.PositiveIntegerField(null=True, blank=True)
-    lora_rank = models.PositiveIntegerField(default=16, validators=[MinValueValidator(1)])
-    lora_alpha = models.FloatField(default=32.0)
-    lora_dropout = models.FloatField(default=0.05)
+    lora_rank = models.PositiveIntegerField(
+        default=hparams.DEFAULT_LORA_RANK, validators=[MinValueValidator(1)]
+    )
+    lora_alpha = models.FloatField(default=hparams.DEFAULT_LORA_ALPHA)
+    lora_dropout = models.FloatField(default=hparams.DEFAULT_LORA_DROPOUT)
     lora_target_modules = models.JSONField(default=default_lora_target_modules)
     suffix = models.CharField(max_length=64, blank=True)
     seed = models.BigIntegerField()
@@ -141,7 +144,7 @@ class FinetuneJob(models.Model):
     finished_at = models.DateTimeField(null=True, blank=True)
     stalled_at = models.DateTimeField(null=True, blank=True)
     """Set while the job runs with no progress from its host for `HARLI_JOB_STALL_AFTER_S`
-    (`workers.reconcile`); cleared by its next progress report or status change."""
+    (`api.services.reconcile`); cleared by its next progress report or status change."""
 
     class Meta:
         ordering = ["-created_at", "-id"]

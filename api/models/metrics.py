@@ -1,4 +1,5 @@
-"""Time series the runtime hosts report (written by the metrics ingestion in `workers/`).
+"""Time series the runtime hosts report (written by the report ingestion, `api.services.reports`),
+and their per-minute rollups.
 
 One row per report. `ts` is when the host measured it. Fractions are 0..1, times in ms, sizes
 in bytes, rates per second. The console reads these; nothing else in the control plane does.
@@ -81,3 +82,31 @@ class JobMetric(models.Model):
     class Meta:
         ordering = ["ts", "step"]
         indexes = [models.Index(fields=["job", "ts"])]
+
+
+class RollupSeries(models.TextChoices):
+    HOST = "host", "host"
+    DEPLOYMENT = "deployment", "deployment"
+    JOB = "job", "job"
+
+
+class MetricRollup(models.Model):
+    """One minute of one series: sample count, per-field sums and maxima.
+
+    `key` is the host name (host), `<deployment>@<host>` (deployment) or the job id (job);
+    a field's mean over the minute is `sums[field] / samples`.
+    """
+
+    series = models.CharField(max_length=16, choices=RollupSeries.choices)
+    key = models.CharField(max_length=160)
+    minute = models.DateTimeField()
+    samples = models.PositiveIntegerField(default=0)
+    sums = models.JSONField(default=dict)
+    maxima = models.JSONField(default=dict)
+
+    class Meta:
+        db_table = "workers_metricrollup"
+        ordering = ["series", "key", "minute"]
+        constraints = [
+            models.UniqueConstraint(fields=["series", "key", "minute"], name="rollup_unique_minute")
+        ]

@@ -9,6 +9,7 @@ from typing import Any
 from django.core.exceptions import ValidationError as DjangoValidationError
 from django.db import models, transaction
 
+from api.dispatch import host_dispatch
 from api.errors import ConflictError, HarliError, NotFoundError
 from api.models import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
 from api.presets import PRESETS
@@ -177,12 +178,10 @@ def host_get(*, name: str) -> GpuHost:
 def _tell_host_on_commit(*, host: GpuHost, command: str) -> None:
     """Send `command` ("drain" or "undrain") to the host's queue once the transaction commits.
     A message the broker does not take is logged; the heartbeats bring the agent in line with
-    the host's status anyway (`workers.ingest`)."""
+    the host's status anyway (`api.services.reports`)."""
 
     def send() -> None:
-        from workers.commands import send_host_command
-
-        send_host_command(host_name=host.name, command=command)
+        host_dispatch().host_command_send(host_name=host.name, command=command)
 
     transaction.on_commit(send, robust=True)
 

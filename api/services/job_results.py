@@ -6,7 +6,7 @@ far, the checkpoints it keeps, and the results file of a finished job.
   value was not measured: validation runs at checkpoints only). It is a File of purpose
   `fine-tune-results` owned by the job's tenant, downloadable as any file; a row is the latest
   report of its step (a step trained again after a failover counts once, as trained last).
-* A job keeps its latest `keep` checkpoints (`HARLI_KEEP_CHECKPOINTS`, `workers.conf`); older
+* A job keeps its latest `keep` checkpoints (`HARLI_KEEP_CHECKPOINTS`, `api.fleet_settings`); older
   ones leave the checkpoint list at once and storage after commit. Nothing is pruned while a
   placement of the job is pending: the host it was sent to has yet to load the checkpoint it was
   told to resume from, which a late checkpoint of the previous placement (a pause lets it land)

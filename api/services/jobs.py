@@ -4,7 +4,7 @@
 `api.transitions.JOB_TRANSITIONS` under a row lock and records a JobEvent for every change.
 A pause or cancel of a job a host may be training tells that host directly once the transaction
 commits (`pause` / `cancel` on its queue `host.<name>`); the heartbeats' stale-placement check
-(`workers.ingest`) stays the safety net for a message that never arrives.
+(`api.services.reports`) stays the safety net for a message that never arrives.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from api.dispatch import host_dispatch
 from api.errors import ConflictError, HarliError
 from api.file_tokens import job_files_check_tokens
 from api.hyperparameters import (
@@ -43,6 +44,7 @@ from api.models import (
     PlacementState,
     Tenant,
 )
+from api.selectors import fine_tuned_model_name
 from api.training_files import check_method_format
 from api.transitions import TERMINAL_STATUSES, is_legal_transition
 
@@ -51,11 +53,6 @@ _RELEASES_PLACEMENT = TERMINAL_STATUSES | {JobStatus.PAUSED}
 # Statuses the control plane sets while a host may still be training the job: the host of each
 # released placement gets this command at commit. (Succeeded and failed come from the host.)
 _HOST_STOP_COMMANDS: dict[str, str] = {JobStatus.PAUSED: "pause", JobStatus.CANCELLED: "cancel"}
-
-
-def fine_tuned_model_name(*, job: FinetuneJob) -> str:
-    """`ft:<base>:<tenant>:<suffix>:<job id>` (suffix may be empty, as in OpenAI's names)."""
-    return f"ft:{job.base_model.name}:{job.tenant.name}:{job.suffix}:{job.id}"
 
 
 def _training_file(*, tenant: Tenant, file_id: Any, param: str) -> File:
@@ -150,10 +147,10 @@ def finetune_job_host_stop(*, job_id: str, placements: list[tuple[int, str]], co
     that was rolled back. A message the broker does not take is logged and left to the
     heartbeats' stale-placement check; the agent ignores (and logs) a stop for a placement it
     no longer trains, so a late or repeated one changes nothing."""
-    from workers.commands import send_stop
-
     for placement_id, host_name in placements:
-        send_stop(host_name=host_name, placement_id=placement_id, job_id=job_id, command=command)
+        host_dispatch().placement_stop_send(
+            host_name=host_name, placement_id=placement_id, job_id=job_id, command=command
+        )
 
 
 def finetune_job_dispatch(*, job_id: str) -> None:
@@ -168,9 +165,7 @@ def finetune_job_dispatch(*, job_id: str) -> None:
     job_event_record(
         job=job, message="Job queued; waiting for a host", data={"status": JobStatus.QUEUED}
     )
-    from workers.tasks import place_job
-
-    place_job.delay(job_id)
+    host_dispatch().job_place_queue(job_id=job_id)
 
 
 def finetune_job_create(

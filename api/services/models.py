@@ -5,8 +5,8 @@ checkpoints (its `fine_tuned_model_checkpoint`); each is deleted on its own, as 
 checkpoints are models of their own. Deleting removes the row now; the job keeps its
 `fine_tuned_model` name and gets an event. After the commit the stored weights are removed and
 every host that may serve the model is told to unload it (`unload_adapter`); a host that misses
-the message unloads it when its next heartbeat names it (`workers.ingest.heartbeat`), and its
-server refuses the name as soon as the control plane does. Base models cannot be deleted.
+the message unloads it when its next heartbeat names it (`api.services.reports.heartbeat`), and
+its server refuses the name as soon as the control plane does. Base models cannot be deleted.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from functools import partial
 
 from django.db import transaction
 
+from api.dispatch import host_dispatch
 from api.errors import ConflictError, HarliError, NotFoundError
-from api.models import Adapter, BaseModel, JobCheckpoint, Tenant
+from api.models import Adapter, BaseModel, GpuHost, HostAgentState, JobCheckpoint, Tenant
 from api.selectors import adapter_find, checkpoint_model_find
 from api.services.jobs import job_event_record
 from api.storage import get_storage
@@ -79,9 +80,24 @@ def fine_tuned_model_delete(*, tenant: Tenant, model_id: str) -> None:
 def fine_tuned_model_retire(*, name: str, storage_key: str, base_model_id: int) -> None:
     """After a deletion commits: remove its stored tree (so no host can fetch it again), then
     tell the hosts to unload `name`."""
-    from workers.commands import unload_everywhere
-
     if storage_key:
         get_storage().delete_tree(storage_key)
-    hosts = unload_everywhere(name=name, base_model_id=base_model_id)
+    hosts = _unload_everywhere(name=name, base_model_id=base_model_id)
     logger.info("deleted model %s; unload sent to %s", name, ", ".join(hosts) or "no host")
+
+
+def _unload_everywhere(*, name: str, base_model_id: int) -> list[str]:
+    """Send `unload_adapter` for `name` to every host that may serve it: each host of a
+    deployment of its base model, and any other host whose last heartbeat named it. Returns
+    the host names, sorted."""
+    hosts = set(
+        GpuHost.objects.filter(deployment__base_model_id=base_model_id).values_list(
+            "name", flat=True
+        )
+    )
+    for state in HostAgentState.objects.select_related("host"):
+        if name in (state.adapters or []):
+            hosts.add(state.host.name)
+    for host_name in sorted(hosts):
+        host_dispatch().model_unload_send(host_name=host_name, name=name)
+    return sorted(hosts)

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from datetime import datetime
 
 from api.models import DeploymentMetric, GpuHost
+from gpu_runtime.contract.statistics import percentile
 
 # Predictors
 
@@ -46,17 +46,18 @@ def predictor_pairs(*, since: datetime) -> dict[tuple[str, str], tuple[list[floa
 
 
 def predictor_accuracy(*, since: datetime) -> list[PredictorAccuracy]:
-    """MAPE and p95 absolute percentage error (nearest rank) per (host, version), in percent;
+    """MAPE and p95 absolute percentage error (the contract's percentile,
+    `gpu_runtime.contract.statistics`) per (host, version), in percent;
     observations of 0 ms are skipped. `GpuHost.predictor_mape` is read as a fraction 0..1."""
     reported = dict(GpuHost.objects.values_list("name", "predictor_mape"))
     result = []
     for (host, version), (predicted, observed) in predictor_pairs(since=since).items():
-        errors = sorted(
+        errors = [
             100.0 * abs(p - o) / o for p, o in zip(predicted, observed, strict=True) if o > 0
-        )
-        if not errors:
+        ]
+        p95 = percentile(errors, 95.0)
+        if p95 is None:
             continue
-        p95_index = min(len(errors) - 1, math.ceil(0.95 * len(errors)) - 1)
         mape = reported.get(host)
         result.append(
             PredictorAccuracy(
@@ -64,7 +65,7 @@ def predictor_accuracy(*, since: datetime) -> list[PredictorAccuracy]:
                 version=version or "unknown",
                 samples=len(errors),
                 mape_pct=sum(errors) / len(errors),
-                p95_ape_pct=errors[p95_index],
+                p95_ape_pct=p95,
                 reported_mape_pct=None if mape is None else 100.0 * mape,
             )
         )

@@ -28,7 +28,7 @@ from celery import Celery
 from kombu import Connection, Exchange, Queue
 from kombu.mixins import ConsumerMixin
 
-from gpu_runtime.agent.protocol import (
+from gpu_runtime.contract.protocol import (
     CONTROL_QUEUE,
     HOST_COMMAND_TASK,
     HOST_REPORT_TASK,

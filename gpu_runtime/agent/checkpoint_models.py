@@ -17,8 +17,8 @@ import logging
 import threading
 from typing import TYPE_CHECKING
 
-from gpu_runtime.agent.protocol import checkpoint_key, parse_checkpoint_model
 from gpu_runtime.agent.serving import lora_runtime
+from gpu_runtime.contract.protocol import checkpoint_key, parse_checkpoint_model
 
 if TYPE_CHECKING:
     from gpu_runtime.agent.runtime import HostRuntime

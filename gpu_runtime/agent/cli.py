@@ -25,7 +25,6 @@ from typing import Any
 
 from gpu_runtime.agent.config import (
     DEFAULT_DECODE_GROUPS,
-    DEFAULT_LORA_MAX_RANK,
     GIB,
     AgentConfig,
     AgentConfigError,
@@ -33,6 +32,7 @@ from gpu_runtime.agent.config import (
     broker_transport_options,
     env_broker_url,
 )
+from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 
 logger = logging.getLogger("gpu_runtime.agent")
 
@@ -191,10 +191,10 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.agent.auth import KeyVerifier
     from gpu_runtime.agent.channel import CommandConsumer, ReportSender
     from gpu_runtime.agent.checkpoint_models import CheckpointModels
-    from gpu_runtime.agent.protocol import report
     from gpu_runtime.agent.runtime import HostRuntime, submit_command
     from gpu_runtime.agent.serving import EngineSpec
     from gpu_runtime.colocation.ahead import ASYNC_SCHEDULING
+    from gpu_runtime.contract.protocol import report
     from gpu_runtime.engine import EngineConfig
     from gpu_runtime.model.tiny import build_tiny_model_dir
     from gpu_runtime.server import EngineLoop, MetricsCollector, create_app

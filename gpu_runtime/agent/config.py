@@ -6,8 +6,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-DEFAULT_LORA_MAX_RANK = 64
-"""The largest LoRA rank a host serves by default; the control plane refuses jobs above it."""
+from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 
 DEFAULT_DECODE_GROUPS = (6, 8, 12)
 """Decode SMs in units of 8 (48, 64 and 96 on Hopper), besides the whole device: the splits of

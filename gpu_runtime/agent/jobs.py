@@ -237,7 +237,7 @@ def resolved_hyperparameters(trainer: LoraTrainer) -> dict[str, Any]:
 
 def upload_checkpoint(storage: Storage, run: JobRun, local: Path) -> str:
     """Copy a local checkpoint directory to storage; returns its storage prefix."""
-    from gpu_runtime.agent.protocol import checkpoint_key
+    from gpu_runtime.contract.protocol import checkpoint_key
 
     key = checkpoint_key(run.job_id, run.trainer.step)
     storage.put_tree(key, local)
@@ -251,7 +251,7 @@ def checkpoint_now(run: JobRun, base_model_path: str | None) -> Path:
 
 def upload_adapter(storage: Storage, run: JobRun, checkpoint: Path) -> str:
     """Copy the PEFT adapter files of the final checkpoint to `adapters/<job>`."""
-    from gpu_runtime.agent.protocol import adapter_key
+    from gpu_runtime.contract.protocol import adapter_key
 
     adapter_dir = run.workdir / "adapter"
     adapter_dir.mkdir(exist_ok=True)

@@ -30,7 +30,7 @@ class HostSnapshot:
     predictor: PredictorInfo | None = None
 
     def heartbeat_fields(self) -> dict[str, Any]:
-        """The heartbeat report's fields (see `gpu_runtime.agent.protocol`)."""
+        """The heartbeat report's fields (see `gpu_runtime.contract.protocol`)."""
         return {
             "base_model": self.base_model,
             "draining": self.draining,

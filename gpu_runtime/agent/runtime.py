@@ -25,7 +25,6 @@ from typing import Any
 
 from gpu_runtime.agent.adapters import HostAdapters
 from gpu_runtime.agent.predictor import HarvestTracker, HostPredictor, load_host_predictor
-from gpu_runtime.agent.protocol import report
 from gpu_runtime.agent.reporting import (
     HostSnapshot,
     deployment_metrics,
@@ -41,6 +40,7 @@ from gpu_runtime.colocation import (
     IterationRecord,
     MetricsAggregator,
 )
+from gpu_runtime.contract.protocol import report
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server import EngineLoop, MetricsCollector
@@ -222,7 +222,7 @@ class HostRuntime:
 
     # ---- commands ---------------------------------------------------------------------------
     def command(self, command: dict[str, Any]) -> None:
-        """Apply one host command (see `gpu_runtime.agent.protocol`). Loop thread only."""
+        """Apply one host command (see `gpu_runtime.contract.protocol`). Loop thread only."""
         name = command["command"]
         if name == "apply_placement":
             self.jobs.apply_placement(int(command["placement_id"]), dict(command["job"]))

@@ -19,7 +19,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.agent.config import DEFAULT_DECODE_GROUPS, DEFAULT_LORA_MAX_RANK
+from gpu_runtime.agent.config import DEFAULT_DECODE_GROUPS
+from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.memory import HostMemory, MemoryPolicyConfig, build_host_memory

@@ -10,8 +10,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from gpu_runtime.agent.protocol import tokenizer_key
 from gpu_runtime.contract.chat import ChatTokenizer
+from gpu_runtime.contract.protocol import tokenizer_key
 from gpu_runtime.contract.tokenizer import (
     TokenizerFilesError,
     load_training_tokenizer,

@@ -24,6 +24,7 @@ from gpu_runtime.agent.jobs import (
 )
 from gpu_runtime.agent.serving import lora_runtime
 from gpu_runtime.colocation import IterationRecord, QuantumReport
+from gpu_runtime.contract.footprint import adapter_state_bytes
 
 if TYPE_CHECKING:
     from gpu_runtime.agent.runtime import HostRuntime
@@ -276,8 +277,12 @@ class HostJobs:
             )
 
     def adapter_state_bytes(self) -> int:
-        """Adapter weights, gradients and two AdamW moments (fp32) of every job here."""
-        return sum(16 * sum(p.numel() for p in run.trainer.params) for run in self.runs.values())
+        """Adapter weights, gradients and two AdamW moments of every job here (the contract's
+        footprint)."""
+        return sum(
+            adapter_state_bytes(sum(p.numel() for p in run.trainer.params))
+            for run in self.runs.values()
+        )
 
 
 def preference_metrics(run: JobRun, step: int) -> dict[str, float]:

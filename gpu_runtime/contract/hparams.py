@@ -14,6 +14,9 @@ options ``rank``, ``alpha``, ``dropout``, ``target_modules`` and the job's ``see
 
 ``target_modules`` may name projections (``q_proj`` ... ``down_proj``) or be the shorthand
 ``["all-linear"]`` (every projection of attention and MLP, never ``lm_head``).
+
+The ranges and LoRA defaults here are the one definition: the control plane validates a job's
+settings against them (`api.hyperparameters`) and the runtime's dataclasses check them again.
 """
 
 from __future__ import annotations
@@ -28,6 +31,21 @@ DEFAULT_DPO_BETA = 0.1
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
+N_EPOCHS_RANGE = (1, 50)
+BATCH_SIZE_RANGE = (1, 256)
+"""Examples per optimizer step."""
+LEARNING_RATE_MULTIPLIER_RANGE = (1e-6, 10.0)
+"""What a job may ask for; the runtime only needs it positive."""
+BETA_RANGE = (0.0, 2.0)
+"""DPO's beta a job may ask for: above the low end (exclusive) and at most the high end."""
+LORA_RANK_RANGE = (1, 256)
+"""Ranks an adapter may have."""
+DEFAULT_LORA_MAX_RANK = 64
+"""The largest LoRA rank a host serves by default; the control plane refuses jobs above it."""
+DEFAULT_LORA_RANK = 16
+DEFAULT_LORA_ALPHA = 32.0
+DEFAULT_LORA_DROPOUT = 0.05
+DEFAULT_LORA_TARGET_MODULES = ATTENTION_PROJECTIONS
 LrScheduleKind = Literal["cosine", "linear"]
 
 
@@ -59,18 +77,19 @@ def resolve_target_modules(target_modules: tuple[str, ...] | list[str]) -> tuple
 class LoraSpec:
     """LoRA shape of one adapter."""
 
-    rank: int = 16
-    """Inner dimension r of B @ A (1..256)."""
-    alpha: float = 32.0
+    rank: int = DEFAULT_LORA_RANK
+    """Inner dimension r of B @ A (in :data:`LORA_RANK_RANGE`)."""
+    alpha: float = DEFAULT_LORA_ALPHA
     """Scale numerator: the adapter adds ``(alpha / rank) * B @ A``."""
-    dropout: float = 0.05
+    dropout: float = DEFAULT_LORA_DROPOUT
     """Dropout on the adapter's input during training, in [0, 1)."""
-    target_modules: tuple[str, ...] = ATTENTION_PROJECTIONS
+    target_modules: tuple[str, ...] = DEFAULT_LORA_TARGET_MODULES
     """Projections that get an adapter (``all-linear`` expanded)."""
 
     def __post_init__(self) -> None:
-        if not 1 <= self.rank <= 256:
-            raise HyperparameterError(f"rank must be in 1..256, got {self.rank}")
+        low, high = LORA_RANK_RANGE
+        if not low <= self.rank <= high:
+            raise HyperparameterError(f"rank must be in {low}..{high}, got {self.rank}")
         if self.alpha <= 0:
             raise HyperparameterError(f"alpha must be > 0, got {self.alpha}")
         if not 0.0 <= self.dropout < 1.0:
@@ -87,9 +106,10 @@ class FinetuneHyperparameters:
     """All training settings, concrete (no "auto"): what the trainer runs with."""
 
     n_epochs: int
-    """Passes over the training file (1..50)."""
+    """Passes over the training file (in :data:`N_EPOCHS_RANGE`)."""
     batch_size: int
-    """Examples per optimizer step (1..256); micro-batches accumulate to it."""
+    """Examples per optimizer step (in :data:`BATCH_SIZE_RANGE`); micro-batches accumulate to
+    it."""
     learning_rate: float
     """Peak learning rate after warmup."""
     lora: LoraSpec = field(default_factory=LoraSpec)
@@ -122,9 +142,16 @@ class FinetuneHyperparameters:
     supervised training."""
 
     def __post_init__(self) -> None:
+        (epochs_low, epochs_high), (batch_low, batch_high) = N_EPOCHS_RANGE, BATCH_SIZE_RANGE
         checks = [
-            (1 <= self.n_epochs <= 50, f"n_epochs must be in 1..50, got {self.n_epochs}"),
-            (1 <= self.batch_size <= 256, f"batch_size must be in 1..256, got {self.batch_size}"),
+            (
+                epochs_low <= self.n_epochs <= epochs_high,
+                f"n_epochs must be in {epochs_low}..{epochs_high}, got {self.n_epochs}",
+            ),
+            (
+                batch_low <= self.batch_size <= batch_high,
+                f"batch_size must be in {batch_low}..{batch_high}, got {self.batch_size}",
+            ),
             (self.learning_rate > 0, f"learning_rate must be > 0, got {self.learning_rate}"),
             (self.max_seq_len >= 2, f"max_seq_len must be >= 2, got {self.max_seq_len}"),
             (

@@ -44,6 +44,10 @@ from gpu_runtime.contract.chat import (
     render_chat_with_loss_spans,
 )
 
+CHAT_FORMAT = "chat"
+PROMPT_COMPLETION_FORMAT = "prompt_completion"
+PREFERENCE_FORMAT = "preference"
+"""The format names a file is recorded with (its first example fixes it)."""
 IGNORE_INDEX = -100
 MAX_TRAINING_SEQ_LEN = 2048
 """The longest sequence any job trains on, whatever the base model's context length."""
@@ -354,9 +358,9 @@ def _preference_record(tokenizer: ChatTokenizer, record: dict[str, Any]) -> Pref
 
 ExampleTokenizer = Callable[[ChatTokenizer, dict[str, Any]], TrainingExample]
 FORMAT_TOKENIZERS: dict[str, ExampleTokenizer] = {
-    "chat": _chat_record,
-    "prompt_completion": _prompt_completion_record,
-    "preference": _preference_record,
+    CHAT_FORMAT: _chat_record,
+    PROMPT_COMPLETION_FORMAT: _prompt_completion_record,
+    PREFERENCE_FORMAT: _preference_record,
 }
 """Format name -> the function that checks one record of it and tokenizes it."""
 
@@ -364,11 +368,11 @@ FORMAT_TOKENIZERS: dict[str, ExampleTokenizer] = {
 def detect_format(record: dict[str, Any]) -> str:
     """The format of one record, by its keys (ExampleError when none fits)."""
     if "messages" in record:
-        return "chat"
+        return CHAT_FORMAT
     if "prompt" in record and "completion" in record:
-        return "prompt_completion"
+        return PROMPT_COMPLETION_FORMAT
     if "input" in record:
-        return "preference"
+        return PREFERENCE_FORMAT
     raise ExampleError(
         "expected an object with 'messages', with 'prompt' and 'completion', or a preference "
         "example ('input', 'preferred_output', 'non_preferred_output'); "

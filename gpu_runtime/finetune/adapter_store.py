@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from gpu_runtime.contract.footprint import projection_shapes
 from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.checkpoint import read_adapter
 from gpu_runtime.finetune.lora import PEFT_KEY_PREFIX
@@ -33,20 +34,6 @@ from gpu_runtime.model import ModelConfig
 
 if TYPE_CHECKING:
     from gpu_runtime.finetune.multi_lora import StackedLoraWeights
-
-
-def projection_shapes(config: ModelConfig) -> dict[str, tuple[int, int]]:
-    """``module -> (in_features, out_features)`` for every projection of one layer."""
-    h, d, i = config.hidden_size, config.head_dim, config.intermediate_size
-    return {
-        "q_proj": (h, config.num_attention_heads * d),
-        "k_proj": (h, config.num_key_value_heads * d),
-        "v_proj": (h, config.num_key_value_heads * d),
-        "o_proj": (config.num_attention_heads * d, h),
-        "gate_proj": (h, i),
-        "up_proj": (h, i),
-        "down_proj": (i, h),
-    }
 
 
 class UnknownAdapterError(KeyError):

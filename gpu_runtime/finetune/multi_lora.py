@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import torch
 
+from gpu_runtime.contract.footprint import projection_shapes
 from gpu_runtime.contract.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from gpu_runtime.engine.lora import GROUP_MODULES, LoraGroup
-from gpu_runtime.finetune.adapter_store import HostAdapter, projection_shapes
+from gpu_runtime.finetune.adapter_store import HostAdapter
 from gpu_runtime.model import CausalLM, ModelConfig
 
 ProjectionKey = tuple[int, str]

@@ -12,10 +12,10 @@ from api.models import BaseModel, File, FinetuneJob, JobEvent, Tenant
 from api.services.apikeys import api_key_issue_for_tenant
 from api.services.files import UploadSource, file_create
 from api.services.fleet import base_model_register
+from api.services.placement_dispatch import job_spec
 from api.services.tenants import tenant_create
-from gpu_runtime.agent.protocol import ProtocolError, check_command
+from gpu_runtime.contract.protocol import ProtocolError, check_command
 from tests.api.conftest import VALID_JSONL, ApiClient, assert_error, jsonl
-from workers.commands import job_spec
 
 PREFERENCE_LINE: dict[str, Any] = {
     "input": {
@@ -192,10 +192,8 @@ def test_openai_client_creates_a_dpo_job(live_server: Any) -> None:
 
 @pytest.mark.django_db
 def test_a_dpo_job_is_charged_two_rows_of_activations_per_example(tenant: Tenant) -> None:
-    from workers.placement import (
-        ACTIVATION_BYTES_PER_UNIT,
-        finetune_memory_estimate,
-    )
+    from api.services.placement import finetune_memory_estimate
+    from gpu_runtime.contract.footprint import ACTIVATION_BYTES_PER_UNIT
 
     llama = base_model_register(name="llama", preset="llama3-8b")
     settings = {"n_epochs": "auto", "batch_size": 4, "learning_rate_multiplier": "auto"}

@@ -23,7 +23,7 @@ from api.services.jobs import (
     job_checkpoint_record,
 )
 from api.storage import get_storage
-from gpu_runtime.agent.protocol import adapter_key, checkpoint_key, checkpoint_model_name
+from gpu_runtime.contract.protocol import adapter_key, checkpoint_key, checkpoint_model_name
 from tests.api.conftest import ApiClient, assert_error
 
 pytestmark = pytest.mark.django_db
@@ -178,8 +178,8 @@ def test_a_checkpoint_is_retrieved_by_name_but_not_listed(api: ApiClient, traine
 def test_delete_removes_the_model_then_its_bytes_and_unloads_it_after_commit(
     api: ApiClient, trained: Trained, django_capture_on_commit_callbacks: Any
 ) -> None:
+    from api.models import HostAgentState
     from tests.workers.conftest import drain_host_queue, heartbeat, make_host
-    from workers.models import HostAgentState
 
     deployment = _deployment()
     make_host("h1", deployment)  # serves the base model

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from api.training_files import (
-    MAX_REPORTED_ERRORS,
-    TrainingFileError,
-    check_training_lines,
-    validate_training_lines,
-)
+from api.training_files import TrainingFileError, check_training_lines
+from gpu_runtime.contract.training_files import MAX_REPORTED_ERRORS, validate_training_lines
 
 
 def lines(*texts: str) -> list[bytes]:

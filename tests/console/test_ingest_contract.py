@@ -1,4 +1,4 @@
-"""The console shows what the control plane ingests: reports applied by `workers.ingest` (as a
+"""The console shows what the control plane ingests: reports applied by `api.services.reports` (as a
 host agent sends them) appear in the console's charts, tables and progress bars."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from api.models import HostStatus, JobStatus, Placement, PlacementState
 from api.services.files import UploadSource, file_create
 from api.services.fleet import base_model_register, deployment_create, host_register
 from api.services.jobs import finetune_job_create
+from api.services.reports import host_report_apply
 from api.services.tenants import operator_create, tenant_create
-from gpu_runtime.agent.protocol import report
-from workers.ingest import host_report_apply
+from gpu_runtime.contract.protocol import report
 
 pytestmark = pytest.mark.django_db
 GIB = 1024**3

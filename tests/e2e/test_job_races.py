@@ -71,9 +71,8 @@ def drain(seeded: Tenants) -> Iterator[Callable[..., None]]:
 
 
 def _undrain(*names: str) -> None:
-    from api.models import GpuHost
+    from api.models import GpuHost, HostAgentState
     from api.services.fleet import host_undrain
-    from workers.models import HostAgentState
 
     for name in names:
         host_undrain(host=GpuHost.objects.get(name=name))
@@ -100,7 +99,7 @@ def _host_stop(client: Any, job_id: str, reason: str) -> dict[str, Any]:
 
 def _trains_nothing(host: str, after: float) -> None:
     """Wait for a heartbeat of `host` sent after `after` (Unix s) that names no placement."""
-    from workers.models import HostAgentState
+    from api.models import HostAgentState
 
     def idle() -> bool:
         state = HostAgentState.objects.filter(host__name=host).first()
@@ -144,8 +143,7 @@ def test_a_stop_between_placement_and_the_host_starting_it(
     """agent-a is stopped (SIGSTOP) when the job is placed on it, so the placement and the
     stop both wait on its queue (in that order); continued, it starts the placement, meets
     the stop, and ends with the job not trained there."""
-    from api.models import Placement
-    from workers.models import PlacementDecision
+    from api.models import Placement, PlacementDecision
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
     drain("agent-b")
@@ -183,8 +181,7 @@ def test_a_pause_at_a_checkpoint_resumed_at_once_resumes_from_the_pause(
     """The resume comes while the host is still on its way to the batch boundary: the job
     waits for that host's stop and resumes from the checkpoint the pause wrote there, and
     never trains on two hosts at once (every step is recorded once)."""
-    from api.models import JobCheckpoint, Placement
-    from workers.models import PlacementDecision
+    from api.models import JobCheckpoint, Placement, PlacementDecision
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
     job = _create_job(client, epochs=50, batch=1, suffix="ckpt")
@@ -242,8 +239,7 @@ def test_a_pause_after_the_last_step_holds_and_its_resume_finishes(
     success report is still on its way. The host has finished (it ignores the pause); the job
     stays paused with its final checkpoint; resumed, it succeeds from that checkpoint at once
     (it used to sit at "Fine-tuning resumed ... from checkpoint step N" for ever)."""
-    from api.models import JobCheckpoint
-    from workers.models import ProcessedReport
+    from api.models import JobCheckpoint, ProcessedReport
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
     job = _create_job(client, epochs=20, batch=1, suffix="last")

@@ -49,7 +49,7 @@ def test_checkpoint_serves_by_name_and_deleted_models_leave_every_host(
 ) -> None:
     from django.utils import timezone
 
-    from workers.models import HostAgentState
+    from api.models import HostAgentState
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
     upload = client.files.create(file=("train.jsonl", training_jsonl()), purpose="fine-tune")

@@ -69,8 +69,7 @@ def _events(client: OpenAI, job_id: str) -> list[str]:
 def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
     cluster: Cluster, seeded: Tenants
 ) -> None:
-    from api.models import HostMetric, JobMetric
-    from workers.models import MetricRollup
+    from api.models import HostMetric, JobMetric, MetricRollup
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
     # The hosts published the tokenizer they train with; a job whose example is longer than
@@ -156,8 +155,7 @@ def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
         _client(cluster.agent_url("agent-a"), "hk-not-a-key").models.list()
 
     # agent-a reports its predictor (version, held-out MAPE) and its estimate; agent-b has none
-    from api.models import GpuHost
-    from workers.models import HostAgentState, PlacementDecision
+    from api.models import GpuHost, HostAgentState, PlacementDecision
 
     predicted = GpuHost.objects.get(name="agent-a")
     assert (predicted.predictor_version, predicted.predictor_mape) == (VERSION, 0.032)
@@ -289,8 +287,7 @@ def test_pause_lands_on_the_host_at_once_and_resume_continues_from_its_checkpoin
 
 
 def test_cancel_lands_on_the_host_at_once(cluster: Cluster, seeded: Tenants) -> None:
-    from api.models import JobMetric
-    from workers.models import HostAgentState
+    from api.models import HostAgentState, JobMetric
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
     job = _create_job(client, epochs=50, batch=1, suffix="cancel")
@@ -315,10 +312,10 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
     import torch
 
     from api.models import FinetuneJob
+    from api.services.placement_dispatch import job_spec
     from gpu_runtime.agent.jobs import build_job_run
     from gpu_runtime.contract.tokenizer import load_training_tokenizer
     from gpu_runtime.model.loader import load_model
-    from workers.commands import job_spec
 
     job = FinetuneJob.objects.select_related("base_model", "tenant", "training_file").get(pk=job_id)
     spec = job_spec(job=job, resume=None)
@@ -340,8 +337,7 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
 
 
 def test_killed_host_hands_its_job_to_the_other_host(cluster: Cluster, seeded: Tenants) -> None:
-    from api.models import JobCheckpoint, JobEvent, JobMetric, Placement
-    from workers.models import PlacementDecision
+    from api.models import JobCheckpoint, JobEvent, JobMetric, Placement, PlacementDecision
 
     client = _client(f"{cluster.web_url}/v1", seeded.key)
     job = _create_job(client, epochs=30, batch=1, suffix="failover")

@@ -17,10 +17,10 @@ from api.models import BaseModel, Deployment, FinetuneJob, GpuHost, Tenant
 from api.services.files import UploadSource, file_create
 from api.services.fleet import base_model_register, deployment_create, host_register
 from api.services.jobs import finetune_job_create
+from api.services.reports import host_report_apply
 from api.services.tenants import tenant_create
 from gpu_runtime.agent.channel import decode_task_message, host_queue_declaration
-from gpu_runtime.agent.protocol import report
-from workers.ingest import host_report_apply
+from gpu_runtime.contract.protocol import report
 
 GIB = 2**30
 LINE = b'{"prompt": "Q: hello", "completion": " A: world"}\n'

@@ -12,10 +12,10 @@ from api.models import FinetuneJob, JobCheckpoint, JobMetric, Tenant
 from api.serializers import JobCheckpointSerializer
 from api.services.files import UploadSource, file_create
 from api.services.jobs import finetune_job_create
-from gpu_runtime.agent.protocol import PREFERENCE_METRICS, report
+from api.services.placement import job_place
+from api.services.reports import host_report_apply
+from gpu_runtime.contract.protocol import PREFERENCE_METRICS, report
 from tests.workers.conftest import drain_host_queue, heartbeat, make_host
-from workers.ingest import host_report_apply
-from workers.placement import job_place
 
 pytestmark = pytest.mark.django_db
 PAIR = {

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from api.models import FinetuneJob, GpuHost, JobStatus
+from api.services.reports import host_report_apply
 from api.tenant_text import HIDDEN, without_locations
-from gpu_runtime.agent.protocol import report
+from gpu_runtime.contract.protocol import report
 from tests.api.conftest import ApiClient
 from tests.workers.test_placement_and_reports import _place, _started, fleet  # noqa: F401
-from workers.ingest import host_report_apply
 
 
 @pytest.mark.django_db

@@ -17,12 +17,12 @@ from kombu.exceptions import OperationalError as BrokerOperationalError
 from api.models import FinetuneJob, GpuHost, JobStatus, Placement, PlacementState, Tenant
 from api.services.apikeys import api_key_issue, api_key_issue_for_tenant
 from api.services.jobs import finetune_job_pause, finetune_job_resume
+from api.services.placement import job_place
+from api.services.reports import host_report_apply
 from api.services.tenants import operator_create
-from gpu_runtime.agent.protocol import report
+from gpu_runtime.contract.protocol import report
 from tests.api.conftest import ApiClient
 from tests.workers.conftest import drain_host_queue, heartbeat, make_host
-from workers.ingest import host_report_apply
-from workers.placement import job_place
 
 pytestmark = pytest.mark.django_db
 

@@ -12,14 +12,22 @@ from typing import Any
 import pytest
 from django.utils import timezone
 
-from api.models import FinetuneJob, JobCheckpoint, JobEvent, JobStatus, Placement, PlacementState
+from api.models import (
+    FinetuneJob,
+    HostAgentState,
+    JobCheckpoint,
+    JobEvent,
+    JobStatus,
+    Placement,
+    PlacementDecision,
+    PlacementState,
+)
 from api.services.jobs import finetune_job_cancel, finetune_job_pause, finetune_job_resume
-from gpu_runtime.agent.protocol import report
+from api.services.placement import job_place
+from api.services.reconcile import fleet_reconcile
+from api.services.reports import host_report_apply
+from gpu_runtime.contract.protocol import report
 from tests.workers.conftest import drain_host_queue, heartbeat, make_host
-from workers.ingest import host_report_apply
-from workers.models import HostAgentState, PlacementDecision
-from workers.placement import job_place
-from workers.reconcile import reconcile
 
 pytestmark = pytest.mark.django_db
 
@@ -65,7 +73,7 @@ def test_a_resume_waits_for_the_paused_host_and_resumes_from_its_pause_checkpoin
     heartbeat("h1", placements=[placed.pk])
     with django_capture_on_commit_callbacks(execute=True):
         assert job_place(job_id=job.id) is None
-        assert reconcile().placed_jobs == []
+        assert fleet_reconcile().placed_jobs == []
     assert (
         job.events.filter(
             message=f"Waiting for host h1 to stop placement {placed.pk} (it checkpoints at its "
@@ -239,13 +247,13 @@ def test_a_running_job_without_progress_is_flagged_once_and_cleared_by_progress(
     assert host_report_apply(message=_progress(placed, 1)) == "applied"
     _age(job, placed, 30)
     with django_capture_on_commit_callbacks(execute=True):
-        assert reconcile().stalled_jobs == []
+        assert fleet_reconcile().stalled_jobs == []
     _age(job, placed, 90)
     last = JobEvent.objects.filter(job=job, type="metrics").get().created_at
     with django_capture_on_commit_callbacks(execute=True):
         heartbeat("h1", placements=[placed.pk])  # the host is alive; the job is not moving
-        assert reconcile().stalled_jobs == [job.id]
-        assert reconcile().stalled_jobs == []  # once
+        assert fleet_reconcile().stalled_jobs == [job.id]
+        assert fleet_reconcile().stalled_jobs == []  # once
     job.refresh_from_db()
     assert job.status == JobStatus.RUNNING and job.stalled_at is not None
     (warning,) = JobEvent.objects.filter(job=job, level="warn")
@@ -260,7 +268,7 @@ def test_a_running_job_without_progress_is_flagged_once_and_cleared_by_progress(
     # Stalled again, then paused: a job that is not running is not stalled.
     _age(job, placed, 90)
     with django_capture_on_commit_callbacks(execute=True):
-        assert reconcile().stalled_jobs == [job.id]
+        assert fleet_reconcile().stalled_jobs == [job.id]
         finetune_job_pause(job=job)
     job.refresh_from_db()
     assert job.status == JobStatus.PAUSED and job.stalled_at is None
@@ -271,7 +279,7 @@ def test_a_job_that_never_reported_a_step_is_flagged_from_its_start(
 ) -> None:
     monkeypatch.setenv("HARLI_JOB_STALL_AFTER_S", "60")
     _age(job, placed, 61)
-    assert reconcile().stalled_jobs == [job.id]
+    assert fleet_reconcile().stalled_jobs == [job.id]
     assert PlacementState.ACTIVE == Placement.objects.get(pk=placed.pk).state
 
 

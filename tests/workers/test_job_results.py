@@ -12,12 +12,12 @@ import pytest
 from api.models import File, FinetuneJob, JobCheckpoint, JobMetric, Placement
 from api.serializers import FineTuningJobSerializer
 from api.services.files import file_content_chunks
+from api.services.placement import job_place
+from api.services.placement_dispatch import placement_command
+from api.services.reports import host_report_apply
 from api.storage import get_storage
-from gpu_runtime.agent.protocol import ProtocolError, checkpoint_key, report
+from gpu_runtime.contract.protocol import ProtocolError, checkpoint_key, report
 from tests.workers.conftest import drain_host_queue, heartbeat, make_host
-from workers.commands import placement_command
-from workers.ingest import host_report_apply
-from workers.placement import job_place
 
 pytestmark = pytest.mark.django_db
 RESOLVED = {"n_epochs": 3, "batch_size": 1, "learning_rate_multiplier": 1.0}

@@ -19,17 +19,18 @@ from api.models import (
     JobCheckpoint,
     JobMetric,
     JobStatus,
+    MetricRollup,
     Placement,
+    PlacementDecision,
     PlacementState,
 )
 from api.services.fleet import base_model_register, deployment_create
 from api.services.jobs import finetune_job_cancel, finetune_job_pause
-from gpu_runtime.agent.protocol import report
+from api.services.placement import job_place
+from api.services.reconcile import fleet_reconcile
+from api.services.reports import host_report_apply
+from gpu_runtime.contract.protocol import report
 from tests.workers.conftest import GIB, drain_host_queue, heartbeat, make_host
-from workers.ingest import host_report_apply
-from workers.models import MetricRollup, PlacementDecision
-from workers.placement import job_place
-from workers.reconcile import reconcile
 
 pytestmark = pytest.mark.django_db
 
@@ -270,7 +271,7 @@ def test_reconcile_requeues_a_silent_hosts_job_and_resumes_it_elsewhere(
     stale = timezone.now() - timedelta(seconds=120)
     GpuHost.objects.filter(name__in=["h2", "h3", "h4"]).update(last_heartbeat_at=stale)
     with django_capture_on_commit_callbacks(execute=True):
-        result = reconcile()
+        result = fleet_reconcile()
     assert sorted(result.lost_hosts) == ["h2", "h3", "h4"]
     assert result.requeued_jobs == [job.id] and result.placed_jobs == [job.id]
     placement.refresh_from_db()
@@ -333,18 +334,18 @@ def test_reconcile_resends_a_placement_its_host_never_started(
     with django_capture_on_commit_callbacks(execute=False):  # the send is lost
         placement = job_place(job_id=job.id)
     assert placement is not None and drain_host_queue("h2") == []
-    assert reconcile().redispatched == []  # too recent to resend
+    assert fleet_reconcile().redispatched == []  # too recent to resend
     Placement.objects.filter(pk=placement.pk).update(
         created_at=timezone.now() - timedelta(seconds=60)
     )
     for name in ("h1", "h2"):  # keep the hosts fresh
         heartbeat(name)
-    assert reconcile().redispatched == [placement.pk]
+    assert fleet_reconcile().redispatched == [placement.pk]
     (command,) = drain_host_queue("h2")
     assert command["placement_id"] == placement.pk
     decision = PlacementDecision.objects.get(placement=placement)
     assert decision.dispatch_count == 1
-    assert reconcile().redispatched == []  # sent just now
+    assert fleet_reconcile().redispatched == []  # sent just now
 
 
 def test_a_host_serving_another_model_is_told_to_load_its_deployments(

@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from gpu_runtime.agent.checkpoint_models import CheckpointModels
-from gpu_runtime.agent.protocol import check_command, checkpoint_key, checkpoint_model_name
 from gpu_runtime.agent.serving import lora_runtime
 from gpu_runtime.contract.hparams import LoraSpec
+from gpu_runtime.contract.protocol import check_command, checkpoint_key, checkpoint_model_name
 from gpu_runtime.engine import SamplingParams
 from gpu_runtime.engine.engine import UnknownAdapterError
 from gpu_runtime.finetune.checkpoint import save_adapter

@@ -60,7 +60,7 @@ def test_unlisted_checkpoints_are_granted_per_name_for_their_owner_only(
     from api.models import JobCheckpoint
     from api.services.files import UploadSource, file_create
     from api.services.jobs import finetune_job_create, job_checkpoint_record
-    from gpu_runtime.agent.protocol import checkpoint_model_name
+    from gpu_runtime.contract.protocol import checkpoint_model_name
     from tests.api.conftest import VALID_JSONL
 
     base_model_register(name="tiny", preset="tiny")

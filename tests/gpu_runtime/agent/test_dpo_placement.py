@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.agent.protocol import PREFERENCE_METRICS
+from gpu_runtime.contract.protocol import PREFERENCE_METRICS
 from gpu_runtime.finetune.dpo import PreferenceRecord
 from gpu_runtime.storage import LocalStorage
 from tests.gpu_runtime.agent.conftest import Host, Reports, job_spec, make_runtime

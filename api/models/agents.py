@@ -1,17 +1,19 @@
-"""What the control plane keeps about its hosts' agents, beyond the `api` domain rows.
+"""What the control plane keeps about its hosts' agents, beside the fleet rows.
 
 * :class:`HostAgentState`: the latest heartbeat of a host's agent (placement reads it).
 * :class:`PlacementDecision`: why a placement chose its host, and its dispatch record.
 * :class:`ProcessedReport`: the message ids of reports already applied (dedupe under
   at-least-once delivery; written in the same transaction as the report's effect).
-* :class:`MetricRollup`: per-minute aggregates of the metric time series.
+
+The tables keep the names they were created with (`workers_*`).
 """
 
 from __future__ import annotations
 
 from django.db import models
 
-from api.models import GpuHost, Placement
+from api.models.finetune import Placement
+from api.models.fleet import GpuHost
 
 
 class HostAgentState(models.Model):
@@ -34,6 +36,9 @@ class HostAgentState(models.Model):
     adapters = models.JSONField(default=list)
     reported_at = models.DateTimeField(null=True, blank=True)
 
+    class Meta:
+        db_table = "workers_hostagentstate"
+
 
 class PlacementDecision(models.Model):
     """Why `placement` went to its host (`reasons`), and when it was sent there."""
@@ -46,6 +51,9 @@ class PlacementDecision(models.Model):
     dispatch_count = models.PositiveIntegerField(default=0)
     last_dispatched_at = models.DateTimeField(null=True, blank=True)
 
+    class Meta:
+        db_table = "workers_placementdecision"
+
 
 class ProcessedReport(models.Model):
     """A host report already applied; a redelivered copy with the same id is skipped."""
@@ -56,31 +64,5 @@ class ProcessedReport(models.Model):
     processed_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
-        indexes = [models.Index(fields=["processed_at"])]
-
-
-class RollupSeries(models.TextChoices):
-    HOST = "host", "host"
-    DEPLOYMENT = "deployment", "deployment"
-    JOB = "job", "job"
-
-
-class MetricRollup(models.Model):
-    """One minute of one series: sample count, per-field sums and maxima.
-
-    `key` is the host name (host), `<deployment>@<host>` (deployment) or the job id (job);
-    a field's mean over the minute is `sums[field] / samples`.
-    """
-
-    series = models.CharField(max_length=16, choices=RollupSeries.choices)
-    key = models.CharField(max_length=160)
-    minute = models.DateTimeField()
-    samples = models.PositiveIntegerField(default=0)
-    sums = models.JSONField(default=dict)
-    maxima = models.JSONField(default=dict)
-
-    class Meta:
-        ordering = ["series", "key", "minute"]
-        constraints = [
-            models.UniqueConstraint(fields=["series", "key", "minute"], name="rollup_unique_minute")
-        ]
+        db_table = "workers_processedreport"
+        indexes = [models.Index(fields=["processed_at"], name="workers_pro_process_19e30f_idx")]

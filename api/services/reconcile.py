@@ -1,16 +1,17 @@
-"""Reconciliation, run by beat every `HARLI_RECONCILE_INTERVAL_S` seconds.
+"""Reconciliation, run by beat every `HARLI_RECONCILE_INTERVAL_S` seconds (the
+`workers.reconcile` task).
 
 1. A host `online` or `draining` whose last heartbeat is older than `HARLI_HOST_LOST_AFTER_S`
    is `lost`: its open placements become `lost`, and each of their running jobs goes back to
    `queued` with an event naming the host and the checkpoint step it will resume from.
-2. Every queued job without an open placement is placed (`workers.placement.job_place`).
+2. Every queued job without an open placement is placed (`api.services.placement.job_place`).
 3. A pending placement its host has not started within `HARLI_REDISPATCH_AFTER_S` is sent
    again (a lost broker message); the agent drops duplicates by placement id.
 4. A running job whose host has sent no progress (step or checkpoint report) for
    `HARLI_JOB_STALL_AFTER_S`, counted from its start on that host, is flagged: `stalled_at`,
    and one warning event naming the host and the time of its last progress. The host may
    still heartbeat: this is about the job, not the host. Its next progress report, or a
-   status change, clears the flag (`workers.ingest.jobs`, `api.services.jobs`).
+   status change, clears the flag (`api.services.reports.jobs`, `api.services.jobs`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from django.db import transaction
 from django.db.models import Q
 from django.utils import timezone
 
+from api.fleet_settings import fleet_settings
 from api.models import (
     OPEN_PLACEMENT_STATES,
     EventLevel,
@@ -36,8 +38,8 @@ from api.models import (
 )
 from api.selectors import job_checkpoint_latest
 from api.services.jobs import finetune_job_transition, job_event_record
-from workers.conf import worker_settings
-from workers.placement import job_place
+from api.services.placement import job_place
+from api.services.placement_dispatch import placement_send
 
 
 @dataclass
@@ -83,9 +85,9 @@ def host_mark_lost(*, host_id: int, silent_s: float) -> list[str]:
     return requeued
 
 
-def reconcile() -> ReconcileResult:
+def fleet_reconcile() -> ReconcileResult:
     """One reconciliation pass (see the module docstring)."""
-    conf = worker_settings()
+    conf = fleet_settings()
     result = ReconcileResult()
     now = timezone.now()
     cutoff = now - timedelta(seconds=conf.host_lost_after_s)
@@ -111,10 +113,8 @@ def reconcile() -> ReconcileResult:
         Q(decision__last_dispatched_at__lt=resend_before)
         | Q(decision__last_dispatched_at__isnull=True, created_at__lt=resend_before)
     )
-    from workers.commands import send_placement
-
     for placement_id in stuck.values_list("pk", flat=True):
-        send_placement(placement_id=placement_id)
+        placement_send(placement_id=placement_id)
         result.redispatched.append(placement_id)
     stall_before = now - timedelta(seconds=conf.job_stall_after_s)
     running = Placement.objects.filter(

@@ -1,27 +1,32 @@
 """Reports about one placement of a fine-tuning job: its start, optimizer steps, checkpoints,
 and outcome (succeeded, failed, stopped). A report about a placement that is no longer open is
-stale (see the package docstring, `workers.ingest`)."""
+stale (see the package docstring, `api.services.reports`)."""
 
 from __future__ import annotations
 
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
+from api.dispatch import host_dispatch
 from api.errors import ConflictError, HarliError
+from api.fleet_settings import fleet_settings
 from api.models import (
     OPEN_PLACEMENT_STATES,
     EventType,
     FinetuneJob,
     GpuHost,
+    HostAgentState,
     HostStatus,
     JobEvent,
     JobMetric,
     JobStatus,
     Placement,
     PlacementState,
+    RollupSeries,
 )
 from api.services.job_results import (
     finetune_job_settings_record,
@@ -36,12 +41,10 @@ from api.services.jobs import (
     job_checkpoint_record,
     job_event_record,
 )
+from api.services.reports.common import pausing, report_time, stop_on_commit
+from api.services.rollups import rollup_add
 from api.tenant_text import without_locations
-from gpu_runtime.agent.protocol import PREFERENCE_METRICS, ProtocolError
-from workers.conf import worker_settings
-from workers.ingest.common import pausing, report_time, stop_on_commit
-from workers.models import HostAgentState, RollupSeries
-from workers.rollups import rollup_add
+from gpu_runtime.contract.protocol import PREFERENCE_METRICS, ProtocolError
 
 # Reports sent once per optimizer step: a stale one does not send a stop of its own (the
 # heartbeats' check does, once per heartbeat).
@@ -52,7 +55,7 @@ def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
     """The placement the report is about while it counts, or None (stale; see the package
     docstring). Besides open placements, per-step reports count from the job's latest
     placement once a pause released it, while the job is paused or resumed and waiting for
-    this host's stop (`workers.placement`): the steps the host trained until its batch
+    this host's stop (`api.services.placement`): the steps the host trained until its batch
     boundary, and the checkpoint the pause writes there, are what the job resumes from."""
     placement = (
         Placement.objects.select_for_update()
@@ -76,7 +79,7 @@ def _job(message: dict[str, Any]) -> FinetuneJob:
     return FinetuneJob.objects.select_related("tenant", "base_model").get(pk=message["job_id"])
 
 
-def job_started(host: GpuHost, message: dict[str, Any]) -> str:
+def job_started_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     placement = _open_placement(host, message)
     if placement is None:
         return "stale"
@@ -106,7 +109,8 @@ def job_started(host: GpuHost, message: dict[str, Any]) -> str:
 
 
 def _progressed(host: GpuHost, job: FinetuneJob) -> None:
-    """Progress from the job's host clears its stall flag (`workers.reconcile`), with an event."""
+    """Progress from the job's host clears its stall flag (`api.services.reconcile`), with an
+    event."""
     if job.stalled_at is None:
         return
     FinetuneJob.objects.filter(pk=job.pk).update(stalled_at=None)
@@ -118,7 +122,7 @@ def _progressed(host: GpuHost, job: FinetuneJob) -> None:
     job.stalled_at = None
 
 
-def job_progress(host: GpuHost, message: dict[str, Any]) -> str:
+def job_progress_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     job = _job(message)
@@ -198,7 +202,7 @@ def _step_record(
     return True
 
 
-def checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
+def checkpoint_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     job = _job(message)
@@ -229,13 +233,13 @@ def checkpoint(host: GpuHost, message: dict[str, Any]) -> str:
             valid_loss=metrics["valid_loss"],
             valid_mean_token_accuracy=metrics.get("valid_mean_token_accuracy"),
         )
-    job_checkpoints_prune(job=job, keep=worker_settings().keep_checkpoints)
+    job_checkpoints_prune(job=job, keep=fleet_settings().keep_checkpoints)
     if job.status == JobStatus.QUEUED:  # a resumed job may wait for this checkpoint
         _place_on_commit(job.id)
     return "applied"
 
 
-def job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
+def job_succeeded_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     job = finetune_job_succeed(
@@ -252,10 +256,8 @@ def job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
     )
 
     def announce() -> None:
-        from workers.commands import send_host_command
-
         for target in hosts:
-            send_host_command(
+            host_dispatch().host_command_send(
                 host_name=target.name, command="load_adapter", name=name, storage_key=key
             )
 
@@ -263,7 +265,7 @@ def job_succeeded(host: GpuHost, message: dict[str, Any]) -> str:
     return "applied"
 
 
-def job_failed(host: GpuHost, message: dict[str, Any]) -> str:
+def job_failed_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     if _open_placement(host, message) is None:
         return "stale"
     text = without_locations(str(message["message"]))  # hosts send none; a safety net
@@ -271,7 +273,7 @@ def job_failed(host: GpuHost, message: dict[str, Any]) -> str:
     return "applied"
 
 
-def job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
+def job_stopped_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     """The host released a placement (paused at a batch boundary, or cancelled). From now on
     it does not train it: the host's agent state forgets the placement at once (its next
     heartbeat says so too), and a job resumed meanwhile is placed again."""
@@ -302,12 +304,7 @@ def job_stopped(host: GpuHost, message: dict[str, Any]) -> str:
 def _place_on_commit(job_id: str) -> None:
     """Place a queued job once this transaction commits (a resumed job that waited)."""
 
-    def place() -> None:
-        from workers.tasks import place_job
-
-        place_job.delay(job_id)
-
-    transaction.on_commit(place, robust=True)
+    transaction.on_commit(partial(host_dispatch().job_place_queue, job_id=job_id), robust=True)
 
 
 def _forget_placement(host: GpuHost, placement_id: int) -> None:

@@ -14,9 +14,11 @@ arrived.
 One module per role: `apply` (deduplication and dispatch by report kind), `heartbeat` (host
 liveness, agent state and the commands it calls for), `jobs` (a placement's start, steps,
 checkpoints and outcome), `metrics` (host and deployment time series), `common` (the report's
-time stamp and the stop for a placement that is no longer open).
+time stamp and the stop for a placement that is no longer open). Each handler,
+`<kind>_apply(*, host, message)`, runs inside :func:`host_report_apply`'s transaction with the
+host's row locked; the commands a report calls for are sent once it commits (`api.dispatch`).
 """
 
-from workers.ingest.apply import host_report_apply
+from api.services.reports.apply import host_report_apply
 
 __all__ = ["host_report_apply"]

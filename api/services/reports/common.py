@@ -10,6 +10,7 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from api.dispatch import host_dispatch
 from api.models import GpuHost, JobStatus, Placement, PlacementState
 
 
@@ -24,7 +25,7 @@ def pausing(placement: Placement) -> bool:
     """Whether a closed placement is one a pause released and the job still waits on: the
     job's latest placement, released, the job paused or resumed and queued (not placed
     anywhere since). Its host pauses it at a batch boundary, and the steps and checkpoint it
-    reports until then count (`workers.ingest.jobs`)."""
+    reports until then count (`api.services.reports.jobs`)."""
     if placement.state != PlacementState.RELEASED or placement.job.status not in (
         JobStatus.PAUSED,
         JobStatus.QUEUED,
@@ -39,10 +40,8 @@ def stop_on_commit(host: GpuHost, placement: Placement) -> None:
     it (:func:`pausing`: the host checkpoints first), cancel otherwise. The safety net behind
     the stop that a pause or cancel sends at its own commit (`api.services.jobs`); the host
     ignores a stop for a placement it no longer trains."""
-    from workers.commands import send_stop
-
     stop = partial(
-        send_stop,
+        host_dispatch().placement_stop_send,
         host_name=host.name,
         placement_id=placement.pk,
         job_id=placement.job_id,

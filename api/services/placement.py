@@ -2,8 +2,8 @@
 
 A host is eligible when it is `online`, serves a deployment of the job's base model, heartbeated
 within `HARLI_HOST_LOST_AFTER_S`, is not draining, and reports at least the job's estimated
-finetune memory free (:func:`finetune_memory_estimate`). Among eligible hosts, two things
-decide:
+finetune memory free (:func:`finetune_memory_estimate`, `gpu_runtime.contract.footprint`).
+Among eligible hosts, two things decide:
 
 1. **Harvestable throughput**: the host's `harvestable_tokens_per_s` shared with the jobs
    already placed there (divided by 1 + their number). A host with a latency predictor reports
@@ -22,81 +22,61 @@ commits.
 from __future__ import annotations
 
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 from django.db import transaction
 from django.utils import timezone
 
+from api.fleet_settings import fleet_settings
 from api.models import (
     OPEN_PLACEMENT_STATES,
     EventLevel,
     FinetuneJob,
     GpuHost,
+    HostAgentState,
     HostStatus,
     JobCheckpoint,
     JobEvent,
     JobMethod,
     JobStatus,
     Placement,
+    PlacementDecision,
     PlacementState,
 )
 from api.selectors import job_checkpoint_latest
 from api.services.jobs import job_event_record
+from api.services.placement_dispatch import placement_send
+from gpu_runtime.contract.footprint import MIN_FINETUNE_BYTES, finetune_footprint_bytes
+from gpu_runtime.contract.model_config import ModelConfig
 from gpu_runtime.contract.training_data import training_max_seq_len
-from workers.conf import worker_settings
-from workers.models import HostAgentState, PlacementDecision
 
-MIB = 2**20
-# Activation bytes per (token x hidden unit x layer) of LoRA training without recomputation.
-ACTIVATION_BYTES_PER_UNIT = 34
-# Adapter weight + gradient + two AdamW moments, fp32.
-ADAPTER_BYTES_PER_PARAM = 16
-MIN_FINETUNE_BYTES = 64 * MIB
 THROUGHPUT_TOLERANCE = 0.1
 """Throughput shares within this fraction of the best count as equal (headroom decides)."""
 POLICY = (
     f"harvestable tokens/s / (1 + open placements), within {THROUGHPUT_TOLERANCE:.0%} of the "
     "best; then the most memory headroom after the job; then the name"
 )
-_PROJECTION_DIMS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 def finetune_memory_estimate(*, job: FinetuneJob) -> int:
-    """Bytes a job borrows on its host: adapter state plus one micro-batch of activations.
+    """Bytes a job borrows on its host (`gpu_runtime.contract.footprint`).
 
     Uses the base model's config (preset models); a checkpoint-dir model without a stored
     config is charged :data:`MIN_FINETUNE_BYTES`. Sequences count at min(context, 2048); a
     DPO example is two of them (its preferred and other output).
     """
-    config = job.base_model.config
-    if not config:
+    if not job.base_model.config:
         return MIN_FINETUNE_BYTES
-    hidden = int(config["hidden_size"])
-    layers = int(config["num_hidden_layers"])
-    heads = int(config["num_attention_heads"])
-    kv_heads = int(config.get("num_key_value_heads", heads))
-    head_dim = int(config.get("head_dim") or hidden // heads)
-    inter = int(config["intermediate_size"])
-    dims = {
-        "q_proj": (hidden, heads * head_dim),
-        "k_proj": (hidden, kv_heads * head_dim),
-        "v_proj": (hidden, kv_heads * head_dim),
-        "o_proj": (heads * head_dim, hidden),
-        "gate_proj": (hidden, inter),
-        "up_proj": (hidden, inter),
-        "down_proj": (inter, hidden),
-    }
-    targets = list(job.lora_target_modules)
-    if targets == ["all-linear"]:
-        targets = list(_PROJECTION_DIMS)
-    rank = job.lora_rank
-    adapter_params = layers * sum(rank * sum(dims[t]) for t in targets if t in dims)
     batch = job.hyperparameters.get("batch_size")
     micro_batch = batch if isinstance(batch, int) else 1
     rows = 2 if job.method == JobMethod.DPO else 1
-    tokens = rows * micro_batch * training_max_seq_len(job.base_model.context_length)
-    activations = tokens * hidden * layers * ACTIVATION_BYTES_PER_UNIT
-    return max(MIN_FINETUNE_BYTES, adapter_params * ADAPTER_BYTES_PER_PARAM + activations)
+    return finetune_footprint_bytes(
+        ModelConfig.from_hf_config(job.base_model.config),
+        rank=job.lora_rank,
+        target_modules=list(job.lora_target_modules),
+        tokens=rows * micro_batch * training_max_seq_len(job.base_model.context_length),
+    )
 
 
 def _candidate(
@@ -165,7 +145,7 @@ def job_place(*, job_id: str) -> Placement | None:
             return None
         if Placement.objects.filter(job=job, state__in=OPEN_PLACEMENT_STATES).exists():
             return None
-        fresh_after = timezone.now() - timedelta(seconds=worker_settings().host_lost_after_s)
+        fresh_after = timezone.now() - timedelta(seconds=fleet_settings().host_lost_after_s)
         previous = (
             Placement.objects.filter(job=job)
             .select_related("host", "host__agent_state")
@@ -223,12 +203,7 @@ def job_place(*, job_id: str) -> Placement | None:
         )
         placement_id = placement.pk
 
-        def dispatch() -> None:
-            from workers.commands import send_placement
-
-            send_placement(placement_id=placement_id)
-
-        transaction.on_commit(dispatch)
+        transaction.on_commit(partial(placement_send, placement_id=placement_id))
         return placement
 
 
@@ -266,7 +241,7 @@ def _checkpoint_in_flight(
     if previous is None or previous.stopped_step is None or previous.stopped_at is None:
         return None
     waited = timezone.now() - previous.stopped_at
-    if waited > timedelta(seconds=worker_settings().redispatch_after_s):
+    if waited > timedelta(seconds=fleet_settings().redispatch_after_s):
         return None
     recorded = latest.step if latest is not None else 0
     return previous if recorded < previous.stopped_step else None

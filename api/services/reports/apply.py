@@ -1,6 +1,6 @@
 """Applying one host report: deduplication by message id, then the handler of its kind.
 
-See the package docstring (`workers.ingest`) for the at-most-once and stale-report contracts.
+See the package docstring (`api.services.reports`) for the at-most-once and stale-report contracts.
 """
 
 from __future__ import annotations
@@ -9,19 +9,18 @@ from typing import Any
 
 from django.db import IntegrityError, transaction
 
-from api.models import GpuHost
-from gpu_runtime.agent.protocol import check_report
-from workers.ingest.heartbeat import heartbeat
-from workers.ingest.jobs import (
-    checkpoint,
-    job_failed,
-    job_progress,
-    job_started,
-    job_stopped,
-    job_succeeded,
+from api.models import GpuHost, ProcessedReport
+from api.services.reports.heartbeat import heartbeat_apply
+from api.services.reports.jobs import (
+    checkpoint_apply,
+    job_failed_apply,
+    job_progress_apply,
+    job_started_apply,
+    job_stopped_apply,
+    job_succeeded_apply,
 )
-from workers.ingest.metrics import metrics
-from workers.models import ProcessedReport
+from api.services.reports.metrics import metrics_apply
+from gpu_runtime.contract.protocol import check_report
 
 
 def host_report_apply(*, message: dict[str, Any]) -> str:
@@ -41,16 +40,16 @@ def host_report_apply(*, message: dict[str, Any]) -> str:
         if host is None:
             return "unknown_host"
         handler = _HANDLERS[message["kind"]]
-        return handler(host, message)
+        return handler(host=host, message=message)
 
 
 _HANDLERS = {
-    "heartbeat": heartbeat,
-    "job_started": job_started,
-    "job_progress": job_progress,
-    "checkpoint": checkpoint,
-    "job_succeeded": job_succeeded,
-    "job_failed": job_failed,
-    "job_stopped": job_stopped,
-    "metrics": metrics,
+    "heartbeat": heartbeat_apply,
+    "job_started": job_started_apply,
+    "job_progress": job_progress_apply,
+    "checkpoint": checkpoint_apply,
+    "job_succeeded": job_succeeded_apply,
+    "job_failed": job_failed_apply,
+    "job_stopped": job_stopped_apply,
+    "metrics": metrics_apply,
 }

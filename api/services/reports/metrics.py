@@ -5,13 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from api.models import DeploymentMetric, GpuHost, HostMetric
-from workers.ingest.common import report_time
-from workers.models import RollupSeries
-from workers.rollups import rollup_add
+from api.models import DeploymentMetric, GpuHost, HostMetric, RollupSeries
+from api.services.reports.common import report_time
+from api.services.rollups import rollup_add
 
 
-def metrics(host: GpuHost, message: dict[str, Any]) -> str:
+def metrics_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     ts = report_time(message)
     hm = dict(message["host_metrics"])
     HostMetric.objects.create(

@@ -10,22 +10,23 @@ from typing import Any
 from django.db import transaction
 from django.utils import timezone
 
+from api.dispatch import host_dispatch
 from api.models import (
     OPEN_PLACEMENT_STATES,
     Adapter,
     FinetuneJob,
     GpuHost,
+    HostAgentState,
     HostStatus,
     JobCheckpoint,
     Placement,
 )
+from api.services.reports.common import stop_on_commit
 from api.transitions import TERMINAL_STATUSES
-from gpu_runtime.agent.protocol import parse_checkpoint_model
-from workers.ingest.common import stop_on_commit
-from workers.models import HostAgentState
+from gpu_runtime.contract.protocol import parse_checkpoint_model
 
 
-def heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
+def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     now = timezone.now()
     fields = ["last_heartbeat_at"]
     host.last_heartbeat_at = now
@@ -70,12 +71,9 @@ def heartbeat(host: GpuHost, message: dict[str, Any]) -> str:
         HostStatus.ONLINE,
         HostStatus.DRAINING,
     ):
-        from workers.commands import send_host_command
-
         command = "drain" if host.status == HostStatus.DRAINING else "undrain"
-        transaction.on_commit(
-            partial(send_host_command, host_name=host.name, command=command), robust=True
-        )
+        send = partial(host_dispatch().host_command_send, host_name=host.name, command=command)
+        transaction.on_commit(send, robust=True)
     return "applied"
 
 
@@ -90,9 +88,7 @@ def _offer_base_model(host: GpuHost, serving: str) -> None:
     name = host.name
 
     def send() -> None:
-        from workers.commands import send_host_command
-
-        send_host_command(host_name=name, command="load_base_model", **fields)
+        host_dispatch().host_command_send(host_name=name, command="load_base_model", **fields)
 
     transaction.on_commit(send)
 
@@ -111,10 +107,8 @@ def _offer_missing_adapters(host: GpuHost, served: set[str]) -> None:
         return
 
     def send() -> None:
-        from workers.commands import send_host_command
-
         for name, key in missing:
-            send_host_command(
+            host_dispatch().host_command_send(
                 host_name=host.name, command="load_adapter", name=name, storage_key=key
             )
 
@@ -157,9 +151,7 @@ def _retire_deleted_models(host: GpuHost, served: set[str]) -> None:
         return
 
     def send() -> None:
-        from workers.commands import send_unload
-
         for name in gone:
-            send_unload(host_name=host.name, name=name)
+            host_dispatch().model_unload_send(host_name=host.name, name=name)
 
     transaction.on_commit(send)

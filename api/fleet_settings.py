@@ -1,4 +1,5 @@
-"""The workers' tunables, read from the environment (parsed by `config.env`) at call time.
+"""The fleet's tunables (placement, reconciliation, checkpoints), read from the environment
+(parsed by `config.env`) at call time.
 
 * `HARLI_HOST_LOST_AFTER_S` (default 30): a host whose last heartbeat is older is lost.
 * `HARLI_RECONCILE_INTERVAL_S` (default 5): how often beat runs the reconciliation.
@@ -21,7 +22,7 @@ from config.env import env_int
 
 
 @dataclass(frozen=True)
-class WorkerSettings:
+class FleetSettings:
     host_lost_after_s: int
     reconcile_interval_s: int
     redispatch_after_s: int
@@ -30,8 +31,8 @@ class WorkerSettings:
     keep_checkpoints: int
 
 
-def worker_settings() -> WorkerSettings:
-    values = WorkerSettings(
+def fleet_settings() -> FleetSettings:
+    values = FleetSettings(
         host_lost_after_s=env_int("HARLI_HOST_LOST_AFTER_S", 30),
         reconcile_interval_s=env_int("HARLI_RECONCILE_INTERVAL_S", 5),
         redispatch_after_s=env_int("HARLI_REDISPATCH_AFTER_S", 15),

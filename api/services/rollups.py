@@ -7,7 +7,7 @@ from typing import Any
 
 from django.db.models import QuerySet
 
-from workers.models import MetricRollup
+from api.models import MetricRollup
 
 
 def minute_of(ts: datetime) -> datetime:

@@ -1,0 +1,85 @@
+"""The `apply_placement` command of a placement, and its (re)sending to the host's queue.
+
+A placement is sent once its transaction commits (`api.services.placement`), and again by
+reconciliation while its host has not started it (`api.services.reconcile`); each send is
+recorded on its `PlacementDecision` (`last_dispatched_at`, `dispatch_count`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from django.db.models import F
+from django.utils import timezone
+
+from api.dispatch import host_dispatch
+from api.fleet_settings import fleet_settings
+from api.models import (
+    OPEN_PLACEMENT_STATES,
+    FinetuneJob,
+    JobCheckpoint,
+    JobMethod,
+    Placement,
+    PlacementDecision,
+)
+from api.selectors import fine_tuned_model_name, job_checkpoint_latest
+from gpu_runtime.contract.protocol import adapter_key
+from gpu_runtime.contract.training_data import training_max_seq_len
+
+
+def job_spec(*, job: FinetuneJob, resume: JobCheckpoint | None) -> dict[str, Any]:
+    """The JobSpec of an apply_placement command (see the protocol module)."""
+    return {
+        "id": job.id,
+        "base_model": job.base_model.name,
+        "training_file": job.training_file_id,
+        "training_file_key": job.training_file.storage_key,
+        "validation_file": job.validation_file_id,
+        "validation_file_key": job.validation_file.storage_key if job.validation_file else None,
+        "max_seq_len": training_max_seq_len(job.base_model.context_length),
+        "method": job.method,
+        "hyperparameters": dict(job.hyperparameters)
+        | ({"beta": job.dpo_beta} if job.method == JobMethod.DPO else {}),
+        "lora": {
+            "rank": job.lora_rank,
+            "alpha": job.lora_alpha,
+            "dropout": job.lora_dropout,
+            "target_modules": list(job.lora_target_modules),
+        },
+        "seed": job.seed,
+        "checkpoint_every_steps": fleet_settings().checkpoint_every_steps,
+        "fine_tuned_model": fine_tuned_model_name(job=job),
+        "adapter_key": adapter_key(job.id),
+        "resume_from": (
+            {"step": resume.step, "storage_key": resume.path} if resume is not None else None
+        ),
+    }
+
+
+def placement_command(*, placement: Placement) -> dict[str, Any]:
+    """apply_placement for `placement`, resuming from the job's latest checkpoint if any."""
+    job = placement.job
+    resume = job_checkpoint_latest(job=job)
+    return {"placement_id": placement.pk, "job": job_spec(job=job, resume=resume)}
+
+
+def placement_send(*, placement_id: int) -> None:
+    """Send (or send again) an open placement to its host, and record the dispatch; a closed
+    one is not sent. Runs after the placement's transaction committed."""
+    placement = (
+        Placement.objects.select_related(
+            "host", "job", "job__base_model", "job__tenant", "job__training_file"
+        )
+        .filter(pk=placement_id, state__in=OPEN_PLACEMENT_STATES)
+        .first()
+    )
+    if placement is None:
+        return
+    host_dispatch().host_command_send(
+        host_name=placement.host.name,
+        command="apply_placement",
+        **placement_command(placement=placement),
+    )
+    PlacementDecision.objects.filter(placement=placement).update(
+        last_dispatched_at=timezone.now(), dispatch_count=F("dispatch_count") + 1
+    )
