@@ -105,7 +105,7 @@ def build(policy: str, model: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     )
     memory.attach(engine)
     memory.decode_ready()
-    memory.manager.set_finetune_demand(args.pool_pages * page)
+    memory.manager.finetune.set_demand(args.pool_pages * page)
     return engine, memory
 
 

@@ -22,7 +22,7 @@ from gpu_runtime.memory.layout import (
     PhysicalMemoryUnavailable,
     kv_block_bytes,
 )
-from gpu_runtime.memory.policy import (
+from gpu_runtime.memory.manager import (
     DecodeDemand,
     DecodeGrant,
     MemoryManager,

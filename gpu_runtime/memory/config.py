@@ -28,7 +28,7 @@ class MemoryPolicyConfig:
     reserve refilled between quanta covers the largest (see `MemoryManager.refill_reserve`)."""
     plan_headroom_intervals: int = 4
     """Quanta are sized to the budget less the pages decode would take back if it grew this
-    many more intervals at the largest recent rate (`MemoryManager.reclaim_headroom_pages`):
+    many more intervals at the largest recent rate (`FinetuneBudget.reclaim_headroom_pages`):
     finetune memory then stays below the budget a reclaim leaves, so that reclaim is a cap
     change, not a cache flush (which waits for the device and drops the trainers' CUDA graphs).
     0: quanta are sized to the whole budget."""

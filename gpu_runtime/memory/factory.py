@@ -12,7 +12,7 @@ from gpu_runtime.memory.backend import CpuPageBackend
 from gpu_runtime.memory.config import MemoryPolicyConfig
 from gpu_runtime.memory.engine_memory import EngineMemory, engine_kv_layout
 from gpu_runtime.memory.layout import CUDA_PAGE_BYTES, GIB, MIB
-from gpu_runtime.memory.policy import MemoryManager
+from gpu_runtime.memory.manager import MemoryManager
 from gpu_runtime.memory.pool import MemorySplit, PagePool
 
 
@@ -136,7 +136,7 @@ class HostMemory:
             def trainers() -> list[Any]:
                 return [loop.job_state(job_id).trainer for job_id in loop.job_ids]
 
-            self.manager.release_finetune_graphs = lambda: release_largest_separate(trainers())
+            self.manager.finetune.graph_release = lambda: release_largest_separate(trainers())
 
     def set_finetune_jobs(self, count: int) -> None:
         """`count` finetune jobs on the loop: with any, finetuning may borrow every page decode
@@ -144,7 +144,7 @@ class HostMemory:
         if count < 0:
             raise ValueError(f"job count must be >= 0, got {count}")
         page_bytes = self.pool.page_bytes
-        self.memory.manager.set_finetune_demand(self.pool.num_pages * page_bytes if count else 0)
+        self.memory.manager.finetune.set_demand(self.pool.num_pages * page_bytes if count else 0)
 
     def split(self) -> MemorySplit:
         """Decode / finetune / free bytes now (for heartbeats and metrics)."""

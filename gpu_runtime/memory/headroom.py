@@ -16,7 +16,7 @@ used blocks. From it come two figures:
 
 The maxima over the windows change only in `observe` (once per quantum boundary), so they are
 computed there and read as plain integers by `headroom_pages`, which the policy calls every
-iteration (`MemoryManager.finetune_plan_bytes`): no pass over a window per iteration.
+iteration (`FinetuneBudget.plan_bytes`): no pass over a window per iteration.
 """
 
 from __future__ import annotations

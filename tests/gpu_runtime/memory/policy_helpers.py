@@ -14,7 +14,7 @@ from gpu_runtime.memory import (
 )
 
 PAGE = 4096
-LOGGER = "gpu_runtime.memory.policy"
+LOGGER = "gpu_runtime.memory"
 
 
 def policy_manager(
