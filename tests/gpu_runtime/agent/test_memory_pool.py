@@ -52,7 +52,7 @@ def test_pool_host_trains_and_serves_like_a_plain_host(
     memory = pooled.runtime.host_memory
     assert memory is not None and pooled.runtime.loop.memory is memory.memory
     # graph pools per shape, released between quanta (memory/test_host_release.py)
-    assert pooled.runtime.loop.release_graph_shapes
+    assert pooled.runtime.loop.jobs.release_graph_shapes
     assert memory.manager.finetune.graph_release is not None
     assert memory.manager.config.plan_peak_window == HOST_MEMORY_POLICY.plan_peak_window > 0
     if device == "cuda":  # SM splits (or prioritised streams), graphs captured per split
