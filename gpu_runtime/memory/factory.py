@@ -131,7 +131,7 @@ class HostMemory:
                     release()
 
         self.pool.before_flush = release_graphs
-        if getattr(loop, "release_graph_shapes", False):  # one separate shape per release
+        if loop.jobs.release_graph_shapes:  # one separate shape per release
 
             def trainers() -> list[Any]:
                 return [loop.job_state(job_id).trainer for job_id in loop.job_ids]
