@@ -19,10 +19,10 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.colocation.online import OnlineLatencyModel
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
-from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.types import (
     MIN_TOKENS_FOR_TPOT,
     DecodeSnapshot,

@@ -124,9 +124,9 @@ class _Phase:
         self.log = IterationLog(self.memory, self.engine, args.device.startswith("cuda"))
 
     def _memory(self, model: Any, plan: dict, pool: Any) -> Any:
-        from gpu_runtime.memory import EngineMemory, MemoryPolicyConfig
+        from gpu_runtime.memory import EngineMemory, MemoryManagerConfig
 
-        policy = MemoryPolicyConfig(
+        policy = MemoryManagerConfig(
             reserve_low_pages=plan["reserve_low_pages"],
             reserve_high_pages=plan["reserve_high_pages"],
             max_step_pages=plan["step_pages"],
@@ -147,7 +147,7 @@ class _Phase:
             block_size=16,
             kv_dtype="bfloat16" if self.args.device.startswith("cuda") else "float32",
             max_model_len=self.args.max_model_len,
-            policy=policy,
+            config=policy,
         )
 
     def _engine(self, model: Any) -> Any:

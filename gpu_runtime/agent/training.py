@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_runtime.agent.jobs import (
+from gpu_runtime.agent.job_run import (
     JobRun,
     JobSetupError,
     build_job_run,

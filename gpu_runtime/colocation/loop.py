@@ -26,7 +26,7 @@ from typing import Any
 
 from gpu_runtime.colocation.ahead import LoopAhead
 from gpu_runtime.colocation.executor import QuantumExecutor, SequentialExecutor, ThreadedExecutor
-from gpu_runtime.colocation.jobs import FinetuneMemory, JobState
+from gpu_runtime.colocation.job_state import FinetuneMemory, JobState
 from gpu_runtime.colocation.loop_jobs import LoopJobs
 from gpu_runtime.colocation.planning import IterationPlanner
 from gpu_runtime.colocation.policy import CoLocationPolicy

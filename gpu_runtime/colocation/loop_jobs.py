@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from gpu_runtime.colocation.executor import QuantumExecutor, QuantumTask
-from gpu_runtime.colocation.jobs import FinetuneMemory, JobError, JobState, ReleasePlanMemory
+from gpu_runtime.colocation.job_state import FinetuneMemory, JobError, JobState, ReleasePlanMemory
 from gpu_runtime.colocation.snapshot import describe_trainer, trainer_layers
 from gpu_runtime.colocation.types import IterationPlan, QuantumReport
 from gpu_runtime.finetune.trainer import LoraTrainer

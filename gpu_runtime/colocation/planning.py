@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from gpu_runtime.colocation.executor import QuantumExecutor
-from gpu_runtime.colocation.jobs import FinetuneMemory, JobState
+from gpu_runtime.colocation.job_state import FinetuneMemory, JobState
 from gpu_runtime.colocation.loop_jobs import LoopJobs
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
 from gpu_runtime.colocation.snapshot import decode_snapshot

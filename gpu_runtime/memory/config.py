@@ -1,4 +1,4 @@
-"""Inputs and outputs of the memory policy: its configuration, decode's demand, the grant."""
+"""Inputs and outputs of the memory manager: its configuration, decode's demand, the grant."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class MemoryPolicyConfig:
-    """Watermarks, step size and hysteresis of the decode-first policy (units: pool pages)."""
+class MemoryManagerConfig:
+    """Watermarks, step size and hysteresis of the `MemoryManager` (units: pool pages)."""
 
     reserve_low_pages: int = 64
     """Decode's mapped free pages are refilled up to this (plus waiting requests' needs)."""

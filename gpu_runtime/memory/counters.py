@@ -1,4 +1,4 @@
-"""Counters and latency samples of the memory policy (one object per manager, no globals)."""
+"""Counters and latency samples of the memory manager (one object per manager, no globals)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class LatencySamples:
 
 @dataclass
 class MemoryCounters:
-    """Every transition of the memory policy, counted. Pages are pool pages."""
+    """Every transition of the memory manager, counted. Pages are pool pages."""
 
     iterations: int = 0
     """Decode iterations seen (`MemoryManager.before_step` calls)."""

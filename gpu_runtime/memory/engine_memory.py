@@ -28,7 +28,7 @@ from gpu_runtime.memory.layout import (
     MemoryPoolError,
     kv_block_bytes,
 )
-from gpu_runtime.memory.manager import DecodeGrant, MemoryManager, MemoryPolicyConfig
+from gpu_runtime.memory.manager import DecodeGrant, MemoryManager, MemoryManagerConfig
 from gpu_runtime.memory.work import MemoryWork, WorkMeter
 
 if TYPE_CHECKING:
@@ -136,18 +136,18 @@ class EngineMemory:
         block_size: int,
         kv_dtype: str,
         max_model_len: int,
-        policy: MemoryPolicyConfig | None = None,
+        config: MemoryManagerConfig | None = None,
     ) -> EngineMemory:
         """Manager and binding for an engine of this model; decode always keeps enough pages
         for one request of `max_model_len` tokens (the engine rejects longer ones)."""
         layout = engine_kv_layout(
             model_config, block_size=block_size, dtype=kv_dtype, page_bytes=pool.page_bytes
         )
-        policy = policy or MemoryPolicyConfig()
+        config = config or MemoryManagerConfig()
         one_request = layout.pages_for_blocks(-(-max_model_len // block_size))
-        if one_request > policy.min_decode_pages:
-            policy = dataclasses.replace(policy, min_decode_pages=one_request)
-        manager = MemoryManager(pool, layout, policy)
+        if one_request > config.min_decode_pages:
+            config = dataclasses.replace(config, min_decode_pages=one_request)
+        manager = MemoryManager(pool, layout, config)
         return cls(manager, KVPoolBinding(manager))
 
     def engine_config_fields(self) -> dict[str, int]:

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpu_runtime.finetune.shape_release import release_largest_separate
 from gpu_runtime.memory.backend import CpuPageBackend
-from gpu_runtime.memory.config import MemoryPolicyConfig
+from gpu_runtime.memory.config import MemoryManagerConfig
 from gpu_runtime.memory.engine_memory import EngineMemory, engine_kv_layout
 from gpu_runtime.memory.layout import CUDA_PAGE_BYTES, GIB, MIB
 from gpu_runtime.memory.manager import MemoryManager
@@ -160,7 +160,7 @@ def build_host_memory(
     engine_config: Any,
     *,
     pool_bytes: int | None = None,
-    policy: MemoryPolicyConfig | None = None,
+    config: MemoryManagerConfig | None = None,
     leave_free_bytes: int = 4 * GIB,
     torch_headroom_bytes: int = 1 * GIB,
 ) -> HostMemory:
@@ -203,7 +203,7 @@ def build_host_memory(
             block_size=engine_config.block_size,
             kv_dtype=dtype,
             max_model_len=engine_config.max_model_len,
-            policy=policy,
+            config=config,
         )
     except Exception:
         pool.close()

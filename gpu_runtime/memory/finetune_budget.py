@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gpu_runtime.memory.config import MemoryPolicyConfig
+from gpu_runtime.memory.config import MemoryManagerConfig
 from gpu_runtime.memory.counters import MemoryCounters
 from gpu_runtime.memory.headroom import DecodeHistory
 from gpu_runtime.memory.layout import FinetuneBudgetExceeded
@@ -28,7 +28,7 @@ class FinetuneBudget:
     def __init__(
         self,
         pool: PagePool,
-        config: MemoryPolicyConfig,
+        config: MemoryManagerConfig,
         counters: MemoryCounters,
         history: DecodeHistory,
         moves: PageMoves,

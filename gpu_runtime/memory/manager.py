@@ -1,4 +1,4 @@
-"""`MemoryManager`: decode-first policy over the unified pool.
+"""`MemoryManager`: decode first over the unified pool.
 
 Call order, once per engine iteration (one thread; no call is made from a kernel or a callback):
 1. `before_step(demand)` before the decode scheduler allocates blocks for the next step. It
@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from gpu_runtime.memory.config import DecodeDemand, DecodeGrant, MemoryPolicyConfig
+from gpu_runtime.memory.config import DecodeDemand, DecodeGrant, MemoryManagerConfig
 from gpu_runtime.memory.counters import MemoryCounters
 from gpu_runtime.memory.finetune_budget import FinetuneBudget
 from gpu_runtime.memory.headroom import DecodeHistory
@@ -42,7 +42,7 @@ from gpu_runtime.memory.pool import MemorySplit, PagePool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeDemand", "DecodeGrant", "MemoryManager", "MemoryPolicyConfig"]
+__all__ = ["DecodeDemand", "DecodeGrant", "MemoryManager", "MemoryManagerConfig"]
 
 
 class MemoryManager:
@@ -54,7 +54,7 @@ class MemoryManager:
         self,
         pool: PagePool,
         layout: KVLayout,
-        config: MemoryPolicyConfig | None = None,
+        config: MemoryManagerConfig | None = None,
         *,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -62,7 +62,7 @@ class MemoryManager:
             raise ValueError(
                 f"layout page_bytes {layout.page_bytes} != pool page_bytes {pool.page_bytes}"
             )
-        self.config = config or MemoryPolicyConfig()
+        self.config = config or MemoryManagerConfig()
         if self.config.min_decode_pages > pool.prefix_limit_pages:
             raise ValueError(
                 f"min_decode_pages {self.config.min_decode_pages} > the pool's KV prefix limit "

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from gpu_runtime.memory.config import MemoryPolicyConfig
+from gpu_runtime.memory.config import MemoryManagerConfig
 from gpu_runtime.memory.counters import MemoryCounters
 from gpu_runtime.memory.pool import PagePool
 
@@ -21,7 +21,7 @@ class PageMoves:
     def __init__(
         self,
         pool: PagePool,
-        config: MemoryPolicyConfig,
+        config: MemoryManagerConfig,
         counters: MemoryCounters,
         clock: Callable[[], float],
     ) -> None:

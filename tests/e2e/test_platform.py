@@ -315,7 +315,7 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
     import torch
 
     from api.models import FinetuneJob
-    from gpu_runtime.agent.jobs import build_job_run
+    from gpu_runtime.agent.job_run import build_job_run
     from gpu_runtime.contract.tokenizer import load_training_tokenizer
     from gpu_runtime.model.loader import load_model
     from workers.commands import job_spec

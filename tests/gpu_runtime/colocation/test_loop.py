@@ -377,7 +377,7 @@ def test_job_views_name_the_launches_that_would_not_replay_a_graph() -> None:
 
     from gpu_runtime.colocation import AnalyticLatencyModel
     from gpu_runtime.colocation.harli import HarliPolicy
-    from gpu_runtime.colocation.jobs import JobState
+    from gpu_runtime.colocation.job_state import JobState
 
     captured = {(2 * 256, 111), (4 * 256, 222)}  # (max tokens, stream handle) with a graph
 

@@ -23,7 +23,7 @@ from gpu_runtime.memory import (
     DecodeDemand,
     KVLayout,
     MemoryManager,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     PagePool,
     scheduler_block_demand,
     scheduler_waiting_blocks,
@@ -37,7 +37,7 @@ PAGE = 4096
 
 
 def _reference_history(
-    config: MemoryPolicyConfig, layout: KVLayout, observed: list[int], kv_prefix_pages: int
+    config: MemoryManagerConfig, layout: KVLayout, observed: list[int], kv_prefix_pages: int
 ) -> tuple[int, int, int, int]:
     """(refill growth, peak used, headroom with and without the peak) from the whole list of
     observations, as the module docstring of `headroom.py` defines them."""
@@ -80,7 +80,7 @@ def test_history_maxima_equal_a_fresh_computation(
     observed: list[int],
     prefix: int,
 ) -> None:
-    config = MemoryPolicyConfig(
+    config = MemoryManagerConfig(
         growth_window=growth_window,
         headroom_window=headroom_window,
         plan_peak_window=peak_window,
@@ -133,7 +133,7 @@ class _FreshBudget(FinetuneBudget):
         super().return_unwanted_budget()
 
 
-def _build(fresh: bool, config: MemoryPolicyConfig, unit: int) -> MemoryManager:
+def _build(fresh: bool, config: MemoryManagerConfig, unit: int) -> MemoryManager:
     """A manager; `fresh`: with the history and the finetune budget as they were."""
     pool = PagePool(CpuPageBackend(num_pages=96, page_bytes=PAGE, map_unit_pages=unit))
     layout = KVLayout(page_bytes=PAGE, block_bytes=PAGE)
@@ -188,7 +188,7 @@ _OPS = st.lists(
 def test_decisions_equal_those_of_a_manager_without_shortcuts(
     static: bool, unit: int, peak_window: int, intervals: int, ops: list[Any]
 ) -> None:
-    config = MemoryPolicyConfig(
+    config = MemoryManagerConfig(
         reserve_low_pages=4,
         reserve_high_pages=10,
         max_step_pages=4 * unit,
@@ -248,7 +248,7 @@ class _CountingBackend(CpuPageBackend):
 
 def test_a_budget_within_the_demand_is_returned_without_backend_reads() -> None:
     backend = _CountingBackend(num_pages=64, page_bytes=PAGE)
-    config = MemoryPolicyConfig(
+    config = MemoryManagerConfig(
         reserve_low_pages=4, reserve_high_pages=12, max_step_pages=4, grow_hold_iterations=0
     )
     manager = MemoryManager(PagePool(backend), KVLayout(page_bytes=PAGE, block_bytes=PAGE), config)

@@ -9,7 +9,7 @@ from gpu_runtime.memory import (
     DecodeDemand,
     KVLayout,
     MemoryManager,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     MemoryPoolError,
     create_page_pool,
     kv_block_bytes,
@@ -45,7 +45,7 @@ def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
         device="cuda", pool_bytes=2 * GIB, torch_headroom_bytes=64 * MIB, finetune_pools=False
     )
     layout = _llama3_8b_layout(pool.page_bytes)
-    config = MemoryPolicyConfig(
+    config = MemoryManagerConfig(
         reserve_low_pages=8,
         reserve_high_pages=32,
         max_step_pages=256,
@@ -191,9 +191,9 @@ def test_engine_over_the_cuda_pool_matches_a_plain_engine(mixed_graphs: bool) ->
 
     pool = create_page_pool(device="cuda", pool_bytes=512 * MIB, pinned_tail_pages=1)
     try:
-        config = MemoryPolicyConfig(reserve_low_pages=16, reserve_high_pages=64, max_step_pages=16)
+        config = MemoryManagerConfig(reserve_low_pages=16, reserve_high_pages=64, max_step_pages=16)
         memory = EngineMemory.prepare(
-            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, policy=config
+            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, config=config
         )
         engine_config = EngineConfig(device="cuda", **fields, **memory.engine_config_fields())  # type: ignore[arg-type]
         engine = Engine(model, engine_config, kv_storage_factory=memory.binding.storage_factory)
@@ -271,14 +271,14 @@ def test_a_loop_planning_ahead_over_the_cuda_pool_matches_a_plain_engine() -> No
 
     pool = create_page_pool(device="cuda", pool_bytes=512 * MIB, pinned_tail_pages=1)
     try:
-        config = MemoryPolicyConfig(
+        config = MemoryManagerConfig(
             reserve_low_pages=16,
             reserve_high_pages=32,
             max_step_pages=16,
             shrink_after_iterations=2,
         )
         memory = EngineMemory.prepare(
-            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, policy=config
+            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, config=config
         )
         pooled = {**fields, **memory.engine_config_fields()}
         engine_config = EngineConfig(device="cuda", async_scheduling=True, **pooled)  # type: ignore[arg-type]

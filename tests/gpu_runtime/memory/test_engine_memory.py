@@ -11,7 +11,7 @@ import torch
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.memory import (
     EngineMemory,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     MemoryPoolError,
     MemoryWork,
     create_page_pool,
@@ -58,7 +58,7 @@ def _pooled_engine(model: CausalLM, pages: int, **extra: Any) -> tuple[Engine, E
         map_unit_pages=2,
         pinned_tail_pages=2,
     )
-    policy = MemoryPolicyConfig(
+    policy = MemoryManagerConfig(
         reserve_low_pages=2,
         reserve_high_pages=6,
         max_step_pages=4,
@@ -66,7 +66,7 @@ def _pooled_engine(model: CausalLM, pages: int, **extra: Any) -> tuple[Engine, E
         grow_hold_iterations=1,
     )
     memory = EngineMemory.prepare(
-        pool, model.config, block_size=4, kv_dtype="float32", max_model_len=64, policy=policy
+        pool, model.config, block_size=4, kv_dtype="float32", max_model_len=64, config=policy
     )
     fields = {**ENGINE, **memory.engine_config_fields(), **extra}
     config = EngineConfig(**fields)

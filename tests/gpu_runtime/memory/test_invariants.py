@@ -26,7 +26,7 @@ from gpu_runtime.memory import (
     KVLayout,
     KVPoolBinding,
     MemoryManager,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     PagePool,
 )
 
@@ -127,7 +127,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         tail = -(-2 * block_bytes // PAGE) + (unit if pinned else 0)
         self.pool = PagePool(self.backend, pinned_tail_pages=tail)
         self.layout = KVLayout(page_bytes=PAGE, block_bytes=block_bytes)
-        config = MemoryPolicyConfig(
+        config = MemoryManagerConfig(
             reserve_low_pages=low,
             reserve_high_pages=low + spread,
             max_step_pages=step_units * unit,

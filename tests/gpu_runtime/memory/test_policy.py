@@ -12,7 +12,7 @@ import pytest
 from gpu_runtime.memory import (
     DecodeDemand,
     FinetuneBudgetExceeded,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     MemoryPoolError,
 )
 from tests.gpu_runtime.memory.policy_helpers import LOGGER, PAGE, policy_manager
@@ -132,7 +132,7 @@ def test_demands_and_configs_are_validated() -> None:
     with pytest.raises(ValueError, match="next_step_blocks must be >= 0"):
         DecodeDemand(used_blocks=0, next_step_blocks=-1)
     with pytest.raises(ValueError, match="must exceed"):
-        MemoryPolicyConfig(reserve_low_pages=8, reserve_high_pages=8)
+        MemoryManagerConfig(reserve_low_pages=8, reserve_high_pages=8)
     with pytest.raises(ValueError, match="map unit"):
         policy_manager(num_pages=16, unit=4, max_step_pages=2)
     with pytest.raises(ValueError, match="finetune demand"):

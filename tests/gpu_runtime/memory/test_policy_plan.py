@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.memory import DecodeDemand, MemoryManager, MemoryPolicyConfig, PagePool
+from gpu_runtime.memory import DecodeDemand, MemoryManager, MemoryManagerConfig, PagePool
 from tests.gpu_runtime.memory.policy_helpers import PAGE, policy_manager
 
 
@@ -64,7 +64,7 @@ def test_quanta_planned_below_the_reclaim_headroom_make_most_reclaims_flush_free
     assert manager.finetune.reclaim_headroom_pages() == 0
     assert manager.finetune.plan_bytes() == pool.finetune_budget_bytes > 0
     with pytest.raises(ValueError, match="plan_headroom_intervals"):
-        MemoryPolicyConfig(plan_headroom_intervals=-1)
+        MemoryManagerConfig(plan_headroom_intervals=-1)
 
 
 def test_the_plan_headroom_remembers_a_burst_over_a_quiet_spell_and_has_a_floor() -> None:
@@ -96,9 +96,9 @@ def test_the_plan_headroom_remembers_a_burst_over_a_quiet_spell_and_has_a_floor(
         manager.refill_reserve(DecodeDemand(used_blocks=5))
     assert manager.finetune.reclaim_headroom_pages() == 0  # a short window forgot the burst
     with pytest.raises(ValueError, match="headroom_window"):
-        MemoryPolicyConfig(headroom_window=0)
+        MemoryManagerConfig(headroom_window=0)
     with pytest.raises(ValueError, match="plan_headroom_min_pages"):
-        MemoryPolicyConfig(plan_headroom_min_pages=-1)
+        MemoryManagerConfig(plan_headroom_min_pages=-1)
 
 
 def test_with_a_peak_window_quanta_are_planned_beside_decodes_recent_peak() -> None:
@@ -124,7 +124,7 @@ def test_with_a_peak_window_quanta_are_planned_beside_decodes_recent_peak() -> N
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     assert manager.finetune.reclaim_headroom_pages() == 0
     with pytest.raises(ValueError, match="plan_peak_window"):
-        MemoryPolicyConfig(plan_peak_window=-1)
+        MemoryManagerConfig(plan_peak_window=-1)
 
 
 def test_the_plan_never_falls_below_what_finetune_already_holds_within_its_budget() -> None:

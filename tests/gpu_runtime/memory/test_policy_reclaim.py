@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from gpu_runtime.memory import DecodeDemand, MemoryPolicyConfig
+from gpu_runtime.memory import DecodeDemand, MemoryManagerConfig
 from tests.gpu_runtime.memory.policy_helpers import LOGGER, PAGE, policy_manager, run_steps
 
 
@@ -179,7 +179,7 @@ def test_the_reserve_between_quanta_covers_decode_growth_over_one_quantum() -> N
     manager.refill_reserve(DecodeDemand(used_blocks=5))  # the 4-block interval left the window
     assert manager.usable_blocks == 13 and manager.refill_reserve(DecodeDemand(used_blocks=5)) == 0
     with pytest.raises(ValueError, match="growth_window"):
-        MemoryPolicyConfig(growth_window=0)
+        MemoryManagerConfig(growth_window=0)
 
 
 def test_idle_pages_are_lent_while_decode_grows_keeping_what_its_reserve_lacks() -> None:
