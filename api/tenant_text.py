@@ -1,5 +1,5 @@
 """Text from a host that reaches a tenant (a failed job's `error` and its event) carries no
-storage location: hosts name files by id (`gpu_runtime.agent.jobs`), and anything shaped like a
+storage location: hosts name files by id (`gpu_runtime.agent.job_run`), and anything shaped like a
 storage key or an absolute local path that still gets through is replaced here."""
 
 from __future__ import annotations

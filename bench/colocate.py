@@ -74,7 +74,7 @@ from gpu_runtime.colocation import (
 )
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
 from gpu_runtime.colocation.harli_config import host_harli_config
-from gpu_runtime.colocation.predictor import DecodeLatencyModel
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel
 from gpu_runtime.model import ModelConfig
 
 

@@ -33,8 +33,8 @@ from gpu_runtime.colocation import (
     summarize,
 )
 from gpu_runtime.colocation.calibration import CalibrationPolicy
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.online import beside_quantum
-from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.types import DecodeSnapshot, FinishedRequest
 
 

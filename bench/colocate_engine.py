@@ -17,6 +17,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # bench/traces.py besi
 
 from traces import TraceRequest
 
+from bench.colocate_simulator import SimulatedHost
 from gpu_runtime.colocation import (
     CoLocationPolicy,
     HostLoop,
@@ -25,7 +26,6 @@ from gpu_runtime.colocation import (
 )
 from gpu_runtime.colocation.executor import QuantumTask, ThreadedExecutor, run_quantum
 from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
-from gpu_runtime.colocation.simulator import SimulatedHost
 from gpu_runtime.colocation.types import FinishedRequest, JobView
 from gpu_runtime.engine import Engine, SamplingParams
 from gpu_runtime.finetune.batching import DataPosition

@@ -31,7 +31,7 @@ from bench.provenance import commit_hash
 from gpu_runtime.colocation import IterationRecord
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
 from gpu_runtime.colocation.harli import HarliConfig
-from gpu_runtime.colocation.predictor import DecodeLatencyModel
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel
 
 
 @dataclass

@@ -20,6 +20,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:  # bench/traces.py besi
 
 from colocate_engine import Backend, LoopBackend, SimBackend, sync
 
+from bench.colocate_simulator import PrefillCost, SimulatedHost, fit_truth_from_profile
 from gpu_runtime.colocation import (
     CoLocationPolicy,
     DecodeOnlyPolicy,
@@ -29,7 +30,6 @@ from gpu_runtime.colocation import (
     StaticSplitPolicy,
 )
 from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
-from gpu_runtime.colocation.simulator import PrefillCost, SimulatedHost, fit_truth_from_profile
 from gpu_runtime.colocation.types import JobView
 from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
@@ -277,7 +277,7 @@ def setup_simulation(args: argparse.Namespace, rank: int) -> tuple[Backend, dict
     }
     job = JobView("ft", seq, seq, rank, tokens_per_s_solo=solo["tokens_per_s_8_examples"])
     info = {
-        "backend": "SIMULATION: gpu_runtime.colocation.simulator.SimulatedHost; decode and "
+        "backend": "SIMULATION: bench.colocate_simulator.SimulatedHost; decode and "
         "quantum latencies modelled from the profile below (measured on a GPU), prefill cost "
         f"modelled ({fixed} ms per step with a chunk, plus 0.025 ms/token on the whole "
         "device, inverse to the SM share), lognormal "

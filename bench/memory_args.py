@@ -189,7 +189,7 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=4,
         help="quanta are sized to the budget less this many intervals of decode's recent "
-        "growth, so most reclaims need no cache flush (MemoryPolicyConfig)",
+        "growth, so most reclaims need no cache flush (MemoryManagerConfig)",
     )
     parser.add_argument(
         "--plan-headroom-min-pages",
@@ -203,7 +203,7 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=256,
         help="quanta are also planned beside decode's peak over this many quantum boundaries "
-        "(MemoryPolicyConfig.plan_peak_window; 0: off). Phase `unified_no_peak` runs without",
+        "(MemoryManagerConfig.plan_peak_window; 0: off). Phase `unified_no_peak` runs without",
     )
     parser.add_argument(
         "--plan-peak-prior",

@@ -59,7 +59,7 @@ def build(policy: str, model: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     from gpu_runtime.engine import Engine, EngineConfig
     from gpu_runtime.memory import (
         EngineMemory,
-        MemoryPolicyConfig,
+        MemoryManagerConfig,
         create_page_pool,
         engine_kv_layout,
     )
@@ -77,20 +77,20 @@ def build(policy: str, model: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     per_request = -(-(args.prompt_len + args.output_len) // 16)
     static_pages = min(args.batch * per_request + 768, args.pool_pages // 2)
     static_pages = -(-static_pages // args.map_unit_pages) * args.map_unit_pages
-    config = MemoryPolicyConfig(
+    config = MemoryManagerConfig(
         reserve_low_pages=768,
         reserve_high_pages=2048,
         max_step_pages=512,
         shrink_after_iterations=10**9 if static else 50,
         grow_hold_iterations=50,
         min_decode_pages=static_pages if static else 1,
-        plan_headroom_min_pages=768 + MemoryPolicyConfig().max_waiting_pages,
+        plan_headroom_min_pages=768 + MemoryManagerConfig().max_waiting_pages,
         plan_peak_window=256,
         plan_peak_prior_blocks=0 if static else args.batch * per_request,
         reclaim_from_finetune=not static,
     )
     memory = EngineMemory.prepare(
-        pool, model.config, block_size=16, kv_dtype="float32", max_model_len=512, policy=config
+        pool, model.config, block_size=16, kv_dtype="float32", max_model_len=512, config=config
     )
     engine = Engine(
         model,
@@ -105,7 +105,7 @@ def build(policy: str, model: Any, args: argparse.Namespace) -> tuple[Any, Any]:
     )
     memory.attach(engine)
     memory.decode_ready()
-    memory.manager.set_finetune_demand(args.pool_pages * page)
+    memory.manager.finetune.set_demand(args.pool_pages * page)
     return engine, memory
 
 

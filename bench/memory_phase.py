@@ -124,9 +124,9 @@ class _Phase:
         self.log = IterationLog(self.memory, self.engine, args.device.startswith("cuda"))
 
     def _memory(self, model: Any, plan: dict, pool: Any) -> Any:
-        from gpu_runtime.memory import EngineMemory, MemoryPolicyConfig
+        from gpu_runtime.memory import EngineMemory, MemoryManagerConfig
 
-        policy = MemoryPolicyConfig(
+        policy = MemoryManagerConfig(
             reserve_low_pages=plan["reserve_low_pages"],
             reserve_high_pages=plan["reserve_high_pages"],
             max_step_pages=plan["step_pages"],
@@ -147,7 +147,7 @@ class _Phase:
             block_size=16,
             kv_dtype="bfloat16" if self.args.device.startswith("cuda") else "float32",
             max_model_len=self.args.max_model_len,
-            policy=policy,
+            config=policy,
         )
 
     def _engine(self, model: Any) -> Any:
@@ -204,7 +204,7 @@ class _Phase:
             job = getattr(self, "job", None)
             if job is not None:
                 job.trainer.recompute = shape.recompute
-            self.memory.manager.finetune_quantum_mode(
+            self.memory.manager.finetune.quantum_mode(
                 examples=shape.examples, recompute=shape.recompute
             )
 
@@ -237,12 +237,12 @@ class _Phase:
         # finetune memory and decode's eager growth does not.
         with self.memory.finetune_allocations():
             trainer = lora_trainer(model, self.args, examples=512, epochs=50, batch_size=8)
-        self.memory.manager.set_finetune_demand(pool.num_pages * pool.page_bytes)
+        self.memory.manager.finetune.set_demand(pool.num_pages * pool.page_bytes)
         # A reclaim that must flush drops the trainer's CUDA graphs first (their private pool
         # is not returned by a cache flush).
         pool.before_flush = trainer.release_cuda_graphs
         if self.release:  # between quanta, decode's growth drops the largest separate shape
-            self.memory.manager.release_finetune_graphs = lambda: release_separate_shape(trainer)
+            self.memory.manager.finetune.graph_release = lambda: release_separate_shape(trainer)
         return loop, loop.add_job("ft", trainer)
 
     def _graph_counts(self) -> dict[str, int]:
@@ -337,7 +337,7 @@ class _Phase:
                             "error": report.error[:600],
                         }
                     )
-                memory.manager.record_finetune_oom()
+                memory.manager.finetune.record_oom()
                 self.sizing.safety *= 0.8
                 self.job.failed = None
             elif len(self.errors) < 5:
@@ -349,7 +349,7 @@ class _Phase:
             (
                 record.timestamp - start,
                 memory.lent_bytes(),
-                memory.manager.finetune_plan_bytes(),
+                memory.manager.finetune.plan_bytes(),
                 split.finetune_reserved_bytes,
             )
         )

@@ -262,9 +262,9 @@ def _sharing(args: Any, device: Any) -> tuple[Any, dict[str, Any] | None]:
 def _headroom_floor(args: Any) -> int:
     if args.plan_headroom_min_pages is not None:
         return int(args.plan_headroom_min_pages)
-    from gpu_runtime.memory import MemoryPolicyConfig
+    from gpu_runtime.memory import MemoryManagerConfig
 
-    return int(args.reserve_low_pages + MemoryPolicyConfig().max_waiting_pages)
+    return int(args.reserve_low_pages + MemoryManagerConfig().max_waiting_pages)
 
 
 def _decode_alone_peak_blocks(args: Any, rows: list[dict[str, Any]]) -> int | None:

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 
 
 class CheckpointModels:
-    """The host server's `ModelLoader` (`gpu_runtime.server.app`) for checkpoint names."""
+    """The host server's `ModelLoader` (`gpu_runtime.server.inference`) for checkpoint names."""
 
     def __init__(self, loop: EngineLoop, runtime: HostRuntime, timeout_s: float = 60.0) -> None:
         self.loop = loop

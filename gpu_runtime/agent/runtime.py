@@ -33,7 +33,7 @@ from gpu_runtime.agent.reporting import (
 )
 from gpu_runtime.agent.serving import EngineSpec, ServingEngine, lora_runtime
 from gpu_runtime.agent.tokenizers import host_training_tokenizer
-from gpu_runtime.agent.training import HostJobs
+from gpu_runtime.agent.training import HostJobs, TrainingTarget
 from gpu_runtime.colocation import (
     CoLocationPolicy,
     HostLoop,
@@ -85,7 +85,6 @@ class HostRuntime:
         self.predictor_path = predictor_path
         self.tpot_slo_ms = tpot_slo_ms
         self.aggregator = MetricsAggregator(tpot_slo_ms)
-        self._use_engine(serving)
         self.adapters = HostAdapters(storage, work_dir)
         self.storage = storage
         self.work_dir = Path(work_dir)
@@ -99,7 +98,14 @@ class HostRuntime:
         )
         self.metrics_interval_s = metrics_interval_s
         self.request_metrics = request_metrics
-        self.jobs = HostJobs(self)
+        self.jobs = HostJobs(
+            storage=storage,
+            work_dir=self.work_dir,
+            report=self.report,
+            jobs_changed=self.jobs_changed,
+            serve_adapter=self._serve_adapter,
+        )
+        self._use_engine(serving)
         self._requests: set[str] = set()
         self._outputs: list[RequestOutput] = []
         self._draining = False
@@ -109,7 +115,8 @@ class HostRuntime:
 
     def _use_engine(self, serving: ServingEngine) -> None:
         """Predictor, policy, loop and sizes for an engine (at start, and for a new base model);
-        the loop borrows finetune memory from the engine's pool when it has one."""
+        the loop borrows finetune memory from the engine's pool when it has one, and the jobs
+        train on it (with the current base model's tokenizer and directory)."""
         engine = self._engine = serving.engine
         self.host_memory = serving.memory
         self.predictor = None
@@ -135,6 +142,11 @@ class HostRuntime:
         )
         if serving.memory is not None:
             serving.memory.bind_loop(self.loop)
+        self.jobs.attach(
+            TrainingTarget(
+                self.loop, engine.runner.model, self.training_tokenizer, self.base_model_path
+            )
+        )
         self.weights_bytes = weights_bytes(engine)
         self.kv_bytes_per_block = kv_bytes_per_block(engine)
         parameters = sum(p.numel() for p in engine.runner.model.parameters())
@@ -215,6 +227,10 @@ class HostRuntime:
 
     def _outputs_sink(self, outputs: list[RequestOutput]) -> None:
         self._outputs.extend(outputs)
+
+    def _serve_adapter(self, name: str, directory: Path) -> None:
+        """Serve the finished adapter in `directory` as `name` at once."""
+        self.adapters.load_local(lora_runtime(self._engine), name, directory)
 
     def _fail_all(self, message: str) -> None:
         self.jobs.fail_all(message)

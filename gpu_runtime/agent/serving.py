@@ -23,10 +23,10 @@ from gpu_runtime.agent.config import DEFAULT_DECODE_GROUPS
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
-from gpu_runtime.memory import HostMemory, MemoryPolicyConfig, build_host_memory
+from gpu_runtime.memory import HostMemory, MemoryManagerConfig, build_host_memory
 from gpu_runtime.model.loader import load_model, load_tokenizer
 
-HOST_MEMORY_POLICY = MemoryPolicyConfig(plan_peak_window=256)
+HOST_MEMORY_CONFIG = MemoryManagerConfig(plan_peak_window=256)
 """The pool's policy on a host: quanta in the shared graph pool are planned beside decode's
 peak over the last 256 quantum boundaries (the memory bench's `--plan-peak-window`), so that a
 burst's reclaims are cap changes; a quantum without recomputation that fits only the release
@@ -101,7 +101,7 @@ class EngineSpec:
             _capture_graphs(engine, sharing)
             return ServingEngine(engine, None, sharing)
         memory = build_host_memory(
-            model, config, pool_bytes=self.pool_bytes, policy=HOST_MEMORY_POLICY
+            model, config, pool_bytes=self.pool_bytes, config=HOST_MEMORY_CONFIG
         )
         try:
             engine = Engine(

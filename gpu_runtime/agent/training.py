@@ -4,16 +4,23 @@ before they are reported, success with the adapter, which the host then serves a
 A pause lets the loop finish the optimizer batch in progress and no more (also when that is the
 last batch: the job then stops there, paused, with no success), and checkpoints there; a
 placement resumed from the final checkpoint succeeds at once. Loop thread only.
+
+`HostJobs` trains on what `attach` gave it last (the loop, the serving model, the training
+tokenizer, the base model's directory: the host runtime attaches them for each base model it
+serves) and talks back through its callbacks: `report` (a report to the control plane),
+`jobs_changed` (a job was added or removed) and `serve_adapter` (serve a finished adapter).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from gpu_runtime.agent.jobs import (
+from gpu_runtime.agent.job_run import (
     JobRun,
     JobSetupError,
     build_job_run,
@@ -22,23 +29,64 @@ from gpu_runtime.agent.jobs import (
     upload_adapter,
     upload_checkpoint,
 )
-from gpu_runtime.agent.serving import lora_runtime
-from gpu_runtime.colocation import IterationRecord, QuantumReport
+from gpu_runtime.colocation import HostLoop, IterationRecord, QuantumReport
+from gpu_runtime.contract.chat import ChatTokenizer
 from gpu_runtime.contract.footprint import adapter_state_bytes
+from gpu_runtime.model import CausalLM
+from gpu_runtime.storage import Storage
 
-if TYPE_CHECKING:
-    from gpu_runtime.agent.runtime import HostRuntime
+Report = Callable[..., None]
+"""``report(kind, **fields)``: one report to the control plane (`gpu_runtime.contract.protocol`)."""
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainingTarget:
+    """What the host's jobs train on: its loop, the serving model whose weights they share, the
+    training tokenizer (None: the model directory has none) and the base model's directory
+    (named in checkpoints; None: none)."""
+
+    loop: HostLoop
+    serving_model: CausalLM
+    tokenizer: ChatTokenizer | None
+    base_model_path: str | None
 
 
 class HostJobs:
     """Job id -> `JobRun` of the jobs this host trains (see the module docstring)."""
 
-    def __init__(self, host: HostRuntime) -> None:
-        self.host = host
+    def __init__(
+        self,
+        *,
+        storage: Storage,
+        work_dir: Path,
+        report: Report,
+        jobs_changed: Callable[[], None],
+        serve_adapter: Callable[[str, Path], None],
+    ) -> None:
+        self._storage = storage
+        self._work_dir = work_dir
+        self._report = report
+        self._jobs_changed = jobs_changed
+        self._serve_adapter = serve_adapter
+        self._target: TrainingTarget | None = None
         self.runs: dict[str, JobRun] = {}
         self._seen: set[int] = set()
+
+    def attach(self, target: TrainingTarget) -> None:
+        """Train on `target` from now on (jobs already placed stay on the loop they are on)."""
+        self._target = target
+
+    @property
+    def target(self) -> TrainingTarget:
+        if self._target is None:
+            raise RuntimeError("HostJobs.attach was not called")
+        return self._target
+
+    @property
+    def loop(self) -> HostLoop:
+        return self.target.loop
 
     def apply_placement(self, placement_id: int, spec: dict[str, Any]) -> None:
         if placement_id in self._seen:
@@ -49,19 +97,20 @@ class HostJobs:
         job_id = str(spec["id"])
         old = self.runs.pop(job_id, None)
         if old is not None:
-            self.host.loop.remove_job(job_id)
+            self.loop.remove_job(job_id)
+        target = self.target
         try:
             run = build_job_run(
                 spec=spec,
                 placement_id=placement_id,
-                serving_model=self.host.engine.runner.model,
-                tokenizer=self.host.training_tokenizer,
-                storage=self.host.storage,
-                work_dir=self.host.work_dir,
-                base_model_path=self.host.base_model_path,
+                serving_model=target.serving_model,
+                tokenizer=target.tokenizer,
+                storage=self._storage,
+                work_dir=self._work_dir,
+                base_model_path=target.base_model_path,
             )
         except JobSetupError as exc:
-            self.host.report(
+            self._report(
                 "job_failed",
                 placement_id=placement_id,
                 job_id=job_id,
@@ -70,10 +119,10 @@ class HostJobs:
             )
             return
         run.started_at = time.monotonic()
-        self.host.loop.add_job(job_id, run.trainer)
+        self.loop.add_job(job_id, run.trainer)
         self.runs[job_id] = run
-        self.host.jobs_changed()
-        self.host.report(
+        self._jobs_changed()
+        self._report(
             "job_started",
             placement_id=placement_id,
             job_id=job_id,
@@ -117,7 +166,7 @@ class HostJobs:
                     run.trainer.step)  # fmt: skip
         if command == "cancel":
             self.remove(run)
-            self.host.report(
+            self._report(
                 "job_stopped",
                 placement_id=placement_id,
                 job_id=job_id,
@@ -126,7 +175,7 @@ class HostJobs:
             )
             return
         run.stopping = "paused"
-        self.host.loop.pause_job(job_id, at_batch_end=True)
+        self.loop.pause_job(job_id, at_batch_end=True)
         self.finish_pauses()
 
     def finish_pauses(self) -> None:
@@ -135,7 +184,7 @@ class HostJobs:
         for run in list(self.runs.values()):
             if run.stopping != "paused":
                 continue
-            in_flight = self.host.loop.executor.in_flight
+            in_flight = self.loop.executor.in_flight
             if in_flight is not None and in_flight.job_id == run.job_id:
                 continue
             if run.trainer.has_pending_gradients:
@@ -147,8 +196,8 @@ class HostJobs:
         `job_stopped`, then release the run: a heartbeat that no longer names the placement
         is sent after both, so the control plane can resume the job from that checkpoint."""
         if run.checkpointed_step != run.trainer.step:
-            self._report_checkpoint(run, checkpoint_now(run, self.host.base_model_path))
-        self.host.report(
+            self._report_checkpoint(run, checkpoint_now(run, self.target.base_model_path))
+        self._report(
             "job_stopped",
             placement_id=run.placement_id,
             job_id=run.job_id,
@@ -160,11 +209,11 @@ class HostJobs:
     def remove(self, run: JobRun) -> None:
         """Take the job off the loop; its captured micro-batch graphs go too (their memory
         pool can then return to the unified pool)."""
-        if run.job_id in self.host.loop.job_ids:
-            self.host.loop.remove_job(run.job_id)
+        if run.job_id in self.loop.job_ids:
+            self.loop.remove_job(run.job_id)
         self.runs.pop(run.job_id, None)
         run.trainer.release_cuda_graphs()
-        self.host.jobs_changed()
+        self._jobs_changed()
 
     def after_iteration(self, record: IterationRecord) -> None:
         for quantum in record.quanta:
@@ -175,7 +224,7 @@ class HostJobs:
     def _account(self, run: JobRun, quantum: QuantumReport) -> None:
         if quantum.error is not None:
             self.remove(run)
-            self.host.report(
+            self._report(
                 "job_failed",
                 placement_id=run.placement_id,
                 job_id=run.job_id,
@@ -188,7 +237,7 @@ class HostJobs:
             last = run.trainer.history[-1]
             now = time.monotonic()
             elapsed = max(now - run.started_at, 1e-6)
-            self.host.report(
+            self._report(
                 "job_progress",
                 placement_id=run.placement_id,
                 job_id=run.job_id,
@@ -213,7 +262,7 @@ class HostJobs:
             self._succeed(run, Path(quantum.checkpoint) if quantum.checkpoint else None)
 
     def _report_checkpoint(self, run: JobRun, local: Path) -> None:
-        key = upload_checkpoint(self.host.storage, run, local)
+        key = upload_checkpoint(self._storage, run, local)
         trainer = run.trainer
         metrics = trainer.last_metrics
         if metrics is None or metrics["step"] != trainer.step:  # a pause's checkpoint
@@ -230,7 +279,7 @@ class HostJobs:
             for r in trainer.history
             if r.step > run.checkpointed_step
         ]
-        self.host.report(
+        self._report(
             "checkpoint",
             placement_id=run.placement_id,
             job_id=run.job_id,
@@ -244,14 +293,14 @@ class HostJobs:
 
     def _succeed(self, run: JobRun, final: Path | None) -> None:
         if final is None:
-            final = checkpoint_now(run, self.host.base_model_path)
+            final = checkpoint_now(run, self.target.base_model_path)
             self._report_checkpoint(run, final)
-        key = upload_adapter(self.host.storage, run, final)
+        key = upload_adapter(self._storage, run, final)
         name = str(run.spec.get("fine_tuned_model") or run.job_id)
-        self.host.adapters.load_local(lora_runtime(self.host.engine), name, run.workdir / "adapter")
+        self._serve_adapter(name, run.workdir / "adapter")
         self.remove(run)
         history = run.trainer.history
-        self.host.report(
+        self._report(
             "job_succeeded",
             placement_id=run.placement_id,
             job_id=run.job_id,
@@ -268,7 +317,7 @@ class HostJobs:
             except Exception:
                 logger.exception("could not remove job %s", run.job_id)
                 self.runs.pop(run.job_id, None)
-            self.host.report(
+            self._report(
                 "job_failed",
                 placement_id=run.placement_id,
                 job_id=run.job_id,

@@ -18,16 +18,16 @@ from gpu_runtime.colocation.executor import (
     ThreadedExecutor,
 )
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy, MarginTracker
-from gpu_runtime.colocation.jobs import FinetuneMemory, JobError, JobState
-from gpu_runtime.colocation.loop import HostLoop
-from gpu_runtime.colocation.metrics import IntervalMetrics, MetricsAggregator, summarize
-from gpu_runtime.colocation.online import OnlineLatencyModel
-from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
-from gpu_runtime.colocation.predictor import (
+from gpu_runtime.colocation.job_state import FinetuneMemory, JobError, JobState
+from gpu_runtime.colocation.latency_model import (
     AnalyticLatencyModel,
     DecodeLatencyModel,
     StagedPredictorAdapter,
 )
+from gpu_runtime.colocation.loop import HostLoop
+from gpu_runtime.colocation.metrics import IntervalMetrics, MetricsAggregator, summarize
+from gpu_runtime.colocation.online import OnlineLatencyModel
+from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
 from gpu_runtime.colocation.types import (
     DecodeSnapshot,
     FinetuneLaunch,

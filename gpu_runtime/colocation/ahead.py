@@ -16,83 +16,76 @@ waits for that step before it unmaps any KV page (`MemoryManager.before_decode_u
 
 from __future__ import annotations
 
-from collections.abc import Hashable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Hashable
+from typing import Any
 
-from gpu_runtime.colocation.types import (
-    DecodeSnapshot,
-    IterationContext,
-    IterationPlan,
-    LaunchMode,
-    QuantumReport,
-)
+from gpu_runtime.colocation.executor import QuantumExecutor
+from gpu_runtime.colocation.loop_jobs import LoopJobs
+from gpu_runtime.colocation.planning import IterationPlanner, PlannedIteration
+from gpu_runtime.colocation.types import LaunchMode
 
 ASYNC_SCHEDULING = True
 """Whether a co-location host's engine schedules asynchronously (`EngineConfig.async_scheduling`,
 so its loop plans ahead): the host agent's engine and `bench/colocate.py --async-scheduling`.
-On the H200 at 3a3d0b1 (`bench/results/colocate-async*-h200-20261201.json`), decode_only's
-TPOT p50 fell 8-12% on every trace of both models against the synchronous runs of the same day,
-and harli kept 99% on every trace of both (Qwen2.5-7B had missed it at high and bursty with the
-synchronous loop that morning, its violators running with no quantum beside them)."""
-
-if TYPE_CHECKING:
-    from gpu_runtime.colocation.loop import HostLoop
-
-
-@dataclass
-class PlannedIteration:
-    """A plan with what it was made from, waiting for its iteration."""
-
-    reports: list[QuantumReport]
-    """Quanta collected before planning: they belong to this iteration's record."""
-    snapshot: DecodeSnapshot
-    ctx: IterationContext
-    plan: IterationPlan
-    plan_ms: float
-    launched: bool = False
-    """Its CONCURRENT quanta were already handed to the executor (by `LoopAhead.launched`)."""
-    ahead: bool = False
-    """Made inside the previous iteration's step."""
+Planning inside the step keeps the policy's and the loop's host time off decode's critical path
+(measured in `bench/results/colocate-async*.json`)."""
 
 
 class LoopAhead:
-    """`gpu_runtime.engine.StepAhead` of one `HostLoop` (see the module docstring)."""
+    """`gpu_runtime.engine.StepAhead` of one `HostLoop` (see the module docstring): plans with
+    `planner`, launches the plan's quanta through `executor` as `jobs`' tasks, on `sharing`'s
+    split (None: the current stream)."""
 
-    def __init__(self, loop: HostLoop) -> None:
-        self.loop = loop
+    def __init__(
+        self,
+        planner: IterationPlanner,
+        jobs: LoopJobs,
+        executor: QuantumExecutor,
+        sharing: Any,
+        clock: Callable[[], float],
+    ) -> None:
+        self._planner = planner
+        self._jobs = jobs
+        self._executor = executor
+        self._sharing = sharing
+        self._clock = clock
         self._after: Any = None
         """CUDA event recorded behind the current step, for the quantum launched ahead."""
+        self.pending: PlannedIteration | None = None
+        """The next iteration's plan, made while the current step ran."""
+
+    def take(self) -> PlannedIteration | None:
+        """The plan made ahead for the iteration now starting (None: none was), forgotten."""
+        planned, self.pending = self.pending, None
+        return planned
 
     def plan(self) -> tuple[Hashable, Any] | None:
-        loop = self.loop
-        planned = loop.plan_iteration(loop.clock())
+        planned = self._planner.plan(self._clock())
         planned.ahead = True
-        loop.pending = planned
+        self.pending = planned
         plan = planned.plan
         if any(launch.mode is LaunchMode.AFTER_DECODE for launch in plan.launches):
             return None
         stream = self._after = None
-        if loop.sharing is not None and plan.decode_sms is not None:
+        if self._sharing is not None and plan.decode_sms is not None:
             import torch
 
-            stream = loop.sharing.partition(plan.decode_sms)[0]
+            stream = self._sharing.partition(plan.decode_sms)[0]
             if plan.launches:
                 self._after = torch.cuda.Event()
                 self._after.record(torch.cuda.current_stream())
         return plan.decode_sms, stream
 
     def launched(self) -> None:
-        loop = self.loop
-        planned = loop.pending
+        planned = self.pending
         if planned is None or not planned.plan.launches:
             return
         plan = planned.plan
         finetune_stream = None
-        if loop.sharing is not None and plan.decode_sms is not None:
-            finetune_stream = loop.sharing.partition(plan.decode_sms)[1]
+        if self._sharing is not None and plan.decode_sms is not None:
+            finetune_stream = self._sharing.partition(plan.decode_sms)[1]
             if self._after is not None:
                 finetune_stream.wait_event(self._after)
         planned.launched = True
         for launch in plan.launches:
-            loop.executor.submit(loop.quantum_task(launch.job_id, launch, plan, finetune_stream))
+            self._executor.submit(self._jobs.task(launch, plan, finetune_stream))

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections import deque
 from typing import Any
 
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.policy import CoLocationPolicy
-from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.types import (
     FinetuneLaunch,
     IterationContext,

@@ -34,8 +34,8 @@ from collections import defaultdict, deque
 from collections.abc import Sequence
 from typing import Any
 
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel, Pair, predict_many
 from gpu_runtime.colocation.online import record_observation
-from gpu_runtime.colocation.predictor import DecodeLatencyModel, Pair, predict_many
 from gpu_runtime.colocation.types import IterationRecord
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 

@@ -68,9 +68,9 @@ from gpu_runtime.colocation.estimates import (
     QuantumDurations,
 )
 from gpu_runtime.colocation.harli_config import HarliConfig
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel, decode_iteration, predict_many
 from gpu_runtime.colocation.online import beside_quantum
 from gpu_runtime.colocation.policy import CoLocationPolicy
-from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration, predict_many
 from gpu_runtime.colocation.slicing import SliceCosts, SliceState
 from gpu_runtime.colocation.types import (
     DecodeSnapshot,

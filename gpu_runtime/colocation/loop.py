@@ -24,39 +24,27 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gpu_runtime.colocation.ahead import LoopAhead, PlannedIteration
-from gpu_runtime.colocation.executor import (
-    QuantumExecutor,
-    QuantumTask,
-    SequentialExecutor,
-    ThreadedExecutor,
-)
-from gpu_runtime.colocation.jobs import FinetuneMemory, JobError, JobState
-from gpu_runtime.colocation.loop_views import LoopViews
-from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
-from gpu_runtime.colocation.snapshot import decode_snapshot, describe_trainer, trainer_layers
+from gpu_runtime.colocation.ahead import LoopAhead
+from gpu_runtime.colocation.executor import QuantumExecutor, SequentialExecutor, ThreadedExecutor
+from gpu_runtime.colocation.job_state import FinetuneMemory, JobState
+from gpu_runtime.colocation.loop_jobs import LoopJobs
+from gpu_runtime.colocation.planning import IterationPlanner
+from gpu_runtime.colocation.policy import CoLocationPolicy
 from gpu_runtime.colocation.token_clock import TokenClock
-from gpu_runtime.colocation.types import (
-    FinishedRequest,
-    IterationPlan,
-    IterationRecord,
-    LaunchMode,
-    QuantumReport,
-)
+from gpu_runtime.colocation.types import FinishedRequest, IterationRecord, LaunchMode
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.finetune.trainer import LoraTrainer
 
 LAUNCH_DURING_DECODE = True
-"""`HostLoop`'s default for ``launch_during_decode``. On the H200 at 017bdfb (same machine, one
-after the other; `bench/results/colocate-launch-*-h200-20261201.json`), harli's iterations that
-launched a graphed quantum before the step took 9.38 / 8.37 ms at the median (Llama-3-8B /
-Qwen2.5-7B; p90 12.67 / 11.44, max 15.1 / 15.9) against 7.00 / 6.16 ms for iterations beside a
-quantum already in flight; launched from inside the step, 7.16 / 5.92 (p90 7.97 / 6.51, max
-9.0 / 7.6): the launch's host time no longer delays any token."""
+"""`HostLoop`'s default for ``launch_during_decode``: a quantum launched from inside the step
+overlaps its launch's host time (graph replays, optimizer step) with the step instead of
+delaying the step's tokens (measured in `bench/results/colocate-launch-*.json`)."""
 
 
-class HostLoop(LoopViews):
-    """Runs decode iterations and finetune quanta as a `CoLocationPolicy` plans them."""
+class HostLoop:
+    """Runs decode iterations and finetune quanta as a `CoLocationPolicy` plans them. It holds
+    the jobs (`jobs`: a `LoopJobs`), the planner (`planner`: an `IterationPlanner`) and, for
+    async engines, the planning inside the step (`ahead`: a `LoopAhead`)."""
 
     def __init__(
         self,
@@ -90,10 +78,6 @@ class HostLoop(LoopViews):
         runs no step still launches it. False: before the step."""
         if tpot_slo_ms <= 0:
             raise ValueError(f"tpot_slo_ms must be > 0, got {tpot_slo_ms}")
-        if release_graph_shapes and not (
-            choose_recompute and hasattr(memory, "finetune_release_plan_bytes")
-        ):
-            raise ValueError("release_graph_shapes needs choose_recompute and a ReleasePlanMemory")
         self.engine = engine
         self.policy = policy
         self.tpot_slo_ms = tpot_slo_ms
@@ -105,17 +89,27 @@ class HostLoop(LoopViews):
         if executor is None:
             executor = (ThreadedExecutor if engine.config.is_cuda else SequentialExecutor)(clock)
         self.executor = executor
-        self.choose_recompute = choose_recompute
-        self.release_graph_shapes = release_graph_shapes
         self.launch_during_decode = launch_during_decode
-        self._jobs: dict[str, JobState] = {}
-        self._order: list[str] = []
+        self.jobs = LoopJobs(
+            executor,
+            memory,
+            choose_recompute=choose_recompute,
+            release_graph_shapes=release_graph_shapes,
+        )
         self._tokens = TokenClock()
         self._index = 0
-        self._finetune_streams: tuple[tuple[int | None, int], ...] | None = None
-        self._ahead = LoopAhead(self)
-        self.pending: PlannedIteration | None = None
-        """The next iteration's plan, made while the current step ran (async engines)."""
+        self.planner = IterationPlanner(
+            engine,
+            policy,
+            self.jobs,
+            executor,
+            self._tokens,
+            tpot_slo_ms=tpot_slo_ms,
+            sharing=sharing,
+            memory=memory,
+            clock=clock,
+        )
+        self.ahead = LoopAhead(self.planner, self.jobs, executor, sharing, clock)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -139,22 +133,7 @@ class HostLoop(LoopViews):
     # ---- jobs -------------------------------------------------------------------------------
     def add_job(self, job_id: str, trainer: LoraTrainer) -> JobState:
         """Register a finetune job; it runs when the policy gives it quanta."""
-        if job_id in self._jobs:
-            raise JobError(f"job {job_id!r} is already on this loop")
-        seq_len, max_seq_len, rank = describe_trainer(trainer)
-        state = JobState(job_id, trainer, seq_len, max_seq_len, rank)
-        state.layers = trainer_layers(trainer)
-        # Recomputation chosen per launch (with a pool) unless the hparams force it.
-        state.choose_recompute = (
-            self.choose_recompute
-            and self.memory is not None
-            and getattr(trainer, "recompute", None) is False
-        )
-        if self.release_graph_shapes and state.choose_recompute:
-            state.pool_shapes_per_launch()  # graph shapes released one at a time
-        self._jobs[job_id] = state
-        self._order.append(job_id)
-        return state
+        return self.jobs.add(job_id, trainer)
 
     def pause_job(self, job_id: str, *, at_batch_end: bool = False) -> None:
         """No new quanta for the job (a quantum in flight completes normally); with
@@ -171,24 +150,14 @@ class HostLoop(LoopViews):
 
     def remove_job(self, job_id: str) -> LoraTrainer:
         """Take the job off the loop (waiting for its in-flight quantum); returns its trainer."""
-        state = self.job_state(job_id)
-        task = self.executor.in_flight
-        if task is not None and task.job_id == job_id:
-            self.executor.wait()
-            self._collect()
-        del self._jobs[job_id]
-        self._order.remove(job_id)
-        return state.trainer
+        return self.jobs.remove(job_id)
 
     def job_state(self, job_id: str) -> JobState:
-        try:
-            return self._jobs[job_id]
-        except KeyError:
-            raise JobError(f"no job {job_id!r} on this loop") from None
+        return self.jobs.state(job_id)
 
     @property
     def job_ids(self) -> list[str]:
-        return list(self._order)
+        return list(self.jobs.order)
 
     # ---- the iteration ----------------------------------------------------------------------
     def has_work(self) -> bool:
@@ -196,19 +165,23 @@ class HostLoop(LoopViews):
         return (
             self.engine.has_unfinished_requests()
             or self.executor.in_flight is not None
-            or any(self._jobs[j].runnable for j in self._order)
+            or self.jobs.any_runnable()
         )
 
     def run_iteration(self) -> IterationRecord:
         """Plan, launch, decode, account (see the module docstring); returns the record."""
         started = self.clock()
-        planned, self.pending = self.pending, None
-        if planned is not None and self._names_a_gone_job(planned):
+        planned = self.ahead.take()
+        if (
+            planned is not None
+            and not planned.launched
+            and self.jobs.names_a_gone_job(planned.plan)
+        ):
             earlier = planned.reports  # planned ahead, then its job was paused or removed
-            planned = self.plan_iteration(started)
+            planned = self.planner.plan(started)
             planned.reports[:0] = earlier
         if planned is None:
-            planned = self.plan_iteration(started)
+            planned = self.planner.plan(started)
         snapshot, ctx, plan, reports = planned.snapshot, planned.ctx, planned.plan, planned.reports
         decode_stream = finetune_stream = None
         if self.sharing is not None and plan.decode_sms is not None:
@@ -222,8 +195,7 @@ class HostLoop(LoopViews):
         def submit() -> None:
             while concurrent:
                 launch = concurrent.pop(0)
-                task = self.quantum_task(launch.job_id, launch, plan, finetune_stream)
-                self.executor.submit(task)
+                self.executor.submit(self.jobs.task(launch, plan, finetune_stream))
 
         if not self.launch_during_decode:
             submit()
@@ -231,19 +203,20 @@ class HostLoop(LoopViews):
         outputs = self._decode(decode_stream, plan.decode_sms, submit)
         submit()  # a step that ran nothing called no hook
         beside = self.executor.in_flight
-        if self.pending is not None and self.pending.launched:
+        pending = self.ahead.pending
+        if pending is not None and pending.launched:
             beside = None  # launched for the step ahead: it waited for this one to end
         emitted = self.clock()
         for launch in plan.launches:
             if launch.mode is LaunchMode.AFTER_DECODE:
-                report = self.executor.run_now(self.quantum_task(launch.job_id, launch, plan))
-                self._account(report, alone=True)
+                report = self.executor.run_now(self.jobs.task(launch, plan))
+                self.jobs.account(report, alone=True)
                 reports.append(report)
         observed_ms = (self.clock() - decode_start) * 1e3
         self.executor.after_decode()
         if self.memory is not None:
             self.memory.after_decode()
-        reports += self._collect()
+        reports += self.jobs.collect()
         samples, finished = self._tokens.time(outputs, emitted)
         if self.output_sink is not None and outputs:
             self.output_sink(outputs)
@@ -284,20 +257,6 @@ class HostLoop(LoopViews):
             self.metrics_sink(record)
         return record
 
-    def plan_iteration(self, now: float) -> PlannedIteration:
-        """Collect finished quanta, let the memory pool make room, read the coming decode work
-        and ask the policy for its plan (checked)."""
-        reports = self._collect()
-        if self.memory is not None:  # before planning: a reclaim changes the finetune budget
-            self.memory.before_decode()
-        snapshot = decode_snapshot(self.engine)
-        ctx = self._context(now, snapshot)
-        planning = self.clock()
-        plan = self.policy.plan(ctx)
-        plan_ms = (self.clock() - planning) * 1e3
-        validate_plan(plan, ctx)
-        return PlannedIteration(reports, snapshot, ctx, plan, plan_ms)
-
     def run_until_idle(self, max_iterations: int = 1_000_000) -> list[IterationRecord]:
         """Iterate until no request is pending and no job can run (tests, batch runs)."""
         records: list[IterationRecord] = []
@@ -326,72 +285,17 @@ class HostLoop(LoopViews):
         """Wait for the in-flight quantum, account it, stop the worker (a persistent
         executor's thread lives on)."""
         self.executor.wait()
-        self._collect()
+        self.jobs.collect()
         self.executor.close()
 
     # ---- internals --------------------------------------------------------------------------
-    def quantum_task(
-        self, job_id: str, launch: Any, plan: IterationPlan, stream: Any = None
-    ) -> QuantumTask:
-        """The executor's task for one of ``plan``'s launches (the job goes to the back of
-        the round robin)."""
-        # Round robin: the launched job goes to the back of the order.
-        self._order.remove(job_id)
-        self._order.append(job_id)
-        job = self._jobs[job_id]
-        trainer = job.trainer
-        if job.choose_recompute:  # the mode `choose_mode` sized this launch by
-            trainer.recompute = job.recompute
-            examples = max(1, launch.max_tokens // max(1, job.max_seq_len))
-            if job.release_shapes:  # where its graphs go; a separate shape alone
-                idle = self.executor.in_flight is None
-                job.prepare_launch(examples, self._release_memory(), idle)
-            if self.memory is not None and launch.max_layers is None:
-                self.memory.finetune_quantum_mode(examples=examples, recompute=job.recompute)
-        return QuantumTask(
-            job_id,
-            trainer,
-            launch.max_tokens,
-            launch.mode,
-            plan.decode_sms,
-            stream,
-            launch.max_layers,
-        )
-
     def _decode(
         self, stream: Any, decode_sms: int | None, on_launched: Callable[[], None]
     ) -> list[RequestOutput]:
-        ahead = self._ahead
+        ahead = self.ahead
         if stream is None:
             return self.engine.step(decode_sms, on_launched, ahead)
         import torch
 
         with torch.cuda.stream(stream):
             return self.engine.step(decode_sms, on_launched, ahead)
-
-    def _collect(self) -> list[QuantumReport]:
-        """Account the reports of concurrent quanta that finished since the last poll."""
-        reports = self.executor.poll()
-        for report in reports:
-            self._account(report, alone=False)
-        return reports
-
-    def _account(self, report: QuantumReport, *, alone: bool) -> None:
-        state = self._jobs.get(report.job_id)
-        if state is None:
-            return
-        state.quanta += 1
-        state.reports.append(report)
-        del state.reports[:-64]
-        if report.error is not None:
-            state.failed = report.error
-            return
-        state.tokens_trained += report.tokens
-        if report.loss is not None:  # a layer slice that did not finish its micro-batch has none
-            state.last_loss = report.loss
-        state.step = report.step if report.step is not None else state.step
-        state.record_quantum(report)
-        if report.peak_memory_bytes is not None and self.memory is not None:
-            self.memory.quantum_done(peak_bytes=report.peak_memory_bytes, resident_bytes=0)
-        if alone and report.duration_ms > 0 and report.tokens:
-            state.solo_tokens_per_s = report.tokens / (report.duration_ms / 1e3)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from gpu_runtime.colocation.predictor import DecodeLatencyModel
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel
 from gpu_runtime.colocation.types import IterationRecord, LaunchMode
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 

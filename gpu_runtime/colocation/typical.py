@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from gpu_runtime.colocation.estimates import PrefillMix
-from gpu_runtime.colocation.predictor import (
+from gpu_runtime.colocation.latency_model import (
     DecodeLatencyModel,
     Pair,
     decode_iteration,

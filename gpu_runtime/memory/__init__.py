@@ -22,11 +22,11 @@ from gpu_runtime.memory.layout import (
     PhysicalMemoryUnavailable,
     kv_block_bytes,
 )
-from gpu_runtime.memory.policy import (
+from gpu_runtime.memory.manager import (
     DecodeDemand,
     DecodeGrant,
     MemoryManager,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
 )
 from gpu_runtime.memory.pool import MemorySplit, PagePool
 from gpu_runtime.memory.work import MemoryWork
@@ -45,7 +45,7 @@ __all__ = [
     "LatencySamples",
     "MemoryCounters",
     "MemoryManager",
-    "MemoryPolicyConfig",
+    "MemoryManagerConfig",
     "MemoryPoolError",
     "MemorySplit",
     "MemoryWork",

@@ -1,4 +1,4 @@
-"""Inputs and outputs of the memory policy: its configuration, decode's demand, the grant."""
+"""Inputs and outputs of the memory manager: its configuration, decode's demand, the grant."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class MemoryPolicyConfig:
-    """Watermarks, step size and hysteresis of the decode-first policy (units: pool pages)."""
+class MemoryManagerConfig:
+    """Watermarks, step size and hysteresis of the `MemoryManager` (units: pool pages)."""
 
     reserve_low_pages: int = 64
     """Decode's mapped free pages are refilled up to this (plus waiting requests' needs)."""
@@ -28,7 +28,7 @@ class MemoryPolicyConfig:
     reserve refilled between quanta covers the largest (see `MemoryManager.refill_reserve`)."""
     plan_headroom_intervals: int = 4
     """Quanta are sized to the budget less the pages decode would take back if it grew this
-    many more intervals at the largest recent rate (`MemoryManager.reclaim_headroom_pages`):
+    many more intervals at the largest recent rate (`FinetuneBudget.reclaim_headroom_pages`):
     finetune memory then stays below the budget a reclaim leaves, so that reclaim is a cap
     change, not a cache flush (which waits for the device and drops the trainers' CUDA graphs).
     0: quanta are sized to the whole budget."""

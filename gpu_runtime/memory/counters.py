@@ -1,4 +1,4 @@
-"""Counters and latency samples of the memory policy (one object per manager, no globals)."""
+"""Counters and latency samples of the memory manager (one object per manager, no globals)."""
 
 from __future__ import annotations
 
@@ -44,7 +44,7 @@ class LatencySamples:
 
 @dataclass
 class MemoryCounters:
-    """Every transition of the memory policy, counted. Pages are pool pages."""
+    """Every transition of the memory manager, counted. Pages are pool pages."""
 
     iterations: int = 0
     """Decode iterations seen (`MemoryManager.before_step` calls)."""
@@ -80,7 +80,7 @@ class MemoryCounters:
     budget the finetune allocator does not hold (the one case a reclaim may flush)."""
     graph_releases: int = 0
     """Times the finetune side dropped a separately pooled CUDA-graph shape between quanta
-    (`MemoryManager.release_finetune_graphs`), each followed by a cache flush (also counted in
+    (`FinetuneBudget.graph_release`), each followed by a cache flush (also counted in
     `flush_latency`)."""
     finetune_grows: int = 0
     """Times the finetune budget was raised."""
@@ -98,7 +98,7 @@ class MemoryCounters:
     """Quanta the finetune side reported as failed for lack of memory."""
     finetune_recompute_launches: int = 0
     """Quanta the finetune side launched with activation recomputation
-    (`MemoryManager.finetune_quantum_mode`): its memory did not fit the shape without."""
+    (`FinetuneBudget.quantum_mode`): its memory did not fit the shape without."""
     finetune_mode_switches: int = 0
     """Times a launch's mode (with or without recomputation) differed from the last one's."""
     reclaim_latency: LatencySamples = field(default_factory=LatencySamples, repr=False)

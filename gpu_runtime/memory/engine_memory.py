@@ -28,7 +28,7 @@ from gpu_runtime.memory.layout import (
     MemoryPoolError,
     kv_block_bytes,
 )
-from gpu_runtime.memory.policy import DecodeGrant, MemoryManager, MemoryPolicyConfig
+from gpu_runtime.memory.manager import DecodeGrant, MemoryManager, MemoryManagerConfig
 from gpu_runtime.memory.work import MemoryWork, WorkMeter
 
 if TYPE_CHECKING:
@@ -136,18 +136,18 @@ class EngineMemory:
         block_size: int,
         kv_dtype: str,
         max_model_len: int,
-        policy: MemoryPolicyConfig | None = None,
+        config: MemoryManagerConfig | None = None,
     ) -> EngineMemory:
         """Manager and binding for an engine of this model; decode always keeps enough pages
         for one request of `max_model_len` tokens (the engine rejects longer ones)."""
         layout = engine_kv_layout(
             model_config, block_size=block_size, dtype=kv_dtype, page_bytes=pool.page_bytes
         )
-        policy = policy or MemoryPolicyConfig()
+        config = config or MemoryManagerConfig()
         one_request = layout.pages_for_blocks(-(-max_model_len // block_size))
-        if one_request > policy.min_decode_pages:
-            policy = dataclasses.replace(policy, min_decode_pages=one_request)
-        manager = MemoryManager(pool, layout, policy)
+        if one_request > config.min_decode_pages:
+            config = dataclasses.replace(config, min_decode_pages=one_request)
+        manager = MemoryManager(pool, layout, config)
         return cls(manager, KVPoolBinding(manager))
 
     def engine_config_fields(self) -> dict[str, int]:
@@ -213,23 +213,23 @@ class EngineMemory:
 
     def finetune_budget_bytes(self) -> int:
         """What the next quantum should fit in: the budget less the pages decode is expected
-        to reclaim before the next quantum boundary (`MemoryManager.finetune_plan_bytes`), so
+        to reclaim before the next quantum boundary (`FinetuneBudget.plan_bytes`), so
         that reclaim is a cap change instead of a cache flush. `lent_bytes()` is the budget.
 
         Read with no quantum in flight (when the loop plans a launch), the value is remembered
         as what the next quantum was promised: while it runs, decode may take the budget above
         that promise and above what the finetune allocator holds without waiting for it."""
-        plan = self.manager.finetune_plan_bytes()
+        plan = self.manager.finetune.plan_bytes()
         if not self._busy():
             self._promised_bytes = plan
         return plan
 
     def finetune_release_plan_bytes(self) -> int:
         """What a quantum may plan for when its memory beyond `finetune_budget_bytes()` is a
-        separately pooled graph shape that `MemoryManager.release_finetune_graphs` can drop
-        between quanta (`MemoryManager.finetune_release_plan_bytes`). A pure read: a finetune
+        separately pooled graph shape that `FinetuneBudget.graph_release` can drop
+        between quanta (`FinetuneBudget.release_plan_bytes`). A pure read: a finetune
         side that launches such a quantum calls `promise_finetune_bytes` with it."""
-        return self.manager.finetune_release_plan_bytes()
+        return self.manager.finetune.release_plan_bytes()
 
     def promise_finetune_bytes(self, nbytes: int) -> None:
         """Raise what the quantum about to launch was promised to `nbytes` (with no quantum in
@@ -241,8 +241,8 @@ class EngineMemory:
     def finetune_graphs_released(self, dropped: int) -> None:
         """The finetune side dropped `dropped` CUDA graphs between quanta on its own (e.g. the
         shared pool's before a shape is captured into a pool of its own): their pool is
-        flushed (`MemoryManager.finetune_graphs_released`). With no quantum in flight."""
-        self.manager.finetune_graphs_released(dropped)
+        flushed (`FinetuneBudget.graphs_released`). With no quantum in flight."""
+        self.manager.finetune.graphs_released(dropped)
 
     def lent_bytes(self) -> int:
         return self.manager.pool.finetune_budget_bytes
@@ -257,14 +257,14 @@ class EngineMemory:
             peak_bytes = max(peak_bytes - baseline, 0)
         resident_bytes = min(resident_bytes, peak_bytes)
         try:
-            self.manager.finetune_quantum_done(peak_bytes=peak_bytes, resident_bytes=resident_bytes)
+            self.manager.finetune.quantum_done(peak_bytes=peak_bytes, resident_bytes=resident_bytes)
         except FinetuneBudgetExceeded as exc:
             logger.warning("finetune quantum over budget: %s", exc)
 
     def finetune_quantum_mode(self, *, examples: int, recompute: bool) -> None:
-        """The quantum about to launch recomputes or not (`MemoryManager.finetune_quantum_mode`:
+        """The quantum about to launch recomputes or not (`FinetuneBudget.quantum_mode`:
         counted, switches logged)."""
-        self.manager.finetune_quantum_mode(examples=examples, recompute=recompute)
+        self.manager.finetune.quantum_mode(examples=examples, recompute=recompute)
 
     def _busy(self) -> bool:
         return bool(self.finetune_busy()) if self.finetune_busy is not None else False

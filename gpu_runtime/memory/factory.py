@@ -9,10 +9,10 @@ from typing import Any
 
 from gpu_runtime.finetune.shape_release import release_largest_separate
 from gpu_runtime.memory.backend import CpuPageBackend
-from gpu_runtime.memory.config import MemoryPolicyConfig
+from gpu_runtime.memory.config import MemoryManagerConfig
 from gpu_runtime.memory.engine_memory import EngineMemory, engine_kv_layout
 from gpu_runtime.memory.layout import CUDA_PAGE_BYTES, GIB, MIB
-from gpu_runtime.memory.policy import MemoryManager
+from gpu_runtime.memory.manager import MemoryManager
 from gpu_runtime.memory.pool import MemorySplit, PagePool
 
 
@@ -131,12 +131,12 @@ class HostMemory:
                     release()
 
         self.pool.before_flush = release_graphs
-        if getattr(loop, "release_graph_shapes", False):  # one separate shape per release
+        if loop.jobs.release_graph_shapes:  # one separate shape per release
 
             def trainers() -> list[Any]:
                 return [loop.job_state(job_id).trainer for job_id in loop.job_ids]
 
-            self.manager.release_finetune_graphs = lambda: release_largest_separate(trainers())
+            self.manager.finetune.graph_release = lambda: release_largest_separate(trainers())
 
     def set_finetune_jobs(self, count: int) -> None:
         """`count` finetune jobs on the loop: with any, finetuning may borrow every page decode
@@ -144,7 +144,7 @@ class HostMemory:
         if count < 0:
             raise ValueError(f"job count must be >= 0, got {count}")
         page_bytes = self.pool.page_bytes
-        self.memory.manager.set_finetune_demand(self.pool.num_pages * page_bytes if count else 0)
+        self.memory.manager.finetune.set_demand(self.pool.num_pages * page_bytes if count else 0)
 
     def split(self) -> MemorySplit:
         """Decode / finetune / free bytes now (for heartbeats and metrics)."""
@@ -160,7 +160,7 @@ def build_host_memory(
     engine_config: Any,
     *,
     pool_bytes: int | None = None,
-    policy: MemoryPolicyConfig | None = None,
+    config: MemoryManagerConfig | None = None,
     leave_free_bytes: int = 4 * GIB,
     torch_headroom_bytes: int = 1 * GIB,
 ) -> HostMemory:
@@ -203,7 +203,7 @@ def build_host_memory(
             block_size=engine_config.block_size,
             kv_dtype=dtype,
             max_model_len=engine_config.max_model_len,
-            policy=policy,
+            config=config,
         )
     except Exception:
         pool.close()

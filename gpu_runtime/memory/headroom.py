@@ -15,22 +15,22 @@ used blocks. From it come two figures:
   burst of the same size will need.
 
 The maxima over the windows change only in `observe` (once per quantum boundary), so they are
-computed there and read as plain integers by `headroom_pages`, which the policy calls every
-iteration (`MemoryManager.finetune_plan_bytes`): no pass over a window per iteration.
+computed there and read as plain integers by `headroom_pages`, which the manager calls every
+iteration (`FinetuneBudget.plan_bytes`): no pass over a window per iteration.
 """
 
 from __future__ import annotations
 
 from collections import deque
 
-from gpu_runtime.memory.config import MemoryPolicyConfig
+from gpu_runtime.memory.config import MemoryManagerConfig
 from gpu_runtime.memory.layout import KVLayout
 
 
 class DecodeHistory:
     """Decode's used blocks at recent quantum boundaries (plain integers)."""
 
-    def __init__(self, config: MemoryPolicyConfig, layout: KVLayout) -> None:
+    def __init__(self, config: MemoryManagerConfig, layout: KVLayout) -> None:
         self._config = config
         self._layout = layout
         self._used_at_last: int | None = None

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
 from gpu_runtime.memory.layout import MemoryPoolError
-from gpu_runtime.memory.policy import DecodeDemand, DecodeGrant, MemoryManager
+from gpu_runtime.memory.manager import DecodeDemand, DecodeGrant, MemoryManager
 
 if TYPE_CHECKING:
     import torch

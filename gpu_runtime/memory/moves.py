@@ -1,35 +1,39 @@
-"""Page moves of the memory policy: decode's KV range grows (from free pages, then from
+"""Page moves over a `PagePool`: decode's KV range grows (from free pages, then from
 finetuning's budget: a cap change, or a cache flush only where allowed), with the rounding to
-the pool's map unit and the flush accounting. `PageMovesMixin` is a base of `MemoryManager`
-(`gpu_runtime.memory.policy`); it logs on the policy's logger."""
+the pool's map unit and the flush accounting. `PageMoves` is held by `MemoryManager` (which
+decides when decode grows) and by `FinetuneBudget` (which counts its own flushes here)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
 
-from gpu_runtime.memory.config import MemoryPolicyConfig
+from gpu_runtime.memory.config import MemoryManagerConfig
 from gpu_runtime.memory.counters import MemoryCounters
-from gpu_runtime.memory.headroom import DecodeHistory
-from gpu_runtime.memory.layout import KVLayout
 from gpu_runtime.memory.pool import PagePool
 
-logger = logging.getLogger("gpu_runtime.memory.policy")
+logger = logging.getLogger(__name__)
 
 
-class PageMovesMixin:
-    """Moves pages toward decode; the state is `MemoryManager`'s."""
+class PageMoves:
+    """Moves pages toward decode over `pool`, counting into `counters` and timing by `clock`."""
 
-    pool: PagePool
-    layout: KVLayout
-    config: MemoryPolicyConfig
-    counters: MemoryCounters
-    _clock: Callable[[], float]
-    _history: DecodeHistory
-    _finetune_demand_pages: int
-    _iterations_since_reclaim: int
+    def __init__(
+        self,
+        pool: PagePool,
+        config: MemoryManagerConfig,
+        counters: MemoryCounters,
+        clock: Callable[[], float],
+    ) -> None:
+        self.pool = pool
+        self.config = config
+        self.counters = counters
+        self._clock = clock
+        self.iterations_since_reclaim = config.grow_hold_iterations
+        """Iterations since decode last took budget from finetuning (`grow_decode` resets it,
+        the manager counts iterations): lending waits `grow_hold_iterations` after a reclaim."""
 
-    def _grow_decode(
+    def grow_decode(
         self,
         pages: int,
         *,
@@ -47,7 +51,7 @@ class PageMovesMixin:
         if pages <= 0:
             return 0
         room = self.pool.prefix_limit_pages - self.pool.kv_prefix_pages
-        pages = min(self._round_up(pages), self._round_down(room))
+        pages = min(self.round_up(pages), self.round_down(room))
         reclaimable = self.pool.finetune_reclaimable_pages()
         if reclaim_limit is not None and reclaimable > reclaim_limit:
             if self.config.reclaim_from_finetune and pages > self.pool.free_pages + reclaim_limit:
@@ -67,7 +71,7 @@ class PageMovesMixin:
                 reclaimable = flush_free
         available = self.pool.free_pages + reclaimable
         if pages > available:
-            pages = self._round_down(available)
+            pages = self.round_down(available)
             if pages == 0:
                 return 0
         start = self._clock()
@@ -82,8 +86,8 @@ class PageMovesMixin:
                 before = self.pool.finetune_pages
                 flush_start = self._clock()
                 if self.pool.reclaim_from_finetune(reclaimed, allow_flush=allow_flush):
-                    self._count_flush(self._clock() - flush_start, reason)
-                self._iterations_since_reclaim = 0
+                    self.count_flush(self._clock() - flush_start, reason)
+                self.iterations_since_reclaim = 0
                 self.counters.finetune_shrinks += 1
                 self.counters.finetune_reclaimed_pages += reclaimed
                 logger.info(
@@ -92,7 +96,7 @@ class PageMovesMixin:
                     self.pool.finetune_pages,
                     reason,
                 )
-        want = self._round_down(min(pages, self.pool.free_pages))
+        want = self.round_down(min(pages, self.pool.free_pages))
         before = self.pool.kv_prefix_pages
         got = self.pool.grow_decode(want)
         elapsed = self._clock() - start
@@ -113,7 +117,7 @@ class PageMovesMixin:
             )
         return got
 
-    def _count_flush(self, seconds: float, reason: str) -> None:
+    def count_flush(self, seconds: float, reason: str) -> None:
         self.counters.flush_latency.add(seconds)
         if self.pool.last_flush_s is not None:
             self.counters.flush_release_latency.add(self.pool.last_flush_s[0])
@@ -121,10 +125,10 @@ class PageMovesMixin:
             self.counters.urgent_flushes += 1
         logger.warning("finetune cache flushed for decode (%s, %.3f ms)", reason, seconds * 1e3)
 
-    def _round_up(self, pages: int) -> int:
+    def round_up(self, pages: int) -> int:
         unit = self.pool.map_unit_pages
         return -(-pages // unit) * unit
 
-    def _round_down(self, pages: int) -> int:
+    def round_down(self, pages: int) -> int:
         unit = self.pool.map_unit_pages
         return pages // unit * unit

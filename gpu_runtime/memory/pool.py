@@ -9,7 +9,7 @@ Every page of the pool has exactly one owner at any time:
 - FREE: physical memory nobody was given (released to the device, mappable at once).
 
 `decode_pages + finetune_pages + free_pages == num_pages` always. The pool only moves pages;
-when to move them is `MemoryManager`'s (policy) business.
+when to move them is `MemoryManager`'s business.
 """
 
 from __future__ import annotations

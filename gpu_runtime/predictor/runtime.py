@@ -6,7 +6,7 @@ single-threaded CPU session (sequential, all graph optimisations, no spinning th
 
 * ``predict(rows) -> (alone_ms, colocated_ms)`` for a ``[N, 11]`` feature matrix;
 * ``stage1(iteration)`` and ``stage2(iteration, quantum)`` for one row (these two bound methods
-  are what ``gpu_runtime.colocation.predictor.StagedPredictorAdapter`` takes);
+  are what ``gpu_runtime.colocation.latency_model.StagedPredictorAdapter`` takes);
 * ``predict_ms(iteration, quantum_or_None)``: the colocation ``DecodeLatencyModel`` protocol;
 * ``score(iteration, candidates)``: colocated latency of many (decode share, quantum) choices
   for one decode iteration, in one session run.

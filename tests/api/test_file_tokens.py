@@ -155,7 +155,7 @@ def test_control_plane_counts_equal_the_hosts(
 
     from api.base_model_tokenizers import base_model_tokenizer
     from api.file_tokens import file_tokenize
-    from gpu_runtime.agent.jobs import read_examples
+    from gpu_runtime.agent.job_run import read_examples
     from gpu_runtime.agent.tokenizers import host_training_tokenizer
 
     data = jsonl(SHORT_CHAT, _long_chat(40), SHORT_CHAT) + b"\n"

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.colocate_simulator import QuantumCostModel, SimulatedHost
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeOnlyPolicy, HostLoop, NaivePolicy
-from gpu_runtime.colocation.simulator import QuantumCostModel, SimulatedHost
 from gpu_runtime.colocation.types import JobView
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.model import build_random_model

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.colocate_simulator import QuantumCostModel, SimulatedHost
 from gpu_runtime.colocation import AnalyticLatencyModel, StaticSplitPolicy
-from gpu_runtime.colocation.simulator import QuantumCostModel, SimulatedHost
 from gpu_runtime.colocation.types import JobView
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))

@@ -313,7 +313,7 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
 
     from api.models import FinetuneJob
     from api.services.placement_dispatch import job_spec
-    from gpu_runtime.agent.jobs import build_job_run
+    from gpu_runtime.agent.job_run import build_job_run
     from gpu_runtime.contract.tokenizer import load_training_tokenizer
     from gpu_runtime.model.loader import load_model
 

@@ -9,13 +9,13 @@ from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.trainer import LoraTrainer
-from gpu_runtime.memory import MemoryPolicyConfig, build_host_memory, engine_kv_layout
+from gpu_runtime.memory import MemoryManagerConfig, build_host_memory, engine_kv_layout
 from gpu_runtime.memory.factory import HostMemory
 from gpu_runtime.model import CausalLM
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, detokenize=False, ignore_eos=True)
 ENGINE = dict(block_size=4, max_num_seqs=8, max_num_batched_tokens=24, max_model_len=64)
-POLICY = MemoryPolicyConfig(
+POLICY = MemoryManagerConfig(
     reserve_low_pages=2,
     reserve_high_pages=6,
     max_step_pages=4,
@@ -38,11 +38,11 @@ def host_config() -> EngineConfig:
     return EngineConfig(num_kv_blocks=1, **ENGINE)  # type: ignore[arg-type]
 
 
-def tiny_host(model: CausalLM, policy: MemoryPolicyConfig = POLICY) -> tuple[HostMemory, Engine]:
+def tiny_host(model: CausalLM, policy: MemoryManagerConfig = POLICY) -> tuple[HostMemory, Engine]:
     """A `POOL_BLOCKS`-page pool and an engine over it, attached and decode-ready (bind a
     loop with ``host.bind_loop``)."""
     host = build_host_memory(
-        model, host_config(), pool_bytes=POOL_BLOCKS * block_bytes(model), policy=policy
+        model, host_config(), pool_bytes=POOL_BLOCKS * block_bytes(model), config=policy
     )
     engine = Engine(model, host.engine_config, kv_storage_factory=host.storage_factory)
     host.attach(engine)

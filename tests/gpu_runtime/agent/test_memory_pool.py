@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.agent.serving import HOST_MEMORY_POLICY
+from gpu_runtime.agent.serving import HOST_MEMORY_CONFIG
 from gpu_runtime.engine import SamplingParams
 from gpu_runtime.memory import engine_kv_layout
 from gpu_runtime.storage import LocalStorage
@@ -52,9 +52,9 @@ def test_pool_host_trains_and_serves_like_a_plain_host(
     memory = pooled.runtime.host_memory
     assert memory is not None and pooled.runtime.loop.memory is memory.memory
     # graph pools per shape, released between quanta (memory/test_host_release.py)
-    assert pooled.runtime.loop.release_graph_shapes
-    assert memory.manager.release_finetune_graphs is not None
-    assert memory.manager.config.plan_peak_window == HOST_MEMORY_POLICY.plan_peak_window > 0
+    assert pooled.runtime.loop.jobs.release_graph_shapes
+    assert memory.manager.finetune.graph_release is not None
+    assert memory.manager.config.plan_peak_window == HOST_MEMORY_CONFIG.plan_peak_window > 0
     if device == "cuda":  # SM splits (or prioritised streams), graphs captured per split
         sharing = pooled.runtime.loop.sharing
         assert sharing is not None and len(sharing.table.choices) >= 1

@@ -18,7 +18,7 @@ from gpu_runtime.agent.serving import EngineSpec
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, HarliPolicy, NaivePolicy
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
 from gpu_runtime.colocation.harli_config import GPU_LAUNCH_OVERHEAD_PRIOR_MS, GPU_MAX_QUANTUM_MS
-from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.latency_model import decode_iteration
 from gpu_runtime.engine import EngineConfig
 from gpu_runtime.predictor.artifact import ArtifactError
 from gpu_runtime.storage import LocalStorage

@@ -16,8 +16,8 @@ from gpu_runtime.colocation import (
     QuantumReport,
     validate_plan,
 )
+from gpu_runtime.colocation.latency_model import decode_iteration
 from gpu_runtime.colocation.online import beside_quantum
-from gpu_runtime.colocation.predictor import decode_iteration
 from gpu_runtime.colocation.types import InFlightQuantum
 
 TOTAL_SMS = 132

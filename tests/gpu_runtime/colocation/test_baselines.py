@@ -16,7 +16,7 @@ from gpu_runtime.colocation import (
     validate_plan,
 )
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
-from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.latency_model import decode_iteration
 from gpu_runtime.colocation.types import InFlightQuantum
 
 from .sim import JOB, TOTAL_SMS, context, record

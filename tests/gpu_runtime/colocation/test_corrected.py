@@ -9,7 +9,7 @@ import pytest
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy
-from gpu_runtime.colocation.predictor import Pair, decode_iteration, predict_many
+from gpu_runtime.colocation.latency_model import Pair, decode_iteration, predict_many
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 
 from .sim import context

@@ -7,7 +7,7 @@ import pytest
 
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot
 from gpu_runtime.colocation.harli import HarliPolicy
-from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.latency_model import decode_iteration
 
 MODEL = AnalyticLatencyModel()
 

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, LaunchMode
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy
-from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.latency_model import decode_iteration
 from gpu_runtime.colocation.types import InFlightQuantum, IterationPlan
 from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum
 

@@ -9,7 +9,7 @@ import pytest
 
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, LaunchMode
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy
-from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.latency_model import decode_iteration
 from gpu_runtime.colocation.types import InFlightQuantum
 
 from .sim import JOB, FakeGpu, context, record

@@ -8,7 +8,7 @@ import pytest
 
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy, MarginTracker
-from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.latency_model import decode_iteration
 from gpu_runtime.colocation.types import IterationContext, RunningRequest
 
 from .sim import context, record

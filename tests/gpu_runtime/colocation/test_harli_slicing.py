@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, LaunchMode
 from gpu_runtime.colocation.harli import HarliConfig, HarliPolicy
-from gpu_runtime.colocation.predictor import decode_iteration
+from gpu_runtime.colocation.latency_model import decode_iteration
 from gpu_runtime.colocation.slicing import SliceState
 from gpu_runtime.colocation.types import IterationPlan, QuantumReport
 from gpu_runtime.predictor.schema import FinetuneQuantum

@@ -377,7 +377,7 @@ def test_job_views_name_the_launches_that_would_not_replay_a_graph() -> None:
 
     from gpu_runtime.colocation import AnalyticLatencyModel
     from gpu_runtime.colocation.harli import HarliPolicy
-    from gpu_runtime.colocation.jobs import JobState
+    from gpu_runtime.colocation.job_state import JobState
 
     captured = {(2 * 256, 111), (4 * 256, 222)}  # (max tokens, stream handle) with a graph
 
@@ -406,19 +406,20 @@ def test_job_views_name_the_launches_that_would_not_replay_a_graph() -> None:
     harli = HarliPolicy(AnalyticLatencyModel())
     loop = HostLoop(_engine(), harli, tpot_slo_ms=1e6, sharing=sharing)
     trainer.asked = 0
-    seen = loop._cold_launches(job)
+    seen = loop.planner.cold_launches(job)
     assert (2, 48) not in seen and (4, 132) not in seen
     assert {(k, d) for k in harli.launch_sizes for d in (48, 132)} - seen == {(2, 48), (4, 132)}
     asked = trainer.asked
-    assert loop._cold_launches(job) == seen and trainer.asked == asked  # nothing moved
+    assert loop.planner.cold_launches(job) == seen and trainer.asked == asked  # nothing moved
     trainer.stream.position = 2  # a quantum ran: asked again
-    loop._cold_launches(job)
+    loop.planner.cold_launches(job)
     assert trainer.asked == 2 * asked
-    assert HostLoop(_engine(), harli, tpot_slo_ms=1e6)._cold_launches(job) == set()  # no split
+    no_split = HostLoop(_engine(), harli, tpot_slo_ms=1e6)
+    assert no_split.planner.cold_launches(job) == set()
     # A policy that reads no graph readiness costs the loop nothing.
     only = HostLoop(_engine(), DecodeOnlyPolicy(), tpot_slo_ms=1e6, sharing=sharing)
     asked = trainer.asked
-    assert only._cold_launches(job) == set() and trainer.asked == asked
+    assert only.planner.cold_launches(job) == set() and trainer.asked == asked
 
 
 def test_a_job_paused_at_its_batch_end_runs_only_to_finish_the_batch(

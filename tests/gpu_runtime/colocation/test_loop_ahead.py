@@ -189,7 +189,7 @@ def test_a_plan_kept_from_ahead_is_made_again_when_its_job_stops_between_calls(
     loop, ids, outputs = _loop(engine, _AfterDecodeEveryOther(), train_examples, LONG)
     for _ in range(40):
         loop.run_iteration()
-        kept = loop.pending
+        kept = loop.ahead.pending
         if kept is not None and kept.plan.launches and not kept.launched:
             break
     else:

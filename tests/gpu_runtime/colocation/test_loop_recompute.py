@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from gpu_runtime.colocation import HostLoop, NaivePolicy
-from gpu_runtime.colocation.jobs import RECOMPUTE_LAYERS_ESTIMATE, JobState
+from gpu_runtime.colocation.job_state import RECOMPUTE_LAYERS_ESTIMATE, JobState
 from gpu_runtime.colocation.types import (
     IterationContext,
     IterationPlan,

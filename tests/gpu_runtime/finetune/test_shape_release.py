@@ -126,17 +126,19 @@ def test_shared_shapes_are_dropped_and_flushed_before_a_shape_is_captured_alone(
     model: CausalLM,
 ) -> None:
     manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0)
-    manager.set_finetune_demand(60 * PAGE)
+    manager.finetune.set_demand(60 * PAGE)
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     trainer = _graphed(model)
     for _ in range(2):
         _run(trainer, 1, separate=False, recompute=True)
-    manager.finetune_quantum_done(peak_bytes=20 * PAGE, resident_bytes=2 * PAGE)
-    assert drop_shared_shapes(trainer, manager) == 1
+    manager.finetune.quantum_done(peak_bytes=20 * PAGE, resident_bytes=2 * PAGE)
+    # The memory side as the finetune side sees it (`EngineMemory` over this manager).
+    memory = SimpleNamespace(finetune_graphs_released=manager.finetune.graphs_released)
+    assert drop_shared_shapes(trainer, memory) == 1
     assert captured_shapes(trainer) == set()
     assert manager.counters.graph_releases == 1
     assert pool.backend.finetune_reserved_bytes() == 2 * PAGE  # flushed down to the live state
-    assert drop_shared_shapes(trainer, manager) == 0  # nothing shared: no flush
+    assert drop_shared_shapes(trainer, memory) == 0  # nothing shared: no flush
     assert manager.counters.graph_releases == 1
-    assert drop_shared_shapes(SimpleNamespace(graphs=None), manager) == 0
+    assert drop_shared_shapes(SimpleNamespace(graphs=None), memory) == 0
     pool.check()

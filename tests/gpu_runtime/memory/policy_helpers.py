@@ -9,19 +9,19 @@ from gpu_runtime.memory import (
     DecodeDemand,
     KVLayout,
     MemoryManager,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     PagePool,
 )
 
 PAGE = 4096
-LOGGER = "gpu_runtime.memory.policy"
+LOGGER = "gpu_runtime.memory"
 
 
 def policy_manager(
     num_pages: int = 64, unit: int = 1, tail: int = 0, **config: Any
 ) -> tuple[MemoryManager, PagePool]:
     """A manager over ``num_pages`` CPU pages of ``PAGE`` bytes (one block a page), with small
-    watermarks and hysteresis; ``config`` overrides any ``MemoryPolicyConfig`` field."""
+    watermarks and hysteresis; ``config`` overrides any ``MemoryManagerConfig`` field."""
     pool = PagePool(
         CpuPageBackend(num_pages=num_pages, page_bytes=PAGE, map_unit_pages=unit),
         pinned_tail_pages=tail,
@@ -33,7 +33,7 @@ def policy_manager(
         "shrink_after_iterations": 3,
         "grow_hold_iterations": 2,
     }
-    cfg = MemoryPolicyConfig(**{**defaults, **config})
+    cfg = MemoryManagerConfig(**{**defaults, **config})
     return MemoryManager(pool, KVLayout(page_bytes=PAGE, block_bytes=PAGE), cfg), pool
 
 

@@ -1,7 +1,7 @@
 """The per-iteration shortcuts of the memory policy decide exactly what a fresh computation does.
 
-`DecodeHistory` keeps its windows' maxima from `observe` on, `MemoryManager` keeps the reclaim
-headroom until its inputs change, `_return_unwanted_budget` returns before reading the backend
+`DecodeHistory` keeps its windows' maxima from `observe` on, `FinetuneBudget` keeps the reclaim
+headroom until its inputs change, `return_unwanted_budget` returns before reading the backend
 when the budget is not above the demand, and `EngineMemory.after_decode` counts only the waiting
 requests' blocks. Each is compared here with a computation from scratch: an independent
 reference for the history, and a manager without any of the shortcuts (the code as it was)
@@ -23,11 +23,12 @@ from gpu_runtime.memory import (
     DecodeDemand,
     KVLayout,
     MemoryManager,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     PagePool,
     scheduler_block_demand,
     scheduler_waiting_blocks,
 )
+from gpu_runtime.memory.finetune_budget import FinetuneBudget
 from gpu_runtime.memory.headroom import DecodeHistory
 from gpu_runtime.model import build_random_model
 from gpu_runtime.model.tiny import tiny_config
@@ -36,7 +37,7 @@ PAGE = 4096
 
 
 def _reference_history(
-    config: MemoryPolicyConfig, layout: KVLayout, observed: list[int], kv_prefix_pages: int
+    config: MemoryManagerConfig, layout: KVLayout, observed: list[int], kv_prefix_pages: int
 ) -> tuple[int, int, int, int]:
     """(refill growth, peak used, headroom with and without the peak) from the whole list of
     observations, as the module docstring of `headroom.py` defines them."""
@@ -79,7 +80,7 @@ def test_history_maxima_equal_a_fresh_computation(
     observed: list[int],
     prefix: int,
 ) -> None:
-    config = MemoryPolicyConfig(
+    config = MemoryManagerConfig(
         growth_window=growth_window,
         headroom_window=headroom_window,
         plan_peak_window=peak_window,
@@ -117,27 +118,33 @@ class _FreshHistory(DecodeHistory):
         return super().headroom_pages(kv_prefix_pages, with_peak=with_peak)
 
 
-class _FreshManager(MemoryManager):
-    """The manager as it was: no cached headroom, backend reads before the demand check."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self._history = _FreshHistory(self.config, self.layout)
+class _FreshBudget(FinetuneBudget):
+    """The finetune budget as it was: no cached headroom, backend reads before the demand
+    check."""
 
     def reclaim_headroom_pages(self, *, with_peak: bool = True) -> int:
         return self._reclaim_headroom_uncached(with_peak=with_peak)
 
-    def _return_unwanted_budget(self) -> None:
-        excess = self.pool.finetune_pages - self._finetune_demand_pages
+    def return_unwanted_budget(self) -> None:
+        excess = self.pool.finetune_pages - self._demand_pages
         count = min(excess, self.pool.finetune_reclaimable_pages(), self.config.max_step_pages)
         if count <= 0:
             return
-        super()._return_unwanted_budget()
+        super().return_unwanted_budget()
 
 
-def _build(cls: type[MemoryManager], config: MemoryPolicyConfig, unit: int) -> MemoryManager:
+def _build(fresh: bool, config: MemoryManagerConfig, unit: int) -> MemoryManager:
+    """A manager; `fresh`: with the history and the finetune budget as they were."""
     pool = PagePool(CpuPageBackend(num_pages=96, page_bytes=PAGE, map_unit_pages=unit))
-    return cls(pool, KVLayout(page_bytes=PAGE, block_bytes=PAGE), config, clock=lambda: 0.0)
+    layout = KVLayout(page_bytes=PAGE, block_bytes=PAGE)
+    manager = MemoryManager(pool, layout, config, clock=lambda: 0.0)
+    if fresh:
+        history = _FreshHistory(config, layout)
+        manager._history = history
+        manager.finetune = _FreshBudget(
+            pool, config, manager.counters, history, manager.moves, lambda: 0.0
+        )
+    return manager
 
 
 def _state(manager: MemoryManager) -> tuple[Any, ...]:
@@ -150,8 +157,8 @@ def _state(manager: MemoryManager) -> tuple[Any, ...]:
         pool.finetune_pages,
         pool.free_pages,
         pool.backend.finetune_reserved_bytes(),
-        manager.finetune_plan_bytes(),
-        manager.finetune_release_plan_bytes(),
+        manager.finetune.plan_bytes(),
+        manager.finetune.release_plan_bytes(),
         counters,
     )
 
@@ -181,7 +188,7 @@ _OPS = st.lists(
 def test_decisions_equal_those_of_a_manager_without_shortcuts(
     static: bool, unit: int, peak_window: int, intervals: int, ops: list[Any]
 ) -> None:
-    config = MemoryPolicyConfig(
+    config = MemoryManagerConfig(
         reserve_low_pages=4,
         reserve_high_pages=10,
         max_step_pages=4 * unit,
@@ -193,9 +200,9 @@ def test_decisions_equal_those_of_a_manager_without_shortcuts(
         plan_peak_window=peak_window,
         reclaim_from_finetune=not static,
     )
-    managers = [_build(MemoryManager, config, unit), _build(_FreshManager, config, unit)]
+    managers = [_build(False, config, unit), _build(True, config, unit)]
     for m in managers:
-        m.set_finetune_demand(64 * PAGE)
+        m.finetune.set_demand(64 * PAGE)
     used = 0
     for op, delta, nxt, waiting, busy, share in ops:
         results: list[Any] = []
@@ -215,12 +222,12 @@ def test_decisions_equal_those_of_a_manager_without_shortcuts(
             elif op == "refill":
                 results.append(m.refill_reserve(demand))
             elif op == "quantum":
-                plan = m.finetune_plan_bytes()
-                peak = min(int(plan * share), m.finetune_budget_bytes)
-                m.finetune_quantum_done(peak_bytes=peak, resident_bytes=peak // 4)
+                plan = m.finetune.plan_bytes()
+                peak = min(int(plan * share), m.finetune.budget_bytes)
+                m.finetune.quantum_done(peak_bytes=peak, resident_bytes=peak // 4)
                 results.append(plan)
             else:
-                m.set_finetune_demand(max(delta, 0) * 4 * PAGE)
+                m.finetune.set_demand(max(delta, 0) * 4 * PAGE)
             results.append(_state(m))
         assert results[: len(results) // 2] == results[len(results) // 2 :]
 
@@ -241,19 +248,19 @@ class _CountingBackend(CpuPageBackend):
 
 def test_a_budget_within_the_demand_is_returned_without_backend_reads() -> None:
     backend = _CountingBackend(num_pages=64, page_bytes=PAGE)
-    config = MemoryPolicyConfig(
+    config = MemoryManagerConfig(
         reserve_low_pages=4, reserve_high_pages=12, max_step_pages=4, grow_hold_iterations=0
     )
     manager = MemoryManager(PagePool(backend), KVLayout(page_bytes=PAGE, block_bytes=PAGE), config)
-    manager.set_finetune_demand(64 * PAGE)
+    manager.finetune.set_demand(64 * PAGE)
     demand = DecodeDemand(0, top_used_block=0)
     manager.maintain(demand)  # lends the idle pages
     assert manager.pool.finetune_pages > 0
     backend.reads = 0
-    manager._return_unwanted_budget()
+    manager.finetune.return_unwanted_budget()
     assert backend.reads == 0
-    manager.set_finetune_demand(0)  # now all of it is above the demand: it goes back
-    manager._return_unwanted_budget()
+    manager.finetune.set_demand(0)  # now all of it is above the demand: it goes back
+    manager.finetune.return_unwanted_budget()
     assert backend.reads > 0
     assert manager.pool.finetune_pages < 60
 

@@ -9,7 +9,7 @@ from gpu_runtime.memory import (
     DecodeDemand,
     KVLayout,
     MemoryManager,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     MemoryPoolError,
     create_page_pool,
     kv_block_bytes,
@@ -45,7 +45,7 @@ def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
         device="cuda", pool_bytes=2 * GIB, torch_headroom_bytes=64 * MIB, finetune_pools=False
     )
     layout = _llama3_8b_layout(pool.page_bytes)
-    config = MemoryPolicyConfig(
+    config = MemoryManagerConfig(
         reserve_low_pages=8,
         reserve_high_pages=32,
         max_step_pages=256,
@@ -66,10 +66,10 @@ def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
         assert manager.before_step(demand).short_blocks == 0
 
         # Finetuning wants 1.5 GiB; idle pages are lent to it over a few maintain steps.
-        manager.set_finetune_demand(1536 * MIB)
+        manager.finetune.set_demand(1536 * MIB)
         for _ in range(8):
             manager.maintain(demand)
-        assert manager.finetune_budget_bytes == 1536 * MIB
+        assert manager.finetune.budget_bytes == 1536 * MIB
         # The cap is real: a tensor beyond budget + headroom fails, one inside it fits.
         with pytest.raises(torch.OutOfMemoryError):
             torch.empty(1700 * MIB, dtype=torch.uint8, device="cuda")
@@ -77,7 +77,7 @@ def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
         activations.fill_(1)
         lora_state = torch.ones(32 * MIB, dtype=torch.uint8, device="cuda")
         del activations
-        manager.finetune_quantum_done(peak_bytes=1232 * MIB, resident_bytes=32 * MIB)
+        manager.finetune.quantum_done(peak_bytes=1232 * MIB, resident_bytes=32 * MIB)
 
         # A burst: decode's next step needs 900 more blocks; the pool reclaims from finetuning.
         burst = DecodeDemand(used_blocks=8, top_used_block=8, next_step_blocks=900)
@@ -98,9 +98,9 @@ def test_reclaim_from_finetune_keeps_kv_data_and_enforces_the_cap() -> None:
             assert bool((chunk == tags[start : start + 50]).all())
         assert bool((lora_state == 1).all())
         # Finetuning's smaller budget is enforced on its next quantum.
-        assert manager.finetune_budget_bytes < 1232 * MIB
+        assert manager.finetune.budget_bytes < 1232 * MIB
         with pytest.raises(torch.OutOfMemoryError):
-            torch.empty(manager.finetune_budget_bytes + 128 * MIB, dtype=torch.uint8, device="cuda")
+            torch.empty(manager.finetune.budget_bytes + 128 * MIB, dtype=torch.uint8, device="cuda")
         del lora_state
     finally:
         pool.close()
@@ -191,16 +191,16 @@ def test_engine_over_the_cuda_pool_matches_a_plain_engine(mixed_graphs: bool) ->
 
     pool = create_page_pool(device="cuda", pool_bytes=512 * MIB, pinned_tail_pages=1)
     try:
-        config = MemoryPolicyConfig(reserve_low_pages=16, reserve_high_pages=64, max_step_pages=16)
+        config = MemoryManagerConfig(reserve_low_pages=16, reserve_high_pages=64, max_step_pages=16)
         memory = EngineMemory.prepare(
-            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, policy=config
+            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, config=config
         )
         engine_config = EngineConfig(device="cuda", **fields, **memory.engine_config_fields())  # type: ignore[arg-type]
         engine = Engine(model, engine_config, kv_storage_factory=memory.binding.storage_factory)
         memory.attach(engine)
         engine.capture_cuda_graphs()  # graphs bake in KV addresses: the pool's never move
         memory.decode_ready()
-        memory.manager.set_finetune_demand(256 * MIB)
+        memory.manager.finetune.set_demand(256 * MIB)
         ids = [engine.add_request(p, greedy) for p in prompts]
         finished: dict[str, list[int]] = {}
         while engine.has_unfinished_requests():
@@ -271,14 +271,14 @@ def test_a_loop_planning_ahead_over_the_cuda_pool_matches_a_plain_engine() -> No
 
     pool = create_page_pool(device="cuda", pool_bytes=512 * MIB, pinned_tail_pages=1)
     try:
-        config = MemoryPolicyConfig(
+        config = MemoryManagerConfig(
             reserve_low_pages=16,
             reserve_high_pages=32,
             max_step_pages=16,
             shrink_after_iterations=2,
         )
         memory = EngineMemory.prepare(
-            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, policy=config
+            pool, model.config, block_size=16, kv_dtype="bfloat16", max_model_len=128, config=config
         )
         pooled = {**fields, **memory.engine_config_fields()}
         engine_config = EngineConfig(device="cuda", async_scheduling=True, **pooled)  # type: ignore[arg-type]
@@ -306,7 +306,7 @@ def test_a_loop_planning_ahead_over_the_cuda_pool_matches_a_plain_engine() -> No
             ),
         )
         memory.finetune_busy = lambda: loop.executor.in_flight is not None
-        memory.manager.set_finetune_demand(256 * MIB)
+        memory.manager.finetune.set_demand(256 * MIB)
         loop.add_job("ft", trainer)
         ids = [loop.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
         records = loop.run_until_idle(max_iterations=2000)

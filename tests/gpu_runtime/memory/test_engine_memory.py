@@ -11,7 +11,7 @@ import torch
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.memory import (
     EngineMemory,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     MemoryPoolError,
     MemoryWork,
     create_page_pool,
@@ -58,7 +58,7 @@ def _pooled_engine(model: CausalLM, pages: int, **extra: Any) -> tuple[Engine, E
         map_unit_pages=2,
         pinned_tail_pages=2,
     )
-    policy = MemoryPolicyConfig(
+    policy = MemoryManagerConfig(
         reserve_low_pages=2,
         reserve_high_pages=6,
         max_step_pages=4,
@@ -66,7 +66,7 @@ def _pooled_engine(model: CausalLM, pages: int, **extra: Any) -> tuple[Engine, E
         grow_hold_iterations=1,
     )
     memory = EngineMemory.prepare(
-        pool, model.config, block_size=4, kv_dtype="float32", max_model_len=64, policy=policy
+        pool, model.config, block_size=4, kv_dtype="float32", max_model_len=64, config=policy
     )
     fields = {**ENGINE, **memory.engine_config_fields(), **extra}
     config = EngineConfig(**fields)
@@ -84,7 +84,7 @@ def test_tokens_match_a_plain_engine_while_memory_moves(model: CausalLM) -> None
     pool = memory.manager.pool
     page = pool.page_bytes
     assert memory.manager.usable_blocks >= 16  # one max_model_len request always fits
-    memory.manager.set_finetune_demand(40 * page)
+    memory.manager.finetune.set_demand(40 * page)
     finished: dict[str, list[int]] = {}
     ids: list[str] = []
     pending = list(prompts)
@@ -156,7 +156,7 @@ def test_the_host_loop_runs_decode_and_a_lora_job_over_the_pool(model: CausalLM)
     )
     loop = HostLoop(engine, NaivePolicy(quantum_examples=1), tpot_slo_ms=1e9, memory=memory)
     memory.finetune_busy = lambda: loop.executor.in_flight is not None
-    memory.manager.set_finetune_demand(16 * memory.manager.pool.page_bytes)
+    memory.manager.finetune.set_demand(16 * memory.manager.pool.page_bytes)
     loop.add_job("ft", LoraTrainer(model, examples, hparams))
     ids = [loop.add_request(p, GREEDY) for p in _prompts(4, (6, 20, 9))]
     finished: set[str] = set()
@@ -212,7 +212,7 @@ def test_a_loop_planning_ahead_over_the_pool_decodes_as_a_plain_engine(model: Ca
         output_sink=lambda batch: outputs.update({o.request_id: o.output_token_ids for o in batch}),
     )
     memory.finetune_busy = lambda: loop.executor.in_flight is not None
-    memory.manager.set_finetune_demand(16 * memory.manager.pool.page_bytes)
+    memory.manager.finetune.set_demand(16 * memory.manager.pool.page_bytes)
     loop.add_job("ft", LoraTrainer(model, examples, hparams))
     ids = [loop.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
     records = loop.run_until_idle(max_iterations=400)
@@ -248,7 +248,7 @@ def test_the_budget_read_between_quanta_is_passed_as_the_running_quantums_promis
     page = memory.manager.pool.page_bytes
     busy = [False]
     memory.finetune_busy = lambda: busy[0]
-    memory.manager.set_finetune_demand(40 * page)
+    memory.manager.finetune.set_demand(40 * page)
     memory.before_decode()
     memory.after_decode()  # idle: the pool is lent
     seen: list[int | None] = []
@@ -262,7 +262,7 @@ def test_the_budget_read_between_quanta_is_passed_as_the_running_quantums_promis
     promised = memory.finetune_budget_bytes()  # the loop plans a launch: nothing in flight
     assert promised == memory.manager.pool.finetune_budget_bytes > 0
     busy[0] = True
-    memory.manager.set_finetune_demand(20 * page)
+    memory.manager.finetune.set_demand(20 * page)
     memory.after_decode()  # budget above the demand is not taken back while busy
     memory.finetune_budget_bytes()  # read while the quantum runs: not a new promise
     memory.before_decode()

@@ -47,21 +47,21 @@ class _Shapes:
 
 def _lent(**config: Any) -> tuple[Any, Any, _Shapes]:
     manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0, **config)
-    manager.set_finetune_demand(60 * PAGE)
+    manager.finetune.set_demand(60 * PAGE)
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     assert pool.finetune_pages == 60
     shapes = _Shapes()
-    manager.release_finetune_graphs = shapes.release
+    manager.finetune.graph_release = shapes.release
     return manager, pool, shapes
 
 
 def test_decode_growth_releases_the_largest_separate_shape_at_the_next_boundary() -> None:
     manager, pool, shapes = _lent(plan_peak_window=8, plan_peak_prior_blocks=20)
     # The peak term keeps 20 pages out of the plan; the release plan counts growth only.
-    assert manager.finetune_plan_bytes() == 40 * PAGE
-    assert manager.finetune_release_plan_bytes() == 60 * PAGE
+    assert manager.finetune.plan_bytes() == 40 * PAGE
+    assert manager.finetune.release_plan_bytes() == 60 * PAGE
     # The 4-example shape was captured into its own pool in the quiet spell: 50 pages held.
-    manager.finetune_quantum_done(peak_bytes=50 * PAGE, resident_bytes=2 * PAGE)
+    manager.finetune.quantum_done(peak_bytes=50 * PAGE, resident_bytes=2 * PAGE)
     assert manager.refill_reserve(DecodeDemand(used_blocks=0)) == 0
     assert shapes.released == [] and manager.counters.graph_releases == 0
     # Decode grows 2 blocks over one interval: 4 intervals of that are 8 pages of headroom.
@@ -72,9 +72,9 @@ def test_decode_growth_releases_the_largest_separate_shape_at_the_next_boundary(
     c = manager.counters
     assert c.graph_releases == 1 and len(c.flush_latency) == 1 and c.urgent_flushes == 0
     assert pool.backend.finetune_reserved_bytes() == 2 * PAGE  # CPU: the cache is gone
-    assert manager.finetune_release_plan_bytes() == 48 * PAGE
+    assert manager.finetune.release_plan_bytes() == 48 * PAGE
     # The shared shape is held again (a replay's pool); nothing separate is left to release.
-    manager.finetune_quantum_done(peak_bytes=20 * PAGE, resident_bytes=2 * PAGE)
+    manager.finetune.quantum_done(peak_bytes=20 * PAGE, resident_bytes=2 * PAGE)
     for used in (4, 6, 10):
         manager.refill_reserve(DecodeDemand(used_blocks=used))
     assert shapes.released == [[4]] and c.graph_releases == 1 and len(c.flush_latency) == 1
@@ -85,8 +85,8 @@ def test_decode_growth_releases_the_largest_separate_shape_at_the_next_boundary(
 def test_a_refill_that_only_a_flush_could_serve_releases_first() -> None:
     # No plan headroom: the release plan is the whole budget, so only the refill triggers.
     manager, pool, shapes = _lent(plan_headroom_intervals=0)
-    manager.finetune_quantum_done(peak_bytes=58 * PAGE, resident_bytes=2 * PAGE)
-    assert manager.finetune_release_plan_bytes() == 60 * PAGE
+    manager.finetune.quantum_done(peak_bytes=58 * PAGE, resident_bytes=2 * PAGE)
+    assert manager.finetune.release_plan_bytes() == 60 * PAGE
     got = manager.refill_reserve(DecodeDemand(used_blocks=4, waiting_blocks=8))
     # used 4 + low 4 + waiting 8 = 16 pages wanted, 4 mapped: 2 unheld pages by a cap change,
     # then the release and a flush, then the other 10 by a cap change.
@@ -96,14 +96,14 @@ def test_a_refill_that_only_a_flush_could_serve_releases_first() -> None:
     pool.check()
     # Under a static split the hook is never asked.
     manager, pool, shapes = _lent(reclaim_from_finetune=False, min_decode_pages=4)
-    manager.finetune_quantum_done(peak_bytes=58 * PAGE, resident_bytes=2 * PAGE)
+    manager.finetune.quantum_done(peak_bytes=58 * PAGE, resident_bytes=2 * PAGE)
     manager.refill_reserve(DecodeDemand(used_blocks=4, waiting_blocks=8))
     assert shapes.released == [] and manager.counters.graph_releases == 0
 
 
 def test_nothing_is_released_while_a_quantum_runs() -> None:
     manager, pool, shapes = _lent(plan_peak_window=8, plan_peak_prior_blocks=20)
-    manager.finetune_quantum_done(peak_bytes=58 * PAGE, resident_bytes=2 * PAGE)
+    manager.finetune.quantum_done(peak_bytes=58 * PAGE, resident_bytes=2 * PAGE)
     waited: list[int] = []
     growing = DecodeDemand(used_blocks=4, top_used_block=4, waiting_blocks=8, next_step_blocks=4)
     for _ in range(3):  # a quantum in flight: maintain defers, before_step waits for it
@@ -119,7 +119,7 @@ def test_nothing_is_released_while_a_quantum_runs() -> None:
     assert waited  # the urgent need waited for the quantum (then flushed, without the hook)
     manager.refill_reserve(DecodeDemand(used_blocks=8, waiting_blocks=8))
     assert manager.counters.graph_releases == 0  # the urgent flush left nothing held above
-    manager.finetune_quantum_done(peak_bytes=40 * PAGE, resident_bytes=2 * PAGE)
+    manager.finetune.quantum_done(peak_bytes=40 * PAGE, resident_bytes=2 * PAGE)
     manager.refill_reserve(DecodeDemand(used_blocks=12, waiting_blocks=8))
     assert shapes.released == [[4]] and manager.counters.graph_releases == 1
 
@@ -130,16 +130,16 @@ def test_the_engine_memory_releases_only_in_before_decode_between_quanta(model: 
     page = manager.pool.page_bytes
     busy = [True]
     memory.finetune_busy = lambda: busy[0]
-    manager.set_finetune_demand(40 * page)
+    manager.finetune.set_demand(40 * page)
     busy[0] = False
     memory.after_decode()  # idle: the pool is lent
     shapes = _Shapes()
-    manager.release_finetune_graphs = shapes.release
+    manager.finetune.graph_release = shapes.release
     held = manager.pool.finetune_pages * page
-    manager.finetune_quantum_done(peak_bytes=held, resident_bytes=page)
+    manager.finetune.quantum_done(peak_bytes=held, resident_bytes=page)
     # The quantum launched now is promised the release plan (a shape captured in its pool).
     plan = memory.finetune_release_plan_bytes()
-    assert plan == manager.finetune_release_plan_bytes() == held  # no headroom configured
+    assert plan == manager.finetune.release_plan_bytes() == held  # no headroom configured
     memory.promise_finetune_bytes(plan)
     busy[0] = True
     memory.promise_finetune_bytes(10 * plan)  # ignored while a quantum runs
@@ -165,15 +165,15 @@ def test_the_engine_memory_releases_only_in_before_decode_between_quanta(model: 
 
 def test_graphs_the_finetune_side_drops_itself_are_flushed_and_counted() -> None:
     manager, pool, shapes = _lent(plan_peak_window=8, plan_peak_prior_blocks=20)
-    manager.finetune_quantum_done(peak_bytes=30 * PAGE, resident_bytes=2 * PAGE)
+    manager.finetune.quantum_done(peak_bytes=30 * PAGE, resident_bytes=2 * PAGE)
     dropped = shapes.groups.keys_of(SHARED)  # the shared shapes, before 4 is captured alone
     for key in dropped:
         shapes.groups.remove(key)
-    manager.finetune_graphs_released(len(dropped))
+    manager.finetune.graphs_released(len(dropped))
     c = manager.counters
     assert c.graph_releases == 1 and len(c.flush_latency) == 1 and c.urgent_flushes == 0
     assert pool.backend.finetune_reserved_bytes() == 2 * PAGE
     assert pool.finetune_pages == 60  # no budget change: the pages stay lent
-    manager.finetune_graphs_released(0)  # nothing dropped: no flush
+    manager.finetune.graphs_released(0)  # nothing dropped: no flush
     assert c.graph_releases == 1 and len(c.flush_latency) == 1
     pool.check()

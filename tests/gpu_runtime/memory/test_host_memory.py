@@ -31,7 +31,7 @@ def test_host_memory_wires_engine_and_loop_and_returns_the_budget(model: CausalL
 
     block = block_bytes(model)
     config = EngineConfig(num_kv_blocks=1, **ENGINE)  # type: ignore[arg-type]
-    host = build_host_memory(model, config, pool_bytes=48 * block, policy=POLICY)
+    host = build_host_memory(model, config, pool_bytes=48 * block, config=POLICY)
     assert host.pool.page_bytes == block and host.pool.num_pages == 48
     assert host.engine_config.num_kv_blocks == host.memory.binding.initial_blocks >= 16
     assert host.engine_config.kv_block_capacity == host.memory.binding.capacity_blocks
@@ -86,7 +86,7 @@ def test_host_memory_checks_its_arguments(model: CausalLM) -> None:
     config = EngineConfig(num_kv_blocks=1, **ENGINE)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="needs pool_bytes"):
         build_host_memory(model, config)
-    host = build_host_memory(model, config, pool_bytes=48 * block_bytes(model), policy=POLICY)
+    host = build_host_memory(model, config, pool_bytes=48 * block_bytes(model), config=POLICY)
     with pytest.raises(ValueError, match="job count"):
         host.set_finetune_jobs(-1)
     host.close()

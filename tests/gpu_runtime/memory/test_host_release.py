@@ -66,7 +66,7 @@ class WithinBudget(NaivePolicy):
 def test_a_reclaim_under_the_agents_loop_releases_one_shape_between_quanta(
     model: CausalLM, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="gpu_runtime.memory.policy")
+    caplog.set_level(logging.INFO, logger="gpu_runtime.memory")
     host, engine = tiny_host(model, RELEASE_POLICY)
     loop = HostLoop(
         engine,
@@ -79,14 +79,14 @@ def test_a_reclaim_under_the_agents_loop_releases_one_shape_between_quanta(
     host.bind_loop(loop)
     manager, counters = host.manager, host.manager.counters
     released_while_busy: list[bool] = []
-    hook = manager.release_finetune_graphs
+    hook = manager.finetune.graph_release
     assert hook is not None
 
     def observed_release() -> int:  # the hook bind_loop set, seen from outside
         released_while_busy.append(loop.executor.in_flight is not None)
         return hook()
 
-    manager.release_finetune_graphs = observed_release
+    manager.finetune.graph_release = observed_release
     trainer = with_cpu_graphs(
         tiny_trainer(model, epochs=50), lambda key: POOL_PER_TOKEN[key.recompute] * key.rows * SEQ
     )
@@ -103,8 +103,8 @@ def test_a_reclaim_under_the_agents_loop_releases_one_shape_between_quanta(
     assert first.paused and counters.finetune_grows == 1  # the pool lends at the boundary
     record = loop.run_iteration()
     assert record.finetune_launched and state.separate
-    assert host.memory._promised_bytes == manager.finetune_release_plan_bytes()  # not the plan
-    assert manager.finetune_plan_bytes() < one <= manager.finetune_release_plan_bytes()
+    assert host.memory._promised_bytes == manager.finetune.release_plan_bytes()  # not the plan
+    assert manager.finetune.plan_bytes() < one <= manager.finetune.release_plan_bytes()
     for _ in range(12):
         loop.run_iteration()
     assert separate_shapes(trainer) == {ONE} and captured_shapes(trainer) == {ONE}

@@ -26,7 +26,7 @@ from gpu_runtime.memory import (
     KVLayout,
     KVPoolBinding,
     MemoryManager,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     PagePool,
 )
 
@@ -127,7 +127,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         tail = -(-2 * block_bytes // PAGE) + (unit if pinned else 0)
         self.pool = PagePool(self.backend, pinned_tail_pages=tail)
         self.layout = KVLayout(page_bytes=PAGE, block_bytes=block_bytes)
-        config = MemoryPolicyConfig(
+        config = MemoryManagerConfig(
             reserve_low_pages=low,
             reserve_high_pages=low + spread,
             max_step_pages=step_units * unit,
@@ -151,7 +151,7 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         self.releasable = releasable
         self.separate_held = False
         if releasable:
-            self.manager.release_finetune_graphs = self._release_separate_shape
+            self.manager.finetune.graph_release = self._release_separate_shape
 
     def _release_separate_shape(self) -> int:
         """The finetune side drops its separately pooled shape, if it holds one."""
@@ -254,16 +254,16 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
     # ---- finetune -------------------------------------------------------------------------
     @rule(pages=st.integers(0, 200))
     def finetune_demand(self, pages: int) -> None:
-        self.manager.set_finetune_demand(pages * PAGE)
+        self.manager.finetune.set_demand(pages * PAGE)
         self.finetune_want_peak = pages * PAGE
 
     @rule(resident_share=st.floats(0, 0.5), peak_share=st.floats(0, 1))
     def finetune_quantum(self, resident_share: float, peak_share: float) -> None:
         # What the finetune side reads: the budget less decode's expected reclaims; the
         # quantum's promise while it runs (`decode_iteration(finetune_busy=True)`).
-        budget = self.manager.finetune_plan_bytes()
+        budget = self.manager.finetune.plan_bytes()
         if self.releasable and peak_share > 0.5:  # the separate shape: its own plan
-            budget = max(budget, self.manager.finetune_release_plan_bytes())
+            budget = max(budget, self.manager.finetune.release_plan_bytes())
             self.separate_held = True
         self.promised = budget
         if budget == 0:
@@ -272,15 +272,15 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         resident = min(int(budget * resident_share), budget)
         resident = max(resident, min(self.finetune_resident, budget))
         peak = min(max(int(self.finetune_want_peak * peak_share), resident), budget)
-        self.manager.finetune_quantum_done(peak_bytes=peak, resident_bytes=resident)
+        self.manager.finetune.quantum_done(peak_bytes=peak, resident_bytes=resident)
         self.finetune_resident = resident
 
     @rule()
     def finetune_job_ends(self) -> None:
-        self.manager.set_finetune_demand(0)
+        self.manager.finetune.set_demand(0)
         self.finetune_want_peak = 0
-        if self.manager.finetune_budget_bytes:
-            self.manager.finetune_quantum_done(peak_bytes=0, resident_bytes=0)
+        if self.manager.finetune.budget_bytes:
+            self.manager.finetune.quantum_done(peak_bytes=0, resident_bytes=0)
         self.finetune_resident = 0
 
     def teardown(self) -> None:
@@ -323,8 +323,8 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
     @invariant()
     def finetune_within_budget(self) -> None:
         assert self.manager.counters.finetune_budget_violations == 0
-        assert self.backend.finetune_reserved_bytes() <= self.manager.finetune_budget_bytes
-        assert self.backend.finetune_allocated_bytes() <= self.manager.finetune_budget_bytes
+        assert self.backend.finetune_reserved_bytes() <= self.manager.finetune.budget_bytes
+        assert self.backend.finetune_allocated_bytes() <= self.manager.finetune.budget_bytes
 
     @invariant()
     def cached_plan_figures_equal_a_fresh_computation(self) -> None:
@@ -332,9 +332,9 @@ class UnifiedPoolMachine(RuleBasedStateMachine):
         computation from scratch gives now (test_cached_figures.py compares decisions)."""
         manager = self.manager
         for with_peak in (True, False):
-            assert manager.reclaim_headroom_pages(
+            assert manager.finetune.reclaim_headroom_pages(
                 with_peak=with_peak
-            ) == manager._reclaim_headroom_uncached(with_peak=with_peak)
+            ) == manager.finetune._reclaim_headroom_uncached(with_peak=with_peak)
         history = manager._history
         assert history.refill_growth_blocks() == max(history._interval_growth, default=0)
         if manager.config.plan_peak_window:

@@ -12,7 +12,7 @@ import pytest
 from gpu_runtime.memory import (
     DecodeDemand,
     FinetuneBudgetExceeded,
-    MemoryPolicyConfig,
+    MemoryManagerConfig,
     MemoryPoolError,
 )
 from tests.gpu_runtime.memory.policy_helpers import LOGGER, PAGE, policy_manager
@@ -84,7 +84,7 @@ def test_moves_are_whole_map_units() -> None:
     assert pool.kv_prefix_pages == 4  # low watermark 2 rounded up to a unit
     grant = manager.before_step(DecodeDemand(used_blocks=3, top_used_block=3, next_step_blocks=3))
     assert grant.usable_blocks == 8
-    manager.set_finetune_demand(50 * PAGE)
+    manager.finetune.set_demand(50 * PAGE)
     for _ in range(10):
         manager.maintain(DecodeDemand(used_blocks=3, top_used_block=3))
     assert pool.finetune_pages == 50 and pool.free_pages == 2
@@ -96,11 +96,11 @@ def test_moves_are_whole_map_units() -> None:
 
 def test_budget_violations_and_ooms_are_counted() -> None:
     manager, pool = policy_manager(num_pages=16, grow_hold_iterations=0)
-    manager.set_finetune_demand(4 * PAGE)
+    manager.finetune.set_demand(4 * PAGE)
     manager.maintain(DecodeDemand(used_blocks=0, top_used_block=0))
     with pytest.raises(FinetuneBudgetExceeded):
-        manager.finetune_quantum_done(peak_bytes=5 * PAGE, resident_bytes=0)
-    manager.record_finetune_oom()
+        manager.finetune.quantum_done(peak_bytes=5 * PAGE, resident_bytes=0)
+    manager.finetune.record_oom()
     counters = manager.counters.as_dict()
     assert counters["finetune_budget_violations"] == 1
     assert counters["finetune_ooms"] == 1
@@ -113,9 +113,9 @@ def test_recomputing_launches_and_mode_switches_are_counted_and_logged(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     manager, _ = policy_manager(num_pages=16)
-    with caplog.at_level(logging.INFO, logger="gpu_runtime.memory.policy"):
+    with caplog.at_level(logging.INFO, logger="gpu_runtime.memory"):
         for recompute in (False, False, True, True, False, True):
-            manager.finetune_quantum_mode(examples=2, recompute=recompute)
+            manager.finetune.quantum_mode(examples=2, recompute=recompute)
     counters = manager.counters.as_dict()
     assert counters["finetune_recompute_launches"] == 3
     assert counters["finetune_mode_switches"] == 3  # off -> on -> off -> on
@@ -132,11 +132,11 @@ def test_demands_and_configs_are_validated() -> None:
     with pytest.raises(ValueError, match="next_step_blocks must be >= 0"):
         DecodeDemand(used_blocks=0, next_step_blocks=-1)
     with pytest.raises(ValueError, match="must exceed"):
-        MemoryPolicyConfig(reserve_low_pages=8, reserve_high_pages=8)
+        MemoryManagerConfig(reserve_low_pages=8, reserve_high_pages=8)
     with pytest.raises(ValueError, match="map unit"):
         policy_manager(num_pages=16, unit=4, max_step_pages=2)
     with pytest.raises(ValueError, match="finetune demand"):
-        manager.set_finetune_demand(-1)
+        manager.finetune.set_demand(-1)
 
 
 def test_a_shrink_blocked_by_a_live_top_block_waits_another_hysteresis_period() -> None:

@@ -8,7 +8,7 @@ import logging
 
 import pytest
 
-from gpu_runtime.memory import DecodeDemand, MemoryPolicyConfig
+from gpu_runtime.memory import DecodeDemand, MemoryManagerConfig
 from tests.gpu_runtime.memory.policy_helpers import LOGGER, PAGE, policy_manager, run_steps
 
 
@@ -16,11 +16,11 @@ def test_decode_reclaims_from_finetuning_before_it_preempts(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     manager, pool = policy_manager(num_pages=32, grow_hold_iterations=0)
-    manager.set_finetune_demand(24 * PAGE)
+    manager.finetune.set_demand(24 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     run_steps(manager, idle, 6)
     assert pool.finetune_pages == 24 and pool.free_pages == 4
-    manager.finetune_quantum_done(peak_bytes=20 * PAGE, resident_bytes=6 * PAGE)
+    manager.finetune.quantum_done(peak_bytes=20 * PAGE, resident_bytes=6 * PAGE)
     caplog.set_level(logging.INFO, logger=LOGGER)
     # Burst: 20 blocks next step; 4 mapped + 4 free, so 12 pages come back from finetuning.
     grant = manager.before_step(DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=20))
@@ -41,12 +41,12 @@ def test_decode_reclaims_from_finetuning_before_it_preempts(
     assert grant.usable_blocks == 26 and grant.short_blocks == 6
     assert manager.counters.preemptions == 1 and manager.counters.preempted_blocks == 6
     assert "decode short of 6 blocks" in caplog.text
-    assert manager.finetune_headroom_bytes() == 0
+    assert manager.finetune.headroom_bytes() == 0
 
 
 def test_finetune_grows_back_with_hysteresis_and_returns_what_it_does_not_want() -> None:
     manager, pool = policy_manager(num_pages=32, grow_hold_iterations=3)
-    manager.set_finetune_demand(12 * PAGE)
+    manager.finetune.set_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     run_steps(manager, idle, 1)
     assert pool.finetune_pages == 12  # lending is a cap change: all idle pages in one move
@@ -60,7 +60,7 @@ def test_finetune_grows_back_with_hysteresis_and_returns_what_it_does_not_want()
     assert pool.finetune_pages == reclaimed_to  # held for grow_hold_iterations
     assert manager.counters.finetune_grows == 1
     # Demand drops: the unused budget goes back at once (no decode need).
-    manager.set_finetune_demand(PAGE)
+    manager.finetune.set_demand(PAGE)
     manager.maintain(busy)
     assert pool.finetune_pages == 1
     assert manager.counters.finetune_shrinks == 2
@@ -68,18 +68,18 @@ def test_finetune_grows_back_with_hysteresis_and_returns_what_it_does_not_want()
 
 def test_budget_above_the_demand_goes_back_without_a_flush_while_a_job_exists() -> None:
     manager, pool = policy_manager(num_pages=32, grow_hold_iterations=0)
-    manager.set_finetune_demand(12 * PAGE)
+    manager.finetune.set_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
     assert pool.finetune_pages == 12
-    manager.finetune_quantum_done(peak_bytes=10 * PAGE, resident_bytes=PAGE)
+    manager.finetune.quantum_done(peak_bytes=10 * PAGE, resident_bytes=PAGE)
     # The job wants less: only the 2 pages its cache does not hold come back (a cap change).
-    manager.set_finetune_demand(4 * PAGE)
+    manager.finetune.set_demand(4 * PAGE)
     for _ in range(3):
         manager.maintain(idle)
     assert pool.finetune_pages == 10 and len(manager.counters.flush_latency) == 0
     # No job: the idle budget goes back with its cache, one step (4 pages) per call.
-    manager.set_finetune_demand(0)
+    manager.finetune.set_demand(0)
     manager.maintain(idle)
     assert pool.finetune_pages == 6 and len(manager.counters.flush_latency) == 1
     assert manager.counters.urgent_flushes == 0
@@ -90,7 +90,7 @@ def test_budget_above_the_demand_goes_back_without_a_flush_while_a_job_exists() 
 
 def test_refill_defers_reclaims_while_a_finetune_quantum_runs() -> None:
     manager, pool = policy_manager(num_pages=16, grow_hold_iterations=0, max_step_pages=8)
-    manager.set_finetune_demand(12 * PAGE)
+    manager.finetune.set_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
     manager.maintain(idle)
@@ -106,7 +106,7 @@ def test_refill_defers_reclaims_while_a_finetune_quantum_runs() -> None:
 
 def test_an_urgent_reclaim_waits_for_the_running_quantum_first() -> None:
     manager, pool = policy_manager(num_pages=16, grow_hold_iterations=0, max_step_pages=8)
-    manager.set_finetune_demand(12 * PAGE)
+    manager.finetune.set_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
     manager.maintain(idle)
@@ -126,7 +126,7 @@ def test_a_static_split_never_takes_finetune_pages_back() -> None:
     manager, pool = policy_manager(
         num_pages=16, grow_hold_iterations=0, max_step_pages=8, reclaim_from_finetune=False
     )
-    manager.set_finetune_demand(12 * PAGE)
+    manager.finetune.set_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
     manager.maintain(idle)
@@ -145,7 +145,7 @@ def test_between_quanta_the_reserve_is_refilled_from_finetune_without_touching_h
     manager, pool = policy_manager(
         num_pages=16, grow_hold_iterations=0, max_step_pages=2, shrink_after_iterations=2
     )
-    manager.set_finetune_demand(12 * PAGE)
+    manager.finetune.set_demand(12 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     for _ in range(6):
         manager.maintain(idle)
@@ -161,7 +161,7 @@ def test_between_quanta_the_reserve_is_refilled_from_finetune_without_touching_h
 
 def test_the_reserve_between_quanta_covers_decode_growth_over_one_quantum() -> None:
     manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0, max_step_pages=2)
-    manager.set_finetune_demand(60 * PAGE)
+    manager.finetune.set_demand(60 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     for _ in range(30):
         manager.maintain(idle)
@@ -179,12 +179,12 @@ def test_the_reserve_between_quanta_covers_decode_growth_over_one_quantum() -> N
     manager.refill_reserve(DecodeDemand(used_blocks=5))  # the 4-block interval left the window
     assert manager.usable_blocks == 13 and manager.refill_reserve(DecodeDemand(used_blocks=5)) == 0
     with pytest.raises(ValueError, match="growth_window"):
-        MemoryPolicyConfig(growth_window=0)
+        MemoryManagerConfig(growth_window=0)
 
 
 def test_idle_pages_are_lent_while_decode_grows_keeping_what_its_reserve_lacks() -> None:
     manager, pool = policy_manager(num_pages=64, grow_hold_iterations=0, max_step_pages=2)
-    manager.set_finetune_demand(64 * PAGE)
+    manager.finetune.set_demand(64 * PAGE)
     # Decode is below its low watermark (a long queue): it refills by one step of 2 pages, and
     # every free page beyond the 6 its reserve still lacks (4 used + low 4 + waiting 4 = 12
     # blocks, 6 mapped) goes to finetuning at once.
@@ -196,15 +196,15 @@ def test_idle_pages_are_lent_while_decode_grows_keeping_what_its_reserve_lacks()
 
 def test_while_a_quantum_runs_decode_takes_the_budget_it_was_not_promised_without_waiting() -> None:
     manager, pool = policy_manager(num_pages=32, grow_hold_iterations=0, max_step_pages=8)
-    manager.set_finetune_demand(28 * PAGE)
+    manager.finetune.set_demand(28 * PAGE)
     idle = DecodeDemand(used_blocks=0, top_used_block=0)
     manager.maintain(idle)
     assert pool.finetune_pages == 28 and pool.free_pages == 0
     # The running quantum was promised 20 pages and its allocator holds 12 (live 2): 8 spare.
-    manager.finetune_quantum_done(peak_bytes=12 * PAGE, resident_bytes=2 * PAGE)
-    assert manager.busy_spare_pages(20 * PAGE) == 8
-    assert manager.busy_spare_pages(None) == 0  # no promise known: the whole budget is its
-    assert manager.busy_spare_pages(4 * PAGE) == 16  # the allocator's 12 pages stay
+    manager.finetune.quantum_done(peak_bytes=12 * PAGE, resident_bytes=2 * PAGE)
+    assert manager.finetune.busy_spare_pages(20 * PAGE) == 8
+    assert manager.finetune.busy_spare_pages(None) == 0  # no promise known: the whole budget is its
+    assert manager.finetune.busy_spare_pages(4 * PAGE) == 16  # the allocator's 12 pages stay
     waits: list[int] = []
     burst = DecodeDemand(used_blocks=0, top_used_block=0, next_step_blocks=10)
     grant = manager.before_step(
@@ -230,9 +230,9 @@ def test_while_a_quantum_runs_decode_takes_the_budget_it_was_not_promised_withou
     assert manager.usable_blocks == 16 and pool.finetune_pages == 16
     # The reserve refill during a quantum takes the spare too, and defers the rest.
     manager, pool = policy_manager(num_pages=32, grow_hold_iterations=0, max_step_pages=8)
-    manager.set_finetune_demand(28 * PAGE)
+    manager.finetune.set_demand(28 * PAGE)
     manager.maintain(idle)
-    manager.finetune_quantum_done(peak_bytes=12 * PAGE, resident_bytes=2 * PAGE)
+    manager.finetune.quantum_done(peak_bytes=12 * PAGE, resident_bytes=2 * PAGE)
     loaded = DecodeDemand(used_blocks=4, top_used_block=4, waiting_blocks=8)  # wants 12 more
     manager.maintain(loaded, finetune_busy=True, promised_bytes=24 * PAGE)
     assert manager.usable_blocks == 8 and pool.finetune_pages == 24  # spare 4 pages taken

@@ -1,12 +1,14 @@
 """A simulated host: policies plan real decisions, a fake clock advances by modelled latencies.
 
-For what-if studies and for running the co-location benchmark's policies when no GPU is at hand.
-It is not a benchmark: every latency comes from a model (``truth``), typically fitted to
-iterations profiled on a real GPU (``fit_truth_from_profile``). Decode follows the engine's
-continuous batching in outline: FCFS admission up to ``max_num_seqs``, running requests first,
-chunked prefill within ``max_num_batched_tokens``; a request's first token comes with the
-iteration that computes its last prompt token. Finetune quanta take ``QuantumCostModel`` time;
-one concurrent quantum at a time, polled at iteration boundaries exactly like ``HostLoop``.
+For what-if studies and for running the co-location benchmark's policies when no GPU is at hand
+(`bench/colocate.py --simulate`); the product's one loop is `gpu_runtime.colocation.HostLoop`,
+and nothing in the product runs this one. It is not a measurement: every latency comes from a
+model (``truth``), typically fitted to iterations profiled on a real GPU
+(``fit_truth_from_profile``). Decode follows the engine's continuous batching in outline: FCFS
+admission up to ``max_num_seqs``, running requests first, chunked prefill within
+``max_num_batched_tokens``; a request's first token comes with the iteration that computes its
+last prompt token. Finetune quanta take ``QuantumCostModel`` time; one concurrent quantum at a
+time, polled at iteration boundaries like ``HostLoop``.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import random
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.colocation.online import OnlineLatencyModel
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
-from gpu_runtime.colocation.predictor import DecodeLatencyModel, decode_iteration
 from gpu_runtime.colocation.types import (
     MIN_TOKENS_FOR_TPOT,
     DecodeSnapshot,

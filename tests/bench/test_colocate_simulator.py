@@ -6,6 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.colocate_simulator import (
+    QuantumCostModel,
+    SimulatedHost,
+    fit_truth_from_profile,
+)
 from gpu_runtime.colocation import (
     AnalyticLatencyModel,
     DecodeOnlyPolicy,
@@ -14,16 +19,11 @@ from gpu_runtime.colocation import (
     StaticSplitPolicy,
     summarize,
 )
-from gpu_runtime.colocation.simulator import (
-    QuantumCostModel,
-    SimulatedHost,
-    fit_truth_from_profile,
-)
 from gpu_runtime.colocation.types import JobView
 
 TRACE = [(0.01 * i, 64, 20) for i in range(10)]
 JOB = JobView("ft", 256, 256, 16)
-PROFILE = Path(__file__).parents[3] / "predictor_models/data/profile-h200-llama3-8b-engine.csv"
+PROFILE = Path(__file__).parents[2] / "predictor_models/data/profile-h200-llama3-8b-engine.csv"
 
 
 def _host(noise: float = 0.0) -> SimulatedHost:
@@ -103,7 +103,7 @@ def test_truth_fitted_from_the_committed_h200_profile() -> None:
 
 
 def test_prefill_cost_has_a_fixed_part_per_chunk_step() -> None:
-    from gpu_runtime.colocation.simulator import PrefillCost
+    from bench.colocate_simulator import PrefillCost
 
     cost = PrefillCost(ms_per_token_full=0.025, fixed_ms=23.0)
     assert cost.ms(0, 0.5) == 0.0  # a pure decode step pays nothing

@@ -1,4 +1,4 @@
-"""`MemoryManager`: decode-first policy over the unified pool.
+"""`MemoryManager`: decode first over the unified pool.
 
 Call order, once per engine iteration (one thread; no call is made from a kernel or a callback):
 1. `before_step(demand)` before the decode scheduler allocates blocks for the next step. It
@@ -19,12 +19,11 @@ then its cache must be flushed (on CUDA: waits for the device, drops the trainer
 Refills (`refill_reserve`, `maintain`) never flush while a job exists: they take the free pages
 and the budget the allocator does not hold, and leave the rest (`deferred_flushes`). Only
 `before_step` may flush, when the step's own blocks need more (`urgent_flushes`), and, with
-`release_finetune_graphs` set, `refill_reserve` (between quanta) after the finetune side drops
-a separately pooled graph shape (`graph_releases`).
-Finetune side: read `finetune_budget_bytes` before each quantum and fit its peak in it; after
-the quantum call `finetune_quantum_done(peak_bytes=..., resident_bytes=...)`.
-The finetune side's methods are in `finetune_budget.py`, the page moves in `moves.py` (bases
-of `MemoryManager`, logging on this module's logger).
+`FinetuneBudget.graph_release` set, `refill_reserve` (between quanta) after the finetune side
+drops a separately pooled graph shape (`graph_releases`).
+Finetune side (`MemoryManager.finetune`, a `FinetuneBudget`): read `budget_bytes` before each
+quantum and fit its peak in it; after the quantum call `quantum_done(peak_bytes=...,
+resident_bytes=...)`. The page moves both sides make are a `PageMoves` (`moves.py`).
 """
 
 from __future__ import annotations
@@ -33,29 +32,29 @@ import logging
 import time
 from collections.abc import Callable
 
-from gpu_runtime.memory.config import DecodeDemand, DecodeGrant, MemoryPolicyConfig
+from gpu_runtime.memory.config import DecodeDemand, DecodeGrant, MemoryManagerConfig
 from gpu_runtime.memory.counters import MemoryCounters
-from gpu_runtime.memory.finetune_budget import FinetuneBudgetMixin
+from gpu_runtime.memory.finetune_budget import FinetuneBudget
 from gpu_runtime.memory.headroom import DecodeHistory
 from gpu_runtime.memory.layout import KVLayout, MemoryPoolError
+from gpu_runtime.memory.moves import PageMoves
 from gpu_runtime.memory.pool import MemorySplit, PagePool
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DecodeDemand", "DecodeGrant", "MemoryManager", "MemoryPolicyConfig"]
+__all__ = ["DecodeDemand", "DecodeGrant", "MemoryManager", "MemoryManagerConfig"]
 
 
-class MemoryManager(FinetuneBudgetMixin):
+class MemoryManager:
     """Decode-first policy over a `PagePool`; every transition is logged and counted. The
-    decode side is here; the finetune side (budget, plan, demand, lending) is
-    `FinetuneBudgetMixin` (`finetune_budget.py`), the page moves `PageMovesMixin`
-    (`moves.py`)."""
+    decode side is here; it holds the finetune side (budget, plan, demand, lending) as
+    `finetune` and the page moves as `moves`."""
 
     def __init__(
         self,
         pool: PagePool,
         layout: KVLayout,
-        config: MemoryPolicyConfig | None = None,
+        config: MemoryManagerConfig | None = None,
         *,
         clock: Callable[[], float] = time.perf_counter,
     ) -> None:
@@ -63,7 +62,7 @@ class MemoryManager(FinetuneBudgetMixin):
             raise ValueError(
                 f"layout page_bytes {layout.page_bytes} != pool page_bytes {pool.page_bytes}"
             )
-        self.config = config or MemoryPolicyConfig()
+        self.config = config or MemoryManagerConfig()
         if self.config.min_decode_pages > pool.prefix_limit_pages:
             raise ValueError(
                 f"min_decode_pages {self.config.min_decode_pages} > the pool's KV prefix limit "
@@ -78,26 +77,22 @@ class MemoryManager(FinetuneBudgetMixin):
         self.layout = layout
         self.counters = MemoryCounters()
         self._clock = clock
-        self._finetune_demand_pages = 0
         self._iterations_above_high = 0
-        self._iterations_since_reclaim = self.config.grow_hold_iterations
         self._history = DecodeHistory(self.config, layout)
-        self._headroom_cache = {}
-        self.release_finetune_graphs: Callable[[], int] | None = None
-        """The finetune side's release of its largest separately pooled CUDA-graph shape (the
-        graphs dropped; 0 when none is), called only from `refill_reserve`, i.e. between
-        quanta: see `_release_finetune_graphs`. None (the default): never called."""
+        self.moves = PageMoves(pool, self.config, self.counters, clock)
+        self.finetune = FinetuneBudget(
+            pool, self.config, self.counters, self._history, self.moves, clock
+        )
         self.before_decode_unmap: Callable[[], object] | None = None
         """Called before decode's KV pages are unmapped: waits for any decode step still on
         the device that may write them (`EngineMemory.attach` sets the engine's
         `runner.wait_for_launched`: with async scheduling, a step launched ahead for a request
         that has since stopped writes blocks already freed). None: nothing to wait for."""
-        self._finetune_recompute: bool | None = None  # the last launch's mode
         initial = min(
             max(self.config.min_decode_pages, self.config.reserve_low_pages),
             pool.prefix_limit_pages,
         )
-        self._grow_decode(initial, reason="initial")
+        self.moves.grow_decode(initial, reason="initial")
 
     # ---- decode side -------------------------------------------------------------------
     @property
@@ -117,14 +112,14 @@ class MemoryManager(FinetuneBudgetMixin):
 
         When the free pages do not cover the need and a finetune quantum is in flight
         (`finetune_busy`), the budget that quantum was not promised (`promised_bytes`: what
-        it was told to fit in at launch) and its allocator does not hold is taken first, as
-        a cap change (`busy_spare_pages`; counted as `busy_reclaims`). Only if that is not
-        enough is `wait_for_finetune` called (counted as `finetune_waits`): cutting deeper
-        under a running quantum could make it run out of memory, and the cache flush would
-        wait for it anyway.
+        it was told to fit in at launch) and its allocator does not hold is taken first, as a
+        cap change (`FinetuneBudget.busy_spare_pages`; counted as `busy_reclaims`). Only if
+        that is not enough is `wait_for_finetune` called (counted as `finetune_waits`):
+        cutting deeper under a running quantum could make it run out of memory, and the cache
+        flush would wait for it anyway.
         """
         self.counters.iterations += 1
-        self._iterations_since_reclaim += 1
+        self.moves.iterations_since_reclaim += 1
         self._check_demand(demand)
         wanted = demand.used_blocks + demand.next_step_blocks
         if wanted > self.usable_blocks:
@@ -132,13 +127,13 @@ class MemoryManager(FinetuneBudgetMixin):
             limit: int | None = None
             if (
                 finetune_busy
-                and self._round_up(need) > self.pool.free_pages
+                and self.moves.round_up(need) > self.pool.free_pages
                 # Pages can come back only when reclaims are on (not under a static split).
                 and self.config.reclaim_from_finetune
                 and self.pool.finetune_pages > 0
             ):
-                spare = self.busy_spare_pages(promised_bytes)
-                if self._round_up(need) <= self.pool.free_pages + spare:
+                spare = self.finetune.busy_spare_pages(promised_bytes)
+                if self.moves.round_up(need) <= self.pool.free_pages + spare:
                     limit = spare
                     self.counters.busy_reclaims += 1
                 elif wait_for_finetune is not None:
@@ -147,7 +142,7 @@ class MemoryManager(FinetuneBudgetMixin):
                     waited = self._clock()
                     wait_for_finetune()
                     self.counters.wait_latency.add(self._clock() - waited)
-            got = self._grow_decode(need, reason="urgent", reclaim_limit=limit)
+            got = self.moves.grow_decode(need, reason="urgent", reclaim_limit=limit)
             self.counters.urgent_maps += 1
             self.counters.urgent_pages += got
         short = max(wanted - self.usable_blocks, 0)
@@ -177,7 +172,7 @@ class MemoryManager(FinetuneBudgetMixin):
         demand does not carry it; one of the two is needed for a shrink. `finetune_busy`: a
         finetune quantum is still running on the device; a reclaim that flushes torch's cache
         would wait for that quantum, so the refill then takes free pages and the budget the
-        running quantum was not promised (`busy_spare_pages(promised_bytes)`: a cap change)
+        running quantum was not promised (`FinetuneBudget.busy_spare_pages`: a cap change)
         only, and the rest waits for a later call (counted as `deferred_reclaims`).
         """
         self._check_demand(demand)
@@ -186,7 +181,7 @@ class MemoryManager(FinetuneBudgetMixin):
         target_pages, low_blocks, high_blocks = self._watermarks(demand)
         if free_blocks < low_blocks:
             self._iterations_above_high = 0
-            limit = self.busy_spare_pages(promised_bytes) if finetune_busy else None
+            limit = self.finetune.busy_spare_pages(promised_bytes) if finetune_busy else None
             self._refill(demand, low_blocks, reclaim_limit=limit)
         elif free_blocks > high_blocks:
             self._iterations_above_high += 1
@@ -203,10 +198,12 @@ class MemoryManager(FinetuneBudgetMixin):
         else:
             self._iterations_above_high = 0
         if not finetune_busy:
-            self._return_unwanted_budget()
+            self.finetune.return_unwanted_budget()
         # Pages decode's reserve still lacks (the waiting prompts' included) stay free.
         short = self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
-        self._lend_idle_pages(keep_free=self._round_up(max(short - self.pool.kv_prefix_pages, 0)))
+        self.finetune.lend_idle_pages(
+            keep_free=self.moves.round_up(max(short - self.pool.kv_prefix_pages, 0))
+        )
 
     def refill_reserve(self, demand: DecodeDemand) -> int:
         """Between finetune quanta (none in flight): refill decode's reserve up to the low
@@ -220,9 +217,9 @@ class MemoryManager(FinetuneBudgetMixin):
         must last until the next such point, one quantum later. It does not touch the
         hysteresis counters (`maintain` still runs once per iteration).
 
-        With `release_finetune_graphs` set, it first lets the finetune side release its
+        With `finetune.graph_release` set, it first lets the finetune side release its
         largest separately pooled graph shape when what finetune holds exceeds
-        `finetune_release_plan_bytes()` or the refill needs what only a flush frees (then
+        `finetune.release_plan_bytes()` or the refill needs what only a flush frees (then
         flushes: `graph_releases`); a quantum never runs here, so none loses its pool."""
         self._check_demand(demand)
         self._history.observe(demand.used_blocks)
@@ -232,7 +229,7 @@ class MemoryManager(FinetuneBudgetMixin):
         need = self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
         got = 0
         if free_blocks < low_blocks:
-            got = self._grow_decode(
+            got = self.moves.grow_decode(
                 need - self.pool.kv_prefix_pages, reason="refill", allow_flush=False
             )
         # After this boundary's refill: what it still lacks (within the KV range) may come
@@ -242,8 +239,8 @@ class MemoryManager(FinetuneBudgetMixin):
         missing = 0
         if free_blocks < low_blocks:
             missing = min(max(need - self.pool.kv_prefix_pages, 0), room)
-        if self._release_finetune_graphs(self._round_up(missing)) and missing > 0:
-            got += self._grow_decode(missing, reason="refill", allow_flush=False)
+        if self.finetune.release_graphs(self.moves.round_up(missing)) and missing > 0:
+            got += self.moves.grow_decode(missing, reason="refill", allow_flush=False)
         if got:
             self.counters.refill_maps += 1
             self.counters.refill_pages += got
@@ -265,7 +262,7 @@ class MemoryManager(FinetuneBudgetMixin):
             self.layout.pages_for_blocks(demand.used_blocks + low_blocks)
             - self.pool.kv_prefix_pages
         )
-        got = self._grow_decode(
+        got = self.moves.grow_decode(
             min(need, self.config.max_step_pages),
             reason="refill",
             reclaim_limit=reclaim_limit,
@@ -286,7 +283,7 @@ class MemoryManager(FinetuneBudgetMixin):
             self.layout.pages_for_blocks(top_used_block),
             self.layout.pages_for_blocks(used_blocks + mid_blocks),
         )
-        count = self._round_down(min(cfg.max_step_pages, self.pool.kv_prefix_pages - keep))
+        count = self.moves.round_down(min(cfg.max_step_pages, self.pool.kv_prefix_pages - keep))
         if count <= 0:
             # Live blocks sit at the top of the range: look again (the scan for the top used
             # block costs a pass over the free ids) only after another hysteresis period.

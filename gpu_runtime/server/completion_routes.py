@@ -1,0 +1,229 @@
+"""The completion routes: ``/v1/completions`` and ``/v1/chat/completions``, each answered in
+full or streamed as server-sent events (``stream: true``; usage with
+``stream_options.include_usage``), with logprobs when asked."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends
+from fastapi.responses import StreamingResponse
+
+from gpu_runtime.engine.request import RequestOutput
+from gpu_runtime.server.auth import KeyGrant
+from gpu_runtime.server.inference import Inference, inference_of, require_key
+from gpu_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
+from gpu_runtime.server.responses import (
+    Tracked,
+    chat_logprobs,
+    completion_logprobs,
+    sse,
+    text_delta,
+    usage,
+)
+
+router = APIRouter()
+
+
+@router.post("/v1/completions", response_model=None)
+async def completions(
+    body: CompletionRequest,
+    grant: KeyGrant = Depends(require_key),
+    inference: Inference = Depends(inference_of),
+) -> Any:
+    lora = await inference.resolve_model(body.model, grant)
+    try:
+        prompts = [inference.encode(p) for p in body.prompts()]
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="prompt") from exc
+    params = inference.sampling(body, body.max_tokens or 16, body.logprobs)
+    created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+    tracked = [Tracked(len(ids), time.perf_counter()) for ids in prompts]
+    holdback = max((len(s) for s in params.stop), default=1) - 1
+
+    if not body.stream:
+
+        async def collect(i: int) -> None:
+            async for _ in inference.run_one(prompts[i], params, lora, tracked[i]):
+                pass
+            inference.record(cid, body.model, tracked[i])
+
+        await asyncio.gather(*(collect(i) for i in range(len(prompts))))
+        choices = [
+            {
+                "index": i,
+                "text": t.last.text if t.last else "",
+                "logprobs": (
+                    completion_logprobs(inference.tokenizer(), t)
+                    if body.logprobs is not None
+                    else None
+                ),
+                "finish_reason": t.last.finish_reason if t.last else None,
+            }
+            for i, t in enumerate(tracked)
+        ]
+        return {
+            "id": cid,
+            "object": "text_completion",
+            "created": created,
+            "model": body.model,
+            "choices": choices,
+            "usage": usage(tracked),
+        }
+
+    first_outputs = [
+        inference.run_one(prompts[i], params, lora, tracked[i]) for i in range(len(prompts))
+    ]
+    # Surface request errors (bad length, unknown adapter) before the stream starts.
+    heads = [await anext(gen) for gen in first_outputs]
+
+    async def stream() -> AsyncIterator[str]:
+        merged: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
+
+        async def pump(i: int) -> None:
+            await merged.put((i, heads[i]))
+            async for out in first_outputs[i]:
+                await merged.put((i, out))
+            await merged.put((i, None))
+
+        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
+        sent = [0] * len(prompts)
+        open_streams = len(prompts)
+        try:
+            while open_streams:
+                i, out = await merged.get()
+                if out is None:
+                    open_streams -= 1
+                    inference.record(cid, body.model, tracked[i])
+                    continue
+                text, sent[i] = text_delta(out.text, sent[i], out.finished, holdback)
+                if text or out.finished:
+                    yield sse(
+                        {
+                            "id": cid,
+                            "object": "text_completion",
+                            "created": created,
+                            "model": body.model,
+                            "choices": [
+                                {
+                                    "index": i,
+                                    "text": text,
+                                    "logprobs": None,
+                                    "finish_reason": out.finish_reason,
+                                }
+                            ],
+                        }
+                    )
+            if body.stream_options and body.stream_options.include_usage:
+                yield sse(
+                    {
+                        "id": cid,
+                        "object": "text_completion",
+                        "created": created,
+                        "model": body.model,
+                        "choices": [],
+                        "usage": usage(tracked),
+                    }
+                )
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    return StreamingResponse(stream(), media_type="text/event-stream")
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def chat_completions(
+    body: ChatCompletionRequest,
+    grant: KeyGrant = Depends(require_key),
+    inference: Inference = Depends(inference_of),
+) -> Any:
+    lora = await inference.resolve_model(body.model, grant)
+    messages = [m.model_dump() for m in body.messages]
+    ids = list(
+        inference.tokenizer().apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True, return_dict=False
+        )
+    )
+    room = max(1, inference.engine_loop.engine.config.max_model_len - len(ids))
+    limit = body.max_completion_tokens or body.max_tokens or room
+    top = (body.top_logprobs or 0) if body.logprobs else None
+    params = inference.sampling(body, limit, top)
+    created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+    tracked = Tracked(len(ids), time.perf_counter())
+    holdback = max((len(s) for s in params.stop), default=1) - 1
+    generator = inference.run_one(ids, params, lora, tracked)
+    head = await anext(generator)
+
+    if not body.stream:
+        last = head
+        if not head.finished:
+            async for out in generator:
+                last = out
+        inference.record(cid, body.model, tracked)
+        return {
+            "id": cid,
+            "object": "chat.completion",
+            "created": created,
+            "model": body.model,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": last.text},
+                    "logprobs": (
+                        chat_logprobs(inference.tokenizer(), tracked.logprobs)
+                        if body.logprobs
+                        else None
+                    ),
+                    "finish_reason": last.finish_reason,
+                }
+            ],
+            "usage": usage([tracked]),
+        }
+
+    def chunk(delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> str:
+        return sse(
+            {
+                "id": cid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": body.model,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                ],
+            }
+        )
+
+    async def stream() -> AsyncIterator[str]:
+        yield chunk({"role": "assistant", "content": ""}, None)
+        sent = 0
+        out: RequestOutput | None = head
+        while out is not None:
+            text, sent = text_delta(out.text, sent, out.finished, holdback)
+            lps = chat_logprobs(inference.tokenizer(), out.new_logprobs) if body.logprobs else None
+            if text or lps:
+                yield chunk({"content": text}, None, lps)
+            if out.finished:
+                yield chunk({}, out.finish_reason)
+                break
+            out = await anext(generator, None)
+        inference.record(cid, body.model, tracked)
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse(
+                {
+                    "id": cid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": body.model,
+                    "choices": [],
+                    "usage": usage([tracked]),
+                }
+            )
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(stream(), media_type="text/event-stream")

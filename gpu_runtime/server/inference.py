@@ -1,0 +1,195 @@
+"""What the inference routes share: one `Inference` per app, on ``app.state.inference``.
+
+It resolves a requested model to the base model or an adapter under the caller's key grant,
+builds sampling parameters and prompt ids (OpenAI errors for bad input), runs a request on the
+`EngineLoop` while tracking its latency, and records each finished request in the metrics
+collector. The engine (tokenizer, limits, LoRA runtime) is read from the loop on each use: a
+host may load another base model between requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Protocol
+
+from fastapi import Request
+
+from gpu_runtime.engine.engine import UnknownAdapterError
+from gpu_runtime.engine.request import RequestOutput, SamplingParams, SamplingParamsError
+from gpu_runtime.server.auth import ApiKeyChecker, KeyGrant
+from gpu_runtime.server.engine_loop import EngineLoop
+from gpu_runtime.server.metrics import MetricsCollector, RequestMetrics
+from gpu_runtime.server.protocol import OpenAIError, _SamplingFields
+from gpu_runtime.server.responses import Tracked
+
+AdapterLookup = Callable[[str], str | None]
+"""Maps a requested model name to an adapter (lora) name, or None when it is not an adapter."""
+AdapterNames = Callable[[], list[str]]
+"""The adapter (model) names to list in `/v1/models` beside the base model."""
+
+
+class ModelLoader(Protocol):
+    """Serves, on demand, models a key may call that the host does not list (checkpoints)."""
+
+    def claims(self, name: str) -> bool:
+        """Whether `name` is one this loader could serve (cheap; no I/O)."""
+        ...
+
+    def load(self, name: str) -> str | None:
+        """Make `name` servable and return its adapter name, or None when it cannot be served
+        here. Blocks (the server calls it from a worker thread)."""
+        ...
+
+
+class Inference:
+    """The inference side of one app (see `create_app` for the arguments)."""
+
+    def __init__(
+        self,
+        engine_loop: EngineLoop,
+        model_name: str | Callable[[], str],
+        api_key_checker: ApiKeyChecker,
+        metrics: MetricsCollector,
+        adapter_lookup: AdapterLookup | None,
+        adapter_names: AdapterNames | None,
+        model_loader: ModelLoader | None,
+    ) -> None:
+        self.engine_loop = engine_loop
+        self._model_name = model_name
+        self._api_key_checker = api_key_checker
+        self.metrics = metrics
+        self._adapter_lookup = adapter_lookup
+        self._adapter_names = adapter_names
+        self._model_loader = model_loader
+
+    def base_name(self) -> str:
+        name = self._model_name
+        return name if isinstance(name, str) else name()
+
+    def lookup(self, name: str) -> str | None:
+        if self._adapter_lookup is not None:
+            return self._adapter_lookup(name)
+        lora = self.engine_loop.engine.lora
+        return name if lora is not None and lora.has(name) else None
+
+    def served_adapters(self) -> list[str]:
+        if self._adapter_names is not None:
+            return list(self._adapter_names())
+        lora = self.engine_loop.engine.lora
+        return list(lora.names()) if lora is not None else []
+
+    def tokenizer(self) -> Any:
+        return self.engine_loop.engine.tokenizer
+
+    def check_key(self, request: Request) -> KeyGrant:
+        """The grant of the request's bearer key (401 without one). The checker may block:
+        call it from a worker thread (a sync dependency)."""
+        header = request.headers.get("authorization", "")
+        key = header[7:].strip() if header.lower().startswith("bearer ") else None
+        grant = self._api_key_checker(key or None)
+        if grant is None:
+            raise OpenAIError(
+                401,
+                "Incorrect or missing API key.",
+                "invalid_request_error",
+                code="invalid_api_key",
+            )
+        return grant
+
+    async def resolve_model(self, name: str, grant: KeyGrant) -> str | None:
+        """The adapter to use for `name` (None: the base model); 404 for anything else."""
+        listed = grant.allows(name)
+        if listed and name == self.base_name():
+            return None
+        lora = self.lookup(name) if listed else None
+        if lora is not None:
+            return lora
+        loader = self._model_loader
+        if loader is not None and loader.claims(name):
+            if await asyncio.to_thread(grant.allows_unlisted, name):
+                lora = self.lookup(name) or await asyncio.to_thread(loader.load, name)
+                if lora is not None:
+                    return lora
+        raise OpenAIError(
+            404, f"The model '{name}' does not exist.", param="model", code="model_not_found"
+        )
+
+    def sampling(
+        self, body: _SamplingFields, max_tokens: int, logprobs: int | None
+    ) -> SamplingParams:
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                stop=body.stop_strings(),
+                logprobs=logprobs,
+            )
+        except SamplingParamsError as exc:
+            raise OpenAIError(400, str(exc)) from exc
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = list(self.tokenizer()(prompt)["input_ids"])
+        else:
+            ids = list(prompt)
+        if not ids:
+            raise OpenAIError(400, "prompt is empty", param="prompt")
+        return ids
+
+    def record(self, rid: str, model: str, tracked: Tracked) -> None:
+        """Record a finished request's latencies (nothing for one that produced no token)."""
+        out = tracked.last
+        if out is None or tracked.first_token is None:
+            return
+        now = time.perf_counter()
+        count = len(out.output_token_ids)
+        tpot = (now - tracked.first_token) / (count - 1) if count > 1 else None
+        self.metrics.record(
+            RequestMetrics(
+                rid,
+                model,
+                tracked.prompt_tokens,
+                count,
+                tracked.first_token - tracked.started,
+                tpot,
+                now - tracked.started,
+                out.finish_reason,
+            )
+        )
+
+    async def run_one(
+        self, ids: list[int], params: SamplingParams, lora: str | None, tracked: Tracked
+    ) -> AsyncIterator[RequestOutput]:
+        """The request's outputs as the engine loop produces them, tracked in `tracked`."""
+        try:
+            async for out in self.engine_loop.generate(ids, params, lora):
+                if tracked.first_token is None:
+                    tracked.first_token = time.perf_counter()
+                tracked.last = out
+                tracked.logprobs.extend(out.new_logprobs)
+                yield out
+        except UnknownAdapterError as exc:
+            raise OpenAIError(404, str(exc), param="model", code="model_not_found") from exc
+        except ValueError as exc:
+            raise OpenAIError(400, str(exc)) from exc
+
+
+def app_inference(request: Request) -> Inference:
+    """The `Inference` of the app serving `request`."""
+    inference: Inference = request.app.state.inference
+    return inference
+
+
+async def inference_of(request: Request) -> Inference:
+    """The app's `Inference`, as a dependency (async: no worker thread for a lookup)."""
+    return app_inference(request)
+
+
+def require_key(request: Request) -> KeyGrant:
+    """A sync dependency: FastAPI runs it in a worker thread, so a checker may block."""
+    return app_inference(request).check_key(request)

@@ -1,0 +1,35 @@
+"""Routes that describe what the host serves: ``/health`` (no key) and ``/v1/models``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Depends
+
+from gpu_runtime.server.auth import KeyGrant
+from gpu_runtime.server.inference import Inference, inference_of, require_key
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(inference: Inference = Depends(inference_of)) -> dict[str, Any]:
+    """Liveness, no key: the base model and how many adapters are served (their names are
+    tenants' models: only a key's grant shows them, through `/v1/models`)."""
+    return {
+        "status": "ok",
+        "base_model": inference.base_name(),
+        "adapters": len(inference.served_adapters()),
+    }
+
+
+@router.get("/v1/models")
+async def list_models(
+    grant: KeyGrant = Depends(require_key), inference: Inference = Depends(inference_of)
+) -> dict[str, Any]:
+    """The base model, then each adapter (`parent` = the base model), as far as the key's
+    grant reaches."""
+    name = inference.base_name()
+    base: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "harli"}
+    entries = [base] + [base | {"id": a, "parent": name} for a in inference.served_adapters()]
+    return {"object": "list", "data": [m for m in entries if grant.allows(str(m["id"]))]}
