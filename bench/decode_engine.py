@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from bench.decode_args import VARIANTS, Sweep
-from gpu_runtime.engine import Engine, EngineConfig, Request, RequestStatus, SamplingParams
-from gpu_runtime.engine.engine import StepTimes
-from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler
+from gpu_runtime.engine import Engine, EngineConfig, Request, SamplingParams
+from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
+from gpu_runtime.engine.step_types import StepTimes
 from gpu_runtime.model import CausalLM
 
 DEVICE = torch.device("cuda")
@@ -114,13 +114,7 @@ def inject(
         request = Request(rid, prompt, params, lora_name=lora_names[i] if lora_names else None)
         engine.block_manager.append_slots(request.block_table, context)
         request.num_computed_tokens = context - 1
-        request.status = RequestStatus.RUNNING
-        scheduler.requests[rid] = request
-        if request.lora_name is not None:
-            assert engine.lora is not None
-            engine.lora.attach(rid, request.lora_name)
-            scheduler._adapter_holders.add(rid)
-        scheduler.running.append(request)
+        scheduler.add_running_request(request)
         ids.append(rid)
     return ids
 
@@ -206,8 +200,8 @@ def recover(engine: Engine) -> None:
     """After a variant's timing failed: back to synchronous scheduling, nothing in flight,
     every request aborted, one step to drop their runner state."""
     engine.config = dataclasses.replace(engine.config, async_scheduling=False)
-    engine._inflight = None
-    for rid in list(getattr(engine.scheduler, "requests", {})):
+    engine.overlap.in_flight = None
+    for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     engine.step()
 

@@ -60,7 +60,7 @@ def time_mixed_steps(
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.8, ignore_eos=True, detokenize=False)
     gen = torch.Generator().manual_seed(7)
-    for extra in engine.scheduler.running[decode_rows:]:  # type: ignore[attr-defined]
+    for extra in engine.scheduler.running[decode_rows:]:
         engine.abort_request(extra.request_id)
     result: dict[str, list[float]] = {}
     for system, mixed in (("harli_mixed_step", True), ("harli_mixed_step_old", False)):

@@ -151,8 +151,8 @@ def test_without_free_slots_requests_wait_in_order_and_finish(
     engine.step()
     # one slot, held by the poet request: the coder request waits, and FCFS keeps the base
     # request and the second poet request behind it
-    assert [r.request_id for r in scheduler.running] == [ids[0]]  # type: ignore[attr-defined]
-    assert [r.request_id for r in scheduler.waiting] == ids[1:]  # type: ignore[attr-defined]
+    assert [r.request_id for r in scheduler.running] == [ids[0]]
+    assert [r.request_id for r in scheduler.waiting] == ids[1:]
     assert runtime.manager.slot_of("poet") == 0
     finished: dict[str, list[int]] = {}
     admitted_after: dict[str, set[str]] = {}
@@ -160,7 +160,7 @@ def test_without_free_slots_requests_wait_in_order_and_finish(
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.output_token_ids
-        for r in scheduler.running:  # type: ignore[attr-defined]
+        for r in scheduler.running:
             admitted_after.setdefault(r.request_id, set(finished))
     assert [finished[i] for i in ids] == expected
     assert ids[0] in admitted_after[ids[1]]  # coder got the slot only once poet was done
@@ -196,7 +196,7 @@ def test_preempted_adapter_request_reattaches(adapter_dirs: dict[str, Path]) -> 
             if out.finished:
                 finished[out.request_id] = out.output_token_ids
         holders = set(runtime._attached)
-        running = {r.request_id for r in engine.scheduler.running}  # type: ignore[attr-defined]
+        running = {r.request_id for r in engine.scheduler.running}
         assert holders == {i for i in running if requests[i].lora_name is not None}
     assert any(requests[i].num_preemptions >= 1 for i in ids if requests[i].lora_name)
     assert [finished[i] for i in ids] == expected

@@ -4,8 +4,9 @@ import pytest
 
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
+from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
 from gpu_runtime.engine.request import Request, RequestStatus, SamplingParams
-from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler, SchedulerOutput
+from gpu_runtime.engine.scheduler import SchedulerOutput
 
 
 def _scheduler(blocks: int, budget: int = 16, seqs: int = 4) -> ContinuousBatchingScheduler:
