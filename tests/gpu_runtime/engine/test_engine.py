@@ -119,7 +119,7 @@ def test_preemption_counter_is_visible(tiny_llama: CausalLM) -> None:
     seen = 0
     while engine.has_unfinished_requests():
         engine.step()
-        live = [engine.scheduler.get_request(i) for i in ids if i in engine.scheduler.requests]
+        live = [engine.scheduler.requests[i] for i in ids if i in engine.scheduler.requests]
         seen = max([seen, *(r.num_preemptions for r in live)])
     assert seen >= 1 and len(ids) == 4
 

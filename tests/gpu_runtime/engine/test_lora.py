@@ -189,7 +189,7 @@ def test_preempted_adapter_request_reattaches(adapter_dirs: dict[str, Path]) -> 
     # (adapter) requests get preempted and recomputed
     engine, runtime = _lora_engine(adapter_dirs, num_slots=2, num_kv_blocks=14)
     ids = [engine.add_request(p, GREEDY, lora_name=n) for p, n in zip(prompts, names, strict=True)]
-    requests = {i: engine.scheduler.get_request(i) for i in ids}
+    requests = {i: engine.scheduler.requests[i] for i in ids}
     finished: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
