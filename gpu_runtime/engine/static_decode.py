@@ -95,8 +95,6 @@ class StaticDecodeMixin:
                 self.config.max_model_len,
                 groups,
                 fuse_lora_expand=self.config.lora_expand_in_kernels,
-                skinny_max_rows=self.config.decode_skinny_gemm_rows,
-                skinny_projections=self.config.decode_skinny_gemm_projections,
                 programmatic_launch_rows=self.config.decode_programmatic_launch_rows,
             )
             if self.config.mixed_cuda_graphs and self.mixed_attention:

@@ -157,14 +157,10 @@ def test_bad_requests_and_configs_are_rejected(tiny_llama: CausalLM) -> None:
         _config(block_size=6)
     with pytest.raises(EngineConfigError, match="decode_blas_library='mkl'"):
         _config(decode_blas_library="mkl")
-    with pytest.raises(EngineConfigError, match="decode_skinny_gemm_rows=65"):
-        _config(decode_skinny_gemm_rows=65)
     for rows in (-1, 2.5, True):
         with pytest.raises(EngineConfigError, match=f"decode_programmatic_launch_rows={rows}"):
             _config(decode_programmatic_launch_rows=rows)
     assert _config(decode_programmatic_launch_rows=0).decode_programmatic_launch_rows == 0
-    with pytest.raises(EngineConfigError, match=r"unknown \['lm_head'\]"):
-        _config(decode_skinny_gemm_projections=("o", "lm_head"))
     with pytest.raises(EngineConfigError, match="chunk_attention='flash'"):
         _config(chunk_attention="flash")
 
