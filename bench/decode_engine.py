@@ -85,7 +85,7 @@ def build_engine(
 
 def bucket_for(engine: Engine, batch: int) -> int:
     """The smallest decode graph bucket holding `batch` rows."""
-    return next(b for b in engine.runner._buckets if b >= batch)
+    return next(b for b in engine.runner.decode.buckets if b >= batch)
 
 
 def inject(
@@ -122,7 +122,7 @@ def inject(
 def replay_ms(engine: Engine, bucket: int, reps: int) -> list[float]:
     """Device ms of `reps` replays of the decode graph of `bucket` (CUDA events); none where the
     engine has no such graph."""
-    graphs = engine.runner._graphs
+    graphs = engine.runner.decode.graphs
     if graphs is None or not graphs.has(bucket):
         return []
     return event_times(lambda: graphs.replay(bucket), reps)
@@ -170,7 +170,7 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     torch.cuda.synchronize()  # no graph of the old set may still run when it is dropped
     engine.config = dataclasses.replace(engine.config, async_scheduling=variant != "sync")
     runner = engine.runner
-    fused = runner._fused
+    fused = runner.fused
     rows = 64 if variant.startswith("skinny") else 0
     projections = frozenset(
         ("qkv", "o", "gate_up", "down") if variant == "skinny-all" else ("qkv", "o")
@@ -183,13 +183,13 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
         return
     fused.skinny_max_rows, fused.skinny_projections = rows, projections
     fused.programmatic_launch_rows = pdl_rows
-    mixed, runner._mixed = runner._mixed, None
-    runner._graphs = runner._lora_graphs = None
+    mixed, runner.general.mixed_graphs = runner.general.mixed_graphs, None
+    runner.decode.drop_graphs()
     torch.cuda.empty_cache()
     try:
         runner.capture_cuda_graphs(batch_sizes=tuple(buckets))
     finally:
-        runner._mixed = mixed
+        runner.general.mixed_graphs = mixed
 
 
 def _kernels(fused: Any) -> tuple[int, frozenset[str], int]:
@@ -224,7 +224,7 @@ def time_prefill_chunks(
     runs = [(graphs, chunk) for graphs in modes for chunk in [chunks[0], *chunks]]
     try:
         for rep, (graphs, chunk) in enumerate(runs):  # the first of each mode compiles
-            engine.runner.use_mixed_graphs = graphs
+            engine.runner.general.use_mixed_graphs = graphs
             scheduler.config = dataclasses.replace(
                 original, max_num_batched_tokens=chunk + decode_rows
             )
@@ -259,7 +259,7 @@ def time_prefill_chunks(
             print("prefill", results[-1], flush=True)
     finally:
         scheduler.config = original
-        engine.runner.use_mixed_graphs = True
+        engine.runner.general.use_mixed_graphs = True
         for rid in ids:
             engine.abort_request(rid)
     return results

@@ -87,7 +87,7 @@ def test_continuous_batching_with_staggered_arrivals_equals_sequential(
     expected = _one_at_a_time(tiny_llama, prompts)
     config = _config(max_num_batched_tokens=16, mixed_batch_attention=mixed_attention)
     engine = Engine(tiny_llama, config)
-    assert engine.runner.mixed_attention == mixed_attention
+    assert engine.runner.general.mixed_attention == mixed_attention
     finished: dict[str, list[int]] = {}
     ids: list[str] = []
     pending = list(prompts)
@@ -228,4 +228,4 @@ def test_fixed_shape_decode_batches_give_the_same_tokens(tiny_llama: CausalLM) -
     # 5 sequences are padded into the bucket of 8 (max_num_seqs) for every decode step
     outputs = static_engine.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in dynamic]
-    assert static_engine.runner.num_static_decode_steps >= GREEDY.max_tokens - 2
+    assert static_engine.runner.decode.num_static_decode_steps >= GREEDY.max_tokens - 2

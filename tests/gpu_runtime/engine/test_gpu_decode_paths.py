@@ -110,7 +110,7 @@ def test_capture_survives_a_collection_of_dropped_engines() -> None:
         del dropped
         assert runner() is not None  # cyclic garbage, graphs included
         engine = Engine(model, EngineConfig(**_ENGINE_CONFIG))  # type: ignore[arg-type]
-        forward = engine.runner.decode_forward
+        forward = engine.runner.decode.decode_forward
         collected_while_capturing = []
 
         def collecting_forward(bucket: int) -> torch.Tensor:
@@ -119,7 +119,7 @@ def test_capture_survives_a_collection_of_dropped_engines() -> None:
             return forward(bucket)
 
         graphs = DecodeGraphs(collecting_forward)
-        engine.runner._graphs = graphs
+        engine.runner.decode.graphs = graphs
         assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
         assert runner() is None
         assert len(collected_while_capturing) == 4
@@ -198,8 +198,8 @@ def test_programmatic_launch_keeps_the_tokens(rows: int) -> None:
     expected = _run(plain, prompts, greedy)
     del plain
     engine = _engine(model, async_scheduling=True, decode_programmatic_launch_rows=rows)
-    assert engine.runner._fused is not None
-    assert engine.runner._fused.programmatic_launch_rows == rows
+    assert engine.runner.fused is not None
+    assert engine.runner.fused.programmatic_launch_rows == rows
     assert _run(engine, prompts, greedy) == expected
 
 
@@ -292,5 +292,5 @@ def test_varlen_chunk_attention_gives_the_sdpa_tokens() -> None:
     expected = _run(_engine(model, chunk_attention="sdpa", mixed_cuda_graphs=True), prompts, greedy)
     engine = _engine(model, mixed_cuda_graphs=True)
     got = _run(engine, prompts, greedy)
-    assert engine.runner.num_mixed_graph_steps > 0
+    assert engine.runner.general.num_mixed_graph_steps > 0
     assert _agreement(expected, got) >= 0.8

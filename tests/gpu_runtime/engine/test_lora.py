@@ -234,5 +234,5 @@ def test_fixed_shape_decode_steps_apply_adapters(adapter_dirs: dict[str, Path]) 
     assert engine.runner.static_decode
     outputs = engine.generate(prompts, GREEDY, lora_names=names)  # 5 rows padded to 8
     assert [o.output_token_ids for o in outputs] == expected
-    assert engine.runner.num_static_decode_steps >= GREEDY.max_tokens - 2
+    assert engine.runner.decode.num_static_decode_steps >= GREEDY.max_tokens - 2
     assert runtime._attached == {}
