@@ -97,12 +97,12 @@ def install_step(
         tokens = rng.integers(0, vocab, total).tolist()
         new.append(NewRequestData(rid, tokens, blocks, prefix, params, 0))
         scheduled[rid] = count
-    runner._sync_states(SchedulerOutput(new, [], scheduled))
+    runner.rows.sync(SchedulerOutput(new, [], scheduled))
     return list(scheduled.items())
 
 
 def drop_step(engine: Engine, order: list[tuple[str, int]]) -> None:
-    engine.runner._sync_states(SchedulerOutput([], [], {}, {rid for rid, _ in order}))
+    engine.runner.rows.sync(SchedulerOutput([], [], {}, {rid for rid, _ in order}))
 
 
 def set_mode(engine: Engine, mode: str) -> None:

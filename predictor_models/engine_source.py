@@ -19,7 +19,7 @@ runs, tests) decode steps run the graph's step eagerly over the same buffers.
 
 The runner's decode path holds the static buffers and graphs (``decode.buf_ints``,
 ``decode.buf_seq_lens``, ``decode.buf_table``, ``decode.buckets``, ``decode.graphs``); mixed
-steps use ``states``, ``_table_np`` and ``_forward``. A runner without them raises
+steps use ``states``, ``rows.table_np`` and ``_forward``. A runner without them raises
 ``EngineSourceError``.
 """
 
@@ -95,13 +95,13 @@ class EngineMixedStep:
         from gpu_runtime.engine.request import SamplingParams
 
         runner = source.runner
-        for name in ("states", "_table_np", "_forward"):
+        for name in ("states", "rows", "_forward"):
             if not hasattr(runner, name):
                 raise EngineSourceError(f"ModelRunner has no {name}; no mixed steps")
         chunks = list(chunks) if chunks is not None else [(0, prefill_tokens)]
         if sum(n for _, n in chunks) != prefill_tokens or min(n for _, n in chunks) < 1:
             raise ValueError(f"chunks {chunks} do not add up to {prefill_tokens} tokens")
-        if len(contexts) + len(chunks) > runner._table_np.shape[0]:
+        if len(contexts) + len(chunks) > runner.rows.table_np.shape[0]:
             raise ValueError(
                 f"{len(contexts)} decode sequences + {len(chunks)} chunks exceed the rows"
             )
@@ -112,7 +112,7 @@ class EngineMixedStep:
             raise ValueError(
                 f"{sum(n_blocks)} KV blocks needed, {runner.kv_cache.num_blocks} exist"
             )
-        if max(n_blocks) > runner._table_np.shape[1]:
+        if max(n_blocks) > runner.rows.table_np.shape[1]:
             raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_model_len")
         vocab = source.model.config.vocab_size
         runner.states.clear()
@@ -124,7 +124,7 @@ class EngineMixedStep:
             rid = f"decode{row}" if decode else ("prefill" if chunk == 0 else f"prefill{chunk}")
             block_ids = list(range(start, start + blocks))
             start += blocks
-            runner._table_np[row, :blocks] = block_ids
+            runner.rows.table_np[row, :blocks] = block_ids
             computed = length - 1 if decode else chunks[chunk][0]
             runner.states[rid] = _RequestState(
                 token_ids=source.rng.integers(0, vocab, length).tolist(),

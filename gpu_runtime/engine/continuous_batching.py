@@ -1,51 +1,27 @@
 """The continuous-batching scheduler: FCFS, chunked prefill, preemption by recomputation.
 
-`schedule()` and `preview()` share one budget walk (`_walk`), which decides and changes nothing;
-`schedule()` then applies its decisions (allocations, preemptions, admissions) in the order
-they were taken, so that block ids come out as if each were applied at once.
+`schedule()` and `preview()` share one budget walk (`budget_walk.walk_step`), which decides and
+changes nothing; `schedule()` then applies its decisions (allocations, preemptions, admissions)
+in the order they were taken, so that block ids come out as if each were applied at once.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 from types import MappingProxyType
 
 from gpu_runtime.engine.block_manager import BlockManager
+from gpu_runtime.engine.budget_walk import PREEMPT, Walk, step_preview, walk_step
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.request import Request, RequestStatus
 from gpu_runtime.engine.scheduler import (
-    AdapterAdmissionError,
     CachedRequestData,
     NewRequestData,
     Scheduler,
     SchedulerOutput,
     StepPreview,
 )
-
-_PREEMPT = -1
-"""`_Walk.block_moves` entry: preempt the request (the last running one at that point)."""
-
-
-@dataclass
-class _Walk:
-    """Decisions of one budget walk, in the order `schedule` applies them."""
-
-    num_scheduled: dict[str, int] = field(default_factory=dict)
-    block_moves: list[tuple[Request, int]] = field(default_factory=list)
-    """`(running request, n > 0)`: allocate it n blocks; `(victim, _PREEMPT)`: preempt it."""
-    unknown_running: list[Request] = field(default_factory=list)
-    """Scheduled running requests the runner does not hold (sent in full)."""
-    admissions: list[tuple[Request, str | None]] = field(default_factory=list)
-    """Waiting requests from the front of the queue: admitted (None) or dropped (the reason)."""
-    preempted: list[str] = field(default_factory=list)
-    new_blocks: int = 0
-    running_scheduled: int = 0
-    """Running requests scheduled: `running[:running_scheduled]`."""
-    budget_after_running: int = 0
-    budget_left: int = 0
-    running_block_demand: int = 0
 
 
 class ContinuousBatchingScheduler(Scheduler):
@@ -196,92 +172,13 @@ class ContinuousBatchingScheduler(Scheduler):
             self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
 
     # ---- the step ---------------------------------------------------------------------------
-    def _walk(self, admit: Callable[[str, str], bool] | None) -> _Walk:
-        """The step's decisions, changing nothing but what `admit` does (it is asked about
-        each waiting adapter request reached, in order; raising `AdapterAdmissionError` drops
-        the request). Free blocks are counted as the decisions would leave them."""
-        walk = _Walk()
-        scheduled = walk.num_scheduled
-        moves = walk.block_moves
-        running = self._running
-        known = self._known_to_runner
-        block_size = self.block_manager.block_size
-        free = self.block_manager.num_free_blocks
-        budget = self.config.max_num_batched_tokens
-        end = len(running)  # running[:end] stay running; the walk preempts from the end
-        index = 0
-        while index < end and budget > 0:
-            request = running[index]
-            computed = request.num_computed_tokens
-            count = request.num_tokens - computed
-            if count > budget:
-                count = budget
-            needed = -(-(computed + count) // block_size) - len(request.block_table)
-            if needed > 0:
-                if needed > free:
-                    while needed > free:
-                        end -= 1
-                        victim = running[end]
-                        free += len(victim.block_table)
-                        moves.append((victim, _PREEMPT))
-                        walk.preempted.append(victim.request_id)
-                        if victim is request:
-                            break
-                    if end == index:  # the request preempted itself
-                        break
-                free -= needed
-                moves.append((request, needed))
-                walk.new_blocks += needed
-                walk.running_block_demand += needed
-            rid = request.request_id
-            scheduled[rid] = count
-            budget -= count
-            if rid not in known:
-                walk.unknown_running.append(request)
-            index += 1
-        walk.running_scheduled = index
-        walk.budget_after_running = budget
-        waiting = self._waiting
-        num_running = end
-        position = 0
-        while (
-            position < len(waiting)
-            and budget > 0
-            and not walk.preempted
-            and num_running < self.config.max_num_seqs
-        ):
-            request = waiting[position]
-            count = min(request.num_tokens, budget)
-            blocks = -(-count // block_size)
-            if blocks > free:
-                break
-            lora = request.lora_name
-            if lora is not None and admit is not None:
-                try:
-                    admitted = admit(request.request_id, lora)
-                except AdapterAdmissionError as exc:
-                    walk.admissions.append((request, str(exc)))
-                    position += 1
-                    continue
-                if not admitted:
-                    break  # every adapter slot is held by running requests: wait (FCFS)
-            walk.admissions.append((request, None))
-            position += 1
-            free -= blocks
-            walk.new_blocks += blocks
-            num_running += 1
-            scheduled[request.request_id] = count
-            budget -= count
-        walk.budget_left = budget
-        return walk
-
     def schedule(self) -> SchedulerOutput:
         walk = self._walk(self.admit_adapter)
         bm = self.block_manager
         known = self._known_to_runner
         cached_data: list[CachedRequestData] = []
         for request, blocks in walk.block_moves:
-            if blocks == _PREEMPT:
+            if blocks == PREEMPT:
                 self._running.pop()  # the victim is the last running request
                 self._preempt(request)
                 continue
@@ -310,48 +207,17 @@ class ContinuousBatchingScheduler(Scheduler):
     def preview(self) -> StepPreview:
         admit = self.adapter_admissible if self.admit_adapter is not None else None
         walk = self._walk(admit)
-        scheduled = walk.num_scheduled
-        decode_ids: list[str] = []
-        contexts: list[int] = []
-        chunks: dict[str, int] = {}
-        for request in self._running[: walk.running_scheduled]:
-            rid = request.request_id
-            if request.num_tokens - request.num_computed_tokens == 1:
-                decode_ids.append(rid)
-                contexts.append(request.num_computed_tokens)
-            else:
-                chunks[rid] = scheduled[rid]
-        for request, reason in walk.admissions:
-            if reason is None:
-                chunks[request.request_id] = scheduled[request.request_id]
-        running_demand, budget = walk.running_block_demand, walk.budget_after_running
-        block_size = self.block_manager.block_size
-        for request in self._running[walk.running_scheduled :]:  # preempted, or past the budget
-            if budget <= 0:
-                break
-            computed = request.num_computed_tokens
-            count = min(request.num_tokens - computed, budget)
-            needed = -(-(computed + count) // block_size) - len(request.block_table)
-            if needed > 0:
-                running_demand += needed
-            budget -= count
-        waiting_demand = 0
-        for request in self._waiting:
-            computed = request.num_computed_tokens
-            chunk = min(request.num_tokens - computed, max(budget, 1))
-            waiting_demand += -(-(computed + chunk) // block_size)
-            budget -= chunk
-        return StepPreview(
-            num_scheduled_tokens=MappingProxyType(scheduled),
-            decode_request_ids=tuple(decode_ids),
-            decode_contexts=tuple(contexts),
-            prefill_chunks=MappingProxyType(chunks),
-            preempted_request_ids=tuple(walk.preempted),
-            new_blocks=walk.new_blocks,
-            tokens_used=self.config.max_num_batched_tokens - walk.budget_left,
-            num_waiting=len(self._waiting),
-            running_block_demand=running_demand,
-            waiting_block_demand=waiting_demand,
+        block_size, budget = self.block_manager.block_size, self.config.max_num_batched_tokens
+        return step_preview(walk, self._running, self._waiting, block_size, budget)
+
+    def _walk(self, admit: Callable[[str, str], bool] | None) -> Walk:
+        return walk_step(
+            self._running,
+            self._waiting,
+            self._known_to_runner,
+            self.block_manager,
+            self.config,
+            admit,
         )
 
     def decode_follows(self, output: SchedulerOutput, max_rows: int) -> bool:

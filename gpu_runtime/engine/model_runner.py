@@ -40,6 +40,7 @@ from gpu_runtime.engine.general_step import GeneralPath
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.request import TokenLogprob
+from gpu_runtime.engine.request_rows import RequestRows
 from gpu_runtime.engine.runner_types import (
     UNRESOLVED_TOKEN,
     ModelRunnerOutput,
@@ -92,13 +93,11 @@ class ModelRunner:
             kv_storage_factory,
         )
         self.sampler = Sampler(self.device, config.seed)
-        self.states: dict[str, _RequestState] = {}
-        rows = config.max_num_seqs + 1
-        self._free_rows = list(range(rows - 1, -1, -1))
         pin = self.device.type == "cuda"
-        width = config.max_blocks_per_seq
-        self._table_cpu = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
-        self._table_np = self._table_cpu.numpy()
+        self.rows = RequestRows(config, lora, pin)
+        self.states = self.rows.states
+        """Live requests' states by id (`rows.states`)."""
+        rows = config.max_num_seqs + 1
         # sampled tokens come back through two pinned buffers used in turn (no allocation per
         # step; a launch never overwrites the buffer of the step launched just before it)
         self._sampled_hosts = [
@@ -143,13 +142,13 @@ class ModelRunner:
                         pin,
                     )
             self._decode = DecodePath(
-                model, self.kv_cache, config, self._table_np, self.fused, lora, self._num_sms
+                model, self.kv_cache, config, self.rows.table_np, self.fused, lora, self._num_sms
             )
         self.general = GeneralPath(
             model,
             self.kv_cache,
             config,
-            self._table_cpu,
+            self.rows.table_cpu,
             self.fused,
             mixed_graphs,
             lora,
@@ -173,37 +172,6 @@ class ModelRunner:
         """Largest decode batch the decode fast path takes (0: no fast path)."""
         return self._decode.max_bucket if self._decode is not None else 0
 
-    # ---- request state ----------------------------------------------------------------------
-    def _sync_states(self, output: SchedulerOutput) -> None:
-        for request_id in output.finished_request_ids:
-            state = self.states.pop(request_id, None)
-            if state is not None:
-                self._free_rows.append(state.row)
-        for new in output.new_requests:
-            if not self._free_rows:
-                raise RuntimeError("more live requests than max_num_seqs + 1 rows")
-            row = self._free_rows.pop()
-            state = _RequestState(
-                list(new.token_ids),
-                list(new.block_ids),
-                new.num_computed_tokens,
-                new.sampling_params,
-                new.num_output_tokens,
-                row,
-                new.lora_name,
-            )
-            if new.lora_name is not None and self.lora is not None:
-                state.lora_slot = self.lora.slot_of_request(new.request_id)
-            self.states[new.request_id] = state
-            self._table_np[row, : len(state.block_ids)] = state.block_ids
-        for cached in output.cached_requests:
-            state = self.states[cached.request_id]
-            if cached.new_block_ids:
-                start = len(state.block_ids)
-                state.block_ids.extend(cached.new_block_ids)
-                self._table_np[state.row, start : len(state.block_ids)] = cached.new_block_ids
-            state.num_computed_tokens = cached.num_computed_tokens
-
     # ---- execution --------------------------------------------------------------------------
     @torch.no_grad()
     def execute(self, output: SchedulerOutput, partition: Hashable = None) -> ModelRunnerOutput:
@@ -220,7 +188,7 @@ class ModelRunner:
         sampled tensor on the device. `resolve` each handle once, in launch order."""
         started = time.perf_counter()
         self.last_launch_seconds = self.last_sample_seconds = self.last_wait_seconds = 0.0
-        self._sync_states(output)
+        self.rows.sync(output)
         result = ModelRunnerOutput()
         handle = StepHandle(self._num_launched, result)
         self._num_launched += 1
