@@ -85,7 +85,7 @@ def build_engine(
 
 def bucket_for(engine: Engine, batch: int) -> int:
     """The smallest decode graph bucket holding `batch` rows."""
-    return next(b for b in engine.runner.decode.buckets if b >= batch)
+    return next(b for b in engine.config.graph_batch_sizes() if b >= batch)
 
 
 def inject(
@@ -122,7 +122,8 @@ def inject(
 def replay_ms(engine: Engine, bucket: int, reps: int) -> list[float]:
     """Device ms of `reps` replays of the decode graph of `bucket` (CUDA events); none where the
     engine has no such graph."""
-    graphs = engine.runner.decode.graphs
+    runner = engine.runner
+    graphs = runner.decode.graphs if runner.static_decode else None
     if graphs is None or not graphs.has(bucket):
         return []
     return event_times(lambda: graphs.replay(bucket), reps)
