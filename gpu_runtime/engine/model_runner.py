@@ -83,7 +83,6 @@ class ModelRunner:
         self.model.fuse_projections()
         weight_dtype = model.model.embed_tokens.weight.dtype
         kv_dtype = torch_dtype(config.kv_dtype) if config.kv_dtype else weight_dtype
-        self.block_size = config.block_size
         self.kv_cache = PagedKVCache(
             model.config,
             config.storage_blocks,
@@ -132,7 +131,7 @@ class ModelRunner:
             if self.use_triton and config.fused_decode_kernels:
                 self.fused = _fused_forward(model, self.kv_cache, config, lora)
                 if config.mixed_cuda_graphs and config.resolved_mixed_batch_attention:
-                    from gpu_runtime.engine.mixed_graphs import MixedStepGraphs
+                    from gpu_runtime.engine.mixed_graphs import MixedStepGraphs  # needs Triton
 
                     mixed_graphs = MixedStepGraphs(
                         self.fused,
@@ -388,7 +387,7 @@ def _fused_forward(
     model: CausalLM, kv_cache: PagedKVCache, config: EngineConfig, lora: LoraRuntime | None
 ) -> FusedDecodeForwardType:
     """The fused CUDA decode step over `model` and `kv_cache` (with the runtime's LoRA groups)."""
-    from gpu_runtime.engine.fast_decode import FusedDecodeForward
+    from gpu_runtime.engine.fast_decode import FusedDecodeForward  # needs Triton
 
     groups = lora.decode_groups() if lora is not None else None
     return FusedDecodeForward(
