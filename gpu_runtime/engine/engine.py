@@ -37,9 +37,13 @@ class Engine:
 
     With `lora` (e.g. `gpu_runtime.finetune.lora_serving.MultiLoraRuntime` built over `model`
     with `max_tokens >= config.max_num_batched_tokens`), `add_request(..., lora_name=name)`
-    serves adapter `name` beside base requests in the same batches. The default scheduler
-    admits an adapter request only when the runtime can give it a slot (FCFS otherwise) and
-    releases the slot when it finishes, is aborted or preempted.
+    serves adapter `name` beside base requests in the same batches. The scheduler admits an
+    adapter request only when the runtime can give it a slot (FCFS otherwise) and releases the
+    slot when it finishes, is aborted or preempted.
+
+    Roles: `scheduler` (a `Scheduler`: the plan of each step; other parts read it through its
+    contract), `runner` (a `ModelRunner`: launch and read-back of a plan), `outputs` (stop rules,
+    `RequestOutput`s), `overlap` (async scheduling), `clock` (the last step's times).
     """
 
     def __init__(
