@@ -5,7 +5,7 @@ Llama-3-8B (random bf16 weights, random KV) in the co-location deployment's engi
 64/128/256/512). Each case is one step built straight into the runner (decode rows at various
 contexts, chunks from scratch or after a cached prefix); the step's model work (staging, the
 mixed-step graphs, the eager attention per layer, logits of the sampled rows) runs repeatedly
-through `ModelRunner._mixed_graph_logits` (re-running a step rewrites the same K/V), with
+through `GeneralPath.mixed_graph_logits` (re-running a step rewrites the same K/V), with
 `chunk_attention` "sdpa" (the previous path) and "varlen" (one Triton launch per layer):
 
 1. correctness: logits of both modes agree (relative norm error, argmax agreement);
@@ -97,12 +97,12 @@ def install_step(
         tokens = rng.integers(0, vocab, total).tolist()
         new.append(NewRequestData(rid, tokens, blocks, prefix, params, 0))
         scheduled[rid] = count
-    runner._sync_states(SchedulerOutput(new, [], scheduled))
+    runner.rows.sync(SchedulerOutput(new, [], scheduled))
     return list(scheduled.items())
 
 
 def drop_step(engine: Engine, order: list[tuple[str, int]]) -> None:
-    engine.runner._sync_states(SchedulerOutput([], [], {}, {rid for rid, _ in order}))
+    engine.runner.rows.sync(SchedulerOutput([], [], {}, {rid for rid, _ in order}))
 
 
 def set_mode(engine: Engine, mode: str) -> None:
@@ -110,7 +110,7 @@ def set_mode(engine: Engine, mode: str) -> None:
 
 
 def run_step(engine: Engine, order: list[tuple[str, int]]) -> torch.Tensor:
-    result = engine.runner._mixed_graph_logits(order, None)
+    result = engine.runner.general.mixed_graph_logits(order, engine.runner.states, None)
     if result is None:
         raise RuntimeError("step not replayable from the mixed-step graphs")
     return result[0]
@@ -204,7 +204,7 @@ def main() -> None:
             "model": "llama3-8b bf16 random",
             "engine": "block 16, max_num_seqs 64, max_num_batched_tokens 512, mixed graphs "
             "64/128/256/512, decode buckets 1..64",
-            "timed": "ModelRunner._mixed_graph_logits per step (no sampling/scheduling), "
+            "timed": "GeneralPath.mixed_graph_logits per step (no sampling/scheduling), "
             f"median of {args.reps} after 2 warm-up",
         },
         "cases": [],
@@ -213,6 +213,7 @@ def main() -> None:
     day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     out = Path(args.out) / f"decode-chunks-h200-{day}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
+    mixed = engine.runner.general.mixed_graphs
     for index, (name, decode, chunks) in enumerate(CASES):
         order = install_step(engine, index, decode, chunks)
         tokens = sum(n for _, n in order)
@@ -221,7 +222,7 @@ def main() -> None:
             "decode_rows": len(decode),
             "chunks": [list(c) for c in chunks],
             "tokens": tokens,
-            "bucket": engine.runner._mixed.bucket_for(tokens) if engine.runner._mixed else None,
+            "bucket": mixed.bucket_for(tokens) if mixed else None,
         }
         logits = {}
         for mode in modes:

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from bench.decode_args import VARIANTS, Sweep
-from gpu_runtime.engine import Engine, EngineConfig, Request, RequestStatus, SamplingParams
-from gpu_runtime.engine.engine import StepTimes
-from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler
+from gpu_runtime.engine import Engine, EngineConfig, Request, SamplingParams
+from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
+from gpu_runtime.engine.step_types import StepTimes
 from gpu_runtime.model import CausalLM
 
 DEVICE = torch.device("cuda")
@@ -85,7 +85,7 @@ def build_engine(
 
 def bucket_for(engine: Engine, batch: int) -> int:
     """The smallest decode graph bucket holding `batch` rows."""
-    return next(b for b in engine.runner._buckets if b >= batch)
+    return next(b for b in engine.config.graph_batch_sizes() if b >= batch)
 
 
 def inject(
@@ -114,13 +114,7 @@ def inject(
         request = Request(rid, prompt, params, lora_name=lora_names[i] if lora_names else None)
         engine.block_manager.append_slots(request.block_table, context)
         request.num_computed_tokens = context - 1
-        request.status = RequestStatus.RUNNING
-        scheduler.requests[rid] = request
-        if request.lora_name is not None:
-            assert engine.lora is not None
-            engine.lora.attach(rid, request.lora_name)
-            scheduler._adapter_holders.add(rid)
-        scheduler.running.append(request)
+        scheduler.add_running_request(request)
         ids.append(rid)
     return ids
 
@@ -128,7 +122,8 @@ def inject(
 def replay_ms(engine: Engine, bucket: int, reps: int) -> list[float]:
     """Device ms of `reps` replays of the decode graph of `bucket` (CUDA events); none where the
     engine has no such graph."""
-    graphs = engine.runner._graphs
+    runner = engine.runner
+    graphs = runner.decode.graphs if runner.static_decode else None
     if graphs is None or not graphs.has(bucket):
         return []
     return event_times(lambda: graphs.replay(bucket), reps)
@@ -176,7 +171,7 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     torch.cuda.synchronize()  # no graph of the old set may still run when it is dropped
     engine.config = dataclasses.replace(engine.config, async_scheduling=variant != "sync")
     runner = engine.runner
-    fused = runner._fused
+    fused = runner.fused
     rows = 64 if variant.startswith("skinny") else 0
     projections = frozenset(
         ("qkv", "o", "gate_up", "down") if variant == "skinny-all" else ("qkv", "o")
@@ -189,13 +184,13 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
         return
     fused.skinny_max_rows, fused.skinny_projections = rows, projections
     fused.programmatic_launch_rows = pdl_rows
-    mixed, runner._mixed = runner._mixed, None
-    runner._graphs = runner._lora_graphs = None
+    mixed, runner.general.mixed_graphs = runner.general.mixed_graphs, None
+    runner.decode.drop_graphs()
     torch.cuda.empty_cache()
     try:
         runner.capture_cuda_graphs(batch_sizes=tuple(buckets))
     finally:
-        runner._mixed = mixed
+        runner.general.mixed_graphs = mixed
 
 
 def _kernels(fused: Any) -> tuple[int, frozenset[str], int]:
@@ -206,8 +201,8 @@ def recover(engine: Engine) -> None:
     """After a variant's timing failed: back to synchronous scheduling, nothing in flight,
     every request aborted, one step to drop their runner state."""
     engine.config = dataclasses.replace(engine.config, async_scheduling=False)
-    engine._inflight = None
-    for rid in list(getattr(engine.scheduler, "requests", {})):
+    engine.overlap.in_flight = None
+    for rid in list(engine.scheduler.requests):
         engine.abort_request(rid)
     engine.step()
 
@@ -230,7 +225,7 @@ def time_prefill_chunks(
     runs = [(graphs, chunk) for graphs in modes for chunk in [chunks[0], *chunks]]
     try:
         for rep, (graphs, chunk) in enumerate(runs):  # the first of each mode compiles
-            engine.runner.use_mixed_graphs = graphs
+            engine.runner.general.use_mixed_graphs = graphs
             scheduler.config = dataclasses.replace(
                 original, max_num_batched_tokens=chunk + decode_rows
             )
@@ -265,7 +260,7 @@ def time_prefill_chunks(
             print("prefill", results[-1], flush=True)
     finally:
         scheduler.config = original
-        engine.runner.use_mixed_graphs = True
+        engine.runner.general.use_mixed_graphs = True
         for rid in ids:
             engine.abort_request(rid)
     return results

@@ -158,7 +158,7 @@ def mixed_step_profile(
     params = SamplingParams(max_tokens=1, ignore_eos=True, detokenize=False)
     modes = [False, True] if engine.config.mixed_cuda_graphs else [False]
     for graphs, (rows, chunk) in [(g, c) for g in modes for c in cases]:
-        engine.runner.use_mixed_graphs = graphs
+        engine.runner.general.use_mixed_graphs = graphs
         ids = inject(engine, rows, 512, 64, seed=99 + rows + 7 * graphs)
         engine.step()  # decode step, then one warm mixed step (compiles)
         walls, phases = [], []
@@ -203,7 +203,7 @@ def mixed_step_profile(
             )
         row["top_own_time_ms_per_step"] = own_time
         results.append(row)
-    engine.runner.use_mixed_graphs = True
+    engine.runner.general.use_mixed_graphs = True
     return results
 
 
@@ -228,7 +228,6 @@ def skinny_gemms(
     (kind, M, path), after checking each against `F.linear`: ms per step and weight bytes over
     the copy bandwidth as a fraction of it; the heuristic's choice and the best of a sweep."""
     import torch.nn.functional as F
-
     from gpu_runtime.engine.skinny_gemm import SkinnyConfig, choose_config, skinny_linear
 
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count

@@ -60,11 +60,11 @@ def profile_step(engine: Engine, batch: int, context: int, reps: int = 3) -> dic
         engine.step()
     runner = engine.runner
     bucket = bucket_for(engine, batch)
-    runner.decode_forward(bucket)
+    runner.decode.decode_forward(bucket)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
-            runner.decode_forward(bucket)
+            runner.decode.decode_forward(bucket)
         torch.cuda.synchronize()
     groups: dict[str, float] = {}
     for event in prof.key_averages():

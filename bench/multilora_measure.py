@@ -60,11 +60,11 @@ def time_mixed_steps(
     vocab = engine.model_config.vocab_size
     params = SamplingParams(max_tokens=1, temperature=0.8, ignore_eos=True, detokenize=False)
     gen = torch.Generator().manual_seed(7)
-    for extra in engine.scheduler.running[decode_rows:]:  # type: ignore[attr-defined]
+    for extra in engine.scheduler.running[decode_rows:]:
         engine.abort_request(extra.request_id)
     result: dict[str, list[float]] = {}
     for system, mixed in (("harli_mixed_step", True), ("harli_mixed_step_old", False)):
-        runner.mixed_attention = mixed
+        runner.general.mixed_attention = mixed
         times = []
         for i in range(iters if mixed else 2):
             engine.add_request(
@@ -76,7 +76,7 @@ def time_mixed_steps(
             times.append((time.perf_counter() - start) * 1e3)
             assert len(outputs) == decode_rows + 1, (system, i, len(outputs))
         result[system] = times
-    runner.mixed_attention = True
+    runner.general.mixed_attention = True
     return result
 
 
@@ -124,13 +124,13 @@ def check_against_eager(
     step over the same static buffers (see bench/multilora.py's docstring). With shared GEMMs
     the base rows' GEMM may be tiled differently: close to the base step, not necessarily equal."""
     runner = engine.runner
-    slots = runner._buf_ints[4, :bucket].clone()
-    fused = runner.decode_forward_lora(bucket).float()
-    base = runner.decode_forward(bucket).float()
+    slots = runner.decode.buf_ints[4, :bucket].clone()
+    fused = runner.decode.decode_forward_lora(bucket).float()
+    base = runner.decode.decode_forward(bucket).float()
     runtime.weights.set_token_slots(slots.cpu())
-    eager = runner.decode_forward(bucket, runtime.forward).float()
+    eager = runner.decode.decode_forward(bucket, runtime.forward).float()
     runtime.weights.set_token_slots(torch.full((bucket,), -1))
-    eager_base = runner.decode_forward(bucket, runtime.forward).float()
+    eager_base = runner.decode.decode_forward(bucket, runtime.forward).float()
     rows = slots >= 0
     lora_effect = float((eager[rows] - eager_base[rows]).abs().mean())
     adapter_diff = float((fused[rows] - eager[rows]).abs().mean())
@@ -187,10 +187,10 @@ def run_targets(
         ids = inject(engine, batch, context, max_tokens, seed, lora_names)
         for _ in range(warmup):
             engine.step()
-        if mix == "adapters" and runner.fused_lora_decode:
+        if mix == "adapters" and runner.decode.fused_lora_decode:
             check = check_against_eager(engine, runtime, batch, share_gemms)
             print(f"{targets}: check {check}", flush=True)
-        lora_graph_steps = runner.num_lora_graph_steps
+        lora_graph_steps = runner.decode.num_lora_graph_steps
         step_ms = time_steps(engine, steps, batch, device)
         torch_sampler_ms: list[float] = []
         if mix == "base" and runner.sampler.fused:  # the same steps with the torch sampler
@@ -200,7 +200,7 @@ def run_targets(
         mixed_steps: dict[str, list[float]] = {}
         if mix == "base" and mixed_step_rows:
             mixed_steps = time_mixed_steps(engine, batch - 1, context, device)
-        graphs = runner._lora_graphs if mix != "base" else runner._graphs
+        graphs = runner.decode.lora_graphs if mix != "base" else runner.decode.graphs
         graph_ms: list[float] = []
         if graphs is not None and graphs.has(batch):
             graph_ms = replay_ms(lambda g=graphs: g.replay(batch), steps)
@@ -213,7 +213,7 @@ def run_targets(
         if mix == "adapters":
             padded = [*[(rid, 1) for rid in ids], ("\x00padding", 0)]
             runtime.set_batch(padded)
-            eager_ms = replay_ms(lambda: runner.decode_forward(batch, runtime.forward), 20)
+            eager_ms = replay_ms(lambda: runner.decode.decode_forward(batch, runtime.forward), 20)
         row: dict[str, Any] = {
             "system": "harli",
             "targets": "-" if mix == "base" else targets,
@@ -222,7 +222,7 @@ def run_targets(
             "tpot_ms_p50": round(statistics.median(step_ms), 4),
             "tpot_ms_p99": round(percentile(step_ms, 99), 4),
             "graph_replay_ms_p50": round(statistics.median(graph_ms), 4) if graph_ms else None,
-            "lora_graph_steps": runner.num_lora_graph_steps - lora_graph_steps,
+            "lora_graph_steps": runner.decode.num_lora_graph_steps - lora_graph_steps,
             "fused_sampler": runner.sampler.fused,
             "raw_step_ms": [round(x, 4) for x in step_ms],
         }

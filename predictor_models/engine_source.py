@@ -1,7 +1,7 @@
 """Profiling workload from the real decode engine: its ``ModelRunner`` decode step.
 
 ``EngineDecode.capture(contexts, 0, stream)`` stages one decode iteration into the runner's static
-buffers exactly as ``ModelRunner._decode_logits`` does (token, position, KV slot, sequence length
+buffers exactly as ``DecodePath.logits`` does (token, position, KV slot, sequence length
 and block table per sequence, padded up to the batch bucket), captures the runner's decode graph
 for (bucket, partition) on the partition's stream through ``ModelRunner.capture_cuda_graphs``, and
 replays it: fused Triton decode kernels, Triton paged attention over a block-major KV cache, the
@@ -17,9 +17,10 @@ steps); with ``mixed_graphs=True`` through the engine's piecewise mixed-step gra
 falls back to the eager path raises ``EngineSourceError``: it would be mislabelled). On CPU (dry
 runs, tests) decode steps run the graph's step eagerly over the same buffers.
 
-The runner's staging buffers are private attributes (``_buf_ints``, ``_buf_seq_lens``,
-``_buf_table``, ``_buckets``, ``_graphs``; ``states``, ``_table_np`` and ``_general_logits`` for
-mixed steps); a missing one raises ``EngineSourceError`` naming it.
+The runner's decode path holds the static buffers and graphs (``decode.buf_ints``,
+``decode.buf_seq_lens``, ``decode.buf_table``, ``decode.buckets``, ``decode.graphs``); mixed
+steps use ``states``, ``rows.table_np`` and ``_forward``. A runner without them raises
+``EngineSourceError``.
 """
 
 from __future__ import annotations
@@ -54,20 +55,20 @@ class EngineStep:
 
     def stage(self) -> None:
         runner = self.source.runner
-        runner._buf_ints[:, : self.bucket].copy_(self.staged["ints"])
-        runner._buf_seq_lens[: self.bucket].copy_(self.staged["seq_lens"])
-        runner._buf_table[: self.bucket].copy_(self.staged["table"])
+        runner.decode.buf_ints[:, : self.bucket].copy_(self.staged["ints"])
+        runner.decode.buf_seq_lens[: self.bucket].copy_(self.staged["seq_lens"])
+        runner.decode.buf_table[: self.bucket].copy_(self.staged["table"])
 
     def replay(self) -> None:
         runner = self.source.runner
-        graphs = runner._graphs
+        graphs = runner.decode.graphs
         if graphs is None:
             if self.source.device.type == "cuda":
                 raise EngineSourceError("no decode graph was captured")
             # CPU (dry runs): the step the graph holds, eagerly over the same buffers
-            runner._stage_seq_lens_np[: self.bucket] = self.staged["seq_lens"].numpy()
+            runner.decode.stage_seq_lens_np[: self.bucket] = self.staged["seq_lens"].numpy()
             with torch.no_grad():
-                runner.decode_forward(self.bucket)
+                runner.decode.decode_forward(self.bucket)
             return
         graphs.replay(self.bucket, self.partition)
 
@@ -94,13 +95,13 @@ class EngineMixedStep:
         from gpu_runtime.engine.request import SamplingParams
 
         runner = source.runner
-        for name in ("states", "_table_np", "_general_logits"):
+        for name in ("states", "rows", "_forward"):
             if not hasattr(runner, name):
                 raise EngineSourceError(f"ModelRunner has no {name}; no mixed steps")
         chunks = list(chunks) if chunks is not None else [(0, prefill_tokens)]
         if sum(n for _, n in chunks) != prefill_tokens or min(n for _, n in chunks) < 1:
             raise ValueError(f"chunks {chunks} do not add up to {prefill_tokens} tokens")
-        if len(contexts) + len(chunks) > runner._table_np.shape[0]:
+        if len(contexts) + len(chunks) > runner.rows.table_np.shape[0]:
             raise ValueError(
                 f"{len(contexts)} decode sequences + {len(chunks)} chunks exceed the rows"
             )
@@ -111,7 +112,7 @@ class EngineMixedStep:
             raise ValueError(
                 f"{sum(n_blocks)} KV blocks needed, {runner.kv_cache.num_blocks} exist"
             )
-        if max(n_blocks) > runner._table_np.shape[1]:
+        if max(n_blocks) > runner.rows.table_np.shape[1]:
             raise ValueError(f"a sequence of {max(lengths)} tokens exceeds max_model_len")
         vocab = source.model.config.vocab_size
         runner.states.clear()
@@ -123,7 +124,7 @@ class EngineMixedStep:
             rid = f"decode{row}" if decode else ("prefill" if chunk == 0 else f"prefill{chunk}")
             block_ids = list(range(start, start + blocks))
             start += blocks
-            runner._table_np[row, :blocks] = block_ids
+            runner.rows.table_np[row, :blocks] = block_ids
             computed = length - 1 if decode else chunks[chunk][0]
             runner.states[rid] = _RequestState(
                 token_ids=source.rng.integers(0, vocab, length).tolist(),
@@ -145,17 +146,13 @@ class EngineMixedStep:
         from gpu_runtime.engine.model_runner import ModelRunnerOutput, blas_library
 
         runner = self.runner
-        before = getattr(runner, "num_mixed_graph_steps", 0)
+        before = runner.general.num_mixed_graph_steps
         with torch.no_grad():
-            if not hasattr(runner, "_forward"):  # runners before 7136e83
-                fused = getattr(runner, "_fused", None) is not None and runner.mixed_attention
-                kwargs = {"fused_lora": False} if fused else {}
-                return runner._general_logits(self.order, runner.model, **kwargs)[0]
             with blas_library(getattr(runner, "_blas", None)):
                 logits, _ = runner._forward(
                     self.order, [], self.partition, False, False, ModelRunnerOutput()
                 )
-        if self.expect_graphs and runner.num_mixed_graph_steps == before:
+        if self.expect_graphs and runner.general.num_mixed_graph_steps == before:
             raise EngineSourceError(
                 f"a mixed step of {sum(n for _, n in self.order)} tokens ran eagerly: no "
                 f"mixed-step graph of its bucket for partition {self.partition}"
@@ -204,9 +201,8 @@ class EngineDecode:
             mixed_cuda_graphs=mixed_graphs,
         )
         self.runner = ModelRunner(model, self.config)
-        for name in ("_buf_ints", "_buf_seq_lens", "_buf_table", "_buckets"):
-            if not hasattr(self.runner, name):
-                raise EngineSourceError(f"ModelRunner has no {name}; the profiler cannot stage")
+        if not self.runner.static_decode:
+            raise EngineSourceError("ModelRunner has no decode path; the profiler cannot stage")
         gen = torch.Generator(device=device).manual_seed(seed)
         self.runner.kv_cache.storage.normal_(generator=gen)  # never time zeros
         self.model = model
@@ -222,7 +218,7 @@ class EngineDecode:
 
     def _staged(self, contexts: list[int], bucket: int) -> dict[str, torch.Tensor]:
         runner = self.runner
-        batch, width = len(contexts), runner._buf_table.shape[1]
+        batch, width = len(contexts), runner.decode.buf_table.shape[1]
         pos = np.asarray(contexts, dtype=np.int64)  # the new token's position
         n_blocks = -(-(pos + 1) // BLOCK_SIZE)
         if int(n_blocks.sum()) > runner.kv_cache.num_blocks:
@@ -239,7 +235,7 @@ class EngineDecode:
             table[i, : n_blocks[i]] = np.arange(starts[i], starts[i] + n_blocks[i])
         # rows as the runner stages them: token id, position, slot block, slot offset, then
         # (newer runners) the LoRA slot, -1 = base model
-        ints = np.zeros((runner._buf_ints.shape[0], bucket), dtype=np.int64)
+        ints = np.zeros((runner.decode.buf_ints.shape[0], bucket), dtype=np.int64)
         ints[0, :batch] = self.rng.integers(0, self.model.config.vocab_size, batch)
         ints[1, :batch] = pos
         ints[2, :batch] = table[np.arange(batch), pos // BLOCK_SIZE]
@@ -273,12 +269,12 @@ class EngineDecode:
             self._partitions.add(partition)
         if prefill_tokens:
             return EngineMixedStep(self, contexts, prefill_tokens, partition, chunks)
-        bucket = next((b for b in runner._buckets if b >= len(contexts)), None)
+        bucket = next((b for b in runner.decode.buckets if b >= len(contexts)), None)
         if bucket is None:
             raise ValueError(f"batch {len(contexts)} exceeds the largest bucket")
         step = EngineStep(self, bucket, partition, self._staged(contexts, bucket))
         step.stage()
-        graphs = runner._graphs
+        graphs = runner.decode.graphs
         if graphs is None or not graphs.has(bucket, partition):
             runner.capture_cuda_graphs(
                 (bucket,), partition=partition, stream=stream, sm_count=_sm_count(partition)

@@ -8,27 +8,12 @@ from gpu_runtime.colocation.types import DecodeSnapshot
 
 
 def decode_snapshot(engine: Any) -> DecodeSnapshot:
-    """The coming iteration's decode work, from the scheduler's running and waiting queues.
-
-    A running request whose every token but the last is cached decodes one token; one with
-    more uncached tokens is mid-prefill. Prefill tokens (running chunks, then waiting prompts)
-    are capped by what the step's token budget leaves after the decode tokens. Schedulers that
-    do not expose ``running``/``waiting`` (not the continuous-batching one) read as idle.
-    """
-    scheduler = engine.scheduler
-    running = list(getattr(scheduler, "running", ()))
-    waiting = list(getattr(scheduler, "waiting", ()))
-    contexts: list[int] = []
-    prefill = 0
-    for request in running:
-        uncached = request.num_tokens - request.num_computed_tokens
-        if uncached <= 1:
-            contexts.append(request.num_computed_tokens)
-        else:
-            prefill += uncached
-    budget = max(int(engine.config.max_num_batched_tokens) - len(contexts), 0)
-    prefill += sum(request.num_tokens for request in waiting)
-    return DecodeSnapshot.from_contexts(contexts, min(prefill, budget), len(waiting))
+    """The coming iteration's decode work: the scheduler's `preview()` of its next step (the
+    decode rows' contexts, the tokens of its prefill chunks, the requests waiting)."""
+    preview = engine.scheduler.preview()
+    return DecodeSnapshot.from_contexts(
+        list(preview.decode_contexts), preview.prefill_tokens, preview.num_waiting
+    )
 
 
 def describe_trainer(trainer: Any) -> tuple[int, int, int]:

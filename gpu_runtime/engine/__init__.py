@@ -2,7 +2,8 @@
 
 from gpu_runtime.engine.block_manager import BlockManager, NoFreeBlocksError
 from gpu_runtime.engine.config import EngineConfig, EngineConfigError
-from gpu_runtime.engine.engine import Engine, StepAhead, UnknownAdapterError
+from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
+from gpu_runtime.engine.engine import Engine, UnknownAdapterError
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.request import (
@@ -15,10 +16,11 @@ from gpu_runtime.engine.request import (
 )
 from gpu_runtime.engine.scheduler import (
     AdapterAdmissionError,
-    ContinuousBatchingScheduler,
     Scheduler,
     SchedulerOutput,
+    StepPreview,
 )
+from gpu_runtime.engine.step_types import StepAhead, StepTimes
 
 __all__ = [
     "AdapterAdmissionError",
@@ -39,6 +41,8 @@ __all__ = [
     "Scheduler",
     "SchedulerOutput",
     "StepAhead",
+    "StepPreview",
+    "StepTimes",
     "TokenLogprob",
     "UnknownAdapterError",
     "default_kv_storage",

@@ -87,13 +87,6 @@ class EngineConfig:
     and its harvest summed over the traces +9% / +24%; Llama-3-8B's 64 / 96-SM steps 1-3%
     faster, its summed harvest -5% / +11%; attainment 1.00 on every trace of all four
     (`gpu_runtime/sharing/README.md`). False: the library's own choice on every partition."""
-    decode_skinny_gemm_rows: int = 0
-    """On CUDA with the fused kernels, decode steps of at most this many rows (<= 64) run
-    `decode_skinny_gemm_projections` (without adapters) through the split-K Triton GEMM of
-    `skinny_gemm.py` instead of cuBLAS. 0: cuBLAS everywhere. Off: on the H200 (f4667c4)
-    its heuristic configs made the decode graphs 0.27-0.49 ms slower at b=1..64 (q|k|v, o)."""
-    decode_skinny_gemm_projections: tuple[str, ...] = ("qkv", "o")
-    """Projections that `decode_skinny_gemm_rows` applies to: "qkv", "o", "gate_up", "down"."""
     decode_programmatic_launch_rows: int = 32
     """On CUDA with the fused kernels, decode steps of at most this many rows launch their
     Triton kernels (norms, RoPE, attention, SwiGLU) as programmatic dependents (Hopper's
@@ -173,16 +166,6 @@ class EngineConfig:
         if isinstance(rows, bool) or not isinstance(rows, int) or rows < 0:
             raise EngineConfigError(
                 f"decode_programmatic_launch_rows={rows!r} must be an integer >= 0"
-            )
-        if not 0 <= self.decode_skinny_gemm_rows <= 64:
-            raise EngineConfigError(
-                f"decode_skinny_gemm_rows={self.decode_skinny_gemm_rows} must be in [0, 64]"
-            )
-        unknown = set(self.decode_skinny_gemm_projections) - {"qkv", "o", "gate_up", "down"}
-        if unknown:
-            raise EngineConfigError(
-                f"decode_skinny_gemm_projections={self.decode_skinny_gemm_projections}: "
-                f"unknown {sorted(unknown)}"
             )
         if not 0 <= self.max_logprobs <= 100:
             raise EngineConfigError(f"max_logprobs={self.max_logprobs} must be in [0, 100]")

@@ -5,8 +5,9 @@ step's tokens flattened in batch order, their attention (`MixedPagedAttention`, 
 LoRA forward or the fused CUDA step over them, and the replay of such steps from the piecewise
 mixed-step graphs.
 
-`GeneralStepMixin` is part of `ModelRunner` (split out by role); it reads the runner's model,
-KV cache, request states, block-table rows and config, and its mixed-step graphs.
+`GeneralPath` is held by `ModelRunner`; each call takes the runner's request states, and it reads
+the runner's block-table rows (`block_table_rows`, written by the runner). It owns the mixed-step
+graphs and never changes request state.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention, torch_
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.flat_batch import FlatBatch, flatten_step
 from gpu_runtime.engine.kv_cache import PagedKVCache
-from gpu_runtime.engine.lora import LoraForward
+from gpu_runtime.engine.lora import LoraForward, LoraRuntime
 from gpu_runtime.engine.runner_types import _RequestState
 from gpu_runtime.model.llama import CausalLM
 
@@ -30,25 +31,67 @@ if TYPE_CHECKING:
     from gpu_runtime.engine.mixed_graphs import MixedStepGraphs
 
 
-class GeneralStepMixin:
+class GeneralPath:
     """Steps off the decode fast path, flattened; see the module doc."""
 
-    # set by ModelRunner.__init__
-    config: EngineConfig
-    model: CausalLM
-    device: torch.device
-    kv_cache: PagedKVCache
-    block_size: int
-    states: dict[str, _RequestState]
-    use_triton: bool
-    mixed_attention: bool
-    num_mixed_graph_steps: int
-    _num_sms: int
-    _table_cpu: torch.Tensor
-    _fused: FusedDecodeForwardType | None
-    _mixed: MixedStepGraphs | None
+    def __init__(
+        self,
+        model: CausalLM,
+        kv_cache: PagedKVCache,
+        config: EngineConfig,
+        block_table_rows: torch.Tensor,
+        fused: FusedDecodeForwardType | None,
+        mixed_graphs: MixedStepGraphs | None,
+        lora: LoraRuntime | None,
+        num_sms: int,
+    ) -> None:
+        """`block_table_rows` `[rows, max_blocks_per_seq]` int32 on the host: the runner's
+        block table per request row (kept current by the runner); `fused`: the fused CUDA step
+        (None: the model's own forward); `mixed_graphs`: piecewise graphs of the fused step
+        per token bucket (None: such steps run eagerly)."""
+        self.model = model
+        self.kv_cache = kv_cache
+        self.config = config
+        self.lora = lora
+        self.fused = fused
+        self.mixed_graphs = mixed_graphs
+        self.device = torch.device(config.device)
+        self.block_size = config.block_size
+        self.use_triton = config.resolved_attention_backend == "triton"
+        self.num_sms = num_sms
+        self._table_cpu = block_table_rows
+        self.mixed_attention = config.resolved_mixed_batch_attention
+        """Attention of flattened steps: `MixedPagedAttention` (True) or per-sequence gather +
+        SDPA (`TorchPagedAttention`); benchmarks switch it at run time."""
+        self.use_mixed_graphs = True
+        """Replay captured mixed-step graphs (`EngineConfig.mixed_cuda_graphs`); False runs
+        such steps eagerly (benchmarks compare both)."""
+        self.num_mixed_graph_steps = 0
+        """Steps with prefill chunks replayed from the piecewise mixed-step graphs."""
 
-    def _mixed_attention(self, flat: FlatBatch) -> MixedPagedAttention:
+    def step_logits(
+        self,
+        order: list[tuple[str, int]],
+        states: dict[str, _RequestState],
+        partition: Hashable,
+        with_adapters: bool,
+    ) -> tuple[torch.Tensor, list[str]]:
+        """Logits `[sampled, vocab]` of a step in `order` (ids and token counts; `states` the
+        runner's request states) and the sampled ids: on CUDA through the fused step (replayed
+        from the mixed-step graphs when captured, without adapters), else the model's or the
+        LoRA runtime's forward."""
+        if self.fused is not None and self.mixed_attention:  # CUDA: the fused step
+            if not with_adapters and self.mixed_graphs is not None and self.use_mixed_graphs:
+                replayed = self.mixed_graph_logits(order, states, partition)
+                if replayed is not None:
+                    return replayed
+            return self.logits(order, states, self.model, fused_lora=with_adapters)
+        lora = self.lora
+        use_lora = with_adapters and lora is not None and lora.set_batch(order)
+        forward = lora.forward if use_lora and lora is not None else self.model
+        return self.logits(order, states, forward)
+
+    def attention(self, flat: FlatBatch) -> MixedPagedAttention:
         """Attention of a flattened step (decode rows in one Triton call on CUDA)."""
         dev = self.device
         metadata = flat.metadata(self._table_cpu, dev)
@@ -63,40 +106,44 @@ class GeneralStepMixin:
 
             rows = sum(1 for n in flat.query_lens if n == 1)
             kv_heads = self.model.config.num_key_value_heads
-            decode_fn = paged_decode_fn(self.block_size, rows, kv_heads, self._num_sms)
+            decode_fn = paged_decode_fn(self.block_size, rows, kv_heads, self.num_sms)
         return MixedPagedAttention(self.kv_cache, metadata, decode_fn, compute_dtype, varlen_fn)
 
-    def _mixed_graph_logits(
-        self, order: list[tuple[str, int]], partition: Hashable
+    def mixed_graph_logits(
+        self,
+        order: list[tuple[str, int]],
+        states: dict[str, _RequestState],
+        partition: Hashable,
     ) -> tuple[torch.Tensor, list[str]] | None:
         """A step with prefill chunks through the piecewise graphs of its token bucket, or
         None when that bucket is not captured for `partition`."""
-        mixed = self._mixed
+        mixed = self.mixed_graphs
         assert mixed is not None
         bucket = mixed.bucket_for(sum(count for _, count in order))
         if bucket is None or not mixed.has(bucket, partition):
             return None
-        flat = flatten_step(order, self.states, self.block_size)
+        flat = flatten_step(order, states, self.block_size)
         if len(flat.sample_index) > mixed.rows_for(bucket):
             return None
-        logits = mixed.run(flat, self._mixed_attention(flat), bucket, partition)
+        logits = mixed.run(flat, self.attention(flat), bucket, partition)
         self.num_mixed_graph_steps += 1
         return logits, flat.sampled_ids
 
-    def _general_logits(
+    def logits(
         self,
         order: list[tuple[str, int]],
+        states: dict[str, _RequestState],
         forward: LoraForward | CausalLM,
         fused_lora: bool | None = None,
     ) -> tuple[torch.Tensor, list[str]]:
         """Flattened tokens of `order` through `forward` (the model, or the LoRA forward after
         `set_batch(order)`); logits `[sampled, vocab]` and the sampled ids. `fused_lora` not
         None: through the fused CUDA step instead (with per-token LoRA slots when True)."""
-        flat = flatten_step(order, self.states, self.block_size, bool(fused_lora))
+        flat = flatten_step(order, states, self.block_size, bool(fused_lora))
         dev = self.device
         attention: MixedPagedAttention | TorchPagedAttention
         if self.mixed_attention:
-            attention = self._mixed_attention(flat)
+            attention = self.attention(flat)
             metadata = attention.metadata
         else:
             metadata = flat.metadata(self._table_cpu, dev)
@@ -104,10 +151,10 @@ class GeneralStepMixin:
         ids = torch.tensor(flat.tokens, device=dev)
         positions = torch.tensor(flat.positions, device=dev)
         index = torch.tensor(flat.sample_index, dtype=torch.long, device=dev)
-        if fused_lora is not None and self._fused is not None:
+        if fused_lora is not None and self.fused is not None:
             assert isinstance(attention, MixedPagedAttention)
             slots = torch.tensor(flat.token_slots, device=dev) if fused_lora else None
-            logits = self._fused(ids, positions, metadata, 1, slots, attention, index)
+            logits = self.fused(ids, positions, metadata, 1, slots, attention, index)
             return logits, flat.sampled_ids
         hidden = forward(ids, positions, attention)
         return self.model.compute_logits(hidden.index_select(0, index)), flat.sampled_ids

@@ -1,6 +1,7 @@
-"""Model runner: weights, KV-cache tensors, request state, input preparation, paged attention,
-sampling; the decode fast path and its CUDA graphs live in `static_decode.py`, the general
-step path (flattened tokens, their attention, the mixed-step graphs) in `general_step.py`.
+"""Model runner: weights, KV-cache tensors, request state, sampling, and the launch and read-back
+of each step. It holds two paths that compute a step's logits: the decode fast path with its
+static buffers and CUDA graphs (`DecodePath`, `static_decode.py`) and the general path for
+flattened tokens with the mixed-step graphs (`GeneralPath`, `general_step.py`).
 
 It executes one `SchedulerOutput` per call. Its per-request state (tokens, block table row) is
 built from the scheduler's full data once, then updated by diffs. Decode-only batches on CUDA go
@@ -26,14 +27,20 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from gpu_runtime.engine.config import EngineConfig
-from gpu_runtime.engine.cuda_graphs import DecodeGraphs, thaw_engine_freeze
-from gpu_runtime.engine.general_step import GeneralStepMixin
+from gpu_runtime.engine.cuda_graphs import (
+    freeze_long_lived,
+    gc_paused_for_capture,
+    thaw_engine_freeze,
+)
+from gpu_runtime.engine.general_step import GeneralPath
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.request import TokenLogprob
+from gpu_runtime.engine.request_rows import RequestRows
 from gpu_runtime.engine.runner_types import (
     UNRESOLVED_TOKEN,
     ModelRunnerOutput,
@@ -41,21 +48,21 @@ from gpu_runtime.engine.runner_types import (
     StepHandle,
     _RequestState,
     blas_library,
+    gemm_sm_target,
 )
 from gpu_runtime.engine.sampler import Sampler, SamplingBatch
 from gpu_runtime.engine.scheduler import SchedulerOutput
-from gpu_runtime.engine.static_decode import StaticDecodeMixin
+from gpu_runtime.engine.static_decode import DecodePath
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import torch_dtype
 
 if TYPE_CHECKING:
     from gpu_runtime.engine.fast_decode import FusedDecodeForward as FusedDecodeForwardType
-    from gpu_runtime.engine.mixed_graphs import MixedStepGraphs
 
 __all__ = ["ModelRunner", "ModelRunnerOutput", "_RequestState", "blas_library"]
 
 
-class ModelRunner(StaticDecodeMixin, GeneralStepMixin):
+class ModelRunner:
     """Runs the model over paged KV storage taken from `kv_storage_factory`."""
 
     def __init__(
@@ -76,7 +83,6 @@ class ModelRunner(StaticDecodeMixin, GeneralStepMixin):
         self.model.fuse_projections()
         weight_dtype = model.model.embed_tokens.weight.dtype
         kv_dtype = torch_dtype(config.kv_dtype) if config.kv_dtype else weight_dtype
-        self.block_size = config.block_size
         self.kv_cache = PagedKVCache(
             model.config,
             config.storage_blocks,
@@ -86,13 +92,11 @@ class ModelRunner(StaticDecodeMixin, GeneralStepMixin):
             kv_storage_factory,
         )
         self.sampler = Sampler(self.device, config.seed)
-        self.states: dict[str, _RequestState] = {}
-        rows = config.max_num_seqs + 1
-        self._free_rows = list(range(rows - 1, -1, -1))
         pin = self.device.type == "cuda"
-        width = config.max_blocks_per_seq
-        self._table_cpu = torch.zeros(rows, width, dtype=torch.int32, pin_memory=pin)
-        self._table_np = self._table_cpu.numpy()
+        self.rows = RequestRows(config, lora, pin)
+        self.states = self.rows.states
+        """Live requests' states by id (`rows.states`)."""
+        rows = config.max_num_seqs + 1
         # sampled tokens come back through two pinned buffers used in turn (no allocation per
         # step; a launch never overwrites the buffer of the step launched just before it)
         self._sampled_hosts = [
@@ -114,59 +118,58 @@ class ModelRunner(StaticDecodeMixin, GeneralStepMixin):
         self.last_wait_seconds = 0.0
         """Time the last `execute` waited for the device (the host sync)."""
         self.use_triton = config.resolved_attention_backend == "triton"
-        self._graphs: DecodeGraphs | None = None
-        self._lora_graphs: DecodeGraphs | None = None
-        self._buckets = config.graph_batch_sizes()
-        self.static_decode = config.resolved_static_decode_batches
-        self.mixed_attention = config.resolved_mixed_batch_attention
         self._num_sms = 1
         if self.device.type == "cuda":
             props = torch.cuda.get_device_properties(self.device)
             self._num_sms = int(props.multi_processor_count)
-        self.num_static_decode_steps = 0
-        self.num_mixed_graph_steps = 0
-        """Steps with prefill chunks replayed from the piecewise mixed-step graphs."""
-        self.use_mixed_graphs = True
-        """Replay captured mixed-step graphs (`EngineConfig.mixed_cuda_graphs`); False runs
-        such steps eagerly (benchmarks compare both)."""
-        self._mixed: MixedStepGraphs | None = None
-        self.num_lora_graph_steps = 0
-        """Decode steps with adapters replayed from a LoRA graph."""
-        self._fused: FusedDecodeForwardType | None = None
         self._blas = config.decode_blas_library if self.device.type == "cuda" else None
-        if self.static_decode:
-            self._init_decode_buffers(pin)
+        self._decode: DecodePath | None = None
+        self.fused: FusedDecodeForwardType | None = None
+        """The fused CUDA step both paths run (Triton, fused kernels, static decode on)."""
+        mixed_graphs = None
+        if config.resolved_static_decode_batches:
+            if self.use_triton and config.fused_decode_kernels:
+                self.fused = _fused_forward(model, self.kv_cache, config, lora)
+                if config.mixed_cuda_graphs and config.resolved_mixed_batch_attention:
+                    from gpu_runtime.engine.mixed_graphs import MixedStepGraphs  # needs Triton
 
-    # ---- request state ----------------------------------------------------------------------
-    def _sync_states(self, output: SchedulerOutput) -> None:
-        for request_id in output.finished_request_ids:
-            state = self.states.pop(request_id, None)
-            if state is not None:
-                self._free_rows.append(state.row)
-        for new in output.new_requests:
-            if not self._free_rows:
-                raise RuntimeError("more live requests than max_num_seqs + 1 rows")
-            row = self._free_rows.pop()
-            state = _RequestState(
-                list(new.token_ids),
-                list(new.block_ids),
-                new.num_computed_tokens,
-                new.sampling_params,
-                new.num_output_tokens,
-                row,
-                new.lora_name,
+                    mixed_graphs = MixedStepGraphs(
+                        self.fused,
+                        self.kv_cache,
+                        config.mixed_graph_token_sizes(),
+                        config.max_num_seqs + 1,
+                        pin,
+                    )
+            self._decode = DecodePath(
+                model, self.kv_cache, config, self.rows.table_np, self.fused, lora, self._num_sms
             )
-            if new.lora_name is not None and self.lora is not None:
-                state.lora_slot = self.lora.slot_of_request(new.request_id)
-            self.states[new.request_id] = state
-            self._table_np[row, : len(state.block_ids)] = state.block_ids
-        for cached in output.cached_requests:
-            state = self.states[cached.request_id]
-            if cached.new_block_ids:
-                start = len(state.block_ids)
-                state.block_ids.extend(cached.new_block_ids)
-                self._table_np[state.row, start : len(state.block_ids)] = cached.new_block_ids
-            state.num_computed_tokens = cached.num_computed_tokens
+        self.general = GeneralPath(
+            model,
+            self.kv_cache,
+            config,
+            self.rows.table_cpu,
+            self.fused,
+            mixed_graphs,
+            lora,
+            self._num_sms,
+        )
+
+    @property
+    def static_decode(self) -> bool:
+        """Decode-only steps that fit a bucket take the decode fast path."""
+        return self._decode is not None
+
+    @property
+    def decode(self) -> DecodePath:
+        """The decode fast path; RuntimeError when `static_decode` is off (there is none)."""
+        if self._decode is None:
+            raise RuntimeError("static decode batches are off: the runner has no decode path")
+        return self._decode
+
+    @property
+    def max_bucket(self) -> int:
+        """Largest decode batch the decode fast path takes (0: no fast path)."""
+        return self._decode.max_bucket if self._decode is not None else 0
 
     # ---- execution --------------------------------------------------------------------------
     @torch.no_grad()
@@ -184,7 +187,7 @@ class ModelRunner(StaticDecodeMixin, GeneralStepMixin):
         sampled tensor on the device. `resolve` each handle once, in launch order."""
         started = time.perf_counter()
         self.last_launch_seconds = self.last_sample_seconds = self.last_wait_seconds = 0.0
-        self._sync_states(output)
+        self.rows.sync(output)
         result = ModelRunnerOutput()
         handle = StepHandle(self._num_launched, result)
         self._num_launched += 1
@@ -314,9 +317,9 @@ class ModelRunner(StaticDecodeMixin, GeneralStepMixin):
     ) -> tuple[torch.Tensor, list[str]]:
         """The step's logits (rows to sample) and the ids sampled, in row order. `pending`:
         decode inputs still on the device (bucketed decode-only steps only)."""
-        lora = self.lora
-        if decode_only and self.static_decode and len(order) <= self._buckets[-1]:
-            logits, bucket, used_graph = self._decode_logits(
+        decode = self._decode
+        if decode_only and decode is not None and len(order) <= decode.max_bucket:
+            logits, bucket, used_graph = decode.logits(
                 states, partition, order if with_adapters else None, pending
             )
             result.used_cuda_graph = used_graph
@@ -327,12 +330,71 @@ class ModelRunner(StaticDecodeMixin, GeneralStepMixin):
                 "a step launched before the previous one was resolved must be a bucketed "
                 f"decode-only step ({len(order)} rows, decode_only={decode_only})"
             )
-        if self._fused is not None and self.mixed_attention:  # CUDA: the fused step
-            if not with_adapters and self._mixed is not None and self.use_mixed_graphs:
-                replayed = self._mixed_graph_logits(order, partition)
-                if replayed is not None:
-                    return replayed
-            return self._general_logits(order, self.model, fused_lora=with_adapters)
-        use_lora = with_adapters and lora is not None and lora.set_batch(order)
-        forward = lora.forward if use_lora and lora is not None else self.model
-        return self._general_logits(order, forward)
+        return self.general.step_logits(order, self.states, partition, with_adapters)
+
+    def _pending_inputs(self, states: list[_RequestState]) -> PendingTokens | None:
+        """Rows whose last token is still on the device: the unresolved step's sampled tensor
+        and, per row, the index into it (-1: the token is on the host)."""
+        last = self._last_launched
+        if last is None or last.resolved or last.token_ids is None:
+            return None
+        step = last.step
+        source = np.fromiter(
+            (s.pending_index if s.pending_step == step else -1 for s in states),
+            np.int64,
+            len(states),
+        )
+        if (source < 0).all():
+            return None
+        return last.token_ids, source
+
+    def capture_cuda_graphs(
+        self,
+        batch_sizes: tuple[int, ...] | None = None,
+        partition: Hashable = None,
+        stream: torch.cuda.Stream | None = None,
+        sm_count: int | None = None,
+    ) -> list[int]:
+        """Capture the decode step for each bucket (largest first), then the mixed-step graphs;
+        returns the decode buckets captured.
+
+        `partition`/`stream` key and place the capture for one SM partition; `sm_count`, the
+        SMs that partition's kernels may use, lets its GEMMs plan for them
+        (`EngineConfig.partition_gemm_sm_target`). With a LoRA runtime on the fused path, the
+        LoRA step is captured too (same buckets, same pool).
+        """
+        decode = self._decode
+        if decode is None or not (self.use_triton and self.config.use_cuda_graphs):
+            return []
+        sizes = decode.graph_sizes(batch_sizes)
+        mixed = self.general.mixed_graphs
+        target = sm_count if self.config.partition_gemm_sm_target else None
+        with (
+            blas_library(self._blas),
+            gemm_sm_target(target, self._num_sms),
+            gc_paused_for_capture(),  # one collection for all
+        ):
+            decode.capture(sizes, partition, stream)
+            if mixed is not None:
+                for tokens in reversed(mixed.buckets):
+                    mixed.capture(tokens, partition, stream)
+        if self.config.gc_freeze_after_capture:
+            freeze_long_lived()  # full collections stop walking the model and engine
+        return sizes
+
+
+def _fused_forward(
+    model: CausalLM, kv_cache: PagedKVCache, config: EngineConfig, lora: LoraRuntime | None
+) -> FusedDecodeForwardType:
+    """The fused CUDA decode step over `model` and `kv_cache` (with the runtime's LoRA groups)."""
+    from gpu_runtime.engine.fast_decode import FusedDecodeForward  # needs Triton
+
+    groups = lora.decode_groups() if lora is not None else None
+    return FusedDecodeForward(
+        model,
+        kv_cache,
+        config.max_model_len,
+        groups,
+        fuse_lora_expand=config.lora_expand_in_kernels,
+        programmatic_launch_rows=config.decode_programmatic_launch_rows,
+    )

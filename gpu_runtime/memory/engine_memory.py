@@ -56,46 +56,20 @@ def engine_kv_layout(
 
 
 def scheduler_block_demand(engine: Any) -> tuple[int, int]:
-    """(blocks the running requests need next step, blocks the waiting ones' first chunk need).
-
-    Mirrors the continuous-batching scheduler: running requests in order take their next chunk
-    (one token when decoding) out of the step's token budget; waiting prompts come after.
-    """
-    return _block_demand(engine, count_running=True)
+    """(blocks the running requests need next step, blocks the waiting ones' first chunk need):
+    the scheduler's `preview()` of the next step (`StepPreview.running_block_demand`,
+    `StepPreview.waiting_block_demand`)."""
+    preview = engine.scheduler.preview()
+    return preview.running_block_demand, preview.waiting_block_demand
 
 
 def scheduler_waiting_blocks(engine: Any) -> int:
-    """The second figure of `scheduler_block_demand` alone (what `after_decode` needs): the
-    running requests only take their chunks out of the token budget, without the per-request
-    block count."""
-    return _block_demand(engine, count_running=False)[1]
-
-
-def _block_demand(engine: Any, *, count_running: bool) -> tuple[int, int]:
+    """The second figure of `scheduler_block_demand` alone (what `after_decode` needs); 0
+    without a preview when nothing waits."""
     scheduler = engine.scheduler
-    if not count_running and not getattr(scheduler, "waiting", ()):
-        return 0, 0  # nothing waits: no pass over the running requests for the budget
-    block_manager = engine.block_manager
-    budget = int(engine.config.max_num_batched_tokens)
-    block_size = block_manager.block_size
-    running = 0
-    for request in getattr(scheduler, "running", ()):
-        if budget <= 0:
-            break
-        computed = request.num_computed_tokens
-        count = min(request.num_tokens - computed, budget)
-        if count_running:  # `BlockManager.num_new_blocks`, inlined (once per request and step)
-            new = -(-(computed + count) // block_size) - len(request.block_table)
-            if new > 0:
-                running += new
-        budget -= count
-    waiting = 0
-    for request in getattr(scheduler, "waiting", ()):
-        computed = request.num_computed_tokens
-        chunk = min(request.num_tokens - computed, max(budget, 1))
-        waiting += block_manager.blocks_for_tokens(computed + chunk)
-        budget -= chunk
-    return running, waiting
+    if not scheduler.waiting:
+        return 0
+    return int(scheduler.preview().waiting_block_demand)
 
 
 class EngineMemory:

@@ -25,22 +25,22 @@ def test_staged_iteration_runs_through_the_runners_decode_step() -> None:
     assert isinstance(step, EngineStep)
     bucket, batch = step.bucket, len(contexts)
     assert bucket == 4  # the smallest graph bucket holding 3 sequences
-    ints = runner._buf_ints[:, :bucket].numpy()
+    ints = runner.decode.buf_ints[:, :bucket].numpy()
     np.testing.assert_array_equal(ints[1, :batch], contexts)  # the new token's position
     np.testing.assert_array_equal(ints[3, :batch], np.array(contexts) % BLOCK_SIZE)
     assert ints[2, batch] == runner.kv_cache.pad_block  # padding writes to the pad block
     if len(ints) > 4:
         assert np.all(ints[4] == -1)  # LoRA slot: base model
-    seq_lens = runner._buf_seq_lens[:bucket].numpy()
+    seq_lens = runner.decode.buf_seq_lens[:bucket].numpy()
     np.testing.assert_array_equal(seq_lens, [6, 18, 34, 0])
-    table = runner._buf_table[:batch].numpy()
+    table = runner.decode.buf_table[:batch].numpy()
     for i, pos in enumerate(contexts):  # the slot block is the table's block of the position
         assert ints[2, i] == table[i, pos // BLOCK_SIZE]
     blocks = [set(table[i, : pos // BLOCK_SIZE + 1].tolist()) for i, pos in enumerate(contexts)]
     assert not (blocks[0] & blocks[1]) and not (blocks[1] & blocks[2])  # no shared blocks
-    runner._stage_seq_lens_np[:bucket] = seq_lens  # torch attention reads host lengths
+    runner.decode.stage_seq_lens_np[:bucket] = seq_lens  # torch attention reads host lengths
     with torch.no_grad():
-        logits = runner.decode_forward(bucket)
+        logits = runner.decode.decode_forward(bucket)
     assert logits.shape == (bucket, model.config.vocab_size)
     assert torch.all(torch.isfinite(logits[:batch]))
     step.replay()  # CPU: the graph's step, eagerly over the same buffers
@@ -64,7 +64,7 @@ def test_mixed_step_runs_decode_and_a_prefill_chunk_through_the_general_path() -
     assert step.order == [("decode0", 1), ("decode1", 1), ("prefill", 24)]
     replayed = step.replay()  # twice: the states are not advanced
     with torch.no_grad():
-        logits, sampled = source.runner._general_logits(step.order, model)
+        logits, sampled = source.runner.general.logits(step.order, source.runner.states, model)
         prompt = torch.tensor(source.runner.states["prefill"].token_ids)
         hidden = model(prompt, torch.arange(24), _causal)
         expected = model.compute_logits(hidden[-1:])
@@ -82,7 +82,9 @@ def test_mixed_graph_option_sets_the_engine_flag_and_keeps_cpu_steps_eager() -> 
     assert source.runner.config.max_num_batched_tokens == 1024
     step = source.capture([9, 40], 24, None, partition=48)
     assert isinstance(step, EngineMixedStep) and step.partition == 48
-    assert source.runner._mixed is None  # no fused kernels off CUDA: nothing to capture
+    assert (
+        source.runner.general.mixed_graphs is None
+    )  # no fused kernels off CUDA: nothing to capture
     assert step.replay().shape == (3, model.config.vocab_size)
 
 
@@ -100,7 +102,7 @@ def test_chunks_after_a_prefix_attend_to_it_and_match_a_dense_forward() -> None:
         max_model_len=256,
     )
     assert source.config.mixed_graph_token_sizes() == (64,)
-    assert tuple(source.runner._buckets) == (1, 2, 4, 8)
+    assert tuple(source.runner.decode.buckets) == (1, 2, 4, 8)
     step = source.capture([9, 40], 20, None, chunks=[(30, 12), (0, 8)])
     assert isinstance(step, EngineMixedStep)
     assert step.order == [("decode0", 1), ("decode1", 1), ("prefill", 12), ("prefill1", 8)]

@@ -159,7 +159,7 @@ def test_async_step_after_a_stop_token_is_discarded(tiny_llama: CausalLM) -> Non
     engine = Engine(tiny_llama, _config())
     out = engine.generate([prompt], params)[0]
     assert out.output_token_ids == free[: free.index(free[5]) + 1]
-    assert out.finish_reason == "stop" and engine._inflight is None
+    assert out.finish_reason == "stop" and engine.overlap.in_flight is None
     assert engine.generate([prompt], GREEDY)[0].output_token_ids == free
     engine.step()
     assert engine.runner.states == {}

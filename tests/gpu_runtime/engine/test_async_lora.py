@@ -116,7 +116,7 @@ def _assert_idle(engine: Engine, runtime: MultiLoraRuntime) -> None:
     assert engine.runner.states == {}
     assert runtime._attached == {} and _held_slots(runtime) == 0
     assert engine.block_manager.num_free_blocks == engine.config.num_kv_blocks
-    assert engine._inflight is None
+    assert engine.overlap.in_flight is None
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -213,7 +213,7 @@ def test_abort_of_adapter_requests_with_a_step_in_flight(adapter_dirs: dict[str,
                 ids.append(engine.add_request(prompt, GREEDY, lora_name=name))
                 tokens[ids[-1]] = []
         if call == aborted_at:
-            inflight_at_abort = engine._inflight is not None
+            inflight_at_abort = engine.overlap.in_flight is not None
             engine.abort_request(ids[0])  # poet
             engine.abort_request(ids[2])  # coder
             assert set(runtime._attached.values()) == {"support-bot"}
@@ -241,7 +241,7 @@ def test_preempted_adapter_requests_reattach_under_async(
     arrivals: list[Arrival] = [(0, p, n) for p, n in zip(prompts, names, strict=True)]
     engine, runtime = _engine(adapter_dirs, True, num_slots=2, num_kv_blocks=14)
     got = _drive(engine, arrivals, GREEDY)
-    requests = engine.scheduler.requests  # type: ignore[attr-defined]
+    requests = engine.scheduler.requests
     assert requests == {}
     assert [g[0] for g in got] == _expected(adapter_dirs, prompts, names)
     assert engine.runner.num_overlapped_steps > 0
@@ -274,7 +274,7 @@ def test_discarded_step_is_waited_for_before_a_shrink(adapter_dirs: dict[str, Pa
     engine, runtime = _engine(adapter_dirs, True)
     out = engine.generate([prompt], params, lora_names=["poet"])[0]
     assert out.output_token_ids == free[: free.index(free[4]) + 1]
-    assert engine._inflight is None and engine.runner.num_discarded_steps == 1
+    assert engine.overlap.in_flight is None and engine.runner.num_discarded_steps == 1
     last = engine.runner._last_launched
     assert last is not None and last.resolved and not last.device_done  # discarded
     assert engine.shrink_kv_blocks(2) == [95, 94]

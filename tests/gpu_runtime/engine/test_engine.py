@@ -87,7 +87,7 @@ def test_continuous_batching_with_staggered_arrivals_equals_sequential(
     expected = _one_at_a_time(tiny_llama, prompts)
     config = _config(max_num_batched_tokens=16, mixed_batch_attention=mixed_attention)
     engine = Engine(tiny_llama, config)
-    assert engine.runner.mixed_attention == mixed_attention
+    assert engine.runner.general.mixed_attention == mixed_attention
     finished: dict[str, list[int]] = {}
     ids: list[str] = []
     pending = list(prompts)
@@ -119,7 +119,7 @@ def test_preemption_counter_is_visible(tiny_llama: CausalLM) -> None:
     seen = 0
     while engine.has_unfinished_requests():
         engine.step()
-        live = [engine.scheduler.get_request(i) for i in ids if i in engine.scheduler.requests]  # type: ignore[attr-defined]
+        live = [engine.scheduler.requests[i] for i in ids if i in engine.scheduler.requests]
         seen = max([seen, *(r.num_preemptions for r in live)])
     assert seen >= 1 and len(ids) == 4
 
@@ -157,14 +157,10 @@ def test_bad_requests_and_configs_are_rejected(tiny_llama: CausalLM) -> None:
         _config(block_size=6)
     with pytest.raises(EngineConfigError, match="decode_blas_library='mkl'"):
         _config(decode_blas_library="mkl")
-    with pytest.raises(EngineConfigError, match="decode_skinny_gemm_rows=65"):
-        _config(decode_skinny_gemm_rows=65)
     for rows in (-1, 2.5, True):
         with pytest.raises(EngineConfigError, match=f"decode_programmatic_launch_rows={rows}"):
             _config(decode_programmatic_launch_rows=rows)
     assert _config(decode_programmatic_launch_rows=0).decode_programmatic_launch_rows == 0
-    with pytest.raises(EngineConfigError, match=r"unknown \['lm_head'\]"):
-        _config(decode_skinny_gemm_projections=("o", "lm_head"))
     with pytest.raises(EngineConfigError, match="chunk_attention='flash'"):
         _config(chunk_attention="flash")
 
@@ -232,4 +228,4 @@ def test_fixed_shape_decode_batches_give_the_same_tokens(tiny_llama: CausalLM) -
     # 5 sequences are padded into the bucket of 8 (max_num_seqs) for every decode step
     outputs = static_engine.generate(prompts, GREEDY)
     assert [o.output_token_ids for o in outputs] == [o.output_token_ids for o in dynamic]
-    assert static_engine.runner.num_static_decode_steps >= GREEDY.max_tokens - 2
+    assert static_engine.runner.decode.num_static_decode_steps >= GREEDY.max_tokens - 2

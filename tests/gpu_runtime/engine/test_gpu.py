@@ -154,7 +154,7 @@ def test_cuda_graph_engine_logprobs_match_hf_bf16(
     library = torch.backends.cuda.preferred_blas_library()
     assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
     assert torch.backends.cuda.preferred_blas_library() == library
-    assert engine.runner.mixed_attention
+    assert engine.runner.general.mixed_attention
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77)]
     params = SamplingParams(
@@ -168,8 +168,8 @@ def test_cuda_graph_engine_logprobs_match_hf_bf16(
         for out in engine.step():
             tokens[out.request_id].extend(out.new_token_ids)
             logprobs[out.request_id].extend(lp.logprob for lp in out.new_logprobs)
-        graph_steps += int(engine.runner._graphs is not None)
-    assert (engine.runner.num_mixed_graph_steps > 0) == mixed_graphs
+        graph_steps += int(engine.runner.decode.graphs is not None)
+    assert (engine.runner.general.num_mixed_graph_steps > 0) == mixed_graphs
     agree = total = 0
     for rid, prompt in zip(ids, prompts, strict=True):
         full = torch.tensor([prompt + tokens[rid]], device=dev)

@@ -63,7 +63,7 @@ def test_cuda_engine_serves_adapters_beside_graph_decode(tmp_path: Path) -> None
     for name in specs:
         runtime.register(name, tmp_path / name)
     engine = Engine(model, config, lora=runtime)
-    assert engine.runner.fused_lora_decode
+    assert engine.runner.decode.fused_lora_decode
     assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(1, 1000, (n,), generator=gen).tolist() for n in (5, 40, 77, 23)]
@@ -94,11 +94,13 @@ def test_cuda_engine_serves_adapters_beside_graph_decode(tmp_path: Path) -> None
         total += len(tokens[rid])
     assert agree >= 0.9 * total
     assert runtime._attached == {}
-    assert engine.runner.num_lora_graph_steps >= 8  # adapter decode steps replayed LoRA graphs
+    assert (
+        engine.runner.decode.num_lora_graph_steps >= 8
+    )  # adapter decode steps replayed LoRA graphs
     # base-only requests afterwards still take the fixed-shape (graph) decode path
-    before = engine.runner.num_static_decode_steps
+    before = engine.runner.decode.num_static_decode_steps
     engine.generate([prompts[0]], params)
-    assert engine.runner.num_static_decode_steps > before
+    assert engine.runner.decode.num_static_decode_steps > before
 
 
 def _adapter_engine(root: Path, async_scheduling: bool) -> tuple[Engine, MultiLoraRuntime]:
@@ -181,7 +183,9 @@ def test_async_scheduling_with_adapters(tmp_path: Path) -> None:
         reference = _run_adapters(_adapter_engine(tmp_path, False)[0], params, False)
         engine, runtime = _adapter_engine(tmp_path, True)
         assert _run_adapters(engine, params, False) == reference
-        assert engine.runner.num_overlapped_steps > 0 and engine.runner.num_lora_graph_steps > 0
+        assert (
+            engine.runner.num_overlapped_steps > 0 and engine.runner.decode.num_lora_graph_steps > 0
+        )
         assert runtime._attached == {}
     free = _run_adapters(_adapter_engine(tmp_path, False)[0], greedy, True)
     stop = tuple({tokens[6] for tokens, _, _ in free[:3]})
@@ -204,7 +208,9 @@ def test_async_scheduling_with_adapters(tmp_path: Path) -> None:
                 diff = torch.tensor(ref_lps[:same]) - torch.tensor(lps[:same])
                 assert float(diff.abs().max()) < 0.05, diff
         assert agree >= 0.9 * total
-        assert engine.runner.num_overlapped_steps > 0 and engine.runner.num_lora_graph_steps > 0
+        assert (
+            engine.runner.num_overlapped_steps > 0 and engine.runner.decode.num_lora_graph_steps > 0
+        )
         assert runtime._attached == {} and not engine.has_unfinished_requests()
         engine.step()
         assert engine.runner.states == {}
@@ -273,27 +279,27 @@ def test_fused_step_keeps_base_rows(tmp_path: Path, share_gemms: bool, in_kernel
     runtime.attach("r", "x")
     engine = Engine(model, config, lora=runtime)
     runner = engine.runner
-    runner._buf_ints[0, :8] = torch.arange(8) + 3
-    runner._buf_ints[1, :8] = 0
-    runner._buf_ints[2, :8] = torch.arange(8)  # each row its own KV block
-    runner._buf_ints[3, :8] = 0
-    runner._buf_table[:8, 0] = torch.arange(8)
-    runner._buf_seq_lens[:8] = 1
-    base = runner.decode_forward(8).clone()
-    runner._buf_ints[4, :8] = -1
+    runner.decode.buf_ints[0, :8] = torch.arange(8) + 3
+    runner.decode.buf_ints[1, :8] = 0
+    runner.decode.buf_ints[2, :8] = torch.arange(8)  # each row its own KV block
+    runner.decode.buf_ints[3, :8] = 0
+    runner.decode.buf_table[:8, 0] = torch.arange(8)
+    runner.decode.buf_seq_lens[:8] = 1
+    base = runner.decode.decode_forward(8).clone()
+    runner.decode.buf_ints[4, :8] = -1
 
     def same(x: torch.Tensor, y: torch.Tensor) -> bool:
         if share_gemms:
             return bool(torch.allclose(x.float(), y.float(), rtol=2e-2, atol=2e-2))
         return torch.equal(x, y)
 
-    assert same(runner.decode_forward_lora(8), base)
-    runner._buf_ints[4, 2] = runtime.slot_of_request("r")
-    mixed = runner.decode_forward_lora(8)
+    assert same(runner.decode.decode_forward_lora(8), base)
+    runner.decode.buf_ints[4, 2] = runtime.slot_of_request("r")
+    mixed = runner.decode.decode_forward_lora(8)
     rows = [0, 1, 3, 4, 5, 6, 7]
     assert same(mixed[rows], base[rows])
     assert (mixed[2].float() - base[2].float()).abs().max() > 1e-2
-    runtime.weights.set_token_slots(runner._buf_ints[4, :8].cpu())
-    eager = runner.decode_forward(8, runtime.forward)  # the unfused LoRA forward
+    runtime.weights.set_token_slots(runner.decode.buf_ints[4, :8].cpu())
+    eager = runner.decode.decode_forward(8, runtime.forward)  # the unfused LoRA forward
     effect = float((eager[2].float() - base[2].float()).abs().max())
     assert float((mixed[2].float() - eager[2].float()).abs().max()) < max(0.25 * effect, 2e-2)

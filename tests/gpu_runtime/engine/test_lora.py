@@ -151,8 +151,8 @@ def test_without_free_slots_requests_wait_in_order_and_finish(
     engine.step()
     # one slot, held by the poet request: the coder request waits, and FCFS keeps the base
     # request and the second poet request behind it
-    assert [r.request_id for r in scheduler.running] == [ids[0]]  # type: ignore[attr-defined]
-    assert [r.request_id for r in scheduler.waiting] == ids[1:]  # type: ignore[attr-defined]
+    assert [r.request_id for r in scheduler.running] == [ids[0]]
+    assert [r.request_id for r in scheduler.waiting] == ids[1:]
     assert runtime.manager.slot_of("poet") == 0
     finished: dict[str, list[int]] = {}
     admitted_after: dict[str, set[str]] = {}
@@ -160,7 +160,7 @@ def test_without_free_slots_requests_wait_in_order_and_finish(
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.output_token_ids
-        for r in scheduler.running:  # type: ignore[attr-defined]
+        for r in scheduler.running:
             admitted_after.setdefault(r.request_id, set(finished))
     assert [finished[i] for i in ids] == expected
     assert ids[0] in admitted_after[ids[1]]  # coder got the slot only once poet was done
@@ -189,14 +189,14 @@ def test_preempted_adapter_request_reattaches(adapter_dirs: dict[str, Path]) -> 
     # (adapter) requests get preempted and recomputed
     engine, runtime = _lora_engine(adapter_dirs, num_slots=2, num_kv_blocks=14)
     ids = [engine.add_request(p, GREEDY, lora_name=n) for p, n in zip(prompts, names, strict=True)]
-    requests = {i: engine.scheduler.get_request(i) for i in ids}
+    requests = {i: engine.scheduler.requests[i] for i in ids}
     finished: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 finished[out.request_id] = out.output_token_ids
         holders = set(runtime._attached)
-        running = {r.request_id for r in engine.scheduler.running}  # type: ignore[attr-defined]
+        running = {r.request_id for r in engine.scheduler.running}
         assert holders == {i for i in running if requests[i].lora_name is not None}
     assert any(requests[i].num_preemptions >= 1 for i in ids if requests[i].lora_name)
     assert [finished[i] for i in ids] == expected
@@ -234,5 +234,5 @@ def test_fixed_shape_decode_steps_apply_adapters(adapter_dirs: dict[str, Path]) 
     assert engine.runner.static_decode
     outputs = engine.generate(prompts, GREEDY, lora_names=names)  # 5 rows padded to 8
     assert [o.output_token_ids for o in outputs] == expected
-    assert engine.runner.num_static_decode_steps >= GREEDY.max_tokens - 2
+    assert engine.runner.decode.num_static_decode_steps >= GREEDY.max_tokens - 2
     assert runtime._attached == {}

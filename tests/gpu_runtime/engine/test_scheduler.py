@@ -4,8 +4,9 @@ import pytest
 
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
+from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
 from gpu_runtime.engine.request import Request, RequestStatus, SamplingParams
-from gpu_runtime.engine.scheduler import ContinuousBatchingScheduler, SchedulerOutput
+from gpu_runtime.engine.scheduler import SchedulerOutput
 
 
 def _scheduler(blocks: int, budget: int = 16, seqs: int = 4) -> ContinuousBatchingScheduler:
@@ -200,3 +201,37 @@ def test_requests_are_validated_against_storage_capacity_not_usable_blocks() -> 
     plan = s.schedule()
     assert plan.num_scheduled_tokens == {"fits-storage": 17}
     assert plan.new_requests[0].block_ids == [0, 1, 2, 3, 4]
+
+
+def test_decode_follows_only_a_steady_decode_step() -> None:
+    """Asked right after `schedule()` (as the engine asks before reading the step back): the
+    next step is sure to decode the same requests only when every running request is sampled
+    by this one, none stops on length with the token, nothing waits and free blocks cover
+    every row's next token."""
+    s = _scheduler(blocks=8, budget=16, seqs=4)
+    s.add_request(_request("a", 3, max_tokens=3))
+    s.add_request(_request("b", 10, max_tokens=8))
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 3, "b": 10}  # both prompts whole: both sampled
+    assert s.decode_follows(plan, max_rows=2)
+    assert not s.decode_follows(plan, max_rows=1)  # more rows than the largest bucket
+    s.add_request(_request("c", 2))
+    assert not s.decode_follows(plan, max_rows=2)  # c waits: the next step admits it
+    s.abort_request("c")
+    _run(s, plan)
+    plan = s.schedule()
+    assert plan.num_scheduled_tokens == {"a": 1, "b": 1} and s.decode_follows(plan, 2)
+    _run(s, plan)
+    plan = s.schedule()
+    assert not s.decode_follows(plan, max_rows=2)  # a's third token is its last
+    _run(s, plan)
+    s.finish_request("a", RequestStatus.FINISHED_LENGTH)
+    b = s.requests["b"]
+    while True:
+        plan = s.schedule()
+        if b.num_tokens == len(b.block_table) * 4:  # the next token needs a new block
+            break
+        _run(s, plan)
+    assert s.decode_follows(plan, max_rows=2)
+    s.block_manager.shrink(s.block_manager.num_free_blocks)
+    assert not s.decode_follows(plan, max_rows=2)  # no block for it

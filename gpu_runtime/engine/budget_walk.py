@@ -1,0 +1,187 @@
+"""The continuous-batching scheduler's budget walk: the next step's decisions over its queues,
+taken without changing them, and the `StepPreview` figures they give.
+
+`ContinuousBatchingScheduler.schedule()` applies a walk's decisions (in the order they were
+taken, so that block ids come out as if each were applied at once); `preview()` reports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Container, Sequence
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from gpu_runtime.engine.block_manager import BlockManager
+from gpu_runtime.engine.config import EngineConfig
+from gpu_runtime.engine.request import Request
+from gpu_runtime.engine.scheduler import AdapterAdmissionError, StepPreview
+
+PREEMPT = -1
+"""`Walk.block_moves` entry: preempt the request (the last running one at that point)."""
+
+
+@dataclass
+class Walk:
+    """Decisions of one budget walk, in the order `schedule` applies them."""
+
+    num_scheduled: dict[str, int] = field(default_factory=dict)
+    """Tokens per scheduled request, in batch order."""
+    block_moves: list[tuple[Request, int]] = field(default_factory=list)
+    """`(running request, n > 0)`: allocate it n blocks; `(victim, PREEMPT)`: preempt it."""
+    unknown_running: list[Request] = field(default_factory=list)
+    """Scheduled running requests the runner does not hold (sent in full)."""
+    admissions: list[tuple[Request, str | None]] = field(default_factory=list)
+    """Waiting requests from the front of the queue: admitted (None) or dropped (the reason)."""
+    preempted: list[str] = field(default_factory=list)
+    new_blocks: int = 0
+    running_scheduled: int = 0
+    """Running requests scheduled: `running[:running_scheduled]`."""
+    budget_after_running: int = 0
+    budget_left: int = 0
+    running_block_demand: int = 0
+    """Blocks of the scheduled running requests' chunks."""
+
+
+def walk_step(
+    running: Sequence[Request],
+    waiting: Sequence[Request],
+    known_to_runner: Container[str],
+    block_manager: BlockManager,
+    config: EngineConfig,
+    admit: Callable[[str, str], bool] | None,
+) -> Walk:
+    """The next step's decisions, changing nothing but what `admit` does (it is asked about
+    each waiting adapter request reached, in order; raising `AdapterAdmissionError` drops the
+    request). Free blocks are counted as the decisions would leave them; a preempted request
+    frees its whole table (the scheduler's tables share no blocks).
+
+    Running requests in order take their next chunk (one token when decoding) out of the
+    token budget; one that needs blocks when too few are free preempts the latest running
+    requests until enough are (itself last). Then, unless the step preempted, waiting requests
+    are admitted while the budget, `max_num_seqs`, free blocks for their first chunk and
+    `admit` allow."""
+    walk = Walk()
+    scheduled = walk.num_scheduled
+    moves = walk.block_moves
+    block_size = block_manager.block_size
+    free = block_manager.num_free_blocks
+    budget = config.max_num_batched_tokens
+    end = len(running)  # running[:end] stay running; the walk preempts from the end
+    index = 0
+    while index < end and budget > 0:
+        request = running[index]
+        computed = request.num_computed_tokens
+        count = request.num_tokens - computed
+        if count > budget:
+            count = budget
+        needed = -(-(computed + count) // block_size) - len(request.block_table)
+        if needed > 0:
+            if needed > free:
+                while needed > free:
+                    end -= 1
+                    victim = running[end]
+                    free += len(victim.block_table)
+                    moves.append((victim, PREEMPT))
+                    walk.preempted.append(victim.request_id)
+                    if victim is request:
+                        break
+                if end == index:  # the request preempted itself
+                    break
+            free -= needed
+            moves.append((request, needed))
+            walk.new_blocks += needed
+            walk.running_block_demand += needed
+        rid = request.request_id
+        scheduled[rid] = count
+        budget -= count
+        if rid not in known_to_runner:
+            walk.unknown_running.append(request)
+        index += 1
+    walk.running_scheduled = index
+    walk.budget_after_running = budget
+    num_running = end
+    position = 0
+    while (
+        position < len(waiting)
+        and budget > 0
+        and not walk.preempted
+        and num_running < config.max_num_seqs
+    ):
+        request = waiting[position]
+        count = min(request.num_tokens, budget)
+        blocks = -(-count // block_size)
+        if blocks > free:
+            break
+        lora = request.lora_name
+        if lora is not None and admit is not None:
+            try:
+                admitted = admit(request.request_id, lora)
+            except AdapterAdmissionError as exc:
+                walk.admissions.append((request, str(exc)))
+                position += 1
+                continue
+            if not admitted:
+                break  # every adapter slot is held by running requests: wait (FCFS)
+        walk.admissions.append((request, None))
+        position += 1
+        free -= blocks
+        walk.new_blocks += blocks
+        num_running += 1
+        scheduled[request.request_id] = count
+        budget -= count
+    walk.budget_left = budget
+    return walk
+
+
+def step_preview(
+    walk: Walk,
+    running: Sequence[Request],
+    waiting: Sequence[Request],
+    block_size: int,
+    token_budget: int,
+) -> StepPreview:
+    """The figures of `walk`, taken over `running` and `waiting` (the queues it walked)."""
+    scheduled = walk.num_scheduled
+    decode_ids: list[str] = []
+    contexts: list[int] = []
+    chunks: dict[str, int] = {}
+    for request in running[: walk.running_scheduled]:
+        rid = request.request_id
+        if request.num_tokens - request.num_computed_tokens == 1:
+            decode_ids.append(rid)
+            contexts.append(request.num_computed_tokens)
+        else:
+            chunks[rid] = scheduled[rid]
+    for request, reason in walk.admissions:
+        if reason is None:
+            chunks[request.request_id] = scheduled[request.request_id]
+    # demand: the walk goes on over the requests it preempted or did not reach, as if blocks
+    # were free, then every waiting request's first chunk takes at least one token
+    running_demand, budget = walk.running_block_demand, walk.budget_after_running
+    for request in running[walk.running_scheduled :]:
+        if budget <= 0:
+            break
+        computed = request.num_computed_tokens
+        count = min(request.num_tokens - computed, budget)
+        needed = -(-(computed + count) // block_size) - len(request.block_table)
+        if needed > 0:
+            running_demand += needed
+        budget -= count
+    waiting_demand = 0
+    for request in waiting:
+        computed = request.num_computed_tokens
+        chunk = min(request.num_tokens - computed, max(budget, 1))
+        waiting_demand += -(-(computed + chunk) // block_size)
+        budget -= chunk
+    return StepPreview(
+        num_scheduled_tokens=MappingProxyType(scheduled),
+        decode_request_ids=tuple(decode_ids),
+        decode_contexts=tuple(contexts),
+        prefill_chunks=MappingProxyType(chunks),
+        preempted_request_ids=tuple(walk.preempted),
+        new_blocks=walk.new_blocks,
+        tokens_used=token_budget - walk.budget_left,
+        num_waiting=len(waiting),
+        running_block_demand=running_demand,
+        waiting_block_demand=waiting_demand,
+    )
