@@ -158,4 +158,4 @@ class IterationPlanner:
     def running_view(self) -> tuple[RunningRequest, ...]:
         """Requests decoding with at least ``MIN_TOKENS_FOR_TPOT`` tokens: their TPOT so far
         and the tokens ``max_tokens`` still allows."""
-        return self._tokens.views(getattr(self._engine.scheduler, "requests", None))
+        return self._tokens.views(self._engine.scheduler.requests)
