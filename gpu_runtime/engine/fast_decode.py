@@ -10,7 +10,7 @@ gate|up LoRA expand (small batches) in the RoPE and SwiGLU kernels.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
@@ -29,6 +29,9 @@ FUSED_EXPAND_MAX_ROWS = 64
 LayerLoraGroups = tuple[LoraGroup | None, LoraGroup | None, LoraGroup | None, LoraGroup | None]
 """One layer's adapter groups in `(qkv, o, gate_up, down)` order (None: not adapted)."""
 
+Attend = Callable[[int, torch.Tensor], torch.Tensor]
+"""Layer `index`'s attention of rotated queries `[B, H, D]` (K/V cached) -> `[B, H, D]`."""
+
 ProjectionRows = tuple[torch.Tensor, LoraRows | None]
 """A fused projection's output `[B, out]` and the LoRA rows its consuming kernel expands."""
 
@@ -46,27 +49,15 @@ class FusedDecodeForward:
         max_positions: int,
         lora_groups: Sequence[Mapping[str, LoraGroup]] | None = None,
         fuse_lora_expand: bool = True,
-        skinny_max_rows: int = 0,
-        skinny_projections: Sequence[str] = ("qkv", "o"),
         programmatic_launch_rows: int = 0,
     ) -> None:
         """`lora_groups` (per layer, `LoraRuntime.decode_groups()`): the stacked adapter slots
         added when a call passes `lora_slots`; `fuse_lora_expand`: at batch <=
         `FUSED_EXPAND_MAX_ROWS` add the q|k|v and gate|up terms inside the RoPE and SwiGLU
-        kernels instead of separate expand kernels. `skinny_max_rows` (0: off): calls of at
-        most that many tokens run `skinny_projections` ("qkv", "o", "gate_up", "down") without
-        an adapter group through the split-K Triton GEMM (`skinny_gemm.py`) instead of
-        cuBLAS; read at call time (graphs keep what they captured).
-        `programmatic_launch_rows` (0: off): calls of at most that many tokens launch their
-        Triton kernels as programmatic dependents (`fused_ops`); read at call time too."""
+        kernels instead of separate expand kernels. `programmatic_launch_rows` (0: off): calls
+        of at most that many tokens launch their Triton kernels as programmatic dependents
+        (`fused_ops`); read at call time (graphs keep what they captured)."""
         self.programmatic_launch_rows = programmatic_launch_rows
-        self.skinny_max_rows = skinny_max_rows
-        self.skinny_projections = frozenset(skinny_projections)
-        self.num_sms = 132
-        if torch.cuda.is_available():
-            self.num_sms = torch.cuda.get_device_properties(
-                model.model.embed_tokens.weight.device
-            ).multi_processor_count
         self.model = model
         self.lora_groups = lora_groups
         self.fuse_lora_expand = fuse_lora_expand
@@ -118,57 +109,82 @@ class FusedDecodeForward:
         `attention` (any step: prefill chunks too; positions and cache slots per token): attends
         instead of the one-query-per-row kernel. `logits_rows`: only these rows get logits."""
         model = self.model
-        batch = input_ids.shape[0]
-        ops = FusedDecodeOps(self, batch, positions, metadata, num_splits, lora_slots, attention)
+        pdl = 0 < input_ids.shape[0] <= self.programmatic_launch_rows
+        attend: Attend = (
+            attention.attend
+            if attention is not None
+            else PagedDecodeAttention(self.cache, metadata, num_splits, pdl).attend
+        )
+        ops = FusedDecodeOps(
+            self, positions, metadata.slot_blocks, metadata.slot_offsets, attend, lora_slots, pdl
+        )
         h = model.model.run(ops, input_ids)
         if logits_rows is not None:
             h = h.index_select(0, logits_rows)
         return model.compute_logits(h)
 
-    def skinny(
-        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """`F.linear` through the split-K Triton GEMM (`skinny_gemm.py`)."""
-        from gpu_runtime.engine.skinny_gemm import skinny_linear
 
-        return skinny_linear(x, weight, bias, num_sms=self.num_sms)
+class PagedDecodeAttention:
+    """One query per row over the paged cache (`paged_decode_attention`) for one call."""
+
+    def __init__(
+        self, cache: PagedKVCache, metadata: AttentionMetadata, num_splits: int, pdl: bool
+    ) -> None:
+        self.cache = cache
+        self.metadata = metadata
+        self.num_splits = num_splits
+        self.pdl = pdl
+
+    def attend(self, index: int, q: torch.Tensor) -> torch.Tensor:
+        """Rotated queries `[B, H, D]` of layer `index` -> `[B, H, D]`."""
+        cache, metadata = self.cache, self.metadata
+        return paged_decode_attention(
+            q,
+            cache.key_caches[index],
+            cache.value_caches[index],
+            metadata.block_tables,
+            metadata.seq_lens,
+            cache.block_size,
+            self.num_splits,
+            pdl=self.pdl,
+        )
 
 
 class FusedDecodeOps:
-    """`DecoderOps` of one call of `FusedDecodeForward` (see `FusedDecodeForward.__call__`).
+    """`DecoderOps` of one call of the fused step over `B` tokens (`FusedDecodeForward.__call__`;
+    the mixed-step graphs run its halves around an attention outside the graphs).
 
-    Per call: the batch size B, the tokens' positions `[B]`, the attention metadata, the per-row
-    LoRA slots, and the choices that depend on the batch size (in-kernel LoRA expand, split-K
-    GEMMs, programmatic launch), made once here, not per layer.
+    Per call: the tokens' positions `[B]` and cache slots (`slot_blocks`, `slot_offsets` `[B]`),
+    the attention (`attend(index, rotated q [B, H, D]) -> [B, H, D]`; None: only
+    `rope_and_cache_write` is called), the per-row LoRA slots (None: the base kernels only),
+    whether the Triton kernels launch as programmatic dependents (`pdl`), and the in-kernel
+    LoRA expand choice that depends on B, made once here, not per layer.
     """
 
     def __init__(
         self,
         step: FusedDecodeForward,
-        batch: int,
         positions: torch.Tensor,
-        metadata: AttentionMetadata,
-        num_splits: int,
-        lora_slots: torch.Tensor | None,
-        attention: MixedPagedAttention | None,
+        slot_blocks: torch.Tensor,
+        slot_offsets: torch.Tensor,
+        attend: Attend | None,
+        lora_slots: torch.Tensor | None = None,
+        pdl: bool = False,
     ) -> None:
         self.step = step
         self.cache = step.cache
         self.positions = positions
-        self.metadata = metadata
-        self.num_splits = num_splits
-        self.attention = attention
+        self.slot_blocks = slot_blocks
+        self.slot_offsets = slot_offsets
+        self.attend = attend
         self.eps = step.eps
         self.groups = step.layer_groups if lora_slots is not None else step.base_groups
         self.slots = lora_slots
-        self.batch = batch
+        self.batch = batch = positions.shape[0]
         # small batches: q|k|v and gate|up expand terms inside the RoPE and SwiGLU kernels (each
         # row reads its slot's B: rows x R x out bytes); larger: one tl.dot expand kernel
         self.fuse_expand = step.fuse_lora_expand and batch <= FUSED_EXPAND_MAX_ROWS
-        self.skinny_projections = (
-            step.skinny_projections if 0 < batch <= step.skinny_max_rows else frozenset()
-        )
-        self.pdl = 0 < batch <= step.programmatic_launch_rows
+        self.pdl = pdl
 
     def norm(
         self, norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None
@@ -183,50 +199,36 @@ class FusedDecodeOps:
         if group is not None and slots is not None and self.fuse_expand:
             qkv, shrink = linear_and_shrink(h, weight, bias, group)
             return qkv, LoraRows(shrink, group.b, slots, group.max_rank)
-        if group is None and "qkv" in self.skinny_projections:
-            return self.step.skinny(h, weight, bias), None
         return lora_linear(h, weight, bias, group, slots), None
 
-    def rope_and_attend(self, index: int, attn: Attention, qkv: ProjectionRows) -> torch.Tensor:
-        step, metadata = self.step, self.metadata
-        key_cache = self.cache.key_caches[index]
-        value_cache = self.cache.value_caches[index]
-        q = rope_and_cache_write(
+    def rope_and_cache_write(self, index: int, qkv: ProjectionRows) -> torch.Tensor:
+        """RoPE on q and k of layer `index`, k and v written to its cache: rotated q
+        `[B, H, D]`."""
+        step = self.step
+        return rope_and_cache_write(
             qkv[0],
             self.positions,
             step.cos,
             step.sin,
-            key_cache,
-            value_cache,
-            metadata.slot_blocks,
-            metadata.slot_offsets,
+            self.cache.key_caches[index],
+            self.cache.value_caches[index],
+            self.slot_blocks,
+            self.slot_offsets,
             step.num_heads,
             step.num_kv_heads,
             step.head_dim,
             qkv[1],
             self.pdl,
-        )  # [B, H, D]
-        if self.attention is not None:
-            out = self.attention.attend(index, q)
-        else:
-            out = paged_decode_attention(
-                q,
-                key_cache,
-                value_cache,
-                metadata.block_tables,
-                metadata.seq_lens,
-                self.cache.block_size,
-                self.num_splits,
-                pdl=self.pdl,
-            )
+        )
+
+    def rope_and_attend(self, index: int, attn: Attention, qkv: ProjectionRows) -> torch.Tensor:
+        assert self.attend is not None
+        out = self.attend(index, self.rope_and_cache_write(index, qkv))
         return out.view(self.batch, -1)
 
     def o(self, index: int, attn: Attention, out: torch.Tensor) -> torch.Tensor:
         weight, bias = attn.o_proj.weight, attn.o_proj.bias
-        group = self.groups[index][1]
-        if group is None and "o" in self.skinny_projections:
-            return self.step.skinny(out, weight, bias)
-        return lora_linear(out, weight, bias, group, self.slots)
+        return lora_linear(out, weight, bias, self.groups[index][1], self.slots)
 
     def gate_up(self, index: int, mlp: MLP, h: torch.Tensor) -> ProjectionRows:
         """gate|up `[B, 2 I]`; the adapter rows, when the SwiGLU kernel adds the expand."""
@@ -236,19 +238,13 @@ class FusedDecodeOps:
         if group is not None and slots is not None and self.fuse_expand:
             gate_up, shrink = linear_and_shrink(h, weight, None, group)
             return gate_up, LoraRows(shrink, group.b, slots, group.max_rank)
-        if group is None and "gate_up" in self.skinny_projections:
-            return self.step.skinny(h, weight, None), None
         return lora_linear(h, weight, None, group, slots), None
 
     def silu_and_mul(self, index: int, gate_up: ProjectionRows) -> torch.Tensor:
         return silu_and_mul(gate_up[0], gate_up[1], self.pdl)
 
     def down(self, index: int, mlp: MLP, act: torch.Tensor) -> torch.Tensor:
-        weight = mlp.down_proj.weight
-        group = self.groups[index][3]
-        if group is None and "down" in self.skinny_projections:
-            return self.step.skinny(act, weight, None)
-        return lora_linear(act, weight, None, group, self.slots)
+        return lora_linear(act, mlp.down_proj.weight, None, self.groups[index][3], self.slots)
 
 
 def _group(lora: Mapping[str, LoraGroup] | None, name: str) -> LoraGroup | None:

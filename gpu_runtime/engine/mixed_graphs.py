@@ -5,9 +5,12 @@ stays eager (`MixedPagedAttention.attend`). Everything between two attentions (t
 projection, the MLP, the next layer's norms, its q|k|v projection and RoPE + cache write) has
 fixed shapes once the step's tokens are padded to a bucket, and is replayed from one graph per
 layer boundary: `num_layers + 1` graphs per (token bucket, partition). Eagerly, the same step
-launches about ten kernels per layer from Python; on the H200 such steps took ~28 ms whatever
-the chunk size (1 decode row + 64 tokens as much as 24 rows + 512), against 4.6-6.4 ms for
-decode steps: host-bound.
+launches about ten kernels per layer from Python and is host-bound whatever its chunk sizes.
+
+The graph bodies are the model's own walk (`decoder.post_attention` of one layer, then
+`decoder.pre_attention` of the next and `FusedDecodeOps.rope_and_cache_write`; the last body
+`DecoderStack.final_norm`) over the fused step's base kernels (`FusedDecodeOps` without
+adapter slots, programmatic launch off).
 
 Padding tokens have id 0 and position 0 and write their K/V into the runner's padding block;
 they are never attended to (attention runs over the real tokens only) nor sampled. The graphs
@@ -18,20 +21,17 @@ rotated queries and the attention output through static buffers as well.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
 
 from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.cuda_graphs import gc_paused_for_capture
+from gpu_runtime.engine.fast_decode import FusedDecodeForward, FusedDecodeOps
 from gpu_runtime.engine.flat_batch import FlatBatch
-from gpu_runtime.engine.fused_ops import rms_norm, rope_and_cache_write, silu_and_mul
 from gpu_runtime.engine.kv_cache import PagedKVCache
-from gpu_runtime.engine.lora import lora_linear
-
-if TYPE_CHECKING:
-    from gpu_runtime.engine.fast_decode import FusedDecodeForward
+from gpu_runtime.model.decoder import post_attention, pre_attention
 
 
 class MixedStepGraphs:
@@ -97,22 +97,23 @@ class MixedStepGraphs:
         fused = self.fused
         model = fused.model
         layers = model.decoder_layers
-        ids, positions = self._inputs[0, :bucket], self._inputs[1, :bucket]
+        ops = FusedDecodeOps(
+            fused,
+            self._inputs[1, :bucket],
+            self._inputs[2, :bucket],
+            self._inputs[3, :bucket],
+            None,
+        )
         residual: torch.Tensor | None
         if index == 0:
-            x = model.model.embed_tokens(ids)  # [T, hidden]
+            x = model.model.embed_tokens(self._inputs[0, :bucket])  # [T, hidden]
             residual = None
         else:
-            layer = layers[index - 1]
-            attn, mlp = layer.self_attn, layer.mlp
-            x = lora_linear(self._attn[:bucket], attn.o_proj.weight, attn.o_proj.bias, None, None)
-            h, residual = rms_norm(
-                x, layer.post_attention_layernorm.weight, fused.eps, self._residual[:bucket]
+            x, residual = post_attention(
+                ops, index - 1, layers[index - 1], self._attn[:bucket], self._residual[:bucket]
             )
-            gate_up = lora_linear(h, mlp.gate_up_weight, None, None, None)  # type: ignore[arg-type]
-            x = lora_linear(silu_and_mul(gate_up), mlp.down_proj.weight, None, None, None)
         if index == self.num_layers:
-            h, _ = rms_norm(x, model.model.norm.weight, fused.eps, residual)
+            h = model.model.final_norm(ops, x, residual)
             rows = self.rows_for(bucket)
             picked = h.index_select(0, self._rows[:rows])
             head = model.lm_head
@@ -122,24 +123,8 @@ class MixedStepGraphs:
             else:
                 out.copy_(model.compute_logits(picked))
             return out
-        layer = layers[index]
-        attn = layer.self_attn
-        h, residual = rms_norm(x, layer.input_layernorm.weight, fused.eps, residual)
-        qkv = lora_linear(h, attn.qkv_weight, attn.qkv_bias, None, None)  # type: ignore[arg-type]
-        q = rope_and_cache_write(
-            qkv,
-            positions,
-            fused.cos,
-            fused.sin,
-            self.cache.key_caches[index],
-            self.cache.value_caches[index],
-            self._inputs[2, :bucket],
-            self._inputs[3, :bucket],
-            fused.num_heads,
-            fused.num_kv_heads,
-            fused.head_dim,
-        )  # [T, H, D]
-        self._q[:bucket].copy_(q)
+        qkv, residual = pre_attention(ops, index, layers[index], x, residual)
+        self._q[:bucket].copy_(ops.rope_and_cache_write(index, qkv))  # [T, H, D]
         self._residual[:bucket].copy_(residual)
         return None
 

@@ -3,8 +3,9 @@
 Every forward pass of the runtime walks the same structure: embed; per layer, RMSNorm, q/k/v
 projection, RoPE and attention, o projection, residual add, RMSNorm, gate/up projection,
 SiLU-and-multiply, down projection, residual add; final RMSNorm. That walk is written once,
-here (`decoder_layer`, `DecoderStack.run`, `DecoderStack.layer_output`). What differs between
-the paths is only how each step is computed, so each path supplies a `DecoderOps`:
+here (`decoder_layer` and its halves, `DecoderStack.run`, `DecoderStack.layer_output`). What
+differs between the paths is only how each step is computed, so each path supplies a
+`DecoderOps`:
 
 * `ModuleOps` (`gpu_runtime.model.module_ops`): the layer's own modules and an injected
   attention (dense SDPA or paged); `CausalLM.forward`, and the peft-wrapped training tree.
@@ -15,9 +16,9 @@ the paths is only how each step is computed, so each path supplies a `DecoderOps
 * the fused decode ops (`engine.fast_decode`): Triton add+RMSNorm, RoPE + KV-cache write and
   SiLU-and-multiply kernels, paged decode attention, stacked adapter slots.
 
-Why these seams. The paths differ exactly at the projections (LoRA terms, fused or split-K
-GEMMs, a shrink sharing the base GEMM), at the norm (a kernel that also does the residual add),
-at RoPE + attention (dense, paged, fused with the cache write) and at the activation (a kernel
+Why these seams. The paths differ exactly at the projections (LoRA terms, fused GEMMs, a
+shrink sharing the base GEMM), at the norm (a kernel that also does the residual add), at
+RoPE + attention (dense, paged, fused with the cache write) and at the activation (a kernel
 that also adds the gate|up LoRA expand), and nowhere else. The same seams are where tensor
 parallelism shards a layer: q|k|v and gate|up are column-parallel, attention runs on the local
 heads, o and down are row-parallel and end in a reduction; a sharded ops does that once for
@@ -38,7 +39,10 @@ Contracts:
   the ops object, built per forward. Nothing here holds per-step state.
 * Training runs `layer_output` (one layer with its residual added, so one tensor enters each
   layer) over a layer range, each optionally recomputed in backward
-  (`finetune.loss.run_layer_range`); serving runs `run`.
+  (`finetune.loss.run_layer_range`); serving runs `run`. A layer is `pre_attention` (norm,
+  q/k/v), `ops.rope_and_attend`, `post_attention` (o, norm, MLP); a step whose attention runs
+  between CUDA graphs (`engine.mixed_graphs`) runs the two halves around it, the final one
+  through `final_norm` with the last residual.
 * Cost: one method call per step of the walk; no tensor is allocated outside the ops.
 """
 
@@ -91,6 +95,35 @@ class DecoderOps(Protocol[QKV, GateUp]):
         ...
 
 
+def pre_attention(
+    ops: DecoderOps[QKV, Any],
+    index: int,
+    layer: DecoderLayer,
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+) -> tuple[QKV, torch.Tensor]:
+    """Layer `index` up to its attention: `(x, residual)` in, `(ops.qkv of the normed stream,
+    residual stream)` out."""
+    h, residual = ops.norm(layer.input_layernorm, x, residual)
+    return ops.qkv(index, layer.self_attn, h), residual
+
+
+def post_attention(
+    ops: DecoderOps[Any, Any],
+    index: int,
+    layer: DecoderLayer,
+    out: torch.Tensor,
+    residual: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer `index` from its attention output `out` `[..., H * D]` on: `(mlp output, residual
+    stream before it)`."""
+    x = ops.o(index, layer.self_attn, out)
+    h, residual = ops.norm(layer.post_attention_layernorm, x, residual)
+    mlp = layer.mlp
+    x = ops.down(index, mlp, ops.silu_and_mul(index, ops.gate_up(index, mlp, h)))
+    return x, residual
+
+
 def decoder_layer(
     ops: DecoderOps[Any, Any],
     index: int,
@@ -99,13 +132,9 @@ def decoder_layer(
     residual: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `index`: `(x, residual)` in, `(mlp output, residual stream before it)` out."""
-    h, residual = ops.norm(layer.input_layernorm, x, residual)
-    attn = layer.self_attn
-    x = ops.o(index, attn, ops.rope_and_attend(index, attn, ops.qkv(index, attn, h)))
-    h, residual = ops.norm(layer.post_attention_layernorm, x, residual)
-    mlp = layer.mlp
-    x = ops.down(index, mlp, ops.silu_and_mul(index, ops.gate_up(index, mlp, h)))
-    return x, residual
+    qkv, residual = pre_attention(ops, index, layer, x, residual)
+    out = ops.rope_and_attend(index, layer.self_attn, qkv)
+    return post_attention(ops, index, layer, out, residual)
 
 
 class DecoderStack(nn.Module):
@@ -126,8 +155,7 @@ class DecoderStack(nn.Module):
         residual: torch.Tensor | None = None
         for index, layer in enumerate(cast(Iterable[DecoderLayer], self.layers)):
             x, residual = decoder_layer(ops, index, layer, x, residual)
-        h, _ = ops.norm(self.norm, x, residual)
-        return h
+        return self.final_norm(ops, x, residual)
 
     def layer_output(self, ops: DecoderOps[Any, Any], index: int, x: torch.Tensor) -> torch.Tensor:
         """The residual stream after layer `index` from the stream `x` before it: the unit
@@ -135,7 +163,9 @@ class DecoderStack(nn.Module):
         out, residual = decoder_layer(ops, index, cast(DecoderLayer, self.layers[index]), x, None)
         return residual + out
 
-    def final_norm(self, ops: DecoderOps[Any, Any], x: torch.Tensor) -> torch.Tensor:
-        """The final RMSNorm of the residual stream `x`."""
-        h, _ = ops.norm(self.norm, x, None)
+    def final_norm(
+        self, ops: DecoderOps[Any, Any], x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """The final RMSNorm of the residual stream `residual + x` (`x` alone without one)."""
+        h, _ = ops.norm(self.norm, x, residual)
         return h
