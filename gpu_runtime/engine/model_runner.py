@@ -1,7 +1,8 @@
-"""Model runner: weights, KV-cache tensors, request state, sampling, and the launch and read-back
-of each step. It holds two paths that compute a step's logits: the decode fast path with its
-static buffers and CUDA graphs (`DecodePath`, `static_decode.py`) and the general path for
-flattened tokens with the mixed-step graphs (`GeneralPath`, `general_step.py`).
+"""Model runner: weights, KV-cache tensors, request state, and the launch and read-back of each
+step. It holds two paths that compute a step's logits: the decode fast path with its static
+buffers and CUDA graphs (`DecodePath`, `static_decode.py`) and the general path for flattened
+tokens with the mixed-step graphs (`GeneralPath`, `general_step.py`); and the sampling and
+read-back of the tokens (`StepReadback`, `step_readback.py`).
 
 It executes one `SchedulerOutput` per call. Its per-request state (tokens, block table row) is
 built from the scheduler's full data once, then updated by diffs. Decode-only batches on CUDA go
@@ -27,7 +28,6 @@ import time
 from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from gpu_runtime.engine.config import EngineConfig
@@ -39,10 +39,8 @@ from gpu_runtime.engine.cuda_graphs import (
 from gpu_runtime.engine.general_step import GeneralPath
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.lora import LoraRuntime
-from gpu_runtime.engine.request import TokenLogprob
 from gpu_runtime.engine.request_rows import RequestRows
 from gpu_runtime.engine.runner_types import (
-    UNRESOLVED_TOKEN,
     ModelRunnerOutput,
     PendingTokens,
     StepHandle,
@@ -50,9 +48,10 @@ from gpu_runtime.engine.runner_types import (
     blas_library,
     gemm_sm_target,
 )
-from gpu_runtime.engine.sampler import Sampler, SamplingBatch
+from gpu_runtime.engine.sampler import Sampler
 from gpu_runtime.engine.scheduler import SchedulerOutput
 from gpu_runtime.engine.static_decode import DecodePath
+from gpu_runtime.engine.step_readback import StepReadback
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import torch_dtype
 
@@ -96,15 +95,9 @@ class ModelRunner:
         self.rows = RequestRows(config, lora, pin)
         self.states = self.rows.states
         """Live requests' states by id (`rows.states`)."""
-        rows = config.max_num_seqs + 1
-        # sampled tokens come back through two pinned buffers used in turn (no allocation per
-        # step; a launch never overwrites the buffer of the step launched just before it)
-        self._sampled_hosts = [
-            torch.zeros(rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)
-        ]
-        self._host_parity = 0
+        self.readback = StepReadback(self.sampler, self.device, config.max_num_seqs + 1, pin)
+        """Sampling, copies back and read-back of launched steps; the last launched step."""
         self._num_launched = 0
-        self._last_launched: StepHandle | None = None
         self.num_overlapped_steps = 0
         """Steps launched before the previous step was read back (inputs from the device)."""
         self.num_discarded_steps = 0
@@ -200,7 +193,7 @@ class ModelRunner:
         decode_only = all(count == 1 for _, count in order) and all(
             s.num_computed_tokens + 1 == len(s.token_ids) for s in states
         )
-        pending = self._pending_inputs(states)
+        pending = self.readback.pending_inputs(states)
         if pending is not None:
             self.num_overlapped_steps += 1
         lora = self.lora
@@ -218,33 +211,7 @@ class ModelRunner:
             return handle
         if not decode_only:
             states = [self.states[rid] for rid in sampled_ids]
-        batch = SamplingBatch(
-            [s.sampling_params for s in states], [s.num_output_tokens for s in states]
-        )
-        sample = self.sampler.sample(logits, batch)
-        num_sampled = len(sampled_ids)
-        self._host_parity ^= 1
-        token_host = self._sampled_hosts[self._host_parity][:num_sampled]
-        token_host.copy_(sample.token_ids, non_blocking=True)
-        extra = [sample.logprobs, sample.top_token_ids, sample.top_logprobs]
-        copies = [t.to("cpu", non_blocking=True) if t is not None else None for t in extra]
-        if self.device.type == "cuda":
-            handle.event = torch.cuda.Event()
-            handle.event.record()
-        step = handle.step
-        positions = handle.positions
-        for index, state in enumerate(states):
-            positions.append(len(state.token_ids))
-            state.token_ids.append(UNRESOLVED_TOKEN)
-            state.num_output_tokens += 1
-            state.pending_step = step
-            state.pending_index = index
-        handle.sampled_ids = sampled_ids
-        handle.states = states
-        handle.token_ids = sample.token_ids
-        handle.token_host = token_host
-        handle.logprob_copies = copies
-        self._last_launched = handle
+        self.readback.queue(handle, logits, sampled_ids, states)
         self.last_launch_seconds = forwarded - started
         self.last_sample_seconds = time.perf_counter() - forwarded
         return handle
@@ -252,41 +219,9 @@ class ModelRunner:
     def resolve(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step (its event: later launches keep running) and write its
         tokens into the states; returns its host results."""
-        result = handle.result
-        if handle.resolved:
-            return result
-        handle.resolved = True
-        waiting = time.perf_counter()
-        if handle.event is not None:
-            handle.event.synchronize()
-        handle.device_done = True
-        self.last_wait_seconds = time.perf_counter() - waiting
-        assert handle.token_host is not None
-        tokens = handle.token_host.tolist()
-        sampled = result.sampled
-        states = handle.states
-        for rid, state, position, token in zip(
-            handle.sampled_ids, states, handle.positions, tokens, strict=True
-        ):
-            state.token_ids[position] = token
-            sampled[rid] = token
-        copies = handle.logprob_copies
-        if copies[0] is None:
-            return result
-        for i, (rid, state) in enumerate(zip(handle.sampled_ids, states, strict=True)):
-            if state.sampling_params.logprobs is not None:
-                top: tuple[tuple[int, float], ...] = ()
-                wanted = state.sampling_params.logprobs
-                if wanted and copies[1] is not None and copies[2] is not None:
-                    top = tuple(
-                        zip(
-                            copies[1][i, :wanted].tolist(),
-                            copies[2][i, :wanted].tolist(),
-                            strict=True,
-                        )
-                    )
-                result.logprobs[rid] = TokenLogprob(tokens[i], float(copies[0][i]), top)
-        return result
+        if not handle.resolved:
+            self.last_wait_seconds = self.readback.read_back(handle)
+        return handle.result
 
     def discard(self, handle: StepHandle) -> None:
         """Forget a launched step whose results nobody needs (every request it sampled has
@@ -299,11 +234,7 @@ class ModelRunner:
         """Wait until the device has finished the last launched sampling step, also when it
         was discarded, not resolved: it may still write KV blocks (and read adapter slots) of
         requests that finished meanwhile. No-op when already waited for, or on CPU."""
-        last = self._last_launched
-        if last is not None and not last.device_done:
-            if last.event is not None:
-                last.event.synchronize()
-            last.device_done = True
+        self.readback.wait_for_launched()
 
     def _forward(
         self,
@@ -331,22 +262,6 @@ class ModelRunner:
                 f"decode-only step ({len(order)} rows, decode_only={decode_only})"
             )
         return self.general.step_logits(order, self.states, partition, with_adapters)
-
-    def _pending_inputs(self, states: list[_RequestState]) -> PendingTokens | None:
-        """Rows whose last token is still on the device: the unresolved step's sampled tensor
-        and, per row, the index into it (-1: the token is on the host)."""
-        last = self._last_launched
-        if last is None or last.resolved or last.token_ids is None:
-            return None
-        step = last.step
-        source = np.fromiter(
-            (s.pending_index if s.pending_step == step else -1 for s in states),
-            np.int64,
-            len(states),
-        )
-        if (source < 0).all():
-            return None
-        return last.token_ids, source
 
     def capture_cuda_graphs(
         self,

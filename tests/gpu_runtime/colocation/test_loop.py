@@ -230,7 +230,7 @@ class _WhenSubmitted(SequentialExecutor):
         self.during_step: list[bool] = []
 
     def _start(self, task: QuantumTask) -> None:
-        last = self.engine.runner._last_launched
+        last = self.engine.runner.readback.last_launched
         self.during_step.append(last is not None and not last.resolved)
         super()._start(task)
 

@@ -205,7 +205,7 @@ def test_on_launched_runs_while_the_step_is_queued(
     seen: list[tuple[int, bool]] = []
 
     def hook() -> None:
-        last = runner._last_launched
+        last = runner.readback.last_launched
         seen.append((runner._num_launched, last is not None and not last.resolved))
 
     assert engine.step(on_launched=hook) == [] and seen == []  # nothing to run: no call

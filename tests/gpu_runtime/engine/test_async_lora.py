@@ -275,7 +275,7 @@ def test_discarded_step_is_waited_for_before_a_shrink(adapter_dirs: dict[str, Pa
     out = engine.generate([prompt], params, lora_names=["poet"])[0]
     assert out.output_token_ids == free[: free.index(free[4]) + 1]
     assert engine.overlap.in_flight is None and engine.runner.num_discarded_steps == 1
-    last = engine.runner._last_launched
+    last = engine.runner.readback.last_launched
     assert last is not None and last.resolved and not last.device_done  # discarded
     assert engine.shrink_kv_blocks(2) == [95, 94]
     assert last.device_done
