@@ -35,12 +35,12 @@ from gpu_runtime.model.decoder import post_attention, pre_attention
 
 
 class MixedStepGraphs:
-    """Piecewise graphs of the fused step for steps of up to `max_tokens` tokens."""
+    """Piecewise graphs of the fused step (over its KV cache) for steps of up to the largest
+    bucket's tokens."""
 
     def __init__(
         self,
         fused: FusedDecodeForward,
-        cache: PagedKVCache,
         token_buckets: tuple[int, ...],
         max_rows: int,
         pin: bool = True,
@@ -48,7 +48,7 @@ class MixedStepGraphs:
         """`token_buckets`: increasing token counts a step is padded to; `max_rows`: most
         sampled rows in a step (sequences per step)."""
         self.fused = fused
-        self.cache = cache
+        self.cache: PagedKVCache = fused.cache
         self.buckets = token_buckets
         self.max_rows = max_rows
         model = fused.model

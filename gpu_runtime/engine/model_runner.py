@@ -128,7 +128,6 @@ class ModelRunner:
 
                     mixed_graphs = MixedStepGraphs(
                         self.fused,
-                        self.kv_cache,
                         config.mixed_graph_token_sizes(),
                         config.max_num_seqs + 1,
                         pin,
