@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from gpu_runtime.model import DenseCausalAttention, build_random_model
+from gpu_runtime.model.decoder import post_attention, pre_attention
 from gpu_runtime.model.module_ops import ModuleOps
 from gpu_runtime.model.tiny import tiny_config
 
@@ -71,3 +72,28 @@ def test_layer_outputs_equal_the_carried_residual_walk() -> None:
         stepped = model.model.final_norm(ops, x)
         walked = model.model.run(ops, ids)
     assert torch.equal(stepped, walked)
+
+
+def test_the_halves_around_the_attention_are_the_walk() -> None:
+    """`pre_attention`, the attention run apart, `post_attention` per layer and `final_norm`
+    with the last residual (the mixed-step graphs' pieces) call the walk's steps in its order
+    and give its output bit for bit."""
+    model = build_random_model(tiny_config("qwen2"), seed=3, dtype="float32")
+    ids = torch.randint(0, 400, (2, 6), generator=torch.Generator().manual_seed(4))
+    positions = torch.arange(6).expand(2, 6)
+    cos, sin = model.rope_cos_sin(positions, torch.float32)
+    walked_ops = _RecordingOps(ModuleOps(cos, sin, DenseCausalAttention()))
+    ops = _RecordingOps(ModuleOps(cos, sin, DenseCausalAttention()))
+    stack = model.model
+    with torch.no_grad():
+        walked = stack.run(walked_ops, ids)
+        x = stack.embed_tokens(ids)
+        residual: torch.Tensor | None = None
+        for index, layer in enumerate(model.decoder_layers):
+            qkv, stream = pre_attention(ops, index, layer, x, residual)
+            out = ops.rope_and_attend(index, layer.self_attn, qkv)
+            x, residual = post_attention(ops, index, layer, out, stream)
+        pieces = stack.final_norm(ops, x, residual)
+    assert torch.equal(pieces, walked)
+    assert ops.calls == walked_ops.calls
+    assert ops.residual_given == walked_ops.residual_given
