@@ -1,4 +1,4 @@
-"""End-to-end steps shared by ``manage.py predictors`` and ``bench/predictor.py``."""
+"""End-to-end steps shared by ``manage.py predictors`` and ``bench/predictor/run.py``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,9 @@
-"""`bench/memory.py trace` on the tiny model on CPU, as a user runs it: a subprocess, its result
-file read back."""
+"""`python -m bench.memory trace` on the tiny model on CPU, as a user runs it: a subprocess, its
+result file read back."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -29,7 +28,8 @@ def run_tiny_trace(tmp_path: Path, *flags: str) -> TraceRun:
     what it wrote under ``tmp_path`` and printed."""
     command = [
         sys.executable,
-        str(ROOT / "bench" / "memory.py"),
+        "-m",
+        "bench.memory",
         "trace",
         "--model=tiny",
         "--device=cpu",
@@ -44,8 +44,7 @@ def run_tiny_trace(tmp_path: Path, *flags: str) -> TraceRun:
         f"--out={tmp_path}",
         *flags,
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=500)
+    proc = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=500)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (path,) = tmp_path.glob("memory-cpu-*[0-9].json")
     return TraceRun(json.loads(path.read_text()), path, proc.stdout)

@@ -14,16 +14,17 @@ RESULT_HEAD = ["name", "commit", "gpu", "torch", "created", "config"]
 
 
 def run_script(
-    script: str, args: list[str], out: Path, name: str, env: dict[str, str] | None = None
+    package: str, args: list[str], out: Path, name: str, env: dict[str, str] | None = None
 ) -> tuple[str, Path]:
-    """Run `bench/<script>` with `args` writing into `out` (a fresh folder); check it exits 0
+    """Run `python -m bench.<package>` from the repository root with `args` writing into `out`
+    (a fresh folder); check it exits 0
     and wrote exactly one file, `<name>-cpu-<yyyymmdd>.json` (the day it started or ended).
     Returns (its stdout, that file)."""
     day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), *args, "--out", str(out)],
+        [sys.executable, "-m", f"bench.{package}", *args, "--out", str(out)],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+        env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
         timeout=300,

@@ -1,12 +1,13 @@
-"""bench/carveout.py on CPU: the SM-target context restores what it changed, the layer's GEMMs
-are the forward and input-gradient products, and bad options are refused (timing needs CUDA)."""
+"""`python -m bench.sharing.carveout` on CPU: the SM-target context restores what it changed, the
+layer's GEMMs are the forward and input-gradient products, and bad options are refused (timing needs
+CUDA)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from bench.carveout import layer_gemms, parse_args, sm_target
+from bench.sharing.carveout import layer_gemms, parse_args, sm_target
 
 
 def test_sm_target_sets_and_restores_the_carveout_and_library() -> None:

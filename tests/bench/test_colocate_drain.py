@@ -3,22 +3,17 @@ tiny engine, and rows that judge the whole run but rate finetuning over the arri
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-from bench.colocate_simulator import QuantumCostModel, SimulatedHost
+from bench.colocate.backends import drive
+from bench.colocate.report import row_for
+from bench.colocate.simulator import QuantumCostModel, SimulatedHost
+from bench.common.traces import TraceRequest
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeOnlyPolicy, HostLoop, NaivePolicy
 from gpu_runtime.colocation.types import JobView
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.model import build_random_model
 from gpu_runtime.model.tiny import tiny_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-from colocate_engine import drive
-from colocate_report import row_for
-from traces import TraceRequest
 
 
 def _loop() -> HostLoop:

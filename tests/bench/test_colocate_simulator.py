@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.colocate_simulator import (
+from bench.colocate.simulator import (
     QuantumCostModel,
     SimulatedHost,
     fit_truth_from_profile,
@@ -103,7 +103,7 @@ def test_truth_fitted_from_the_committed_h200_profile() -> None:
 
 
 def test_prefill_cost_has_a_fixed_part_per_chunk_step() -> None:
-    from bench.colocate_simulator import PrefillCost
+    from bench.colocate.simulator import PrefillCost
 
     cost = PrefillCost(ms_per_token_full=0.025, fixed_ms=23.0)
     assert cost.ms(0, 0.5) == 0.0  # a pure decode step pays nothing

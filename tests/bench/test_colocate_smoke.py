@@ -1,15 +1,17 @@
-"""`bench/colocate.py` end to end on the tiny model on CPU: every policy on every trace, the JSON
-it writes and the table it prints last; and the name other benches import from it."""
+"""`python -m bench.colocate` end to end on the tiny model on CPU: every policy on every trace,
+the JSON it writes and the table it prints last; and the pieces it is built from."""
 
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+
+from bench.common.examples import synthetic_examples
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 POLICIES = ("decode_only", "naive", "time_slice", "static_split", "harli")
@@ -40,17 +42,12 @@ ROW_KEYS = {
 }
 
 
-def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": str(ROOT)}
-
-
 def _run_bench(args: list[str], out: Path, gpu: str) -> tuple[str, Path]:
-    """Run bench/colocate.py with ``args`` writing into ``out``: (its stdout, the result file
+    """Run bench/colocate/run.py with ``args`` writing into ``out``: (its stdout, the result file
     for ``gpu``; the run's iterations are beside it)."""
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "colocate.py"), *args, "--out", str(out)],
+        [sys.executable, "-m", "bench.colocate", *args, "--out", str(out)],
         cwd=ROOT,
-        env=_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -186,17 +183,10 @@ def test_simulated_run_sweeps_every_fixed_split_for_the_static_baseline(tmp_path
     assert {f"low/static_split@{d}" for d in choices[:-1]} <= set(runs)
 
 
-def test_bench_colocate_still_exports_synthetic_examples() -> None:
-    """bench/memory_sizing.py builds its LoRA job's data with it."""
-    code = (
-        "from bench.colocate import synthetic_examples; "
-        "ex = synthetic_examples(2, 5, 11, seed=0); "
-        "assert len(ex) == 2 and all(len(e.input_ids) == 5 for e in ex), ex"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_synthetic_examples_have_the_asked_count_and_length() -> None:
+    """The co-location and memory benches build their LoRA job's data with it."""
+    ex = synthetic_examples(2, 5, 11, seed=0)
+    assert len(ex) == 2 and all(len(e.input_ids) == 5 for e in ex), ex
 
 
 @pytest.mark.parametrize("start", range(8))
@@ -205,11 +195,10 @@ def test_warm_up_runs_every_row_count_whatever_the_batch_position(start: int) ->
     has no room for, so each of 1..4 rows runs (each is its own CUDA graph per stream)."""
     from types import SimpleNamespace
 
-    sys.path.insert(0, str(ROOT / "bench"))
-    from colocate_engine import LoopBackend
+    from bench.colocate.backends import LoopBackend
 
     data = SimpleNamespace(batch_size=8, position=SimpleNamespace(index=start))
-    backend = SimpleNamespace(trainer=SimpleNamespace(stream=data))
+    backend: Any = SimpleNamespace(trainer=SimpleNamespace(stream=data))
     ran = []
     for k in LoopBackend._aligned(backend, (1, 1, 2, 3, 4)):
         rows = min(k, data.batch_size - data.position.index % data.batch_size)
@@ -238,9 +227,8 @@ def test_a_fixed_slo_judges_every_policy_and_keeps_the_rules_parts(tmp_path: Pat
     assert config["slo_definition"].startswith("fixed at 7.5 ms")
     assert {r["tpot_slo_ms"] for r in out["rows"]} == {7.5}
     refused = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "colocate.py"), "--tpot-slo-ms", "0"],
+        [sys.executable, "-m", "bench.colocate", "--tpot-slo-ms", "0"],
         cwd=ROOT,
-        env=_env(),
         capture_output=True,
         text=True,
         timeout=60,
@@ -249,9 +237,7 @@ def test_a_fixed_slo_judges_every_policy_and_keeps_the_rules_parts(tmp_path: Pat
 
 
 def test_engine_options_follow_the_engine_defaults_and_can_be_changed() -> None:
-    sys.path.insert(0, str(ROOT / "bench"))  # the bench's modules import their siblings
-    from colocate_args import parse_args
-
+    from bench.colocate.args import parse_args
     from gpu_runtime.engine import EngineConfig
 
     default = EngineConfig(num_kv_blocks=8).partition_gemm_sm_target
@@ -267,8 +253,7 @@ def test_engine_options_follow_the_engine_defaults_and_can_be_changed() -> None:
 def test_quantum_sizes_are_distinct_ascending_positive_integers(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    sys.path.insert(0, str(ROOT / "bench"))
-    from colocate_args import parse_args
+    from bench.colocate.args import parse_args
 
     assert parse_args([]).quantum_examples == (1, 2, 4)
     assert parse_args(["--quantum-examples", "1,2,4,8"]).quantum_examples == (1, 2, 4, 8)

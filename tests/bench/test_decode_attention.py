@@ -1,4 +1,4 @@
-"""bench/decode_attention.py: the choice of a split per batch from measured rows, and its
+"""bench/decode/attention.py: the choice of a split per batch from measured rows, and its
 options (the timing itself needs a CUDA GPU)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from bench.decode_attention import best_split_per_batch, parse_args
+from bench.decode.attention import best_split_per_batch, parse_args
 
 
 def _row(batch: int, context: int, splits: int, us: float, block_n: int = 64) -> dict[str, Any]:

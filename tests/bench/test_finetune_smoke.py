@@ -1,6 +1,6 @@
-"""`bench/finetune.py` end to end on the tiny model on CPU, run as a user would: our trainer and
+"""`bench/finetune/run.py` end to end on the tiny model on CPU, run as a user would: our trainer and
 HF + PEFT at seq 16, micro-batch 1 and 2, then its multi-LoRA decode part (through
-`bench/multilora.py`'s `run_multilora`); the JSON it writes and the tables it prints last."""
+`bench/multilora/run.py`'s `run_multilora`); the JSON it writes and the tables it prints last."""
 
 from __future__ import annotations
 
@@ -50,7 +50,7 @@ CPU_CHECK = {  # no fused LoRA decode step on CPU: the check says so instead of 
 @pytest.mark.slow
 def test_tiny_cpu_run_writes_rows_decode_rows_and_prints_the_tables_last(tmp_path: Path) -> None:
     stdout, path = run_script(
-        "finetune.py",
+        "finetune",
         [
             *("--model", "tiny", "--device", "cpu", "--targets", "qkvo", "--seq", str(SEQ)),
             *("--micro", ",".join(map(str, MICROS)), "--rank", str(RANK)),

@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from bench.gpu_state import FIELDS, gpu_state, parse_query
+from bench.common.gpu_state import FIELDS, gpu_state, parse_query
 
 KEYS = tuple(k for _, k in FIELDS)
 

@@ -1,6 +1,6 @@
-"""`bench/kernel_registers.py`'s arithmetic: signatures from a kernel's parameters, programs an SM
-holds, and the resource line of `cuobjdump -res-usage` (compiling needs Triton, which the CPU
-suite does not install; the device runs the script whole)."""
+"""`python -m bench.decode.kernel_registers`'s arithmetic: signatures from a kernel's parameters,
+programs an SM holds, and the resource line of `cuobjdump -res-usage` (compiling needs Triton, which
+the CPU suite does not install; the device runs the script whole)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.kernel_registers import programs_per_sm, resources, signature
+from bench.decode.kernel_registers import programs_per_sm, resources, signature
 
 
 def test_signature_types_pointers_scalars_and_constexprs() -> None:

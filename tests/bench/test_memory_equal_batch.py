@@ -1,4 +1,4 @@
-"""Decode iteration time compared at equal batch (`bench/memory_equal_batch.py`)."""
+"""Decode iteration time compared at equal batch (`bench/memory/equal_batch.py`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from bench.memory_equal_batch import (
+from bench.memory.equal_batch import (
     WITHIN_NOISE_RULE,
     bins_of,
     bootstrap_interval,
@@ -45,7 +45,8 @@ def _rows(batches: list[int], per_row_ms: float, seed: int) -> list[dict[str, An
 
 
 def _iterations_file(path: Path, phases: dict[str, list[dict[str, Any]]]) -> Path:
-    """Write `phases` as `bench/memory.py trace` writes its `.iterations.json`; returns `path`."""
+    """Write `phases` as `python -m bench.memory trace` writes its `.iterations.json`; returns
+    `path`."""
     columns = ["decode_batch", "prefill_tokens", "iteration_ms", "step_ms", "wait_ms"]
     table = {
         "columns": columns,

@@ -1,4 +1,4 @@
-"""bench/memory_host.py on CPU, small: both policies run, every hook is timed, the figures are
+"""bench/memory/host_hooks.py on CPU, small: both policies run, every hook is timed, the figures are
 written, and the two policies behave as their configurations say (a static split never
 reclaims; unified lends the idle pool and takes pages back as decode grows)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.memory_host import BACKEND_READS, HOOKS, main
+from bench.memory.host_hooks import BACKEND_READS, HOOKS, main
 
 
 def test_memory_host_runs_both_policies_and_writes_the_figures(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""`bench/memory.py trace` with a budget too small for one example without activation
+"""`python -m bench.memory trace` with a budget too small for one example without activation
 recomputation under the static split, and room for it under the unified pool: the static split
 recomputes every quantum, the unified phases none (tiny model on CPU, where budgets are
 accounting: 64 KiB per token without recomputation, 16 with)."""

@@ -1,14 +1,14 @@
-"""`bench/memory.py trace`'s phase `unified_release` on its own: which shape the budgeted policy
-launches against the release plan (what it promises, when it drops the shared shapes first),
+"""`python -m bench.memory trace`'s phase `unified_release` on its own: which shape the budgeted
+policy launches against the release plan (what it promises, when it drops the shared shapes first),
 and the footprints the warm-up records when larger shapes have graph pools of their own."""
 
 from __future__ import annotations
 
 from types import SimpleNamespace
 
-from bench.memory_sizing import QuantumSizing, ReleaseHooks, budgeted_policy
-from bench.memory_trace import parse_phases
-from bench.memory_warmup import shape_footprints
+from bench.memory.sizing import QuantumSizing, ReleaseHooks, budgeted_policy
+from bench.memory.trace import parse_phases
+from bench.memory.warmup import shape_footprints
 from gpu_runtime.finetune.quantum_fit import QuantumShape
 
 ONE, TWO, FOUR = QuantumShape(1), QuantumShape(2), QuantumShape(4)

@@ -1,4 +1,4 @@
-"""`bench/memory.py trace` with a phase given more than once: the labels of its repeats, the
+"""`python -m bench.memory trace` with a phase given more than once: the labels of its repeats, the
 command line's errors, the comparisons keyed by label, and a repeated run on the tiny model on
 CPU whose repeats are configured as their first runs."""
 
@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.memory import main
-from bench.memory_args import (
+from bench.memory.args import (
     occurrence_of,
     occurrence_pairs,
     occurrences,
@@ -18,7 +17,8 @@ from bench.memory_args import (
     phase_labels,
     phase_of,
 )
-from bench.memory_trace_report import trace_comparisons
+from bench.memory.run import main
+from bench.memory.trace_report import trace_comparisons
 from tests.bench.memory_runs import run_tiny_trace
 
 

@@ -1,4 +1,4 @@
-"""`bench/memory.py trace`: the statistics and warm-up rules on their own, and the whole
+"""`python -m bench.memory trace`: the statistics and warm-up rules on their own, and the whole
 three-phase run on the tiny model on CPU (JSON keys, the comparisons, the table)."""
 
 from __future__ import annotations
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench.memory_args import parse_phases
-from bench.memory_iterations import ITERATION_COLUMNS, IterationLog, _host_allocs_reader
-from bench.memory_phase_row import median_ci
-from bench.memory_sizing import QuantumSizing
-from bench.memory_trace import _peak_prior_blocks, _static_decode_pages, job_pool_gib
-from bench.memory_trace_report import trace_comparisons
+from bench.memory.args import parse_phases
+from bench.memory.iterations import ITERATION_COLUMNS, IterationLog, _host_allocs_reader
+from bench.memory.phase_row import median_ci
+from bench.memory.sizing import QuantumSizing
+from bench.memory.trace import _peak_prior_blocks, _static_decode_pages, job_pool_gib
+from bench.memory.trace_report import trace_comparisons
 from gpu_runtime.finetune.quantum_fit import QuantumShape
 from gpu_runtime.memory import MemoryWork
 from tests.bench.memory_runs import run_tiny_trace
@@ -111,7 +111,7 @@ def test_iteration_rows_without_allocator_stats_leave_those_columns_empty() -> N
 def test_phases_run_in_the_order_given() -> None:
     assert parse_phases("static_split,unified") == ["static_split", "unified"]
     assert parse_phases(" unified , decode_only") == ["unified", "decode_only"]
-    # a phase given again runs again (bench/memory_args.py labels it; test_memory_repeats.py)
+    # a phase given again runs again (bench/memory/args.py labels it; test_memory_repeats.py)
     assert parse_phases("unified,static_split,unified") == ["unified", "static_split", "unified"]
     with pytest.raises(ValueError, match="unknown"):
         parse_phases("unified,static")

@@ -1,4 +1,4 @@
-"""`bench/multilora.py` end to end on the tiny model on CPU, run as a user would: every mode on
+"""`bench/multilora/run.py` end to end on the tiny model on CPU, run as a user would: every mode on
 both target sets at batch 2 with the mixed decode+prefill steps, the JSON it writes and the table
 it prints last. On CPU there is no fused LoRA decode step, so each check records why it was
 skipped (the GPU run records the comparison against the eager LoRA path)."""
@@ -60,7 +60,7 @@ def test_tiny_cpu_run_writes_every_mode_and_mix_and_prints_the_table_last(
     tmp_path: Path,
 ) -> None:
     stdout, path = run_script(
-        "multilora.py",
+        "multilora",
         [
             *("--model", "tiny", "--device", "cpu", "--batch", str(BATCH)),
             *("--context", str(CONTEXT), "--adapters", str(ADAPTERS), "--rank", str(RANK)),
@@ -69,7 +69,7 @@ def test_tiny_cpu_run_writes_every_mode_and_mix_and_prints_the_table_last(
         ],
         tmp_path,
         "multilora",
-        # one thread: tiny shapes on a shared machine only contend (`bench/finetune.py` sets it)
+        # one thread: tiny shapes on a shared machine only contend (`bench/finetune/run.py` sets it)
         env={"OMP_NUM_THREADS": "1"},
     )
 
@@ -150,7 +150,7 @@ def test_tiny_cpu_run_writes_every_mode_and_mix_and_prints_the_table_last(
 
 
 def test_result_file_is_named_like_every_bench_result(tmp_path: Path) -> None:
-    from bench.multilora_report import result_path
+    from bench.multilora.report import result_path
 
     day = datetime.datetime.now(datetime.UTC).strftime("%Y%m%d")
     assert result_path(str(tmp_path), "NVIDIA H200").name == f"multilora-h200-{day}.json"

@@ -1,4 +1,4 @@
-"""bench/provenance.py: the result file every benchmark writes (BENCHMARKS.md's shape)."""
+"""bench/common/provenance.py: the result file every benchmark writes (BENCHMARKS.md's shape)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import datetime
 import json
 from pathlib import Path
 
-from bench.provenance import gpu_slug, write_result
+from bench.common.provenance import gpu_slug, write_result
 from tests.bench.script_runs import RESULT_HEAD
 
 

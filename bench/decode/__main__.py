@@ -1,0 +1,3 @@
+from bench.decode.run import main
+
+main()

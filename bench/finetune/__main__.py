@@ -1,0 +1,3 @@
+from bench.finetune.run import main
+
+main()

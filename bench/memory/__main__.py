@@ -1,0 +1,3 @@
+from bench.memory.run import main
+
+raise SystemExit(main())

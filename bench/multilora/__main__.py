@@ -1,0 +1,3 @@
+from bench.multilora.run import main
+
+main()

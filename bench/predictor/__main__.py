@@ -1,0 +1,3 @@
+from bench.predictor.run import main
+
+main()

@@ -1,0 +1,3 @@
+from bench.sharing.run import main
+
+main()
