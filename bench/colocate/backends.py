@@ -11,6 +11,7 @@ from typing import Any
 from bench.colocate.simulator import SimulatedHost
 from bench.common.timing import sync
 from bench.common.traces import TraceRequest
+from gpu_runtime.agent.host_factory import ServingEngine, build_host_loop
 from gpu_runtime.colocation import (
     CoLocationPolicy,
     HostLoop,
@@ -111,9 +112,10 @@ class LoopBackend:
     """Runs a policy through the real `HostLoop` on the engine (GPU, or CPU smoke runs)."""
 
     def __init__(
-        self, engine: Engine, sharing: Any, trainer: LoraTrainer, vocab: int, solo_tps: float
+        self, serving: ServingEngine, trainer: LoraTrainer, vocab: int, solo_tps: float
     ) -> None:
-        self.engine, self.sharing, self.trainer = engine, sharing, trainer
+        self.serving, self.trainer = serving, trainer
+        self.engine, self.sharing = engine, sharing = serving.engine, serving.sharing
         self.vocab, self.solo_tps = vocab, solo_tps
         self.choices: tuple[int, ...] = tuple(sharing.table.choices) if sharing else ()
         self.total_sms: int | None = int(sharing.table.total_sms) if sharing else None
@@ -144,11 +146,10 @@ class LoopBackend:
             print("DATA STREAM FINISHED: restarting it at epoch 0", flush=True)
             self.stream_restarts += 1
             self.trainer.stream.restore(DataPosition(0, 0))
-        loop = HostLoop(
-            self.engine,
+        loop = build_host_loop(
+            self.serving,
             policy,
             tpot_slo_ms=slo_ms,
-            sharing=self.sharing,
             executor=self.executor,
             launch_during_decode=self.launch_during_decode,
         )

@@ -17,10 +17,10 @@ from bench.colocate.backends import Backend, LoopBackend, SimBackend
 from bench.colocate.simulator import PrefillCost, SimulatedHost, fit_truth_from_profile
 from bench.common.examples import synthetic_examples
 from bench.common.timing import sync
+from gpu_runtime.agent.host_factory import ServingEngine, build_host_loop, build_serving_engine
 from gpu_runtime.colocation import (
     CoLocationPolicy,
     DecodeOnlyPolicy,
-    HostLoop,
     LaunchMode,
     NaivePolicy,
     StaticSplitPolicy,
@@ -28,7 +28,7 @@ from gpu_runtime.colocation import (
 from gpu_runtime.colocation.loop import LAUNCH_DURING_DECODE
 from gpu_runtime.colocation.types import JobView
 from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
-from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
+from gpu_runtime.engine import EngineConfig, SamplingParams
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import ModelConfig, build_random_model
 
@@ -105,8 +105,9 @@ def slice_costs(profile: dict[str, Any]) -> tuple[float, float, float] | None:
     return round(call, 3), round(forward, 3), round(backward, 3)
 
 
-def check_outputs(engine: Engine, sharing: Any, trainer: LoraTrainer, vocab: int) -> dict:
+def check_outputs(serving: ServingEngine, trainer: LoraTrainer, vocab: int) -> dict:
     """Greedy tokens alone on the whole device vs on the smallest split beside a quantum."""
+    engine, sharing = serving.engine, serving.sharing
     rng = random.Random(7)
     prompts = [[rng.randrange(vocab) for _ in range(n)] for n in (9, 120, 300, 33)]
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -115,7 +116,7 @@ def check_outputs(engine: Engine, sharing: Any, trainer: LoraTrainer, vocab: int
         NaivePolicy(1) if sharing is None else StaticSplitPolicy(sharing.table.choices[0], 1)
     )
     for policy in (DecodeOnlyPolicy(), beside):
-        loop = HostLoop(engine, policy, tpot_slo_ms=1e9, sharing=sharing)
+        loop = build_host_loop(serving, policy, tpot_slo_ms=1e9)
         loop.add_job("check", trainer)
         ids = [
             loop.add_request(p, params, f"check-{policy.name}-{i}") for i, p in enumerate(prompts)
@@ -159,19 +160,12 @@ def setup_engine(
         decode_programmatic_launch_rows=args.decode_programmatic_launch_rows,
         async_scheduling=args.async_scheduling,
     )
-    engine = Engine(model, engine_config)
-    sharing = None
-    capture_s = 0.0
-    if device.type == "cuda":
-        from gpu_runtime.sharing import create_sharing
-
-        groups = tuple(int(g) for g in args.decode_groups.split(",") if g)
-        sharing = create_sharing(device, decode_groups=groups)
-        t0 = time.perf_counter()
-        for d in sharing.table.choices:
-            engine.capture_cuda_graphs(partition=d, stream=sharing.partition(d)[0], sm_count=d)
-        sync(device)
-        capture_s = time.perf_counter() - t0
+    groups = tuple(int(g) for g in args.decode_groups.split(",") if g)
+    t0 = time.perf_counter()
+    serving = build_serving_engine(model, engine_config, memory_pool=False, decode_groups=groups)
+    sync(device)
+    build_s = time.perf_counter() - t0
+    sharing = serving.sharing
     hparams = resolve_hyperparameters(
         n_train_examples=2048,
         n_epochs=50,
@@ -187,7 +181,7 @@ def setup_engine(
         return LoraTrainer(model, examples, hparams, cuda_graphs=cuda_graphs, max_cuda_graphs=48)
 
     trainer = make_trainer(None)
-    check = check_outputs(engine, sharing, trainer, vocab)
+    check = check_outputs(serving, trainer, vocab)
     one_tps, one_ms = solo_finetune(trainer, args.ft_seq_len, 1.0, device)
     solo_tps, eight_ms = solo_finetune(trainer, 8 * args.ft_seq_len, 2.0, device)
     overhead_ms = max(0.0, (8 * one_ms - eight_ms) / 7)
@@ -203,12 +197,13 @@ def setup_engine(
         "quantum_overhead_ms": overhead_ms,
         "layer_sliced": slices,
     }
-    print(f"setup: capture {capture_s:.1f}s solo {solo} check {check}", flush=True)
+    print(f"setup: engine {build_s:.1f}s solo {solo} check {check}", flush=True)
     info = {
-        "backend": "gpu_runtime.colocation.HostLoop on the decode engine",
+        "backend": "gpu_runtime.colocation.HostLoop on the decode engine, both built as the "
+        "host agent builds them (gpu_runtime.agent.host_factory)",
         "solo_finetune": solo,
         "check": check,
-        "graph_capture_s": capture_s,
+        "engine_build_s": build_s,  # the engine, its sharing and its decode graphs per split
         "sharing": None
         if sharing is None
         else {"mechanism": sharing.mechanism, "choices": list(sharing.table.choices)},
@@ -229,7 +224,7 @@ def setup_engine(
             ),
         },
     }
-    backend = LoopBackend(engine, sharing, trainer, vocab, solo_tps)
+    backend = LoopBackend(serving, trainer, vocab, solo_tps)
     backend.make_trainer = make_trainer
     backend.launch_during_decode = args.launch_during_decode
     return backend, info

@@ -1,8 +1,8 @@
 """A simulated host: policies plan real decisions, a fake clock advances by modelled latencies.
 
 For what-if studies and for running the co-location benchmark's policies when no GPU is at hand
-(`python -m bench.colocate --simulate`); the product's one loop is `gpu_runtime.colocation.HostLoop`,
-and nothing in the product runs this one. It is not a measurement: every latency comes from a
+(`python -m bench.colocate --simulate`); the product's one loop is
+`gpu_runtime.colocation.HostLoop`, and nothing in the product runs this one. It is not a measurement: every latency comes from a
 model (``truth``), typically fitted to iterations profiled on a real GPU
 (``fit_truth_from_profile``). Decode follows the engine's continuous batching in outline: FCFS
 admission up to ``max_num_seqs``, running requests first, chunked prefill within

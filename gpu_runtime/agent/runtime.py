@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_runtime.agent.adapters import HostAdapters
+from gpu_runtime.agent.host_factory import ServingEngine, build_host_loop
 from gpu_runtime.agent.predictor import HarvestTracker, HostPredictor, load_host_predictor
 from gpu_runtime.agent.reporting import (
     HostSnapshot,
@@ -31,12 +32,11 @@ from gpu_runtime.agent.reporting import (
     kv_bytes_per_block,
     weights_bytes,
 )
-from gpu_runtime.agent.serving import EngineSpec, ServingEngine, lora_runtime
+from gpu_runtime.agent.serving import EngineSpec, lora_runtime
 from gpu_runtime.agent.tokenizers import host_training_tokenizer
 from gpu_runtime.agent.training import HostJobs, TrainingTarget
 from gpu_runtime.colocation import (
     CoLocationPolicy,
-    HostLoop,
     IterationRecord,
     MetricsAggregator,
 )
@@ -127,21 +127,13 @@ class HostRuntime:
                 )
             except (RuntimeError, ValueError) as exc:  # ArtifactError, SchemaError
                 logger.warning("no latency predictor for %s: %s", self.base_model, exc)
-        self.loop = HostLoop(
-            engine,
+        self.loop = build_host_loop(
+            serving,
             self.policy_factory(self.predictor),
             tpot_slo_ms=self.tpot_slo_ms,
             metrics_sink=self._on_record,
             output_sink=self._outputs_sink,
-            memory=serving.memory.memory if serving.memory is not None else None,
-            sharing=serving.sharing,
-            choose_recompute=True,  # quanta fit the pool's budget by recomputing when they must
-            # graph pools per shape: a quantum without recomputation may use the memory decode
-            # lends between its peaks, its pool released between quanta when decode grows
-            release_graph_shapes=serving.memory is not None,
         )
-        if serving.memory is not None:
-            serving.memory.bind_loop(self.loop)
         self.jobs.attach(
             TrainingTarget(
                 self.loop, engine.runner.model, self.training_tokenizer, self.base_model_path

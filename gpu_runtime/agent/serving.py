@@ -1,47 +1,26 @@
 """The host's one serving engine per base model: weights, KV cache and the LoRA runtime that
 serves every finished adapter by name in the same batches as base-model requests.
 
-With the unified memory pool (`gpu_runtime.memory`; by default on CUDA, on request on CPU), the
-KV cache is a view of the pool's reserved range and finetune tensors borrow the pages decode
-does not need: the engine is built from the pool's `EngineConfig` and storage factory, its CUDA
-graphs are captured, then the pool is told decode is ready. Without it (CPU by default) the KV
-cache is a plain tensor of `num_kv_blocks` blocks, as before.
-
-On CUDA the host also builds its GPU sharing (`gpu_runtime.sharing.create_sharing`: green-context
-SM splits, or prioritised streams where the driver cannot split) and captures the decode graphs
-once per split, so the co-location loop can run decode on some SMs and finetune quanta on the
-rest.
+`EngineSpec` loads a model directory and hands the model to `host_factory.build_serving_engine`,
+which assembles the engine: with the unified memory pool (`gpu_runtime.memory`; by default on
+CUDA, on request on CPU) the KV cache is a view of the pool's reserved range and finetune tensors
+borrow the pages decode does not need; without it (CPU by default) the KV cache is a plain tensor
+of `num_kv_blocks` blocks. On CUDA the host also has its GPU sharing (green-context SM splits, or
+prioritised streams where the driver cannot split) and decode graphs captured once per split, so
+the co-location loop can run decode on some SMs and finetune quanta on the rest.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 from gpu_runtime.agent.config import DEFAULT_DECODE_GROUPS
+from gpu_runtime.agent.host_factory import ServingEngine, build_serving_engine
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
-from gpu_runtime.memory import HostMemory, MemoryManagerConfig, build_host_memory
 from gpu_runtime.model.loader import load_model, load_tokenizer
-
-HOST_MEMORY_CONFIG = MemoryManagerConfig(plan_peak_window=256)
-"""The pool's policy on a host: quanta in the shared graph pool are planned beside decode's
-peak over the last 256 quantum boundaries (the memory bench's `--plan-peak-window`), so that a
-burst's reclaims are cap changes; a quantum without recomputation that fits only the release
-plan (growth headroom alone) runs in a graph pool of its own, released between quanta when
-decode grows (the bench's `unified_release`; `HostLoop(release_graph_shapes=True)`)."""
-
-
-@dataclass(frozen=True)
-class ServingEngine:
-    """An engine and, when it has one, the unified pool its KV cache lives in."""
-
-    engine: Engine
-    memory: HostMemory | None
-    sharing: Any = None
-    """The `gpu_runtime.sharing.GpuSharing` of a CUDA host (None on CPU)."""
 
 
 @dataclass(frozen=True)
@@ -94,50 +73,14 @@ class EngineSpec:
             num_slots=self.lora_slots,
             max_rank=self.lora_max_rank,
         )
-        tokenizer = load_tokenizer(model_dir)
-        sharing = self._sharing()
-        if not self.uses_pool:
-            engine = Engine(model, config, tokenizer=tokenizer, lora=lora)
-            _capture_graphs(engine, sharing)
-            return ServingEngine(engine, None, sharing)
-        memory = build_host_memory(
-            model, config, pool_bytes=self.pool_bytes, config=HOST_MEMORY_CONFIG
-        )
-        try:
-            engine = Engine(
-                model,
-                memory.engine_config,
-                tokenizer=tokenizer,
-                lora=lora,
-                kv_storage_factory=memory.storage_factory,
-            )
-            memory.attach(engine)
-            _capture_graphs(engine, sharing)  # graphs bake in KV addresses; the range stays
-            memory.decode_ready()
-        except Exception:
-            memory.close()
-            raise
-        return ServingEngine(engine, memory, sharing)
-
-    def _sharing(self) -> Any:
-        if not self.config.is_cuda:
-            return None
-        import torch
-
-        from gpu_runtime.sharing import create_sharing
-
-        return create_sharing(torch.device(self.config.device), decode_groups=self.decode_groups)
-
-
-def _capture_graphs(engine: Engine, sharing: Any) -> None:
-    """Decode graphs per batch bucket, once per SM split (a graph runs on the SMs of the
-    context it was captured in)."""
-    if sharing is None:
-        engine.capture_cuda_graphs()
-        return
-    for decode_sms in sharing.table.choices:
-        engine.capture_cuda_graphs(
-            partition=decode_sms, stream=sharing.partition(decode_sms)[0], sm_count=decode_sms
+        return build_serving_engine(
+            model,
+            config,
+            memory_pool=self.uses_pool,
+            tokenizer=load_tokenizer(model_dir),
+            lora=lora,
+            pool_bytes=self.pool_bytes,
+            decode_groups=self.decode_groups,
         )
 
 

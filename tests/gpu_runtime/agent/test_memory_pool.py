@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.agent.serving import HOST_MEMORY_CONFIG
+from gpu_runtime.agent.host_factory import HOST_MEMORY_CONFIG
 from gpu_runtime.engine import SamplingParams
 from gpu_runtime.memory import engine_kv_layout
 from gpu_runtime.storage import LocalStorage
