@@ -34,11 +34,11 @@ output tokens/s of requests meeting the SLO. Run:
 ``<out>/colocate-<gpu>-<yyyymmdd>.json`` (and every run's iterations beside it, in
 ``.iterations.json``) and prints a table last.
 
-This module runs the benchmark's phases in order; beside it: ``colocate_args`` (the command
-line), ``colocate_setup`` (model, engine, LoRA job, solo finetune speed), ``colocate_engine``
-(drive loop, backends, quantum warm-up), ``colocate_calibrate`` (calibration, SLO, static split,
-policies), ``colocate_runs`` (one policy on one trace, the static split's sweep, the result
-files rewritten after each run) and ``colocate_report`` (rows, comparisons, the table).
+This module runs the benchmark's phases in order; beside it: ``args`` (the command
+line), ``setup`` (model, engine, LoRA job, solo finetune speed), ``backends``
+(drive loop, backends, quantum warm-up), ``calibrate`` (calibration, SLO, static split,
+policies), ``runs`` (one policy on one trace, the static split's sweep, the result
+files rewritten after each run) and ``report`` (rows, comparisons, the table).
 """
 
 from __future__ import annotations

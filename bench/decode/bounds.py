@@ -63,7 +63,7 @@ def step_bounds(
     bandwidth: float,
     flops_per_s: float,
 ) -> dict[str, Any]:
-    """The bounds of one step (ms) beside `floor_bw_ms` (the HBM floor of `decode_report`):
+    """The bounds of one step (ms) beside `floor_bw_ms` (the HBM floor of `report`):
     `step_tflop`, `floor_compute_ms`, `floor_serial_ms` (HBM floor + compute floor) and
     `floor_roofline_ms` (sum over kernels of max(bytes / bandwidth, FLOPs / throughput)),
     and the kernels whose FLOPs outlast their bytes (`compute_bound_kernels`)."""

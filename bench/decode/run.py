@@ -8,18 +8,18 @@ in the KV cache (filled with random values, never zeros), then time `Engine.step
 steps; also the graph replay alone with CUDA events. HF runs on the same weight tensors. The
 floor is (weight bytes read once + the batch's KV bytes) / device-to-device copy bandwidth
 measured in the same run; beside it, per row, the compute floor and the per-kernel roofline from
-a bf16 GEMM timed in the same run (``decode_bounds``). The engine runs as
+a bf16 GEMM timed in the same run (``bounds``). The engine runs as
 `python -m gpu_runtime.server` deploys it (async scheduling, system ``harli``) and
 synchronously (``harli_sync``, the engine default and the co-location loop's mode); the JSON's
 ``targets`` hold issue 3's two targets against each.
 
 Run: `python -m bench.decode` (see --help; --quick for a smoke run).
 
-This module runs the benchmark; beside it: ``decode_args`` (the command line), ``decode_engine``
-(our engine: build, inject, time, variants, prefill chunks), ``decode_hf`` (the HF references
-and the correctness check), ``decode_bounds`` (compute floor, roofline), ``decode_report``
+This module runs the benchmark; beside it: ``args`` (the command line), ``engine``
+(our engine: build, inject, time, variants, prefill chunks), ``hf`` (the HF references
+and the correctness check), ``bounds`` (compute floor, roofline), ``report``
 (rows, floor, speedups, targets, result file, the table),
-``decode_extras`` (the ``--extras`` studies) and ``decode_profile`` (``--profile``).
+``extras`` (the ``--extras`` studies) and ``profile`` (``--profile``).
 """
 
 from __future__ import annotations

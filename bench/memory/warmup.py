@@ -23,7 +23,7 @@ GIB = 1 << 30
 
 
 def warm_quanta(phase: Any) -> dict[str, Any]:
-    """Warm `phase`'s job up (a `memory_phase._Phase` with its memory, loop and job built);
+    """Warm `phase`'s job up (a `phase._Phase` with its memory, loop and job built);
     returns the row's `finetune_warmup`. Shapes run smallest estimate first, so the graphs'
     shared pool grows once per new largest shape. `unified_release`: the shapes the plan
     fits share that pool; the ones the choice order prefers, up to the release plan, get

@@ -4,7 +4,7 @@ warmed up, the adapter mix checked against the eager LoRA path (`check_against_e
 wall time of `Engine.step()` (`time_steps`), the graph replay alone (`replay_ms`), optionally the
 kernels of a replay (`kernel_profile`), the torch sampler's steps, steps carrying a prefill
 (`time_mixed_steps`) and the eager LoRA forward, one row per system (keys in
-``multilora_report``)."""
+``report``)."""
 
 from __future__ import annotations
 

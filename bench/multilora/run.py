@@ -19,9 +19,9 @@ is also timed (`system` `harli_eager_lora`, forward only) for comparison.
 Run: `python -m bench.multilora --out DIR` (about 60 s on an H200);
 `--model tiny --device cpu` is a smoke run (no graphs, no fused kernels on CPU).
 
-This module runs the benchmark; beside it: ``multilora_args`` (the command line),
-``multilora_setup`` (model, adapters, runtime and engine per target set), ``multilora_measure``
-(the check and the timed steps per mix) and ``multilora_report`` (rows, the result file, the
+This module runs the benchmark; beside it: ``args`` (the command line),
+``setup`` (model, adapters, runtime and engine per target set), ``measure``
+(the check and the timed steps per mix) and ``report`` (rows, the result file, the
 table).
 """
 

@@ -11,7 +11,7 @@ MEASURED_GROUPS = (6, 7, 9)
 """Groups the measurements use (48, 56 and 72 SMs: the 48-SM check, the 48/84 and 72/60 splits,
 the 48 <-> 56 switching); a ``--groups`` list must hold them, except with ``--probe``."""
 WARMUP_CALLS = 3
-"""Timed calls each figure drops before its median (``times[3:]`` in ``bench/sharing_measure``)."""
+"""Timed calls each figure drops before its median (``times[3:]`` in ``bench.sharing.measure``)."""
 
 
 def _decode_groups(text: str) -> tuple[int, ...] | None:
