@@ -17,23 +17,8 @@ both (adapters start at B = 0, so both equal the base model's loss) are compared
 Timing: `--warmup` steps, then `--steps` steps each timed on the host after the step's sync
 (ours syncs once per quantum; HF reads `loss.item()`); tokens/s = tokens per step / median step.
 
-CUDA-graphed quanta (H200, torch 2.11, the shape above, q/k/v/o, one optimizer step per quantum,
-medians of 5 after the warm-up and capture quanta; measured at da11f8a, the JSON is
-`bench/results/finetune-quanta-h200-20261130.json`; `--systems harli,harli_eager` gives the same
-rows, with `launch_ms_p50` and `host_ms_p50`): a quantum's wall ms eager -> graphed, and its host
-ms (its CPU/GIL time before its one sync) eager -> graphed:
-
-    1 x 256   93.4 -> 27.1 ms (3.45x)   host 93.1 -> 5.4 ms (launch of fwd+bwd 88.9 -> 0.7)
-    2 x 256   95.3 -> 39.4 ms (2.42x)   host 95.0 -> 5.7 ms
-    8 x 256  130.8 -> 127.2 ms (1.03x)  host 107.0 -> 6.6 ms
-    4 x 512  131.9 -> 130.9 ms (1.01x)  host 113.7 -> 10.9 ms
-    1 x 2048 150.6 -> 133.1 ms (1.13x)  host 148.6 -> 10.7 ms
-
-Losses equal eager ones within 2.5e-4 (same shapes, same dropout masks); peak memory +0.1 GB.
-Small quanta were host-bound (about 3,800 kernel launches from Python and autograd per
-micro-batch); graphed, they are GPU-bound, and the quantum's CPU work, which competes with the
-decode loop for the GIL, drops 10-17x. The first quantum on a stream runs eagerly (warm-up), the
-first of each shape after it captures (about 180-370 ms), as `graph_modes` in each row shows.
+A row's `graph_modes` says how each timed quantum ran: the first quantum on a stream runs eagerly
+(warm-up), the first of each shape after it captures, the rest replay.
 
 Multi-LoRA decode (`multi_lora_decode`, through `bench/multilora/run.py`): `Engine.step()` TPOT at
 batch 32, context 512, CUDA graphs on CUDA: base-only rows, every row on one of 8 adapters (rank

@@ -9,10 +9,6 @@ chunk; the ratio is of the two phases' per-bin medians, summed over the bins bot
 (at least ``min_count`` iterations each) with weight min(count a, count b). Its 95% interval is
 a bootstrap over iterations within each bin.
 
-On the H200 (`bench/results/memory-trace-m{5,7,8}-h200-20261130.iterations.json.gz`) it puts the
-unified phases at 0.988-1.010x of `static_split` per iteration at equal batch (the step's
-device part, ``wait_ms``, 0.983-1.014x), where the all-iteration p50 read 0.991-1.023x.
-
 Noise, measured in the same run: a trace may run a phase more than once (`--phases
 static_split,unified_release,static_split,unified_release`; repeats labelled `<phase>#2`, ...,
 each configured as its phase's first run: bench/memory/args.py). Then `compare_phases` also
