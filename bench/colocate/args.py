@@ -59,8 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=None,
         help="a fixed TPOT SLO in ms instead of the rule's (the rule's parts are still "
-        "recorded): runs on different days or commits are then judged alike (the rule moved "
-        "between 7.9 and 10.5 ms across the H200 runs of one session)",
+        "recorded): runs on different days or commits are then judged alike (the rule's SLO "
+        "moves with decode_only's measured TPOT)",
     )
     parser.add_argument(
         "--engine-warmup-s", type=float, default=2.0, help="untimed decode_only before timing"
@@ -155,15 +155,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         type=float,
         default=0.0,
         help="with --simulate: fixed cost of a step carrying a prefill chunk (an eager "
-        "launch-bound chunk step: ~23 ms on the H200 engine at 3557c1e)",
+        "chunk step is launch-bound)",
     )
     parser.add_argument(
         "--sim-launch-host-ms",
         type=float,
         default=0.0,
         help="with --simulate: host time to launch a concurrent quantum, before the decode "
-        "step, or beside it with --launch-during-decode (harli's launch iterations on the "
-        "H200 at 6c2617f: 2.45 ms median beyond the step)",
+        "step, or beside it with --launch-during-decode (the median excess of harli's launch "
+        "iterations over their step on a GPU host)",
     )
     parser.add_argument(
         "--predictor",

@@ -211,8 +211,8 @@ class LoopBackend:
         """Every micro-batch row count a quantum of up to ``max(examples)`` examples can yield
         (a quantum stops at its optimizer batch's end, so a 4-example quantum two examples
         before it runs 2 rows, three before it 3) on every finetune stream: each (rows, stream)
-        is its own CUDA graph, and one first seen in a timed run is captured there (a 332 ms
-        launch in the 8.8 ms-SLO H200 run, rows 3 never warmed). The first quantum on a stream
+        is its own CUDA graph, and one first seen in a timed run would be captured there (a launch
+        hundreds of ms long inside a TPOT budget of a few ms). The first quantum on a stream
         runs eagerly (warm-up), so 1 comes twice."""
         errors: list[str] = []
         rows = (1, *range(1, max(examples) + 1))

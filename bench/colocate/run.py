@@ -262,7 +262,7 @@ def _profile_gpu(path: str) -> str:
 def run_and_exit() -> None:
     """Green contexts must outlive every tensor, event and graph made in them, and interpreter
     teardown frees those in no set order: leave through ``os._exit`` once the result is written
-    (the run on the H200 otherwise died at exit in a tensor destructor)."""
+    (otherwise the process can die at exit in a tensor destructor)."""
     code = 0
     try:
         main()

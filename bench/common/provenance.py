@@ -40,7 +40,7 @@ def gpu_slug(name: str) -> str:
 def write_result(
     name: str, out_dir: str | Path, gpu: str, torch_version: str, commit: str, **body: Any
 ) -> Path:
-    """Write `<out_dir>/<name>-<gpu>-<yyyymmdd>.json` (BENCHMARKS.md's result file): `name`,
+    """Write `<out_dir>/<name>-<gpu>-<yyyymmdd>.json` (bench/README.md's result file): `name`,
     `commit`, `gpu`, `torch`, `created`, then `body` (`config`, `rows`, ...). Returns the path."""
     now = datetime.datetime.now(datetime.UTC)
     out = Path(out_dir) / f"{name}-{gpu_slug(gpu)}-{now:%Y%m%d}.json"

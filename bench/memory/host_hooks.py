@@ -1,23 +1,23 @@
 """CPU micro-benchmark: the unified pool's host work per decode iteration, `unified` against
 `static_split`, in one run.
 
-The H200 run M3 (gpu_runtime/memory/README.md) showed `unified` adding host time to every
-iteration. This drives the real decode engine (tiny model, CPU) over the CPU accounting pool
+This drives the real decode engine (tiny model, CPU) over the CPU accounting pool
 (`CpuPageBackend`) with a steady batch, and calls the memory adapter the way the host loop does
 (`gpu_runtime.colocation.loop.HostLoop.run_iteration`): `before_decode()`, the budget read of
 the iteration's context (`finetune_budget_bytes()`), the engine step, `after_decode()`,
 `lent_bytes()`, and `quantum_done(...)` when a simulated quantum of `--quantum-iterations`
 iterations ends (its peak is what it was told to plan for, recorded through the backend's
-simulated caching allocator). The policy's figures are the M3 run's (2 MiB pages, 32 MiB map
+simulated caching allocator). The policy's figures are a GPU host's (2 MiB pages, 32 MiB map
 unit, reserve 768 / 2048 pages, 512-page steps, hysteresis 50, headroom floor 1792 pages, peak
 window 256). Host time of pool code is the same Python on any host; what the CUDA backend's
-torch reads (`finetune_reserved_bytes`, `finetune_allocated_bytes`) cost on the H200 host is
+torch reads (`finetune_reserved_bytes`, `finetune_allocated_bytes`) cost on a GPU host is
 not measured here, so the backend calls per iteration are counted instead.
 
     python -m bench.memory.host_hooks --iterations 1500 [--profile]
 
 Prints microseconds per iteration of each hook (mean, p50) and backend reads per iteration, per
-policy; `--json PATH` writes them. Not a benchmark in the BENCHMARKS.md sense (CPU only)."""
+policy; `--json PATH` writes them. A CPU measurement of host work, not a GPU benchmark
+(bench/README.md)."""
 
 from __future__ import annotations
 

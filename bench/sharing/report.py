@@ -1,5 +1,5 @@
 """The record of a ``bench/sharing/run.py`` run: its result JSON (``build_result``; the layout of
-BENCHMARKS.md), the file it goes to (``result_path``: ``sharing-<gpu>-<yyyymmdd>.json``) and
+bench/README.md), the file it goes to (``result_path``: ``sharing-<gpu>-<yyyymmdd>.json``) and
 the notes and table printed last (``print_report``)."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """What each GPU sharing mechanism costs on this GPU (green-context SM partitions vs streams).
 
 Run on the GPU host: ``python -m bench.sharing --commit <sha> [--out DIR]``.
-Writes ``sharing-<gpu>-<yyyymmdd>.json`` (BENCHMARKS.md layout) and prints a table last.
+Writes ``sharing-<gpu>-<yyyymmdd>.json`` (bench/README.md layout) and prints a table last.
 
 Workloads:
   * decode-like pass: 16 GEMMs ``x[64, 4096] @ W_i[4096, 14336]`` (bf16, 1.88 GB of distinct

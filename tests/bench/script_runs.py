@@ -10,7 +10,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 RESULT_HEAD = ["name", "commit", "gpu", "torch", "created", "config"]
-"""The keys BENCHMARKS.md asks every result file to open with, in that order."""
+"""The keys bench/README.md asks every result file to open with, in that order."""
 
 
 def run_script(

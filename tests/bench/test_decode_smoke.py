@@ -33,7 +33,7 @@ from gpu_runtime.engine import EngineConfig
 from gpu_runtime.model import ModelConfig
 from tests.bench.script_runs import RESULT_HEAD
 
-# BENCHMARKS.md: the row keys of a `decode` result
+# bench/README.md: the row keys of a `decode` result
 ROW_KEYS = {
     "model",
     "system",

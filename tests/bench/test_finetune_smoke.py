@@ -22,7 +22,7 @@ TOP_KEYS = [
     "graph_gains",
     "wall_s",
 ]
-# BENCHMARKS.md: the row keys of a `finetune` result
+# bench/README.md: the row keys of a `finetune` result
 ROW_KEYS = {
     "model",
     "system",

@@ -1,4 +1,4 @@
-"""bench/common/provenance.py: the result file every benchmark writes (BENCHMARKS.md's shape)."""
+"""bench/common/provenance.py: the result file every benchmark writes (bench/README.md's shape)."""
 
 from __future__ import annotations
 

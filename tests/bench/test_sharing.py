@@ -1,5 +1,5 @@
 """bench/sharing/run.py on CPU: its options and their refusals, the rows and figures it derives from
-measured times, the result file (BENCHMARKS.md's layout and name) and the table it prints, and
+measured times, the result file (bench/README.md's layout and name) and the table it prints, and
 its clear refusal without CUDA. The measurements themselves (partitions, timing, graph replay,
 torch's GreenContext) need an H200 and are left to the GPU run."""
 
