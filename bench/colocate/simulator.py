@@ -2,8 +2,9 @@
 
 For what-if studies and for running the co-location benchmark's policies when no GPU is at hand
 (`python -m bench.colocate --simulate`); the product's one loop is
-`gpu_runtime.colocation.HostLoop`, and nothing in the product runs this one. It is not a measurement: every latency comes from a
-model (``truth``), typically fitted to iterations profiled on a real GPU
+`gpu_runtime.colocation.HostLoop`, and nothing in the product runs this one. It is not a
+measurement: every latency comes from a model (``truth``), typically fitted to iterations
+profiled on a real GPU
 (``fit_truth_from_profile``). Decode follows the engine's continuous batching in outline: FCFS
 admission up to ``max_num_seqs``, running requests first, chunked prefill within
 ``max_num_batched_tokens``; a request's first token comes with the iteration that computes its

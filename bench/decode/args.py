@@ -6,10 +6,9 @@ import argparse
 import os
 from dataclasses import dataclass
 
-VARIANTS = ("sync", "async", "skinny", "skinny-all", "pdl-all", "no-pdl")
+VARIANTS = ("sync", "async", "pdl-all", "no-pdl")
 """Engine variants `--variants` knows: the scheduling mode (sync / async; every other variant is
-async), the split-K Triton GEMMs at batches <= 64 (skinny: q|k|v and o; skinny-all: all four),
-programmatic dependent launch at every batch (pdl-all) or none (no-pdl) instead of the
+async), programmatic dependent launch at every batch (pdl-all) or none (no-pdl) instead of the
 engine's `decode_programmatic_launch_rows`."""
 
 
@@ -46,8 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--extras",
         default="",
         help="comma list: gemm (cuBLAS vs cuBLASLt over the decode GEMMs), sampler (paths), "
-        "mixed (host profile of steps carrying a prefill chunk), skinny (split-K Triton GEMMs "
-        "vs cuBLAS per projection and batch <= 64)",
+        "mixed (host profile of steps carrying a prefill chunk)",
     )
     parser.add_argument("--skip-check", action="store_true", help="no correctness check")
     parser.add_argument(
@@ -66,12 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--variants",
         default="async,sync",
         help="engine variants timed per (batch, context), the first as system 'harli', the "
-        "others as 'harli_<variant>': sync, async (EngineConfig.async_scheduling), skinny "
-        "(async + split-K Triton GEMMs for q|k|v and o at batch <= 64), skinny-all (all four "
-        "projections), pdl-all / no-pdl (async with programmatic dependent launch at every "
-        "batch / none, instead of EngineConfig.decode_programmatic_launch_rows); variants "
-        "other than sync and async re-capture the decode graphs; skinny variants run "
-        "batches <= 64",
+        "others as 'harli_<variant>': sync, async (EngineConfig.async_scheduling), pdl-all / "
+        "no-pdl (async with programmatic dependent launch at every batch / none, instead of "
+        "EngineConfig.decode_programmatic_launch_rows); variants other than sync and async "
+        "re-capture the decode graphs",
     )
     parser.add_argument("--quick", action="store_true", help="smoke: llama, batch 8/64, ctx 512")
     parser.add_argument(

@@ -159,17 +159,11 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
     engine.config = dataclasses.replace(engine.config, async_scheduling=variant != "sync")
     runner = engine.runner
     fused = runner.fused
-    rows = 64 if variant.startswith("skinny") else 0
-    projections = frozenset(
-        ("qkv", "o", "gate_up", "down") if variant == "skinny-all" else ("qkv", "o")
-    )
     pdl_rows = {"pdl-all": 1 << 30, "no-pdl": 0}.get(
         variant, engine.config.decode_programmatic_launch_rows
     )
-    kernels = (rows, projections, pdl_rows)
-    if fused is None or _kernels(fused) == kernels:
+    if fused is None or fused.programmatic_launch_rows == pdl_rows:
         return
-    fused.skinny_max_rows, fused.skinny_projections = rows, projections
     fused.programmatic_launch_rows = pdl_rows
     mixed, runner.general.mixed_graphs = runner.general.mixed_graphs, None
     runner.decode.drop_graphs()
@@ -178,10 +172,6 @@ def set_variant(engine: Engine, variant: str, buckets: list[int]) -> None:
         runner.capture_cuda_graphs(batch_sizes=tuple(buckets))
     finally:
         runner.general.mixed_graphs = mixed
-
-
-def _kernels(fused: Any) -> tuple[int, frozenset[str], int]:
-    return (fused.skinny_max_rows, fused.skinny_projections, fused.programmatic_launch_rows)
 
 
 def recover(engine: Engine) -> None:

@@ -1,7 +1,7 @@
 """The studies of ``bench/decode/run.py --extras``, each on one GPU beside the TPOT sweep:
 `gemm_backends` (gemm: a decode step's GEMMs per kind, cuBLAS vs cuBLASLt), `sampler_paths`
-(sampler: the sampling paths' device and host time), `mixed_step_profile` (mixed: the host side
-of steps carrying a prefill chunk) and `skinny_gemms` (skinny: split-K Triton GEMMs vs cuBLAS).
+(sampler: the sampling paths' device and host time) and `mixed_step_profile` (mixed: the host
+side of steps carrying a prefill chunk).
 """
 
 from __future__ import annotations
@@ -205,79 +205,4 @@ def mixed_step_profile(
         row["top_own_time_ms_per_step"] = own_time
         results.append(row)
     engine.runner.general.use_mixed_graphs = True
-    return results
-
-
-def _graph_ms(run: Any, reps: int = 5) -> float:
-    """Median ms of `run()` captured once in a CUDA graph (after two eager warm-up calls)."""
-    run()
-    run()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    times = event_times(graph.replay, reps)
-    del graph
-    return statistics.median(times)
-
-
-@torch.no_grad()
-def skinny_gemms(
-    model: Any, bandwidth: float, rows: tuple[int, ...] = (1, 8, 32, 64)
-) -> list[dict[str, Any]]:
-    """The split-K Triton GEMM (`gpu_runtime/engine/skinny_gemm.py`) against `F.linear`
-    (cuBLAS) over the model's own weights, every layer in order, from one CUDA graph per
-    (kind, M, path), after checking each against `F.linear`: ms per step and weight bytes over
-    the copy bandwidth as a fraction of it; the heuristic's choice and the best of a sweep."""
-    import torch.nn.functional as F
-    from gpu_runtime.engine.skinny_gemm import SkinnyConfig, choose_config, skinny_linear
-
-    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
-    sweep = [
-        SkinnyConfig(bn, bk, split, 4, st)
-        for bn, bk in ((64, 128), (32, 256))
-        for split in (1, 2, 4, 8)
-        for st in (4,)
-    ]
-    kinds = {k: v for k, v in _decode_gemm_weights(model).items() if k != "lm_head"}
-    results = []
-    for kind, weights in kinds.items():
-        nbytes = sum(w.numel() * w.element_size() for w in weights)
-        n, k = weights[0].shape
-        for m in rows:
-            x = torch.randn(m, k, device=DEVICE, dtype=weights[0].dtype)
-            ref = F.linear(x, weights[0]).float()
-            row: dict[str, Any] = {"kind": kind, "m": m, "n": n, "k": k}
-            row["cublas_ms"] = round(
-                _graph_ms(lambda x=x, ws=weights: [F.linear(x, w) for w in ws]), 4
-            )
-            heuristic = choose_config(m, n, k, sms)
-            candidates = [("heuristic", heuristic)] + [(str(tuple(c[:3])), c) for c in sweep]
-            best: tuple[float, str] = (float("inf"), "")
-            for label, config in candidates:
-                if config is None or k % (config.split * config.block_k):
-                    continue
-                try:
-                    out = skinny_linear(x, weights[0], None, config, sms).float()
-                except Exception as exc:  # e.g. a tile that does not fit in shared memory
-                    row[f"error_{label}"] = f"{type(exc).__name__}: {exc}"[:200]
-                    continue
-                err = float((out - ref).norm() / ref.norm())
-                if err > 1e-2:
-                    row[f"error_{label}"] = err
-                    continue
-                ms = _graph_ms(
-                    lambda x=x, c=config, ws=weights: [
-                        skinny_linear(x, w, None, c, sms) for w in ws
-                    ]
-                )
-                if label == "heuristic":
-                    row["heuristic"] = list(config[:3])
-                    row["heuristic_ms"] = round(ms, 4)
-                best = min(best, (ms, label))
-            row["best"], row["best_ms"] = best[1], round(best[0], 4)
-            for key in ("cublas", "heuristic", "best"):
-                if f"{key}_ms" in row:
-                    row[f"{key}_frac"] = round(nbytes / bandwidth * 1e3 / row[f"{key}_ms"], 4)
-            results.append(row)
-            print("skinny", row, flush=True)
     return results

@@ -46,7 +46,7 @@ from bench.decode.engine import (
     time_engine,
     time_prefill_chunks,
 )
-from bench.decode.extras import gemm_backends, mixed_step_profile, sampler_paths, skinny_gemms
+from bench.decode.extras import gemm_backends, mixed_step_profile, sampler_paths
 from bench.decode.hf import check_correctness, hf_model, time_hf
 from bench.decode.profile import run_profile
 from bench.decode.report import (
@@ -85,8 +85,7 @@ class DecodeRun:
 
     def time_ours(self, name: str, model: CausalLM, config: ModelConfig) -> None:
         """Our engine on one model: the variants over every batch (sync and async on the same
-        graphs, pdl-all / no-pdl on re-captured ones), the chunk studies (first model), then the
-        skinny variants on re-captured graphs (batches <= 64)."""
+        graphs, pdl-all / no-pdl on re-captured ones) and the chunk studies (first model)."""
         sweep, report = self.sweep, self.report
         first = name == sweep.models[0]
         engine = build_engine(model, self.args, sweep)
@@ -94,8 +93,7 @@ class DecodeRun:
         buckets = sorted({bucket_for(engine, x) for x in sweep.batches})
         engine.capture_cuda_graphs(batch_sizes=tuple(buckets))
         print(f"{name}: captured {buckets} in {time.perf_counter() - t0:.1f}s", flush=True)
-        plain = [v for v in sweep.variants if not v.startswith("skinny")]
-        for variant in plain:  # all batches (pdl-all / no-pdl re-capture their graphs)
+        for variant in sweep.variants:  # all batches (pdl-all / no-pdl re-capture their graphs)
             set_variant(engine, variant, buckets)
             try:
                 self.time_variant(name, config, engine, variant, sweep.batches)
@@ -113,17 +111,6 @@ class DecodeRun:
                 engine, sweep.chunks, 32, min(sweep.contexts), PREFILL_PROMPT
             )
             report.write(complete=False)
-        try:  # new kernels: a failure here keeps the rows above and the HF rows below
-            if "skinny" in sweep.extras and first:
-                report.studies["skinny_gemms"] = skinny_gemms(model, report.bandwidth)
-                report.write(complete=False)
-            small = [b for b in sweep.batches if b <= 64]
-            for variant in [v for v in sweep.variants if v not in plain]:  # re-captured graphs
-                set_variant(engine, variant, [b for b in buckets if b <= 64])
-                self.time_variant(name, config, engine, variant, small)
-        except Exception as exc:
-            report.notes.append(f"{name} skinny GEMMs failed: {type(exc).__name__}: {exc}"[:600])
-            traceback.print_exc()
 
     def time_variant(
         self, name: str, config: ModelConfig, engine: Engine, variant: str, batches: list[int]

@@ -79,8 +79,8 @@ def test_command_line_defaults_and_quick() -> None:
 
 
 def test_variants_are_checked_by_the_parser(capsys: pytest.CaptureFixture[str]) -> None:
-    args = parse_args(["--variants", "async,no-pdl,pdl-all,skinny"])
-    assert Sweep.from_args(args).variants == ["async", "no-pdl", "pdl-all", "skinny"]
+    args = parse_args(["--variants", "async,no-pdl,pdl-all,sync"])
+    assert Sweep.from_args(args).variants == ["async", "no-pdl", "pdl-all", "sync"]
     for bad in ("async,pdl", ","):
         with pytest.raises(SystemExit):
             parse_args(["--variants", bad])
