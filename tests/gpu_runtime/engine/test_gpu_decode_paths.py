@@ -92,11 +92,9 @@ def test_async_scheduling_gives_the_synchronous_tokens(architecture: str) -> Non
 
 
 def test_capture_survives_a_collection_of_dropped_engines() -> None:
-    """A dropped engine is cyclic garbage holding its CUDA graphs. D2 (b38f5a4) failed
-    `test_async_scheduling_gives_the_synchronous_tokens[qwen2]` when the automatic collector
-    freed one in the middle of another engine's capture: four "operation not permitted when
-    stream is capturing (function reset)" warnings (its four graphs destroyed there), then
-    cuBLASLt's `gemm_and_bias` failing and `cudaErrorStreamCaptureInvalidated`. Here a
+    """A dropped engine that is cyclic garbage holds its CUDA graphs until the collector runs;
+    a collection in the middle of another engine's capture would destroy graphs there
+    ("operation not permitted when stream is capturing"), then invalidate the capture. Here a
     collection runs inside every capture on purpose; the capture collects first, so the dropped
     graphs are gone before it begins and the new graphs give the reference tokens."""
     model = small_cuda_model("qwen2")  # q|k|v bias: the linear that failed in D2
@@ -106,6 +104,9 @@ def test_capture_survives_a_collection_of_dropped_engines() -> None:
     gc.disable()
     try:
         dropped = _engine(model)
+        # An engine holds no reference cycle of its own; one held by its user (a closure, a
+        # traceback) leaves it to the collector, graphs included.
+        dropped.held_by_user = [dropped]  # type: ignore[attr-defined]
         runner = weakref.ref(dropped.runner)
         del dropped
         assert runner() is not None  # cyclic garbage, graphs included
