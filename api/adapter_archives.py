@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from api.errors import NotFoundError
 from api.storage import get_storage
-from gpu_runtime.storage import COMPLETE_MARKER, Storage
+from gpu_runtime.contract.storage import COMPLETE_MARKER, Storage
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

@@ -22,9 +22,9 @@ from pathlib import Path
 from api.errors import ConflictError
 from api.models import BaseModel
 from api.storage import get_storage
-from gpu_runtime.agent.tokenizers import published_digest
 from gpu_runtime.contract.chat import ChatTokenizer
 from gpu_runtime.contract.protocol import tokenizer_key
+from gpu_runtime.contract.published_tokenizer import published_digest
 from gpu_runtime.contract.tokenizer import (
     TokenizerFilesError,
     load_training_tokenizer,

@@ -1,4 +1,5 @@
-"""Where uploaded file bytes live: the platform's one storage interface, `gpu_runtime.storage`.
+"""Where uploaded file bytes live: the platform's one storage interface,
+`gpu_runtime.contract.storage`.
 
 Keys are opaque strings chosen by the caller (e.g. `files/<tenant id>/<file id>.jsonl`). A write
 is atomic: the bytes appear under the key whole or not at all. The host agents read training
@@ -9,7 +10,7 @@ from __future__ import annotations
 
 from django.conf import settings
 
-from gpu_runtime.storage import LocalStorage, Storage, open_storage
+from gpu_runtime.contract.storage import LocalStorage, Storage, open_storage
 
 __all__ = ["LocalStorage", "Storage", "get_storage"]
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import re
 
 HIDDEN = "<internal path>"
-_STORAGE_ROOTS = ("files", "checkpoints", "adapters", "tokenizers")  # gpu_runtime.storage's
+# The key roots of gpu_runtime.contract.storage.
+_STORAGE_ROOTS = ("files", "checkpoints", "adapters", "tokenizers")
 _STORAGE_KEY = re.compile(r"\b(?:" + "|".join(_STORAGE_ROOTS) + r")/[^\s'\"(),;]+")
 # A path of two or more segments starting at "/" or "~/" or "X:\", not inside a word or URL.
 _LOCAL_PATH = re.compile(

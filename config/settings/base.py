@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from config.database import database_settings
 from config.env import BASE_DIR, env_int, env_list, env_str
-from gpu_runtime.agent.config import broker_transport, broker_transport_options
+from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
 DEBUG = False
@@ -103,8 +103,8 @@ CELERY_TASK_SERIALIZER = "json"
 CELERY_ACCEPT_CONTENT = ["json"]
 # `filesystem://` (the run command's service-free broker) keeps its folders under
 # HARLI_BROKER_DIR, laid out as the host agents expect, and is served by the atomic transport
-# the agents use too (gpu_runtime.agent.fs_transport); on Redis an unacknowledged task is
-# delivered again after HARLI_BROKER_VISIBILITY_TIMEOUT_S.
+# the agents use too (both from the rule of gpu_runtime.contract.broker); on Redis an
+# unacknowledged task is delivered again after HARLI_BROKER_VISIBILITY_TIMEOUT_S.
 CELERY_BROKER_TRANSPORT = broker_transport(CELERY_BROKER_URL)
 HARLI_BROKER_DIR = BASE_DIR / env_str("HARLI_BROKER_DIR", "var/broker")
 CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {

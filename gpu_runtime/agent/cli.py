@@ -28,10 +28,9 @@ from gpu_runtime.agent.config import (
     GIB,
     AgentConfig,
     AgentConfigError,
-    broker_transport,
-    broker_transport_options,
     env_broker_url,
 )
+from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 
 logger = logging.getLogger("gpu_runtime.agent")
@@ -195,11 +194,11 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.agent.serving import EngineSpec
     from gpu_runtime.colocation.ahead import ASYNC_SCHEDULING
     from gpu_runtime.contract.protocol import report
+    from gpu_runtime.contract.storage import open_storage
     from gpu_runtime.engine import EngineConfig
     from gpu_runtime.model.tiny import build_tiny_model_dir
     from gpu_runtime.server import EngineLoop, MetricsCollector, create_app
     from gpu_runtime.server.threaded import ThreadedServer
-    from gpu_runtime.storage import open_storage
 
     work_dir = config.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)

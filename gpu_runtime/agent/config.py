@@ -32,7 +32,7 @@ class AgentConfig:
     broker_url: str
     """Celery broker shared with the control plane (`redis://`, `amqp://`, `filesystem://`)."""
     storage: str
-    """Storage location shared with the control plane (`gpu_runtime.storage.open_storage`)."""
+    """Storage location shared with the control plane (`contract.storage.open_storage`)."""
     work_dir: Path
     """Scratch directory for downloaded files, checkpoints and adapters of this host."""
     base_model: str
@@ -135,46 +135,6 @@ class AgentConfig:
                 raise AgentConfigError(message)
         if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
             raise AgentConfigError(f"model_dir {self.model_dir} has no config.json")
-
-
-def broker_transport_options(broker_url: str, broker_dir: Path | None) -> dict[str, object]:
-    """Transport options for `broker_url`: the folders of a `filesystem://` broker, else none.
-
-    The control plane builds the same options from `HARLI_BROKER_DIR`, so both sides use the
-    same folders: one `queue/` folder for every queue's messages, `processed/` for consumed ones,
-    `failed/` for message files that could not be read (see `fs_transport`).
-    """
-    if not broker_url.startswith("filesystem://"):
-        return {}
-    if broker_dir is None:
-        raise AgentConfigError("a filesystem:// broker needs a broker directory")
-    queue = Path(broker_dir) / "queue"
-    processed = Path(broker_dir) / "processed"
-    control = Path(broker_dir) / "control"
-    failed = Path(broker_dir) / "failed"
-    for folder in (queue, processed, control, failed):
-        folder.mkdir(parents=True, exist_ok=True)
-    return {
-        "data_folder_in": str(queue),
-        "data_folder_out": str(queue),
-        "processed_folder": str(processed),
-        "control_folder": str(control),
-        "failed_folder": str(failed),
-        "store_processed": False,
-    }
-
-
-def broker_transport(broker_url: str) -> str | None:
-    """The kombu transport for `broker_url` (Celery's `broker_transport`): None keeps the URL's.
-
-    A `filesystem://` broker is served by `fs_transport` (atomic message files) in every
-    process, never by kombu's stock filesystem transport.
-    """
-    if broker_url.startswith("filesystem://"):
-        from gpu_runtime.agent.fs_transport import TRANSPORT
-
-        return TRANSPORT
-    return None
 
 
 def env_broker_url() -> str:

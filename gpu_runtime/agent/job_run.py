@@ -31,6 +31,7 @@ from gpu_runtime.contract.hparams import (
     resolve_dpo_beta,
     resolve_hyperparameters,
 )
+from gpu_runtime.contract.storage import Storage
 from gpu_runtime.contract.training_data import jsonl_lines
 from gpu_runtime.finetune.checkpoint import (
     ADAPTER_CONFIG,
@@ -48,7 +49,6 @@ from gpu_runtime.finetune.dpo_trainer import DpoTrainer
 from gpu_runtime.finetune.preference_data import PreferencePair, tokenize_preference_lines
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
-from gpu_runtime.storage import Storage
 
 logger = logging.getLogger(__name__)
 

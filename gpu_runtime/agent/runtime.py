@@ -41,10 +41,10 @@ from gpu_runtime.colocation import (
     MetricsAggregator,
 )
 from gpu_runtime.contract.protocol import report
+from gpu_runtime.contract.storage import Storage
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server import EngineLoop, MetricsCollector
-from gpu_runtime.storage import Storage
 
 logger = logging.getLogger(__name__)
 Send = Callable[[dict[str, Any]], None]

@@ -7,11 +7,14 @@ Django, so the web process can use them):
   the formats each job method trains on;
 * `chat` — rendering a conversation with the tokenizer's chat template, and its assistant spans;
 * `tokenizer` — the training tokenizer of a base model, loaded from its tokenizer files;
+* `published_tokenizer` — the tokenizer files and manifest a host publishes to storage;
 * `tiny_tokenizer` — the tiny built-in model's tokenizer;
 * `model_config` — a model's shape (`ModelConfig`, its presets, the HF `config.json` form);
 * `hparams` — a job's hyperparameters: ranges, LoRA defaults, "auto" as hosts resolve it;
 * `footprint` — the memory a LoRA job borrows on its host (adapter state, activations);
 * `statistics` — the one percentile definition of reports, result files and the console;
 * `protocol` — the messages between the control plane and the host agents (commands, reports,
-  storage keys, fine-tuned model names).
+  storage keys, fine-tuned model names);
+* `storage` — the object store both halves read and write (training files, checkpoints,
+  adapters, published tokenizers).
 """

@@ -209,7 +209,7 @@ def test_the_tiny_preset_as_run_sh_registers_it_needs_no_host(
 def test_tokenizer_from_the_checkpoint_then_a_host_or_a_409(
     api: ApiClient, tenant: Tenant, tiny_tokenizer_dir: Path, tmp_path: Path
 ) -> None:
-    from gpu_runtime.agent.tokenizers import publish_tokenizer
+    from gpu_runtime.contract.published_tokenizer import publish_tokenizer
 
     model_dir = tmp_path / "model"
     model_dir.mkdir()
@@ -236,7 +236,7 @@ def test_tokenizer_from_the_checkpoint_then_a_host_or_a_409(
 
 
 def test_a_host_publishes_its_tokenizer_once_per_digest(tiny_tokenizer_dir: Path) -> None:
-    from gpu_runtime.agent.tokenizers import publish_tokenizer, published_digest
+    from gpu_runtime.contract.published_tokenizer import publish_tokenizer, published_digest
 
     storage = get_storage()
     digest = publish_tokenizer(storage, "tiny", tiny_tokenizer_dir)

@@ -31,7 +31,7 @@ from api.services.jobs import (
 from api.services.uploads import upload_create, upload_part_add
 from api.storage import get_storage
 from gpu_runtime.contract.protocol import adapter_key, checkpoint_key
-from gpu_runtime.storage import COMPLETE_MARKER
+from gpu_runtime.contract.storage import COMPLETE_MARKER
 from tests.api.conftest import VALID_JSONL, ApiClient
 
 pytestmark = pytest.mark.django_db

@@ -16,7 +16,7 @@ import openai
 import pytest
 from openai import OpenAI
 
-from gpu_runtime.storage import LocalStorage
+from gpu_runtime.contract.storage import LocalStorage
 from tests.e2e.cluster import Cluster, Proc, others_in_a_transaction, wait_until
 from tests.e2e.conftest import Tenants, training_jsonl
 from tests.gpu_runtime.agent.artifacts import VERSION

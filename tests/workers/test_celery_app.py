@@ -110,7 +110,7 @@ def test_worker_on_the_filesystem_broker_sets_a_damaged_file_aside_and_goes_on(
     """A damaged message file in the control queue no longer stops the worker's consumer."""
     from kombu.transport import filesystem
 
-    from gpu_runtime.agent.config import broker_transport, broker_transport_options
+    from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 
     env = {**os.environ, "CELERY_BROKER_URL": "filesystem://", "HARLI_BROKER_DIR": str(tmp_path)}
     env["DJANGO_SETTINGS_MODULE"] = "config.settings.test"

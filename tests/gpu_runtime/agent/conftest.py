@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from gpu_runtime.storage import LocalStorage
+from gpu_runtime.contract.storage import LocalStorage
 from tests.gpu_runtime.threads import one_cpu_thread  # noqa: F401
 
 PAIRS = [

@@ -16,13 +16,13 @@ from gpu_runtime.agent.checkpoint_models import CheckpointModels
 from gpu_runtime.agent.serving import lora_runtime
 from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.contract.protocol import check_command, checkpoint_key, checkpoint_model_name
+from gpu_runtime.contract.storage import LocalStorage
 from gpu_runtime.engine import SamplingParams
 from gpu_runtime.engine.engine import UnknownAdapterError
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.server import KeyGrant, create_app
-from gpu_runtime.storage import LocalStorage
 from tests.gpu_runtime.agent.conftest import Host, Reports, make_runtime
 from tests.gpu_runtime.server.serving import serve_in_thread
 

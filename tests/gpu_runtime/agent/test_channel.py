@@ -19,7 +19,7 @@ from kombu.transport import filesystem
 
 from gpu_runtime.agent import channel as channel_module
 from gpu_runtime.agent.channel import CommandConsumer, ReportSender, host_queue_declaration
-from gpu_runtime.agent.config import broker_transport, broker_transport_options
+from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 from gpu_runtime.contract.protocol import (
     CONTROL_QUEUE,
     HOST_COMMAND_TASK,

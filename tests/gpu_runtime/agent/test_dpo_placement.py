@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from gpu_runtime.contract.protocol import PREFERENCE_METRICS
+from gpu_runtime.contract.storage import LocalStorage
 from gpu_runtime.finetune.dpo import PreferenceRecord
-from gpu_runtime.storage import LocalStorage
 from tests.gpu_runtime.agent.conftest import Host, Reports, job_spec, make_runtime
 
 PREFS_KEY = "files/t1/file-prefs.jsonl"

@@ -20,8 +20,8 @@ from kombu import Connection
 from kombu.simple import SimpleQueue
 from kombu.transport import filesystem
 
-from gpu_runtime.agent.config import broker_transport, broker_transport_options
 from gpu_runtime.agent.fs_transport import TRANSPORT
+from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 
 QUEUE = "host.h1"
 

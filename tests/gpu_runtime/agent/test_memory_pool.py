@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from gpu_runtime.agent.host_factory import HOST_MEMORY_CONFIG
+from gpu_runtime.contract.storage import LocalStorage
 from gpu_runtime.engine import SamplingParams
 from gpu_runtime.memory import engine_kv_layout
-from gpu_runtime.storage import LocalStorage
 from tests.gpu_runtime.agent.conftest import Host, Reports, job_spec, make_runtime
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

@@ -19,9 +19,9 @@ from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot, HarliPo
 from gpu_runtime.colocation.corrected import CorrectedLatencyModel
 from gpu_runtime.colocation.harli_config import GPU_LAUNCH_OVERHEAD_PRIOR_MS, GPU_MAX_QUANTUM_MS
 from gpu_runtime.colocation.latency_model import decode_iteration
+from gpu_runtime.contract.storage import LocalStorage
 from gpu_runtime.engine import EngineConfig
 from gpu_runtime.predictor.artifact import ArtifactError
-from gpu_runtime.storage import LocalStorage
 from tests.gpu_runtime.agent.artifacts import ROOT, VERSION, write_tiny_artifact
 from tests.gpu_runtime.agent.conftest import Reports, make_runtime
 

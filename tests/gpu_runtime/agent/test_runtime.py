@@ -7,8 +7,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from gpu_runtime.contract.storage import LocalStorage
 from gpu_runtime.engine import SamplingParams
-from gpu_runtime.storage import LocalStorage
 from tests.gpu_runtime.agent.conftest import Host, Reports, job_spec, make_runtime
 
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)

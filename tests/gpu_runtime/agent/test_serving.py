@@ -14,12 +14,12 @@ import torch
 
 from gpu_runtime.agent.serving import lora_runtime
 from gpu_runtime.contract.hparams import LoraSpec
+from gpu_runtime.contract.storage import LocalStorage
 from gpu_runtime.engine import SamplingParams
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.server import KeyGrant, create_app
-from gpu_runtime.storage import LocalStorage
 from tests.gpu_runtime.agent.conftest import Host, Reports, make_runtime
 from tests.gpu_runtime.server.serving import serve_in_thread
 

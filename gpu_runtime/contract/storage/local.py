@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from urllib.parse import urlparse
 
-from gpu_runtime.storage.base import COMPLETE_MARKER, Storage, StorageError, validate_key
+from gpu_runtime.contract.storage.base import COMPLETE_MARKER, Storage, StorageError, validate_key
 
 
 class LocalStorage:

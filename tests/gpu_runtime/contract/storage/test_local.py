@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_runtime.storage import LocalStorage, StorageError, open_storage
+from gpu_runtime.contract.storage import LocalStorage, StorageError, open_storage
 
 
 def test_roundtrip_list_and_bad_keys(tmp_path: Path) -> None:

@@ -13,8 +13,8 @@ The control plane (`api.storage`) and the host agents use the same :class:`Stora
 network file system, sees alike.
 """
 
-from gpu_runtime.storage.base import COMPLETE_MARKER, Storage, StorageError, validate_key
-from gpu_runtime.storage.local import LocalStorage, open_storage
+from gpu_runtime.contract.storage.base import COMPLETE_MARKER, Storage, StorageError, validate_key
+from gpu_runtime.contract.storage.local import LocalStorage, open_storage
 
 __all__ = [
     "COMPLETE_MARKER",
