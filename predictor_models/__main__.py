@@ -1,0 +1,3 @@
+from predictor_models.cli import main
+
+main()
