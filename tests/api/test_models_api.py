@@ -179,7 +179,7 @@ def test_delete_removes_the_model_then_its_bytes_and_unloads_it_after_commit(
     api: ApiClient, trained: Trained, django_capture_on_commit_callbacks: Any
 ) -> None:
     from api.models import HostAgentState
-    from tests.workers.conftest import drain_host_queue, heartbeat, make_host
+    from tests.api.services.conftest import drain_host_queue, heartbeat, make_host
 
     deployment = _deployment()
     make_host("h1", deployment)  # serves the base model
@@ -247,7 +247,7 @@ def test_heartbeats_unload_deleted_models_and_never_offer_them_again(
     api: ApiClient, trained: Trained, tenant: Tenant, training_file: Any,
     django_capture_on_commit_callbacks: Any,
 ) -> None:  # fmt: skip
-    from tests.workers.conftest import drain_host_queue, heartbeat, make_host
+    from tests.api.services.conftest import drain_host_queue, heartbeat, make_host
 
     make_host("h1", _deployment())
     running = finetune_job_start(

@@ -56,7 +56,7 @@ def test_fleet_registration_and_listing(ops: ApiClient) -> None:
 
 def test_hosts_show_the_predictor_and_harvest_estimate_their_agent_reports(ops: ApiClient) -> None:
     from api.services.fleet import base_model_register, deployment_create, host_register
-    from tests.workers.conftest import heartbeat
+    from tests.api.services.conftest import heartbeat
 
     tiny = base_model_register(name="tiny", preset="tiny")
     chat = deployment_create(name="tiny-chat", base_model=tiny, tpot_slo_ms=50, ttft_slo_ms=500)

@@ -18,7 +18,7 @@ from api.models import ApiKey, BaseModel, Deployment, FinetuneJob, GpuHost, Tena
 from api.services.apikeys import api_key_authenticate
 from api.services.files import UploadSource, file_create
 from api.services.jobs import finetune_job_create
-from tests.workers.conftest import heartbeat
+from tests.api.services.conftest import heartbeat
 
 ROOT = Path(__file__).resolve().parents[2]
 NOUNS = ["tenants", "apikeys", "basemodels", "hosts", "deployments", "jobs", "operators"]

@@ -290,7 +290,7 @@ def test_tenant_creation_and_its_errors(operator_client: Client) -> None:
 
 
 def test_drain_a_host_and_return_it_to_service(operator_client: Client, seeded: Seeded) -> None:
-    from tests.workers.conftest import heartbeat
+    from tests.api.services.conftest import heartbeat
 
     heartbeat("gpu-a")
     page = operator_client.get("/console/hosts/").content.decode()
@@ -309,7 +309,7 @@ def test_drain_a_host_and_return_it_to_service(operator_client: Client, seeded: 
 def test_host_page_shows_its_predictor_and_harvest_estimate(
     operator_client: Client, seeded: Seeded
 ) -> None:
-    from tests.workers.conftest import heartbeat
+    from tests.api.services.conftest import heartbeat
 
     before = operator_client.get("/console/hosts/gpu-a/").content.decode()
     assert "no heartbeat yet" in before

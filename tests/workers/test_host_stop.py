@@ -22,7 +22,7 @@ from api.services.reports import host_report_apply
 from api.services.tenants import operator_create
 from gpu_runtime.contract.protocol import report
 from tests.api.conftest import ApiClient
-from tests.workers.conftest import drain_host_queue, heartbeat, make_host
+from tests.api.services.conftest import drain_host_queue, heartbeat, make_host
 
 pytestmark = pytest.mark.django_db
 

@@ -15,7 +15,7 @@ from api.services.jobs import finetune_job_create
 from api.services.placement import job_place
 from api.services.reports import host_report_apply
 from gpu_runtime.contract.protocol import PREFERENCE_METRICS, report
-from tests.workers.conftest import drain_host_queue, heartbeat, make_host
+from tests.api.services.conftest import drain_host_queue, heartbeat, make_host
 
 pytestmark = pytest.mark.django_db
 PAIR = {

@@ -13,21 +13,21 @@ from api.services.reports import host_report_apply
 from api.tenant_text import HIDDEN, without_locations
 from gpu_runtime.contract.protocol import report
 from tests.api.conftest import ApiClient
-from tests.workers.test_placement_and_reports import _place, _started, fleet  # noqa: F401
+from tests.api.services.conftest import place_now, started_report
 
 
 @pytest.mark.django_db
 def test_a_failure_report_reaches_the_tenant_without_keys_or_paths(
-    fleet: dict[str, GpuHost],  # noqa: F811
+    fleet: dict[str, GpuHost],
     job: FinetuneJob,
     storage_dir: Path,
     django_capture_on_commit_callbacks: Any,
 ) -> None:
     from api.services.apikeys import api_key_issue_for_tenant
 
-    placement = _place(job, django_capture_on_commit_callbacks)
+    placement = place_now(job, django_capture_on_commit_callbacks)
     assert placement is not None
-    host_report_apply(message=_started(placement))
+    host_report_apply(message=started_report(placement))
     key = job.training_file.storage_key
     leaky = (
         f"engine loop error: [Errno 2] No such file or directory: '{storage_dir / key}'; "

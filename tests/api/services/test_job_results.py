@@ -17,7 +17,7 @@ from api.services.placement_dispatch import placement_command
 from api.services.reports import host_report_apply
 from api.storage import get_storage
 from gpu_runtime.contract.protocol import ProtocolError, checkpoint_key, report
-from tests.workers.conftest import drain_host_queue, heartbeat, make_host
+from tests.api.services.conftest import drain_host_queue, heartbeat, make_host
 
 pytestmark = pytest.mark.django_db
 RESOLVED = {"n_epochs": 3, "batch_size": 1, "learning_rate_multiplier": 1.0}
