@@ -1,6 +1,5 @@
 """The host agent: one long-lived process per runtime host (`python -m gpu_runtime.agent`).
 
-* `protocol` — the message formats between control plane and agents;
 * `channel` — host-queue consumer (kombu) and control-queue report sender (Celery);
 * `fs_transport` — the `filesystem://` transport of every process (atomic message files);
 * `serving` — the host's one engine per base model, with the LoRA runtime serving adapters;
