@@ -32,8 +32,8 @@ from gpu_runtime.agent.job_run import (
 from gpu_runtime.colocation import HostLoop, IterationRecord, QuantumReport
 from gpu_runtime.contract.chat import ChatTokenizer
 from gpu_runtime.contract.footprint import adapter_state_bytes
+from gpu_runtime.contract.storage import Storage
 from gpu_runtime.model import CausalLM
-from gpu_runtime.storage import Storage
 
 Report = Callable[..., None]
 """``report(kind, **fields)``: one report to the control plane (`gpu_runtime.contract.protocol`)."""
