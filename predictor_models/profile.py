@@ -2,7 +2,7 @@
 
 Run on the GPU host::
 
-    PYTHONPATH=. python3 -m predictor_models.profile --model llama3-8b --out DIR \
+    python -m predictor_models.profile --model llama3-8b --out DIR \
         --stage1-s 50 --stage2-s 70 --commit <sha>
 
 It samples random configurations (seeded) until each stage's time budget is spent, so whole

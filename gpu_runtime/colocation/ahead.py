@@ -26,9 +26,9 @@ from gpu_runtime.colocation.types import LaunchMode
 
 ASYNC_SCHEDULING = True
 """Whether a co-location host's engine schedules asynchronously (`EngineConfig.async_scheduling`,
-so its loop plans ahead): the host agent's engine and `bench/colocate.py --async-scheduling`.
-Planning inside the step keeps the policy's and the loop's host time off decode's critical path
-(measured in `bench/results/colocate-async*.json`)."""
+so its loop plans ahead): the host agent's engine and `python -m bench.colocate
+--async-scheduling`. Planning inside the step keeps the policy's and the loop's host time off
+decode's critical path (docs/decisions/0011-planning-ahead.md)."""
 
 
 class LoopAhead:

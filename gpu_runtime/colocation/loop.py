@@ -66,7 +66,7 @@ class HostLoop:
         the current stream); ``memory``: the unified pool's adapter (None: no budget);
         ``choose_recompute``: with ``memory``, pick each launch's activation recomputation from
         the budget (``JobState.choose_mode``) for jobs whose hparams do not force it (off for a
-        finetune side that sets the trainer's mode itself, e.g. ``bench/memory.py``);
+        finetune side that sets the trainer's mode itself, e.g. ``bench.memory``);
         ``release_graph_shapes``: with ``choose_recompute`` and a ``ReleasePlanMemory``, those
         jobs' CUDA-graph shapes are pooled per launch and a launch may plan against the
         release plan in a pool of its own (``JobState.choose_mode``), which the memory manager

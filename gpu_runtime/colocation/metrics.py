@@ -1,6 +1,6 @@
 """Per-interval metrics from iteration records (what the host agent reports upwards).
 
-Definitions (used by the host agent, the console and ``bench/colocate.py`` alike):
+Definitions (used by the host agent, the console and ``bench.colocate`` alike):
 
 * **TPOT sample**: the gap between two consecutive output tokens of one request (first tokens
   excluded: their latency is TTFT). p50/p99 are over the samples of the interval.

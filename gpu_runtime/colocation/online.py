@@ -1,6 +1,6 @@
 """A stage-1/2 decode latency model fitted from the loop's own iteration records.
 
-Used where no trained predictor artifact exists (and by ``bench/colocate.py`` when it profiles
+Used where no trained predictor artifact exists (and by ``bench.colocate`` when it profiles
 before the traces): for every decode split ``s`` (decode SM count) it fits, by ridge-regularised
 least squares over the iterations observed **without** a finetune quantum beside decode,
 

@@ -15,9 +15,9 @@ SM_GRANULARITY_HOPPER = 8
 """SM groups on compute capability 9.x come in multiples of this many SMs."""
 
 MIN_FINETUNE_SMS_HOPPER = 16
-"""Smallest remainder kept for finetune. Measured on an H200 (bench/sharing.py --probe): a
-120/12 split is created, but a bf16 cuBLAS GEMM on the 12-SM side fails with
-CUBLAS_STATUS_EXECUTION_FAILED, while every split up to 112/20 runs it correctly."""
+"""Smallest remainder kept for finetune: a bf16 cuBLAS GEMM on a smaller side (12 SMs) fails
+with CUBLAS_STATUS_EXECUTION_FAILED although the split is created
+(docs/decisions/0018-green-contexts-vs-streams.md)."""
 
 
 class PartitionError(ValueError):

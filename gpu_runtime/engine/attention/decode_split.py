@@ -1,15 +1,11 @@
 """How the paged decode kernel divides its work: splits per sequence and the tile.
 
-Pure integer rules (no torch, no Triton), so they are tested on CPU. The figures come from
-`bench/decode_attention.py` on the H200 (Llama-3-8B heads, 32 layers replayed from one CUDA
-graph; `bench/results/decode-attention-h200-20261130.json`), per layer at context 512 / 2048:
-- batch 1 (8 programs): 32 splits of 32-token tiles 5.6 / 9.0 us; one split 13.5 / 58.6.
-- batch 8 (64 programs): 8 splits 10.5 / 25.1 us: the best at 512, 7% over the best at 2048
-  (23.4 us with 64-token tiles, 3 stages), 2.5% over the best summed over both.
-- batch 32 (256 programs, ~2 per SM): one split with 128-token tiles 22.0 / 66.8 us, against
-  25.0 / 73.6 with the 2 splits an earlier rule (3 programs per SM) chose.
-- batch >= 64 (>= 512 programs): one split with 64-token tiles, 3 stages, is fastest (35.5 /
-  123 us at batch 64; 128-token tiles 41.1 / 148).
+Pure integer rules (no torch, no Triton), so they are tested on CPU. The rules by programs per
+SM and the thresholds below are chosen in docs/decisions/0002-decode-attention-splits.md (the
+sweep of `python -m bench.decode.attention`): from 1.25 (sequence, KV head) programs per SM on,
+one split per sequence; below that, powers of two until about 3 programs per SM run, at most
+`MAX_SPLITS`; split contexts use 32-token tiles, one split with fewer than 3 programs per SM
+128-token tiles, else 64-token tiles with 3 stages.
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 MAX_SPLITS = 32
-"""No more splits than this: at batch 1 the sweep's best summed over both contexts was 32."""
+"""No more splits than this (batch 1's best, docs/decisions/0002-decode-attention-splits.md)."""
 SINGLE_SPLIT_PROGRAMS_PER_SM = 1.25
 """From this many (sequence, KV head) programs per SM on, each sequence is one split."""
 SPLIT_PROGRAMS_PER_SM = 3
