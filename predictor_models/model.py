@@ -14,9 +14,8 @@ one of them (``0/1`` gates on ``prefill_chunk_tokens > 0``). The buckets are the
 ``EngineConfig.mixed_graph_token_sizes()``), recorded in the profile's metadata; the log of a
 step's bucket is a sum of 0/1 steps, one per bucket boundary, so any bucket list is exact.
 The chunk network also reads one 0/1 step per boundary between the profiled decode SM splits
-(``share_splits``): on the H200 a chunk step is not monotone in its share (Llama-3-8B, varlen
-chunk attention, 256-token bucket: 12.5 ms on 64 SMs, 13.5 ms on 96), which a smooth function
-of the share does not follow.
+(``share_splits``): a chunk step is not monotone in its share, which a smooth function of the
+share does not follow (docs/decisions/0012-latency-model.md).
 Stage 2 reads the decode network's estimate (its rows are decode-only steps).
 
 For a small ONNX graph (the runtime must score 64 candidates in tens of microseconds) every

@@ -260,8 +260,8 @@ def main() -> None:
             "graph_batch_sizes": list(engine_config.graph_batch_sizes()),
             "mixed_cuda_graphs": engine_config.mixed_cuda_graphs,
             "mixed_graph_token_sizes": list(engine_config.mixed_graph_token_sizes()),
-            # attention of steps with prompt chunks ("varlen" since a180a0b, "sdpa" before:
-            # chunk steps 2-5x dearer); None for an engine without the field
+            # attention of steps with prompt chunks ("varlen" or "sdpa"); None for an engine
+            # without the field
             "chunk_attention": getattr(engine_config, "chunk_attention", None),
         }
     (out / f"{stem}.meta.json").parent.mkdir(parents=True, exist_ok=True)

@@ -2,19 +2,18 @@
 # Profile the latency predictor's data in the co-location deployment's engine mode, on the GPU.
 #
 # usage: OUTDIR=DIR [GIT_COMMIT=sha] bash predictor_models/profile_deployment.sh [END_S] [TAG]
-#   from the repository root, PYTHONPATH=. ; END_S (default 318): seconds by which all has ended.
+#   from the repository root; END_S (default 318): seconds by which all has ended.
 #   PROFILE_EXTRA: more profile flags, last wins (CPU dry run: "--device cpu --model tiny").
 #
-# The engine as bench/colocate/run.py and the host agent run it: mixed-step CUDA graphs, 512-token
+# The engine as bench.colocate and the host agent run it: mixed-step CUDA graphs, 512-token
 # steps, block 16, decode buckets 1..64 incl. 24/48, green-context decode splits 48/64/96 + the
 # whole device. Llama-3-8B stage 1 (half the steps carry prompt chunks of 16..512-B tokens, some
 # after a cached prefix, some two chunks) and stage 2 (LoraTrainer quanta, 5 decode
 # configurations per warmed quantum); then Qwen2.5-7B stages 1+2 in the time left. Writes
 # profile-h200-<model>-<TAG>.csv + .meta.json per model (rows written as they are measured) and
-# summary.json (rows, errors, median ms per stage / kind / token bucket). 318 s gave 552 Llama and
-# 213 Qwen rows at 80832f5. Next: copy the files to predictor_models/data/ as
-# profile-h200-<model>-engine-<sha>-<TAG>.csv (+ .meta.json) and run bench/predictor/run.py --data on
-# each (README: "Re-running after an engine change").
+# summary.json (rows, errors, median ms per stage / kind / token bucket). Next: copy the files to
+# predictor_models/data/ as profile-h200-<model>-engine-<sha>-<TAG>.csv (+ .meta.json) and run
+# python -m bench.predictor --data on each (README: "Re-running after an engine change").
 set -u
 T0=$(date +%s)
 END=${1:-318}

@@ -36,11 +36,9 @@ class TrainConfig:
         folds: cross-validation folds (over configuration buckets) for choosing candidates.
         cv_tolerance: the first (simplest) candidate whose CV MAPE is within this relative
             margin of the best is chosen: a smaller network is cheaper per call and, at a CV
-            difference this small, not measurably worse. 3-fold CV over a few dozen
-            configuration buckets does not resolve 10%: on the 80832f5 Qwen2.5-7B profile
-            (73 decode rows) CV put mlp32x32 7% ahead of mlp16 (3.12% vs 3.34%), the held-out
-            buckets put mlp16 ahead (0.79% vs 0.87%), and mlp32x32 costs 2 more ONNX nodes
-            (32 vs 28 us per 64 rows on the dev VM).
+            difference this small, not measurably worse: 3-fold CV over a few dozen
+            configuration buckets does not resolve 10%
+            (docs/decisions/0012-latency-model.md).
         good_enough: per stage, a CV MAPE at which the simplest candidate reaching it is
             chosen outright (90% of the benchmark's targets, 3% and 5%): past the target a
             larger net buys accuracy nobody asked for and costs call time (each hidden layer

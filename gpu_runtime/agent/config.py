@@ -9,12 +9,9 @@ from pathlib import Path
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 
 DEFAULT_DECODE_GROUPS = (6, 8, 12)
-"""Decode SMs in units of 8 (48, 64 and 96 on Hopper), besides the whole device: the splits of
-every H200 co-location run in which harli kept >= 99% TPOT attainment on all four traces for
-both Llama-3-8B and Qwen2.5-7B (`bench/results/colocate-fade[-qwen2.5-7b]-h200-20261201.json`).
-With a 32-SM split as well, Qwen2.5-7B at its 7.87 ms SLO fell to 0.977 / 0.988 at the high and
-bursty traces with (4, 8, 12) and a 250 ms cap (`colocate-agent-defaults-*`) and to 0.624 /
-0.927 with (4, 6, 8, 12) (`colocate-groups4-*`)."""
+"""Decode SMs in units of 8 (48, 64 and 96 on Hopper), besides the whole device: with these
+splits harli keeps its TPOT attainment on every trace for both models; a 32-SM split as well
+does not (docs/decisions/0013-quantum-sizing-and-splits.md)."""
 
 GIB = 2**30
 

@@ -14,8 +14,8 @@
   The best of these fractions times the host's solo finetune rate is the estimate. The solo rate
   is measured (quanta that ran alone) once a job has run here, else a roofline prior from the
   artifact's hardware: `flops/s x 0.5 / (4 x parameters)` (LoRA forward 2N, backward 2N with
-  frozen base weights; 50% of peak reproduces the 14.5k tokens/s of Llama-3-8B at micro-batch
-  4 on the H200 in bench/results/finetune-h200-20261130.json within 15%).
+  frozen base weights; 50% of peak is within 15% of the measured solo rate at micro-batch 4,
+  `bench/results/finetune-h200-20261130.json`).
 """
 
 from __future__ import annotations

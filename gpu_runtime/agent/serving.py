@@ -43,7 +43,7 @@ class EngineSpec:
     room decode's own allocations need)."""
     decode_groups: tuple[int, ...] | None = DEFAULT_DECODE_GROUPS
     """CUDA: decode SM splits to create, in units of the SM granularity (8 on Hopper), beside
-    the whole device; None creates every split (14 on an H200, each with its own graphs)."""
+    the whole device; None creates every split (each with its own graphs)."""
 
     def __post_init__(self) -> None:
         if self.lora_slots < 1 or self.lora_max_rank < 1:

@@ -12,9 +12,8 @@ allows (a split observed only a handful of times would otherwise stay unfitted):
 
 Decode stays on a split for ``block`` iterations at a time, and the first ``settle`` iterations
 after it moves to another split are marked ``settle`` in the plan's note and not counted (nor
-meant to be fitted): on the H200, decode-alone samples taken while the split changed every
-iteration (at the start of a high-load trace) were 5-10x slower than samples taken beside quanta
-on a held split; which of the two caused it was not separated.
+meant to be fitted): decode-alone samples taken while the split changes every iteration are
+several times slower than samples on a held split, and would skew the fit.
 
 ``done`` says when every split reached both targets; ``counts()`` reports what was gathered.
 """

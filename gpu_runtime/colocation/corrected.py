@@ -22,10 +22,9 @@ Observations made before serving (a calibration phase, decode alone on a trace) 
 (``observe(..., seed=True)``): a key's ratio is taken over its seeds and served iterations
 together until it has ``min_samples`` served ones, then over those alone, and a ratio of served
 iterations alone, of any share, is preferred to one with seeds (``ratio``). A calibration phase
-runs another load than the one served (the H200 benchmark's is a high-load trace) and a ratio is
-one number per kind whatever the batch: on the H200 (Qwen2.5-7B, 07b5533) the 64-SM split's
-seeded ratio was 1.44 where serving at low load showed about 1.13, and with a window of 64 the
-seeds would have outweighed the served iterations for dozens of them.
+runs another load than the one served (the benchmark's is a high-load trace) and a ratio is
+one number per kind whatever the batch, so seeds kept beside served iterations would outweigh
+them for dozens of iterations (docs/decisions/0012-latency-model.md).
 """
 
 from __future__ import annotations
@@ -129,8 +128,8 @@ class CorrectedLatencyModel:
         """``window``: iterations kept per key; ``min_samples``: iterations a key needs before
         it is used; ``ratio_bounds``: the range one iteration's observed/predicted is clipped
         to (one stalled iteration must not throw the ratio far; the lower bound leaves room for
-        an engine whose chunk steps got 4x cheaper than its predictor's profile, as on the H200
-        when chunk attention became one kernel per layer)."""
+        an engine whose chunk steps got several times cheaper than its predictor's profile,
+        e.g. after a change of chunk attention)."""
         if window < 1 or min_samples < 1 or not 0 < ratio_bounds[0] < 1 < ratio_bounds[1]:
             raise ValueError(
                 f"window={window}, min_samples={min_samples} must be >= 1 and ratio_bounds="

@@ -149,11 +149,9 @@ class MarginTracker:
         no error but still ages the breach term and still reports breaches: the breach term
         decays per busy iteration, not per prediction, and errors leave the window after
         ``error_window`` busy iterations, predicted or not (the newest ``min_error_samples``
-        stay). (It decayed only with predictions on
-        the H200 at d60ecfc: under backoff, 4 of 5 Qwen medium iterations asked nothing, and a
-        0.30 margin from a burst's breaches took 4 s to fall to 0.12 while harli paused; at e63b9f1,
-        Llama medium's 256 predicted iterations spanned the whole trace, and errors of its first
-        second held the margin at 0.14-0.17 to the end.)"""
+        stay): aged per prediction, a margin raised by a burst would outlast the pause it
+        causes, and early errors would hold it up for a whole trace
+        (docs/decisions/0014-harli-plan-rules.md)."""
         self._observed += 1
         self._violation *= self.config.violation_decay
         oldest = self._observed - self.config.error_window  # the newest few are kept however old
@@ -200,13 +198,13 @@ class LaunchOverhead:
 
     Launching a quantum is host work on the loop's thread before the decode step (inputs
     copied, graphs replayed, the optimizer step queued) plus the quantum's first kernels
-    meeting decode's: on the H200 such iterations took 50-70% longer than the same iteration
-    with the quantum already in flight, which the latency model (fitted on iterations, not
-    launches) does not see. Learnt as the median of ``observed - predicted`` over the last
+    meeting decode's: such iterations take longer than the same iteration with the quantum
+    already in flight, which the latency model (fitted on iterations, not launches) does not
+    see. Learnt as the median of ``observed - predicted`` over the last
     ``window`` launch iterations (``predicted`` without this overhead), never below 0: a median,
     because a launch that captures a new graph shape stalls once for a third of a second, and a
-    mean would charge that to the next ``window`` launches (the 8.8 ms-SLO H200 run predicted
-    30-44 ms for launches that took 11-14 ms after one 332 ms capture)."""
+    mean would charge that to the next ``window`` launches
+    (docs/decisions/0014-harli-plan-rules.md)."""
 
     def __init__(self, window: int = 32, prior_ms: float = 0.0) -> None:
         self._excess: deque[float] = deque(maxlen=window)

@@ -8,16 +8,13 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 GPU_LAUNCH_OVERHEAD_PRIOR_MS = 3.0
-"""The first concurrent launch of each of 80 harli runs on the H200 (Llama-3-8B and Qwen2.5-7B,
-`bench/results/colocate-*.iterations.json` up to 1800ced) took 1.3-11 ms longer than predicted
-with no launch timed yet (median 3.1): charged nothing, that first excess went into the margin's
-error window and raised the margin from its initial 0.15 to 0.3-0.44 at every trace's start."""
+"""Extra ms charged to a host's first concurrent launch, before any launch was timed: a first
+launch costs more than predicted, and charged nothing that excess would go into the margin's
+error window and raise the margin at every trace's start
+(docs/decisions/0014-harli-plan-rules.md)."""
 GPU_MAX_QUANTUM_MS = 150.0
-"""GPU hosts' cap on a quantum's expected duration: the cap of every H200 co-location run in
-which harli kept >= 99% TPOT attainment on all four traces for both Llama-3-8B and Qwen2.5-7B
-(`bench/results/colocate-fade[-qwen2.5-7b]-h200-20261201.json`, 48/64/96-SM splits). With 250
-ms (and a 32-SM split) Qwen2.5-7B's 4-example quanta on 68 SMs ran 150-157 ms (median) at the
-high and bursty traces and attainment fell to 0.977 / 0.988 (`colocate-agent-defaults-*`)."""
+"""GPU hosts' cap on a quantum's expected duration: longer quanta keep decode on a split for
+longer than the SLO allows at high load (docs/decisions/0013-quantum-sizing-and-splits.md)."""
 
 
 @dataclass(frozen=True)
@@ -46,11 +43,8 @@ class HarliConfig:
     """Predictions over which ``initial_margin`` fades out linearly as a floor under the
     learnt margin (0: none, the learnt margin from ``min_error_samples`` on). Each error is a
     mean over ``error_smoothing`` iterations, so the first few dozen overlap and say little
-    about the 0.9 quantile: on the H200 at 017bdfb (Qwen2.5-7B, 7.87 ms SLO, high load, quanta
-    launched beside the step) the margin fell from 0.15 to the 0.03 base 137 ms into the trace,
-    harli launched 4-example quanta on 48 and 64 SMs while requests were still arriving, and 3
-    of 133 requests ended 0.2-3% over the SLO; the run with launches before the step, whose
-    launch costs kept the margin at 0.07, launched only 1-2-example quanta on 96 SMs there."""
+    about the 0.9 quantile; without the floor the margin falls to its base while requests are
+    still arriving (docs/decisions/0010-launch-inside-decode-step.md)."""
     violation_step: float = 0.05
     """Margin added when a request misses the SLO (once per episode)."""
     violation_decay: float = 0.98
@@ -67,9 +61,8 @@ class HarliConfig:
     """EMA weight of a slower chunk share. Running requests are projected to their end with the
     larger of it and the recent share (the launch bound keeps the recent one), so a burst's
     chunk steps weigh for ~200 busy iterations (1-2 s) after it: a quantum launched in a lull
-    holds its split into the next burst (the H200 bursty run at 0f65ae9 launched 4-example
-    quanta just before bursts, whose iterations then averaged 10-11 ms against a 9.6 ms SLO).
-    None: the recent share alone."""
+    holds its split into the next burst (docs/decisions/0014-harli-plan-rules.md). None: the
+    recent share alone."""
     idle_probe_context_tokens: int = 512
     """When decode is idle, quanta beside decode are planned as if one request of this context
     were decoding (one may arrive while the quantum holds its split)."""
@@ -77,13 +70,12 @@ class HarliConfig:
     """When decode is idle, a quantum alone on the whole device is also considered if its
     expected duration is at most this (time slicing): a request that arrives meanwhile waits
     for it, so its first token comes up to this much later while its TPOT is untouched. None:
-    ``max_quantum_ms``; 0: never (idle quanta only beside decode on a split). On the H200 at
-    cf2a34e (Qwen2.5-7B, 7.87 ms SLO) time_slice harvested 1,434 tok/s on the medium trace from
-    such idle quanta alone, harli 1,024 in all from quanta beside decode on 64-96 SMs."""
+    ``max_quantum_ms``; 0: never (idle quanta only beside decode on a split). Why idle quanta
+    run alone: docs/decisions/0014-harli-plan-rules.md."""
     cold_launch_ms: float = 300.0
     """Loop time a concurrent launch costs once when its micro-batch has no CUDA graph on that
-    split's stream yet (``JobView.cold_launches``: first warm-up or capture; 0.1-0.33 s on the
-    H200), charged like the launch overhead: one gap of every running request."""
+    split's stream yet (``JobView.cold_launches``: first warm-up or capture, a few hundred ms),
+    charged like the launch overhead: one gap of every running request."""
     max_quantum_ms: float = 250.0
     """Cap on a quantum's expected duration (the smallest size is exempt)."""
     prior_quantum_overhead_ms: float = 0.0
@@ -105,9 +97,8 @@ class HarliConfig:
     replan_backoff: int = 4
     """After ``n`` plans in a row found nothing safe, the next ``min(n, replan_backoff)`` busy
     iterations pause without asking the model (until a running request finishes): under
-    overload every plan found nothing, and its predictions cost ~0.3 ms of every token (H200,
-    Llama-3-8B high load at c3a19d2: harli's pure-decode iterations 0.6 ms slower than decode
-    alone's, 51 of 133 requests over the SLO). 0: plan every iteration."""
+    overload every plan finds nothing, and its predictions would cost host time on every token
+    (docs/decisions/0014-harli-plan-rules.md). 0: plan every iteration."""
     layer_slices: tuple[int, ...] = (1, 2, 4, 8, 16)
     """``max_layers`` values of layer-sliced quanta considered (jobs whose layer count is
     known); a micro-batch in progress only continues in slices. Empty: whole quanta only."""
@@ -153,8 +144,8 @@ def host_harli_config(device: str, ttft_slo_ms: float | None = None) -> HarliCon
     """Harli's knobs on a runtime host: on CUDA a first launch is charged
     `GPU_LAUNCH_OVERHEAD_PRIOR_MS` and quanta are capped at `GPU_MAX_QUANTUM_MS`; with the
     deployment's `ttft_slo_ms`, idle time slices are at most `IDLE_SLICE_TTFT_SHARE` of it (and
-    never over `max_quantum_ms`). On the H200 at f55939a, slices of up to 150 ms took harli's
-    TTFT p99 to 30-82 ms against decode alone's 17-40."""
+    never over `max_quantum_ms`): an idle slice delays the first token of a request arriving
+    meanwhile (docs/decisions/0014-harli-plan-rules.md)."""
     if ttft_slo_ms is not None and not ttft_slo_ms > 0:
         raise ValueError(f"ttft_slo_ms must be > 0 or None, got {ttft_slo_ms}")
     base = HarliConfig()

@@ -1,18 +1,18 @@
 """Layer-sliced quanta for Harli: where a micro-batch stands and what a slice of it costs.
 
-A whole quantum (a micro-batch's forward and backward) carries a large fixed cost (on the H200
-about 120 ms for one 256-token example, mostly host work), far more than the slack of one
-decode iteration. ``step_quantum(max_layers=k)`` runs only ``k`` decoder-layer passes of the
-micro-batch in progress (``2 x layers`` passes in all: forward slices bottom up, then backward
-slices top down, each backward call running whole forward slices, at least one), so training
-can advance inside the slack a few layers at a time; tokens count when the micro-batch completes.
+A whole quantum (a micro-batch's forward and backward) carries a large fixed cost (mostly host
+work), far more than the slack of one decode iteration. ``step_quantum(max_layers=k)`` runs only
+``k`` decoder-layer passes of the micro-batch in progress (``2 x layers`` passes in all: forward
+slices bottom up, then backward slices top down, each backward call running whole forward
+slices, at least one), so training can advance inside the slack a few layers at a time; tokens
+count when the micro-batch completes.
 
 :class:`SliceState` follows the micro-batch in progress from the policy's own launches and the
 quantum reports (it never reads the trainer), so it knows how many passes remain and how many
 passes the next backward call will run at least. :class:`SliceCosts` predicts a slice's
 duration: a fixed cost per call plus a cost per forward and per backward layer pass when those
-were measured (eager slices on the H200: ~5 ms per call, ~1 ms per forward and ~2.5 ms per
-backward layer), else the whole quantum's expected duration spread over the passes (a forward
+were measured (``HarliConfig.slice_call_ms`` and the two after it), else the whole quantum's
+expected duration spread over the passes (a forward
 pass a third of a layer's work, a backward pass two thirds); times a correction learnt from
 observed slices per launch choice (a high quantile of observed / predicted, so a slice that ran
 long makes the next estimate safer).

@@ -112,10 +112,8 @@ class TypicalPredictions:
         With ``bound``, a typical iteration carrying a prefill chunk on a split is priced as
         the in-flight plan will run it (``HarliPolicy._in_flight_plan``): on the whole device,
         beside the quantum's SMs, when it is predicted over the bound on the split and faster
-        there. (Priced on the split, a 13-14 ms chunk step put Qwen2.5-7B's 64-SM split over a
-        7.87 ms SLO's bound at low load on the H200 at cf2a34e, while in flight those steps
-        ran on the whole device: harli held 96 SMs for half its quanta and harvested 0.65 x
-        the fixed 64-SM split, whose requests ended at p99 7.24 ms.)"""
+        there: priced on the split, chunk steps would rule out splits they never run on
+        (docs/decisions/0014-harli-plan-rules.md)."""
         memo = self._plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         mix = self._typical_mix(ctx)

@@ -80,21 +80,17 @@ class EngineConfig:
     """Decode and mixed-step graphs captured for an SM partition
     (`capture_cuda_graphs(sm_count=n)`, n below the device's SMs) plan their GEMMs for n SMs:
     cuBLASLt with an SM-count target during the capture (`runner_types.gemm_sm_target`); graphs
-    captured for the whole device are untouched. Alone, decode-shaped GEMMs ran 1.10-1.23x
-    faster on 32-48 SMs on the H200 (`bench/results/carveout-h200-20261201.json`). In the
-    co-location loop, two runs a model with it on (1800ced, a539a2f) against runs without it
-    (f55939a, 8eb0d49): Qwen2.5-7B's steps beside a quantum were 5-9% faster on 64 and 96 SMs
-    and its harvest summed over the traces +9% / +24%; Llama-3-8B's 64 / 96-SM steps 1-3%
-    faster, its summed harvest -5% / +11%; attainment 1.00 on every trace of all four
-    (`gpu_runtime/sharing/README.md`). False: the library's own choice on every partition."""
+    captured for the whole device are untouched (why on for decode graphs:
+    docs/decisions/0019-partition-gemm-sm-target.md). False: the library's own choice on every
+    partition."""
     decode_programmatic_launch_rows: int = 32
     """On CUDA with the fused kernels, decode steps of at most this many rows launch their
     Triton kernels (norms, RoPE, attention, SwiGLU) as programmatic dependents (Hopper's
     programmatic dependent launch): each may be scheduled while the kernel before it finishes,
-    and waits for it on the device before reading its output (`fused_ops`). 0: never. On the
-    H200 (58dd31f, `bench/results/decode-pdl-h200-20261201.json`, one run) it made decode
-    steps 0.7-1.6% faster at b = 1-32 and 0.4-1.8% slower at b = 64-256, both models, both
-    contexts; hence 32. Read when a graph is captured or an eager step runs."""
+    and waits for it on the device before reading its output (`fused_ops`). 0: never. 32: it
+    helps small batches and slows large ones
+    (docs/decisions/0006-programmatic-dependent-launch.md). Read when a graph is captured or an
+    eager step runs."""
     async_scheduling: bool = False
     """`Engine.step()` launches the next decode step before reading the current one's sampled
     tokens (its inputs are gathered on the device), so scheduling, staging, stop rules and

@@ -46,9 +46,8 @@ def gemm_sm_target(sm_count: int | None, device_sms: int) -> Iterator[None]:
     `device_sms`: cuBLASLt (`blas_library`) with an SM-count target (`sm_carveout`, the
     device's SMs less the target). None, or a count covering the device: unchanged.
 
-    For graphs captured on a green-context partition (they keep the kernels chosen then). On the
-    H200 (`bench/results/carveout-h200-20261201.json`) decode-shaped GEMMs captured this way ran
-    1.10-1.18x faster on 48 SMs and 1.20-1.23x on 32; plain cuBLAS ignores the target."""
+    For graphs captured on a green-context partition (they keep the kernels chosen then); plain
+    cuBLAS ignores the target (docs/decisions/0019-partition-gemm-sm-target.md)."""
     if sm_count is None or sm_count >= device_sms:
         yield
         return

@@ -30,10 +30,8 @@ from gpu_runtime.engine.request import SamplingParams
 _SEED_MIX = 0x9E3779B97F4A7C15
 
 FUSED_MIN_ROWS = 1
-"""Smallest batch sampled by the fused kernels. The first one-pass kernel ran one program per
-row (the whole 128k vocabulary through one SM at batch 1: ~0.2 ms slower than the torch passes
-on the H200, 0.02-0.05 ms slower at batch 32), so it was kept for >= 128 rows; the vocabulary
-is now split over several programs per row, so every batch size takes it."""
+"""Smallest batch sampled by the fused kernels: the vocabulary is split over several programs
+per row, so every batch size takes them (docs/decisions/0008-one-pass-sampler.md)."""
 
 
 @dataclass(frozen=True)

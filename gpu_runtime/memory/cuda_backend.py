@@ -5,8 +5,8 @@ Mechanism (CUDA virtual memory management through `cuda-bindings`, imported lazi
   a torch uint8 view of the whole range (`__cuda_array_interface__`), so its address never moves.
 - Pages are 2 MiB (the driver's granularity, the accounting unit) but physical memory moves in
   chunks of `chunk_bytes` (default 32 MiB = 16 pages): each driver call costs about the same
-  whatever the size (measured on H200: ~44 us per create+map+access, ~34 us per
-  unmap+release), so 32 MiB chunks move 1 GiB about 12x faster than 2 MiB ones.
+  whatever the size, so 32 MiB chunks move 1 GiB many times faster than 2 MiB ones
+  (docs/decisions/0016-reclaim-mechanism.md).
 - Mapping a chunk: `cuMemCreate` + `cuMemMap`, then one `cuMemSetAccess` over the whole run of
   new chunks. Unmapping: `cuMemUnmap` + `cuMemRelease`, which returns the physical memory to the
   device at once (torch can allocate it right after). Neither waits for in-flight kernels.

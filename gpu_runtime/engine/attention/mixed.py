@@ -247,11 +247,9 @@ class MixedPagedAttention:
         ):
             keys = key_cache[blocks, :, offsets]  # [L, Hkv, D]
             values = value_cache[blocks, :, offsets]
-            # 3-D inputs: SDPA's math path, whatever the chunk's shape. 4-D inputs (4578d0e)
-            # reach the fused kernels (an eager step of 32 rows + a 2048-token chunk: 131 ->
-            # 95 ms on the H200, same shapes every step) but made co-location steps carrying
-            # chunks of many lengths 5-30x slower (suspect: a kernel plan built per new shape);
-            # reverted until measured with varied shapes.
+            # 3-D inputs: SDPA's math path, whatever the chunk's shape. 4-D inputs reach the
+            # fused kernels but slow steps whose chunks vary in length
+            # (docs/decisions/0001-attention-backend.md).
             qi = q[start : start + count].transpose(0, 1).to(dtype)  # [H, n, D]
             ki = keys.transpose(0, 1).to(dtype)  # [Hkv, L, D]
             vi = values.transpose(0, 1).to(dtype)
