@@ -74,8 +74,8 @@ class ReleasePlanMemory(FinetuneMemory, Protocol):
 RECOMPUTE_LAYERS_ESTIMATE = 3.0
 """A recomputing micro-batch keeps each layer's input and recomputes one layer at a time: about
 one layer's activations plus the inputs and the loss's, taken as 3 layers' worth of the bytes
-per token without recomputation (above the H200's measure, M7: 320 of 4,891 KiB per token over
-32 layers, 2.1 layers' worth) until a recomputing quantum is measured."""
+per token without recomputation (above what a recomputing quantum holds:
+docs/decisions/0017-recompute-and-graph-release.md) until a recomputing quantum is measured."""
 
 
 class JobError(KeyError):

@@ -38,7 +38,7 @@ from gpu_runtime.finetune.trainer import LoraTrainer
 LAUNCH_DURING_DECODE = True
 """`HostLoop`'s default for ``launch_during_decode``: a quantum launched from inside the step
 overlaps its launch's host time (graph replays, optimizer step) with the step instead of
-delaying the step's tokens (measured in `bench/results/colocate-launch-*.json`)."""
+delaying the step's tokens (docs/decisions/0010-launch-inside-decode-step.md)."""
 
 
 class HostLoop:

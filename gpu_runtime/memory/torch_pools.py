@@ -9,7 +9,7 @@ trainers' graph pools (a graphed quantum allocates nothing else) and `FinetunePo
 (`with pools.allocations(): ...`; torch routes the current thread only, so an eager backward
 that the autograd engine runs on its own device thread still allocates in the default pool).
 Counting only those keeps decode's eager growth out of the finetune figure that decides whether
-a reclaim must flush the cache (it used to count as finetune's and could force a flush).
+a reclaim must flush the cache (counted as finetune's, it could force a flush).
 
 The figure comes from an allocator snapshot (`torch.cuda.memory_snapshot`, segments tagged with
 their pool), which costs a pass over every segment, so it is cached and taken again only when

@@ -116,8 +116,8 @@ def test_a_repeated_phase_runs_again_as_it_first_ran(tmp_path: Path) -> None:
     """static_split first takes decode alone's given KV peak (120 blocks, one page each on CPU)
     plus the reserve; `unified` then measures its own peak, which static_split's repeat must
     not take, nor unified's peak prior (static_split's first run read none). The given peak is
-    far above what this trace reaches (34-40 blocks measured), so the two do not coincide by
-    chance (a given 40 did once, in CI at acc0d33)."""
+    far above what this trace reaches (34-40 blocks), so the two cannot coincide by chance
+    (a given 40 could)."""
     run = run_tiny_trace(
         tmp_path,
         "--job-pool-extra-gib=1",

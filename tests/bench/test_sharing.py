@@ -23,7 +23,7 @@ from bench.sharing.report import build_result, print_report, result_path
 from tests.bench.script_runs import RESULT_HEAD, ROOT
 
 DECODE_BYTES = 16 * 4096 * 14336 * 2 + 16 * 64 * (4096 + 14336) * 2
-"""Weights plus activations of the decode pass: 1 916 796 928 bytes, as the H200 run recorded."""
+"""Weights plus activations of the decode pass: 1 916 796 928 bytes."""
 COPY_TBS = 4.2713
 NO_CUDA = pytest.mark.skipif(
     torch.cuda.is_available(), reason="with CUDA the script would run the benchmark"
@@ -59,7 +59,7 @@ def _times(warmup: float, p50: float) -> list[float]:
 
 
 def _rows() -> list[dict[str, Any]]:
-    """A run's rows (figures of the H200 run of 2026-11-30, in the order ``main`` adds them)."""
+    """A run's rows (figures of an H200 result, in the order ``main`` adds them)."""
     return [
         _decode_row(DECODE_BYTES, COPY_TBS, "decode_alone", "green_context", 48, 84, "none",
                     _times(5.0, 0.7156)),

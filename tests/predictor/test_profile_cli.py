@@ -49,7 +49,7 @@ def test_cpu_dry_run_writes_both_stages_with_deployment_metadata(
     assert meta["decode_sms_choices"] == [48, 64, 96, 132]
     assert meta["engine"]["graph_batch_sizes"] == [1, 2, 4, 8, 12, 16]
     assert meta["engine"]["mixed_graph_token_sizes"] == [64, 128]
-    assert meta["engine"]["chunk_attention"] == "varlen"  # the engine's default since a180a0b
+    assert meta["engine"]["chunk_attention"] == "varlen"  # the engine's default
     assert meta["step_space"]["chunk_share"] == 0.5
     assert meta["stage2_step_space"]["chunk_share"] == 0.0
     rows = list(csv.DictReader(stem.with_suffix(".csv").read_text().splitlines()))

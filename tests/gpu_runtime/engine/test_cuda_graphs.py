@@ -1,7 +1,8 @@
 """`gc_paused_for_capture` (CPU): cyclic garbage is collected when the outermost block starts,
 the automatic collector stays off until it ends, and its previous state comes back. Graph
 captures run inside it because a collection in the middle of a capture destroys dropped
-engines' CUDA graphs there, which invalidates the capture (H200 run D2 at b38f5a4)."""
+engines' CUDA graphs there, which invalidates the capture
+(docs/decisions/0009-gc-and-graph-capture.md)."""
 
 from __future__ import annotations
 

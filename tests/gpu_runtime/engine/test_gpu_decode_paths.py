@@ -144,8 +144,8 @@ def test_async_scheduling_with_arrivals_agrees_within_bf16(architecture: str) ->
     """A request joins every other call. A request added while a step is in flight is admitted
     one call later (the in-flight step is decode-only), so that call's decode rows run in a
     decode graph where the synchronous engine ran them in a step with the new prompt: other
-    kernels, bf16-rounding differences (the first H200 run, f4667c4: logprobs up to 8e-3
-    apart, which failed this test's earlier bit-equality check). A request
+    kernels, bf16-rounding differences (logprobs a few 1e-3 apart, so bit equality
+    cannot hold). A request
     that stops on a token has its next step computed and discarded, which can move the others
     into another bucket for that step."""
     model = small_cuda_model(architecture)
