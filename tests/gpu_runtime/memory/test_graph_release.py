@@ -1,4 +1,4 @@
-"""Releasing a separately pooled CUDA-graph shape between quanta (`release_finetune_graphs`):
+"""Releasing a separately pooled CUDA-graph shape between quanta (`FinetuneBudget.release_graphs`):
 when it happens (decode's growth leaves what finetune holds above the release plan, or a
 refill needs what only a flush frees), what it is counted as, and that it never happens while
 a quantum runs. The finetune side is the real pool-group bookkeeping of the trainer's graphs
