@@ -15,7 +15,7 @@ import torch
 from gpu_runtime.engine.attention.metadata import AttentionMetadata
 
 
-class RequestRows(Protocol):
+class RowState(Protocol):
     """What the flattening reads of the runner's per-request state."""
 
     token_ids: list[int]
@@ -57,7 +57,7 @@ class FlatBatch:
 
 def flatten_step(
     order: list[tuple[str, int]],
-    states: Mapping[str, RequestRows],
+    states: Mapping[str, RowState],
     block_size: int,
     with_slots: bool = False,
 ) -> FlatBatch:
