@@ -12,11 +12,12 @@ import torch
 
 from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.engine.lora import GROUP_MODULES, apply_lora_group_, lora_linear
-from gpu_runtime.finetune.adapter_store import HostAdapter
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.groups import GROUP_MODULES
+from gpu_runtime.lora.host_adapter import HostAdapter
+from gpu_runtime.lora.linear import apply_lora_group_, lora_linear
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
 

@@ -10,16 +10,16 @@ import pytest
 import torch
 
 from gpu_runtime.contract.hparams import LoraSpec
-from gpu_runtime.finetune.adapter_store import (
+from gpu_runtime.finetune.checkpoint import save_adapter
+from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
+from gpu_runtime.lora.adapter_store import (
     AdapterManager,
     HostAdapter,
     NoFreeAdapterSlotError,
     UnknownAdapterError,
 )
-from gpu_runtime.finetune.checkpoint import save_adapter
-from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
-from gpu_runtime.finetune.multi_lora import (
+from gpu_runtime.lora.runtime import MultiLoraRuntime
+from gpu_runtime.lora.stacked import (
     StackedLoraWeights,
     gathered_lora_delta,
 )

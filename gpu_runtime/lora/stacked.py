@@ -8,7 +8,7 @@ the slots are stacked into
 * ``b[(layer, module)]``: ``[S * R, out]`` — row block ``s`` is ``scaling * B.T`` (``[r, out]``).
 
 Both are views into one pair of tensors per projection group (``groups[layer]["qkv"]``, ``"o"``,
-``"gate_up"``, ``"down"``; layout in :class:`gpu_runtime.engine.lora.LoraGroup`) matching the
+``"gate_up"``, ``"down"``; layout in :class:`gpu_runtime.lora.groups.LoraGroup`) matching the
 serving model's fused ``q|k|v`` and ``gate|up`` GEMMs: the engine's CUDA decode step adds a
 group's term with one shrink GEMM and one expand kernel inside its captured graph.
 
@@ -33,8 +33,8 @@ import torch
 
 from gpu_runtime.contract.footprint import projection_shapes
 from gpu_runtime.contract.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
-from gpu_runtime.engine.lora import GROUP_MODULES, LoraGroup
-from gpu_runtime.finetune.adapter_store import HostAdapter
+from gpu_runtime.lora.groups import GROUP_MODULES, LoraGroup
+from gpu_runtime.lora.host_adapter import HostAdapter
 from gpu_runtime.model import CausalLM, ModelConfig
 
 ProjectionKey = tuple[int, str]
