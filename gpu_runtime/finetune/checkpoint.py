@@ -146,14 +146,6 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint with the most steps under ``root``, if any."""
-    candidates = sorted(
-        p for p in Path(root).glob("step-*") if p.is_dir() and (p / CHECKPOINT_META).exists()
-    )
-    return candidates[-1] if candidates else None
-
-
 def save_checkpoint(
     trainer: CheckpointedTrainer, root: str | Path, base_model_name_or_path: str | None = None
 ) -> Path:

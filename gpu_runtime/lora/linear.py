@@ -26,14 +26,6 @@ def _expand_add_(
         lora_expand_add_reference(out, shrink, group, slots)
 
 
-def apply_lora_group_(
-    out: torch.Tensor, x: torch.Tensor, group: LoraGroup, slots: torch.Tensor
-) -> None:
-    """`out += LoRA(x)` per row's slot for one projection group, in place (two kernels on CUDA:
-    the shrink GEMM over all slots and the gathered expand-add). x `[T, in]`, out `[T, out]`."""
-    _expand_add_(out, torch.nn.functional.linear(x, group.a), group, slots)
-
-
 def linear_and_shrink(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, group: LoraGroup
 ) -> tuple[torch.Tensor, torch.Tensor]:
