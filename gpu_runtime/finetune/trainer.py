@@ -2,37 +2,26 @@
 
 ``LoraTrainer.step_quantum(max_tokens=..., max_examples=...)`` runs one micro-batch (forward and
 backward) of at most that many padded tokens / examples, never crossing an optimizer-batch
-boundary, and when the micro-batch completes the job's batch it also clips, steps AdamW and
-advances the learning-rate schedule. ``recompute=True`` runs that micro-batch with activation
-recomputation (each decoder layer's activations recomputed in the backward: much less memory,
-about one more forward of time), chosen per quantum (default: :attr:`LoraTrainer.recompute`),
-with the same gradients (:mod:`gpu_runtime.finetune.fused_forward`). With ``max_layers=k`` a
-quantum is smaller still: ``k`` decoder-layer passes (forward or backward) of the micro-batch
-in progress (:mod:`gpu_runtime.finetune.sliced`), with identical results. It returns a
-:class:`QuantumResult`. The result of training does not depend on how the scheduler sized the
-quanta: every micro-batch's summed token loss is divided by the loss-token count of its whole
-optimizer batch, so accumulated gradients are those of the batch mean (up to float rounding;
-with LoRA dropout > 0 the masks drawn depend on the micro-batch shapes).
+boundary; the micro-batch that completes the job's batch also clips, steps AdamW and advances
+the learning-rate schedule. ``recompute`` picks activation recomputation per micro-batch
+(default: :attr:`LoraTrainer.recompute`; the same gradients, much less memory). With
+``max_layers=k`` a quantum is ``k`` decoder-layer passes of the micro-batch in progress, with
+identical results. Training does not depend on how quanta were sized: each micro-batch's summed
+token loss is divided by its whole optimizer batch's loss-token count. One host sync per
+quantum (reading loss and grad norm) is the agreed sync point. On CUDA, whole micro-batches
+replay CUDA graphs by default (``cuda_graphs=False`` turns them off); each
+:class:`QuantumResult` says how its quantum ran. Dropout draws from the trainer's own
+generators (:class:`TrainerRng`), so decode sampling beside it neither disturbs nor is disturbed
+and a resumed run draws the same masks.
 
-Randomness (LoRA dropout) comes from the trainer's own generators (:class:`TrainerRng`), swapped
-in around eager work and registered with CUDA graphs, so decode sampling in the same process
-neither disturbs training nor is disturbed, and a resumed run draws the same masks. One host sync
-per quantum (reading loss and grad norm) is the agreed sync point; it also makes ``wall_s`` the
-quantum's real duration.
-
-On CUDA, whole-micro-batch quanta replay CUDA graphs of the forward and backward by default
-(:mod:`gpu_runtime.finetune.graphs`; ``cuda_graphs=False`` turns them off): micro-batches are then
-padded to sequence buckets, and the first micro-batch on a stream, layer-sliced quanta and
-anything after a failed capture run eagerly (each :class:`QuantumResult` says which). A
-micro-batch with recomputation is another graph (``GraphKey.recompute``). The optimizer step
-(clip, fused AdamW, in-place zeroing) stays eager.
-
-The trainer routes each quantum and holds its parts, each with its own inputs: the micro-batch's
-loss (:class:`~gpu_runtime.finetune.supervised_loss.SupervisedLoss`), the graphed launches
-(:class:`~gpu_runtime.finetune.graphed.GraphedQuanta`), the layer slices of a micro-batch in
-progress (:class:`~gpu_runtime.finetune.sliced_quanta.LayerSlicedQuanta`) and the end every quantum
+The trainer builds its parts and routes each quantum to one of them; each part has its own
+inputs and none holds the trainer: the micro-batch's loss
+(:class:`~gpu_runtime.finetune.supervised_loss.SupervisedLoss`), the graphed launches
+(:class:`~gpu_runtime.finetune.graphed.GraphedQuanta`), the layer-sliced micro-batch in progress
+(:class:`~gpu_runtime.finetune.sliced_quanta.LayerSlicedQuanta`) and the end every quantum
 shares: accumulation, optimizer step, step count and history
-(:class:`~gpu_runtime.finetune.tail.OptimizerTail`).
+(:class:`~gpu_runtime.finetune.tail.OptimizerTail`). The package README states the whole
+quantum contract and the checkpoint invariants.
 """
 
 from __future__ import annotations
