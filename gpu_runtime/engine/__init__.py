@@ -20,6 +20,7 @@ from gpu_runtime.engine.scheduler import (
     StepPreview,
 )
 from gpu_runtime.engine.step_types import StepAhead, StepTimes
+from gpu_runtime.lora.protocol import LoraRuntime
 
 __all__ = [
     "AdapterAdmissionError",

@@ -22,7 +22,7 @@ of slot ``s`` keep only their own ``R`` columns, base tokens get exactly ``0``. 
 step are the stacked adapters (``S * R * (in + out)`` per projection): for Llama-3-8B with 8 slots
 of rank 16, 0.22 GB (1.5 % of the weights read per step) on q/k/v/o and 0.67 GB (4.5 %) on all
 projections — the floor of its cost on a memory-bound decode step.
-:class:`gpu_runtime.finetune.lora_forward.MultiLoraForward` applies the term inside
+:class:`gpu_runtime.lora.forward.MultiLoraForward` applies the term inside
 the serving model's forward pass.
 """
 
