@@ -26,7 +26,7 @@ from bench.multilora.report import (
 )
 from bench.multilora.setup import TARGETS, RunSizes, setup_targets
 from gpu_runtime.engine import Engine
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM
 
 MIXES = ("base", "adapters", "mixed")

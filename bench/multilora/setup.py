@@ -18,7 +18,7 @@ from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.finetune.checkpoint import ADAPTER_WEIGHTS
 from gpu_runtime.finetune.lora import PEFT_KEY_PREFIX, lora_config
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
 from gpu_runtime.model.tiny import tiny_config
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from gpu_runtime.contract.storage import COMPLETE_MARKER, Storage
 from gpu_runtime.finetune.checkpoint import ADAPTER_CONFIG, ADAPTER_WEIGHTS
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 
 
 def _directory_name(name: str) -> str:

@@ -19,7 +19,7 @@ from gpu_runtime.agent.config import DEFAULT_DECODE_GROUPS
 from gpu_runtime.agent.host_factory import ServingEngine, build_serving_engine
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 from gpu_runtime.engine import Engine, EngineConfig
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model.loader import load_model, load_tokenizer
 
 

@@ -5,7 +5,6 @@ from gpu_runtime.engine.config import EngineConfig, EngineConfigError
 from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
 from gpu_runtime.engine.engine import Engine, UnknownAdapterError
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
-from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.request import (
     Request,
     RequestOutput,
@@ -21,6 +20,7 @@ from gpu_runtime.engine.scheduler import (
     StepPreview,
 )
 from gpu_runtime.engine.step_types import StepAhead, StepTimes
+from gpu_runtime.lora.protocol import LoraRuntime
 
 __all__ = [
     "AdapterAdmissionError",

@@ -13,7 +13,6 @@ from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
 from gpu_runtime.engine.kv_cache import KVStorageFactory, default_kv_storage
-from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.model_runner import ModelRunner
 from gpu_runtime.engine.overlap import OverlappedSteps
 from gpu_runtime.engine.request import Request, RequestOutput, SamplingParams
@@ -21,6 +20,7 @@ from gpu_runtime.engine.scheduler import AdapterAdmissionError, Scheduler
 from gpu_runtime.engine.step_outputs import StepOutputs
 from gpu_runtime.engine.step_types import StepAhead, StepClock, StepTimes, call_hook
 from gpu_runtime.engine.stopping import StopChecker
+from gpu_runtime.lora.protocol import LoraRuntime
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import load_model, load_tokenizer
 
@@ -35,7 +35,7 @@ class UnknownAdapterError(ValueError):
 class Engine:
     """One model, one KV cache, continuous batching; optionally per-request LoRA adapters.
 
-    With `lora` (e.g. `gpu_runtime.finetune.lora_serving.MultiLoraRuntime` built over `model`
+    With `lora` (e.g. `gpu_runtime.lora.runtime.MultiLoraRuntime` built over `model`
     with `max_tokens >= config.max_num_batched_tokens`), `add_request(..., lora_name=name)`
     serves adapter `name` beside base requests in the same batches. The scheduler admits an
     adapter request only when the runtime can give it a slot (FCFS otherwise) and releases the

@@ -19,7 +19,8 @@ from gpu_runtime.engine.attention.mixed import MixedPagedAttention
 from gpu_runtime.engine.attention.triton_decode import paged_decode_attention
 from gpu_runtime.engine.fused_ops import LoraRows, rms_norm, rope_and_cache_write, silu_and_mul
 from gpu_runtime.engine.kv_cache import PagedKVCache
-from gpu_runtime.engine.lora import LoraGroup, linear_and_shrink, lora_linear
+from gpu_runtime.lora.groups import LoraGroup
+from gpu_runtime.lora.linear import linear_and_shrink, lora_linear
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.modules import MLP, Attention, RMSNorm
 

@@ -28,7 +28,7 @@ import triton.language as tl
 
 
 class LoraRows(NamedTuple):
-    """Per-row LoRA expand inputs of one projection group (see `gpu_runtime.engine.lora`)."""
+    """Per-row LoRA expand inputs of one projection group (see `gpu_runtime.lora.groups`)."""
 
     shrink: torch.Tensor
     """`[T, G*S*R]` x @ A.T for every slot (unit column stride)."""

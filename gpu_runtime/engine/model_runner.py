@@ -38,7 +38,6 @@ from gpu_runtime.engine.cuda_graphs import (
 )
 from gpu_runtime.engine.general_step import GeneralPath
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
-from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.request_rows import RequestRows
 from gpu_runtime.engine.runner_types import (
     ModelRunnerOutput,
@@ -52,6 +51,7 @@ from gpu_runtime.engine.sampler import Sampler
 from gpu_runtime.engine.scheduler import SchedulerOutput
 from gpu_runtime.engine.static_decode import DecodePath
 from gpu_runtime.engine.step_readback import StepReadback
+from gpu_runtime.lora.protocol import LoraRuntime
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import torch_dtype
 

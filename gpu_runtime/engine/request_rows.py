@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 
 from gpu_runtime.engine.config import EngineConfig
-from gpu_runtime.engine.lora import LoraRuntime
 from gpu_runtime.engine.runner_types import _RequestState
 from gpu_runtime.engine.scheduler import SchedulerOutput
+from gpu_runtime.lora.protocol import LoraRuntime
 
 
 class RequestRows:

@@ -21,8 +21,8 @@ from gpu_runtime.engine.attention.torch_paged import TorchPagedAttention, torch_
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.cuda_graphs import DecodeGraphs
 from gpu_runtime.engine.kv_cache import PagedKVCache
-from gpu_runtime.engine.lora import LoraForward, LoraRuntime
 from gpu_runtime.engine.runner_types import _PADDING_ID, PendingTokens, _RequestState
+from gpu_runtime.lora.protocol import LoraForward, LoraRuntime
 from gpu_runtime.model.llama import CausalLM
 
 if TYPE_CHECKING:

@@ -20,19 +20,17 @@ import os
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load_file, save_file
 
 from gpu_runtime.contract.hparams import FinetuneHyperparameters, LoraSpec
-from gpu_runtime.finetune.batching import DataPosition
+from gpu_runtime.finetune.batching import DataPosition, DataStream
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.lora import ADAPTER_NAME, PEFT_KEY_PREFIX, adapter_state_dict, lora_config
 from gpu_runtime.finetune.preference_data import PreferencePair
-
-if TYPE_CHECKING:
-    from gpu_runtime.finetune.trainer import LoraTrainer
+from gpu_runtime.finetune.quantum import StepRecord, TrainerRng
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -42,6 +40,41 @@ CHECKPOINT_META = "checkpoint.json"
 
 class CheckpointError(RuntimeError):
     """A checkpoint or adapter that does not fit the model, data or settings it is loaded into."""
+
+
+class CheckpointedTrainer(Protocol):
+    """What a whole-trainer checkpoint saves and restores (a supervised or a DPO trainer; a
+    trainer with ``preference_history`` also saves it and restores it through
+    ``restore_preference_history``)."""
+
+    @property
+    def model(self) -> torch.nn.Module: ...
+
+    @property
+    def hparams(self) -> FinetuneHyperparameters: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer: ...
+
+    @property
+    def rng(self) -> TrainerRng: ...
+
+    @property
+    def stream(self) -> DataStream: ...
+
+    @property
+    def step(self) -> int: ...
+
+    @property
+    def history(self) -> list[StepRecord]: ...
+
+    @property
+    def total_steps(self) -> int: ...
+
+    @property
+    def has_pending_gradients(self) -> bool: ...
+
+    def restore_progress(self, step: int, history: Sequence[dict[str, float]]) -> None: ...
 
 
 def save_adapter(
@@ -113,16 +146,8 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
     return Path(root) / f"step-{step:06d}"
 
 
-def latest_checkpoint(root: str | Path) -> Path | None:
-    """The complete checkpoint with the most steps under ``root``, if any."""
-    candidates = sorted(
-        p for p in Path(root).glob("step-*") if p.is_dir() and (p / CHECKPOINT_META).exists()
-    )
-    return candidates[-1] if candidates else None
-
-
 def save_checkpoint(
-    trainer: LoraTrainer, root: str | Path, base_model_name_or_path: str | None = None
+    trainer: CheckpointedTrainer, root: str | Path, base_model_name_or_path: str | None = None
 ) -> Path:
     """Write ``<root>/step-<trainer.step>`` atomically and return its path."""
     if trainer.has_pending_gradients:
@@ -155,7 +180,7 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(trainer: LoraTrainer, path: str | Path) -> None:
+def load_checkpoint(trainer: CheckpointedTrainer, path: str | Path) -> None:
     """Restore a fresh trainer (same model, data and settings) to the checkpoint's state."""
     path = Path(path)
     meta: dict[str, Any] = json.loads((path / CHECKPOINT_META).read_text())

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from gpu_runtime.contract.chat import ChatTokenizer
 from gpu_runtime.contract.training_data import (
@@ -19,7 +18,6 @@ from gpu_runtime.contract.training_data import (
     ExamplesTooLongError,
     TokenizedExample,
     TrainingDataError,
-    jsonl_lines,
     tokenize_training_lines,
 )
 
@@ -29,7 +27,6 @@ __all__ = [
     "TokenizedDataset",
     "TokenizedExample",
     "TrainingDataError",
-    "load_jsonl",
     "tokenize_lines",
 ]
 
@@ -68,9 +65,3 @@ def tokenize_lines(
         num_lines=tokenized.num_lines,
         num_dropped_no_loss_tokens=tokenized.num_dropped_no_loss_tokens,
     )
-
-
-def load_jsonl(path: str | Path, tokenizer: ChatTokenizer, max_seq_len: int) -> TokenizedDataset:
-    """Read and tokenize one local JSONL training or validation file (errors name its path)."""
-    path = Path(path)
-    return tokenize_lines(jsonl_lines(path.read_bytes()), tokenizer, max_seq_len, str(path))

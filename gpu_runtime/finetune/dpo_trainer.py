@@ -18,6 +18,9 @@ all of them at the last, in bounded quanta, eval mode, no gradient), with DPO's 
 the adapter on; reference: the adapter off) and ``valid_preference_accuracy`` the fraction of
 pairs ranked right; the token-accuracy fields stay null.
 
+What a micro-batch of pairs computes is :class:`PreferenceLoss`'s (built over the trainer's
+:class:`~gpu_runtime.finetune.supervised_loss.SupervisedLoss`, whose forward and collation it
+reuses); the trainer's quanta, optimizer tail and checkpoints are the supervised trainer's.
 Whole micro-batches only, run eagerly: no CUDA graphs and no layer-sliced quanta
 (:attr:`DpoTrainer.layer_sliced_quanta` tells the loop, which then never asks for them).
 """
@@ -36,18 +39,65 @@ from gpu_runtime.contract.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.batching import MicroBatch
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.dpo import (
+    DpoTerms,
     PreferenceRecord,
     adapters_disabled,
     dpo_terms,
     sequence_logprobs,
     tuner_layers,
 )
-from gpu_runtime.finetune.loss import training_hidden_states
 from gpu_runtime.finetune.preference_data import PreferencePair
-from gpu_runtime.finetune.quantum import QuantumResult
+from gpu_runtime.finetune.quantum import QuantumResult, swapped_rng
+from gpu_runtime.finetune.supervised_loss import SupervisedLoss
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.finetune.validation import VALID_SAMPLE_TOKENS, BatchEvaluator
 from gpu_runtime.model import CausalLM
+
+
+class PreferenceLoss:
+    """DPO's terms of a micro-batch of pairs: the policy's summed completion log-probabilities
+    (the adapter on) against the reference's (the adapter off, eval mode, no gradient)."""
+
+    def __init__(
+        self, token_loss: SupervisedLoss, params: Sequence[torch.nn.Parameter], beta: float
+    ) -> None:
+        """``token_loss``: the training tree's forward and collation; ``params``: its adapter
+        parameters (switched off for the reference)."""
+        self.token_loss = token_loss
+        self.params = list(params)
+        self.beta = beta
+        self._tuner_layers = tuner_layers(token_loss.model)
+
+    def pair_batch(self, pairs: Sequence[PreferencePair]) -> MicroBatch:
+        """The ``[2n, S]`` micro-batch of ``pairs``: preferred rows, then the other rows."""
+        rows = [p.chosen for p in pairs] + [p.rejected for p in pairs]
+        return self.token_loss.prepare(rows)
+
+    def logprobs(self, batch: MicroBatch, recompute: bool) -> torch.Tensor:
+        """Summed completion log-probabilities ``[rows]`` of the training tree as it is."""
+        loss = self.token_loss
+        with loss.autocast():
+            hidden = loss.hidden(batch.input_ids, batch.positions, recompute)
+            return sequence_logprobs(
+                loss.model, hidden, batch.loss_positions, batch.loss_targets, loss.loss_chunk_tokens
+            )
+
+    @torch.no_grad()
+    def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
+        """Summed completion log-probabilities ``[rows]`` under the base model (the adapter
+        off, eval mode, no gradient); the model's mode is restored after."""
+        model = self.token_loss.model
+        training = model.training
+        model.eval()
+        try:
+            with adapters_disabled(self._tuner_layers, self.params, self.token_loss.fused):
+                return self.logprobs(batch, False)
+        finally:
+            model.train(training)
+
+    def terms(self, batch: MicroBatch, reference: torch.Tensor, recompute: bool) -> DpoTerms:
+        """DPO's loss terms of ``batch`` against its ``reference`` log-probabilities."""
+        return dpo_terms(self.logprobs(batch, recompute), reference, self.beta)
 
 
 class DpoTrainer(LoraTrainer):
@@ -95,7 +145,7 @@ class DpoTrainer(LoraTrainer):
         self.beta = float(hparams.dpo_beta)
         self.pairs: tuple[PreferencePair, ...] = tuple(train_pairs)
         self.preference_history: list[PreferenceRecord] = []
-        self._tuner_layers = tuner_layers(self.model)
+        self.preference_loss = PreferenceLoss(self.token_loss, self.params, self.beta)
         self._batch_stats = torch.zeros(3, dtype=torch.float32, device=self.device)
 
     def restore_preference_history(self, history: Sequence[dict[str, float]]) -> None:
@@ -112,35 +162,8 @@ class DpoTrainer(LoraTrainer):
 
     def _pair_padded(self, length: int) -> int:
         """Padded tokens of a pair whose ``num_tokens`` is ``length`` (two rows of half)."""
-        row = length // 2
-        return 2 * (-(-row // self.pad_to_multiple) * self.pad_to_multiple)
-
-    def _hidden(self, batch: MicroBatch, recompute: bool) -> torch.Tensor:
-        if self._fused is not None:
-            return self._fused(batch.input_ids, batch.positions, recompute)
-        return training_hidden_states(self.model, batch.input_ids, batch.positions, recompute)
-
-    def _logprobs(self, batch: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
-        return sequence_logprobs(
-            self.model, hidden, batch.loss_positions, batch.loss_targets, self.loss_chunk_tokens
-        )
-
-    @torch.no_grad()
-    def reference_logprobs(self, batch: MicroBatch) -> torch.Tensor:
-        """Summed completion log-probabilities ``[rows]`` under the base model (the adapter
-        off, eval mode, no gradient); the model's mode is restored after."""
-        training = self.model.training
-        self.model.eval()
-        try:
-            off = adapters_disabled(self._tuner_layers, self.params, self._fused)
-            with off, self._autocast():
-                return self._logprobs(batch, self._hidden(batch, False))
-        finally:
-            self.model.train(training)
-
-    def pair_batch(self, pairs: Sequence[PreferencePair]) -> MicroBatch:
-        """The ``[2n, S]`` micro-batch of ``pairs``: preferred rows, then the other rows."""
-        return self._prepare([p.chosen for p in pairs] + [p.rejected for p in pairs])
+        row, multiple = length // 2, self.token_loss.pad_to_multiple
+        return 2 * (-(-row // multiple) * multiple)
 
     def step_quantum(
         self,
@@ -154,18 +177,17 @@ class DpoTrainer(LoraTrainer):
         if max_layers is not None:
             raise ValueError("DPO quanta are whole micro-batches; max_layers is not supported")
         if self._evaluation is not None:
-            return self._evaluation.quantum(max_tokens)
+            return self._evaluation_quantum(self._evaluation, max_tokens)
         start, _ = self._begin_quantum()
         mode = self._recompute(recompute)
         plan = self.stream.plan(max_examples, max_tokens, padded_length=self._pair_padded)
         pairs = [self.pairs[i] for i in plan.example_indices]
-        batch = self.pair_batch(pairs)
+        loss = self.preference_loss
+        batch = loss.pair_batch(pairs)
         launch = time.perf_counter()
-        reference = self.reference_logprobs(batch)
-        with self._rng_swap():
-            with self._autocast():
-                policy = self._logprobs(batch, self._hidden(batch, mode))
-            terms = dpo_terms(policy, reference, self.beta)
+        reference = loss.reference_logprobs(batch)
+        with swapped_rng(self.rng):
+            terms = loss.terms(batch, reference, mode)
             (terms.loss_sum / plan.batch_loss_tokens).backward()
         launch_s = time.perf_counter() - launch
         self._batch_stats += terms.stats
@@ -179,14 +201,14 @@ class DpoTrainer(LoraTrainer):
             self._batch_stats.zero_()
         # the tail reports the mean over pairs: one loss term per pair
         per_pair = dataclasses.replace(batch, num_loss_tokens=len(pairs))
-        tail = self._launch_tail(
-            plan, per_pair, terms.loss_sum, start, 0, launch_s=launch_s, recompute=mode
+        tail = self.optimizer_tail.launch(
+            plan, per_pair, terms.loss_sum, start, self, launch_s=launch_s, recompute=mode
         )
         return tail.result()
 
     def validation_evaluator(self) -> BatchEvaluator:
         """How this trainer evaluates a validation micro-batch: DPO's loss over pairs."""
-        return DpoValidationEvaluator(self)
+        return DpoValidationEvaluator(self.preference_loss)
 
 
 class DpoValidationEvaluator:
@@ -196,14 +218,10 @@ class DpoValidationEvaluator:
 
     accuracy_key = "preference_accuracy"
 
-    def __init__(self, trainer: DpoTrainer) -> None:
-        self.trainer = trainer
+    def __init__(self, loss: PreferenceLoss) -> None:
+        self.loss = loss
 
     def __call__(self, items: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        trainer = self.trainer
-        batch = trainer.pair_batch(items)
-        reference = trainer.reference_logprobs(batch)
-        with trainer._autocast():
-            policy = trainer._logprobs(batch, trainer._hidden(batch, False))
-        terms = dpo_terms(policy, reference, trainer.beta)
+        batch = self.loss.pair_batch(items)
+        terms = self.loss.terms(batch, self.loss.reference_logprobs(batch), False)
         return terms.loss_sum, terms.stats[0], len(items)

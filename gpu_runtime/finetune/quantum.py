@@ -70,6 +70,12 @@ class QuantumResult:
     """Whether the completed micro-batch recomputed its activations in the backward."""
 
 
+def peak_allocated(device: torch.device) -> int | None:
+    """Peak CUDA memory allocated on ``device`` since the quantum reset the count (None on
+    CPU: the allocator keeps no figure)."""
+    return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+
 def no_training_result(
     *,
     step: int,

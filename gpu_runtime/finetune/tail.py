@@ -1,58 +1,121 @@
-"""The end of every quantum, shared by :class:`~gpu_runtime.finetune.trainer.LoraTrainer`'s
-eager, graphed and layer-sliced paths: commit the data position, accumulate the micro-batch's
-loss into its optimizer batch, and at the batch's end clip, step AdamW and zero the gradients;
-then hand back a :class:`PendingQuantum` whose ``result()`` reads loss and grad norm (the
-quantum's one host sync), records the step and writes a due checkpoint (or, with a validation
-file, hands it to the validation quanta that follow: ``LoraTrainer._checkpoint_due``)."""
+"""The end of every quantum of a trainer, whatever ran its micro-batch (eagerly, as a CUDA graph
+or in layer slices): :class:`OptimizerTail`.
+
+It commits the data position, adds the micro-batch's summed loss into its optimizer batch and,
+at the batch's end, clips the gradients, steps AdamW at the schedule's rate and zeroes the
+gradients; then it hands back a :class:`~gpu_runtime.finetune.pending.PendingQuantum` whose
+``result()`` reads loss and grad norm (the quantum's one host sync), records the optimizer step
+in :attr:`OptimizerTail.history` and, when the step made a checkpoint due (every
+``checkpoint_every_steps`` and at the end), asks the trainer to take it
+(:class:`CheckpointHook`). The tail owns the optimizer step count, the loss history and the
+batch accumulators; nothing else writes them.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any, Protocol
 
 import torch
 
 from gpu_runtime.contract.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan
-from gpu_runtime.finetune.graphs import MicroBatchGraphs
 from gpu_runtime.finetune.pending import PendingQuantum
-from gpu_runtime.finetune.quantum import QuantumResult, StepRecord
+from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, peak_allocated
 from gpu_runtime.finetune.schedule import LrSchedule
 
-if TYPE_CHECKING:
-    from gpu_runtime.finetune.trainer import LoraTrainer
+
+class CheckpointHook(Protocol):
+    """What a quantum's result asks of its trainer when read, after a step made a checkpoint
+    due."""
+
+    def checkpoint_due(self, *, final: bool) -> Path | None:
+        """Take the due checkpoint: the path written now, or None (not written now: validation
+        passes run first, or there is no checkpoint root)."""
+        ...
+
+    @property
+    def evaluating(self) -> bool:
+        """Whether the next quanta run a due checkpoint's validation passes."""
+        ...
 
 
-class QuantumTailMixin:
-    """The trainer's accumulate-and-step tail (the attributes below are the trainer's)."""
+class OptimizerTail:
+    """Accumulate micro-batches into their optimizer batch, step at its end, report the quantum
+    (see the module docstring)."""
 
-    hparams: FinetuneHyperparameters
-    device: torch.device
-    stream: DataStream
-    schedule: LrSchedule
-    optimizer: torch.optim.Optimizer
-    params: list[torch.nn.Parameter]
-    graphs: MicroBatchGraphs | None
-    step: int
-    history: list[StepRecord]
-    checkpoint_root: Path | None
-    base_model_name_or_path: str | None
-    _batch_loss_sum: torch.Tensor
-    _batch_correct: torch.Tensor
-    _batch_tokens: int
-    recompute_micro_batches: int
+    def __init__(
+        self,
+        hparams: FinetuneHyperparameters,
+        stream: DataStream,
+        params: Sequence[torch.nn.Parameter],
+        device: torch.device,
+        *,
+        token_accuracy: bool,
+    ) -> None:
+        """AdamW over ``params`` (fused on CUDA) with ``hparams``' settings, its rate from the
+        schedule over ``stream``'s optimizer steps; ``token_accuracy``: the forward counts argmax
+        hits into :attr:`batch_correct` (a DPO step has no token targets: its accuracy is the
+        preference metrics', none here)."""
+        self.hparams = hparams
+        self.stream = stream
+        self.params = list(params)
+        self.device = device
+        self.token_accuracy = token_accuracy
+        self.schedule = LrSchedule.from_ratio(
+            hparams.learning_rate,
+            stream.total_optimizer_steps,
+            hparams.warmup_ratio,
+            hparams.lr_schedule,
+        )
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=self.schedule.rate(0),
+            betas=hparams.adam_betas,
+            eps=hparams.adam_eps,
+            weight_decay=hparams.weight_decay,
+            fused=device.type == "cuda",
+        )
+        self.step = 0
+        """Optimizer steps done."""
+        self.history: list[StepRecord] = []
+        self.recompute_micro_batches = 0
+        """Micro-batches completed with recomputation (whole or layer-sliced)."""
+        self.batch_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
+        self.batch_correct = torch.zeros((), dtype=torch.float32, device=self.device)
+        """Argmax hits of the optimizer batch in progress (token accuracy; the loss adds in
+        place, so captured graphs add into this very tensor)."""
+        self.batch_tokens = 0
+        self.keep_grad_tensors = False
+        """Zero the ``.grad`` tensors in place rather than dropping them (set while CUDA graphs
+        are in use: captured backwards add into the tensors they saw)."""
 
-    def _peak(self) -> int | None:
-        return torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else None
+    def restore(self, step: int, history: Sequence[dict[str, float]]) -> None:
+        """Set the step count and loss history (checkpoint loading; between batches only)."""
+        self.step = step
+        self.history = [
+            StepRecord(
+                step=int(h["step"]),
+                loss=float(h["loss"]),
+                learning_rate=float(h["learning_rate"]),
+                grad_norm=float(h["grad_norm"]),
+                tokens=int(h["tokens"]),
+                accuracy=None if h.get("accuracy") is None else float(h["accuracy"]),
+            )
+            for h in history
+        ]
 
-    def _launch_tail(
+    def launch(
         self,
         plan: MicroBatchPlan,
         batch: MicroBatch,
         loss_sum: torch.Tensor,
         start: float,
-        layer_passes: int,
+        checkpoints: CheckpointHook,
+        *,
+        layer_passes: int = 0,
         graph: str = "off",
         graph_fallback: str | None = None,
         launch_s: float | None = None,
@@ -64,26 +127,27 @@ class QuantumTailMixin:
         the returned quantum's ``result()`` reads loss and grad norm and reports (its host
         sync; synchronous quanta call it at once).
 
-        ``graph_peak_bytes``: what a replayed graph's work needs (its pool is not allocated anew
-        on replay, so the allocator's peak alone would not show it); where the allocator keeps
-        no figure (CPU), the peak reported."""
+        ``start``: the quantum's start (``time.perf_counter()``); ``graph_peak_bytes``: what a
+        replayed graph's work needs (its pool is not allocated anew on replay, so the
+        allocator's peak alone would not show it); where the allocator keeps no figure (CPU),
+        the peak reported."""
         self.stream.commit(plan)
-        self._batch_loss_sum += loss_sum.detach()
-        self._batch_tokens += batch.num_tokens
+        self.batch_loss_sum += loss_sum.detach()
+        self.batch_tokens += batch.num_tokens
         self.recompute_micro_batches += int(recompute)
-        batch_tokens = self._batch_tokens
+        batch_tokens = self.batch_tokens
         learning_rate = None
         to_read = [loss_sum.detach()]
         if plan.completes_batch:
             learning_rate = self.schedule.rate(self.step)
             to_read += [
-                self._optimizer_step(learning_rate),
-                self._batch_loss_sum.clone(),
-                self._batch_correct.clone(),
+                self.optimizer_step(learning_rate),
+                self.batch_loss_sum.clone(),
+                self.batch_correct.clone(),
             ]
-            self._batch_loss_sum.zero_()  # on this stream, after the clone
-            self._batch_correct.zero_()
-            self._batch_tokens = 0
+            self.batch_loss_sum.zero_()  # on this stream, after the clone
+            self.batch_correct.zero_()
+            self.batch_tokens = 0
         values = torch.stack(to_read)
         if events is not None:
             events[1].record()
@@ -96,22 +160,19 @@ class QuantumTailMixin:
             grad_norm = batch_loss = None
             if plan.completes_batch:
                 grad_norm, batch_loss = values[1], values[2] / plan.batch_loss_tokens
-                # a DPO step has no token targets: its accuracy is the preference metrics'
                 accuracy = (
-                    None
-                    if cast("LoraTrainer", self).trains_preferences
-                    else values[3] / max(1, plan.batch_loss_tokens)
+                    values[3] / max(1, plan.batch_loss_tokens) if self.token_accuracy else None
                 )
                 assert learning_rate is not None
                 self.history.append(
                     StepRecord(step, batch_loss, learning_rate, grad_norm, batch_tokens, accuracy)
                 )
-            peak = self._peak()
+            peak = peak_allocated(self.device)
             if graph_peak_bytes is not None:  # no allocator figure (CPU): the graph's own
                 peak = graph_peak_bytes if peak is None else max(peak, graph_peak_bytes)
             written = None
             if due:
-                written = cast("LoraTrainer", self)._checkpoint_due(final=finished)
+                written = checkpoints.checkpoint_due(final=finished)
             return QuantumResult(
                 examples=len(plan.example_indices),
                 tokens=batch.num_tokens,
@@ -126,7 +187,7 @@ class QuantumTailMixin:
                 wall_s=time.perf_counter() - start,
                 peak_memory_bytes=peak,
                 position=position,
-                finished=finished and not cast("LoraTrainer", self).evaluating,
+                finished=finished and not checkpoints.evaluating,
                 checkpoint=written,
                 layer_passes=layer_passes,
                 graph=graph,
@@ -139,14 +200,13 @@ class QuantumTailMixin:
 
         return PendingQuantum(read, values, events)
 
-    def _optimizer_step(self, learning_rate: float) -> torch.Tensor:
+    def optimizer_step(self, learning_rate: float) -> torch.Tensor:
         """Clip, step, zero; returns the pre-clip gradient norm (on device, unsynced)."""
         max_norm = self.hparams.max_grad_norm
         norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else 1e30)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
         self.optimizer.step()
-        # captured graphs add into the .grad tensors they saw: zero those in place
-        self.optimizer.zero_grad(set_to_none=self.graphs is None)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grad_tensors)
         self.step += 1
         return norm.float()

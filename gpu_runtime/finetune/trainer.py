@@ -2,77 +2,71 @@
 
 ``LoraTrainer.step_quantum(max_tokens=..., max_examples=...)`` runs one micro-batch (forward and
 backward) of at most that many padded tokens / examples, never crossing an optimizer-batch
-boundary, and when the micro-batch completes the job's batch it also clips, steps AdamW and
-advances the learning-rate schedule. ``recompute=True`` runs that micro-batch with activation
-recomputation (each decoder layer's activations recomputed in the backward: much less memory,
-about one more forward of time), chosen per quantum (default: :attr:`LoraTrainer.recompute`),
-with the same gradients (:mod:`gpu_runtime.finetune.fused_forward`). With ``max_layers=k`` a
-quantum is smaller still: ``k`` decoder-layer passes (forward or backward) of the micro-batch
-in progress (:mod:`gpu_runtime.finetune.sliced`), with identical results. It returns a
-:class:`QuantumResult`. The result of training does not depend on how the scheduler sized the
-quanta: every micro-batch's summed token loss is divided by the loss-token count of its whole
-optimizer batch, so accumulated gradients are those of the batch mean (up to float rounding;
-with LoRA dropout > 0 the masks drawn depend on the micro-batch shapes).
+boundary; the micro-batch that completes the job's batch also clips, steps AdamW and advances
+the learning-rate schedule. ``recompute`` picks activation recomputation per micro-batch
+(default: :attr:`LoraTrainer.recompute`; the same gradients, much less memory). With
+``max_layers=k`` a quantum is ``k`` decoder-layer passes of the micro-batch in progress, with
+identical results. Training does not depend on how quanta were sized: each micro-batch's summed
+token loss is divided by its whole optimizer batch's loss-token count. One host sync per
+quantum (reading loss and grad norm) is the agreed sync point. On CUDA, whole micro-batches
+replay CUDA graphs by default (``cuda_graphs=False`` turns them off); each
+:class:`QuantumResult` says how its quantum ran. Dropout draws from the trainer's own
+generators (:class:`TrainerRng`), so decode sampling beside it neither disturbs nor is disturbed
+and a resumed run draws the same masks.
 
-Randomness (LoRA dropout) comes from the trainer's own generators (:class:`TrainerRng`), swapped
-in around eager work and registered with CUDA graphs, so decode sampling in the same process
-neither disturbs training nor is disturbed, and a resumed run draws the same masks. One host sync
-per quantum (reading loss and grad norm) is the agreed sync point; it also makes ``wall_s`` the
-quantum's real duration.
-
-On CUDA, whole-micro-batch quanta replay CUDA graphs of the forward and backward by default
-(:mod:`gpu_runtime.finetune.graphs`; ``cuda_graphs=False`` turns them off): micro-batches are then
-padded to sequence buckets, and the first micro-batch on a stream, layer-sliced quanta and
-anything after a failed capture run eagerly (each :class:`QuantumResult` says which). A
-micro-batch with recomputation is another graph (``GraphKey.recompute``). The optimizer step
-(clip, fused AdamW, in-place zeroing) stays eager. The graphed launches are
-:class:`~gpu_runtime.finetune.graphed.GraphedQuantaMixin`'s.
+The trainer builds its parts and routes each quantum to one of them; each part has its own
+inputs and none holds the trainer: the micro-batch's loss
+(:class:`~gpu_runtime.finetune.supervised_loss.SupervisedLoss`), the graphed launches
+(:class:`~gpu_runtime.finetune.graphed.GraphedQuanta`), the layer-sliced micro-batch in progress
+(:class:`~gpu_runtime.finetune.sliced_quanta.LayerSlicedQuanta`) and the end every quantum
+shares: accumulation, optimizer step, step count and history
+(:class:`~gpu_runtime.finetune.tail.OptimizerTail`). The package README states the whole
+quantum contract and the checkpoint invariants.
 """
 
 from __future__ import annotations
 
 import contextlib
-import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from gpu_runtime.contract.hparams import FinetuneHyperparameters
-from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan, collate
+from gpu_runtime.finetune.batching import DataStream
 from gpu_runtime.finetune.checkpoint import save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.graph_policy import CapturePolicy
-from gpu_runtime.finetune.graphed import GraphedQuantaMixin
+from gpu_runtime.finetune.graphed import GraphedQuanta
 from gpu_runtime.finetune.graphs import MicroBatchGraphs
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.loss import PeftTreeStack, chunked_lm_head_loss, training_hidden_states
 from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import (
     QuantumResult,
     StepRecord,
     TrainerRng,
     no_training_result,
+    peak_allocated,
     swapped_rng,
 )
-from gpu_runtime.finetune.schedule import LrSchedule
-from gpu_runtime.finetune.sliced import SlicedMicroBatch
+from gpu_runtime.finetune.sliced_quanta import LayerSlicedQuanta
+from gpu_runtime.finetune.supervised_loss import SupervisedLoss
+from gpu_runtime.finetune.tail import OptimizerTail
 from gpu_runtime.finetune.validation import (
     VALID_SAMPLE_TOKENS,
     BatchEvaluator,
     CheckpointEvaluation,
     TokenLossEvaluator,
     ValidationRun,
-    checkpoint_metrics,
     validation_sample,
 )
 from gpu_runtime.model import CausalLM
 
 
-class LoraTrainer(GraphedQuantaMixin):
+class LoraTrainer:
     """Trains one LoRA adapter over a serving model's shared, frozen base weights."""
 
     layer_sliced_quanta = True
@@ -107,7 +101,7 @@ class LoraTrainer(GraphedQuantaMixin):
         at most ``max_cuda_graphs`` shapes captured (:class:`CapturePolicy`);
         ``validation_examples`` (a validation file) are evaluated at every checkpoint, a fixed
         sample of at most ``valid_sample_tokens`` tokens each time and all of them at the last
-        (:func:`~gpu_runtime.finetune.validation.checkpoint_metrics`)."""
+        (:mod:`gpu_runtime.finetune.validation`)."""
         if hparams.dpo_beta is not None and not self.trains_preferences:
             raise ValueError("dpo_beta is set: a DPO job trains with DpoTrainer")
         self.hparams = hparams
@@ -116,32 +110,25 @@ class LoraTrainer(GraphedQuantaMixin):
         self.device = serving_model.lm_head.weight.device
         self.model = build_training_model(serving_model, hparams.lora, hparams.seed)
         self.params = adapter_parameters(self.model)
-        self._fused = FusedTrainingForward(self.model, serving_model) if fused_forward else None
+        fused = FusedTrainingForward(self.model, serving_model) if fused_forward else None
         self.stream = DataStream(train_examples, hparams.batch_size, hparams.n_epochs, hparams.seed)
-        self.schedule = LrSchedule.from_ratio(
-            hparams.learning_rate,
-            self.stream.total_optimizer_steps,
-            hparams.warmup_ratio,
-            hparams.lr_schedule,
-        )
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=self.schedule.rate(0),
-            betas=hparams.adam_betas,
-            eps=hparams.adam_eps,
-            weight_decay=hparams.weight_decay,
-            fused=self.device.type == "cuda",
-        )
         self.rng = TrainerRng(hparams.seed, self.device)
-        self.pad_token_id = pad_token_id
-        self.pad_to_multiple = pad_to_multiple
-        self.loss_chunk_tokens = loss_chunk_tokens
-        self.step = 0
-        self.history: list[StepRecord] = []
-        self._batch_loss_sum = torch.zeros((), dtype=torch.float32, device=self.device)
-        self._batch_correct = torch.zeros((), dtype=torch.float32, device=self.device)
-        """Argmax hits of the optimizer batch in progress (token accuracy; the loss adds in
-        place, so captured graphs add into this very tensor)."""
+        self.optimizer_tail = OptimizerTail(
+            hparams,
+            self.stream,
+            self.params,
+            self.device,
+            token_accuracy=not self.trains_preferences,
+        )
+        self.optimizer, self.schedule = self.optimizer_tail.optimizer, self.optimizer_tail.schedule
+        self.token_loss = SupervisedLoss(
+            self.model,
+            fused,
+            self.optimizer_tail.batch_correct,
+            pad_token_id=pad_token_id,
+            pad_to_multiple=pad_to_multiple,
+            loss_chunk_tokens=loss_chunk_tokens,
+        )
         self.validation_examples = tuple(validation_examples)
         self.valid_sample = validation_sample(
             self.validation_examples, valid_sample_tokens, hparams.seed
@@ -150,28 +137,41 @@ class LoraTrainer(GraphedQuantaMixin):
         """The metrics of the latest checkpoint written (:meth:`checkpoint_metrics`)."""
         self._evaluation: CheckpointEvaluation | None = None
         """The validation passes of a due checkpoint, run as quanta before it is written."""
-        self._batch_tokens = 0
-        self._pending: tuple[MicroBatchPlan, MicroBatch, SlicedMicroBatch] | None = None
+        self.layer_slices = LayerSlicedQuanta(
+            self.stream, self.token_loss, self.optimizer_tail, self.rng
+        )
         self._unread: PendingQuantum | None = None
         self.recompute = hparams.activation_checkpointing
         """Whether a quantum whose call does not say recomputes activations (a finetune side
         that sizes quanta to a memory budget sets it before each launch)."""
-        self.recompute_micro_batches = 0
-        """Micro-batches completed with recomputation (whole or layer-sliced)."""
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda" and (
                 fused_forward or not hparams.activation_checkpointing
             )
-        self.graphs: MicroBatchGraphs | None = None
+        self._graphed: GraphedQuanta | None = None
         if cuda_graphs:
             self.graphs = MicroBatchGraphs(
-                self._forward_backward,
+                self.token_loss.forward_backward,
                 self.params,
                 self.rng,
                 self.device,
                 self._rng_swap,
                 CapturePolicy(max_graphs=max_cuda_graphs),
             )
+
+    @property
+    def graphs(self) -> MicroBatchGraphs | None:
+        """The captured micro-batch graphs (None: every micro-batch runs eagerly)."""
+        return None if self._graphed is None else self._graphed.graphs
+
+    @graphs.setter
+    def graphs(self, graphs: MicroBatchGraphs | None) -> None:
+        """Run whole micro-batches through ``graphs`` (set before the first quantum)."""
+        self._graphed = None
+        if graphs is not None:
+            pad_token_id = self.token_loss.pad_token_id
+            self._graphed = GraphedQuanta(graphs, self.stream, pad_token_id, self.optimizer_tail)
+        self.optimizer_tail.keep_grad_tensors = graphs is not None
 
     def release_cuda_graphs(self) -> None:
         """Drop the captured graphs so that their memory pool can be freed (call before
@@ -185,6 +185,21 @@ class LoraTrainer(GraphedQuantaMixin):
         each result reports ``reason`` as its graph fallback. No-op without graphs."""
         if self.graphs is not None:
             self.graphs.disable(reason)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done."""
+        return self.optimizer_tail.step
+
+    @property
+    def history(self) -> list[StepRecord]:
+        """One record per optimizer step (the loss curve)."""
+        return self.optimizer_tail.history
+
+    @property
+    def recompute_micro_batches(self) -> int:
+        """Micro-batches completed with recomputation (whole or layer-sliced)."""
+        return self.optimizer_tail.recompute_micro_batches
 
     @property
     def finished(self) -> bool:
@@ -203,96 +218,19 @@ class LoraTrainer(GraphedQuantaMixin):
     @property
     def has_pending_gradients(self) -> bool:
         """True between the first micro-batch of a batch and its optimizer step."""
-        return self._batch_tokens > 0 or self._pending is not None
+        return self.optimizer_tail.batch_tokens > 0 or self.layer_slices.in_progress
 
     def restore_progress(self, step: int, history: Sequence[dict[str, float]]) -> None:
         """Set the step count and loss history (used by checkpoint loading)."""
         if self.has_pending_gradients:
             raise RuntimeError("cannot restore progress while a batch is half accumulated")
-        self.step = step
-        self.history = [
-            StepRecord(
-                step=int(h["step"]),
-                loss=float(h["loss"]),
-                learning_rate=float(h["learning_rate"]),
-                grad_norm=float(h["grad_norm"]),
-                tokens=int(h["tokens"]),
-                accuracy=None if h.get("accuracy") is None else float(h["accuracy"]),
-            )
-            for h in history
-        ]
-
-    def _autocast(self) -> torch.autocast:
-        return torch.autocast(
-            self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"
-        )
-
-    def _loss_sum(self, batch: MicroBatch, correct_out: torch.Tensor | None = None) -> torch.Tensor:
-        """Summed token loss of ``batch`` (validation: no backward, nothing to recompute);
-        argmax hits are added to ``correct_out`` when given."""
-        b = batch
-        return self._loss_of(
-            b.input_ids, b.positions, b.loss_positions, b.loss_targets, False, correct_out
-        )
-
-    def _loss_of(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        loss_positions: torch.Tensor,
-        loss_targets: torch.Tensor,
-        recompute: bool,
-        correct_out: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Summed token loss (fp32 scalar); inputs ``[B, S]``, loss positions/targets ``[N]``;
-        argmax hits are added to ``correct_out`` when given."""
-        with self._autocast():
-            if self._fused is not None:
-                hidden = self._fused(input_ids, positions, recompute)
-            else:
-                hidden = training_hidden_states(self.model, input_ids, positions, recompute)
-            return chunked_lm_head_loss(
-                self.model,
-                hidden,
-                loss_positions,
-                loss_targets,
-                self.loss_chunk_tokens,
-                correct_out,
-            )
-
-    def _forward_backward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        loss_positions: torch.Tensor,
-        loss_targets: torch.Tensor,
-        denominator: int | torch.Tensor,
-        recompute: bool,
-    ) -> torch.Tensor:
-        """Summed loss; adds the gradients of ``loss_sum / denominator`` to ``.grad`` (graphs
-        pass the denominator as a device scalar: the same fp32 division)."""
-        loss_sum = self._loss_of(
-            input_ids, positions, loss_positions, loss_targets, recompute, self._batch_correct
-        )
-        (loss_sum / denominator).backward()
-        return loss_sum
-
-    def _chunked_loss(self, batch: MicroBatch, hidden: torch.Tensor) -> torch.Tensor:
-        return chunked_lm_head_loss(
-            self.model,
-            hidden,
-            batch.loss_positions,
-            batch.loss_targets,
-            self.loss_chunk_tokens,
-            self._batch_correct,
-        )
-
-    def _prepare(self, examples: Sequence[TokenizedExample]) -> MicroBatch:
-        batch = collate(examples, self.pad_token_id, self.pad_to_multiple)
-        return batch.to(self.device)
+        self.optimizer_tail.restore(step, history)
 
     def _rng_swap(self) -> contextlib.AbstractContextManager[None]:
         return swapped_rng(self.rng)
+
+    def _recompute(self, recompute: bool | None) -> bool:
+        return self.recompute if recompute is None else recompute
 
     def _begin_quantum(self) -> tuple[float, int]:
         """(start time, bytes allocated) of a quantum starting now; refuses to start while a
@@ -326,93 +264,95 @@ class LoraTrainer(GraphedQuantaMixin):
         layer-sliced one keeps the mode it started with).
         """
         if self._evaluation is not None:
-            return self._evaluation.quantum(max_tokens)
+            return self._evaluation_quantum(self._evaluation, max_tokens)
         start, allocated = self._begin_quantum()
         mode = self._recompute(recompute)
-        if max_layers is None and self._pending is None:
+        if max_layers is not None or self.layer_slices.in_progress:
+            graph: dict[str, Any] = {}
             if self.graphs is not None:
-                with self.graphs.on_stream():
-                    launched = self._graphed_micro_batch(
-                        max_examples, max_tokens, mode, start, allocated, False
-                    )
-                return launched.result()
-            plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
-            batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
-            launch = time.perf_counter()
-            with self._rng_swap():
-                loss_sum = self._forward_backward(
-                    batch.input_ids,
-                    batch.positions,
-                    batch.loss_positions,
-                    batch.loss_targets,
-                    plan.batch_loss_tokens,
-                    mode,
-                )
-            launch_s = time.perf_counter() - launch
-            tail = self._launch_tail(
-                plan, batch, loss_sum, start, 0, launch_s=launch_s, recompute=mode
+                graph = {"graph": "eager", "graph_fallback": "layer-sliced quanta run eagerly"}
+            return self.layer_slices.advance(
+                max_examples, max_tokens, max_layers, mode, start, self, graph
             )
-            return tail.result()
-        if self._pending is None:
-            plan = self.stream.plan(max_examples, max_tokens, self.pad_to_multiple)
-            batch = self._prepare([self.stream.examples[i] for i in plan.example_indices])
-            stack = self._fused if self._fused is not None else PeftTreeStack(self.model)
-            sliced = SlicedMicroBatch(
-                stack,
+        if self._graphed is not None:
+            launched = self._graphed.launch(
+                max_examples, max_tokens, mode, start, allocated, False, self
+            )
+            return launched.result()
+        plan = self.stream.plan(max_examples, max_tokens, self.token_loss.pad_to_multiple)
+        batch = self.token_loss.prepare([self.stream.examples[i] for i in plan.example_indices])
+        launch = time.perf_counter()
+        with self._rng_swap():
+            loss_sum = self.token_loss.forward_backward(
                 batch.input_ids,
                 batch.positions,
-                functools.partial(self._chunked_loss, batch),
+                batch.loss_positions,
+                batch.loss_targets,
                 plan.batch_loss_tokens,
                 mode,
             )
-            self._pending = (plan, batch, sliced)
-        plan, batch, sliced = self._pending
-        budget = max_layers if max_layers is not None else sliced.total_layer_passes
-        with self._rng_swap(), self._autocast():
-            passes = sliced.advance(budget)
-        if not sliced.done:
-            host_s = time.perf_counter() - start
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)
-            return no_training_result(
-                step=self.step,
-                position=self.stream.position,
-                finished=False,
-                wall_s=time.perf_counter() - start,
-                peak=self._peak(),
-                layer_passes=passes,
-                micro_batch_done=False,
-                host_s=host_s,
-                **self._sliced_graph_fields(),
-            )
-        self._pending = None
-        assert sliced.loss_sum is not None
-        tail = self._launch_tail(
-            plan,
-            batch,
-            sliced.loss_sum,
-            start,
-            passes,
-            recompute=sliced.checkpointing,
-            **self._sliced_graph_fields(),
+        launch_s = time.perf_counter() - launch
+        tail = self.optimizer_tail.launch(
+            plan, batch, loss_sum, start, self, launch_s=launch_s, recompute=mode
         )
         return tail.result()
 
-    def _sliced_graph_fields(self) -> dict[str, Any]:
-        if self.graphs is None:
-            return {}
-        return {"graph": "eager", "graph_fallback": "layer-sliced quanta run eagerly"}
+    def start_quantum(
+        self,
+        max_tokens: int | None = None,
+        max_examples: int | None = None,
+        recompute: bool | None = None,
+    ) -> PendingQuantum:
+        """A whole micro-batch like ``step_quantum``, launched without waiting for the GPU.
+
+        With CUDA graphs (and no layer-sliced micro-batch in progress) this only issues the
+        graph replay and the optimizer step on the current stream and returns; the caller polls
+        :meth:`PendingQuantum.done` and reads :meth:`PendingQuantum.result` (its ``gpu_ms`` is
+        the quantum's time on the stream). Anything else runs to its end here and comes back
+        done. No other quantum starts until that result has been read (RuntimeError)."""
+        graphed = self._graphed
+        if (
+            graphed is None
+            or self.layer_slices.in_progress
+            or self.device.type != "cuda"
+            or self.evaluating
+        ):
+            return PendingQuantum.finished(
+                self.step_quantum(max_tokens, max_examples, recompute=recompute)
+            )
+        start, allocated = self._begin_quantum()
+        mode = self._recompute(recompute)
+        launched = graphed.launch(max_examples, max_tokens, mode, start, allocated, True, self)
+        if not launched.done():
+            self._unread = launched
+        return launched
+
+    def replays_next(
+        self, max_tokens: int | None, streams: Iterable[int], recompute: bool | None = None
+    ) -> dict[int, bool] | None:
+        """Per CUDA stream handle in ``streams``: whether the next whole micro-batch of at most
+        ``max_tokens`` tokens, launched from this thread on that stream, would replay a
+        captured graph (True) or first warm up or be captured, a one-off stall of the launching
+        thread (False); None: the job does not run graphs. Nothing changes."""
+        graphed = self._graphed
+        if graphed is None or graphed.graphs.disabled is not None:
+            return None
+        if self.finished or self.evaluating:
+            return None
+        return graphed.would_replay(max_tokens, streams, self._recompute(recompute))
 
     def validation_evaluator(self) -> BatchEvaluator:
         """How this trainer evaluates a validation micro-batch: token loss and accuracy."""
-        return TokenLossEvaluator(self)
+        return TokenLossEvaluator(self.token_loss)
 
     def validation(
         self, examples: Sequence[TokenizedExample], max_tokens: int = 8192
     ) -> ValidationRun:
         """A validation pass the scheduler can run a micro-batch at a time (see
         :class:`ValidationRun`)."""
-        return ValidationRun(self, examples, max_tokens)
+        return ValidationRun(
+            self.validation_evaluator(), self.model, examples, max_tokens, self.device
+        )
 
     def evaluate(self, examples: Sequence[TokenizedExample], max_tokens: int = 8192) -> float:
         """Mean validation loss of ``examples`` (a validation file) with the current adapter, in
@@ -423,12 +363,25 @@ class LoraTrainer(GraphedQuantaMixin):
             pass
         return run.loss
 
-    def _checkpoint_due(self, *, final: bool) -> Path | None:
-        """A checkpoint is due after this optimizer step: with a validation file its passes
-        become the next quanta (:meth:`_evaluation_quantum` writes it); without, its metrics
-        are the step's own and it is written now (when there is a checkpoint root)."""
+    def _checkpoint_evaluation(self, *, final: bool) -> CheckpointEvaluation:
+        return CheckpointEvaluation(
+            self.validation_evaluator(),
+            self.model,
+            self.device,
+            self.valid_sample,
+            self.validation_examples,
+            step=self.step,
+            last=self.history[-1] if self.history else None,
+            final=final,
+        )
+
+    def checkpoint_due(self, *, final: bool) -> Path | None:
+        """An optimizer step made a checkpoint due (the tail calls this when the step's result
+        is read): with a validation file its passes become the next quanta
+        (:meth:`_evaluation_quantum` writes it); without, its metrics are the step's own and it
+        is written now (when there is a checkpoint root)."""
         if self.validation_examples:
-            self._evaluation = CheckpointEvaluation(self, final=final)
+            self._evaluation = self._checkpoint_evaluation(final=final)
             return None
         self.checkpoint_metrics(final=final)
         return self._write_checkpoint()
@@ -438,14 +391,37 @@ class LoraTrainer(GraphedQuantaMixin):
             return None
         return save_checkpoint(self, self.checkpoint_root, self.base_model_name_or_path)
 
-    def _evaluated(self, metrics: dict[str, Any]) -> Path | None:
-        """The due checkpoint's validation passes are done: keep their metrics, write it."""
-        self._evaluation = None
-        self.last_metrics = metrics
-        return self._write_checkpoint()
+    def _evaluation_quantum(
+        self, evaluation: CheckpointEvaluation, max_tokens: int | None
+    ) -> QuantumResult:
+        """One micro-batch of the due checkpoint's validation passes as a quantum (forward only,
+        at most ``max_tokens`` padded tokens); the last one keeps their metrics and writes the
+        checkpoint. No example is trained, so ``tokens`` is 0."""
+        start, _ = self._begin_quantum()
+        evaluation.step(max_tokens)
+        written = None
+        if evaluation.done:
+            self._evaluation = None
+            self.last_metrics = evaluation.metrics()
+            written = self._write_checkpoint()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        graph: dict[str, Any] = {}
+        if self.graphs is not None:
+            graph = {"graph": "eager", "graph_fallback": "validation passes run eagerly"}
+        return no_training_result(
+            step=self.step,
+            position=self.stream.position,
+            finished=self.finished,
+            wall_s=time.perf_counter() - start,
+            peak=peak_allocated(self.device),
+            checkpoint=written,
+            **graph,
+        )
 
     def checkpoint_metrics(self, *, final: bool) -> dict[str, Any]:
-        """OpenAI's checkpoint metrics at the current step, kept as :attr:`last_metrics`
-        (see :func:`~gpu_runtime.finetune.validation.checkpoint_metrics`)."""
-        self.last_metrics = checkpoint_metrics(self, final=final)
+        """OpenAI's checkpoint metrics at the current step, every validation pass run in this
+        call, kept as :attr:`last_metrics` (see
+        :meth:`~gpu_runtime.finetune.validation.CheckpointEvaluation.metrics`)."""
+        self.last_metrics = self._checkpoint_evaluation(final=final).evaluate_all()
         return self.last_metrics

@@ -6,8 +6,8 @@ choice of at most ``VALID_SAMPLE_TOKENS`` tokens, the same at every checkpoint s
 compare): ``valid_loss`` and ``valid_<accuracy>``. The final checkpoint also evaluates every
 validation example: ``full_valid_loss`` and ``full_valid_<accuracy>``. Both run in eval mode (no
 dropout) without gradients, and leave the trainer's state untouched. With a validation file the
-trainer runs them as quanta of their own (:class:`CheckpointEvaluation`, one micro-batch of at
-most the quantum's token budget each, on the quantum's thread and stream) after the optimizer
+trainer runs them as quanta of their own (:meth:`CheckpointEvaluation.step`, one micro-batch of
+at most the quantum's token budget each, on the quantum's thread and stream) after the optimizer
 step that made a checkpoint due, and writes that checkpoint with the last of them; training
 resumes after it (so the checkpoint holds exactly the state that was evaluated).
 ``train_loss`` and ``train_mean_token_accuracy`` are those of the last optimizer batch, measured
@@ -24,16 +24,13 @@ trainer's the mean DPO loss over pairs and the fraction of pairs ranked right
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 
-from gpu_runtime.finetune.quantum import QuantumResult, no_training_result
-
-if TYPE_CHECKING:
-    from gpu_runtime.finetune.trainer import LoraTrainer
+from gpu_runtime.finetune.quantum import StepRecord
+from gpu_runtime.finetune.supervised_loss import SupervisedLoss
 
 VALID_SAMPLE_TOKENS = 16384
 """Token budget of the validation sample evaluated at each checkpoint."""
@@ -78,32 +75,39 @@ class TokenLossEvaluator:
 
     accuracy_key = "mean_token_accuracy"
 
-    def __init__(self, trainer: LoraTrainer) -> None:
-        self.trainer = trainer
+    def __init__(self, loss: SupervisedLoss) -> None:
+        self.loss = loss
 
     def __call__(self, items: Sequence[Any]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        batch = self.trainer._prepare(items)
-        hits = torch.zeros((), dtype=torch.float32, device=self.trainer.device)
-        return self.trainer._loss_sum(batch, hits), hits, batch.num_loss_tokens
+        batch = self.loss.prepare(items)
+        hits = torch.zeros((), dtype=torch.float32, device=self.loss.device)
+        return self.loss.loss_sum(batch, hits), hits, batch.num_loss_tokens
 
 
 class ValidationRun:
-    """Mean loss and accuracy (the trainer's :class:`BatchEvaluator`) of a validation set, one
-    micro-batch of at most ``max_tokens`` padded tokens per :meth:`step` (eval mode: no dropout;
-    no gradients; trainer state untouched). Items go longest first, so each micro-batch holds
-    similar lengths."""
+    """Mean loss and accuracy (a trainer's :class:`BatchEvaluator`) of a validation set, one
+    micro-batch of at most ``max_tokens`` padded tokens per :meth:`step` (``model``, the
+    training tree, in eval mode: no dropout; no gradients; trainer state untouched). Items go
+    longest first, so each micro-batch holds similar lengths."""
 
-    def __init__(self, trainer: LoraTrainer, examples: Sequence[Measured], max_tokens: int) -> None:
+    def __init__(
+        self,
+        evaluator: BatchEvaluator,
+        model: torch.nn.Module,
+        examples: Sequence[Measured],
+        max_tokens: int,
+        device: torch.device,
+    ) -> None:
         if not examples:
             raise ValueError("a validation run needs at least one example")
-        self.trainer = trainer
-        self.evaluator = trainer.validation_evaluator()
+        self.evaluator = evaluator
+        self.model = model
         self.examples = list(examples)
         self.max_tokens = max_tokens
         self._order = sorted(range(len(examples)), key=lambda i: -examples[i].num_tokens)
         self._next = 0
-        self._total = torch.zeros((), dtype=torch.float32, device=trainer.device)
-        self._correct = torch.zeros((), dtype=torch.float32, device=trainer.device)
+        self._total = torch.zeros((), dtype=torch.float32, device=device)
+        self._correct = torch.zeros((), dtype=torch.float32, device=device)
         self._count = 0
 
     @property
@@ -119,7 +123,7 @@ class ValidationRun:
         longest = self.examples[self._order[self._next]].num_tokens
         rows = max(1, (max_tokens or self.max_tokens) // longest)
         chunk = [self.examples[i] for i in self._order[self._next : self._next + rows]]
-        model = self.trainer.model
+        model = self.model
         model.eval()
         try:
             loss_sum, hits, count = self.evaluator(chunk)
@@ -168,15 +172,32 @@ class CheckpointEvaluation:
     """The validation passes of one checkpoint (the sample, and at the final checkpoint the
     full set), one micro-batch per :meth:`step`; :meth:`metrics` once :attr:`done`."""
 
-    def __init__(self, trainer: LoraTrainer, *, final: bool) -> None:
-        self.trainer = trainer
+    def __init__(
+        self,
+        evaluator: BatchEvaluator,
+        model: torch.nn.Module,
+        device: torch.device,
+        sample: Sequence[Measured],
+        full: Sequence[Measured],
+        *,
+        step: int,
+        last: StepRecord | None,
+        final: bool,
+    ) -> None:
+        """``sample``: the validation sample (:func:`validation_sample`), ``full``: every
+        validation example; ``step`` and ``last``: the trainer's optimizer steps and its latest
+        step record (the ``train_*`` metrics)."""
+        self.evaluator = evaluator
         self.final = final
-        self.step_number = trainer.step
-        sample, full = trainer.valid_sample, trainer.validation_examples
-        self.sample = ValidationRun(trainer, sample, VALID_MICRO_BATCH_TOKENS) if sample else None
+        self.step_number = step
+        self.last = last
+        micro_batch = VALID_MICRO_BATCH_TOKENS
+        self.sample = None
+        if sample:
+            self.sample = ValidationRun(evaluator, model, sample, micro_batch, device)
         self.full = None
         if final and full and len(full) != len(sample):  # else the sample is the full set
-            self.full = ValidationRun(trainer, full, VALID_MICRO_BATCH_TOKENS)
+            self.full = ValidationRun(evaluator, model, full, micro_batch, device)
 
     @property
     def done(self) -> bool:
@@ -189,35 +210,13 @@ class CheckpointEvaluation:
                 run.step(max_tokens)
                 return
 
-    def quantum(self, max_tokens: int | None) -> QuantumResult:
-        """One micro-batch of these passes as a trainer quantum (forward only, at most
-        ``max_tokens`` padded tokens); the last one hands the metrics to the trainer, which
-        writes the checkpoint. No example is trained, so ``tokens`` is 0."""
-        trainer = self.trainer
-        start, _ = trainer._begin_quantum()
-        self.step(max_tokens)
-        written = trainer._evaluated(self.metrics()) if self.done else None
-        if trainer.device.type == "cuda":
-            torch.cuda.synchronize(trainer.device)
-        graph: dict[str, Any] = {}
-        if trainer.graphs is not None:
-            graph = {"graph": "eager", "graph_fallback": "validation passes run eagerly"}
-        return no_training_result(
-            step=trainer.step,
-            position=trainer.stream.position,
-            finished=trainer.finished,
-            wall_s=time.perf_counter() - start,
-            peak=trainer._peak(),
-            checkpoint=written,
-            **graph,
-        )
-
     def metrics(self) -> dict[str, Any]:
         """Every key of ``CHECKPOINT_METRIC_KEYS``, and ``valid_<accuracy>`` and
-        ``full_valid_<accuracy>`` of the trainer's evaluator (see :func:`checkpoint_metrics`)."""
+        ``full_valid_<accuracy>`` of the evaluator; a value that was not measured (no
+        validation file, ``full_*`` before the final checkpoint, no step yet) is None."""
         if not self.done:
             raise RuntimeError("checkpoint evaluation not complete")
-        last = self.trainer.history[-1] if self.trainer.history else None
+        last = self.last
         valid_loss = valid_accuracy = full_loss = full_accuracy = None
         if self.sample is not None:
             valid_loss, valid_accuracy = self.sample.loss, self.sample.accuracy
@@ -234,17 +233,12 @@ class CheckpointEvaluation:
             "full_valid_loss": full_loss,
             "full_valid_mean_token_accuracy": None,
         }
-        key = self.trainer.validation_evaluator().accuracy_key
+        key = self.evaluator.accuracy_key
         metrics[f"valid_{key}"], metrics[f"full_valid_{key}"] = valid_accuracy, full_accuracy
         return metrics
 
-
-def checkpoint_metrics(trainer: LoraTrainer, *, final: bool) -> dict[str, Any]:
-    """Every key of ``CHECKPOINT_METRIC_KEYS`` (and the trainer's own accuracy keys, see
-    :meth:`CheckpointEvaluation.metrics`) for the trainer's current step, evaluated in one call
-    (see the module docstring); a value that was not measured (no validation file,
-    ``full_*`` before the final checkpoint, no step yet) is None. Between batches only."""
-    evaluation = CheckpointEvaluation(trainer, final=final)
-    while not evaluation.done:
-        evaluation.step()
-    return evaluation.metrics()
+    def evaluate_all(self) -> dict[str, Any]:
+        """Every remaining pass in one call, then :meth:`metrics`."""
+        while not self.done:
+            self.step()
+        return self.metrics()

@@ -9,7 +9,7 @@ differs between the paths is only how each step is computed, so each path suppli
 
 * `ModuleOps` (`gpu_runtime.model.module_ops`): the layer's own modules and an injected
   attention (dense SDPA or paged); `CausalLM.forward`, and the peft-wrapped training tree.
-* the multi-LoRA serving ops (`finetune.lora_forward`): the same plus each adapted
+* the multi-LoRA serving ops (`lora.forward`): the same plus each adapted
   projection's per-token adapter term.
 * the fused training ops (`finetune.fused_forward`): fused q|k|v and gate|up GEMMs with one
   shared LoRA shrink and dropout mask per input.

@@ -66,7 +66,7 @@ def _engine(model_dir: Path, config: EngineConfig, args: argparse.Namespace) -> 
     """The engine, with a LoRA runtime holding the `--adapter`s when there are any."""
     if not args.adapter:
         return Engine.from_directory(model_dir, config, dtype=args.dtype)
-    from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+    from gpu_runtime.lora.runtime import MultiLoraRuntime
 
     model = load_model(model_dir, device=config.device, dtype=args.dtype)
     lora = MultiLoraRuntime(

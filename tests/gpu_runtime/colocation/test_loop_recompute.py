@@ -73,7 +73,7 @@ def test_record_quantum_files_bytes_per_token_under_the_mode_that_ran(model: Cau
 
     state.record_quantum(report(SEQ, SEQ * 800))
     assert state.measured_bytes_per_token == {False: 800.0}
-    state.trainer.recompute_micro_batches += 1  # the trainer's count: this one recomputed
+    state.trainer.optimizer_tail.recompute_micro_batches += 1  # this one recomputed
     state.record_quantum(report(SEQ, SEQ * 60))
     assert state.measured_bytes_per_token == {False: 800.0, True: 60.0}
     state.record_quantum(report(SEQ, None))  # no peak (CPU): nothing learnt

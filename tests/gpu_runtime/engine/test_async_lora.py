@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model.loader import load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_tokenizer
 from tests.gpu_runtime.engine.test_lora import (

@@ -12,11 +12,11 @@ import torch
 
 from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.engine.lora import LoraGroup, lora_expand_add_reference
-from gpu_runtime.finetune.adapter_store import HostAdapter
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.groups import LoraGroup, lora_expand_add_reference
+from gpu_runtime.lora.host_adapter import HostAdapter
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM
 from tests.gpu_runtime.small_model import small_config, small_cuda_model
 
@@ -223,7 +223,7 @@ def test_async_scheduling_with_adapters(tmp_path: Path) -> None:
 def test_expand_kernel_matches_torch_form(
     tokens: int, bounds: tuple[int, ...], rank: int, slots: int
 ) -> None:
-    from gpu_runtime.engine.lora_kernels import lora_expand_add_
+    from gpu_runtime.lora.expand_kernel import lora_expand_add_
 
     torch.manual_seed(0)
     dev, dt = torch.device("cuda"), torch.bfloat16

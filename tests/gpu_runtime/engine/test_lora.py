@@ -10,11 +10,11 @@ import torch
 
 from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams, UnknownAdapterError
-from gpu_runtime.engine.lora import LoraRuntime
-from gpu_runtime.finetune.adapter_store import HostAdapter
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.host_adapter import HostAdapter
+from gpu_runtime.lora.protocol import LoraRuntime
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
 

@@ -12,11 +12,12 @@ import torch
 
 from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.engine.lora import GROUP_MODULES, apply_lora_group_, lora_linear
-from gpu_runtime.finetune.adapter_store import HostAdapter
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.groups import GROUP_MODULES, lora_expand_add_reference
+from gpu_runtime.lora.host_adapter import HostAdapter
+from gpu_runtime.lora.linear import lora_linear
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.tiny import tiny_config
 
@@ -102,7 +103,8 @@ def test_group_expand_equals_merged_weights_and_keeps_base_rows(
                 weight = torch.cat([_weight(base, layer, m) for m in modules])
                 out = x @ weight.T
                 before = out.clone()
-                apply_lora_group_(out, x, group, slots)
+                shrink = torch.nn.functional.linear(x, group.a)
+                lora_expand_add_reference(out, shrink, group, slots)
                 for row, row_name in enumerate(row_names):
                     if row_name is None:
                         assert torch.equal(out[row], before[row])  # bit-identical base rows

@@ -53,7 +53,7 @@ class CpuReplayGraphs(MicroBatchGraphs):
 
     def __init__(self, trainer: LoraTrainer, pool_bytes: Callable[[GraphKey], int]) -> None:
         super().__init__(
-            trainer._forward_backward,
+            trainer.token_loss.forward_backward,
             trainer.params,
             trainer.rng,
             trainer.device,

@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 
 from gpu_runtime.contract.chat import ChatMessage, render_chat_with_loss_spans
+from gpu_runtime.contract.training_data import jsonl_lines
 from gpu_runtime.finetune.data import (
     IGNORE_INDEX,
     ExamplesTooLongError,
     TrainingDataError,
-    load_jsonl,
     tokenize_lines,
 )
 
@@ -130,7 +130,7 @@ def test_malformed_lines_name_file_and_line(
     path = tmp_path / "train.jsonl"
     path.write_text(f"{good}\n\n{line}\n")
     with pytest.raises(TrainingDataError, match=message) as info:
-        load_jsonl(path, tokenizer, 512)
+        tokenize_lines(jsonl_lines(path.read_bytes()), tokenizer, 512, str(path))
     assert f"{path}, line 3:" in str(info.value)
 
 
@@ -144,7 +144,7 @@ def test_empty_file_rejected(tokenizer: Any, tmp_path: Path) -> None:
     path = tmp_path / "empty.jsonl"
     path.write_text("\n\n")
     with pytest.raises(TrainingDataError, match="no usable examples"):
-        load_jsonl(path, tokenizer, 512)
+        tokenize_lines(jsonl_lines(path.read_bytes()), tokenizer, 512, str(path))
 
 
 def test_template_errors_name_the_line(tokenizer: Any) -> None:

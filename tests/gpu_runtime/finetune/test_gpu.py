@@ -11,8 +11,8 @@ from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
 from gpu_runtime.finetune.trainer import LoraTrainer
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM
 from tests.gpu_runtime.finetune.conftest import cuda_serving_model
 

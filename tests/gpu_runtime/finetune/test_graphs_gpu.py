@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
-from gpu_runtime.finetune.checkpoint import latest_checkpoint, load_checkpoint
+from gpu_runtime.finetune.checkpoint import load_checkpoint
 from gpu_runtime.finetune.data import IGNORE_INDEX, TokenizedExample
 from gpu_runtime.finetune.trainer import LoraTrainer
 from gpu_runtime.model import CausalLM
@@ -151,9 +151,9 @@ def test_graphed_training_resumes_exactly(tmp_path: Path) -> None:
     while not full.finished:
         full.step_quantum(max_examples=2)
     part = LoraTrainer(serving, examples, hparams, checkpoint_root=tmp_path / "b")
+    path = None
     while part.step < 3:
-        part.step_quantum(max_examples=2)
-    path = latest_checkpoint(tmp_path / "b")
+        path = part.step_quantum(max_examples=2).checkpoint or path
     assert path is not None and path.name == "step-000003"
     resumed = LoraTrainer(serving, examples, hparams)
     load_checkpoint(resumed, path)

@@ -10,22 +10,35 @@ import pytest
 import torch
 
 from gpu_runtime.contract.hparams import LoraSpec
-from gpu_runtime.finetune.adapter_store import (
+from gpu_runtime.finetune.checkpoint import save_adapter
+from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
+from gpu_runtime.lora.adapter_store import (
     AdapterManager,
-    HostAdapter,
     NoFreeAdapterSlotError,
     UnknownAdapterError,
 )
-from gpu_runtime.finetune.checkpoint import save_adapter
-from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
-from gpu_runtime.finetune.multi_lora import (
-    StackedLoraWeights,
-    gathered_lora_delta,
-)
+from gpu_runtime.lora.host_adapter import HostAdapter
+from gpu_runtime.lora.runtime import MultiLoraRuntime
+from gpu_runtime.lora.stacked import StackedLoraWeights
 from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.attention import DenseCausalAttention
 from gpu_runtime.model.tiny import tiny_config
+
+
+def gathered_lora_delta(
+    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, max_rank: int
+) -> torch.Tensor:
+    """Per-token gather + bmm form of `StackedLoraWeights.delta` (reference math).
+
+    x `[T, in]`, a `[S*R, in]`, b `[S*R, out]`, token_slots `[T]` (`-1` = base).
+    """
+    num_slots = a.shape[0] // max_rank
+    a_slots = a.view(num_slots, max_rank, -1)
+    b_slots = b.view(num_slots, max_rank, -1)
+    index = token_slots.clamp(min=0)
+    shrink = torch.bmm(a_slots[index], x.to(a.dtype)[:, :, None])  # [T, R, 1]
+    out = torch.bmm(b_slots[index].transpose(1, 2), shrink)[:, :, 0]  # [T, out]
+    return out * (token_slots >= 0)[:, None].to(out.dtype)
 
 
 def _write_adapter(serving: CausalLM, spec: LoraSpec, directory: Path, seed: int) -> None:

@@ -12,10 +12,10 @@ import torch
 
 from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.finetune.adapter_store import HostAdapter
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.host_adapter import HostAdapter
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM
 from gpu_runtime.model.loader import load_model, load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_model_dir

@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import build_training_model
-from gpu_runtime.finetune.lora_serving import MultiLoraRuntime
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model.loader import load_model
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server.__main__ import build, parse_args

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from gpu_runtime.finetune.multi_lora import StackedLoraWeights
+from gpu_runtime.lora.stacked import StackedLoraWeights
 from gpu_runtime.model import CausalLM
 from gpu_runtime.model.attention import AttentionFn, DenseCausalAttention
 from gpu_runtime.model.module_ops import GateUpProjections, ModuleOps, QKVProjections

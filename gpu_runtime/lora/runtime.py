@@ -25,10 +25,10 @@ from pathlib import Path
 import torch
 
 from gpu_runtime.contract.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
-from gpu_runtime.engine.lora import LoraGroup
-from gpu_runtime.finetune.adapter_store import AdapterManager, UnknownAdapterError
-from gpu_runtime.finetune.lora_forward import MultiLoraForward
-from gpu_runtime.finetune.multi_lora import StackedLoraWeights
+from gpu_runtime.lora.adapter_store import AdapterManager, UnknownAdapterError
+from gpu_runtime.lora.forward import MultiLoraForward
+from gpu_runtime.lora.groups import LoraGroup
+from gpu_runtime.lora.stacked import StackedLoraWeights
 from gpu_runtime.model import CausalLM
 
 

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from gpu_runtime.engine.lora import LoraGroup, lora_expand_add_reference
+from gpu_runtime.lora.groups import LoraGroup, lora_expand_add_reference
 
 
 @triton.jit

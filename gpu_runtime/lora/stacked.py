@@ -8,7 +8,7 @@ the slots are stacked into
 * ``b[(layer, module)]``: ``[S * R, out]`` — row block ``s`` is ``scaling * B.T`` (``[r, out]``).
 
 Both are views into one pair of tensors per projection group (``groups[layer]["qkv"]``, ``"o"``,
-``"gate_up"``, ``"down"``; layout in :class:`gpu_runtime.engine.lora.LoraGroup`) matching the
+``"gate_up"``, ``"down"``; layout in :class:`gpu_runtime.lora.groups.LoraGroup`) matching the
 serving model's fused ``q|k|v`` and ``gate|up`` GEMMs: the engine's CUDA decode step adds a
 group's term with one shrink GEMM and one expand kernel inside its captured graph.
 
@@ -22,8 +22,7 @@ of slot ``s`` keep only their own ``R`` columns, base tokens get exactly ``0``. 
 step are the stacked adapters (``S * R * (in + out)`` per projection): for Llama-3-8B with 8 slots
 of rank 16, 0.22 GB (1.5 % of the weights read per step) on q/k/v/o and 0.67 GB (4.5 %) on all
 projections — the floor of its cost on a memory-bound decode step.
-:func:`gathered_lora_delta` is the per-token gather + ``bmm`` form of the same math, kept as a
-cross-check. :class:`gpu_runtime.finetune.lora_forward.MultiLoraForward` applies the term inside
+:class:`gpu_runtime.lora.forward.MultiLoraForward` applies the term inside
 the serving model's forward pass.
 """
 
@@ -33,8 +32,8 @@ import torch
 
 from gpu_runtime.contract.footprint import projection_shapes
 from gpu_runtime.contract.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
-from gpu_runtime.engine.lora import GROUP_MODULES, LoraGroup
-from gpu_runtime.finetune.adapter_store import HostAdapter
+from gpu_runtime.lora.groups import GROUP_MODULES, LoraGroup
+from gpu_runtime.lora.host_adapter import HostAdapter
 from gpu_runtime.model import CausalLM, ModelConfig
 
 ProjectionKey = tuple[int, str]
@@ -173,19 +172,3 @@ class StackedLoraWeights:
         shrink = (flat.to(self.dtype) @ self.a[key].T) * mask  # [T, S*R]
         out = shrink @ self.b[key]  # [T, out]
         return out.reshape(*x.shape[:-1], out.shape[-1]).to(x.dtype)
-
-
-def gathered_lora_delta(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, token_slots: torch.Tensor, max_rank: int
-) -> torch.Tensor:
-    """Per-token gather + bmm form of :meth:`StackedLoraWeights.delta` (reference math).
-
-    x ``[T, in]``, a ``[S*R, in]``, b ``[S*R, out]``, token_slots ``[T]`` (``-1`` = base).
-    """
-    num_slots = a.shape[0] // max_rank
-    a_slots = a.view(num_slots, max_rank, -1)
-    b_slots = b.view(num_slots, max_rank, -1)
-    index = token_slots.clamp(min=0)
-    shrink = torch.bmm(a_slots[index], x.to(a.dtype)[:, :, None])  # [T, R, 1]
-    out = torch.bmm(b_slots[index].transpose(1, 2), shrink)[:, :, 0]  # [T, out]
-    return out * (token_slots >= 0)[:, None].to(out.dtype)
