@@ -140,6 +140,9 @@ class ChoiceEnumerator:
         sizes: list[int],
         bound: float,
     ) -> list[Choice]:
+        """Whole quanta of ``sizes`` examples beside decode on ``d`` of ``total`` SMs (the
+        whole device: shared), smallest first, up to the first size unsafe beside decode; a
+        quantum longer than ``max_quantum_ms`` is skipped unless it is the smallest."""
         share = 1.0 if not total or d is None else d / total
         ft_share = 1.0 if share >= 1.0 else 1.0 - share
         typical_alone = self.predictions.typical_alone(ctx)
@@ -248,6 +251,8 @@ class ChoiceEnumerator:
         bound: float,
         solo_full: float,
     ) -> list[Choice]:
+        """Whole quanta alone on the device after the decode step (``solo_full`` ms, decode
+        alone on it): the two within ``bound``, the quantum one gap of every running request."""
         out: list[Choice] = []
         for k in sizes:
             quantum_ms = self.durations.duration_ms(
