@@ -1,19 +1,21 @@
 """The choices Harli weighs before a decode iteration, and the checks each must pass.
 
-:class:`HarliChoices` is the half of `HarliPolicy` that enumerates options (their predictions
-come from `TypicalPredictions`, ``typical.py``):
-whole quanta beside decode on a split (``_spatial``), whole quanta after decode (``_slices``),
-and layer-sliced quanta either way (``_layer_sliced``), each with its predicted TPOT and its
-expected finetune tokens/s. The policy (``harli.py``) picks among them, tracks the margin and
-learns from what happened.
+:class:`ChoiceEnumerator` lists the options of one plan, each with its predicted TPOT and its
+expected finetune tokens/s: whole quanta beside decode on a split or shared (``spatial``),
+whole quanta after decode (``after_decode``), layer-sliced quanta either way
+(``layer_sliced``) and quanta alone while decode is idle (``idle``). It reads the estimators
+`HarliPolicy` (``harli.py``) feeds (quantum durations, slice costs, launch overhead) and asks
+`TypicalPredictions` (``typical.py``) for the latency model's answers; it learns nothing
+itself. The policy picks among its choices, tracks the margin and learns from what happened.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from gpu_runtime.colocation.estimates import LaunchOverhead, QuantumDurations
+from gpu_runtime.colocation.harli_config import HarliConfig
+from gpu_runtime.colocation.latency_model import DecodeLatencyModel
 from gpu_runtime.colocation.slicing import SliceCosts, SliceState
 from gpu_runtime.colocation.types import (
     IterationContext,
@@ -21,9 +23,6 @@ from gpu_runtime.colocation.types import (
     LaunchMode,
 )
 from gpu_runtime.colocation.typical import Typical, TypicalPredictions, fits_bound
-
-if TYPE_CHECKING:
-    from gpu_runtime.colocation.harli_config import HarliConfig
 
 
 @dataclass(frozen=True)
@@ -39,16 +38,30 @@ class Choice:
     """Uncorrected slice estimate (what `SliceCosts` learns its correction against)."""
 
 
-class HarliChoices(TypicalPredictions):
-    """Enumerates and predicts Harli's choices (see the module docstring)."""
+class ChoiceEnumerator:
+    """Enumerates and predicts Harli's choices (see the module docstring).
 
-    config: HarliConfig
-    durations: QuantumDurations
-    launch_overhead: LaunchOverhead
-    slice_costs: SliceCosts
-    _slice_states: dict[str, SliceState]
-    risk_rejections: int = 0
-    """Choices turned down because a running request would miss the SLO with them."""
+    ``latency`` is the model ``predictions`` asks (read here only for whether its predictions
+    depend on the quantum's size); ``durations``, ``slice_costs`` and ``launch_overhead`` are
+    the policy's estimators, read at every call and learnt by the policy alone."""
+
+    def __init__(
+        self,
+        config: HarliConfig,
+        latency: DecodeLatencyModel,
+        predictions: TypicalPredictions,
+        durations: QuantumDurations,
+        slice_costs: SliceCosts,
+        launch_overhead: LaunchOverhead,
+    ) -> None:
+        self.config = config
+        self.latency = latency
+        self.predictions = predictions
+        self.durations = durations
+        self.slice_costs = slice_costs
+        self.launch_overhead = launch_overhead
+        self.risk_rejections = 0
+        """Choices turned down because a running request would miss the SLO with them."""
 
     def _beside_predicted(
         self,
@@ -73,22 +86,22 @@ class HarliChoices(TypicalPredictions):
         (:meth:`_running_keep_slo`). The launch's cost is one longer gap, which a request's
         mean spreads over its tokens: gating every launch on it would stop all finetuning
         once one slow launch was seen under a tight SLO (the H200 run at 10 ms did)."""
-        memo = self._plan_memo(ctx)
+        memo = self.predictions.plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         key = (share, 0 if size_free else tokens)
         if key not in memo:
-            self._prefetch(ctx, job, [share], [tokens], bound)
+            self.predictions.prefetch(ctx, job, [share], [tokens], bound)
         predicted, _, remembered = memo[key]
         if not fits_bound(memo[key], bound, ctx.tpot_slo_ms):
             return None
-        launch = self._launch_ms(job, examples, decode_sms)  # one gap, not a rate
+        launch = self.launch_ms(job, examples, decode_sms)  # one gap, not a rate
         # Running requests are projected with the remembered mix: a burst's chunk steps may
         # come back while the quantum holds its split, and they have no later lull to wait for.
         if not self._running_keep_slo(ctx, bound, remembered, typical_alone[1], once=launch):
             return None
         return predicted + launch
 
-    def _launch_ms(self, job: JobView, examples: int, decode_sms: int | None) -> float:
+    def launch_ms(self, job: JobView, examples: int, decode_sms: int | None) -> float:
         """What launching ``examples`` beside decode on ``decode_sms`` adds to the coming
         iteration: the learnt launch overhead, plus ``cold_launch_ms`` when the micro-batch has
         no graph on that split's stream yet."""
@@ -118,7 +131,7 @@ class HarliChoices(TypicalPredictions):
                 return False
         return True
 
-    def _spatial(
+    def spatial(
         self,
         ctx: IterationContext,
         job: JobView,
@@ -127,9 +140,12 @@ class HarliChoices(TypicalPredictions):
         sizes: list[int],
         bound: float,
     ) -> list[Choice]:
+        """Whole quanta of ``sizes`` examples beside decode on ``d`` of ``total`` SMs (the
+        whole device: shared), smallest first, up to the first size unsafe beside decode; a
+        quantum longer than ``max_quantum_ms`` is skipped unless it is the smallest."""
         share = 1.0 if not total or d is None else d / total
         ft_share = 1.0 if share >= 1.0 else 1.0 - share
-        typical_alone = self._typical_alone(ctx)
+        typical_alone = self.predictions.typical_alone(ctx)
         out: list[Choice] = []
         for k in sizes:
             tokens = k * job.max_seq_len
@@ -147,16 +163,7 @@ class HarliChoices(TypicalPredictions):
             out.append(Choice(d, LaunchMode.CONCURRENT, k, predicted, value, quantum_ms))
         return out
 
-    def _slice_state(self, job: JobView) -> SliceState | None:
-        """The job's sliced micro-batch tracker (None: its layers unknown or slicing off)."""
-        if not job.layers or not self.config.layer_slices:
-            return None
-        state = self._slice_states.get(job.job_id)
-        if state is None or state.layers != job.layers:
-            state = self._slice_states[job.job_id] = SliceState(job.layers)
-        return state
-
-    def _layer_sliced(
+    def layer_sliced(
         self,
         ctx: IterationContext,
         job: JobView,
@@ -183,7 +190,7 @@ class HarliChoices(TypicalPredictions):
             splits += list(ctx.decode_sms_options[:-1])
         if state.active and self.config.allow_shared and not idle:
             splits.append(full)
-        typical_alone = self._typical_alone(ctx) if splits else (0.0, 0.0)
+        typical_alone = self.predictions.typical_alone(ctx) if splits else (0.0, 0.0)
         out: list[Choice] = []
         for e in examples:
             tokens = e * job.max_seq_len
@@ -235,7 +242,7 @@ class HarliChoices(TypicalPredictions):
                     )
         return out
 
-    def _slices(
+    def after_decode(
         self,
         ctx: IterationContext,
         job: JobView,
@@ -244,6 +251,8 @@ class HarliChoices(TypicalPredictions):
         bound: float,
         solo_full: float,
     ) -> list[Choice]:
+        """Whole quanta alone on the device after the decode step (``solo_full`` ms, decode
+        alone on it): the two within ``bound``, the quantum one gap of every running request."""
         out: list[Choice] = []
         for k in sizes:
             quantum_ms = self.durations.duration_ms(
@@ -257,7 +266,7 @@ class HarliChoices(TypicalPredictions):
                 out.append(Choice(full, LaunchMode.AFTER_DECODE, k, predicted, value, quantum_ms))
         return out
 
-    def _idle_slices(self, job: JobView, full: int | None, sizes: list[int]) -> list[Choice]:
+    def idle(self, job: JobView, full: int | None, sizes: list[int]) -> list[Choice]:
         """Quanta alone on the whole device while decode is idle, of at most ``idle_slice_ms``
         expected duration (a request arriving meanwhile waits that long for its first token;
         its TPOT is untouched); valued at their own rate, as nothing decodes."""

@@ -60,7 +60,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from gpu_runtime.colocation.baselines import memory_cap_tokens
-from gpu_runtime.colocation.choices import Choice, HarliChoices
+from gpu_runtime.colocation.choices import Choice, ChoiceEnumerator
 from gpu_runtime.colocation.estimates import (
     LaunchOverhead,
     MarginTracker,
@@ -81,7 +81,7 @@ from gpu_runtime.colocation.types import (
     JobView,
     LaunchMode,
 )
-from gpu_runtime.colocation.typical import moves_to_whole
+from gpu_runtime.colocation.typical import TypicalPredictions, moves_to_whole
 
 
 @dataclass(frozen=True)
@@ -98,7 +98,7 @@ _NO_PLAN = _PlanMemo(None, False, False)
 """A record that carries no plan of this policy: nothing launched, no backoff, no breach."""
 
 
-class HarliPolicy(HarliChoices, CoLocationPolicy):
+class HarliPolicy(CoLocationPolicy):
     """QoS-guaranteed, throughput-maximising co-location (see the module docstring)."""
 
     name = "harli"
@@ -131,6 +131,15 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             self.config.prefill_smoothing,
             self.config.error_smoothing,
             self.config.prefill_memory_smoothing,
+        )
+        self.predictions = TypicalPredictions(latency, self._prefill)
+        self.choices = ChoiceEnumerator(
+            self.config,
+            latency,
+            self.predictions,
+            self.durations,
+            self.slice_costs,
+            self.launch_overhead,
         )
         self._failed_plans = 0
         """Plans in a row that found nothing safe."""
@@ -197,34 +206,35 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         )
         if not sizes:
             return pause("memory budget below one example")
-        choices: list[Choice] = []
-        rejected_before = self.risk_rejections
+        offered: list[Choice] = []
+        rejected_before = self.choices.risk_rejections
         sliced = self._slice_state(job)
         # Decode alone on the whole device is the kindest its typical iteration can be: when
         # even that is over the bound, no quantum beside it can be safe, and the whole batch
         # of predictions (every split x size) is host time every decode token waits for.
         hopeless = False
         if not idle:
-            alone = self._typical_alone(ctx)
+            alone = self.predictions.typical_alone(ctx)
             hopeless, self._alone_ms = alone[0] > bound, alone[1]
         if sliced is None or not sliced.active:  # a micro-batch in progress goes on in slices
             shares = [d / total for d in options[:-1]] if total and ctx.spatial else []
             if self.config.allow_shared:
                 shares.append(1.0)
             if not hopeless:
-                self._prefetch_open(ctx, job, shares, [k * job.max_seq_len for k in sizes], bound)
+                token_counts = [k * job.max_seq_len for k in sizes]
+                self.predictions.prefetch_open(ctx, job, shares, token_counts, bound)
             if total and ctx.spatial and not hopeless:
                 for d in options[:-1]:
-                    choices += self._spatial(ctx, job, d, total, sizes, bound)
+                    offered += self.choices.spatial(ctx, job, d, total, sizes, bound)
             if self.config.allow_shared and not hopeless:
-                choices += self._spatial(ctx, job, full, total, sizes, bound)
+                offered += self.choices.spatial(ctx, job, full, total, sizes, bound)
             if self.config.allow_slice and not idle:
-                choices += self._slices(ctx, job, full, sizes, bound, solo_full)
+                offered += self.choices.after_decode(ctx, job, full, sizes, bound, solo_full)
         if sliced is not None:
-            choices += self._layer_sliced(ctx, job, sliced, full, sizes, bound, solo_full)
+            offered += self.choices.layer_sliced(ctx, job, sliced, full, sizes, bound, solo_full)
         if idle and not queued and (sliced is None or not sliced.active):
-            choices += self._idle_slices(job, full, sizes)
-        if not choices:
+            offered += self.choices.idle(job, full, sizes)
+        if not offered:
             if idle:
                 return IterationPlan(full, (), None, None, margin, note="idle, no safe split")
             self.pauses += 1
@@ -232,10 +242,10 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             if self.config.replan_backoff:
                 wait = min(self._failed_plans, self.config.replan_backoff)
                 self._backoff = (wait, ctx.decode.batch_size, ctx.tpot_slo_ms)
-            at_risk = self.risk_rejections > rejected_before
+            at_risk = self.choices.risk_rejections > rejected_before
             return pause("request at risk" if at_risk else "no safe choice")
         self._failed_plans = 0
-        best = max(choices, key=lambda c: (c.value, -c.predicted_ms))
+        best = max(offered, key=lambda c: (c.value, -c.predicted_ms))
         assert best.mode is not None
         tokens = best.examples * job.max_seq_len
         launch = FinetuneLaunch(job.job_id, tokens, best.mode, best.quantum_ms, best.max_layers)
@@ -253,7 +263,8 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
         whole_beside = best.mode is LaunchMode.CONCURRENT and best.max_layers is None
         if whole_beside and not idle:
             cold = (best.examples, best.decode_sms) in job.cold_launches
-            self._launch_planned = (self._launch_ms(job, best.examples, best.decode_sms), cold)
+            launch_ms = self.choices.launch_ms(job, best.examples, best.decode_sms)
+            self._launch_planned = (launch_ms, cold)
         return IterationPlan(
             best.decode_sms,
             (launch,),
@@ -264,6 +275,15 @@ class HarliPolicy(HarliChoices, CoLocationPolicy):
             + f"{best.mode.value} k={best.examples}"
             + ("" if best.max_layers is None else f" layers={best.max_layers}"),
         )
+
+    def _slice_state(self, job: JobView) -> SliceState | None:
+        """The job's sliced micro-batch tracker (None: its layers unknown or slicing off)."""
+        if not job.layers or not self.config.layer_slices:
+            return None
+        state = self._slice_states.get(job.job_id)
+        if state is None or state.layers != job.layers:
+            state = self._slice_states[job.job_id] = SliceState(job.layers)
+        return state
 
     def _in_flight_plan(
         self, ctx: IterationContext, full: int | None, margin: float, bound: float

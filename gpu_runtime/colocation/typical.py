@@ -1,16 +1,15 @@
 """Batched predictions of the iterations a quantum launched now would run beside.
 
-:class:`TypicalPredictions` is the part of `HarliPolicy` that asks the latency model: for a
-decode share and a quantum size, the coming iteration and the *typical* one while the quantum
-holds its split (a mix of pure decode steps and steps carrying a prefill chunk, weighted by how
-often each kind has come: ``PrefillMix``), under the recent and the remembered mix, all of one
-plan in one batched call and memoised for that plan. ``choices.py`` enumerates the choices on
-top of it.
+:class:`TypicalPredictions` asks the latency model what `HarliPolicy` needs to weigh a
+choice: for a decode share and a quantum size, the coming iteration and the *typical* one while
+the quantum holds its split (a mix of pure decode steps and steps carrying a prefill chunk,
+weighted by how often each kind has come: the policy's ``PrefillMix``, which it reads and never
+updates), under the recent and the remembered mix, all of one plan in one batched call and
+memoised for that plan. The policy and its `ChoiceEnumerator` (``choices.py``) hold the same
+instance, so a plan's predictions are made once whichever of them asks first.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 from gpu_runtime.colocation.estimates import PrefillMix
 from gpu_runtime.colocation.latency_model import (
@@ -21,9 +20,6 @@ from gpu_runtime.colocation.latency_model import (
 )
 from gpu_runtime.colocation.types import DecodeSnapshot, IterationContext, JobView
 from gpu_runtime.predictor.schema import FinetuneQuantum
-
-if TYPE_CHECKING:
-    from gpu_runtime.colocation.harli_config import HarliConfig
 
 Mix = tuple[tuple[float, float, DecodeSnapshot], ...]
 """(recent weight, remembered weight, snapshot) of the kinds of iteration expected while a
@@ -52,14 +48,15 @@ def fits_bound(prediction: tuple[float, float, float], bound: float, slo_ms: flo
 class TypicalPredictions:
     """The latency model's answers for one plan (see the module docstring)."""
 
-    latency: DecodeLatencyModel
-    config: HarliConfig
-    _prefill: PrefillMix
-    _typical_cache: tuple[IterationContext, tuple[float, float, float], Mix] | None = None
-    _memo_ctx: IterationContext | None = None
-    _memo_prefill: tuple[float, float, float] = (0.0, 0.0, 0.0)
-    _memo: dict[tuple[float, int], tuple[float, float, float]]
-    _memo_alone: Typical | None = None
+    def __init__(self, latency: DecodeLatencyModel, prefill: PrefillMix) -> None:
+        self.latency = latency
+        self._prefill = prefill
+        self._typical_cache: tuple[IterationContext, tuple[float, float, float], Mix] | None = None
+        self._memo_ctx: IterationContext | None = None
+        self._memo_prefill: tuple[float, float, float] = (0.0, 0.0, 0.0)
+        self._memo: dict[tuple[float, int], tuple[float, float, float]] = {}
+        """(now, typical under the recent mix, under the remembered one) by (share, tokens)."""
+        self._memo_alone: Typical | None = None
 
     def _typical_mix(self, ctx: IterationContext) -> Mix:
         """`PrefillMix.kinds` of ``ctx.decode``, computed once per context."""
@@ -80,7 +77,7 @@ class TypicalPredictions:
         """Expected latency of the iterations after ``decode`` (the waiting requests joined;
         with and without a prefill chunk, weighted by how often each kind has come). With
         ``bound`` and a quantum on a split, a chunk step over the bound there is priced on the
-        whole device when faster, as the in-flight plan runs it (see ``_prefetch``)."""
+        whole device when faster, as the in-flight plan runs it (see ``prefetch``)."""
         mix = self._prefill.mix(decode)
         pairs: list[Pair] = [(decode_iteration(snap, share), quantum) for _, snap in mix]
         movable = bound is not None and share < 1.0 and quantum is not None
@@ -96,7 +93,7 @@ class TypicalPredictions:
                     held[i] = whole
         return sum(w * v for (w, _), v in zip(mix, held, strict=True))
 
-    def _prefetch(
+    def prefetch(
         self,
         ctx: IterationContext,
         job: JobView | None,
@@ -114,7 +111,7 @@ class TypicalPredictions:
         beside the quantum's SMs, when it is predicted over the bound on the split and faster
         there: priced on the split, chunk steps would rule out splits they never run on
         (docs/decisions/0014-harli-plan-rules.md)."""
-        memo = self._plan_memo(ctx)
+        memo = self.plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         mix = self._typical_mix(ctx)
         recent = [w for w, _, _ in mix]
@@ -161,7 +158,7 @@ class TypicalPredictions:
         if alone:
             self._memo_alone = typical(values[len(pairs) - len(mix) :])
 
-    def _prefetch_open(
+    def prefetch_open(
         self,
         ctx: IterationContext,
         job: JobView,
@@ -172,10 +169,10 @@ class TypicalPredictions:
         """Predictions for the choices in two batched calls: the smallest quantum on every
         share, then the bigger ones only on the shares where the smallest fits (a bigger
         quantum is assumed no kinder to decode, so the others are never looked at)."""
-        self._prefetch(ctx, job, shares, token_counts[:1], bound)
+        self.prefetch(ctx, job, shares, token_counts[:1], bound)
         if len(token_counts) < 2 or getattr(self.latency, "quantum_size_independent", False):
             return
-        memo = self._plan_memo(ctx)
+        memo = self.plan_memo(ctx)
         fits = [
             share
             for share in shares
@@ -183,15 +180,15 @@ class TypicalPredictions:
             and fits_bound(m, bound, ctx.tpot_slo_ms)
         ]
         if fits:
-            self._prefetch(ctx, job, fits, token_counts[1:], bound)
+            self.prefetch(ctx, job, fits, token_counts[1:], bound)
 
-    def _typical_alone(self, ctx: IterationContext) -> Typical:
+    def typical_alone(self, ctx: IterationContext) -> Typical:
         """The typical iteration of decode alone on the whole device (recent, remembered)."""
-        self._prefetch(ctx, None, [], [])
+        self.prefetch(ctx, None, [], [])
         assert self._memo_alone is not None
         return self._memo_alone
 
-    def _plan_memo(
+    def plan_memo(
         self, ctx: IterationContext
     ) -> dict[tuple[float, int], tuple[float, float, float]]:
         """(now, typical under the recent mix, typical under the remembered one) predictions

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from gpu_runtime.colocation import AnalyticLatencyModel, DecodeSnapshot
-from gpu_runtime.colocation.harli import HarliPolicy
 from gpu_runtime.colocation.latency_model import decode_iteration
+from gpu_runtime.colocation.typical import TypicalPredictions
 
 MODEL = AnalyticLatencyModel()
 
@@ -95,9 +95,8 @@ def test_typical_iteration_mixes_chunk_steps_and_pure_decode_steps() -> None:
     prompts = DecodeSnapshot.from_contexts([], prefill_tokens=300)
     assert [(w, s.prefill_tokens) for w, s in mix.mix(prompts)] == [(1.0, 512)]
     # The expected iteration is the weighted mean of the two kinds, far below a chunk step.
-    policy = HarliPolicy(MODEL)
-    policy._prefill = mix
+    predictions = TypicalPredictions(MODEL, mix)
     alone = [MODEL.predict_ms(decode_iteration(s, 1.0), None) for _, s in kinds]
     expected = kinds[0][0] * alone[0] + kinds[1][0] * alone[1]
-    assert policy.typical_ms(decode, 1.0, None) == pytest.approx(expected)
+    assert predictions.typical_ms(decode, 1.0, None) == pytest.approx(expected)
     assert expected < 0.5 * alone[1]

@@ -39,7 +39,7 @@ def _typical(
     share = decode_sms / TOTAL_SMS
     ft_share = 1.0 if share >= 1 else 1 - share
     quantum = FinetuneQuantum(tokens, JOB.seq_len, JOB.lora_rank, True, ft_share)
-    return policy.typical_ms(decode, share, quantum, bound)
+    return policy.predictions.typical_ms(decode, share, quantum, bound)
 
 
 @settings(max_examples=150, deadline=None)
@@ -175,7 +175,7 @@ def test_running_requests_are_projected_to_their_end() -> None:
     # co-run iteration (its prediction inflated by the margin) keeps it over -> pause, and the
     # plan says why.
     rescuable = RunningRequest(tokens=100, tpot_ms=slo * 1.1, remaining_tokens=20)
-    alone = policy.typical_ms(decode, 1.0, None)
+    alone = policy.predictions.typical_ms(decode, 1.0, None)
     assert rescuable.final_tpot_ms(alone, 64) <= slo
     paused = plan_with(rescuable)
     assert paused.paused and not paused.launches and paused.note == "request at risk"

@@ -57,13 +57,12 @@ def test_launch_iterations_teach_their_extra_cost_to_the_coming_prediction() -> 
 def test_a_launch_costs_one_gap_of_the_running_requests_not_a_veto() -> None:
     from dataclasses import replace
 
-    from gpu_runtime.colocation.estimates import LaunchOverhead
     from gpu_runtime.colocation.types import RunningRequest
 
     decode = DecodeSnapshot.from_contexts([512] * 16)
     slo = MODEL.predict_ms(decode_iteration(decode, 1.0), None) * 3.0
-    dear = HarliPolicy(MODEL, HarliConfig(allow_slice=False))
-    dear.launch_overhead = LaunchOverhead(prior_ms=3 * slo)  # a launch gap far over the SLO
+    # A launch gap far over the SLO.
+    dear = HarliPolicy(MODEL, HarliConfig(allow_slice=False, launch_overhead_prior_ms=3 * slo))
     assert dear.plan(context(decode, slo)).launches  # alone it stops nothing
     # A request with one token left, whose mean takes that gap badly: decode alone keeps it,
     # the launch would not -> pause, and the plan says why; a cheap launch goes ahead.
@@ -164,8 +163,8 @@ def test_chunk_steps_over_the_bound_on_a_split_are_priced_where_they_will_run() 
         quantum = FinetuneQuantum(
             plan.launches[0].max_tokens, JOB.seq_len, JOB.lora_rank, True, 1 - share
         )
-        assert policy.typical_ms(decode, share, quantum, bound) <= bound
-        priced_on_split_over += policy.typical_ms(decode, share, quantum) > bound
+        assert policy.predictions.typical_ms(decode, share, quantum, bound) <= bound
+        priced_on_split_over += policy.predictions.typical_ms(decode, share, quantum) > bound
     assert priced_on_split_over > 0
 
 

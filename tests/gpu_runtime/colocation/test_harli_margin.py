@@ -41,7 +41,7 @@ def test_an_early_mean_over_the_slo_that_decode_alone_brings_back_is_no_breach()
         _step(policy, context(DECODE, SLO), i)
     calm = policy.margins.margin
     assert calm == pytest.approx(config.base_margin)
-    alone = policy.typical_ms(DECODE, 1.0, None)
+    alone = policy.predictions.typical_ms(DECODE, 1.0, None)
     early = RunningRequest(tokens=20, tpot_ms=SLO * 1.3, remaining_tokens=300)
     assert early.final_tpot_ms(alone, config.unknown_remaining_tokens) < SLO
     for i in range(10, 20):

@@ -173,7 +173,7 @@ def test_never_picks_a_sliced_choice_predicted_to_break_the_bound(
         ft_share = 1.0 if share >= 1 else 1.0 - share
         quantum = FinetuneQuantum(launch.max_tokens, JOB.seq_len, JOB.lora_rank, True, ft_share)
         bound = slo * (1 - plan.margin)
-        assert policy.typical_ms(decode, share, quantum, bound) <= bound
+        assert policy.predictions.typical_ms(decode, share, quantum, bound) <= bound
 
 
 def test_measured_slice_costs_pick_the_widest_slice_whose_backward_fits() -> None:
