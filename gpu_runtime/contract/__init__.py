@@ -1,8 +1,12 @@
 """Rules the control plane and the runtime hosts share, in one place (imports neither torch nor
 Django, so the web process can use them):
 
-* `training_data` — JSONL training files to token sequences with loss labels, per format, and
-  the longest example a job may train on (`training_max_seq_len`);
+* `training_data` — JSONL training files to token sequences with loss labels, the format
+  names, and the longest example a job may train on (`training_max_seq_len`);
+* `training_examples` — what one line becomes (a tokenized example, a preference pair), the
+  error a record that breaks its format raises, and the shape of one chat message;
+* `supervised_examples` — the chat and prompt/completion formats, record to tokens;
+* `preference_examples` — the preference (DPO) format, record to a pair of token rows;
 * `training_files` — the upload check of a training file (every bad line, no tokenizer) and
   the formats each job method trains on;
 * `chat` — rendering a conversation with the tokenizer's chat template, and its assistant spans;

@@ -1,18 +1,35 @@
 """The upload check of a training file (JSONL, one example per line): every line against its
-format's record rule, without a tokenizer, so the control plane reports every bad line of an
-upload at once.
+format's record rule, without a tokenizer, so the control plane answers a tenant at upload time
+with every bad line of the file at once.
 
-Three formats, one per file (names in `training_data`):
-- chat: `{"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}` with at
-  least one assistant message (the part the model learns), none of them empty;
-- prompt/completion: `{"prompt": "...", "completion": "..."}`;
-- preference (DPO jobs only, OpenAI's): `{"input": {"messages": [...]}, "preferred_output":
-  [{"role": "assistant", "content": "..."}], "non_preferred_output": [...]}`; `input.tools` is
-  refused (no tool use in training), `input.parallel_tool_calls` may only be a boolean. This
-  rule is the hosts' own (`training_data.parse_preference_record`).
-Blank lines are skipped. Errors carry 1-based physical line numbers. A file that passes is
-tokenized with the same rules as the hosts (`training_data.tokenize_training_lines`) before a
-job may train on it; that pass also checks what needs the tokenizer (lengths, loss weights).
+Three formats, one per file (names in `training_data`). A file that passes is tokenized later
+with the base model's tokenizer (`training_data.tokenize_training_lines`, the hosts' own pass,
+run by the control plane before a job may train on it); that pass stops at the first bad line
+and is the final gate: it also checks what needs the tokenizer (lengths, loss tokens). The two
+passes share what they can and differ as follows:
+
+- preference (DPO jobs only): one rule, the hosts' own
+  (`preference_examples.parse_preference_record`), same acceptance and error texts.
+- chat: both take `{"messages": [...]}`, a non-empty list of objects with a `role` of
+  system/user/assistant and a string `content`, and need an assistant message. Here each
+  message is checked by `training_examples.parse_message` (its role error reads "role must be
+  one of ..., got ..."), an assistant message with empty content is refused, and `weight` is
+  not read. The tokenizer pass (`supervised_examples.parse_chat_messages`) words the role
+  error "role is ...; expected one of ...", accepts an empty assistant message (it may still
+  train on its end-of-turn marker), and checks `weight` (0 or 1, 0 on assistant only), so it
+  needs an assistant message of weight 1.
+- prompt/completion: here a line with `prompt` or `completion` (and neither preference key nor
+  `messages`) is of this format, so `{"prompt": ...}` alone is refused as "'completion' must be
+  a non-empty string"; `prompt` and `completion` are checked one by one. The tokenizer pass
+  takes the format only when both keys are there (`training_data.detect_format`: otherwise the
+  line fits no format) and checks "'prompt' and 'completion' must be strings", then a
+  non-empty completion.
+- detection: here any preference key (`input`, `preferred_output`, `non_preferred_output`)
+  makes a preference line, before `messages`; the tokenizer pass looks at `messages` first,
+  then `prompt` with `completion`, then `input`.
+- the file's format: here the first valid line fixes it and a line of another format is one
+  more bad line; the tokenizer pass takes it from the first line.
+Blank lines are skipped. Errors carry 1-based physical line numbers.
 """
 
 from __future__ import annotations
@@ -22,15 +39,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_runtime.contract.chat import CHAT_ROLES
+from gpu_runtime.contract.preference_examples import PREFERENCE_KEYS, parse_preference_record
 from gpu_runtime.contract.training_data import (
     CHAT_FORMAT,
     PREFERENCE_FORMAT,
-    PREFERENCE_KEYS,
     PROMPT_COMPLETION_FORMAT,
-    ExampleError,
-    parse_preference_record,
 )
+from gpu_runtime.contract.training_examples import ExampleError, parse_message
 
 MAX_REPORTED_ERRORS = 10
 
@@ -55,20 +70,13 @@ def _chat_error(example: dict[str, Any]) -> str | None:
     if not isinstance(messages, list) or not messages:
         return "'messages' must be a non-empty list"
     has_assistant = False
-    for index, message in enumerate(messages):
-        if not isinstance(message, dict):
-            return f"messages[{index}] must be an object"
-        role = message.get("role")
-        if role not in CHAT_ROLES:
-            return (
-                f"messages[{index}].role must be one of {', '.join(sorted(CHAT_ROLES))}, "
-                f"got {role!r}"
-            )
-        content = message.get("content")
-        if not isinstance(content, str):
-            return f"messages[{index}].content must be a string"
-        if role == "assistant":
-            if not content:
+    for index, item in enumerate(messages):
+        try:
+            message = parse_message(item, f"messages[{index}]")
+        except ExampleError as exc:
+            return str(exc)
+        if message.role == "assistant":
+            if not message.content:
                 return f"messages[{index}].content of an assistant message must not be empty"
             has_assistant = True
     if not has_assistant:
@@ -86,7 +94,7 @@ def _prompt_completion_error(example: dict[str, Any]) -> str | None:
 
 
 def _preference_error(example: dict[str, Any]) -> str | None:
-    """The hosts' own rule (`training_data.parse_preference_record`), which needs no
+    """The hosts' own rule (`preference_examples.parse_preference_record`), which needs no
     tokenizer."""
     try:
         parse_preference_record(example)

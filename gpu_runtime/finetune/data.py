@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 from gpu_runtime.contract.chat import ChatTokenizer
 from gpu_runtime.contract.training_data import (
-    IGNORE_INDEX,
     ExamplesTooLongError,
-    TokenizedExample,
     TrainingDataError,
     tokenize_training_lines,
 )
+from gpu_runtime.contract.training_examples import IGNORE_INDEX, TokenizedExample
 
 __all__ = [
     "IGNORE_INDEX",

@@ -1,10 +1,12 @@
 """DPO training files (OpenAI's preference format) to pairs of token sequences.
 
-The format and its tokenization are the contract's (:mod:`gpu_runtime.contract.training_data`,
-format ``preference``), the rule the control plane checked the file against before queueing:
-each output becomes a chat example of the input messages plus that one assistant message, so
-both rows of a pair share the prompt tokens and only the outputs carry labels. A pair whose
-longer row exceeds ``max_seq_len`` is refused, never cut.
+The format and its tokenization are the contract's
+(:mod:`gpu_runtime.contract.preference_examples`, read by
+:mod:`gpu_runtime.contract.training_data` as format ``preference``), the rule the control plane
+checked the file against before queueing: each output becomes a chat example of the input
+messages plus that one assistant message, so both rows of a pair share the prompt tokens and
+only the outputs carry labels. A pair whose longer row exceeds ``max_seq_len`` is refused, never
+cut.
 """
 
 from __future__ import annotations
@@ -13,12 +15,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from gpu_runtime.contract.chat import ChatTokenizer
-from gpu_runtime.contract.training_data import (
-    PreferencePair,
-    TrainingDataError,
-    tokenize_preference_pair,
-    tokenize_training_lines,
-)
+from gpu_runtime.contract.preference_examples import tokenize_preference_pair
+from gpu_runtime.contract.training_data import TrainingDataError, tokenize_training_lines
+from gpu_runtime.contract.training_examples import PreferencePair
 
 __all__ = [
     "PreferenceDataset",

@@ -18,12 +18,12 @@ from gpu_runtime.contract.tokenizer import (
 from gpu_runtime.contract.training_data import (
     FORMAT_TOKENIZERS,
     ExamplesTooLongError,
-    PreferencePair,
     TrainingDataError,
     jsonl_lines,
     tokenize_training_lines,
     training_max_seq_len,
 )
+from gpu_runtime.contract.training_examples import PreferencePair
 
 PAIR = json.dumps({"prompt": "Q: hello", "completion": " A: world"})
 

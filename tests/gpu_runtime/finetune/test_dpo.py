@@ -15,7 +15,9 @@ import torch.nn.functional as F
 
 from gpu_runtime.contract.chat import ChatMessage
 from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
-from gpu_runtime.contract.training_data import IGNORE_INDEX, TrainingDataError, tokenize_chat
+from gpu_runtime.contract.supervised_examples import tokenize_chat
+from gpu_runtime.contract.training_data import TrainingDataError
+from gpu_runtime.contract.training_examples import IGNORE_INDEX
 from gpu_runtime.finetune.checkpoint import load_checkpoint
 from gpu_runtime.finetune.dpo_trainer import DpoTrainer
 from gpu_runtime.finetune.loss import training_hidden_states
