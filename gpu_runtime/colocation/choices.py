@@ -85,7 +85,8 @@ class ChoiceEnumerator:
         typical iteration and the launch's cost in one gap, must end under the bound
         (:meth:`_running_keep_slo`). The launch's cost is one longer gap, which a request's
         mean spreads over its tokens: gating every launch on it would stop all finetuning
-        once one slow launch was seen under a tight SLO (the H200 run at 10 ms did)."""
+        once one slow launch was seen under a tight SLO
+        (docs/decisions/0014-harli-plan-rules.md)."""
         memo = self.predictions.plan_memo(ctx)
         size_free = getattr(self.latency, "quantum_size_independent", False)
         key = (share, 0 if size_free else tokens)
@@ -222,8 +223,9 @@ class ChoiceEnumerator:
                 ft_share = 1.0 if share >= 1.0 else 1.0 - share
                 whole = self.durations.duration_ms(job, d, LaunchMode.CONCURRENT, ft_share, work)
                 # Slices are eager (host work that shares the GIL with decode): beside decode,
-                # never wider than the configured widths (H200: 32-60-layer slices that
-                # finished a micro-batch held decode back for their whole duration).
+                # never wider than the configured widths: a wider slice finishing a
+                # micro-batch holds decode back for its whole duration
+                # (docs/decisions/0014-harli-plan-rules.md).
                 for k in (w for w in widths if w <= max(self.config.layer_slices)):
                     forward, backward = state.passes_for(k)
                     # Measured alone on the whole device; on fewer SMs at least the split's

@@ -51,12 +51,14 @@ errors ``(observed - predicted) / predicted`` (only under-predictions count; eac
 ``error_smoothing`` iterations), capped at ``max_margin``; each time a request misses the SLO
 (finishes over it, or a running one's mean TPOT so far is over it and would stay over it at
 decode alone's typical iteration), ``violation_step`` is added, decaying by
-``violation_decay`` per busy iteration (those of a plan backoff included).
+``violation_decay`` per busy iteration (those of a plan backoff included). The margin, the
+quantum durations, the slice and launch costs are learnt from each iteration's record by
+``HarliFeedback`` (``harli_feedback.py``), which the policy holds.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from typing import Any
 
 from gpu_runtime.colocation.baselines import memory_cap_tokens
@@ -68,34 +70,20 @@ from gpu_runtime.colocation.estimates import (
     QuantumDurations,
 )
 from gpu_runtime.colocation.harli_config import HarliConfig
+from gpu_runtime.colocation.harli_feedback import HarliFeedback, PlanMemo
 from gpu_runtime.colocation.latency_model import DecodeLatencyModel, decode_iteration, predict_many
 from gpu_runtime.colocation.online import beside_quantum
 from gpu_runtime.colocation.policy import CoLocationPolicy
-from gpu_runtime.colocation.slicing import SliceCosts, SliceState
+from gpu_runtime.colocation.slicing import SliceCosts
 from gpu_runtime.colocation.types import (
     DecodeSnapshot,
     FinetuneLaunch,
     IterationContext,
     IterationPlan,
     IterationRecord,
-    JobView,
     LaunchMode,
 )
 from gpu_runtime.colocation.typical import TypicalPredictions, moves_to_whole
-
-
-@dataclass(frozen=True)
-class _PlanMemo:
-    """What `HarliPolicy.observe` needs of the plan an iteration ran (`IterationPlan.memo`)."""
-
-    launch_planned: tuple[float, bool] | None
-    """(expected launch cost, cold) of a whole quantum launched beside decode."""
-    backing_off: bool
-    running_over: bool
-
-
-_NO_PLAN = _PlanMemo(None, False, False)
-"""A record that carries no plan of this policy: nothing launched, no backoff, no breach."""
 
 
 class HarliPolicy(CoLocationPolicy):
@@ -119,10 +107,14 @@ class HarliPolicy(CoLocationPolicy):
             self.config.slice_forward_layer_ms,
             self.config.slice_backward_layer_ms,
         )
-        self._slice_states: dict[str, SliceState] = {}
-        self._slice_launch: dict[str, tuple[int | None, LaunchMode, float]] = {}
-        self._jobs: dict[str, JobView] = {}
-        self._slo_ms: float | None = None
+        self.feedback = HarliFeedback(
+            self.config,
+            latency,
+            self.margins,
+            self.durations,
+            self.launch_overhead,
+            self.slice_costs,
+        )
         self._running_over = False
         """At this iteration's plan, a running request was headed over the SLO."""
         self._alone_ms: float | None = None
@@ -154,17 +146,15 @@ class HarliPolicy(CoLocationPolicy):
     # ---- planning -----------------------------------------------------------------------
     def plan(self, ctx: IterationContext) -> IterationPlan:
         plan = self._plan(ctx)
-        memo = _PlanMemo(self._launch_planned, self._backing_off, self._running_over)
+        memo = PlanMemo(self._launch_planned, self._backing_off, self._running_over)
         return replace(plan, memo=memo)
 
     def _plan(self, ctx: IterationContext) -> IterationPlan:
         self.decisions += 1
         self._launch_planned = None
         self._backing_off = False
-        self._running_over = self._headed_over(ctx)
-        self._slo_ms = ctx.tpot_slo_ms
-        for job in ctx.jobs:
-            self._jobs[job.job_id] = job
+        self._running_over = self.feedback.headed_over(ctx, self._alone_ms)
+        self.feedback.planning(ctx)
         options = ctx.decode_sms_options
         full = options[-1] if options else None
         margin = self.margins.margin
@@ -208,7 +198,7 @@ class HarliPolicy(CoLocationPolicy):
             return pause("memory budget below one example")
         offered: list[Choice] = []
         rejected_before = self.choices.risk_rejections
-        sliced = self._slice_state(job)
+        sliced = self.feedback.slice_state(job)
         # Decode alone on the whole device is the kindest its typical iteration can be: when
         # even that is over the bound, no quantum beside it can be safe, and the whole batch
         # of predictions (every split x size) is host time every decode token waits for.
@@ -257,7 +247,7 @@ class HarliPolicy(CoLocationPolicy):
             if not sliced.active:
                 sliced.start(job.job_id, best.examples, tokens)
             key = best.decode_sms if best.mode is LaunchMode.CONCURRENT else None
-            self._slice_launch[job.job_id] = (key, best.mode, best.slice_base_ms)
+            self.feedback.slice_launches[job.job_id] = (key, best.mode, best.slice_base_ms)
         share = 1.0 if not total or best.decode_sms is None else best.decode_sms / total
         solo = self.latency.predict_ms(decode_iteration(ctx.decode, share), None)
         whole_beside = best.mode is LaunchMode.CONCURRENT and best.max_layers is None
@@ -276,30 +266,19 @@ class HarliPolicy(CoLocationPolicy):
             + ("" if best.max_layers is None else f" layers={best.max_layers}"),
         )
 
-    def _slice_state(self, job: JobView) -> SliceState | None:
-        """The job's sliced micro-batch tracker (None: its layers unknown or slicing off)."""
-        if not job.layers or not self.config.layer_slices:
-            return None
-        state = self._slice_states.get(job.job_id)
-        if state is None or state.layers != job.layers:
-            state = self._slice_states[job.job_id] = SliceState(job.layers)
-        return state
-
     def _in_flight_plan(
         self, ctx: IterationContext, full: int | None, margin: float, bound: float
     ) -> IterationPlan:
         """Decode's split while a quantum runs: the split it was launched on, which its launch
         checks were made for. Only when that is predicted over the bound does decode move to
         the whole device, sharing the quantum's SMs (faster for decode, slower for the quantum),
-        if that is predicted faster. (Moving whenever the whole device was predicted faster
-        made it the rule: on the H200 at 07b5533, decode left the launch split in 1,400 of
-        1,500 in-flight iterations at Llama's low and medium traces, taking SMs from the
-        quantum, and those iterations taught the split's correction from a placement the
-        predictor's profile never timed.)"""
+        if that is predicted faster: moving whenever the whole device is predicted faster
+        would make moving the rule, taking SMs from the quantum and teaching the split's
+        correction from a placement the predictor's profile never timed
+        (docs/decisions/0014-harli-plan-rules.md)."""
         flight = ctx.in_flight
         assert flight is not None
-        job = self._jobs.get(flight.job_id)
-        seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
+        seq_len, rank = self.feedback.job_shape(flight.job_id)
         quantum = beside_quantum(flight.max_tokens, flight.decode_sms, ctx.total_sms, seq_len, rank)
         held = flight.decode_sms if flight.decode_sms in ctx.decode_sms_options else full
         candidates: tuple[int | None, ...] = (held,) if held == full else (held, full)
@@ -321,67 +300,9 @@ class HarliPolicy(CoLocationPolicy):
             note += " (predicted over bound)"
         return IterationPlan(d, (), predicted, solo, margin, note=note)
 
-    def _headed_over(self, ctx: IterationContext) -> bool:
-        """Whether a running request is headed over the SLO: its mean so far is over it and it
-        would still end over it if its remaining tokens took decode alone's typical iteration
-        (as last predicted; before any, its mean so far decides). A request's first tokens
-        carry its own prefill chunks and those of requests arriving beside it, so its early mean
-        is often over a tight SLO and then falls (H200, Qwen2.5-7B at d60ecfc, SLO 7.81 ms:
-        steps with a chunk took 14-16 ms, decode steps 5-6.5); counting such a request as a
-        breach raised harli's margin by 0.05 four times in one burst (to 0.30), which then
-        turned down every split for seconds while decode alone ran at 5.3 ms."""
-        slo = ctx.tpot_slo_ms
-        worst = ctx.worst_running_tpot_ms
-        if worst is None or worst <= slo:
-            return False
-        alone = self._alone_ms
-        if alone is None:
-            return True
-        horizon = self.config.unknown_remaining_tokens
-        return any(r.tpot_ms > slo and r.final_tpot_ms(alone, horizon) > slo for r in ctx.running)
-
     # ---- feedback -----------------------------------------------------------------------
     def observe(self, record: IterationRecord) -> None:
-        for quantum in record.quanta:
-            launched = self._slice_launch.pop(quantum.job_id, None)
-            state = self._slice_states.get(quantum.job_id)
-            if state is not None:
-                state.observe(quantum)
-            if quantum.error is not None:
-                continue
-            if quantum.layer_passes:  # a slice: its duration says nothing of whole quanta
-                if launched is not None:
-                    key, mode, base = launched
-                    self.slice_costs.observe(key, mode, base, quantum.duration_ms)
-                continue
-            key = None if quantum.mode is LaunchMode.AFTER_DECODE else quantum.decode_sms
-            self.durations.observe(key, quantum.mode, quantum.tokens, quantum.duration_ms)
-        busy = record.decode_batch or record.prefill_tokens
-        memo = record.plan_memo if isinstance(record.plan_memo, _PlanMemo) else _NO_PLAN
-        planned = memo.launch_planned  # this iteration launched a whole quantum beside
-        if busy and planned is not None and not planned[1] and record.predicted_ms is not None:
-            self.launch_overhead.observe(record.predicted_ms - planned[0], record.iteration_ms)
-        if busy and self._slo_ms is not None:  # backoff iterations too: the breach term ages
-            slo = self._slo_ms
-            breached = any(f.tpot_ms is not None and f.tpot_ms > slo for f in record.finished)
-            breached |= memo.running_over
-            # An iteration of decode alone (paused, nothing safe) is judged without this
-            # policy's own plan time: a full search that found nothing cost 0.75 ms on the
-            # H200 at 1800ced, which a prediction learnt from cheap plans does not hold; counted
-            # as error it kept the margin at 0.38-0.44, so every plan searched and found
-            # nothing again (1.2 s paused at the start of Llama-3-8B's low trace).
-            observed = record.iteration_ms
-            if not (record.in_flight or record.finetune_launched or record.planned_ahead):
-                observed = max(observed - record.plan_ms, 0.0)
-            self.margins.observe(record.predicted_ms, observed, slo, breached)
-        learn = getattr(self.latency, "observe_record", None)  # models that learn online
-        # Not from a launch iteration (its extra is launch_overhead's), nor from a pause that
-        # asked nothing (the model would be asked now for its base prediction: the host time
-        # the backoff saves; decode alone on the whole device is learnt from the other ones).
-        if learn is not None and planned is None and not memo.backing_off:
-            job = self._jobs.get(record.quanta[0].job_id) if record.quanta else None
-            seq_len, rank = (job.seq_len, job.lora_rank) if job else (512, 16)
-            learn(record, seq_len, rank)
+        self.feedback.observe(record)
 
     def describe(self) -> dict[str, Any]:
         return {"policy": self.name, **asdict(self.config)}

@@ -59,9 +59,9 @@ def test_an_early_mean_over_the_slo_that_decode_alone_brings_back_is_no_breach()
 def test_without_a_prediction_of_decode_alone_yet_the_mean_so_far_decides() -> None:
     policy = HarliPolicy(MODEL, HarliConfig(replan_backoff=0))
     over = RunningRequest(tokens=20, tpot_ms=SLO * 1.3, remaining_tokens=300)
-    assert policy._headed_over(_with_running(over))
+    assert policy.feedback.headed_over(_with_running(over), None)
     under = RunningRequest(tokens=20, tpot_ms=SLO * 0.9, remaining_tokens=300)
-    assert not policy._headed_over(_with_running(under))
+    assert not policy.feedback.headed_over(_with_running(under), None)
 
 
 def test_the_breach_term_ages_in_backoff_iterations_that_predict_nothing() -> None:

@@ -76,7 +76,7 @@ def test_a_micro_batch_in_progress_continues_in_slices_to_its_end() -> None:
         (launch,) = plan.launches
         assert launch.max_layers is not None  # never a whole quantum while one is open
         examples.add(launch.max_tokens)
-        state = policy._slice_states["job"]
+        state = policy.feedback.slices["job"]
         forward, backward = state.passes_for(launch.max_layers)
         ran = forward + backward
         passes += ran
@@ -98,11 +98,11 @@ def test_slice_costs_learn_from_slow_slices_and_shrink_the_next_slice() -> None:
     first = _after_decode_only(policy, slo)
     (launch,) = first.launches
     assert launch.max_layers is not None and launch.predicted_ms is not None
-    state = policy._slice_states["job"]
+    state = policy.feedback.slices["job"]
     ran = sum(state.passes_for(launch.max_layers))
     for _ in range(3):  # every slice takes three times its estimate
         slow = _report(first, ran, 3 * launch.predicted_ms, False)
-        policy._slice_launch["job"] = (None, LaunchMode.AFTER_DECODE, launch.predicted_ms)
+        policy.feedback.slice_launches["job"] = (None, LaunchMode.AFTER_DECODE, launch.predicted_ms)
         policy.observe(record(first, DECODE, SOLO + slow.duration_ms, quanta=(slow,)))
     assert policy.slice_costs.correction(None, LaunchMode.AFTER_DECODE) == pytest.approx(3.0)
     second = _after_decode_only(policy, slo)
@@ -198,7 +198,7 @@ def test_slices_beside_decode_are_never_wider_than_the_configured_widths() -> No
     plan = _after_decode_only(policy, SOLO * 2.0)
     (launch,) = plan.launches
     assert launch.max_layers is not None
-    state = policy._slice_states["job"]
+    state = policy.feedback.slices["job"]
     ran = sum(state.passes_for(launch.max_layers))
     policy.observe(record(plan, DECODE, SOLO, quanta=(_report(plan, ran, 1.0, False),)))
     assert state.passes_left > 16
