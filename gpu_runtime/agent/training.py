@@ -264,9 +264,9 @@ class HostJobs:
     def _report_checkpoint(self, run: JobRun, local: Path) -> None:
         key = upload_checkpoint(self._storage, run, local)
         trainer = run.trainer
-        metrics = trainer.last_metrics
+        metrics = trainer.checkpoints.last_metrics
         if metrics is None or metrics["step"] != trainer.step:  # a pause's checkpoint
-            metrics = trainer.checkpoint_metrics(final=trainer.stream.finished)
+            metrics = trainer.checkpoints.metrics(final=trainer.stream.finished)
         metrics = {k: v for k, v in metrics.items() if k != "step"}
         metrics.update(preference_metrics(run, trainer.step))
         recent = [

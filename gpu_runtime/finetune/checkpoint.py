@@ -42,6 +42,13 @@ class CheckpointError(RuntimeError):
     """A checkpoint or adapter that does not fit the model, data or settings it is loaded into."""
 
 
+class Progress(Protocol):
+    """A trainer's optimizer step count and loss history
+    (:class:`~gpu_runtime.finetune.tail.OptimizerTail`)."""
+
+    def restore(self, step: int, history: Sequence[dict[str, float]]) -> None: ...
+
+
 class CheckpointedTrainer(Protocol):
     """What a whole-trainer checkpoint saves and restores (a supervised or a DPO trainer; a
     trainer with ``preference_history`` also saves it and restores it through
@@ -74,7 +81,8 @@ class CheckpointedTrainer(Protocol):
     @property
     def has_pending_gradients(self) -> bool: ...
 
-    def restore_progress(self, step: int, history: Sequence[dict[str, float]]) -> None: ...
+    @property
+    def optimizer_tail(self) -> Progress: ...
 
 
 def save_adapter(
@@ -194,7 +202,9 @@ def load_checkpoint(trainer: CheckpointedTrainer, path: str | Path) -> None:
     trainer.optimizer.load_state_dict(state["optimizer"])
     trainer.rng.load_state_dict(state["rng"])
     trainer.stream.restore(DataPosition.from_dict(state["position"]))
-    trainer.restore_progress(int(state["step"]), state["history"])
+    if trainer.has_pending_gradients:
+        raise RuntimeError("cannot restore progress while a batch is half accumulated")
+    trainer.optimizer_tail.restore(int(state["step"]), state["history"])
     restore_preference = getattr(trainer, "restore_preference_history", None)
     if restore_preference is not None:
         restore_preference(state.get("preference_history", []))

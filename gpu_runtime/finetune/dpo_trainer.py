@@ -50,7 +50,7 @@ from gpu_runtime.finetune.preference_data import PreferencePair
 from gpu_runtime.finetune.quantum import QuantumResult, swapped_rng
 from gpu_runtime.finetune.supervised_loss import SupervisedLoss
 from gpu_runtime.finetune.trainer import LoraTrainer
-from gpu_runtime.finetune.validation import VALID_SAMPLE_TOKENS, BatchEvaluator
+from gpu_runtime.finetune.validation import VALID_SAMPLE_TOKENS
 from gpu_runtime.model import CausalLM
 
 
@@ -147,6 +147,7 @@ class DpoTrainer(LoraTrainer):
         self.preference_history: list[PreferenceRecord] = []
         self.preference_loss = PreferenceLoss(self.token_loss, self.params, self.beta)
         self._batch_stats = torch.zeros(3, dtype=torch.float32, device=self.device)
+        self.checkpoints.evaluator = DpoValidationEvaluator(self.preference_loss)
 
     def restore_preference_history(self, history: Sequence[dict[str, float]]) -> None:
         """Set the per-step preference metrics (used by checkpoint loading)."""
@@ -176,8 +177,8 @@ class DpoTrainer(LoraTrainer):
         (see the module docstring). Raises once finished, and for ``max_layers``."""
         if max_layers is not None:
             raise ValueError("DPO quanta are whole micro-batches; max_layers is not supported")
-        if self._evaluation is not None:
-            return self._evaluation_quantum(self._evaluation, max_tokens)
+        if self.evaluating:
+            return self._evaluation_quantum(max_tokens)
         start, _ = self._begin_quantum()
         mode = self._recompute(recompute)
         plan = self.stream.plan(max_examples, max_tokens, padded_length=self._pair_padded)
@@ -205,10 +206,6 @@ class DpoTrainer(LoraTrainer):
             plan, per_pair, terms.loss_sum, start, self, launch_s=launch_s, recompute=mode
         )
         return tail.result()
-
-    def validation_evaluator(self) -> BatchEvaluator:
-        """How this trainer evaluates a validation micro-batch: DPO's loss over pairs."""
-        return DpoValidationEvaluator(self.preference_loss)
 
 
 class DpoValidationEvaluator:

@@ -20,8 +20,9 @@ inputs and none holds the trainer: the micro-batch's loss
 (:class:`~gpu_runtime.finetune.graphed.GraphedQuanta`), the layer-sliced micro-batch in progress
 (:class:`~gpu_runtime.finetune.sliced_quanta.LayerSlicedQuanta`) and the end every quantum
 shares: accumulation, optimizer step, step count and history
-(:class:`~gpu_runtime.finetune.tail.OptimizerTail`). The package README states the whole
-quantum contract and the checkpoint invariants.
+(:class:`~gpu_runtime.finetune.tail.OptimizerTail`), and the checkpoints with their validation
+passes (:class:`~gpu_runtime.finetune.checkpointing.Checkpointing`). The package README states
+the whole quantum contract and the checkpoint invariants.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ import torch
 
 from gpu_runtime.contract.hparams import FinetuneHyperparameters
 from gpu_runtime.finetune.batching import DataStream
-from gpu_runtime.finetune.checkpoint import save_checkpoint
+from gpu_runtime.finetune.checkpointing import Checkpointing
 from gpu_runtime.finetune.data import TokenizedExample
 from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.graph_policy import CapturePolicy
@@ -55,14 +56,7 @@ from gpu_runtime.finetune.quantum import (
 from gpu_runtime.finetune.sliced_quanta import LayerSlicedQuanta
 from gpu_runtime.finetune.supervised_loss import SupervisedLoss
 from gpu_runtime.finetune.tail import OptimizerTail
-from gpu_runtime.finetune.validation import (
-    VALID_SAMPLE_TOKENS,
-    BatchEvaluator,
-    CheckpointEvaluation,
-    TokenLossEvaluator,
-    ValidationRun,
-    validation_sample,
-)
+from gpu_runtime.finetune.validation import VALID_SAMPLE_TOKENS, TokenLossEvaluator
 from gpu_runtime.model import CausalLM
 
 
@@ -105,8 +99,6 @@ class LoraTrainer:
         if hparams.dpo_beta is not None and not self.trains_preferences:
             raise ValueError("dpo_beta is set: a DPO job trains with DpoTrainer")
         self.hparams = hparams
-        self.checkpoint_root = None if checkpoint_root is None else Path(checkpoint_root)
-        self.base_model_name_or_path = base_model_name_or_path
         self.device = serving_model.lm_head.weight.device
         self.model = build_training_model(serving_model, hparams.lora, hparams.seed)
         self.params = adapter_parameters(self.model)
@@ -129,14 +121,17 @@ class LoraTrainer:
             pad_to_multiple=pad_to_multiple,
             loss_chunk_tokens=loss_chunk_tokens,
         )
-        self.validation_examples = tuple(validation_examples)
-        self.valid_sample = validation_sample(
-            self.validation_examples, valid_sample_tokens, hparams.seed
+        self.checkpoints = Checkpointing(
+            TokenLossEvaluator(self.token_loss),
+            self.model,
+            self.device,
+            self.optimizer_tail,
+            validation_examples,
+            valid_sample_tokens=valid_sample_tokens,
+            seed=hparams.seed,
+            root=None if checkpoint_root is None else Path(checkpoint_root),
+            base_model_name_or_path=base_model_name_or_path,
         )
-        self.last_metrics: dict[str, Any] | None = None
-        """The metrics of the latest checkpoint written (:meth:`checkpoint_metrics`)."""
-        self._evaluation: CheckpointEvaluation | None = None
-        """The validation passes of a due checkpoint, run as quanta before it is written."""
         self.layer_slices = LayerSlicedQuanta(
             self.stream, self.token_loss, self.optimizer_tail, self.rng
         )
@@ -204,12 +199,12 @@ class LoraTrainer:
     @property
     def finished(self) -> bool:
         """Every epoch consumed and the final checkpoint's validation passes done."""
-        return self.stream.finished and self._evaluation is None
+        return self.stream.finished and not self.checkpoints.evaluating
 
     @property
     def evaluating(self) -> bool:
         """Whether the next quanta run a due checkpoint's validation passes."""
-        return self._evaluation is not None
+        return self.checkpoints.evaluating
 
     @property
     def total_steps(self) -> int:
@@ -219,12 +214,6 @@ class LoraTrainer:
     def has_pending_gradients(self) -> bool:
         """True between the first micro-batch of a batch and its optimizer step."""
         return self.optimizer_tail.batch_tokens > 0 or self.layer_slices.in_progress
-
-    def restore_progress(self, step: int, history: Sequence[dict[str, float]]) -> None:
-        """Set the step count and loss history (used by checkpoint loading)."""
-        if self.has_pending_gradients:
-            raise RuntimeError("cannot restore progress while a batch is half accumulated")
-        self.optimizer_tail.restore(step, history)
 
     def _rng_swap(self) -> contextlib.AbstractContextManager[None]:
         return swapped_rng(self.rng)
@@ -263,8 +252,8 @@ class LoraTrainer:
         ``max_tokens``/``max_examples``/``recompute`` size a micro-batch when one starts (a
         layer-sliced one keeps the mode it started with).
         """
-        if self._evaluation is not None:
-            return self._evaluation_quantum(self._evaluation, max_tokens)
+        if self.evaluating:
+            return self._evaluation_quantum(max_tokens)
         start, allocated = self._begin_quantum()
         mode = self._recompute(recompute)
         if max_layers is not None or self.layer_slices.in_progress:
@@ -341,69 +330,17 @@ class LoraTrainer:
             return None
         return graphed.would_replay(max_tokens, streams, self._recompute(recompute))
 
-    def validation_evaluator(self) -> BatchEvaluator:
-        """How this trainer evaluates a validation micro-batch: token loss and accuracy."""
-        return TokenLossEvaluator(self.token_loss)
-
-    def validation(
-        self, examples: Sequence[TokenizedExample], max_tokens: int = 8192
-    ) -> ValidationRun:
-        """A validation pass the scheduler can run a micro-batch at a time (see
-        :class:`ValidationRun`)."""
-        return ValidationRun(
-            self.validation_evaluator(), self.model, examples, max_tokens, self.device
-        )
-
-    def evaluate(self, examples: Sequence[TokenizedExample], max_tokens: int = 8192) -> float:
-        """Mean validation loss of ``examples`` (a validation file) with the current adapter, in
-        one call (:meth:`validation_evaluator`'s loss). Leaves the trainer's state (data
-        position, RNG, gradients) untouched."""
-        run = self.validation(examples, max_tokens)
-        while not run.step():
-            pass
-        return run.loss
-
-    def _checkpoint_evaluation(self, *, final: bool) -> CheckpointEvaluation:
-        return CheckpointEvaluation(
-            self.validation_evaluator(),
-            self.model,
-            self.device,
-            self.valid_sample,
-            self.validation_examples,
-            step=self.step,
-            last=self.history[-1] if self.history else None,
-            final=final,
-        )
-
     def checkpoint_due(self, *, final: bool) -> Path | None:
         """An optimizer step made a checkpoint due (the tail calls this when the step's result
-        is read): with a validation file its passes become the next quanta
-        (:meth:`_evaluation_quantum` writes it); without, its metrics are the step's own and it
-        is written now (when there is a checkpoint root)."""
-        if self.validation_examples:
-            self._evaluation = self._checkpoint_evaluation(final=final)
-            return None
-        self.checkpoint_metrics(final=final)
-        return self._write_checkpoint()
+        is read): :meth:`Checkpointing.due` over this trainer's state."""
+        return self.checkpoints.due(self, final=final)
 
-    def _write_checkpoint(self) -> Path | None:
-        if self.checkpoint_root is None:
-            return None
-        return save_checkpoint(self, self.checkpoint_root, self.base_model_name_or_path)
-
-    def _evaluation_quantum(
-        self, evaluation: CheckpointEvaluation, max_tokens: int | None
-    ) -> QuantumResult:
+    def _evaluation_quantum(self, max_tokens: int | None) -> QuantumResult:
         """One micro-batch of the due checkpoint's validation passes as a quantum (forward only,
         at most ``max_tokens`` padded tokens); the last one keeps their metrics and writes the
         checkpoint. No example is trained, so ``tokens`` is 0."""
         start, _ = self._begin_quantum()
-        evaluation.step(max_tokens)
-        written = None
-        if evaluation.done:
-            self._evaluation = None
-            self.last_metrics = evaluation.metrics()
-            written = self._write_checkpoint()
+        written = self.checkpoints.evaluation_step(self, max_tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         graph: dict[str, Any] = {}
@@ -418,10 +355,3 @@ class LoraTrainer:
             checkpoint=written,
             **graph,
         )
-
-    def checkpoint_metrics(self, *, final: bool) -> dict[str, Any]:
-        """OpenAI's checkpoint metrics at the current step, every validation pass run in this
-        call, kept as :attr:`last_metrics` (see
-        :meth:`~gpu_runtime.finetune.validation.CheckpointEvaluation.metrics`)."""
-        self.last_metrics = self._checkpoint_evaluation(final=final).evaluate_all()
-        return self.last_metrics

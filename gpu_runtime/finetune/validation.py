@@ -14,7 +14,7 @@ resumes after it (so the checkpoint holds exactly the state that was evaluated).
 in its own forward.
 
 What one micro-batch's loss and accuracy are is the trainer's
-(:meth:`~gpu_runtime.finetune.trainer.LoraTrainer.validation_evaluator`, a
+(:attr:`~gpu_runtime.finetune.checkpointing.Checkpointing.evaluator`, a
 :class:`BatchEvaluator`): a supervised trainer's is the mean token loss and the fraction of loss
 targets the logits' argmax predicts (``mean_token_accuracy``, :class:`TokenLossEvaluator`); a DPO
 trainer's the mean DPO loss over pairs and the fraction of pairs ranked right

@@ -330,7 +330,7 @@ def _uninterrupted_final_loss(cluster: Cluster, job_id: str) -> tuple[float, int
         work_dir=cluster.tmp / "reference",
         base_model_path=None,
     )
-    run.trainer.checkpoint_root = None
+    run.trainer.checkpoints.root = None
     while not run.trainer.finished:
         run.trainer.step_quantum(max_examples=4)
     return run.trainer.history[-1].loss, run.trained_tokens

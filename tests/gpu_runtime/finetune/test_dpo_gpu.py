@@ -42,7 +42,7 @@ def test_dpo_on_cuda_starts_at_log_2_and_learns_the_toy_preferences(
     assert sum(r.accuracy for r in late) / len(late) >= 0.9, trainer.preference_history
     assert trainer.history[-1].loss < math.log(2) - 0.1
     assert trainer.history[-1].accuracy is None  # pairs have no token targets
-    metrics = trainer.checkpoint_metrics(final=True)
+    metrics = trainer.checkpoints.metrics(final=True)
     assert metrics["full_valid_loss"] is not None and metrics["valid_loss"] is not None
     assert metrics["full_valid_loss"] < math.log(2)
     assert metrics["full_valid_preference_accuracy"] >= 0.75

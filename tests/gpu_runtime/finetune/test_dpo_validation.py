@@ -80,13 +80,13 @@ def test_dpo_validation_loss_and_accuracy_equal_a_direct_computation(
         valid_sample_tokens=budget,
         loss_chunk_tokens=3,
     )
-    sample = trainer.valid_sample
+    sample = trainer.checkpoints.valid_sample
     assert sample == validation_sample(valid, budget, 3) and 0 < len(sample) < len(valid)
     assert sum(p.num_tokens for p in sample) <= budget
     _perturb(trainer)
     trainer.step_quantum()  # a step, so train_loss is there; dropout 0.3 must be off in eval
     assert trainer.step == 1
-    metrics = trainer.checkpoint_metrics(final=True)
+    metrics = trainer.checkpoints.metrics(final=True)
     sample_loss, sample_accuracy = _direct(trainer, serving_model, sample)
     full_loss, full_accuracy = _direct(trainer, serving_model, valid)
     assert abs(full_loss - math.log(2)) > 1e-3  # the adapter moved the policy
@@ -98,8 +98,8 @@ def test_dpo_validation_loss_and_accuracy_equal_a_direct_computation(
     assert metrics["train_loss"] == trainer.history[-1].loss
     for key in ("train", "valid", "full_valid"):
         assert metrics[f"{key}_mean_token_accuracy"] is None  # pairs have no token targets
-    assert trainer.evaluate(valid, max_tokens=1) == pytest.approx(full_loss, abs=1e-5)
-    early = trainer.checkpoint_metrics(final=False)
+    assert trainer.checkpoints.evaluate(valid, max_tokens=1) == pytest.approx(full_loss, abs=1e-5)
+    early = trainer.checkpoints.metrics(final=False)
     assert early["full_valid_loss"] is None and early["full_valid_preference_accuracy"] is None
     assert early["valid_loss"] == metrics["valid_loss"]
 
@@ -109,7 +109,7 @@ def test_without_a_validation_file_the_valid_metrics_are_null(
 ) -> None:
     trainer = DpoTrainer(serving_model, train, hparams(len(train)))
     trainer.step_quantum()
-    metrics = trainer.checkpoint_metrics(final=True)
+    metrics = trainer.checkpoints.metrics(final=True)
     assert metrics["train_loss"] == trainer.history[-1].loss
     assert all(
         metrics[k] is None for k in ("valid_loss", "full_valid_loss", "valid_preference_accuracy")
@@ -172,8 +172,11 @@ def _run(trainer: DpoTrainer, max_tokens: int) -> tuple[list[dict[str, Any]], li
             assert _same(before, _state(trainer))
         assert all(q.tokens == 0 and not q.optimizer_step for q in quanta)
         assert quanta[-1].checkpoint is not None and not any(q.checkpoint for q in quanta[:-1])
-        assert trainer.last_metrics is not None and trainer.last_metrics["step"] == trainer.step
-        written.append(trainer.last_metrics)
+        assert (
+            trainer.checkpoints.last_metrics is not None
+            and trainer.checkpoints.last_metrics["step"] == trainer.step
+        )
+        written.append(trainer.checkpoints.last_metrics)
         counts.append(len(quanta))
     return written, counts
 
@@ -203,7 +206,7 @@ def test_validation_quanta_are_bounded_leave_training_untouched_and_resume_exact
 
     full = trainer(tmp_path / "a")
     written, counts = _run(full, longest)
-    sample = len(full.valid_sample)
+    sample = len(full.checkpoints.valid_sample)
     assert [m["step"] for m in written] == [2, 4]
     assert counts == [sample, sample + len(valid)]  # one pair per quantum; every pair at the end
     assert written[0]["full_valid_loss"] is None and written[1]["full_valid_loss"] is not None

@@ -315,7 +315,7 @@ def test_graphed_token_accuracy_and_validation_match_eager() -> None:
         assert a is not None and b is not None and 0.0 <= a <= 1.0
         assert a == pytest.approx(b, abs=0.05)
     assert (graphed.history[-1].accuracy or 0.0) > 0.5, accuracies
-    ours, theirs = graphed.checkpoint_metrics(final=True), eager.checkpoint_metrics(final=True)
+    ours, theirs = graphed.checkpoints.metrics(final=True), eager.checkpoints.metrics(final=True)
     assert ours["valid_loss"] == pytest.approx(theirs["valid_loss"], rel=2e-2, abs=1e-3)
     assert ours["full_valid_mean_token_accuracy"] == pytest.approx(
         theirs["full_valid_mean_token_accuracy"], abs=0.05

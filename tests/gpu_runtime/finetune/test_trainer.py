@@ -43,11 +43,11 @@ def test_loss_decreases_on_tiny_overfit_set(serving_model: CausalLM, train_examp
         4, n_epochs=20, learning_rate_multiplier=50.0, lora=LoraSpec(rank=8, dropout=0.0)
     )
     trainer = LoraTrainer(serving_model, examples, hparams)
-    first = trainer.evaluate(examples)
+    first = trainer.checkpoints.evaluate(examples)
     while not trainer.finished:
         trainer.step_quantum()
     assert trainer.step == 20
-    last = trainer.evaluate(examples)
+    last = trainer.checkpoints.evaluate(examples)
     assert last < 0.2 * first, (first, last)
     assert trainer.history[-1].loss < trainer.history[0].loss
 
@@ -129,10 +129,12 @@ def test_evaluate_is_side_effect_free(serving_model: CausalLM, train_examples: A
     trainer.step_quantum(max_examples=2)
     position, rng = trainer.stream.position, trainer.rng.cpu_state.clone()
     grads = [None if p.grad is None else p.grad.clone() for p in trainer.params]
-    a = trainer.evaluate(train_examples, max_tokens=64)
-    b = trainer.evaluate(train_examples, max_tokens=10_000)
+    a = trainer.checkpoints.evaluate(train_examples, max_tokens=64)
+    b = trainer.checkpoints.evaluate(train_examples, max_tokens=10_000)
     assert a == pytest.approx(b, rel=1e-6)
-    run = trainer.validation(train_examples, max_tokens=40)  # bounded steps for a scheduler
+    run = trainer.checkpoints.validation(
+        train_examples, max_tokens=40
+    )  # bounded steps for a scheduler
     steps = 1
     while not run.step():
         steps += 1

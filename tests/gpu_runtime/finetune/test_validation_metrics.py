@@ -100,13 +100,13 @@ def test_checkpoints_carry_validation_metrics_measured_in_eval_mode(
         valid_sample_tokens=budget,
     )
     sample = validation_sample(valid, budget, hparams.seed)
-    assert 0 < len(sample) < len(valid) and sample == trainer.valid_sample
+    assert 0 < len(sample) < len(valid) and sample == trainer.checkpoints.valid_sample
     seen: list[dict[str, Any]] = []
     while not trainer.finished:
         result = trainer.step_quantum()
         if result.checkpoint is None:
             continue
-        metrics = trainer.last_metrics
+        metrics = trainer.checkpoints.last_metrics
         assert metrics is not None and metrics["step"] == trainer.step
         assert set(CHECKPOINT_METRIC_KEYS) <= set(metrics)
         trainer.model.eval()  # dropout off, as the validation pass runs
@@ -138,7 +138,7 @@ def test_no_validation_file_leaves_valid_metrics_null(
 ) -> None:
     trainer = LoraTrainer(serving_model, train_examples[:4], _hparams(4))
     trainer.step_quantum()
-    metrics = trainer.checkpoint_metrics(final=True)
+    metrics = trainer.checkpoints.metrics(final=True)
     assert metrics["train_loss"] == trainer.history[-1].loss
     assert metrics["valid_loss"] is None and metrics["full_valid_loss"] is None
 
@@ -159,22 +159,27 @@ def test_validation_runs_as_bounded_quanta_before_the_checkpoint_is_written(
     while trainer.evaluating:  # one example per quantum at this budget
         evaluated.append(trainer.step_quantum(max_tokens=longest))
         assert trainer.stream.position == position and trainer.step == 1
-    assert len(evaluated) == len(trainer.valid_sample)  # the sample only: not the last step
+    assert len(evaluated) == len(
+        trainer.checkpoints.valid_sample
+    )  # the sample only: not the last step
     assert all(r.tokens == 0 and not r.optimizer_step for r in evaluated)
     assert [r.checkpoint is not None for r in evaluated][-1] and not any(
         r.checkpoint for r in evaluated[:-1]
     )
-    assert trainer.last_metrics is not None and trainer.last_metrics["step"] == 1
+    assert (
+        trainer.checkpoints.last_metrics is not None
+        and trainer.checkpoints.last_metrics["step"] == 1
+    )
     last = trainer.step_quantum()
     assert last.optimizer_step and trainer.stream.finished and not trainer.finished
     final = []
     while not trainer.finished:
         final.append(trainer.step_quantum(max_tokens=longest))
     assert final[-1].finished and final[-1].checkpoint is not None
-    assert len(final) == len(trainer.valid_sample) + (
-        len(valid) if len(valid) != len(trainer.valid_sample) else 0
+    assert len(final) == len(trainer.checkpoints.valid_sample) + (
+        len(valid) if len(valid) != len(trainer.checkpoints.valid_sample) else 0
     )
-    metrics = trainer.last_metrics
+    metrics = trainer.checkpoints.last_metrics
     assert metrics is not None and metrics["step"] == 2 and metrics["full_valid_loss"] is not None
     with pytest.raises(RuntimeError):
         trainer.step_quantum()
