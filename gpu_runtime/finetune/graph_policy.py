@@ -5,7 +5,7 @@ themselves live in :mod:`gpu_runtime.finetune.graphs`.
 
 Once a stream is warm (one eager micro-batch ran on it), a shape is captured when it has been
 seen ``capture_after`` times (default 1: at once). Capturing costs about one or two eager
-micro-batches of host time (H200, 8B shape: 180-370 ms), but every eager micro-batch of a new
+micro-batches of host time, but every eager micro-batch of a new
 shape also grows torch's ordinary cache beside the graphs' pool by that shape's activations (GBs),
 so by default only the warm-up runs eagerly; ``capture_after=2`` keeps shapes seen once eager. At
 most ``max_graphs`` shapes stay captured, and a captured shape is dropped for a new one only when

@@ -3,8 +3,8 @@
 Launched eagerly, one micro-batch of an 8B model is thousands of kernels, each paid for in Python
 and autograd bookkeeping on the host, whatever the number of tokens; the quantum runs on a worker
 thread, so that host work also competes with the decode loop for the GIL. A captured graph
-replays the same kernels with one launch (H200, Llama-3-8B shape, 1 x 256 tokens: a quantum
-93 -> 27 ms, its host time 93 -> 5 ms; see bench/finetune.py). A micro-batch's key, its packed
+replays the same kernels with one launch, so a quantum's host time no longer grows with its
+kernel count (``python -m bench.finetune`` compares the two). A micro-batch's key, its packed
 static inputs and what a run reports live in :mod:`gpu_runtime.finetune.graph_buffers` (the
 names are re-exported here).
 

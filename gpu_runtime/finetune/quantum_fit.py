@@ -11,13 +11,13 @@ replay allocates nothing more.
 **Choice order** (:meth:`QuantumFit.choose`): the largest shape without recomputation that
 fits; else the largest with recomputation; else nothing (the job pauses). A smaller micro-batch
 without recomputation goes before a larger one with it: recomputation runs every decoder layer's
-forward twice (about 1.3x the time per token), while a larger micro-batch of whole examples
-buys a LoRA job little (H200, 36 SMs, 512-token examples: 2 examples 4.3k, 4 examples 4.7k
-tokens/s), and nothing once one example is already a long sequence.
+forward twice per micro-batch, while more whole examples per micro-batch add little to a LoRA
+job's tokens/s, and nothing once one example is already a long sequence (the figures are in
+``docs/decisions/0017-recompute-and-graph-release.md``).
 
-Plain arithmetic (no torch): the bench (`bench/memory_sizing.py`) and a co-location policy size
-quanta with it against `EngineMemory.finetune_budget_bytes()` and, for shapes whose graph pool
-is released between quanta, `finetune_release_plan_bytes()`.
+Plain arithmetic (no torch): the memory bench (``python -m bench.memory``) and a co-location
+policy size quanta with it against `EngineMemory.finetune_budget_bytes()` and, for shapes whose
+graph pool is released between quanta, `finetune_release_plan_bytes()`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ that the memory side can take their graph pools back one shape at a time.
 Used by both finetune sides that release graph pools per shape: the host agent's loop
 (:class:`~gpu_runtime.colocation.loop.HostLoop` with ``release_graph_shapes``, whose shapes are
 placed per launch by :class:`~gpu_runtime.finetune.graph_pools.LaunchPoolGroups`) and the
-memory bench's ``unified_release`` phase (``bench/memory_sizing.py``, shapes placed by its
-warm-up plan). The memory side (``MemoryManager.release_finetune_graphs``) calls
+memory bench's ``unified_release`` phase (``python -m bench.memory``, shapes placed by its
+warm-up plan). The memory side (``FinetuneBudget.graph_release``) calls
 :func:`release_largest_separate` only between quanta, never while one runs; a finetune side
 that is about to capture a shape into a pool of its own first drops the shared pool's graphs
 (:func:`drop_shared_shapes`), so the two pools are never held together. Plain bookkeeping over
@@ -67,7 +67,7 @@ def refused_shapes(trainer: Any) -> set[QuantumShape]:
 def drop_shared_shapes(trainer: Any, memory: Any) -> int:
     """Before a shape is captured into its own pool: drop the shared pool's graphs and let the
     memory side flush (`memory.finetune_graphs_released`: `EngineMemory`'s, which is
-    `MemoryManager.finetune_graphs_released`), so that the two pools are never held together.
+    `manager.finetune.graphs_released`), so that the two pools are never held together.
     Between quanta only. Returns the graphs dropped."""
     graphs = _live_graphs(trainer)
     if graphs is None:
