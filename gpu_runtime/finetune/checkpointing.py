@@ -6,7 +6,8 @@ checkpoint's metrics are the step's own and it is written at once (when there is
 root). With one, its validation passes (:class:`~gpu_runtime.finetune.validation.
 CheckpointEvaluation`: a fixed sample, and every example at the final checkpoint) become the
 trainer's next quanta, one micro-batch each (:meth:`Checkpointing.evaluation_step`); the last of
-them keeps the metrics and writes the checkpoint, so it holds exactly the state evaluated.
+them keeps the metrics and writes the checkpoint, so it holds exactly the state evaluated
+(:meth:`Checkpointing.evaluation_quantum` reports such a quantum).
 While they run, :attr:`Checkpointing.evaluating` is True and the trainer trains nothing.
 
 It holds the checkpoint root, the validation examples and sample, the evaluator of a validation
@@ -17,6 +18,7 @@ writes one (:class:`~gpu_runtime.finetune.checkpoint.CheckpointedTrainer`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,7 @@ import torch
 
 from gpu_runtime.finetune.checkpoint import CheckpointedTrainer, save_checkpoint
 from gpu_runtime.finetune.data import TokenizedExample
+from gpu_runtime.finetune.quantum import QuantumResult, no_training_result, peak_allocated
 from gpu_runtime.finetune.tail import OptimizerTail
 from gpu_runtime.finetune.validation import (
     BatchEvaluator,
@@ -134,6 +137,29 @@ class Checkpointing:
         self._evaluation = None
         self.last_metrics = evaluation.metrics()
         return self.write(trainer)
+
+    def evaluation_quantum(
+        self, trainer: CheckpointedTrainer, max_tokens: int | None, start: float, *, graphed: bool
+    ) -> QuantumResult:
+        """:meth:`evaluation_step` as a quantum that began at ``start`` (``time.perf_counter``;
+        forward only, synced so that ``wall_s`` is its duration). No example is trained, so
+        ``tokens`` is 0; ``graphed``: the trainer runs CUDA graphs, which this quantum does
+        not use."""
+        written = self.evaluation_step(trainer, max_tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        graph: dict[str, Any] = {}
+        if graphed:
+            graph = {"graph": "eager", "graph_fallback": "validation passes run eagerly"}
+        return no_training_result(
+            step=trainer.step,
+            position=trainer.stream.position,
+            finished=trainer.stream.finished and not self.evaluating,
+            wall_s=time.perf_counter() - start,
+            peak=peak_allocated(self.device),
+            checkpoint=written,
+            **graph,
+        )
 
     def metrics(self, *, final: bool) -> dict[str, Any]:
         """OpenAI's checkpoint metrics at the current step, every validation pass run in this

@@ -49,8 +49,6 @@ from gpu_runtime.finetune.quantum import (
     QuantumResult,
     StepRecord,
     TrainerRng,
-    no_training_result,
-    peak_allocated,
     swapped_rng,
 )
 from gpu_runtime.finetune.sliced_quanta import LayerSlicedQuanta
@@ -336,22 +334,8 @@ class LoraTrainer:
         return self.checkpoints.due(self, final=final)
 
     def _evaluation_quantum(self, max_tokens: int | None) -> QuantumResult:
-        """One micro-batch of the due checkpoint's validation passes as a quantum (forward only,
-        at most ``max_tokens`` padded tokens); the last one keeps their metrics and writes the
-        checkpoint. No example is trained, so ``tokens`` is 0."""
+        """A quantum of the due checkpoint's validation passes
+        (:meth:`Checkpointing.evaluation_quantum`)."""
         start, _ = self._begin_quantum()
-        written = self.checkpoints.evaluation_step(self, max_tokens)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        graph: dict[str, Any] = {}
-        if self.graphs is not None:
-            graph = {"graph": "eager", "graph_fallback": "validation passes run eagerly"}
-        return no_training_result(
-            step=self.step,
-            position=self.stream.position,
-            finished=self.finished,
-            wall_s=time.perf_counter() - start,
-            peak=peak_allocated(self.device),
-            checkpoint=written,
-            **graph,
-        )
+        graphed = self.graphs is not None
+        return self.checkpoints.evaluation_quantum(self, max_tokens, start, graphed=graphed)
