@@ -78,7 +78,7 @@ def drop_shared_shapes(trainer: Any, memory: Any) -> int:
 
 
 def release_separate_shape(trainer: Any) -> int:
-    """`MemoryManager.release_finetune_graphs` for `trainer`: drop its largest separately
+    """`FinetuneBudget.graph_release` for `trainer`: drop its largest separately
     pooled shape's graphs (the count; 0 without graphs or such a shape)."""
     graphs = _live_graphs(trainer)
     if graphs is None:
@@ -87,7 +87,7 @@ def release_separate_shape(trainer: Any) -> int:
 
 
 def release_largest_separate(trainers: Iterable[Any]) -> int:
-    """`MemoryManager.release_finetune_graphs` for several jobs: drop the separately pooled
+    """`FinetuneBudget.graph_release` for several jobs: drop the separately pooled
     shape that holds the most (most examples, then the longest sequence, then without
     recomputation: `PoolGroups.largest_separate`'s order) among `trainers`, one shape per
     call. Returns the graphs dropped (0: no trainer pools a shape on its own)."""
