@@ -15,6 +15,7 @@ and no network to reach it, and a setting it would not honour must not be accept
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from gpu_runtime.contract.hparams import (
     DEFAULT_LORA_RANK,
     DEFAULT_LORA_TARGET_MODULES,
     LEARNING_RATE_MULTIPLIER_RANGE,
+    LORA_ALPHA_RANGE,
     N_EPOCHS_RANGE,
 )
 
@@ -49,6 +51,14 @@ def _invalid(param: str, message: str) -> HarliError:
     return HarliError(message, param=param, code="invalid_hyperparameters")
 
 
+def _finite(value: int | float) -> bool:
+    """A number a JSON column holds and float() can take (no inf, nan or int past float)."""
+    try:
+        return math.isfinite(float(value))
+    except OverflowError:
+        return False
+
+
 def _int_or_auto(value: Any, *, param: str, bounds: tuple[int, int]) -> int | str:
     if value is None or value == AUTO:
         return AUTO
@@ -66,7 +76,7 @@ def _float_or_auto(value: Any, *, param: str, bounds: tuple[float, float]) -> fl
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _invalid(param, f"{param} must be a number or 'auto', got {value!r}.")
     low, high = bounds
-    if not low <= float(value) <= high:
+    if not _finite(value) or not low <= float(value) <= high:
         raise _invalid(param, f"{param} must be between {low} and {high}, got {value}.")
     return float(value)
 
@@ -132,7 +142,7 @@ def _beta(value: Any) -> float | str:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise _invalid("beta", f"beta must be a number or 'auto', got {value!r}.")
     low, high = BETA_RANGE
-    if not low < float(value) <= high:
+    if not _finite(value) or not low < float(value) <= high:
         raise _invalid("beta", f"beta must be greater than {low} and at most {high}, got {value}.")
     return float(value)
 
@@ -191,12 +201,18 @@ def parse_lora(lora: Any) -> LoraOptions:
             f"got {rank}.",
         )
     alpha = lora.get("alpha", defaults.alpha)
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or alpha <= 0:
-        raise _invalid("lora.alpha", f"lora.alpha must be a positive number, got {alpha!r}.")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
+        raise _invalid("lora.alpha", f"lora.alpha must be a number, got {alpha!r}.")
+    low, high = LORA_ALPHA_RANGE
+    if not _finite(alpha) or not low < float(alpha) <= high:
+        raise _invalid(
+            "lora.alpha",
+            f"lora.alpha must be greater than {low} and at most {high}, got {alpha!r}.",
+        )
     dropout = lora.get("dropout", defaults.dropout)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
         raise _invalid("lora.dropout", f"lora.dropout must be a number, got {dropout!r}.")
-    if not 0.0 <= dropout < 1.0:
+    if not _finite(dropout) or not 0.0 <= dropout < 1.0:
         raise _invalid("lora.dropout", f"lora.dropout must be in [0, 1), got {dropout}.")
     modules = lora.get("target_modules", list(defaults.target_modules))
     if (

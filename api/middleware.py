@@ -11,6 +11,7 @@ from django.urls import Resolver404, resolve
 
 from api.errors import error_body, is_api_path, not_found_view
 
+NUL = "\x00"
 # Room for the multipart framing and form fields around the file in an upload's body.
 MULTIPART_OVERHEAD_BYTES = 64 * 1024
 
@@ -81,3 +82,46 @@ class RequestSizeLimitMiddleware:
             error_body(message, type_="invalid_request_error", param=param, code=code),
             status=413,
         )
+
+
+class NulRefusalMiddleware:
+    """Refuse a NUL character in an API request's URL or `Authorization` header before any
+    view, authentication or database query sees it (PostgreSQL text cannot hold NUL).
+
+    A path holding NUL names no object: 404 (`unknown_url`, as for any unknown URL). A query
+    parameter: 400. The `Authorization` header: 401, as for any key that matches none. Body
+    strings are refused by the API's parsers (`api.parsers`).
+    """
+
+    def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
+        self.get_response = get_response
+
+    def __call__(self, request: HttpRequest) -> HttpResponse:
+        if not is_api_path(request) and NUL not in request.path:
+            return self.get_response(request)
+        if NUL in request.path_info:
+            return not_found_view(request)
+        if any(
+            NUL in key or any(NUL in value for value in values)
+            for key, values in request.GET.lists()
+        ):
+            return JsonResponse(
+                error_body(
+                    "Query parameters cannot contain the NUL character (%00).",
+                    type_="invalid_request_error",
+                    code="invalid_query",
+                ),
+                status=400,
+            )
+        if NUL in request.META.get("HTTP_AUTHORIZATION", ""):
+            response = JsonResponse(
+                error_body(
+                    "Incorrect API key provided.",
+                    type_="authentication_error",
+                    code="invalid_api_key",
+                ),
+                status=401,
+            )
+            response["WWW-Authenticate"] = 'Bearer realm="harli"'
+            return response
+        return self.get_response(request)

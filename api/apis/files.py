@@ -5,13 +5,13 @@ from __future__ import annotations
 from django.http import StreamingHttpResponse
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers, status
-from rest_framework.parsers import FormParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
 from api.errors import HarliError
 from api.pagination import cursor_page, page_body, parse_limit
+from api.parsers import FormParser, MultiPartParser
 from api.selectors import file_get, file_list
 from api.serializers import (
     ErrorSerializer,

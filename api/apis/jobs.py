@@ -8,7 +8,6 @@ from typing import Any
 
 from drf_spectacular.utils import OpenApiParameter, extend_schema
 from rest_framework import serializers
-from rest_framework.parsers import JSONParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
@@ -17,6 +16,7 @@ from api.apis.files import PAGING_PARAMETERS
 from api.errors import HarliError
 from api.models import FinetuneJob
 from api.pagination import cursor_page, page_body, parse_limit
+from api.parsers import JsonParser
 from api.progress import job_progress_map
 from api.selectors import finetune_job_get, finetune_job_list, job_checkpoint_list, job_event_list
 from api.serializers import (
@@ -72,7 +72,7 @@ def list_metadata_filter(query: Any) -> dict[str, str]:
 
 
 class JobCollectionApi(TenantScopedAPIView):
-    parser_classes = [JSONParser]
+    parser_classes = [JsonParser]
 
     class JobCreateSerializer(serializers.Serializer):
         """Schema of the body; the service checks every field (OpenAI's names, plus `lora`)."""

@@ -7,13 +7,13 @@ from typing import Any
 
 from drf_spectacular.utils import extend_schema, inline_serializer
 from rest_framework import serializers
-from rest_framework.parsers import FormParser, JSONParser, MultiPartParser
 from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
 from api.errors import HarliError
 from api.models import Upload, UploadPart
+from api.parsers import FormParser, JsonParser, MultiPartParser
 from api.selectors import upload_get
 from api.serializers import ErrorSerializer, FileObjectSerializer
 from api.services.files import UploadSource
@@ -62,7 +62,7 @@ def _json_object(request: Request) -> dict[str, Any]:
 
 
 class UploadCollectionApi(TenantScopedAPIView):
-    parser_classes = [JSONParser]
+    parser_classes = [JsonParser]
 
     class UploadCreateSerializer(serializers.Serializer):
         """Schema of the body; the service checks every field."""
@@ -119,7 +119,7 @@ class UploadPartsApi(TenantScopedAPIView):
 
 
 class UploadCompleteApi(TenantScopedAPIView):
-    parser_classes = [JSONParser]
+    parser_classes = [JsonParser]
 
     class UploadCompleteSerializer(serializers.Serializer):
         part_ids = serializers.ListField(child=serializers.CharField(), help_text="in file order")

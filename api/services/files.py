@@ -18,7 +18,7 @@ from django.core.files.uploadedfile import UploadedFile
 from django.db import transaction
 from django.db.models import Q
 
-from api.errors import ConflictError, HarliError
+from api.errors import ConflictError, HarliError, NotFoundError
 from api.models import File, FilePurpose, FileStatus, FinetuneJob, Tenant
 from api.models.ids import new_file_id
 from api.storage import get_storage
@@ -193,20 +193,26 @@ def file_create(*, tenant: Tenant, purpose: str, upload: UploadSource) -> File:
 
 
 def file_delete(*, file: File) -> None:
-    """Delete the row now and the bytes after commit. Refused while an unfinished job uses it."""
-    in_use = (
-        FinetuneJob.objects.filter(tenant=file.tenant)
-        .exclude(status__in=TERMINAL_STATUSES)
-        .filter(Q(training_file_id=file.pk) | Q(validation_file_id=file.pk))
-    )
-    if in_use.exists():
-        raise ConflictError(
-            f"File {file.pk} is used by an unfinished fine-tuning job; cancel it first.",
-            param="file_id",
-            code="file_in_use",
-        )
+    """Delete the row now and the bytes after commit. Refused while an unfinished job uses it.
+
+    The file's row is locked first, as `finetune_job_create` locks it: a job is created on a file
+    that still exists, or the deletion sees that job and is refused.
+    """
     storage_key = file.storage_key
     with transaction.atomic():
+        if not File.objects.select_for_update().filter(pk=file.pk).exists():
+            raise NotFoundError(f"No such file: {file.pk}.", param="file_id")
+        in_use = (
+            FinetuneJob.objects.filter(tenant=file.tenant)
+            .exclude(status__in=TERMINAL_STATUSES)
+            .filter(Q(training_file_id=file.pk) | Q(validation_file_id=file.pk))
+        )
+        if in_use.exists():
+            raise ConflictError(
+                f"File {file.pk} is used by an unfinished fine-tuning job; cancel it first.",
+                param="file_id",
+                code="file_in_use",
+            )
         file.delete()
         transaction.on_commit(lambda: get_storage().delete(storage_key))
 

@@ -210,6 +210,12 @@ def finetune_job_create(
     _check_method_files(method=training_method.type, train=train, valid=valid)
     job_files_check_tokens(base_model=base_model, training_file=train, validation_file=valid)
     with transaction.atomic():
+        # Lock the files' rows, as `file_delete` does: a file deleted meanwhile is refused here.
+        for param, file in (("training_file", train), ("validation_file", valid)):
+            locked = file is None or File.objects.select_for_update().filter(pk=file.pk).exists()
+            if not locked:
+                assert file is not None
+                raise HarliError(f"No such file: {file.pk}.", param=param, code="invalid_file")
         job = FinetuneJob.objects.create(
             tenant=tenant,
             base_model=base_model,

@@ -40,6 +40,8 @@ BETA_RANGE = (0.0, 2.0)
 """DPO's beta a job may ask for: above the low end (exclusive) and at most the high end."""
 LORA_RANK_RANGE = (1, 256)
 """Ranks an adapter may have."""
+LORA_ALPHA_RANGE = (0.0, 4096.0)
+"""LoRA alpha a job may ask for: above the low end (exclusive) and at most the high end."""
 DEFAULT_LORA_MAX_RANK = 64
 """The largest LoRA rank a host serves by default; the control plane refuses jobs above it."""
 DEFAULT_LORA_RANK = 16
