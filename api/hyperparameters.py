@@ -203,11 +203,11 @@ def parse_lora(lora: Any) -> LoraOptions:
     alpha = lora.get("alpha", defaults.alpha)
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)):
         raise _invalid("lora.alpha", f"lora.alpha must be a number, got {alpha!r}.")
-    low, high = LORA_ALPHA_RANGE
-    if not _finite(alpha) or not low < float(alpha) <= high:
+    alpha_low, alpha_high = LORA_ALPHA_RANGE
+    if not _finite(alpha) or not alpha_low < float(alpha) <= alpha_high:
         raise _invalid(
             "lora.alpha",
-            f"lora.alpha must be greater than {low} and at most {high}, got {alpha!r}.",
+            f"lora.alpha must be greater than {alpha_low} and at most {alpha_high}, got {alpha!r}.",
         )
     dropout = lora.get("dropout", defaults.dropout)
     if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):

@@ -71,5 +71,6 @@ class MultiPartParser(parsers.MultiPartParser):
     def parse(self, stream: Any, media_type: str | None = None, parser_context: Any = None) -> Any:
         result = super().parse(stream, media_type, parser_context)
         refuse_nul(dict(result.data.lists()))
-        refuse_nul([name for name in result.files] + [f.name for f in result.files.values()])
+        refuse_nul(list(result.files.keys()))
+        refuse_nul([upload.name for _, uploads in result.files.lists() for upload in uploads])
         return result
