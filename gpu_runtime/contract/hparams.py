@@ -92,8 +92,12 @@ class LoraSpec:
         low, high = LORA_RANK_RANGE
         if not low <= self.rank <= high:
             raise HyperparameterError(f"rank must be in {low}..{high}, got {self.rank}")
-        if self.alpha <= 0:
-            raise HyperparameterError(f"alpha must be > 0, got {self.alpha}")
+        alpha_low, alpha_high = LORA_ALPHA_RANGE
+        if not alpha_low < self.alpha <= alpha_high:  # also refuses NaN
+            raise HyperparameterError(
+                f"alpha must be greater than {alpha_low} and at most {alpha_high}, "
+                f"got {self.alpha}"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise HyperparameterError(f"dropout must be in [0, 1), got {self.dropout}")
         object.__setattr__(self, "target_modules", resolve_target_modules(self.target_modules))
