@@ -50,7 +50,12 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
   `harvestable_tokens_per_s` (the host's estimate of the finetune tokens/s it can harvest),
   `harvest` (how: `source` "predictor" or "measured", and the estimate's inputs),
   `placements` (ids the host trains), `adapters` (names it serves), `predictor_version` and
-  `predictor_mape` (the latency predictor artifact loaded, null without one).
+  `predictor_mape` (the latency predictor artifact loaded, null without one), and `serving`
+  (what the gateway routes by: `running` and `waiting` requests, `kv_free_pages` and
+  `kv_total_pages`, `adapter_slots_used` and `adapter_slots_total`, `resident_adapters` (the
+  names in GPU slots now), `tpot_p50_ms` and `slo_attainment` (the decode iterations of the
+  last :data:`SERVING_WINDOW_S` seconds: median time per output token, and the fraction within
+  the host's TPOT SLO; null when none ran); absent from hosts that do not serve).
 * `job_started`: `placement_id`, `job_id`, `resumed_from_step` (0 for a fresh start),
   `total_steps`, `hyperparameters` (`{"n_epochs", "batch_size", "learning_rate_multiplier"}`,
   what "auto" resolved to on the host).
@@ -84,6 +89,7 @@ import uuid
 from typing import Any
 
 HOST_COMMAND_TASK = "harli.agent.command"
+SERVING_WINDOW_S = 30.0
 HOST_REPORT_TASK = "workers.host_report"
 CONTROL_QUEUE = "control"
 
