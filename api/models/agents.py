@@ -34,6 +34,10 @@ class HostAgentState(models.Model):
     and the estimate's inputs (`gpu_runtime.agent.predictor.HarvestEstimate`)."""
     placements = models.JSONField(default=list)
     adapters = models.JSONField(default=list)
+    serving = models.JSONField(default=dict)
+    """What the gateway routes by (the heartbeat's `serving`, see
+    `gpu_runtime.contract.protocol`): running and waiting requests, free KV pages, adapter
+    slots and resident adapters, recent TPOT and SLO attainment. Empty until reported."""
     reported_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

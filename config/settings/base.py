@@ -116,6 +116,14 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {
 # One `POST /v1/files` carries at most HARLI_MAX_UPLOAD_BYTES of file; larger files go through
 # the Uploads API (`/v1/uploads`): parts of at most HARLI_UPLOAD_PART_MAX_BYTES (OpenAI: 64 MB),
 # at most HARLI_UPLOAD_MAX_BYTES in all (OpenAI: 8 GB), completed within HARLI_UPLOAD_EXPIRES_S.
+# The inference gateway (`api.gateway`): the fleet's secret from which each host's grant key is
+# derived (`manage.py hosts key NAME` prints a host's), and how long it waits for a host.
+GATEWAY_SECRET = env_str("HARLI_GATEWAY_SECRET", "")
+GATEWAY_CONNECT_TIMEOUT_S = env_int("HARLI_GATEWAY_CONNECT_TIMEOUT_S", 2)
+GATEWAY_READ_TIMEOUT_S = env_int("HARLI_GATEWAY_READ_TIMEOUT_S", 300)
+"""Longest wait for a host's first byte, and between two chunks of a stream."""
+GATEWAY_MAX_BODY_BYTES = env_int("HARLI_GATEWAY_MAX_BODY_BYTES", 32 * 1024 * 1024)
+
 HARLI_MAX_UPLOAD_BYTES = env_int("HARLI_MAX_UPLOAD_BYTES", 512 * 1024 * 1024)
 HARLI_UPLOAD_PART_MAX_BYTES = env_int("HARLI_UPLOAD_PART_MAX_BYTES", 64 * 1024 * 1024)
 HARLI_UPLOAD_MAX_BYTES = env_int("HARLI_UPLOAD_MAX_BYTES", 8 * 1024 * 1024 * 1024)

@@ -1,9 +1,10 @@
-"""`manage.py hosts register NAME ... | drain NAME | undrain NAME | list`."""
+"""`manage.py hosts register NAME ... | drain NAME | undrain NAME | list | key NAME`."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from django.conf import settings
 from django.core.management.base import CommandError
 
 from api.management.base import NounCommand
@@ -16,12 +17,13 @@ from api.services.fleet import (
     host_register,
     host_undrain,
 )
+from gpu_runtime.contract.grants import host_key
 
 GIB = 2**30
 
 
 class Command(NounCommand):
-    help = "Register, drain, return to service and list GPU runtime hosts."
+    help = "Register, drain, return to service and list GPU runtime hosts; print a host's key."
 
     def add_actions(self, subparsers: Any) -> None:
         register = subparsers.add_parser("register", help="register a runtime host")
@@ -38,6 +40,12 @@ class Command(NounCommand):
             "undrain", help="return a draining host to service (it takes new jobs again)"
         )
         undrain.add_argument("name")
+        key = subparsers.add_parser(
+            "key",
+            help="print the host's grant key (give it to its agent as HARLI_HOST_KEY or "
+            "--host-key-file): the agent accepts only requests the gateway signed with it",
+        )
+        key.add_argument("name")
         listing = subparsers.add_parser("list", help="list hosts")
         listing.add_argument("--status", choices=HostStatus.values)
 
@@ -72,6 +80,10 @@ class Command(NounCommand):
     def action_undrain(self, *, name: str, **_: Any) -> None:
         host = host_undrain(host=host_get(name=name))
         self.stdout.write(f"Host {host.name} is {host.status}.")
+
+    def action_key(self, *, name: str, **_: Any) -> None:
+        host = host_get(name=name)
+        self.stdout.write(host_key(settings.GATEWAY_SECRET, host.name))
 
     def action_list(self, *, status: str | None, **_: Any) -> None:
         rows = [

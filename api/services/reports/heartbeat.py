@@ -4,6 +4,7 @@ models that were deleted, drain or undrain to follow the host's status)."""
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any
 
@@ -53,6 +54,7 @@ def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
             "harvest": dict(message.get("harvest") or {}),
             "placements": list(message["placements"]),
             "adapters": list(message.get("adapters", [])),
+            "serving": _serving(message.get("serving")),
             "reported_at": now,
         },
     )
@@ -75,6 +77,32 @@ def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
         send = partial(host_dispatch().host_command_send, host_name=host.name, command=command)
         transaction.on_commit(send, robust=True)
     return "applied"
+
+
+_SERVING_COUNTS = ("running", "waiting", "kv_free_pages", "kv_total_pages",
+                   "adapter_slots_used", "adapter_slots_total")  # fmt: skip
+_SERVING_FIGURES = ("tpot_p50_ms", "slo_attainment")
+
+
+def _serving(reported: Any) -> dict[str, Any]:
+    """The heartbeat's `serving` figures with their types checked; what is malformed is left
+    out (the gateway treats a missing figure as unknown)."""
+    if not isinstance(reported, dict):
+        return {}
+    serving: dict[str, Any] = {}
+    for name in _SERVING_COUNTS:
+        value = reported.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+            serving[name] = value
+    for name in _SERVING_FIGURES:
+        value = reported.get(name)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            if math.isfinite(value) and value >= 0:
+                serving[name] = float(value)
+    resident = reported.get("resident_adapters")
+    if isinstance(resident, list):
+        serving["resident_adapters"] = [str(n) for n in resident if isinstance(n, str)]
+    return serving
 
 
 def _offer_base_model(host: GpuHost, serving: str) -> None:

@@ -1,0 +1,114 @@
+"""The control plane's ASGI application: the gateway's two inference paths, Django for the rest.
+
+`with_gateway(django_app)` wraps Django's ASGI handler. The gateway answers
+`POST /v1/completions` and `POST /v1/chat/completions` as a plain ASGI app (no Django request
+cycle per event of a stream); every other path, `GET /v1/models` included, goes to Django. The
+wrapper owns the ASGI lifespan: at startup it starts the gateway's background work (usage
+flushes), at shutdown it flushes the usage still in memory and closes the connections to the
+hosts. Servers without lifespan events get the same start on the first request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import httpx
+from django.conf import settings
+
+from api.gateway.app import Gateway
+from api.gateway.asgi_io import Receive, Scope, Send
+from api.gateway.callers import Callers
+from api.gateway.db import db_call
+from api.gateway.fleet import FleetView
+from api.gateway.upstream import Upstream
+from api.rate_limits import rate_limiter_from_settings
+from api.usage_recorder import UsageRecorder
+
+logger = logging.getLogger("harli.gateway")
+
+USAGE_FLUSH_S = 2.0
+"""How often usage counts leave memory for the database (one batch of rows per flush)."""
+
+
+def build_gateway() -> Gateway:
+    if not settings.GATEWAY_SECRET:
+        raise RuntimeError("GATEWAY_SECRET is empty: set HARLI_GATEWAY_SECRET")
+    client = httpx.AsyncClient(
+        timeout=httpx.Timeout(
+            connect=settings.GATEWAY_CONNECT_TIMEOUT_S,
+            read=settings.GATEWAY_READ_TIMEOUT_S,
+            write=settings.GATEWAY_READ_TIMEOUT_S,
+            pool=None,
+        ),
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
+        trust_env=False,
+    )
+    fleet = FleetView()
+    return Gateway(
+        callers=Callers(),
+        upstream=Upstream(secret=settings.GATEWAY_SECRET, fleet=fleet, client=client),
+        limiter=rate_limiter_from_settings(),
+        usage=UsageRecorder(),
+        max_body_bytes=settings.GATEWAY_MAX_BODY_BYTES,
+    )
+
+
+class ControlPlaneApp:
+    """See the module docstring."""
+
+    def __init__(self, django_app: Any, gateway: Gateway) -> None:
+        self.django_app = django_app
+        self.gateway = gateway
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http" and Gateway.handles(scope["path"]):
+            self.start()
+            await self.gateway(scope, receive, send)
+        elif kind == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self.django_app(scope, receive, send)
+
+    def start(self) -> None:
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush_usage())
+
+    async def stop(self) -> None:
+        if self._flusher is not None:
+            self._flusher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._flusher
+            self._flusher = None
+        await self._flush_once()
+        await self.gateway.upstream.client.aclose()
+
+    async def _flush_usage(self) -> None:
+        while True:
+            await asyncio.sleep(USAGE_FLUSH_S)
+            await self._flush_once()
+
+    async def _flush_once(self) -> None:
+        try:
+            await db_call(self.gateway.usage.flush)
+        except Exception:  # kept in memory for the next flush
+            logger.exception("cannot write usage; keeping it for the next flush")
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                self.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+
+def with_gateway(django_app: Any) -> ControlPlaneApp:
+    return ControlPlaneApp(django_app, build_gateway())

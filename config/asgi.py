@@ -1,0 +1,13 @@
+"""ASGI entry point (`uvicorn config.asgi:application`): Django behind the inference gateway
+(`api.gateway.asgi`), which answers `/v1/completions` and `/v1/chat/completions` itself."""
+
+import os
+
+from django.core.asgi import get_asgi_application
+
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings.local")
+django_application = get_asgi_application()
+
+from api.gateway.asgi import with_gateway  # noqa: E402  (needs Django set up)
+
+application = with_gateway(django_application)
