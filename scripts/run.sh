@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install and run the whole platform on this machine: web (control plane + console), a Celery
-# worker, Celery beat and one local host agent. With DATABASE_URL and CELERY_BROKER_URL unset it
+# Install and run the whole platform on this machine: web (control plane, console and the
+# inference gateway, under uvicorn), a Celery worker, Celery beat and one local host agent. With DATABASE_URL and CELERY_BROKER_URL unset it
 # needs no service: SQLite under var/ and Celery's filesystem transport under var/broker (a
 # broker made of files, which works across processes; `memory://` would not). Seeds a demo
 # tenant, key, the `tiny` model, a deployment and an operator, registers the local host, prints
@@ -27,7 +27,10 @@ agent_listen=${HARLI_AGENT_LISTEN:-127.0.0.1:8100}
 
 python manage.py migrate --no-input -v 0
 mkdir -p var/log
-python manage.py seed_demo --url "$url" | tee var/log/seed.txt
+# The seed's output holds the operator's password: readable by this user only.
+(umask 077; python manage.py seed_demo --url "$url" > var/log/seed.txt)
+chmod 600 var/log/seed.txt
+cat var/log/seed.txt
 key=$(awk '/demo tenant API key:/{print $NF}' var/log/seed.txt)
 
 base_model=tiny
@@ -73,8 +76,9 @@ stop_all() {
 }
 trap stop_all INT TERM EXIT
 
-# --noreload: one process per role, so a signal stops each at once and leaves nothing behind.
-python manage.py runserver --noreload "$bind" >var/log/web.log 2>&1 & pids+=($!)
+# The ASGI app (config/asgi.py): Django and the gateway's streaming inference routes.
+uvicorn config.asgi:application --host "${bind%:*}" --port "${bind##*:}" --lifespan on \
+  --no-access-log >var/log/web.log 2>&1 & pids+=($!)
 celery -A config worker --pool solo -Q control --hostname "harli-worker@%h" \
   --without-gossip --without-mingle --without-heartbeat -l WARNING >var/log/worker.log 2>&1 &
 pids+=($!)
@@ -82,6 +86,8 @@ celery -A config beat -l WARNING --schedule var/celerybeat-schedule >var/log/bea
 pids+=($!)
 # The committed latency predictors (predictor_models/artifacts/<gpu>/<model>/): an H200 serving
 # llama3-8b loads one and reports its estimate; other hosts run without one.
+# The agent accepts only requests the gateway signed with the host's key.
+HARLI_HOST_KEY=$(python manage.py hosts key "$agent_name") \
 python -m gpu_runtime.agent --host "$agent_name" --base-model "$base_model" \
   --control-url "$url" --listen "$agent_listen" \
   --predictor "${HARLI_PREDICTOR:-predictor_models/artifacts}" "${agent_args[@]}" \
@@ -97,6 +103,34 @@ for _ in $(seq 1 600); do
   sleep 0.5
 done
 cat <<TXT
+
+Harli is running (logs in var/log/; Ctrl-C stops everything):
+  control plane, console and inference: $url/v1   (console: $url/console/)
+  host agent $agent_name serving $base_model behind the gateway: http://$agent_listen
+  broker:                               $CELERY_BROKER_URL ${HARLI_BROKER_DIR:-}
+
+Fine-tune the $base_model model and chat with the result, all through one base URL:
+
+python - <<'PY'
+import time
+from openai import OpenAI
+client = OpenAI(base_url="$url/v1", api_key="$key")
+f = client.files.create(file=open("$PWD/var/demo/train.jsonl", "rb"), purpose="fine-tune")
+job = client.fine_tuning.jobs.create(model="$base_model", training_file=f.id, suffix="demo")
+while job.status not in ("succeeded", "failed", "cancelled"):
+    time.sleep(2)
+    job = client.fine_tuning.jobs.retrieve(job.id)
+    print(job.status, flush=True)
+assert job.status == "succeeded", job.error
+print("fine-tuned model:", job.fine_tuned_model)
+stream = client.chat.completions.create(
+    model=job.fine_tuned_model, messages=[{"role": "user", "content": "Say hi"}],
+    max_tokens=16, stream=True,
+)
+for chunk in stream:  # server-sent events, token by token
+    print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
+print()
+PY
 
 Harli is running (logs in var/log/; Ctrl-C stops everything):
   control plane + console:    $url/console/

@@ -48,7 +48,7 @@ def build_gateway() -> Gateway:
     )
     fleet = FleetView()
     return Gateway(
-        callers=Callers(),
+        callers=Callers(ttl_s=settings.GATEWAY_KEY_CACHE_TTL_S),
         upstream=Upstream(secret=settings.GATEWAY_SECRET, fleet=fleet, client=client),
         limiter=rate_limiter_from_settings(),
         usage=UsageRecorder(),

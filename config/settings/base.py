@@ -116,6 +116,20 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {
 # One `POST /v1/files` carries at most HARLI_MAX_UPLOAD_BYTES of file; larger files go through
 # the Uploads API (`/v1/uploads`): parts of at most HARLI_UPLOAD_PART_MAX_BYTES (OpenAI: 64 MB),
 # at most HARLI_UPLOAD_MAX_BYTES in all (OpenAI: 8 GB), completed within HARLI_UPLOAD_EXPIRES_S.
+# Logs go to stderr: every module's warnings and errors, and the platform's own `harli.*` loggers
+# (the gateway's routing decisions among them) from HARLI_LOG_LEVEL up.
+LOGGING = {
+    "version": 1,
+    "disable_existing_loggers": False,
+    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
+    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
+    "root": {"handlers": ["stderr"], "level": "WARNING"},
+    "loggers": {
+        "harli": {"handlers": ["stderr"], "level": env_str("HARLI_LOG_LEVEL", "INFO"),
+                  "propagate": False},  # fmt: skip
+    },
+}
+
 # The inference gateway (`api.gateway`): the fleet's secret from which each host's grant key is
 # derived (`manage.py hosts key NAME` prints a host's), and how long it waits for a host.
 GATEWAY_SECRET = env_str("HARLI_GATEWAY_SECRET", "")
@@ -123,6 +137,9 @@ GATEWAY_CONNECT_TIMEOUT_S = env_int("HARLI_GATEWAY_CONNECT_TIMEOUT_S", 2)
 GATEWAY_READ_TIMEOUT_S = env_int("HARLI_GATEWAY_READ_TIMEOUT_S", 300)
 """Longest wait for a host's first byte, and between two chunks of a stream."""
 GATEWAY_MAX_BODY_BYTES = env_int("HARLI_GATEWAY_MAX_BODY_BYTES", 32 * 1024 * 1024)
+GATEWAY_KEY_CACHE_TTL_S = env_int("HARLI_GATEWAY_KEY_CACHE_TTL_S", 5)
+"""How long the gateway trusts a key's (and a model name's) lookup: a revoked key, a deleted
+model or a changed rate limit takes effect within this many seconds."""
 
 HARLI_MAX_UPLOAD_BYTES = env_int("HARLI_MAX_UPLOAD_BYTES", 512 * 1024 * 1024)
 HARLI_UPLOAD_PART_MAX_BYTES = env_int("HARLI_UPLOAD_PART_MAX_BYTES", 64 * 1024 * 1024)

@@ -18,7 +18,7 @@ from config.settings.base import *  # noqa: F403
 from config.settings.base import SQLITE_BUSY_TIMEOUT_MS
 
 SECRET_KEY = "harli-test-only"
-GATEWAY_SECRET = "harli-test-gateway-secret"
+GATEWAY_SECRET = env_str("HARLI_GATEWAY_SECRET", "harli-test-gateway-secret")
 HARLI_TEST_DB = env_str("HARLI_TEST_DB", "postgres")
 if HARLI_TEST_DB not in {"postgres", "sqlite"}:
     raise EnvError(f"HARLI_TEST_DB={HARLI_TEST_DB!r} is not a test database (postgres or sqlite)")

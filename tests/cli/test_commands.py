@@ -197,14 +197,14 @@ def test_seed_demo_is_idempotent_and_prints_working_credentials(
     password = re.search(r"user admin, password (\S+)\)", first)
     assert password is not None
     assert User.objects.get(username="admin").check_password(password.group(1))
-    key = re.search(r"api_key=\"(hk-\w+)\"", first)
+    key = re.search(r"demo tenant API key: +(hk-\w+)", first)
     assert key is not None and api_key_authenticate(key=key.group(1)) is not None
-    assert 'base_url="http://127.0.0.1:9999/v1"' in first
+    assert re.search(r"tenant API \(OpenAI shape\): +http://127.0.0.1:9999/v1\n", first)
     assert (tmp_path / "demo" / "train.jsonl").read_text().count("\n") == 3
 
     monkeypatch.setenv("HARLI_OPERATOR_PASSWORD", "from-env-1")
     second = run("seed_demo")
-    new_key = re.search(r"api_key=\"(hk-\w+)\"", second)
+    new_key = re.search(r"demo tenant API key: +(hk-\w+)", second)
     assert new_key is not None and new_key.group(1) != key.group(1)
     assert api_key_authenticate(key=key.group(1)) is None  # the earlier demo key is revoked
     assert User.objects.get(username="admin").check_password("from-env-1")

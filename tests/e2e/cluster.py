@@ -69,6 +69,15 @@ def others_in_a_transaction() -> bool:
         probe.close()
 
 
+def host_grant_key(host: str) -> str:
+    """The key the gateway of the test settings signs `host`'s grants with."""
+    from django.conf import settings
+
+    from gpu_runtime.contract.grants import host_key
+
+    return host_key(settings.GATEWAY_SECRET, host)
+
+
 def port_open(port: int) -> bool:
     try:
         with socket.create_connection(("127.0.0.1", port), timeout=0.2):
@@ -163,10 +172,15 @@ class Cluster:
         time.sleep(down_s)
         self.start_redis()
 
+    def start_web(self, name: str = "web", port: int | None = None) -> Proc:
+        """The control plane's ASGI app (API, console, gateway) under uvicorn, as `run.sh`."""
+        return self.spawn(name, [sys.executable, "-m", "uvicorn", "config.asgi:application",
+                                 "--host", "127.0.0.1", "--port", str(port or self.web_port),
+                                 "--lifespan", "on", "--no-access-log"])  # fmt: skip
+
     def start_control_plane(self) -> None:
         py = sys.executable
-        self.spawn("web", [py, "manage.py", "runserver", "--noreload", "--nothreading",
-                           f"127.0.0.1:{self.web_port}"])  # fmt: skip
+        self.start_web()
         self.spawn("worker", [py, "-m", "celery", "-A", "config", "worker", "--pool", "solo",
                               "-Q", "control", "--hostname", f"e2e-{self.web_port}@%h",
                               "--without-gossip", "--without-mingle", "-l", "WARNING"])  # fmt: skip
@@ -175,7 +189,7 @@ class Cluster:
 
     def start_agent(self, host: str, extra: tuple[str, ...] = ()) -> Proc:
         port = self.agent_ports.setdefault(host, free_port())
-        env = {**self.env, "HARLI_TORCH_THREADS": "1"}
+        env = {**self.env, "HARLI_TORCH_THREADS": "1", "HARLI_HOST_KEY": host_grant_key(host)}
         return self.spawn(
             host,
             [sys.executable, "-m", "gpu_runtime.agent", "--host", host,

@@ -1,5 +1,6 @@
 """One cluster per e2e module: private Redis (append-only), the test database (PostgreSQL, or
-the SQLite file with HARLI_TEST_DB=sqlite), `runserver`, a Celery worker and beat, and two host
+the SQLite file with HARLI_TEST_DB=sqlite), the web process under uvicorn (API, console,
+gateway; rate limits in the private Redis), a Celery worker and beat, and two host
 agents: `agent-a` with a latency predictor artifact for the tiny model, `agent-b` without.
 
 Short intervals for the tests come from the environment: heartbeats every 0.5 s, a host is lost
@@ -129,6 +130,7 @@ def cluster(
     }
     redis_port, web_port = free_port(), free_port()
     env["CELERY_BROKER_URL"] = f"redis://127.0.0.1:{redis_port}/0"
+    env["HARLI_RATE_LIMIT_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/1"
     cluster = Cluster(tmp=tmp, env=env, redis_port=redis_port, web_port=web_port,
                       model_dir=tiny_model_dir)  # fmt: skip
     try:

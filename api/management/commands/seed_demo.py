@@ -2,7 +2,8 @@
 
 Creates (when missing) the tenant `demo`, the `tiny` base model, the deployment `tiny-chat`,
 and the operator `admin`; issues a fresh demo API key on every run (earlier demo keys are
-revoked); writes a small training file; prints how to call the API with the `openai` client.
+revoked); writes a small training file (`var/demo/train.jsonl`); prints where to reach the API
+and the console.
 The operator's password comes from HARLI_OPERATOR_PASSWORD, or is generated on first creation
 (an existing operator's password is left alone unless HARLI_OPERATOR_PASSWORD is set).
 """
@@ -72,19 +73,7 @@ Harli is starting at {url}
   API docs (Swagger UI):      {url}/api/docs/
   operator console:           {url}/console/   {operator_note}
   demo tenant API key:        {key}
-
-Try it with the openai client (pip install openai):
-
-python - <<'PY'
-from openai import OpenAI
-client = OpenAI(base_url="{url}/v1", api_key="{key}")
-f = client.files.create(file=open("{train}", "rb"), purpose="fine-tune")
-job = client.fine_tuning.jobs.create(model="tiny", training_file=f.id, suffix="demo")
-print(job.id, job.status)
-for event in client.fine_tuning.jobs.list_events(job.id):
-    print(event.message)
-print([m.id for m in client.models.list()])
-PY
+  demo training file:         {train}
 """
         )
 
