@@ -1,4 +1,5 @@
-"""Tenants' API keys, checked against the control plane and cached with a TTL.
+"""Tenants' API keys, checked against the control plane and cached with a TTL: the way a host
+took requests before the gateway, on only with `--allow-tenant-keys` (`agent.host_auth`).
 
 The agent asks the control plane's public `GET /v1/models` with the tenant's key: 200 means
 the key is active, and its list is exactly the models that tenant may call (base models and
@@ -8,14 +9,15 @@ bad or revoked. Answers are cached by the key's SHA-256 for `ttl_s` seconds (fai
 after revocation, and the control plane sees at most one check per key per TTL per host.
 When the control plane cannot be reached, the key is refused (fail closed).
 
-The list leaves out jobs' checkpoints (OpenAI's does too), so a grant also answers for a model
-it does not list by asking `GET /v1/models/{name}` with the same key (`KeyGrant.unlisted`):
+The list leaves out jobs' checkpoints (OpenAI's does too), so an access also answers for a
+model it does not list by asking `GET /v1/models/{name}` with the same key
+(`ModelAccess.unlisted`):
 200 allows it, anything else refuses it. Those answers are cached per key and name with the
 same TTLs, so a deleted or pruned checkpoint is refused within `ttl_s` seconds too.
 
-A `KeyVerifier` is the host server's `ApiKeyChecker` (`gpu_runtime.server.auth`): called with a
-key it returns the grant, or None to refuse it (401). The server calls it from a worker thread,
-so the blocking lookup never stalls the event loop.
+A `KeyVerifier` is an `ApiKeyChecker` (`gpu_runtime.server.auth`): called with a key it returns
+the key's access, or None to refuse it (401). `BearerKeys` calls it from a worker thread, so the
+blocking lookup never stalls the event loop.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from functools import partial
 
-from gpu_runtime.server.auth import KeyGrant
+from gpu_runtime.server.auth import ModelAccess
 
 logger = logging.getLogger(__name__)
 
@@ -59,21 +61,21 @@ class KeyVerifier:
         self.negative_ttl_s = min(ttl_s, negative_ttl_s)
         self.timeout_s = timeout_s
         self.clock = clock
-        self._cache: dict[str, tuple[float, KeyGrant | None]] = {}
+        self._cache: dict[str, tuple[float, ModelAccess | None]] = {}
         self._named: dict[tuple[str, str], tuple[float, bool]] = {}
         self._lock = threading.Lock()
         self.lookups = 0
 
-    def __call__(self, key: str | None) -> KeyGrant | None:
-        """The key's grant, or None when it is refused (the server answers 401)."""
+    def __call__(self, key: str | None) -> ModelAccess | None:
+        """The key's access, or None when it is refused (the server answers 401)."""
         try:
             return self.check(key or "")
         except KeyRejected as exc:
             logger.debug("API key refused: %s", exc)
             return None
 
-    def check(self, key: str) -> KeyGrant:
-        """The key's grant, or KeyRejected."""
+    def check(self, key: str) -> ModelAccess:
+        """The key's access, or KeyRejected."""
         if not key:
             raise KeyRejected("missing API key")
         digest = hashlib.sha256(key.encode()).hexdigest()
@@ -81,20 +83,20 @@ class KeyVerifier:
         with self._lock:
             cached = self._cache.get(digest)
         if cached is not None and cached[0] > now:
-            grant = cached[1]
+            access = cached[1]
         else:
-            grant = self._lookup(key)
-            ttl = self.ttl_s if grant is not None else self.negative_ttl_s
+            access = self._lookup(key)
+            ttl = self.ttl_s if access is not None else self.negative_ttl_s
             with self._lock:
-                self._cache[digest] = (now + ttl, grant)
+                self._cache[digest] = (now + ttl, access)
                 if len(self._cache) > 10_000:
                     self._cache = {k: v for k, v in self._cache.items() if v[0] > now}
-        if grant is None:
+        if access is None:
             raise KeyRejected("Incorrect API key provided.")
         # Bound to the key per call: the cache keeps digests, never the key itself.
-        return replace(grant, unlisted=partial(self.allows_model, key))
+        return replace(access, unlisted=partial(self.allows_model, key))
 
-    def _lookup(self, key: str) -> KeyGrant | None:
+    def _lookup(self, key: str) -> ModelAccess | None:
         self.lookups += 1
         request = urllib.request.Request(
             f"{self.control_url}/v1/models", headers={"Authorization": f"Bearer {key}"}
@@ -109,7 +111,7 @@ class KeyVerifier:
         except (urllib.error.URLError, OSError, ValueError) as exc:
             raise KeyRejected(f"cannot reach the control plane to check the key: {exc}") from exc
         models = frozenset(str(entry["id"]) for entry in body.get("data", []))
-        return KeyGrant(models=models)
+        return ModelAccess(models=models)
 
     def allows_model(self, key: str, model: str) -> bool:
         """Whether the control plane lets `key` retrieve `model` (cached, see the module

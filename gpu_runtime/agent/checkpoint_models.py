@@ -2,13 +2,13 @@
 
 A checkpoint's model name (`ft:<base>:<tenant>:<suffix>:<job id>:ckpt-step-<N>`, OpenAI's
 `fine_tuned_model_checkpoint`) names its storage prefix (`protocol.checkpoint_key(job, N)`), so
-the host needs no message to serve one: the first request that names it, once the control plane
-has confirmed that the caller's key may call it (`KeyGrant.allows_unlisted`, which asks
-`GET /v1/models/{name}` with that key), fetches its PEFT files and registers them with the LoRA
-runtime. Checkpoints are loaded on demand rather than whenever one is written because a job
-writes many and few are ever called: loading each on every host would fill the hosts' adapter
-registries with weights nobody asked for. A checkpoint deleted or pruned is unloaded by the
-control plane (`unload_adapter`, sent again while a heartbeat names it).
+the host needs no message to serve one: the first request allowed to call it
+(`ModelAccess.allows_unlisted`: the gateway's grant names it, or, for a tenant's key, the control
+plane answers `GET /v1/models/{name}` for that key) fetches its PEFT files and registers them
+with the LoRA runtime. Checkpoints are loaded on demand rather than whenever one is written
+because a job writes many and few are ever called: loading each on every host would fill the
+hosts' adapter registries with weights nobody asked for. A checkpoint deleted or pruned is
+unloaded by the control plane (`unload_adapter`, sent again while a heartbeat names it).
 """
 
 from __future__ import annotations

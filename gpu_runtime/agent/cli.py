@@ -3,10 +3,12 @@
 Starts, in this order: the report sender (control queue), the engine loop thread (one engine per
 base model with its LoRA runtime for adapters, driven by `HostRuntime`: `HostLoop` decode
 iterations and finetune quanta), the OpenAI-compatible server of `gpu_runtime.server` over that
-loop (streaming, usage, `/v1/models`, keys checked against the control plane), the host-queue
-consumer; then sends heartbeats from the main thread until SIGTERM or SIGINT, and stops
-everything in reverse order. Exits with status 3 (HOST_QUEUE_LOST_EXIT) if the host-queue
-consumer gave up (`channel.CommandConsumer`).
+loop (streaming, usage, `/v1/models`; requests accepted by the gateway's grant, verified with the
+host key from `--host-key-file` or HARLI_HOST_KEY, and by tenants' keys checked against the
+control plane only with `--allow-tenant-keys`: `host_auth`), the host-queue consumer; then
+sends heartbeats from the main thread until SIGTERM or SIGINT, and stops everything in reverse
+order. Exits with status 3 (HOST_QUEUE_LOST_EXIT) if the host-queue consumer gave up
+(`channel.CommandConsumer`).
 Without `--model-dir` it builds the tiny built-in model (random weights, seed 0) under
 `--work-dir`, so every agent started that way serves identical weights.
 """
@@ -26,6 +28,7 @@ from typing import Any
 from gpu_runtime.agent.config import (
     DEFAULT_DECODE_GROUPS,
     GIB,
+    HOST_KEY_ENV,
     AgentConfig,
     AgentConfigError,
     env_broker_url,
@@ -50,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--storage", default=env("HARLI_STORAGE_DIR", "var/storage"))
     p.add_argument("--work-dir", default=None, help="default: var/agents/<host>")
     p.add_argument("--control-url", default=env("HARLI_CONTROL_URL", "http://127.0.0.1:8000"))
+    p.add_argument("--host-key-file", default=None,
+                   help="file holding this host's grant key (`manage.py hosts key NAME`); "
+                   f"default: the environment's {HOST_KEY_ENV}")  # fmt: skip
+    p.add_argument("--allow-tenant-keys", action="store_true",
+                   help="also accept a request without a grant by its tenant's API key, "
+                   "checked against the control plane (--control-url)")  # fmt: skip
     p.add_argument("--listen", default="127.0.0.1:8100", help="inference server host:port")
     p.add_argument("--heartbeat-s", type=float, default=float(env("HARLI_HEARTBEAT_S", "2")))
     p.add_argument("--metrics-interval-s", type=float,
@@ -98,6 +107,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     )
     args = p.parse_args(argv)
     bind_host, _, port = args.listen.rpartition(":")
+    host_key = _host_key(p, args.host_key_file)
     try:
         return AgentConfig(
             host=args.host,
@@ -109,6 +119,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             device=args.device,
             dtype=args.dtype,
             control_url=args.control_url,
+            host_key=host_key,
+            allow_tenant_keys=args.allow_tenant_keys,
             server_host=bind_host or "127.0.0.1",
             server_port=int(port),
             heartbeat_s=args.heartbeat_s,
@@ -134,6 +146,19 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     except (AgentConfigError, ValueError) as exc:
         p.error(str(exc))
         raise
+
+
+def _host_key(parser: argparse.ArgumentParser, path: str | None) -> str | None:
+    """The host key from `path` when given, else from the environment (None: neither)."""
+    if path is None:
+        return os.environ.get(HOST_KEY_ENV, "").strip() or None
+    try:
+        text = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        parser.error(f"--host-key-file {path}: cannot read it ({type(exc).__name__})")
+    if not text:
+        parser.error(f"--host-key-file {path} is empty")
+    return text
 
 
 def _decode_groups(parser: argparse.ArgumentParser, text: str) -> tuple[int, ...] | None:
@@ -187,9 +212,9 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     """Run until `stop` is set (see the module docstring); the process's exit status."""
     from kombu import Connection
 
-    from gpu_runtime.agent.auth import KeyVerifier
     from gpu_runtime.agent.channel import CommandConsumer, ReportSender
     from gpu_runtime.agent.checkpoint_models import CheckpointModels
+    from gpu_runtime.agent.host_auth import host_auth
     from gpu_runtime.agent.runtime import HostRuntime, submit_command
     from gpu_runtime.agent.serving import EngineSpec
     from gpu_runtime.colocation.ahead import ASYNC_SCHEDULING
@@ -251,11 +276,10 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     )
     loop = EngineLoop(runtime)
     loop.start()
-    verifier = KeyVerifier(config.control_url, ttl_s=config.key_cache_ttl_s)
     app = create_app(
         loop,
         lambda: runtime.status().base_model,
-        verifier,
+        host_auth(config),
         request_metrics,
         model_loader=CheckpointModels(loop, runtime),
     )

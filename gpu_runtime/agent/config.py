@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
@@ -14,6 +15,8 @@ splits harli keeps its TPOT attainment on every trace for both models; a 32-SM s
 does not (docs/decisions/0013-quantum-sizing-and-splits.md)."""
 
 GIB = 2**30
+HOST_KEY_ENV = "HARLI_HOST_KEY"
+_HOST_KEY = re.compile(r"[0-9a-f]{64}")
 
 
 class AgentConfigError(ValueError):
@@ -41,7 +44,14 @@ class AgentConfig:
     dtype: str | None = None
     """Weights dtype (None: the checkpoint's)."""
     control_url: str = "http://127.0.0.1:8000"
-    """The control plane's base URL, for checking tenants' API keys."""
+    """The control plane's base URL, for checking tenants' API keys (`allow_tenant_keys`)."""
+    host_key: str | None = field(default=None, repr=False)
+    """This host's grant key, hex as `gpu_runtime.contract.grants.host_key` gives it (`manage.py
+    hosts key NAME`): the server accepts a request carrying a grant the gateway signed with it.
+    None: every grant is refused."""
+    allow_tenant_keys: bool = False
+    """Also accept a request without a grant by its tenant's API key, checked against the
+    control plane (how hosts took requests before the gateway)."""
     server_host: str = "127.0.0.1"
     server_port: int = 8100
     """Where the OpenAI-compatible inference server listens (0: any free port)."""
@@ -103,6 +113,11 @@ class AgentConfig:
                 f"key_cache_ttl_s must be >= 0, got {self.key_cache_ttl_s}",
             ),
             (self.tpot_slo_ms > 0, f"tpot_slo_ms must be > 0, got {self.tpot_slo_ms}"),
+            (
+                self.host_key is None or _HOST_KEY.fullmatch(self.host_key) is not None,
+                "the host key must be the 64 hex characters `manage.py hosts key NAME` prints "
+                f"(--host-key-file or {HOST_KEY_ENV})",
+            ),
             (
                 self.ttft_slo_ms is None or self.ttft_slo_ms > 0,
                 f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms}",

@@ -19,7 +19,7 @@ from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.model.loader import load_model, load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server.app import create_app
-from gpu_runtime.server.auth import API_KEYS_ENV, keys_from_env
+from gpu_runtime.server.bearer_keys import API_KEYS_ENV, BearerKeys, keys_from_env
 from gpu_runtime.server.engine_loop import EngineLoop
 
 
@@ -105,7 +105,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, EngineLoop]:
     loop = EngineLoop(engine)
     loop.start()
     name = args.model_name or Path(model_dir).name
-    return create_app(loop, name, keys_from_env(API_KEYS_ENV)), loop
+    return create_app(loop, name, BearerKeys(keys_from_env(API_KEYS_ENV))), loop
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from gpu_runtime.server import completion_routes, model_routes
-from gpu_runtime.server.auth import ApiKeyChecker
+from gpu_runtime.server.auth import RequestAuth
 from gpu_runtime.server.engine_loop import EngineLoop
 from gpu_runtime.server.inference import AdapterLookup, AdapterNames, Inference, ModelLoader
 from gpu_runtime.server.metrics import MetricsCollector
@@ -22,7 +22,7 @@ __all__ = ["AdapterLookup", "AdapterNames", "ModelLoader", "create_app"]
 def create_app(
     engine_loop: EngineLoop,
     model_name: str | Callable[[], str],
-    api_key_checker: ApiKeyChecker,
+    auth: RequestAuth,
     metrics: MetricsCollector | None = None,
     adapter_lookup: AdapterLookup | None = None,
     adapter_names: AdapterNames | None = None,
@@ -30,14 +30,14 @@ def create_app(
 ) -> FastAPI:
     """The FastAPI app. `engine_loop` must be started by the caller. `model_name` is the base
     model's name (or a callable giving it now, for a host that may load another base model).
-    `api_key_checker` turns the bearer key into a `KeyGrant` (None: 401); models outside the
-    grant read as nonexistent. `adapter_lookup` routes model names to adapters and
-    `adapter_names` lists them; both default to the engine's LoRA runtime (`engine.lora`, read
-    per request: an adapter is served under its own name), and to no adapters without one. A
-    `model` that is neither the base model nor an adapter gets a 404 `model_not_found`, unless
-    `model_loader` claims it, the grant allows it by name (`KeyGrant.allows_unlisted`) and the
-    loader can serve it (a checkpoint, loaded on its first request). The engine (tokenizer,
-    limits) is read from the loop per request too."""
+    `auth` turns each request's headers into its `ModelAccess` (refused: 401; `/health` asks
+    for nothing); models outside it read as nonexistent. `adapter_lookup` routes model names
+    to adapters and `adapter_names` lists them; both default to the engine's LoRA runtime
+    (`engine.lora`, read per request: an adapter is served under its own name), and to no
+    adapters without one. A `model` that is neither the base model nor an adapter gets a 404
+    `model_not_found`, unless `model_loader` claims it, the access allows it by name
+    (`ModelAccess.allows_unlisted`) and the loader can serve it (a checkpoint, loaded on its
+    first request). The engine (tokenizer, limits) is read from the loop per request too."""
     if engine_loop.engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
     collector = metrics or MetricsCollector()
@@ -47,7 +47,7 @@ def create_app(
     app.state.inference = Inference(
         engine_loop,
         model_name,
-        api_key_checker,
+        auth,
         collector,
         adapter_lookup,
         adapter_names,

@@ -1,23 +1,33 @@
-"""API-key checks: a callable so the control plane (or a host agent) can plug in its own."""
+"""Who may call what: the server asks one `RequestAuth` for each request's `ModelAccess`.
+
+A `RequestAuth` reads the request's headers and answers with the models the request may call,
+or raises `AccessDenied` (the server answers 401 and logs the reason). Two kinds exist: a host
+behind the gateway checks the gateway's signed grant (`gpu_runtime.server.grant_auth`), a
+stand-alone server or a host that still takes tenants' keys checks the bearer key
+(`gpu_runtime.server.bearer_keys`).
+"""
 
 from __future__ import annotations
 
-import hmac
-import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
-class KeyGrant:
-    """An accepted key. `models` are the model names it may call (None: every model the server
-    serves); any other model reads as nonexistent to it (404, never 403), unless `unlisted`
-    grants it by name."""
+class ModelAccess:
+    """What an accepted request may call. `models` are the model names it may use (None: every
+    model the server serves); any other model reads as nonexistent to it (404, never 403),
+    unless `unlisted` allows it by name."""
 
     models: frozenset[str] | None = None
     unlisted: Callable[[str], bool] | None = field(default=None, compare=False)
-    """Whether the key may call a model its list leaves out (a job's checkpoint: the control
-    plane lists none, as OpenAI's `/v1/models` does not), asked per name; may block."""
+    """Whether the request may call a model its list leaves out (a job's checkpoint: the
+    control plane lists none, as OpenAI's `/v1/models` does not), asked per name; may block."""
+    tenant: str = ""
+    """Who is calling, for the logs ("" when the credential does not say)."""
+    request_id: str = ""
+    """The gateway's id of the request, for the logs ("" without a gateway)."""
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models
@@ -29,28 +39,22 @@ class KeyGrant:
         return self.unlisted is not None and self.unlisted(model)
 
 
-ApiKeyChecker = Callable[[str | None], KeyGrant | None]
-"""The bearer key's grant (the key is None when absent), or None to refuse it (401). May block
-(it runs in a worker thread, not on the event loop)."""
-
-API_KEYS_ENV = "HARLI_INFERENCE_API_KEYS"
-ALL_MODELS = KeyGrant()
+class AccessDenied(PermissionError):
+    """The request's credential is missing or refused; the message says why and never holds
+    the credential itself."""
 
 
-def static_key_checker(keys: Iterable[str]) -> ApiKeyChecker:
-    """Accept exactly `keys` (compared in constant time) for every model. An empty set accepts
-    nobody."""
-    allowed = tuple(k.encode() for k in keys if k)
+class RequestAuth(Protocol):
+    """Turns a request's headers into its `ModelAccess`."""
 
-    def check(key: str | None) -> KeyGrant | None:
-        if key is None:
-            return None
-        raw = key.encode()
-        return ALL_MODELS if any(hmac.compare_digest(raw, k) for k in allowed) else None
-
-    return check
+    async def access(self, headers: Mapping[str, str]) -> ModelAccess:
+        """The request's access, or AccessDenied. Runs on the event loop: an implementation
+        whose check may block hands it to a worker thread itself."""
+        ...
 
 
-def keys_from_env(variable: str = API_KEYS_ENV) -> ApiKeyChecker:
-    """Static checker over the comma-separated keys in an environment variable."""
-    return static_key_checker(k.strip() for k in os.environ.get(variable, "").split(","))
+ApiKeyChecker = Callable[[str | None], ModelAccess | None]
+"""A bearer key's access (the key is None when absent), or None to refuse it (401). May block
+(`BearerKeys` calls it from a worker thread)."""
+
+ALL_MODELS = ModelAccess()

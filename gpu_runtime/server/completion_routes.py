@@ -1,6 +1,10 @@
 """The completion routes: ``/v1/completions`` and ``/v1/chat/completions``, each answered in
 full or streamed as server-sent events (``stream: true``; usage with
-``stream_options.include_usage``), with logprobs when asked."""
+``stream_options.include_usage``), with logprobs when asked.
+
+Every successful answer carries `PROMPT_TOKENS_HEADER`: the request's prompt tokens (summed
+over the prompts of a multi-prompt completion), known before the first token, so whoever relays
+a stream can account its prompt even when the stream is cut off before its usage chunk."""
 
 from __future__ import annotations
 
@@ -10,14 +14,15 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Response
 from fastapi.responses import StreamingResponse
 
 from gpu_runtime.engine.request import RequestOutput
-from gpu_runtime.server.auth import KeyGrant
-from gpu_runtime.server.inference import Inference, inference_of, require_key
+from gpu_runtime.server.auth import ModelAccess
+from gpu_runtime.server.inference import Inference, inference_of, require_access
 from gpu_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from gpu_runtime.server.responses import (
+    PROMPT_TOKENS_HEADER,
     Tracked,
     chat_logprobs,
     completion_logprobs,
@@ -32,10 +37,11 @@ router = APIRouter()
 @router.post("/v1/completions", response_model=None)
 async def completions(
     body: CompletionRequest,
-    grant: KeyGrant = Depends(require_key),
+    response: Response,
+    access: ModelAccess = Depends(require_access),
     inference: Inference = Depends(inference_of),
 ) -> Any:
-    lora = await inference.resolve_model(body.model, grant)
+    lora = await inference.resolve_model(body.model, access)
     try:
         prompts = [inference.encode(p) for p in body.prompts()]
     except ValueError as exc:
@@ -44,6 +50,7 @@ async def completions(
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     tracked = [Tracked(len(ids), time.perf_counter()) for ids in prompts]
     holdback = max((len(s) for s in params.stop), default=1) - 1
+    prompt_tokens = {PROMPT_TOKENS_HEADER: str(sum(len(ids) for ids in prompts))}
 
     if not body.stream:
 
@@ -66,6 +73,7 @@ async def completions(
             }
             for i, t in enumerate(tracked)
         ]
+        response.headers.update(prompt_tokens)
         return {
             "id": cid,
             "object": "text_completion",
@@ -134,16 +142,17 @@ async def completions(
             for task in tasks:
                 task.cancel()
 
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=prompt_tokens)
 
 
 @router.post("/v1/chat/completions", response_model=None)
 async def chat_completions(
     body: ChatCompletionRequest,
-    grant: KeyGrant = Depends(require_key),
+    response: Response,
+    access: ModelAccess = Depends(require_access),
     inference: Inference = Depends(inference_of),
 ) -> Any:
-    lora = await inference.resolve_model(body.model, grant)
+    lora = await inference.resolve_model(body.model, access)
     messages = [m.model_dump() for m in body.messages]
     ids = list(
         inference.tokenizer().apply_chat_template(
@@ -157,6 +166,7 @@ async def chat_completions(
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     tracked = Tracked(len(ids), time.perf_counter())
     holdback = max((len(s) for s in params.stop), default=1) - 1
+    prompt_tokens = {PROMPT_TOKENS_HEADER: str(len(ids))}
     generator = inference.run_one(ids, params, lora, tracked)
     head = await anext(generator)
 
@@ -166,6 +176,7 @@ async def chat_completions(
             async for out in generator:
                 last = out
         inference.record(cid, body.model, tracked)
+        response.headers.update(prompt_tokens)
         return {
             "id": cid,
             "object": "chat.completion",
@@ -226,4 +237,4 @@ async def chat_completions(
             )
         yield "data: [DONE]\n\n"
 
-    return StreamingResponse(stream(), media_type="text/event-stream")
+    return StreamingResponse(stream(), media_type="text/event-stream", headers=prompt_tokens)

@@ -1,7 +1,8 @@
 """What the inference routes share: one `Inference` per app, on ``app.state.inference``.
 
-It resolves a requested model to the base model or an adapter under the caller's key grant,
-builds sampling parameters and prompt ids (OpenAI errors for bad input), runs a request on the
+It authorizes each request (`auth.RequestAuth`: the gateway's grant or a bearer key), resolves
+a requested model to the base model or an adapter within the request's `ModelAccess`, builds
+sampling parameters and prompt ids (OpenAI errors for bad input), runs a request on the
 `EngineLoop` while tracking its latency, and records each finished request in the metrics
 collector. The engine (tokenizer, limits, LoRA runtime) is read from the loop on each use: a
 host may load another base model between requests.
@@ -10,6 +11,7 @@ host may load another base model between requests.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
@@ -18,12 +20,13 @@ from fastapi import Request
 
 from gpu_runtime.engine.engine import UnknownAdapterError
 from gpu_runtime.engine.request import RequestOutput, SamplingParams, SamplingParamsError
-from gpu_runtime.server.auth import ApiKeyChecker, KeyGrant
+from gpu_runtime.server.auth import AccessDenied, ModelAccess, RequestAuth
 from gpu_runtime.server.engine_loop import EngineLoop
 from gpu_runtime.server.metrics import MetricsCollector, RequestMetrics
 from gpu_runtime.server.protocol import OpenAIError, _SamplingFields
 from gpu_runtime.server.responses import Tracked
 
+logger = logging.getLogger(__name__)
 AdapterLookup = Callable[[str], str | None]
 """Maps a requested model name to an adapter (lora) name, or None when it is not an adapter."""
 AdapterNames = Callable[[], list[str]]
@@ -31,7 +34,8 @@ AdapterNames = Callable[[], list[str]]
 
 
 class ModelLoader(Protocol):
-    """Serves, on demand, models a key may call that the host does not list (checkpoints)."""
+    """Serves, on demand, models a request may call that the host does not list
+    (checkpoints)."""
 
     def claims(self, name: str) -> bool:
         """Whether `name` is one this loader could serve (cheap; no I/O)."""
@@ -50,7 +54,7 @@ class Inference:
         self,
         engine_loop: EngineLoop,
         model_name: str | Callable[[], str],
-        api_key_checker: ApiKeyChecker,
+        auth: RequestAuth,
         metrics: MetricsCollector,
         adapter_lookup: AdapterLookup | None,
         adapter_names: AdapterNames | None,
@@ -58,7 +62,7 @@ class Inference:
     ) -> None:
         self.engine_loop = engine_loop
         self._model_name = model_name
-        self._api_key_checker = api_key_checker
+        self._auth = auth
         self.metrics = metrics
         self._adapter_lookup = adapter_lookup
         self._adapter_names = adapter_names
@@ -83,24 +87,31 @@ class Inference:
     def tokenizer(self) -> Any:
         return self.engine_loop.engine.tokenizer
 
-    def check_key(self, request: Request) -> KeyGrant:
-        """The grant of the request's bearer key (401 without one). The checker may block:
-        call it from a worker thread (a sync dependency)."""
-        header = request.headers.get("authorization", "")
-        key = header[7:].strip() if header.lower().startswith("bearer ") else None
-        grant = self._api_key_checker(key or None)
-        if grant is None:
+    async def authorize(self, request: Request) -> ModelAccess:
+        """The request's access (401 in OpenAI's shape when refused, the reason logged)."""
+        try:
+            access = await self._auth.access(request.headers)
+        except AccessDenied as exc:
+            logger.warning("refused %s %s: %s", request.method, request.url.path, exc)
             raise OpenAIError(
                 401,
                 "Incorrect or missing API key.",
                 "invalid_request_error",
                 code="invalid_api_key",
-            )
-        return grant
+            ) from None
+        logger.debug(
+            "%s %s: request %s of tenant %s",
+            request.method,
+            request.url.path,
+            access.request_id or "-",
+            access.tenant or "-",
+        )
+        return access
 
-    async def resolve_model(self, name: str, grant: KeyGrant) -> str | None:
-        """The adapter to use for `name` (None: the base model); 404 for anything else."""
-        listed = grant.allows(name)
+    async def resolve_model(self, name: str, access: ModelAccess) -> str | None:
+        """The adapter to use for `name` (None: the base model); 404 for anything else, and
+        for what `access` does not allow."""
+        listed = access.allows(name)
         if listed and name == self.base_name():
             return None
         lora = self.lookup(name) if listed else None
@@ -108,7 +119,7 @@ class Inference:
             return lora
         loader = self._model_loader
         if loader is not None and loader.claims(name):
-            if await asyncio.to_thread(grant.allows_unlisted, name):
+            if await asyncio.to_thread(access.allows_unlisted, name):
                 lora = self.lookup(name) or await asyncio.to_thread(loader.load, name)
                 if lora is not None:
                     return lora
@@ -190,6 +201,6 @@ async def inference_of(request: Request) -> Inference:
     return app_inference(request)
 
 
-def require_key(request: Request) -> KeyGrant:
-    """A sync dependency: FastAPI runs it in a worker thread, so a checker may block."""
-    return app_inference(request).check_key(request)
+async def require_access(request: Request) -> ModelAccess:
+    """The request's `ModelAccess`, as a dependency (401 when refused)."""
+    return await app_inference(request).authorize(request)

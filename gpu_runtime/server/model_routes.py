@@ -1,4 +1,4 @@
-"""Routes that describe what the host serves: ``/health`` (no key) and ``/v1/models``."""
+"""Routes that describe what the host serves: ``/health`` (no credential) and ``/v1/models``."""
 
 from __future__ import annotations
 
@@ -6,16 +6,16 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 
-from gpu_runtime.server.auth import KeyGrant
-from gpu_runtime.server.inference import Inference, inference_of, require_key
+from gpu_runtime.server.auth import ModelAccess
+from gpu_runtime.server.inference import Inference, inference_of, require_access
 
 router = APIRouter()
 
 
 @router.get("/health")
 async def health(inference: Inference = Depends(inference_of)) -> dict[str, Any]:
-    """Liveness, no key: the base model and how many adapters are served (their names are
-    tenants' models: only a key's grant shows them, through `/v1/models`)."""
+    """Liveness, no credential: the base model and how many adapters are served (their names
+    are tenants' models: only a request's access shows them, through `/v1/models`)."""
     return {
         "status": "ok",
         "base_model": inference.base_name(),
@@ -25,11 +25,11 @@ async def health(inference: Inference = Depends(inference_of)) -> dict[str, Any]
 
 @router.get("/v1/models")
 async def list_models(
-    grant: KeyGrant = Depends(require_key), inference: Inference = Depends(inference_of)
+    access: ModelAccess = Depends(require_access), inference: Inference = Depends(inference_of)
 ) -> dict[str, Any]:
-    """The base model, then each adapter (`parent` = the base model), as far as the key's
-    grant reaches."""
+    """The base model, then each adapter (`parent` = the base model), as far as the request's
+    access reaches."""
     name = inference.base_name()
     base: dict[str, Any] = {"id": name, "object": "model", "created": 0, "owned_by": "harli"}
     entries = [base] + [base | {"id": a, "parent": name} for a in inference.served_adapters()]
-    return {"object": "list", "data": [m for m in entries if grant.allows(str(m["id"]))]}
+    return {"object": "list", "data": [m for m in entries if access.allows(str(m["id"]))]}

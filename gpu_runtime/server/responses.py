@@ -1,5 +1,5 @@
-"""OpenAI response pieces the server builds: per-prompt tracking, usage, logprobs, SSE framing
-and the streamed text delta."""
+"""OpenAI response pieces the server builds: per-prompt tracking, usage, the prompt-tokens
+header, logprobs, SSE framing and the streamed text delta."""
 
 from __future__ import annotations
 
@@ -10,6 +10,9 @@ from itertools import accumulate
 from typing import Any
 
 from gpu_runtime.engine.request import RequestOutput
+
+PROMPT_TOKENS_HEADER = "x-harli-prompt-tokens"
+"""Response header of every successful completion: the request's prompt tokens."""
 
 
 @dataclass

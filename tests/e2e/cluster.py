@@ -195,7 +195,8 @@ class Cluster:
             [sys.executable, "-m", "gpu_runtime.agent", "--host", host,
              "--broker", self.broker_url, "--storage", self.env["HARLI_STORAGE_DIR"],
              "--work-dir", str(self.tmp / host), "--model-dir", str(self.model_dir),
-             "--control-url", self.web_url, "--listen", f"127.0.0.1:{port}",
+             # the tests call hosts directly with tenants' keys (not through the gateway)
+             "--control-url", self.web_url, "--allow-tenant-keys", "--listen", f"127.0.0.1:{port}",
              "--heartbeat-s", "0.5", "--metrics-interval-s", "2", "--key-cache-ttl-s", "2",
              "--num-kv-blocks", "64", *extra],
             env,

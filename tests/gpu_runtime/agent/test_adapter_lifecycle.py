@@ -22,7 +22,7 @@ from gpu_runtime.engine.engine import UnknownAdapterError
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.model.loader import load_model
-from gpu_runtime.server import KeyGrant, create_app
+from gpu_runtime.server import BearerKeys, ModelAccess, create_app
 from tests.gpu_runtime.agent.conftest import Host, Reports, make_runtime
 from tests.gpu_runtime.server.serving import serve_in_thread
 
@@ -101,12 +101,13 @@ def test_checkpoint_is_served_by_name_on_demand_and_only_to_allowed_keys(
         return key == "k-acme" and name == CHECKPOINT
 
     grants = {
-        key: KeyGrant(frozenset({"tiny", MODEL}), unlisted=partial(allowed, key))
+        key: ModelAccess(frozenset({"tiny", MODEL}), unlisted=partial(allowed, key))
         for key in ("k-acme", "k-globex")
     }
     idle_host.loop.start()
     loader = CheckpointModels(idle_host.loop, idle_host.runtime)
-    app = create_app(idle_host.loop, "tiny", lambda k: grants.get(k or ""), model_loader=loader)
+    keys = BearerKeys(lambda k: grants.get(k or ""))
+    app = create_app(idle_host.loop, "tiny", keys, model_loader=loader)
     lora = lora_runtime(idle_host.runtime.engine)
     try:
         with serve_in_thread(app) as url:
@@ -147,7 +148,7 @@ def test_checkpoint_is_served_by_name_on_demand_and_only_to_allowed_keys(
             idle_host.command(_unload(CHECKPOINT))
             assert not lora.has(CHECKPOINT)
             allowed_before = len(asked)
-            grants["k-acme"] = KeyGrant(frozenset({"tiny"}), unlisted=lambda n: False)
+            grants["k-acme"] = ModelAccess(frozenset({"tiny"}), unlisted=lambda n: False)
             with pytest.raises(openai.NotFoundError):  # deleted: refused, not loaded again
                 acme.completions.create(model=CHECKPOINT, prompt="Q: hi", max_tokens=2)
             assert not lora.has(CHECKPOINT) and len(asked) == allowed_before

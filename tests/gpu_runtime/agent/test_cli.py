@@ -57,3 +57,41 @@ def test_bad_settings_name_the_value(
     with pytest.raises(SystemExit):
         parse_args([*BASE, *extra])
     assert message in capsys.readouterr().err
+
+
+def test_host_key_from_a_file_or_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from gpu_runtime.contract.grants import host_key
+
+    key, other = host_key("secret", "h1"), host_key("secret", "h2")
+    monkeypatch.delenv("HARLI_HOST_KEY", raising=False)
+    config = parse_args(BASE)
+    assert config.host_key is None and config.allow_tenant_keys is False
+    assert parse_args([*BASE, "--allow-tenant-keys"]).allow_tenant_keys is True
+    monkeypatch.setenv("HARLI_HOST_KEY", f" {key}\n")
+    config = parse_args(BASE)
+    assert config.host_key == key and key not in repr(config)
+    path = tmp_path / "host.key"
+    path.write_text(other + "\n")
+    assert parse_args([*BASE, "--host-key-file", str(path)]).host_key == other  # the file wins
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        (None, "host.key: cannot read it (FileNotFoundError)"),
+        ("\n", "host.key is empty"),
+        ("not-a-key", "the host key must be the 64 hex characters `manage.py hosts key NAME`"),
+    ],
+)
+def test_a_bad_host_key_is_refused_without_echoing_it(
+    content: str | None, message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "host.key"
+    if content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit):
+        parse_args([*BASE, "--host-key-file", str(path)])
+    err = capsys.readouterr().err
+    assert message in err and "not-a-key" not in err

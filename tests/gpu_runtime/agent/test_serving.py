@@ -19,14 +19,14 @@ from gpu_runtime.engine import SamplingParams
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.model.loader import load_model
-from gpu_runtime.server import KeyGrant, create_app
+from gpu_runtime.server import BearerKeys, ModelAccess, create_app
 from tests.gpu_runtime.agent.conftest import Host, Reports, make_runtime
 from tests.gpu_runtime.server.serving import serve_in_thread
 
 ADAPTER = "ft:tiny:acme::ftjob-9"
 GRANTS = {
-    "k-acme": KeyGrant(frozenset({"tiny", ADAPTER})),
-    "k-globex": KeyGrant(frozenset({"tiny"})),
+    "k-acme": ModelAccess(frozenset({"tiny", ADAPTER})),
+    "k-globex": ModelAccess(frozenset({"tiny"})),
 }
 
 
@@ -74,10 +74,12 @@ def test_openai_client_streams_base_and_adapter_with_grants(
 ) -> None:
     idle_host.loop.start()
 
-    def grant_of(key: str | None) -> KeyGrant | None:
+    def grant_of(key: str | None) -> ModelAccess | None:
         return GRANTS.get(key or "")
 
-    app = create_app(idle_host.loop, "tiny", grant_of, idle_host.runtime.request_metrics)
+    app = create_app(
+        idle_host.loop, "tiny", BearerKeys(grant_of), idle_host.runtime.request_metrics
+    )
     try:
         with serve_in_thread(app) as url:
             acme = openai.OpenAI(base_url=url, api_key="k-acme", max_retries=0, timeout=60)

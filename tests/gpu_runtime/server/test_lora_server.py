@@ -19,7 +19,7 @@ from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM
 from gpu_runtime.model.loader import load_model, load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_model_dir
-from gpu_runtime.server import EngineLoop, create_app, static_key_checker
+from gpu_runtime.server import BearerKeys, EngineLoop, create_app, static_key_checker
 from tests.gpu_runtime.server.serving import serve_in_thread
 
 KEY = "sk-lora-key"
@@ -85,7 +85,7 @@ def served(
     config = _config(async_scheduling=request.param)
     loop = EngineLoop(Engine(base, config, tokenizer=tokenizer, lora=runtime))
     loop.start()
-    app = create_app(loop, MODEL, static_key_checker([KEY]))
+    app = create_app(loop, MODEL, BearerKeys(static_key_checker([KEY])))
     try:
         with serve_in_thread(app) as url:
             yield url, expected, loop

@@ -11,7 +11,13 @@ from openai.types.chat import ChatCompletionMessageParam
 
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.model.tiny import build_tiny_model_dir
-from gpu_runtime.server import EngineLoop, MetricsCollector, create_app, static_key_checker
+from gpu_runtime.server import (
+    BearerKeys,
+    EngineLoop,
+    MetricsCollector,
+    create_app,
+    static_key_checker,
+)
 from tests.gpu_runtime.server.serving import serve_in_thread
 
 KEY = "sk-test-key"
@@ -44,7 +50,7 @@ def served(
     loop = EngineLoop(engine)
     loop.start()
     metrics = MetricsCollector()
-    app = create_app(loop, MODEL, static_key_checker([KEY]), metrics)
+    app = create_app(loop, MODEL, BearerKeys(static_key_checker([KEY])), metrics)
     try:
         with serve_in_thread(app) as url:
             yield url, metrics, loop
