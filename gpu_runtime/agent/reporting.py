@@ -1,4 +1,5 @@
-"""What a host reports besides job events: its heartbeat snapshot and the interval metrics.
+"""What a host reports besides job events: its heartbeat snapshot (with the serving figures
+the gateway routes by) and the interval metrics.
 
 Pure functions over the engine and the co-location loop's aggregated interval; the runtime
 calls them on the loop thread and hands the results to the report sender.
@@ -6,14 +7,66 @@ calls them on the loop thread and hands the results to the report sender.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from gpu_runtime.agent.predictor import HarvestEstimate, PredictorInfo
-from gpu_runtime.colocation import IntervalMetrics
+from gpu_runtime.colocation import IntervalMetrics, TpotWindow
 from gpu_runtime.contract.statistics import percentile
 from gpu_runtime.engine import Engine
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.server.metrics import RequestMetrics
+
+
+@dataclass(frozen=True)
+class ServingFigures:
+    """What the gateway routes by: the heartbeat's `serving` (see
+    `gpu_runtime.contract.protocol`), taken on the loop thread."""
+
+    running: int
+    """Requests in the scheduler's running batch."""
+    waiting: int
+    """Requests waiting for admission (preempted ones included)."""
+    kv_free_pages: int
+    """KV blocks no request holds: the storage's capacity less the used blocks (with the
+    memory pool, blocks lent to finetune count as free: decode takes them back first)."""
+    kv_total_pages: int
+    """KV blocks the storage holds (the block manager's capacity)."""
+    adapter_slots_used: int
+    """GPU adapter slots that running requests hold (a new adapter can be loaded while fewer
+    than all are)."""
+    adapter_slots_total: int
+    resident_adapters: tuple[str, ...]
+    """Servable adapters in GPU slots now (a request for one loads nothing)."""
+    tpot_p50_ms: float | None
+    """Median TPOT of the decode iterations of the window (`TpotWindow`); None: none ran."""
+    slo_attainment: float | None
+    """The fraction of those iterations within the host's TPOT SLO; None: none ran."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"resident_adapters": list(self.resident_adapters)}
+
+
+def serving_figures(
+    engine: Engine, lora: MultiLoraRuntime, window: TpotWindow, now: float
+) -> ServingFigures:
+    """The serving figures now (`now` on the loop's clock); cheap enough for every turn."""
+    scheduler = engine.scheduler
+    blocks = engine.block_manager
+    running = len(scheduler.running)
+    tpot_p50_ms, attainment = window.figures(now)
+    return ServingFigures(
+        running=running,
+        # every live request waits or runs (the waiting view would copy a long queue)
+        waiting=len(scheduler.requests) - running,
+        kv_free_pages=blocks.capacity - blocks.num_used_blocks,
+        kv_total_pages=blocks.capacity,
+        adapter_slots_used=lora.manager.held_slots(),
+        adapter_slots_total=lora.weights.num_slots,
+        resident_adapters=tuple(lora.manager.resident()),
+        tpot_p50_ms=tpot_p50_ms,
+        slo_attainment=attainment,
+    )
 
 
 @dataclass(frozen=True)
@@ -27,6 +80,7 @@ class HostSnapshot:
     total_bytes: int
     harvest: HarvestEstimate
     draining: bool
+    serving: ServingFigures
     predictor: PredictorInfo | None = None
 
     def heartbeat_fields(self) -> dict[str, Any]:
@@ -42,6 +96,7 @@ class HostSnapshot:
             "adapters": self.adapters,
             "predictor_version": self.predictor.version if self.predictor else None,
             "predictor_mape": self.predictor.mape if self.predictor else None,
+            "serving": self.serving.as_dict(),
         }
 
 

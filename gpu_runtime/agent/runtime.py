@@ -10,7 +10,10 @@ returns the snapshot last taken under a lock (for heartbeats).
 
 Each turn: finished quanta become job reports (`training.HostJobs`); pauses finish at the next
 optimizer-batch boundary; every `metrics_interval_s` the interval metrics go out, and the
-harvest estimate of the heartbeats is refreshed (`predictor.HarvestTracker`).
+harvest estimate of the heartbeats is refreshed (`predictor.HarvestTracker`); the heartbeat's
+snapshot is taken again, its serving figures included (`reporting.ServingFigures`: scheduler
+counts, KV blocks, adapter slots, and the TPOT of the last `SERVING_WINDOW_S` seconds'
+decode iterations from `TpotWindow`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from gpu_runtime.agent.reporting import (
     HostSnapshot,
     deployment_metrics,
     kv_bytes_per_block,
+    serving_figures,
     weights_bytes,
 )
 from gpu_runtime.agent.serving import EngineSpec, lora_runtime
@@ -39,6 +43,7 @@ from gpu_runtime.colocation import (
     CoLocationPolicy,
     IterationRecord,
     MetricsAggregator,
+    TpotWindow,
 )
 from gpu_runtime.contract.protocol import report
 from gpu_runtime.contract.storage import Storage
@@ -85,6 +90,7 @@ class HostRuntime:
         self.predictor_path = predictor_path
         self.tpot_slo_ms = tpot_slo_ms
         self.aggregator = MetricsAggregator(tpot_slo_ms)
+        self.tpot_window = TpotWindow(tpot_slo_ms)
         self.adapters = HostAdapters(storage, work_dir)
         self.storage = storage
         self.work_dir = Path(work_dir)
@@ -157,6 +163,7 @@ class HostRuntime:
 
     def _on_record(self, record: IterationRecord) -> None:
         self.aggregator.add(record)
+        self.tpot_window.observe(record)
         self.harvest.observe(record)
 
     # ---- any thread -----------------------------------------------------------------------
@@ -317,14 +324,16 @@ class HostRuntime:
         return self.total_bytes - self.weights_bytes - kv_total - self._lent_bytes()
 
     def _snapshot(self) -> HostSnapshot:
+        lora = lora_runtime(self._engine)
         return HostSnapshot(
             base_model=self.base_model,
             placements=sorted(run.placement_id for run in self.jobs.runs.values()),
-            adapters=lora_runtime(self._engine).names(),
+            adapters=lora.names(),
             free_bytes=max(0, self._free_bytes()),
             total_bytes=self.total_bytes,
             harvest=self.harvest.estimate,
             draining=self._draining,
+            serving=serving_figures(self._engine, lora, self.tpot_window, self.loop.clock()),
             predictor=self.predictor.info if self.predictor else None,
         )
 

@@ -3,7 +3,8 @@
 
 Entry points: :class:`HostLoop` (owns one decode ``Engine`` and the host's finetune jobs, runs
 ``run_iteration()``), :class:`CoLocationPolicy` (the policy contract), :class:`IterationRecord`
-(what every iteration exports) and :class:`MetricsAggregator` (records to interval metrics).
+(what every iteration exports), :class:`MetricsAggregator` (records to interval metrics) and
+:class:`TpotWindow` (records to the heartbeat's TPOT over a recent window).
 """
 
 from gpu_runtime.colocation.baselines import (
@@ -28,6 +29,7 @@ from gpu_runtime.colocation.loop import HostLoop
 from gpu_runtime.colocation.metrics import IntervalMetrics, MetricsAggregator, summarize
 from gpu_runtime.colocation.online import OnlineLatencyModel
 from gpu_runtime.colocation.policy import CoLocationPolicy, validate_plan
+from gpu_runtime.colocation.tpot_window import TpotWindow
 from gpu_runtime.colocation.types import (
     DecodeSnapshot,
     FinetuneLaunch,
@@ -73,6 +75,7 @@ __all__ = [
     "StaticSplitPolicy",
     "ThreadedExecutor",
     "TimeSlicePolicy",
+    "TpotWindow",
     "summarize",
     "validate_plan",
 ]

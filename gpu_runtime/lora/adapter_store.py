@@ -95,6 +95,15 @@ class AdapterManager:
     def slot_of(self, name: str) -> int | None:
         return self._slot_of.get(name)
 
+    def resident(self) -> list[str]:
+        """Servable adapters in GPU slots now, in slot order (one unregistered while requests
+        still hold its slot is left out: it takes no new request)."""
+        return [n for n in self._name_in_slot if n is not None and n not in self._retired]
+
+    def held_slots(self) -> int:
+        """Slots that running requests hold; any other slot can take a new adapter."""
+        return sum(1 for refs in self._refs if refs)
+
     def host_names(self) -> list[str]:
         """Adapters in host memory, least recently used first."""
         return list(self._host)
