@@ -18,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncGenerator, Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -143,7 +143,7 @@ class EngineLoop:
 
     async def generate(
         self, prompt: Sequence[int], params: SamplingParams, lora_name: str | None = None
-    ) -> AsyncIterator[RequestOutput]:
+    ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs step by step until it finishes; aborts it when the
         consumer stops early. Raises ValueError when the engine rejects the request."""
         if self._thread is None:

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any, Protocol
 
 from fastapi import Request
@@ -178,12 +179,14 @@ class Inference:
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine loop produces them, tracked in `tracked`."""
         try:
-            async for out in self.engine_loop.generate(ids, params, lora):
-                if tracked.first_token is None:
-                    tracked.first_token = time.perf_counter()
-                tracked.last = out
-                tracked.logprobs.extend(out.new_logprobs)
-                yield out
+            # closing this generator closes the engine's at once: its request is aborted
+            async with aclosing(self.engine_loop.generate(ids, params, lora)) as outputs:
+                async for out in outputs:
+                    if tracked.first_token is None:
+                        tracked.first_token = time.perf_counter()
+                    tracked.last = out
+                    tracked.logprobs.extend(out.new_logprobs)
+                    yield out
         except UnknownAdapterError as exc:
             raise OpenAIError(404, str(exc), param="model", code="model_not_found") from exc
         except ValueError as exc:
