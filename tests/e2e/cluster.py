@@ -128,6 +128,8 @@ class Cluster:
     redis_port: int
     web_port: int
     model_dir: Path
+    tenant_keys: bool = True
+    """Agents also accept tenants' keys without a grant (`--allow-tenant-keys`)."""
     procs: dict[str, Proc] = field(default_factory=dict)
     agent_ports: dict[str, int] = field(default_factory=dict)
 
@@ -190,15 +192,15 @@ class Cluster:
     def start_agent(self, host: str, extra: tuple[str, ...] = ()) -> Proc:
         port = self.agent_ports.setdefault(host, free_port())
         env = {**self.env, "HARLI_TORCH_THREADS": "1", "HARLI_HOST_KEY": host_grant_key(host)}
+        tenant_keys = ("--allow-tenant-keys",) if self.tenant_keys else ()
         return self.spawn(
             host,
             [sys.executable, "-m", "gpu_runtime.agent", "--host", host,
              "--broker", self.broker_url, "--storage", self.env["HARLI_STORAGE_DIR"],
              "--work-dir", str(self.tmp / host), "--model-dir", str(self.model_dir),
-             # the tests call hosts directly with tenants' keys (not through the gateway)
-             "--control-url", self.web_url, "--allow-tenant-keys", "--listen", f"127.0.0.1:{port}",
+             "--control-url", self.web_url, "--listen", f"127.0.0.1:{port}",
              "--heartbeat-s", "0.5", "--metrics-interval-s", "2", "--key-cache-ttl-s", "2",
-             "--num-kv-blocks", "64", *extra],
+             "--num-kv-blocks", "64", *tenant_keys, *extra],
             env,
         )  # fmt: skip
 

@@ -101,11 +101,20 @@ def cluster_env() -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
+def hosts_take_tenant_keys() -> bool:
+    """Whether the cluster's agents also accept tenants' API keys on requests without a grant
+    (`--allow-tenant-keys`): the modules that call hosts directly need it; a module whose
+    hosts take only the gateway's grants overrides this fixture with False."""
+    return True
+
+
+@pytest.fixture(scope="module")
 def cluster(
     django_db_setup: None,
     tiny_model_dir: Path,
     tmp_path_factory: pytest.TempPathFactory,
     cluster_env: dict[str, str],
+    hosts_take_tenant_keys: bool,
 ) -> Iterator[Cluster]:
     from django.db import connection
 
@@ -132,7 +141,7 @@ def cluster(
     env["CELERY_BROKER_URL"] = f"redis://127.0.0.1:{redis_port}/0"
     env["HARLI_RATE_LIMIT_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/1"
     cluster = Cluster(tmp=tmp, env=env, redis_port=redis_port, web_port=web_port,
-                      model_dir=tiny_model_dir)  # fmt: skip
+                      model_dir=tiny_model_dir, tenant_keys=hosts_take_tenant_keys)  # fmt: skip
     try:
         cluster.start_redis()
         cluster.start_control_plane()

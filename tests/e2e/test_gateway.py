@@ -31,6 +31,11 @@ def cluster_env() -> dict[str, str]:
     return {"HARLI_LOG_LEVEL": "INFO", "HARLI_GATEWAY_KEY_CACHE_TTL_S": "1"}
 
 
+@pytest.fixture(scope="module")
+def hosts_take_tenant_keys() -> bool:
+    return False  # a tenant calling a host directly reaches nothing
+
+
 @pytest.fixture
 def redis_clean(cluster: Cluster) -> Iterator[None]:
     """Rate-limit buckets of earlier tests gone (tenants are created again with the same
