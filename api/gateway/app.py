@@ -44,6 +44,7 @@ from api.gateway.selectors import InferenceTarget
 from api.gateway.upstream import Upstream
 from api.rate_limits import RateLimiter
 from api.usage_recorder import UsageRecorder
+from gpu_runtime.contract.grants import PROMPT_TOKENS_HEADER
 
 logger = logging.getLogger("harli.gateway")
 
@@ -161,7 +162,7 @@ class Gateway:
                                  JSON_HEADERS + headers)  # fmt: skip
             elif request.stream:
                 outcome.relay = StreamRelay(forward_usage=request.client_wants_usage)
-                outcome.prompt_tokens = response.headers.get("x-harli-prompt-tokens")
+                outcome.prompt_tokens = response.headers.get(PROMPT_TOKENS_HEADER)
                 await self._relay_stream(response, outcome.relay, host.name, rid, send, headers)
             else:
                 await response.aread()
@@ -223,7 +224,7 @@ class Outcome:
     whole: Usage | None = None
     relay: StreamRelay | None = None
     prompt_tokens: str | None = None
-    """The host's `x-harli-prompt-tokens` header of a stream."""
+    """The host's `PROMPT_TOKENS_HEADER` of a stream."""
 
     def usage(self) -> Usage | None:
         if self.relay is not None:

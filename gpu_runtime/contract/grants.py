@@ -25,6 +25,9 @@ import json
 from dataclasses import dataclass
 
 GRANT_HEADER = "x-harli-grant"
+PROMPT_TOKENS_HEADER = "x-harli-prompt-tokens"
+"""A host's completion responses name the request's prompt tokens here, so the gateway can
+account a stream that is cut off before its usage chunk."""
 GRANT_VERSION = "v1"
 GRANT_TTL_S = 60.0
 """How long a grant the gateway signs stays valid: long enough for a request to queue and

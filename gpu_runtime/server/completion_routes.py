@@ -17,12 +17,12 @@ from typing import Any
 from fastapi import APIRouter, Depends, Response
 from fastapi.responses import StreamingResponse
 
+from gpu_runtime.contract.grants import PROMPT_TOKENS_HEADER
 from gpu_runtime.engine.request import RequestOutput
 from gpu_runtime.server.auth import ModelAccess
 from gpu_runtime.server.inference import Inference, inference_of, require_access
 from gpu_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from gpu_runtime.server.responses import (
-    PROMPT_TOKENS_HEADER,
     Tracked,
     chat_logprobs,
     completion_logprobs,

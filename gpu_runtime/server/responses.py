@@ -11,7 +11,6 @@ from typing import Any
 
 from gpu_runtime.engine.request import RequestOutput
 
-PROMPT_TOKENS_HEADER = "x-harli-prompt-tokens"
 """Response header of every successful completion: the request's prompt tokens."""
 
 

@@ -15,7 +15,13 @@ from typing import Any
 import httpx
 import pytest
 
-from gpu_runtime.contract.grants import GRANT_HEADER, Grant, grant_sign, host_key
+from gpu_runtime.contract.grants import (
+    GRANT_HEADER,
+    PROMPT_TOKENS_HEADER,
+    Grant,
+    grant_sign,
+    host_key,
+)
 from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server import (
@@ -25,7 +31,6 @@ from gpu_runtime.server import (
     create_app,
     static_key_checker,
 )
-from gpu_runtime.server.responses import PROMPT_TOKENS_HEADER
 from tests.gpu_runtime.server.serving import serve_in_thread
 
 HOST = "gpu-07"
