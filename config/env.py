@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import secrets
 from pathlib import Path
+from urllib.parse import urlsplit
 
 BASE_DIR = Path(__file__).resolve().parent.parent
 
@@ -62,3 +63,18 @@ def local_secret(path: Path) -> str:
     with os.fdopen(fd, "w") as handle:
         handle.write(value)
     return value
+
+
+REDIS_URL_SCHEMES = ("redis", "rediss", "unix")
+
+
+def env_redis_url(name: str) -> str:
+    """A Redis URL (`redis://`, `rediss://` or `unix://`), or "" when unset."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return ""
+    parts = urlsplit(raw)
+    if parts.scheme not in REDIS_URL_SCHEMES or not (parts.netloc or parts.path):
+        schemes = ", ".join(f"{scheme}://" for scheme in REDIS_URL_SCHEMES)
+        raise EnvError(f"{name}={raw!r} is not a Redis URL (use {schemes})")
+    return raw

@@ -48,7 +48,7 @@ from api.services.fleet import (
     host_undrain,
 )
 from api.services.jobs import finetune_job_cancel
-from api.services.tenants import tenant_create
+from api.services.tenants import tenant_create, tenant_limits_set
 
 LISTS = {
     item: list_serializer(item, item.__name__.replace("Serializer", "List"))
@@ -108,9 +108,42 @@ class TenantsApi(OperatorAPIView):
 
 
 class TenantDetailApi(OperatorAPIView):
+    class TenantLimitsSerializer(serializers.Serializer):
+        requests_per_minute = serializers.IntegerField(
+            allow_null=True, required=False, help_text="a positive integer, or null for no limit"
+        )
+        tokens_per_minute = serializers.IntegerField(
+            allow_null=True, required=False, help_text="a positive integer, or null for no limit"
+        )
+
     @extend_schema(operation_id="ops_tenants_retrieve", responses={200: TenantOpsSerializer})
     def get(self, request: Request, name: str) -> Response:
         return Response(TenantOpsSerializer(tenant_get(name=name)).data)
+
+    @extend_schema(
+        operation_id="ops_tenants_limits_set",
+        summary="Set a tenant's rate limits (a field left out keeps its value)",
+        request=TenantLimitsSerializer,
+        responses={200: TenantOpsSerializer, 400: ErrorSerializer, 404: ErrorSerializer},
+    )
+    def patch(self, request: Request, name: str) -> Response:
+        tenant = tenant_get(name=name)
+        fields = set(self.TenantLimitsSerializer().fields)
+        unknown = sorted(set(request.data) - fields) if isinstance(request.data, dict) else []
+        if unknown:
+            raise HarliError(
+                f"Unknown field {unknown[0]!r}; a tenant's PATCH takes "
+                f"{', '.join(sorted(fields))}.",
+                param=unknown[0],
+                code="unknown_field",
+            )
+        data = _valid(self.TenantLimitsSerializer, request.data)
+        tenant = tenant_limits_set(
+            tenant=tenant,
+            requests_per_minute=data.get("requests_per_minute", tenant.requests_per_minute),
+            tokens_per_minute=data.get("tokens_per_minute", tenant.tokens_per_minute),
+        )
+        return Response(TenantOpsSerializer(tenant).data)
 
 
 class ApiKeysApi(OperatorAPIView):

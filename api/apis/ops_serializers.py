@@ -12,7 +12,11 @@ from api.models import ApiKey, BaseModel, Deployment, FinetuneJob, GpuHost, Plac
 class TenantOpsSerializer(serializers.ModelSerializer):
     class Meta:
         model = Tenant
-        fields = ["id", "name", "created_at"]
+        fields = ["id", "name", "requests_per_minute", "tokens_per_minute", "created_at"]
+        extra_kwargs = {
+            "requests_per_minute": {"help_text": "inference requests per minute; null: no limit"},
+            "tokens_per_minute": {"help_text": "inference tokens per minute; null: no limit"},
+        }
 
 
 class ApiKeyOpsSerializer(serializers.ModelSerializer):

@@ -16,13 +16,28 @@ tenant_name_validator = RegexValidator(
 
 
 class Tenant(models.Model):
-    """A customer of the platform. Every file, job and adapter belongs to exactly one tenant."""
+    """A customer of the platform. Every file, job and adapter belongs to exactly one tenant.
+
+    `requests_per_minute` and `tokens_per_minute` limit its inference calls through the gateway
+    (`api.rate_limits`); null is unlimited. Set them with `tenant_limits_set`.
+    """
 
     name = models.CharField(max_length=63, unique=True, validators=[tenant_name_validator])
     created_at = models.DateTimeField(auto_now_add=True)
+    requests_per_minute = models.PositiveIntegerField(null=True, blank=True)
+    tokens_per_minute = models.PositiveIntegerField(null=True, blank=True)
 
     class Meta:
         ordering = ["name"]
+        constraints = [
+            models.CheckConstraint(
+                name="tenant_limits_positive",
+                condition=(
+                    models.Q(requests_per_minute__isnull=True) | models.Q(requests_per_minute__gt=0)
+                )
+                & (models.Q(tokens_per_minute__isnull=True) | models.Q(tokens_per_minute__gt=0)),
+            )
+        ]
 
     def __str__(self) -> str:
         return self.name

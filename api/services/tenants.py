@@ -70,3 +70,40 @@ def operator_create(*, username: str, password: str, email: str = "") -> User:
             f"A user named {username!r} already exists.", code="user_exists", param="username"
         ) from None
     return user
+
+
+# The largest limit a PositiveIntegerField holds on every database.
+MAX_RATE_LIMIT = 2**31 - 1
+
+
+@transaction.atomic
+def tenant_limits_set(
+    *, tenant: Tenant, requests_per_minute: int | None, tokens_per_minute: int | None
+) -> Tenant:
+    """Set the tenant's requests-per-minute and tokens-per-minute limits (None: unlimited).
+
+    Each must be an integer from 1 to MAX_RATE_LIMIT, or None; anything else raises
+    HarliError naming the field, and nothing is written. The gateway applies a new limit to
+    the tenant's next request (`api.rate_limits`).
+    """
+    for name, value in (
+        ("requests_per_minute", requests_per_minute),
+        ("tokens_per_minute", tokens_per_minute),
+    ):
+        if value is None:
+            continue
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, int)
+            or not 1 <= value <= MAX_RATE_LIMIT
+        ):
+            raise HarliError(
+                f"{name} must be an integer from 1 to {MAX_RATE_LIMIT}, or null for no limit; "
+                f"got {value!r}.",
+                param=name,
+                code="invalid_value",
+            )
+    tenant.requests_per_minute = requests_per_minute
+    tenant.tokens_per_minute = tokens_per_minute
+    tenant.save(update_fields=["requests_per_minute", "tokens_per_minute"])
+    return tenant

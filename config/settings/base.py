@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from config.database import database_settings
-from config.env import BASE_DIR, env_int, env_list, env_str
+from config.env import BASE_DIR, env_int, env_list, env_redis_url, env_str
 from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
@@ -147,6 +147,10 @@ HARLI_UPLOAD_MAX_BYTES = env_int("HARLI_UPLOAD_MAX_BYTES", 8 * 1024 * 1024 * 102
 HARLI_UPLOAD_EXPIRES_S = env_int("HARLI_UPLOAD_EXPIRES_S", 3600)
 # Uploaded file bytes (api.storage.LocalStorage). Relative paths are taken from the repo root.
 HARLI_STORAGE_DIR = BASE_DIR / env_str("HARLI_STORAGE_DIR", "var/storage")
+
+# The inference gateway's per-tenant rate limits (`api.rate_limits`): unset, each gateway
+# process keeps its own buckets in memory; set, every process shares buckets in this Redis.
+RATE_LIMIT_REDIS_URL = env_redis_url("HARLI_RATE_LIMIT_REDIS_URL")
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

@@ -110,6 +110,32 @@ def test_fleet_commands(tmp_path: Path) -> None:
 
 
 @pytest.mark.django_db
+def test_tenants_limits() -> None:
+    run("tenants", "create", "acme")
+    assert "acme: unlimited requests/min, unlimited tokens/min" in run("tenants", "limits", "acme")
+    out = run("tenants", "limits", "acme", "--rpm", "60", "--tpm", "150000")
+    assert "acme: 60 requests/min, 150000 tokens/min." in out
+    acme = Tenant.objects.get(name="acme")
+    assert (acme.requests_per_minute, acme.tokens_per_minute) == (60, 150000)
+    # An option left out keeps its value; "none" clears.
+    assert "unlimited requests/min, 150000 tokens/min" in run(
+        "tenants", "limits", "acme", "--rpm", "none"
+    )
+    assert "unlimited requests/min, 9 tokens/min" in run("tenants", "limits", "acme", "--tpm", "9")
+    listed = run("tenants", "list").splitlines()
+    assert listed[0].split()[:4] == ["ID", "NAME", "RPM", "TPM"]
+    assert listed[1].split()[1:4] == ["acme", "unlimited", "9"]
+    with pytest.raises(CommandError, match="requests_per_minute must be an integer from 1"):
+        run("tenants", "limits", "acme", "--rpm", "0")
+    with pytest.raises(CommandError, match="is not an integer or 'none'"):
+        run("tenants", "limits", "acme", "--tpm", "many")
+    with pytest.raises(CommandError, match="No tenant named 'nobody'"):
+        run("tenants", "limits", "nobody", "--rpm", "5")
+    acme.refresh_from_db()
+    assert (acme.requests_per_minute, acme.tokens_per_minute) == (None, 9)
+
+
+@pytest.mark.django_db
 def test_jobs_and_operators(monkeypatch: pytest.MonkeyPatch) -> None:
     run("tenants", "create", "acme")
     run("basemodels", "register", "tiny", "--preset", "tiny")
