@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from django.urls import URLPattern, path
 
-from api.apis import adapters, files, jobs, models, ops, uploads
+from api.apis import adapters, files, jobs, models, ops, ops_usage, uploads, usage
 
 JOB = "fine_tuning/jobs/<str:fine_tuning_job_id>"
 UPLOAD = "uploads/<str:upload_id>"
@@ -35,6 +35,11 @@ v1_urlpatterns: list[URLPattern] = [
     path("models", models.ModelCollectionApi.as_view(), name="models"),
     path("models/<str:model>", models.ModelDetailApi.as_view(), name="model"),
     path("models/<str:model>/content", adapters.ModelContentApi.as_view(), name="model-content"),
+    path(
+        "organization/usage/completions",
+        usage.UsageCompletionsApi.as_view(),
+        name="usage-completions",
+    ),
 ]
 
 ops_urlpatterns: list[URLPattern] = [
@@ -54,4 +59,5 @@ ops_urlpatterns: list[URLPattern] = [
     path("jobs", ops.JobsApi.as_view(), name="jobs"),
     path("jobs/<str:job_id>", ops.JobDetailOpsApi.as_view(), name="job"),
     path("jobs/<str:job_id>/cancel", ops.JobCancelOpsApi.as_view(), name="job-cancel"),
+    path("usage", ops_usage.UsageOpsApi.as_view(), name="usage"),
 ]

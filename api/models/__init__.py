@@ -29,6 +29,7 @@ from api.models.metrics import (
 )
 from api.models.tenancy import ApiKey, Tenant, User, UserRole
 from api.models.uploads import Upload, UploadPart, UploadStatus
+from api.models.usage import TenantUsage
 
 __all__ = [
     "RollupSeries",
@@ -63,6 +64,7 @@ __all__ = [
     "Placement",
     "PlacementState",
     "Tenant",
+    "TenantUsage",
     "Upload",
     "UploadPart",
     "UploadStatus",

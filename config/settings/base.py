@@ -151,6 +151,8 @@ HARLI_STORAGE_DIR = BASE_DIR / env_str("HARLI_STORAGE_DIR", "var/storage")
 # The inference gateway's per-tenant rate limits (`api.rate_limits`): unset, each gateway
 # process keeps its own buckets in memory; set, every process shares buckets in this Redis.
 RATE_LIMIT_REDIS_URL = env_redis_url("HARLI_RATE_LIMIT_REDIS_URL")
+# How often the gateway writes its aggregated usage (`api.usage_recorder`) to the database.
+HARLI_USAGE_FLUSH_INTERVAL_S = env_int("HARLI_USAGE_FLUSH_INTERVAL_S", 10)
 
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [

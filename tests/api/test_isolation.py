@@ -12,8 +12,10 @@ remembering to add it.
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any
 
 import pytest
@@ -29,6 +31,7 @@ from api.services.jobs import (
     job_checkpoint_record,
 )
 from api.services.uploads import upload_create, upload_part_add
+from api.services.usage import UsageRow, usage_record_batch
 from api.storage import get_storage
 from gpu_runtime.contract.protocol import adapter_key, checkpoint_key
 from gpu_runtime.contract.storage import COMPLETE_MARKER
@@ -50,6 +53,13 @@ EXEMPT = {
     "console/logout/": "ends the caller's own console session; no tenant data",
 }
 METHODS = ("get", "post", "put", "patch", "delete")
+# Collection routes that answer only with query parameters (a usage read needs its time range):
+# the query that reads everything the last day holds, grouped so model names show.
+COLLECTION_QUERIES = {
+    "v1/organization/usage/completions": (
+        "?start_time={day_ago}&bucket_width=1h&limit=48&group_by=model"
+    ),
+}
 PARAM = re.compile(r"<(?:(?P<converter>\w+):)?(?P<name>\w+)>")
 
 
@@ -129,6 +139,19 @@ def victim(tiny: object, other_tenant: Tenant) -> Victim:
         mime_type="text/jsonl",
     )
     upload_part_add(upload=upload, data=UploadSource.from_bytes(filename="p", data=VALID_JSONL))
+    minute = datetime.now(tz=UTC).replace(second=0, microsecond=0)
+    usage_record_batch(
+        rows=[
+            UsageRow(
+                tenant_id=tenant.pk,
+                model=finished.fine_tuned_model,
+                minute=minute,
+                requests=1,
+                prompt_tokens=10,
+                completion_tokens=5,
+            )
+        ]
+    )
     fillers = {
         "file_id": file.id,
         "fine_tuning_job_id": running.id,
@@ -208,9 +231,10 @@ def test_tenant_collections_hide_and_refuse_other_tenants_objects(
         if not route.route.startswith(TENANT_PREFIX) or route.params:
             continue
         url = route.url({})
+        query = COLLECTION_QUERIES.get(route.route, "").format(day_ago=int(time.time()) - 86400)
         for method in route.methods:
             if method == "get":
-                response = api.get(url)
+                response = api.get(url + query)
                 assert response.status_code == 200, url
                 leaked = [s for s in secrets if s in response.content.decode()]
                 assert leaked == [], f"GET {url} shows another tenant's {leaked}"
@@ -232,6 +256,11 @@ def test_tenant_collections_hide_and_refuse_other_tenants_objects(
                     expected["code"],
                 ), f"{method.upper()} {url}"
     assert FinetuneJob.objects.count() == jobs_before
+    # The victim's usage is real: its owner sees it where the other tenant saw nothing.
+    usage_route = "v1/organization/usage/completions"
+    query = COLLECTION_QUERIES[usage_route].format(day_ago=int(time.time()) - 86400)
+    owned = ApiClient(victim.key).get(f"/{usage_route}{query}")
+    assert str(victim.fillers["model"]) in owned.content.decode()
 
 
 def test_operator_routes_refuse_tenant_keys(api: ApiClient, victim_with_key: Victim) -> None:
