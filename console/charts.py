@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from api import selectors as api_selectors
-from api.models import Deployment, FinetuneJob, GpuHost
+from api.models import Deployment, FinetuneJob, GpuHost, Tenant
+from api.usage_selectors import usage_buckets
 from console import figures
 from console import selectors as console_selectors
 from console.figures import LatencyPairs, MemorySplit, TimeSeries
@@ -220,6 +221,31 @@ def job_throughput(*, job: FinetuneJob) -> ChartPayload:
             tokens_per_s=TimeSeries(
                 name="tokens/s", ts=[r.ts for r in rows], values=[r.tokens_per_s for r in rows]
             )
+        )
+    )
+
+
+# One tenant's inference usage (the last day, whatever the page's range)
+
+USAGE_WINDOW_S = 24 * 3600
+NO_USAGE = "No inference calls by this tenant in the last 24 hours."
+
+
+def tenant_tokens(*, tenant: Tenant, width: str, now: datetime) -> ChartPayload:
+    """Prompt and completion tokens per `width` bucket ("1m" or "1h") over the 24 hours up to
+    `now`; buckets without calls are zero."""
+    end = int(now.timestamp()) + 1
+    buckets = usage_buckets(tenant=tenant, start=end - USAGE_WINDOW_S, end=end, width=width)
+    if not any(b.results for b in buckets):
+        return ChartPayload.empty(NO_USAGE)
+    ts = [datetime.fromtimestamp(b.start_time, tz=UTC) for b in buckets]
+    prompt = [float(sum(r.prompt_tokens for r in b.results)) for b in buckets]
+    completion = [float(sum(r.completion_tokens for r in b.results)) for b in buckets]
+    return ChartPayload.of(
+        figures.token_usage_figure(
+            prompt=TimeSeries(name="prompt tokens", ts=ts, values=prompt),
+            completion=TimeSeries(name="completion tokens", ts=ts, values=completion),
+            per={"1m": "minute", "1h": "hour"}[width],
         )
     )
 

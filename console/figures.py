@@ -341,6 +341,26 @@ def predictor_scatter_figure(*, per_host: Sequence[LatencyPairs]) -> Figure:
     return _as_dict(figure)
 
 
+def token_usage_figure(*, prompt: TimeSeries, completion: TimeSeries, per: str) -> Figure:
+    """A tenant's prompt and completion tokens per bucket (`per`: "minute" or "hour"),
+    stacked bars at each bucket's start, so a bar's top is the bucket's total."""
+    layout = _base_layout(uirevision=f"tokens-{per}", y_title=f"tokens per {per}")
+    layout.update(barmode="stack")
+    figure = go.Figure(layout=layout)
+    for series, colour in ((prompt, PALETTE[0]), (completion, PALETTE[1])):
+        figure.add_trace(
+            go.Bar(
+                name=series.name,
+                x=[iso_utc(t) for t in series.ts],
+                y=list(series.values),
+                marker={"color": colour},
+                hovertemplate="%{y:,.0f}",
+            )
+        )
+    figure.update_yaxes(rangemode="tozero")
+    return _as_dict(figure)
+
+
 def point_counts(figure: Figure) -> dict[str, int]:
     """Points per trace, keyed by trace name (what the browser tests compare against)."""
     return {str(trace.get("name")): len(trace.get("x") or ()) for trace in figure["data"]}

@@ -23,6 +23,8 @@ urlpatterns: list[URLPattern] = [
     path("jobs/<str:job_id>/", jobs.JobDetailView.as_view(), name="job"),
     path("jobs/<str:job_id>/<str:action>/", jobs.JobActionView.as_view(), name="job-action"),
     path("tenants/", tenants.TenantsView.as_view(), name="tenants"),
+    path("tenants/<str:name>/", tenants.TenantView.as_view(), name="tenant"),
+    path("tenants/<str:name>/limits/", tenants.TenantLimitsView.as_view(), name="tenant-limits"),
     path("tenants/<str:name>/keys/", tenants.ApiKeyIssueView.as_view(), name="key-issue"),
     path("keys/<int:key_id>/revoke/", tenants.ApiKeyRevokeView.as_view(), name="key-revoke"),
     path("live/fleet", fleet.FleetLiveView.as_view(), name="live-fleet"),
@@ -41,6 +43,11 @@ urlpatterns: list[URLPattern] = [
     ),
     path("charts/hosts/<str:name>/<str:chart>", charts.HostChartView.as_view(), name="chart-host"),
     path("charts/jobs/<str:job_id>/<str:chart>", charts.JobChartView.as_view(), name="chart-job"),
+    path(
+        "charts/tenants/<str:name>/<str:chart>",
+        charts.TenantChartView.as_view(),
+        name="chart-tenant",
+    ),
     path(
         "charts/predictors/<str:chart>",
         charts.PredictorChartView.as_view(),

@@ -1,8 +1,9 @@
-"""Console-only reads: metric time series, job progress, predictor accuracy, filtered job lists.
+"""Console-only reads: metric time series, job progress, predictor accuracy, filtered job lists,
+a tenant's usage per model.
 
-Reads that the APIs share live in `api.selectors`; this package holds what only the console
-needs. Metric rows are written by the control plane's metrics ingestion (models `HostMetric`,
-`DeploymentMetric`, `JobMetric`); the console only reads them.
+Reads that the APIs share live in `api.selectors` and `api.usage_selectors`; this package holds
+what only the console needs. Metric rows are written by the control plane's metrics ingestion
+(models `HostMetric`, `DeploymentMetric`, `JobMetric`); the console only reads them.
 """
 
 from console.selectors.jobs import (
@@ -40,6 +41,7 @@ from console.selectors.series import (
     downsample,
     parse_range,
 )
+from console.selectors.usage import ModelUsage, tenant_usage_by_model
 
 __all__ = [
     "DEFAULT_RANGE",
@@ -52,6 +54,7 @@ __all__ = [
     "Columns",
     "DeploymentSummary",
     "JobProgress",
+    "ModelUsage",
     "PredictorAccuracy",
     "attainment_series",
     "bucket_width",
@@ -73,4 +76,5 @@ __all__ = [
     "predictor_pairs",
     "progress_from",
     "summarize",
+    "tenant_usage_by_model",
 ]

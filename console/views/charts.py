@@ -13,7 +13,7 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.utils import timezone
 
 from api.errors import HarliError, error_body
-from api.models import Deployment, FinetuneJob, GpuHost
+from api.models import Deployment, FinetuneJob, GpuHost, Tenant
 from console import charts
 from console.access import OperatorJsonView
 from console.charts import ChartPayload
@@ -38,6 +38,8 @@ JOB_CHARTS: dict[str, Callable[..., ChartPayload]] = {
     "loss": charts.job_loss,
     "throughput": charts.job_throughput,
 }
+# A tenant's usage charts cover the last day, whatever the page's range.
+TENANT_CHARTS: dict[str, str] = {"tokens-per-minute": "1m", "tokens-per-hour": "1h"}
 PREDICTOR_CHARTS: dict[str, Callable[..., ChartPayload]] = {
     "scatter": charts.predictor_scatter,
 }
@@ -102,6 +104,20 @@ class JobChartView(OperatorJsonView):
         if job is None:
             return _not_found(f"No fine-tuning job {job_id!r}.")
         return _answer(JOB_CHARTS[chart](job=job))
+
+
+class TenantChartView(OperatorJsonView):
+    """A tenant's tokens per minute or per hour over the last 24 hours; `range` is ignored."""
+
+    def get(self, request: HttpRequest, name: str, chart: str) -> HttpResponse:
+        if chart not in TENANT_CHARTS:
+            return _not_found(f"No tenant chart named {chart!r}.")
+        tenant = Tenant.objects.filter(name=name).first()
+        if tenant is None:
+            return _not_found(f"No tenant named {name!r}.")
+        return _answer(
+            charts.tenant_tokens(tenant=tenant, width=TENANT_CHARTS[chart], now=timezone.now())
+        )
 
 
 class PredictorChartView(_RangedChartView):

@@ -1,4 +1,5 @@
-"""Tenants and their API keys: create a tenant, issue a key (shown once), revoke a key."""
+"""Tenants and their API keys: create a tenant, issue a key (shown once), revoke a key; one
+tenant's page with its rate limits (set here), usage and keys."""
 
 from __future__ import annotations
 
@@ -7,12 +8,14 @@ from django.contrib import messages
 from django.db.models import Count, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
+from django.utils import timezone
 
 from api import selectors as api_selectors
 from api.errors import HarliError
 from api.models import Tenant
 from api.services.apikeys import IssuedKey, api_key_issue_for_tenant, api_key_revoke
-from api.services.tenants import tenant_create
+from api.services.tenants import tenant_create, tenant_limits_set
+from console import selectors as console_selectors
 from console.access import OperatorView
 from console.views.common import not_found, render_page
 
@@ -23,6 +26,13 @@ class TenantForm(forms.Form):
 
 class ApiKeyForm(forms.Form):
     name = forms.CharField(max_length=100, required=False)
+
+
+class TenantLimitsForm(forms.Form):
+    """The two rate limits; an empty field is no limit (the service checks the values)."""
+
+    requests_per_minute = forms.IntegerField(required=False)
+    tokens_per_minute = forms.IntegerField(required=False)
 
 
 def _render(
@@ -78,6 +88,69 @@ class TenantsView(OperatorView):
         return redirect("console:tenants")
 
 
+def _render_tenant(
+    request: HttpRequest,
+    tenant: Tenant,
+    *,
+    limits_form: TenantLimitsForm | None = None,
+    status: int = 200,
+) -> HttpResponse:
+    now = timezone.now()
+    by_model = console_selectors.tenant_usage_by_model(tenant=tenant, now=now)
+    day = [row.day for row in by_model if row.day is not None]
+    context = {
+        "tenant": tenant,
+        "limits_form": limits_form
+        or TenantLimitsForm(
+            initial={
+                "requests_per_minute": tenant.requests_per_minute,
+                "tokens_per_minute": tenant.tokens_per_minute,
+            }
+        ),
+        "usage_by_model": by_model,
+        "day_requests": sum(s.requests for s in day),
+        "day_prompt_tokens": sum(s.prompt_tokens for s in day),
+        "day_completion_tokens": sum(s.completion_tokens for s in day),
+        "keys": list(api_selectors.api_key_list(tenant=tenant)),
+        "job_count": tenant.jobs.count(),
+    }
+    return render_page(request, "console/tenant.html", context, section="tenants", status=status)
+
+
+class TenantView(OperatorView):
+    """One tenant: its rate limits (with the form to set them), usage over the last day per
+    minute and hour, usage per model, and its API keys."""
+
+    def get(self, request: HttpRequest, name: str) -> HttpResponse:
+        tenant = Tenant.objects.filter(name=name).first()
+        if tenant is None:
+            return not_found(request, what=f"tenant {name!r}", section="tenants")
+        return _render_tenant(request, tenant)
+
+
+class TenantLimitsView(OperatorView):
+    """POST: set a tenant's rate limits through `api.services.tenants.tenant_limits_set`."""
+
+    def post(self, request: HttpRequest, name: str) -> HttpResponse:
+        tenant = Tenant.objects.filter(name=name).first()
+        if tenant is None:
+            return not_found(request, what=f"tenant {name!r}", section="tenants")
+        form = TenantLimitsForm(request.POST)
+        if not form.is_valid():
+            return _render_tenant(request, tenant, limits_form=form, status=400)
+        try:
+            tenant = tenant_limits_set(
+                tenant=tenant,
+                requests_per_minute=form.cleaned_data["requests_per_minute"],
+                tokens_per_minute=form.cleaned_data["tokens_per_minute"],
+            )
+        except HarliError as exc:
+            form.add_error(exc.param if exc.param in form.fields else None, exc.message)
+            return _render_tenant(request, tenant, limits_form=form, status=400)
+        messages.success(request, f"Rate limits of {tenant.name} saved.")
+        return redirect("console:tenant", name=tenant.name)
+
+
 class ApiKeyIssueView(OperatorView):
     """POST: issue a key for a tenant and show it in clear, this once (never stored in clear)."""
 
@@ -101,6 +174,9 @@ class ApiKeyRevokeView(OperatorView):
             api_key = api_key_revoke(prefix_or_id=str(key_id))
         except HarliError as exc:
             messages.error(request, exc.message)
-        else:
-            messages.success(request, f"Key {api_key.prefix}… revoked.")
+            return redirect("console:tenants")
+        messages.success(request, f"Key {api_key.prefix}… revoked.")
+        tenant = api_key.user.tenant
+        if request.POST.get("back") == "tenant" and tenant is not None:
+            return redirect("console:tenant", name=tenant.name)
         return redirect("console:tenants")

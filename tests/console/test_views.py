@@ -34,6 +34,7 @@ PAGES = [
     "/console/deployments/chat-idle/",
     "/console/jobs/",
     "/console/tenants/",
+    "/console/tenants/acme/",
     "/console/models/",
     "/console/hosts/",
     "/console/hosts/gpu-a/",
