@@ -60,15 +60,19 @@ def test_requests_bucket_drains_refills_and_refuses_without_consuming(
         limit_requests=60,
         remaining_requests=59,
         reset_requests_s=1.0,  # one request refills in 60 s / 60
-        retry_after_s=0.0,
     )
+    assert (first.kind, first.retry_after_s, first.message()) == ("", 0.0, "")
     for expected in range(58, -1, -1):
         assert run(limiter.acquire("acme", limits, 0)).remaining_requests == expected
     refused = run(limiter.acquire("acme", limits, 0))
-    assert not refused.allowed and not refused.too_large
+    assert not refused.allowed and not refused.too_large and refused.kind == "requests"
     assert refused.remaining_requests == 0
     assert refused.reset_requests_s == pytest.approx(60.0)
     assert refused.retry_after_s == pytest.approx(1.0)
+    assert refused.message() == (
+        "Rate limit reached on requests per min (RPM): Limit 60, Used 60, Requested 1. "
+        "Please try again in 1s."
+    )
     # A refusal took nothing: after half a second the bucket holds half a request, still short.
     clock.advance(0.5)
     again = run(limiter.acquire("acme", limits, 0))
@@ -100,16 +104,20 @@ def test_both_limits_pay_together_or_not_at_all(
     assert first.reset_requests_s == pytest.approx(6.0)
     # The tokens bucket is short: refused, and the requests bucket keeps its 9.
     refused = run(limiter.acquire("acme", limits, 500))
-    assert not refused.allowed
+    assert not refused.allowed and refused.kind == "tokens"
     assert (refused.remaining_requests, refused.remaining_tokens) == (9, 400)
     assert refused.retry_after_s == pytest.approx(6.0)  # 100 more tokens at 16.67/s
+    assert refused.message() == (
+        "Rate limit reached on tokens per min (TPM): Limit 1000, Used 600, Requested 500. "
+        "Please try again in 6s."
+    )
     assert run(limiter.acquire("acme", limits, 400)).remaining_requests == 8
     # Now the requests bucket runs out first: 8 more calls of no tokens, then a refusal whose
     # wait is the requests bucket's, with the tokens bucket left as it was.
     for _ in range(8):
         assert run(limiter.acquire("acme", limits, 0)).allowed
     refused = run(limiter.acquire("acme", limits, 0))
-    assert not refused.allowed and refused.remaining_tokens == 0
+    assert not refused.allowed and refused.remaining_tokens == 0 and refused.kind == "requests"
     assert refused.retry_after_s == pytest.approx(6.0)
     clock.advance(6)
     ok = run(limiter.acquire("acme", limits, 100))
@@ -121,9 +129,13 @@ def test_a_request_larger_than_the_token_limit_is_too_large(
 ) -> None:
     limits = Limits(requests_per_minute=10, tokens_per_minute=1000)
     refused = run(limiter.acquire("acme", limits, 1001))
-    assert not refused.allowed and refused.too_large and refused.retry_after_s is None
+    assert not refused.allowed and refused.too_large and refused.kind == "tokens"
     assert refused.remaining_tokens == 1000 and refused.remaining_requests == 10
-    assert "retry-after" not in refused.headers()
+    assert refused.retry_after_s == 0.0  # the bucket is full: waiting does not help
+    assert refused.message() == (
+        "Request too large on tokens per min (TPM): Limit 1000, Requested 1001. "
+        "The input or output tokens must be reduced in order to run successfully."
+    )
     assert run(limiter.acquire("acme", limits, 1000)).remaining_tokens == 0
 
 
@@ -222,15 +234,19 @@ def test_headers_are_openais() -> None:
         limit_tokens=1000,
         remaining_tokens=10,
         reset_tokens_s=59.4,
+        requested_tokens=48,
+        kind="tokens",
         retry_after_s=2.3,
     )
     assert tokens_only.headers() == {
         "x-ratelimit-limit-tokens": "1000",
         "x-ratelimit-remaining-tokens": "10",
         "x-ratelimit-reset-tokens": "59.4s",
-        "retry-after": "3",
-        "retry-after-ms": "2300",
     }
+    assert tokens_only.message() == (
+        "Rate limit reached on tokens per min (TPM): Limit 1000, Used 990, Requested 48. "
+        "Please try again in 2.3s."
+    )
 
 
 @pytest.mark.parametrize(

@@ -70,7 +70,7 @@ def test_requests_drain_and_a_refusal_consumes_nothing(prefix: str) -> None:
         refused = await limiter.acquire("acme", limits, 0)
         assert not refused.allowed and refused.remaining_requests == 0
         # A tenth of a request refills in 0.6 s: the wait is just under 6 s.
-        assert refused.retry_after_s is not None and 5.0 < refused.retry_after_s <= 6.0
+        assert 5.0 < refused.retry_after_s <= 6.0 and refused.kind == "requests"
         assert 59.0 < (refused.reset_requests_s or 0) <= 60.0
         level_after = float(await raw.hget(limiter.keys("acme")[0], "level"))  # type: ignore[arg-type]
         assert level_after == level_before  # the refusal wrote nothing
@@ -90,7 +90,8 @@ def test_both_buckets_pay_or_neither_does(prefix: str) -> None:
         assert (refused.remaining_requests, refused.remaining_tokens) == (9, 400)
         assert refused.retry_after_s == pytest.approx(6.0, abs=0.5)
         too_large = await limiter.acquire("acme", limits, 1001)
-        assert too_large.too_large and too_large.remaining_requests == 9
+        assert too_large.too_large and too_large.kind == "tokens"
+        assert too_large.remaining_requests == 9 and too_large.retry_after_s > 30
         assert (await limiter.acquire("acme", limits, 400)).remaining_requests == 8
 
     with_limiter(prefix, body)
