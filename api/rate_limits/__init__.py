@@ -4,7 +4,8 @@ The gateway builds one limiter with `rate_limiter_from_settings()`, and for each
 
     limits = Limits.of(tenant)
     decision = await limiter.acquire(tenant.name, limits, estimate_request_tokens(...))
-    if not decision.allowed: answer 429 with decision.headers()
+    if not decision.allowed: answer 429 (decision.message(), type decision.kind) with
+        decision.headers() and retry-after from decision.retry_after_s
     ... forward; on every response add decision.headers() ...
     await limiter.settle(tenant.name, limits, used_tokens - estimate)
 
