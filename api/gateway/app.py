@@ -28,6 +28,7 @@ from api.gateway.asgi_io import (
     BodyTooLarge,
     ClientGone,
     Headers,
+    Message,
     Receive,
     Scope,
     Send,
@@ -91,7 +92,7 @@ class Gateway:
             return
         started = [False]
 
-        async def tracked_send(message: dict) -> None:  # type: ignore[type-arg]
+        async def tracked_send(message: Message) -> None:
             started[0] = True
             await send(message)
 
@@ -124,7 +125,8 @@ class Gateway:
                                               request.estimated_tokens)  # fmt: skip
         limit_headers = [(k.encode(), v.encode()) for k, v in decision.headers().items()]
         if not decision.allowed:
-            raise _rate_limited(decision.message(), base + limit_headers, decision.retry_after_s)
+            raise _rate_limited(decision.message(), decision.kind, base + limit_headers,
+                                decision.retry_after_s)  # fmt: skip
         outcome = Outcome()
         try:
             await self._forward(request, target, caller, rid, send, base + limit_headers, outcome)

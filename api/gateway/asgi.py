@@ -5,7 +5,8 @@
 cycle per event of a stream); every other path, `GET /v1/models` included, goes to Django. The
 wrapper owns the ASGI lifespan: at startup it starts the gateway's background work (usage
 flushes), at shutdown it flushes the usage still in memory and closes the connections to the
-hosts. Servers without lifespan events get the same start on the first request.
+hosts. Servers without lifespan events get the same start on the first request. Usage leaves
+memory for the database every `HARLI_USAGE_FLUSH_INTERVAL_S` (one batch of rows per flush).
 """
 
 from __future__ import annotations
@@ -21,17 +22,12 @@ from django.conf import settings
 from api.gateway.app import Gateway
 from api.gateway.asgi_io import Receive, Scope, Send
 from api.gateway.callers import Callers
-from api.gateway.db import db_call
 from api.gateway.fleet import FleetView
 from api.gateway.upstream import Upstream
 from api.rate_limits import rate_limiter_from_settings
 from api.usage_recorder import UsageRecorder
 
 logger = logging.getLogger("harli.gateway")
-
-USAGE_FLUSH_S = 2.0
-"""How often usage counts leave memory for the database (one batch of rows per flush)."""
-
 
 def build_gateway() -> Gateway:
     if not settings.GATEWAY_SECRET:
@@ -76,27 +72,19 @@ class ControlPlaneApp:
 
     def start(self) -> None:
         if self._flusher is None:
-            self._flusher = asyncio.create_task(self._flush_usage())
+            self._flusher = asyncio.create_task(self.gateway.usage.flush_every())
 
     async def stop(self) -> None:
+        """Flush the usage in memory (the flusher's last flush), close the connections."""
         if self._flusher is not None:
             self._flusher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._flusher
             self._flusher = None
-        await self._flush_once()
+        else:
+            await self.gateway.usage.aflush()
         await self.gateway.upstream.client.aclose()
-
-    async def _flush_usage(self) -> None:
-        while True:
-            await asyncio.sleep(USAGE_FLUSH_S)
-            await self._flush_once()
-
-    async def _flush_once(self) -> None:
-        try:
-            await db_call(self.gateway.usage.flush)
-        except Exception:  # kept in memory for the next flush
-            logger.exception("cannot write usage; keeping it for the next flush")
+        await self.gateway.limiter.aclose()
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:

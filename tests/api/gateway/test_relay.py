@@ -7,7 +7,7 @@ import json
 from api.gateway.relay import StreamRelay, error_event
 
 
-def event(payload: dict) -> bytes:  # type: ignore[type-arg]
+def event(payload: dict[str, object]) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
