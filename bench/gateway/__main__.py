@@ -165,7 +165,7 @@ def main() -> None:
     max_streams = max(args.concurrency)
     platform = Platform(work, max_num_seqs=max_streams, num_kv_blocks=max_streams * 8)
     try:
-        platform.start(("agent-a",))
+        platform.start(("agent-a",), later=("agent-b",))
         rows = asyncio.run(latency_phase(platform, args))
         failover = asyncio.run(failover_phase(platform, args))
     finally:

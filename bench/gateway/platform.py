@@ -98,7 +98,9 @@ class Platform:
     def log(self, name: str) -> str:
         return (self.work / f"{name}.log").read_text(errors="replace")
 
-    def start(self, hosts: tuple[str, ...]) -> None:
+    def start(self, hosts: tuple[str, ...], later: tuple[str, ...] = ()) -> None:
+        """Register `hosts` and `later`, start the control plane and the agents of `hosts`
+        (those of `later` are started with `start_agent`)."""
         self.work.mkdir(parents=True, exist_ok=True)
         self.manage("migrate", "--no-input", "-v", "0")
         seed = self.manage("seed_demo", "--url", self.web_url)
@@ -106,7 +108,7 @@ class Platform:
         if found is None:
             raise RuntimeError(f"no API key in the seed's output:\n{seed}")
         self.api_key = found.group(1)
-        for host in hosts:
+        for host in hosts + later:
             self.manage("hosts", "register", host, "--gpu-kind", "cpu", "--gpu-memory-gb", "16",
                         "--deployment", "tiny-chat")  # fmt: skip
         py = sys.executable
