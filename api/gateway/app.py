@@ -19,8 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 from api.errors import HarliError, error_body
 from api.gateway.asgi_io import (
     JSON_HEADERS,
@@ -39,6 +37,7 @@ from api.gateway.asgi_io import (
     send_whole,
 )
 from api.gateway.callers import Caller, Callers
+from api.gateway.host_http import HostResponse, HostStreamError
 from api.gateway.relay import StreamRelay, Usage, error_event
 from api.gateway.requests import ROUTES, InferenceRequest, parse_inference_request
 from api.gateway.selectors import InferenceTarget
@@ -176,7 +175,7 @@ class Gateway:
 
     async def _relay_stream(
         self,
-        response: httpx.Response,
+        response: HostResponse,
         relay: StreamRelay,
         host: str,
         rid: str,
@@ -195,7 +194,7 @@ class Gateway:
                 await send({"type": "http.response.body", "more_body": True,
                             "body": error_event("The host ended the stream early.",
                                                 "upstream_error")})  # fmt: skip
-        except httpx.HTTPError as exc:
+        except HostStreamError as exc:
             logger.warning("request %s: host %s failed mid-stream: %r", rid, host, exc)
             self.upstream.fleet.eject(host)
             event = error_event("The host serving this request failed; retry the request.",
@@ -234,7 +233,7 @@ class Outcome:
         return self.whole
 
 
-def _usage_of(response: httpx.Response) -> Usage | None:
+def _usage_of(response: HostResponse) -> Usage | None:
     try:
         usage = response.json().get("usage") or {}
     except (ValueError, AttributeError):

@@ -16,13 +16,13 @@ import contextlib
 import logging
 from typing import Any
 
-import httpx
 from django.conf import settings
 
 from api.gateway.app import Gateway
 from api.gateway.asgi_io import Receive, Scope, Send
 from api.gateway.callers import Callers
 from api.gateway.fleet import FleetView
+from api.gateway.host_http import HostPool
 from api.gateway.upstream import Upstream
 from api.rate_limits import rate_limiter_from_settings
 from api.usage_recorder import UsageRecorder
@@ -32,16 +32,7 @@ logger = logging.getLogger("harli.gateway")
 def build_gateway() -> Gateway:
     if not settings.GATEWAY_SECRET:
         raise RuntimeError("GATEWAY_SECRET is empty: set HARLI_GATEWAY_SECRET")
-    client = httpx.AsyncClient(
-        timeout=httpx.Timeout(
-            connect=settings.GATEWAY_CONNECT_TIMEOUT_S,
-            read=settings.GATEWAY_READ_TIMEOUT_S,
-            write=settings.GATEWAY_READ_TIMEOUT_S,
-            pool=None,
-        ),
-        limits=httpx.Limits(max_connections=None, max_keepalive_connections=1024),
-        trust_env=False,
-    )
+    client = HostPool(settings.GATEWAY_CONNECT_TIMEOUT_S, settings.GATEWAY_READ_TIMEOUT_S)
     fleet = FleetView()
     return Gateway(
         callers=Callers(ttl_s=settings.GATEWAY_KEY_CACHE_TTL_S),

@@ -8,11 +8,10 @@ import logging
 import time
 from collections.abc import Callable
 
-import httpx
-
 from api.errors import HarliError
 from api.gateway.callers import Caller
 from api.gateway.fleet import FleetView
+from api.gateway.host_http import HostPool, HostResponse, HostUnreachable
 from api.gateway.requests import ROUTES, InferenceRequest
 from api.gateway.routing import HostCandidate, rank_hosts
 from api.gateway.selectors import InferenceTarget
@@ -32,14 +31,14 @@ class UpstreamUnavailable(HarliError):
 
 
 class Upstream:
-    """One per gateway process; `client` is its pooled HTTP client to the hosts."""
+    """One per gateway process; `client` is its pool of connections to the hosts."""
 
     def __init__(
         self,
         *,
         secret: str,
         fleet: FleetView,
-        client: httpx.AsyncClient,
+        client: HostPool,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.fleet = fleet
@@ -57,7 +56,7 @@ class Upstream:
 
     async def open(
         self, request: InferenceRequest, target: InferenceTarget, caller: Caller, rid: str
-    ) -> tuple[HostCandidate, httpx.Response]:
+    ) -> tuple[HostCandidate, HostResponse]:
         """The first host's response whose headers arrived and that did not refuse (or the last
         refusal, passed on to the client). The caller must close the response and call
         `fleet.closed(host.name)`. UpstreamUnavailable when no host can be reached."""
@@ -87,7 +86,7 @@ class Upstream:
             self.fleet.opened(host.name)
             try:
                 response = await self._send(host, request, body, caller, target, rid)
-            except httpx.HTTPError as exc:
+            except HostUnreachable as exc:
                 self.fleet.closed(host.name)
                 self.fleet.eject(host.name)
                 logger.warning("route %s: host %s failed before its first byte: %r", rid,
@@ -123,13 +122,6 @@ class Upstream:
         caller: Caller,
         target: InferenceTarget,
         rid: str,
-    ) -> httpx.Response:
-        headers = {
-            "content-type": "application/json",
-            GRANT_HEADER: self._grant(host.name, caller, target, rid),
-            "x-request-id": rid,
-        }
-        upstream = self.client.build_request(
-            "POST", host.server_url + ROUTES[request.path], content=body, headers=headers
-        )
-        return await self.client.send(upstream, stream=True)
+    ) -> HostResponse:
+        headers = {GRANT_HEADER: self._grant(host.name, caller, target, rid), "x-request-id": rid}
+        return await self.client.post(host.server_url + ROUTES[request.path], body, headers)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform as host_platform
 import tempfile
 import time
@@ -36,6 +37,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--failover-requests", type=int, default=192)
     p.add_argument("--failover-concurrency", type=int, default=32)
+    p.add_argument("--pin", action=argparse.BooleanOptionalAction, default=True,
+                   help="agents on the first CPU, control plane and client on the others, so "
+                   "the gateway's CPU never slows the engine it measures against")  # fmt: skip
     p.add_argument("--out", default="bench/results")
     return p.parse_args()
 
@@ -163,7 +167,12 @@ def main() -> None:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="harli-bench-gateway-"))
     max_streams = max(args.concurrency)
-    platform = Platform(work, max_num_seqs=max_streams, num_kv_blocks=max_streams * 8)
+    cpus = sorted(os.sched_getaffinity(0))
+    host_cpus = {cpus[0]} if args.pin and len(cpus) > 1 else None
+    platform = Platform(work, max_num_seqs=max_streams, num_kv_blocks=max_streams * 8,
+                        host_cpus=host_cpus)  # fmt: skip
+    if host_cpus is not None:
+        os.sched_setaffinity(0, set(cpus) - host_cpus)  # the client, beside the gateway
     try:
         platform.start(("agent-a",), later=("agent-b",))
         rows = asyncio.run(latency_phase(platform, args))
@@ -177,7 +186,8 @@ def main() -> None:
         "gateway", args.out, "cpu", torch.__version__, commit_hash(),
         config={**vars(args), "machine": host_platform.processor() or host_platform.machine(),
                 "model": "tiny (built-in preset)", "database": "sqlite",
-                "broker": "filesystem", "server": "uvicorn (uvloop, httptools), one process"},
+                "broker": "filesystem", "server": "uvicorn (uvloop, httptools), one process",
+                "host_cpus": sorted(host_cpus) if host_cpus else "any", "cpus": len(cpus)},
         rows=rows,
         comparison=added(rows),
     )  # fmt: skip

@@ -54,6 +54,8 @@ class Platform:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     agent_ports: dict[str, int] = field(default_factory=dict)
     api_key: str = ""
+    host_cpus: set[int] | None = None
+    """CPUs the agents run on (None: any); the control plane gets the others."""
 
     @property
     def env(self) -> dict[str, str]:
@@ -87,11 +89,27 @@ class Platform:
             capture_output=True, text=True,
         ).stdout  # fmt: skip
 
-    def spawn(self, name: str, argv: list[str], env: dict[str, str] | None = None) -> None:
+    def other_cpus(self) -> set[int] | None:
+        if self.host_cpus is None:
+            return None
+        return set(os.sched_getaffinity(0)) - self.host_cpus
+
+    def spawn(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str] | None = None,
+        cpus: set[int] | None = None,
+    ) -> None:
         log = (self.work / f"{name}.log").open("ab")
+
+        def pin() -> None:
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
         self.procs[name] = subprocess.Popen(
             argv, cwd=ROOT, env=env or self.env, stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True,
+            start_new_session=True, preexec_fn=pin,
         )  # fmt: skip
         log.close()
 
@@ -114,10 +132,11 @@ class Platform:
         py = sys.executable
         self.spawn("web", [py, "-m", "uvicorn", "config.asgi:application", "--host",
                            "127.0.0.1", "--port", str(self.web_port), "--lifespan", "on",
-                           "--no-access-log"])  # fmt: skip
+                           "--no-access-log"], cpus=self.other_cpus())  # fmt: skip
         self.spawn("worker", [py, "-m", "celery", "-A", "config", "worker", "--pool", "solo",
                               "-Q", "control", "--without-gossip", "--without-mingle",
-                              "--without-heartbeat", "-l", "WARNING"])  # fmt: skip
+                              "--without-heartbeat", "-l", "WARNING"],
+                   cpus=self.other_cpus())  # fmt: skip
         for host in hosts:
             self.start_agent(host)
         wait_for(lambda: _http_ok(f"{self.web_url}/v1/models"), 60, "the control plane")
@@ -131,7 +150,7 @@ class Platform:
             "--work-dir", str(self.work / host), "--heartbeat-s", "0.5",
             "--max-num-seqs", str(self.max_num_seqs), "--num-kv-blocks", str(self.num_kv_blocks),
             "--max-batched-tokens", "2048",
-        ], env)  # fmt: skip
+        ], env, cpus=self.host_cpus)  # fmt: skip
         wait_for(lambda: "ready:" in self.log(host), 180, f"agent {host}")
 
     def pid(self, name: str) -> int:
