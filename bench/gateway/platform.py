@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -140,6 +141,22 @@ class Platform:
         for host in hosts:
             self.start_agent(host)
         wait_for(lambda: _http_ok(f"{self.web_url}/v1/models"), 60, "the control plane")
+        if hosts:
+            wait_for(self._gateway_serves, 60, "the gateway to route to a host")
+
+    def _gateway_serves(self) -> bool:
+        """Whether a request through the gateway succeeds (the hosts' heartbeats applied)."""
+        body = json.dumps({"model": "tiny", "prompt": "hi", "max_tokens": 1}).encode()
+        request = urllib.request.Request(
+            f"{self.web_url}/v1/completions", data=body, method="POST",
+            headers={"authorization": f"Bearer {self.api_key}",
+                     "content-type": "application/json"},
+        )  # fmt: skip
+        try:
+            with urllib.request.urlopen(request, timeout=10) as response:
+                return bool(response.status == 200)
+        except OSError:
+            return False
 
     def start_agent(self, host: str) -> None:
         port = self.agent_ports.setdefault(host, free_port())
