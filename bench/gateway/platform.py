@@ -56,7 +56,7 @@ class Platform:
     agent_ports: dict[str, int] = field(default_factory=dict)
     api_key: str = ""
     host_cpus: set[int] | None = None
-    """CPUs the agents run on (None: any); the control plane gets the others."""
+    """CPUs the agents run on (None: any); the control plane (web, worker) gets the others."""
 
     @property
     def env(self) -> dict[str, str]:
