@@ -109,9 +109,10 @@ Harli is running (logs in var/log/; Ctrl-C stops everything):
   host agent $agent_name serving $base_model behind the gateway: http://$agent_listen
   broker:                               $CELERY_BROKER_URL ${HARLI_BROKER_DIR:-}
 
-Fine-tune the $base_model model and chat with the result, all through one base URL:
+Fine-tune the $base_model model and chat with the result, all through one base URL (paste it
+into a shell; it runs with the platform's Python, which has the openai package):
 
-python - <<'PY'
+$PWD/.venv/bin/python - <<'PY'
 import time
 from openai import OpenAI
 client = OpenAI(base_url="$url/v1", api_key="$key")
@@ -126,31 +127,6 @@ print("fine-tuned model:", job.fine_tuned_model)
 stream = client.chat.completions.create(
     model=job.fine_tuned_model, messages=[{"role": "user", "content": "Say hi"}],
     max_tokens=16, stream=True,
-)
-for chunk in stream:  # server-sent events, token by token
-    print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
-print()
-PY
-
-Harli is running (logs in var/log/; Ctrl-C stops everything):
-  control plane + console:    $url/console/
-  host agent $agent_name serving $base_model (OpenAI-compatible): http://$agent_listen/v1
-  broker:                     $CELERY_BROKER_URL ${HARLI_BROKER_DIR:-}
-
-Once the demo job above has succeeded, call its adapter on the host (same API key):
-
-python - <<'PY'
-from openai import OpenAI
-key = "$key"
-control = OpenAI(base_url="$url/v1", api_key=key)
-job = control.fine_tuning.jobs.list(limit=1).data[0]
-print(job.id, job.status, job.fine_tuned_model)
-host = OpenAI(base_url="http://$agent_listen/v1", api_key=key)
-print([m.id for m in host.models.list()])
-model = job.fine_tuned_model or "$base_model"
-print(host.completions.create(model=model, prompt="What is 2 + 2?", max_tokens=16).choices[0].text)
-stream = host.chat.completions.create(
-    model=model, messages=[{"role": "user", "content": "Say hi"}], max_tokens=16, stream=True
 )
 for chunk in stream:  # server-sent events, token by token
     print(chunk.choices[0].delta.content or "" if chunk.choices else "", end="", flush=True)
