@@ -250,3 +250,19 @@ def test_operators_create_prompts_twice(monkeypatch: pytest.MonkeyPatch) -> None
     assert not User.objects.filter(username="bob").exists()
     assert "Created operator bob" in run("operators", "create", "bob")
     assert User.objects.get(username="bob").check_password("pw-ok")
+
+
+@pytest.mark.django_db
+def test_hosts_key_prints_the_key_the_gateway_signs_that_hosts_grants_with() -> None:
+    from django.conf import settings
+
+    from gpu_runtime.contract.grants import Grant, grant_sign, grant_verify, host_key
+
+    run("hosts", "register", "gpu-7", "--gpu-kind", "H200", "--gpu-memory-gb", "141")
+    key = run("hosts", "key", "gpu-7").strip()
+    assert key == host_key(settings.GATEWAY_SECRET, "gpu-7") and len(key) == 64
+    assert key != host_key(settings.GATEWAY_SECRET, "gpu-8")  # each host its own
+    token = grant_sign(Grant("gpu-7", "acme", ("tiny",), 2e9), key)
+    assert grant_verify(token, key, host="gpu-7", now=1e9).models == ("tiny",)
+    with pytest.raises(CommandError, match="gpu-9"):
+        run("hosts", "key", "gpu-9")
