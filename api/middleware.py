@@ -36,6 +36,40 @@ class ApiNotFoundMiddleware:
         return response
 
 
+def declared_size_refusal(
+    method: str, path: str, content_length: str | None
+) -> HttpResponse | None:
+    """The 413 for a request whose declared `Content-Length` cannot fit its route's limit (see
+    `RequestSizeLimitMiddleware`), or None. Reads headers only: the ASGI app calls it before
+    Django reads the body, and the middleware covers servers that call Django directly."""
+    if method != "POST" or not path.startswith("/v1/"):
+        return None
+    try:
+        declared = int(content_length or 0)
+        route = resolve(path).view_name
+    except (ValueError, Resolver404):
+        return None
+    if route == "v1:files":
+        limit = int(settings.HARLI_MAX_UPLOAD_BYTES)
+        what, param, code = "a file sent to POST /v1/files", "file", "file_too_large"
+        advice = "Upload larger files in parts with the Uploads API (POST /v1/uploads)."
+    elif route == "v1:upload-parts":
+        limit = int(settings.HARLI_UPLOAD_PART_MAX_BYTES)
+        what, param, code = "an upload part", "data", "part_too_large"
+        advice = "Split the file into smaller parts."
+    else:
+        return None
+    if declared <= limit + MULTIPART_OVERHEAD_BYTES:
+        return None
+    message = (
+        f"The request body has {declared} bytes; {what} may have at most {limit} bytes. {advice}"
+    )
+    return JsonResponse(
+        error_body(message, type_="invalid_request_error", param=param, code=code),
+        status=413,
+    )
+
+
 class RequestSizeLimitMiddleware:
     """Answer 413 to an upload whose declared `Content-Length` cannot fit, before the body is
     read or spooled (Django's `DATA_UPLOAD_MAX_MEMORY_SIZE` check, applied to file routes).
@@ -44,44 +78,18 @@ class RequestSizeLimitMiddleware:
     (`POST /v1/uploads/{id}/parts`) `HARLI_UPLOAD_PART_MAX_BYTES`, each plus
     `MULTIPART_OVERHEAD_BYTES` of framing. This refuses only bodies too big for any file within
     the limit; the services check the file's exact size once it is parsed. The server still
-    decides what happens to the unread bytes (runserver discards them after answering).
+    decides what happens to the unread bytes. Under `config.asgi` Django reads a body before
+    its middleware runs, so the ASGI app applies the same check first (`api.gateway.asgi`).
     """
 
     def __init__(self, get_response: Callable[[HttpRequest], HttpResponse]) -> None:
         self.get_response = get_response
 
     def __call__(self, request: HttpRequest) -> HttpResponse:
-        refusal = self._refusal(request)
+        refusal = declared_size_refusal(
+            request.method or "", request.path_info, request.META.get("CONTENT_LENGTH")
+        )
         return refusal if refusal is not None else self.get_response(request)
-
-    def _refusal(self, request: HttpRequest) -> HttpResponse | None:
-        if request.method != "POST" or not request.path_info.startswith("/v1/"):
-            return None
-        try:
-            declared = int(request.META.get("CONTENT_LENGTH") or 0)
-            route = resolve(request.path_info).view_name
-        except (ValueError, Resolver404):
-            return None
-        if route == "v1:files":
-            limit = int(settings.HARLI_MAX_UPLOAD_BYTES)
-            what, param, code = "a file sent to POST /v1/files", "file", "file_too_large"
-            advice = "Upload larger files in parts with the Uploads API (POST /v1/uploads)."
-        elif route == "v1:upload-parts":
-            limit = int(settings.HARLI_UPLOAD_PART_MAX_BYTES)
-            what, param, code = "an upload part", "data", "part_too_large"
-            advice = "Split the file into smaller parts."
-        else:
-            return None
-        if declared <= limit + MULTIPART_OVERHEAD_BYTES:
-            return None
-        message = (
-            f"The request body has {declared} bytes; {what} may have at most {limit} bytes. "
-            f"{advice}"
-        )
-        return JsonResponse(
-            error_body(message, type_="invalid_request_error", param=param, code=code),
-            status=413,
-        )
 
 
 class NulRefusalMiddleware:

@@ -2,7 +2,9 @@
 
 `with_gateway(django_app)` wraps Django's ASGI handler. The gateway answers
 `POST /v1/completions` and `POST /v1/chat/completions` as a plain ASGI app (no Django request
-cycle per event of a stream); every other path, `GET /v1/models` included, goes to Django. The
+cycle per event of a stream); every other path, `GET /v1/models` included, goes to Django,
+except an upload whose declared size is too large for its route: it is refused from its
+headers here, since Django reads a whole body before its middleware runs. The
 wrapper owns the ASGI lifespan: at startup it starts the gateway's background work (usage
 flushes), at shutdown it flushes the usage still in memory and closes the connections to the
 hosts. Servers without lifespan events get the same start on the first request. Usage leaves
@@ -19,15 +21,17 @@ from typing import Any
 from django.conf import settings
 
 from api.gateway.app import Gateway
-from api.gateway.asgi_io import Receive, Scope, Send
+from api.gateway.asgi_io import Receive, Scope, Send, header, send_whole
 from api.gateway.callers import Callers
 from api.gateway.fleet import FleetView
 from api.gateway.host_http import HostPool
 from api.gateway.upstream import Upstream
+from api.middleware import declared_size_refusal
 from api.rate_limits import rate_limiter_from_settings
 from api.usage_recorder import UsageRecorder
 
 logger = logging.getLogger("harli.gateway")
+
 
 def build_gateway() -> Gateway:
     if not settings.GATEWAY_SECRET:
@@ -58,6 +62,10 @@ class ControlPlaneApp:
             await self.gateway(scope, receive, send)
         elif kind == "lifespan":
             await self._lifespan(receive, send)
+        elif kind == "http" and (refusal := _declared_size_refusal(scope)) is not None:
+            # Django reads the whole body before its middleware runs: refuse from the headers
+            await send_whole(send, refusal.status_code, refusal.content,
+                             [(b"content-type", b"application/json")])  # fmt: skip
         else:
             await self.django_app(scope, receive, send)
 
@@ -87,6 +95,12 @@ class ControlPlaneApp:
                 await self.stop()
                 await send({"type": "lifespan.shutdown.complete"})
                 return
+
+
+def _declared_size_refusal(scope: Scope) -> Any:
+    if scope.get("method") != "POST":
+        return None
+    return declared_size_refusal("POST", scope["path"], header(scope, b"content-length"))
 
 
 def with_gateway(django_app: Any) -> ControlPlaneApp:
