@@ -30,14 +30,18 @@ def env_bool(name: str, default: bool = False) -> bool:
     raise EnvError(f"{name}={raw!r} is not a boolean (use 1/0, true/false, yes/no, on/off)")
 
 
-def env_int(name: str, default: int) -> int:
+def env_int(name: str, default: int, *, minimum: int | None = None) -> int:
+    """An integer; with `minimum`, one below it is refused."""
     raw = os.environ.get(name)
     if raw is None or raw == "":
         return default
     try:
-        return int(raw)
+        value = int(raw)
     except ValueError as exc:
         raise EnvError(f"{name}={raw!r} is not an integer") from exc
+    if minimum is not None and value < minimum:
+        raise EnvError(f"{name}={raw!r} is below its minimum {minimum}")
+    return value
 
 
 def env_list(name: str, default: list[str]) -> list[str]:

@@ -11,6 +11,11 @@ urlpatterns: list[URLPattern | URLResolver] = [
     path("api/ops/", include((ops_urlpatterns, "ops"))),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),
     path("api/docs/", SpectacularSwaggerView.as_view(url_name="schema"), name="docs"),
+    # One password door, the console's throttled login: DRF's login route sends there.
+    path(
+        "api/auth/login/",
+        RedirectView.as_view(pattern_name="console:login", permanent=False, query_string=True),
+    ),
     path("api/auth/", include("rest_framework.urls")),
     path("console/", include("console.urls")),
     path("", RedirectView.as_view(pattern_name="console:fleet", permanent=False), name="home"),

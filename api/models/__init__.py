@@ -20,6 +20,7 @@ from api.models.finetune import (
     PlacementState,
 )
 from api.models.fleet import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
+from api.models.login import LoginFailure
 from api.models.metrics import (
     DeploymentMetric,
     HostMetric,
@@ -61,6 +62,7 @@ __all__ = [
     "JobEvent",
     "JobMetric",
     "JobStatus",
+    "LoginFailure",
     "Placement",
     "PlacementState",
     "Tenant",

@@ -154,6 +154,16 @@ RATE_LIMIT_REDIS_URL = env_redis_url("HARLI_RATE_LIMIT_REDIS_URL")
 # How often the gateway writes its aggregated usage (`api.usage_recorder`) to the database.
 HARLI_USAGE_FLUSH_INTERVAL_S = env_int("HARLI_USAGE_FLUSH_INTERVAL_S", 10)
 
+# The console's login throttle (`api.login_throttle`): this many failed sign-ins for one
+# username, or from one client address, within the window lock it out for the lockout period.
+HARLI_LOGIN_MAX_FAILURES_PER_USER = env_int("HARLI_LOGIN_MAX_FAILURES_PER_USER", 5, minimum=1)
+HARLI_LOGIN_MAX_FAILURES_PER_IP = env_int("HARLI_LOGIN_MAX_FAILURES_PER_IP", 20, minimum=1)
+HARLI_LOGIN_WINDOW_S = env_int("HARLI_LOGIN_WINDOW_S", 900, minimum=1)
+HARLI_LOGIN_LOCKOUT_S = env_int("HARLI_LOGIN_LOCKOUT_S", 900, minimum=1)
+# How many reverse proxies in front of the web process append to X-Forwarded-For: 0 (the
+# default) trusts only REMOTE_ADDR; n takes the client address n entries from the header's end.
+HARLI_TRUSTED_PROXY_HOPS = env_int("HARLI_TRUSTED_PROXY_HOPS", 0, minimum=0)
+
 REST_FRAMEWORK = {
     "DEFAULT_AUTHENTICATION_CLASSES": [
         "api.authentication.ApiKeyAuthentication",
