@@ -125,8 +125,11 @@ LOGGING = {
     "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
     "root": {"handlers": ["stderr"], "level": "WARNING"},
     "loggers": {
-        "harli": {"handlers": ["stderr"], "level": env_str("HARLI_LOG_LEVEL", "INFO"),
-                  "propagate": False},  # fmt: skip
+        "harli": {
+            "handlers": ["stderr"],
+            "level": env_str("HARLI_LOG_LEVEL", "INFO"),
+            "propagate": False,
+        },  # fmt: skip
     },
 }
 
