@@ -15,6 +15,16 @@ from pathlib import Path
 FILESYSTEM_TRANSPORT = "gpu_runtime.agent.fs_transport:Transport"
 """The import path kombu loads the `filesystem://` transport from (Celery's `broker_transport`)."""
 
+FILESYSTEM_FOLDER_OPTIONS = {
+    "data_folder_in": "queue",
+    "data_folder_out": "queue",
+    "processed_folder": "processed",
+    "control_folder": "control",
+    "failed_folder": "failed",
+}
+"""Each kombu transport option of a `filesystem://` broker that names a folder, and that
+folder's name under the broker directory."""
+
 
 def broker_transport_options(broker_url: str, broker_dir: Path | None) -> dict[str, object]:
     """Transport options for `broker_url`: the folders of a `filesystem://` broker (created),
@@ -23,18 +33,13 @@ def broker_transport_options(broker_url: str, broker_dir: Path | None) -> dict[s
         return {}
     if broker_dir is None:
         raise ValueError("a filesystem:// broker needs a broker directory")
-    queue = Path(broker_dir) / "queue"
-    processed = Path(broker_dir) / "processed"
-    control = Path(broker_dir) / "control"
-    failed = Path(broker_dir) / "failed"
-    for folder in (queue, processed, control, failed):
+    folders = {
+        option: Path(broker_dir) / name for option, name in FILESYSTEM_FOLDER_OPTIONS.items()
+    }
+    for folder in folders.values():
         folder.mkdir(parents=True, exist_ok=True)
     return {
-        "data_folder_in": str(queue),
-        "data_folder_out": str(queue),
-        "processed_folder": str(processed),
-        "control_folder": str(control),
-        "failed_folder": str(failed),
+        **{option: str(folder) for option, folder in folders.items()},
         "store_processed": False,
     }
 
