@@ -43,7 +43,7 @@ async def completions(
 ) -> Any:
     lora = await inference.resolve_model(body.model, access)
     try:
-        prompts = [inference.encode(p) for p in body.prompts()]
+        prompts = await inference.encode_prompts(list(body.prompts()))
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="prompt") from exc
     params = inference.sampling(body, body.max_tokens or 16, body.logprobs)
@@ -154,11 +154,7 @@ async def chat_completions(
 ) -> Any:
     lora = await inference.resolve_model(body.model, access)
     messages = [m.model_dump() for m in body.messages]
-    ids = list(
-        inference.tokenizer().apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True, return_dict=False
-        )
-    )
+    ids = await inference.encode_chat(messages)
     room = max(1, inference.engine_loop.engine.config.max_model_len - len(ids))
     limit = body.max_completion_tokens or body.max_tokens or room
     top = (body.top_logprobs or 0) if body.logprobs else None

@@ -144,6 +144,23 @@ class Inference:
         except SamplingParamsError as exc:
             raise OpenAIError(400, str(exc)) from exc
 
+    async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
+        """`encode` of each prompt, in a worker thread: a long prompt's tokenization must not
+        stall the event loop (every other stream, `/health`)."""
+        return await asyncio.to_thread(lambda: [self.encode(p) for p in prompts])
+
+    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The chat template applied and tokenized, in a worker thread (see `encode_prompts`)."""
+
+        def render() -> list[int]:
+            return list(
+                self.tokenizer().apply_chat_template(
+                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
+                )
+            )
+
+        return await asyncio.to_thread(render)
+
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
             ids = list(self.tokenizer()(prompt)["input_ids"])

@@ -113,7 +113,7 @@ def test_openai_client_streams_base_and_adapter_with_grants(
             assert [c.choices[0].delta.role for c in chat if c.choices][0] == "assistant"
 
             health = httpx.get(url.removesuffix("/v1") + "/health").json()
-            assert health == {"status": "ok", "base_model": "tiny", "adapters": 1}  # no names
+            assert health == {"status": "ok"}  # alive, and nothing about what it serves
             globex = openai.OpenAI(base_url=url, api_key="k-globex", max_retries=0, timeout=60)
             assert [m.id for m in globex.models.list()] == ["tiny"]
             with pytest.raises(openai.NotFoundError):

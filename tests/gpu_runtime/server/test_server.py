@@ -193,3 +193,38 @@ def test_async_server_overlapped_steps(served: Served) -> None:
     engine = served[2].engine
     overlapped = served[2].run_in_loop(lambda: engine.runner.num_overlapped_steps).result(10)
     assert (overlapped > 0) == engine.config.async_scheduling
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(served: Served) -> None:
+    """A 2 MB prompt takes about a second to tokenize; meanwhile the server answers `/health`
+    at once (the prompt is then refused as too long, 400)."""
+    import threading
+    import time
+
+    import httpx
+
+    base, _, _ = served
+    root = base.removesuffix("/v1")
+    prompt = "hello world, once upon a time " * 70_000
+    outcome: list[int] = []
+
+    def long_request() -> None:
+        answer = httpx.post(f"{base}/completions", timeout=60,
+                            headers={"authorization": f"Bearer {KEY}"},
+                            json={"model": MODEL, "prompt": prompt, "max_tokens": 1})  # fmt: skip
+        outcome.append(answer.status_code)
+
+    thread = threading.Thread(target=long_request)
+    started = time.monotonic()
+    thread.start()
+    waits = []
+    while thread.is_alive():
+        sent = time.monotonic()
+        assert httpx.get(f"{root}/health", timeout=30).status_code == 200
+        waits.append(time.monotonic() - sent)
+        time.sleep(0.02)
+    thread.join()
+    assert outcome == [400]
+    took = time.monotonic() - started
+    assert took > 0.5, f"the prompt took {took:.2f} s: too short to show a stall"
+    assert max(waits) < 0.35 * took, (max(waits), took)
