@@ -135,14 +135,14 @@ class Gateway:
     async def _authenticate(self, scope: Scope) -> Caller:
         authorization = header(scope, b"authorization") or ""
         scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
             raise _unauthenticated(
                 "You didn't provide an API key. Send it as 'Authorization: Bearer <key>'."
             )
-        caller = await self.callers.caller(key.strip())
+        caller = await self.callers.caller(key)
         if caller is None:
-            shown = key.strip()[:7]
-            raise _unauthenticated(f"Incorrect API key provided: {shown}...")
+            raise _unauthenticated(f"Incorrect API key provided: {key[:7]}...")
         return caller
 
     async def _forward(

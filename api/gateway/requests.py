@@ -59,15 +59,15 @@ def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
     if options is not None and not isinstance(options, dict):
         raise HarliError("stream_options must be an object", param="stream_options")
     wants_usage = bool(options and options.get("include_usage"))
-    limit = None
+    limits = []  # max_completion_tokens wins over max_tokens, as on the hosts
     for name in ("max_completion_tokens", "max_tokens"):
         value = body.get(name)
         if value is None:
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise HarliError(f"{name} must be a non-negative integer", param=name)
-        limit = value if limit is None else limit
-    completion = limit if limit is not None else DEFAULT_COMPLETION_TOKENS[path]
+        limits.append(value)
+    completion = limits[0] if limits else DEFAULT_COMPLETION_TOKENS[path]
     prompts = body.get("prompt") if path == COMPLETIONS else body.get("messages")
     prompt_count = len(body["prompt"]) if path == COMPLETIONS and _is_text_list(prompts) else 1
     estimate = estimate_request_tokens(

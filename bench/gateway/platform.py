@@ -7,7 +7,6 @@ import os
 import re
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,12 +18,7 @@ from pathlib import Path
 
 from bench.common.provenance import ROOT
 from gpu_runtime.contract.grants import host_key
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from gpu_runtime.server.threaded import free_port
 
 
 def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:

@@ -60,16 +60,8 @@ class ConsoleLoginView(auth_views.LoginView):
         self.throttle_ip = login_ip(
             client_ip(request, trusted_proxy_hops=settings.HARLI_TRUSTED_PROXY_HOPS)
         )
-        now = timezone.now()
-        lockout = login_lockout_get(
-            username=self.throttle_username,
-            ip=self.throttle_ip,
-            policy=self.throttle_policy,
-            now=now,
-        )
-        if lockout is not None:
-            return self.locked_out(lockout, now=now)
-        return super().post(request, *args, **kwargs)
+        refusal = self.refusal_if_locked(timezone.now())
+        return refusal if refusal is not None else super().post(request, *args, **kwargs)
 
     def form_valid(self, form: Any) -> HttpResponse:
         if self.throttle_username:
@@ -86,15 +78,18 @@ class ConsoleLoginView(auth_views.LoginView):
             at=now,
             policy=self.throttle_policy,
         )
+        refusal = self.refusal_if_locked(now)
+        return refusal if refusal is not None else super().form_invalid(form)
+
+    def refusal_if_locked(self, now: datetime) -> HttpResponse | None:
+        """The lockout page when this username or address is locked out at `now`, else None."""
         lockout = login_lockout_get(
             username=self.throttle_username,
             ip=self.throttle_ip,
             policy=self.throttle_policy,
             now=now,
         )
-        if lockout is not None:
-            return self.locked_out(lockout, now=now)
-        return super().form_invalid(form)
+        return self.locked_out(lockout, now=now) if lockout is not None else None
 
     def locked_out(self, lockout: Lockout, *, now: datetime) -> HttpResponse:
         """The login page, unbound (a bound form would check the password), with the
