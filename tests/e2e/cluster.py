@@ -232,8 +232,8 @@ class Cluster:
         for proc in procs:
             proc.stop(timeout=0)
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.tail(15)}" for p in self.procs.values())
+    def logs(self, lines: int = 15) -> str:
+        return "\n".join(f"--- {p.name}\n{p.tail(lines)}" for p in self.procs.values())
 
 
 def _http_ok(url: str) -> bool:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -161,3 +161,17 @@ def training_jsonl() -> bytes:
     return "".join(
         json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in TRAIN_PAIRS
     ).encode()
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed e2e test's report carries the tail of each cluster process's log (the worker's
+    and the agents' side of what the test waited for)."""
+    report = yield
+    if report.when == "call" and report.failed:
+        cluster = getattr(item, "funcargs", {}).get("cluster")
+        if isinstance(cluster, Cluster):
+            report.sections.append(("cluster logs", cluster.logs(lines=40)))
+    return report
