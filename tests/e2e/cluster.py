@@ -128,6 +128,8 @@ class Cluster:
     redis_port: int
     web_port: int
     model_dir: Path
+    redis_password: str
+    """Redis requires it, as production's does; the broker URLs carry it."""
     tenant_keys: bool = True
     """Agents also accept tenants' keys without a grant (`--allow-tenant-keys`)."""
     procs: dict[str, Proc] = field(default_factory=dict)
@@ -135,7 +137,7 @@ class Cluster:
 
     @property
     def broker_url(self) -> str:
-        return f"redis://127.0.0.1:{self.redis_port}/0"
+        return f"redis://:{self.redis_password}@127.0.0.1:{self.redis_port}/0"
 
     @property
     def web_url(self) -> str:
@@ -159,9 +161,13 @@ class Cluster:
     def start_redis(self) -> Proc:
         data = self.tmp / "redis"
         data.mkdir(exist_ok=True)
+        # the password in a 0600 file, not on the command line
+        conf = self.tmp / "redis.conf"
+        conf.touch(mode=0o600)
+        conf.write_text(f"requirepass {self.redis_password}\n")
         proc = self.spawn(
             "redis",
-            ["redis-server", "--port", str(self.redis_port), "--bind", "127.0.0.1",
+            ["redis-server", str(conf), "--port", str(self.redis_port), "--bind", "127.0.0.1",
              "--dir", str(data), "--appendonly", "yes", "--appendfsync", "always",
              "--save", ""],
         )  # fmt: skip
@@ -191,12 +197,15 @@ class Cluster:
 
     def start_agent(self, host: str, extra: tuple[str, ...] = ()) -> Proc:
         port = self.agent_ports.setdefault(host, free_port())
-        env = {**self.env, "HARLI_TORCH_THREADS": "1", "HARLI_HOST_KEY": host_grant_key(host)}
+        # the broker URL (with Redis's password) comes from the environment, as in the agent
+        # unit of deploy/: a command line is readable by every local user
+        env = {**self.env, "HARLI_TORCH_THREADS": "1", "HARLI_HOST_KEY": host_grant_key(host),
+               "HARLI_BROKER_URL": self.broker_url}  # fmt: skip
         tenant_keys = ("--allow-tenant-keys",) if self.tenant_keys else ()
         return self.spawn(
             host,
             [sys.executable, "-m", "gpu_runtime.agent", "--host", host,
-             "--broker", self.broker_url, "--storage", self.env["HARLI_STORAGE_DIR"],
+             "--storage", self.env["HARLI_STORAGE_DIR"],
              "--work-dir", str(self.tmp / host), "--model-dir", str(self.model_dir),
              "--control-url", self.web_url, "--listen", f"127.0.0.1:{port}",
              "--heartbeat-s", "0.5", "--metrics-interval-s", "2", "--key-cache-ttl-s", "2",

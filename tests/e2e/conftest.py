@@ -11,6 +11,7 @@ cache TTL 2 s.
 from __future__ import annotations
 
 import os
+import secrets
 import time
 from collections.abc import Generator, Iterator
 from dataclasses import dataclass
@@ -138,10 +139,12 @@ def cluster(
         **cluster_env,
     }
     redis_port, web_port = free_port(), free_port()
-    env["CELERY_BROKER_URL"] = f"redis://127.0.0.1:{redis_port}/0"
-    env["HARLI_RATE_LIMIT_REDIS_URL"] = f"redis://127.0.0.1:{redis_port}/1"
+    password = secrets.token_urlsafe(16)
+    env["CELERY_BROKER_URL"] = f"redis://:{password}@127.0.0.1:{redis_port}/0"
+    env["HARLI_RATE_LIMIT_REDIS_URL"] = f"redis://:{password}@127.0.0.1:{redis_port}/1"
     cluster = Cluster(tmp=tmp, env=env, redis_port=redis_port, web_port=web_port,
-                      model_dir=tiny_model_dir, tenant_keys=hosts_take_tenant_keys)  # fmt: skip
+                      model_dir=tiny_model_dir, redis_password=password,
+                      tenant_keys=hosts_take_tenant_keys)  # fmt: skip
     try:
         cluster.start_redis()
         cluster.start_control_plane()
