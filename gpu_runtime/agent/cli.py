@@ -60,6 +60,12 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
                    help="also accept a request without a grant by its tenant's API key, "
                    "checked against the control plane (--control-url)")  # fmt: skip
     p.add_argument("--listen", default="127.0.0.1:8100", help="inference server host:port")
+    p.add_argument("--max-prompts-per-request", type=int,
+                   default=AgentConfig.max_prompts_per_request,
+                   help="most prompts one completion request may carry (more: 400)")  # fmt: skip
+    p.add_argument("--max-request-prompt-tokens", type=int, default=None,
+                   help="most prompt tokens one request may carry in all (more: 400; default "
+                   "32 x the model's context, --max-model-len)")  # fmt: skip
     p.add_argument("--heartbeat-s", type=float, default=float(env("HARLI_HEARTBEAT_S", "2")))
     p.add_argument("--metrics-interval-s", type=float,
                    default=float(env("HARLI_METRICS_INTERVAL_S", "5")))  # fmt: skip
@@ -123,6 +129,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             allow_tenant_keys=args.allow_tenant_keys,
             server_host=bind_host or "127.0.0.1",
             server_port=int(port),
+            max_prompts_per_request=args.max_prompts_per_request,
+            max_request_prompt_tokens=args.max_request_prompt_tokens,
             heartbeat_s=args.heartbeat_s,
             metrics_interval_s=args.metrics_interval_s,
             key_cache_ttl_s=args.key_cache_ttl_s,
@@ -282,6 +290,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
         host_auth(config),
         request_metrics,
         model_loader=CheckpointModels(loop, runtime),
+        limits=config.request_limits(),
     )
     server = ThreadedServer(app, config.server_host, config.server_port)
     server.start()

@@ -6,8 +6,12 @@ import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
+
+if TYPE_CHECKING:
+    from gpu_runtime.server.limits import RequestLimits
 
 DEFAULT_DECODE_GROUPS = (6, 8, 12)
 """Decode SMs in units of 8 (48, 64 and 96 on Hopper), besides the whole device: with these
@@ -57,6 +61,12 @@ class AgentConfig:
     """Where the OpenAI-compatible inference server listens (0: any free port)."""
     advertise_url: str | None = None
     """URL reported to the control plane for the server (default http://host:port)."""
+    max_prompts_per_request: int = 256
+    """Most prompts one completion request may carry (`gpu_runtime.server.limits.RequestLimits`,
+    whose defaults these repeat: that module loads the engine and torch, this one must not)."""
+    max_request_prompt_tokens: int | None = None
+    """Most prompt tokens one request may carry in all; None: 32 x the engine's
+    `max_model_len` (`RequestLimits`)."""
     heartbeat_s: float = 2.0
     metrics_interval_s: float = 5.0
     key_cache_ttl_s: float = 10.0
@@ -123,6 +133,14 @@ class AgentConfig:
                 f"ttft_slo_ms must be > 0, got {self.ttft_slo_ms}",
             ),
             (0 <= self.server_port < 65536, f"server_port out of range: {self.server_port}"),
+            (
+                self.max_prompts_per_request >= 1,
+                f"max_prompts_per_request must be >= 1, got {self.max_prompts_per_request}",
+            ),
+            (
+                self.max_request_prompt_tokens is None or self.max_request_prompt_tokens >= 1,
+                f"max_request_prompt_tokens must be >= 1, got {self.max_request_prompt_tokens}",
+            ),
             (self.memory_bytes > 0, f"memory_bytes must be > 0, got {self.memory_bytes}"),
             (self.lora_slots >= 1, f"lora_slots must be >= 1, got {self.lora_slots}"),
             (self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs}"),
@@ -147,6 +165,12 @@ class AgentConfig:
                 raise AgentConfigError(message)
         if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
             raise AgentConfigError(f"model_dir {self.model_dir} has no config.json")
+
+    def request_limits(self) -> RequestLimits:
+        """The inference server's per-request limits (imports the server, hence torch)."""
+        from gpu_runtime.server.limits import RequestLimits
+
+        return RequestLimits(self.max_prompts_per_request, self.max_request_prompt_tokens)
 
 
 def env_broker_url() -> str:

@@ -177,9 +177,14 @@ class HostRuntime:
         return self._engine
 
     def add_request(
-        self, prompt: list[int], params: SamplingParams, request_id: str, lora_name: str | None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        lora_name: str | None,
+        tenant: str = "",
     ) -> None:
-        self.loop.add_request(prompt, params, request_id, lora_name=lora_name)
+        self.loop.add_request(prompt, params, request_id, lora_name=lora_name, tenant=tenant)
         self._requests.add(request_id)
 
     def abort_request(self, request_id: str) -> None:

@@ -119,10 +119,13 @@ class HostLoop:
         request_id: str | None = None,
         arrival: float | None = None,
         lora_name: str | None = None,
+        tenant: str = "",
     ) -> str:
         """Queue a decode request (``Engine.add_request``, with its adapter ``lora_name`` if
-        any) and start its latency clock."""
-        request_id = self.engine.add_request(prompt, params, request_id, lora_name=lora_name)
+        any, admitted fairly among ``tenant``'s peers) and start its latency clock."""
+        request_id = self.engine.add_request(
+            prompt, params, request_id, lora_name=lora_name, tenant=tenant
+        )
         self._tokens.start(request_id, self.clock() if arrival is None else arrival)
         return request_id
 

@@ -7,7 +7,7 @@ taken, so that block ids come out as if each were applied at once); `preview()` 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Collection, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -44,7 +44,7 @@ class Walk:
 
 def walk_step(
     running: Sequence[Request],
-    waiting: Sequence[Request],
+    waiting: Iterable[Request],
     known_to_runner: Container[str],
     block_manager: BlockManager,
     config: EngineConfig,
@@ -52,8 +52,10 @@ def walk_step(
 ) -> Walk:
     """The next step's decisions, changing nothing but what `admit` does (it is asked about
     each waiting adapter request reached, in order; raising `AdapterAdmissionError` drops the
-    request). Free blocks are counted as the decisions would leave them; a preempted request
-    frees its whole table (the scheduler's tables share no blocks).
+    request). `waiting` is walked from its start in admission order (the scheduler's
+    `WaitingQueue`); the admissions are a prefix of it. Free blocks are counted as the
+    decisions would leave them; a preempted request frees its whole table (the scheduler's
+    tables share no blocks).
 
     Running requests in order take their next chunk (one token when decoding) out of the
     token budget; one that needs blocks when too few are free preempts the latest running
@@ -100,14 +102,9 @@ def walk_step(
     walk.running_scheduled = index
     walk.budget_after_running = budget
     num_running = end
-    position = 0
-    while (
-        position < len(waiting)
-        and budget > 0
-        and not walk.preempted
-        and num_running < config.max_num_seqs
-    ):
-        request = waiting[position]
+    for request in waiting:
+        if budget <= 0 or walk.preempted or num_running >= config.max_num_seqs:
+            break
         count = min(request.num_tokens, budget)
         blocks = -(-count // block_size)
         if blocks > free:
@@ -118,12 +115,10 @@ def walk_step(
                 admitted = admit(request.request_id, lora)
             except AdapterAdmissionError as exc:
                 walk.admissions.append((request, str(exc)))
-                position += 1
                 continue
             if not admitted:
-                break  # every adapter slot is held by running requests: wait (FCFS)
+                break  # every adapter slot is held by running requests: wait (no skipping)
         walk.admissions.append((request, None))
-        position += 1
         free -= blocks
         walk.new_blocks += blocks
         num_running += 1
@@ -136,7 +131,7 @@ def walk_step(
 def step_preview(
     walk: Walk,
     running: Sequence[Request],
-    waiting: Sequence[Request],
+    waiting: Collection[Request],
     block_size: int,
     token_budget: int,
 ) -> StepPreview:

@@ -1,4 +1,5 @@
-"""The continuous-batching scheduler: FCFS, chunked prefill, preemption by recomputation.
+"""The continuous-batching scheduler: fair admission across tenants (FIFO within one),
+chunked prefill, preemption by recomputation.
 
 `schedule()` and `preview()` share one budget walk (`budget_walk.walk_step`), which decides and
 changes nothing; `schedule()` then applies its decisions (allocations, preemptions, admissions)
@@ -7,7 +8,6 @@ in the order they were taken, so that block ids come out as if each were applied
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
 
@@ -22,20 +22,27 @@ from gpu_runtime.engine.scheduler import (
     SchedulerOutput,
     StepPreview,
 )
+from gpu_runtime.engine.waiting_queue import WaitingQueue
 
 
 class ContinuousBatchingScheduler(Scheduler):
-    """FCFS continuous batching with chunked prefill and preemption by recomputation.
+    """Continuous batching with chunked prefill, preemption by recomputation and admission
+    fair across tenants.
 
-    Each step first serves running requests in arrival order (one decode token, or the next
-    prefill chunk); when a running request needs a block and none is free, the latest-arrived
-    running request is preempted (blocks freed, recomputed later from its tokens). Then waiting
-    requests are admitted while the token budget, the sequence limit and free blocks for their
-    first chunk allow (none are admitted in a step that preempted).
+    Each step first serves running requests in the order they were admitted (one decode
+    token, or the next prefill chunk); when a running request needs a block and none is free,
+    the latest-admitted running request is preempted (blocks freed, recomputed later from its
+    tokens). Then waiting requests are admitted in the `WaitingQueue`'s order (preempted
+    requests first, then new requests one per tenant in turn, FIFO within a tenant: one
+    tenant's thousand queued prompts delay another tenant's request by at most one admission)
+    while the token budget, the sequence limit and free blocks for their first chunk allow
+    (none are admitted in a step that preempted). Admission never skips: the first request in
+    that order that does not fit ends the step's admissions. With a single tenant (every
+    request's `tenant` the same) the order is FCFS.
 
     Adapters: a waiting request with a `lora_name` is admitted only when
     `admit_adapter(request_id, lora_name)` returns True (it then holds an adapter slot);
-    otherwise admission stops for this step (FCFS: later requests do not overtake it).
+    otherwise admission stops for this step (later requests do not overtake it).
     `release_adapter(request_id)` is called once when an admitted adapter request finishes, is
     aborted or is preempted; a preempted request asks `admit_adapter` again when re-admitted.
     When `admit_adapter` raises `AdapterAdmissionError`, the request is dropped (see
@@ -65,7 +72,7 @@ class ContinuousBatchingScheduler(Scheduler):
         self.adapter_admissible = adapter_admissible
         self._adapter_holders: set[str] = set()
         self._rejected: list[Request] = []
-        self._waiting: deque[Request] = deque()
+        self._waiting = WaitingQueue()
         self._running: list[Request] = []
         self._requests: dict[str, Request] = {}
         self._requests_view = MappingProxyType(self._requests)
@@ -119,7 +126,7 @@ class ContinuousBatchingScheduler(Scheduler):
             )
         request.status = RequestStatus.WAITING
         self._requests[request.request_id] = request
-        self._waiting.append(request)
+        self._waiting.add(request)
 
     def add_running_request(self, request: Request) -> None:
         """Adopt `request` as running, its first `num_computed_tokens` tokens already cached in
@@ -154,7 +161,7 @@ class ContinuousBatchingScheduler(Scheduler):
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
         request.num_preemptions += 1
-        self._waiting.appendleft(request)
+        self._waiting.add_preempted(request)
 
     def finish_request(self, request_id: str, status: RequestStatus) -> None:
         if not status.finished:
@@ -190,7 +197,8 @@ class ContinuousBatchingScheduler(Scheduler):
         new_data = [self._new_request_data(request) for request in walk.unknown_running]
         holds_slots = self.admit_adapter is not None
         for request, reason in walk.admissions:
-            self._waiting.popleft()
+            if self._waiting.pop_first() is not request:  # the walk takes a prefix of the order
+                raise RuntimeError(f"admission of {request.request_id!r} out of queue order")
             if reason is not None:
                 self._reject(request, reason)
                 continue

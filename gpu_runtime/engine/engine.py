@@ -95,9 +95,12 @@ class Engine:
         params: SamplingParams | None = None,
         request_id: str | None = None,
         lora_name: str | None = None,
+        tenant: str = "",
     ) -> str:
-        """Queue a request; returns its id. Raises ValueError for prompts that cannot fit and
-        `UnknownAdapterError` (a ValueError) for a `lora_name` the engine cannot serve."""
+        """Queue a request; returns its id. `tenant` names who asked: waiting requests are
+        admitted round-robin across tenants, FIFO within one (`Request.tenant`). Raises
+        ValueError for prompts that cannot fit and `UnknownAdapterError` (a ValueError) for a
+        `lora_name` the engine cannot serve."""
         params = params or SamplingParams()
         if lora_name is not None and not (
             self.lora is not None and self.adapter_resolver and self.adapter_resolver(lora_name)
@@ -119,7 +122,9 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         request_id = request_id or f"req-{next(self._ids)}"
-        self.scheduler.add_request(Request(request_id, token_ids, params, lora_name=lora_name))
+        self.scheduler.add_request(
+            Request(request_id, token_ids, params, lora_name=lora_name, tenant=tenant)
+        )
         return request_id
 
     def abort_request(self, request_id: str) -> None:

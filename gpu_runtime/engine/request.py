@@ -92,6 +92,9 @@ class Request:
     lora_name: str | None = None
     """Adapter to apply (None: base model). Reserved: the engine rejects names it has no
     adapter registry entry for."""
+    tenant: str = ""
+    """Who asked (the server passes the caller of `ModelAccess`): the scheduler admits waiting
+    requests round-robin across tenants, FIFO within one (`waiting_queue.WaitingQueue`)."""
     arrival_time: float = field(default_factory=time.monotonic)
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0

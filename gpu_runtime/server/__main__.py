@@ -5,6 +5,8 @@ into --tiny-dir. API keys come from HARLI_INFERENCE_API_KEYS (comma-separated). 
 `--adapter NAME=DIR` (a PEFT LoRA directory) is served as model NAME beside the base model.
 Steps run with async scheduling (`--no-async-scheduling` turns it off): this is a decode-only
 deployment with one SM partition, unlike the co-location host loop, which stays synchronous.
+`--max-prompts-per-request` and `--max-request-prompt-tokens` hold each request to its limits
+(`limits.RequestLimits`); requests of different keys are admitted in turn.
 """
 
 from __future__ import annotations
@@ -21,6 +23,12 @@ from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server.app import create_app
 from gpu_runtime.server.bearer_keys import API_KEYS_ENV, BearerKeys, keys_from_env
 from gpu_runtime.server.engine_loop import EngineLoop
+from gpu_runtime.server.limits import (
+    DEFAULT_MAX_PROMPTS_PER_REQUEST,
+    PROMPT_TOKENS_CONTEXTS,
+    RequestLimits,
+    RequestLimitsError,
+)
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -54,7 +62,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--lora-slots", type=int, default=8, help="adapters resident at once")
     parser.add_argument("--lora-max-rank", type=int, default=64, help="largest adapter rank")
+    parser.add_argument(
+        "--max-prompts-per-request",
+        type=int,
+        default=DEFAULT_MAX_PROMPTS_PER_REQUEST,
+        help="most prompts one completion request may carry (more: 400)",
+    )
+    parser.add_argument(
+        "--max-request-prompt-tokens",
+        type=int,
+        default=None,
+        help="most prompt tokens one request may carry in all (more: 400; default "
+        f"{PROMPT_TOKENS_CONTEXTS} x --max-model-len)",
+    )
     args = parser.parse_args(argv)
+    try:
+        args.limits = RequestLimits(args.max_prompts_per_request, args.max_request_prompt_tokens)
+    except RequestLimitsError as exc:
+        parser.error(str(exc))
     for spec in args.adapter:
         name, sep, directory = spec.partition("=")
         if not (sep and name and directory):
@@ -105,7 +130,8 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, EngineLoop]:
     loop = EngineLoop(engine)
     loop.start()
     name = args.model_name or Path(model_dir).name
-    return create_app(loop, name, BearerKeys(keys_from_env(API_KEYS_ENV))), loop
+    auth = BearerKeys(keys_from_env(API_KEYS_ENV))
+    return create_app(loop, name, auth, limits=args.limits), loop
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -13,10 +13,11 @@ from gpu_runtime.server import completion_routes, model_routes
 from gpu_runtime.server.auth import RequestAuth
 from gpu_runtime.server.engine_loop import EngineLoop
 from gpu_runtime.server.inference import AdapterLookup, AdapterNames, Inference, ModelLoader
+from gpu_runtime.server.limits import RequestLimits
 from gpu_runtime.server.metrics import MetricsCollector
 from gpu_runtime.server.protocol import OpenAIError
 
-__all__ = ["AdapterLookup", "AdapterNames", "ModelLoader", "create_app"]
+__all__ = ["AdapterLookup", "AdapterNames", "ModelLoader", "RequestLimits", "create_app"]
 
 
 def create_app(
@@ -27,6 +28,7 @@ def create_app(
     adapter_lookup: AdapterLookup | None = None,
     adapter_names: AdapterNames | None = None,
     model_loader: ModelLoader | None = None,
+    limits: RequestLimits | None = None,
 ) -> FastAPI:
     """The FastAPI app. `engine_loop` must be started by the caller. `model_name` is the base
     model's name (or a callable giving it now, for a host that may load another base model).
@@ -37,7 +39,9 @@ def create_app(
     adapters without one. A `model` that is neither the base model nor an adapter gets a 404
     `model_not_found`, unless `model_loader` claims it, the access allows it by name
     (`ModelAccess.allows_unlisted`) and the loader can serve it (a checkpoint, loaded on its
-    first request). The engine (tokenizer, limits) is read from the loop per request too."""
+    first request). The engine (tokenizer, limits) is read from the loop per request too.
+    `limits` caps each request's prompts and prompt tokens (default `RequestLimits()`: 256
+    prompts, 32 contexts of tokens); past one the request is a 400 and reaches no engine."""
     if engine_loop.engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
     collector = metrics or MetricsCollector()
@@ -52,6 +56,7 @@ def create_app(
         adapter_lookup,
         adapter_names,
         model_loader,
+        limits or RequestLimits(),
     )
     app.exception_handler(OpenAIError)(_openai_error)
     app.exception_handler(RequestValidationError)(_validation_error)

@@ -28,6 +28,17 @@ class ModelAccess:
     """Who is calling, for the logs ("" when the credential does not say)."""
     request_id: str = ""
     """The gateway's id of the request, for the logs ("" without a gateway)."""
+    key_id: str = ""
+    """A fingerprint of the bearer key (a SHA-256 prefix, never the key) when the credential
+    names no tenant; "" otherwise."""
+
+    @property
+    def caller(self) -> str:
+        """Whom the engine's admission is fair across: the tenant, else the bearer key's
+        fingerprint ("" when neither is known: such requests share one turn)."""
+        if self.tenant:
+            return self.tenant
+        return f"key:{self.key_id}" if self.key_id else ""
 
     def allows(self, model: str) -> bool:
         return self.models is None or model in self.models

@@ -4,9 +4,11 @@ keys, or a host's tenant keys checked against the control plane (`gpu_runtime.ag
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import os
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 
 from gpu_runtime.server.auth import ALL_MODELS, AccessDenied, ApiKeyChecker, ModelAccess
 
@@ -15,7 +17,8 @@ API_KEYS_ENV = "HARLI_INFERENCE_API_KEYS"
 
 class BearerKeys:
     """The `RequestAuth` of a bearer key, checked by `checker` in a worker thread (a checker
-    may ask the control plane)."""
+    may ask the control plane). An access that names no tenant gets the key's fingerprint
+    (`ModelAccess.key_id`), so requests of different keys are admitted in turn."""
 
     def __init__(self, checker: ApiKeyChecker) -> None:
         self.checker = checker
@@ -28,7 +31,14 @@ class BearerKeys:
         access = await asyncio.to_thread(self.checker, key)
         if access is None:
             raise AccessDenied("the bearer key was refused")
+        if not access.tenant and not access.key_id:
+            access = replace(access, key_id=key_fingerprint(key))
         return access
+
+
+def key_fingerprint(key: str) -> str:
+    """The first 16 hex digits of the key's SHA-256: tells keys apart, reveals nothing."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 def static_key_checker(keys: Iterable[str]) -> ApiKeyChecker:

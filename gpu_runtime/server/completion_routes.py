@@ -41,9 +41,14 @@ async def completions(
     access: ModelAccess = Depends(require_access),
     inference: Inference = Depends(inference_of),
 ) -> Any:
+    try:
+        texts = body.prompts()
+    except ValueError as exc:
+        raise OpenAIError(400, str(exc), param="prompt") from exc
+    inference.limits.check_prompt_count(len(texts))  # before loading a model or tokenizing
     lora = await inference.resolve_model(body.model, access)
     try:
-        prompts = await inference.encode_prompts(list(body.prompts()))
+        prompts = await inference.encode_prompts(texts)
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="prompt") from exc
     params = inference.sampling(body, body.max_tokens or 16, body.logprobs)
@@ -55,7 +60,7 @@ async def completions(
     if not body.stream:
 
         async def collect(i: int) -> None:
-            async for _ in inference.run_one(prompts[i], params, lora, tracked[i]):
+            async for _ in inference.run_one(prompts[i], params, lora, tracked[i], access):
                 pass
             inference.record(cid, body.model, tracked[i])
 
@@ -84,7 +89,7 @@ async def completions(
         }
 
     first_outputs = [
-        inference.run_one(prompts[i], params, lora, tracked[i]) for i in range(len(prompts))
+        inference.run_one(prompts[i], params, lora, tracked[i], access) for i in range(len(prompts))
     ]
     # Surface request errors (bad length, unknown adapter) before the stream starts.
     heads = [await anext(gen) for gen in first_outputs]
@@ -163,7 +168,7 @@ async def chat_completions(
     tracked = Tracked(len(ids), time.perf_counter())
     holdback = max((len(s) for s in params.stop), default=1) - 1
     prompt_tokens = {PROMPT_TOKENS_HEADER: str(len(ids))}
-    generator = inference.run_one(ids, params, lora, tracked)
+    generator = inference.run_one(ids, params, lora, tracked, access)
     head = await anext(generator)
 
     if not body.stream:

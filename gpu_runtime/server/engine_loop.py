@@ -35,7 +35,8 @@ class StepDriver(Protocol):
     - `engine`: the engine requests go to (read per request by the server: tokenizer, limits,
       LoRA runtime); a driver may replace it between steps when it holds no request.
     - `add_request` / `abort_request`: as `Engine.add_request` / `abort_request` (ValueError
-      for a request the engine refuses).
+      for a request the engine refuses); `tenant` is the caller the engine's admission is
+      fair across.
     - `has_work()`: True when `step()` should run now; otherwise the thread waits (briefly) for
       submissions.
     - `step()`: one step; returns the request outputs it produced. An exception fails every
@@ -48,7 +49,12 @@ class StepDriver(Protocol):
     def engine(self) -> Engine: ...
 
     def add_request(
-        self, prompt: list[int], params: SamplingParams, request_id: str, lora_name: str | None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        lora_name: str | None,
+        tenant: str = "",
     ) -> None: ...
 
     def abort_request(self, request_id: str) -> None: ...
@@ -73,9 +79,14 @@ class EngineDriver:
         return self._engine
 
     def add_request(
-        self, prompt: list[int], params: SamplingParams, request_id: str, lora_name: str | None
+        self,
+        prompt: list[int],
+        params: SamplingParams,
+        request_id: str,
+        lora_name: str | None,
+        tenant: str = "",
     ) -> None:
-        self._engine.add_request(prompt, params, request_id, lora_name)
+        self._engine.add_request(prompt, params, request_id, lora_name, tenant=tenant)
 
     def abort_request(self, request_id: str) -> None:
         self._engine.abort_request(request_id)
@@ -99,6 +110,7 @@ class _Submission:
     prompt: list[int]
     params: SamplingParams
     lora_name: str | None
+    tenant: str
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[RequestOutput | BaseException]
 
@@ -142,16 +154,22 @@ class EngineLoop:
             self._thread = None
 
     async def generate(
-        self, prompt: Sequence[int], params: SamplingParams, lora_name: str | None = None
+        self,
+        prompt: Sequence[int],
+        params: SamplingParams,
+        lora_name: str | None = None,
+        tenant: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
         """Yield the request's outputs step by step until it finishes; aborts it when the
-        consumer stops early. Raises ValueError when the engine rejects the request."""
+        consumer stops early. `tenant` is who asked (admission is fair across tenants). Raises
+        ValueError when the engine rejects the request."""
         if self._thread is None:
             raise RuntimeError("EngineLoop.start() was not called")
         request_id = f"srv-{next(self._ids)}"
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        self._inbox.put(_Submission(request_id, list(prompt), params, lora_name, loop, stream))
+        submission = _Submission(request_id, list(prompt), params, lora_name, tenant, loop, stream)
+        self._inbox.put(submission)
         finished = False
         try:
             while True:
@@ -192,7 +210,7 @@ class EngineLoop:
             if isinstance(item, _Submission):
                 try:
                     self.driver.add_request(
-                        item.prompt, item.params, item.request_id, item.lora_name
+                        item.prompt, item.params, item.request_id, item.lora_name, item.tenant
                     )
                     self._streams[item.request_id] = item
                 except ValueError as exc:

@@ -2,8 +2,9 @@
 
 It authorizes each request (`auth.RequestAuth`: the gateway's grant or a bearer key), resolves
 a requested model to the base model or an adapter within the request's `ModelAccess`, builds
-sampling parameters and prompt ids (OpenAI errors for bad input), runs a request on the
-`EngineLoop` while tracking its latency, and records each finished request in the metrics
+sampling parameters and prompt ids (OpenAI errors for bad input), holds each request to its
+`RequestLimits`, runs a request on the `EngineLoop` under its caller (the engine admits callers
+in turn) while tracking its latency, and records each finished request in the metrics
 collector. The engine (tokenizer, limits, LoRA runtime) is read from the loop on each use: a
 host may load another base model between requests.
 """
@@ -23,6 +24,7 @@ from gpu_runtime.engine.engine import UnknownAdapterError
 from gpu_runtime.engine.request import RequestOutput, SamplingParams, SamplingParamsError
 from gpu_runtime.server.auth import AccessDenied, ModelAccess, RequestAuth
 from gpu_runtime.server.engine_loop import EngineLoop
+from gpu_runtime.server.limits import RequestLimits
 from gpu_runtime.server.metrics import MetricsCollector, RequestMetrics
 from gpu_runtime.server.protocol import OpenAIError, _SamplingFields
 from gpu_runtime.server.responses import Tracked
@@ -60,6 +62,7 @@ class Inference:
         adapter_lookup: AdapterLookup | None,
         adapter_names: AdapterNames | None,
         model_loader: ModelLoader | None,
+        limits: RequestLimits,
     ) -> None:
         self.engine_loop = engine_loop
         self._model_name = model_name
@@ -68,6 +71,7 @@ class Inference:
         self._adapter_lookup = adapter_lookup
         self._adapter_names = adapter_names
         self._model_loader = model_loader
+        self.limits = limits
 
     def base_name(self) -> str:
         name = self._model_name
@@ -146,11 +150,16 @@ class Inference:
 
     async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """`encode` of each prompt, in a worker thread: a long prompt's tokenization must not
-        stall the event loop (every other stream, `/health`)."""
-        return await asyncio.to_thread(lambda: [self.encode(p) for p in prompts])
+        stall the event loop (every other stream, `/health`). 400 for too many prompts (checked
+        before tokenizing any) or too many tokens in all (`RequestLimits`)."""
+        self.limits.check_prompt_count(len(prompts))
+        ids = await asyncio.to_thread(lambda: [self.encode(p) for p in prompts])
+        self._check_tokens(sum(len(p) for p in ids), "prompt")
+        return ids
 
     async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat template applied and tokenized, in a worker thread (see `encode_prompts`)."""
+        """The chat template applied and tokenized, in a worker thread (see `encode_prompts`);
+        400 when it holds more tokens than a request may."""
 
         def render() -> list[int]:
             return list(
@@ -159,7 +168,13 @@ class Inference:
                 )
             )
 
-        return await asyncio.to_thread(render)
+        ids = await asyncio.to_thread(render)
+        self._check_tokens(len(ids), "messages")
+        return ids
+
+    def _check_tokens(self, tokens: int, param: str) -> None:
+        max_model_len = self.engine_loop.engine.config.max_model_len
+        self.limits.check_prompt_tokens(tokens, max_model_len, param)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -192,12 +207,19 @@ class Inference:
         )
 
     async def run_one(
-        self, ids: list[int], params: SamplingParams, lora: str | None, tracked: Tracked
+        self,
+        ids: list[int],
+        params: SamplingParams,
+        lora: str | None,
+        tracked: Tracked,
+        access: ModelAccess,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine loop produces them, tracked in `tracked`."""
+        """The request's outputs as the engine loop produces them, tracked in `tracked`; the
+        engine queues it under `access.caller`."""
+        generate = self.engine_loop.generate(ids, params, lora, tenant=access.caller)
         try:
             # closing this generator closes the engine's at once: its request is aborted
-            async with aclosing(self.engine_loop.generate(ids, params, lora)) as outputs:
+            async with aclosing(generate) as outputs:
                 async for out in outputs:
                     if tracked.first_token is None:
                         tracked.first_token = time.perf_counter()

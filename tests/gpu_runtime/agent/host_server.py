@@ -51,7 +51,8 @@ def agent_server(host: Any, config: AgentConfig) -> Iterator[str]:
     """The agent's app over `host` (a started `conftest.Host`), authenticating as `config`
     says, under uvicorn; yields its `/v1` URL."""
     loader = CheckpointModels(host.loop, host.runtime)
-    app = create_app(host.loop, "tiny", host_auth(config), model_loader=loader)
+    auth = host_auth(config)
+    app = create_app(host.loop, "tiny", auth, model_loader=loader, limits=config.request_limits())
     with serve_in_thread(app) as url:
         yield url
 

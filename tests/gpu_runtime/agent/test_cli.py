@@ -35,6 +35,15 @@ def test_defaults_and_options() -> None:
     assert parse_args([*BASE, "--ttft-slo-ms", "120"]).ttft_slo_ms == 120.0
 
 
+def test_request_limits_default_to_the_servers_and_can_be_set() -> None:
+    from gpu_runtime.server.limits import RequestLimits
+
+    assert parse_args(BASE).request_limits() == RequestLimits()
+    config = parse_args([*BASE, "--max-prompts-per-request", "16",
+                         "--max-request-prompt-tokens", "4096"])  # fmt: skip
+    assert config.request_limits() == RequestLimits(16, 4096)
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -45,6 +54,8 @@ def test_defaults_and_options() -> None:
         (["--decode-groups", "4,x"], "expected comma-separated integers"),
         (["--decode-groups", "0"], "expected positive integers"),
         (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
+        (["--max-prompts-per-request", "0"], "max_prompts_per_request must be >= 1, got 0"),
+        (["--max-request-prompt-tokens", "0"], "max_request_prompt_tokens must be >= 1, got 0"),
         (
             ["--max-num-seqs", "64", "--max-batched-tokens", "32"],
             "max_num_batched_tokens (32) must be >= max_num_seqs (64)",

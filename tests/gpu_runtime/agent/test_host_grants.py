@@ -15,6 +15,7 @@ import pytest
 from gpu_runtime.agent.serving import lora_runtime
 from gpu_runtime.contract.protocol import checkpoint_key, checkpoint_model_name
 from gpu_runtime.contract.storage import LocalStorage
+from gpu_runtime.engine import SamplingParams
 from tests.gpu_runtime.agent.conftest import Host, Reports, make_runtime
 from tests.gpu_runtime.agent.host_server import agent_config, agent_server, grant, random_adapter
 
@@ -106,3 +107,29 @@ def test_tenant_keys_are_checked_only_with_allow_tenant_keys(
         assert _complete(url, ADAPTER, bearer).status_code == 404  # not among its models
         assert _complete(url, "tiny", {"authorization": "Bearer hk-wrong"}).status_code == 401
         assert _complete(url, ADAPTER, grant(ADAPTER)).status_code == 200  # grants still work
+
+
+def test_the_host_holds_requests_to_its_limits_and_queues_them_under_their_tenant(
+    idle_host: Host, tmp_path: Path
+) -> None:
+    config = agent_config(tmp_path, max_prompts_per_request=2, max_request_prompt_tokens=12)
+    body = {"model": "tiny", "max_tokens": 2, "temperature": 0.0}
+    with agent_server(idle_host, config) as url:
+        for prompt, limit in ((["a", "b", "c"], "at most 2 prompts"), ([[5] * 13], "at most 12")):
+            refused = httpx.post(
+                f"{url}/completions", json=body | {"prompt": prompt}, headers=grant("tiny")
+            )
+            assert refused.status_code == 400 and limit in refused.json()["error"]["message"]
+        fits = httpx.post(f"{url}/completions", json=body | {"prompt": ["a", "b"]},
+                          headers=grant("tiny"), timeout=60)  # fmt: skip
+        assert fits.status_code == 200
+    runtime = idle_host.runtime
+    params = SamplingParams(max_tokens=4)
+
+    def queue_one() -> str:
+        runtime.add_request([5, 6, 7], params, "direct-1", None, "acme")
+        tenant = runtime.engine.scheduler.get_request("direct-1").tenant
+        runtime.abort_request("direct-1")
+        return str(tenant)
+
+    assert idle_host.loop.run_in_loop(queue_one).result(30) == "acme"

@@ -93,3 +93,14 @@ def test_entry_point_serves_adapters_by_name(
         assert ids == ["tiny", "support", "x"]
     finally:
         loop.stop()
+
+
+def test_entry_point_takes_the_request_limits(capsys: pytest.CaptureFixture[str]) -> None:
+    from gpu_runtime.server.limits import RequestLimits
+
+    assert parse_args([]).limits == RequestLimits()
+    args = parse_args(["--max-prompts-per-request", "8", "--max-request-prompt-tokens", "900"])
+    assert args.limits == RequestLimits(8, 900)
+    with pytest.raises(SystemExit):
+        parse_args(["--max-prompts-per-request", "0"])
+    assert "max_prompts_per_request must be >= 1, got 0" in capsys.readouterr().err
