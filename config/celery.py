@@ -1,6 +1,8 @@
 """The Celery app of the control plane (`celery -A config worker`).
 
-Configuration comes from Django settings with the `CELERY_` prefix (config/settings/base.py).
+Configuration comes from Django settings with the `CELERY_` prefix (config/settings/base.py);
+with DJANGO_SETTINGS_MODULE unset, `config.settings.production` (which refuses to start without
+its environment).
 With `CELERY_BROKER_URL` unset the broker is kombu's in-memory transport `memory://`, which only
 reaches consumers in the same process; config.settings.local then runs tasks eagerly, so the
 platform needs no broker on one machine. Set `CELERY_BROKER_URL` (Redis or RabbitMQ) to run
@@ -14,7 +16,7 @@ import os
 
 from celery import Celery
 
-os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings.local")
+os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings.production")
 
 app = Celery("harli")
 app.config_from_object("django.conf:settings", namespace="CELERY")

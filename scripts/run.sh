@@ -1,10 +1,17 @@
 #!/usr/bin/env bash
 # Install and run the whole platform on this machine: web (control plane, console and the
-# inference gateway, under uvicorn), a Celery worker, Celery beat and one local host agent. With DATABASE_URL and CELERY_BROKER_URL unset it
-# needs no service: SQLite under var/ and Celery's filesystem transport under var/broker (a
-# broker made of files, which works across processes; `memory://` would not). Seeds a demo
-# tenant, key, the `tiny` model, a deployment and an operator, registers the local host, prints
-# how to reach them and a ready-to-paste openai snippet. Ctrl-C stops every process.
+# inference gateway, under uvicorn), a Celery worker, Celery beat and one local host agent,
+# supervised by scripts/supervise.py (a process that dies is restarted after a short backoff and
+# the restart logged; one that keeps dying stops the platform). With DATABASE_URL and
+# CELERY_BROKER_URL unset it needs no service: SQLite under var/ and Celery's filesystem transport
+# under var/broker (a broker made of files, which works across processes; `memory://` would not).
+# Seeds a demo tenant, key, the `tiny` model, a deployment and an operator, registers the local
+# host, prints how to reach them and a ready-to-paste openai snippet. Logs are appended to
+# var/log/NAME.log. Ctrl-C (or SIGTERM) stops every process.
+#
+# It chooses the local settings (config.settings.local: DEBUG on, a development secret key);
+# everything else (manage.py, uvicorn, celery) defaults to config.settings.production, which
+# refuses to start without its environment (README, "Production guide").
 #
 # The agent runs the tiny built-in model on the CPU unless HARLI_MODEL_DIR names a HF model
 # directory (then HARLI_DEVICE defaults to cuda when a GPU is present, and the base model is
@@ -13,7 +20,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 . .venv/bin/activate
-export DJANGO_SETTINGS_MODULE=${DJANGO_SETTINGS_MODULE:-config.settings.local}
+export DJANGO_SETTINGS_MODULE=config.settings.local
+echo "Settings: config.settings.local (DEBUG on, a development secret key): one machine, not for production."
 if [ -z "${CELERY_BROKER_URL:-}" ]; then
   export CELERY_BROKER_URL=filesystem://
   export HARLI_BROKER_DIR=${HARLI_BROKER_DIR:-var/broker}
@@ -58,48 +66,45 @@ python manage.py hosts list | awk 'NR>1{print $1}' | grep -qx "$agent_name" \
   || python manage.py hosts register "$agent_name" --gpu-kind "$gpu_kind" \
        --gpu-memory-gb "$gpu_gb" --deployment "$deployment"
 
-pids=()
+# web: the ASGI app (config/asgi.py), Django and the gateway's streaming inference routes, under
+# uvicorn as in production (deploy/systemd/harli-web.service). The agent accepts only requests
+# the gateway signed with the host's key. The committed latency predictors
+# (predictor_models/artifacts/<gpu>/<model>/): an H200 serving llama3-8b loads one and reports
+# its estimate; other hosts run without one. On Ctrl-C each process gets 30 s to stop (the agent
+# took over 10 s on a loaded machine) before SIGKILL.
+agent_log_start=$(stat -c %s var/log/agent.log 2>/dev/null || echo 0)
+HARLI_HOST_KEY=$(python manage.py hosts key "$agent_name") \
+python scripts/supervise.py --log-dir var/log --stop-timeout-s 30 \
+  --proc web uvicorn config.asgi:application --host "${bind%:*}" --port "${bind##*:}" \
+    --lifespan on --no-access-log \
+  --proc worker celery -A config worker --pool solo -Q control \
+    --hostname "harli-worker@%h" --without-gossip --without-mingle --without-heartbeat -l WARNING \
+  --proc beat celery -A config beat -l WARNING --schedule var/celerybeat-schedule \
+  --proc agent python -m gpu_runtime.agent --host "$agent_name" --base-model "$base_model" \
+    --control-url "$url" --listen "$agent_listen" \
+    --predictor "${HARLI_PREDICTOR:-predictor_models/artifacts}" "${agent_args[@]}" &
+supervisor=$!
 stopping=0
 stop_all() {
   trap - INT TERM EXIT
   stopping=1
-  echo; echo "Stopping Harli..."
-  for pid in "${pids[@]}"; do kill -TERM "$pid" 2>/dev/null || true; done
-  for _ in $(seq 1 50); do
-    alive=0
-    for pid in "${pids[@]}"; do kill -0 "$pid" 2>/dev/null && alive=1; done
-    [ "$alive" = 0 ] && break
-    sleep 0.2
-  done
-  for pid in "${pids[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
-  wait 2>/dev/null || true
+  if kill -0 "$supervisor" 2>/dev/null; then
+    echo; echo "Stopping Harli..."
+    kill -TERM "$supervisor" 2>/dev/null || true
+    wait "$supervisor" 2>/dev/null || true
+  fi
 }
 trap stop_all INT TERM EXIT
 
-# The ASGI app (config/asgi.py): Django and the gateway's streaming inference routes.
-uvicorn config.asgi:application --host "${bind%:*}" --port "${bind##*:}" --lifespan on \
-  --no-access-log >var/log/web.log 2>&1 & pids+=($!)
-celery -A config worker --pool solo -Q control --hostname "harli-worker@%h" \
-  --without-gossip --without-mingle --without-heartbeat -l WARNING >var/log/worker.log 2>&1 &
-pids+=($!)
-celery -A config beat -l WARNING --schedule var/celerybeat-schedule >var/log/beat.log 2>&1 &
-pids+=($!)
-# The committed latency predictors (predictor_models/artifacts/<gpu>/<model>/): an H200 serving
-# llama3-8b loads one and reports its estimate; other hosts run without one.
-# The agent accepts only requests the gateway signed with the host's key.
-HARLI_HOST_KEY=$(python manage.py hosts key "$agent_name") \
-python -m gpu_runtime.agent --host "$agent_name" --base-model "$base_model" \
-  --control-url "$url" --listen "$agent_listen" \
-  --predictor "${HARLI_PREDICTOR:-predictor_models/artifacts}" "${agent_args[@]}" \
-  >var/log/agent.log 2>&1 &
-pids+=($!)
-
-echo "Starting web, worker, beat and the host agent (logs in var/log/)..."
+echo "Starting web, worker, beat and the host agent (logs appended to var/log/)..."
 for _ in $(seq 1 600); do
-  grep -q "ready:" var/log/agent.log 2>/dev/null && break
-  for pid in "${pids[@]}"; do
-    kill -0 "$pid" 2>/dev/null || { echo "a process exited early; see var/log/" >&2; tail -n 20 var/log/*.log >&2; exit 1; }
-  done
+  # Only this run's part of the agent's log: an earlier run's "ready:" must not count.
+  tail -c +$((agent_log_start + 1)) var/log/agent.log 2>/dev/null | grep -q "ready:" && break
+  if ! kill -0 "$supervisor" 2>/dev/null; then
+    echo "Harli stopped before the agent was ready (the supervisor exited); see var/log/" >&2
+    tail -n 20 var/log/{web,worker,beat,agent}.log >&2
+    exit 1
+  fi
   sleep 0.5
 done
 cat <<TXT
@@ -133,5 +138,9 @@ for chunk in stream:  # server-sent events, token by token
 print()
 PY
 TXT
-wait -n "${pids[@]}" || true
-[ "$stopping" = 1 ] || echo "a Harli process stopped; see var/log/ (stopping the rest)" >&2
+status=0
+wait "$supervisor" || status=$?
+if [ "$stopping" = 0 ] && [ "$status" != 0 ]; then
+  echo "Harli stopped: a process kept exiting (the supervisor's status $status); see var/log/" >&2
+  exit 1
+fi
