@@ -10,6 +10,7 @@ from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
 from api.errors import HarliError
+from api.idempotency import idempotent
 from api.pagination import cursor_page, page_body, parse_limit
 from api.parsers import FormParser, MultiPartParser
 from api.selectors import file_get, file_list
@@ -39,6 +40,7 @@ class FileCollectionApi(TenantScopedAPIView):
         request=FileUploadSerializer,
         responses={200: FileObjectSerializer, 400: ErrorSerializer, 413: ErrorSerializer},
     )
+    @idempotent
     def post(self, request: Request) -> Response:
         upload = request.FILES.get("file")
         if upload is None:

@@ -14,6 +14,7 @@ from rest_framework.response import Response
 from api.apis.base import TenantScopedAPIView
 from api.apis.files import PAGING_PARAMETERS
 from api.errors import HarliError
+from api.idempotency import idempotent
 from api.models import FinetuneJob
 from api.pagination import cursor_page, page_body, parse_limit
 from api.parsers import JsonParser
@@ -97,6 +98,7 @@ class JobCollectionApi(TenantScopedAPIView):
         request=JobCreateSerializer,
         responses={200: FineTuningJobSerializer, 400: ErrorSerializer},
     )
+    @idempotent
     def post(self, request: Request) -> Response:
         body = request.data
         if not isinstance(body, dict):
@@ -170,6 +172,7 @@ def _action_view(
         request=None,
         responses={200: FineTuningJobSerializer, 404: ErrorSerializer, 409: ErrorSerializer},
     )
+    @idempotent
     def post(self: TenantScopedAPIView, request: Request, fine_tuning_job_id: str) -> Response:
         job = finetune_job_get(tenant=self.tenant, job_id=fine_tuning_job_id)
         return Response(FineTuningJobSerializer(action(job=job)).data)

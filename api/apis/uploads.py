@@ -12,6 +12,7 @@ from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
 from api.errors import HarliError
+from api.idempotency import idempotent
 from api.models import Upload, UploadPart
 from api.parsers import FormParser, JsonParser, MultiPartParser
 from api.selectors import upload_get
@@ -77,6 +78,7 @@ class UploadCollectionApi(TenantScopedAPIView):
         request=UploadCreateSerializer,
         responses={200: UploadSerializer, 400: ErrorSerializer},
     )
+    @idempotent
     def post(self, request: Request) -> Response:
         body = _json_object(request)
         for required in ("filename", "purpose", "bytes", "mime_type"):
@@ -109,6 +111,7 @@ class UploadPartsApi(TenantScopedAPIView):
             413: ErrorSerializer,
         },
     )
+    @idempotent
     def post(self, request: Request, upload_id: str) -> Response:
         upload = upload_get(tenant=self.tenant, upload_id=upload_id)
         data = request.FILES.get("data")
@@ -130,6 +133,7 @@ class UploadCompleteApi(TenantScopedAPIView):
         request=UploadCompleteSerializer,
         responses={200: UploadSerializer, 400: ErrorSerializer, 404: ErrorSerializer},
     )
+    @idempotent
     def post(self, request: Request, upload_id: str) -> Response:
         upload = upload_get(tenant=self.tenant, upload_id=upload_id)
         body = _json_object(request)
@@ -145,6 +149,7 @@ class UploadCancelApi(TenantScopedAPIView):
         request=None,
         responses={200: UploadSerializer, 404: ErrorSerializer, 409: ErrorSerializer},
     )
+    @idempotent
     def post(self, request: Request, upload_id: str) -> Response:
         upload = upload_cancel(upload=upload_get(tenant=self.tenant, upload_id=upload_id))
         return Response(UploadSerializer(upload).data)

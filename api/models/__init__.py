@@ -20,6 +20,7 @@ from api.models.finetune import (
     PlacementState,
 )
 from api.models.fleet import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
+from api.models.idempotency import IdempotencyKey
 from api.models.login import LoginFailure
 from api.models.metrics import (
     DeploymentMetric,
@@ -58,6 +59,7 @@ __all__ = [
     "GpuHost",
     "HostMetric",
     "HostStatus",
+    "IdempotencyKey",
     "JobCheckpoint",
     "JobEvent",
     "JobMetric",

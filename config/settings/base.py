@@ -162,6 +162,32 @@ HARLI_UPLOAD_EXPIRES_S = env_int("HARLI_UPLOAD_EXPIRES_S", 3600)
 # Uploaded file bytes (api.storage.LocalStorage). Relative paths are taken from the repo root.
 HARLI_STORAGE_DIR = BASE_DIR / env_str("HARLI_STORAGE_DIR", "var/storage")
 
+# Where a request's uploaded file is spooled to disk while it is read (Django's
+# FILE_UPLOAD_TEMP_DIR; uploads above 2.5 MB): a folder of its own, so that what a killed web
+# process left there can be swept (`api.services.janitor`). Created at start-up.
+HARLI_UPLOAD_SPOOL_DIR = BASE_DIR / env_str("HARLI_UPLOAD_SPOOL_DIR", "var/spool")
+FILE_UPLOAD_TEMP_DIR = str(HARLI_UPLOAD_SPOOL_DIR)
+
+# Idempotency keys of the tenant API (`api.idempotency`): kept this many hours after first use;
+# a claim whose request has not finished after HARLI_IDEMPOTENCY_LOCK_S (longer than any request
+# runs once its body arrived) is taken over by a retry.
+HARLI_IDEMPOTENCY_KEY_RETENTION_H = env_int("HARLI_IDEMPOTENCY_KEY_RETENTION_H", 24, minimum=1)
+HARLI_IDEMPOTENCY_LOCK_S = env_int("HARLI_IDEMPOTENCY_LOCK_S", 300, minimum=1)
+
+# The janitor (`api.services.janitor`, beat every HARLI_JANITOR_INTERVAL_S; `manage.py janitor`
+# runs it once): spool and partial storage files untouched for HARLI_JANITOR_STALE_FILE_AGE_S,
+# stored files and upload parts without a row for HARLI_JANITOR_ORPHAN_GRACE_S, expired
+# idempotency keys; raw host and deployment metric samples older than
+# HARLI_METRICS_RAW_RETENTION_H (at least 24: the console charts up to 24 h of them), per-minute
+# rollups older than HARLI_METRICS_ROLLUP_RETENTION_D, and the dedupe record of host reports
+# older than HARLI_PROCESSED_REPORT_RETENTION_H (README, "Janitor", argues the defaults).
+HARLI_JANITOR_INTERVAL_S = env_int("HARLI_JANITOR_INTERVAL_S", 600, minimum=1)
+HARLI_JANITOR_STALE_FILE_AGE_S = env_int("HARLI_JANITOR_STALE_FILE_AGE_S", 3600, minimum=60)
+HARLI_JANITOR_ORPHAN_GRACE_S = env_int("HARLI_JANITOR_ORPHAN_GRACE_S", 3600, minimum=60)
+HARLI_METRICS_RAW_RETENTION_H = env_int("HARLI_METRICS_RAW_RETENTION_H", 48, minimum=24)
+HARLI_METRICS_ROLLUP_RETENTION_D = env_int("HARLI_METRICS_ROLLUP_RETENTION_D", 90, minimum=1)
+HARLI_PROCESSED_REPORT_RETENTION_H = env_int("HARLI_PROCESSED_REPORT_RETENTION_H", 168, minimum=24)
+
 # The inference gateway's per-tenant rate limits (`api.rate_limits`): unset, each gateway
 # process keeps its own buckets in memory; set, every process shares buckets in this Redis.
 RATE_LIMIT_REDIS_URL = env_redis_url("HARLI_RATE_LIMIT_REDIS_URL")
