@@ -224,12 +224,6 @@ def idempotency_release(*, claim: Claim) -> None:
     ).delete()
 
 
-def idempotency_expired_delete(*, now: datetime) -> int:
-    """Delete every key past its expiry; returns how many."""
-    deleted, _ = IdempotencyKey.objects.filter(expires_at__lte=now).delete()
-    return deleted
-
-
 class _Refused(Exception):
     """Carries a non-2xx response out of the work's transaction, rolling it back."""
 

@@ -1,4 +1,5 @@
 from django.apps import AppConfig
+from django.conf import settings
 
 from api.dispatch import dispatch_register
 from api.fleet_settings import fleet_settings
@@ -18,7 +19,7 @@ class WorkersConfig(AppConfig):
         module imports the tasks, which import models: only importable once the apps are
         loaded), and install the beat schedule on the Celery app: reconciliation every N
         seconds, the sweep of expired uploads every UPLOAD_SWEEP_INTERVAL_S (access expires
-        them too)."""
+        them too), the janitor every HARLI_JANITOR_INTERVAL_S."""
         from workers.commands import CeleryHostDispatch
 
         dispatch_register(dispatch=CeleryHostDispatch())
@@ -32,5 +33,10 @@ class WorkersConfig(AppConfig):
                 "task": "workers.expire_uploads",
                 "schedule": UPLOAD_SWEEP_INTERVAL_S,
                 "options": {"expires": UPLOAD_SWEEP_INTERVAL_S},
+            },
+            "janitor": {
+                "task": "workers.janitor",
+                "schedule": float(settings.HARLI_JANITOR_INTERVAL_S),
+                "options": {"expires": float(settings.HARLI_JANITOR_INTERVAL_S)},
             },
         }

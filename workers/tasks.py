@@ -3,7 +3,8 @@
 Every task: `acks_late` (a task lost with its worker runs again), retries only for transient
 database/broker errors (`autoretry_for`), soft and hard time limits. Idempotence: placement
 skips jobs already placed; host reports are deduplicated by message id; reconciliation only
-moves rows whose state still calls for it; the upload sweep only expires uploads still pending.
+moves rows whose state still calls for it; the upload sweep only expires uploads still pending;
+the janitor removes only what is past its age or retention, so a repeated pass finds nothing.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 from django.db import InterfaceError, OperationalError
 from kombu.exceptions import OperationalError as BrokerOperationalError
 
+from api.services.janitor import janitor_sweep
 from api.services.placement import job_place
 from api.services.reconcile import fleet_reconcile
 from api.services.reports import host_report_apply
@@ -63,3 +65,15 @@ def reconcile_fleet() -> dict[str, Any]:
 def expire_uploads() -> list[str]:
     """Expire pending uploads past `expires_at`, dropping their parts; returns their ids."""
     return upload_expire_due()
+
+
+@app.task(name="workers.janitor", soft_time_limit=300, time_limit=600, **COMMON)
+def janitor() -> dict[str, Any]:
+    """One pass of the janitor (`api.services.janitor`): crash litter and retention pruning."""
+    result = janitor_sweep()
+    swept = asdict(result)
+    logger.info(
+        "janitor: %s",
+        ", ".join(f"{name}={len(v) if isinstance(v, list) else v}" for name, v in swept.items()),
+    )
+    return swept

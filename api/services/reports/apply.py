@@ -10,6 +10,7 @@ from typing import Any
 from django.db import IntegrityError, transaction
 
 from api.models import GpuHost, ProcessedReport
+from api.services.janitor import report_expired
 from api.services.reports.heartbeat import heartbeat_apply
 from api.services.reports.jobs import (
     checkpoint_apply,
@@ -24,8 +25,10 @@ from gpu_runtime.contract.protocol import check_report
 
 
 def host_report_apply(*, message: dict[str, Any]) -> str:
-    """Apply one report; returns "applied", "duplicate", "stale" or "unknown_host"."""
+    """Apply one report; returns "applied", "duplicate", "stale", "expired" or "unknown_host"."""
     check_report(message)
+    if report_expired(message=message):
+        return "expired"  # older than its dedupe row may live (`api.services.janitor`)
     if not GpuHost.objects.filter(name=message["host"]).exists():
         return "unknown_host"  # nothing to apply, so nothing to deduplicate
     with transaction.atomic():

@@ -51,6 +51,16 @@ class Storage(Protocol):
         """Every key under the directory-like `prefix`, sorted; [] when there is none."""
         ...
 
+    def modified_at(self, key: str) -> float:
+        """When `key` was last written (POSIX seconds); FileNotFoundError when it is absent."""
+        ...
+
+    def partial_writes_remove(self, *, before: float) -> list[str]:
+        """Remove what interrupted writes left (a process killed during :meth:`save`) that
+        was last touched before `before` (POSIX seconds); return what was removed, by name.
+        A write still in progress is touched as it goes, so a past `before` spares it."""
+        ...
+
     def put_tree(self, prefix: str, directory: str | Path) -> list[str]:
         """Copy every file under `directory` to `prefix/<relative path>`; return the keys.
 

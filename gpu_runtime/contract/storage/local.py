@@ -11,6 +11,9 @@ from urllib.parse import urlparse
 
 from gpu_runtime.contract.storage.base import COMPLETE_MARKER, Storage, StorageError, validate_key
 
+PARTIAL_PREFIX = ".upload-"
+"""The name prefix of a file being written by :meth:`LocalStorage.save` (renamed when done)."""
+
 
 class LocalStorage:
     """A directory on the local file system (shared by processes that see the same path)."""
@@ -29,7 +32,7 @@ class LocalStorage:
         path = self.path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         written = 0
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=".upload-")
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=PARTIAL_PREFIX)
         try:
             with os.fdopen(fd, "wb") as out:
                 for chunk in chunks:
@@ -67,8 +70,27 @@ class LocalStorage:
         return sorted(
             f"{prefix}/{p.relative_to(base).as_posix()}"
             for p in base.rglob("*")
-            if p.is_file() and not p.name.startswith(".upload-")
+            if p.is_file() and not p.name.startswith(PARTIAL_PREFIX)
         )
+
+    def modified_at(self, key: str) -> float:
+        path = self.path(key)
+        if not path.is_file():
+            raise FileNotFoundError(f"no key {key!r} in {self!r}")
+        return path.stat().st_mtime
+
+    def partial_writes_remove(self, *, before: float) -> list[str]:
+        if not self.root.is_dir():
+            return []
+        removed = []
+        for path in self.root.rglob(f"{PARTIAL_PREFIX}*"):
+            try:
+                if path.is_file() and path.stat().st_mtime < before:
+                    path.unlink()
+                    removed.append(path.relative_to(self.root).as_posix())
+            except FileNotFoundError:  # finished (renamed) or removed meanwhile
+                continue
+        return sorted(removed)
 
     def put_tree(self, prefix: str, directory: str | Path) -> list[str]:
         source = Path(directory)
