@@ -4,6 +4,9 @@
 1. A host `online` or `draining` whose last heartbeat is older than `HARLI_HOST_LOST_AFTER_S`
    is `lost`: its open placements become `lost`, and each of their running jobs goes back to
    `queued` with an event naming the host and the checkpoint step it will resume from.
+1b. A pending placement its host never acknowledged within `HARLI_PLACEMENT_ACK_TIMEOUT_S`,
+   and an active one a stalled job's host no longer lists, are given up
+   (`api.services.stranded`): their jobs are queued without a placement, so step 2 places them.
 2. Every queued job without an open placement is placed (`api.services.placement.job_place`).
 3. A pending placement its host has not started within `HARLI_REDISPATCH_AFTER_S` is sent
    again (a lost broker message); the agent drops duplicates by placement id.
@@ -40,6 +43,7 @@ from api.selectors import job_checkpoint_latest
 from api.services.jobs import finetune_job_transition, job_event_record
 from api.services.placement import job_place
 from api.services.placement_dispatch import placement_send
+from api.services.stranded import stranded_placements_recover
 
 
 @dataclass
@@ -49,6 +53,7 @@ class ReconcileResult:
     placed_jobs: list[str] = field(default_factory=list)
     redispatched: list[int] = field(default_factory=list)
     stalled_jobs: list[str] = field(default_factory=list)
+    abandoned_placements: list[int] = field(default_factory=list)
 
 
 def host_mark_lost(*, host_id: int, silent_s: float) -> list[str]:
@@ -100,6 +105,11 @@ def fleet_reconcile() -> ReconcileResult:
             host_id=host.pk, silent_s=(now - since).total_seconds()
         )
         result.lost_hosts.append(host.name)
+    abandoned, requeued = stranded_placements_recover(
+        now=now, ack_timeout_s=conf.placement_ack_timeout_s
+    )
+    result.abandoned_placements += abandoned
+    result.requeued_jobs += requeued
     open_jobs = Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES).values("job_id")
     waiting = FinetuneJob.objects.filter(status=JobStatus.QUEUED).exclude(pk__in=open_jobs)
     for job_id in waiting.order_by("created_at").values_list("pk", flat=True):
