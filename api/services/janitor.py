@@ -85,7 +85,8 @@ def processed_report_retention() -> timedelta:
     """How long a report's dedupe row is kept; at least twice the broker's visibility timeout
     (a task redelivered after its worker died) and more than the clock skew allowance."""
     retention = timedelta(hours=int(settings.HARLI_PROCESSED_REPORT_RETENTION_H))
-    visibility_s = int(settings.CELERY_BROKER_TRANSPORT_OPTIONS.get("visibility_timeout", 3600))
+    options: dict[str, Any] = settings.CELERY_BROKER_TRANSPORT_OPTIONS
+    visibility_s = int(options.get("visibility_timeout", 3600))
     floor = max(timedelta(seconds=2 * visibility_s), 2 * CLOCK_SKEW_ALLOWANCE)
     if retention < floor:
         raise ImproperlyConfigured(
