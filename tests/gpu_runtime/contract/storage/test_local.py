@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,32 @@ def test_open_storage_locations(tmp_path: Path) -> None:
         open_storage("ftp://example/x")
     with pytest.raises(StorageError, match="empty"):
         open_storage("")
+
+
+def test_a_killed_save_leaves_a_partial_write_that_is_removed_once_stale(tmp_path: Path) -> None:
+    import os
+    import time
+
+    storage = LocalStorage(tmp_path)
+
+    def killed() -> Iterator[bytes]:
+        yield b"half"
+        raise KeyboardInterrupt  # a save interrupted mid-way cleans up after itself...
+
+    with pytest.raises(KeyboardInterrupt):
+        storage.save("files/t1/a.jsonl", killed())
+    assert list((tmp_path / "files" / "t1").iterdir()) == []
+    # ...but a process killed with SIGKILL cannot: its partial file stays.
+    left = tmp_path / "files" / "t1" / ".upload-dead"
+    left.write_bytes(b"half")
+    being_written = tmp_path / "files" / "t1" / ".upload-live"
+    being_written.write_bytes(b"so far")
+    old = time.time() - 7200
+    os.utime(left, (old, old))
+    assert storage.list_keys("files") == []  # never listed as a key
+    assert storage.partial_writes_remove(before=time.time() - 3600) == ["files/t1/.upload-dead"]
+    assert not left.exists() and being_written.exists()
+    storage.save("files/t1/b.jsonl", [b"x"])
+    assert abs(storage.modified_at("files/t1/b.jsonl") - time.time()) < 60
+    with pytest.raises(FileNotFoundError):
+        storage.modified_at("files/t1/absent.jsonl")
