@@ -158,6 +158,7 @@ def test_the_agent_template_runs_the_agent_with_options_it_accepts(
         monkeypatch.setenv(key, value)
     monkeypatch.setenv("HARLI_MODEL_DIR", "")
     monkeypatch.setenv("HARLI_DEVICE", "cpu")
+    monkeypatch.delenv("HARLI_OUTBOX_DIR", raising=False)  # the example leaves the default
     key_file = tmp_path / "host-key"
     key_file.write_text("ab" * 32)
     args = argv[3:]
@@ -168,6 +169,9 @@ def test_the_agent_template_runs_the_agent_with_options_it_accepts(
     assert config.broker_url == env["CELERY_BROKER_URL"]
     assert config.storage == env["HARLI_STORAGE_DIR"]
     assert config.work_dir == Path(f"/var/lib/harli/agents/{INSTANCE}")
+    # the durable outbox: on the host's own disk, under the unit's StateDirectory
+    assert config.outbox_path() == Path(f"/var/lib/harli/agents/{INSTANCE}/outbox")
+    assert unit["Service"]["StateDirectory"] == "harli/agents/%i"
 
 
 def test_the_environment_example_sets_every_variable_production_settings_read() -> None:

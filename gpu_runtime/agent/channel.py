@@ -11,8 +11,12 @@ past that the thread ends with `failed` set, and the agent exits non-zero (`cli.
 a supervisor sees a host that cannot take commands instead of one that heartbeats without them.
 
 :class:`ReportSender` publishes reports to the control queue as Celery tasks from one thread, in
-order, from an outbox: a report leaves the outbox only once the broker took it, so a broker
-restart delays reports but loses none. Heartbeats are coalesced (only the newest waits).
+order, from the durable outbox (`gpu_runtime.agent.outbox`): `send` builds a report's task
+message and writes it to local disk before returning; the thread publishes it and removes it
+only once the broker confirmed it (Redis and the `filesystem://` transport answer each publish
+synchronously; an AMQP broker is asked for publisher confirms, `confirm_publish`). A broker
+restart delays reports, an agent crash only postpones them to the next start, which sends
+what was left first, in order. Heartbeats are coalesced in memory (only the newest waits).
 """
 
 from __future__ import annotations
@@ -25,9 +29,11 @@ from collections.abc import Callable
 from typing import Any
 
 from celery import Celery
+from celery.app.amqp import task_message
 from kombu import Connection, Exchange, Queue
 from kombu.mixins import ConsumerMixin
 
+from gpu_runtime.agent.outbox import DiskOutbox, OutboxEntry, OutboxStats
 from gpu_runtime.contract.protocol import (
     CONTROL_QUEUE,
     HOST_COMMAND_TASK,
@@ -152,24 +158,45 @@ class CommandConsumer(ConsumerMixin):
             self.thread.join(timeout)
 
 
+CONFIRMING_SCHEMES = ("amqp", "amqps", "pyamqp")
+"""Broker URL schemes whose publish returns before the broker took the message unless
+publisher confirms are on (py-amqp's `confirm_publish`)."""
+CONFIRM_TIMEOUT_S = 10.0
+"""How long a publish waits for an AMQP broker's confirmation before it counts as failed."""
+
+
+def build_task_message(app: Celery, message: dict[str, Any]) -> dict[str, Any]:
+    """The Celery protocol-2 task message of one report, as it is persisted and published:
+    `{"headers", "properties", "body"}`. Its task id is the report's message id."""
+    built = app.amqp.as_task_v2(message["message_id"], HOST_REPORT_TASK, args=[message], kwargs={})
+    return {"headers": built.headers, "properties": built.properties, "body": built.body}
+
+
 class ReportSender:
     """Ordered, at-least-once publisher of reports to the control queue (see module doc)."""
 
     def __init__(
         self,
         broker_url: str,
-        transport_options: dict[str, object] | None = None,
-        transport: str | None = None,
+        transport_options: dict[str, object] | None,
+        transport: str | None,
+        outbox: DiskOutbox,
     ) -> None:
+        options = dict(transport_options or {})
+        self.confirms = broker_url.partition(":")[0].partition("+")[0] in CONFIRMING_SCHEMES
+        if self.confirms:
+            options["confirm_publish"] = True
         self.app = Celery("harli-agent", broker=broker_url, set_as_current=False)
         self.app.conf.update(
             task_serializer="json",
             accept_content=["json"],
             broker_transport=transport,
-            broker_transport_options=transport_options or {},
+            broker_transport_options=options,
             broker_connection_retry_on_startup=True,
         )
-        self._outbox: deque[dict[str, Any]] = deque()
+        self.outbox = outbox
+        self._queue: deque[OutboxEntry] = deque(outbox.recover())
+        """What waits to be sent, in order: what a previous run left first."""
         self._cond = threading.Condition()
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="report-sender", daemon=True)
@@ -180,55 +207,74 @@ class ReportSender:
         self._thread.start()
 
     def send(self, message: dict[str, Any]) -> None:
-        """Queue a report; a waiting heartbeat is replaced by a newer one."""
+        """Persist a report and queue it (returns once it is on disk); a waiting heartbeat is
+        replaced by a newer one. A report the outbox refused is counted there and logged."""
+        task = build_task_message(self.app, message)
         with self._cond:
-            if message["kind"] == "heartbeat":
-                for i, queued in enumerate(self._outbox):
-                    if queued["kind"] == "heartbeat":
-                        del self._outbox[i]
+            entry = self.outbox.put(message["kind"], message["message_id"], task)
+            if entry is None:
+                return
+            if entry.kind == "heartbeat":
+                for i, queued in enumerate(self._queue):
+                    if queued.kind == "heartbeat":
+                        del self._queue[i]
                         break
-            self._outbox.append(message)
+            self._queue.append(entry)
             self._cond.notify()
 
     def pending(self) -> int:
         with self._cond:
-            return len(self._outbox)
+            return len(self._queue)
 
-    def _publish(self, message: dict[str, Any]) -> None:
-        self.app.send_task(
-            HOST_REPORT_TASK,
-            args=[message],
-            queue=CONTROL_QUEUE,
-            routing_key=CONTROL_QUEUE,
-            retry=True,
-            retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.3},
-        )
+    def stats(self) -> OutboxStats:
+        """The outbox's counters (a copy)."""
+        with self._cond:
+            stats = self.outbox.stats
+            return OutboxStats(**{**vars(stats), "dropped": dict(stats.dropped)})
+
+    def _publish(self, entry: OutboxEntry) -> None:
+        """Publish `entry` as it was persisted; returns once the broker took it."""
+        task = entry.task
+        built = task_message(dict(task["headers"]), dict(task["properties"]), task["body"], None)
+        with self.app.producer_or_acquire() as producer:
+            self.app.amqp.send_task_message(
+                producer,
+                HOST_REPORT_TASK,
+                built,
+                queue=CONTROL_QUEUE,
+                routing_key=CONTROL_QUEUE,
+                retry=True,
+                retry_policy={"max_retries": 2, "interval_start": 0.2, "interval_step": 0.3},
+                confirm_timeout=CONFIRM_TIMEOUT_S if self.confirms else None,
+            )
 
     def _run(self) -> None:
         backoff = 0.2
         while True:
             with self._cond:
-                while not self._outbox and not self._stopping:
+                while not self._queue and not self._stopping:
                     self._cond.wait(0.5)
-                if not self._outbox:
+                if not self._queue:
                     return
-                message = self._outbox[0]
+                entry = self._queue[0]
             try:
-                self._publish(message)
-            except Exception as exc:  # the broker is away: keep the report, try again
+                self._publish(entry)
+            except Exception as exc:  # the broker is away or refused it: keep it, try again
                 self.failures += 1
-                logger.warning("report %s not sent yet: %s", message["kind"], exc)
+                logger.warning("report %s not sent yet: %s", entry.kind, exc)
                 time.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
                 continue
             backoff = 0.2
             with self._cond:
-                if self._outbox and self._outbox[0] is message:
-                    self._outbox.popleft()
+                self.outbox.remove(entry)
+                if self._queue and self._queue[0] is entry:
+                    self._queue.popleft()
                 self.sent += 1
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Flush what the broker takes within `timeout`, then stop."""
+        """Flush what the broker takes within `timeout`, then stop; what is left stays in the
+        outbox for the next start."""
         deadline = time.monotonic() + timeout
         while self.pending() and time.monotonic() < deadline:
             time.sleep(0.05)

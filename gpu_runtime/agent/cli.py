@@ -1,6 +1,7 @@
 """`python -m gpu_runtime.agent --host NAME ...`: one host agent process.
 
-Starts, in this order: the report sender (control queue), the engine loop thread (one engine per
+Starts, in this order: the report sender (control queue; what the durable outbox under
+`--outbox-dir` holds from a previous run is sent first), the engine loop thread (one engine per
 base model with its LoRA runtime for adapters, driven by `HostRuntime`: `HostLoop` decode
 iterations and finetune quanta), the OpenAI-compatible server of `gpu_runtime.server` over that
 loop (streaming, usage, `/v1/models`; requests accepted by the gateway's grant, verified with the
@@ -29,6 +30,7 @@ from gpu_runtime.agent.config import (
     DEFAULT_DECODE_GROUPS,
     GIB,
     HOST_KEY_ENV,
+    OUTBOX_DIR_ENV,
     AgentConfig,
     AgentConfigError,
     env_broker_url,
@@ -52,6 +54,17 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--broker-dir", default=env("HARLI_BROKER_DIR") or None)
     p.add_argument("--storage", default=env("HARLI_STORAGE_DIR", "var/storage"))
     p.add_argument("--work-dir", default=None, help="default: var/agents/<host>")
+    p.add_argument("--outbox-dir", default=env(OUTBOX_DIR_ENV) or None,
+                   help="durable outbox of reports the broker has not confirmed, on local "
+                   f"persistent disk (default: the environment's {OUTBOX_DIR_ENV}, else "
+                   "<work-dir>/outbox)")  # fmt: skip
+    p.add_argument("--outbox-max-reports", type=int, default=AgentConfig.outbox_max_reports,
+                   help="reports the outbox holds before it refuses progress and metrics "
+                   "reports (job lifecycle reports are kept past it)")  # fmt: skip
+    p.add_argument("--outbox-max-mb", type=float,
+                   default=AgentConfig.outbox_max_bytes / 2**20,
+                   help="MiB the outbox holds before it refuses progress and metrics "
+                   "reports")  # fmt: skip
     p.add_argument("--control-url", default=env("HARLI_CONTROL_URL", "http://127.0.0.1:8000"))
     p.add_argument("--host-key-file", default=None,
                    help="file holding this host's grant key (`manage.py hosts key NAME`); "
@@ -114,12 +127,16 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     args = p.parse_args(argv)
     bind_host, _, port = args.listen.rpartition(":")
     host_key = _host_key(p, args.host_key_file)
+    work_dir = Path(args.work_dir or f"var/agents/{args.host}")
     try:
         return AgentConfig(
             host=args.host,
             broker_url=args.broker,
             storage=args.storage,
-            work_dir=Path(args.work_dir or f"var/agents/{args.host}"),
+            work_dir=work_dir,
+            outbox_dir=Path(args.outbox_dir) if args.outbox_dir else work_dir / "outbox",
+            outbox_max_reports=args.outbox_max_reports,
+            outbox_max_bytes=int(args.outbox_max_mb * 2**20),
             base_model=args.base_model,
             model_dir=Path(args.model_dir) if args.model_dir else None,
             device=args.device,
@@ -223,6 +240,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.agent.channel import CommandConsumer, ReportSender
     from gpu_runtime.agent.checkpoint_models import CheckpointModels
     from gpu_runtime.agent.host_auth import host_auth
+    from gpu_runtime.agent.outbox import DiskOutbox
     from gpu_runtime.agent.runtime import HostRuntime, submit_command
     from gpu_runtime.agent.serving import EngineSpec
     from gpu_runtime.colocation.ahead import ASYNC_SCHEDULING
@@ -261,7 +279,8 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     serving = spec.build(model_dir)
     options = broker_transport_options(config.broker_url, config.broker_dir)
     transport = broker_transport(config.broker_url)
-    sender = ReportSender(config.broker_url, options, transport)
+    outbox = DiskOutbox(config.outbox_path(), config.outbox_max_reports, config.outbox_max_bytes)
+    sender = ReportSender(config.broker_url, options, transport, outbox)
     sender.start()
     request_metrics = MetricsCollector()
     runtime = HostRuntime(
@@ -319,6 +338,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
         server.stop()
         loop.stop()
         sender.stop()
+        outbox.close()
     return status
 
 

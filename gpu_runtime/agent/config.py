@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from gpu_runtime.agent.outbox import DEFAULT_MAX_BYTES, DEFAULT_MAX_MESSAGES
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 
 if TYPE_CHECKING:
@@ -19,6 +20,7 @@ splits harli keeps its TPOT attainment on every trace for both models; a 32-SM s
 does not (docs/decisions/0013-quantum-sizing-and-splits.md)."""
 
 GIB = 2**30
+OUTBOX_DIR_ENV = "HARLI_OUTBOX_DIR"
 HOST_KEY_ENV = "HARLI_HOST_KEY"
 _HOST_KEY = re.compile(r"[0-9a-f]{64}")
 
@@ -107,6 +109,15 @@ class AgentConfig:
     """Latency predictor artifact (directory or root); None: no predictor."""
     broker_dir: Path | None = None
     """Folder of the `filesystem://` transport (shared with the control plane)."""
+    outbox_dir: Path | None = None
+    """The durable outbox of reports not yet confirmed by the broker (`agent.outbox`), on
+    local persistent disk, one per host; None: `work_dir`/outbox. A restarted agent sends what
+    it holds first."""
+    outbox_max_reports: int = DEFAULT_MAX_MESSAGES
+    """Reports the outbox holds before it refuses progress and metrics reports (job lifecycle
+    reports are kept past it)."""
+    outbox_max_bytes: int = DEFAULT_MAX_BYTES
+    """Bytes the outbox holds before it refuses progress and metrics reports."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -150,6 +161,14 @@ class AgentConfig:
                 f"max_num_seqs ({self.max_num_seqs}): every decoding request needs a token "
                 "of each step",
             ),
+            (
+                self.outbox_max_reports >= 1,
+                f"outbox_max_reports must be >= 1, got {self.outbox_max_reports}",
+            ),
+            (
+                self.outbox_max_bytes >= 1,
+                f"outbox_max_bytes must be >= 1, got {self.outbox_max_bytes}",
+            ),
             (self.lora_max_rank >= 1, f"lora_max_rank must be >= 1, got {self.lora_max_rank}"),
             (
                 not (self.memory_pool and self.device == "cpu" and not self.memory_pool_bytes),
@@ -165,6 +184,10 @@ class AgentConfig:
                 raise AgentConfigError(message)
         if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
             raise AgentConfigError(f"model_dir {self.model_dir} has no config.json")
+
+    def outbox_path(self) -> Path:
+        """Where the outbox lives (`outbox_dir`, else under `work_dir`)."""
+        return self.outbox_dir if self.outbox_dir is not None else self.work_dir / "outbox"
 
     def request_limits(self) -> RequestLimits:
         """The inference server's per-request limits (imports the server, hence torch)."""

@@ -134,6 +134,8 @@ class Cluster:
     """Agents also accept tenants' keys without a grant (`--allow-tenant-keys`)."""
     procs: dict[str, Proc] = field(default_factory=dict)
     agent_ports: dict[str, int] = field(default_factory=dict)
+    agent_extra: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """The extra options each agent was first started with (a restart passes them again)."""
 
     @property
     def broker_url(self) -> str:
@@ -195,8 +197,13 @@ class Cluster:
         self.spawn("beat", [py, "-m", "celery", "-A", "config", "beat", "-l", "WARNING",
                             "--schedule", str(self.tmp / "beat-schedule")])  # fmt: skip
 
-    def start_agent(self, host: str, extra: tuple[str, ...] = ()) -> Proc:
+    def start_agent(self, host: str, extra: tuple[str, ...] | None = None) -> Proc:
+        """Start `host`'s agent (again: on the same port, work directory and outbox, with the
+        options it was first started with when `extra` is None)."""
         port = self.agent_ports.setdefault(host, free_port())
+        if extra is None:
+            extra = self.agent_extra.get(host, ())
+        self.agent_extra.setdefault(host, extra)
         # the broker URL (with Redis's password) comes from the environment, as in the agent
         # unit of deploy/: a command line is readable by every local user
         env = {**self.env, "HARLI_TORCH_THREADS": "1", "HARLI_HOST_KEY": host_grant_key(host),

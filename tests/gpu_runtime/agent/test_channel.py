@@ -19,6 +19,7 @@ from kombu.transport import filesystem
 
 from gpu_runtime.agent import channel as channel_module
 from gpu_runtime.agent.channel import CommandConsumer, ReportSender, host_queue_declaration
+from gpu_runtime.agent.outbox import DiskOutbox
 from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 from gpu_runtime.contract.protocol import (
     CONTROL_QUEUE,
@@ -156,8 +157,10 @@ def test_a_consume_loop_that_keeps_crashing_gives_up(
     assert consumer.restarts == 2
 
 
-def test_reports_travel_over_the_atomic_transport(options: dict[str, object]) -> None:
-    sender = ReportSender(URL, options, broker_transport(URL))
+def test_reports_travel_over_the_atomic_transport(
+    options: dict[str, object], tmp_path: Path
+) -> None:
+    sender = ReportSender(URL, options, broker_transport(URL), DiskOutbox(tmp_path / "outbox"))
     with sender.app.connection_for_write() as connection:
         assert type(connection.transport).__module__ == "gpu_runtime.agent.fs_transport"
     sender.start()

@@ -35,6 +35,20 @@ def test_defaults_and_options() -> None:
     assert parse_args([*BASE, "--ttft-slo-ms", "120"]).ttft_slo_ms == 120.0
 
 
+def test_the_outbox_lives_under_the_work_dir_unless_moved(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HARLI_OUTBOX_DIR", raising=False)
+    config = parse_args(BASE)
+    assert config.outbox_path() == Path("var/agents/h1/outbox")
+    assert (config.outbox_max_reports, config.outbox_max_bytes) == (10_000, 64 * 2**20)
+    assert parse_args([*BASE, "--work-dir", "/w"]).outbox_path() == Path("/w/outbox")
+    monkeypatch.setenv("HARLI_OUTBOX_DIR", "/local/outbox")
+    assert parse_args(BASE).outbox_path() == Path("/local/outbox")
+    config = parse_args([*BASE, "--outbox-dir", "/other", "--outbox-max-reports", "5",
+                         "--outbox-max-mb", "0.5"])  # fmt: skip
+    assert config.outbox_path() == Path("/other")
+    assert (config.outbox_max_reports, config.outbox_max_bytes) == (5, 2**19)
+
+
 def test_request_limits_default_to_the_servers_and_can_be_set() -> None:
     from gpu_runtime.server.limits import RequestLimits
 
@@ -56,6 +70,8 @@ def test_request_limits_default_to_the_servers_and_can_be_set() -> None:
         (["--max-num-seqs", "0"], "max_num_seqs must be >= 1, got 0"),
         (["--max-prompts-per-request", "0"], "max_prompts_per_request must be >= 1, got 0"),
         (["--max-request-prompt-tokens", "0"], "max_request_prompt_tokens must be >= 1, got 0"),
+        (["--outbox-max-reports", "0"], "outbox_max_reports must be >= 1, got 0"),
+        (["--outbox-max-mb", "0"], "outbox_max_bytes must be >= 1, got 0"),
         (
             ["--max-num-seqs", "64", "--max-batched-tokens", "32"],
             "max_num_batched_tokens (32) must be >= max_num_seqs (64)",
