@@ -17,6 +17,7 @@ from __future__ import annotations
 import tempfile
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
 
 from api.errors import ConflictError
@@ -37,12 +38,33 @@ CACHED_TOKENIZERS = 8
 
 
 class TokenizerCache:
-    """Loaded tokenizers by (base model, source, digest): a new digest loads again."""
+    """Loaded tokenizers by (base model, source, digest): a new digest loads again.
+
+    Loads are one at a time in the process (`get_or_load`): requests that find a tokenizer
+    missing at once wait for the one load instead of each building it, and the first import
+    of `transformers`, which is not safe from several threads at once (concurrent first
+    imports fail with "cannot import name ..."), happens in one thread."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self._items: OrderedDict[tuple[str, str, str], ChatTokenizer] = OrderedDict()
         self._lock = threading.Lock()
+        self._load_lock = threading.Lock()
+
+    def get_or_load(
+        self, key: tuple[str, str, str], load: Callable[[], ChatTokenizer]
+    ) -> ChatTokenizer:
+        """The cached tokenizer of `key`, else `load()`'s (cached); `load`'s errors propagate
+        and nothing is cached."""
+        cached = self.get(key)
+        if cached is not None:
+            return cached
+        with self._load_lock:
+            cached = self.get(key)  # loaded while this thread waited
+            if cached is None:
+                cached = load()
+                self.put(key, cached)
+            return cached
 
     def get(self, key: tuple[str, str, str]) -> ChatTokenizer | None:
         with self._lock:
@@ -97,32 +119,20 @@ def base_model_tokenizer(*, base_model: BaseModel) -> ChatTokenizer:
     name = base_model.name
     checkpoint = _checkpoint_digest(base_model)
     if checkpoint is not None:
-        key = (name, "checkpoint", checkpoint)
-        cached = TOKENIZERS.get(key)
-        if cached is None:
-            cached = load_training_tokenizer(Path(base_model.checkpoint_dir))
-            TOKENIZERS.put(key, cached)
-        return cached
+        directory = Path(base_model.checkpoint_dir)
+        return TOKENIZERS.get_or_load(
+            (name, "checkpoint", checkpoint), lambda: load_training_tokenizer(directory)
+        )
     published = published_digest(get_storage(), name)
     if published is not None:
-        key = (name, "published", published)
-        cached = TOKENIZERS.get(key)
-        if cached is None:
-            try:
-                cached = _load_published(base_model)
-            except FileNotFoundError:  # a host is publishing it again right now
-                cached = None
-            else:
-                TOKENIZERS.put(key, cached)
-        if cached is not None:
-            return cached
+        try:
+            return TOKENIZERS.get_or_load(
+                (name, "published", published), lambda: _load_published(base_model)
+            )
+        except FileNotFoundError:  # a host is publishing it again right now
+            pass
     if base_model.preset == TINY_PRESET:
-        key = (name, "preset", TINY_PRESET)
-        cached = TOKENIZERS.get(key)
-        if cached is None:
-            cached = _load_tiny()
-            TOKENIZERS.put(key, cached)
-        return cached
+        return TOKENIZERS.get_or_load((name, "preset", TINY_PRESET), _load_tiny)
     raise ConflictError(
         f"No host has published the tokenizer of base model {name} yet, and the control plane "
         "cannot read it from the model's checkpoint directory, so the training file's tokens "

@@ -76,6 +76,9 @@ SQLITE_BUSY_TIMEOUT_MS = env_int("HARLI_SQLITE_BUSY_TIMEOUT_MS", 20_000)
 # closed). The Celery worker closes its connections after every task whatever this says
 # (celery.fixups.django), so each of its processes holds at most one.
 DB_CONN_MAX_AGE_S = env_int("HARLI_DB_CONN_MAX_AGE_S", 0, minimum=0)
+# Django requests one web process serves at once (api.request_slots); the others wait their
+# turn. Each holds at most one database connection: README, "Database connections", counts them.
+HARLI_WEB_REQUESTS_IN_FLIGHT = env_int("HARLI_WEB_REQUESTS_IN_FLIGHT", 16, minimum=1)
 DATABASES = {
     "default": database_settings(
         url=DATABASE_URL,

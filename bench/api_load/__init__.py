@@ -1,0 +1,1 @@
+"""`python -m bench.api_load`: the tenant API under concurrent clients (see `__main__`)."""
