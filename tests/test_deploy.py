@@ -111,6 +111,7 @@ def test_web_runs_uvicorn_on_the_asgi_app_with_options_uvicorn_accepts() -> None
     assert defines(module, attribute)
     assert params["workers"] == int(env["HARLI_WEB_WORKERS"])
     assert params["limit_concurrency"] == int(env["HARLI_WEB_LIMIT_CONCURRENCY"])
+    assert params["timeout_keep_alive"] == int(env["HARLI_WEB_KEEP_ALIVE_S"])
     assert params["proxy_headers"] is False
 
 

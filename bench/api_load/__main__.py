@@ -78,6 +78,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--web-workers", type=int, help="default: deploy/harli.env.example")
     p.add_argument("--limit-concurrency", type=int, help="default: deploy/harli.env.example")
     p.add_argument("--requests-in-flight", type=int, help="default: deploy/harli.env.example")
+    p.add_argument("--keep-alive-s", type=int, help="default: deploy/harli.env.example")
     p.add_argument("--worker-concurrency", type=int, help="default: deploy/harli.env.example")
     p.add_argument("--keep-work", action="store_true", help="keep the logs and files")
     p.add_argument("--out", default="bench/results")
@@ -204,7 +205,8 @@ def main() -> None:
     args = parse_args()
     sizes = Sizes.from_example(
         web_workers=args.web_workers, limit_concurrency=args.limit_concurrency,
-        requests_in_flight=args.requests_in_flight, worker_concurrency=args.worker_concurrency,
+        requests_in_flight=args.requests_in_flight, keep_alive_s=args.keep_alive_s,
+        worker_concurrency=args.worker_concurrency,
     )  # fmt: skip
     rows: list[dict[str, Any]] = []
     facts: dict[str, Any] = {}

@@ -68,6 +68,7 @@ class Sizes:
     web_workers: int
     limit_concurrency: int
     requests_in_flight: int
+    keep_alive_s: int
     worker_concurrency: int
 
     @classmethod
@@ -77,6 +78,7 @@ class Sizes:
             "web_workers": int(example["HARLI_WEB_WORKERS"]),
             "limit_concurrency": int(example["HARLI_WEB_LIMIT_CONCURRENCY"]),
             "requests_in_flight": int(example["HARLI_WEB_REQUESTS_IN_FLIGHT"]),
+            "keep_alive_s": int(example["HARLI_WEB_KEEP_ALIVE_S"]),
             "worker_concurrency": int(example["HARLI_WORKER_CONCURRENCY"]),
         }
         values.update({k: v for k, v in overrides.items() if v is not None})
@@ -190,6 +192,7 @@ class Platform:
             self.manage("check", "--deploy", "--fail-level", "WARNING")
             web += ["--workers", str(self.sizes.web_workers),
                     "--limit-concurrency", str(self.sizes.limit_concurrency),
+                    "--timeout-keep-alive", str(self.sizes.keep_alive_s),
                     "--timeout-graceful-shutdown", "30", "--no-proxy-headers"]  # fmt: skip
             worker_args = ["--concurrency", str(self.sizes.worker_concurrency), "-l", "WARNING"]
         self.manage("migrate", "--no-input", "-v", "0")
