@@ -6,7 +6,8 @@ base model with its LoRA runtime for adapters, driven by `HostRuntime`: `HostLoo
 iterations and finetune quanta), the OpenAI-compatible server of `gpu_runtime.server` over that
 loop (streaming, usage, `/v1/models`; requests accepted by the gateway's grant, verified with the
 host key from `--host-key-file` or HARLI_HOST_KEY, and by tenants' keys checked against the
-control plane only with `--allow-tenant-keys`: `host_auth`), the host-queue consumer; then
+control plane only with `--allow-tenant-keys`: `host_auth`; `GET /metrics` for a Prometheus
+scrape bearing HARLI_METRICS_TOKEN, off without it), the host-queue consumer; then
 sends heartbeats from the main thread until SIGTERM or SIGINT, and stops everything in reverse
 order. Exits with status 3 (HOST_QUEUE_LOST_EXIT) if the host-queue consumer gave up
 (`channel.CommandConsumer`).
@@ -143,6 +144,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             dtype=args.dtype,
             control_url=args.control_url,
             host_key=host_key,
+            metrics_token=os.environ.get("HARLI_METRICS_TOKEN") or None,
             allow_tenant_keys=args.allow_tenant_keys,
             server_host=bind_host or "127.0.0.1",
             server_port=int(port),
@@ -249,6 +251,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.engine import EngineConfig
     from gpu_runtime.model.tiny import build_tiny_model_dir
     from gpu_runtime.server import EngineLoop, MetricsCollector, create_app
+    from gpu_runtime.server.prometheus import ServerMetrics
     from gpu_runtime.server.threaded import ThreadedServer
 
     work_dir = config.work_dir
@@ -283,6 +286,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     sender = ReportSender(config.broker_url, options, transport, outbox)
     sender.start()
     request_metrics = MetricsCollector()
+    prometheus = ServerMetrics()
     runtime = HostRuntime(
         host=config.host,
         base_model=config.base_model,
@@ -300,6 +304,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
         metrics_interval_s=config.metrics_interval_s,
         request_metrics=request_metrics,
         predictor_path=config.predictor_path,
+        prometheus=prometheus,
     )
     loop = EngineLoop(runtime)
     loop.start()
@@ -310,7 +315,11 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
         request_metrics,
         model_loader=CheckpointModels(loop, runtime),
         limits=config.request_limits(),
+        prometheus=prometheus,
+        metrics_token=config.metrics_token,
     )
+    if config.metrics_token is None:
+        logger.info("GET /metrics is off: HARLI_METRICS_TOKEN is not set")
     server = ThreadedServer(app, config.server_host, config.server_port)
     server.start()
     server_url = config.advertise_url or server.url

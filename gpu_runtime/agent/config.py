@@ -55,6 +55,10 @@ class AgentConfig:
     """This host's grant key, hex as `gpu_runtime.contract.grants.host_key` gives it (`manage.py
     hosts key NAME`): the server accepts a request carrying a grant the gateway signed with it.
     None: every grant is refused."""
+    metrics_token: str | None = field(default=None, repr=False)
+    """Bearer token a Prometheus scrape of the server's `GET /metrics` must carry (the
+    environment's HARLI_METRICS_TOKEN; never an option, so never on a command line). None: the
+    route is off (404)."""
     allow_tenant_keys: bool = False
     """Also accept a request without a grant by its tenant's API key, checked against the
     control plane (how hosts took requests before the gateway)."""

@@ -13,7 +13,9 @@ optimizer-batch boundary; every `metrics_interval_s` the interval metrics go out
 harvest estimate of the heartbeats is refreshed (`predictor.HarvestTracker`); the heartbeat's
 snapshot is taken again, its serving figures included (`reporting.ServingFigures`: scheduler
 counts, KV blocks, adapter slots, and the TPOT of the last `SERVING_WINDOW_S` seconds'
-decode iterations from `TpotWindow`).
+decode iterations from `TpotWindow`). With a `ServerMetrics`, every iteration feeds its
+iteration histogram and finetune-token counter, and its scrape-time gauges read
+:meth:`gauges`, taken with the snapshot.
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from gpu_runtime.contract.storage import Storage
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server import EngineLoop, MetricsCollector
+from gpu_runtime.server.prometheus import HostGauges, ServerMetrics
 
 logger = logging.getLogger(__name__)
 Send = Callable[[dict[str, Any]], None]
@@ -79,6 +82,7 @@ class HostRuntime:
         metrics_interval_s: float,
         request_metrics: MetricsCollector | None = None,
         predictor_path: Path | None = None,
+        prometheus: ServerMetrics | None = None,
     ) -> None:
         """`predictor_path`: an artifact directory or root (`load_host_predictor`); an
         artifact that is missing or made for another model is logged and the host runs
@@ -104,6 +108,9 @@ class HostRuntime:
         )
         self.metrics_interval_s = metrics_interval_s
         self.request_metrics = request_metrics
+        self.prometheus = prometheus
+        self._decode_sm_share: float | None = None
+        self._harvested_tokens_per_s: float | None = None
         self.jobs = HostJobs(
             storage=storage,
             work_dir=self.work_dir,
@@ -117,6 +124,9 @@ class HostRuntime:
         self._draining = False
         self._lock = threading.Lock()
         self._status = self._snapshot()
+        self._gauges = self._take_gauges(self._status)
+        if prometheus is not None:
+            prometheus.set_gauges(self.gauges)
         self._next_metrics = time.monotonic() + metrics_interval_s
 
     def _use_engine(self, serving: ServingEngine) -> None:
@@ -165,11 +175,24 @@ class HostRuntime:
         self.aggregator.add(record)
         self.tpot_window.observe(record)
         self.harvest.observe(record)
+        if record.decode_sm_share is not None:
+            self._decode_sm_share = record.decode_sm_share
+        if self.prometheus is not None:
+            decoded = record.decode_batch > 0 or record.prefill_tokens > 0
+            if decoded:
+                self.prometheus.iteration(record.iteration_ms / 1e3, record.finetune_tokens)
+            elif record.finetune_tokens:
+                self.prometheus.finetune_tokens.inc(record.finetune_tokens)
 
     # ---- any thread -----------------------------------------------------------------------
     def status(self) -> HostSnapshot:
         with self._lock:
             return self._status
+
+    def gauges(self) -> HostGauges:
+        """The Prometheus gauges taken with the last snapshot."""
+        with self._lock:
+            return self._gauges
 
     # ---- StepDriver (the loop thread) -------------------------------------------------------
     @property
@@ -306,8 +329,27 @@ class HostRuntime:
 
     def refresh_status(self) -> None:
         status = self._snapshot()
+        gauges = self._take_gauges(status)
         with self._lock:
             self._status = status
+            self._gauges = gauges
+
+    def _take_gauges(self, status: HostSnapshot) -> HostGauges:
+        blocks = self._engine.block_manager
+        serving = status.serving
+        return HostGauges(
+            kv_used_bytes=blocks.num_used_blocks * self.kv_bytes_per_block,
+            kv_total_bytes=blocks.capacity * self.kv_bytes_per_block,
+            finetune_memory_bytes=self._lent_bytes(),
+            running_requests=serving.running,
+            waiting_requests=serving.waiting,
+            adapter_slots_used=serving.adapter_slots_used,
+            adapter_slots_total=serving.adapter_slots_total,
+            finetune_jobs=len(self.loop.job_ids),
+            decode_sm_share=self._decode_sm_share,
+            harvested_finetune_tokens_per_s=self._harvested_tokens_per_s,
+            harvestable_finetune_tokens_per_s=status.harvest.tokens_per_s,
+        )
 
     # ---- reports ----------------------------------------------------------------------------
     def report(self, kind: str, **fields: Any) -> None:
@@ -350,6 +392,7 @@ class HostRuntime:
             [rate for rate in solo if rate],
         )
         kv_used = int(self._engine.block_manager.num_used_blocks)
+        self._harvested_tokens_per_s = interval.finetune_tokens_per_s
         status = self._snapshot()
         host_metrics = {
             "weights_bytes": self.weights_bytes,

@@ -6,12 +6,14 @@ into --tiny-dir. API keys come from HARLI_INFERENCE_API_KEYS (comma-separated). 
 Steps run with async scheduling (`--no-async-scheduling` turns it off): this is a decode-only
 deployment with one SM partition, unlike the co-location host loop, which stays synchronous.
 `--max-prompts-per-request` and `--max-request-prompt-tokens` hold each request to its limits
-(`limits.RequestLimits`); requests of different keys are admitted in turn.
+(`limits.RequestLimits`); requests of different keys are admitted in turn. `GET /metrics`
+(Prometheus) answers a scrape bearing HARLI_METRICS_TOKEN; without that variable it is off.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -29,6 +31,8 @@ from gpu_runtime.server.limits import (
     RequestLimits,
     RequestLimitsError,
 )
+from gpu_runtime.server.metrics_routes import METRICS_TOKEN_ENV
+from gpu_runtime.server.prometheus import ServerMetrics
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -127,11 +131,20 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, EngineLoop]:
     )
     engine = _engine(model_dir, config, args)
     engine.capture_cuda_graphs()
-    loop = EngineLoop(engine)
+    prometheus = ServerMetrics()
+    loop = EngineLoop(engine, on_step=prometheus.iteration)
     loop.start()
     name = args.model_name or Path(model_dir).name
     auth = BearerKeys(keys_from_env(API_KEYS_ENV))
-    return create_app(loop, name, auth, limits=args.limits), loop
+    app = create_app(
+        loop,
+        name,
+        auth,
+        limits=args.limits,
+        prometheus=prometheus,
+        metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None,
+    )
+    return app, loop
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -9,12 +9,13 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from gpu_runtime.server import completion_routes, model_routes
+from gpu_runtime.server import completion_routes, metrics_routes, model_routes
 from gpu_runtime.server.auth import RequestAuth
 from gpu_runtime.server.engine_loop import EngineLoop
 from gpu_runtime.server.inference import AdapterLookup, AdapterNames, Inference, ModelLoader
 from gpu_runtime.server.limits import RequestLimits
 from gpu_runtime.server.metrics import MetricsCollector
+from gpu_runtime.server.prometheus import ServerMetrics
 from gpu_runtime.server.protocol import OpenAIError
 
 __all__ = ["AdapterLookup", "AdapterNames", "ModelLoader", "RequestLimits", "create_app"]
@@ -29,6 +30,8 @@ def create_app(
     adapter_names: AdapterNames | None = None,
     model_loader: ModelLoader | None = None,
     limits: RequestLimits | None = None,
+    prometheus: ServerMetrics | None = None,
+    metrics_token: str | None = None,
 ) -> FastAPI:
     """The FastAPI app. `engine_loop` must be started by the caller. `model_name` is the base
     model's name (or a callable giving it now, for a host that may load another base model).
@@ -41,13 +44,17 @@ def create_app(
     (`ModelAccess.allows_unlisted`) and the loader can serve it (a checkpoint, loaded on its
     first request). The engine (tokenizer, limits) is read from the loop per request too.
     `limits` caps each request's prompts and prompt tokens (default `RequestLimits()`: 256
-    prompts, 32 contexts of tokens); past one the request is a 400 and reaches no engine."""
+    prompts, 32 contexts of tokens); past one the request is a 400 and reaches no engine.
+    `prometheus` (default: a new `ServerMetrics`) is what `GET /metrics` serves, to a scrape
+    bearing `metrics_token` (`metrics_routes`; without a token the route is off)."""
     if engine_loop.engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
     collector = metrics or MetricsCollector()
     app = FastAPI(title="Harli inference", version="1")
     app.state.metrics = collector
     app.state.engine_loop = engine_loop
+    app.state.prometheus = prometheus = prometheus or ServerMetrics()
+    app.state.metrics_token = metrics_token
     app.state.inference = Inference(
         engine_loop,
         model_name,
@@ -57,11 +64,13 @@ def create_app(
         adapter_names,
         model_loader,
         limits or RequestLimits(),
+        prometheus,
     )
     app.exception_handler(OpenAIError)(_openai_error)
     app.exception_handler(RequestValidationError)(_validation_error)
     app.include_router(model_routes.router)
     app.include_router(completion_routes.router)
+    app.include_router(metrics_routes.router)
     return app
 
 

@@ -124,7 +124,14 @@ class _Call:
 class EngineLoop:
     """Owns the engine thread. `generate` is the async API the server uses."""
 
-    def __init__(self, target: Engine | StepDriver, idle_wait_s: float = 0.05) -> None:
+    def __init__(
+        self,
+        target: Engine | StepDriver,
+        idle_wait_s: float = 0.05,
+        on_step: Callable[[float], None] | None = None,
+    ) -> None:
+        """`on_step`, when given, is called on the loop thread with each step's wall time in
+        seconds (the stand-alone server's iteration histogram)."""
         self.driver: StepDriver = EngineDriver(target) if isinstance(target, Engine) else target
         self._inbox: queue.Queue[_Submission | _Call | str | None] = queue.Queue()
         self._streams: dict[str, _Submission] = {}
@@ -133,6 +140,7 @@ class EngineLoop:
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
         self.steps = 0
+        self._on_step = on_step
 
     @property
     def engine(self) -> Engine:
@@ -259,6 +267,7 @@ class EngineLoop:
             logger.exception("engine loop housekeeping failed")
 
     def _step(self) -> None:
+        started = time.perf_counter()
         try:
             outputs = self.driver.step()
         except Exception as exc:  # fail every stream rather than hang them
@@ -270,6 +279,8 @@ class EngineLoop:
             time.sleep(self._idle_wait_s)
             return
         self.steps += 1
+        if self._on_step is not None:
+            self._on_step(time.perf_counter() - started)
         for out in outputs:
             target = self._streams.get(out.request_id)
             if target is None:

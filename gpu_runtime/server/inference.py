@@ -5,8 +5,9 @@ a requested model to the base model or an adapter within the request's `ModelAcc
 sampling parameters and prompt ids (OpenAI errors for bad input), holds each request to its
 `RequestLimits`, runs a request on the `EngineLoop` under its caller (the engine admits callers
 in turn) while tracking its latency, and records each finished request in the metrics
-collector. The engine (tokenizer, limits, LoRA runtime) is read from the loop on each use: a
-host may load another base model between requests.
+collector and in the Prometheus metrics (`prometheus.ServerMetrics`). The engine (tokenizer,
+limits, LoRA runtime) is read from the loop on each use: a host may load another base model
+between requests.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from gpu_runtime.server.auth import AccessDenied, ModelAccess, RequestAuth
 from gpu_runtime.server.engine_loop import EngineLoop
 from gpu_runtime.server.limits import RequestLimits
 from gpu_runtime.server.metrics import MetricsCollector, RequestMetrics
+from gpu_runtime.server.prometheus import ServerMetrics
 from gpu_runtime.server.protocol import OpenAIError, _SamplingFields
 from gpu_runtime.server.responses import Tracked
 
@@ -63,6 +65,7 @@ class Inference:
         adapter_names: AdapterNames | None,
         model_loader: ModelLoader | None,
         limits: RequestLimits,
+        prometheus: ServerMetrics,
     ) -> None:
         self.engine_loop = engine_loop
         self._model_name = model_name
@@ -72,6 +75,7 @@ class Inference:
         self._adapter_names = adapter_names
         self._model_loader = model_loader
         self.limits = limits
+        self.prometheus = prometheus
 
     def base_name(self) -> str:
         name = self._model_name
@@ -215,21 +219,48 @@ class Inference:
         access: ModelAccess,
     ) -> AsyncIterator[RequestOutput]:
         """The request's outputs as the engine loop produces them, tracked in `tracked`; the
-        engine queues it under `access.caller`."""
+        engine queues it under `access.caller`. Its end is counted in `prometheus` under its
+        outcome: the finish reason, `rejected` (the engine refused it), `error` (the engine
+        failed), or `cancelled` (the consumer stopped before it finished)."""
         generate = self.engine_loop.generate(ids, params, lora, tenant=access.caller)
+        outcome = "cancelled"
         try:
             # closing this generator closes the engine's at once: its request is aborted
             async with aclosing(generate) as outputs:
                 async for out in outputs:
                     if tracked.first_token is None:
                         tracked.first_token = time.perf_counter()
+                        self.prometheus.first_token(tracked.first_token - tracked.started)
                     tracked.last = out
                     tracked.logprobs.extend(out.new_logprobs)
+                    if out.finished:
+                        outcome = out.finish_reason or "stop"
                     yield out
         except UnknownAdapterError as exc:
+            outcome = "rejected"
             raise OpenAIError(404, str(exc), param="model", code="model_not_found") from exc
         except ValueError as exc:
+            outcome = "rejected"
             raise OpenAIError(400, str(exc)) from exc
+        except Exception:
+            outcome = "error"
+            raise
+        finally:
+            self._count(tracked, lora, access, outcome)
+
+    def _count(self, tracked: Tracked, lora: str | None, access: ModelAccess, outcome: str) -> None:
+        now = time.perf_counter()
+        count = len(tracked.last.output_token_ids) if tracked.last is not None else 0
+        first = tracked.first_token
+        self.prometheus.finished(
+            tenant=access.caller,
+            adapter=lora or "",
+            outcome=outcome,
+            duration_s=now - tracked.started,
+            tpot_s=(now - first) / (count - 1) if first is not None and count > 1 else None,
+            prompt_tokens=tracked.prompt_tokens,
+            completion_tokens=count,
+        )
 
 
 def app_inference(request: Request) -> Inference:

@@ -138,9 +138,11 @@ def make_runtime(
     pool_bytes: int | None = None,
     device: str = "cpu",
     pool: bool | None = None,
+    prometheus: Any = None,
 ) -> Host:
     """A host (CUDA: bf16). `pool`: its KV cache and jobs share a unified memory pool (None:
-    the agent's default, on CUDA only); a CPU pool needs `pool_bytes`."""
+    the agent's default, on CUDA only); a CPU pool needs `pool_bytes`. `prometheus`: the
+    `ServerMetrics` it feeds."""
     from gpu_runtime.agent.runtime import HostRuntime
     from gpu_runtime.agent.serving import EngineSpec
     from gpu_runtime.colocation import NaivePolicy
@@ -173,6 +175,7 @@ def make_runtime(
         metrics_interval_s=0.5,
         request_metrics=MetricsCollector(),
         predictor_path=predictor_path,
+        prometheus=prometheus,
     )
     return Host(runtime, EngineLoop(runtime))
 

@@ -1,0 +1,205 @@
+"""Prometheus metrics of one inference server (a host agent's, or the stand-alone server's).
+
+`ServerMetrics` owns its own `CollectorRegistry` (no process-wide state: two servers in one
+process, as the tests run them, keep apart). What feeds it:
+
+- `Inference.run_one` (the event loop): `first_token` when an engine request's first token
+  arrives, `finished` when it ends: its outcome (the finish reason `stop` / `length`,
+  `rejected` when the engine refused it, `error` when it failed, `cancelled` when the client
+  left first), its latency, its mean TPOT, its tokens, under its tenant and adapter.
+- the step loop: `iteration` per decode step (the engine loop's `on_step` for the stand-alone
+  server; the co-location loop's `IterationRecord` on a host, with its finetune tokens).
+- `gauges`, a callable read at scrape time, giving `HostGauges` (KV and finetune memory, the
+  SM split, harvested finetune tokens/s, scheduler and adapter-slot counts); a host agent
+  passes one reading the snapshot its loop thread takes every turn.
+
+Every metric name is in `METRIC_NAMES` (the dashboard test checks `deploy/grafana/` against
+it). The adapter label is the engine's adapter name, "" for the base model; the tenant label
+is the grant's tenant, else `key:<fingerprint>` of a bearer key, else "".
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+"""TTFT and request latency, seconds."""
+TOKEN_BUCKETS_S = (0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0)
+"""TPOT and decode-iteration time, seconds (around a TPOT SLO of tens of ms)."""
+
+OUTCOMES = ("stop", "length", "rejected", "error", "cancelled")
+"""Outcomes of an engine request (`requests` counter, request-latency histogram)."""
+
+
+@dataclass(frozen=True)
+class HostGauges:
+    """What the host holds now, read at scrape time. None: not known here (no SM sharing on
+    this device, no finetune interval finished yet)."""
+
+    kv_used_bytes: int
+    kv_total_bytes: int
+    finetune_memory_bytes: int
+    """Device memory lent to finetune (the pool's lent pages, else the jobs' adapter state)."""
+    running_requests: int
+    waiting_requests: int
+    adapter_slots_used: int
+    adapter_slots_total: int
+    finetune_jobs: int
+    decode_sm_share: float | None
+    """Decode SMs / device SMs of the last decode iteration (finetune has the rest)."""
+    harvested_finetune_tokens_per_s: float | None
+    """Finetune tokens/s trained over the last finished metrics interval."""
+    harvestable_finetune_tokens_per_s: float | None
+    """The heartbeat's estimate of what this host could harvest (placement ranks by it)."""
+
+
+class ServerMetrics:
+    """See the module docstring. Every method is thread-safe (prometheus-client's own locks);
+    `exposition()` is the `/metrics` body."""
+
+    def __init__(self, gauges: Callable[[], HostGauges | None] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("harli_host_ttft_seconds", "Arrival to first generated token, per "
+                              "engine request.", buckets=LATENCY_BUCKETS_S, registry=r)  # fmt: skip
+        self.tpot = Histogram("harli_host_tpot_seconds", "Mean time per output token after the "
+                              "first, per finished engine request with two or more tokens.",
+                              buckets=TOKEN_BUCKETS_S, registry=r)  # fmt: skip
+        self.request_duration = Histogram("harli_host_request_duration_seconds", "Arrival to "
+                                          "end of an engine request, by outcome.", ["outcome"],
+                                          buckets=LATENCY_BUCKETS_S, registry=r)  # fmt: skip
+        self.iteration_duration = Histogram("harli_host_iteration_seconds", "Wall time of one "
+                                            "decode step (on a host: one co-location "
+                                            "iteration).", buckets=TOKEN_BUCKETS_S,
+                                            registry=r)  # fmt: skip
+        self.requests = Counter("harli_host_requests", "Engine requests ended, by tenant, "
+                                "adapter and outcome.", ["tenant", "adapter", "outcome"],
+                                registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("harli_host_prompt_tokens", "Prompt tokens of ended engine "
+                                     "requests.", ["tenant", "adapter"], registry=r)  # fmt: skip
+        self.completion_tokens = Counter("harli_host_completion_tokens", "Tokens generated by "
+                                         "ended engine requests.", ["tenant", "adapter"],
+                                         registry=r)  # fmt: skip
+        self.finetune_tokens = Counter("harli_host_finetune_tokens", "Tokens of finetune quanta "
+                                       "completed beside decode.", registry=r)  # fmt: skip
+        self._gauges: Callable[[], HostGauges | None] | None = gauges
+        self._lock = threading.Lock()
+        r.register(_GaugeCollector(self._read_gauges))
+
+    def set_gauges(self, gauges: Callable[[], HostGauges | None]) -> None:
+        """Where scrape-time gauges come from (a host's runtime, once it exists)."""
+        with self._lock:
+            self._gauges = gauges
+
+    def _read_gauges(self) -> HostGauges | None:
+        with self._lock:
+            source = self._gauges
+        return source() if source is not None else None
+
+    def first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def finished(
+        self,
+        *,
+        tenant: str,
+        adapter: str,
+        outcome: str,
+        duration_s: float,
+        tpot_s: float | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+    ) -> None:
+        """One engine request ended (see `OUTCOMES`)."""
+        self.request_duration.labels(outcome).observe(duration_s)
+        self.requests.labels(tenant, adapter, outcome).inc()
+        self.prompt_tokens.labels(tenant, adapter).inc(prompt_tokens)
+        self.completion_tokens.labels(tenant, adapter).inc(completion_tokens)
+        if tpot_s is not None:
+            self.tpot.observe(tpot_s)
+
+    def iteration(self, seconds: float, finetune_tokens: int = 0) -> None:
+        """One decode step (or co-location iteration) and the finetune tokens it completed."""
+        self.iteration_duration.observe(seconds)
+        if finetune_tokens:
+            self.finetune_tokens.inc(finetune_tokens)
+
+    def exposition(self) -> bytes:
+        """The text exposition format of every metric here."""
+        return generate_latest(self.registry)
+
+
+GAUGE_HELP: dict[str, str] = {
+    "harli_host_kv_memory_bytes": "KV cache bytes, by state (used: held by requests; total).",
+    "harli_host_finetune_memory_bytes": "Device memory lent to finetune.",
+    "harli_host_requests_in_engine": "Engine requests now, by state (running, waiting).",
+    "harli_host_adapter_slots": "GPU adapter slots, by state (used, total).",
+    "harli_host_finetune_jobs": "Finetune jobs on this host's loop.",
+    "harli_host_sm_share": "Share of the device's SMs, by role (decode, finetune), at the last "
+    "decode iteration; absent without SM sharing.",
+    "harli_host_harvested_finetune_tokens_per_second": "Finetune tokens/s over the last "
+    "metrics interval.",
+    "harli_host_harvestable_finetune_tokens_per_second": "Estimated finetune tokens/s this "
+    "host can harvest within its TPOT SLO.",
+}
+
+METRIC_NAMES: frozenset[str] = frozenset(
+    {
+        "harli_host_ttft_seconds",
+        "harli_host_tpot_seconds",
+        "harli_host_request_duration_seconds",
+        "harli_host_iteration_seconds",
+        "harli_host_requests_total",
+        "harli_host_prompt_tokens_total",
+        "harli_host_completion_tokens_total",
+        "harli_host_finetune_tokens_total",
+        *GAUGE_HELP,
+    }
+)
+"""Every family name this module exports (counters with their `_total`)."""
+
+
+class _GaugeCollector(Collector):
+    def __init__(self, read: Callable[[], HostGauges | None]) -> None:
+        self._read = read
+
+    def describe(self) -> Iterable[Metric]:
+        return [GaugeMetricFamily(name, text) for name, text in GAUGE_HELP.items()]
+
+    def collect(self) -> Iterator[Metric]:
+        g = self._read()
+        if g is None:
+            return
+        labelled: list[tuple[str, str, list[tuple[str, float | None]]]] = [
+            ("harli_host_kv_memory_bytes", "state",
+             [("used", g.kv_used_bytes), ("total", g.kv_total_bytes)]),
+            ("harli_host_requests_in_engine", "state",
+             [("running", g.running_requests), ("waiting", g.waiting_requests)]),
+            ("harli_host_adapter_slots", "state",
+             [("used", g.adapter_slots_used), ("total", g.adapter_slots_total)]),
+            ("harli_host_sm_share", "role",
+             [("decode", g.decode_sm_share),
+              ("finetune", None if g.decode_sm_share is None else 1.0 - g.decode_sm_share)]),
+        ]  # fmt: skip
+        for name, label, values in labelled:
+            family = GaugeMetricFamily(name, GAUGE_HELP[name], labels=[label])
+            for value_label, value in values:
+                if value is not None:
+                    family.add_metric([value_label], float(value))
+            yield family
+        plain: list[tuple[str, float | None]] = [
+            ("harli_host_finetune_memory_bytes", g.finetune_memory_bytes),
+            ("harli_host_finetune_jobs", g.finetune_jobs),
+            ("harli_host_harvested_finetune_tokens_per_second", g.harvested_finetune_tokens_per_s),
+            ("harli_host_harvestable_finetune_tokens_per_second",
+             g.harvestable_finetune_tokens_per_s),
+        ]  # fmt: skip
+        for name, value in plain:
+            if value is not None:
+                yield GaugeMetricFamily(name, GAUGE_HELP[name], value=float(value))
