@@ -1,16 +1,18 @@
 """Root URL configuration: tenant API, operator API, OpenAPI schema and docs, operator login,
-liveness and readiness probes."""
+liveness and readiness probes, Prometheus metrics."""
 
 from django.urls import URLPattern, URLResolver, include, path
 from django.views.generic import RedirectView
 from drf_spectacular.views import SpectacularAPIView, SpectacularSwaggerView
 
 from api.health import healthz, readyz
+from api.metrics import metrics
 from api.urls import ops_urlpatterns, v1_urlpatterns
 
 urlpatterns: list[URLPattern | URLResolver] = [
     path("healthz", healthz, name="healthz"),
     path("readyz", readyz, name="readyz"),
+    path("metrics", metrics, name="metrics"),
     path("v1/", include((v1_urlpatterns, "v1"))),
     path("api/ops/", include((ops_urlpatterns, "ops"))),
     path("api/schema/", SpectacularAPIView.as_view(), name="schema"),

@@ -42,6 +42,7 @@ from api.gateway.relay import StreamRelay, Usage, error_event
 from api.gateway.requests import ROUTES, InferenceRequest, parse_inference_request
 from api.gateway.selectors import InferenceTarget
 from api.gateway.upstream import Upstream
+from api.metrics import http_observe, inference_observe
 from api.rate_limits import RateLimiter
 from api.usage_recorder import UsageRecorder
 from gpu_runtime.contract.grants import PROMPT_TOKENS_HEADER
@@ -72,6 +73,24 @@ class Gateway:
         return path in ROUTES
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        started = time.perf_counter()
+        seen = Seen()
+
+        async def observed_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                seen.status = int(message["status"])
+            await send(message)
+
+        try:
+            await self._handle(scope, receive, observed_send, seen)
+        finally:
+            http_observe(scope["path"], scope["method"], seen.status,
+                         time.perf_counter() - started)  # fmt: skip
+            inference_observe(tenant=seen.tenant, model=seen.model, outcome=seen.outcome(),
+                              prompt_tokens=seen.prompt_tokens,
+                              completion_tokens=seen.completion_tokens)  # fmt: skip
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, seen: Seen) -> None:
         rid = f"req_{uuid.uuid4().hex}"
         base: Headers = [(b"x-request-id", rid.encode())]
         if scope["method"] != "POST":
@@ -88,6 +107,7 @@ class Gateway:
             await send_json(send, 413, body, base)
             return
         except ClientGone:
+            seen.cancelled = True
             return
         started = [False]
 
@@ -97,10 +117,11 @@ class Gateway:
 
         watcher = cancel_on_disconnect(receive)
         try:
-            await self._serve(scope, raw, tracked_send, rid, base)
+            await self._serve(scope, raw, tracked_send, rid, base, seen)
         except asyncio.CancelledError:
             if not watcher.done():
                 raise
+            seen.cancelled = True
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()
@@ -113,8 +134,11 @@ class Gateway:
         finally:
             watcher.cancel()
 
-    async def _serve(self, scope: Scope, raw: bytes, send: Send, rid: str, base: Headers) -> None:
+    async def _serve(
+        self, scope: Scope, raw: bytes, send: Send, rid: str, base: Headers, seen: Seen
+    ) -> None:
         caller = await self._authenticate(scope)
+        seen.tenant = caller.tenant
         request = parse_inference_request(scope["path"], raw)
         target = await self.callers.target(caller, request.model)
         if target is None:
@@ -126,11 +150,17 @@ class Gateway:
         if not decision.allowed:
             raise _rate_limited(decision.message(), decision.kind, base + limit_headers,
                                 decision.retry_after_s)  # fmt: skip
+        seen.model = target.model
         outcome = Outcome()
         try:
             await self._forward(request, target, caller, rid, send, base + limit_headers, outcome)
         finally:
-            await self._account(caller, target, request, outcome.usage())
+            usage = outcome.usage()
+            seen.upstream_failed = outcome.upstream_failed
+            if usage is not None:
+                seen.prompt_tokens, seen.completion_tokens = (
+                    usage.prompt_tokens, usage.completion_tokens)  # fmt: skip
+            await self._account(caller, target, request, usage)
 
     async def _authenticate(self, scope: Scope) -> Caller:
         authorization = header(scope, b"authorization") or ""
@@ -164,7 +194,9 @@ class Gateway:
             elif request.stream:
                 outcome.relay = StreamRelay(forward_usage=request.client_wants_usage)
                 outcome.prompt_tokens = response.headers.get(PROMPT_TOKENS_HEADER)
-                await self._relay_stream(response, outcome.relay, host.name, rid, send, headers)
+                outcome.upstream_failed = not await self._relay_stream(
+                    response, outcome.relay, host.name, rid, send, headers
+                )
             else:
                 await response.aread()
                 await send_whole(send, 200, response.content, JSON_HEADERS + headers)
@@ -181,7 +213,9 @@ class Gateway:
         rid: str,
         send: Send,
         headers: Headers,
-    ) -> None:
+    ) -> bool:
+        """Relay the host's stream; False when the host failed or ended it early."""
+        ok = True
         await send({"type": "http.response.start", "status": 200,
                     "headers": SSE_HEADERS + headers})  # fmt: skip
         try:
@@ -190,6 +224,7 @@ class Gateway:
                 if out:
                     await send({"type": "http.response.body", "body": out, "more_body": True})
             if not relay.done:
+                ok = False
                 logger.warning("request %s: host %s ended the stream early", rid, host)
                 await send({"type": "http.response.body", "more_body": True,
                             "body": error_event("The host ended the stream early.",
@@ -197,10 +232,12 @@ class Gateway:
         except HostStreamError as exc:
             logger.warning("request %s: host %s failed mid-stream: %r", rid, host, exc)
             self.upstream.fleet.eject(host)
+            ok = False
             event = error_event("The host serving this request failed; retry the request.",
                                 "upstream_error")  # fmt: skip
             await send({"type": "http.response.body", "body": event, "more_body": True})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+        return ok
 
     async def _account(
         self, caller: Caller, target: InferenceTarget, request: InferenceRequest,
@@ -226,11 +263,35 @@ class Outcome:
     relay: StreamRelay | None = None
     prompt_tokens: str | None = None
     """The host's `PROMPT_TOKENS_HEADER` of a stream."""
+    upstream_failed: bool = False
+    """The host failed or ended the stream after it started."""
 
     def usage(self) -> Usage | None:
         if self.relay is not None:
             return self.relay.account(self.prompt_tokens)
         return self.whole
+
+
+@dataclass
+class Seen:
+    """What the metrics of one gateway request record (`api.metrics.inference_observe`)."""
+
+    status: int = 500
+    """The answer's status (500 when none was sent)."""
+    tenant: str = ""
+    model: str = ""
+    cancelled: bool = False
+    upstream_failed: bool = False
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def outcome(self) -> str:
+        if self.cancelled:
+            return "cancelled"
+        if self.upstream_failed or self.status >= 500:
+            return "upstream_error"
+        return {200: "ok", 401: "unauthenticated", 404: "model_not_found",
+                429: "rate_limited"}.get(self.status, "invalid_request")  # fmt: skip
 
 
 def _usage_of(response: HostResponse) -> Usage | None:

@@ -25,6 +25,7 @@ INSTALLED_APPS = [
 ]
 
 MIDDLEWARE = [
+    "api.metrics.RequestMetricsMiddleware",  # first: it times everything below it
     "django.middleware.security.SecurityMiddleware",
     "api.middleware.NulRefusalMiddleware",
     "api.middleware.RequestSizeLimitMiddleware",
@@ -239,3 +240,10 @@ SPECTACULAR_SETTINGS = {
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
 }
+
+# Prometheus `/metrics` (api/metrics.py): the bearer token a scrape must carry; without one the
+# route is off (404) unless METRICS_OPEN (local settings). With several web workers,
+# PROMETHEUS_MULTIPROC_DIR (read by prometheus-client itself as well) is where each writes.
+METRICS_TOKEN = env_str("HARLI_METRICS_TOKEN", "")
+METRICS_OPEN = False
+PROMETHEUS_MULTIPROC_DIR = env_str("PROMETHEUS_MULTIPROC_DIR", "")

@@ -13,3 +13,7 @@ GATEWAY_SECRET = GATEWAY_SECRET or local_secret(DATA_DIR / "gateway-secret")
 # No broker configured: the in-memory transport reaches no separate worker process, so tasks run
 # inline in the caller. With CELERY_BROKER_URL set, tasks go to the broker as in production.
 CELERY_TASK_ALWAYS_EAGER = not CELERY_BROKER_CONFIGURED
+
+# The embedded platform listens on loopback: /metrics answers without a token unless
+# HARLI_METRICS_TOKEN sets one.
+METRICS_OPEN = True

@@ -7,7 +7,8 @@ nothing set refuses to start and names every variable it lacks (all of them are 
 (`scripts/run.sh`) chooses `config.settings.local` explicitly, and says so.
 
 HTTPS is assumed: HSTS, secure cookies and a redirect of plain-HTTP requests to HTTPS (the
-probes `/healthz` and `/readyz` excepted, so a load balancer can call the web process directly).
+probes `/healthz` and `/readyz` and `/metrics` excepted, so a load balancer or Prometheus can call
+the web process directly).
 Behind a reverse proxy that terminates TLS, HARLI_TRUSTED_PROXY_HOPS > 0 makes Django take the
 scheme from `X-Forwarded-Proto` (the proxy must set it, overwriting what a client sent).
 
@@ -52,7 +53,8 @@ DEBUG = False
 
 # HTTPS: every request not already secure is redirected, except the probes.
 SECURE_SSL_REDIRECT = env_bool("HARLI_SECURE_SSL_REDIRECT", True)
-SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$"]
+# /metrics too: Prometheus scrapes each web machine directly, inside the network.
+SECURE_REDIRECT_EXEMPT = [r"^healthz$", r"^readyz$", r"^metrics$"]
 if HARLI_TRUSTED_PROXY_HOPS > 0:
     SECURE_PROXY_SSL_HEADER = ("HTTP_X_FORWARDED_PROTO", "https")
 SECURE_HSTS_SECONDS = env_int("HARLI_HSTS_SECONDS", 31_536_000, minimum=0)

@@ -46,6 +46,8 @@ OPERATOR_ONLY_REFUSALS = {302, 401, 403}
 EXEMPT = {
     "": "redirects to the operator console; no data",
     "healthz": "liveness probe: {\"status\": \"ok\"}; touches no data",
+    "metrics": "Prometheus scrape: the operator's HARLI_METRICS_TOKEN, never a tenant key (404 "
+    "without a token set); tenants' names appear only as labels of counts",
     "readyz": "readiness probe: the database and broker answer or not; no tenant data",
     "api/schema/": "the public OpenAPI document; describes routes, holds no tenant data",
     "api/docs/": "Swagger UI page; loads the public schema only",

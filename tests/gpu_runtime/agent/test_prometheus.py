@@ -36,7 +36,7 @@ def test_host_metrics_count_per_tenant_and_adapter_and_report_its_memory(
     try:
         with serve_in_thread(app) as url:
             client = openai.OpenAI(base_url=url, api_key="k-acme", max_retries=0, timeout=60)
-            tokens = {}
+            tokens: dict[str, int] = {}
             for model in ("tiny", ADAPTER, ADAPTER):
                 chunks = client.completions.create(
                     model=model, prompt="Q: hello", max_tokens=5, temperature=0.0,
