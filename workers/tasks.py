@@ -5,6 +5,8 @@ database/broker errors (`autoretry_for`), soft and hard time limits. Idempotence
 skips jobs already placed; host reports are deduplicated by message id; reconciliation only
 moves rows whose state still calls for it; the upload sweep only expires uploads still pending;
 the janitor removes only what is past its age or retention, so a repeated pass finds nothing.
+Host reports are counted by kind and outcome, placement and reconciliation timed
+(`workers.metrics`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,12 @@ from api.services.reports import host_report_apply
 from api.services.uploads import upload_expire_due
 from config.celery import app
 from gpu_runtime.contract.protocol import HOST_REPORT_TASK, ProtocolError
+from workers.metrics import (
+    PLACEMENT_DURATION,
+    RECONCILE_DURATION,
+    host_report_count,
+    timed,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -41,24 +49,35 @@ COMMON: dict[str, Any] = {
 @app.task(name="workers.place_job", soft_time_limit=30, time_limit=60, **COMMON)
 def place_job(job_id: str) -> int | None:
     """Place a queued job; returns the placement id, or None (placed already / no host fits)."""
-    placement = job_place(job_id=job_id)
+    with timed(PLACEMENT_DURATION, outcome="not_placed") as labels:
+        placement = job_place(job_id=job_id)
+        if placement is not None:
+            labels["outcome"] = "placed"
     return placement.pk if placement is not None else None
 
 
 @app.task(name=HOST_REPORT_TASK, soft_time_limit=30, time_limit=60, **COMMON)
 def host_report(message: dict[str, Any]) -> str:
     """Apply one report from a host agent (`api.services.reports`); malformed ones are dropped."""
+    kind = message.get("kind") if isinstance(message, dict) else None
     try:
-        return host_report_apply(message=message)
+        outcome = host_report_apply(message=message)
     except ProtocolError as exc:
         logger.error("dropping malformed host report: %s", exc)
-        return "malformed"
+        outcome = "malformed"
+    except Exception:
+        host_report_count(kind, "error")
+        raise
+    host_report_count(kind, outcome)
+    return outcome
 
 
 @app.task(name="workers.reconcile", soft_time_limit=60, time_limit=120, **COMMON)
 def reconcile_fleet() -> dict[str, Any]:
     """One reconciliation pass (`api.services.reconcile`)."""
-    return asdict(fleet_reconcile())
+    with timed(RECONCILE_DURATION):
+        result = fleet_reconcile()
+    return asdict(result)
 
 
 @app.task(name="workers.expire_uploads", soft_time_limit=60, time_limit=120, **COMMON)

@@ -247,3 +247,6 @@ SPECTACULAR_SETTINGS = {
 METRICS_TOKEN = env_str("HARLI_METRICS_TOKEN", "")
 METRICS_OPEN = False
 PROMETHEUS_MULTIPROC_DIR = env_str("PROMETHEUS_MULTIPROC_DIR", "")
+# A Celery worker's metrics exporter (workers/metrics.py): its port (0: none) and address.
+WORKER_METRICS_PORT = env_int("HARLI_WORKER_METRICS_PORT", 0, minimum=0)
+WORKER_METRICS_HOST = env_str("HARLI_WORKER_METRICS_HOST", "127.0.0.1")
