@@ -26,6 +26,7 @@ from gpu_runtime.contract.protocol import HOST_REPORT_TASK, ProtocolError
 
 logger = logging.getLogger(__name__)
 
+PERIODIC_REPORTS = frozenset({"heartbeat", "metrics"})
 TRANSIENT = (OperationalError, InterfaceError, BrokerOperationalError, ConnectionError)
 COMMON: dict[str, Any] = {
     "acks_late": True,
@@ -47,12 +48,19 @@ def place_job(job_id: str) -> int | None:
 
 @app.task(name=HOST_REPORT_TASK, soft_time_limit=30, time_limit=60, **COMMON)
 def host_report(message: dict[str, Any]) -> str:
-    """Apply one report from a host agent (`api.services.reports`); malformed ones are dropped."""
+    """Apply one report from a host agent (`api.services.reports`); malformed ones are dropped.
+    Each is logged under the request id of the command it answers (`config.celery_request_ids`);
+    heartbeats and metrics at DEBUG."""
     try:
-        return host_report_apply(message=message)
+        outcome = host_report_apply(message=message)
     except ProtocolError as exc:
         logger.error("dropping malformed host report: %s", exc)
         return "malformed"
+    level = logging.DEBUG if message.get("kind") in PERIODIC_REPORTS else logging.INFO
+    logger.log(level, "host %s reported %s: %s", message.get("host"), message.get("kind"), outcome,
+               extra={"host": message.get("host"), "report": message.get("kind"),
+                      "outcome": outcome})  # fmt: skip
+    return outcome
 
 
 @app.task(name="workers.reconcile", soft_time_limit=60, time_limit=120, **COMMON)

@@ -4,8 +4,10 @@ limit, route to a host (`upstream.Upstream`), relay its answer, account the usag
 Streams pass through event by event as the host sends them (no buffering); a host that fails
 after the first byte ends the stream with an error event in OpenAI's shape. When the client
 disconnects, the request's task is cancelled, which closes the connection to the host, and the
-host aborts the request and frees its KV blocks. Every response carries `x-request-id` (also
-sent to the host, inside its grant) and the tenant's `x-ratelimit-*` headers.
+host aborts the request and frees its KV blocks. Every response carries `x-request-id` (the
+client's own when valid, `gpu_runtime.contract.request_id`; also sent to the host, in the
+`x-request-id` header and inside its grant, and on every log line of the request) and the
+tenant's `x-ratelimit-*` headers.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,12 @@ from api.gateway.upstream import Upstream
 from api.rate_limits import RateLimiter
 from api.usage_recorder import UsageRecorder
 from gpu_runtime.contract.grants import PROMPT_TOKENS_HEADER
+from gpu_runtime.contract.request_id import (
+    REQUEST_ID_HEADER,
+    bind_log_context,
+    bound_log_context,
+    request_id_or_new,
+)
 
 logger = logging.getLogger("harli.gateway")
 
@@ -72,8 +79,12 @@ class Gateway:
         return path in ROUTES
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        rid = f"req_{uuid.uuid4().hex}"
-        base: Headers = [(b"x-request-id", rid.encode())]
+        rid = request_id_or_new(header(scope, REQUEST_ID_HEADER.encode()))
+        with bound_log_context(request_id=rid):
+            await self._handle(scope, receive, send, rid)
+
+    async def _handle(self, scope: Scope, receive: Receive, send: Send, rid: str) -> None:
+        base: Headers = [(REQUEST_ID_HEADER.encode(), rid.encode())]
         if scope["method"] != "POST":
             body = error_body(f"Use POST for {scope['path']}.", type_="invalid_request_error",
                               param=None, code="method_not_allowed")  # fmt: skip
@@ -115,6 +126,7 @@ class Gateway:
 
     async def _serve(self, scope: Scope, raw: bytes, send: Send, rid: str, base: Headers) -> None:
         caller = await self._authenticate(scope)
+        bind_log_context(tenant=caller.tenant)
         request = parse_inference_request(scope["path"], raw)
         target = await self.callers.target(caller, request.model)
         if target is None:

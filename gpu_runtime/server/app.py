@@ -16,6 +16,7 @@ from gpu_runtime.server.inference import AdapterLookup, AdapterNames, Inference,
 from gpu_runtime.server.limits import RequestLimits
 from gpu_runtime.server.metrics import MetricsCollector
 from gpu_runtime.server.protocol import OpenAIError
+from gpu_runtime.server.request_ids import RequestIdMiddleware
 
 __all__ = ["AdapterLookup", "AdapterNames", "ModelLoader", "RequestLimits", "create_app"]
 
@@ -41,7 +42,8 @@ def create_app(
     (`ModelAccess.allows_unlisted`) and the loader can serve it (a checkpoint, loaded on its
     first request). The engine (tokenizer, limits) is read from the loop per request too.
     `limits` caps each request's prompts and prompt tokens (default `RequestLimits()`: 256
-    prompts, 32 contexts of tokens); past one the request is a 400 and reaches no engine."""
+    prompts, 32 contexts of tokens); past one the request is a 400 and reaches no engine.
+    Each request's log lines carry its `x-request-id` (`request_ids`)."""
     if engine_loop.engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
     collector = metrics or MetricsCollector()
@@ -62,6 +64,7 @@ def create_app(
     app.exception_handler(RequestValidationError)(_validation_error)
     app.include_router(model_routes.router)
     app.include_router(completion_routes.router)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 
