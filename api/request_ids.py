@@ -7,8 +7,8 @@ one access line (logger `harli.request`) when the response leaves. Tasks the req
 inherit it through their message headers (`workers.request_ids`), host commands through their
 `request_id` field (`workers.commands`).
 
-A request that ends in a 500 leaves exactly one error line, logged by Django's `django.request`
-logger with the traceback, under the request's id.
+Every 4xx and 5xx also leaves Django's `django.request` line under the request's id (a 500
+from an exception exactly one, at ERROR, with the traceback).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from typing import Any
 
 from django.http import HttpRequest, HttpResponse
+from django.utils.log import log_response
 
 from gpu_runtime.contract.request_id import (
     REQUEST_ID_HEADER,
@@ -49,6 +50,14 @@ class RequestIdMiddleware:
         try:
             response = self.get_response(request)
             response[REQUEST_ID_HEADER] = request_id
+            if response.status_code >= 400:
+                # Django's own line for a 4xx/5xx, here, so it carries the request id (under
+                # ASGI Django writes it after the middleware returned; a 500 from an exception
+                # was logged already, with its traceback, and is not logged twice)
+                log_response(
+                    "%s: %s", response.reason_phrase, request.path,
+                    response=response, request=request,
+                )  # fmt: skip
             level = logging.DEBUG if request.path in QUIET_PATHS else logging.INFO
             access_logger.log(
                 level,

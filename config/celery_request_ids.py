@@ -5,16 +5,18 @@ Connected to Celery's signals when `config.celery` is imported, in every process
 * `before_task_publish`: the publishing context's request id goes into the message header
   `gpu_runtime.contract.request_id.CELERY_HEADER` (a task queued by `POST
   /v1/fine_tuning/jobs` carries that request's id).
-* `task_prerun` / `task_postrun`: the task's log lines carry that header's id, else (a task run
-  inline, under eager settings) the caller's, else the task's own id (a beat task); and the job
-  it is about: a host report's `job_id` and `request_id` (the command the host answers), or a
-  job id passed as the first argument.
+* `task_prerun` / `task_postrun`: the task's start is logged (logger `harli.tasks`: INFO for
+  a task a request queued, DEBUG for the beat's and the hosts' reports), and its log lines carry
+  that header's id, else (a task run inline, under eager settings) the caller's, else the
+  task's own id (a beat task); and the job it is about: a host report's `job_id` and
+  `request_id` (the command the host answers), or a job id passed as the first argument.
 * `setup_logging`: the worker keeps Django's `LOGGING` (config.logging) instead of Celery's own
   format, so its lines are JSON in production like the web's.
 """
 
 from __future__ import annotations
 
+import logging
 import logging.config
 from typing import Any
 
@@ -28,6 +30,7 @@ from gpu_runtime.contract.request_id import (
     valid_request_id,
 )
 
+logger = logging.getLogger("harli.tasks")
 JOB_ID_PREFIX = "ftjob-"
 _TOKEN = "_harli_log_context_token"
 
@@ -40,7 +43,7 @@ def _publish_request_id(headers: dict[str, Any] | None = None, **_: Any) -> None
 
 
 def _task_context(task: Any, task_id: str, args: Any) -> dict[str, str | None]:
-    request_id = valid_request_id(getattr(task.request, CELERY_HEADER, None))
+    request_id = _inherited_request_id(task)
     job_id = None
     first = args[0] if isinstance(args, list | tuple) and args else None
     if isinstance(first, dict):  # a host report
@@ -54,11 +57,17 @@ def _task_context(task: Any, task_id: str, args: Any) -> dict[str, str | None]:
     }
 
 
+def _inherited_request_id(task: Any) -> str | None:
+    return valid_request_id(getattr(task.request, CELERY_HEADER, None))
+
+
 @signals.task_prerun.connect
 def _bind_task_context(task_id: str = "", task: Any = None, args: Any = None, **_: Any) -> None:
     if task is None:
         return
     setattr(task.request, _TOKEN, bind_log_context(**_task_context(task, task_id, args)))
+    level = logging.INFO if _inherited_request_id(task) else logging.DEBUG
+    logger.log(level, "task %s %s started", task.name, task_id, extra={"task": task.name})
 
 
 @signals.task_postrun.connect

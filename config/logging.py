@@ -3,9 +3,9 @@ one stream, every line carrying its request id (`gpu_runtime.contract.request_id
 
 HARLI_LOG_FORMAT chooses `json` (one object per line; production's default, on stdout) or
 `text` (readable; the default elsewhere, on stderr). The platform's loggers (`harli.*`, `api`,
-`workers`, `console`, `gpu_runtime`) log from HARLI_LOG_LEVEL up, Celery's from INFO (a task's
-start and end), every other module's from WARNING; uvicorn's errors go through the same handler
-(its access log is replaced by `harli.request`'s line).
+`workers`, `console`, `gpu_runtime`) log from HARLI_LOG_LEVEL up (a task's start under
+`harli.tasks`), every other module's (Celery's among them) from WARNING; uvicorn's errors go
+through the same handler (its access log is replaced by `harli.request`'s line).
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ def control_plane_logging(*, log_format: str, level: str, stream: str) -> dict[s
     )
     handler = {"handlers": ["harli"], "propagate": False}
     config["loggers"] |= {
-        "celery": {**handler, "level": "INFO"},
         "uvicorn": {**handler, "level": "INFO"},
         "uvicorn.error": {**handler, "level": "INFO"},
         "uvicorn.access": {**handler, "level": "WARNING"},
