@@ -58,7 +58,11 @@ def _task_context(task: Any, task_id: str, args: Any) -> dict[str, str | None]:
 
 
 def _inherited_request_id(task: Any) -> str | None:
-    return valid_request_id(getattr(task.request, CELERY_HEADER, None))
+    """The header's id: a worker's request has the message's headers as attributes; a task run
+    with `apply(headers=...)` (inline) has them in `request.headers`."""
+    headers = getattr(task.request, "headers", None)
+    inline = headers.get(CELERY_HEADER) if isinstance(headers, dict) else None
+    return valid_request_id(getattr(task.request, CELERY_HEADER, None) or inline)
 
 
 @signals.task_prerun.connect
