@@ -25,10 +25,9 @@ def control_plane_logging(*, log_format: str, level: str, stream: str) -> dict[s
     config = logging_config(
         log_format=log_format, level=level, stream=stream, loggers=list(PLATFORM_LOGGERS)
     )
-    handler = {"handlers": ["harli"], "propagate": False}
     config["loggers"] |= {
-        "uvicorn": {**handler, "level": "INFO"},
-        "uvicorn.error": {**handler, "level": "INFO"},
-        "uvicorn.access": {**handler, "level": "WARNING"},
-    }
+        name: {"level": level, "propagate": True}
+        for name, level in (("uvicorn", "INFO"), ("uvicorn.error", "INFO"),
+                            ("uvicorn.access", "WARNING"))
+    }  # fmt: skip
     return config

@@ -59,8 +59,10 @@ class TextLogFormatter(logging.Formatter):
 def logging_config(
     *, log_format: str, level: str, stream: str = "ext://sys.stderr", loggers: list[str]
 ) -> dict[str, Any]:
-    """A `logging.config.dictConfig` dict: one handler on `stream` in `log_format`, every
-    record given its request context; the root at WARNING, each of `loggers` at `level`."""
+    """A `logging.config.dictConfig` dict: one handler, on the root, writing to `stream` in
+    `log_format`, every record given its request context; the root at WARNING, each of
+    `loggers` at `level`. Every logger propagates to the root (handlers a library installed
+    on the named loggers are removed), so one line format covers them all."""
     if log_format not in LOG_FORMATS:
         raise ValueError(f"log format {log_format!r} is not one of {list(LOG_FORMATS)}")
     formatter = JsonLogFormatter if log_format == "json" else TextLogFormatter
@@ -78,9 +80,7 @@ def logging_config(
             }
         },
         "root": {"handlers": ["harli"], "level": "WARNING"},
-        "loggers": {
-            name: {"handlers": ["harli"], "level": level, "propagate": False} for name in loggers
-        },
+        "loggers": {name: {"level": level, "propagate": True} for name in loggers},
     }
 
 
