@@ -5,7 +5,8 @@ HARLI_LOG_FORMAT chooses `json` (one object per line; production's default, on s
 `text` (readable; the default elsewhere, on stderr). The platform's loggers (`harli.*`, `api`,
 `workers`, `console`, `gpu_runtime`) log from HARLI_LOG_LEVEL up (a task's start under
 `harli.tasks`), every other module's (Celery's among them) from WARNING; uvicorn's errors go
-through the same handler (its access log is replaced by `harli.request`'s line).
+through the same handler (its access log is replaced by `harli.request`'s line), and so do
+Django's (without the second, bare copy its DEBUG console handler would print).
 """
 
 from __future__ import annotations
@@ -28,6 +29,6 @@ def control_plane_logging(*, log_format: str, level: str, stream: str) -> dict[s
     config["loggers"] |= {
         name: {"level": level, "propagate": True}
         for name, level in (("uvicorn", "INFO"), ("uvicorn.error", "INFO"),
-                            ("uvicorn.access", "WARNING"))
+                            ("uvicorn.access", "WARNING"), ("django", "WARNING"))
     }  # fmt: skip
     return config
