@@ -21,3 +21,5 @@ os.environ.setdefault("DJANGO_SETTINGS_MODULE", "config.settings.production")
 app = Celery("harli")
 app.config_from_object("django.conf:settings", namespace="CELERY")
 app.autodiscover_tasks()
+
+import config.celery_request_ids  # noqa: E402,F401  (connects the request-id signals)

@@ -123,7 +123,19 @@ print(json.dumps({
 def serve(env: dict[str, str]) -> dict[str, dict[str, Any]]:
     result = run_python(["-c", REQUESTS], {"DJANGO_SETTINGS_MODULE": PRODUCTION, **env})
     assert result.returncode == 0, result.stderr
-    answers: dict[str, dict[str, Any]] = json.loads(result.stdout)
+    # production's logs are JSON lines on stdout too (an access line per request, each with
+    # the request id it answered; the probes' at DEBUG); the script's answers are its last line
+    *logs, last = result.stdout.splitlines()
+    answers: dict[str, dict[str, Any]] = json.loads(last)
+    lines = [json.loads(line) for line in logs]
+    access = [line for line in lines if line["logger"] == "harli.request"]
+    assert [line["request_id"] for line in access] == [
+        answers[name]["headers"]["x-request-id"] for name in ("plain", "forwarded_api")
+    ]
+    assert all(
+        set(line) >= {"timestamp", "level", "logger", "message", "request_id", "tenant"}
+        for line in lines
+    )
     return answers
 
 

@@ -15,14 +15,20 @@ from kombu.exceptions import OperationalError as BrokerOperationalError
 
 from config.celery import app
 from gpu_runtime.contract.protocol import HOST_COMMAND_TASK, check_command, host_queue
+from gpu_runtime.contract.request_id import current_request_id
 from workers.tasks import place_job
 
 logger = logging.getLogger(__name__)
 
 
 def send_host_command(*, host_name: str, command: str, **fields: Any) -> dict[str, Any]:
-    """Publish one command to `host.<host_name>`; returns the message sent."""
-    message = check_command({"command": command, "command_id": uuid.uuid4().hex, **fields})
+    """Publish one command to `host.<host_name>`; returns the message sent. It carries the id
+    of the request (or task) that caused it as `request_id`, where there is one."""
+    request_id = current_request_id()
+    message = check_command(
+        {"command": command, "command_id": uuid.uuid4().hex, **fields}
+        | ({"request_id": request_id} if request_id is not None else {})
+    )
     app.send_task(
         HOST_COMMAND_TASK,
         args=[message],
@@ -31,6 +37,7 @@ def send_host_command(*, host_name: str, command: str, **fields: Any) -> dict[st
         retry=True,
         retry_policy={"max_retries": 5, "interval_start": 0.2, "interval_step": 0.5},
     )
+    logger.info("sent %s %s to host %s", command, message["command_id"], host_name)
     return message
 
 

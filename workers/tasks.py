@@ -34,6 +34,7 @@ from workers.metrics import (
 
 logger = logging.getLogger(__name__)
 
+PERIODIC_REPORTS = frozenset({"heartbeat", "metrics"})
 TRANSIENT = (OperationalError, InterfaceError, BrokerOperationalError, ConnectionError)
 COMMON: dict[str, Any] = {
     "acks_late": True,
@@ -58,17 +59,24 @@ def place_job(job_id: str) -> int | None:
 
 @app.task(name=HOST_REPORT_TASK, soft_time_limit=30, time_limit=60, **COMMON)
 def host_report(message: dict[str, Any]) -> str:
-    """Apply one report from a host agent (`api.services.reports`); malformed ones are dropped."""
+    """Apply one report from a host agent (`api.services.reports`); malformed ones are dropped.
+    Each is logged under the request id of the command it answers (`config.celery_request_ids`);
+    heartbeats and metrics at DEBUG, and counted by kind and outcome (`workers.metrics`)."""
     kind = message.get("kind") if isinstance(message, dict) else None
     try:
         outcome = host_report_apply(message=message)
     except ProtocolError as exc:
         logger.error("dropping malformed host report: %s", exc)
-        outcome = "malformed"
+        host_report_count(kind, "malformed")
+        return "malformed"
     except Exception:
         host_report_count(kind, "error")
         raise
     host_report_count(kind, outcome)
+    level = logging.DEBUG if kind in PERIODIC_REPORTS else logging.INFO
+    logger.log(level, "host %s reported %s: %s", message.get("host"), kind, outcome,
+               extra={"host": message.get("host"), "report": kind,
+                      "outcome": outcome})  # fmt: skip
     return outcome
 
 

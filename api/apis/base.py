@@ -24,6 +24,7 @@ from rest_framework.views import APIView
 from api.authentication import ApiKeyAuthentication
 from api.models import Tenant
 from api.permissions import IsOperator, IsTenantUser, request_tenant
+from gpu_runtime.contract.request_id import bind_log_context
 
 _SEALED = (
     "dispatch",
@@ -89,6 +90,7 @@ class TenantScopedAPIView(APIView):
         if tenant is None:
             raise exceptions.PermissionDenied("This endpoint needs a tenant API key.")
         self._tenant = tenant
+        bind_log_context(tenant=tenant.name)
 
     @property
     def tenant(self) -> Tenant:

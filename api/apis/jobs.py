@@ -35,6 +35,7 @@ from api.services.jobs import (
     finetune_job_pause,
     finetune_job_resume,
 )
+from gpu_runtime.contract.request_id import bind_log_context
 
 CREATE_FIELDS = frozenset(
     {
@@ -122,6 +123,7 @@ class JobCollectionApi(TenantScopedAPIView):
             metadata=body.get("metadata"),
             integrations=body.get("integrations"),
         )
+        bind_log_context(job_id=job.id)  # the request's access line names the job it created
         return Response(FineTuningJobSerializer(job).data)
 
     @extend_schema(

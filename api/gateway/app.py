@@ -4,8 +4,10 @@ limit, route to a host (`upstream.Upstream`), relay its answer, account the usag
 Streams pass through event by event as the host sends them (no buffering); a host that fails
 after the first byte ends the stream with an error event in OpenAI's shape. When the client
 disconnects, the request's task is cancelled, which closes the connection to the host, and the
-host aborts the request and frees its KV blocks. Every response carries `x-request-id` (also
-sent to the host, inside its grant) and the tenant's `x-ratelimit-*` headers.
+host aborts the request and frees its KV blocks. Every response carries `x-request-id` (the
+client's own when valid, `gpu_runtime.contract.request_id`; also sent to the host, in the
+`x-request-id` header and inside its grant, and on every log line of the request) and the
+tenant's `x-ratelimit-*` headers.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import asyncio
 import logging
 import math
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,12 @@ from api.metrics import http_observe, inference_observe
 from api.rate_limits import RateLimiter
 from api.usage_recorder import UsageRecorder
 from gpu_runtime.contract.grants import PROMPT_TOKENS_HEADER
+from gpu_runtime.contract.request_id import (
+    REQUEST_ID_HEADER,
+    bind_log_context,
+    bound_log_context,
+    request_id_or_new,
+)
 
 logger = logging.getLogger("harli.gateway")
 
@@ -75,6 +82,7 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         started = time.perf_counter()
         seen = Seen()
+        rid = request_id_or_new(header(scope, REQUEST_ID_HEADER.encode()))
 
         async def observed_send(message: Message) -> None:
             if message["type"] == "http.response.start":
@@ -82,7 +90,8 @@ class Gateway:
             await send(message)
 
         try:
-            await self._handle(scope, receive, observed_send, seen)
+            with bound_log_context(request_id=rid):
+                await self._handle(scope, receive, observed_send, seen, rid)
         finally:
             http_observe(scope["path"], scope["method"], seen.status,
                          time.perf_counter() - started)  # fmt: skip
@@ -90,9 +99,10 @@ class Gateway:
                               prompt_tokens=seen.prompt_tokens,
                               completion_tokens=seen.completion_tokens)  # fmt: skip
 
-    async def _handle(self, scope: Scope, receive: Receive, send: Send, seen: Seen) -> None:
-        rid = f"req_{uuid.uuid4().hex}"
-        base: Headers = [(b"x-request-id", rid.encode())]
+    async def _handle(
+        self, scope: Scope, receive: Receive, send: Send, seen: Seen, rid: str
+    ) -> None:
+        base: Headers = [(REQUEST_ID_HEADER.encode(), rid.encode())]
         if scope["method"] != "POST":
             body = error_body(f"Use POST for {scope['path']}.", type_="invalid_request_error",
                               param=None, code="method_not_allowed")  # fmt: skip
@@ -139,6 +149,7 @@ class Gateway:
     ) -> None:
         caller = await self._authenticate(scope)
         seen.tenant = caller.tenant
+        bind_log_context(tenant=caller.tenant)
         request = parse_inference_request(scope["path"], raw)
         target = await self.callers.target(caller, request.model)
         if target is None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from config.database import SQLITE_ENGINE, database_settings
 from config.env import BASE_DIR, env_int, env_list, env_redis_url, env_str
+from config.logging import control_plane_logging
 from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 
 SECRET_KEY = env_str("DJANGO_SECRET_KEY", "")
@@ -26,6 +27,7 @@ INSTALLED_APPS = [
 
 MIDDLEWARE = [
     "api.metrics.RequestMetricsMiddleware",  # first: it times everything below it
+    "api.request_ids.RequestIdMiddleware",
     "django.middleware.security.SecurityMiddleware",
     "api.middleware.NulRefusalMiddleware",
     "api.middleware.RequestSizeLimitMiddleware",
@@ -128,25 +130,13 @@ CELERY_BROKER_TRANSPORT_OPTIONS: dict[str, object] = {
     **broker_transport_options(CELERY_BROKER_URL, HARLI_BROKER_DIR),
 }
 
-# One `POST /v1/files` carries at most HARLI_MAX_UPLOAD_BYTES of file; larger files go through
-# the Uploads API (`/v1/uploads`): parts of at most HARLI_UPLOAD_PART_MAX_BYTES (OpenAI: 64 MB),
-# at most HARLI_UPLOAD_MAX_BYTES in all (OpenAI: 8 GB), completed within HARLI_UPLOAD_EXPIRES_S.
-# Logs go to stderr: every module's warnings and errors, and the platform's own `harli.*` loggers
-# (the gateway's routing decisions among them) from HARLI_LOG_LEVEL up.
-LOGGING = {
-    "version": 1,
-    "disable_existing_loggers": False,
-    "formatters": {"plain": {"format": "%(asctime)s %(levelname)s %(name)s %(message)s"}},
-    "handlers": {"stderr": {"class": "logging.StreamHandler", "formatter": "plain"}},
-    "root": {"handlers": ["stderr"], "level": "WARNING"},
-    "loggers": {
-        "harli": {
-            "handlers": ["stderr"],
-            "level": env_str("HARLI_LOG_LEVEL", "INFO"),
-            "propagate": False,
-        },  # fmt: skip
-    },
-}
+# Logs (config.logging): readable text on stderr here, JSON on stdout in production; every line
+# names its request id. HARLI_LOG_LEVEL for the platform's own loggers.
+HARLI_LOG_FORMAT = env_str("HARLI_LOG_FORMAT", "text")
+HARLI_LOG_LEVEL = env_str("HARLI_LOG_LEVEL", "INFO")
+LOGGING = control_plane_logging(
+    log_format=HARLI_LOG_FORMAT, level=HARLI_LOG_LEVEL, stream="ext://sys.stderr"
+)
 
 # The inference gateway (`api.gateway`): the fleet's secret from which each host's grant key is
 # derived (`manage.py hosts key NAME` prints a host's), and how long it waits for a host.
@@ -159,6 +149,9 @@ GATEWAY_KEY_CACHE_TTL_S = env_int("HARLI_GATEWAY_KEY_CACHE_TTL_S", 5)
 """How long the gateway trusts a key's (and a model name's) lookup: a revoked key, a deleted
 model or a changed rate limit takes effect within this many seconds."""
 
+# One `POST /v1/files` carries at most HARLI_MAX_UPLOAD_BYTES of file; larger files go through
+# the Uploads API (`/v1/uploads`): parts of at most HARLI_UPLOAD_PART_MAX_BYTES (OpenAI: 64 MB),
+# at most HARLI_UPLOAD_MAX_BYTES in all (OpenAI: 8 GB), completed within HARLI_UPLOAD_EXPIRES_S.
 HARLI_MAX_UPLOAD_BYTES = env_int("HARLI_MAX_UPLOAD_BYTES", 512 * 1024 * 1024)
 HARLI_UPLOAD_PART_MAX_BYTES = env_int("HARLI_UPLOAD_PART_MAX_BYTES", 64 * 1024 * 1024)
 HARLI_UPLOAD_MAX_BYTES = env_int("HARLI_UPLOAD_MAX_BYTES", 8 * 1024 * 1024 * 1024)

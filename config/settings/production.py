@@ -18,12 +18,14 @@ is kept. README, "Production guide", counts the connections N web workers and th
 concurrency use against PostgreSQL's max_connections.
 """
 
-from config.env import EnvError, env_bool, env_int
+from config.env import EnvError, env_bool, env_int, env_str
+from config.logging import control_plane_logging
 from config.settings.base import *  # noqa: F403
 from config.settings.base import (
     CELERY_BROKER_CONFIGURED,
     DATABASE_URL,
     GATEWAY_SECRET,
+    HARLI_LOG_LEVEL,
     HARLI_TRUSTED_PROXY_HOPS,
     SECRET_KEY,
 )
@@ -50,6 +52,12 @@ if _missing:
     )
 
 DEBUG = False
+
+# Logs: one JSON object per line on stdout (config.logging), for the journal or a collector.
+HARLI_LOG_FORMAT = env_str("HARLI_LOG_FORMAT", "json")
+LOGGING = control_plane_logging(
+    log_format=HARLI_LOG_FORMAT, level=HARLI_LOG_LEVEL, stream="ext://sys.stdout"
+)
 
 # HTTPS: every request not already secure is redirected, except the probes.
 SECURE_SSL_REDIRECT = env_bool("HARLI_SECURE_SSL_REDIRECT", True)

@@ -52,9 +52,7 @@ def predictor_accuracy(*, since: datetime) -> list[PredictorAccuracy]:
     reported = dict(GpuHost.objects.values_list("name", "predictor_mape"))
     result = []
     for (host, version), (predicted, observed) in predictor_pairs(since=since).items():
-        errors = [
-            100.0 * abs(p - o) / o for p, o in zip(predicted, observed, strict=True) if o > 0
-        ]
+        errors = [100.0 * abs(p - o) / o for p, o in zip(predicted, observed, strict=True) if o > 0]
         p95 = percentile(errors, 95.0)
         if p95 is None:
             continue

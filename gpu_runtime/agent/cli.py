@@ -38,6 +38,7 @@ from gpu_runtime.agent.config import (
 )
 from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
+from gpu_runtime.contract.log_format import LOG_FORMATS, configure_logging
 
 logger = logging.getLogger("gpu_runtime.agent")
 
@@ -46,6 +47,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     env = os.environ.get
     p = argparse.ArgumentParser(prog="python -m gpu_runtime.agent", description=__doc__)
     p.add_argument("--host", required=True, help="host name registered in the control plane")
+    _add_log_format(p)
     p.add_argument("--base-model", default=env("HARLI_BASE_MODEL", "tiny"))
     p.add_argument("--model-dir", default=env("HARLI_MODEL_DIR") or None,
                    help="HF model directory (default: the tiny built-in model)")  # fmt: skip
@@ -351,10 +353,27 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     return status
 
 
+LOG_FORMAT_ENV = "HARLI_LOG_FORMAT"
+
+
+def _add_log_format(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--log-format", choices=list(LOG_FORMATS),
+                        default=os.environ.get(LOG_FORMAT_ENV) or "text",
+                        help="log lines as JSON objects (production) or readable text; every "
+                        f"line names its request id (default: the environment's "
+                        f"{LOG_FORMAT_ENV}, else text)")  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> None:
-    logging.basicConfig(
+    early = argparse.ArgumentParser(add_help=False)
+    _add_log_format(early)
+    known, _ = early.parse_known_args(argv)
+    if known.log_format not in LOG_FORMATS:  # from the environment, which choices skip
+        early.error(f"{LOG_FORMAT_ENV}={known.log_format!r}: expected one of {list(LOG_FORMATS)}")
+    configure_logging(
+        log_format=known.log_format,
         level=os.environ.get("HARLI_LOG_LEVEL", "INFO"),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        loggers=["gpu_runtime", "harli", "predictor_models", "uvicorn"],
     )
     config = parse_args(argv)
     if config.device == "cpu" and "HARLI_TORCH_THREADS" in os.environ:

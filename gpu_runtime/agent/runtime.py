@@ -38,6 +38,7 @@ from gpu_runtime.agent.reporting import (
     serving_figures,
     weights_bytes,
 )
+from gpu_runtime.agent.request_ids import JobRequestIds, command_job_id
 from gpu_runtime.agent.serving import EngineSpec, lora_runtime
 from gpu_runtime.agent.tokenizers import host_training_tokenizer
 from gpu_runtime.agent.training import HostJobs, TrainingTarget
@@ -48,6 +49,7 @@ from gpu_runtime.colocation import (
     TpotWindow,
 )
 from gpu_runtime.contract.protocol import report
+from gpu_runtime.contract.request_id import bound_log_context, current_request_id, valid_request_id
 from gpu_runtime.contract.storage import Storage
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.model.tiny import build_tiny_model_dir
@@ -99,6 +101,7 @@ class HostRuntime:
         self.storage = storage
         self.work_dir = Path(work_dir)
         self.send = send
+        self._request_ids = JobRequestIds()
         self.total_bytes = total_bytes
         self.base_model_path = base_model_path
         self.training_tokenizer = (
@@ -265,7 +268,18 @@ class HostRuntime:
 
     # ---- commands ---------------------------------------------------------------------------
     def command(self, command: dict[str, Any]) -> None:
-        """Apply one host command (see `gpu_runtime.contract.protocol`). Loop thread only."""
+        """Apply one host command (see `gpu_runtime.contract.protocol`), logged under the
+        request id it carries; later reports about its job carry that id. Loop thread only."""
+        job_id = command_job_id(command)
+        request_id = valid_request_id(command.get("request_id"))
+        if job_id is not None:
+            self._request_ids.remember(job_id, request_id)
+        with bound_log_context(request_id=request_id, job_id=job_id):
+            logger.info("handling %s %s", command["command"], command.get("command_id"),
+                        extra={"command": command["command"]})  # fmt: skip
+            self._apply_command(command)
+
+    def _apply_command(self, command: dict[str, Any]) -> None:
         name = command["command"]
         if name == "apply_placement":
             self.jobs.apply_placement(int(command["placement_id"]), dict(command["job"]))
@@ -353,6 +367,11 @@ class HostRuntime:
 
     # ---- reports ----------------------------------------------------------------------------
     def report(self, kind: str, **fields: Any) -> None:
+        """Send one report; a report about a job carries the request id of the latest command
+        about that job (`request_ids`), else that of the command being handled."""
+        request_id = self._request_ids.get(fields.get("job_id")) or current_request_id()
+        if request_id is not None and "request_id" not in fields:
+            fields["request_id"] = request_id
         self.send(report(kind, self.host, **fields))
 
     def _lent_bytes(self) -> int:

@@ -95,8 +95,7 @@ class LoraSpec:
         alpha_low, alpha_high = LORA_ALPHA_RANGE
         if not alpha_low < self.alpha <= alpha_high:  # also refuses NaN
             raise HyperparameterError(
-                f"alpha must be greater than {alpha_low} and at most {alpha_high}, "
-                f"got {self.alpha}"
+                f"alpha must be greater than {alpha_low} and at most {alpha_high}, got {self.alpha}"
             )
         if not 0.0 <= self.dropout < 1.0:
             raise HyperparameterError(f"dropout must be in [0, 1), got {self.dropout}")

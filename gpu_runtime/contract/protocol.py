@@ -26,6 +26,11 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
 * `{"command": "drain", "command_id"}` — accept no new placement; finish what runs.
 * `{"command": "undrain", "command_id"}` — back in service: report `draining` false again.
 
+Every command may carry `request_id`: the id of the API request (or control-plane task) that
+caused it (`gpu_runtime.contract.request_id`); the agent logs its handling of the command under
+it. Every report about a job may carry `request_id` too: the id of the latest command the host
+got for that job, so the control plane logs its intake under the request that caused it.
+
 JobSpec: `{"id", "base_model", "training_file" (its file id), "training_file_key",
 "validation_file" (or null), "validation_file_key" (or null), "max_seq_len",
 "method" ("supervised" or "dpo"; absent: supervised),
@@ -87,6 +92,8 @@ from __future__ import annotations
 import time
 import uuid
 from typing import Any
+
+from gpu_runtime.contract.request_id import valid_request_id
 
 HOST_COMMAND_TASK = "harli.agent.command"
 SERVING_WINDOW_S = 30.0
@@ -232,6 +239,10 @@ def _check_fields(message: dict[str, Any], name: str) -> None:
     missing = [f for f in _REQUIRED[name] if f not in message]
     if missing:
         raise ProtocolError(f"{name} message lacks {missing}: {sorted(message)}")
+    if "request_id" in message and valid_request_id(message["request_id"]) is None:
+        raise ProtocolError(
+            f"{name} message has an invalid request_id: {message['request_id']!r:.80}"
+        )
 
 
 def check_report(message: Any) -> dict[str, Any]:

@@ -17,6 +17,7 @@ from gpu_runtime.server.limits import RequestLimits
 from gpu_runtime.server.metrics import MetricsCollector
 from gpu_runtime.server.prometheus import ServerMetrics
 from gpu_runtime.server.protocol import OpenAIError
+from gpu_runtime.server.request_ids import RequestIdMiddleware
 
 __all__ = ["AdapterLookup", "AdapterNames", "ModelLoader", "RequestLimits", "create_app"]
 
@@ -46,7 +47,9 @@ def create_app(
     `limits` caps each request's prompts and prompt tokens (default `RequestLimits()`: 256
     prompts, 32 contexts of tokens); past one the request is a 400 and reaches no engine.
     `prometheus` (default: a new `ServerMetrics`) is what `GET /metrics` serves, to a scrape
-    bearing `metrics_token` (`metrics_routes`; without a token the route is off)."""
+    bearing `metrics_token` (`metrics_routes`; without a token the route is off).
+
+    Each request's log lines carry its `x-request-id` (`request_ids`)."""
     if engine_loop.engine.tokenizer is None:
         raise ValueError("the server needs an engine with a tokenizer")
     collector = metrics or MetricsCollector()
@@ -71,6 +74,7 @@ def create_app(
     app.include_router(model_routes.router)
     app.include_router(completion_routes.router)
     app.include_router(metrics_routes.router)
+    app.add_middleware(RequestIdMiddleware)
     return app
 
 

@@ -19,12 +19,16 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class ThreadedServer:
     """`start()` returns once uvicorn accepts connections; `stop()` lets it finish open
-    responses for up to `timeout` seconds. Port 0 picks a free port (see `port`)."""
+    responses for up to `timeout` seconds. Port 0 picks a free port (see `port`). uvicorn
+    keeps the process's logging configuration (its warnings and errors go through the same
+    handlers as every other line) and writes no access log (`request_ids` writes one)."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         self.port = port or free_port(host)
-        config = uvicorn.Config(app, host=host, port=self.port, log_level="warning")
+        config = uvicorn.Config(
+            app, host=host, port=self.port, log_level="warning", log_config=None, access_log=False
+        )
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, name="inference-http", daemon=True)
 

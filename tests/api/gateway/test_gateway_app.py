@@ -54,6 +54,8 @@ class FakeHost:
     name: str
     mode: str = "ok"
     grants: list[Any] = field(default_factory=list)
+    request_ids: list[str | None] = field(default_factory=list)
+    """The `x-request-id` header of each request."""
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -68,6 +70,7 @@ class FakeHost:
         key = host_key(django_settings.GATEWAY_SECRET, self.name)
         grant = grant_verify(headers[GRANT_HEADER], key, host=self.name, now=time.time())
         self.grants.append(grant)
+        self.request_ids.append(headers.get("x-request-id"))
         request = json.loads(body)
         if self.mode == "refuse":
             await _whole(send, 503, {"error": {"message": "busy", "type": "server_error",
@@ -159,6 +162,22 @@ def test_the_least_loaded_host_answers_with_a_grant_for_the_one_model(fleet: Fle
     assert (grant.host, grant.tenant, grant.models) == ("host-a", "acme", ("tiny",))
     assert grant.request_id == answer.headers["x-request-id"]
     assert time.time() < grant.expires_at <= time.time() + 61
+
+
+def test_a_clients_request_id_is_answered_and_forwarded_to_the_host(fleet: Fleet) -> None:
+    def with_id(request_id: str) -> httpx.Response:
+        headers = {"authorization": f"Bearer {fleet.key}", "x-request-id": request_id}
+        return httpx.post(f"{fleet.gateway}/v1/completions", json=BODY, headers=headers,
+                          timeout=20)  # fmt: skip
+
+    answer = with_id("client-7")
+    assert answer.status_code == 200 and answer.headers["x-request-id"] == "client-7"
+    assert fleet.hosts["host-a"].request_ids == ["client-7"]
+    assert [grant.request_id for grant in fleet.hosts["host-a"].grants] == ["client-7"]
+    # one a client may not choose is replaced, on both sides
+    refused = with_id("x" * 129)
+    assert refused.headers["x-request-id"].startswith("req_")
+    assert fleet.hosts["host-a"].request_ids[1] == refused.headers["x-request-id"]
 
 
 def test_a_refusal_before_the_first_byte_is_retried_on_the_other_host(fleet: Fleet) -> None:

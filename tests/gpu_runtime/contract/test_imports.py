@@ -68,9 +68,18 @@ def test_no_module_of_the_control_plane_loads_torch() -> None:
     assert int(count) > 90  # every module was walked (api, console, workers and config)
     names = set(walked.split(","))
     # apps, management commands, migrations-free settings and the Celery app are among them
-    for name in ("api.apps", "workers.apps", "console.apps", "config.celery", "config.urls",
-                 "config.settings.test", "workers.management.commands.predictors",
-                 "workers.tasks", "workers.commands", "api.services.reports.heartbeat"):
+    for name in (
+        "api.apps",
+        "workers.apps",
+        "console.apps",
+        "config.celery",
+        "config.urls",
+        "config.settings.test",
+        "workers.management.commands.predictors",
+        "workers.tasks",
+        "workers.commands",
+        "api.services.reports.heartbeat",
+    ):
         assert name in names, f"{name} was not walked"
     assert any(n.startswith("api.management.commands.") for n in names)
     assert first == "[]", f"{first} loads torch"
