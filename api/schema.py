@@ -1,10 +1,81 @@
-"""OpenAPI extensions: describe the API-key scheme to drf-spectacular (imported in apps.ready)."""
+"""OpenAPI schema of both APIs (drf-spectacular): the API-key scheme, and the error statuses
+every operation documents.
+
+`HarliAutoSchema` (the `DEFAULT_SCHEMA_CLASS`) adds to each operation's own responses the
+statuses any route of its kind can return, all with the uniform error body
+(`ErrorSerializer`): see `standard_error_statuses`. A view documents the statuses only it
+returns in its `extend_schema(responses=...)`, with `error_responses(409, 429, ...)` for the
+error body, so the two lists merge and a status is declared once.
+"""
 
 from __future__ import annotations
 
 from typing import Any
 
 from drf_spectacular.extensions import OpenApiAuthenticationExtension
+from drf_spectacular.openapi import AutoSchema
+from drf_spectacular.utils import OpenApiResponse
+
+ERROR_DESCRIPTIONS: dict[int, str] = {
+    400: "Invalid request: a parameter or body field is missing, unknown or out of range "
+    "(`param` names it), or the body is not valid JSON.",
+    401: "No API key, or one that matches no active key (or no operator session).",
+    403: "The key or session may not call this API (a tenant key on the operator API, an "
+    "operator on a tenant route), or the object may not be changed this way.",
+    404: "No such object for this caller (another tenant's object is not found either).",
+    409: "The object's state forbids the operation.",
+    413: "The request body is larger than this route accepts (refused from Content-Length).",
+    429: "Too many requests or a quota is exhausted; `Retry-After` says when to retry.",
+}
+
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+def error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
+    """`extend_schema` responses for `statuses`, each the uniform error body."""
+    from api.serializers import ErrorSerializer
+
+    return {
+        status: OpenApiResponse(ErrorSerializer, description=ERROR_DESCRIPTIONS[status])
+        for status in statuses
+    }
+
+
+def standard_error_statuses(
+    *, method: str, path: str, has_query: bool, has_body: bool
+) -> tuple[int, ...]:
+    """The error statuses every operation with this shape can return.
+
+    401 and 403: every route authenticates and checks the caller's role. 404: a path
+    parameter names an object. 400: the operation reads query parameters or a body.
+    413: a body is read (`api.middleware.declared_size_refusal`).
+    """
+    statuses = [401, 403]
+    if "{" in path:
+        statuses.append(404)
+    if has_query or has_body:
+        statuses.append(400)
+    if has_body:
+        statuses.append(413)
+    return tuple(sorted(statuses))
+
+
+class HarliAutoSchema(AutoSchema):
+    """drf-spectacular's schema, plus `standard_error_statuses` on every operation."""
+
+    def _get_response_bodies(self, direction: Any = "response") -> dict[str, Any]:
+        responses: dict[str, Any] = dict(super()._get_response_bodies(direction))
+        has_query = any(p.get("in") == "query" for p in self._get_parameters())
+        has_body = self.method in BODY_METHODS and self.get_request_serializer() is not None
+        statuses = standard_error_statuses(
+            method=self.method, path=self.path, has_query=has_query, has_body=has_body
+        )
+        for status, response in error_responses(*statuses).items():
+            if str(status) not in responses:
+                responses[str(status)] = self._get_response_for_code(
+                    response, str(status), direction=direction
+                )
+        return dict(sorted(responses.items()))
 
 
 class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):

@@ -24,6 +24,7 @@ from api.errors import HarliError, NotFoundError
 from api.models import Architecture, Dtype, HostStatus, JobStatus, PlacementState, User, UserRole
 from api.pagination import cursor_page, page_body, parse_limit
 from api.presets import PRESETS
+from api.schema import error_responses
 from api.selectors import (
     api_key_list,
     base_model_list,
@@ -155,7 +156,7 @@ class ApiKeysApi(OperatorAPIView):
     @extend_schema(
         operation_id="ops_apikeys_list",
         parameters=[OpenApiParameter("tenant", str)],
-        responses={200: LISTS[ApiKeyOpsSerializer]},
+        responses={200: LISTS[ApiKeyOpsSerializer], **error_responses(404)},
     )
     def get(self, request: Request) -> Response:
         tenant_name = request.query_params.get("tenant")
@@ -170,6 +171,7 @@ class ApiKeysApi(OperatorAPIView):
                 "IssuedApiKey", {"key": serializers.CharField(), "api_key": ApiKeyOpsSerializer()}
             ),
             400: ErrorSerializer,
+            **error_responses(404),
         },
     )
     def post(self, request: Request) -> Response:
@@ -251,7 +253,12 @@ class DeploymentsApi(OperatorAPIView):
     @extend_schema(
         operation_id="ops_deployments_create",
         request=DeploymentCreateSerializer,
-        responses={201: DeploymentOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
+        responses={
+            201: DeploymentOpsSerializer,
+            400: ErrorSerializer,
+            409: ErrorSerializer,
+            **error_responses(404),
+        },
     )
     def post(self, request: Request) -> Response:
         data = _valid(self.DeploymentCreateSerializer, request.data)
@@ -288,7 +295,12 @@ class HostsApi(OperatorAPIView):
     @extend_schema(
         operation_id="ops_hosts_register",
         request=HostRegisterSerializer,
-        responses={201: GpuHostOpsSerializer, 400: ErrorSerializer, 409: ErrorSerializer},
+        responses={
+            201: GpuHostOpsSerializer,
+            400: ErrorSerializer,
+            409: ErrorSerializer,
+            **error_responses(404),
+        },
     )
     def post(self, request: Request) -> Response:
         data = _valid(self.HostRegisterSerializer, request.data)
@@ -352,7 +364,11 @@ class JobsApi(OperatorAPIView):
             OpenApiParameter("tenant", str),
             OpenApiParameter("status", str, enum=JobStatus.values),
         ],
-        responses={200: LISTS[FinetuneJobOpsSerializer], 400: ErrorSerializer},
+        responses={
+            200: LISTS[FinetuneJobOpsSerializer],
+            400: ErrorSerializer,
+            **error_responses(404),
+        },
     )
     def get(self, request: Request) -> Response:
         tenant_name = request.query_params.get("tenant")

@@ -216,7 +216,7 @@ REST_FRAMEWORK = {
         "api.parsers.FormParser",
         "api.parsers.MultiPartParser",
     ],
-    "DEFAULT_SCHEMA_CLASS": "drf_spectacular.openapi.AutoSchema",
+    "DEFAULT_SCHEMA_CLASS": "api.schema.HarliAutoSchema",
     "EXCEPTION_HANDLER": "api.errors.exception_handler",
 }
 
