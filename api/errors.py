@@ -9,6 +9,11 @@ from __future__ import annotations
 from typing import Any
 
 from django.core.exceptions import PermissionDenied as DjangoPermissionDenied
+from django.core.exceptions import (
+    RequestDataTooBig,
+    TooManyFieldsSent,
+    TooManyFilesSent,
+)
 from django.http import Http404, HttpRequest, HttpResponse, JsonResponse
 from django.views import defaults
 from rest_framework import exceptions, status
@@ -92,10 +97,24 @@ _DRF_TYPES: dict[int, str] = {
 def exception_handler(exc: Exception, context: dict[str, Any]) -> Response | None:
     """DRF's EXCEPTION_HANDLER: map domain and DRF errors to the uniform body.
 
-    Anything else propagates (a 500, rendered by `server_error_view` outside DEBUG).
+    Django's refusals of a body as it is read (too large: 413; too many form fields or files:
+    400) get the same body. Anything else propagates (a 500, rendered by `server_error_view`
+    outside DEBUG).
     """
     if isinstance(exc, HarliError):
         return Response(exc.body(), status=exc.http_status)
+    if isinstance(exc, RequestDataTooBig):
+        # A body without Content-Length that grew past DATA_UPLOAD_MAX_MEMORY_SIZE as it was read
+        # (one that declares its size is refused before, by api.middleware).
+        body = error_body(
+            "The request body is larger than this route accepts.",
+            type_="invalid_request_error",
+            code="request_too_large",
+        )
+        return Response(body, status=status.HTTP_413_REQUEST_ENTITY_TOO_LARGE)
+    if isinstance(exc, (TooManyFieldsSent, TooManyFilesSent)):
+        body = error_body(str(exc), type_="invalid_request_error", code="too_many_fields")
+        return Response(body, status=status.HTTP_400_BAD_REQUEST)
     if isinstance(exc, Http404):
         exc = exceptions.NotFound()
     elif isinstance(exc, DjangoPermissionDenied):

@@ -9,7 +9,7 @@ from django.conf import settings
 from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.urls import Resolver404, resolve
 
-from api.errors import error_body, is_api_path, not_found_view
+from api.errors import API_PATH_PREFIXES, error_body, is_api_path, not_found_view
 
 NUL = "\x00"
 # Room for the multipart framing and form fields around the file in an upload's body.
@@ -36,13 +36,16 @@ class ApiNotFoundMiddleware:
         return response
 
 
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
 def declared_size_refusal(
     method: str, path: str, content_length: str | None
 ) -> HttpResponse | None:
     """The 413 for a request whose declared `Content-Length` cannot fit its route's limit (see
     `RequestSizeLimitMiddleware`), or None. Reads headers only: the ASGI app calls it before
     Django reads the body, and the middleware covers servers that call Django directly."""
-    if method != "POST" or not path.startswith("/v1/"):
+    if method not in BODY_METHODS or not path.startswith(API_PATH_PREFIXES):
         return None
     try:
         declared = int(content_length or 0)
@@ -50,34 +53,43 @@ def declared_size_refusal(
     except (ValueError, Resolver404):
         return None
     if route == "v1:files":
-        limit = int(settings.HARLI_MAX_UPLOAD_BYTES)
+        limit = int(settings.HARLI_MAX_UPLOAD_BYTES) + MULTIPART_OVERHEAD_BYTES
         what, param, code = "a file sent to POST /v1/files", "file", "file_too_large"
+        shown = int(settings.HARLI_MAX_UPLOAD_BYTES)
         advice = "Upload larger files in parts with the Uploads API (POST /v1/uploads)."
     elif route == "v1:upload-parts":
-        limit = int(settings.HARLI_UPLOAD_PART_MAX_BYTES)
+        limit = int(settings.HARLI_UPLOAD_PART_MAX_BYTES) + MULTIPART_OVERHEAD_BYTES
         what, param, code = "an upload part", "data", "part_too_large"
+        shown = int(settings.HARLI_UPLOAD_PART_MAX_BYTES)
         advice = "Split the file into smaller parts."
+    elif settings.DATA_UPLOAD_MAX_MEMORY_SIZE is None:
+        return None
     else:
+        limit = shown = int(settings.DATA_UPLOAD_MAX_MEMORY_SIZE)
+        what, param, code = f"the body of {method} {path}", None, "request_too_large"
+        advice = ""
+    if declared <= limit:
         return None
-    if declared <= limit + MULTIPART_OVERHEAD_BYTES:
-        return None
-    message = (
-        f"The request body has {declared} bytes; {what} may have at most {limit} bytes. {advice}"
-    )
+    message = f"The request body has {declared} bytes; {what} may have at most {shown} bytes."
     return JsonResponse(
-        error_body(message, type_="invalid_request_error", param=param, code=code),
+        error_body(
+            f"{message} {advice}".strip(), type_="invalid_request_error", param=param, code=code
+        ),
         status=413,
     )
 
 
 class RequestSizeLimitMiddleware:
-    """Answer 413 to an upload whose declared `Content-Length` cannot fit, before the body is
-    read or spooled (Django's `DATA_UPLOAD_MAX_MEMORY_SIZE` check, applied to file routes).
+    """Answer 413 (the uniform error body) to an API request whose declared `Content-Length`
+    cannot fit its route, before the body is read or spooled.
 
     `POST /v1/files` may carry `HARLI_MAX_UPLOAD_BYTES` of file, a part
     (`POST /v1/uploads/{id}/parts`) `HARLI_UPLOAD_PART_MAX_BYTES`, each plus
-    `MULTIPART_OVERHEAD_BYTES` of framing. This refuses only bodies too big for any file within
-    the limit; the services check the file's exact size once it is parsed. The server still
+    `MULTIPART_OVERHEAD_BYTES` of framing: this refuses only bodies too big for any file within
+    the limit; the services check the file's exact size once it is parsed. Every other body
+    (POST, PUT, PATCH under `/v1/` and `/api/`) may have `DATA_UPLOAD_MAX_MEMORY_SIZE` bytes,
+    the limit Django applies when it reads one (a body without `Content-Length` that grows
+    past it is refused by `api.errors.exception_handler`, also 413). The server still
     decides what happens to the unread bytes. Under `config.asgi` Django reads a body before
     its middleware runs, so the ASGI app applies the same check first (`api.gateway.asgi`).
     """

@@ -98,9 +98,9 @@ class ControlPlaneApp:
 
 
 def _declared_size_refusal(scope: Scope) -> Any:
-    if scope.get("method") != "POST":
-        return None
-    return declared_size_refusal("POST", scope["path"], header(scope, b"content-length"))
+    return declared_size_refusal(
+        str(scope.get("method", "")), scope["path"], header(scope, b"content-length")
+    )
 
 
 def with_gateway(django_app: Any) -> ControlPlaneApp:

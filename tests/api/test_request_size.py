@@ -12,7 +12,7 @@ import pytest
 from pytest_django.fixtures import Settings as SettingsWrapper
 
 from api.middleware import MULTIPART_OVERHEAD_BYTES
-from api.models import File, UploadPart
+from api.models import File, FinetuneJob, Tenant, Upload, UploadPart
 from api.services.apikeys import api_key_issue_for_tenant
 from api.services.tenants import tenant_create
 from tests.api.conftest import VALID_JSONL, ApiClient, assert_error
@@ -99,3 +99,81 @@ def test_live_server_answers_413_before_the_body_arrives(live_server: Any) -> No
     assert body["error"]["code"] == "file_too_large"
     assert "Uploads API" in body["error"]["message"]
     assert elapsed < 5, f"the server waited {elapsed:.1f}s for a body it does not need"
+
+
+def send_declaring(client: ApiClient, method: str, path: str, content_length: int) -> Any:
+    environ: dict[str, Any] = {
+        "CONTENT_LENGTH": str(content_length),
+        "wsgi.input": UnreadableBody(),
+    }
+    call = getattr(client.client, method)
+    return call(path, content_type="application/json", headers=client.headers, **environ)
+
+
+BODY_ROUTES = [
+    ("post", "/v1/fine_tuning/jobs"),
+    ("post", "/v1/uploads"),
+    ("post", "/v1/uploads/upload-abc/complete"),
+    ("post", "/api/ops/tenants"),
+    ("patch", "/api/ops/tenants/acme"),
+    ("post", "/api/ops/apikeys"),
+    ("post", "/api/ops/basemodels"),
+    ("post", "/api/ops/deployments"),
+    ("post", "/api/ops/hosts"),
+]
+
+
+@pytest.mark.django_db
+@pytest.mark.parametrize(("method", "path"), BODY_ROUTES)
+def test_oversize_json_body_is_refused_without_reading_it(
+    api: ApiClient, ops: ApiClient, settings: SettingsWrapper, method: str, path: str
+) -> None:
+    """Every other body route: Django's DATA_UPLOAD_MAX_MEMORY_SIZE, applied from the headers
+    with the uniform body (Django itself answers an HTML 400 once the body is read)."""
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    client = ops if path.startswith("/api/ops/") else api
+    tenants = Tenant.objects.count()
+    error = assert_error(send_declaring(client, method, path, 1001), 413)
+    assert error["code"] == "request_too_large"
+    assert "at most 1000 bytes" in error["message"]
+    assert Tenant.objects.count() == tenants
+    assert not FinetuneJob.objects.exists() and not Upload.objects.exists()
+
+
+@pytest.mark.django_db
+def test_json_body_within_the_limit_goes_on(ops: ApiClient, settings: SettingsWrapper) -> None:
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 1000
+    assert ops.post("/api/ops/tenants", {"name": "initech"}).status_code == 201
+
+
+@pytest.mark.django_db
+def test_form_fields_past_the_memory_limit_are_a_413(
+    api: ApiClient, settings: SettingsWrapper
+) -> None:
+    """Within the upload route's limit but with more form data than Django holds in memory:
+    the parser's refusal, in the uniform body."""
+    settings.DATA_UPLOAD_MAX_MEMORY_SIZE = 100
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    response = api.client.post(
+        "/v1/files",
+        {"file": SimpleUploadedFile("t.jsonl", VALID_JSONL), "purpose": "f" * 200},
+        headers=api.headers,
+    )
+    assert assert_error(response, 413)["code"] == "request_too_large"
+    assert not File.objects.exists()
+
+
+@pytest.mark.django_db
+def test_too_many_form_fields_are_a_400(api: ApiClient, settings: SettingsWrapper) -> None:
+    settings.DATA_UPLOAD_MAX_NUMBER_FIELDS = 3
+    from django.core.files.uploadedfile import SimpleUploadedFile
+
+    fields: dict[str, Any] = {f"x{i}": "1" for i in range(5)}
+    response = api.client.post(
+        "/v1/files",
+        {"file": SimpleUploadedFile("t.jsonl", VALID_JSONL), "purpose": "fine-tune", **fields},
+        headers=api.headers,
+    )
+    assert assert_error(response, 400)["code"] == "too_many_fields"
+    assert not File.objects.exists()
