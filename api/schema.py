@@ -75,7 +75,25 @@ class HarliAutoSchema(AutoSchema):
                 responses[str(status)] = self._get_response_for_code(
                     response, str(status), direction=direction
                 )
+        for code, response in responses.items():
+            if not response.get("description") and int(code) in ERROR_DESCRIPTIONS:
+                response["description"] = ERROR_DESCRIPTIONS[int(code)]
         return dict(sorted(responses.items()))
+
+
+def closed_request_bodies(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
+    """Postprocessing hook: every request body's object schema has `additionalProperties:
+    false`, as the views refuse a field they do not take (`api.apis.bodies`)."""
+    components = result.get("components", {}).get("schemas", {})
+    for operations in result.get("paths", {}).values():
+        for operation in operations.values():
+            content = operation.get("requestBody", {}).get("content", {})
+            for media in content.values():
+                ref = media.get("schema", {}).get("$ref", "")
+                component = components.get(ref.rpartition("/")[2])
+                if component is not None and component.get("type") == "object":
+                    component["additionalProperties"] = False
+    return result
 
 
 class ApiKeyAuthenticationScheme(OpenApiAuthenticationExtension):

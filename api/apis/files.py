@@ -9,6 +9,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
+from api.apis.bodies import body_fields_check, serializer_fields
 from api.errors import HarliError
 from api.idempotency import idempotent
 from api.pagination import cursor_page, page_body, parse_limit
@@ -42,6 +43,9 @@ class FileCollectionApi(TenantScopedAPIView):
     )
     @idempotent
     def post(self, request: Request) -> Response:
+        body_fields_check(
+            {**request.POST, **request.FILES}, allowed=serializer_fields(self.FileUploadSerializer)
+        )
         upload = request.FILES.get("file")
         if upload is None:
             raise HarliError("Missing multipart field 'file'.", param="file", code="missing_file")

@@ -12,6 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
+from api.apis.bodies import body_fields_check
 from api.apis.files import PAGING_PARAMETERS
 from api.errors import HarliError
 from api.idempotency import idempotent
@@ -104,9 +105,7 @@ class JobCollectionApi(TenantScopedAPIView):
         body = request.data
         if not isinstance(body, dict):
             raise HarliError("The request body must be a JSON object.")
-        unknown = sorted(set(body) - CREATE_FIELDS)
-        if unknown:
-            raise HarliError(f"Unknown parameter: {unknown[0]!r}.", param=unknown[0])
+        body_fields_check(body, allowed=CREATE_FIELDS)
         for required in ("model", "training_file"):
             if body.get(required) in (None, ""):
                 raise HarliError(f"Missing required parameter: '{required}'.", param=required)

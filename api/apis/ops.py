@@ -10,6 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import OperatorAPIView
+from api.apis.bodies import body_fields_check, serializer_fields
 from api.apis.files import PAGING_PARAMETERS
 from api.apis.ops_serializers import (
     ApiKeyOpsSerializer,
@@ -66,6 +67,8 @@ LISTS = {
 
 
 def _valid(serializer_class: type[serializers.Serializer], data: Any) -> dict[str, Any]:
+    """The body, validated by `serializer_class`; a field it does not declare is a 400."""
+    body_fields_check(data, allowed=serializer_fields(serializer_class))
     serializer = serializer_class(data=data)
     serializer.is_valid(raise_exception=True)
     return dict(serializer.validated_data)
@@ -129,15 +132,6 @@ class TenantDetailApi(OperatorAPIView):
     )
     def patch(self, request: Request, name: str) -> Response:
         tenant = tenant_get(name=name)
-        fields = set(self.TenantLimitsSerializer().fields)
-        unknown = sorted(set(request.data) - fields) if isinstance(request.data, dict) else []
-        if unknown:
-            raise HarliError(
-                f"Unknown field {unknown[0]!r}; a tenant's PATCH takes "
-                f"{', '.join(sorted(fields))}.",
-                param=unknown[0],
-                code="unknown_field",
-            )
         data = _valid(self.TenantLimitsSerializer, request.data)
         tenant = tenant_limits_set(
             tenant=tenant,

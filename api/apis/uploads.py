@@ -11,6 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
+from api.apis.bodies import body_fields_check, serializer_fields
 from api.errors import HarliError
 from api.idempotency import idempotent
 from api.models import Upload, UploadPart
@@ -55,6 +56,9 @@ class UploadPartSerializer(serializers.Serializer):
         return int(part.created_at.timestamp())
 
 
+PART_FIELDS = frozenset({"data"})
+
+
 def _json_object(request: Request) -> dict[str, Any]:
     body = request.data
     if not isinstance(body, dict):
@@ -72,6 +76,9 @@ class UploadCollectionApi(TenantScopedAPIView):
         purpose = serializers.CharField(help_text="must be 'fine-tune'")
         bytes = serializers.IntegerField(help_text="the file's total size")
         mime_type = serializers.CharField(help_text="a JSONL type, e.g. text/jsonl")
+        expires_after = serializers.JSONField(
+            required=False, allow_null=True, help_text="refused (400): files are kept until deleted"
+        )
 
     @extend_schema(
         operation_id="uploads_create",
@@ -81,6 +88,7 @@ class UploadCollectionApi(TenantScopedAPIView):
     @idempotent
     def post(self, request: Request) -> Response:
         body = _json_object(request)
+        body_fields_check(body, allowed=serializer_fields(self.UploadCreateSerializer))
         for required in ("filename", "purpose", "bytes", "mime_type"):
             if body.get(required) in (None, ""):
                 raise HarliError(f"Missing required parameter: '{required}'.", param=required)
@@ -114,6 +122,7 @@ class UploadPartsApi(TenantScopedAPIView):
     @idempotent
     def post(self, request: Request, upload_id: str) -> Response:
         upload = upload_get(tenant=self.tenant, upload_id=upload_id)
+        body_fields_check({**request.POST, **request.FILES}, allowed=PART_FIELDS)
         data = request.FILES.get("data")
         if data is None:
             raise HarliError("Missing multipart field 'data'.", param="data", code="missing_file")
@@ -137,6 +146,7 @@ class UploadCompleteApi(TenantScopedAPIView):
     def post(self, request: Request, upload_id: str) -> Response:
         upload = upload_get(tenant=self.tenant, upload_id=upload_id)
         body = _json_object(request)
+        body_fields_check(body, allowed=serializer_fields(self.UploadCompleteSerializer))
         if body.get("part_ids") is None:
             raise HarliError("Missing required parameter: 'part_ids'.", param="part_ids")
         completed = upload_complete(upload=upload, part_ids=body["part_ids"], md5=body.get("md5"))

@@ -232,6 +232,10 @@ SPECTACULAR_SETTINGS = {
     "SWAGGER_UI_FAVICON_HREF": "SIDECAR",
     "REDOC_DIST": "SIDECAR",
     "COMPONENT_SPLIT_REQUEST": True,
+    "POSTPROCESSING_HOOKS": [
+        "drf_spectacular.hooks.postprocess_schema_enums",
+        "api.schema.closed_request_bodies",
+    ],
 }
 
 # Prometheus `/metrics` (api/metrics.py): the bearer token a scrape must carry; without one the

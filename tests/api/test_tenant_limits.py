@@ -107,4 +107,4 @@ def test_the_schema_documents_the_patch() -> None:
     paths = Client().get("/api/schema/?format=json").json()["paths"]
     patch = paths["/api/ops/tenants/{name}"]["patch"]
     assert patch["operationId"] == "ops_tenants_limits_set"
-    assert set(patch["responses"]) == {"200", "400", "404"}
+    assert set(patch["responses"]) == {"200", "400", "401", "403", "404", "413"}
