@@ -22,6 +22,7 @@ from typing import Any
 
 from api.errors import HarliError
 from gpu_runtime.contract.hparams import (
+    ALL_LINEAR,
     AUTO,
     BATCH_SIZE_RANGE,
     BETA_RANGE,
@@ -33,6 +34,8 @@ from gpu_runtime.contract.hparams import (
     LEARNING_RATE_MULTIPLIER_RANGE,
     LORA_ALPHA_RANGE,
     N_EPOCHS_RANGE,
+    HyperparameterError,
+    resolve_target_modules,
 )
 
 LORA_RANK_RANGE = (1, DEFAULT_LORA_MAX_RANK)
@@ -171,8 +174,8 @@ def parse_method(hyperparameters: Any, method: Any) -> TrainingMethod:
 
 @dataclass(frozen=True)
 class LoraOptions:
-    """A job's LoRA options as given (module names are checked by the host, which expands
-    "all-linear"); defaults are the contract's."""
+    """A job's LoRA options as given ("all-linear" is kept; the host expands it); defaults
+    are the contract's."""
 
     rank: int = DEFAULT_LORA_RANK
     alpha: float = DEFAULT_LORA_ALPHA
@@ -180,8 +183,12 @@ class LoraOptions:
     target_modules: tuple[str, ...] = DEFAULT_LORA_TARGET_MODULES
 
 
-def parse_lora(lora: Any) -> LoraOptions:
-    """Validate the `lora` extension object; missing keys take LoraOptions' defaults."""
+def parse_lora(lora: Any, *, architecture: str | None = None) -> LoraOptions:
+    """Validate the `lora` extension object; missing keys take LoraOptions' defaults.
+
+    `target_modules` must name projections of the base model's `architecture` (or be
+    `["all-linear"]`), each once: a name the host could not wrap is refused here, not when
+    the job reaches a host."""
     if lora is None:
         return LoraOptions()
     if not isinstance(lora, dict):
@@ -218,12 +225,18 @@ def parse_lora(lora: Any) -> LoraOptions:
     if (
         not isinstance(modules, list)
         or not modules
-        or not all(isinstance(m, str) and MODULE_PATTERN.match(m) for m in modules)
+        or not all(
+            isinstance(m, str) and (m == ALL_LINEAR or MODULE_PATTERN.match(m)) for m in modules
+        )
     ):
         raise _invalid(
             "lora.target_modules",
             f"lora.target_modules must be a non-empty list of module names, got {modules!r}.",
         )
+    try:
+        resolve_target_modules(modules, architecture=architecture)
+    except HyperparameterError as exc:
+        raise _invalid("lora.target_modules", f"lora.{exc}.") from None
     return LoraOptions(
         rank=rank, alpha=float(alpha), dropout=float(dropout), target_modules=tuple(modules)
     )

@@ -196,7 +196,7 @@ def finetune_job_create(
             code="model_not_found",
         )
     training_method = parse_method(hyperparameters, method)
-    lora_options = parse_lora(lora)
+    lora_options = parse_lora(lora, architecture=base_model.architecture)
     clean_suffix = parse_suffix(suffix)
     clean_seed = parse_seed(seed)
     clean_metadata = parse_metadata(metadata)

@@ -31,6 +31,12 @@ DEFAULT_DPO_BETA = 0.1
 ATTENTION_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 MLP_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 ALL_LINEAR = "all-linear"
+LORA_MODULES_BY_ARCHITECTURE: dict[str, tuple[str, ...]] = {
+    "llama": ATTENTION_PROJECTIONS + MLP_PROJECTIONS,
+    "qwen2": ATTENTION_PROJECTIONS + MLP_PROJECTIONS,
+}
+"""The projections LoRA can wrap in each architecture (`model_config.ARCHITECTURES`), in the
+order they are expanded."""
 N_EPOCHS_RANGE = (1, 50)
 BATCH_SIZE_RANGE = (1, 256)
 """Examples per optimizer step."""
@@ -55,16 +61,26 @@ class HyperparameterError(ValueError):
     """A setting out of range; the message names it and its value."""
 
 
-def resolve_target_modules(target_modules: tuple[str, ...] | list[str]) -> tuple[str, ...]:
-    """Expand ``all-linear`` and check every name is a projection LoRA can wrap."""
+def resolve_target_modules(
+    target_modules: tuple[str, ...] | list[str], *, architecture: str | None = None
+) -> tuple[str, ...]:
+    """Expand ``all-linear`` and check every name is a projection LoRA can wrap in
+    `architecture` (any architecture's projection when None)."""
     names = tuple(target_modules)
+    if architecture is None:
+        allowed = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+    elif architecture in LORA_MODULES_BY_ARCHITECTURE:
+        allowed = LORA_MODULES_BY_ARCHITECTURE[architecture]
+    else:
+        raise HyperparameterError(
+            f"architecture {architecture!r} not in {sorted(LORA_MODULES_BY_ARCHITECTURE)}"
+        )
     if not names:
         raise HyperparameterError("target_modules is empty")
     if ALL_LINEAR in names:
         if len(names) != 1:
             raise HyperparameterError(f"'all-linear' stands alone, got {list(names)}")
-        return ATTENTION_PROJECTIONS + MLP_PROJECTIONS
-    allowed = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
+        return allowed
     unknown = [n for n in names if n not in allowed]
     if unknown:
         raise HyperparameterError(

@@ -54,3 +54,58 @@ def test_parse_lora_refuses_non_finite_alpha(value: Any) -> None:
     with pytest.raises(HarliError) as caught:
         parse_lora({"alpha": value})
     assert caught.value.param == "lora.alpha"
+
+
+@pytest.mark.parametrize(
+    ("lora", "needle"),
+    [
+        ({"target_modules": ["c_attn"]}, "c_attn"),  # a GPT-2 name, not a Llama/Qwen2 module
+        ({"target_modules": ["q_proj", "lm_head"]}, "lm_head"),
+        ({"target_modules": ["q_proj", "q_proj"]}, "duplicates"),
+        ({"target_modules": ["all-linear", "q_proj"]}, "all-linear"),
+        ({"rank": 65}, "lora.rank"),
+        ({"rank": 1.5}, "lora.rank"),
+        ({"rank": True}, "lora.rank"),
+        ({"alpha": 0}, "lora.alpha"),
+        ({"alpha": 4096.5}, "lora.alpha"),
+        ({"alpha": "32"}, "lora.alpha"),
+    ],
+)
+def test_lora_out_of_the_architectures_bounds_is_refused(
+    api: ApiClient, training_file: File, tiny: BaseModel, lora: dict[str, Any], needle: str
+) -> None:
+    body = {"model": "tiny", "training_file": training_file.id, "lora": lora}
+    error = assert_error(api.post("/v1/fine_tuning/jobs", body), 400)
+    assert error["param"] == f"lora.{next(iter(lora))}"
+    assert needle in error["message"]
+    assert FinetuneJob.objects.count() == 0
+
+
+def test_target_modules_are_the_architectures_projections(
+    api: ApiClient, training_file: File, tiny: BaseModel
+) -> None:
+    assert tiny.architecture == "llama"
+    error = assert_error(
+        api.post(
+            "/v1/fine_tuning/jobs",
+            {"model": "tiny", "training_file": training_file.id, "lora": {"target_modules": ["x"]}},
+        ),
+        400,
+        param="lora.target_modules",
+    )
+    assert "down_proj" in error["message"]  # the message lists what the architecture has
+    for modules in (["all-linear"], ["gate_proj", "up_proj", "down_proj"], ["o_proj"]):
+        body = {"model": "tiny", "training_file": training_file.id}
+        created = api.post("/v1/fine_tuning/jobs", {**body, "lora": {"target_modules": modules}})
+        assert created.status_code == 200, created.content
+        assert created.json()["lora"]["target_modules"] == modules
+
+
+def test_every_architecture_names_its_lora_modules() -> None:
+    from gpu_runtime.contract.hparams import LORA_MODULES_BY_ARCHITECTURE
+    from gpu_runtime.contract.model_config import ARCHITECTURES
+
+    assert set(LORA_MODULES_BY_ARCHITECTURE) == set(ARCHITECTURES)
+    with pytest.raises(HarliError) as caught:
+        parse_lora({"target_modules": ["q_proj"]}, architecture="gpt2")
+    assert caught.value.param == "lora.target_modules"
