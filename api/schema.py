@@ -47,13 +47,15 @@ def standard_error_statuses(
     """The error statuses every operation with this shape can return.
 
     401 and 403: every route authenticates and checks the caller's role. 404: a path
-    parameter names an object. 400: the operation reads query parameters or a body.
+    parameter names an object. 400: the operation reads query parameters or a body, or
+    lists a collection (an unknown query parameter is refused, `api.apis.fields`).
     413: a body is read (`api.middleware.declared_size_refusal`).
     """
     statuses = [401, 403]
     if "{" in path:
         statuses.append(404)
-    if has_query or has_body:
+    lists = method == "GET" and "{" not in path
+    if has_query or has_body or lists:
         statuses.append(400)
     if has_body:
         statuses.append(413)
@@ -83,7 +85,7 @@ class HarliAutoSchema(AutoSchema):
 
 def closed_request_bodies(result: dict[str, Any], **kwargs: Any) -> dict[str, Any]:
     """Postprocessing hook: every request body's object schema has `additionalProperties:
-    false`, as the views refuse a field they do not take (`api.apis.bodies`)."""
+    false`, as the views refuse a field they do not take (`api.apis.fields`)."""
     components = result.get("components", {}).get("schemas", {})
     for operations in result.get("paths", {}).values():
         for operation in operations.values():

@@ -9,7 +9,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
-from api.apis.bodies import body_fields_check, serializer_fields
+from api.apis.fields import body_fields_check, query_params_check, serializer_fields
 from api.errors import HarliError
 from api.idempotency import idempotent
 from api.pagination import cursor_page, page_body, parse_limit
@@ -63,6 +63,7 @@ class FileCollectionApi(TenantScopedAPIView):
         responses={200: FileListSerializer},
     )
     def get(self, request: Request) -> Response:
+        query_params_check(request, allowed=("after", "limit", "purpose"))
         page = cursor_page(
             file_list(tenant=self.tenant, purpose=request.query_params.get("purpose")),
             after=request.query_params.get("after"),

@@ -12,7 +12,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
-from api.apis.bodies import body_fields_check
+from api.apis.fields import body_fields_check, query_params_check
 from api.apis.files import PAGING_PARAMETERS
 from api.errors import HarliError
 from api.idempotency import idempotent
@@ -193,6 +193,7 @@ class JobEventsApi(TenantScopedAPIView):
         responses={200: JobEventListSerializer, 404: ErrorSerializer},
     )
     def get(self, request: Request, fine_tuning_job_id: str) -> Response:
+        query_params_check(request, allowed=LIST_PARAMETERS)
         job = finetune_job_get(tenant=self.tenant, job_id=fine_tuning_job_id)
         page = cursor_page(
             job_event_list(job=job),
@@ -210,6 +211,7 @@ class JobCheckpointsApi(TenantScopedAPIView):
         responses={200: JobCheckpointListSerializer, 404: ErrorSerializer},
     )
     def get(self, request: Request, fine_tuning_job_id: str) -> Response:
+        query_params_check(request, allowed=LIST_PARAMETERS)
         job = finetune_job_get(tenant=self.tenant, job_id=fine_tuning_job_id)
         page = cursor_page(
             job_checkpoint_list(job=job),

@@ -8,6 +8,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
+from api.apis.fields import query_params_check
 from api.selectors import model_get, model_list
 from api.serializers import (
     ErrorSerializer,
@@ -21,6 +22,7 @@ from api.services.models import fine_tuned_model_delete
 class ModelCollectionApi(TenantScopedAPIView):
     @extend_schema(operation_id="models_list", responses={200: ModelListSerializer})
     def get(self, request: Request) -> Response:
+        query_params_check(request)
         data = ModelObjectSerializer(model_list(tenant=self.tenant), many=True).data
         return Response({"object": "list", "data": list(data)})
 

@@ -10,7 +10,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import OperatorAPIView
-from api.apis.bodies import body_fields_check, serializer_fields
+from api.apis.fields import body_fields_check, query_params_check, serializer_fields
 from api.apis.files import PAGING_PARAMETERS
 from api.apis.ops_serializers import (
     ApiKeyOpsSerializer,
@@ -99,6 +99,7 @@ class TenantsApi(OperatorAPIView):
 
     @extend_schema(operation_id="ops_tenants_list", responses={200: LISTS[TenantOpsSerializer]})
     def get(self, request: Request) -> Response:
+        query_params_check(request)
         return Response(_listing(TenantOpsSerializer(tenant_list(), many=True).data))
 
     @extend_schema(
@@ -153,6 +154,7 @@ class ApiKeysApi(OperatorAPIView):
         responses={200: LISTS[ApiKeyOpsSerializer], **error_responses(404)},
     )
     def get(self, request: Request) -> Response:
+        query_params_check(request, allowed=("tenant",))
         tenant_name = request.query_params.get("tenant")
         tenant = tenant_get(name=tenant_name) if tenant_name else None
         return Response(_listing(ApiKeyOpsSerializer(api_key_list(tenant=tenant), many=True).data))
@@ -210,6 +212,7 @@ class BaseModelsApi(OperatorAPIView):
         operation_id="ops_basemodels_list", responses={200: LISTS[BaseModelOpsSerializer]}
     )
     def get(self, request: Request) -> Response:
+        query_params_check(request)
         return Response(_listing(BaseModelOpsSerializer(base_model_list(), many=True).data))
 
     @extend_schema(
@@ -242,6 +245,7 @@ class DeploymentsApi(OperatorAPIView):
         operation_id="ops_deployments_list", responses={200: LISTS[DeploymentOpsSerializer]}
     )
     def get(self, request: Request) -> Response:
+        query_params_check(request)
         return Response(_listing(DeploymentOpsSerializer(deployment_list(), many=True).data))
 
     @extend_schema(
@@ -283,6 +287,7 @@ class HostsApi(OperatorAPIView):
         responses={200: LISTS[GpuHostOpsSerializer], 400: ErrorSerializer},
     )
     def get(self, request: Request) -> Response:
+        query_params_check(request, allowed=("status",))
         hosts = host_list(status=_choice_param(request, "status", HostStatus.values))
         return Response(_listing(GpuHostOpsSerializer(hosts, many=True).data))
 
@@ -342,6 +347,7 @@ class PlacementsApi(OperatorAPIView):
         responses={200: LISTS[PlacementOpsSerializer], 400: ErrorSerializer},
     )
     def get(self, request: Request) -> Response:
+        query_params_check(request, allowed=("job", "host", "state"))
         placements = placement_list(
             job_id=request.query_params.get("job"),
             host=request.query_params.get("host"),
@@ -365,6 +371,7 @@ class JobsApi(OperatorAPIView):
         },
     )
     def get(self, request: Request) -> Response:
+        query_params_check(request, allowed=("after", "limit", "tenant", "status"))
         tenant_name = request.query_params.get("tenant")
         jobs = finetune_job_list(
             tenant=tenant_get(name=tenant_name) if tenant_name else None,

@@ -11,7 +11,7 @@ from rest_framework.request import Request
 from rest_framework.response import Response
 
 from api.apis.base import TenantScopedAPIView
-from api.apis.bodies import body_fields_check, serializer_fields
+from api.apis.fields import body_fields_check, serializer_fields
 from api.errors import HarliError
 from api.idempotency import idempotent
 from api.models import Upload, UploadPart

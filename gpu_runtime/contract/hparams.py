@@ -67,6 +67,7 @@ def resolve_target_modules(
     """Expand ``all-linear`` and check every name is a projection LoRA can wrap in
     `architecture` (any architecture's projection when None)."""
     names = tuple(target_modules)
+    allowed: tuple[str, ...]
     if architecture is None:
         allowed = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
     elif architecture in LORA_MODULES_BY_ARCHITECTURE:
