@@ -32,7 +32,7 @@ from api.services.tenants import operator_create, tenant_create
 from api.services.uploads import upload_create
 from tests.api.conftest import VALID_JSONL
 
-EXAMPLES_PER_OPERATION = 40
+EXAMPLES_PER_OPERATION = 25
 SEED = 27
 CHECKS = [
     not_a_server_error,
