@@ -23,8 +23,10 @@ ERROR_DESCRIPTIONS: dict[int, str] = {
     403: "The key or session may not call this API (a tenant key on the operator API, an "
     "operator on a tenant route), or the object may not be changed this way.",
     404: "No such object for this caller (another tenant's object is not found either).",
-    409: "The object's state forbids the operation.",
+    409: "The object's state forbids the operation, or a request with the same "
+    "`Idempotency-Key` is still in flight.",
     413: "The request body is larger than this route accepts (refused from Content-Length).",
+    422: "The `Idempotency-Key` was used with another request.",
     429: "Too many requests or a quota is exhausted; `Retry-After` says when to retry.",
 }
 
@@ -42,14 +44,15 @@ def error_responses(*statuses: int) -> dict[int, OpenApiResponse]:
 
 
 def standard_error_statuses(
-    *, method: str, path: str, has_query: bool, has_body: bool
+    *, method: str, path: str, has_query: bool, has_body: bool, idempotent: bool = False
 ) -> tuple[int, ...]:
     """The error statuses every operation with this shape can return.
 
     401 and 403: every route authenticates and checks the caller's role. 404: a path
     parameter names an object. 400: the operation reads query parameters or a body, or
     lists a collection (an unknown query parameter is refused, `api.apis.fields`).
-    413: a body is read (`api.middleware.declared_size_refusal`).
+    413: a body is read (`api.middleware.declared_size_refusal`). An operation that takes
+    `Idempotency-Key` (`api.idempotency`): 400 (a malformed key), 409 (in flight), 422 (reused).
     """
     statuses = [401, 403]
     if "{" in path:
@@ -59,7 +62,9 @@ def standard_error_statuses(
         statuses.append(400)
     if has_body:
         statuses.append(413)
-    return tuple(sorted(statuses))
+    if idempotent:
+        statuses.extend((400, 409, 422))
+    return tuple(sorted(set(statuses)))
 
 
 class HarliAutoSchema(AutoSchema):
@@ -67,10 +72,20 @@ class HarliAutoSchema(AutoSchema):
 
     def _get_response_bodies(self, direction: Any = "response") -> dict[str, Any]:
         responses: dict[str, Any] = dict(super()._get_response_bodies(direction))
-        has_query = any(p.get("in") == "query" for p in self._get_parameters())
+        from api.idempotency import HEADER as IDEMPOTENCY_HEADER
+
+        parameters = self._get_parameters()
+        has_query = any(p.get("in") == "query" for p in parameters)
         has_body = self.method in BODY_METHODS and self.get_request_serializer() is not None
+        idempotent = any(
+            p.get("in") == "header" and p.get("name") == IDEMPOTENCY_HEADER for p in parameters
+        )
         statuses = standard_error_statuses(
-            method=self.method, path=self.path, has_query=has_query, has_body=has_body
+            method=self.method,
+            path=self.path,
+            has_query=has_query,
+            has_body=has_body,
+            idempotent=idempotent,
         )
         for status, response in error_responses(*statuses).items():
             if str(status) not in responses:

@@ -66,6 +66,9 @@ def test_each_route_documents_its_error_statuses(
         required.add("400")  # a list: an unknown query parameter
     if "requestBody" in operation:
         required |= {"400", "413"}  # a bad or unknown field; a body past the route's limit
+    headers = {p["name"] for p in operation.get("parameters", []) if p["in"] == "header"}
+    if "Idempotency-Key" in headers:
+        required |= {"400", "409", "422"}  # a malformed key; in flight; reused
     assert required <= set(responses), (method, path, sorted(responses))
     success = [code for code in responses if code.startswith("2")]
     assert success, (method, path)
