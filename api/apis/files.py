@@ -21,6 +21,7 @@ from api.serializers import (
     FileObjectSerializer,
 )
 from api.services.files import UploadSource, file_content_chunks, file_create, file_delete
+from api.services.quotas import quota_declared_upload_check
 
 PAGING_PARAMETERS = [
     OpenApiParameter("after", str, description="id of the last object of the previous page"),
@@ -42,6 +43,10 @@ class FileCollectionApi(TenantScopedAPIView):
     )
     @idempotent
     def post(self, request: Request) -> Response:
+        # Before request.FILES: a body that cannot fit the quota is not read.
+        quota_declared_upload_check(
+            tenant=self.tenant, content_length=request.META.get("CONTENT_LENGTH")
+        )
         upload = request.FILES.get("file")
         if upload is None:
             raise HarliError("Missing multipart field 'file'.", param="file", code="missing_file")
