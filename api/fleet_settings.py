@@ -14,6 +14,8 @@
   for this long is flagged as stalled (an event, and a badge in the console).
 * `HARLI_KEEP_CHECKPOINTS` (default 3, as OpenAI keeps): checkpoints a job keeps, the latest;
   older ones are deleted from the list and from storage.
+* `HARLI_PLACEMENTS_PER_PASS` (default 100): the most jobs one placement pass places (the
+  oldest first); the rest wait for the next pass (`api.services.placement`).
 
 Read at call time so tests and the run command can shorten them per process.
 """
@@ -34,6 +36,7 @@ class FleetSettings:
     checkpoint_every_steps: int
     job_stall_after_s: int
     keep_checkpoints: int
+    placements_per_pass: int
 
 
 def fleet_settings() -> FleetSettings:
@@ -45,6 +48,7 @@ def fleet_settings() -> FleetSettings:
         checkpoint_every_steps=env_int("HARLI_CHECKPOINT_EVERY_STEPS", 10),
         job_stall_after_s=env_int("HARLI_JOB_STALL_AFTER_S", 300),
         keep_checkpoints=env_int("HARLI_KEEP_CHECKPOINTS", 3),
+        placements_per_pass=env_int("HARLI_PLACEMENTS_PER_PASS", 100),
     )
     for name, value in vars(values).items():
         if value < 1:

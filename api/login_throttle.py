@@ -1,16 +1,22 @@
-"""Login throttling: when failed sign-ins lock a username or a client address out.
+"""Login throttling: when failed sign-ins lock a username at an address, an address, or a
+username everywhere out.
 
-The rule: once `max_failures_per_user` failed sign-ins for one username, or
-`max_failures_per_ip` from one client address, fall within `window` of each other, further
-sign-ins for that username / from that address are refused for `lockout` after the failure
-that reached the limit, without the password being checked. Refused attempts are not failures
-(nothing was checked), so a lockout does not extend itself; a failure after it ends counts
-with the earlier ones still inside the window. A successful sign-in deletes its username's
-failures (`api.services.login_failures.login_failures_clear`).
+The rule: once `max_failures_per_user` failed sign-ins for one username from one client address
+fall within `window` of each other, further sign-ins for that username from that address are
+refused for `lockout` after the failure that reached the limit, without the password being
+checked; likewise `max_failures_per_ip` from one address (any usernames) lock the address, and
+`max_failures_per_user_global` for one username from any addresses within `global_window` (a
+slower limit, against a guesser spread over many addresses) lock the username everywhere. So an
+attacker's failures lock the attacker's address out, not the operator signing in from
+elsewhere. Refused attempts are not failures (nothing was checked), so a lockout does not
+extend itself; a failure after it ends counts with the earlier ones still inside the window.
+A successful sign-in deletes its username's failures from its address
+(`api.services.login_failures.login_failures_clear`).
 
-Failures live in the database (`LoginFailure`), so every web process sees the same counts.
-Concurrent attempts can each pass the check before any of them records its failure, so a
-burst can exceed a limit by at most the number of attempts in flight at once.
+Failures live in the database (`LoginFailure`), so every web process sees the same counts. An
+attempt is counted before its password is checked (`login_attempt_begin`: the check and the
+insert of its failure row are one serialized transaction, the row deleted again on success),
+so a burst of simultaneous attempts gets at most the limit's number of passwords checked.
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ class LoginThrottlePolicy:
     """The limits of the login throttle (settings `HARLI_LOGIN_*`)."""
 
     max_failures_per_user: int
-    """Failed sign-ins for one username, within `window`, that lock it out."""
+    """Failed sign-ins for one username from one client address, within `window`, that lock
+    that username out at that address."""
     max_failures_per_ip: int
     """Failed sign-ins from one client address (any usernames), within `window`, that lock
     it out."""
@@ -52,13 +59,22 @@ class LoginThrottlePolicy:
     """How close together the failures must be to count towards one lockout."""
     lockout: timedelta
     """How long a lockout lasts, from the failure that reached the limit."""
+    max_failures_per_user_global: int = 100
+    """Failed sign-ins for one username from any addresses, within `global_window`, that lock
+    the username out everywhere."""
+    global_window: timedelta = timedelta(hours=1)
+    """How close together the failures must be to count towards a username's global lockout."""
 
     def __post_init__(self) -> None:
-        for name in ("max_failures_per_user", "max_failures_per_ip"):
+        for name in (
+            "max_failures_per_user",
+            "max_failures_per_ip",
+            "max_failures_per_user_global",
+        ):
             value = getattr(self, name)
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("window", "lockout"):
+        for name in ("window", "lockout", "global_window"):
             value = getattr(self, name)
             if value <= timedelta(0):
                 raise ValueError(f"{name} must be positive, got {value}")
@@ -67,7 +83,7 @@ class LoginThrottlePolicy:
     def lookback(self) -> timedelta:
         """How far back a failure can still matter: the first of a run of failures is at most
         `window` before the last, whose lockout ends `lockout` after it."""
-        return self.window + self.lockout
+        return max(self.window, self.global_window) + self.lockout
 
     @classmethod
     def from_settings(cls) -> LoginThrottlePolicy:
@@ -76,14 +92,20 @@ class LoginThrottlePolicy:
             max_failures_per_ip=settings.HARLI_LOGIN_MAX_FAILURES_PER_IP,
             window=timedelta(seconds=settings.HARLI_LOGIN_WINDOW_S),
             lockout=timedelta(seconds=settings.HARLI_LOGIN_LOCKOUT_S),
+            max_failures_per_user_global=settings.HARLI_LOGIN_MAX_FAILURES_PER_USER_GLOBAL,
+            global_window=timedelta(seconds=settings.HARLI_LOGIN_GLOBAL_WINDOW_S),
         )
+
+
+LockoutScope = Literal["username+ip", "ip", "username"]
 
 
 @dataclass(frozen=True)
 class Lockout:
-    """A lockout in force: what it holds (`username` or `ip`) and when it ends."""
+    """A lockout in force: what it holds (`username+ip`: the username at this address, `ip`:
+    the address, `username`: the username everywhere) and when it ends."""
 
-    scope: Literal["username", "ip"]
+    scope: LockoutScope
     until: datetime
 
     def remaining(self, *, now: datetime) -> timedelta:
@@ -105,23 +127,26 @@ def login_lockout_get(
     *, username: str, ip: str, policy: LoginThrottlePolicy, now: datetime
 ) -> Lockout | None:
     """The lockout that refuses a sign-in for `username` from `ip` at `now` (the one that
-    ends last when both apply), or None. `username` and `ip` are keys (`login_username`,
+    ends last when several apply), or None. `username` and `ip` are keys (`login_username`,
     `login_ip`); an empty one is not counted."""
     since = now - policy.lookback
     found: list[Lockout] = []
-    scopes: tuple[tuple[Literal["username", "ip"], str, int], ...] = (
-        ("username", username, policy.max_failures_per_user),
-        ("ip", ip, policy.max_failures_per_ip),
-    )
-    for scope, key, limit in scopes:
-        if not key:
+    scopes: tuple[tuple[LockoutScope, dict[str, str], int, timedelta], ...] = (
+        ("username+ip", {"username": username, "ip": ip}, policy.max_failures_per_user,
+         policy.window),
+        ("ip", {"ip": ip}, policy.max_failures_per_ip, policy.window),
+        ("username", {"username": username}, policy.max_failures_per_user_global,
+         policy.global_window),
+    )  # fmt: skip
+    for scope, keys, limit, window in scopes:
+        if not all(keys.values()):
             continue
         times = list(
-            LoginFailure.objects.filter(**{scope: key}, at__gt=since)
+            LoginFailure.objects.filter(**keys, at__gt=since)
             .order_by("at")
             .values_list("at", flat=True)
         )
-        end = lockout_end(failures=times, limit=limit, window=policy.window, lockout=policy.lockout)
+        end = lockout_end(failures=times, limit=limit, window=window, lockout=policy.lockout)
         if end is not None and end > now:
             found.append(Lockout(scope=scope, until=end))
     return max(found, key=lambda item: item.until, default=None)

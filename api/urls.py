@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from django.urls import URLPattern, path
 
-from api.apis import adapters, files, jobs, models, ops, ops_usage, uploads, usage
+from api.apis import adapters, files, jobs, limits, models, ops, ops_usage, uploads, usage
 
 JOB = "fine_tuning/jobs/<str:fine_tuning_job_id>"
 UPLOAD = "uploads/<str:upload_id>"
@@ -40,6 +40,7 @@ v1_urlpatterns: list[URLPattern] = [
         usage.UsageCompletionsApi.as_view(),
         name="usage-completions",
     ),
+    path("organization/limits", limits.OrganizationLimitsApi.as_view(), name="organization-limits"),
 ]
 
 ops_urlpatterns: list[URLPattern] = [

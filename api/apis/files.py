@@ -22,6 +22,7 @@ from api.serializers import (
     FileObjectSerializer,
 )
 from api.services.files import UploadSource, file_content_chunks, file_create, file_delete
+from api.services.quotas import quota_declared_upload_check
 
 PAGING_PARAMETERS = [
     OpenApiParameter("after", str, description="id of the last object of the previous page"),
@@ -43,6 +44,10 @@ class FileCollectionApi(TenantScopedAPIView):
     )
     @idempotent
     def post(self, request: Request) -> Response:
+        # Before request.FILES: a body that cannot fit the quota is not read.
+        quota_declared_upload_check(
+            tenant=self.tenant, content_length=request.META.get("CONTENT_LENGTH")
+        )
         body_fields_check(
             {**request.POST, **request.FILES}, allowed=serializer_fields(self.FileUploadSerializer)
         )

@@ -98,7 +98,7 @@ class JobCollectionApi(TenantScopedAPIView):
     @extend_schema(
         operation_id="fine_tuning_jobs_create",
         request=JobCreateSerializer,
-        responses={200: FineTuningJobSerializer, 400: ErrorSerializer},
+        responses={200: FineTuningJobSerializer, 400: ErrorSerializer, 429: ErrorSerializer},
     )
     @idempotent
     def post(self, request: Request) -> Response:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from django.db import transaction
+from django.utils import timezone
 from drf_spectacular.utils import OpenApiParameter, extend_schema, inline_serializer
 from rest_framework import serializers, status
 from rest_framework.request import Request
@@ -19,12 +21,24 @@ from api.apis.ops_serializers import (
     FinetuneJobOpsSerializer,
     GpuHostOpsSerializer,
     PlacementOpsSerializer,
+    TenantDetailOpsSerializer,
     TenantOpsSerializer,
+    TenantQuotasPatchSerializer,
 )
 from api.errors import HarliError, NotFoundError
-from api.models import Architecture, Dtype, HostStatus, JobStatus, PlacementState, User, UserRole
+from api.models import (
+    Architecture,
+    Dtype,
+    HostStatus,
+    JobStatus,
+    PlacementState,
+    Tenant,
+    User,
+    UserRole,
+)
 from api.pagination import cursor_page, page_body, parse_limit
 from api.presets import PRESETS
+from api.quotas import tenant_quota_states
 from api.schema import error_responses
 from api.selectors import (
     api_key_list,
@@ -50,6 +64,7 @@ from api.services.fleet import (
     host_undrain,
 )
 from api.services.jobs import finetune_job_cancel
+from api.services.quotas import tenant_quotas_set
 from api.services.tenants import tenant_create, tenant_limits_set
 
 LISTS = {
@@ -112,6 +127,12 @@ class TenantsApi(OperatorAPIView):
         return Response(TenantOpsSerializer(tenant).data, status=status.HTTP_201_CREATED)
 
 
+def _tenant_detail(tenant: Tenant) -> dict[str, Any]:
+    """A tenant's operator record with its quotas and their current use."""
+    states = tenant_quota_states(tenant=tenant, now=timezone.now())
+    return {**TenantOpsSerializer(tenant).data, "quotas": [s.as_dict() for s in states]}
+
+
 class TenantDetailApi(OperatorAPIView):
     class TenantLimitsSerializer(serializers.Serializer):
         requests_per_minute = serializers.IntegerField(
@@ -120,26 +141,38 @@ class TenantDetailApi(OperatorAPIView):
         tokens_per_minute = serializers.IntegerField(
             allow_null=True, required=False, help_text="a positive integer, or null for no limit"
         )
+        quotas = TenantQuotasPatchSerializer(
+            required=False,
+            help_text="quota overrides: an integer from 0, or null for the fleet default; "
+            "a quota left out keeps its value",
+        )
 
-    @extend_schema(operation_id="ops_tenants_retrieve", responses={200: TenantOpsSerializer})
+    @extend_schema(
+        operation_id="ops_tenants_retrieve",
+        responses={200: TenantDetailOpsSerializer, 404: ErrorSerializer},
+    )
     def get(self, request: Request, name: str) -> Response:
-        return Response(TenantOpsSerializer(tenant_get(name=name)).data)
+        return Response(_tenant_detail(tenant_get(name=name)))
 
     @extend_schema(
         operation_id="ops_tenants_limits_set",
-        summary="Set a tenant's rate limits (a field left out keeps its value)",
+        summary="Set a tenant's rate limits and quotas (a field left out keeps its value)",
         request=TenantLimitsSerializer,
-        responses={200: TenantOpsSerializer, 400: ErrorSerializer, 404: ErrorSerializer},
+        responses={200: TenantDetailOpsSerializer, 400: ErrorSerializer, 404: ErrorSerializer},
     )
     def patch(self, request: Request, name: str) -> Response:
         tenant = tenant_get(name=name)
+        quotas = request.data.get("quotas") if isinstance(request.data, dict) else None
         data = _valid(self.TenantLimitsSerializer, request.data)
-        tenant = tenant_limits_set(
-            tenant=tenant,
-            requests_per_minute=data.get("requests_per_minute", tenant.requests_per_minute),
-            tokens_per_minute=data.get("tokens_per_minute", tenant.tokens_per_minute),
-        )
-        return Response(TenantOpsSerializer(tenant).data)
+        with transaction.atomic():
+            tenant = tenant_limits_set(
+                tenant=tenant,
+                requests_per_minute=data.get("requests_per_minute", tenant.requests_per_minute),
+                tokens_per_minute=data.get("tokens_per_minute", tenant.tokens_per_minute),
+            )
+            if "quotas" in data:
+                tenant_quotas_set(tenant=tenant, changes=quotas)
+        return Response(_tenant_detail(tenant))
 
 
 class ApiKeysApi(OperatorAPIView):

@@ -6,6 +6,7 @@ from typing import Any
 
 from rest_framework import serializers
 
+from api.apis.limits import QuotaSerializer
 from api.models import ApiKey, BaseModel, Deployment, FinetuneJob, GpuHost, Placement, Tenant
 
 
@@ -17,6 +18,27 @@ class TenantOpsSerializer(serializers.ModelSerializer):
             "requests_per_minute": {"help_text": "inference requests per minute; null: no limit"},
             "tokens_per_minute": {"help_text": "inference tokens per minute; null: no limit"},
         }
+
+
+class TenantQuotasPatchSerializer(serializers.Serializer):
+    """Quota overrides in a tenant's PATCH (`api.quotas`): an integer from 0, or null for the
+    fleet default."""
+
+    running_jobs = serializers.IntegerField(allow_null=True, required=False, min_value=0)
+    queued_jobs = serializers.IntegerField(allow_null=True, required=False, min_value=0)
+    stored_bytes = serializers.IntegerField(allow_null=True, required=False, min_value=0)
+    trained_tokens_per_month = serializers.IntegerField(
+        allow_null=True, required=False, min_value=0
+    )
+
+
+class TenantDetailOpsSerializer(TenantOpsSerializer):
+    """A tenant with each quota: its limit, the default, the override and current use."""
+
+    quotas = QuotaSerializer(many=True, read_only=True)
+
+    class Meta(TenantOpsSerializer.Meta):
+        fields = [*TenantOpsSerializer.Meta.fields, "quotas"]
 
 
 class ApiKeyOpsSerializer(serializers.ModelSerializer):

@@ -29,6 +29,7 @@ from api.models.metrics import (
     MetricRollup,
     RollupSeries,
 )
+from api.models.quotas import TenantQuota, TenantTrainedTokens
 from api.models.tenancy import ApiKey, Tenant, User, UserRole
 from api.models.uploads import Upload, UploadPart, UploadStatus
 from api.models.usage import TenantUsage
@@ -69,6 +70,8 @@ __all__ = [
     "PlacementState",
     "Tenant",
     "TenantUsage",
+    "TenantQuota",
+    "TenantTrainedTokens",
     "Upload",
     "UploadPart",
     "UploadStatus",

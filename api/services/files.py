@@ -21,6 +21,7 @@ from django.db.models import Q
 from api.errors import ConflictError, HarliError, NotFoundError
 from api.models import File, FilePurpose, FileStatus, FinetuneJob, Tenant
 from api.models.ids import new_file_id
+from api.services.quotas import quota_stored_bytes_check
 from api.storage import get_storage
 from api.training_files import TrainingFileReport, check_training_lines
 from api.transitions import TERMINAL_STATUSES
@@ -137,6 +138,7 @@ def file_row_create(
 ) -> File:
     """Insert the row of a validated file whose bytes are stored under `storage_key`."""
     with transaction.atomic():
+        quota_stored_bytes_check(tenant=tenant, adding=size, lock=True)
         return File.objects.create(
             id=file_id,
             tenant=tenant,
@@ -164,6 +166,7 @@ def file_create(*, tenant: Tenant, purpose: str, upload: UploadSource) -> File:
             code="file_too_large",
             http_status=413,
         )
+    quota_stored_bytes_check(tenant=tenant, adding=upload.size, lock=False)
     filename = clean_filename(upload.filename)
     report = check_training_lines(upload.lines())
 

@@ -35,6 +35,7 @@ from api.models import (
     PlacementState,
 )
 from api.models.ids import new_file_id
+from api.services.quotas import job_trained_tokens_advance
 from api.storage import get_storage
 
 RESULTS_COLUMNS = (
@@ -97,7 +98,7 @@ def finetune_job_trained_tokens_update(*, job: FinetuneJob, trained_tokens: Any)
         raise HarliError(
             f"trained_tokens must be >= 0, got {trained_tokens!r}.", param="trained_tokens"
         )
-    FinetuneJob.objects.filter(pk=job.pk).update(trained_tokens=trained_tokens)
+    job_trained_tokens_advance(job=job, trained_tokens=trained_tokens)
     job.trained_tokens = trained_tokens
 
 

@@ -45,6 +45,7 @@ from api.models import (
     Tenant,
 )
 from api.selectors import fine_tuned_model_name
+from api.services.quotas import quota_job_admit, trained_tokens_record
 from api.training_files import check_method_format
 from api.transitions import TERMINAL_STATUSES, is_legal_transition
 
@@ -216,6 +217,7 @@ def finetune_job_create(
             if not locked:
                 assert file is not None
                 raise HarliError(f"No such file: {file.pk}.", param=param, code="invalid_file")
+        quota_job_admit(tenant=tenant)
         job = FinetuneJob.objects.create(
             tenant=tenant,
             base_model=base_model,
@@ -275,6 +277,10 @@ def finetune_job_pause(*, job: FinetuneJob) -> FinetuneJob:
 def finetune_job_resume(*, job: FinetuneJob) -> FinetuneJob:
     """Paused -> queued, then dispatch again after commit (it resumes from its checkpoint)."""
     with transaction.atomic():
+        # The job's row before the tenant's, the order of every status change (a transition
+        # locks both), so a pause racing this resume cannot deadlock with it.
+        FinetuneJob.objects.select_for_update().filter(pk=job.pk).exists()
+        quota_job_admit(tenant=job.tenant)
         job = finetune_job_transition(job=job, to=JobStatus.QUEUED, message="Job resumed; queued")
         job_id = job.id
         transaction.on_commit(lambda: finetune_job_dispatch(job_id=job_id))
@@ -309,6 +315,9 @@ def finetune_job_succeed(
             job=job, to=JobStatus.SUCCEEDED, message="The job has successfully completed"
         )
         job.fine_tuned_model = fine_tuned_model_name(job=job)
+        trained_tokens_record(
+            tenant_id=job.tenant_id, increase=trained_tokens - (job.trained_tokens or 0)
+        )
         job.trained_tokens = trained_tokens
         job.save(update_fields=["fine_tuned_model", "trained_tokens"])
         Adapter.objects.create(

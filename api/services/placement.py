@@ -21,16 +21,19 @@ commits.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
 from typing import Any
 
 from django.db import transaction
+from django.db.models import Count, OuterRef, Subquery
 from django.utils import timezone
 
 from api.fleet_settings import fleet_settings
 from api.models import (
     OPEN_PLACEMENT_STATES,
+    BaseModel,
     EventLevel,
     FinetuneJob,
     GpuHost,
@@ -43,10 +46,10 @@ from api.models import (
     Placement,
     PlacementDecision,
     PlacementState,
+    Tenant,
 )
-from api.selectors import job_checkpoint_latest
-from api.services.jobs import job_event_record
-from api.services.placement_dispatch import placement_send
+from api.quotas import running_jobs_limits
+from api.services.placement_dispatch import placements_send
 from gpu_runtime.contract.footprint import MIN_FINETUNE_BYTES, finetune_footprint_bytes
 from gpu_runtime.contract.model_config import ModelConfig
 from gpu_runtime.contract.training_data import training_max_seq_len
@@ -80,13 +83,21 @@ def finetune_memory_estimate(*, job: FinetuneJob) -> int:
 
 
 def _candidate(
-    host: GpuHost, job: FinetuneJob, need: int, fresh_after: Any, load: dict[int, int]
+    host: GpuHost,
+    job: FinetuneJob,
+    need: int,
+    fresh_after: Any,
+    load: dict[int, int],
+    free: dict[int, int],
 ) -> dict[str, Any]:
+    """One host's row for `job`: `free` is the host's reported free bytes less the estimates
+    of the jobs this pass placed on it."""
     state: HostAgentState | None = getattr(host, "agent_state", None)
+    free_bytes = free.get(host.pk, 0)
     row: dict[str, Any] = {
         "host": host.name,
         "status": host.status,
-        "free_bytes": state.free_bytes if state else None,
+        "free_bytes": free_bytes if state else None,
         "harvestable_tokens_per_s": state.harvestable_tokens_per_s if state else None,
         "harvest": dict(state.harvest or {}) if state else None,
         "predictor_version": host.predictor_version,
@@ -102,12 +113,12 @@ def _candidate(
         row["why"] = "no recent heartbeat"
     elif state.draining:
         row["why"] = "agent is draining"
-    elif state.free_bytes < need:
-        row["why"] = f"free {state.free_bytes} B < needed {need} B"
+    elif free_bytes < need:
+        row["why"] = f"free {free_bytes} B < needed {need} B"
     else:
         row["eligible"] = True
         row["score"] = state.harvestable_tokens_per_s / (1 + row["open_placements"])
-        row["headroom_bytes"] = state.free_bytes - need
+        row["headroom_bytes"] = free_bytes - need
         row["why"] = "eligible"
     return row
 
@@ -124,87 +135,294 @@ def _choose(eligible: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def job_place(*, job_id: str) -> Placement | None:
-    """Place a queued job without an open placement; None when it needs none, no host fits,
-    or its previous host still trains it (a resume right after a pause: it waits for that
-    host's stop, see :func:`_still_training`, and for the checkpoint that stop reported, see
-    :func:`_checkpoint_in_flight`).
+    """Place one queued job without an open placement (the `workers.place_job` task, right
+    after the job is queued); None when it needs none, no host fits, its tenant is at its
+    `running_jobs` quota, or its previous host still trains it (a resume right after a pause:
+    it waits for that host's stop, see :func:`_still_training`, and for the checkpoint that
+    stop reported, see :func:`_checkpoint_in_flight`). The same pass as reconciliation's
+    (:func:`placement_pass`), over this one job."""
+    placed = placement_pass(job_ids=[job_id])
+    return placed[0] if placed else None
 
-    Idempotent: a job that is not queued, or already has an open placement, is left alone.
-    The job's row lock (PostgreSQL; SQLite's write transaction) orders this against a
-    concurrent pause or cancel: either the job is paused first and not placed, or its new
-    placement is released by the pause and the host told to stop it.
+
+@dataclass
+class _Waiting:
+    """A queued job the pass considers, with what it read about it in batched queries."""
+
+    job: FinetuneJob
+    previous: Placement | None
+    latest_step: int | None
+    last_message: str | None
+
+
+@dataclass
+class _Choice:
+    job: FinetuneJob
+    host: GpuHost
+    reasons: dict[str, Any]
+    resume_step: int | None
+
+
+def _waiting_jobs(job_ids: list[str] | None) -> list[_Waiting]:
+    """Queued jobs without an open placement, oldest first, each with its previous placement
+    (host and agent state), its latest stored checkpoint's step and its latest event's message:
+    three queries whatever their number."""
+    open_jobs = Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES).values("job_id")
+    jobs = FinetuneJob.objects.filter(status=JobStatus.QUEUED).exclude(pk__in=open_jobs)
+    if job_ids is not None:
+        jobs = jobs.filter(pk__in=job_ids)
+    # Plain rows of only what placement reads (no model instances for 10,000 waiting jobs);
+    # the base models come in one query of their own.
+    rows = list(
+        jobs.annotate(
+            last_message=Subquery(
+                JobEvent.objects.filter(job=OuterRef("pk"))
+                .order_by("-created_at", "-id")
+                .values("message")[:1]
+            ),
+            previous_id=Subquery(
+                Placement.objects.filter(job=OuterRef("pk"))
+                .order_by("-created_at", "-id")
+                .values("pk")[:1]
+            ),
+            latest_step=Subquery(
+                JobCheckpoint.objects.filter(job=OuterRef("pk"))
+                .exclude(path="")
+                .order_by("-step")
+                .values("step")[:1]
+            ),
+        )
+        .order_by("created_at", "id")
+        .values_list(
+            "id",
+            "tenant_id",
+            "base_model_id",
+            "hyperparameters",
+            "method",
+            "lora_rank",
+            "lora_target_modules",
+            "last_message",
+            "previous_id",
+            "latest_step",
+        )
+    )
+    models = {m.pk: m for m in BaseModel.objects.filter(pk__in={r[2] for r in rows})}
+    previous_ids = [r[8] for r in rows if r[8] is not None]
+    previous = {
+        p.pk: p
+        for p in Placement.objects.filter(pk__in=previous_ids).select_related(
+            "host", "host__agent_state"
+        )
+    }
+    waiting = []
+    for job_id, tenant_id, model_id, hyper, method, rank, modules, message, prev, step in rows:
+        job = FinetuneJob(
+            id=job_id,
+            tenant_id=tenant_id,
+            base_model=models[model_id],
+            status=JobStatus.QUEUED,
+            hyperparameters=hyper,
+            method=method,
+            lora_rank=rank,
+            lora_target_modules=modules,
+        )
+        job._state.adding = False  # a partial copy for the estimate; never saved or returned
+        waiting.append(
+            _Waiting(
+                job=job,
+                previous=previous.get(prev),
+                latest_step=step,
+                last_message=message,
+            )
+        )
+    return waiting
+
+
+def placement_pass(*, job_ids: list[str] | None = None) -> list[Placement]:
+    """Place waiting jobs, the oldest first, at most `HARLI_PLACEMENTS_PER_PASS` of them; returns
+    the placements made (sent to their hosts after commit).
+
+    Reads the waiting jobs, the hosts and the open placements in a fixed number of queries
+    (none per job), decides in memory, then writes in one transaction: a job placed in this
+    pass counts in its host's load and its estimate comes off the host's free memory for the
+    rest of the pass (a heartbeat has not reported it yet), and in its tenant's
+    `running_jobs`. A job that must wait gets one event naming why (once per distinct reason;
+    bulk-inserted). The bound keeps one pass's writes and broker messages short whatever the
+    queue; a new job does not wait for it (its own `place_job` task places it at once).
+
+    Ordering against concurrent writers: the pass locks the jobs it chose, then their tenants
+    (PostgreSQL row locks; SQLite's write transaction), and decides again on what it
+    finds there: a job paused, cancelled or placed meanwhile is skipped, and a tenant's
+    `running_jobs` is counted under its lock, so two passes cannot pass it together.
     """
-    with transaction.atomic():
-        job = (
-            FinetuneJob.objects.select_for_update()
-            .select_related("base_model", "tenant")
-            .filter(pk=job_id)
-            .first()
-        )
-        if job is None or job.status != JobStatus.QUEUED:
-            return None
-        if Placement.objects.filter(job=job, state__in=OPEN_PLACEMENT_STATES).exists():
-            return None
-        fresh_after = timezone.now() - timedelta(seconds=fleet_settings().host_lost_after_s)
-        previous = (
-            Placement.objects.filter(job=job)
-            .select_related("host", "host__agent_state")
-            .order_by("-created_at", "-id")
-            .first()
-        )
-        latest = job_checkpoint_latest(job=job)
-        stopping = _still_training(previous=previous, fresh_after=fresh_after)
-        if stopping is not None:
-            _note(
-                job=job,
-                message=f"Waiting for host {stopping.host.name} to stop placement {stopping.pk} "
-                "(it checkpoints at its batch boundary first)",
-                level=EventLevel.INFO,
-            )
-            return None
-        awaited = _checkpoint_in_flight(previous=previous, latest=latest)
-        if awaited is not None:
-            _note(
-                job=job,
-                message=f"Waiting for the checkpoint of step {awaited.stopped_step} that host "
-                f"{awaited.host.name} stopped at",
-                level=EventLevel.INFO,
-            )
-            return None
-        need = finetune_memory_estimate(job=job)
-        load: dict[int, int] = {}
-        for host_id in Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES).values_list(
-            "host_id", flat=True
-        ):
-            load[host_id] = load.get(host_id, 0) + 1
-        hosts = GpuHost.objects.select_related("deployment", "agent_state").order_by("name")
-        rows = [_candidate(h, job, need, fresh_after, load) for h in hosts]
+    conf = fleet_settings()
+    fresh_after = timezone.now() - timedelta(seconds=conf.host_lost_after_s)
+    waiting = _waiting_jobs(job_ids)
+    if not waiting:
+        return []
+    hosts = list(GpuHost.objects.select_related("deployment", "agent_state").order_by("name"))
+    open_placements = Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES)
+    load: dict[int, int] = dict(
+        open_placements.values("host_id").annotate(n=Count("id")).values_list("host_id", "n")
+    )
+    tenant_ids = {w.job.tenant_id for w in waiting}
+    running = _tenant_running(tenant_ids)
+    limits = running_jobs_limits(tenant_ids=tenant_ids)
+    free = {
+        h.pk: h.agent_state.free_bytes for h in hosts if getattr(h, "agent_state", None) is not None
+    }
+    notes: list[tuple[_Waiting, str, str]] = []
+    choices: list[_Choice] = []
+    needs: dict[tuple[Any, ...], int] = {}
+    # Jobs of one base model and estimate see the same candidate rows until a placement
+    # changes a host's load or memory: computed once per (model, estimate) between placements.
+    seen: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for item in waiting:
+        if len(choices) >= conf.placements_per_pass:
+            break
+        note = _wait_reason(item, fresh_after, running, limits)
+        if note is not None:
+            notes.append((item, note, EventLevel.INFO))
+            continue
+        job = item.job
+        shape = _estimate_key(job)
+        if shape not in needs:
+            needs[shape] = finetune_memory_estimate(job=job)
+        need = needs[shape]
+        group = (job.base_model_id, need)
+        if group not in seen:
+            seen[group] = [_candidate(h, job, need, fresh_after, load, free) for h in hosts]
+        rows = seen[group]
         eligible = [r for r in rows if r["eligible"]]
         if not eligible:
-            _note_waiting(job=job, rows=rows)
-            return None
-        best = _choose(eligible)
+            summary = "; ".join(f"{r['host']}: {r['why']}" for r in rows) or "no hosts registered"
+            notes.append((item, f"Waiting for a host ({summary})", EventLevel.WARN))
+            continue
+        seen.clear()
+        rows = [dict(r) for r in rows]  # this job's own record (the reasons keep it)
+        best = _choose([r for r in rows if r["eligible"]])
         host = next(h for h in hosts if h.name == best["host"])
-        placement = Placement.objects.create(job=job, host=host)
-        reasons = {
-            "policy": POLICY,
-            "needed_bytes": need,
-            "chosen": host.name,
-            "candidates": rows,
-        }
-        PlacementDecision.objects.create(
-            placement=placement, reasons=reasons, resume_step=latest.step if latest else None
-        )
-        resume = f", resuming from step {latest.step}" if latest else ""
-        job_event_record(
-            job=job,
-            message=f"Placed on host {host.name}{resume}",
-            data={"placement_id": placement.pk, "host": host.name, "reasons": reasons},
-        )
-        placement_id = placement.pk
+        load[host.pk] = load.get(host.pk, 0) + 1
+        free[host.pk] -= need
+        running[job.tenant_id] = running.get(job.tenant_id, 0) + 1
+        reasons = {"policy": POLICY, "needed_bytes": need, "chosen": host.name, "candidates": rows}
+        choices.append(_Choice(job=job, host=host, reasons=reasons, resume_step=item.latest_step))
+    _notes_record(notes)
+    if not choices:
+        return []
+    return _placements_write(choices)
 
-        transaction.on_commit(partial(placement_send, placement_id=placement_id))
-        return placement
+
+def _estimate_key(job: FinetuneJob) -> tuple[Any, ...]:
+    """What :func:`finetune_memory_estimate` reads of a job."""
+    batch = job.hyperparameters.get("batch_size")
+    return (job.base_model_id, batch, job.method, job.lora_rank, tuple(job.lora_target_modules))
+
+
+def _tenant_running(tenant_ids: set[int]) -> dict[int, int]:
+    """Jobs of each tenant with an open placement (their `running_jobs` use): one query."""
+    return dict(
+        Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES, job__tenant_id__in=tenant_ids)
+        .values("job__tenant_id")
+        .annotate(n=Count("job_id", distinct=True))
+        .values_list("job__tenant_id", "n")
+    )
+
+
+def _wait_reason(
+    item: _Waiting, fresh_after: Any, running: dict[int, int], limits: dict[int, int]
+) -> str | None:
+    """Why the job waits before any host is looked at, or None."""
+    tenant_id = item.job.tenant_id
+    if running.get(tenant_id, 0) >= limits[tenant_id]:
+        return (
+            f"Waiting: the tenant has {running.get(tenant_id, 0)} jobs on hosts, its "
+            f"running_jobs quota is {limits[tenant_id]}"
+        )
+    stopping = _still_training(previous=item.previous, fresh_after=fresh_after)
+    if stopping is not None:
+        return (
+            f"Waiting for host {stopping.host.name} to stop placement {stopping.pk} "
+            "(it checkpoints at its batch boundary first)"
+        )
+    awaited = _checkpoint_in_flight(previous=item.previous, latest_step=item.latest_step)
+    if awaited is not None:
+        return (
+            f"Waiting for the checkpoint of step {awaited.stopped_step} that host "
+            f"{awaited.host.name} stopped at"
+        )
+    return None
+
+
+def _notes_record(notes: list[tuple[_Waiting, str, str]]) -> None:
+    """Record each waiting job's reason unless it is the job's latest event already (passes
+    repeat often): one insert for all."""
+    fresh = [
+        JobEvent(job_id=item.job.pk, message=message, level=level)
+        for item, message, level in notes
+        if item.last_message != message
+    ]
+    if fresh:
+        JobEvent.objects.bulk_create(fresh)
+
+
+def _placements_write(choices: list[_Choice]) -> list[Placement]:
+    """Write the pass's placements in one transaction, after locking and checking again (see
+    :func:`placement_pass`); their sends are queued for after commit."""
+    with transaction.atomic():
+        # Jobs before tenants, as a job's status change locks them (`finetune_job_transition`
+        # locks the job's row with its tenant's): the same order everywhere, no deadlock.
+        ids = [c.job.pk for c in choices]
+        still = set(
+            FinetuneJob.objects.select_for_update()
+            .filter(pk__in=ids, status=JobStatus.QUEUED)
+            .order_by("pk")
+            .values_list("pk", flat=True)
+        )
+        tenant_ids = sorted({c.job.tenant_id for c in choices})
+        list(Tenant.objects.select_for_update().filter(pk__in=tenant_ids).order_by("pk"))
+        still -= set(
+            Placement.objects.filter(job_id__in=ids, state__in=OPEN_PLACEMENT_STATES).values_list(
+                "job_id", flat=True
+            )
+        )
+        running = _tenant_running(set(tenant_ids))
+        limits = running_jobs_limits(tenant_ids=set(tenant_ids))
+        kept: list[_Choice] = []
+        for choice in choices:
+            tenant_id = choice.job.tenant_id
+            if choice.job.pk not in still or running.get(tenant_id, 0) >= limits[tenant_id]:
+                continue
+            running[tenant_id] = running.get(tenant_id, 0) + 1
+            kept.append(choice)
+        placements = Placement.objects.bulk_create(
+            [Placement(job_id=c.job.pk, host=c.host) for c in kept]
+        )
+        PlacementDecision.objects.bulk_create(
+            [
+                PlacementDecision(placement=p, reasons=c.reasons, resume_step=c.resume_step)
+                for p, c in zip(placements, kept, strict=True)
+            ]
+        )
+        events = []
+        for placement, choice in zip(placements, kept, strict=True):
+            resume = f", resuming from step {choice.resume_step}" if choice.resume_step else ""
+            events.append(
+                JobEvent(
+                    job_id=choice.job.pk,
+                    message=f"Placed on host {choice.host.name}{resume}",
+                    data={
+                        "placement_id": placement.pk,
+                        "host": choice.host.name,
+                        "reasons": choice.reasons,
+                    },
+                )
+            )
+        JobEvent.objects.bulk_create(events)
+        placement_ids = [p.pk for p in placements]
+        if placement_ids:
+            transaction.on_commit(partial(placements_send, placement_ids=placement_ids))
+    return placements
 
 
 def _still_training(*, previous: Placement | None, fresh_after: Any) -> Placement | None:
@@ -231,30 +449,17 @@ def _still_training(*, previous: Placement | None, fresh_after: Any) -> Placemen
 
 
 def _checkpoint_in_flight(
-    *, previous: Placement | None, latest: JobCheckpoint | None
+    *, previous: Placement | None, latest_step: int | None
 ) -> Placement | None:
     """The job's `previous` placement when its host reported stopping at a step whose
     checkpoint is not recorded yet (`latest` is the job's latest recorded one): the checkpoint
     report was sent first but may be applied later (a report retried after a transient error
     runs behind the ones sent after it). The job waits for it at most HARLI_REDISPATCH_AFTER_S
-    after the stop, then resumes from `latest` (a report the broker lost never comes)."""
+    after the stop, then resumes from `latest_step` (a report the broker lost never comes)."""
     if previous is None or previous.stopped_step is None or previous.stopped_at is None:
         return None
     waited = timezone.now() - previous.stopped_at
     if waited > timedelta(seconds=fleet_settings().redispatch_after_s):
         return None
-    recorded = latest.step if latest is not None else 0
+    recorded = latest_step if latest_step is not None else 0
     return previous if recorded < previous.stopped_step else None
-
-
-def _note_waiting(*, job: FinetuneJob, rows: list[dict[str, Any]]) -> None:
-    """Record why no host fits, once per distinct reason set (reconciliation retries often)."""
-    summary = "; ".join(f"{r['host']}: {r['why']}" for r in rows) or "no hosts registered"
-    _note(job=job, message=f"Waiting for a host ({summary})", level=EventLevel.WARN)
-
-
-def _note(*, job: FinetuneJob, message: str, level: str) -> None:
-    """Record `message` unless it is the job's latest event already."""
-    last = JobEvent.objects.filter(job=job).order_by("-created_at", "-id").first()
-    if last is None or last.message != message:
-        job_event_record(job=job, message=message, level=level)

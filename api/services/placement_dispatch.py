@@ -26,6 +26,8 @@ from api.selectors import fine_tuned_model_name, job_checkpoint_latest
 from gpu_runtime.contract.protocol import adapter_key
 from gpu_runtime.contract.training_data import training_max_seq_len
 
+_LOOKUP = object()  # placement_command's `resume` not given: read the latest checkpoint
+
 
 def job_spec(*, job: FinetuneJob, resume: JobCheckpoint | None) -> dict[str, Any]:
     """The JobSpec of an apply_placement command (see the protocol module)."""
@@ -56,30 +58,56 @@ def job_spec(*, job: FinetuneJob, resume: JobCheckpoint | None) -> dict[str, Any
     }
 
 
-def placement_command(*, placement: Placement) -> dict[str, Any]:
-    """apply_placement for `placement`, resuming from the job's latest checkpoint if any."""
+def placement_command(
+    *, placement: Placement, resume: JobCheckpoint | None | object = _LOOKUP
+) -> dict[str, Any]:
+    """apply_placement for `placement`, resuming from the job's latest checkpoint if any
+    (`resume`, when the caller read it already)."""
     job = placement.job
-    resume = job_checkpoint_latest(job=job)
-    return {"placement_id": placement.pk, "job": job_spec(job=job, resume=resume)}
+    latest = job_checkpoint_latest(job=job) if resume is _LOOKUP else resume
+    assert latest is None or isinstance(latest, JobCheckpoint)
+    return {"placement_id": placement.pk, "job": job_spec(job=job, resume=latest)}
 
 
 def placement_send(*, placement_id: int) -> None:
     """Send (or send again) an open placement to its host, and record the dispatch; a closed
     one is not sent. Runs after the placement's transaction committed."""
-    placement = (
+    placements_send(placement_ids=[placement_id])
+
+
+def placements_send(*, placement_ids: list[int]) -> list[int]:
+    """`placement_send` for many placements in a fixed number of queries (the placements with
+    their jobs and files, the jobs' latest checkpoints, one update of the dispatch records) and
+    one broker message each. Returns the ids sent (the open ones)."""
+    placements = list(
         Placement.objects.select_related(
-            "host", "job", "job__base_model", "job__tenant", "job__training_file"
+            "host",
+            "job",
+            "job__base_model",
+            "job__tenant",
+            "job__training_file",
+            "job__validation_file",
         )
-        .filter(pk=placement_id, state__in=OPEN_PLACEMENT_STATES)
-        .first()
+        .filter(pk__in=placement_ids, state__in=OPEN_PLACEMENT_STATES)
+        .order_by("pk")
     )
-    if placement is None:
-        return
-    host_dispatch().host_command_send(
-        host_name=placement.host.name,
-        command="apply_placement",
-        **placement_command(placement=placement),
+    if not placements:
+        return []
+    latest: dict[str, JobCheckpoint] = {}
+    checkpoints = JobCheckpoint.objects.exclude(path="").filter(
+        job_id__in=[p.job_id for p in placements]
     )
-    PlacementDecision.objects.filter(placement=placement).update(
+    for checkpoint in checkpoints.order_by("job_id", "step"):
+        latest[checkpoint.job_id] = checkpoint  # ascending: the last one per job stays
+    dispatch = host_dispatch()
+    for placement in placements:
+        dispatch.host_command_send(
+            host_name=placement.host.name,
+            command="apply_placement",
+            **placement_command(placement=placement, resume=latest.get(placement.job_id)),
+        )
+    sent = [p.pk for p in placements]
+    PlacementDecision.objects.filter(placement_id__in=sent).update(
         last_dispatched_at=timezone.now(), dispatch_count=F("dispatch_count") + 1
     )
+    return sent

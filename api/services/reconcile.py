@@ -7,7 +7,8 @@
 1b. A pending placement its host never acknowledged within `HARLI_PLACEMENT_ACK_TIMEOUT_S`,
    and an active one a stalled job's host no longer lists, are given up
    (`api.services.stranded`): their jobs are queued without a placement, so step 2 places them.
-2. Every queued job without an open placement is placed (`api.services.placement.job_place`).
+2. Queued jobs without an open placement are placed, the oldest first, at most
+   `HARLI_PLACEMENTS_PER_PASS` per pass (`api.services.placement.placement_pass`).
 3. A pending placement its host has not started within `HARLI_REDISPATCH_AFTER_S` is sent
    again (a lost broker message); the agent drops duplicates by placement id.
 4. A running job whose host has sent no progress (step or checkpoint report) for
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from django.db import transaction
-from django.db.models import Q
+from django.db.models import OuterRef, Q, Subquery
 from django.utils import timezone
 
 from api.fleet_settings import fleet_settings
@@ -41,8 +42,8 @@ from api.models import (
 )
 from api.selectors import job_checkpoint_latest
 from api.services.jobs import finetune_job_transition, job_event_record
-from api.services.placement import job_place
-from api.services.placement_dispatch import placement_send
+from api.services.placement import placement_pass
+from api.services.placement_dispatch import placements_send
 from api.services.stranded import stranded_placements_recover
 
 
@@ -110,11 +111,7 @@ def fleet_reconcile() -> ReconcileResult:
     )
     result.abandoned_placements += abandoned
     result.requeued_jobs += requeued
-    open_jobs = Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES).values("job_id")
-    waiting = FinetuneJob.objects.filter(status=JobStatus.QUEUED).exclude(pk__in=open_jobs)
-    for job_id in waiting.order_by("created_at").values_list("pk", flat=True):
-        if job_place(job_id=job_id) is not None:
-            result.placed_jobs.append(job_id)
+    result.placed_jobs += [p.job_id for p in placement_pass()]
     resend_before = now - timedelta(seconds=conf.redispatch_after_s)
     # Pending and unstarted since the last send, or never sent (the broker was away at commit).
     stuck = Placement.objects.filter(
@@ -123,18 +120,30 @@ def fleet_reconcile() -> ReconcileResult:
         Q(decision__last_dispatched_at__lt=resend_before)
         | Q(decision__last_dispatched_at__isnull=True, created_at__lt=resend_before)
     )
-    for placement_id in stuck.values_list("pk", flat=True):
-        placement_send(placement_id=placement_id)
-        result.redispatched.append(placement_id)
+    result.redispatched += placements_send(placement_ids=list(stuck.values_list("pk", flat=True)))
     stall_before = now - timedelta(seconds=conf.job_stall_after_s)
+    # One query finds the placements whose last progress is old; each is checked again, and
+    # flagged, under its job's lock (a few per pass: a stall is flagged once).
     running = Placement.objects.filter(
-        state=PlacementState.ACTIVE, job__status=JobStatus.RUNNING, job__stalled_at__isnull=True
-    )
-    for placement_id in running.values_list("pk", flat=True):
-        if job_flag_stall(placement_id=placement_id, before=stall_before):
-            result.stalled_jobs.append(
-                Placement.objects.values_list("job_id", flat=True).get(pk=placement_id)
+        state=PlacementState.ACTIVE,
+        job__status=JobStatus.RUNNING,
+        job__stalled_at__isnull=True,
+        started_at__lt=stall_before,
+    ).annotate(
+        last_metrics_at=Subquery(
+            JobEvent.objects.filter(
+                job_id=OuterRef("job_id"),
+                type=EventType.METRICS,
+                created_at__gte=OuterRef("started_at"),
             )
+            .order_by("-created_at")
+            .values("created_at")[:1]
+        )
+    )
+    quiet = running.filter(Q(last_metrics_at__isnull=True) | Q(last_metrics_at__lt=stall_before))
+    for placement_id, job_id in quiet.values_list("pk", "job_id"):
+        if job_flag_stall(placement_id=placement_id, before=stall_before):
+            result.stalled_jobs.append(job_id)
     return result
 
 

@@ -39,6 +39,7 @@ from api.services.files import (
     file_stored_check,
     storage_save_exactly,
 )
+from api.services.quotas import quota_stored_bytes_check
 from api.storage import Storage, get_storage
 
 # MIME types a JSONL training file may be declared as (the media type, parameters ignored).
@@ -83,6 +84,7 @@ def upload_create(
             param="bytes",
             code="upload_too_large",
         )
+    quota_stored_bytes_check(tenant=tenant, adding=declared_bytes, lock=False)
     media_type = mime_type.split(";", 1)[0].strip().lower() if isinstance(mime_type, str) else None
     if media_type not in JSONL_MIME_TYPES:
         raise HarliError(

@@ -191,12 +191,28 @@ RATE_LIMIT_REDIS_URL = env_redis_url("HARLI_RATE_LIMIT_REDIS_URL")
 # How often the gateway writes its aggregated usage (`api.usage_recorder`) to the database.
 HARLI_USAGE_FLUSH_INTERVAL_S = env_int("HARLI_USAGE_FLUSH_INTERVAL_S", 10)
 
+# Fleet-wide per-tenant quotas on fine-tuning (`api.quotas`); an operator overrides them per
+# tenant (`manage.py tenants quotas`, PATCH /api/ops/tenants/<name>, the console).
+HARLI_QUOTA_RUNNING_JOBS = env_int("HARLI_QUOTA_RUNNING_JOBS", 16, minimum=0)
+HARLI_QUOTA_QUEUED_JOBS = env_int("HARLI_QUOTA_QUEUED_JOBS", 1000, minimum=0)
+HARLI_QUOTA_STORED_BYTES = env_int("HARLI_QUOTA_STORED_BYTES", 100 * 1024**3, minimum=0)
+HARLI_QUOTA_TRAINED_TOKENS_PER_MONTH = env_int(
+    "HARLI_QUOTA_TRAINED_TOKENS_PER_MONTH", 100_000_000_000, minimum=0
+)
+
 # The console's login throttle (`api.login_throttle`): this many failed sign-ins for one
-# username, or from one client address, within the window lock it out for the lockout period.
+# username from one client address, or from one address, within the window lock that pair or
+# that address out for the lockout period.
 HARLI_LOGIN_MAX_FAILURES_PER_USER = env_int("HARLI_LOGIN_MAX_FAILURES_PER_USER", 5, minimum=1)
 HARLI_LOGIN_MAX_FAILURES_PER_IP = env_int("HARLI_LOGIN_MAX_FAILURES_PER_IP", 20, minimum=1)
 HARLI_LOGIN_WINDOW_S = env_int("HARLI_LOGIN_WINDOW_S", 900, minimum=1)
 HARLI_LOGIN_LOCKOUT_S = env_int("HARLI_LOGIN_LOCKOUT_S", 900, minimum=1)
+# The slower limit on one username from any addresses (a guesser spread over many addresses):
+# this many failures within the global window lock the username everywhere for the lockout.
+HARLI_LOGIN_MAX_FAILURES_PER_USER_GLOBAL = env_int(
+    "HARLI_LOGIN_MAX_FAILURES_PER_USER_GLOBAL", 100, minimum=1
+)
+HARLI_LOGIN_GLOBAL_WINDOW_S = env_int("HARLI_LOGIN_GLOBAL_WINDOW_S", 3600, minimum=1)
 # How many reverse proxies in front of the web process append to X-Forwarded-For: 0 (the
 # default) trusts only REMOTE_ADDR; n takes the client address n entries from the header's end.
 HARLI_TRUSTED_PROXY_HOPS = env_int("HARLI_TRUSTED_PROXY_HOPS", 0, minimum=0)

@@ -19,7 +19,7 @@ from api.login_throttle import (
     login_lockout_get,
     login_username,
 )
-from api.services.login_failures import login_failure_record, login_failures_clear
+from api.services.login_failures import login_attempt_begin, login_failures_clear
 from console.access import OperatorLoginForm
 from console.client_ip import client_ip
 
@@ -37,10 +37,11 @@ class ConsoleLoginView(auth_views.LoginView):
     """Django's login view with the operator-only form and the login throttle; a signed-in
     operator goes to the fleet.
 
-    A sign-in for a locked-out username, or from a locked-out address (`api.login_throttle`),
-    is answered 429 with the login page and its message, before the password is checked. Every
-    other refused sign-in with a username is recorded as a failure, and the one that reaches a
-    limit is answered 429 already; a successful one clears the username's failures. Refusals are
+    A sign-in for a locked-out username (at this address, or everywhere), or from a locked-out
+    address (`api.login_throttle`), is answered 429 with the login page and its message, before
+    the password is checked. Every other sign-in with a username is counted as a failure before
+    its password is checked, and the one that reaches a limit is answered 429 already; a
+    successful one clears the username's failures from its address. Refusals are
     logged at WARNING with the username and the address, never the password.
     """
 
@@ -60,25 +61,31 @@ class ConsoleLoginView(auth_views.LoginView):
         self.throttle_ip = login_ip(
             client_ip(request, trusted_proxy_hops=settings.HARLI_TRUSTED_PROXY_HOPS)
         )
-        refusal = self.refusal_if_locked(timezone.now())
-        return refusal if refusal is not None else super().post(request, *args, **kwargs)
-
-    def form_valid(self, form: Any) -> HttpResponse:
-        if self.throttle_username:
-            login_failures_clear(username=self.throttle_username)
-        return super().form_valid(form)
-
-    def form_invalid(self, form: Any) -> HttpResponse:
-        if not self.throttle_username:  # nothing was checked
-            return super().form_invalid(form)
+        if not self.throttle_username:  # nothing will be checked: nothing to count
+            return super().post(request, *args, **kwargs)
         now = timezone.now()
-        login_failure_record(
+        # Counted before the password is checked (a failure until it proves right), so a
+        # burst of simultaneous attempts cannot all pass the check.
+        admitted = login_attempt_begin(
             username=self.throttle_username,
             ip=self.throttle_ip,
             at=now,
             policy=self.throttle_policy,
         )
-        refusal = self.refusal_if_locked(now)
+        if isinstance(admitted, Lockout):
+            return self.locked_out(admitted, now=now)
+        return super().post(request, *args, **kwargs)
+
+    def form_valid(self, form: Any) -> HttpResponse:
+        if self.throttle_username:
+            login_failures_clear(username=self.throttle_username, ip=self.throttle_ip)
+        return super().form_valid(form)
+
+    def form_invalid(self, form: Any) -> HttpResponse:
+        if not self.throttle_username:  # nothing was checked
+            return super().form_invalid(form)
+        # The attempt's failure is recorded already; the one that reached a limit says so.
+        refusal = self.refusal_if_locked(timezone.now())
         return refusal if refusal is not None else super().form_invalid(form)
 
     def refusal_if_locked(self, now: datetime) -> HttpResponse | None:

@@ -1,10 +1,12 @@
 """Tenants and their API keys: create a tenant, issue a key (shown once), revoke a key; one
-tenant's page with its rate limits (set here), usage and keys."""
+tenant's page with its rate limits and quotas (set here, each quota with its current use),
+usage and keys."""
 
 from __future__ import annotations
 
 from django import forms
 from django.contrib import messages
+from django.db import transaction
 from django.db.models import Count, Q
 from django.http import HttpRequest, HttpResponse
 from django.shortcuts import redirect
@@ -13,7 +15,9 @@ from django.utils import timezone
 from api import selectors as api_selectors
 from api.errors import HarliError
 from api.models import Tenant
+from api.quotas import QUOTA_NAMES, tenant_quota_states
 from api.services.apikeys import IssuedKey, api_key_issue_for_tenant, api_key_revoke
+from api.services.quotas import tenant_quotas_set
 from api.services.tenants import tenant_create, tenant_limits_set
 from console import selectors as console_selectors
 from console.access import OperatorView
@@ -29,10 +33,15 @@ class ApiKeyForm(forms.Form):
 
 
 class TenantLimitsForm(forms.Form):
-    """The two rate limits; an empty field is no limit (the service checks the values)."""
+    """The two rate limits (empty: no limit) and the quota overrides (empty: the fleet
+    default); the services check the values."""
 
     requests_per_minute = forms.IntegerField(required=False)
     tokens_per_minute = forms.IntegerField(required=False)
+    running_jobs = forms.IntegerField(required=False)
+    queued_jobs = forms.IntegerField(required=False)
+    stored_bytes = forms.IntegerField(required=False)
+    trained_tokens_per_month = forms.IntegerField(required=False)
 
 
 def _render(
@@ -96,17 +105,27 @@ def _render_tenant(
     status: int = 200,
 ) -> HttpResponse:
     now = timezone.now()
+    quotas = tenant_quota_states(tenant=tenant, now=now)
     by_model = console_selectors.tenant_usage_by_model(tenant=tenant, now=now)
     day = [row.day for row in by_model if row.day is not None]
+    form = limits_form or TenantLimitsForm(
+        initial={
+            "requests_per_minute": tenant.requests_per_minute,
+            "tokens_per_minute": tenant.tokens_per_minute,
+        }
+        | {q.name: q.override for q in quotas}
+    )
     context = {
         "tenant": tenant,
-        "limits_form": limits_form
-        or TenantLimitsForm(
-            initial={
-                "requests_per_minute": tenant.requests_per_minute,
-                "tokens_per_minute": tenant.tokens_per_minute,
+        "limits_form": form,
+        "quotas": [
+            {
+                **q.as_dict(),
+                "field": form[q.name],
+                "used_frac": min(q.used / q.limit, 1.0) if q.limit else 1.0,
             }
-        ),
+            for q in quotas
+        ],
         "usage_by_model": by_model,
         "day_requests": sum(s.requests for s in day),
         "day_prompt_tokens": sum(s.prompt_tokens for s in day),
@@ -139,15 +158,22 @@ class TenantLimitsView(OperatorView):
         if not form.is_valid():
             return _render_tenant(request, tenant, limits_form=form, status=400)
         try:
-            tenant = tenant_limits_set(
-                tenant=tenant,
-                requests_per_minute=form.cleaned_data["requests_per_minute"],
-                tokens_per_minute=form.cleaned_data["tokens_per_minute"],
-            )
+            with transaction.atomic():
+                tenant = tenant_limits_set(
+                    tenant=tenant,
+                    requests_per_minute=form.cleaned_data["requests_per_minute"],
+                    tokens_per_minute=form.cleaned_data["tokens_per_minute"],
+                )
+                tenant_quotas_set(
+                    tenant=tenant, changes={q: form.cleaned_data[q] for q in QUOTA_NAMES}
+                )
         except HarliError as exc:
-            form.add_error(exc.param if exc.param in form.fields else None, exc.message)
+            field = (exc.param or "").removeprefix("quotas.")
+            form.add_error(field if field in form.fields else None, exc.message)
             return _render_tenant(request, tenant, limits_form=form, status=400)
-        messages.success(request, f"Rate limits of {tenant.name} saved.")
+        messages.success(
+            request, f"Rate limits of {tenant.name} saved. Quotas of {tenant.name} saved."
+        )
         return redirect("console:tenant", name=tenant.name)
 
 

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from io import StringIO
 from pathlib import Path
+from typing import Any
 
 import pytest
 from django.core.management import call_command
@@ -133,6 +134,27 @@ def test_tenants_limits() -> None:
         run("tenants", "limits", "nobody", "--rpm", "5")
     acme.refresh_from_db()
     assert (acme.requests_per_minute, acme.tokens_per_minute) == (None, 9)
+
+
+@pytest.mark.django_db
+def test_tenants_quotas(settings: Any) -> None:
+    settings.HARLI_QUOTA_QUEUED_JOBS = 40
+    run("tenants", "create", "acme")
+    shown = {
+        line.split()[0]: line.split() for line in run("tenants", "quotas", "acme").splitlines()
+    }
+    assert shown["queued_jobs"][1:3] == ["40", "default"]
+    out = run("tenants", "quotas", "acme", "--queued-jobs", "3", "--stored-bytes", "0")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()}
+    assert rows["queued_jobs"][1:5] == ["3", "tenant", "0", "3"]
+    assert rows["stored_bytes"][1:3] == ["0", "tenant"]
+    out = run("tenants", "quotas", "acme", "--queued-jobs", "default")
+    rows = {line.split()[0]: line.split() for line in out.splitlines()}
+    assert rows["queued_jobs"][1:3] == ["40", "default"] and rows["stored_bytes"][1] == "0"
+    with pytest.raises(CommandError, match="quotas.running_jobs must be an integer from 0"):
+        run("tenants", "quotas", "acme", "--running-jobs", "-1")
+    with pytest.raises(CommandError, match="is not an integer or 'default'"):
+        run("tenants", "quotas", "acme", "--running-jobs", "lots")
 
 
 @pytest.mark.django_db

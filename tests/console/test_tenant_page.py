@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import plotly.graph_objects as go
 import pytest
@@ -199,3 +200,35 @@ def test_token_usage_figure_stacks_prompt_and_completion() -> None:
     assert fig["layout"]["yaxis"]["title"]["text"] == "tokens per hour"
     assert fig["data"][0]["x"] == ["2026-11-30T07:00:00.000", "2026-11-30T08:00:00.000"]
     go.Figure(fig)
+
+
+def test_the_page_shows_each_quota_with_its_use_and_the_form_sets_them(
+    operator_client: Client, seeded: Seeded, settings: Any
+) -> None:
+    settings.HARLI_QUOTA_RUNNING_JOBS = 6
+    page = operator_client.get("/console/tenants/acme/").content.decode()
+    table = page[page.index('id="quota-table"') :]
+    for name in ("running_jobs", "queued_jobs", "stored_bytes", "trained_tokens_per_month"):
+        assert f'data-quota="{name}"' in table
+    running = table[table.index('data-quota="running_jobs"') :]
+    assert 'data-limit="6"' in running[: running.index("</tr>")]
+    response = operator_client.post(
+        "/console/tenants/acme/limits/",
+        {
+            "requests_per_minute": "",
+            "tokens_per_minute": "",
+            "queued_jobs": "2",
+            "running_jobs": "",
+        },
+    )
+    assert response.status_code == 302
+    page = operator_client.get("/console/tenants/acme/").content.decode()
+    queued = page[page.index('data-quota="queued_jobs"') :]
+    assert 'data-limit="2"' in queued[: queued.index("</tr>")]
+    assert 'name="queued_jobs" id="id_queued_jobs" value="2"' in page
+    refused = operator_client.post(
+        "/console/tenants/acme/limits/",
+        {"requests_per_minute": "", "tokens_per_minute": "", "queued_jobs": "-4"},
+    )
+    assert refused.status_code == 400
+    assert "quotas.queued_jobs must be an integer from 0" in refused.content.decode()

@@ -1,0 +1,1 @@
+"""Control-plane benchmark: placement and reconciliation time against the queue's length."""
