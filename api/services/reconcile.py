@@ -67,9 +67,11 @@ def host_mark_lost(*, host_id: int, silent_s: float) -> list[str]:
         host.status = HostStatus.LOST
         host.save(update_fields=["status"])
         now = timezone.now()
-        for placement in Placement.objects.select_for_update().filter(
-            host=host, state__in=OPEN_PLACEMENT_STATES
-        ):
+        # The jobs' rows before their placements' (the order every writer of both keeps).
+        open_placements = Placement.objects.filter(host=host, state__in=OPEN_PLACEMENT_STATES)
+        job_ids = sorted(open_placements.values_list("job_id", flat=True))
+        list(FinetuneJob.objects.select_for_update().filter(pk__in=job_ids).order_by("pk"))
+        for placement in open_placements.select_for_update():
             placement.state = PlacementState.LOST
             placement.ended_at = now
             placement.save(update_fields=["state", "ended_at"])

@@ -56,7 +56,12 @@ def _open_placement(host: GpuHost, message: dict[str, Any]) -> Placement | None:
     docstring). Besides open placements, per-step reports count from the job's latest
     placement once a pause released it, while the job is paused or resumed and waiting for
     this host's stop (`api.services.placement`): the steps the host trained until its batch
-    boundary, and the checkpoint the pause writes there, are what the job resumes from."""
+    boundary, and the checkpoint the pause writes there, are what the job resumes from.
+
+    Locks the job's row before the placement's: every writer that holds both takes them in
+    that order (a tenant's pause or cancel locks the job, then releases its placement), so a
+    report applied at the moment of a pause cannot deadlock with it."""
+    FinetuneJob.objects.select_for_update().filter(pk=message["job_id"]).exists()
     placement = (
         Placement.objects.select_for_update()
         .select_related("job")
