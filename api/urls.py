@@ -59,6 +59,7 @@ ops_urlpatterns: list[URLPattern] = [
     path("placements", ops.PlacementsApi.as_view(), name="placements"),
     path("jobs", ops.JobsApi.as_view(), name="jobs"),
     path("jobs/<str:job_id>", ops.JobDetailOpsApi.as_view(), name="job"),
+    path("jobs/<str:job_id>/events", ops.JobEventsOpsApi.as_view(), name="job-events"),
     path("jobs/<str:job_id>/cancel", ops.JobCancelOpsApi.as_view(), name="job-cancel"),
     path("usage", ops_usage.UsageOpsApi.as_view(), name="usage"),
 ]

@@ -20,6 +20,7 @@ from api.apis.ops_serializers import (
     DeploymentOpsSerializer,
     FinetuneJobOpsSerializer,
     GpuHostOpsSerializer,
+    JobEventOpsSerializer,
     PlacementOpsSerializer,
     TenantDetailOpsSerializer,
     TenantOpsSerializer,
@@ -47,6 +48,7 @@ from api.selectors import (
     finetune_job_get,
     finetune_job_list,
     host_list,
+    job_event_list,
     placement_list,
     tenant_get,
     tenant_list,
@@ -77,6 +79,7 @@ LISTS = {
         GpuHostOpsSerializer,
         PlacementOpsSerializer,
         FinetuneJobOpsSerializer,
+        JobEventOpsSerializer,
     )
 }
 
@@ -423,6 +426,23 @@ class JobDetailOpsApi(OperatorAPIView):
     @extend_schema(operation_id="ops_jobs_retrieve", responses={200: FinetuneJobOpsSerializer})
     def get(self, request: Request, job_id: str) -> Response:
         return Response(FinetuneJobOpsSerializer(finetune_job_get(tenant=None, job_id=job_id)).data)
+
+
+class JobEventsOpsApi(OperatorAPIView):
+    @extend_schema(
+        operation_id="ops_jobs_events",
+        parameters=PAGING_PARAMETERS,
+        responses={200: LISTS[JobEventOpsSerializer], 400: ErrorSerializer, 404: ErrorSerializer},
+    )
+    def get(self, request: Request, job_id: str) -> Response:
+        job = finetune_job_get(tenant=None, job_id=job_id)
+        page = cursor_page(
+            job_event_list(job=job),
+            after=request.query_params.get("after"),
+            limit=parse_limit(request.query_params.get("limit")),
+            order=("created_at", "id"),
+        )
+        return Response(page_body(page, list(JobEventOpsSerializer(page.items, many=True).data)))
 
 
 class JobCancelOpsApi(OperatorAPIView):

@@ -8,6 +8,7 @@ from rest_framework import serializers
 
 from api.apis.limits import QuotaSerializer
 from api.models import ApiKey, BaseModel, Deployment, FinetuneJob, GpuHost, Placement, Tenant
+from api.serializers import JobEventSerializer
 
 
 class TenantOpsSerializer(serializers.ModelSerializer):
@@ -176,3 +177,15 @@ class FinetuneJobOpsSerializer(serializers.ModelSerializer):
             "started_at",
             "finished_at",
         ]
+
+
+class JobEventOpsSerializer(JobEventSerializer):
+    """A job event as the tenant sees it, plus its host-level `fleet_detail` (operators only)."""
+
+    def get_fields(self) -> dict[str, serializers.Field]:
+        fields = super().get_fields()
+        fields["fleet_detail"] = serializers.JSONField(
+            allow_null=True,
+            help_text="host-level detail: `text` (the event naming its host), `host`, ...",
+        )
+        return fields

@@ -166,7 +166,13 @@ class EventType(models.TextChoices):
 
 
 class JobEvent(models.Model):
-    """One line of a job's history, as shown by `GET /v1/fine_tuning/jobs/{id}/events`."""
+    """One line of a job's history, as shown by `GET /v1/fine_tuning/jobs/{id}/events`.
+
+    `message` and `data` are the tenant's: they never name a host or state the fleet's
+    capacity. `fleet_detail` holds that host-level detail (`text`: the operator's wording of the
+    event, plus fields such as `host`) and is shown only to operators (the console's job page,
+    `GET /api/ops/jobs/{id}/events`).
+    """
 
     id = models.CharField(primary_key=True, max_length=PUBLIC_ID_MAX_LENGTH, default=new_event_id)
     job = models.ForeignKey(FinetuneJob, on_delete=models.CASCADE, related_name="events")
@@ -174,6 +180,7 @@ class JobEvent(models.Model):
     type = models.CharField(max_length=16, choices=EventType.choices, default=EventType.MESSAGE)
     message = models.TextField()
     data = models.JSONField(null=True, blank=True)
+    fleet_detail = models.JSONField(null=True, blank=True)
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

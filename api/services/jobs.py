@@ -79,9 +79,13 @@ def job_event_record(
     level: str = EventLevel.INFO,
     type: str = EventType.MESSAGE,
     data: dict[str, Any] | None = None,
+    fleet_detail: dict[str, Any] | None = None,
 ) -> JobEvent:
-    """Append an event to the job's history."""
-    return JobEvent.objects.create(job=job, message=message, level=level, type=type, data=data)
+    """Append an event to the job's history. `message` and `data` are shown to the tenant and
+    name no host; host-level detail goes in `fleet_detail` (operators only)."""
+    return JobEvent.objects.create(
+        job=job, message=message, level=level, type=type, data=data, fleet_detail=fleet_detail
+    )
 
 
 def finetune_job_transition(
@@ -91,12 +95,14 @@ def finetune_job_transition(
     message: str,
     level: str = EventLevel.INFO,
     error: dict[str, Any] | None = None,
+    fleet_detail: dict[str, Any] | None = None,
 ) -> FinetuneJob:
     """Move `job` to status `to`, or raise ConflictError when the table forbids it.
 
     Sets `started_at` on the first `running`, `finished_at` on a terminal status, `error` on
     `failed`, clears the stall flag (`stalled_at`), releases the open placement when the job
-    stops holding a host, and records `message` as a JobEvent. Returns the refreshed job.
+    stops holding a host, and records `message` (with the operator-only `fleet_detail`) as a
+    JobEvent. Returns the refreshed job.
     """
     with transaction.atomic():
         locked = (
@@ -138,7 +144,7 @@ def finetune_job_transition(
                     finetune_job_host_stop, job_id=locked.id, placements=released, command=command
                 )
                 transaction.on_commit(stop, robust=True)
-        job_event_record(job=locked, message=message, level=level)
+        job_event_record(job=locked, message=message, level=level, fleet_detail=fleet_detail)
     return locked
 
 

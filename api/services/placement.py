@@ -27,7 +27,7 @@ from functools import partial
 from typing import Any
 
 from django.db import transaction
-from django.db.models import Count, OuterRef, Subquery
+from django.db.models import Count, JSONField, OuterRef, Subquery
 from django.utils import timezone
 
 from api.fleet_settings import fleet_settings
@@ -153,6 +153,8 @@ class _Waiting:
     previous: Placement | None
     latest_step: int | None
     last_message: str | None
+    last_detail_text: str | None
+    """The operator's text (`fleet_detail["text"]`) of the job's latest event."""
 
 
 @dataclass
@@ -180,6 +182,12 @@ def _waiting_jobs(job_ids: list[str] | None) -> list[_Waiting]:
                 .order_by("-created_at", "-id")
                 .values("message")[:1]
             ),
+            last_detail=Subquery(
+                JobEvent.objects.filter(job=OuterRef("pk"))
+                .order_by("-created_at", "-id")
+                .values("fleet_detail")[:1],
+                output_field=JSONField(),
+            ),
             previous_id=Subquery(
                 Placement.objects.filter(job=OuterRef("pk"))
                 .order_by("-created_at", "-id")
@@ -204,6 +212,7 @@ def _waiting_jobs(job_ids: list[str] | None) -> list[_Waiting]:
             "last_message",
             "previous_id",
             "latest_step",
+            "last_detail",
         )
     )
     models = {m.pk: m for m in BaseModel.objects.filter(pk__in={r[2] for r in rows})}
@@ -215,7 +224,8 @@ def _waiting_jobs(job_ids: list[str] | None) -> list[_Waiting]:
         )
     }
     waiting = []
-    for job_id, tenant_id, model_id, hyper, method, rank, modules, message, prev, step in rows:
+    for row in rows:
+        job_id, tenant_id, model_id, hyper, method, rank, modules, message, prev, step, detail = row
         job = FinetuneJob(
             id=job_id,
             tenant_id=tenant_id,
@@ -233,6 +243,7 @@ def _waiting_jobs(job_ids: list[str] | None) -> list[_Waiting]:
                 previous=previous.get(prev),
                 latest_step=step,
                 last_message=message,
+                last_detail_text=(detail or {}).get("text") if isinstance(detail, dict) else None,
             )
         )
     return waiting
@@ -271,7 +282,7 @@ def placement_pass(*, job_ids: list[str] | None = None) -> list[Placement]:
     free = {
         h.pk: h.agent_state.free_bytes for h in hosts if getattr(h, "agent_state", None) is not None
     }
-    notes: list[tuple[_Waiting, str, str]] = []
+    notes: list[_Note] = []
     choices: list[_Choice] = []
     needs: dict[tuple[Any, ...], int] = {}
     # Jobs of one base model and estimate see the same candidate rows until a placement
@@ -282,7 +293,7 @@ def placement_pass(*, job_ids: list[str] | None = None) -> list[Placement]:
             break
         note = _wait_reason(item, fresh_after, running, limits)
         if note is not None:
-            notes.append((item, note, EventLevel.INFO))
+            notes.append(note)
             continue
         job = item.job
         shape = _estimate_key(job)
@@ -296,7 +307,11 @@ def placement_pass(*, job_ids: list[str] | None = None) -> list[Placement]:
         eligible = [r for r in rows if r["eligible"]]
         if not eligible:
             summary = "; ".join(f"{r['host']}: {r['why']}" for r in rows) or "no hosts registered"
-            notes.append((item, f"Waiting for a host ({summary})", EventLevel.WARN))
+            # The reasons name hosts and their free memory: the operator's detail only.
+            detail = {"text": f"Waiting for a host ({summary})", "candidates": rows}
+            notes.append(
+                _Note(item, "Waiting for a host with room for this job", EventLevel.WARN, detail)
+            )
             continue
         seen.clear()
         rows = [dict(r) for r in rows]  # this job's own record (the reasons keep it)
@@ -329,38 +344,69 @@ def _tenant_running(tenant_ids: set[int]) -> dict[int, int]:
     )
 
 
+@dataclass
+class _Note:
+    """Why a job waits: the tenant's `message` and the operator's `fleet_detail`."""
+
+    item: _Waiting
+    message: str
+    level: str
+    fleet_detail: dict[str, Any] | None = None
+
+
 def _wait_reason(
     item: _Waiting, fresh_after: Any, running: dict[int, int], limits: dict[int, int]
-) -> str | None:
+) -> _Note | None:
     """Why the job waits before any host is looked at, or None."""
     tenant_id = item.job.tenant_id
     if running.get(tenant_id, 0) >= limits[tenant_id]:
-        return (
+        return _Note(
+            item,
             f"Waiting: the tenant has {running.get(tenant_id, 0)} jobs on hosts, its "
-            f"running_jobs quota is {limits[tenant_id]}"
+            f"running_jobs quota is {limits[tenant_id]}",
+            EventLevel.INFO,
         )
     stopping = _still_training(previous=item.previous, fresh_after=fresh_after)
     if stopping is not None:
-        return (
-            f"Waiting for host {stopping.host.name} to stop placement {stopping.pk} "
-            "(it checkpoints at its batch boundary first)"
+        return _Note(
+            item,
+            "Waiting for the previous run to stop (it checkpoints at its batch boundary first)",
+            EventLevel.INFO,
+            {
+                "text": f"Waiting for host {stopping.host.name} to stop placement {stopping.pk}",
+                "host": stopping.host.name,
+                "placement_id": stopping.pk,
+            },
         )
     awaited = _checkpoint_in_flight(previous=item.previous, latest_step=item.latest_step)
     if awaited is not None:
-        return (
-            f"Waiting for the checkpoint of step {awaited.stopped_step} that host "
-            f"{awaited.host.name} stopped at"
+        return _Note(
+            item,
+            f"Waiting for the checkpoint of step {awaited.stopped_step}",
+            EventLevel.INFO,
+            {
+                "text": f"Waiting for the checkpoint of step {awaited.stopped_step} that host "
+                f"{awaited.host.name} stopped at",
+                "host": awaited.host.name,
+                "placement_id": awaited.pk,
+            },
         )
     return None
 
 
-def _notes_record(notes: list[tuple[_Waiting, str, str]]) -> None:
-    """Record each waiting job's reason unless it is the job's latest event already (passes
-    repeat often): one insert for all."""
+def _notes_record(notes: list[_Note]) -> None:
+    """Record each waiting job's reason unless it is the job's latest event already, with the
+    same operator text (passes repeat often): one insert for all."""
     fresh = [
-        JobEvent(job_id=item.job.pk, message=message, level=level)
-        for item, message, level in notes
-        if item.last_message != message
+        JobEvent(
+            job_id=note.item.job.pk,
+            message=note.message,
+            level=note.level,
+            fleet_detail=note.fleet_detail,
+        )
+        for note in notes
+        if note.item.last_message != note.message
+        or note.item.last_detail_text != (note.fleet_detail or {}).get("text")
     ]
     if fresh:
         JobEvent.objects.bulk_create(fresh)
@@ -410,8 +456,9 @@ def _placements_write(choices: list[_Choice]) -> list[Placement]:
             events.append(
                 JobEvent(
                     job_id=choice.job.pk,
-                    message=f"Placed on host {choice.host.name}{resume}",
-                    data={
+                    message=f"Placed for training{resume}",
+                    fleet_detail={
+                        "text": f"Placed on host {choice.host.name}{resume}",
                         "placement_id": placement.pk,
                         "host": choice.host.name,
                         "reasons": choice.reasons,

@@ -78,17 +78,27 @@ def host_mark_lost(*, host_id: int, silent_s: float) -> list[str]:
             job = FinetuneJob.objects.select_for_update().get(pk=placement.job_id)
             latest = job_checkpoint_latest(job=job)
             step = latest.step if latest else 0
-            text = (
-                f"Host {host.name} lost (no heartbeat for {silent_s:.0f} s); the job resumes "
-                f"from checkpoint step {step} on another host"
-            )
+            text = f"Training interrupted; the job resumes from checkpoint step {step}"
+            detail = {
+                "text": f"Host {host.name} lost (no heartbeat for {silent_s:.0f} s); the job "
+                f"resumes from checkpoint step {step} on another host",
+                "host": host.name,
+                "silent_s": round(silent_s),
+                "placement_id": placement.pk,
+            }
             if job.status == JobStatus.RUNNING:
                 finetune_job_transition(
-                    job=job, to=JobStatus.QUEUED, message=text, level=EventLevel.WARN
+                    job=job,
+                    to=JobStatus.QUEUED,
+                    message=text,
+                    level=EventLevel.WARN,
+                    fleet_detail=detail,
                 )
                 requeued.append(job.id)
             elif job.status == JobStatus.QUEUED:
-                job_event_record(job=job, message=text, level=EventLevel.WARN)
+                job_event_record(
+                    job=job, message=text, level=EventLevel.WARN, fleet_detail=detail
+                )
                 requeued.append(job.id)
     return requeued
 
@@ -181,11 +191,16 @@ def job_flag_stall(*, placement_id: int, before: datetime) -> bool:
             return False
         job.stalled_at = timezone.now()
         job.save(update_fields=["stalled_at"])
+        since = last.isoformat(timespec="seconds")
         job_event_record(
             job=job,
-            message=f"No progress from host {placement.host.name} since "
-            f"{last.isoformat(timespec='seconds')}",
+            message=f"No training progress since {since}",
             level=EventLevel.WARN,
-            data={"host": placement.host.name, "last_progress_at": last.isoformat()},
+            data={"last_progress_at": last.isoformat()},
+            fleet_detail={
+                "text": f"No progress from host {placement.host.name} since {since}",
+                "host": placement.host.name,
+                "placement_id": placement.pk,
+            },
         )
     return True

@@ -23,7 +23,13 @@ import pytest
 
 from tests.e2e.cluster import Cluster, wait_until
 from tests.e2e.conftest import AGENTS, Tenants
-from tests.e2e.test_platform import _client, _create_job, _events, _wait_succeeded
+from tests.e2e.test_platform import (
+    _client,
+    _create_job,
+    _events,
+    _fleet_texts,
+    _wait_succeeded,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.django_db(transaction=True)]
 
@@ -92,7 +98,7 @@ def _steps(job_id: str) -> list[int]:
 def _host_stop(client: Any, job_id: str, reason: str) -> dict[str, Any]:
     def stopped() -> Any:
         events = client.fine_tuning.jobs.list_events(job_id, limit=100)
-        return next((e for e in events if f"stopped training ({reason})" in e.message), None)
+        return next((e for e in events if f"Training stopped ({reason})" in e.message), None)
 
     return dict(wait_until(stopped, 60, f"the host's {reason} stop").data or {})
 
@@ -198,9 +204,12 @@ def test_a_pause_at_a_checkpoint_resumed_at_once_resumes_from_the_pause(
     first, second = Placement.objects.filter(job_id=job.id).order_by("created_at")
     assert PlacementDecision.objects.get(placement=second).resume_step == stopped["step"]
     assert JobCheckpoint.objects.filter(job_id=job.id, step=stopped["step"]).exists()
+    resumed = "Fine-tuning resumed from checkpoint step "
     events = _events(client, job.id)
-    resumed = f"Fine-tuning resumed on host {second.host.name} from checkpoint step "
     assert [m for m in events if m.startswith(resumed)] == [f"{resumed}{stopped['step']}"]
+    on_host = f"Fine-tuning resumed on host {second.host.name} from checkpoint step "
+    details = _fleet_texts(job.id)
+    assert [t for t in details if t.startswith(on_host)] == [f"{on_host}{stopped['step']}"]
     assert _steps(job.id) == list(range(1, total + 1))
 
 
@@ -224,10 +233,14 @@ def test_a_stalled_job_is_flagged_and_cleared_when_progress_resumes(
     wait_until(lambda: FinetuneJob.objects.get(pk=job.id).stalled_at is None, 30,
                "the flag to clear")  # fmt: skip
     _wait_succeeded(client, job.id, cluster, timeout=120)
-    events = _events(client, job.id)
-    flagged = sum(1 for m in events if m.startswith(f"No progress from host {host} since "))
-    cleared = sum(1 for m in events if m.startswith(f"Progress from host {host} again"))
+    events, details = _events(client, job.id), _fleet_texts(job.id)
+    flagged = sum(1 for m in events if m.startswith("No training progress since "))
+    cleared = sum(1 for m in events if m.startswith("Training progress again"))
     assert flagged >= 1 and cleared == flagged  # (a slow worker may have flagged a gap too)
+    assert sum(1 for t in details if t.startswith(f"No progress from host {host} since ")) == (
+        flagged
+    )
+    assert sum(1 for t in details if t.startswith(f"Progress from host {host} again")) == cleared
     assert FinetuneJob.objects.get(pk=job.id).stalled_at is None
 
 

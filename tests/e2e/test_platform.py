@@ -66,6 +66,17 @@ def _events(client: OpenAI, job_id: str) -> list[str]:
     return messages[::-1]
 
 
+def _fleet_texts(job_id: str) -> list[str]:
+    """The operator's wording of the job's events (their `fleet_detail`), oldest first."""
+    from api.models import JobEvent
+
+    details = JobEvent.objects.filter(job_id=job_id, fleet_detail__isnull=False).order_by(
+        "created_at", "id"
+    )
+    texts = details.values_list("fleet_detail", flat=True)
+    return [str(dict(detail or {}).get("text", "")) for detail in texts]
+
+
 def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
     cluster: Cluster, seeded: Tenants
 ) -> None:
@@ -93,7 +104,10 @@ def test_job_succeeds_and_its_adapter_serves_on_the_hosts(
     assert (job.hyperparameters.n_epochs, job.hyperparameters.batch_size) == (3, 2)
     assert [j.id for j in client.fine_tuning.jobs.list(metadata={"run": "e2e"})] == [job.id]
     events = _events(client, job.id)
-    assert any(m.startswith("Fine-tuning started on host agent-") for m in events)
+    assert "Fine-tuning started" in events
+    assert any(t.startswith("Fine-tuning started on host agent-") for t in _fleet_texts(job.id))
+    raw = client.fine_tuning.jobs.with_raw_response.list_events(job.id, limit=100).text
+    assert "agent-" not in raw and "free_bytes" not in raw  # no fleet detail for the tenant
     assert events[-1] == f"New fine-tuned model created: {job.fine_tuned_model}"
     # HARLI_KEEP_CHECKPOINTS=1: step 10's checkpoint was written, then deleted
     assert "Checkpoint saved at step 10" in events
@@ -241,7 +255,7 @@ def _stopped_promptly(
 
     def stopped() -> Any:
         events = client.fine_tuning.jobs.list_events(job_id, limit=100)
-        return next((e for e in events if f"stopped training ({reason})" in e.message), None)
+        return next((e for e in events if f"Training stopped ({reason})" in e.message), None)
 
     try:
         event = wait_until(stopped, 60, f"the host to stop the {reason} job")
@@ -368,15 +382,20 @@ def test_killed_host_hands_its_job_to_the_other_host(cluster: Cluster, seeded: T
     assert first.state == "lost"
     resume = PlacementDecision.objects.get(placement=second).resume_step
     assert resume is not None and resume >= 20 and resume % 10 == 0
-    events = _events(client, job.id)
-    lost = [m for m in events if m.startswith(f"Host {victim} lost")]
+    events, details = _events(client, job.id), _fleet_texts(job.id)
+    assert f"Training interrupted; the job resumes from checkpoint step {resume}" in events
+    assert f"Placed for training, resuming from step {resume}" in events
+    assert f"Fine-tuning resumed from checkpoint step {resume}" in events
+    lost = [t for t in details if t.startswith(f"Host {victim} lost")]
     assert len(lost) == 1 and f"from checkpoint step {resume}" in lost[0]
-    assert f"Placed on host {survivor}, resuming from step {resume}" in events
-    assert f"Fine-tuning resumed on host {survivor} from checkpoint step {resume}" in events
+    assert f"Placed on host {survivor}, resuming from step {resume}" in details
+    assert f"Fine-tuning resumed on host {survivor} from checkpoint step {resume}" in details
 
     # The survivor trained exactly the steps after the checkpoint; nothing before it twice.
     def steps_on(host: str) -> list[int]:
-        progress = JobEvent.objects.filter(job_id=job.id, type="metrics", data__host=host)
+        progress = JobEvent.objects.filter(
+            job_id=job.id, type="metrics", fleet_detail__host=host
+        )
         return sorted(int(dict(e.data or {})["step"]) for e in progress)
 
     assert steps_on(survivor) == list(range(resume + 1, total + 1))

@@ -227,6 +227,11 @@ def test_the_hosts_stop_is_an_event_with_the_hosts_time(
                      reason="paused", step=12)  # fmt: skip
     assert host_report_apply(message=stopped) == "applied"
     assert host_report_apply(message=stopped) == "duplicate"
-    event = job.events.get(message="Host h1 stopped training (paused) at step 12")
-    assert event.data == {"host": "h1", "reason": "paused", "step": 12,
+    event = job.events.get(message="Training stopped (paused) at step 12")
+    assert event.data == {"reason": "paused", "step": 12,
                           "stopped_at": stopped["sent_at"]}  # fmt: skip
+    assert event.fleet_detail == {
+        "text": "Host h1 stopped training (paused) at step 12",
+        "host": "h1",
+        "placement_id": placed.pk,
+    }

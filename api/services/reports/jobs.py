@@ -95,12 +95,20 @@ def job_started_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     job = _job(message)
     step = int(message["resumed_from_step"])
     if job.status == JobStatus.QUEUED:
-        text = (
-            f"Fine-tuning resumed on host {host.name} from checkpoint step {step}"
+        text, detail = (
+            (
+                f"Fine-tuning resumed from checkpoint step {step}",
+                f"Fine-tuning resumed on host {host.name} from checkpoint step {step}",
+            )
             if step
-            else f"Fine-tuning started on host {host.name}"
+            else ("Fine-tuning started", f"Fine-tuning started on host {host.name}")
         )
-        finetune_job_transition(job=job, to=JobStatus.RUNNING, message=text)
+        finetune_job_transition(
+            job=job,
+            to=JobStatus.RUNNING,
+            message=text,
+            fleet_detail={"text": detail, "host": host.name, "placement_id": placement.pk},
+        )
     if "hyperparameters" in message:
         try:
             finetune_job_settings_record(
@@ -119,10 +127,14 @@ def _progressed(host: GpuHost, job: FinetuneJob) -> None:
     if job.stalled_at is None:
         return
     FinetuneJob.objects.filter(pk=job.pk).update(stalled_at=None)
+    since = job.stalled_at.isoformat(timespec="seconds")
     job_event_record(
         job=job,
-        message=f"Progress from host {host.name} again (stalled since "
-        f"{job.stalled_at.isoformat(timespec='seconds')})",
+        message=f"Training progress again (stalled since {since})",
+        fleet_detail={
+            "text": f"Progress from host {host.name} again (stalled since {since})",
+            "host": host.name,
+        },
     )
     job.stalled_at = None
 
@@ -171,7 +183,7 @@ def _step_record(
     host already reported is skipped (a progress report recovered from a checkpoint report
     first, then redelivered late); False then."""
     if JobEvent.objects.filter(
-        job=job, type=EventType.METRICS, data__step=step, data__host=host.name
+        job=job, type=EventType.METRICS, data__step=step, fleet_detail__host=host.name
     ).exists():
         return False
     JobMetric.objects.create(
@@ -186,7 +198,6 @@ def _step_record(
         "train_mean_token_accuracy": train_accuracy,
         "learning_rate": learning_rate,
         "tokens_per_s": tokens_per_s,
-        "host": host.name,
     }
     data.update(preference or {})  # a DPO step's preference metrics
     if valid_loss is not None:
@@ -197,7 +208,13 @@ def _step_record(
     text = f"Step {step}/{total}: training loss={loss:.4f}"
     if valid_loss is not None:
         text += f", validation loss={float(valid_loss):.4f}"
-    job_event_record(job=job, message=text, type=EventType.METRICS, data=data)
+    job_event_record(
+        job=job,
+        message=text,
+        type=EventType.METRICS,
+        data=data,
+        fleet_detail={"text": f"{text} on host {host.name}", "host": host.name},
+    )
     rollup_add(
         series=RollupSeries.JOB,
         key=job.id,
@@ -283,15 +300,19 @@ def job_stopped_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     it does not train it: the host's agent state forgets the placement at once (its next
     heartbeat says so too), and a job resumed meanwhile is placed again."""
     job = _job(message)
+    at_step = f"at step {message.get('step', '?')}"
     job_event_record(
         job=job,
-        message=f"Host {host.name} stopped training ({message['reason']}) at step "
-        f"{message.get('step', '?')}",
+        message=f"Training stopped ({message['reason']}) {at_step}",
         data={
-            "host": host.name,
             "reason": message["reason"],
             "step": message.get("step"),
             "stopped_at": message.get("sent_at"),  # Unix s, the host's clock
+        },
+        fleet_detail={
+            "text": f"Host {host.name} stopped training ({message['reason']}) {at_step}",
+            "host": host.name,
+            "placement_id": int(message["placement_id"]),
         },
     )
     placement_id = int(message["placement_id"])

@@ -74,13 +74,15 @@ def test_a_resume_waits_for_the_paused_host_and_resumes_from_its_pause_checkpoin
     with django_capture_on_commit_callbacks(execute=True):
         assert job_place(job_id=job.id) is None
         assert fleet_reconcile().placed_jobs == []
-    assert (
-        job.events.filter(
-            message=f"Waiting for host h1 to stop placement {placed.pk} (it checkpoints at its "
-            "batch boundary first)"
-        ).count()
-        == 1
+    (waiting,) = job.events.filter(
+        message="Waiting for the previous run to stop (it checkpoints at its batch boundary "
+        "first)"
     )
+    assert waiting.fleet_detail == {
+        "text": f"Waiting for host h1 to stop placement {placed.pk}",
+        "host": "h1",
+        "placement_id": placed.pk,
+    }
     drain_host_queue("h1")  # the heartbeat's safety net: pause again (ignored by the host)
     # Its last step, the pause's checkpoint and its stop arrive while the job is queued.
     assert host_report_apply(message=_progress(placed, 2)) == "applied"
@@ -133,7 +135,8 @@ def test_a_stop_applied_before_its_checkpoint_waits_for_that_checkpoint(
         assert host_report_apply(message=stopped) == "applied"
         assert job_place(job_id=job.id) is None  # step 18's checkpoint is not recorded yet
     assert job.events.filter(
-        message="Waiting for the checkpoint of step 18 that host h1 stopped at"
+        message="Waiting for the checkpoint of step 18",
+        fleet_detail__text="Waiting for the checkpoint of step 18 that host h1 stopped at",
     ).exists()
     assert not Placement.objects.filter(job=job).exclude(pk=placed.pk).exists()
     with django_capture_on_commit_callbacks(execute=True) as callbacks:
@@ -257,14 +260,22 @@ def test_a_running_job_without_progress_is_flagged_once_and_cleared_by_progress(
     job.refresh_from_db()
     assert job.status == JobStatus.RUNNING and job.stalled_at is not None
     (warning,) = JobEvent.objects.filter(job=job, level="warn")
-    assert warning.message == (
-        f"No progress from host h1 since {last.isoformat(timespec='seconds')}"
-    )
-    assert warning.data == {"host": "h1", "last_progress_at": last.isoformat()}
+    since = last.isoformat(timespec="seconds")
+    assert warning.message == f"No training progress since {since}"
+    assert warning.data == {"last_progress_at": last.isoformat()}
+    assert warning.fleet_detail == {
+        "text": f"No progress from host h1 since {since}",
+        "host": "h1",
+        "placement_id": placed.pk,
+    }
     assert host_report_apply(message=_progress(placed, 2)) == "applied"
     job.refresh_from_db()
     assert job.stalled_at is None
-    assert job.events.filter(message__startswith="Progress from host h1 again").count() == 1
+    assert job.events.filter(message__startswith="Training progress again").count() == 1
+    assert (
+        job.events.filter(fleet_detail__text__startswith="Progress from host h1 again").count()
+        == 1
+    )
     # Stalled again, then paused: a job that is not running is not stalled.
     _age(job, placed, 90)
     with django_capture_on_commit_callbacks(execute=True):

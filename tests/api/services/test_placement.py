@@ -41,7 +41,12 @@ def test_placement_chooses_by_throughput_share_and_headroom(
     # Placing again is a no-op: one open placement per job.
     assert place_now(job, django_capture_on_commit_callbacks) is None
     assert drain_host_queue("h2") == []
-    assert job.events.filter(message="Placed on host h2").count() == 1
+    (placed,) = job.events.filter(message="Placed for training")
+    detail = dict(placed.fleet_detail or {})
+    assert placed.data is None
+    assert detail["text"] == "Placed on host h2"
+    assert detail["host"] == "h2"
+    assert detail["reasons"] == reasons
 
 
 def test_predicted_throughput_within_tolerance_goes_to_the_most_headroom(
@@ -86,7 +91,10 @@ def test_no_eligible_host_waits_with_one_event(
     assert place_now(job, django_capture_on_commit_callbacks) is None
     assert place_now(job, django_capture_on_commit_callbacks) is None
     waiting = job.events.filter(message__startswith="Waiting for a host")
-    assert [e.message for e in waiting] == ["Waiting for a host (h1: host is offline)"]
+    assert [e.message for e in waiting] == ["Waiting for a host with room for this job"]
+    details = [dict(e.fleet_detail or {}) for e in waiting]
+    assert [d["text"] for d in details] == ["Waiting for a host (h1: host is offline)"]
+    assert details[0]["candidates"][0]["host"] == "h1"
 
 
 def test_a_drained_host_is_told_to_drain_and_gets_no_new_jobs(
@@ -101,4 +109,5 @@ def test_a_drained_host_is_told_to_drain_and_gets_no_new_jobs(
     assert [c["command"] for c in drain_host_queue("h2")] == ["drain"]
     heartbeat("h2", harvestable_tokens_per_s=300.0, draining=True)
     assert place_now(job, django_capture_on_commit_callbacks) is None
-    assert job.events.filter(message__contains="h2: host is draining").exists()
+    texts = [(e.fleet_detail or {}).get("text", "") for e in job.events.all()]
+    assert any("h2: host is draining" in text for text in texts)

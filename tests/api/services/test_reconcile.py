@@ -48,9 +48,13 @@ def test_reconcile_requeues_a_silent_hosts_job_and_resumes_it_elsewhere(
     assert new.host.name == "h1"
     (command,) = drain_host_queue("h1")
     assert command["job"]["resume_from"] == {"step": 4, "storage_key": "ck/4"}
-    messages = list(job.events.order_by("created_at", "id").values_list("message", flat=True))
-    assert any(m.startswith("Host h2 lost (no heartbeat for 12") for m in messages)
-    assert "Placed on host h1, resuming from step 4" in messages
+    events = list(job.events.order_by("created_at", "id"))
+    messages = [e.message for e in events]
+    details = [(e.fleet_detail or {}).get("text", "") for e in events]
+    assert "Training interrupted; the job resumes from checkpoint step 4" in messages
+    assert "Placed for training, resuming from step 4" in messages
+    assert any(t.startswith("Host h2 lost (no heartbeat for 12") for t in details)
+    assert "Placed on host h1, resuming from step 4" in details
     # The lost host comes back: it is online again and told to drop the moved placement.
     with django_capture_on_commit_callbacks(execute=True):
         heartbeat("h2", placements=[placement.pk])
