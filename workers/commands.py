@@ -2,7 +2,8 @@
 `gpu_runtime.contract.protocol`) and the placement task, behind `api.dispatch.HostDispatch`.
 
 Every sender here publishes; callers run it from `transaction.on_commit` so a host never hears
-of a row that was rolled back.
+of a row that was rolled back. Every command is signed with its host's message key
+(`workers.message_keys`); the agent drops one that is not.
 """
 
 from __future__ import annotations
@@ -14,21 +15,25 @@ from typing import Any
 from kombu.exceptions import OperationalError as BrokerOperationalError
 
 from config.celery import app
+from gpu_runtime.contract.message_auth import message_sign
 from gpu_runtime.contract.protocol import HOST_COMMAND_TASK, check_command, host_queue
 from gpu_runtime.contract.request_id import current_request_id
+from workers.message_keys import host_message_key
 from workers.tasks import place_job
 
 logger = logging.getLogger(__name__)
 
 
 def send_host_command(*, host_name: str, command: str, **fields: Any) -> dict[str, Any]:
-    """Publish one command to `host.<host_name>`; returns the message sent. It carries the id
-    of the request (or task) that caused it as `request_id`, where there is one."""
+    """Publish one command to `host.<host_name>`, signed with its key; returns the message
+    sent. It carries the id of the request (or task) that caused it as `request_id`, where there
+    is one (signed with the rest)."""
     request_id = current_request_id()
     message = check_command(
         {"command": command, "command_id": uuid.uuid4().hex, **fields}
         | ({"request_id": request_id} if request_id is not None else {})
     )
+    message = message_sign(message, host_message_key(host_name))
     app.send_task(
         HOST_COMMAND_TASK,
         args=[message],

@@ -24,7 +24,9 @@ from api.services.reconcile import fleet_reconcile
 from api.services.reports import host_report_apply
 from api.services.uploads import upload_expire_due
 from config.celery import app
+from gpu_runtime.contract.message_auth import MessageAuthError, message_verify
 from gpu_runtime.contract.protocol import HOST_REPORT_TASK, ProtocolError
+from workers.message_keys import host_message_key
 from workers.metrics import (
     PLACEMENT_DURATION,
     RECONCILE_DURATION,
@@ -57,14 +59,37 @@ def place_job(job_id: str) -> int | None:
     return placement.pk if placement is not None else None
 
 
+def _verified(message: Any) -> dict[str, Any]:
+    """`message` without its signature when its `host`'s key signed it; MessageAuthError."""
+    host = message.get("host") if isinstance(message, dict) else None
+    if not isinstance(host, str) or not host:
+        raise MessageAuthError("the report names no host, so no key verifies it")
+    try:
+        key = host_message_key(host)
+    except ValueError as exc:  # no gateway secret: no key verifies anything
+        raise MessageAuthError(f"no key for host {host!r}: {exc}") from exc
+    return message_verify(message, key)
+
+
 @app.task(name=HOST_REPORT_TASK, soft_time_limit=30, time_limit=60, **COMMON)
-def host_report(message: dict[str, Any]) -> str:
-    """Apply one report from a host agent (`api.services.reports`); malformed ones are dropped.
+def host_report(message: Any) -> str:
+    """Apply one report from a host agent (`api.services.reports`) once its signature verifies
+    under its host's key; unsigned, forged or altered ones ("unauthenticated") and malformed
+    ones ("malformed") are logged at ERROR and dropped, nothing of them stored or forwarded.
     Each is logged under the request id of the command it answers (`config.celery_request_ids`);
     heartbeats and metrics at DEBUG, and counted by kind and outcome (`workers.metrics`)."""
     kind = message.get("kind") if isinstance(message, dict) else None
     try:
-        outcome = host_report_apply(message=message)
+        verified = _verified(message)
+    except MessageAuthError as exc:
+        host = message.get("host") if isinstance(message, dict) else None
+        message_id = message.get("message_id") if isinstance(message, dict) else None
+        logger.error("dropping unauthenticated host report (host %r, message %r): %s",
+                     host, message_id, exc)  # fmt: skip
+        host_report_count(kind, "unauthenticated")
+        return "unauthenticated"
+    try:
+        outcome = host_report_apply(message=verified)
     except ProtocolError as exc:
         logger.error("dropping malformed host report: %s", exc)
         host_report_count(kind, "malformed")

@@ -2,10 +2,12 @@
 
 :class:`CommandConsumer` is a kombu consumer of `host.<name>` running in its own thread. It
 decodes the Celery task messages the control plane publishes (protocol 2: body
-`[args, kwargs, embed]`, header `task`), checks each command, hands it to a callback that only
-enqueues it for the engine loop, then acks. It reconnects by itself after a broker restart. A
-message it cannot decode or check, or whose callback raises, is logged and acked (dropped): no
-message ends the thread. Should the consume loop raise anyway (a transport defect), it starts
+`[args, kwargs, embed]`, header `task`), verifies each command's signature under the host's
+message key (`gpu_runtime.contract.message_auth`) and checks it, hands it to a callback that
+only enqueues it for the engine loop, then acks. It reconnects by itself after a broker restart. A
+message it cannot decode, verify or check, or whose callback raises, is logged and acked
+(dropped; an unsigned or forged one is also counted in `unauthenticated`): no message ends the
+thread. Should the consume loop raise anyway (a transport defect), it starts
 again after a pause, up to :data:`CONSUMER_RESTARTS` times in :data:`CONSUMER_RESTART_WINDOW_S`;
 past that the thread ends with `failed` set, and the agent exits non-zero (`cli.run_agent`), so
 a supervisor sees a host that cannot take commands instead of one that heartbeats without them.
@@ -34,6 +36,7 @@ from kombu import Connection, Exchange, Queue
 from kombu.mixins import ConsumerMixin
 
 from gpu_runtime.agent.outbox import DiskOutbox, OutboxEntry, OutboxStats
+from gpu_runtime.contract.message_auth import MessageAuthError, message_verify
 from gpu_runtime.contract.protocol import (
     CONTROL_QUEUE,
     HOST_COMMAND_TASK,
@@ -56,8 +59,10 @@ def host_queue_declaration(host: str) -> Queue:
     return Queue(name, Exchange(name, type="direct"), routing_key=name)
 
 
-def decode_task_message(body: Any, headers: dict[str, Any]) -> dict[str, Any]:
-    """The command inside a Celery protocol-2 task message; ProtocolError when it is not one."""
+def decode_task_message(body: Any, headers: dict[str, Any], key: bytes) -> dict[str, Any]:
+    """The command inside a Celery protocol-2 task message, its signature verified under the
+    host's message `key` and removed; ProtocolError when it is not one, MessageAuthError when
+    it is unsigned or its signature is not `key`'s."""
     task = headers.get("task")
     if task != HOST_COMMAND_TASK:
         raise ProtocolError(f"host queue got task {task!r}, expected {HOST_COMMAND_TASK!r}")
@@ -65,21 +70,26 @@ def decode_task_message(body: Any, headers: dict[str, Any]) -> dict[str, Any]:
         raise ProtocolError(f"not a Celery protocol-2 body: {body!r:.200}")
     if not isinstance(body[0], (list, tuple)) or len(body[0]) != 1:
         raise ProtocolError(f"a host command task has one positional argument: {body!r:.200}")
-    return check_command(body[0][0])
+    return check_command(message_verify(body[0][0], key))
 
 
 class CommandConsumer(ConsumerMixin):
-    """Consumes `host.<host>`; each valid command goes to `on_command` (which must not block)."""
+    """Consumes `host.<host>`; each valid command signed with `key` (the host's message key)
+    goes to `on_command` (which must not block)."""
 
     def __init__(
         self,
         connection: Connection,
         host: str,
         on_command: Callable[[dict[str, Any]], None],
+        key: bytes,
     ) -> None:
         self.connection = connection
         self.queue = host_queue_declaration(host)
         self.on_command = on_command
+        self.key = key
+        self.unauthenticated = 0
+        """Commands dropped as unsigned or not signed with this host's key (also in `dropped`)."""
         self.thread: threading.Thread | None = None
         self.dropped = 0
         """Messages dropped as undecodable, malformed or failing in `on_command`."""
@@ -108,7 +118,11 @@ class CommandConsumer(ConsumerMixin):
 
     def _on_message(self, body: Any, message: Any) -> None:
         try:
-            command = decode_task_message(body, dict(message.headers or {}))
+            command = decode_task_message(body, dict(message.headers or {}), self.key)
+        except MessageAuthError as exc:
+            self.unauthenticated += 1
+            self._drop(message, f"unauthenticated: {exc}")
+            return
         except Exception as exc:  # ProtocolError, or a header map that is not one
             self._drop(message, f"{type(exc).__name__}: {exc}")
             return

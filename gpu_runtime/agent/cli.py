@@ -238,7 +238,8 @@ command, so the agent ends and its supervisor (run.sh, systemd) sees it."""
 
 
 def run_agent(config: AgentConfig, stop: threading.Event) -> int:
-    """Run until `stop` is set (see the module docstring); the process's exit status."""
+    """Run until `stop` is set (see the module docstring); the process's exit status.
+    AgentConfigError without a host key: it signs every report and verifies every command."""
     from kombu import Connection
 
     from gpu_runtime.agent.channel import CommandConsumer, ReportSender
@@ -248,6 +249,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.agent.runtime import HostRuntime, submit_command
     from gpu_runtime.agent.serving import EngineSpec
     from gpu_runtime.colocation.ahead import ASYNC_SCHEDULING
+    from gpu_runtime.contract.message_auth import message_key, message_sign
     from gpu_runtime.contract.protocol import report
     from gpu_runtime.contract.storage import open_storage
     from gpu_runtime.engine import EngineConfig
@@ -256,6 +258,12 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.server.prometheus import ServerMetrics
     from gpu_runtime.server.threaded import ThreadedServer
 
+    if config.host_key is None:
+        raise AgentConfigError(
+            f"a host key is required (--host-key-file or {HOST_KEY_ENV}; `manage.py hosts key "
+            f"{config.host}`): it signs every report and verifies every command"
+        )
+    key = message_key(config.host_key)
     work_dir = config.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
     model_dir = config.model_dir
@@ -287,6 +295,11 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     outbox = DiskOutbox(config.outbox_path(), config.outbox_max_reports, config.outbox_max_bytes)
     sender = ReportSender(config.broker_url, options, transport, outbox)
     sender.start()
+
+    def send(message: dict[str, Any]) -> None:
+        # Signed as it is built: a report waiting in the sender's outbox stays valid.
+        sender.send(message_sign(message, key))
+
     request_metrics = MetricsCollector()
     prometheus = ServerMetrics()
     runtime = HostRuntime(
@@ -300,7 +313,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
         tpot_slo_ms=config.tpot_slo_ms,
         storage=open_storage(config.storage),
         work_dir=work_dir,
-        send=sender.send,
+        send=send,
         total_bytes=_total_bytes(config),
         base_model_path=str(model_dir),
         metrics_interval_s=config.metrics_interval_s,
@@ -330,7 +343,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
         submit_command(loop, runtime, command)
 
     connection = Connection(config.broker_url, transport=transport, transport_options=options)
-    consumer = CommandConsumer(connection, config.host, on_command)
+    consumer = CommandConsumer(connection, config.host, on_command, key)
     consumer.start()
     logger.info("agent %s serving %s at %s", config.host, config.base_model, server_url)
     print(f"agent {config.host} ready: {server_url}", flush=True)
@@ -342,7 +355,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
                 status = HOST_QUEUE_LOST_EXIT
                 break
             fields = runtime.status().heartbeat_fields()
-            sender.send(report("heartbeat", config.host, server_url=server_url, **fields))
+            send(report("heartbeat", config.host, server_url=server_url, **fields))
             stop.wait(config.heartbeat_s)
     finally:
         consumer.stop()
@@ -383,4 +396,8 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    sys.exit(run_agent(config, stop))
+    try:
+        status = run_agent(config, stop)
+    except AgentConfigError as exc:
+        sys.exit(f"harli agent: {exc}")
+    sys.exit(status)

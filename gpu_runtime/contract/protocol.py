@@ -85,6 +85,15 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
   or `tpot_p50_ms`, `tpot_p99_ms`, `ttft_p50_ms`, `ttft_p99_ms`, `slo_attainment`,
   `goodput_tokens_per_s`, `request_rate`, `predicted_iter_ms`, `observed_iter_ms`,
   `predictor_version`).
+
+Storage keys (:func:`check_job_key`): a `checkpoint`'s `storage_key` is its job's checkpoint
+of that step (`checkpoint_key(job_id, step)` or under it), a `job_succeeded`'s `adapter_key`
+its job's adapter prefix (`adapter_key(job_id)` or under it); an `apply_placement`'s
+`resume_from.storage_key` is the job's checkpoint of `resume_from.step`, a `load_adapter`'s key
+lies under `adapters/` or `checkpoints/`. No key is absolute or holds `..`, `.`, an empty
+segment, a backslash, NUL or a control character. A message breaking these is malformed
+(:func:`check_report`, :func:`check_command`): the control plane stores and forwards nothing of
+it, and the agent drops it.
 """
 
 from __future__ import annotations
@@ -218,6 +227,91 @@ def parse_checkpoint_model(name: str) -> tuple[str, str, int] | None:
     return model, job_id, int(step_text)
 
 
+_KEY_FORBIDDEN = frozenset({"\\", "\x00"})
+
+
+def check_storage_key(key: Any, *, field: str) -> str:
+    """`key` when it is a plain relative storage key, else ProtocolError: a non-empty string of
+    `/`-separated segments, none empty, `.` or `..`, no backslash, NUL or other control
+    character, not absolute (no leading `/`, no drive letter)."""
+    if not isinstance(key, str) or not key:
+        raise ProtocolError(f"{field} must be a non-empty string, got {key!r:.80}")
+    if any(ch in _KEY_FORBIDDEN or ord(ch) < 0x20 or ch == "\x7f" for ch in key):
+        raise ProtocolError(f"{field} {key!r:.80} holds a backslash, NUL or control character")
+    if key.startswith("/") or (len(key) > 1 and key[1] == ":"):
+        raise ProtocolError(f"{field} {key!r:.80} is an absolute path")
+    if any(segment in ("", ".", "..") for segment in key.split("/")):
+        raise ProtocolError(f"{field} {key!r:.80} has an empty, '.' or '..' segment")
+    return key
+
+
+def check_job_key(key: Any, *, prefix: str, field: str) -> str:
+    """`key` when it is a plain storage key (:func:`check_storage_key`) equal to `prefix` or
+    under it (`prefix/...`), else ProtocolError. The control plane stores a host's keys and
+    sends them to every host, so a host may name only its job's own prefix: a job's adapter
+    (:func:`adapter_key`), a checkpoint of its own step (:func:`checkpoint_key`)."""
+    check_storage_key(key, field=field)
+    check_storage_key(prefix, field=f"the prefix of {field}")
+    if key != prefix and not key.startswith(prefix + "/"):
+        raise ProtocolError(f"{field} {key!r:.80} is not under {prefix!r}")
+    return str(key)
+
+
+def _job_id(message: dict[str, Any], name: str) -> str:
+    job_id = message["job_id"]
+    if not isinstance(job_id, str) or not job_id:
+        raise ProtocolError(f"{name}.job_id must be a non-empty string, got {job_id!r:.80}")
+    return job_id
+
+
+def _step(value: Any, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ProtocolError(f"{name} must be an integer >= 0, got {value!r:.80}")
+    return value
+
+
+def _check_report_keys(message: dict[str, Any]) -> None:
+    """A checkpoint's `storage_key` is its job's checkpoint of that step; a finished job's
+    `adapter_key` is under its job's adapter prefix."""
+    kind = message["kind"]
+    if kind == "checkpoint":
+        job_id, step = _job_id(message, kind), _step(message["step"], "checkpoint.step")
+        check_job_key(message["storage_key"], prefix=checkpoint_key(job_id, step),
+                      field="checkpoint.storage_key")  # fmt: skip
+    elif kind == "job_succeeded":
+        job_id = _job_id(message, kind)
+        check_job_key(message["adapter_key"], prefix=adapter_key(job_id),
+                      field="job_succeeded.adapter_key")  # fmt: skip
+
+
+ADAPTER_KEY_ROOTS = ("adapters", "checkpoints")
+"""What `load_adapter` may name: a finished job's adapter or a checkpoint."""
+
+
+def _check_command_keys(message: dict[str, Any]) -> None:
+    """A placement resumes only from its own job's checkpoint of the step it names; an
+    adapter is loaded only from an adapter or checkpoint prefix."""
+    command = message["command"]
+    if command == "apply_placement":
+        job = message["job"]
+        resume = job.get("resume_from")
+        if resume is not None:
+            if not isinstance(resume, dict) or "storage_key" not in resume or "step" not in resume:
+                raise ProtocolError("apply_placement.job.resume_from is {step, storage_key}")
+            job_id = job["id"]
+            if not isinstance(job_id, str) or not job_id:
+                raise ProtocolError("apply_placement.job.id must be a non-empty string")
+            step = _step(resume["step"], "apply_placement.job.resume_from.step")
+            check_job_key(resume["storage_key"], prefix=checkpoint_key(job_id, step),
+                          field="apply_placement.job.resume_from.storage_key")  # fmt: skip
+    elif command == "load_adapter":
+        key = check_storage_key(message["storage_key"], field="load_adapter.storage_key")
+        if key.split("/", 1)[0] not in ADAPTER_KEY_ROOTS or "/" not in key:
+            raise ProtocolError(
+                f"load_adapter.storage_key {key!r:.80} is not under {list(ADAPTER_KEY_ROOTS)}"
+            )
+
+
 def new_message_id() -> str:
     return uuid.uuid4().hex
 
@@ -257,6 +351,7 @@ def check_report(message: Any) -> dict[str, Any]:
             f"unknown report kind {message['kind']!r}; known: {sorted(REPORT_KINDS)}"
         )
     _check_fields(message, message["kind"])
+    _check_report_keys(message)
     return message
 
 
@@ -281,4 +376,5 @@ def check_command(message: Any) -> dict[str, Any]:
             raise ProtocolError(
                 f"apply_placement.job.method {job['method']!r} is not one of {list(JOB_METHODS)}"
             )
+    _check_command_keys(message)
     return message

@@ -22,6 +22,7 @@ from api.services.reports import host_report_apply
 from api.services.tenants import tenant_create
 from gpu_runtime.agent.channel import decode_task_message, host_queue_declaration
 from gpu_runtime.contract.protocol import report
+from workers.message_keys import host_message_key
 
 GIB = 2**30
 LINE = b'{"prompt": "Q: hello", "completion": " A: world"}\n'
@@ -91,7 +92,8 @@ def drain_host_queue(host: str) -> list[dict[str, Any]]:
         queue = host_queue_declaration(host)(connection.default_channel)
         queue.declare()
         while (message := queue.get(no_ack=True)) is not None:
-            commands.append(decode_task_message(message.decode(), dict(message.headers)))
+            body, headers = message.decode(), dict(message.headers)
+            commands.append(decode_task_message(body, headers, host_message_key(host)))
     return commands
 
 

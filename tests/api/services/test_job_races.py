@@ -176,7 +176,7 @@ def test_a_success_that_raced_a_pause_leaves_the_job_paused_with_its_final_check
     with django_capture_on_commit_callbacks(execute=True):
         assert host_report_apply(message=_progress(placed, 8)) == "applied"
         assert host_report_apply(message=_checkpoint(placed, 8)) == "applied"
-        done = _report("job_succeeded", placed, trained_tokens=99, adapter_key="adapters/x")
+        done = _report("job_succeeded", placed, trained_tokens=99, adapter_key=f"adapters/{job.id}")
         assert host_report_apply(message=done) == "stale"
     assert [c["command"] for c in drain_host_queue("h1")] == ["pause"]
     job.refresh_from_db()

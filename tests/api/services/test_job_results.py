@@ -105,8 +105,8 @@ def test_success_writes_the_results_csv_as_a_tenant_file(
     # step 3's progress was lost: the checkpoint report recovers it
     recent = [{"step": 3, "train_loss": 2.5, "learning_rate": 1e-4, "train_accuracy": 0.75}]
     metrics = {"train_loss": 2.5, "valid_loss": 1.25, "valid_mean_token_accuracy": 0.5}
-    _send(placement, "checkpoint", step=3, storage_key="checkpoints/x", recent_steps=recent,
-          metrics=metrics)  # fmt: skip
+    _send(placement, "checkpoint", step=3, storage_key=checkpoint_key(job.id, 3),
+          recent_steps=recent, metrics=metrics)  # fmt: skip
     with django_capture_on_commit_callbacks(execute=True):
         assert _send(placement, "job_succeeded", trained_tokens=120,
                      adapter_key=f"adapters/{job.id}") == "applied"  # fmt: skip

@@ -32,7 +32,8 @@ def test_reconcile_requeues_a_silent_hosts_job_and_resumes_it_elsewhere(
     assert placement is not None and placement.host.name == "h2"
     host_report_apply(message=started_report(placement))
     ids = {"placement_id": placement.pk, "job_id": job.id}
-    host_report_apply(message=report("checkpoint", "h2", step=4, storage_key="ck/4",
+    key = f"checkpoints/{job.id}/step-000004"
+    host_report_apply(message=report("checkpoint", "h2", step=4, storage_key=key,
                                      metrics={"train_loss": 1.5}, **ids))  # fmt: skip
     drain_host_queue("h2")
     stale = timezone.now() - timedelta(seconds=120)
@@ -47,7 +48,10 @@ def test_reconcile_requeues_a_silent_hosts_job_and_resumes_it_elsewhere(
     new = Placement.objects.get(job=job, state=PlacementState.PENDING)
     assert new.host.name == "h1"
     (command,) = drain_host_queue("h1")
-    assert command["job"]["resume_from"] == {"step": 4, "storage_key": "ck/4"}
+    assert command["job"]["resume_from"] == {
+        "step": 4,
+        "storage_key": f"checkpoints/{job.id}/step-000004",
+    }
     events = list(job.events.order_by("created_at", "id"))
     messages = [e.message for e in events]
     details = [(e.fleet_detail or {}).get("text", "") for e in events]

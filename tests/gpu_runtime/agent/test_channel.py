@@ -1,4 +1,5 @@
-"""The host-queue consumer on a real `filesystem://` broker: bad messages never end it.
+"""The host-queue consumer on a real `filesystem://` broker: bad messages never end it, and
+only commands signed with the host's key reach the engine loop.
 
 Commands are published as the control plane publishes them (a Celery app's `send_task` over the
 same transport and folders), or written straight into the queue folder as a damaged file.
@@ -21,6 +22,8 @@ from gpu_runtime.agent import channel as channel_module
 from gpu_runtime.agent.channel import CommandConsumer, ReportSender, host_queue_declaration
 from gpu_runtime.agent.outbox import DiskOutbox
 from gpu_runtime.contract.broker import broker_transport, broker_transport_options
+from gpu_runtime.contract.grants import host_key
+from gpu_runtime.contract.message_auth import message_key, message_sign
 from gpu_runtime.contract.protocol import (
     CONTROL_QUEUE,
     HOST_COMMAND_TASK,
@@ -31,6 +34,7 @@ from gpu_runtime.contract.protocol import (
 
 URL = "filesystem://"
 HOST = "h1"
+KEY = message_key(host_key("fleet-secret", HOST))
 
 
 @pytest.fixture()
@@ -48,8 +52,10 @@ def control_plane(options: dict[str, object]) -> Celery:
     return app
 
 
-def send(app: Celery, *args: Any, task: str = HOST_COMMAND_TASK) -> None:
-    app.send_task(task, args=list(args), queue=host_queue(HOST), routing_key=host_queue(HOST))
+def send(app: Celery, *args: Any, task: str = HOST_COMMAND_TASK, key: bytes | None = KEY) -> None:
+    """Publish `args` as the control plane does, each dict signed with `key` (None: as is)."""
+    signed = [message_sign(a, key) if key is not None and isinstance(a, dict) else a for a in args]
+    app.send_task(task, args=signed, queue=host_queue(HOST), routing_key=host_queue(HOST))
 
 
 def drain_command(command_id: str) -> dict[str, Any]:
@@ -73,7 +79,7 @@ class Received:
 
 def start_consumer(options: dict[str, object], received: Received, cls: type = CommandConsumer):
     connection = Connection(URL, transport=broker_transport(URL), transport_options=options)
-    consumer = cls(connection, HOST, received)
+    consumer = cls(connection, HOST, received, KEY)
     with connection.clone() as setup:  # the queue exists before anything is published
         host_queue_declaration(HOST)(setup.default_channel).declare()
     consumer.start()
@@ -111,8 +117,37 @@ def test_consumer_survives_malformed_commands(
             time.sleep(0.05)
         assert consumer.alive()
         assert consumer.dropped == 7
+        assert consumer.unauthenticated == 0
         assert consumer.restarts == 0
         assert received.commands.empty()
+    finally:
+        consumer.stop()
+
+
+def test_only_commands_signed_with_the_hosts_key_are_taken(
+    options: dict[str, object], control_plane: Celery, caplog: pytest.LogCaptureFixture
+) -> None:
+    received = Received()
+    consumer = start_consumer(options, received)
+    other_host = message_key(host_key("fleet-secret", "h2"))
+    other_fleet = message_key(host_key("another-secret", HOST))
+    altered = message_sign(drain_command("altered"), KEY)
+    altered["command"] = "undrain"  # changed after signing
+    relabelled = message_sign(drain_command("original"), KEY)
+    relabelled["command_id"] = "replayed-under-a-new-id"
+    try:
+        with caplog.at_level("ERROR", logger="gpu_runtime.agent.channel"):
+            send(control_plane, drain_command("unsigned"), key=None)
+            send(control_plane, drain_command("h2's"), key=other_host)
+            send(control_plane, drain_command("other fleet"), key=other_fleet)
+            send(control_plane, altered, key=None)
+            send(control_plane, relabelled, key=None)
+            send(control_plane, {**drain_command("garbled"), "signature": "v1.zz"}, key=None)
+            send(control_plane, drain_command("signed"))
+            assert received.next()["command_id"] == "signed"
+        assert received.commands.empty()
+        assert consumer.unauthenticated == 6 and consumer.dropped == 6
+        assert sum("unauthenticated" in r.getMessage() for r in caplog.records) == 6
     finally:
         consumer.stop()
 

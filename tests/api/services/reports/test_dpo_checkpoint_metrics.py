@@ -14,7 +14,7 @@ from api.services.files import UploadSource, file_create
 from api.services.jobs import finetune_job_create
 from api.services.placement import job_place
 from api.services.reports import host_report_apply
-from gpu_runtime.contract.protocol import PREFERENCE_METRICS, report
+from gpu_runtime.contract.protocol import PREFERENCE_METRICS, checkpoint_key, report
 from tests.api.services.conftest import drain_host_queue, heartbeat, make_host
 
 pytestmark = pytest.mark.django_db
@@ -73,9 +73,8 @@ def test_dpo_validation_metrics_reach_the_checkpoint_and_the_step(
         **TRAIN,
     }
     with django_capture_on_commit_callbacks(execute=True):
-        assert send("checkpoint", step=2, storage_key="checkpoints/x", metrics=metrics) == (
-            "applied"
-        )
+        key = checkpoint_key(job.id, 2)
+        assert send("checkpoint", step=2, storage_key=key, metrics=metrics) == "applied"
     body = JobCheckpointSerializer(JobCheckpoint.objects.get(job=job, step=2)).data
     assert body["metrics"] == {"step": 2, **metrics}
     assert set(PREFERENCE_METRICS) <= set(body["metrics"])

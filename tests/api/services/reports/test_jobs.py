@@ -18,7 +18,7 @@ from api.models import (
 )
 from api.services.jobs import finetune_job_cancel, finetune_job_pause
 from api.services.reports import host_report_apply
-from gpu_runtime.contract.protocol import report
+from gpu_runtime.contract.protocol import adapter_key, checkpoint_key, report
 from tests.api.services.conftest import drain_host_queue, heartbeat, place_now, started_report
 
 pytestmark = pytest.mark.django_db
@@ -84,7 +84,8 @@ def test_a_checkpoint_report_recovers_progress_the_broker_lost(
     for step in (1, 3):
         assert host_report_apply(message=progress(step)) == "applied"
     recent = [{"step": s, "train_loss": 3.0 - s / 10, "learning_rate": 1e-4} for s in (1, 2, 3)]
-    checkpoint = report("checkpoint", "h2", step=3, total_steps=4, storage_key="checkpoints/x",
+    key = checkpoint_key(job.id, 3)
+    checkpoint = report("checkpoint", "h2", step=3, total_steps=4, storage_key=key,
                         metrics={"train_loss": 2.7}, recent_steps=recent, **ids)  # fmt: skip
     assert host_report_apply(message=checkpoint) == "applied"
     assert host_report_apply(message=late) == "duplicate"  # redelivered after the recovery
@@ -114,7 +115,7 @@ def test_stale_reports_are_ignored_and_the_host_told_to_stop(
         assert host_report_apply(message=progress) == "applied"
         assert heartbeat("h2", placements=[placement.pk]) == "applied"
     assert [c["command"] for c in drain_host_queue("h2")] == ["pause"]
-    ckpt = report("checkpoint", "h2", step=1, storage_key="checkpoints/x/step-000001",
+    ckpt = report("checkpoint", "h2", step=1, storage_key=checkpoint_key(job.id, 1),
                   metrics={"train_loss": 1.0}, **ids)  # fmt: skip
     assert host_report_apply(message=ckpt) == "applied"
     finetune_job_cancel(job=job)
@@ -125,7 +126,8 @@ def test_stale_reports_are_ignored_and_the_host_told_to_stop(
     assert drain_host_queue("h2") == []  # not one stop per step: the heartbeat's check stops it
     with django_capture_on_commit_callbacks(execute=True):
         assert heartbeat("h2", placements=[placement.pk]) == "applied"
-        outcome = report("job_succeeded", "h2", trained_tokens=9, adapter_key="adapters/x", **ids)
+        outcome = report("job_succeeded", "h2", trained_tokens=9, adapter_key=adapter_key(job.id),
+                         **ids)  # fmt: skip
         assert host_report_apply(message=outcome) == "stale"
     assert [c["command"] for c in drain_host_queue("h2")] == ["cancel", "cancel"]
     assert list(JobMetric.objects.filter(job=job).values_list("step", flat=True)) == [1]
