@@ -19,9 +19,11 @@ from pytest_django.fixtures import Settings as SettingsWrapper
 from api.health import READY_TIMEOUT_S, NotReady, database_check, readiness_checks
 from config.database import SQLITE_ENGINE
 from gpu_runtime.contract.broker import broker_transport, broker_transport_options
+from tests.services import AMQP_URL_ENV, REDIS_URL_ENV, service_url
 
 CLOSED_REDIS = "redis://:hunter2-secret@127.0.0.1:1/0"
-REDIS_URL = "redis://127.0.0.1:6379/15"
+REDIS_URL = service_url(REDIS_URL_ENV)
+AMQP_URL = service_url(AMQP_URL_ENV)
 # Time for the test client and the thread start around the probe's own bound.
 SLACK_S = 0.5
 
@@ -72,6 +74,15 @@ def test_readyz_is_ready_on_the_test_database_and_the_default_broker(client: Cli
 @pytest.mark.django_db
 def test_readyz_is_ready_on_redis(client: Client, settings: SettingsWrapper) -> None:
     use_broker(settings, REDIS_URL)
+    status, body, _ = timed_readyz(client)
+    assert (status, body["checks"]) == (200, {"database": "ok", "broker": "ok"})
+
+
+@pytest.mark.django_db
+def test_readyz_is_ready_on_rabbitmq_with_the_suites_user(
+    client: Client, settings: SettingsWrapper
+) -> None:
+    use_broker(settings, AMQP_URL)
     status, body, _ = timed_readyz(client)
     assert (status, body["checks"]) == (200, {"database": "ok", "broker": "ok"})
 

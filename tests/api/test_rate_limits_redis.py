@@ -1,4 +1,4 @@
-"""`RedisRateLimiter` against the real Redis (HARLI_TEST_REDIS_URL, default 127.0.0.1:6379/15):
+"""`RedisRateLimiter` against the real Redis, as the suite's own user (`tests.services`):
 the same arithmetic as in process, atomic across OS processes, on the server's clock, with keys
 that expire. Each test has its own key prefix."""
 
@@ -20,9 +20,10 @@ import redis
 from redis.asyncio import Redis
 
 from api.rate_limits import Limits, RateLimiterUnavailable, RedisRateLimiter
+from tests.services import REDIS_URL_ENV, service_url
 
 ROOT = Path(__file__).resolve().parents[2]
-REDIS_URL = os.environ.get("HARLI_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+REDIS_URL = service_url(REDIS_URL_ENV)
 T = TypeVar("T")
 
 
@@ -32,10 +33,7 @@ def prefix() -> Iterator[str]:
         sync = redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2)
         sync.ping()
     except redis.RedisError as exc:
-        pytest.fail(
-            f"Redis is not running at {REDIS_URL} ({exc}); start it with `redis-server "
-            '--daemonize yes --bind 127.0.0.1 --port 6379 --save "" --appendonly no`'
-        )
+        pytest.fail(f"Redis refuses the suite's user ({exc}); run `bash scripts/services.sh`")
     key_prefix = f"harli-test:{uuid.uuid4().hex}:"
     yield key_prefix
     for key in sync.scan_iter(match=f"{key_prefix}*"):

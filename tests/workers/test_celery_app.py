@@ -12,9 +12,10 @@ import pytest
 from celery import Celery
 
 from config.celery import app
+from tests.services import REDIS_URL_ENV, service_url
 
 ROOT = Path(__file__).resolve().parents[2]
-REDIS_URL = "redis://127.0.0.1:6379/15"
+REDIS_URL = service_url(REDIS_URL_ENV)
 
 
 def test_app_reads_django_settings() -> None:
