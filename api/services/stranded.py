@@ -70,9 +70,14 @@ def placement_unacknowledged_give_up(*, placement_id: int, before: datetime) -> 
         waited = (now - placement.created_at).total_seconds()
         job_event_record(
             job=job,
-            message=f"Host {placement.host.name} did not start placement {placement.pk} within "
-            f"{waited:.0f} s (sent {sends} time(s)); placing the job again",
+            message=f"Training did not start within {waited:.0f} s; placing the job again",
             level=EventLevel.WARN,
+            fleet_detail={
+                "text": f"Host {placement.host.name} did not start placement {placement.pk} "
+                f"within {waited:.0f} s (sent {sends} time(s)); placing the job again",
+                "host": placement.host.name,
+                "placement_id": placement.pk,
+            },
         )
     return True
 
@@ -89,14 +94,19 @@ def placement_forgotten_requeue(*, placement_id: int) -> bool:
         if job.stalled_at is None or _listed(placement, after=job.stalled_at) is not False:
             return False
         _lose(placement, timezone.now())
-        latest = job_checkpoint_latest(job=job)
+        step = job_checkpoint_latest(job=job)
+        resume = f"the job resumes from checkpoint step {step.step if step else 0}"
         finetune_job_transition(
             job=job,
             to=JobStatus.QUEUED,
-            message=f"Host {placement.host.name} no longer runs placement {placement.pk} (its "
-            f"agent restarted); the job resumes from checkpoint step "
-            f"{latest.step if latest else 0} on a host",
+            message=f"Training interrupted; {resume}",
             level=EventLevel.WARN,
+            fleet_detail={
+                "text": f"Host {placement.host.name} no longer runs placement {placement.pk} "
+                f"(its agent restarted); {resume} on a host",
+                "host": placement.host.name,
+                "placement_id": placement.pk,
+            },
         )
     return True
 

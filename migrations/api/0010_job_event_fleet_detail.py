@@ -123,7 +123,7 @@ def backward(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("api", "0009_login_failure"),
+        ("api", "0011_idempotency_key"),
     ]
 
     operations = [

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any
 
@@ -14,7 +15,7 @@ from api.services.fleet import host_drain
 from api.services.placement import job_place
 from api.services.reconcile import fleet_reconcile
 from api.services.reports import host_report_apply
-from gpu_runtime.contract.protocol import report
+from gpu_runtime.contract.protocol import checkpoint_key, report
 from tests.api.services.conftest import drain_host_queue, heartbeat, place_now, started_report
 
 pytestmark = pytest.mark.django_db
@@ -52,10 +53,13 @@ def test_a_placement_the_live_host_never_acknowledges_is_given_up_and_the_job_pl
     fresh = Placement.objects.get(job=job, state=PlacementState.PENDING)
     assert fresh.pk != placement.pk
     assert [c["placement_id"] for c in drain_host_queue(fresh.host.name)] == [fresh.pk]
-    messages = list(job.events.values_list("message", flat=True))
+    events = list(job.events.all())
+    assert any(e.message.startswith("Training did not start within ") for e in events)
+    details = [str((e.fleet_detail or {}).get("text", "")) for e in events]
     assert any(
-        m.startswith(f"Host h2 did not start placement {placement.pk} within") for m in messages
+        t.startswith(f"Host h2 did not start placement {placement.pk} within") for t in details
     )
+    assert not any(re.search(r"\bh2\b|placement", e.message) for e in events)
     # Should the host start the given-up placement after all, it is told to stop it.
     with django_capture_on_commit_callbacks(execute=True):
         assert host_report_apply(message=started_report(placement)) == "stale"
@@ -101,7 +105,8 @@ def test_a_running_job_its_restarted_agent_forgot_resumes_elsewhere(
     assert placement is not None
     host_report_apply(message=started_report(placement))
     ids = {"placement_id": placement.pk, "job_id": job.id}
-    host_report_apply(message=report("checkpoint", "h2", step=2, storage_key="ck/2",
+    key = checkpoint_key(job.id, 2)
+    host_report_apply(message=report("checkpoint", "h2", step=2, storage_key=key,
                                      metrics={"train_loss": 1.5}, **ids))  # fmt: skip
     drain_host_queue("h2")
     # No progress since: the job is flagged as stalled.
@@ -122,7 +127,14 @@ def test_a_running_job_its_restarted_agent_forgot_resumes_elsewhere(
     assert job.status == JobStatus.QUEUED and job.stalled_at is None
     fresh = Placement.objects.get(job=job, state=PlacementState.PENDING)
     (command,) = drain_host_queue(fresh.host.name)
-    assert command["job"]["resume_from"] == {"step": 2, "storage_key": "ck/2"}
+    assert command["job"]["resume_from"] == {
+        "step": 2,
+        "storage_key": checkpoint_key(job.id, 2),
+    }
+    events = list(job.events.all())
+    assert "Training interrupted; the job resumes from checkpoint step 2" in [
+        e.message for e in events
+    ]
     assert any(
-        "no longer runs placement" in m for m in job.events.values_list("message", flat=True)
+        "no longer runs placement" in str((e.fleet_detail or {}).get("text", "")) for e in events
     )
