@@ -5,6 +5,7 @@ sends carry its host's signature."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 import pytest
@@ -40,7 +41,7 @@ def placed(deployment: Any, job: FinetuneJob, django_capture_on_commit_callbacks
 def _report(kind: str, placement: Placement, **fields: Any) -> dict[str, Any]:
     """A report of `placement`'s host, unchecked (so a bad one can be built) and unsigned."""
     return {"message_id": new_message_id(), "kind": kind, "host": placement.host.name,
-            "sent_at": 1.0, "placement_id": placement.pk, "job_id": placement.job_id,
+            "sent_at": time.time(), "placement_id": placement.pk, "job_id": placement.job_id,
             **fields}  # fmt: skip
 
 
