@@ -19,9 +19,12 @@ from celery import Celery
 
 from api.metrics import METRIC_NAMES as WEB_METRIC_NAMES
 from api.models import Deployment, FinetuneJob
+from gpu_runtime.contract.message_auth import message_sign
 from gpu_runtime.contract.protocol import HOST_REPORT_TASK
 from tests.api.services.conftest import heartbeat, make_host, report
 from tests.scrape import Samples, families, moved, parse, value
+from tests.services import REDIS_URL_ENV, service_url
+from workers.message_keys import host_message_key
 from workers.metrics import METRIC_NAMES, exporter_start
 from workers.tasks import host_report, place_job, reconcile_fleet
 
@@ -69,9 +72,13 @@ def test_reports_tasks_placement_and_reconcile_are_counted(
     beat = report("heartbeat", "h1", base_model="tiny", server_url="http://h1/v1",
                   total_bytes=2**34, free_bytes=2**33, harvestable_tokens_per_s=1.0,
                   placements=[], adapters=[])  # fmt: skip
+    key = host_message_key("h1")
+    assert host_report.apply(args=[beat]).get() == "unauthenticated"  # unsigned
+    beat = message_sign(beat, key)
     assert host_report.apply(args=[beat]).get() == "applied"
     assert host_report.apply(args=[beat]).get() == "duplicate"
-    assert host_report.apply(args=[{"kind": "bogus-kind", "host": "h1"}]).get() == "malformed"
+    bogus = message_sign({"kind": "bogus-kind", "host": "h1"}, key)
+    assert host_report.apply(args=[bogus]).get() == "malformed"
     assert place_job.apply(args=[job.id]).get() is not None
     assert place_job.apply(args=[job.id]).get() is None  # placed already
     reconcile_fleet.apply().get()
@@ -81,8 +88,9 @@ def test_reports_tasks_placement_and_reconcile_are_counted(
     assert moved(before, after, reports, kind="heartbeat", outcome="applied") == 1
     assert moved(before, after, reports, kind="heartbeat", outcome="duplicate") == 1
     assert moved(before, after, reports, kind="?", outcome="malformed") == 1  # no new series
+    assert moved(before, after, reports, kind="heartbeat", outcome="unauthenticated") == 1
     tasks = "harli_worker_task_duration_seconds_count"
-    assert moved(before, after, tasks, task=HOST_REPORT_TASK, state="SUCCESS") == 3
+    assert moved(before, after, tasks, task=HOST_REPORT_TASK, state="SUCCESS") == 4
     assert moved(before, after, tasks, task="workers.place_job", state="SUCCESS") == 2
     assert moved(before, after, tasks, task="workers.reconcile", state="SUCCESS") == 1
     placement = "harli_worker_placement_seconds_count"
@@ -103,7 +111,7 @@ def _free_port() -> int:
 def test_a_prefork_worker_sums_its_pool_processes_on_its_port(tmp_path: Path) -> None:
     """`celery worker` with two pool processes, PROMETHEUS_MULTIPROC_DIR and
     HARLI_WORKER_METRICS_PORT: its exporter counts the reports every pool process took."""
-    redis_url = "redis://127.0.0.1:6379/15"
+    redis_url = service_url(REDIS_URL_ENV)
     queue, port = f"metrics-test-{time.time_ns()}", _free_port()
     env = {**os.environ, "CELERY_BROKER_URL": redis_url,
            "DJANGO_SETTINGS_MODULE": "config.settings.test",
@@ -118,8 +126,9 @@ def test_a_prefork_worker_sums_its_pool_processes_on_its_port(tmp_path: Path) ->
     client = Celery("harli-test-client", broker=redis_url)
     sent = 12
     try:
+        nope = message_sign({"kind": "nope", "host": "h1"}, host_message_key("h1"))
         for _ in range(sent):  # malformed: the worker drops them without the database
-            client.send_task(HOST_REPORT_TASK, args=[{"kind": "nope"}], queue=queue)
+            client.send_task(HOST_REPORT_TASK, args=[nope], queue=queue)
         deadline, seen = time.monotonic() + 60, -1.0
         while time.monotonic() < deadline and worker.poll() is None:
             try:

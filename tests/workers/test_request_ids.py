@@ -16,10 +16,12 @@ from kombu import Connection, Queue
 from api.models import Deployment, FinetuneJob, Tenant
 from api.services.apikeys import api_key_issue_for_tenant
 from api.services.files import UploadSource, file_create
+from gpu_runtime.contract.message_auth import message_sign
 from gpu_runtime.contract.protocol import CONTROL_QUEUE, ProtocolError, check_report, report
 from gpu_runtime.contract.request_id import CELERY_HEADER, bound_log_context, current_request_id
 from tests.api.services.conftest import LINE, drain_host_queue, heartbeat, make_host
 from tests.json_logs import JsonLines, captured_json_logs
+from workers.message_keys import host_message_key
 from workers.tasks import host_report, place_job
 
 
@@ -91,6 +93,7 @@ def test_a_cancel_command_carries_the_cancel_requests_id(api: Client, tenant: Te
     (placement,) = drain_host_queue("h1")
     started = report("job_started", "h1", placement_id=placement["placement_id"], job_id=job_id,
                      resumed_from_step=0, total_steps=4, request_id="create-8")  # fmt: skip
+    started = message_sign(started, host_message_key("h1"))
     assert host_report.apply(args=[started]).get() == "applied"
 
     response = api.post(f"/v1/fine_tuning/jobs/{job_id}/cancel",
@@ -109,7 +112,7 @@ def test_the_intake_logs_a_report_under_the_request_id_it_carries(
     assert placement["request_id"] != "create-9"  # no header: the task's own id
     started = report("job_started", "h1", placement_id=placement["placement_id"], job_id=job_id,
                      resumed_from_step=0, total_steps=4, request_id="create-9")  # fmt: skip
-    host_report.apply(args=[started])
+    host_report.apply(args=[message_sign(started, host_message_key("h1"))])
     (intake,) = [line for line in json_logs() if line.get("report") == "job_started"]
     assert intake["message"] == "host h1 reported job_started: applied"
     assert intake["request_id"] == "create-9" and intake["job_id"] == job_id

@@ -26,14 +26,22 @@ from gpu_runtime.agent import outbox as outbox_module
 from gpu_runtime.agent.channel import ReportSender, build_task_message
 from gpu_runtime.agent.outbox import CORRUPT_FOLDER, DiskOutbox, OutboxBusyError
 from gpu_runtime.contract.protocol import CONTROL_QUEUE, HOST_REPORT_TASK, report
+from tests.services import AMQP_URL_ENV, REDIS_URL_ENV, service_url
 
 ROOT = Path(__file__).resolve().parents[3]
 HOST = "h1"
-BROKERS = {
-    "redis": os.environ.get("HARLI_TEST_REDIS_URL", "redis://127.0.0.1:6379/14"),
-    "rabbitmq": os.environ.get("HARLI_TEST_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//"),
+BROKERS = {"redis": REDIS_URL_ENV, "rabbitmq": AMQP_URL_ENV}
+"""The shared Redis and RabbitMQ, as the suite's own users (`tests.services`)."""
+UNREACHABLE = {
+    "redis": "redis://harli-test:unused@127.0.0.1:1/14",
+    "rabbitmq": "amqp://harli-test:unused@127.0.0.1:1/harli-test",
 }
-UNREACHABLE = {"redis": "redis://127.0.0.1:1/14", "rabbitmq": "amqp://guest:guest@127.0.0.1:1//"}
+
+
+def broker_url(name: str) -> str:
+    """The URL of broker `name` with the suite's credentials (Redis: database 14)."""
+    url = service_url(BROKERS[name])
+    return url.rsplit("/", 1)[0] + "/14" if name == "redis" else url
 APP = Celery("outbox-test", broker="memory://", set_as_current=False)
 
 
@@ -172,13 +180,13 @@ def broker(request: pytest.FixtureRequest) -> Iterator[str]:
     """A broker kind whose control queue is empty before and after the test."""
     name = request.param
     try:
-        with Connection(BROKERS[name], connect_timeout=3) as conn:
+        with Connection(broker_url(name), connect_timeout=3) as conn:
             conn.ensure_connection(max_retries=1)
     except Exception as exc:  # the test services are not running
-        pytest.fail(f"{name} at {BROKERS[name]} does not answer (scripts/services.sh): {exc}")
-    clear_control_queue(BROKERS[name])
+        pytest.fail(f"{name} does not answer the suite's user (scripts/services.sh): {exc}")
+    clear_control_queue(broker_url(name))
     yield name
-    clear_control_queue(BROKERS[name])
+    clear_control_queue(broker_url(name))
 
 
 def clear_control_queue(url: str) -> None:
@@ -255,10 +263,10 @@ def test_reports_queued_while_the_broker_is_away_survive_sigkill_and_go_first(
     first.kill()
     assert len(files(directory)) == 5
 
-    second = Child(BROKERS[broker], directory, 6, 2)  # restarted on the same outbox
+    second = Child(broker_url(broker), directory, 6, 2)  # restarted on the same outbox
     children.append(second)
     second.wait_for("flushed")
-    reports = control_queue(BROKERS[broker], 7)
+    reports = control_queue(broker_url(broker), 7)
     assert [r["step"] for r in reports] == [1, 2, 3, 4, 5, 6, 7]
     assert len({r["message_id"] for r in reports}) == 7
     assert files(directory) == []
@@ -268,15 +276,15 @@ def test_a_crash_between_the_confirmation_and_the_removal_resends_the_same_messa
     broker: str, tmp_path: Path, children: list[Child]
 ) -> None:
     directory = tmp_path / "outbox"
-    first = Child(BROKERS[broker], directory, 1, 3, 2)  # holds after step 2 was confirmed
+    first = Child(broker_url(broker), directory, 1, 3, 2)  # holds after step 2 was confirmed
     children.append(first)
     first.wait_for("published 2")
     first.kill()
 
-    second = Child(BROKERS[broker], directory, 4, 1)
+    second = Child(broker_url(broker), directory, 4, 1)
     children.append(second)
     second.wait_for("flushed")
-    reports = control_queue(BROKERS[broker], 5)
+    reports = control_queue(broker_url(broker), 5)
     assert [r["step"] for r in reports] == [1, 2, 2, 3, 4]
     assert reports[1] == reports[2]  # the very message (its id: the control plane skips it)
     assert len({r["message_id"] for r in reports}) == 4
@@ -284,7 +292,7 @@ def test_a_crash_between_the_confirmation_and_the_removal_resends_the_same_messa
 
 
 def test_an_amqp_sender_publishes_with_publisher_confirms(broker: str, tmp_path: Path) -> None:
-    sender = ReportSender(BROKERS[broker], {}, None, DiskOutbox(tmp_path / "outbox"))
+    sender = ReportSender(broker_url(broker), {}, None, DiskOutbox(tmp_path / "outbox"))
     with sender.app.connection_for_write() as conn:
         channel = conn.default_channel
         if broker == "rabbitmq":  # publish waits for the broker's basic.ack
