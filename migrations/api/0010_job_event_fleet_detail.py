@@ -123,7 +123,7 @@ def backward(apps: Any, schema_editor: Any) -> None:
 
 class Migration(migrations.Migration):
     dependencies = [
-        ("api", "0011_idempotency_key"),
+        ("api", "0012_tenant_quotas"),
     ]
 
     operations = [
