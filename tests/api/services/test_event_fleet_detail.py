@@ -154,7 +154,7 @@ def test_the_migration_moves_host_detail_out_of_existing_events(job: FinetuneJob
     step = job_event_record(job=job, message="Step 1/4: training loss=2.0000", type="metrics",
                             data={"step": 1, "train_loss": 2.0, "host": "gpu-a"})  # fmt: skip
     plain = job_event_record(job=job, message="Job paused")
-    migration = importlib.import_module("migrations.api.0010_job_event_fleet_detail")
+    migration = importlib.import_module("migrations.api.0013_job_event_fleet_detail")
     migration.forward(apps, None)
 
     rewritten = {e.fleet_detail["text"]: e for e in JobEvent.objects.filter(job=job)
