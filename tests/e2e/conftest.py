@@ -71,9 +71,12 @@ def seeded(cluster: Cluster, transactional_db: None) -> Iterator[Tenants]:
     issued = api_key_issue_for_tenant(tenant=tenant_create(name="acme"))
     other = api_key_issue_for_tenant(tenant=tenant_create(name="globex"))
     alive = [h for h in AGENTS if cluster.procs[h].alive()]
+    # One worker process (solo pool) applies every report in order: on a loaded machine it may
+    # first work through what the previous test left (a stopped agent's backlog, a pass of
+    # reconciliation), so the first heartbeat of the re-registered hosts can take a while.
     wait_until(
         lambda: GpuHost.objects.filter(name__in=alive, status="online").count() == len(alive),
-        20,
+        90,
         "the agents' heartbeats",
     )
     yield Tenants(issued.key, other.key, issued.api_key.prefix)
@@ -170,10 +173,10 @@ def training_jsonl() -> bytes:
 def pytest_runtest_makereport(
     item: pytest.Item, call: pytest.CallInfo[None]
 ) -> Generator[None, pytest.TestReport, pytest.TestReport]:
-    """A failed e2e test's report carries the tail of each cluster process's log (the worker's
-    and the agents' side of what the test waited for)."""
+    """A failed e2e test's report (its set-up included) carries the tail of each cluster
+    process's log (the worker's and the agents' side of what the test waited for)."""
     report = yield
-    if report.when == "call" and report.failed:
+    if report.when in ("setup", "call") and report.failed:
         cluster = getattr(item, "funcargs", {}).get("cluster")
         if isinstance(cluster, Cluster):
             report.sections.append(("cluster logs", cluster.logs(lines=40)))

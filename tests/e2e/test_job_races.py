@@ -62,7 +62,7 @@ def drain(seeded: Tenants) -> Iterator[Callable[..., None]]:
     """Drains hosts for a test (no placement there); they are back in service after it, their
     agents no longer draining (an agent that still drains when the next test registers its
     host again would keep that host draining)."""
-    from api.models import GpuHost
+    from api.models import GpuHost, HostAgentState
     from api.services.fleet import host_drain
 
     drained: list[str] = []
@@ -71,6 +71,15 @@ def drain(seeded: Tenants) -> Iterator[Callable[..., None]]:
         for name in names:
             host_drain(host=GpuHost.objects.get(name=name))
             drained.append(name)
+        # Until each agent reports draining, its drain command may still be on its way: an
+        # undrain must come after it, or a drain landing after the next test's flush leaves
+        # the re-registered host draining.
+        wait_until(
+            lambda: HostAgentState.objects.filter(host__name__in=names, draining=True).count()
+            == len(names),
+            30,
+            "the agents to drain",
+        )
 
     yield drain_hosts
     _undrain(*drained)
