@@ -72,6 +72,17 @@ def _training_file(*, tenant: Tenant, file_id: Any, param: str) -> File:
     return file
 
 
+def host_detail(
+    text: str, *, host: str, placement_id: int | None = None, **extra: Any
+) -> dict[str, Any]:
+    """An event's `fleet_detail`: the operator's wording `text`, the host it is about and, when
+    there is one, the placement (plus any further figures in `extra`)."""
+    detail: dict[str, Any] = {"text": text, "host": host, **extra}
+    if placement_id is not None:
+        detail["placement_id"] = placement_id
+    return detail
+
+
 def job_event_record(
     *,
     job: FinetuneJob,

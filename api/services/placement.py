@@ -49,6 +49,7 @@ from api.models import (
     Tenant,
 )
 from api.quotas import running_jobs_limits
+from api.services.jobs import host_detail
 from api.services.placement_dispatch import placements_send
 from gpu_runtime.contract.footprint import MIN_FINETUNE_BYTES, finetune_footprint_bytes
 from gpu_runtime.contract.model_config import ModelConfig
@@ -372,11 +373,11 @@ def _wait_reason(
             item,
             "Waiting for the previous run to stop (it checkpoints at its batch boundary first)",
             EventLevel.INFO,
-            {
-                "text": f"Waiting for host {stopping.host.name} to stop placement {stopping.pk}",
-                "host": stopping.host.name,
-                "placement_id": stopping.pk,
-            },
+            host_detail(
+                f"Waiting for host {stopping.host.name} to stop placement {stopping.pk}",
+                host=stopping.host.name,
+                placement_id=stopping.pk,
+            ),
         )
     awaited = _checkpoint_in_flight(previous=item.previous, latest_step=item.latest_step)
     if awaited is not None:
@@ -384,12 +385,12 @@ def _wait_reason(
             item,
             f"Waiting for the checkpoint of step {awaited.stopped_step}",
             EventLevel.INFO,
-            {
-                "text": f"Waiting for the checkpoint of step {awaited.stopped_step} that host "
+            host_detail(
+                f"Waiting for the checkpoint of step {awaited.stopped_step} that host "
                 f"{awaited.host.name} stopped at",
-                "host": awaited.host.name,
-                "placement_id": awaited.pk,
-            },
+                host=awaited.host.name,
+                placement_id=awaited.pk,
+            ),
         )
     return None
 
@@ -457,12 +458,12 @@ def _placements_write(choices: list[_Choice]) -> list[Placement]:
                 JobEvent(
                     job_id=choice.job.pk,
                     message=f"Placed for training{resume}",
-                    fleet_detail={
-                        "text": f"Placed on host {choice.host.name}{resume}",
-                        "placement_id": placement.pk,
-                        "host": choice.host.name,
-                        "reasons": choice.reasons,
-                    },
+                    fleet_detail=host_detail(
+                        f"Placed on host {choice.host.name}{resume}",
+                        host=choice.host.name,
+                        placement_id=placement.pk,
+                        reasons=choice.reasons,
+                    ),
                 )
             )
         JobEvent.objects.bulk_create(events)

@@ -41,7 +41,7 @@ from api.models import (
     PlacementState,
 )
 from api.selectors import job_checkpoint_latest
-from api.services.jobs import finetune_job_transition, job_event_record
+from api.services.jobs import finetune_job_transition, host_detail, job_event_record
 from api.services.placement import placement_pass
 from api.services.placement_dispatch import placements_send
 from api.services.stranded import stranded_placements_recover
@@ -79,13 +79,13 @@ def host_mark_lost(*, host_id: int, silent_s: float) -> list[str]:
             latest = job_checkpoint_latest(job=job)
             step = latest.step if latest else 0
             text = f"Training interrupted; the job resumes from checkpoint step {step}"
-            detail = {
-                "text": f"Host {host.name} lost (no heartbeat for {silent_s:.0f} s); the job "
+            detail = host_detail(
+                f"Host {host.name} lost (no heartbeat for {silent_s:.0f} s); the job "
                 f"resumes from checkpoint step {step} on another host",
-                "host": host.name,
-                "silent_s": round(silent_s),
-                "placement_id": placement.pk,
-            }
+                host=host.name,
+                placement_id=placement.pk,
+                silent_s=round(silent_s),
+            )
             if job.status == JobStatus.RUNNING:
                 finetune_job_transition(
                     job=job,
@@ -197,10 +197,10 @@ def job_flag_stall(*, placement_id: int, before: datetime) -> bool:
             message=f"No training progress since {since}",
             level=EventLevel.WARN,
             data={"last_progress_at": last.isoformat()},
-            fleet_detail={
-                "text": f"No progress from host {placement.host.name} since {since}",
-                "host": placement.host.name,
-                "placement_id": placement.pk,
-            },
+            fleet_detail=host_detail(
+                f"No progress from host {placement.host.name} since {since}",
+                host=placement.host.name,
+                placement_id=placement.pk,
+            ),
         )
     return True

@@ -35,7 +35,7 @@ from api.models import (
     PlacementState,
 )
 from api.selectors import job_checkpoint_latest
-from api.services.jobs import finetune_job_transition, job_event_record
+from api.services.jobs import finetune_job_transition, host_detail, job_event_record
 
 
 def _listed(placement: Placement, *, after: datetime) -> bool | None:
@@ -72,12 +72,12 @@ def placement_unacknowledged_give_up(*, placement_id: int, before: datetime) -> 
             job=job,
             message=f"Training did not start within {waited:.0f} s; placing the job again",
             level=EventLevel.WARN,
-            fleet_detail={
-                "text": f"Host {placement.host.name} did not start placement {placement.pk} "
+            fleet_detail=host_detail(
+                f"Host {placement.host.name} did not start placement {placement.pk} "
                 f"within {waited:.0f} s (sent {sends} time(s)); placing the job again",
-                "host": placement.host.name,
-                "placement_id": placement.pk,
-            },
+                host=placement.host.name,
+                placement_id=placement.pk,
+            ),
         )
     return True
 
@@ -101,12 +101,12 @@ def placement_forgotten_requeue(*, placement_id: int) -> bool:
             to=JobStatus.QUEUED,
             message=f"Training interrupted; {resume}",
             level=EventLevel.WARN,
-            fleet_detail={
-                "text": f"Host {placement.host.name} no longer runs placement {placement.pk} "
+            fleet_detail=host_detail(
+                f"Host {placement.host.name} no longer runs placement {placement.pk} "
                 f"(its agent restarted); {resume} on a host",
-                "host": placement.host.name,
-                "placement_id": placement.pk,
-            },
+                host=placement.host.name,
+                placement_id=placement.pk,
+            ),
         )
     return True
 

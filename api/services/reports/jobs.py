@@ -38,6 +38,7 @@ from api.services.jobs import (
     finetune_job_fail,
     finetune_job_succeed,
     finetune_job_transition,
+    host_detail,
     job_checkpoint_record,
     job_event_record,
 )
@@ -107,7 +108,7 @@ def job_started_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
             job=job,
             to=JobStatus.RUNNING,
             message=text,
-            fleet_detail={"text": detail, "host": host.name, "placement_id": placement.pk},
+            fleet_detail=host_detail(detail, host=host.name, placement_id=placement.pk),
         )
     if "hyperparameters" in message:
         try:
@@ -131,10 +132,9 @@ def _progressed(host: GpuHost, job: FinetuneJob) -> None:
     job_event_record(
         job=job,
         message=f"Training progress again (stalled since {since})",
-        fleet_detail={
-            "text": f"Progress from host {host.name} again (stalled since {since})",
-            "host": host.name,
-        },
+        fleet_detail=host_detail(
+            f"Progress from host {host.name} again (stalled since {since})", host=host.name
+        ),
     )
     job.stalled_at = None
 
@@ -213,7 +213,7 @@ def _step_record(
         message=text,
         type=EventType.METRICS,
         data=data,
-        fleet_detail={"text": f"{text} on host {host.name}", "host": host.name},
+        fleet_detail=host_detail(f"{text} on host {host.name}", host=host.name),
     )
     rollup_add(
         series=RollupSeries.JOB,
@@ -309,11 +309,11 @@ def job_stopped_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
             "step": message.get("step"),
             "stopped_at": message.get("sent_at"),  # Unix s, the host's clock
         },
-        fleet_detail={
-            "text": f"Host {host.name} stopped training ({message['reason']}) {at_step}",
-            "host": host.name,
-            "placement_id": int(message["placement_id"]),
-        },
+        fleet_detail=host_detail(
+            f"Host {host.name} stopped training ({message['reason']}) {at_step}",
+            host=host.name,
+            placement_id=int(message["placement_id"]),
+        ),
     )
     placement_id = int(message["placement_id"])
     _forget_placement(host, placement_id)
