@@ -15,6 +15,7 @@ from django.db import DatabaseError, connections
 from api.errors import ConflictError
 from api.models import BaseModel, File, FinetuneJob, JobEvent, JobStatus, Tenant
 from api.services.jobs import finetune_job_create, finetune_job_pause, finetune_job_resume
+from tests.threads import run_threads
 
 THREADS = 4
 ROUNDS = 15
@@ -51,12 +52,7 @@ def test_pause_and_resume_from_many_connections_at_once(
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=writer) for _ in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
+    assert run_threads(writer, THREADS)
     assert errors == []
     assert done["paused"] >= 1 and done["resumed"] >= 1
     # Every transition that returned is recorded once, and they alternate: the final status

@@ -14,6 +14,7 @@ from django.utils import timezone
 from api.idempotency import Claim, IdempotencyClaimLost, idempotency_complete
 from api.models import BaseModel, File, FinetuneJob, IdempotencyKey, JobEvent, Tenant
 from tests.api.conftest import VALID_JSONL, ApiClient, assert_error
+from tests.threads import run_threads
 
 THREADS = 6
 
@@ -211,12 +212,7 @@ def _race(path: str, key: str, make_request: Any) -> list[Any]:
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=client) for _ in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
+    assert run_threads(client, THREADS)
     assert errors == []
     return responses
 

@@ -34,6 +34,7 @@ from api.services.jobs import (
 )
 from api.services.quotas import tenant_quotas_set, trained_tokens_record
 from tests.api.conftest import VALID_JSONL, ApiClient, assert_error
+from tests.threads import run_threads
 
 pytestmark = pytest.mark.django_db
 
@@ -275,12 +276,7 @@ def test_concurrent_job_creates_never_pass_the_queued_quota(
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=create) for _ in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
-    assert not any(t.is_alive() for t in threads)
+    assert run_threads(create, THREADS)
     assert errors == []
     assert sorted(outcomes) == ["created"] * QUOTA + ["refused"] * (THREADS - QUOTA)
     assert FinetuneJob.objects.filter(tenant=tenant).count() == QUOTA
@@ -312,11 +308,7 @@ def test_concurrent_uploads_never_pass_stored_bytes(tenant: Tenant, storage_dir:
         finally:
             connections.close_all()
 
-    threads = [threading.Thread(target=upload) for _ in range(THREADS)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    run_threads(upload, THREADS)
     assert errors == []
     assert File.objects.filter(tenant=tenant).count() == QUOTA
     assert len(refused) == THREADS - QUOTA
