@@ -19,7 +19,6 @@ import json
 import os
 import re
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from bench.common.processes import group_cpu_seconds, stop_groups
 from bench.common.provenance import ROOT
 
 ENV_EXAMPLE = ROOT / "deploy" / "harli.env.example"
@@ -256,31 +256,11 @@ class Platform:
 
     def web_cpu_s(self) -> float:
         """User plus system CPU time so far of the web process and its workers."""
-        group = self.procs["web"].pid
-        total = 0.0
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[2]) == group:  # the process group: uvicorn's master and workers
-                total += int(fields[11]) + int(fields[12])
-        return total / os.sysconf("SC_CLK_TCK")
+        return group_cpu_seconds(self.procs["web"].pid)
 
     def stop(self) -> None:
         """SIGTERM to every process (uvicorn finishes what is in flight), SIGKILL after 40 s."""
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 40
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(5)
+        stop_groups(self.procs.values(), grace_s=40)
 
     def drop_database(self) -> None:
         if self.database:

@@ -22,9 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from bench.common.cli_types import positive_ints
+from bench.common.processes import cpu_seconds
 from bench.common.provenance import commit_hash, write_result
 from bench.gateway.load import LoadSummary, run_load
-from bench.gateway.platform import Platform, cpu_seconds
+from bench.gateway.platform import Platform
 from gpu_runtime.contract.grants import GRANT_HEADER, GRANT_TTL_S, Grant, grant_sign
 
 

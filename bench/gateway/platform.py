@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.common.processes import stop_groups
 from bench.common.provenance import ROOT
 from gpu_runtime.contract.grants import host_key
 from gpu_runtime.server.threaded import free_port
@@ -176,19 +177,4 @@ class Platform:
         self.procs[name].wait(10)
 
     def stop(self) -> None:
-        for proc in self.procs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        for proc in self.procs.values():
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User plus system CPU time of `pid` so far."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    ticks = os.sysconf("SC_CLK_TCK")
-    return (int(fields[11]) + int(fields[12])) / ticks
+        stop_groups(self.procs.values(), grace_s=10)
