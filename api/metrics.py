@@ -20,7 +20,6 @@ counts read at scrape time; `GET /metrics` serves them.
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Callable, Iterable, Iterator
 
@@ -30,17 +29,16 @@ from django.http import HttpRequest, HttpResponse, JsonResponse
 from django.views.decorators.cache import never_cache
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    REGISTRY,
     CollectorRegistry,
     Counter,
     Histogram,
     generate_latest,
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from api.errors import error_body
+from gpu_runtime.contract.metrics_scrape import bearer_matches, process_exposition
 
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -142,12 +140,7 @@ class _StatusCounts(Collector):
 
 def exposition() -> bytes:
     """Every metric of this process (of every worker, in multiprocess mode), then the counts."""
-    if settings.PROMETHEUS_MULTIPROC_DIR:
-        registry = CollectorRegistry()
-        MultiProcessCollector(registry, settings.PROMETHEUS_MULTIPROC_DIR)
-        own = generate_latest(registry)
-    else:
-        own = generate_latest(REGISTRY)
+    own = process_exposition(settings.PROMETHEUS_MULTIPROC_DIR)
     counts = CollectorRegistry(auto_describe=True)
     counts.register(_StatusCounts())
     return own + generate_latest(counts)
@@ -160,10 +153,7 @@ def metrics(request: HttpRequest) -> HttpResponse:
     if not token and not settings.METRICS_OPEN:
         return _error(404, "Not found.", "not_found")
     if token:
-        scheme, _, sent = request.headers.get("Authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(
-            sent.strip().encode(), token.encode()
-        ):
+        if not bearer_matches(request.headers.get("Authorization"), token):
             return _error(401, "Incorrect or missing metrics token.", "invalid_api_key")
     if request.method != "GET":
         return _error(405, "Use GET for /metrics.", "method_not_allowed")

@@ -20,7 +20,6 @@ every scrape is a 404, except under `METRICS_OPEN` (local settings).
 
 from __future__ import annotations
 
-import hmac
 import json
 import logging
 import os
@@ -35,14 +34,12 @@ from celery import signals
 from django.conf import settings
 from prometheus_client import (
     CONTENT_TYPE_LATEST,
-    REGISTRY,
-    CollectorRegistry,
     Counter,
     Histogram,
-    generate_latest,
 )
 from prometheus_client import multiprocess as prometheus_multiprocess
 
+from gpu_runtime.contract.metrics_scrape import bearer_matches, process_exposition
 from gpu_runtime.contract.protocol import REPORT_KINDS
 
 logger = logging.getLogger(__name__)
@@ -122,12 +119,7 @@ def timed(histogram: Histogram, **labels: str) -> Iterator[dict[str, str]]:
 
 def exposition() -> bytes:
     """This worker's metrics: its pool's processes' too in multiprocess mode."""
-    directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
-    if directory:
-        registry = CollectorRegistry()
-        prometheus_multiprocess.MultiProcessCollector(registry, directory)
-        return generate_latest(registry)
-    return generate_latest(REGISTRY)
+    return process_exposition(os.environ.get("PROMETHEUS_MULTIPROC_DIR"))
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -139,7 +131,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(404, "Not found.", "not_found")
         elif not self.token and not self.open_without_token:
             self._error(404, "Not found.", "not_found")
-        elif self.token and not _bearer_matches(self.headers.get("Authorization"), self.token):
+        elif self.token and not bearer_matches(self.headers.get("Authorization"), self.token):
             self._error(401, "Incorrect or missing metrics token.", "invalid_api_key")
         else:
             self._send(200, exposition(), CONTENT_TYPE_LATEST)
@@ -158,11 +150,6 @@ class _Handler(BaseHTTPRequestHandler):
 
     def log_message(self, format: str, *args: Any) -> None:
         pass  # one line per scrape would drown the worker's log
-
-
-def _bearer_matches(authorization: str | None, token: str) -> bool:
-    scheme, _, sent = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode(), token.encode())
 
 
 def exporter_start(*, host: str, port: int, token: str, open_without_token: bool = False) -> (

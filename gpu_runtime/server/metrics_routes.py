@@ -6,22 +6,15 @@ configured the route is off (404), since the labels name tenants and adapters.""
 
 from __future__ import annotations
 
-import hmac
-
 from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from gpu_runtime.contract.metrics_scrape import bearer_matches
 from gpu_runtime.server.prometheus import ServerMetrics
 from gpu_runtime.server.protocol import OpenAIError
 
 METRICS_TOKEN_ENV = "HARLI_METRICS_TOKEN"
 router = APIRouter()
-
-
-def bearer_matches(authorization: str | None, token: str) -> bool:
-    """Whether an `Authorization` header carries `Bearer <token>` (constant-time)."""
-    scheme, _, sent = (authorization or "").partition(" ")
-    return scheme.lower() == "bearer" and hmac.compare_digest(sent.strip().encode(), token.encode())
 
 
 @router.get("/metrics", include_in_schema=False)
