@@ -22,15 +22,13 @@ import secrets
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.common.processes import group_cpu_seconds, stop_groups
+from bench.common.processes import group_cpu_seconds, stop_groups, wait_for
 from bench.common.provenance import ROOT
 
 ENV_EXAMPLE = ROOT / "deploy" / "harli.env.example"
@@ -51,14 +49,6 @@ def env_example() -> dict[str, str]:
             name, value = line.split("=", 1)
             values[name.strip()] = value.strip()
     return values
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.2)
 
 
 @dataclass

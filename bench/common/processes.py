@@ -1,4 +1,4 @@
-"""The processes a benchmark starts: their CPU time, and stopping them."""
+"""The processes a benchmark starts: waiting on them, their CPU time, and stopping them."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 
@@ -39,6 +39,15 @@ def group_cpu_seconds(group: int) -> float:
         if int(fields[2]) == group:
             total += _ticks_s(fields)
     return total
+
+
+def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
+    """Poll `check` every 0.2 s until it holds; TimeoutError naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
+        time.sleep(0.2)
 
 
 def stop_groups(procs: Iterable[subprocess.Popen[bytes]], *, grace_s: float) -> None:

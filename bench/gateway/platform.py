@@ -9,25 +9,15 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.common.processes import stop_groups
+from bench.common.processes import stop_groups, wait_for
 from bench.common.provenance import ROOT
 from gpu_runtime.contract.grants import host_key
 from gpu_runtime.server.threaded import free_port
-
-
-def wait_for(check: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not check():
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout_s} s waiting for {what}")
-        time.sleep(0.2)
 
 
 def _http_ok(url: str) -> bool:
