@@ -176,19 +176,11 @@ def _waiting_jobs(job_ids: list[str] | None) -> list[_Waiting]:
         jobs = jobs.filter(pk__in=job_ids)
     # Plain rows of only what placement reads (no model instances for 10,000 waiting jobs);
     # the base models come in one query of their own.
+    last_event = JobEvent.objects.filter(job=OuterRef("pk")).order_by("-created_at", "-id")
     rows = list(
         jobs.annotate(
-            last_message=Subquery(
-                JobEvent.objects.filter(job=OuterRef("pk"))
-                .order_by("-created_at", "-id")
-                .values("message")[:1]
-            ),
-            last_detail=Subquery(
-                JobEvent.objects.filter(job=OuterRef("pk"))
-                .order_by("-created_at", "-id")
-                .values("fleet_detail")[:1],
-                output_field=JSONField(),
-            ),
+            last_message=Subquery(last_event.values("message")[:1]),
+            last_detail=Subquery(last_event.values("fleet_detail")[:1], output_field=JSONField()),
             previous_id=Subquery(
                 Placement.objects.filter(job=OuterRef("pk"))
                 .order_by("-created_at", "-id")
