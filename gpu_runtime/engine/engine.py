@@ -9,6 +9,8 @@ from collections.abc import Callable, Hashable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
@@ -23,6 +25,7 @@ from gpu_runtime.engine.stopping import StopChecker
 from gpu_runtime.lora.protocol import LoraRuntime
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import load_model, load_tokenizer
+from gpu_runtime.structured.outputs import StructuredOutputs
 
 AdapterResolver = Callable[[str], bool]
 """Returns True when an adapter of that name can be served (defaults to `lora.has`)."""
@@ -68,16 +71,29 @@ class Engine:
         )
         self.lora = lora
         self.scheduler: Scheduler = _scheduler(config, self.block_manager, lora)
-        self.runner = ModelRunner(model, config, kv_storage_factory, lora=lora)
         eos = list(model.config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.append(int(tokenizer.eos_token_id))
+        self.structured = StructuredOutputs(
+            tokenizer,
+            model.config.vocab_size,
+            eos,
+            config.max_num_seqs + 1,
+            torch.device(config.device),
+        )
+        """Grammar matchers of constrained requests (`SamplingParams.structured_output`);
+        `structured.compiler` compiles a request's grammar ahead, from any thread."""
+        self.runner = ModelRunner(
+            model, config, kv_storage_factory, lora=lora, structured=self.structured
+        )
         self.stop_checker = StopChecker(tokenizer, eos, config.max_model_len)
         self.adapter_resolver = adapter_resolver or (lora.has if lora is not None else None)
         self._ids = itertools.count()
-        self.outputs = StepOutputs(self.scheduler, self.stop_checker)
+        self.outputs = StepOutputs(self.scheduler, self.stop_checker, self.structured)
         self.clock = StepClock()
-        self.overlap = OverlappedSteps(self.scheduler, self.runner, self.outputs, self.clock)
+        self.overlap = OverlappedSteps(
+            self.scheduler, self.runner, self.outputs, self.clock, self.structured
+        )
         """Async scheduling (`config.async_scheduling`, read at each step)."""
 
     @classmethod
@@ -99,8 +115,10 @@ class Engine:
     ) -> str:
         """Queue a request; returns its id. `tenant` names who asked: waiting requests are
         admitted round-robin across tenants, FIFO within one (`Request.tenant`). Raises
-        ValueError for prompts that cannot fit and `UnknownAdapterError` (a ValueError) for a
-        `lora_name` the engine cannot serve."""
+        ValueError for prompts that cannot fit, `UnknownAdapterError` (a ValueError) for a
+        `lora_name` the engine cannot serve and `StructuredOutputError` (a ValueError) for a
+        `structured_output` that cannot be compiled (compiled here unless
+        `structured.compiler.compile` compiled it before)."""
         params = params or SamplingParams()
         if lora_name is not None and not (
             self.lora is not None and self.adapter_resolver and self.adapter_resolver(lora_name)
@@ -122,14 +140,21 @@ class Engine:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         request_id = request_id or f"req-{next(self._ids)}"
-        self.scheduler.add_request(
-            Request(request_id, token_ids, params, lora_name=lora_name, tenant=tenant)
-        )
+        if params.structured_output is not None:
+            self.structured.admit(request_id, params.structured_output)
+        try:
+            self.scheduler.add_request(
+                Request(request_id, token_ids, params, lora_name=lora_name, tenant=tenant)
+            )
+        except BaseException:
+            self.structured.release(request_id)
+            raise
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         """Drop a request wherever it is; unknown ids are ignored."""
         self.scheduler.abort_request(request_id)
+        self.structured.release(request_id)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""

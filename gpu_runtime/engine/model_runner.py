@@ -54,6 +54,7 @@ from gpu_runtime.engine.step_readback import StepReadback
 from gpu_runtime.lora.protocol import LoraRuntime
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import torch_dtype
+from gpu_runtime.structured.outputs import StructuredOutputs
 
 if TYPE_CHECKING:
     from gpu_runtime.engine.fast_decode import FusedDecodeForward as FusedDecodeForwardType
@@ -70,9 +71,11 @@ class ModelRunner:
         config: EngineConfig,
         kv_storage_factory: KVStorageFactory = default_kv_storage,
         lora: LoraRuntime | None = None,
+        structured: StructuredOutputs | None = None,
     ) -> None:
         """`lora` must be built over `model`'s own tensors with `max_tokens >=
-        config.max_num_batched_tokens` (every token of a step gets a slot)."""
+        config.max_num_batched_tokens` (every token of a step gets a slot); `structured`: the
+        grammar matchers whose requests' logits rows are masked before sampling."""
         self.config = config
         self.model = model
         self.lora = lora
@@ -95,7 +98,9 @@ class ModelRunner:
         self.rows = RequestRows(config, lora, pin)
         self.states = self.rows.states
         """Live requests' states by id (`rows.states`)."""
-        self.readback = StepReadback(self.sampler, self.device, config.max_num_seqs + 1, pin)
+        self.readback = StepReadback(
+            self.sampler, self.device, config.max_num_seqs + 1, pin, structured
+        )
         """Sampling, copies back and read-back of launched steps; the last launched step."""
         self._num_launched = 0
         self.num_overlapped_steps = 0

@@ -21,15 +21,24 @@ from gpu_runtime.engine.runner_types import UNRESOLVED_TOKEN, StepHandle
 from gpu_runtime.engine.scheduler import Scheduler, SchedulerOutput
 from gpu_runtime.engine.step_outputs import StepOutputs
 from gpu_runtime.engine.step_types import StepAhead, StepClock, ask_ahead, call_hook
+from gpu_runtime.structured.outputs import StructuredOutputs
 
 
 class OverlappedSteps:
     """The async-scheduling step over one scheduler and runner; see the module doc."""
 
     def __init__(
-        self, scheduler: Scheduler, runner: ModelRunner, outputs: StepOutputs, clock: StepClock
+        self,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        outputs: StepOutputs,
+        clock: StepClock,
+        structured: StructuredOutputs | None = None,
     ) -> None:
+        """`structured`: the engine's grammar matchers; a step sampling a constrained request
+        is never followed by one launched ahead (its next mask needs this step's token)."""
         self.scheduler = scheduler
+        self.structured = structured
         self.runner = runner
         self.outputs = outputs
         self.clock = clock
@@ -118,9 +127,13 @@ class OverlappedSteps:
     def _can_overlap(self, plan: SchedulerOutput, handle: StepHandle) -> bool:
         """True when the step after `plan` can be launched before `plan` is read back: the
         runner takes it as a bucketed decode step gathering its inputs on the device, and the
-        scheduler is sure it decodes the same requests whatever `plan` samples. Stop tokens
-        and stop strings are not foreseen: such a request's next step is discarded."""
+        scheduler is sure it decodes the same requests whatever `plan` samples, and no request
+        of `plan` is constrained by a grammar. Stop tokens and stop strings are not foreseen:
+        such a request's next step is discarded."""
         runner = self.runner
         if handle.token_ids is None or not runner.static_decode:
+            return False
+        structured = self.structured
+        if structured is not None and structured.any_constrained(plan.num_scheduled_tokens):
             return False
         return self.scheduler.decode_follows(plan, runner.max_bucket)

@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from gpu_runtime.structured.params import StructuredOutputParams
+
 
 class SamplingParamsError(ValueError):
     """Sampling parameters out of range; the message names the field and value."""
@@ -35,6 +37,10 @@ class SamplingParams:
     """None: no logprobs; n >= 0: the sampled token's logprob plus the n most likely."""
     detokenize: bool = True
     """Produce output text (needed for stop strings)."""
+    structured_output: StructuredOutputParams | None = None
+    """Constrain the output to a grammar (JSON schema, regex, EBNF, structural tag;
+    `gpu_runtime.structured`): its logits rows are masked to the tokens the grammar allows,
+    eos only where it is complete, and the request stops when the grammar has ended."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:

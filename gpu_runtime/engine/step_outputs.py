@@ -1,5 +1,7 @@
 """A step's `RequestOutput`s: the stop rules applied to each sampled request, and the requests
-the scheduler dropped without running."""
+the scheduler dropped without running. A constrained request's matcher accepts its sampled token
+here, once per token, before the stop rules: a grammar that has ended stops the request
+("stop"), and its matcher is released with the request."""
 
 from __future__ import annotations
 
@@ -7,17 +9,28 @@ from gpu_runtime.engine.request import RequestOutput, RequestStatus
 from gpu_runtime.engine.runner_types import ModelRunnerOutput
 from gpu_runtime.engine.scheduler import Scheduler
 from gpu_runtime.engine.stopping import StopChecker
+from gpu_runtime.structured.outputs import Acceptance, StructuredOutputs
 
 
 class StepOutputs:
     """Builds outputs from the scheduler's requests; finishes those a stop rule ends."""
 
-    def __init__(self, scheduler: Scheduler, stop_checker: StopChecker) -> None:
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        stop_checker: StopChecker,
+        structured: StructuredOutputs | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self.stop_checker = stop_checker
+        self.structured = structured
 
     def rejected(self) -> list[RequestOutput]:
         """One failed output per request the scheduler dropped since the last call."""
+        dropped = self.scheduler.take_rejected()
+        if self.structured is not None:
+            for r in dropped:
+                self.structured.release(r.request_id)
         return [
             RequestOutput(
                 r.request_id,
@@ -29,7 +42,7 @@ class StepOutputs:
                 len(r.prompt_token_ids),
                 error=str(r.stop_reason),
             )
-            for r in self.scheduler.take_rejected()
+            for r in dropped
         ]
 
     def sampled(self, result: ModelRunnerOutput, outputs: list[RequestOutput]) -> None:
@@ -38,14 +51,28 @@ class StepOutputs:
         scheduler = self.scheduler
         get_request, check = scheduler.get_request, self.stop_checker.check
         logprobs = result.logprobs
+        structured = self.structured
         for request_id, token in result.sampled.items():
             request = get_request(request_id)
             if request is None:
                 continue  # finished or aborted after its step was launched
+            grammar = (
+                structured.accept(request_id, token)
+                if structured is not None and structured.num_matchers
+                else Acceptance.CONTINUE
+            )
             text, status, reason = check(request)
+            error = None
+            if grammar is Acceptance.REJECTED:
+                status, reason = RequestStatus.FINISHED_ABORTED, token
+                error = f"structured output: sampled token {token} is not allowed by the grammar"
+            elif grammar is Acceptance.TERMINATED and status is None:
+                status, reason = RequestStatus.FINISHED_STOPPED, token
             if status is not None:
                 scheduler.finish_request(request_id, status)
                 request.stop_reason = reason
+                if structured is not None:
+                    structured.release(request_id)
             logprob = logprobs.get(request_id) if logprobs else None
             outputs.append(
                 RequestOutput(
@@ -57,5 +84,6 @@ class StepOutputs:
                     status.value if status is not None else None,
                     len(request.prompt_token_ids),
                     [logprob] if logprob is not None else [],
+                    error=error,
                 )
             )

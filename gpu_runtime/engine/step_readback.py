@@ -25,13 +25,24 @@ from gpu_runtime.engine.runner_types import (
     _RequestState,
 )
 from gpu_runtime.engine.sampler import Sampler, SamplingBatch
+from gpu_runtime.structured.outputs import StructuredOutputs
 
 
 class StepReadback:
     """Sampling, copies back and read-back of launched steps of at most `max_rows` rows."""
 
-    def __init__(self, sampler: Sampler, device: torch.device, max_rows: int, pin: bool) -> None:
+    def __init__(
+        self,
+        sampler: Sampler,
+        device: torch.device,
+        max_rows: int,
+        pin: bool,
+        structured: StructuredOutputs | None = None,
+    ) -> None:
+        """`structured`: the engine's grammar matchers; constrained rows' logits are masked
+        before sampling (steps without constrained rows are not touched)."""
         self.sampler = sampler
+        self.structured = structured
         self.device = device
         self._hosts = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._parity = 0
@@ -51,6 +62,8 @@ class StepReadback:
         batch = SamplingBatch(
             [s.sampling_params for s in states], [s.num_output_tokens for s in states]
         )
+        if self.structured is not None:
+            self.structured.constrain(logits, sampled_ids)
         sample = self.sampler.sample(logits, batch)
         num_sampled = len(sampled_ids)
         self._parity ^= 1
