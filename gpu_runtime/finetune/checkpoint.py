@@ -99,23 +99,21 @@ def save_adapter(
     save_file(tensors, str(directory / ADAPTER_WEIGHTS), metadata={"format": "pt"})
 
 
-def read_adapter(directory: str | Path) -> tuple[LoraSpec, dict[str, torch.Tensor]]:
-    """An adapter's shape and its tensors (PEFT file keys), on the CPU."""
+def read_adapter(directory: str | Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """An adapter's ``adapter_config.json`` (as written, unchecked) and its tensors (PEFT file
+    keys), on the CPU. What serving accepts of the config is
+    :func:`gpu_runtime.lora.adapter_config.adapter_layout`'s rule."""
     directory = Path(directory)
     config_path, weights_path = directory / ADAPTER_CONFIG, directory / ADAPTER_WEIGHTS
     if not config_path.exists() or not weights_path.exists():
         raise CheckpointError(f"{directory} lacks {ADAPTER_CONFIG} or {ADAPTER_WEIGHTS}")
-    config = json.loads(config_path.read_text())
-    if config.get("peft_type") != "LORA":
-        raise CheckpointError(f"{config_path}: peft_type {config.get('peft_type')!r} is not LORA")
-    targets = config["target_modules"]
-    spec = LoraSpec(
-        rank=int(config["r"]),
-        alpha=float(config["lora_alpha"]),
-        dropout=float(config.get("lora_dropout", 0.0)),
-        target_modules=tuple(sorted(targets) if isinstance(targets, list) else [targets]),
-    )
-    return spec, load_file(str(weights_path))
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CheckpointError(f"{config_path} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} holds {type(config).__name__}, not an object")
+    return config, load_file(str(weights_path))
 
 
 @torch.no_grad()

@@ -2,9 +2,13 @@
 serving model's projection shapes
 (:func:`gpu_runtime.contract.footprint.projection_shapes`).
 
-:class:`HostAdapter` holds each adapted projection's ``A [r, in]`` and ``B [out, r]`` in fp32
-(pinned on CUDA hosts, so copies into GPU slots are asynchronous); every tensor of the directory
-must name a projection of a layer the model has, with that projection's shape.
+:class:`HostAdapter` holds each adapted projection's ``A [r, in]`` and ``scaling * B [out, r]``
+in fp32 (pinned on CUDA hosts, so copies into GPU slots are asynchronous), ``r`` and
+``scaling`` being that module's (:func:`gpu_runtime.lora.adapter_config.adapter_layout`: rslora,
+rank and alpha patterns). The tensors of the directory must be exactly the ``lora_A`` and
+``lora_B`` of the modules its config targets, with the module's rank and the projection's
+shape: peft would ignore a tensor of an untargeted module and initialise a missing one, so
+either is refused rather than served differently.
 """
 
 from __future__ import annotations
@@ -15,55 +19,90 @@ from pathlib import Path
 import torch
 
 from gpu_runtime.contract.footprint import projection_shapes
-from gpu_runtime.contract.hparams import LoraSpec
 from gpu_runtime.finetune.checkpoint import read_adapter
 from gpu_runtime.finetune.lora import PEFT_KEY_PREFIX
+from gpu_runtime.lora.adapter_config import (
+    AdapterConfigError,
+    AdapterLayout,
+    ProjectionKey,
+    UnsupportedAdapterError,
+    adapter_layout,
+    module_key,
+)
 from gpu_runtime.model import ModelConfig
 
 
 @dataclass(frozen=True)
 class HostAdapter:
-    """One adapter in host memory: ``weights[(layer, module)] = (A [r, in], B [out, r])``."""
+    """One adapter in host memory: ``weights[(layer, module)] = (A [r, in], scaling * B
+    [out, r])`` with that module's rank and scaling (``layout``)."""
 
     name: str
-    spec: LoraSpec
-    weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]
+    layout: AdapterLayout
+    weights: dict[ProjectionKey, tuple[torch.Tensor, torch.Tensor]]
 
     @property
     def rank(self) -> int:
-        return self.spec.rank
+        """The largest module rank (the slot rank it needs)."""
+        return self.layout.max_rank
 
     @property
-    def scaling(self) -> float:
-        return self.spec.scaling
+    def projections(self) -> frozenset[str]:
+        return self.layout.projections
 
     @classmethod
     def from_directory(
         cls, name: str, directory: str | Path, config: ModelConfig, pin: bool = False
     ) -> HostAdapter:
-        """Read a PEFT adapter and check every tensor against the model's shapes."""
-        spec, tensors = read_adapter(directory)
-        shapes = projection_shapes(config)
-        pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-        for key, tensor in tensors.items():
-            parts = key.removeprefix(PEFT_KEY_PREFIX).split(".")
-            # model.layers.{i}.{self_attn|mlp}.{module}.lora_{A|B}.weight
-            if len(parts) != 7 or parts[:2] != ["model", "layers"] or parts[4] not in shapes:
-                raise ValueError(f"adapter {name}: unexpected tensor {key}")
-            layer, module, which = int(parts[2]), parts[4], parts[5]
-            if not 0 <= layer < config.num_hidden_layers or which not in ("lora_A", "lora_B"):
-                raise ValueError(f"adapter {name}: unexpected tensor {key}")
-            fan_in, fan_out = shapes[module]
-            expected = (spec.rank, fan_in) if which == "lora_A" else (fan_out, spec.rank)
+        """Read a PEFT adapter, resolve its config and check every tensor against it and the
+        model's shapes (:class:`AdapterConfigError` / :class:`UnsupportedAdapterError`, the
+        message prefixed with the adapter's name)."""
+        raw, tensors = read_adapter(directory)
+        try:
+            layout = adapter_layout(raw, config)
+            weights = _weights(layout, tensors, config, str(raw.get("bias", "none")))
+        except UnsupportedAdapterError as exc:
+            raise UnsupportedAdapterError(f"adapter {name!r}: {exc}") from exc
+        except AdapterConfigError as exc:
+            raise AdapterConfigError(f"adapter {name!r}: {exc}") from exc
+        if pin:
+            weights = {k: (a.pin_memory(), b.pin_memory()) for k, (a, b) in weights.items()}
+        return cls(name=name, layout=layout, weights=weights)
+
+
+def _weights(
+    layout: AdapterLayout, tensors: dict[str, torch.Tensor], config: ModelConfig, bias: str
+) -> dict[ProjectionKey, tuple[torch.Tensor, torch.Tensor]]:
+    """Each targeted module's ``(A, scaling * B)`` in fp32; every tensor accounted for."""
+    shapes = projection_shapes(config)
+    left = dict(tensors)
+    weights: dict[ProjectionKey, tuple[torch.Tensor, torch.Tensor]] = {}
+    for (layer, module), lora in layout.modules.items():
+        prefix = f"{PEFT_KEY_PREFIX}{module_key(layer, module)}"
+        fan_in, fan_out = shapes[module]
+        pair = []
+        for which, expected in (("lora_A", (lora.rank, fan_in)), ("lora_B", (fan_out, lora.rank))):
+            key = f"{prefix}.{which}.weight"
+            tensor = left.pop(key, None)
+            if tensor is None:
+                raise AdapterConfigError(f"its config targets {prefix} but the file lacks {key}")
             if tuple(tensor.shape) != expected:
-                raise ValueError(
-                    f"adapter {name}: {key} has shape {tuple(tensor.shape)}, expected {expected}"
+                raise AdapterConfigError(
+                    f"{key} has shape {tuple(tensor.shape)}, expected {expected} (rank "
+                    f"{lora.rank} from r / rank_pattern)"
                 )
-            host = tensor.float().contiguous()
-            pairs.setdefault((layer, module), {})[which] = host.pin_memory() if pin else host
-        weights = {}
-        for projection, pair in pairs.items():
-            if set(pair) != {"lora_A", "lora_B"}:
-                raise ValueError(f"adapter {name}: {projection} lacks lora_A or lora_B")
-            weights[projection] = (pair["lora_A"], pair["lora_B"])
-        return cls(name=name, spec=spec, weights=weights)
+            pair.append(tensor.float())
+        a, b = pair
+        weights[(layer, module)] = (a.contiguous(), (b * lora.scaling).contiguous())
+    if left:
+        key = sorted(left)[0]
+        if key.endswith(".bias") and bias != "none":
+            raise UnsupportedAdapterError(
+                f"bias={bias!r}: the file holds trained biases ({key}, {len(left)} tensors in "
+                f"all), which are not served; train with bias='none'"
+            )
+        raise AdapterConfigError(
+            f"the file holds {len(left)} tensors its config does not target as LoRA A/B "
+            f"(first {key})"
+        )
+    return weights

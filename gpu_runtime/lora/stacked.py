@@ -5,7 +5,9 @@ Every GPU slot ``s`` of :class:`StackedLoraWeights` holds one adapter, its rank 
 the slots are stacked into
 
 * ``a[(layer, module)]``: ``[S * R, in]`` — row block ``s`` is slot ``s``'s ``A`` (``[r, in]``);
-* ``b[(layer, module)]``: ``[S * R, out]`` — row block ``s`` is ``scaling * B.T`` (``[r, out]``).
+* ``b[(layer, module)]``: ``[S * R, out]`` — row block ``s`` is ``scaling * B.T`` (``[r, out]``),
+  with that module's own rank and scaling (rslora, rank and alpha patterns), so the kernels
+  multiply by no scaling of their own.
 
 Both are views into one pair of tensors per projection group (``groups[layer]["qkv"]``, ``"o"``,
 ``"gate_up"``, ``"down"``; layout in :class:`gpu_runtime.lora.groups.LoraGroup`) matching the
@@ -119,25 +121,27 @@ class StackedLoraWeights:
 
     @torch.no_grad()
     def write_slot(self, slot: int, adapter: HostAdapter) -> None:
-        """Copy a host adapter into ``slot`` (rank padded with zeros; untargeted modules zero)."""
+        """Copy a host adapter into ``slot``: each module's ``A`` and ``scaling * B.T`` in its
+        first ``r`` rows (its own rank), zeros in the rest and for projections or layers the
+        adapter does not adapt. Checks before it writes."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} not in 0..{self.num_slots - 1}")
         if adapter.rank > self.max_rank:
             raise ValueError(f"adapter {adapter.name} rank {adapter.rank} > {self.max_rank}")
-        extra = sorted(set(adapter.spec.target_modules) - set(self.target_modules))
+        extra = sorted(adapter.projections - set(self.target_modules))
         if extra:
             raise ValueError(f"adapter {adapter.name} targets {extra}, slots only hold these")
         rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
-        r = adapter.rank
+        start = slot * self.max_rank
         for key, a_stack in self.a.items():
             b_stack = self.b[key]
             a_stack[rows].zero_()
             b_stack[rows].zero_()
             if key in adapter.weights:
-                a, b = adapter.weights[key]  # [r, in], [out, r]
-                start = slot * self.max_rank
+                a, scaled_b = adapter.weights[key]  # [r, in], [out, r] (scaling folded in)
+                r = a.shape[0]
                 a_stack[start : start + r].copy_(a, non_blocking=True)
-                b_stack[start : start + r].copy_((b * adapter.scaling).T, non_blocking=True)
+                b_stack[start : start + r].copy_(scaled_b.T, non_blocking=True)
 
     @torch.no_grad()
     def clear_slot(self, slot: int) -> None:

@@ -36,7 +36,7 @@ def _merged(adapter: HostAdapter) -> CausalLM:
         block = merged.model.layers[layer]
         parent = block.mlp if module.endswith(("gate_proj", "up_proj", "down_proj")) else None
         weight = getattr(parent or block.self_attn, module).weight
-        delta = adapter.scaling * (b.float() @ a.float())
+        delta = b.float() @ a.float()  # b holds its module's scaling
         weight.copy_((weight.float() + delta.to(weight.device)).to(weight.dtype))
     return merged
 

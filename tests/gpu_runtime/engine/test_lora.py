@@ -51,7 +51,7 @@ def _merged(adapter: HostAdapter) -> CausalLM:
         block = merged.model.layers[layer]
         parent = block.mlp if module.endswith(("gate_proj", "up_proj", "down_proj")) else None
         parent = parent or block.self_attn
-        getattr(parent, module).weight.add_(adapter.scaling * (b @ a))
+        getattr(parent, module).weight.add_(b @ a)  # b holds its module's scaling
     return merged
 
 

@@ -64,7 +64,7 @@ def _merged(serving: CausalLM, adapter: HostAdapter) -> CausalLM:
             if module.endswith(("q_proj", "k_proj", "v_proj", "o_proj"))
             else block.mlp
         )
-        getattr(parent, module).weight.add_(adapter.scaling * (b @ a))
+        getattr(parent, module).weight.add_(b @ a)  # b holds its module's scaling
     return merged
 
 

@@ -47,7 +47,9 @@ def _merged(model_dir: Path, adapter: HostAdapter) -> CausalLM:
     for (layer, module), (a, b) in adapter.weights.items():
         block = merged.model.layers[layer]
         parent = block.mlp if module.endswith(("gate_proj", "up_proj", "down_proj")) else None
-        getattr(parent or block.self_attn, module).weight.add_(adapter.scaling * (b @ a))
+        getattr(parent or block.self_attn, module).weight.add_(
+            b @ a
+        )  # b holds its module's scaling
     return merged
 
 
