@@ -84,6 +84,12 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             exclude_modules=r"model\.layers\.0\.self_attn\.o_proj",
         ),
     ),
+    # peft resets fan_in_fan_out for nn.Linear; bias="all" over a model without biases saves none
+    "fan-in-fan-out": (
+        "llama",
+        dict(r=4, lora_alpha=8, target_modules=ATTENTION, fan_in_fan_out=True),
+    ),
+    "bias-all-without-biases": ("llama", dict(r=4, lora_alpha=8, target_modules=ALL, bias="all")),
 }
 """name -> (architecture, LoraConfig options)."""
 
