@@ -23,6 +23,16 @@ def _directory_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]", "_", name)
 
 
+def _register(lora: MultiLoraRuntime, name: str, directory: Path) -> None:
+    """Register `directory` as `name`; a refused adapter (the runtime's registry is left as it
+    was) leaves no copy behind either."""
+    try:
+        lora.register(name, directory)
+    except BaseException:
+        shutil.rmtree(directory, ignore_errors=True)
+        raise
+
+
 class HostAdapters:
     """Fetches adapters (storage or a local directory) and registers them (idempotent)."""
 
@@ -42,7 +52,7 @@ class HostAdapters:
             return
         directory = self._target(name)
         self.storage.get_tree(storage_key, directory)
-        lora.register(name, directory)
+        _register(lora, name, directory)
 
     def load_local(self, lora: MultiLoraRuntime, name: str, source: Path) -> None:
         """Serve the PEFT adapter in `source` as `name` (from a copy of it)."""
@@ -50,7 +60,7 @@ class HostAdapters:
             return
         directory = self._target(name)
         shutil.copytree(source, directory)
-        lora.register(name, directory)
+        _register(lora, name, directory)
 
     def fetch_peft(self, name: str, storage_key: str) -> Path:
         """Copy only the PEFT files (config and weights) of the tree at `storage_key` (a
@@ -70,7 +80,7 @@ class HostAdapters:
     def register(self, lora: MultiLoraRuntime, name: str, directory: Path) -> None:
         """Serve the PEFT directory `directory` (from :meth:`fetch_peft`) as `name`."""
         if not lora.has(name):
-            lora.register(name, directory)
+            _register(lora, name, directory)
 
     def unload(self, lora: MultiLoraRuntime, name: str) -> bool:
         """Stop serving `name` (see `MultiLoraRuntime.unregister`) and drop its copy; False

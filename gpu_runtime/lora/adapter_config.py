@@ -40,7 +40,17 @@ from peft.utils.constants import TRANSFORMERS_MODELS_TO_LORA_TARGET_MODULES_MAPP
 from peft.utils.other import get_pattern_key
 
 from gpu_runtime.contract.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from gpu_runtime.lora.errors import AdapterConfigError, UnsupportedAdapterError
 from gpu_runtime.model import ModelConfig
+
+__all__ = [
+    "AdapterConfigError",
+    "AdapterLayout",
+    "ModuleLora",
+    "UnsupportedAdapterError",
+    "adapter_layout",
+    "module_key",
+]
 
 ProjectionKey = tuple[int, str]
 
@@ -106,16 +116,7 @@ them); the others rewrite base weights when peft loads the adapter, or select a 
 PROJECTIONS = ATTENTION_PROJECTIONS + MLP_PROJECTIONS
 PEFT_DEFAULT_R, PEFT_DEFAULT_ALPHA = 8, 8
 """``LoraConfig``'s defaults, for a config that leaves ``r`` or ``lora_alpha`` out."""
-_OFF = (None, False, "", [], {})
-
-
-class AdapterConfigError(ValueError):
-    """An adapter directory this server cannot serve; the message names the field or tensor."""
-
-
-class UnsupportedAdapterError(AdapterConfigError):
-    """A valid PEFT adapter using an option this server does not serve (with peft's numbers);
-    the message names the field, its value, and what to do instead."""
+_OFF: tuple[object, ...] = (None, False, "", [], {})
 
 
 @dataclass(frozen=True)
@@ -255,11 +256,11 @@ def adapter_layout(raw: Mapping[str, Any], config: ModelConfig) -> AdapterLayout
             if not check_target_module_exists(match, key):
                 continue
             rank, module_alpha = r, alpha
-            r_key = get_pattern_key(rank_pattern.keys(), key)
+            r_key = get_pattern_key(list(rank_pattern), key)
             if r_key in rank_pattern:
                 field = f"rank_pattern[{r_key!r}]"
                 rank = int(_number(field, rank_pattern[r_key], integer=True))
-            a_key = get_pattern_key(alpha_pattern.keys(), key)
+            a_key = get_pattern_key(list(alpha_pattern), key)
             if a_key in alpha_pattern:
                 field = f"alpha_pattern[{a_key!r}]"
                 module_alpha = _number(field, alpha_pattern[a_key], integer=False)

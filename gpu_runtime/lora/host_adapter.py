@@ -21,14 +21,8 @@ import torch
 from gpu_runtime.contract.footprint import projection_shapes
 from gpu_runtime.finetune.checkpoint import read_adapter
 from gpu_runtime.finetune.lora import PEFT_KEY_PREFIX
-from gpu_runtime.lora.adapter_config import (
-    AdapterConfigError,
-    AdapterLayout,
-    ProjectionKey,
-    UnsupportedAdapterError,
-    adapter_layout,
-    module_key,
-)
+from gpu_runtime.lora.adapter_config import AdapterLayout, ProjectionKey, adapter_layout, module_key
+from gpu_runtime.lora.errors import AdapterConfigError, UnsupportedAdapterError
 from gpu_runtime.model import ModelConfig
 
 

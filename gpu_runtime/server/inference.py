@@ -23,6 +23,7 @@ from fastapi import Request
 
 from gpu_runtime.engine.engine import UnknownAdapterError
 from gpu_runtime.engine.request import RequestOutput, SamplingParams, SamplingParamsError
+from gpu_runtime.lora.errors import AdapterConfigError
 from gpu_runtime.server.auth import AccessDenied, ModelAccess, RequestAuth
 from gpu_runtime.server.engine_loop import EngineLoop
 from gpu_runtime.server.limits import RequestLimits
@@ -48,7 +49,8 @@ class ModelLoader(Protocol):
 
     def load(self, name: str) -> str | None:
         """Make `name` servable and return its adapter name, or None when it cannot be served
-        here. Blocks (the server calls it from a worker thread)."""
+        here; `AdapterConfigError` when its adapter uses an option that is not served. Blocks
+        (the server calls it from a worker thread)."""
         ...
 
 
@@ -119,7 +121,8 @@ class Inference:
 
     async def resolve_model(self, name: str, access: ModelAccess) -> str | None:
         """The adapter to use for `name` (None: the base model); 404 for anything else, and
-        for what `access` does not allow."""
+        for what `access` does not allow; 400 naming the option for a model the loader found
+        but cannot serve (its adapter is refused at registration)."""
         listed = access.allows(name)
         if listed and name == self.base_name():
             return None
@@ -129,7 +132,12 @@ class Inference:
         loader = self._model_loader
         if loader is not None and loader.claims(name):
             if await asyncio.to_thread(access.allows_unlisted, name):
-                lora = self.lookup(name) or await asyncio.to_thread(loader.load, name)
+                try:
+                    lora = self.lookup(name) or await asyncio.to_thread(loader.load, name)
+                except AdapterConfigError as exc:  # refused at registration, nothing kept
+                    raise OpenAIError(
+                        400, str(exc), param="model", code="unsupported_adapter"
+                    ) from exc
                 if lora is not None:
                     return lora
         raise OpenAIError(

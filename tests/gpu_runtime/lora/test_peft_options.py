@@ -141,7 +141,7 @@ def test_layout_follows_peft_per_module(bases: dict[str, Path], adapters: dict[s
         layout = HostAdapter.from_directory(name, adapters[name], config).layout
         model = PeftModel.from_pretrained(hf_model(bases[arch]), str(adapters[name]))
         expected = {}
-        for key, module in model.base_model.model.named_modules():
+        for key, module in model.get_base_model().named_modules():
             if hasattr(module, "scaling") and "default" in getattr(module, "r", {}):
                 parts = key.split(".")
                 expected[(int(parts[2]), parts[4])] = (

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from gpu_runtime.lora.adapter_config import AdapterConfigError, UnsupportedAdapterError
+from gpu_runtime.lora.errors import AdapterConfigError, UnsupportedAdapterError
 from tests.gpu_runtime.lora.peft_reference import (
     edit_config,
     engine_greedy,
