@@ -14,6 +14,7 @@ import torch
 from gpu_runtime.lora.host_adapter import HostAdapter
 from tests.gpu_runtime.lora.peft_reference import (
     base_model,
+    edit_config,
     engine_greedy,
     engine_with,
     hf_model,
@@ -166,3 +167,22 @@ def test_mixed_options_in_one_batch(bases: dict[str, Path], adapters: dict[str, 
             adapter_dir = adapters[name] if name is not None else None
             _assert_matches_peft(row, peft_greedy(bases[arch], adapter_dir, prompt))
         assert runtime.manager.held_slots() == 0
+
+
+def test_null_target_modules_is_peft_default(tmp_path: Path, bases: dict[str, Path]) -> None:
+    """``target_modules: null`` adapts what peft adapts for the architecture (q_proj, v_proj)."""
+    adapter = write_peft_adapter(
+        bases["qwen2"],
+        tmp_path / "a",
+        seed=5,
+        r=4,
+        lora_alpha=8,
+        target_modules=["q_proj", "v_proj"],
+    )
+    edit_config(adapter, target_modules=None)
+    layout = HostAdapter.from_directory("a", adapter, base_model("qwen2").config).layout
+    assert layout.projections == {"q_proj", "v_proj"}
+    [prompt] = prompts(2, (9,))
+    engine, _ = engine_with("qwen2", {"a": adapter})
+    [served] = engine_greedy(engine, [prompt], ["a"])
+    _assert_matches_peft(served, peft_greedy(bases["qwen2"], adapter, prompt))

@@ -153,3 +153,18 @@ def test_tensors_that_disagree_with_the_config_are_refused(
     else:
         edit_config(bad, r=8)
     _assert_refused_and_registry_kept("llama", good["llama"], bad, AdapterConfigError, match)
+
+
+def test_every_lora_config_field_is_classified() -> None:
+    """Each field of the installed peft's LoraConfig is served, without effect, or refused when
+    set: a peft that adds one fails here until it is classified."""
+    import dataclasses
+
+    import peft
+
+    from gpu_runtime.lora.adapter_config import NO_EFFECT_FIELDS, REFUSED_WHEN_SET, SERVED_FIELDS
+
+    groups = (SERVED_FIELDS, NO_EFFECT_FIELDS, frozenset(REFUSED_WHEN_SET))
+    assert not any(a & b for i, a in enumerate(groups) for b in groups[i + 1 :])
+    fields = {f.name for f in dataclasses.fields(peft.LoraConfig)}
+    assert fields == SERVED_FIELDS | NO_EFFECT_FIELDS | frozenset(REFUSED_WHEN_SET)
