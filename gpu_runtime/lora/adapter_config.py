@@ -233,6 +233,13 @@ def _number(field: str, value: Any, *, integer: bool) -> float:
     return float(value)
 
 
+def _pattern(raw: Mapping[str, Any], field: str) -> dict[str, Any]:
+    pattern = raw.get(field) or {}
+    if not isinstance(pattern, dict):
+        raise AdapterConfigError(f"{field}={pattern!r} must be an object of pattern: value")
+    return pattern
+
+
 def adapter_layout(raw: Mapping[str, Any], config: ModelConfig) -> AdapterLayout:
     """The adapted projections of ``config``'s model, with peft's rank and scaling each (see the
     module docstring); :class:`UnsupportedAdapterError` for an option that is not served."""
@@ -240,15 +247,16 @@ def adapter_layout(raw: Mapping[str, Any], config: ModelConfig) -> AdapterLayout
     match = _targets(raw, config)
     r = int(_number("r", raw.get("r", PEFT_DEFAULT_R), integer=True))
     alpha = _number("lora_alpha", raw.get("lora_alpha", PEFT_DEFAULT_ALPHA), integer=False)
-    rank_pattern: dict[str, Any] = raw.get("rank_pattern") or {}
-    alpha_pattern: dict[str, Any] = raw.get("alpha_pattern") or {}
+    rank_pattern, alpha_pattern = _pattern(raw, "rank_pattern"), _pattern(raw, "alpha_pattern")
+    rslora = raw.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise AdapterConfigError(f"use_rslora={rslora!r} must be true or false")
     for key in _other_module_keys(config):
         if check_target_module_exists(match, key):
             raise UnsupportedAdapterError(
                 f"target_modules={raw.get('target_modules')!r} matches {key}: only the attention "
                 f"and MLP projections {list(PROJECTIONS)} are served"
             )
-    rslora = bool(raw.get("use_rslora", False))
     modules: dict[ProjectionKey, ModuleLora] = {}
     for layer in range(config.num_hidden_layers):
         for projection in PROJECTIONS:
