@@ -37,10 +37,16 @@ def hf_model(base_dir: Path) -> Any:
 
 
 def write_peft_adapter(
-    base_dir: Path, directory: Path, seed: int, config_class: str = "LoraConfig", **options: Any
+    base_dir: Path,
+    directory: Path,
+    seed: int,
+    config_class: str = "LoraConfig",
+    scale: float = 0.15,
+    **options: Any,
 ) -> Path:
     """``get_peft_model`` over the HF base with ``options``, every adapter tensor set to seeded
-    random values (B non-zero, so the adapter matters), then ``save_pretrained``."""
+    normal values times ``scale`` (B non-zero, so the adapter matters), then
+    ``save_pretrained``."""
     import peft
 
     config = getattr(peft, config_class)(task_type="CAUSAL_LM", **options)
@@ -49,7 +55,7 @@ def write_peft_adapter(
     with torch.no_grad():
         for param in model.parameters():
             if param.requires_grad:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.15)
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
     model.save_pretrained(str(directory))
     return directory
 
