@@ -20,6 +20,7 @@ from pathlib import Path
 from fastapi import FastAPI
 
 from gpu_runtime.engine import Engine, EngineConfig
+from gpu_runtime.lora.errors import AdapterConfigError
 from gpu_runtime.model.loader import load_model, load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server.app import create_app
@@ -106,7 +107,10 @@ def _engine(model_dir: Path, config: EngineConfig, args: argparse.Namespace) -> 
     )
     for spec in args.adapter:
         name, _, directory = spec.partition("=")
-        lora.register(name, Path(directory))
+        try:
+            lora.register(name, Path(directory))
+        except AdapterConfigError as exc:  # an option that is not served: say which, no trace
+            raise SystemExit(f"--adapter {spec}: {exc}") from exc
     return Engine(model, config, tokenizer=load_tokenizer(model_dir), lora=lora)
 
 

@@ -168,3 +168,25 @@ def test_every_lora_config_field_is_classified() -> None:
     assert not any(a & b for i, a in enumerate(groups) for b in groups[i + 1 :])
     fields = {f.name for f in dataclasses.fields(peft.LoraConfig)}
     assert fields == SERVED_FIELDS | NO_EFFECT_FIELDS | frozenset(REFUSED_WHEN_SET)
+
+
+def test_server_entry_point_names_the_refused_option(tmp_path: Path) -> None:
+    """``python -m gpu_runtime.server --adapter NAME=DIR`` with an adapter that is not served
+    exits with the option named, not a traceback."""
+    from gpu_runtime.model.tiny import build_tiny_model_dir
+    from gpu_runtime.server.__main__ import build, parse_args
+
+    model_dir = build_tiny_model_dir(tmp_path / "tiny", "llama")
+    write_peft_adapter(model_dir, tmp_path / "dora", seed=3, **dict(PLAIN, use_dora=True))
+    args = parse_args(
+        [
+            "--model-dir",
+            str(model_dir),
+            "--num-kv-blocks",
+            "64",
+            "--adapter",
+            f"d={tmp_path / 'dora'}",
+        ]
+    )
+    with pytest.raises(SystemExit, match=r"--adapter d=.*adapter 'd': use_dora=True: DoRA"):
+        build(args)
