@@ -16,17 +16,41 @@ i-th message's assistant text (its end-of-turn marker included, so the model lea
 needs the template to be *prefix-stable* (a shorter conversation renders to a prefix of a longer
 one), which the Llama 3 and Qwen2 templates are; a template that is not raises
 :class:`ChatTemplateError` rather than training on misplaced labels.
+
+Inference renders whole conversations with tools (`render_conversation`): the template gets the
+messages as OpenAI dicts (assistant ``tool_calls`` with arguments as objects, ``tool`` messages)
+and ``tools=``. Without a template the fallback renders tools and calls in the Hermes style
+(the format Qwen2.5 uses, which the server's ``hermes`` parser reads)::
+
+    <|im_start|>system\n{system content}\n\n{TOOLS_PREAMBLE}<tools>\n{tool as JSON}\n...</tools>
+    {TOOLS_CALL_FORMAT}{end_of_turn}\n        (a system block of its own when none comes first)
+    <|im_start|>{role}[ name={name}]\n{content}{end_of_turn}\n
+    <|im_start|>assistant\n[{content}\n]<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>
+    [\n<tool_call>...</tool_call>]{end_of_turn}\n                  (an assistant message's calls)
+    <|im_start|>tool\n<tool_response>\n{content}\n</tool_response>{end_of_turn}\n
+
+Tool responses pair with the calls by order (as in Qwen2.5's template): ``tool_call_id`` is not
+rendered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 FALLBACK_TURN_START = "<|im_start|>"
 FALLBACK_END_OF_TURN = "<|im_end|>"
 CHAT_ROLES = ("system", "user", "assistant")
+TOOLS_PREAMBLE = (
+    "# Tools\n\nYou may call one or more functions to answer. Their signatures, as JSON "
+    "schemas, are within <tools></tools>:\n"
+)
+TOOLS_CALL_FORMAT = (
+    "\n\nTo call a function, answer with one block per call:\n<tool_call>\n"
+    '{"name": <function name>, "arguments": <arguments as a JSON object>}\n</tool_call>'
+)
 
 
 class ChatTemplateError(ValueError):
@@ -121,3 +145,71 @@ def render_chat_with_loss_spans(
         if len(through) > len(before):
             spans.append((len(before), len(through)))
     return RenderedChat(text=full, loss_spans=tuple(spans))
+
+
+def render_conversation(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    add_generation_prompt: bool = True,
+) -> str:
+    """A conversation of OpenAI-shaped message dicts (keys present only when set), with the
+    ``tools`` offered (None: no tools), rendered with the tokenizer's template or the
+    fallback (module docstring). ChatTemplateError when the template fails (it may refuse a
+    conversation: Llama 3.1's refuses more than one call in an assistant message)."""
+    if not has_chat_template(tokenizer):
+        return _fallback_conversation(tokenizer, messages, tools, add_generation_prompt)
+    kwargs: dict[str, Any] = {"tools": list(tools)} if tools else {}
+    try:
+        rendered = tokenizer.apply_chat_template(
+            [dict(m) for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+    except Exception as exc:  # a template error of any kind (jinja raises its own types)
+        raise ChatTemplateError(f"chat template failed: {exc}") from exc
+    if not isinstance(rendered, str):
+        raise ChatTemplateError(f"chat template rendered {type(rendered).__name__}, not text")
+    return rendered
+
+
+def hermes_call_block(name: str, arguments: Mapping[str, Any]) -> str:
+    """One call as the fallback renders it (and the Hermes format writes it)."""
+    call = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)
+    return f"<tool_call>\n{call}\n</tool_call>"
+
+
+def _fallback_conversation(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[Mapping[str, Any]],
+    tools: Sequence[Mapping[str, Any]] | None,
+    add_generation_prompt: bool,
+) -> str:
+    end_of_turn = tokenizer.eos_token or FALLBACK_END_OF_TURN
+    parts = [tokenizer.bos_token or ""]
+    rest = list(messages)
+    if tools:
+        system = ""
+        if rest and rest[0]["role"] == "system":
+            system = f"{rest.pop(0)['content']}\n\n"
+        signatures = "".join(f"{json.dumps(t, ensure_ascii=False)}\n" for t in tools)
+        parts.append(
+            f"{FALLBACK_TURN_START}system\n{system}{TOOLS_PREAMBLE}<tools>\n{signatures}"
+            f"</tools>{TOOLS_CALL_FORMAT}{end_of_turn}\n"
+        )
+    for message in rest:
+        role, content = message["role"], message.get("content")
+        header = f"{role} name={message['name']}" if message.get("name") else role
+        if role == "tool":
+            body = f"<tool_response>\n{content}\n</tool_response>"
+        else:
+            pieces = [content] if content else []
+            for call in message.get("tool_calls") or ():
+                function = call["function"]
+                pieces.append(hermes_call_block(function["name"], function["arguments"]))
+            body = "\n".join(pieces)
+        parts.append(f"{FALLBACK_TURN_START}{header}\n{body}{end_of_turn}\n")
+    if add_generation_prompt:
+        parts.append(f"{FALLBACK_TURN_START}assistant\n")
+    return "".join(parts)

@@ -30,6 +30,9 @@ from gpu_runtime.server.responses import (
     text_delta,
     usage,
 )
+from gpu_runtime.server.tool_calls import assistant_message, plan_tools
+from gpu_runtime.server.tool_constraints import constrain_to_calls
+from gpu_runtime.server.tool_stream import ToolCallStream
 
 router = APIRouter()
 
@@ -157,13 +160,20 @@ async def chat_completions(
     access: ModelAccess = Depends(require_access),
     inference: Inference = Depends(inference_of),
 ) -> Any:
+    plan = plan_tools(
+        body.tools,
+        body.tool_choice,
+        body.parallel_tool_calls,
+        body.messages,
+        inference.tokenizer().chat_template,
+    )
     lora = await inference.resolve_model(body.model, access)
-    messages = [m.model_dump() for m in body.messages]
-    ids = await inference.encode_chat(messages)
+    messages = [m.template_dict() for m in body.messages]
+    ids = await inference.encode_chat(messages, plan.template_tools() if plan else None)
     room = max(1, inference.engine_loop.engine.config.max_model_len - len(ids))
     limit = body.max_completion_tokens or body.max_tokens or room
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = inference.sampling(body, limit, top)
+    params = constrain_to_calls(plan, inference.sampling(body, limit, top))
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     tracked = Tracked(len(ids), time.perf_counter())
     holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -178,6 +188,7 @@ async def chat_completions(
                 last = out
         inference.record(cid, body.model, tracked)
         response.headers.update(prompt_tokens)
+        message, finish_reason = assistant_message(plan, last.text, last.finish_reason)
         return {
             "id": cid,
             "object": "chat.completion",
@@ -186,13 +197,13 @@ async def chat_completions(
             "choices": [
                 {
                     "index": 0,
-                    "message": {"role": "assistant", "content": last.text},
+                    "message": message,
                     "logprobs": (
                         chat_logprobs(inference.tokenizer(), tracked.logprobs)
                         if body.logprobs
                         else None
                     ),
-                    "finish_reason": last.finish_reason,
+                    "finish_reason": finish_reason,
                 }
             ],
             "usage": usage([tracked]),
@@ -214,14 +225,24 @@ async def chat_completions(
     async def stream() -> AsyncIterator[str]:
         yield chunk({"role": "assistant", "content": ""}, None)
         sent = 0
+        tool_stream = ToolCallStream(plan) if plan is not None and plan.parses else None
         out: RequestOutput | None = head
         while out is not None:
-            text, sent = text_delta(out.text, sent, out.finished, holdback)
             lps = chat_logprobs(inference.tokenizer(), out.new_logprobs) if body.logprobs else None
-            if text or lps:
-                yield chunk({"content": text}, None, lps)
+            if tool_stream is not None:
+                deltas = tool_stream.deltas(out.text, out.finished, holdback)
+                for delta in deltas:
+                    yield chunk(delta, None, lps)
+                    lps = None
+                if lps:
+                    yield chunk({}, None, lps)
+            else:
+                text, sent = text_delta(out.text, sent, out.finished, holdback)
+                if text or lps:
+                    yield chunk({"content": text}, None, lps)
             if out.finished:
-                yield chunk({}, out.finish_reason)
+                reason = out.finish_reason
+                yield chunk({}, tool_stream.finish_reason(reason) if tool_stream else reason)
                 break
             out = await anext(generator, None)
         inference.record(cid, body.model, tracked)

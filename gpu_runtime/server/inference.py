@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from fastapi import Request
 
+from gpu_runtime.contract.chat import ChatTemplateError, render_conversation
 from gpu_runtime.engine.engine import UnknownAdapterError
 from gpu_runtime.engine.request import RequestOutput, SamplingParams, SamplingParamsError
 from gpu_runtime.lora.errors import AdapterConfigError
@@ -169,18 +170,23 @@ class Inference:
         self._check_tokens(sum(len(p) for p in ids), "prompt")
         return ids
 
-    async def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        """The chat template applied and tokenized, in a worker thread (see `encode_prompts`);
-        400 when it holds more tokens than a request may."""
+    async def encode_chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+    ) -> list[int]:
+        """The conversation rendered (`contract.chat.render_conversation`: the chat template
+        with `tools`, or the fallback) and tokenized, in a worker thread (see
+        `encode_prompts`); 400 when the template refuses the conversation or it holds more
+        tokens than a request may."""
 
         def render() -> list[int]:
-            return list(
-                self.tokenizer().apply_chat_template(
-                    messages, add_generation_prompt=True, tokenize=True, return_dict=False
-                )
-            )
+            tokenizer = self.tokenizer()
+            text = render_conversation(tokenizer, messages, tools)
+            return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
-        ids = await asyncio.to_thread(render)
+        try:
+            ids = await asyncio.to_thread(render)
+        except ChatTemplateError as exc:
+            raise OpenAIError(400, str(exc), param="messages") from exc
         self._check_tokens(len(ids), "messages")
         return ids
 

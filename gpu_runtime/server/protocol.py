@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from gpu_runtime.server.chat_protocol import ChatMessage, ToolChoice, ToolDefinition
+
 
 class OpenAIError(Exception):
     """An error the server answers with OpenAI's shape and an HTTP status."""
@@ -95,17 +97,13 @@ class CompletionRequest(_SamplingFields):
         return list(p)  # type: ignore[arg-type]
 
 
-class ChatMessage(BaseModel):
-    """One chat message (text content only)."""
-
-    role: Literal["system", "user", "assistant"]
-    content: str
-
-
 class ChatCompletionRequest(_SamplingFields):
-    """POST /v1/chat/completions body."""
+    """POST /v1/chat/completions body (messages and tools: `chat_protocol`, `tool_calls`)."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[ToolDefinition] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool = True
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)

@@ -1,0 +1,78 @@
+"""Constrained decoding of tool calls: ``tool_choice`` ``"required"`` or a named function.
+
+The answer is held to the family's own call format by an xgrammar structural tag
+(`gpu_runtime.structured`, kind ``structural_tag``), so what the model writes is what
+`tool_parsers` reads back:
+
+- `HERMES`: ``<tool_call>\\n{"name": "<fn>", "arguments": <object matching its parameters>}
+  \\n</tool_call>``, calls separated by ``\\n``;
+- `LLAMA3_JSON`: ``{"name": "<fn>", "parameters": <object matching its parameters>}``, calls
+  separated by ``; ``.
+
+A named function allows exactly one call to it; ``"required"`` one or more calls to any of the
+tools (exactly one with ``parallel_tool_calls: false``). No text is allowed around the calls,
+and the grammar ends after the last one (the request then stops). JSON inside a call is
+limited to runs of at most `MAX_JSON_WHITESPACE` whitespace characters, so a model cannot spend
+its tokens on layout.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from gpu_runtime.engine.request import SamplingParams
+from gpu_runtime.server.protocol import OpenAIError
+from gpu_runtime.server.tool_calls import ToolPlan
+from gpu_runtime.server.tool_parsers import HERMES_END, HERMES_START, LLAMA3_JSON
+
+MAX_JSON_WHITESPACE = 1
+"""Longest run of whitespace the grammar allows inside a call's JSON."""
+
+
+def _call_tag(plan: ToolPlan, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
+    head = json.dumps(name)
+    if plan.format is LLAMA3_JSON:
+        begin, end = f'{{"name": {head}, "parameters": ', "}"
+    else:
+        begin = f'{HERMES_START}\n{{"name": {head}, "arguments": '
+        end = f"}}\n{HERMES_END}"
+    content = {
+        "type": "json_schema",
+        "json_schema": parameters,
+        "max_whitespace_cnt": MAX_JSON_WHITESPACE,
+    }
+    return {"type": "tag", "begin": begin, "content": content, "end": end}
+
+
+def call_structural_tag(plan: ToolPlan) -> dict[str, Any]:
+    """The structural tag (xgrammar's JSON form) that holds the answer to `plan`'s calls;
+    only for a constrained plan (``required`` or named)."""
+    if not plan.constrained:
+        raise ValueError(f"tool_choice {plan.mode!r} is not constrained")
+    tools = [t for t in plan.tools if plan.forced is None or t.function.name == plan.forced]
+    tags = [_call_tag(plan, t.function.name, t.function.parameters_schema()) for t in tools]
+    separator = "; " if plan.format is LLAMA3_JSON else "\n"
+    single = plan.forced is not None or not plan.parallel
+    return {
+        "type": "structural_tag",
+        "format": {
+            "type": "tags_with_separator",
+            "tags": tags,
+            "separator": separator,
+            "at_least_one": True,
+            "stop_after_first": single,
+        },
+    }
+
+
+def constrain_to_calls(plan: ToolPlan | None, params: SamplingParams) -> SamplingParams:
+    """`params` constrained to `plan`'s calls when its tool_choice is ``required`` or named
+    (unchanged otherwise)."""
+    if plan is None or not plan.constrained:
+        return params
+    raise OpenAIError(
+        400,
+        f"tool_choice {plan.mode!r} needs constrained decoding, which this build lacks",
+        param="tool_choice",
+    )
