@@ -53,9 +53,10 @@ def _request_messages(calls: int) -> list[dict[str, Any]]:
         },
         {"id": "call_2", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
     ][:calls]
-    results: list[dict[str, Any]] = [
+    parts: Any = [{"type": "text", "text": "noon"}]
+    results = [
         {"role": "tool", "tool_call_id": "call_1", "content": "18 C, sunny"},
-        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "noon"}]},
+        {"role": "tool", "tool_call_id": "call_2", "content": parts},
     ][:calls]
     return [
         {"role": "developer", "content": "Be brief."},
