@@ -14,6 +14,7 @@ TEMPLATES = Path(__file__).parent / "chat_templates"
 LLAMA3_1_TEMPLATE = (TEMPLATES / "llama3_1_instruct.jinja").read_text()
 QWEN2_5_TEMPLATE = (TEMPLATES / "qwen2_5_instruct.jinja").read_text()
 
+MAX_MODEL_LEN = 2048
 _FAMILIES = {
     # family: (architecture, template, special tokens, eos, plain added tokens)
     "llama3.1": (
@@ -41,12 +42,16 @@ def build_chat_tokenizer(directory: str | Path, family: str) -> None:
         tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in plain])
     tokenizer.eos_token = eos
     tokenizer.chat_template = template
+    tokenizer.model_max_length = MAX_MODEL_LEN
     tokenizer.save_pretrained(str(directory))
 
 
 def build_chat_model_dir(directory: str | Path, family: str, seed: int = 0) -> Path:
-    """A tiny random model of `family`'s architecture with `family`'s chat tokenizer."""
+    """A tiny random model of `family`'s architecture with `family`'s chat tokenizer, for
+    contexts of `MAX_MODEL_LEN` tokens (the templates' tool prompts are long)."""
     architecture = _FAMILIES[family][0]
-    model_dir = build_tiny_model_dir(directory, architecture, seed=seed)
+    model_dir = build_tiny_model_dir(
+        directory, architecture, seed=seed, max_position_embeddings=MAX_MODEL_LEN
+    )
     build_chat_tokenizer(model_dir, family)
     return model_dir

@@ -30,7 +30,8 @@ def test_formats_are_read_off_the_real_templates() -> None:
     [
         ('{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}', (WEATHER,)),
         (
-            ' \n<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}\n',
+            ' \n<|python_tag|>{"name": "get_weather", '
+            '"parameters": {"city": "Paris", "days": 2}}\n',
             (WEATHER,),
         ),
         ('{"name": "get_weather", "arguments": {"city": "Paris", "days": 2}}', (WEATHER,)),

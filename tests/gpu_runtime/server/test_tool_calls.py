@@ -1,0 +1,284 @@
+"""Tool requests checked against the model's template, answers split into calls, the streamed
+deltas (accumulated as the openai client does) equal to the whole answer, and the structural
+tags that constrain `required` and named calls, compiled by xgrammar over a real tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+
+from gpu_runtime.contract.tiny_tokenizer import CHAT_TEMPLATE, build_tiny_tokenizer
+from gpu_runtime.server.chat_protocol import ChatMessage, NamedToolChoice, ToolDefinition
+from gpu_runtime.server.protocol import OpenAIError
+from gpu_runtime.server.tool_calls import ToolPlan, assistant_message, plan_tools
+from gpu_runtime.server.tool_constraints import call_structural_tag
+from gpu_runtime.server.tool_stream import ToolCallStream
+from tests.gpu_runtime.chat_models import LLAMA3_1_TEMPLATE, QWEN2_5_TEMPLATE
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+TOOLS = [ToolDefinition.model_validate(WEATHER), ToolDefinition.model_validate(TIME)]
+USER = [ChatMessage(role="user", content="hi")]
+
+
+def _plan(choice: Any = None, parallel: bool = True, template: str = QWEN2_5_TEMPLATE) -> ToolPlan:
+    named = NamedToolChoice.model_validate(choice) if isinstance(choice, dict) else choice
+    plan = plan_tools(TOOLS, named, parallel, USER, template)
+    assert plan is not None
+    return plan
+
+
+@pytest.mark.parametrize(
+    ("message", "error"),
+    [
+        (
+            {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+            "only 'text' parts",
+        ),
+        ({"role": "user", "content": [{"type": "text"}]}, "must be {'type': 'text'"),
+        ({"role": "user"}, "content is required"),
+        ({"role": "assistant", "content": None}, "content is required"),
+        ({"role": "tool", "content": "x"}, "tool_call_id is required"),
+        ({"role": "user", "content": "x", "tool_call_id": "c"}, "tool_call_id is required"),
+        ({"role": "user", "content": "x", "tool_calls": []}, "only allowed on assistant"),
+        (
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "[1]"}}
+                ],
+            },
+            "must be a JSON object",
+        ),
+        ({"role": "assistant", "content": "x", "refusal": "no"}, "refusal"),
+        ({"role": "function", "content": "x"}, "role"),
+    ],
+)
+def test_bad_messages_are_refused(message: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        ChatMessage.model_validate(message)
+
+
+@pytest.mark.parametrize(
+    ("function", "error"),
+    [
+        ({"name": "f", "parameters": {"type": "nope"}}, "not a valid JSON schema"),
+        ({"name": "f", "parameters": {"type": "array"}}, "must describe an object"),
+        ({"name": "no spaces"}, "string_pattern_mismatch|should match pattern"),
+    ],
+)
+def test_bad_tools_are_refused(function: dict[str, Any], error: str) -> None:
+    with pytest.raises(ValidationError, match=error):
+        ToolDefinition.model_validate({"type": "function", "function": function})
+
+
+@pytest.mark.parametrize(
+    ("tools", "choice", "template", "param"),
+    [
+        (
+            TOOLS,
+            {"type": "function", "function": {"name": "nope"}},
+            QWEN2_5_TEMPLATE,
+            "tool_choice",
+        ),
+        (None, "required", QWEN2_5_TEMPLATE, "tool_choice"),
+        (TOOLS, "auto", CHAT_TEMPLATE, "tools"),  # a template without tools
+        (TOOLS + TOOLS[:1], "auto", QWEN2_5_TEMPLATE, "tools"),  # duplicate names
+        (
+            [
+                ToolDefinition.model_validate(
+                    {"type": "function", "function": {"name": "f", "strict": True}}
+                )
+            ],
+            "auto",
+            QWEN2_5_TEMPLATE,
+            "tools.0.function.strict",
+        ),
+    ],
+)
+def test_plans_that_cannot_be_served(
+    tools: list[ToolDefinition] | None, choice: Any, template: str, param: str
+) -> None:
+    named = NamedToolChoice.model_validate(choice) if isinstance(choice, dict) else choice
+    with pytest.raises(OpenAIError) as caught:
+        plan_tools(tools, named, True, USER, template)
+    assert caught.value.status == 400 and caught.value.param == param
+
+
+def test_history_calls_need_a_template_that_renders_them() -> None:
+    history = [
+        *USER,
+        ChatMessage.model_validate(
+            {
+                "role": "assistant",
+                "tool_calls": [
+                    {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+                ],
+            }
+        ),
+    ]
+    with pytest.raises(OpenAIError) as caught:
+        plan_tools(None, None, True, history, CHAT_TEMPLATE)
+    assert caught.value.param == "messages.1.tool_calls"
+    assert plan_tools(None, None, True, history, QWEN2_5_TEMPLATE) is None
+
+
+def _call(name: str, arguments: dict[str, Any]) -> str:
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments})}\n</tool_call>"
+
+
+def test_answers_split_into_calls_and_content() -> None:
+    two = f"Checking.\n{_call('get_weather', {'city': 'Rome'})}\n{_call('get_time', {})}"
+    message, finish = assistant_message(_plan(), two, "stop")
+    assert finish == "tool_calls" and message["content"] == "Checking.\n\n"
+    calls = message["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Rome"}
+    assert all(c["id"].startswith("call_") and c["type"] == "function" for c in calls)
+    assert len({c["id"] for c in calls}) == 2
+    # one call only without parallel calls; the engine's reason when it did not stop itself
+    message, finish = assistant_message(_plan(parallel=False), two, "length")
+    assert [c["function"]["name"] for c in message["tool_calls"]] == ["get_weather"]
+    assert finish == "length"
+    # tool_choice none, an unknown function, or no call at all: content as generated
+    unknown = _call("send_mail", {})
+    for plan, text in [(_plan("none"), two), (_plan(), unknown), (_plan(), "Hello")]:
+        assert assistant_message(plan, text, "stop") == (
+            {"role": "assistant", "content": text},
+            "stop",
+        )
+
+
+def _accumulate(plan: ToolPlan, text: str, step: int, holdback: int = 0) -> dict[str, Any]:
+    """Stream `text` `step` characters at a time and merge the deltas as the openai client's
+    stream accumulation does (content concatenated, tool_calls merged by index)."""
+    stream = ToolCallStream(plan)
+    content: str | None = None
+    calls: dict[int, dict[str, Any]] = {}
+    ends = [*range(step, len(text), step), len(text)]
+    for end in ends:
+        for delta in stream.deltas(text[:end], end == len(text), holdback):
+            if "content" in delta:
+                content = (content or "") + delta["content"]
+            for call in delta.get("tool_calls", ()):
+                entry = calls.setdefault(call["index"], {"function": {"arguments": ""}})
+                entry["id"], entry["type"] = call["id"], call["type"]
+                entry["function"]["name"] = call["function"]["name"]
+                entry["function"]["arguments"] += call["function"]["arguments"]
+    merged: dict[str, Any] = {"role": "assistant", "content": content}
+    if calls:
+        merged["tool_calls"] = [calls[i] for i in sorted(calls)]
+    merged["finish_reason"] = stream.finish_reason("stop")
+    return merged
+
+
+def _without_ids(message: dict[str, Any]) -> dict[str, Any]:
+    calls = [{k: v for k, v in c.items() if k != "id"} for c in message.get("tool_calls", [])]
+    return message | ({"tool_calls": calls} if calls else {})
+
+
+@pytest.mark.parametrize("step", [1, 3, 1000])
+@pytest.mark.parametrize(
+    ("template", "text"),
+    [
+        (QWEN2_5_TEMPLATE, f"Checking <now>.\n{_call('get_weather', {'city': 'Rome'})}"),
+        (QWEN2_5_TEMPLATE, f"\n{_call('get_time', {})}\n{_call('get_time', {})}\n"),
+        (QWEN2_5_TEMPLATE, "No <tool_call> here"),
+        (QWEN2_5_TEMPLATE, "  plain text"),
+        (
+            LLAMA3_1_TEMPLATE,
+            '{"name": "get_time", "parameters": {}}; '
+            '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+        ),
+        (LLAMA3_1_TEMPLATE, '{"not": "a call"}'),
+        (LLAMA3_1_TEMPLATE, "The weather is fine."),
+    ],
+)
+def test_streamed_deltas_accumulate_to_the_whole_answer(
+    template: str, text: str, step: int
+) -> None:
+    plan = _plan(template=template)
+    message, finish = assistant_message(plan, text, "stop")
+    streamed = _accumulate(plan, text, step, holdback=2)
+    assert _without_ids(streamed) == _without_ids(message) | {"finish_reason": finish}
+
+
+def test_content_streams_before_the_call_and_holds_from_it() -> None:
+    stream = ToolCallStream(_plan())
+    assert stream.deltas("   ", False, 0) == []  # only whitespace so far: may be no content
+    assert stream.deltas("   Sure <tool", False, 0) == [{"content": "   Sure "}]
+    assert stream.deltas('   Sure <tool_call>\n{"name": "get_time", ', False, 0) == []
+    llama = ToolCallStream(_plan(template=LLAMA3_1_TEMPLATE))
+    assert llama.deltas("Hi", False, 0) == [{"content": "Hi"}]
+    assert llama.deltas("Hi {", False, 0) == [{"content": " {"}]
+
+
+def _matcher(tmp_path: Path, plan: ToolPlan) -> Any:
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    build_tiny_tokenizer(tmp_path)
+    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path))
+    info = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=512, stop_token_ids=[tokenizer.eos_token_id]
+    )
+    grammar = xgr.GrammarCompiler(info).compile_structural_tag(
+        json.dumps(call_structural_tag(plan))
+    )
+    return lambda: xgr.GrammarMatcher(grammar)
+
+
+@pytest.mark.parametrize(
+    ("template", "separator"), [(QWEN2_5_TEMPLATE, "\n"), (LLAMA3_1_TEMPLATE, "; ")]
+)
+def test_constrained_calls_are_exactly_what_the_parser_reads(
+    tmp_path: Path, template: str, separator: str
+) -> None:
+    def calls(*pairs: tuple[str, dict[str, Any]]) -> str:
+        if template is QWEN2_5_TEMPLATE:
+            return separator.join(_call(name, args) for name, args in pairs)
+        return separator.join(
+            json.dumps({"name": name, "parameters": args}) for name, args in pairs
+        )
+
+    weather, time = ("get_weather", {"city": "Rome"}), ("get_time", {})
+    for choice, parallel, accepted, refused in [
+        (
+            "required",
+            True,
+            [calls(weather, time), calls(time)],
+            [calls(("get_weather", {"city": "Oslo"})), "Hello", calls(("send_mail", {}))],
+        ),
+        ("required", False, [calls(time)], [calls(weather, time)]),
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            True,
+            [calls(weather)],
+            [calls(time), calls(weather, weather)],
+        ),
+    ]:
+        plan = _plan(choice, parallel, template)
+        matcher = _matcher(tmp_path, plan)
+        for text in accepted:
+            m = matcher()
+            assert m.accept_string(text) and m.is_completed(), text
+            parsed = plan.extract(text)
+            assert parsed is not None and parsed.content is None
+        for text in refused:
+            m = matcher()
+            assert not (m.accept_string(text) and m.is_completed()), text

@@ -1,0 +1,178 @@
+"""Tool calls through the official `openai` client, against tiny models whose tokenizers carry
+the real Llama 3.1 and Qwen2.5 chat templates: the prompt is the template's own rendering,
+answers that are not calls stay content (also streamed), and bad tool requests are 400s naming
+their field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import openai
+import pytest
+
+from gpu_runtime.engine import Engine, EngineConfig
+from gpu_runtime.server import BearerKeys, EngineLoop, create_app, static_key_checker
+from tests.gpu_runtime.chat_models import MAX_MODEL_LEN, build_chat_model_dir
+from tests.gpu_runtime.server.serving import serve_in_thread
+from tests.gpu_runtime.server.test_tool_calls import TIME, WEATHER
+
+KEY = "sk-test-key"
+MODEL = "tiny-chat"
+Served = tuple[openai.OpenAI, Any, str]
+"""A client, the engine's tokenizer, the family."""
+
+
+@pytest.fixture(scope="module", params=["qwen2.5", "llama3.1"])
+def served(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[Served]:
+    model_dir: Path = build_chat_model_dir(tmp_path_factory.mktemp("tools"), request.param, seed=5)
+    engine = Engine.from_directory(
+        model_dir,
+        EngineConfig(
+            num_kv_blocks=512,
+            block_size=16,
+            max_num_seqs=4,
+            max_num_batched_tokens=1024,
+            max_model_len=MAX_MODEL_LEN,
+        ),
+    )
+    loop = EngineLoop(engine)
+    loop.start()
+    app = create_app(loop, MODEL, BearerKeys(static_key_checker([KEY])))
+    try:
+        with serve_in_thread(app) as url:
+            client = openai.OpenAI(base_url=url, api_key=KEY, max_retries=0, timeout=60)
+            yield client, engine.tokenizer, request.param
+    finally:
+        loop.stop()
+
+
+ASK: list[Any] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _chat(client: openai.OpenAI, **kwargs: Any) -> Any:
+    args: dict[str, Any] = {"model": MODEL, "messages": ASK, "max_tokens": 10, "temperature": 0.0}
+    return client.chat.completions.create(**(args | kwargs))
+
+
+def test_an_answer_that_is_no_call_is_content(served: Served) -> None:
+    client, _, _ = served
+    auto = _chat(client, tools=[WEATHER, TIME])
+    none = _chat(client, tools=[WEATHER, TIME], tool_choice="none")
+    choice = auto.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason in ("stop", "length")
+    assert choice.message.content == none.choices[0].message.content  # same prompt, greedy
+    assert choice.message.content  # the random model wrote something
+    # the tools are in the prompt: it is longer than without them
+    assert auto.usage.prompt_tokens > _chat(client).usage.prompt_tokens
+
+
+def test_streamed_content_equals_the_whole_answer(served: Served) -> None:
+    client, _, _ = served
+    whole = _chat(client, tools=[WEATHER, TIME], max_tokens=16)
+    chunks = list(_chat(client, tools=[WEATHER, TIME], max_tokens=16, stream=True))
+    content = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert content == whole.choices[0].message.content
+    assert chunks[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    assert all(c.choices[0].delta.tool_calls is None for c in chunks)
+
+
+def test_the_prompt_is_the_templates_own_rendering(served: Served) -> None:
+    client, tokenizer, family = served
+    calls = 1 if family == "llama3.1" else 2  # Llama 3.1's template takes one call a turn
+    tool_calls = [
+        {
+            "id": "call_a",
+            "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+        },
+        {"id": "call_b", "type": "function", "function": {"name": "get_time", "arguments": "{}"}},
+    ][:calls]
+    history: list[Any] = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Weather in Paris?"}]},
+        {"role": "assistant", "content": None, "tool_calls": tool_calls},
+        *({"role": "tool", "tool_call_id": c["id"], "content": "18 C"} for c in tool_calls),
+    ]
+    answer = _chat(client, messages=history, tools=[WEATHER, TIME])
+    as_template_sees_it = [
+        history[0],
+        {"role": "user", "content": "Weather in Paris?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_a",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Paris"}},
+                },
+                {
+                    "id": "call_b",
+                    "type": "function",
+                    "function": {"name": "get_time", "arguments": {}},
+                },
+            ][:calls],
+        },
+        *({"role": "tool", "content": "18 C", "tool_call_id": c["id"]} for c in tool_calls),
+    ]
+    text = tokenizer.apply_chat_template(
+        as_template_sees_it, tools=[WEATHER, TIME], tokenize=False, add_generation_prompt=True
+    )
+    assert answer.usage.prompt_tokens == len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_text_parts_are_the_joined_text(served: Served) -> None:
+    client, _, _ = served
+    parts = [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "What is the weather"},
+                {"type": "text", "text": "in Paris?"},
+            ],
+        }
+    ]
+    joined = [{"role": "user", "content": "What is the weather\nin Paris?"}]
+    a, b = _chat(client, messages=parts), _chat(client, messages=joined)
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        (
+            {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "image_url", "image_url": {"url": "https://x/y.png"}}],
+                    }
+                ]
+            },
+            "messages.0.content",
+        ),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+            "tool_choice",
+        ),
+        ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
+            "tools.0.function.parameters",
+        ),
+        ({"messages": [{"role": "tool", "content": "18 C"}]}, "messages.0"),
+    ],
+)
+def test_bad_tool_requests_are_400s_naming_the_field(
+    served: Served, kwargs: dict[str, Any], param: str
+) -> None:
+    client, _, _ = served
+    with pytest.raises(openai.BadRequestError) as caught:
+        _chat(client, **kwargs)
+    body: Any = caught.value.body
+    assert body["param"] == param, body
