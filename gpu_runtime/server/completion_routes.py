@@ -173,7 +173,9 @@ async def chat_completions(
     room = max(1, inference.engine_loop.engine.config.max_model_len - len(ids))
     limit = body.max_completion_tokens or body.max_tokens or room
     top = (body.top_logprobs or 0) if body.logprobs else None
-    params = constrain_to_calls(plan, inference.sampling(body, limit, top))
+    params = await constrain_to_calls(
+        plan, inference.sampling(body, limit, top), inference.engine_loop.engine.structured
+    )
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     tracked = Tracked(len(ids), time.perf_counter())
     holdback = max((len(s) for s in params.stop), default=1) - 1
@@ -223,9 +225,10 @@ async def chat_completions(
         )
 
     async def stream() -> AsyncIterator[str]:
-        yield chunk({"role": "assistant", "content": ""}, None)
-        sent = 0
         tool_stream = ToolCallStream(plan) if plan is not None and plan.parses else None
+        # content stays null in an answer of only calls: its first chunk says no content
+        yield chunk({"role": "assistant", "content": None if tool_stream else ""}, None)
+        sent = 0
         out: RequestOutput | None = head
         while out is not None:
             lps = chat_logprobs(inference.tokenizer(), out.new_logprobs) if body.logprobs else None

@@ -18,13 +18,17 @@ its tokens on layout.
 
 from __future__ import annotations
 
+import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 from gpu_runtime.engine.request import SamplingParams
 from gpu_runtime.server.protocol import OpenAIError
 from gpu_runtime.server.tool_calls import ToolPlan
 from gpu_runtime.server.tool_parsers import HERMES_END, HERMES_START, LLAMA3_JSON
+from gpu_runtime.structured import StructuredOutputError, StructuredOutputParams
+from gpu_runtime.structured.outputs import StructuredOutputs
 
 MAX_JSON_WHITESPACE = 1
 """Longest run of whitespace the grammar allows inside a call's JSON."""
@@ -66,13 +70,18 @@ def call_structural_tag(plan: ToolPlan) -> dict[str, Any]:
     }
 
 
-def constrain_to_calls(plan: ToolPlan | None, params: SamplingParams) -> SamplingParams:
+async def constrain_to_calls(
+    plan: ToolPlan | None, params: SamplingParams, structured: StructuredOutputs
+) -> SamplingParams:
     """`params` constrained to `plan`'s calls when its tool_choice is ``required`` or named
-    (unchanged otherwise)."""
+    (unchanged otherwise). The grammar is compiled here, in a worker thread (the engine then
+    finds it in its compiler's cache), so a large schema never stalls the engine loop; one
+    xgrammar cannot compile is a 400 naming ``tools``."""
     if plan is None or not plan.constrained:
         return params
-    raise OpenAIError(
-        400,
-        f"tool_choice {plan.mode!r} needs constrained decoding, which this build lacks",
-        param="tool_choice",
-    )
+    constraint = StructuredOutputParams("structural_tag", json.dumps(call_structural_tag(plan)))
+    try:
+        await asyncio.to_thread(lambda: structured.compiler.compile(constraint))
+    except StructuredOutputError as exc:
+        raise OpenAIError(400, f"tools cannot be constrained: {exc}", param="tools") from exc
+    return replace(params, structured_output=constraint)

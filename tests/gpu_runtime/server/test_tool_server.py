@@ -5,6 +5,7 @@ their field."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -176,3 +177,50 @@ def test_bad_tool_requests_are_400s_naming_the_field(
         _chat(client, **kwargs)
     body: Any = caught.value.body
     assert body["param"] == param, body
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize(
+    ("tool_choice", "parallel", "names"),
+    [(NAMED, True, {"get_weather"}), ("required", False, {"get_weather", "get_time"})],
+)
+def test_constrained_calls_are_parsed_calls(
+    served: Served, tool_choice: Any, parallel: bool, names: set[str]
+) -> None:
+    """A random model held to the call grammar writes one valid call, in its family's format,
+    which comes back as `tool_calls`; streamed, the client accumulates the same calls."""
+    client, _, _ = served
+    kwargs: dict[str, Any] = {
+        "tools": [WEATHER, TIME],
+        "tool_choice": tool_choice,
+        "parallel_tool_calls": parallel,
+        "max_tokens": 200,
+    }
+    for seed in (1, 2):
+        answer = _chat(client, temperature=1.0, seed=seed, **kwargs)
+        choice = answer.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        calls = choice.message.tool_calls
+        assert calls is not None and len(calls) == 1
+        call = calls[0]
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        arguments = json.loads(call.function.arguments)
+        if call.function.name == "get_weather":
+            assert arguments in ({"city": "Paris"}, {"city": "Rome"})
+        else:
+            assert arguments == {}
+        with client.chat.completions.stream(
+            model=MODEL, messages=ASK, temperature=1.0, seed=seed, **kwargs
+        ) as stream:
+            for _ in stream:
+                pass
+            streamed = stream.get_final_completion().choices[0]
+        assert streamed.finish_reason == "tool_calls"
+        assert streamed.message.content is None
+        assert streamed.message.tool_calls is not None
+        got = [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls]
+        assert got == [(call.function.name, call.function.arguments)]
