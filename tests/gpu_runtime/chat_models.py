@@ -15,7 +15,7 @@ LLAMA3_1_TEMPLATE = (TEMPLATES / "llama3_1_instruct.jinja").read_text()
 QWEN2_5_TEMPLATE = (TEMPLATES / "qwen2_5_instruct.jinja").read_text()
 
 MAX_MODEL_LEN = 2048
-_FAMILIES = {
+_FAMILIES: dict[str, tuple[str, str | None, list[str], str, list[str]]] = {
     # family: (architecture, template, special tokens, eos, plain added tokens)
     "llama3.1": (
         "llama",
@@ -25,12 +25,14 @@ _FAMILIES = {
         [],
     ),
     "qwen2.5": ("qwen2", QWEN2_5_TEMPLATE, [], "<|im_end|>", ["<tool_call>", "</tool_call>"]),
+    # no chat template: the server's documented fallback render (Hermes-style tools)
+    "no-template": ("llama", None, [], "<|im_end|>", []),
 }
 
 
 def build_chat_tokenizer(directory: str | Path, family: str) -> None:
-    """Rewrite the tiny tokenizer saved in `directory` as `family`'s ("llama3.1" or
-    "qwen2.5"): its chat template, special tokens and eos."""
+    """Rewrite the tiny tokenizer saved in `directory` as `family`'s ("llama3.1", "qwen2.5",
+    or "no-template"): its chat template, special tokens and eos."""
     from tokenizers import AddedToken
     from transformers import AutoTokenizer
 
@@ -43,6 +45,8 @@ def build_chat_tokenizer(directory: str | Path, family: str) -> None:
     tokenizer.eos_token = eos
     tokenizer.chat_template = template
     tokenizer.model_max_length = MAX_MODEL_LEN
+    for saved in Path(directory).glob("chat_template.*"):
+        saved.unlink()  # else it would be loaded again beside tokenizer_config.json
     tokenizer.save_pretrained(str(directory))
 
 
