@@ -256,7 +256,8 @@ def test_constrained_calls_are_exactly_what_the_parser_reads(
             json.dumps({"name": name, "parameters": args}) for name, args in pairs
         )
 
-    weather, time = ("get_weather", {"city": "Rome"}), ("get_time", {})
+    weather: tuple[str, dict[str, Any]] = ("get_weather", {"city": "Rome"})
+    time: tuple[str, dict[str, Any]] = ("get_time", {})
     for choice, parallel, accepted, refused in [
         (
             "required",
