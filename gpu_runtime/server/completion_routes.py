@@ -1,6 +1,8 @@
 """The completion routes: ``/v1/completions`` and ``/v1/chat/completions``, each answered in
 full or streamed as server-sent events (``stream: true``; usage with
-``stream_options.include_usage``), with logprobs when asked.
+``stream_options.include_usage``), with logprobs when asked. A chat with ``tools`` is planned,
+constrained and answered with ``tool_calls`` by `tool_calls`, `tool_constraints` and
+`tool_stream`.
 
 Every successful answer carries `PROMPT_TOKENS_HEADER`: the request's prompt tokens (summed
 over the prompts of a multi-prompt completion), known before the first token, so whoever relays
