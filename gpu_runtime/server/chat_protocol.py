@@ -15,9 +15,17 @@ Tools are ``{"type": "function", "function": {"name", "description"?, "parameter
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 FUNCTION_NAME_PATTERN = r"^[a-zA-Z0-9_-]{1,64}$"
 """OpenAI's rule for a function's name."""
@@ -75,6 +83,16 @@ class ChatMessage(BaseModel):
     annotations: None = None
     """Fields of a response message that a client may send back in the history: only null
     (a refusal, audio or the deprecated function_call cannot be rendered)."""
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_shape(cls, value: Any) -> Any:
+        # one error naming `content` (not each member of its union)
+        if value is None or isinstance(value, str):
+            return value
+        if not isinstance(value, list) or not all(isinstance(p, dict) for p in value):
+            raise ValueError("content must be a string, a list of content parts, or null")
+        return value
 
     @field_validator("content")
     @classmethod
@@ -193,4 +211,27 @@ class NamedToolChoice(BaseModel):
     function: NamedFunction
 
 
-ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
+TOOL_CHOICE_MODES = ("none", "auto", "required")
+
+
+def tool_choice_of(value: Any) -> Any:
+    """``tool_choice`` checked as a whole (one error naming the field, not each member of its
+    union): one of `TOOL_CHOICE_MODES` or a `NamedToolChoice`."""
+    if value is None or value in TOOL_CHOICE_MODES or isinstance(value, NamedToolChoice):
+        return value
+    if isinstance(value, dict):
+        try:
+            return NamedToolChoice.model_validate(value)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            raise ValueError(f"{where}: {first['msg']}") from None
+    raise ValueError(
+        "tool_choice must be 'none', 'auto', 'required' or "
+        "{'type': 'function', 'function': {'name': ...}}"
+    )
+
+
+ToolChoice = Annotated[
+    Literal["none", "auto", "required"] | NamedToolChoice, BeforeValidator(tool_choice_of)
+]

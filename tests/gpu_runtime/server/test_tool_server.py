@@ -168,6 +168,9 @@ def test_text_parts_are_the_joined_text(served: Served) -> None:
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {}}}, "tool_choice"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
         (
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": 5}}}]},
             "tools.0.function.parameters",
