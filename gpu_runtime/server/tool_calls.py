@@ -6,8 +6,9 @@ chat template (400s naming the field) and returns a `ToolPlan`:
 - ``tool_choice`` ``"none"``: the tools are still rendered into the prompt (the model knows
   them, as vLLM and OpenAI do), the answer is never parsed: it is all content.
 - ``"auto"`` (the default with tools): the answer is parsed in the template's format
-  (`tool_parsers`); a call to a function not offered, or malformed JSON, leaves the whole
-  answer as content. With ``parallel_tool_calls: false`` only the first call is returned.
+  (`tool_parsers`); malformed JSON or a call to a function not offered is content (for Llama 3
+  JSON the whole answer, for Hermes that block). With ``parallel_tool_calls: false`` only the
+  first call is returned.
 - ``"required"`` and a named function: decoding is constrained (`tool_constraints`) so the
   answer is one or more calls (one with ``parallel_tool_calls: false``), or exactly one call to
   the named function, in the family's format with arguments matching the schema; it is always
@@ -32,7 +33,16 @@ from typing import Any
 
 from gpu_runtime.server.chat_protocol import ChatMessage, NamedToolChoice, ToolDefinition
 from gpu_runtime.server.protocol import OpenAIError
-from gpu_runtime.server.tool_parsers import ParsedOutput, ToolCallFormat, format_of_template
+from gpu_runtime.server.tool_parsers import ParsedCall, ToolCallFormat, format_of_template
+
+
+@dataclass(frozen=True)
+class ParsedOutput:
+    """An answer split into calls (at least one) and the content outside them (None when
+    that is only whitespace)."""
+
+    content: str | None
+    calls: tuple[ParsedCall, ...]
 
 
 @dataclass(frozen=True)
@@ -62,22 +72,26 @@ class ToolPlan:
         """``tools`` as the chat template receives them (keys present only when set)."""
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
+    def accepts(self, call: ParsedCall) -> bool:
+        """Whether a well-formed call is one this request takes: its function is offered
+        (and is the named one, when tool_choice names one)."""
+        if self.forced is not None:
+            return call.name == self.forced
+        return any(t.function.name == call.name for t in self.tools)
+
     def extract(self, text: str) -> ParsedOutput | None:
-        """The answer's calls (None: it is content). Calls to functions not offered make it
-        content; without parallel calls only the first call is kept."""
+        """The whole answer's calls (None: it is all content, also when tool_choice is
+        ``none``). Without parallel calls only the first call is kept (the others are
+        dropped, not made content)."""
         if not self.parses:
             return None
-        parsed = self.format.parse(text)
-        if parsed is None:
+        segments = self.format.segments(text, True, self.accepts)
+        calls = [s.call for s in segments if s.call is not None]
+        if not calls:
             return None
-        names = {t.function.name for t in self.tools}
-        if any(call.name not in names for call in parsed.calls):
-            return None
-        if self.forced is not None and any(c.name != self.forced for c in parsed.calls):
-            return None
-        if not self.parallel and len(parsed.calls) > 1:
-            return ParsedOutput(parsed.content, parsed.calls[:1])
-        return parsed
+        content = "".join(text[s.start : s.end] for s in segments if s.call is None)
+        kept = tuple(calls if self.parallel else calls[:1])
+        return ParsedOutput(content if content.strip() else None, kept)
 
 
 def plan_tools(
@@ -140,24 +154,19 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def openai_tool_calls(parsed: ParsedOutput) -> list[dict[str, Any]]:
-    """The parsed calls as a message's ``tool_calls``."""
-    return [
-        {
-            "id": new_call_id(),
-            "type": "function",
-            "function": {
-                "name": call.name,
-                "arguments": json.dumps(call.arguments, ensure_ascii=False),
-            },
-        }
-        for call in parsed.calls
-    ]
+def openai_tool_call(call: ParsedCall) -> dict[str, Any]:
+    """A parsed call as an entry of a message's ``tool_calls``, with a fresh id."""
+    arguments = json.dumps(call.arguments, ensure_ascii=False)
+    return {
+        "id": new_call_id(),
+        "type": "function",
+        "function": {"name": call.name, "arguments": arguments},
+    }
 
 
-def tool_finish_reason(parsed: ParsedOutput | None, finish_reason: str | None) -> str | None:
+def tool_finish_reason(called: bool, finish_reason: str | None) -> str | None:
     """``tool_calls`` when the model called and stopped on its own, else the engine's."""
-    return "tool_calls" if parsed is not None and finish_reason == "stop" else finish_reason
+    return "tool_calls" if called and finish_reason == "stop" else finish_reason
 
 
 def assistant_message(
@@ -170,6 +179,6 @@ def assistant_message(
     message = {
         "role": "assistant",
         "content": parsed.content,
-        "tool_calls": openai_tool_calls(parsed),
+        "tool_calls": [openai_tool_call(call) for call in parsed.calls],
     }
-    return message, tool_finish_reason(parsed, finish_reason)
+    return message, tool_finish_reason(True, finish_reason)

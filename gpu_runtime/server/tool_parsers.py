@@ -4,23 +4,25 @@
   "parameters": dictionary of argument name and its value}``): the whole answer is one or more
   JSON objects ``{"name": ..., "parameters": {...}}`` (``"arguments"`` is taken for
   ``"parameters"``), separated by ``;``, optionally after ``<|python_tag|>`` and surrounded by
-  whitespace. Anything else (text before the first object, after the last, or JSON that is not
-  a call) makes the whole answer content.
+  whitespace. Anything else (text before the first object, after the last, JSON that is not a
+  call, or a call that is not accepted) makes the whole answer content.
 - `HERMES` (Qwen2.5 and other Hermes-style templates, and the fallback render of a tokenizer
   without a template, `gpu_runtime.contract.chat`): each call is a block
   ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; the last block may be
-  left unclosed when its JSON is complete (the model stopped right after it). Text outside
-  the blocks is content (null when it is only whitespace). A block whose JSON is not a call
-  makes the whole answer content.
+  left unclosed when its JSON is complete (the model stopped right after it). Text outside the
+  blocks is content; so is a block whose JSON is not an accepted call (its text as written).
 
-`ToolCallFormat.content_until(text)` is how much of a partial answer is content whatever comes
-next: the streaming route sends that much as content and holds the rest until the answer ends.
+`ToolCallFormat.segments(text, finished, accept)` splits an answer into content and calls;
+for a partial answer (`finished` False) it returns only what is settled whatever follows: the
+segments of a longer answer start with those of a shorter one (the last content segment may
+grow), so the streaming route sends each segment once, as soon as it is settled.
 """
 
 from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,12 +41,16 @@ class ParsedCall:
 
 
 @dataclass(frozen=True)
-class ParsedOutput:
-    """An answer split into calls (at least one) and the content outside them (None when
-    that is only whitespace)."""
+class Segment:
+    """Characters ``[start, end)`` of an answer: a call, or content (``call`` None)."""
 
-    content: str | None
-    calls: tuple[ParsedCall, ...]
+    start: int
+    end: int
+    call: ParsedCall | None = None
+
+
+Accept = Callable[[ParsedCall], bool]
+"""Whether a well-formed call is one the request takes (its function was offered)."""
 
 
 def _call_of(obj: Any, arguments_keys: tuple[str, ...]) -> ParsedCall | None:
@@ -64,17 +70,13 @@ def _skip_space(text: str, pos: int) -> int:
 
 
 class ToolCallFormat(ABC):
-    """A family's call format: `parse` a whole answer, `content_until` for a partial one."""
+    """A family's call format (see the module docstring)."""
 
     name: str
 
     @abstractmethod
-    def parse(self, text: str) -> ParsedOutput | None:
-        """The answer's calls and content, or None when it holds no well-formed call."""
-
-    @abstractmethod
-    def content_until(self, text: str) -> int:
-        """Characters of the partial answer `text` that are content whatever follows."""
+    def segments(self, text: str, finished: bool, accept: Accept) -> list[Segment]:
+        """The answer's settled segments, in order; all of it when `finished`."""
 
 
 class Llama3JsonFormat(ToolCallFormat):
@@ -82,14 +84,16 @@ class Llama3JsonFormat(ToolCallFormat):
 
     name = "llama3_json"
 
-    def parse(self, text: str) -> ParsedOutput | None:
-        return _parse_llama3(text)
-
-    def content_until(self, text: str) -> int:
-        head = text.lstrip()
-        if not head or head.startswith("{") or head.startswith(PYTHON_TAG[: len(head)]):
-            return 0  # may still become a call: hold everything
-        return len(text)
+    def segments(self, text: str, finished: bool, accept: Accept) -> list[Segment]:
+        if not finished:
+            head = text.lstrip()
+            if not head or head.startswith("{") or head.startswith(PYTHON_TAG[: len(head)]):
+                return []  # may still become calls: nothing is settled
+            return [Segment(0, len(text))]
+        calls = _llama3_calls(text)
+        if not calls or not all(accept(s.call) for s in calls if s.call is not None):
+            return [Segment(0, len(text))] if text else []
+        return calls
 
 
 class HermesFormat(ToolCallFormat):
@@ -97,68 +101,68 @@ class HermesFormat(ToolCallFormat):
 
     name = "hermes"
 
-    def parse(self, text: str) -> ParsedOutput | None:
-        return _parse_hermes(text)
+    def segments(self, text: str, finished: bool, accept: Accept) -> list[Segment]:
+        out: list[Segment] = []
+        pos = 0
+        while (start := text.find(HERMES_START, pos)) >= 0:
+            if start > pos:
+                out.append(Segment(pos, start))
+            body = start + len(HERMES_START)
+            end = text.find(HERMES_END, body)
+            if end < 0 and not finished:
+                return out  # an open block: settled at its end tag or the answer's end
+            stop = len(text) if end < 0 else end + len(HERMES_END)
+            call = _hermes_call(text[body:stop] if end < 0 else text[body:end])
+            out.append(Segment(start, stop, call if call is not None and accept(call) else None))
+            pos = stop
+        settled = len(text) if finished else len(text) - _partial_tag(text, pos)
+        if settled > pos:
+            out.append(Segment(pos, settled))
+        return out
 
-    def content_until(self, text: str) -> int:
-        start = text.find(HERMES_START)
-        if start >= 0:
-            return start
-        for keep in range(min(len(HERMES_START) - 1, len(text)), 0, -1):
-            if HERMES_START.startswith(text[-keep:]):
-                return len(text) - keep  # a tag may be starting: hold its first characters
-        return len(text)
+
+def _partial_tag(text: str, pos: int) -> int:
+    """How many of `text`'s last characters (after `pos`) may begin a `HERMES_START`."""
+    for keep in range(min(len(HERMES_START) - 1, len(text) - pos), 0, -1):
+        if HERMES_START.startswith(text[-keep:]):
+            return keep
+    return 0
 
 
-LLAMA3_JSON = Llama3JsonFormat()
-HERMES = HermesFormat()
+def _hermes_call(body: str) -> ParsedCall | None:
+    try:
+        return _call_of(json.loads(body), ("arguments",))
+    except json.JSONDecodeError:
+        return None
 
 
-def _parse_llama3(text: str) -> ParsedOutput | None:
+def _llama3_calls(text: str) -> list[Segment]:
+    """One segment per call when the whole text is calls, else []."""
     pos = _skip_space(text, 0)
     if text.startswith(PYTHON_TAG, pos):
         pos = _skip_space(text, pos + len(PYTHON_TAG))
-    calls: list[ParsedCall] = []
+    calls: list[Segment] = []
+    start = 0
     while pos < len(text):
         try:
             obj, pos = _DECODER.raw_decode(text, pos)
         except json.JSONDecodeError:
-            return None
+            return []
         call = _call_of(obj, ("parameters", "arguments"))
         if call is None:
-            return None
-        calls.append(call)
+            return []
         pos = _skip_space(text, pos)
         if pos < len(text):
             if text[pos] != ";":
-                return None
+                return []
             pos = _skip_space(text, pos + 1)
-    return ParsedOutput(None, tuple(calls)) if calls else None
+        calls.append(Segment(start, pos, call))
+        start = pos
+    return calls
 
 
-def _parse_hermes(text: str) -> ParsedOutput | None:
-    outside: list[str] = []
-    calls: list[ParsedCall] = []
-    pos = 0
-    while (start := text.find(HERMES_START, pos)) >= 0:
-        outside.append(text[pos:start])
-        body_start = start + len(HERMES_START)
-        end = text.find(HERMES_END, body_start)
-        body = text[body_start:] if end < 0 else text[body_start:end]
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError:
-            return None
-        call = _call_of(obj, ("arguments",))
-        if call is None:
-            return None
-        calls.append(call)
-        pos = len(text) if end < 0 else end + len(HERMES_END)
-    if not calls:
-        return None
-    outside.append(text[pos:])
-    content = "".join(outside)
-    return ParsedOutput(content if content.strip() else None, tuple(calls))
+LLAMA3_JSON = Llama3JsonFormat()
+HERMES = HermesFormat()
 
 
 def format_of_template(chat_template: Any) -> ToolCallFormat | None:

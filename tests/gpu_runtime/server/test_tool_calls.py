@@ -192,11 +192,15 @@ def _without_ids(message: dict[str, Any]) -> dict[str, Any]:
     return message | ({"tool_calls": calls} if calls else {})
 
 
+@pytest.mark.parametrize("parallel", [True, False])
 @pytest.mark.parametrize("step", [1, 3, 1000])
 @pytest.mark.parametrize(
     ("template", "text"),
     [
         (QWEN2_5_TEMPLATE, f"Checking <now>.\n{_call('get_weather', {'city': 'Rome'})}"),
+        (QWEN2_5_TEMPLATE, f"{_call('get_time', {})} \n<tool_call>[]</tool_call> \n"),
+        (QWEN2_5_TEMPLATE, f"{_call('get_time', {})}\n{_call('send_mail', {})}"),
+        (QWEN2_5_TEMPLATE, "\n <tool_call>\n{broken"),
         (QWEN2_5_TEMPLATE, f"\n{_call('get_time', {})}\n{_call('get_time', {})}\n"),
         (QWEN2_5_TEMPLATE, "No <tool_call> here"),
         (QWEN2_5_TEMPLATE, "  plain text"),
@@ -210,12 +214,25 @@ def _without_ids(message: dict[str, Any]) -> dict[str, Any]:
     ],
 )
 def test_streamed_deltas_accumulate_to_the_whole_answer(
-    template: str, text: str, step: int
+    template: str, text: str, step: int, parallel: bool
 ) -> None:
-    plan = _plan(template=template)
+    plan = _plan(template=template, parallel=parallel)
     message, finish = assistant_message(plan, text, "stop")
     streamed = _accumulate(plan, text, step, holdback=2)
     assert _without_ids(streamed) == _without_ids(message) | {"finish_reason": finish}
+
+
+def test_a_hermes_call_streams_once_its_block_is_closed() -> None:
+    stream = ToolCallStream(_plan())
+    first = _call("get_weather", {"city": "Rome"})
+    assert stream.deltas(first[:-1], False, 0) == []
+    (delta,) = stream.deltas(f"{first}\n<tool", False, 0)
+    (call,) = delta["tool_calls"]
+    assert call["index"] == 0 and call["function"]["name"] == "get_weather"
+    assert json.loads(call["function"]["arguments"]) == {"city": "Rome"}
+    (delta,) = stream.deltas(f"{first}\n{_call('get_time', {})}", True, 0)
+    assert delta["tool_calls"][0]["index"] == 1  # the "\n" between them: blank, held
+    assert stream.finish_reason("stop") == "tool_calls"
 
 
 def test_content_streams_before_the_call_and_holds_from_it() -> None:
