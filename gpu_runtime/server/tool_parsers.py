@@ -73,6 +73,10 @@ class ToolCallFormat(ABC):
     """A family's call format (see the module docstring)."""
 
     name: str
+    resumable: bool
+    """Whether the segments of ``text[k:]``, shifted by ``k``, are those of ``text`` from
+    ``k`` on, for any ``k`` where a settled segment ended (a stream then scans only what is
+    new)."""
 
     @abstractmethod
     def segments(self, text: str, finished: bool, accept: Accept) -> list[Segment]:
@@ -83,6 +87,7 @@ class Llama3JsonFormat(ToolCallFormat):
     """See the module docstring."""
 
     name = "llama3_json"
+    resumable = False  # whether the answer is calls depends on all of it
 
     def segments(self, text: str, finished: bool, accept: Accept) -> list[Segment]:
         if not finished:
@@ -100,6 +105,7 @@ class HermesFormat(ToolCallFormat):
     """See the module docstring."""
 
     name = "hermes"
+    resumable = True
 
     def segments(self, text: str, finished: bool, accept: Accept) -> list[Segment]:
         out: list[Segment] = []

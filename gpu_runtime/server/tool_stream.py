@@ -37,16 +37,19 @@ class ToolCallStream:
             _, upto = text_delta(text, self._done, finished, holdback)
             text = text[:upto]
         out: list[dict[str, Any]] = []
-        for segment in self._plan.format.segments(text, finished, self._plan.accepts):
-            if segment.end <= self._done:
+        fmt = self._plan.format
+        base = self._done if fmt.resumable else 0  # scan only what is new where it may
+        for segment in fmt.segments(text[base:], finished, self._plan.accepts):
+            start, end = base + segment.start, base + segment.end
+            if end <= self._done:
                 continue
             if segment.call is None:
-                out.extend(self._content(text[max(segment.start, self._done) : segment.end]))
+                out.extend(self._content(text[max(start, self._done) : end]))
             elif self._calls == 0 or self._plan.parallel:
                 call = {"index": self._calls} | openai_tool_call(segment.call)
                 out.append({"tool_calls": [call]})
                 self._calls += 1
-            self._done = segment.end
+            self._done = end
         if finished and self._calls == 0 and self._blank:
             out.append({"content": self._blank})  # no call: the answer is all content
         return out
