@@ -165,26 +165,42 @@ def test_answers_split_into_calls_and_content() -> None:
 
 
 def _accumulate(plan: ToolPlan, text: str, step: int, holdback: int = 0) -> dict[str, Any]:
-    """Stream `text` `step` characters at a time and merge the deltas as the openai client's
-    stream accumulation does (content concatenated, tool_calls merged by index)."""
+    """Stream `text` `step` characters at a time, as the route frames the deltas, through the
+    openai client's own stream accumulation; the final message and finish reason."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    state = ChatCompletionStreamState()
+
+    def send(delta: dict[str, Any], finish: str | None = None) -> None:
+        chunk = {
+            "id": "chatcmpl-1",
+            "object": "chat.completion.chunk",
+            "created": 0,
+            "model": "m",
+            "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}],
+        }
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+
     stream = ToolCallStream(plan)
-    content: str | None = None
-    calls: dict[int, dict[str, Any]] = {}
+    send({"role": "assistant", "content": None})
     ends = [*range(step, len(text), step), len(text)]
     for end in ends:
         for delta in stream.deltas(text[:end], end == len(text), holdback):
-            if "content" in delta:
-                content = (content or "") + delta["content"]
-            for call in delta.get("tool_calls", ()):
-                entry = calls.setdefault(call["index"], {"function": {"arguments": ""}})
-                entry["id"], entry["type"] = call["id"], call["type"]
-                entry["function"]["name"] = call["function"]["name"]
-                entry["function"]["arguments"] += call["function"]["arguments"]
-    merged: dict[str, Any] = {"role": "assistant", "content": content}
-    if calls:
-        merged["tool_calls"] = [calls[i] for i in sorted(calls)]
-    merged["finish_reason"] = stream.finish_reason("stop")
-    return merged
+            send(delta)
+    send({}, stream.finish_reason("stop"))
+    choice = state.get_final_completion().choices[0]
+    merged: dict[str, Any] = {"role": "assistant", "content": choice.message.content}
+    if choice.message.tool_calls:
+        merged["tool_calls"] = [
+            {
+                "id": c.id,
+                "type": c.type,
+                "function": {"name": c.function.name, "arguments": c.function.arguments},
+            }
+            for c in choice.message.tool_calls
+        ]
+    return merged | {"finish_reason": choice.finish_reason}
 
 
 def _without_ids(message: dict[str, Any]) -> dict[str, Any]:
