@@ -156,9 +156,9 @@ class ChatMessage(BaseModel):
 
 
 class FunctionDefinition(BaseModel):
-    """A tool's function. ``strict`` asks for arguments that match ``parameters`` exactly,
-    which only constrained decoding guarantees (checked against ``tool_choice`` in
-    `tool_calls.plan_tools`)."""
+    """A tool's function. ``strict`` asks for arguments that match ``parameters`` exactly:
+    with ``tool_choice`` ``auto`` it makes decoding constrained (`tool_constraints`), as
+    ``required`` and a named function always are."""
 
     model_config = ConfigDict(extra="forbid")
 

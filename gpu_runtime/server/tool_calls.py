@@ -13,6 +13,8 @@ chat template (400s naming the field) and returns a `ToolPlan`:
   answer is one or more calls (one with ``parallel_tool_calls: false``), or exactly one call to
   the named function, in the family's format with arguments matching the schema; it is always
   parsed.
+- ``"auto"`` with a function marked ``strict``: decoding is constrained too, to text or calls
+  whose arguments match their schemas (`tool_constraints`), so every call parsed is valid.
 
 A tokenizer whose template has no tool format this server parses gets a 400 for ``tools``
 (rendering tools a template drops would accept them and ignore them), and for assistant
@@ -65,8 +67,14 @@ class ToolPlan:
 
     @property
     def constrained(self) -> bool:
-        """Whether decoding is constrained to calls."""
+        """Whether decoding is constrained to calls only."""
         return self.mode in ("required", "named")
+
+    @property
+    def strict_auto(self) -> bool:
+        """Whether decoding is constrained to text or valid calls (``auto`` with a ``strict``
+        function)."""
+        return self.mode == "auto" and any(t.function.strict for t in self.tools)
 
     def template_tools(self) -> list[dict[str, Any]]:
         """``tools`` as the chat template receives them (keys present only when set)."""
@@ -138,14 +146,6 @@ def plan_tools(
                 param="tool_choice",
             )
     mode = "named" if forced is not None else str(choice)
-    for i, tool in enumerate(tools):
-        if tool.function.strict and mode not in ("required", "named"):
-            raise OpenAIError(
-                400,
-                f"strict arguments are guaranteed only with tool_choice 'required' or a named "
-                f"function (constrained decoding), not {mode!r}",
-                param=f"tools.{i}.function.strict",
-            )
     return ToolPlan(tuple(tools), mode, forced, parallel_tool_calls, template_format)
 
 

@@ -11,7 +11,10 @@ The answer is held to the family's own call format by an xgrammar structural tag
 
 A named function allows exactly one call to it; ``"required"`` one or more calls to any of the
 tools (exactly one with ``parallel_tool_calls: false``). No text is allowed around the calls,
-and the grammar ends after the last one (the request then stops). JSON inside a call is
+and the grammar ends after the last one (the request then stops). ``"auto"`` with a function
+marked ``strict`` allows text too: for `HERMES` any text in which every ``<tool_call>`` begins
+a valid call, for `LLAMA3_JSON` either calls or text that cannot read as calls
+(`LLAMA3_TEXT`). JSON inside a call is
 limited to runs of at most `MAX_JSON_WHITESPACE` whitespace characters, so a model cannot spend
 its tokens on layout.
 """
@@ -32,6 +35,9 @@ from gpu_runtime.structured.outputs import StructuredOutputs
 
 MAX_JSON_WHITESPACE = 1
 """Longest run of whitespace the grammar allows inside a call's JSON."""
+LLAMA3_TEXT = r"(\s*[^\s{<][\s\S]*)?"
+"""A Llama 3 answer that is text under ``auto`` with a strict function: one that cannot read
+as calls (it starts with neither ``{`` nor ``<``, e.g. ``<|python_tag|>``), or nothing."""
 
 
 def _call_tag(plan: ToolPlan, name: str, parameters: dict[str, Any]) -> dict[str, Any]:
@@ -50,34 +56,44 @@ def _call_tag(plan: ToolPlan, name: str, parameters: dict[str, Any]) -> dict[str
 
 
 def call_structural_tag(plan: ToolPlan) -> dict[str, Any]:
-    """The structural tag (xgrammar's JSON form) that holds the answer to `plan`'s calls;
-    only for a constrained plan (``required`` or named)."""
-    if not plan.constrained:
-        raise ValueError(f"tool_choice {plan.mode!r} is not constrained")
+    """The structural tag (xgrammar's JSON form) that holds the answer to `plan`: calls only
+    (``required`` or named), or text or valid calls (``auto`` with a strict function)."""
     tools = [t for t in plan.tools if plan.forced is None or t.function.name == plan.forced]
     tags = [_call_tag(plan, t.function.name, t.function.parameters_schema()) for t in tools]
     separator = "; " if plan.format is LLAMA3_JSON else "\n"
     single = plan.forced is not None or not plan.parallel
-    return {
-        "type": "structural_tag",
-        "format": {
-            "type": "tags_with_separator",
-            "tags": tags,
-            "separator": separator,
-            "at_least_one": True,
-            "stop_after_first": single,
-        },
+    calls = {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": separator,
+        "at_least_one": True,
+        "stop_after_first": single,
     }
+    if plan.constrained:
+        answer: dict[str, Any] = calls
+    elif not plan.strict_auto:
+        raise ValueError(f"tool_choice {plan.mode!r} without strict functions is not constrained")
+    elif plan.format is LLAMA3_JSON:
+        answer = {"type": "or", "elements": [calls, {"type": "regex", "pattern": LLAMA3_TEXT}]}
+    else:
+        answer = {
+            "type": "triggered_tags",
+            "triggers": [HERMES_START],
+            "tags": tags,
+            "at_least_one": False,
+            "stop_after_first": single,
+        }
+    return {"type": "structural_tag", "format": answer}
 
 
 async def constrain_to_calls(
     plan: ToolPlan | None, params: SamplingParams, structured: StructuredOutputs
 ) -> SamplingParams:
-    """`params` constrained to `plan`'s calls when its tool_choice is ``required`` or named
-    (unchanged otherwise). The grammar is compiled here, in a worker thread (the engine then
-    finds it in its compiler's cache), so a large schema never stalls the engine loop; one
-    xgrammar cannot compile is a 400 naming ``tools``."""
-    if plan is None or not plan.constrained:
+    """`params` constrained to `plan`'s calls when its tool_choice is ``required`` or named, or
+    ``auto`` with a strict function (unchanged otherwise). The grammar is compiled here, in a
+    worker thread (the engine then finds it in its compiler's cache), so a large schema never
+    stalls the engine loop; one xgrammar cannot compile is a 400 naming ``tools``."""
+    if plan is None or not (plan.constrained or plan.strict_auto):
         return params
     constraint = StructuredOutputParams("structural_tag", json.dumps(call_structural_tag(plan)))
     try:

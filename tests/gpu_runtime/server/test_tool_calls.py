@@ -99,16 +99,6 @@ def test_bad_tools_are_refused(function: dict[str, Any], error: str) -> None:
         (None, "required", QWEN2_5_TEMPLATE, "tool_choice"),
         (TOOLS, "auto", CHAT_TEMPLATE, "tools"),  # a template without tools
         (TOOLS + TOOLS[:1], "auto", QWEN2_5_TEMPLATE, "tools"),  # duplicate names
-        (
-            [
-                ToolDefinition.model_validate(
-                    {"type": "function", "function": {"name": "f", "strict": True}}
-                )
-            ],
-            "auto",
-            QWEN2_5_TEMPLATE,
-            "tools.0.function.strict",
-        ),
     ],
 )
 def test_plans_that_cannot_be_served(
@@ -316,3 +306,37 @@ def test_constrained_calls_are_exactly_what_the_parser_reads(
         for text in refused:
             m = matcher()
             assert not (m.accept_string(text) and m.is_completed()), text
+
+
+STRICT_TOOLS = [
+    ToolDefinition.model_validate(WEATHER | {"function": WEATHER["function"] | {"strict": True}}),
+    TOOLS[1],
+]
+
+
+@pytest.mark.parametrize("template", [QWEN2_5_TEMPLATE, LLAMA3_1_TEMPLATE])
+def test_auto_with_a_strict_function_allows_text_or_valid_calls(
+    tmp_path: Path, template: str
+) -> None:
+    plan = plan_tools(STRICT_TOOLS, "auto", True, USER, template)
+    assert plan is not None and plan.strict_auto and not plan.constrained
+    matcher = _matcher(tmp_path, plan)
+    if template is QWEN2_5_TEMPLATE:
+        good = _call("get_weather", {"city": "Rome"})
+        bad = _call("get_weather", {"city": "Oslo"})
+        accepted = ["Hello", f"Let me see.\n{good}", f"{good}\n{_call('get_time', {})}", ""]
+        refused = [bad, f"Let me see.\n{bad}", _call("send_mail", {})]
+    else:
+        good = json.dumps({"name": "get_weather", "parameters": {"city": "Rome"}})
+        bad = json.dumps({"name": "get_weather", "parameters": {"city": "Oslo"}})
+        accepted = ["Hello {x}", good, f'{good}; {{"name": "get_time", "parameters": {{}}}}', ""]
+        refused = [bad, '{"city": "Rome"}', " {", "<|python_tag|>" + bad]
+    for text in accepted:
+        m = matcher()
+        assert m.accept_string(text) and m.is_completed(), text
+    for text in refused:
+        m = matcher()
+        assert not (m.accept_string(text) and m.is_completed()), text
+    # a plan without strict functions under auto is not constrained
+    loose = plan_tools(TOOLS, "auto", True, USER, template)
+    assert loose is not None and not loose.strict_auto

@@ -233,3 +233,21 @@ def test_constrained_calls_are_parsed_calls(
         assert streamed.message.tool_calls is not None
         got = [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls]
         assert got == [(call.function.name, call.function.arguments)]
+
+
+def test_auto_with_a_strict_function_is_text_or_valid_calls(served: Served) -> None:
+    """Decoding is constrained to text or calls matching their schemas: whatever the random
+    model writes comes back as content or as valid calls."""
+    client, _, _ = served
+    strict = [WEATHER | {"function": WEATHER["function"] | {"strict": True}}, TIME]
+    for seed in range(4):
+        choice = _chat(client, tools=strict, temperature=1.0, seed=seed, max_tokens=60).choices[0]
+        for call in choice.message.tool_calls or ():
+            arguments = json.loads(call.function.arguments)
+            assert (call.function.name, arguments) in (
+                ("get_weather", {"city": "Paris"}),
+                ("get_weather", {"city": "Rome"}),
+                ("get_time", {}),
+            )
+        if not choice.message.tool_calls:
+            assert choice.message.content is not None
