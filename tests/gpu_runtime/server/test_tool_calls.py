@@ -19,7 +19,7 @@ from gpu_runtime.server.tool_constraints import call_structural_tag
 from gpu_runtime.server.tool_stream import ToolCallStream
 from tests.gpu_runtime.chat_models import LLAMA3_1_TEMPLATE, QWEN2_5_TEMPLATE
 
-WEATHER = {
+WEATHER: dict[str, Any] = {
     "type": "function",
     "function": {
         "name": "get_weather",
@@ -31,7 +31,7 @@ WEATHER = {
         },
     },
 }
-TIME = {"type": "function", "function": {"name": "get_time"}}
+TIME: dict[str, Any] = {"type": "function", "function": {"name": "get_time"}}
 TOOLS = [ToolDefinition.model_validate(WEATHER), ToolDefinition.model_validate(TIME)]
 USER = [ChatMessage(role="user", content="hi")]
 
