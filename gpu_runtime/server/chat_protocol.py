@@ -44,6 +44,9 @@ class FunctionCall(BaseModel):
 
     name: str = Field(min_length=1)
     arguments: str
+    parsed_arguments: Any = None
+    """The openai client's parsed copy of `arguments`, which it sends back with a message
+    accumulated from a stream; `arguments` is what is rendered."""
 
     @field_validator("arguments")
     @classmethod
@@ -65,6 +68,9 @@ class AssistantToolCall(BaseModel):
     id: str = Field(min_length=1)
     type: Literal["function"] = "function"
     function: FunctionCall
+    index: int | None = Field(default=None, ge=0)
+    """The call's position in a stream, which the openai client keeps in a message it
+    accumulated; the calls are rendered in list order."""
 
 
 class ChatMessage(BaseModel):
@@ -83,6 +89,9 @@ class ChatMessage(BaseModel):
     annotations: None = None
     """Fields of a response message that a client may send back in the history: only null
     (a refusal, audio or the deprecated function_call cannot be rendered)."""
+    parsed: Any = None
+    """The openai client's parsed copy of the content (`response_format` helpers), sent back
+    with the message; `content` is what is rendered."""
 
     @field_validator("content", mode="before")
     @classmethod

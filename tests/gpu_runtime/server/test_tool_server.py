@@ -251,3 +251,23 @@ def test_auto_with_a_strict_function_is_text_or_valid_calls(served: Served) -> N
             )
         if not choice.message.tool_calls:
             assert choice.message.content is not None
+
+
+def test_the_answer_goes_back_into_the_history(served: Served) -> None:
+    """The assistant message the client got (whole, or accumulated from a stream) is sent back
+    with the tool's result, as an agent loop does."""
+    client, _, family = served
+    kwargs: dict[str, Any] = {"tools": [WEATHER, TIME], "tool_choice": NAMED, "seed": 3}
+    whole = _chat(client, temperature=1.0, max_tokens=200, **kwargs).choices[0].message
+    with client.chat.completions.stream(
+        model=MODEL, messages=ASK, temperature=1.0, max_tokens=200, **kwargs
+    ) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices[0].message
+    for message in (whole, streamed):
+        assert message.tool_calls is not None
+        result = {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "18 C"}
+        history: list[Any] = [*ASK, message, result]
+        answer = _chat(client, messages=history, tools=[WEATHER, TIME])
+        assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls"), family
