@@ -31,11 +31,13 @@ import json
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 from gpu_runtime.server.chat_protocol import ChatMessage, NamedToolChoice, ToolDefinition
 from gpu_runtime.server.protocol import OpenAIError
 from gpu_runtime.server.tool_parsers import ParsedCall, ToolCallFormat, format_of_template
+
+ToolMode = Literal["none", "auto", "required", "named"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +57,7 @@ class ToolPlan:
     function)."""
 
     tools: tuple[ToolDefinition, ...]
-    mode: str
+    mode: ToolMode
     forced: str | None
     parallel: bool
     format: ToolCallFormat
@@ -145,7 +147,7 @@ def plan_tools(
                 f"tool_choice names function {forced!r}, which is not among tools {names}",
                 param="tool_choice",
             )
-    mode = "named" if forced is not None else str(choice)
+    mode = cast(ToolMode, "named" if forced is not None else choice)
     return ToolPlan(tuple(tools), mode, forced, parallel_tool_calls, template_format)
 
 
