@@ -87,6 +87,7 @@ class Engine:
             model, config, kv_storage_factory, lora=lora, structured=self.structured
         )
         self.stop_checker = StopChecker(tokenizer, eos, config.max_model_len)
+        self.runner.sampler.eos_token_ids = tuple(sorted(set(eos)))
         self.adapter_resolver = adapter_resolver or (lora.has if lora is not None else None)
         self._ids = itertools.count()
         self.outputs = StepOutputs(self.scheduler, self.stop_checker, self.structured)
@@ -115,7 +116,8 @@ class Engine:
     ) -> str:
         """Queue a request; returns its id. `tenant` names who asked: waiting requests are
         admitted round-robin across tenants, FIFO within one (`Request.tenant`). Raises
-        ValueError for prompts that cannot fit, `UnknownAdapterError` (a ValueError) for a
+        ValueError for prompts that cannot fit, for token ids of `params` outside the
+        vocabulary (`SamplingParams.check_vocab`), `UnknownAdapterError` (a ValueError) for a
         `lora_name` the engine cannot serve and `StructuredOutputError` (a ValueError) for a
         `structured_output` that cannot be compiled (compiled here unless
         `structured.compiler.compile` compiled it before)."""
@@ -133,6 +135,7 @@ class Engine:
         vocab = self.model_config.vocab_size
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        params.check_vocab(vocab)
         if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
             raise ValueError(
                 f"logprobs={params.logprobs} > max_logprobs={self.config.max_logprobs}"

@@ -8,6 +8,11 @@ from dataclasses import dataclass, field
 
 from gpu_runtime.structured.params import StructuredOutputParams
 
+PENALTY_RANGE = 2.0
+"""Presence and frequency penalties lie in [-PENALTY_RANGE, PENALTY_RANGE] (OpenAI's range)."""
+LOGIT_BIAS_RANGE = 100.0
+"""A logit bias lies in [-LOGIT_BIAS_RANGE, LOGIT_BIAS_RANGE] (OpenAI's range)."""
+
 
 class SamplingParamsError(ValueError):
     """Sampling parameters out of range; the message names the field and value."""
@@ -41,6 +46,26 @@ class SamplingParams:
     """Constrain the output to a grammar (JSON schema, regex, EBNF, structural tag;
     `gpu_runtime.structured`): its logits rows are masked to the tokens the grammar allows,
     eos only where it is complete, and the request stops when the grammar has ended."""
+    presence_penalty: float = 0.0
+    """Subtracted from the logit of every token already in the output (OpenAI), in [-2, 2]."""
+    frequency_penalty: float = 0.0
+    """Times the token's count in the output, subtracted from its logit (OpenAI), in [-2, 2]."""
+    repetition_penalty: float = 1.0
+    """> 0; a token seen in the prompt or the output has a positive logit divided by it and a
+    negative one multiplied by it (vLLM/HF); 1 is off."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs added to the logits before anything else; bias in [-100, 100],
+    each id once (ids are checked against the vocabulary by `check_vocab`)."""
+    min_p: float = 0.0
+    """In [0, 1]: tokens whose probability (after temperature) is below min_p times the most
+    likely token's are dropped; 0 is off."""
+    min_tokens: int = 0
+    """Until this many tokens are generated, eos and `stop_token_ids` cannot be sampled and
+    no stop applies (stop strings only once the output is longer than this, as vLLM)."""
+    needs_logits_processing: bool = field(init=False, repr=False, compare=False)
+    """Derived: a penalty, logit bias, min_p or min_tokens is set (the sampler's slow path)."""
+    needs_token_counts: bool = field(init=False, repr=False, compare=False)
+    """Derived: a presence, frequency or repetition penalty is set (per-row token counts)."""
 
     def __post_init__(self) -> None:
         if self.max_tokens < 1:
@@ -57,6 +82,58 @@ class SamplingParams:
             raise SamplingParamsError("stop strings must be non-empty")
         if self.stop and not self.detokenize:
             raise SamplingParamsError("stop strings need detokenize=True")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -PENALTY_RANGE <= value <= PENALTY_RANGE:
+                raise SamplingParamsError(f"{name}={value} must be in [-2, 2]")
+        if not self.repetition_penalty > 0.0 or self.repetition_penalty == float("inf"):
+            raise SamplingParamsError(
+                f"repetition_penalty={self.repetition_penalty} must be a finite number > 0"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise SamplingParamsError(f"min_p={self.min_p} must be in [0, 1]")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            raise SamplingParamsError(
+                f"min_tokens={self.min_tokens} must be in [0, max_tokens={self.max_tokens}]"
+            )
+        if any(t < 0 for t in self.stop_token_ids):
+            raise SamplingParamsError(f"stop_token_ids={list(self.stop_token_ids)} must be >= 0")
+        ids = [token for token, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise SamplingParamsError(f"logit_bias has a token id more than once: {ids}")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise SamplingParamsError(f"logit_bias token id {token} must be >= 0")
+            if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
+                raise SamplingParamsError(
+                    f"logit_bias[{token}]={bias} must be in [-100, 100]"
+                )
+        counts = (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
+        processing = counts or bool(self.logit_bias) or self.min_p > 0.0 or self.min_tokens > 0
+        object.__setattr__(self, "needs_token_counts", counts)
+        object.__setattr__(self, "needs_logits_processing", processing)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """SamplingParamsError when a token id the parameters name (logit_bias,
+        stop_token_ids) or the logprob count is outside a vocabulary of `vocab_size`."""
+        outside = [t for t, _ in self.logit_bias if t >= vocab_size]
+        if outside:
+            raise SamplingParamsError(
+                f"logit_bias token ids {outside} are outside the vocabulary [0, {vocab_size})"
+            )
+        outside = [t for t in self.stop_token_ids if t >= vocab_size]
+        if outside:
+            raise SamplingParamsError(
+                f"stop_token_ids {outside} are outside the vocabulary [0, {vocab_size})"
+            )
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise SamplingParamsError(
+                f"logprobs={self.logprobs} > the vocabulary size {vocab_size}"
+            )
 
     @property
     def greedy(self) -> bool:

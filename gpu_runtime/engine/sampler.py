@@ -14,6 +14,14 @@ same distribution, noise drawn in the kernel from a per-row seed (a seeded reque
 seed and output index; the others' from a per-step seed of the sampler's own host generator),
 parameters staged through pinned buffers. Its noise differs from the torch path's, so a seeded
 request's tokens on CUDA differ from those on CPU (each is deterministic).
+
+Order of application (vLLM's): logprobs are taken from the raw logits; then logit bias and the
+min_tokens masks, then repetition, frequency and presence penalties (`logits_processing`);
+greedy rows take the argmax of those logits; sampled rows then divide by the temperature,
+apply min_p, then top-k / top-p, then draw. Rows with a penalty or logit bias but no min_p,
+top-k, top-p or logprobs still take the fused kernel, over the processed fp32 logits. A batch
+where no row asks for a processor builds nothing for them (`SamplingBatch.needs_processing`,
+one host check per row).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from functools import cached_property
 import numpy as np
 import torch
 
+from gpu_runtime.engine.logits_processing import LogitsPlan, apply_min_p
 from gpu_runtime.engine.request import SamplingParams
 
 _SEED_MIX = 0x9E3779B97F4A7C15
@@ -43,9 +52,10 @@ class SamplingBatch:
     """Index of the token being sampled in each request's output (seeds the per-request noise)."""
 
     @cached_property
-    def _flags(self) -> tuple[bool, bool, int | None]:
-        """(all greedy, some row needs the sort, largest logprob count or None), one pass."""
-        all_greedy, needs_sort, top = True, False, -1
+    def _flags(self) -> tuple[bool, bool, int | None, bool]:
+        """(all greedy, some row needs the sort, largest logprob count or None, some row needs
+        a logit processor), one pass."""
+        all_greedy, needs_sort, top, processing = True, False, -1, False
         for p in self.params:
             if p.temperature != 0.0:
                 all_greedy = False
@@ -53,7 +63,9 @@ class SamplingBatch:
                     needs_sort = True
             if p.logprobs is not None and p.logprobs > top:
                 top = p.logprobs
-        return all_greedy, needs_sort, (top if top >= 0 else None)
+            if p.needs_logits_processing:
+                processing = True
+        return all_greedy, needs_sort, (top if top >= 0 else None), processing
 
     @property
     def all_greedy(self) -> bool:
@@ -69,6 +81,23 @@ class SamplingBatch:
     def max_num_logprobs(self) -> int | None:
         """Largest top-logprob count asked for, or None when no row wants logprobs."""
         return self._flags[2]
+
+    @property
+    def needs_processing(self) -> bool:
+        """Some row has a penalty, logit bias, min_p or min_tokens."""
+        return self._flags[3]
+
+    @property
+    def penalised_rows(self) -> list[int]:
+        """Rows with a presence, frequency or repetition penalty (they need `RowCounts`)."""
+        if not self.needs_processing:
+            return []
+        return [row for row, p in enumerate(self.params) if p.needs_token_counts]
+
+
+RowCounts = tuple[torch.Tensor, torch.Tensor]
+"""The penalised rows' output counts `[P, V]` int32 and prompt masks `[P, V]` bool, in
+`SamplingBatch.penalised_rows` order (`token_counts.TokenCounts`)."""
 
 
 @dataclass
@@ -126,6 +155,11 @@ class Sampler:
         self._host_parity = 0
         self.num_fused_samples = 0
         """Steps sampled by the fused kernel."""
+        self.eos_token_ids: tuple[int, ...] = ()
+        """The model's eos tokens, masked with `stop_token_ids` while a row's output is
+        shorter than its `min_tokens` (the engine sets them)."""
+        self.num_processed_samples = 0
+        """Steps that applied logit processors (penalties, bias, min_p, min_tokens)."""
 
     def _stage_fused(self, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """Per-row inverse temperature (0: greedy) and Philox seed, on the device."""
@@ -186,17 +220,33 @@ class Sampler:
                 noise[row].exponential_(generator=gen)
         return noise
 
-    def sample(self, logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-        """logits `[B, V]` (any float dtype) -> sampled tokens and optional logprobs."""
+    def sample(
+        self, logits: torch.Tensor, batch: SamplingBatch, counts: RowCounts | None = None
+    ) -> SamplerOutput:
+        """logits `[B, V]` (any float dtype) -> sampled tokens and optional logprobs (of the
+        raw logits). `counts`: needed when some row has a presence, frequency or repetition
+        penalty. `logits` is never written."""
         rows = logits.shape[0]
         if rows != len(batch.params):
             raise ValueError(f"{rows} logit rows for {len(batch.params)} sampling rows")
+        raw = logits
+        plan: LogitsPlan | None = None
+        if batch.needs_processing:
+            plan = LogitsPlan.build(batch.params, batch.output_indices, self.eos_token_ids)
+            if plan.num_penalised and counts is None:
+                raise ValueError(f"{plan.num_penalised} penalised rows and no token counts")
+            plan.stage(self.device)
+            output_counts, prompt_mask = counts if counts is not None else (None, None)
+            logits = plan.apply(logits, output_counts, prompt_mask)
+            self.num_processed_samples += 1
+        uses_min_p = plan is not None and plan.uses_min_p
         if batch.all_greedy:
             token_ids = logits.argmax(dim=-1)
         elif (
             self.fused
             and rows >= self.fused_min_rows
             and not batch.needs_sort
+            and not uses_min_p
             and batch.max_num_logprobs is None
         ):
             from gpu_runtime.engine.sampling_kernels import gumbel_argmax
@@ -208,6 +258,9 @@ class Sampler:
             temps = [p.temperature if not p.greedy else 1.0 for p in batch.params]
             temperature = self._to_device(temps, torch.float32)
             scaled = logits.float() / temperature[:, None]
+            if uses_min_p:
+                assert plan is not None
+                scaled = apply_min_p(scaled, plan.log_min_p())
             if batch.needs_sort:
                 vocab = logits.shape[-1]
                 top_k = self._to_device(
@@ -227,7 +280,7 @@ class Sampler:
         output = SamplerOutput(token_ids=token_ids)
         top = batch.max_num_logprobs
         if top is not None:
-            logprobs = logits.float().log_softmax(dim=-1)
+            logprobs = raw.float().log_softmax(dim=-1)
             output.logprobs = logprobs.gather(-1, token_ids[:, None])[:, 0]
             if top > 0:
                 values, indices = logprobs.topk(top, dim=-1)

@@ -8,6 +8,10 @@ tokens the next step may read on the device (`pending_inputs`).
 
 Sampled tokens come back through two pinned buffers used in turn: no allocation per step, and a
 launch never overwrites the buffer of the step launched just before it.
+
+Rows with a presence, frequency or repetition penalty read their token counts from `counts`
+(`TokenCounts`), and the token each such row samples is counted there on the device right
+after sampling: a step launched before this one is read back already sees it.
 """
 
 from __future__ import annotations
@@ -24,7 +28,8 @@ from gpu_runtime.engine.runner_types import (
     StepHandle,
     _RequestState,
 )
-from gpu_runtime.engine.sampler import Sampler, SamplingBatch
+from gpu_runtime.engine.sampler import RowCounts, Sampler, SamplingBatch
+from gpu_runtime.engine.token_counts import TokenCounts, to_device
 from gpu_runtime.structured.outputs import StructuredOutputs
 
 
@@ -48,6 +53,8 @@ class StepReadback:
         self._parity = 0
         self.last_launched: StepHandle | None = None
         """The last step queued with sampled rows (resolved or not)."""
+        self.counts = TokenCounts(device, max_rows)
+        """Token counts of the penalised requests' rows."""
 
     def queue(
         self,
@@ -64,7 +71,18 @@ class StepReadback:
         )
         if self.structured is not None:
             self.structured.constrain(logits, sampled_ids)
-        sample = self.sampler.sample(logits, batch)
+        penalised = batch.penalised_rows
+        counts: RowCounts | None = None
+        if penalised:
+            rows = self.counts.prepare([states[i] for i in penalised], logits.shape[-1])
+            assert self.counts.output is not None and self.counts.prompt is not None
+            counts = (self.counts.output[rows], self.counts.prompt[rows])
+        sample = self.sampler.sample(logits, batch, counts)
+        if penalised:
+            sampled = sample.token_ids
+            if len(penalised) != len(states):
+                sampled = sampled[to_device(np.array(penalised, np.int64), self.device)]
+            self.counts.add(rows, sampled)
         num_sampled = len(sampled_ids)
         self._parity ^= 1
         token_host = self._hosts[self._parity][:num_sampled]

@@ -152,7 +152,8 @@ class IncrementalDetokenizer:
 
 class StopChecker:
     """Applies, in order: stop tokens (eos unless ignore_eos), stop strings, max_tokens and
-    max_model_len. Text is decoded with `skip_special_tokens=True` when a tokenizer is set,
+    max_model_len; stop tokens only once the output has `min_tokens` tokens, stop strings only
+    once it has more (vLLM: a stop string ending in the first `min_tokens` is not found). Text is decoded with `skip_special_tokens=True` when a tokenizer is set,
     incrementally where `decodes_concatenatively(tokenizer)` (per-request state lives as long
     as the request object or until it finishes), else from all output tokens each step."""
 
@@ -213,17 +214,18 @@ class StopChecker:
         params = request.sampling_params
         output = request.output_token_ids
         last = output[-1]
-        if params.stop_token_ids and last in params.stop_token_ids:
+        count = len(output)
+        stops = count >= params.min_tokens  # vLLM: no stop before min_tokens
+        if stops and params.stop_token_ids and last in params.stop_token_ids:
             return StopDecision(text, RequestStatus.FINISHED_STOPPED, last)
-        if not params.ignore_eos and last in self.eos_token_ids:
+        if stops and not params.ignore_eos and last in self.eos_token_ids:
             return StopDecision(text, RequestStatus.FINISHED_STOPPED, last)
-        if params.stop:
+        if params.stop and count > params.min_tokens:
             hits = [(text.find(s, search_from), s) for s in params.stop]
             found = [hit for hit in hits if hit[0] >= 0]
             if found:
                 index, stop = min(found)
                 return StopDecision(text[:index], RequestStatus.FINISHED_STOPPED, stop)
-        count = len(output)
         if (
             count >= params.max_tokens
             or count + len(request.prompt_token_ids) >= self.max_model_len
