@@ -148,8 +148,10 @@ class Inference:
     def sampling(
         self, body: _SamplingFields, max_tokens: int, logprobs: int | None
     ) -> SamplingParams:
+        """The request's parameters; 400 naming the field for values out of range or token
+        ids outside the vocabulary."""
         try:
-            return SamplingParams(
+            params = SamplingParams(
                 max_tokens=max_tokens,
                 temperature=body.temperature,
                 top_p=body.top_p,
@@ -157,9 +159,19 @@ class Inference:
                 seed=body.seed,
                 stop=body.stop_strings(),
                 logprobs=logprobs,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                logit_bias=body.logit_bias_pairs(),
+                min_p=body.min_p,
+                min_tokens=body.min_tokens,
+                stop_token_ids=tuple(body.stop_token_ids or ()),
+                ignore_eos=body.ignore_eos,
             )
+            params.check_vocab(self.engine_loop.engine.model_config.vocab_size)
         except SamplingParamsError as exc:
-            raise OpenAIError(400, str(exc)) from exc
+            raise OpenAIError(400, str(exc), param=_param_of(str(exc))) from exc
+        return params
 
     async def encode_prompts(self, prompts: list[str | list[int]]) -> list[list[int]]:
         """`encode` of each prompt, in a worker thread: a long prompt's tokenization must not
@@ -275,6 +287,12 @@ class Inference:
             prompt_tokens=tracked.prompt_tokens,
             completion_tokens=count,
         )
+
+
+def _param_of(message: str) -> str | None:
+    """The request field a `SamplingParamsError` message names (it starts with it)."""
+    head = message.replace("[", "=").replace(" ", "=").split("=", 1)[0]
+    return head if head in _SamplingFields.model_fields or head == "logprobs" else None
 
 
 def app_inference(request: Request) -> Inference:

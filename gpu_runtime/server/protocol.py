@@ -58,9 +58,30 @@ class _SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    """Token id (as a string, OpenAI's form) -> bias in [-100, 100]."""
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    min_tokens: int = Field(default=0, ge=0)
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     user: str | None = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{key}]={bias} must be in [-100, 100]")
+        return value
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias) pairs."""
+        return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
 
     @field_validator("stop")
     @classmethod
@@ -82,7 +103,7 @@ class CompletionRequest(_SamplingFields):
     per prompt)."""
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    logprobs: int | None = Field(default=None, ge=0, le=5)
+    logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: Literal[False] = False
 
     def prompts(self) -> list[str | list[int]]:
