@@ -105,9 +105,7 @@ class SamplingParams:
             if token < 0:
                 raise SamplingParamsError(f"logit_bias token id {token} must be >= 0")
             if not -LOGIT_BIAS_RANGE <= bias <= LOGIT_BIAS_RANGE:
-                raise SamplingParamsError(
-                    f"logit_bias[{token}]={bias} must be in [-100, 100]"
-                )
+                raise SamplingParamsError(f"logit_bias[{token}]={bias} must be in [-100, 100]")
         counts = (
             self.presence_penalty != 0.0
             or self.frequency_penalty != 0.0

@@ -1,0 +1,2 @@
+"""The cost of penalties and logit bias in the sampler: decode TPOT with plain sampling against
+every row penalised (`python -m bench.sampling`)."""

@@ -1,0 +1,3 @@
+from bench.sampling.run import main
+
+main()
