@@ -102,11 +102,8 @@ class LogitsPlan:
 
     def stage(self, device: torch.device) -> None:
         """Copy the plan's arrays to `device` (non-blocking from pinned memory on CUDA)."""
-        floats, ints = torch.from_numpy(self.floats), torch.from_numpy(self.ints)
-        if device.type == "cuda":
-            floats, ints = floats.pin_memory(), ints.pin_memory()
-        self.device_floats = floats.to(device, non_blocking=True)
-        self.device_ints = ints.to(device, non_blocking=True)
+        self.device_floats = _staged(self.floats, device)
+        self.device_ints = _staged(self.ints, device)
 
     def penalised_index(self) -> torch.Tensor:
         """Device `[num_penalised]` int64 batch rows with penalties."""
@@ -156,6 +153,15 @@ class LogitsPlan:
         assert self.device_floats is not None
         p = self.num_penalised
         return self.device_floats[3 * p : 3 * p + self.num_rows]
+
+
+def _staged(values: np.ndarray, device: torch.device) -> torch.Tensor:
+    host = torch.from_numpy(values)
+    if device.type != "cuda":
+        return host
+    if host.numel() == 0:
+        return torch.empty(0, dtype=host.dtype, device=device)
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 def apply_penalties(

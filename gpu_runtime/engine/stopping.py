@@ -153,9 +153,10 @@ class IncrementalDetokenizer:
 class StopChecker:
     """Applies, in order: stop tokens (eos unless ignore_eos), stop strings, max_tokens and
     max_model_len; stop tokens only once the output has `min_tokens` tokens, stop strings only
-    once it has more (vLLM: a stop string ending in the first `min_tokens` is not found). Text is decoded with `skip_special_tokens=True` when a tokenizer is set,
-    incrementally where `decodes_concatenatively(tokenizer)` (per-request state lives as long
-    as the request object or until it finishes), else from all output tokens each step."""
+    once it has more (vLLM: a stop string ending in the first `min_tokens` is not found).
+    Text is decoded with `skip_special_tokens=True` when a tokenizer is set, incrementally
+    where `decodes_concatenatively(tokenizer)` (per-request state lives as long as the request
+    object or until it finishes), else from all output tokens each step."""
 
     def __init__(self, tokenizer: Any | None, eos_token_ids: list[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer

@@ -78,7 +78,8 @@ class TokenCounts:
         prompt.index_fill_(0, rows, False)
         if prompt_ids:
             flat = to_device(np.array([prompt_rows, prompt_ids], np.int64), self.device)
-            prompt[flat[0], flat[1]] = True
+            marks = torch.ones(len(prompt_ids), dtype=torch.bool, device=self.device)
+            prompt.index_put_((flat[0], flat[1]), marks)  # no host scalar: no blocking copy
         if output_ids:
             flat = to_device(np.array([output_rows, output_ids], np.int64), self.device)
             ones = torch.ones(len(output_ids), dtype=torch.int32, device=self.device)

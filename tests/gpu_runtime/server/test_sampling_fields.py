@@ -8,7 +8,11 @@ from typing import Any
 import openai
 import pytest
 
-from tests.gpu_runtime.server.test_server import MODEL, Served, _client, served  # noqa: F401
+from tests.gpu_runtime.server import test_server
+from tests.gpu_runtime.server.test_server import MODEL, Served, _client
+
+served = test_server.served
+"""The sync and async servers of `test_server` (module-scoped: built again for this module)."""
 
 FORCED = 42
 
@@ -24,13 +28,13 @@ def _complete(served: Served, **kwargs: Any) -> Any:
     )
 
 
-def test_logit_bias_forces_a_token(served: Served) -> None:  # noqa: F811
+def test_logit_bias_forces_a_token(served: Served) -> None:
     out = _complete(served, logit_bias={str(FORCED): 100}, extra_body={"ignore_eos": True})
     assert out.usage is not None and out.usage.completion_tokens == 6
     assert out.choices[0].text == _tokenizer(served).decode([FORCED] * 6, skip_special_tokens=True)
 
 
-def test_min_tokens_stop_token_ids_and_ignore_eos(served: Served) -> None:  # noqa: F811
+def test_min_tokens_stop_token_ids_and_ignore_eos(served: Served) -> None:
     eos = _tokenizer(served).eos_token_id
     to_eos = {str(eos): 100}
     plain = _complete(served, logit_bias=to_eos)
@@ -51,7 +55,7 @@ def test_min_tokens_stop_token_ids_and_ignore_eos(served: Served) -> None:  # no
     assert stopped.choices[0].finish_reason == "stop"
 
 
-def test_penalties_reach_the_sampler(served: Served) -> None:  # noqa: F811
+def test_penalties_reach_the_sampler(served: Served) -> None:
     def tokens(extra: dict[str, Any] | None = None, **kwargs: Any) -> list[str]:
         body = {"ignore_eos": True} | (extra or {})
         out = _complete(served, max_tokens=16, logprobs=0, extra_body=body, **kwargs)
@@ -66,7 +70,7 @@ def test_penalties_reach_the_sampler(served: Served) -> None:  # noqa: F811
     assert len(set(repeated)) > len(set(plain))
 
 
-def test_twenty_logprobs_streamed_per_chunk(served: Served) -> None:  # noqa: F811
+def test_twenty_logprobs_streamed_per_chunk(served: Served) -> None:
     out = _complete(served, logprobs=20)  # keyed by text: tokens of equal text collapse
     assert all(5 < len(top) <= 20 for top in out.choices[0].logprobs.top_logprobs)
     stream = _client(served[0]).chat.completions.create(
@@ -101,7 +105,7 @@ def test_twenty_logprobs_streamed_per_chunk(served: Served) -> None:  # noqa: F8
     ],
 )
 def test_out_of_range_fields_are_refused(
-    served: Served,  # noqa: F811
+    served: Served,
     kwargs: dict[str, Any],
     message: str,
 ) -> None:
