@@ -5,6 +5,7 @@ async scheduling: the counts must include the token of the step in flight)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -21,11 +22,11 @@ def model() -> CausalLM:
     return build_random_model(tiny_config("llama", eos_token_id=EOS), seed=13)
 
 
-def _config(async_scheduling: bool = False) -> EngineConfig:
+def _config(async_scheduling: bool = False, num_kv_blocks: int = 96) -> EngineConfig:
     return EngineConfig(
-        num_kv_blocks=96,
+        num_kv_blocks=num_kv_blocks,
         block_size=4,
-        max_num_seqs=4,
+        max_num_seqs=5,
         max_num_batched_tokens=24,
         max_model_len=128,
         static_decode_batches=True,
@@ -34,15 +35,19 @@ def _config(async_scheduling: bool = False) -> EngineConfig:
     )
 
 
-def _run(model: CausalLM, prompts: list[list[int]], params: list[SamplingParams], **kw: bool):
+def _run(model: CausalLM, prompts: list[list[int]], params: list[SamplingParams], **kw: Any):
+    """Final outputs in prompt order, the engine, and the most preemptions of one request."""
     engine = Engine(model, _config(**kw))
     ids = [engine.add_request(p, q) for p, q in zip(prompts, params, strict=True)]
     final = {}
+    preempted = 0
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 final[out.request_id] = out
-    return [final[i] for i in ids], engine
+        running = engine.scheduler.requests.values()
+        preempted = max([preempted, *(r.num_preemptions for r in running)])
+    return [final[i] for i in ids], engine, preempted
 
 
 def _reference(model: CausalLM, prompt: list[int], params: SamplingParams) -> list[int]:
@@ -84,18 +89,32 @@ PENALISED = [
 PROMPTS = [[5, 9, 9, 21, 40], [11, 12, 13], [100, 101, 102, 103, 104, 105, 106], [60, 61]]
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_penalties_match_the_reference_loop(model: CausalLM, async_scheduling: bool) -> None:
-    outputs, engine = _run(model, PROMPTS, PENALISED, async_scheduling=async_scheduling)
-    for prompt, params, out in zip(PROMPTS, PENALISED, outputs, strict=True):
+@pytest.mark.parametrize(
+    ("async_scheduling", "num_kv_blocks"), [(False, 96), (True, 96), (False, 14), (True, 14)]
+)
+def test_penalties_match_the_reference_loop(
+    model: CausalLM, async_scheduling: bool, num_kv_blocks: int
+) -> None:
+    """Also with too few KV blocks for all of them (preemptions: counts rebuilt on readmission).
+    The last prompt holds the plain greedy continuation of another: the repetition penalty of
+    its prompt tokens changes what greedy picks."""
+    plain = _reference(model, PROMPTS[1], PENALISED[3])
+    prompts = [*PROMPTS, PROMPTS[1] + plain[:6]]
+    params = [*PENALISED, dataclasses.replace(PENALISED[1], repetition_penalty=2.0)]
+    outputs, engine, preempted = _run(
+        model, prompts, params, async_scheduling=async_scheduling, num_kv_blocks=num_kv_blocks
+    )
+    assert outputs[-1].output_token_ids[:4] != plain[6:10]
+    for prompt, params, out in zip(prompts, params, outputs, strict=True):
         assert out.output_token_ids == _reference(model, prompt, params)
     if async_scheduling:
-        assert engine.runner.num_overlapped_steps >= 6
+        assert engine.runner.num_overlapped_steps >= 4
+    assert (preempted > 0) == (num_kv_blocks < 96)
 
 
 def test_penalties_change_what_greedy_picks(model: CausalLM) -> None:
     plain = dataclasses.replace(PENALISED[0], frequency_penalty=0.0)
-    outputs, _ = _run(model, [PROMPTS[0]] * 2, [plain, PENALISED[0]])
+    outputs, _, _ = _run(model, [PROMPTS[0]] * 2, [plain, PENALISED[0]])
     assert outputs[0].output_token_ids != outputs[1].output_token_ids
     assert len(set(outputs[1].output_token_ids)) > len(set(outputs[0].output_token_ids))
 
@@ -112,7 +131,7 @@ def test_bias_min_tokens_stop_ids_and_ignore_eos(model: CausalLM, async_scheduli
         dataclasses.replace(to_eos, ignore_eos=True, max_tokens=4),
     ]
     prompts = [[5, 6, 7]] * len(params)
-    outputs, _ = _run(model, prompts, params, async_scheduling=async_scheduling)
+    outputs, _, _ = _run(model, prompts, params, async_scheduling=async_scheduling)
     forced, eos, late_eos, stop_id, ignored = outputs
     assert forced.output_token_ids == [42] * 8 and forced.finish_reason == "length"
     assert eos.output_token_ids == [EOS] and eos.finish_reason == "stop"
