@@ -117,12 +117,15 @@ class LogitsPlan:
         prompt_mask: torch.Tensor | None,
     ) -> torch.Tensor:
         """fp32 `[B, V]` logits with bias, min_tokens masks and penalties applied (a new
-        tensor; `logits` is not written). `output_counts` `[P, V]` int32 and `prompt_mask`
-        `[P, V]` bool are the penalised rows' counts, in `penalised_rows` order."""
+        tensor; `logits` is not written; returned as they are when only min_p is asked).
+        `output_counts` `[P, V]` int32 and `prompt_mask` `[P, V]` bool are the penalised rows'
+        counts, in `penalised_rows` order."""
         assert self.device_floats is not None and self.device_ints is not None
-        out = logits.to(torch.float32, copy=True)
         floats, ints, rows = self.device_floats, self.device_ints, self.num_rows
         p, b, m = self.num_penalised, self.num_bias, self.num_masked
+        if not (p or b or m):
+            return logits
+        out = logits.to(torch.float32, copy=True)
         if b:
             bias = floats[3 * p + rows :]
             out.index_put_((ints[p : p + b], ints[p + b : p + 2 * b]), bias, accumulate=True)

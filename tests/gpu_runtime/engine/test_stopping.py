@@ -267,3 +267,27 @@ def test_tokenizers_that_clean_up_spaces_decode_the_whole_output(tokenizer: Any)
     assert not checker.incremental
     params = SamplingParams(max_tokens=10_000, stop=("b's",), ignore_eos=True)
     assert _run(checker, ids, params) == _run_reference(cleaning, ids, params)
+
+
+def test_min_tokens_holds_back_stop_tokens_and_stop_strings(tokenizer: Any) -> None:
+    """vLLM's semantics: stop tokens (eos, stop_token_ids) count once the output has
+    `min_tokens` tokens; stop strings are searched only once it has more, and only in the text
+    added from then on (a stop string complete in the first `min_tokens` tokens is not found)."""
+    ids = tokenizer.encode("The quick brown fox jumps over the lazy dog.", add_special_tokens=False)
+    checker = StopChecker(tokenizer, [EOS], 10_000)
+    early = SamplingParams(max_tokens=100, stop=("e",))
+    assert _run(checker, ids, early)[-1] == StopDecision("Th", RequestStatus.FINISHED_STOPPED, "e")
+    held = SamplingParams(max_tokens=100, stop=("e",), min_tokens=len(ids) // 2)
+    last = _run(checker, ids, held)[-1]
+    text = tokenizer.decode(ids)
+    assert last.status is RequestStatus.FINISHED_STOPPED and last.reason == "e"
+    cut = len(last.text)
+    assert text[cut] == "e" and cut > len(tokenizer.decode(ids[: len(ids) // 2])) - 1
+    stop_id = SamplingParams(max_tokens=100, stop_token_ids=(ids[1],), min_tokens=3)
+    decisions = _run(checker, [*ids[:2], ids[1], ids[1]], stop_id)
+    assert [d.status for d in decisions] == [None, None, RequestStatus.FINISHED_STOPPED]
+    with_eos = SamplingParams(max_tokens=100, min_tokens=2)
+    assert [d.status for d in _run(checker, [EOS, EOS], with_eos)] == [
+        None,
+        RequestStatus.FINISHED_STOPPED,
+    ]
