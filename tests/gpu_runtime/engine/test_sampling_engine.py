@@ -100,12 +100,12 @@ def test_penalties_match_the_reference_loop(
     its prompt tokens changes what greedy picks."""
     plain = _reference(model, PROMPTS[1], PENALISED[3])
     prompts = [*PROMPTS, PROMPTS[1] + plain[:6]]
-    params = [*PENALISED, dataclasses.replace(PENALISED[1], repetition_penalty=2.0)]
+    all_params = [*PENALISED, dataclasses.replace(PENALISED[1], repetition_penalty=2.0)]
     outputs, engine, preempted = _run(
-        model, prompts, params, async_scheduling=async_scheduling, num_kv_blocks=num_kv_blocks
+        model, prompts, all_params, async_scheduling=async_scheduling, num_kv_blocks=num_kv_blocks
     )
     assert outputs[-1].output_token_ids[:4] != plain[6:10]
-    for prompt, params, out in zip(prompts, params, outputs, strict=True):
+    for prompt, params, out in zip(prompts, all_params, outputs, strict=True):
         assert out.output_token_ids == _reference(model, prompt, params)
     if async_scheduling:
         assert engine.runner.num_overlapped_steps >= 4
