@@ -146,8 +146,9 @@ def check_forced_token(engine: Engine, batch: int, context: int) -> dict[str, An
 
 
 def check_processed_logits(engine: Engine, batch: int) -> dict[str, Any]:
-    """The plan applied to random logits on the device against a float64 reference of vLLM's
-    order (bias, then repetition, frequency, presence) on the same inputs."""
+    """The plan applied to random logits on the device (the penalties by the sampler's own
+    path: the Triton pass on CUDA) against a float64 reference of vLLM's order (bias, then
+    repetition, frequency, presence) on the same inputs."""
     device = engine.runner.device
     vocab = engine.model_config.vocab_size
     gen = torch.Generator(device=device).manual_seed(3)
@@ -158,7 +159,10 @@ def check_processed_logits(engine: Engine, batch: int) -> dict[str, Any]:
     prompt = torch.rand(batch, vocab, device=device, generator=gen) < 0.005
     plan = LogitsPlan.build(params, [0] * batch, ())
     plan.stage(device)
-    got = plan.apply(logits, counts, prompt).double()
+    rows = torch.arange(batch, device=device)
+    fused = engine.runner.sampler.fused
+    got = plan.apply(logits, (counts, prompt, rows), fused=fused and device.type == "cuda")
+    got = got.double()
     ref = logits.double()
     p = params[0]
     for token, bias in p.logit_bias:

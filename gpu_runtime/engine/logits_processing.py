@@ -113,19 +113,20 @@ class LogitsPlan:
     def apply(
         self,
         logits: torch.Tensor,
-        output_counts: torch.Tensor | None,
-        prompt_mask: torch.Tensor | None,
+        counts: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+        fused: bool = False,
     ) -> torch.Tensor:
         """fp32 `[B, V]` logits with bias, min_tokens masks and penalties applied (a new
         tensor; `logits` is not written; returned as they are when only min_p is asked).
-        `output_counts` `[P, V]` int32 and `prompt_mask` `[P, V]` bool are the penalised rows'
-        counts, in `penalised_rows` order."""
+        `counts`: output counts `[R, V]` int32, prompt marks `[R, V]` bool and, per penalised
+        row in `penalised_rows` order, its row in them `[P]` int64 (`TokenCounts`). `fused`:
+        the penalties in one Triton pass (`penalty_kernels`, CUDA), else in torch."""
         assert self.device_floats is not None and self.device_ints is not None
         floats, ints, rows = self.device_floats, self.device_ints, self.num_rows
         p, b, m = self.num_penalised, self.num_bias, self.num_masked
         if not (p or b or m):
             return logits
-        out = logits.to(torch.float32, copy=True)
+        out = logits.to(torch.float32, memory_format=torch.contiguous_format, copy=True)
         if b:
             bias = floats[3 * p + rows :]
             out.index_put_((ints[p : p + b], ints[p + b : p + 2 * b]), bias, accumulate=True)
@@ -134,16 +135,21 @@ class LogitsPlan:
             masked = (ints[start : start + m], ints[start + m : start + 2 * m])
             out.index_put_(masked, out.new_full((m,), float("-inf")))
         if p:
-            assert output_counts is not None and prompt_mask is not None
+            if counts is None:
+                raise ValueError(f"{p} penalised rows and no token counts")
+            output_counts, prompt_mask, count_rows = counts
             index = ints[:p]
+            penalties = (floats[:p], floats[p : 2 * p], floats[2 * p : 3 * p])
+            if fused:
+                from gpu_runtime.engine.penalty_kernels import apply_penalties_in_place
+
+                apply_penalties_in_place(
+                    out, index, count_rows, output_counts, prompt_mask, *penalties
+                )
+                return out
             part = out if self.all_penalised else out.index_select(0, index)
             part = apply_penalties(
-                part,
-                output_counts,
-                prompt_mask,
-                floats[:p],
-                floats[p : 2 * p],
-                floats[2 * p : 3 * p],
+                part, output_counts[count_rows], prompt_mask[count_rows], *penalties
             )
             if self.all_penalised:
                 out = part
@@ -177,7 +183,8 @@ def apply_penalties(
 ) -> torch.Tensor:
     """vLLM's penalties on fp32 `[P, V]` logits (rows' output counts `[P, V]` int32, prompt
     mask `[P, V]` bool, penalties `[P]` fp32): repetition over prompt and output tokens, then
-    frequency and presence over output tokens."""
+    frequency and presence over output tokens. The torch form (CPU, and the reference of
+    `penalty_kernels.apply_penalties_in_place`)."""
     in_output = output_counts > 0
     seen = in_output | prompt_mask
     factor = torch.where(seen, repetition[:, None], 1.0)

@@ -18,10 +18,11 @@ request's tokens on CUDA differ from those on CPU (each is deterministic).
 Order of application (vLLM's): logprobs are taken from the raw logits; then logit bias and the
 min_tokens masks, then repetition, frequency and presence penalties (`logits_processing`);
 greedy rows take the argmax of those logits; sampled rows then divide by the temperature,
-apply min_p, then top-k / top-p, then draw. Rows with a penalty or logit bias but no min_p,
-top-k, top-p or logprobs still take the fused kernel, over the processed fp32 logits. A batch
-where no row asks for a processor builds nothing for them (`SamplingBatch.needs_processing`,
-one host check per row).
+apply min_p, then top-k / top-p, then draw. With `fused` on CUDA the penalties take one
+Triton pass (`penalty_kernels`) reading the counts in place. Rows with a penalty or logit bias
+but no min_p, top-k, top-p or logprobs still take the fused kernel, over the processed fp32
+logits. A batch where no row asks for a processor builds nothing for them
+(`SamplingBatch.needs_processing`, one host check per row).
 """
 
 from __future__ import annotations
@@ -95,9 +96,9 @@ class SamplingBatch:
         return [row for row, p in enumerate(self.params) if p.needs_token_counts]
 
 
-RowCounts = tuple[torch.Tensor, torch.Tensor]
-"""The penalised rows' output counts `[P, V]` int32 and prompt masks `[P, V]` bool, in
-`SamplingBatch.penalised_rows` order (`token_counts.TokenCounts`)."""
+RowCounts = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+"""Output counts `[R, V]` int32, prompt marks `[R, V]` bool, and the row in them of each
+penalised row `[P]` int64, in `SamplingBatch.penalised_rows` order (`token_counts.TokenCounts`)."""
 
 
 @dataclass
@@ -236,8 +237,7 @@ class Sampler:
             if plan.num_penalised and counts is None:
                 raise ValueError(f"{plan.num_penalised} penalised rows and no token counts")
             plan.stage(self.device)
-            output_counts, prompt_mask = counts if counts is not None else (None, None)
-            logits = plan.apply(logits, output_counts, prompt_mask)
+            logits = plan.apply(logits, counts, fused=self.fused and logits.is_cuda)
             self.num_processed_samples += 1
         uses_min_p = plan is not None and plan.uses_min_p
         if batch.all_greedy:

@@ -76,7 +76,7 @@ class StepReadback:
         if penalised:
             rows = self.counts.prepare([states[i] for i in penalised], logits.shape[-1])
             assert self.counts.output is not None and self.counts.prompt is not None
-            counts = (self.counts.output[rows], self.counts.prompt[rows])
+            counts = (self.counts.output, self.counts.prompt, rows)
         sample = self.sampler.sample(logits, batch, counts)
         if penalised:
             sampled = sample.token_ids

@@ -30,13 +30,35 @@ def test_fused_rows_beside_processed_rows_get_what_they_get_alone() -> None:
     counts[0, logits[2].float().argmax()] = 50  # the top token is penalised away
     prompt = torch.zeros(1, vocab, dtype=torch.bool, device=DEV)
     sampler = Sampler(DEV)
-    together = sampler.sample(logits, SamplingBatch(params, [3] * 4), (counts, prompt))
+    rows = torch.zeros(1, dtype=torch.int64, device=DEV)
+    together = sampler.sample(logits, SamplingBatch(params, [3] * 4), (counts, prompt, rows))
     assert sampler.num_fused_samples == 1 and sampler.num_processed_samples == 1
     alone = Sampler(DEV).sample(logits[:1], SamplingBatch([plain], [3]))
     tokens = together.token_ids.tolist()
     assert tokens[0] == alone.token_ids.item()
     assert tokens[1] == 11 and tokens[3] == 12
     assert tokens[2] != int(logits[2].float().argmax())
+
+
+def test_triton_penalties_equal_the_torch_form_on_cuda() -> None:
+    from gpu_runtime.engine.logits_processing import LogitsPlan
+
+    vocab, rows = 128256, 6
+    gen = torch.Generator(device=DEV).manual_seed(1)
+    logits = torch.randn(rows, vocab, device=DEV, generator=gen, dtype=torch.bfloat16) * 4
+    counts = torch.randint(0, 3, (9, vocab), device=DEV, generator=gen, dtype=torch.int32)
+    counts *= torch.rand(9, vocab, device=DEV, generator=gen) < 0.05
+    prompt = torch.rand(9, vocab, device=DEV, generator=gen) < 0.02
+    penalised = SamplingParams(presence_penalty=0.4, frequency_penalty=0.2, repetition_penalty=1.2)
+    params = [penalised, SamplingParams(), penalised, SamplingParams(logit_bias=((3, 1.0),))] * 2
+    params = params[:rows]
+    plan = LogitsPlan.build(params, [0] * rows, ())
+    plan.stage(DEV)
+    which = torch.tensor([8, 2, 5], device=DEV)[: plan.num_penalised]
+    fused = plan.apply(logits, (counts, prompt, which), fused=True)
+    eager = plan.apply(logits, (counts, prompt, which), fused=False)
+    torch.testing.assert_close(fused, eager, rtol=1e-6, atol=1e-5)
+    assert not torch.equal(fused, logits.float())
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

@@ -62,7 +62,7 @@ def _processed(
     states = [_state(prompts[i], outputs[i], params[i], i) for i in batch.penalised_rows]
     rows = counts.prepare(states, VOCAB)
     assert counts.output is not None and counts.prompt is not None
-    return plan.apply(logits, counts.output[rows], counts.prompt[rows])
+    return plan.apply(logits, (counts.output, counts.prompt, rows))
 
 
 CASES = [
