@@ -87,7 +87,8 @@ class Engine:
             model, config, kv_storage_factory, lora=lora, structured=self.structured
         )
         self.stop_checker = StopChecker(tokenizer, eos, config.max_model_len)
-        self.runner.sampler.eos_token_ids = tuple(sorted(set(eos)))
+        vocab = model.config.vocab_size  # an eos id past the logits could not be masked
+        self.runner.sampler.eos_token_ids = tuple(sorted(t for t in set(eos) if 0 <= t < vocab))
         self.adapter_resolver = adapter_resolver or (lora.has if lora is not None else None)
         self._ids = itertools.count()
         self.outputs = StepOutputs(self.scheduler, self.stop_checker, self.structured)
