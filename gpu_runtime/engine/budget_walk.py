@@ -15,6 +15,11 @@ from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.request import Request
 from gpu_runtime.engine.scheduler import AdapterAdmissionError, StepPreview
+from gpu_runtime.engine.walk_blocks import WalkBlocks
+
+PrefixHits = Callable[[Request], list[int]]
+"""Cached blocks holding a waiting request's first tokens (`PrefixCache.lookup` over its block
+digests, at most `(num_tokens - 1) // block_size` blocks: its last token is always computed)."""
 
 PREEMPT = -1
 """`Walk.block_moves` entry: preempt the request (the last running one at that point)."""
@@ -32,6 +37,8 @@ class Walk:
     """Scheduled running requests the runner does not hold (sent in full)."""
     admissions: list[tuple[Request, str | None]] = field(default_factory=list)
     """Waiting requests from the front of the queue: admitted (None) or dropped (the reason)."""
+    cache_hits: dict[str, list[int]] = field(default_factory=dict)
+    """Admitted requests' prefix-cache hits: the cached blocks their tables start with."""
     preempted: list[str] = field(default_factory=list)
     new_blocks: int = 0
     running_scheduled: int = 0
@@ -49,24 +56,27 @@ def walk_step(
     block_manager: BlockManager,
     config: EngineConfig,
     admit: Callable[[str, str], bool] | None,
+    prefix_hits: PrefixHits | None = None,
 ) -> Walk:
     """The next step's decisions, changing nothing but what `admit` does (it is asked about
     each waiting adapter request reached, in order; raising `AdapterAdmissionError` drops the
     request). `waiting` is walked from its start in admission order (the scheduler's
     `WaitingQueue`); the admissions are a prefix of it. Free blocks are counted as the
-    decisions would leave them; a preempted request frees its whole table (the scheduler's
-    tables share no blocks).
+    decisions would leave them (`WalkBlocks`); a preempted request frees the blocks whose last
+    reference it holds.
 
     Running requests in order take their next chunk (one token when decoding) out of the
     token budget; one that needs blocks when too few are free preempts the latest running
     requests until enough are (itself last). Then, unless the step preempted, waiting requests
     are admitted while the budget, `max_num_seqs`, free blocks for their first chunk and
-    `admit` allow."""
+    `admit` allow. With `prefix_hits`, an admitted request starts after its cache hit (whole
+    blocks, `Walk.cache_hits`): its first chunk is the first uncached token on, and the hit's
+    cached free blocks count against the free blocks like new ones."""
     walk = Walk()
     scheduled = walk.num_scheduled
     moves = walk.block_moves
     block_size = block_manager.block_size
-    free = block_manager.num_free_blocks
+    blocks = WalkBlocks(block_manager)
     budget = config.max_num_batched_tokens
     end = len(running)  # running[:end] stay running; the walk preempts from the end
     index = 0
@@ -78,18 +88,18 @@ def walk_step(
             count = budget
         needed = -(-(computed + count) // block_size) - len(request.block_table)
         if needed > 0:
-            if needed > free:
-                while needed > free:
+            if needed > blocks.free:
+                while needed > blocks.free:
                     end -= 1
                     victim = running[end]
-                    free += len(victim.block_table)
+                    blocks.release(victim.block_table)
                     moves.append((victim, PREEMPT))
                     walk.preempted.append(victim.request_id)
                     if victim is request:
                         break
                 if end == index:  # the request preempted itself
                     break
-            free -= needed
+            blocks.take(needed)
             moves.append((request, needed))
             walk.new_blocks += needed
             walk.running_block_demand += needed
@@ -105,9 +115,14 @@ def walk_step(
     for request in waiting:
         if budget <= 0 or walk.preempted or num_running >= config.max_num_seqs:
             break
-        count = min(request.num_tokens, budget)
-        blocks = -(-count // block_size)
-        if blocks > free:
+        hits: list[int] = []
+        from_free = 0
+        if prefix_hits is not None:
+            hits, from_free = blocks.usable_hits(prefix_hits(request))
+        cached = len(hits) * block_size
+        count = min(request.num_tokens - cached, budget)
+        new = -(-(cached + count) // block_size) - len(hits)
+        if new + from_free > blocks.free:
             break
         lora = request.lora_name
         if lora is not None and admit is not None:
@@ -119,8 +134,11 @@ def walk_step(
             if not admitted:
                 break  # every adapter slot is held by running requests: wait (no skipping)
         walk.admissions.append((request, None))
-        free -= blocks
-        walk.new_blocks += blocks
+        if hits:
+            blocks.claim(hits)
+            walk.cache_hits[request.request_id] = hits
+        blocks.take(new)
+        walk.new_blocks += new
         num_running += 1
         scheduled[request.request_id] = count
         budget -= count

@@ -32,6 +32,12 @@ class EngineConfig:
     enable_chunked_prefill: bool = True
     """Split long prompts over several steps within max_num_batched_tokens; when False a prompt
     longer than the budget is rejected."""
+    enable_prefix_caching: bool = True
+    """Automatic prefix caching: full KV blocks are kept, named by a digest of their tokens,
+    their prefix and the adapter, and a request admitted later starts after the longest
+    cached prefix of its prompt (whole blocks; its last token always computed). Freed cached
+    blocks are evicted least recently freed first, only when no empty block is left. False:
+    every prompt is computed from its first token and freed blocks are empty at once."""
     device: str = "cpu"
     """torch device of weights, KV cache and sampling ("cpu", "cuda", "cuda:1")."""
     kv_dtype: str | None = None

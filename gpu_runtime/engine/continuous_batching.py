@@ -14,6 +14,7 @@ from types import MappingProxyType
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.budget_walk import PREEMPT, Walk, step_preview, walk_step
 from gpu_runtime.engine.config import EngineConfig
+from gpu_runtime.engine.prefix_keys import PrefixKeys
 from gpu_runtime.engine.request import Request, RequestStatus
 from gpu_runtime.engine.scheduler import (
     CachedRequestData,
@@ -53,8 +54,15 @@ class ContinuousBatchingScheduler(Scheduler):
     that loads several new adapters may admit fewer than previewed); without it, `preview()`
     counts adapter requests as admitted.
 
-    Block tables never share blocks (the scheduler does not fork), so a preempted request
-    frees every block of its table.
+    Prefix caching (`config.enable_prefix_caching`, `PrefixKeys`): once a step has computed a
+    request's full blocks, they are named by their digests in the block manager's cache; a
+    waiting request (new or preempted) is admitted with the longest cached prefix of its
+    tokens in whole blocks, never its last token (`Request.num_computed_tokens` starts there;
+    a new request's `num_cached_tokens` records it), so its first chunk starts at the first
+    uncached token. Its table then shares those blocks with other requests (ref counts); a
+    finished, aborted or preempted request's cached blocks become evictable, not empty. A
+    block's digest covers the request's adapter: requests of different adapters (or the base
+    model) never share a block. Hits are found only on blocks computed by earlier steps.
     """
 
     def __init__(
@@ -78,6 +86,10 @@ class ContinuousBatchingScheduler(Scheduler):
         self._requests_view = MappingProxyType(self._requests)
         self._known_to_runner: set[str] = set()
         self._drop_from_runner: set[str] = set()
+        self.prefix_keys: PrefixKeys | None = (
+            PrefixKeys(block_manager) if config.enable_prefix_caching else None
+        )
+        """Block digests of the live requests (None: prefix caching off)."""
 
     # ---- read-only views --------------------------------------------------------------------
     @property
@@ -155,6 +167,8 @@ class ContinuousBatchingScheduler(Scheduler):
         if request.request_id in self._known_to_runner:
             self._known_to_runner.discard(request.request_id)
             self._drop_from_runner.add(request.request_id)
+        if self.prefix_keys is not None:
+            self.prefix_keys.released(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
@@ -172,6 +186,8 @@ class ContinuousBatchingScheduler(Scheduler):
         elif request in self._waiting:
             self._waiting.remove(request)
         self._release(request)
+        if self.prefix_keys is not None:
+            self.prefix_keys.forget(request_id)
         request.status = status
 
     def abort_request(self, request_id: str) -> None:
@@ -204,7 +220,11 @@ class ContinuousBatchingScheduler(Scheduler):
                 continue
             if holds_slots and request.lora_name is not None:
                 self._adapter_holders.add(request.request_id)
-            bm.append_slots(request.block_table, walk.num_scheduled[request.request_id])
+            hits = walk.cache_hits.get(request.request_id)
+            if hits is not None and self.prefix_keys is not None:
+                self.prefix_keys.admit(request, hits)
+            count = walk.num_scheduled[request.request_id]
+            bm.append_slots(request.block_table, request.num_computed_tokens + count)
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             new_data.append(self._new_request_data(request))
@@ -226,6 +246,7 @@ class ContinuousBatchingScheduler(Scheduler):
             self.block_manager,
             self.config,
             admit,
+            self.prefix_keys.hits if self.prefix_keys is not None else None,
         )
 
     def decode_follows(self, output: SchedulerOutput, max_rows: int) -> bool:
@@ -259,6 +280,8 @@ class ContinuousBatchingScheduler(Scheduler):
         """Drop `request` (already off the waiting queue) as `admit_adapter` refused it."""
         del self._requests[request.request_id]
         self._release(request)  # a preempted request may still be known to the runner
+        if self.prefix_keys is not None:
+            self.prefix_keys.forget(request.request_id)
         request.status = RequestStatus.FINISHED_ABORTED
         request.stop_reason = reason
         self._rejected.append(request)
@@ -281,11 +304,14 @@ class ContinuousBatchingScheduler(Scheduler):
 
     def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> None:
         requests = self._requests  # finished and aborted requests are no longer in it
+        keys = self.prefix_keys
         for request_id, count in output.num_scheduled_tokens.items():
             request = requests.get(request_id)
             if request is None:
                 continue
             request.num_computed_tokens += count
+            if keys is not None:
+                keys.computed(request)
             token = sampled.get(request_id)
             if token is not None:
                 request.output_token_ids.append(token)

@@ -182,6 +182,8 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_preemptions: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens found in the prefix cache when the request was first admitted."""
     stop_reason: int | str | None = None
 
     @property
@@ -223,3 +225,5 @@ class RequestOutput:
     error: str | None = None
     """Set when the request failed without running (e.g. its adapter cannot be loaded);
     then `finished` is True and `finish_reason` is "abort"."""
+    num_cached_tokens: int = 0
+    """Prompt tokens served from the prefix cache at the request's first admission."""

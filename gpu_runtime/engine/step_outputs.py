@@ -85,5 +85,6 @@ class StepOutputs:
                     len(request.prompt_token_ids),
                     [logprob] if logprob is not None else [],
                     error=error,
+                    num_cached_tokens=request.num_cached_tokens,
                 )
             )

@@ -263,7 +263,14 @@ def test_adapter_rejected_at_admission_under_async(adapter_dirs: dict[str, Path]
     _assert_idle(engine, runtime)
 
 
-def test_discarded_step_is_waited_for_before_a_shrink(adapter_dirs: dict[str, Path]) -> None:
+@pytest.mark.parametrize(
+    ("caching", "shrunk"),
+    # with prefix caching the request's two full blocks are cached free: shrink takes them first
+    [(False, [95, 94]), (True, [1, 0])],
+)
+def test_discarded_step_is_waited_for_before_a_shrink(
+    adapter_dirs: dict[str, Path], caching: bool, shrunk: list[int]
+) -> None:
     """A step launched for a request that then stopped on a token is discarded, not resolved;
     `shrink_kv_blocks` must still wait for it (it writes the freed request's KV blocks)."""
     prompt = _prompts(16, (6,))[0]
@@ -271,13 +278,13 @@ def test_discarded_step_is_waited_for_before_a_shrink(adapter_dirs: dict[str, Pa
     params = SamplingParams(
         max_tokens=10, temperature=0.0, detokenize=False, stop_token_ids=(free[4],)
     )
-    engine, runtime = _engine(adapter_dirs, True)
+    engine, runtime = _engine(adapter_dirs, True, enable_prefix_caching=caching)
     out = engine.generate([prompt], params, lora_names=["poet"])[0]
     assert out.output_token_ids == free[: free.index(free[4]) + 1]
     assert engine.overlap.in_flight is None and engine.runner.num_discarded_steps == 1
     last = engine.runner.readback.last_launched
     assert last is not None and last.resolved and not last.device_done  # discarded
-    assert engine.shrink_kv_blocks(2) == [95, 94]
+    assert engine.shrink_kv_blocks(2) == shrunk
     assert last.device_done
-    engine.grow_kv_blocks([94, 95])
+    engine.grow_kv_blocks(sorted(shrunk))
     _assert_idle(engine, runtime)

@@ -16,6 +16,7 @@ def _scheduler(blocks: int, budget: int = 16, seqs: int = 4) -> ContinuousBatchi
         max_num_seqs=seqs,
         max_num_batched_tokens=budget,
         max_model_len=64,
+        enable_prefix_caching=False,  # block ids without the cache (on: test_prefix_caching)
     )
     return ContinuousBatchingScheduler(config, BlockManager(blocks, 4))
 
@@ -143,7 +144,12 @@ class _Slots:
 def test_adapter_admission_is_fcfs_and_every_exit_releases_the_slot() -> None:
     slots = _Slots(1)
     config = EngineConfig(
-        num_kv_blocks=4, block_size=4, max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64
+        num_kv_blocks=4,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=16,
+        max_model_len=64,
+        enable_prefix_caching=False,  # block ids without the cache (on: test_prefix_caching)
     )
     s = ContinuousBatchingScheduler(
         config, BlockManager(4, 4), admit_adapter=slots.admit, release_adapter=slots.release
