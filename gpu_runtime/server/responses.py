@@ -39,14 +39,17 @@ def text_delta(text: str, sent: int, finished: bool, holdback: int) -> tuple[str
     return text[sent:upto], upto
 
 
-def usage(tracked: list[Tracked]) -> dict[str, int]:
-    """OpenAI's `usage` over the prompts of one response."""
+def usage(tracked: list[Tracked]) -> dict[str, Any]:
+    """OpenAI's `usage` over the prompts of one response; `prompt_tokens_details.cached_tokens`
+    counts the prompt tokens the engine's prefix cache served."""
     prompt = sum(t.prompt_tokens for t in tracked)
     completion = sum(len(t.last.output_token_ids) for t in tracked if t.last)
+    cached = sum(t.last.num_cached_tokens for t in tracked if t.last)
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
     }
 
 

@@ -90,6 +90,37 @@ def test_models_and_completions(served: Served) -> None:
     assert any(r.tpot_s is not None and r.tpot_s > 0 for r in records)
 
 
+def test_usage_reports_prompt_tokens_served_from_the_prefix_cache(served: Served) -> None:
+    """The second request with the same long prefix finds it in the engine's prefix cache:
+    `usage.prompt_tokens_details.cached_tokens` counts those tokens, whole and streamed."""
+    client = _client(served[0])
+    prefix = "You are a careful assistant who answers about lighthouses and tides. " * 3
+    first = client.completions.create(
+        model=MODEL, prompt=prefix + "First question?", max_tokens=2, temperature=0.0
+    )
+    assert first.usage is not None and first.usage.prompt_tokens_details is not None
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    second = client.completions.create(
+        model=MODEL, prompt=prefix + "Second one!", max_tokens=2, temperature=0.0
+    )
+    assert second.usage is not None and second.usage.prompt_tokens_details is not None
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached is not None and 0 < cached < second.usage.prompt_tokens and cached % 8 == 0
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=prefix + "A third.",
+            max_tokens=2,
+            temperature=0.0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    usage = chunks[-1].usage
+    assert usage is not None and usage.prompt_tokens_details is not None
+    assert usage.prompt_tokens_details.cached_tokens == cached
+
+
 def test_chat_and_streaming_with_usage(served: Served) -> None:
     client = _client(served[0])
     messages: list[ChatCompletionMessageParam] = [
