@@ -1,0 +1,3 @@
+from bench.prefix_cache.run import main
+
+main()
