@@ -155,10 +155,9 @@ def print_table(rows: list[dict[str, Any]], ratio: dict[str, dict[str, float]]) 
             f"{r['cached_frac']:7.2f}"
         )
     for trace, values in ratio.items():
-        print(
-            f"{trace}: TTFT p50 {values['ttft_p50_off_over_on']:.2f}x lower, p99 "
-            f"{values['ttft_p99_off_over_on']:.2f}x, req/s {values['requests_per_s_on_over_off']:.2f}x"
-        )
+        p50, p99 = values["ttft_p50_off_over_on"], values["ttft_p99_off_over_on"]
+        rps = values["requests_per_s_on_over_off"]
+        print(f"{trace}: TTFT p50 {p50:.2f}x lower, p99 {p99:.2f}x, req/s {rps:.2f}x")
 
 
 def main() -> None:

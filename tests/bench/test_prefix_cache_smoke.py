@@ -32,15 +32,15 @@ ROW_KEYS = [
 
 def test_trace_is_seeded_and_shares_the_system_prompt() -> None:
     shape = dict(vocab_size=100, system_prompt=20, user_min=2, user_max=5, requests=30)
-    trace = build_trace(rate=4.0, seed=3, system_seed=1, **shape)  # type: ignore[arg-type]
-    assert trace == build_trace(rate=4.0, seed=3, system_seed=1, **shape)  # type: ignore[arg-type]
-    other = build_trace(rate=4.0, seed=4, system_seed=1, **shape)  # type: ignore[arg-type]
+    trace = build_trace(rate=4.0, seed=3, system_seed=1, **shape)
+    assert trace == build_trace(rate=4.0, seed=3, system_seed=1, **shape)
+    other = build_trace(rate=4.0, seed=4, system_seed=1, **shape)
     assert other != trace and other[0].prompt[:20] == trace[0].prompt[:20]
     assert len({tuple(r.prompt[:20]) for r in trace}) == 1
     assert all(2 <= r.user_tokens <= 5 and len(r.prompt) == 20 + r.user_tokens for r in trace)
     arrivals = [r.arrival_s for r in trace]
     assert arrivals[0] == 0.0 and arrivals == sorted(arrivals) and arrivals[-1] > 0
-    burst = build_trace(rate=None, seed=3, system_seed=2, **shape)  # type: ignore[arg-type]
+    burst = build_trace(rate=None, seed=3, system_seed=2, **shape)
     assert burst[0].prompt[:20] != trace[0].prompt[:20]
     assert {r.arrival_s for r in burst} == {0.0}
 

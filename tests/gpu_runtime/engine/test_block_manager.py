@@ -95,9 +95,9 @@ def _cached_table(bm: BlockManager, tokens: list[int], extra: str | None = None)
 def test_block_hash_chains_parent_tokens_and_extra_key() -> None:
     tokens = list(range(1, 13))
     first, second, third = _hashes(tokens)
-    assert first == hashlib.sha256(
-        b"\0" * 32 + (0).to_bytes(4, "little") + b"\0" + array("q", [1, 2, 3, 4]).tobytes()
-    ).digest()
+    # no parent (32 zero bytes), no extra key (length 0, flag 0), then the int64 token ids
+    header = b"\0" * 32 + (0).to_bytes(4, "little") + b"\0"
+    assert first == hashlib.sha256(header + array("q", [1, 2, 3, 4]).tobytes()).digest()
     assert second == hash_block_tokens(first, [5, 6, 7, 8], None)
     assert third == hash_block_tokens(second, [9, 10, 11, 12], None)
     # the same tokens after another prefix, or under an adapter, are another block
