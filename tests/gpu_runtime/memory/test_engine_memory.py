@@ -269,3 +269,56 @@ def test_the_budget_read_between_quanta_is_passed_as_the_running_quantums_promis
     busy[0] = False
     memory.before_decode()
     assert seen == [promised, None]  # only a running quantum has a promise
+
+
+def test_cached_free_blocks_are_lent_as_free_pages_and_lose_their_digests(
+    model: CausalLM,
+) -> None:
+    """Prefix-cached blocks no request holds count as free pages: the pool lends them to
+    finetuning (dropping their digests) as it does empty ones, never a used block; requests
+    sharing the prefix afterwards still get a plain engine's tokens."""
+    prefix = _prompts(7, (24,))[0]
+    prompts = [prefix + tail for tail in _prompts(8, (12, 14, 13, 15))]
+    plain = Engine(model, EngineConfig(num_kv_blocks=128, **ENGINE))  # type: ignore[arg-type]
+    expected = [o.output_token_ids for o in plain.generate(prompts, GREEDY)]
+    engine, memory = _pooled_engine(model, pages=48)
+    bm = engine.block_manager
+
+    hits: list[int] = []
+
+    def run(batch: list[list[int]]) -> list[list[int]]:
+        ids = [engine.add_request(p, GREEDY) for p in batch]
+        finished: dict[str, list[int]] = {}
+        while engine.has_unfinished_requests():
+            memory.before_decode()
+            for out in engine.step():
+                if out.finished:
+                    finished[out.request_id] = out.output_token_ids
+                    hits.append(out.num_cached_tokens)
+            memory.after_decode()
+            assert set(bm.free_block_ids()) | {
+                b for r in engine.scheduler.running for b in r.block_table
+            } <= set(range(memory.manager.usable_blocks))
+        return [finished[i] for i in ids]
+
+    assert run(prompts[:1]) == expected[:1]
+    assert run(prompts[1:3]) == expected[1:3]
+    assert hits == [0, 24, 24]  # both start after the cached prefix (6 blocks)
+    cached = bm.evictable_block_ids()
+    assert len(cached) >= 6 and bm.num_used_blocks == 0
+    top = max(cached) + 1
+    memory.manager.finetune.set_demand(40 * memory.manager.pool.page_bytes)
+    for _ in range(12):  # idle iterations: decode gives pages back, finetune borrows them
+        memory.before_decode()
+        engine.step()
+        memory.after_decode()
+        budget = memory.finetune_budget_bytes()
+        if budget:
+            memory.quantum_done(peak_bytes=budget, resident_bytes=0)
+    usable = memory.manager.usable_blocks
+    assert usable < top and memory.lent_bytes() > 0  # pages that held cached blocks are lent
+    assert all(b < usable for b in bm.evictable_block_ids())
+    assert bm.cache.num_cached_blocks == len(bm.evictable_block_ids())  # the lent ones dropped
+    assert run(prompts[3:]) == expected[3:]
+    assert hits[3] == 24  # the prefix's blocks lay below the lent pages: still cached
+    memory.manager.pool.check()
