@@ -32,14 +32,31 @@ import torch
 
 from bench.common.provenance import commit_hash, write_result
 from bench.common.samples import sample_percentile
-from bench.multilora.setup import build_model, random_storage
 from bench.prefix_cache.args import parse_args
 from bench.prefix_cache.trace import TracedRequest, build_trace
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
-from gpu_runtime.model import CausalLM
+from gpu_runtime.model import CausalLM, ModelConfig, build_random_model
+from gpu_runtime.model.tiny import tiny_config
 
 TTFT_P50_RATIO_TARGET = 5.0
 """Issue 28: caching on must cut TTFT p50 at least this many times on this trace."""
+
+
+def build_model(name: str, device: torch.device) -> tuple[CausalLM, str]:
+    """The model `name` (a preset, or "tiny": float32 on CPU) with seeded random weights, and
+    its dtype's name."""
+    if name == "tiny":
+        config = tiny_config("llama")
+        dtype = "float32" if device.type == "cpu" else "bfloat16"
+    else:
+        config = ModelConfig.preset(name)
+        dtype = "bfloat16"
+    return build_random_model(config, seed=0, device=device, dtype=dtype), dtype
+
+
+def random_storage(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Any:
+    """KV storage of random values (never zeros)."""
+    return torch.empty(shape, dtype=dtype, device=device).normal_()
 
 
 def build_engine(model: CausalLM, args: Any, caching: bool) -> Engine:
