@@ -20,7 +20,14 @@ PARAMS = SamplingParams(
 
 def _engine(model: Any) -> Engine:
     config = EngineConfig(
-        num_kv_blocks=96, block_size=4, max_num_seqs=4, max_num_batched_tokens=24, max_model_len=64
+        num_kv_blocks=96,
+        block_size=4,
+        max_num_seqs=4,
+        max_num_batched_tokens=24,
+        max_model_len=64,
+        # the prompts run again on one engine compare bit for bit: with the prefix cache the
+        # repeat would start after the cached prefix (other chunk shapes, last-bit rounding)
+        enable_prefix_caching=False,
     )
     return Engine(model, config)
 
