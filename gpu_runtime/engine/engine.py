@@ -245,7 +245,9 @@ class Engine:
         self.block_manager.grow(block_ids)
 
     def shrink_kv_blocks(self, num_blocks: int) -> list[int]:
-        """Take up to `num_blocks` free blocks out of use, highest ids first; returns them.
+        """Take up to `num_blocks` free blocks out of use: prefix-cached free blocks first (least
+        recently freed first, their cache entries dropped), then empty ones, highest ids first;
+        returns them. Used blocks are never taken.
         With async scheduling, first waits for the last launched step if it may still run
         (in flight, or discarded after its requests stopped): it may still write blocks freed
         when a request finished before it was read back."""

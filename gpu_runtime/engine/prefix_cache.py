@@ -43,12 +43,18 @@ def extend_block_hashes(
     num_tokens: int,
     block_size: int,
     extra: str | None,
+    offset: int = 0,
 ) -> None:
-    """Append to `hashes` (the digests of `token_ids`' first blocks, in order) the digests of
-    every further block that lies wholly within the first `num_tokens` tokens."""
+    """Append to `hashes` (the digests of a sequence's first blocks, in order) the digests of
+    every further block that lies wholly within its first `num_tokens` tokens. `token_ids` are
+    the sequence's tokens from position `offset` on (`offset` at most `len(hashes) *
+    block_size`, so a caller passes only the tokens of the blocks still to hash)."""
     parent = hashes[-1] if hashes else None
-    for index in range(len(hashes), num_tokens // block_size):
-        start = index * block_size
+    first = len(hashes)
+    if offset > first * block_size:
+        raise ValueError(f"offset {offset} is past block {first}'s first token")
+    for index in range(first, num_tokens // block_size):
+        start = index * block_size - offset
         parent = hash_block_tokens(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)
 

@@ -42,10 +42,21 @@ class PrefixKeys:
         return keys
 
     def _extend(self, request: Request, keys: _RequestKeys, num_blocks: int) -> None:
-        if len(keys.hashes) < num_blocks:
-            size = self.block_manager.block_size
-            tokens = request.all_token_ids
-            extend_block_hashes(keys.hashes, tokens, num_blocks * size, size, request.lora_name)
+        """Digests of `request`'s first `num_blocks` blocks, hashing only the missing ones
+        (their tokens sliced from the prompt and the output, not the whole sequence)."""
+        if len(keys.hashes) >= num_blocks:
+            return
+        size = self.block_manager.block_size
+        start, end = len(keys.hashes) * size, num_blocks * size
+        prompt, output = request.prompt_token_ids, request.output_token_ids
+        split = len(prompt)
+        if end <= split:
+            window = prompt[start:end]
+        elif start >= split:
+            window = output[start - split : end - split]
+        else:
+            window = prompt[start:] + output[: end - split]
+        extend_block_hashes(keys.hashes, window, end, size, request.lora_name, offset=start)
 
     def hits(self, request: Request) -> list[int]:
         """Cached blocks of `request`'s first `(num_tokens - 1) // block_size` blocks, the

@@ -225,3 +225,14 @@ def test_remove_takes_cached_free_blocks_and_refuses_used_ones() -> None:
     bm.remove([3, 1])
     assert bm.free_block_ids() == [2] and bm.cache.num_cached_blocks == 1
     assert bm.cache.lookup(_hashes(list(range(1, 9)))) == [0]
+
+
+def test_block_hashes_extend_from_a_window_of_the_sequence() -> None:
+    tokens = list(range(1, 30))
+    whole = _hashes(tokens)
+    assert len(whole) == 7
+    hashes = whole[:3]
+    extend_block_hashes(hashes, tokens[12:28], 28, 4, None, offset=12)
+    assert hashes == whole
+    with pytest.raises(ValueError, match="offset 16 is past block 3's first token"):
+        extend_block_hashes(whole[:3], tokens[16:], 28, 4, None, offset=16)

@@ -13,6 +13,8 @@ import torch
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
+from gpu_runtime.engine.prefix_cache import extend_block_hashes
+from gpu_runtime.engine.prefix_keys import PrefixKeys
 from gpu_runtime.engine.request import Request, RequestOutput, RequestStatus
 from gpu_runtime.model import CausalLM
 from tests.gpu_runtime.engine.test_scheduler_preview import _run, _schedule_after_preview
@@ -259,3 +261,20 @@ def test_greedy_tokens_equal_with_caching_on_and_off(tiny_llama: CausalLM, block
     assert cached[0] == 0 and cached.count(20) >= 8 and set(cached) <= {0, 20}
     assert (preemptions > 0) == (blocks == 18)
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_digests_span_the_prompt_and_the_output() -> None:
+    """A request's blocks are named by the digests of its whole token sequence, the blocks
+    across the prompt/output boundary and inside the output included."""
+    bm = BlockManager(8, 4)
+    keys = PrefixKeys(bm)
+    request = _request("a", [1, 2, 3, 4, 5, 6])
+    request.output_token_ids = [7, 8, 9, 10, 11, 12, 13]
+    bm.append_slots(request.block_table, 13)
+    request.num_computed_tokens = 12  # blocks 0-2 computed, the last token not yet
+    keys.computed(request)
+    whole: list[bytes] = []
+    extend_block_hashes(whole, list(range(1, 14)), 13, 4, None)
+    assert [bm.cache.block_hash(b) for b in request.block_table] == [*whole, None]
+    other = _request("b", [*range(1, 13), 99])  # the same 12 tokens as a prompt
+    assert keys.hits(other) == request.block_table[:3]
