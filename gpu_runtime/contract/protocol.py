@@ -80,6 +80,10 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
 * `job_succeeded`: `placement_id`, `job_id`, `trained_tokens`, `adapter_key`, `train_loss`.
 * `job_failed`: `placement_id`, `job_id`, `code`, `message`.
 * `job_stopped`: `placement_id`, `job_id`, `reason` ("paused" | "cancelled"), `step`.
+* `adapter_load_failed`: `name`, `storage_key`, `message` — a `load_adapter` the host could not
+  apply (no complete tree at the key, files that are not a LoRA adapter for its base model);
+  it serves nothing under `name` then, and the control plane records the failure for the
+  operator (`message` is for operators only: it may name the host's paths).
 * `metrics`: `window_s`, `host_metrics` (`weights_bytes`, `kv_used_bytes`,
   `finetune_lent_bytes`, `free_bytes`, `finetune_tokens_per_s`) and `deployment_metrics` (null
   or `tpot_p50_ms`, `tpot_p99_ms`, `ttft_p50_ms`, `ttft_p99_ms`, `slo_attainment`,
@@ -130,6 +134,7 @@ REPORT_KINDS = frozenset(
         "job_succeeded",
         "job_failed",
         "job_stopped",
+        "adapter_load_failed",
         "metrics",
     }
 )
@@ -141,6 +146,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "job_succeeded": ("placement_id", "job_id", "trained_tokens", "adapter_key"),
     "job_failed": ("placement_id", "job_id", "code", "message"),
     "job_stopped": ("placement_id", "job_id", "reason"),
+    "adapter_load_failed": ("name", "storage_key", "message"),
     "metrics": ("host_metrics",),
     "apply_placement": ("placement_id", "job"),
     "pause": ("placement_id", "job_id"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -85,9 +85,15 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         loop.stop()
 
 
-def _post(served: Served, path: str, body: dict[str, object], token: str | None = ADMIN):
+def _post(
+    served: Served, path: str, body: Mapping[str, object], token: str | None = ADMIN
+) -> httpx.Response:
     headers = {"authorization": f"Bearer {token}"} if token else {}
     return httpx.post(f"{served.url}{path}", json=body, headers=headers, timeout=30)
+
+
+def _load(served: Served, name: str, path: str) -> httpx.Response:
+    return _post(served, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
 
 
 def _client(served: Served) -> openai.OpenAI:
@@ -129,12 +135,7 @@ def test_load_serves_at_once_and_unload_stops_it(served: Served) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL, "support"]
     assert _greedy(client, "support") == support  # the other adapter is untouched
     # loaded again under the same name: served again, same weights, same text
-    assert (
-        _post(
-            served, "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": "poet"}
-        ).status_code
-        == 200
-    )  # noqa: E501
+    assert _load(served, "poet", "poet").status_code == 200
     assert _greedy(client, "poet") == poet
     for name in ("poet", "support"):
         assert _post(served, "/v1/unload_lora_adapter", {"lora_name": name}).status_code == 200
@@ -142,12 +143,7 @@ def test_load_serves_at_once_and_unload_stops_it(served: Served) -> None:
 
 def test_unload_lets_running_requests_finish(served: Served) -> None:
     client = _client(served)
-    assert (
-        _post(
-            served, "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": "poet"}
-        ).status_code
-        == 200
-    )  # noqa: E501
+    assert _load(served, "poet", "poet").status_code == 200
     expected = _greedy(client, "poet")
     stream = client.completions.create(
         model="poet", prompt=PROMPT, max_tokens=10, temperature=0, stream=True
@@ -164,12 +160,7 @@ def test_unload_lets_running_requests_finish(served: Served) -> None:
 
 def test_refusals_name_the_field_and_change_nothing(served: Served) -> None:
     client = _client(served)
-    assert (
-        _post(
-            served, "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": "poet"}
-        ).status_code
-        == 200
-    )  # noqa: E501
+    assert _load(served, "poet", "poet").status_code == 200
     poet = _greedy(client, "poet")
     cases = [
         ({"lora_name": "poet", "lora_path": "support"}, "lora_name", "already been loaded"),
