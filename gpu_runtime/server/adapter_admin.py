@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Protocol
 
 from gpu_runtime.engine import Engine
-from gpu_runtime.finetune.checkpoint import CheckpointError, read_adapter
+from gpu_runtime.finetune.checkpoint import CheckpointError
+from gpu_runtime.lora.host_adapter import HostAdapter
 from gpu_runtime.lora.runtime import MultiLoraRuntime
 
 ADMIN_TOKEN_ENV = "HARLI_HOST_ADMIN_TOKEN"
@@ -40,12 +41,13 @@ class AdapterExistsError(ValueError):
 def check_fits_slots(lora: MultiLoraRuntime, directory: Path) -> None:
     """ValueError when the adapter in `directory` cannot take one of `lora`'s GPU slots: a
     rank above theirs or a module they do not hold (checked at load, so an operator's load
-    fails at once instead of every request for it later)."""
-    spec, _ = read_adapter(directory)
+    fails at once instead of every request for it later); the reading itself raises the
+    LoRA runtime's own refusals (`gpu_runtime.lora.errors`)."""
     weights = lora.weights
-    if spec.rank > weights.max_rank:
-        raise ValueError(f"adapter rank {spec.rank} > the server's largest, {weights.max_rank}")
-    extra = sorted(set(spec.target_modules) - set(weights.target_modules))
+    adapter = HostAdapter.from_directory(directory.name, directory, weights.config)
+    if adapter.rank > weights.max_rank:
+        raise ValueError(f"adapter rank {adapter.rank} > the server's largest, {weights.max_rank}")
+    extra = sorted(adapter.projections - set(weights.target_modules))
     if extra:
         raise ValueError(f"adapter targets {extra}, which this server's slots do not hold")
 

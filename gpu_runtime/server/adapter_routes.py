@@ -9,9 +9,10 @@ registers the adapter on the engine loop thread between two steps (the adapter i
 checked there), so it is served at once: `/v1/models` lists it and requests may name it, with
 no restart. Success answers 200 with vLLM's plain-text sentence. Errors answer OpenAI's shape:
 400 naming `lora_name` (empty or malformed, the base model's name, already served) or
-`lora_path` (outside the roots, not a directory, not an adapter this server can serve; other
-adapters are untouched), 404 `model_not_found` for unloading a name not served. An unload
-refuses new requests for the name at once (404); requests already running with it finish.
+`lora_path` (outside the roots, not a directory, not an adapter this server can serve: code
+`unsupported_adapter` when the LoRA runtime refuses its config; other adapters are untouched),
+404 `model_not_found` for unloading a name not served. An unload refuses new requests for the
+name at once (404); requests already running with it finish.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from fastapi.responses import PlainTextResponse
 from pydantic import BaseModel, ConfigDict
 
 from gpu_runtime.contract.metrics_scrape import bearer_matches
+from gpu_runtime.lora.errors import AdapterConfigError
 from gpu_runtime.server.adapter_admin import (
     ADAPTER_LOAD_ERRORS,
     AdapterAdmin,
@@ -94,6 +96,13 @@ async def load_lora_adapter(
         await asyncio.wrap_future(future)
     except AdapterExistsError as exc:
         raise OpenAIError(400, str(exc), param="lora_name", code="adapter_exists") from exc
+    except AdapterConfigError as exc:  # the runtime's refusal names the option
+        raise OpenAIError(
+            400,
+            f"cannot load lora_path {body.lora_path!r}: {exc}",
+            param="lora_path",
+            code="unsupported_adapter",
+        ) from exc
     except ADAPTER_LOAD_ERRORS as exc:
         raise OpenAIError(
             400, f"cannot load lora_path {body.lora_path!r}: {exc}", param="lora_path"

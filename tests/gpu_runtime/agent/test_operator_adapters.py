@@ -105,7 +105,7 @@ def test_a_load_the_host_cannot_apply_is_reported(
     storage.put_tree("adapters/ftjob-10", bad)
     host.command(_load_command("ft:tiny:acme:x:ftjob-10", "adapters/ftjob-10"))
     failed = reports.wait_for("adapter_load_failed")
-    assert failed["name"] == "ft:tiny:acme:x:ftjob-10" and "is not LORA" in failed["message"]
+    assert failed["name"] == "ft:tiny:acme:x:ftjob-10" and "only LORA adapters" in failed["message"]
     assert host.runtime.status().adapters == []
     assert not (tmp_path / "work" / "adapters" / "ft_tiny_acme_x_ftjob-10").exists()
     good = random_adapter(tiny_model_dir, tmp_path / "good", seed=3)

@@ -173,7 +173,7 @@ def test_refusals_name_the_field_and_change_nothing(served: Served) -> None:
         ({"lora_name": "x", "lora_path": "link"}, "lora_path", "root"),
         ({"lora_name": "x", "lora_path": "missing"}, "lora_path", "not a directory"),
         ({"lora_name": "x", "lora_path": "empty"}, "lora_path", "lacks adapter_config"),
-        ({"lora_name": "x", "lora_path": "not-lora"}, "lora_path", "is not LORA"),
+        ({"lora_name": "x", "lora_path": "not-lora"}, "lora_path", "only LORA adapters"),
         ({"lora_name": "x", "lora_path": "huge"}, "lora_path", "rank 8 > "),
         ({"lora_name": "x", "lora_path": "poet", "base_model": "y"}, "base_model", "Extra"),
         ({"lora_name": "x"}, "lora_path", "Field required"),
@@ -183,6 +183,8 @@ def test_refusals_name_the_field_and_change_nothing(served: Served) -> None:
         assert response.status_code == 400, (body, response.text)
         error = _error(response)
         assert error["param"] == param and message in str(error["message"]), (body, error)
+        unsupported = body.get("lora_path") == "not-lora"
+        assert (error["code"] == "unsupported_adapter") == unsupported, (body, error)
     assert [m.id for m in client.models.list().data] == [MODEL, "poet"]
     assert _greedy(client, "poet") == poet
     missing = _post(served, "/v1/unload_lora_adapter", {"lora_name": "nobody"})
