@@ -15,7 +15,9 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
   cancel commits, and again whenever a heartbeat names a placement that is no longer open; the
   agent ignores (and logs) one for a placement it does not train, and drops a placement whose
   stop came first. A placement whose `resume_from` is the final step succeeds at once.
-* `{"command": "load_adapter", "command_id", "name", "storage_key"}` — serve an adapter by name.
+* `{"command": "load_adapter", "command_id", "name", "storage_key"}` — serve an adapter by name
+  (sent for a finished adapter of the host's base model its heartbeat lacks, and by an
+  operator's order); one the host cannot apply is answered with `adapter_load_failed`.
 * `{"command": "unload_adapter", "command_id", "name"}` — stop serving a model by name (a
   deleted fine-tuned model, or a checkpoint deleted or pruned): new requests for it are
   refused (404) at once, requests already decoding with it finish, then its slot is freed.
