@@ -40,8 +40,13 @@ class HostAdapters:
         self.storage = storage
         self.root = Path(work_dir) / "adapters"
 
+    def directory(self, name: str) -> Path:
+        """Where `name`'s private copy lives (names differing only in characters a file name
+        cannot hold share one)."""
+        return self.root / _directory_name(name)
+
     def _target(self, name: str) -> Path:
-        directory = self.root / _directory_name(name)
+        directory = self.directory(name)
         shutil.rmtree(directory, ignore_errors=True)
         directory.parent.mkdir(parents=True, exist_ok=True)
         return directory

@@ -31,8 +31,14 @@ class OperatorAdapters:
         lora = lora_runtime(self.runtime.engine)
         if lora.has(name):
             raise AdapterExistsError(f"The lora adapter '{name}' has already been loaded.")
+        adapters = self.runtime.adapters
+        clash = [n for n in lora.names() if adapters.directory(n) == adapters.directory(name)]
+        if clash:
+            raise AdapterExistsError(
+                f"lora_name {name!r} would share the host's copy of the served {clash[0]!r}"
+            )
         check_fits_slots(lora, directory)
-        self.runtime.adapters.load_directory(lora, name, directory)
+        adapters.load_directory(lora, name, directory)
         self.runtime.refresh_status()
 
     def unload(self, name: str) -> bool:

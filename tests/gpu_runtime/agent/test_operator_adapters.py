@@ -26,7 +26,7 @@ from tests.gpu_runtime.agent.host_server import agent_config, grant, random_adap
 from tests.gpu_runtime.server.serving import serve_in_thread
 
 ADMIN = "host-admin-token"
-NAME = "ops-poet"
+NAME = "ops_poet"
 
 
 def _load(root: str, body: dict[str, str], token: str | None = ADMIN) -> httpx.Response:
@@ -74,6 +74,9 @@ def test_operator_loads_and_unloads_an_adapter_on_a_running_host(
         assert greedy(NAME) != greedy("tiny")  # served with its weights, no restart
         again = _load(root, {"lora_name": NAME, "lora_path": "poet"})
         assert again.status_code == 400 and again.json()["error"]["param"] == "lora_name"
+        clash = _load(root, {"lora_name": "ops:poet", "lora_path": "poet"})  # copy: ops_poet
+        assert clash.status_code == 400 and "share the host's copy" in clash.text
+        assert (copies / NAME / "adapter_config.json").is_file()  # the served copy is kept
         broken = _load(root, {"lora_name": "ops-broken", "lora_path": "broken"})
         assert broken.status_code == 400 and broken.json()["error"]["param"] == "lora_path"
         assert not (copies / "ops-broken").exists()  # nothing left of the failed load
