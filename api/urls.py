@@ -7,7 +7,18 @@ from __future__ import annotations
 
 from django.urls import URLPattern, path
 
-from api.apis import adapters, files, jobs, limits, models, ops, ops_usage, uploads, usage
+from api.apis import (
+    adapters,
+    files,
+    jobs,
+    limits,
+    models,
+    ops,
+    ops_host_adapters,
+    ops_usage,
+    uploads,
+    usage,
+)
 
 JOB = "fine_tuning/jobs/<str:fine_tuning_job_id>"
 UPLOAD = "uploads/<str:upload_id>"
@@ -56,6 +67,21 @@ ops_urlpatterns: list[URLPattern] = [
     path("hosts/<str:name>", ops.HostDetailApi.as_view(), name="host"),
     path("hosts/<str:name>/drain", ops.HostDrainApi.as_view(), name="host-drain"),
     path("hosts/<str:name>/undrain", ops.HostUndrainApi.as_view(), name="host-undrain"),
+    path(
+        "hosts/<str:name>/adapters",
+        ops_host_adapters.HostAdaptersApi.as_view(),
+        name="host-adapters",
+    ),
+    path(
+        "hosts/<str:name>/adapters/load",
+        ops_host_adapters.HostAdapterLoadApi.as_view(),
+        name="host-adapters-load",
+    ),
+    path(
+        "hosts/<str:name>/adapters/unload",
+        ops_host_adapters.HostAdapterUnloadApi.as_view(),
+        name="host-adapters-unload",
+    ),
     path("placements", ops.PlacementsApi.as_view(), name="placements"),
     path("jobs", ops.JobsApi.as_view(), name="jobs"),
     path("jobs/<str:job_id>", ops.JobDetailOpsApi.as_view(), name="job"),

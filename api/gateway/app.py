@@ -256,12 +256,14 @@ class Gateway:
     ) -> None:  # fmt: skip
         """Settle the rate limit's up-front charge against what was used, and record it."""
         used = usage.prompt_tokens + usage.completion_tokens if usage is not None else 0
+        if not request.generates:
+            used = 0  # nothing generated: the up-front charge is given back
         try:
             await self.limiter.settle(caller.tenant, caller.limits,
                                       used - request.estimated_tokens)  # fmt: skip
         except Exception:
             logger.exception("cannot settle the rate limit of %s", caller.tenant)
-        if usage is not None:
+        if usage is not None and request.generates:
             self.usage.record(caller.tenant_id, target.model, usage.prompt_tokens,
                               usage.completion_tokens)  # fmt: skip
 

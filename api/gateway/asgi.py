@@ -1,8 +1,9 @@
-"""The control plane's ASGI application: the gateway's two inference paths, Django for the rest.
+"""The control plane's ASGI application: the gateway's inference paths, Django for the rest.
 
 `with_gateway(django_app)` wraps Django's ASGI handler. The gateway answers
-`POST /v1/completions` and `POST /v1/chat/completions` as a plain ASGI app (no Django request
-cycle per event of a stream); every other path, `GET /v1/models` included, goes to Django,
+`POST /v1/completions`, `POST /v1/chat/completions`, `POST /tokenize` and `POST /detokenize`
+(`requests.ROUTES`) as a plain ASGI app (no Django request cycle per event of a stream); every
+other path, `GET /v1/models` included, goes to Django,
 except an upload whose declared size is too large for its route: it is refused from its
 headers here, since Django reads a whole body before its middleware runs. The
 wrapper owns the ASGI lifespan: at startup it starts the gateway's background work (usage

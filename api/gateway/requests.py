@@ -1,6 +1,7 @@
 """What the gateway reads of an inference request's body before it routes it: the model, whether
 it streams, and the token estimate the rate limit is charged up front. The host validates the
-rest (it answers the same OpenAI errors either way)."""
+rest (it answers the same OpenAI errors either way). `/tokenize` and `/detokenize` need a
+`model` here (the host defaults to its base model; the gateway routes by it)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,16 @@ from api.rate_limits import estimate_request_tokens
 
 COMPLETIONS = "/v1/completions"
 CHAT_COMPLETIONS = "/v1/chat/completions"
-ROUTES = {COMPLETIONS: "/completions", CHAT_COMPLETIONS: "/chat/completions"}
-"""The gateway's paths and the host path (under its `/v1` server URL) each goes to."""
-DEFAULT_COMPLETION_TOKENS = {COMPLETIONS: 16, CHAT_COMPLETIONS: 256}
+TOKENIZE = "/tokenize"
+DETOKENIZE = "/detokenize"
+ROUTES = {COMPLETIONS: "/completions", CHAT_COMPLETIONS: "/chat/completions",
+          TOKENIZE: "/tokenize", DETOKENIZE: "/detokenize"}  # fmt: skip
+"""The gateway's paths and the host path each goes to: under the host's `/v1` server URL, or,
+for :data:`ROOT_PATHS`, under its root (vLLM serves `/tokenize` and `/detokenize` there)."""
+ROOT_PATHS = frozenset({TOKENIZE, DETOKENIZE})
+"""Paths that generate nothing: the rate limit's token charge is settled to zero and no usage
+is recorded (they count as requests)."""
+DEFAULT_COMPLETION_TOKENS = {COMPLETIONS: 16, CHAT_COMPLETIONS: 256, TOKENIZE: 0, DETOKENIZE: 0}
 """The estimate of completion tokens when the request names no limit: OpenAI's default for
 completions; for chat, the limit is the model's remaining context, so a typical answer."""
 
@@ -28,6 +36,16 @@ class InferenceRequest:
     stream: bool
     client_wants_usage: bool
     estimated_tokens: int
+
+    @property
+    def generates(self) -> bool:
+        """Whether the host generates tokens for it (its usage is recorded)."""
+        return self.path not in ROOT_PATHS
+
+    def host_url(self, server_url: str) -> str:
+        """The URL of this request on a host whose `/v1` server URL is `server_url`."""
+        base = server_url.removesuffix("/v1") if self.path in ROOT_PATHS else server_url
+        return base + ROUTES[self.path]
 
     def upstream_body(self) -> bytes:
         """The body for the host: the client's, asking for the usage chunk when it streams."""
@@ -68,7 +86,9 @@ def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
             raise HarliError(f"{name} must be a non-negative integer", param=name)
         limits.append(value)
     completion = limits[0] if limits else DEFAULT_COMPLETION_TOKENS[path]
-    prompts = body.get("prompt") if path == COMPLETIONS else body.get("messages")
+    prompts = body.get("prompt") if path in (COMPLETIONS, TOKENIZE) else body.get("messages")
+    if path == DETOKENIZE:
+        prompts = body.get("tokens")
     prompt_count = len(body["prompt"]) if path == COMPLETIONS and _is_text_list(prompts) else 1
     estimate = estimate_request_tokens(
         prompt_chars=_prompt_chars(prompts), max_tokens=completion * prompt_count

@@ -12,7 +12,7 @@ from api.errors import HarliError
 from api.gateway.callers import Caller
 from api.gateway.fleet import FleetView
 from api.gateway.host_http import HostPool, HostResponse, HostUnreachable
-from api.gateway.requests import ROUTES, InferenceRequest
+from api.gateway.requests import InferenceRequest
 from api.gateway.routing import HostCandidate, rank_hosts
 from api.gateway.selectors import InferenceTarget
 from gpu_runtime.contract.grants import GRANT_HEADER, GRANT_TTL_S, Grant, grant_sign, host_key
@@ -124,4 +124,4 @@ class Upstream:
         rid: str,
     ) -> HostResponse:
         headers = {GRANT_HEADER: self._grant(host.name, caller, target, rid), "x-request-id": rid}
-        return await self.client.post(host.server_url + ROUTES[request.path], body, headers)
+        return await self.client.post(request.host_url(host.server_url), body, headers)

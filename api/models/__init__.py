@@ -1,6 +1,12 @@
 """The control plane's domain models; import them from here (`from api.models import File`)."""
 
-from api.models.agents import HostAgentState, PlacementDecision, ProcessedReport
+from api.models.agents import (
+    HostAdapterAction,
+    HostAdapterOrder,
+    HostAgentState,
+    PlacementDecision,
+    ProcessedReport,
+)
 from api.models.finetune import (
     DEFAULT_LORA_TARGET_MODULES,
     OPEN_PLACEMENT_STATES,
@@ -40,6 +46,8 @@ __all__ = [
     "ProcessedReport",
     "PlacementDecision",
     "HostAgentState",
+    "HostAdapterAction",
+    "HostAdapterOrder",
     "DEFAULT_LORA_TARGET_MODULES",
     "OPEN_PLACEMENT_STATES",
     "Adapter",

@@ -70,3 +70,31 @@ class ProcessedReport(models.Model):
     class Meta:
         db_table = "workers_processedreport"
         indexes = [models.Index(fields=["processed_at"], name="workers_pro_process_19e30f_idx")]
+
+
+class HostAdapterAction(models.TextChoices):
+    LOAD = "load", "Load"
+    UNLOAD = "unload", "Unload"
+
+
+class HostAdapterOrder(models.Model):
+    """An operator's last word on serving model `name` on `host` (`manage.py host_adapter`,
+    `/api/ops/hosts/<name>/adapters`), and the host's last failure to load it.
+
+    `unload` keeps the heartbeats from offering the model to that host again (they offer every
+    finished adapter of its base model otherwise); `load` lifts that. `failure` is the host's
+    latest `adapter_load_failed` message (set whether or not an operator asked; cleared when a
+    heartbeat names the model as served)."""
+
+    host = models.ForeignKey(GpuHost, on_delete=models.CASCADE, related_name="adapter_orders")
+    name = models.CharField(max_length=255)
+    action = models.CharField(max_length=8, choices=HostAdapterAction.choices)
+    failure = models.TextField(blank=True)
+    failed_at = models.DateTimeField(null=True, blank=True)
+    updated_at = models.DateTimeField(auto_now=True)
+
+    class Meta:
+        ordering = ["name"]
+        constraints = [
+            models.UniqueConstraint(fields=["host", "name"], name="host_adapter_order_unique")
+        ]

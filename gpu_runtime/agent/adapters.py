@@ -40,18 +40,29 @@ class HostAdapters:
         self.storage = storage
         self.root = Path(work_dir) / "adapters"
 
+    def directory(self, name: str) -> Path:
+        """Where `name`'s private copy lives (names differing only in characters a file name
+        cannot hold share one)."""
+        return self.root / _directory_name(name)
+
     def _target(self, name: str) -> Path:
-        directory = self.root / _directory_name(name)
+        directory = self.directory(name)
         shutil.rmtree(directory, ignore_errors=True)
         directory.parent.mkdir(parents=True, exist_ok=True)
         return directory
 
     def load(self, lora: MultiLoraRuntime, name: str, storage_key: str) -> None:
-        """Fetch `storage_key` (an adapter tree) from storage and serve it as `name`."""
+        """Fetch `storage_key` (an adapter tree) from storage and serve it as `name`. On an
+        error (no complete tree, not an adapter for this model) the fetched copy is removed
+        and the error propagates."""
         if lora.has(name):
             return
         directory = self._target(name)
-        self.storage.get_tree(storage_key, directory)
+        try:
+            self.storage.get_tree(storage_key, directory)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)  # what a failed fetch left
+            raise
         _register(lora, name, directory)
 
     def load_local(self, lora: MultiLoraRuntime, name: str, source: Path) -> None:
@@ -60,6 +71,23 @@ class HostAdapters:
             return
         directory = self._target(name)
         shutil.copytree(source, directory)
+        _register(lora, name, directory)
+
+    def load_directory(self, lora: MultiLoraRuntime, name: str, source: Path) -> None:
+        """Serve the PEFT adapter in `source` (an operator's directory) as `name`, from a copy
+        of its config and weights only: the operator's directory may change or go later.
+        `name` must not be served (the caller checks); on any error nothing is left (no copy,
+        no registration) and the error propagates."""
+        directory = self._target(name)
+        directory.mkdir()
+        try:
+            for file_name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+                if not (source / file_name).is_file():
+                    raise FileNotFoundError(f"{source} lacks {file_name}")
+                shutil.copyfile(source / file_name, directory / file_name)
+        except BaseException:
+            shutil.rmtree(directory, ignore_errors=True)
+            raise
         _register(lora, name, directory)
 
     def fetch_peft(self, name: str, storage_key: str) -> Path:

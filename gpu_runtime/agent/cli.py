@@ -7,7 +7,9 @@ iterations and finetune quanta), the OpenAI-compatible server of `gpu_runtime.se
 loop (streaming, usage, `/v1/models`; requests accepted by the gateway's grant, verified with the
 host key from `--host-key-file` or HARLI_HOST_KEY, and by tenants' keys checked against the
 control plane only with `--allow-tenant-keys`: `host_auth`; `GET /metrics` for a Prometheus
-scrape bearing HARLI_METRICS_TOKEN, off without it), the host-queue consumer; then
+scrape bearing HARLI_METRICS_TOKEN, off without it; the operator's `/v1/load_lora_adapter` and
+`/v1/unload_lora_adapter` for a request bearing HARLI_HOST_ADMIN_TOKEN, loading from the
+`--adapter-root` directories, off without it), the host-queue consumer; then
 sends heartbeats from the main thread until SIGTERM or SIGINT, and stops everything in reverse
 order. Exits with status 3 (HOST_QUEUE_LOST_EXIT) if the host-queue consumer gave up
 (`channel.CommandConsumer`).
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from gpu_runtime.agent.config import (
+    ADMIN_TOKEN_ENV,
     DEFAULT_DECODE_GROUPS,
     GIB,
     HOST_KEY_ENV,
@@ -72,6 +75,14 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     p.add_argument("--host-key-file", default=None,
                    help="file holding this host's grant key (`manage.py hosts key NAME`); "
                    f"default: the environment's {HOST_KEY_ENV}")  # fmt: skip
+    p.add_argument(
+        "--adapter-root",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory the operator's /v1/load_lora_adapter may load adapters "
+        f"from (repeatable; needs {ADMIN_TOKEN_ENV})",
+    )
     p.add_argument("--allow-tenant-keys", action="store_true",
                    help="also accept a request without a grant by its tenant's API key, "
                    "checked against the control plane (--control-url)")  # fmt: skip
@@ -147,6 +158,8 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             control_url=args.control_url,
             host_key=host_key,
             metrics_token=os.environ.get("HARLI_METRICS_TOKEN") or None,
+            admin_token=os.environ.get(ADMIN_TOKEN_ENV) or None,
+            adapter_roots=tuple(Path(root).resolve() for root in args.adapter_root),
             allow_tenant_keys=args.allow_tenant_keys,
             server_host=bind_host or "127.0.0.1",
             server_port=int(port),
@@ -245,6 +258,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.agent.channel import CommandConsumer, ReportSender
     from gpu_runtime.agent.checkpoint_models import CheckpointModels
     from gpu_runtime.agent.host_auth import host_auth
+    from gpu_runtime.agent.operator_adapters import OperatorAdapters
     from gpu_runtime.agent.outbox import DiskOutbox
     from gpu_runtime.agent.runtime import HostRuntime, submit_command
     from gpu_runtime.agent.serving import EngineSpec
@@ -255,6 +269,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.engine import EngineConfig
     from gpu_runtime.model.tiny import build_tiny_model_dir
     from gpu_runtime.server import EngineLoop, MetricsCollector, create_app
+    from gpu_runtime.server.adapter_admin import AdapterAdmin
     from gpu_runtime.server.prometheus import ServerMetrics
     from gpu_runtime.server.threaded import ThreadedServer
 
@@ -332,6 +347,11 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
         limits=config.request_limits(),
         prometheus=prometheus,
         metrics_token=config.metrics_token,
+        adapter_admin=(
+            AdapterAdmin(config.admin_token, config.adapter_roots, OperatorAdapters(runtime))
+            if config.admin_token
+            else None
+        ),
     )
     if config.metrics_token is None:
         logger.info("GET /metrics is off: HARLI_METRICS_TOKEN is not set")

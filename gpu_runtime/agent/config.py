@@ -22,6 +22,9 @@ does not (docs/decisions/0013-quantum-sizing-and-splits.md)."""
 GIB = 2**30
 OUTBOX_DIR_ENV = "HARLI_OUTBOX_DIR"
 HOST_KEY_ENV = "HARLI_HOST_KEY"
+ADMIN_TOKEN_ENV = "HARLI_HOST_ADMIN_TOKEN"
+"""The operator token of the host's adapter routes (the same variable as the stand-alone
+server's, `gpu_runtime.server.adapter_admin`; repeated: this module must not load torch)."""
 _HOST_KEY = re.compile(r"[0-9a-f]{64}")
 
 
@@ -59,6 +62,14 @@ class AgentConfig:
     """Bearer token a Prometheus scrape of the server's `GET /metrics` must carry (the
     environment's HARLI_METRICS_TOKEN; never an option, so never on a command line). None: the
     route is off (404)."""
+    admin_token: str | None = field(default=None, repr=False)
+    """Bearer token of the operator's adapter routes (`POST /v1/load_lora_adapter`,
+    `/v1/unload_lora_adapter`): the environment's HARLI_HOST_ADMIN_TOKEN, never an option.
+    None: the routes are off (404). Needs `adapter_roots`."""
+    adapter_roots: tuple[Path, ...] = ()
+    """Directories the operator's `/v1/load_lora_adapter` may load adapters from
+    (`--adapter-root`, repeatable; absolute after parsing); set with `admin_token` or not at
+    all."""
     allow_tenant_keys: bool = False
     """Also accept a request without a grant by its tenant's API key, checked against the
     control plane (how hosts took requests before the gateway)."""
@@ -186,6 +197,15 @@ class AgentConfig:
         for ok, message in checks:
             if not ok:
                 raise AgentConfigError(message)
+        if bool(self.admin_token) != bool(self.adapter_roots):
+            roots = [str(r) for r in self.adapter_roots]
+            token = "set" if self.admin_token else "unset"
+            raise AgentConfigError(
+                f"{ADMIN_TOKEN_ENV} and --adapter-root go together: token {token}, roots {roots}"
+            )
+        for root in self.adapter_roots:
+            if not Path(root).is_absolute() or not Path(root).is_dir():
+                raise AgentConfigError(f"adapter root {str(root)!r} is not an absolute directory")
         if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
             raise AgentConfigError(f"model_dir {self.model_dir} has no config.json")
 

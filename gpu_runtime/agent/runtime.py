@@ -54,6 +54,7 @@ from gpu_runtime.contract.storage import Storage
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server import EngineLoop, MetricsCollector
+from gpu_runtime.server.adapter_admin import ADAPTER_LOAD_ERRORS
 from gpu_runtime.server.prometheus import HostGauges, ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -286,8 +287,7 @@ class HostRuntime:
         elif name in ("pause", "cancel"):
             self.jobs.stop(str(command["job_id"]), int(command["placement_id"]), name)
         elif name == "load_adapter":
-            lora = lora_runtime(self._engine)
-            self.adapters.load(lora, str(command["name"]), str(command["storage_key"]))
+            self._load_adapter(str(command["name"]), str(command["storage_key"]))
         elif name == "unload_adapter":
             if self.adapters.unload(lora_runtime(self._engine), str(command["name"])):
                 logger.info("stopped serving %s", command["name"])
@@ -298,6 +298,17 @@ class HostRuntime:
                 str(command["base_model"]), command.get("model_dir"), command.get("preset")
             )
         self.refresh_status()
+
+    def _load_adapter(self, name: str, storage_key: str) -> None:
+        """Serve the adapter tree at `storage_key` as `name`; when it cannot be (see
+        `ADAPTER_LOAD_ERRORS`), nothing is served under the name and `adapter_load_failed`
+        tells the control plane why."""
+        try:
+            self.adapters.load(lora_runtime(self._engine), name, storage_key)
+        except ADAPTER_LOAD_ERRORS as exc:
+            logger.error("cannot serve adapter %s from %s: %s", name, storage_key, exc)
+            self.report("adapter_load_failed", name=name, storage_key=storage_key,
+                        message=f"cannot serve {storage_key}: {exc}"[:1000])  # fmt: skip
 
     def serve_fetched(self, name: str, directory: Path, base_model: str) -> bool:
         """Serve the PEFT directory `directory` as `name` when this host still serves

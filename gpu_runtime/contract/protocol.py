@@ -15,7 +15,9 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
   cancel commits, and again whenever a heartbeat names a placement that is no longer open; the
   agent ignores (and logs) one for a placement it does not train, and drops a placement whose
   stop came first. A placement whose `resume_from` is the final step succeeds at once.
-* `{"command": "load_adapter", "command_id", "name", "storage_key"}` — serve an adapter by name.
+* `{"command": "load_adapter", "command_id", "name", "storage_key"}` — serve an adapter by name
+  (sent for a finished adapter of the host's base model its heartbeat lacks, and by an
+  operator's order); one the host cannot apply is answered with `adapter_load_failed`.
 * `{"command": "unload_adapter", "command_id", "name"}` — stop serving a model by name (a
   deleted fine-tuned model, or a checkpoint deleted or pruned): new requests for it are
   refused (404) at once, requests already decoding with it finish, then its slot is freed.
@@ -80,6 +82,10 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
 * `job_succeeded`: `placement_id`, `job_id`, `trained_tokens`, `adapter_key`, `train_loss`.
 * `job_failed`: `placement_id`, `job_id`, `code`, `message`.
 * `job_stopped`: `placement_id`, `job_id`, `reason` ("paused" | "cancelled"), `step`.
+* `adapter_load_failed`: `name`, `storage_key`, `message` — a `load_adapter` the host could not
+  apply (no complete tree at the key, files that are not a LoRA adapter for its base model);
+  it serves nothing under `name` then, and the control plane records the failure for the
+  operator (`message` is for operators only: it may name the host's paths).
 * `metrics`: `window_s`, `host_metrics` (`weights_bytes`, `kv_used_bytes`,
   `finetune_lent_bytes`, `free_bytes`, `finetune_tokens_per_s`) and `deployment_metrics` (null
   or `tpot_p50_ms`, `tpot_p99_ms`, `ttft_p50_ms`, `ttft_p99_ms`, `slo_attainment`,
@@ -130,6 +136,7 @@ REPORT_KINDS = frozenset(
         "job_succeeded",
         "job_failed",
         "job_stopped",
+        "adapter_load_failed",
         "metrics",
     }
 )
@@ -141,6 +148,7 @@ _REQUIRED: dict[str, tuple[str, ...]] = {
     "job_succeeded": ("placement_id", "job_id", "trained_tokens", "adapter_key"),
     "job_failed": ("placement_id", "job_id", "code", "message"),
     "job_stopped": ("placement_id", "job_id", "reason"),
+    "adapter_load_failed": ("name", "storage_key", "message"),
     "metrics": ("host_metrics",),
     "apply_placement": ("placement_id", "job"),
     "pause": ("placement_id", "job_id"),

@@ -8,6 +8,9 @@ deployment with one SM partition, unlike the co-location host loop, which stays 
 `--max-prompts-per-request` and `--max-request-prompt-tokens` hold each request to its limits
 (`limits.RequestLimits`); requests of different keys are admitted in turn. `GET /metrics`
 (Prometheus) answers a scrape bearing HARLI_METRICS_TOKEN; without that variable it is off.
+With HARLI_HOST_ADMIN_TOKEN and one or more `--adapter-root DIR`, an operator bearing that token
+loads and unloads adapters at run time (`POST /v1/load_lora_adapter`, `/v1/unload_lora_adapter`)
+from directories under those roots; one without the other is refused at start.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.lora.errors import AdapterConfigError
 from gpu_runtime.model.loader import load_model, load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_model_dir
+from gpu_runtime.server.adapter_admin import ADMIN_TOKEN_ENV, AdapterAdmin, EngineAdapters
 from gpu_runtime.server.app import create_app
 from gpu_runtime.server.bearer_keys import API_KEYS_ENV, BearerKeys, keys_from_env
 from gpu_runtime.server.engine_loop import EngineLoop
@@ -65,6 +69,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         metavar="NAME=DIR",
         help="serve the PEFT LoRA adapter in DIR as model NAME (repeatable)",
     )
+    parser.add_argument(
+        "--adapter-root",
+        action="append",
+        default=[],
+        type=Path,
+        metavar="DIR",
+        help="a directory the operator's /v1/load_lora_adapter may load adapters from "
+        f"(repeatable; needs {ADMIN_TOKEN_ENV})",
+    )
     parser.add_argument("--lora-slots", type=int, default=8, help="adapters resident at once")
     parser.add_argument("--lora-max-rank", type=int, default=64, help="largest adapter rank")
     parser.add_argument(
@@ -89,12 +102,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         name, sep, directory = spec.partition("=")
         if not (sep and name and directory):
             parser.error(f"--adapter {spec!r}: expected NAME=DIR")
+    args.admin_token = os.environ.get(ADMIN_TOKEN_ENV) or None
+    if bool(args.admin_token) != bool(args.adapter_root):
+        parser.error(f"{ADMIN_TOKEN_ENV} and --adapter-root go together (set both or neither)")
+    args.adapter_root = [root.resolve() for root in args.adapter_root]
+    for root in args.adapter_root:
+        if not root.is_dir():
+            parser.error(f"--adapter-root {str(root)!r} is not a directory")
     return args
 
 
 def _engine(model_dir: Path, config: EngineConfig, args: argparse.Namespace) -> Engine:
-    """The engine, with a LoRA runtime holding the `--adapter`s when there are any."""
-    if not args.adapter:
+    """The engine, with a LoRA runtime holding the `--adapter`s when there are any or when
+    adapters may be loaded at run time (`--adapter-root`)."""
+    if not args.adapter and not args.adapter_root:
         return Engine.from_directory(model_dir, config, dtype=args.dtype)
     from gpu_runtime.lora.runtime import MultiLoraRuntime
 
@@ -147,6 +168,15 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, EngineLoop]:
         limits=args.limits,
         prometheus=prometheus,
         metrics_token=os.environ.get(METRICS_TOKEN_ENV) or None,
+        adapter_admin=(
+            AdapterAdmin(
+                args.admin_token,
+                tuple(args.adapter_root),
+                EngineAdapters(lambda: loop.engine),
+            )
+            if args.admin_token
+            else None
+        ),
     )
     return app, loop
 

@@ -1,5 +1,7 @@
 """OpenAI-compatible HTTP API over an `EngineLoop`: /v1/models, /v1/completions,
-/v1/chat/completions (SSE streaming with `stream: true`, usage, logprobs)."""
+/v1/chat/completions (SSE streaming with `stream: true`, usage, logprobs, system_fingerprint),
+/tokenize and /detokenize, and the operator's /v1/load_lora_adapter and
+/v1/unload_lora_adapter."""
 
 from __future__ import annotations
 
@@ -9,7 +11,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
-from gpu_runtime.server import completion_routes, metrics_routes, model_routes
+from gpu_runtime.server import (
+    adapter_routes,
+    completion_routes,
+    metrics_routes,
+    model_routes,
+    tokenize_routes,
+)
+from gpu_runtime.server.adapter_admin import AdapterAdmin
 from gpu_runtime.server.auth import RequestAuth
 from gpu_runtime.server.engine_loop import EngineLoop
 from gpu_runtime.server.inference import AdapterLookup, AdapterNames, Inference, ModelLoader
@@ -33,6 +42,7 @@ def create_app(
     limits: RequestLimits | None = None,
     prometheus: ServerMetrics | None = None,
     metrics_token: str | None = None,
+    adapter_admin: AdapterAdmin | None = None,
 ) -> FastAPI:
     """The FastAPI app. `engine_loop` must be started by the caller. `model_name` is the base
     model's name (or a callable giving it now, for a host that may load another base model).
@@ -48,6 +58,8 @@ def create_app(
     prompts, 32 contexts of tokens); past one the request is a 400 and reaches no engine.
     `prometheus` (default: a new `ServerMetrics`) is what `GET /metrics` serves, to a scrape
     bearing `metrics_token` (`metrics_routes`; without a token the route is off).
+    `adapter_admin` opens the operator's adapter routes (`adapter_routes`: load and unload
+    adapters at run time, behind its token); without it they answer 404.
 
     Each request's log lines carry its `x-request-id` (`request_ids`)."""
     if engine_loop.engine.tokenizer is None:
@@ -58,6 +70,7 @@ def create_app(
     app.state.engine_loop = engine_loop
     app.state.prometheus = prometheus = prometheus or ServerMetrics()
     app.state.metrics_token = metrics_token
+    app.state.adapter_admin = adapter_admin
     app.state.inference = Inference(
         engine_loop,
         model_name,
@@ -74,6 +87,8 @@ def create_app(
     app.include_router(model_routes.router)
     app.include_router(completion_routes.router)
     app.include_router(metrics_routes.router)
+    app.include_router(tokenize_routes.router)
+    app.include_router(adapter_routes.router)
     app.add_middleware(RequestIdMiddleware)
     return app
 

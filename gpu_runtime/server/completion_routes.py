@@ -58,6 +58,7 @@ async def completions(
         raise OpenAIError(400, str(exc), param="prompt") from exc
     params = inference.sampling(body, body.max_tokens or 16, body.logprobs)
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
+    fingerprint = inference.system_fingerprint()
     tracked = [Tracked(len(ids), time.perf_counter()) for ids in prompts]
     holdback = max((len(s) for s in params.stop), default=1) - 1
     prompt_tokens = {PROMPT_TOKENS_HEADER: str(sum(len(ids) for ids in prompts))}
@@ -89,6 +90,7 @@ async def completions(
             "object": "text_completion",
             "created": created,
             "model": body.model,
+            "system_fingerprint": fingerprint,
             "choices": choices,
             "usage": usage(tracked),
         }
@@ -126,6 +128,7 @@ async def completions(
                             "object": "text_completion",
                             "created": created,
                             "model": body.model,
+                            "system_fingerprint": fingerprint,
                             "choices": [
                                 {
                                     "index": i,
@@ -143,6 +146,7 @@ async def completions(
                         "object": "text_completion",
                         "created": created,
                         "model": body.model,
+                        "system_fingerprint": fingerprint,
                         "choices": [],
                         "usage": usage(tracked),
                     }
@@ -179,6 +183,7 @@ async def chat_completions(
         plan, inference.sampling(body, limit, top), inference.engine_loop.engine.structured
     )
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
+    fingerprint = inference.system_fingerprint()
     tracked = Tracked(len(ids), time.perf_counter())
     holdback = max((len(s) for s in params.stop), default=1) - 1
     prompt_tokens = {PROMPT_TOKENS_HEADER: str(len(ids))}
@@ -198,6 +203,7 @@ async def chat_completions(
             "object": "chat.completion",
             "created": created,
             "model": body.model,
+            "system_fingerprint": fingerprint,
             "choices": [
                 {
                     "index": 0,
@@ -220,6 +226,7 @@ async def chat_completions(
                 "object": "chat.completion.chunk",
                 "created": created,
                 "model": body.model,
+                "system_fingerprint": fingerprint,
                 "choices": [
                     {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 ],
@@ -258,6 +265,7 @@ async def chat_completions(
                     "object": "chat.completion.chunk",
                     "created": created,
                     "model": body.model,
+                    "system_fingerprint": fingerprint,
                     "choices": [],
                     "usage": usage([tracked]),
                 }

@@ -27,6 +27,7 @@ from gpu_runtime.engine.request import RequestOutput, SamplingParams, SamplingPa
 from gpu_runtime.lora.errors import AdapterConfigError
 from gpu_runtime.server.auth import AccessDenied, ModelAccess, RequestAuth
 from gpu_runtime.server.engine_loop import EngineLoop
+from gpu_runtime.server.fingerprint import system_fingerprint
 from gpu_runtime.server.limits import RequestLimits
 from gpu_runtime.server.metrics import MetricsCollector, RequestMetrics
 from gpu_runtime.server.prometheus import ServerMetrics
@@ -79,6 +80,7 @@ class Inference:
         self._model_loader = model_loader
         self.limits = limits
         self.prometheus = prometheus
+        self._fingerprint: tuple[int, str, str] | None = None
 
     def base_name(self) -> str:
         name = self._model_name
@@ -95,6 +97,14 @@ class Inference:
             return list(self._adapter_names())
         lora = self.engine_loop.engine.lora
         return list(lora.names()) if lora is not None else []
+
+    def system_fingerprint(self) -> str:
+        """The responses' `system_fingerprint` for the engine and base model now
+        (`fingerprint.system_fingerprint`; kept until either changes)."""
+        engine, name = self.engine_loop.engine, self.base_name()
+        if self._fingerprint is None or self._fingerprint[:2] != (id(engine), name):
+            self._fingerprint = (id(engine), name, system_fingerprint(engine, name))
+        return self._fingerprint[2]
 
     def tokenizer(self) -> Any:
         return self.engine_loop.engine.tokenizer

@@ -1,7 +1,8 @@
 """End to end on CPU with real processes, through the `openai` client: a finished job's
 checkpoint answers by its `fine_tuned_model_checkpoint` name on the hosts (for its tenant
 only), its adapter downloads as a PEFT archive, and deleting the model (then the checkpoint)
-makes every host answer 404 for it, with no heartbeat bringing it back."""
+makes every host answer 404 for it, with no heartbeat bringing it back. Before the deletion an
+operator unloads the adapter from one host and loads it back (`/api/ops/hosts/.../adapters`)."""
 
 from __future__ import annotations
 
@@ -42,6 +43,39 @@ def _refused(agent: OpenAI, model: str) -> bool:
 
 def _lists(agent: OpenAI, model: str) -> bool:
     return model in [m.id for m in agent.models.list()]
+
+
+def _operator_unloads_and_loads_again(
+    cluster: Cluster, agents: dict[str, OpenAI], model: str
+) -> None:
+    """An operator takes `model` off agent-b through `/api/ops/`, without a restart: agent-b
+    refuses it and its heartbeats do not bring it back while agent-a keeps serving it; a load
+    puts it back."""
+    from django.utils import timezone
+
+    from api.models import HostAgentState
+    from api.services.apikeys import api_key_issue
+    from api.services.tenants import operator_create
+
+    user = operator_create(username="e2e-ops", password="e2e-ops-password")
+    headers = {"Authorization": f"Bearer {api_key_issue(user=user).key}"}
+    base = f"{cluster.web_url}/api/ops/hosts/agent-b/adapters"
+    unloaded = httpx.post(f"{base}/unload", json={"model": model}, headers=headers, timeout=30)
+    assert unloaded.status_code == 202, unloaded.text
+    wait_until(partial(_refused, agents["agent-b"], model), 10, "agent-b to refuse the model")
+    after = timezone.now() + timedelta(seconds=2)  # 4 heartbeats at 0.5 s
+    wait_until(lambda: HostAgentState.objects.filter(host__name="agent-b",
+                                                     reported_at__gt=after).exists(),
+               30, "agent-b's heartbeats after the unload")  # fmt: skip
+    assert _refused(agents["agent-b"], model)
+    assert agents["agent-a"].completions.create(model=model, prompt="Q: hi", max_tokens=2).choices
+    listed = httpx.get(base, headers=headers, timeout=30).json()["data"]
+    entries = {e["name"]: (e["served"], e["order"]) for e in listed}  # with the checkpoint
+    assert entries[model] == (False, "unload")
+    loaded = httpx.post(f"{base}/load", json={"model": model}, headers=headers, timeout=30)
+    assert loaded.status_code == 202, loaded.text
+    wait_until(partial(_lists, agents["agent-b"], model), 20, "agent-b to serve it again")
+    assert agents["agent-b"].completions.create(model=model, prompt="Q: hi", max_tokens=2).choices
 
 
 def test_checkpoint_serves_by_name_and_deleted_models_leave_every_host(
@@ -103,6 +137,8 @@ def test_checkpoint_serves_by_name_and_deleted_models_leave_every_host(
     for host, agent in agents.items():
         wait_until(partial(_lists, agent, model), 20, f"{host} to serve the adapter")
         assert agent.completions.create(model=model, prompt="Q: hi", max_tokens=2).choices
+
+    _operator_unloads_and_loads_again(cluster, agents, model)
 
     deleted = client.models.delete(model)
     assert (deleted.id, deleted.deleted) == (model, True)

@@ -13,8 +13,9 @@ arrived.
 
 One module per role: `apply` (deduplication and dispatch by report kind), `heartbeat` (host
 liveness, agent state and the commands it calls for), `jobs` (a placement's start, steps,
-checkpoints and outcome), `metrics` (host and deployment time series), `common` (the report's
-time stamp and the stop for a placement that is no longer open). Each handler,
+checkpoints and outcome), `adapters` (a host's failure to load an adapter), `metrics` (host
+and deployment time series), `common` (the report's time stamp and the stop for a placement
+that is no longer open). Each handler,
 `<kind>_apply(*, host, message)`, runs inside :func:`host_report_apply`'s transaction with the
 host's row locked; the commands a report calls for are sent once it commits (`api.dispatch`).
 """

@@ -11,6 +11,7 @@ from django.db import IntegrityError, transaction
 
 from api.models import GpuHost, ProcessedReport
 from api.services.janitor import report_expired
+from api.services.reports.adapters import adapter_load_failed_apply
 from api.services.reports.heartbeat import heartbeat_apply
 from api.services.reports.jobs import (
     checkpoint_apply,
@@ -54,5 +55,6 @@ _HANDLERS = {
     "job_succeeded": job_succeeded_apply,
     "job_failed": job_failed_apply,
     "job_stopped": job_stopped_apply,
+    "adapter_load_failed": adapter_load_failed_apply,
     "metrics": metrics_apply,
 }

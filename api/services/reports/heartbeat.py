@@ -1,6 +1,7 @@
 """Heartbeats: the host's liveness and agent state, and the commands they call for (stop a
-placement that moved elsewhere, load missing adapters or the deployment's base model, unload
-models that were deleted, drain or undrain to follow the host's status)."""
+placement that moved elsewhere, load missing adapters (not those an operator unloaded there) or
+the deployment's base model, unload models that were deleted, drain or undrain to follow the
+host's status); a model a heartbeat names has no recorded load failure any more."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from api.models import (
     JobCheckpoint,
     Placement,
 )
+from api.services.host_adapters import host_adapter_served, host_adapter_unloaded_names
 from api.services.reports.common import stop_on_commit
 from api.transitions import TERMINAL_STATUSES
 from gpu_runtime.contract.protocol import parse_checkpoint_model
@@ -65,6 +67,7 @@ def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     )
     for placement in stale.select_related("job"):
         stop_on_commit(host, placement)
+    host_adapter_served(host=host, served=set(message.get("adapters", [])))
     _offer_missing_adapters(host, set(message.get("adapters", [])))
     _retire_deleted_models(host, set(message.get("adapters", [])))
     _offer_base_model(host, str(message.get("base_model", "")))
@@ -122,12 +125,14 @@ def _offer_base_model(host: GpuHost, serving: str) -> None:
 
 
 def _offer_missing_adapters(host: GpuHost, served: set[str]) -> None:
-    """Send `load_adapter` for finished adapters of the host's base model it does not serve."""
+    """Send `load_adapter` for finished adapters of the host's base model it does not serve,
+    except those an operator ordered off it (`api.services.host_adapters`)."""
     if host.deployment_id is None or host.status != HostStatus.ONLINE:
         return
     missing = list(
         Adapter.objects.filter(base_model__deployments__hosts=host)
         .exclude(name__in=served)
+        .exclude(name__in=host_adapter_unloaded_names(host=host))
         .exclude(path="")
         .values_list("name", "path")
     )

@@ -104,3 +104,35 @@ def test_entry_point_takes_the_request_limits(capsys: pytest.CaptureFixture[str]
     with pytest.raises(SystemExit):
         parse_args(["--max-prompts-per-request", "0"])
     assert "max_prompts_per_request must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_entry_point_opens_the_adapter_routes_with_token_and_roots(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("HARLI_INFERENCE_API_KEYS", "k1")
+    model_dir = build_tiny_model_dir(tmp_path / "tiny", "llama")
+    spec = LoraSpec(rank=4, alpha=8)
+    roots = tmp_path / "adapters"
+    save_adapter(build_training_model(load_model(model_dir), spec, seed=0), spec, roots / "a")
+    common = ["--model-dir", str(model_dir), "--model-name", "tiny", "--num-kv-blocks", "64"]
+    with pytest.raises(SystemExit):
+        parse_args([*common, "--adapter-root", str(roots)])  # no token
+    assert "HARLI_HOST_ADMIN_TOKEN and --adapter-root go together" in capsys.readouterr().err
+    monkeypatch.setenv("HARLI_HOST_ADMIN_TOKEN", "op-token")
+    with pytest.raises(SystemExit):
+        parse_args(common)  # a token without roots
+    with pytest.raises(SystemExit):
+        parse_args([*common, "--adapter-root", str(tmp_path / "missing")])
+    assert "is not a directory" in capsys.readouterr().err
+    app, loop = build(parse_args([*common, "--adapter-root", str(roots)]))
+    try:
+        client = TestClient(app)
+        admin = {"Authorization": "Bearer op-token"}
+        body = {"lora_name": "live", "lora_path": "a"}
+        assert client.post("/v1/load_lora_adapter", json=body, headers=admin).status_code == 200
+        tenant = {"Authorization": "Bearer k1"}
+        assert client.post("/v1/load_lora_adapter", json=body, headers=tenant).status_code == 401
+        completion = {"model": "live", "prompt": "Hello", "max_tokens": 3, "temperature": 0}
+        assert client.post("/v1/completions", json=completion, headers=tenant).is_success
+    finally:
+        loop.stop()
