@@ -59,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def run_once(tree: Path, package: str, extra: list[str], commit: str) -> dict[str, Any]:
     """One run of `python -m bench.PACKAGE` in `tree`; its result document, with `wall_s`."""
     with tempfile.TemporaryDirectory(prefix="harli-ab-") as out:
-        env = {**os.environ, "HARLI_COMMIT": commit, "PYTHONPATH": str(tree)}
+        path = os.pathsep.join(filter(None, [str(tree), os.environ.get("PYTHONPATH", "")]))
+        env = {**os.environ, "HARLI_COMMIT": commit, "PYTHONPATH": path}
         command = [sys.executable, "-m", f"bench.{package}", *extra, "--out", out]
         start = time.perf_counter()
         subprocess.run(command, cwd=tree, env=env, check=True)
