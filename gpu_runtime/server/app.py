@@ -25,7 +25,7 @@ from gpu_runtime.server.inference import AdapterLookup, AdapterNames, Inference,
 from gpu_runtime.server.limits import RequestLimits
 from gpu_runtime.server.metrics import MetricsCollector
 from gpu_runtime.server.prometheus import ServerMetrics
-from gpu_runtime.server.protocol import OpenAIError
+from gpu_runtime.server.protocol import REQUEST_FIELD_ERROR, OpenAIError
 from gpu_runtime.server.request_ids import RequestIdMiddleware
 
 __all__ = ["AdapterLookup", "AdapterNames", "ModelLoader", "RequestLimits", "create_app"]
@@ -98,7 +98,21 @@ async def _openai_error(_: Request, exc: OpenAIError) -> JSONResponse:
 
 
 async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+    """The first error as OpenAI's 400: `param` is the field's path in the body (for a
+    refused field, `protocol.REQUEST_FIELD_ERROR`, the field its context names); an
+    undeclared field reads as OpenAI words it."""
     first = exc.errors()[0] if exc.errors() else {}
-    param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-    message = f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg"))
+    path = [str(p) for p in first.get("loc", ())[1:]]
+    kind = first.get("type")
+    if kind == REQUEST_FIELD_ERROR:
+        path.append(str(first.get("ctx", {}).get("field")))
+    param = ".".join(path) or None
+    if kind == REQUEST_FIELD_ERROR:
+        message = str(first.get("msg"))
+    elif kind == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    else:
+        message = (
+            f"{param}: {first.get('msg', 'invalid request')}" if param else str(first.get("msg"))
+        )
     return JSONResponse(OpenAIError(400, message, param=param).body(), status_code=400)

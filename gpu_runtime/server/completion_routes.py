@@ -11,6 +11,7 @@ a stream can account its prompt even when the stream is cut off before its usage
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -30,11 +31,14 @@ from gpu_runtime.server.responses import (
     completion_logprobs,
     sse,
     text_delta,
+    text_length,
     usage,
 )
 from gpu_runtime.server.tool_calls import assistant_message, plan_tools
 from gpu_runtime.server.tool_constraints import constrain_to_calls
 from gpu_runtime.server.tool_stream import ToolCallStream
+
+logger = logging.getLogger(__name__)
 
 router = APIRouter()
 
@@ -59,6 +63,7 @@ async def completions(
     params = inference.sampling(body, body.max_tokens or 16, body.logprobs)
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     fingerprint = inference.system_fingerprint()
+    _log_user(cid, body.user)
     tracked = [Tracked(len(ids), time.perf_counter()) for ids in prompts]
     holdback = max((len(s) for s in params.stop), default=1) - 1
     prompt_tokens = {PROMPT_TOKENS_HEADER: str(sum(len(ids) for ids in prompts))}
@@ -76,7 +81,7 @@ async def completions(
                 "index": i,
                 "text": t.last.text if t.last else "",
                 "logprobs": (
-                    completion_logprobs(inference.tokenizer(), t)
+                    completion_logprobs(inference.tokenizer(), t.logprobs)
                     if body.logprobs is not None
                     else None
                 ),
@@ -112,6 +117,7 @@ async def completions(
 
         tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
         sent = [0] * len(prompts)
+        offsets = [0] * len(prompts)  # characters of each prompt's tokens sent in logprobs
         open_streams = len(prompts)
         try:
             while open_streams:
@@ -121,7 +127,11 @@ async def completions(
                     inference.record(cid, body.model, tracked[i])
                     continue
                 text, sent[i] = text_delta(out.text, sent[i], out.finished, holdback)
-                if text or out.finished:
+                lps = None
+                if body.logprobs is not None and out.new_logprobs:
+                    lps = completion_logprobs(inference.tokenizer(), out.new_logprobs, offsets[i])
+                    offsets[i] += text_length(lps)
+                if text or lps or out.finished:
                     yield sse(
                         {
                             "id": cid,
@@ -133,7 +143,7 @@ async def completions(
                                 {
                                     "index": i,
                                     "text": text,
-                                    "logprobs": None,
+                                    "logprobs": lps,
                                     "finish_reason": out.finish_reason,
                                 }
                             ],
@@ -184,6 +194,7 @@ async def chat_completions(
     )
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     fingerprint = inference.system_fingerprint()
+    _log_user(cid, body.user)
     tracked = Tracked(len(ids), time.perf_counter())
     holdback = max((len(s) for s in params.stop), default=1) - 1
     prompt_tokens = {PROMPT_TOKENS_HEADER: str(len(ids))}
@@ -273,3 +284,10 @@ async def chat_completions(
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=prompt_tokens)
+
+
+def _log_user(cid: str, user: str | None) -> None:
+    """OpenAI's `user` (the caller's end-user id, for abuse monitoring): one INFO line with the
+    response id; the request-id middleware adds the request's `x-request-id`."""
+    if user is not None:
+        logger.info("%s: end user %r", cid, user)

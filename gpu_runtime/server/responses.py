@@ -57,17 +57,25 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return str(tokenizer.decode([token_id]))
 
 
-def completion_logprobs(tokenizer: Any, tracked: Tracked) -> dict[str, Any]:
-    """`choices[i].logprobs` of a text completion."""
-    tokens = [_token_text(tokenizer, lp.token_id) for lp in tracked.logprobs]
+def completion_logprobs(tokenizer: Any, items: list[Any], offset: int = 0) -> dict[str, Any]:
+    """`choices[i].logprobs` of a text completion, or of one streamed chunk: `items` are the
+    tokens' logprobs (`RequestOutput.new_logprobs`), `offset` the characters of the tokens
+    before them (a chunk's `text_offset` continues the previous chunk's), so a stream's chunks
+    concatenated equal the whole response's logprobs."""
+    tokens = [_token_text(tokenizer, lp.token_id) for lp in items]
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in tracked.logprobs],
-        "top_logprobs": [
-            {_token_text(tokenizer, t): v for t, v in lp.top} for lp in tracked.logprobs
+        "token_logprobs": [lp.logprob for lp in items],
+        "top_logprobs": [{_token_text(tokenizer, t): v for t, v in lp.top} for lp in items],
+        "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset))[
+            : len(tokens)
         ],
-        "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=0))[: len(tokens)],
     }
+
+
+def text_length(logprobs: dict[str, Any]) -> int:
+    """Characters of the tokens of `completion_logprobs`'s answer (the next chunk's offset)."""
+    return sum(len(t) for t in logprobs["tokens"])
 
 
 def chat_logprobs(tokenizer: Any, items: list[Any]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ import pytest
 from gpu_runtime.engine.request import Request, SamplingParams, TokenLogprob
 from gpu_runtime.engine.stopping import StopChecker
 from gpu_runtime.model.tiny import build_tiny_tokenizer
-from gpu_runtime.server.responses import Tracked, completion_logprobs, text_delta
+from gpu_runtime.server.responses import Tracked, completion_logprobs, text_delta, text_length
 from tests.gpu_runtime.engine.test_stopping import byte_ids_by_value, random_ids
 
 EOS = 2
@@ -80,7 +80,13 @@ def test_text_delta_holds_back_partial_characters_and_stop_prefixes() -> None:
 def test_completion_text_offsets(tokenizer: Any) -> None:
     ids = tokenizer.encode("héllo wörld, 中文 😀", add_special_tokens=False)
     tracked = Tracked(1, logprobs=[TokenLogprob(i, -1.0, ((i, -1.0),)) for i in ids])
-    body = completion_logprobs(tokenizer, tracked)
+    body = completion_logprobs(tokenizer, tracked.logprobs)
     tokens = body["tokens"]
     assert body["text_offset"] == [sum(len(t) for t in tokens[:i]) for i in range(len(tokens))]
-    assert completion_logprobs(tokenizer, Tracked(1))["text_offset"] == []
+    assert completion_logprobs(tokenizer, Tracked(1).logprobs)["text_offset"] == []
+    # a chunk's offsets continue from the characters of the tokens before it
+    head, tail = tracked.logprobs[:3], tracked.logprobs[3:]
+    first = completion_logprobs(tokenizer, head)
+    rest = completion_logprobs(tokenizer, tail, text_length(first))
+    assert first["text_offset"] + rest["text_offset"] == body["text_offset"]
+    assert first["tokens"] + rest["tokens"] == tokens
