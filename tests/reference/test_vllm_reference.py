@@ -28,7 +28,6 @@ EXPECTED_REFUSALS = {
     "refuse_max_tokens_past_context": (400, None),
     "unknown_field": (400, "no_such_field"),
     "unknown_message_field": (400, "messages.0.no_such_field"),
-    "presence_penalty": (400, "presence_penalty"),
     "n": (400, "n"),
     "echo": (400, "echo"),
 }
@@ -57,7 +56,6 @@ _COMMON = {
     ("refuse_max_tokens_past_context", "param"): CONTEXT_PARAM,
     ("unknown_field", "keys"): ACCEPTED_AND_IGNORED,
     ("unknown_message_field", "keys"): ACCEPTED_AND_IGNORED,
-    ("presence_penalty", "keys"): NOT_YET,
     ("echo", "keys"): NOT_YET,
     ("n", "param"): N_PARAM,
 }

@@ -33,6 +33,8 @@ class Answer:
     finish_reason: str | None
     prompt_tokens: int
     completion_tokens: int
+    tokens: list[str] | None
+    """The chosen tokens' text, when logprobs were asked for."""
     token_logprobs: list[float] | None
     top_logprobs: list[dict[str, float]] | None
     top_sizes: list[int] | None
@@ -72,13 +74,15 @@ class Api:
         r = self._post(fields, headers)
         choice = r.choices[0]
         assert r.usage is not None
-        lps, top, sizes = None, None, None
+        tokens, lps, top, sizes = None, None, None, None
         if self.chat and choice.logprobs is not None:
             content = choice.logprobs.content or []
+            tokens = [e.token for e in content]
             lps = [e.logprob for e in content]
             top = [{t.token: t.logprob for t in e.top_logprobs} for e in content]
             sizes = [len(e.top_logprobs) for e in content]
         elif not self.chat and choice.logprobs is not None:
+            tokens = choice.logprobs.tokens
             lps = choice.logprobs.token_logprobs
             top = choice.logprobs.top_logprobs
         return Answer(
@@ -88,6 +92,7 @@ class Api:
             choice.finish_reason,
             r.usage.prompt_tokens,
             r.usage.completion_tokens,
+            tokens,
             lps,
             top,
             sizes,
@@ -282,7 +287,7 @@ def check_user(api: Api, caplog: pytest.LogCaptureFixture) -> None:
 
 
 Check = Callable[[Api, pytest.LogCaptureFixture], None]
-HONOURED_CHECKS: dict[str, Check] = {
+FIELD_CHECKS: dict[str, Check] = {
     "model": check_model,
     "prompt": check_prompt,
     "messages": check_messages,
@@ -303,4 +308,5 @@ HONOURED_CHECKS: dict[str, Check] = {
     "top_logprobs": check_top_logprobs,
     "user": check_user,
 }
-"""Field path (nested fields under their parent, list items unindexed) -> its check."""
+"""Field path (nested fields under their parent, list items unindexed) -> its check (with
+`sampling_checks.SAMPLING_CHECKS`: `HONOURED_CHECKS` in `test_request_fields`)."""

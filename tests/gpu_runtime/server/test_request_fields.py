@@ -25,10 +25,12 @@ from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server import BearerKeys, EngineLoop, create_app, static_key_checker
 from gpu_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
-from tests.gpu_runtime.server.field_checks import HONOURED_CHECKS, MODEL, Api
+from tests.gpu_runtime.server.field_checks import FIELD_CHECKS, MODEL, Api
+from tests.gpu_runtime.server.sampling_checks import SAMPLING_CHECKS
 from tests.gpu_runtime.server.serving import serve_in_thread
 
 KEY = "sk-fields"
+HONOURED_CHECKS = FIELD_CHECKS | SAMPLING_CHECKS
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "completions": CompletionRequest,
     "chat": ChatCompletionRequest,
@@ -36,14 +38,6 @@ ENDPOINTS: dict[str, type[BaseModel]] = {
 
 REFUSED_VALUES: dict[str, Any] = {
     "n": 2,
-    "presence_penalty": 0.5,
-    "frequency_penalty": 0.5,
-    "repetition_penalty": 1.2,
-    "logit_bias": {"5": -100.0},
-    "min_p": 0.1,
-    "min_tokens": 2,
-    "stop_token_ids": [5],
-    "ignore_eos": True,
     "best_of": 2,
     "echo": True,
     "suffix": " the end",
