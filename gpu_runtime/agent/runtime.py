@@ -123,7 +123,8 @@ class HostRuntime:
             serve_adapter=self._serve_adapter,
         )
         self._use_engine(serving)
-        self._requests: set[str] = set()
+        self._requests: dict[str, int] = {}
+        """Requests in flight: their sequences not finished yet (`params.n`)."""
         self._outputs: list[RequestOutput] = []
         self._draining = False
         self._lock = threading.Lock()
@@ -212,11 +213,11 @@ class HostRuntime:
         tenant: str = "",
     ) -> None:
         self.loop.add_request(prompt, params, request_id, lora_name=lora_name, tenant=tenant)
-        self._requests.add(request_id)
+        self._requests[request_id] = params.n
 
     def abort_request(self, request_id: str) -> None:
         self.loop.abort_request(request_id)
-        self._requests.discard(request_id)
+        self._requests.pop(request_id, None)
 
     def has_work(self) -> bool:
         return self.loop.has_work()
@@ -231,8 +232,11 @@ class HostRuntime:
             raise
         outputs, self._outputs = self._outputs, []
         for out in outputs:
-            if out.finished:
-                self._requests.discard(out.request_id)
+            key = out.parent_id or out.request_id
+            if out.finished and key in self._requests:
+                self._requests[key] -= 1
+                if self._requests[key] == 0:
+                    del self._requests[key]
         if not outputs and not self._engine.has_unfinished_requests():
             self.loop.wait_for_finetune(IDLE_FINETUNE_WAIT_S)
         return outputs

@@ -33,6 +33,7 @@ from gpu_runtime.colocation.policy import CoLocationPolicy
 from gpu_runtime.colocation.token_clock import TokenClock
 from gpu_runtime.colocation.types import FinishedRequest, IterationRecord, LaunchMode
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
+from gpu_runtime.engine.fanout import sequence_ids
 from gpu_runtime.finetune.trainer import LoraTrainer
 
 LAUNCH_DURING_DECODE = True
@@ -122,16 +123,24 @@ class HostLoop:
         tenant: str = "",
     ) -> str:
         """Queue a decode request (``Engine.add_request``, with its adapter ``lora_name`` if
-        any, admitted fairly among ``tenant``'s peers) and start its latency clock."""
+        any, admitted fairly among ``tenant``'s peers) and start its latency clock (one per
+        sequence: with ``params.n > 1``, each child's)."""
         request_id = self.engine.add_request(
             prompt, params, request_id, lora_name=lora_name, tenant=tenant
         )
-        self._tokens.start(request_id, self.clock() if arrival is None else arrival)
+        start = self.clock() if arrival is None else arrival
+        for sequence in sequence_ids(request_id, params.n if params is not None else 1):
+            self._tokens.start(sequence, start)
         return request_id
 
     def abort_request(self, request_id: str) -> None:
+        live = self.engine.scheduler.requests
+        request = live.get(request_id)
+        sequences = sequence_ids(request_id, request.fan_out if request is not None else 1)
+        sequences += [r.request_id for r in live.values() if r.parent_id == request_id]
         self.engine.abort_request(request_id)
-        self._tokens.forget(request_id)
+        for sequence in sequences:
+            self._tokens.forget(sequence)
 
     # ---- jobs -------------------------------------------------------------------------------
     def add_job(self, job_id: str, trainer: LoraTrainer) -> JobState:

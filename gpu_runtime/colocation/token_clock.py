@@ -13,6 +13,7 @@ from typing import Any
 
 from gpu_runtime.colocation.types import MIN_TOKENS_FOR_TPOT, FinishedRequest, RunningRequest
 from gpu_runtime.engine import RequestOutput
+from gpu_runtime.engine.fanout import sequence_ids
 
 
 @dataclass
@@ -88,9 +89,14 @@ class TokenClock:
     def views(self, known: Mapping[str, Any] | None) -> tuple[RunningRequest, ...]:
         """What the policy sees of the running requests: TPOT so far and the tokens
         ``max_tokens`` still allows (from the engine's ``known`` requests; requests it no
-        longer knows, aborted behind the loop's back, are dropped)."""
+        longer knows, aborted behind the loop's back, are dropped; a fan-out parent not forked
+        yet stands for its children's)."""
         if known is not None:
-            for request_id in [r for r in self._timing if r not in known]:
+            live = set(known)
+            for request in known.values():
+                if request.fan_out > 1:
+                    live.update(sequence_ids(request.request_id, request.fan_out))
+            for request_id in [r for r in self._timing if r not in live]:
                 del self._timing[request_id]
         out = []
         for request_id, timing in self._timing.items():

@@ -57,6 +57,7 @@ def walk_step(
     config: EngineConfig,
     admit: Callable[[str, str], bool] | None,
     prefix_hits: PrefixHits | None = None,
+    pending_children: int = 0,
 ) -> Walk:
     """The next step's decisions, changing nothing but what `admit` does (it is asked about
     each waiting adapter request reached, in order; raising `AdapterAdmissionError` drops the
@@ -71,7 +72,10 @@ def walk_step(
     are admitted while the budget, `max_num_seqs`, free blocks for their first chunk and
     `admit` allow. With `prefix_hits`, an admitted request starts after its cache hit (whole
     blocks, `Walk.cache_hits`): its first chunk is the first uncached token on, and the hit's
-    cached free blocks count against the free blocks like new ones."""
+    cached free blocks count against the free blocks like new ones. A fan-out parent counts
+    as its `fan_out` sequences; `pending_children`: the sequences running parents add when
+    they fork (`fan_out - 1` each). A preempted fan-out child also drops its copy-on-write
+    source."""
     walk = Walk()
     scheduled = walk.num_scheduled
     moves = walk.block_moves
@@ -83,7 +87,7 @@ def walk_step(
     while index < end and budget > 0:
         request = running[index]
         computed = request.num_computed_tokens
-        count = request.num_tokens - computed
+        count = request.num_schedulable_tokens - computed
         if count > budget:
             count = budget
         needed = -(-(computed + count) // block_size) - len(request.block_table)
@@ -92,7 +96,7 @@ def walk_step(
                 while needed > blocks.free:
                     end -= 1
                     victim = running[end]
-                    blocks.release(victim.block_table)
+                    blocks.release(_held(victim))
                     moves.append((victim, PREEMPT))
                     walk.preempted.append(victim.request_id)
                     if victim is request:
@@ -111,16 +115,16 @@ def walk_step(
         index += 1
     walk.running_scheduled = index
     walk.budget_after_running = budget
-    num_running = end
+    num_running = end + pending_children  # a fan-out parent runs as its children
     for request in waiting:
-        if budget <= 0 or walk.preempted or num_running >= config.max_num_seqs:
+        if budget <= 0 or walk.preempted or num_running + request.fan_out > config.max_num_seqs:
             break
         hits: list[int] = []
         from_free = 0
         if prefix_hits is not None:
             hits, from_free = blocks.usable_hits(prefix_hits(request))
         cached = len(hits) * block_size
-        count = min(request.num_tokens - cached, budget)
+        count = min(request.num_schedulable_tokens - cached, budget)
         new = -(-(cached + count) // block_size) - len(hits)
         if new + from_free > blocks.free:
             break
@@ -139,11 +143,18 @@ def walk_step(
             walk.cache_hits[request.request_id] = hits
         blocks.take(new)
         walk.new_blocks += new
-        num_running += 1
+        num_running += request.fan_out
         scheduled[request.request_id] = count
         budget -= count
     walk.budget_left = budget
     return walk
+
+
+def _held(request: Request) -> list[int]:
+    """The blocks `request` references: its table and its copy-on-write source, if any."""
+    if request.cow_source is None:
+        return request.block_table
+    return [*request.block_table, request.cow_source]
 
 
 def step_preview(
@@ -175,7 +186,7 @@ def step_preview(
         if budget <= 0:
             break
         computed = request.num_computed_tokens
-        count = min(request.num_tokens - computed, budget)
+        count = min(request.num_schedulable_tokens - computed, budget)
         needed = -(-(computed + count) // block_size) - len(request.block_table)
         if needed > 0:
             running_demand += needed
@@ -183,7 +194,7 @@ def step_preview(
     waiting_demand = 0
     for request in waiting:
         computed = request.num_computed_tokens
-        chunk = min(request.num_tokens - computed, max(budget, 1))
+        chunk = min(request.num_schedulable_tokens - computed, max(budget, 1))
         waiting_demand += -(-(computed + chunk) // block_size)
         budget -= chunk
     return StepPreview(

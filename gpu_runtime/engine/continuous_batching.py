@@ -14,6 +14,7 @@ from types import MappingProxyType
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.budget_walk import PREEMPT, Walk, step_preview, walk_step
 from gpu_runtime.engine.config import EngineConfig
+from gpu_runtime.engine.fanout import FanOuts, fork_children, waiting_children
 from gpu_runtime.engine.prefix_keys import PrefixKeys
 from gpu_runtime.engine.request import Request, RequestStatus
 from gpu_runtime.engine.scheduler import (
@@ -63,6 +64,10 @@ class ContinuousBatchingScheduler(Scheduler):
     finished, aborted or preempted request's cached blocks become evictable, not empty. A
     block's digest covers the request's adapter: requests of different adapters (or the base
     model) never share a block. Hits are found only on blocks computed by earlier steps.
+
+    Fan-out (`Request.fan_out > 1`, `fanout.py`): a parent is admitted as its `fan_out`
+    sequences; `update_from_output` forks it into its children once its prompt but the last
+    token is cached; aborting the parent's id aborts the parent or every live child.
     """
 
     def __init__(
@@ -90,6 +95,7 @@ class ContinuousBatchingScheduler(Scheduler):
             PrefixKeys(block_manager) if config.enable_prefix_caching else None
         )
         """Block digests of the live requests (None: prefix caching off)."""
+        self._fan_outs = FanOuts()
 
     # ---- read-only views --------------------------------------------------------------------
     @property
@@ -114,6 +120,17 @@ class ContinuousBatchingScheduler(Scheduler):
         total = len(request.prompt_token_ids) + request.sampling_params.max_tokens
         if not request.prompt_token_ids:
             raise ValueError("prompt must contain at least one token")
+        if request.fan_out > self.config.max_num_seqs:
+            raise ValueError(
+                f"n={request.fan_out} > max_num_seqs={self.config.max_num_seqs}: a "
+                "request's n sequences are admitted together"
+            )
+        if request.fan_out > 1 and len(request.prompt_token_ids) == 1:
+            children = waiting_children(request)  # no prompt prefix to share
+            for child in children:
+                self.add_request(child)
+            self._fan_outs.forked(request.request_id, children)
+            return
         if total > self.config.max_model_len:
             raise ValueError(
                 f"prompt ({len(request.prompt_token_ids)} tokens) + max_tokens "
@@ -160,6 +177,9 @@ class ContinuousBatchingScheduler(Scheduler):
     def _release(self, request: Request) -> None:
         self.block_manager.free(request.block_table)
         request.block_table = []
+        if request.cow_source is not None:
+            self.block_manager.free([request.cow_source])
+            request.cow_source = None
         if request.request_id in self._adapter_holders:
             self._adapter_holders.discard(request.request_id)
             if self.release_adapter is not None:
@@ -171,6 +191,7 @@ class ContinuousBatchingScheduler(Scheduler):
             self.prefix_keys.released(request.request_id)
 
     def _preempt(self, request: Request) -> None:
+        self._fan_outs.stopped(request)
         self._release(request)
         request.num_computed_tokens = 0
         request.status = RequestStatus.PREEMPTED
@@ -183,16 +204,22 @@ class ContinuousBatchingScheduler(Scheduler):
         request = self._requests.pop(request_id)
         if request in self._running:
             self._running.remove(request)
+            self._fan_outs.stopped(request)
         elif request in self._waiting:
             self._waiting.remove(request)
         self._release(request)
         if self.prefix_keys is not None:
             self.prefix_keys.forget(request_id)
         request.status = status
+        self._fan_outs.finished(request)
 
     def abort_request(self, request_id: str) -> None:
+        """Abort `request_id`; a forked parent's id aborts each of its live children."""
         if request_id in self._requests:
             self.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        for child in self._fan_outs.children(request_id):
+            if child in self._requests:
+                self.finish_request(child, RequestStatus.FINISHED_ABORTED)
 
     # ---- the step ---------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -200,12 +227,17 @@ class ContinuousBatchingScheduler(Scheduler):
         bm = self.block_manager
         known = self._known_to_runner
         cached_data: list[CachedRequestData] = []
+        copies: list[tuple[int, int]] = []
         for request, blocks in walk.block_moves:
             if blocks == PREEMPT:
                 self._running.pop()  # the victim is the last running request
                 self._preempt(request)
                 continue
             new_blocks = bm.allocate(blocks)
+            if request.cow_source is not None:  # a fan-out child's own copy of a shared block
+                copies.append((request.cow_source, new_blocks[0]))
+                bm.free([request.cow_source])
+                request.cow_source = None
             request.block_table.extend(new_blocks)
             rid = request.request_id
             if rid in known:
@@ -225,12 +257,15 @@ class ContinuousBatchingScheduler(Scheduler):
                 self.prefix_keys.admit(request, hits)
             count = walk.num_scheduled[request.request_id]
             bm.append_slots(request.block_table, request.num_computed_tokens + count)
+            self._fan_outs.started(request)
             request.status = RequestStatus.RUNNING
             self._running.append(request)
             new_data.append(self._new_request_data(request))
         finished = self._drop_from_runner
         self._drop_from_runner = set()
-        return SchedulerOutput(new_data, cached_data, walk.num_scheduled, finished, walk.preempted)
+        return SchedulerOutput(
+            new_data, cached_data, walk.num_scheduled, finished, walk.preempted, copies
+        )
 
     def preview(self) -> StepPreview:
         admit = self.adapter_admissible if self.admit_adapter is not None else None
@@ -247,6 +282,7 @@ class ContinuousBatchingScheduler(Scheduler):
             self.config,
             admit,
             self.prefix_keys.hits if self.prefix_keys is not None else None,
+            self._fan_outs.pending_children,
         )
 
     def decode_follows(self, output: SchedulerOutput, max_rows: int) -> bool:
@@ -279,6 +315,7 @@ class ContinuousBatchingScheduler(Scheduler):
     def _reject(self, request: Request, reason: str) -> None:
         """Drop `request` (already off the waiting queue) as `admit_adapter` refused it."""
         del self._requests[request.request_id]
+        self._fan_outs.finished(request)
         self._release(request)  # a preempted request may still be known to the runner
         if self.prefix_keys is not None:
             self.prefix_keys.forget(request.request_id)
@@ -312,6 +349,33 @@ class ContinuousBatchingScheduler(Scheduler):
             request.num_computed_tokens += count
             if keys is not None:
                 keys.computed(request)
+            forks = request.fan_out > 1
+            if forks and request.num_computed_tokens == request.num_schedulable_tokens:
+                self._fork(request)
+                continue
             token = sampled.get(request_id)
             if token is not None:
                 request.output_token_ids.append(token)
+
+    def _fork(self, parent: Request) -> None:
+        """Replace the running fan-out `parent` by its children, at its place in the batch
+        (the fork point, `fanout.py`); the parent's references and runner state are dropped."""
+        children = fork_children(parent, self.block_manager)
+        lora = parent.lora_name
+        if lora is not None and parent.request_id in self._adapter_holders:
+            assert self.admit_adapter is not None  # resident: the parent holds it
+            for child in children:
+                if not self.admit_adapter(child.request_id, lora):
+                    raise RuntimeError(f"adapter {lora!r} not resident at the fork")
+                self._adapter_holders.add(child.request_id)
+        place = self._running.index(parent)
+        self._running[place : place + 1] = children
+        del self._requests[parent.request_id]
+        self._release(parent)
+        if self.prefix_keys is not None:  # the children name their own blocks from here on
+            self.prefix_keys.forget(parent.request_id)
+        self._fan_outs.stopped(parent)
+        parent.status = RequestStatus.FINISHED_STOPPED
+        for child in children:
+            self._requests[child.request_id] = child
+        self._fan_outs.forked(parent.request_id, children)

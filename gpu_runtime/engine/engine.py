@@ -14,6 +14,7 @@ import torch
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
+from gpu_runtime.engine.fanout import sequence_ids
 from gpu_runtime.engine.kv_cache import KVStorageFactory, default_kv_storage
 from gpu_runtime.engine.model_runner import ModelRunner
 from gpu_runtime.engine.overlap import OverlappedSteps
@@ -121,7 +122,11 @@ class Engine:
         vocabulary (`SamplingParams.check_vocab`), `UnknownAdapterError` (a ValueError) for a
         `lora_name` the engine cannot serve and `StructuredOutputError` (a ValueError) for a
         `structured_output` that cannot be compiled (compiled here unless
-        `structured.compiler.compile` compiled it before)."""
+        `structured.compiler.compile` compiled it before).
+
+        With `params.n > 1` the prompt is prefilled once and forked into n children sharing
+        its KV blocks (`fanout.py`); their outputs carry `parent_id` (the returned id) and
+        `index`, and `abort_request(id)` aborts them all."""
         params = params or SamplingParams()
         if lora_name is not None and not (
             self.lora is not None and self.adapter_resolver and self.adapter_resolver(lora_name)
@@ -137,28 +142,41 @@ class Engine:
         if any(not 0 <= t < vocab for t in token_ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
         params.check_vocab(vocab)
-        if params.logprobs is not None and params.logprobs > self.config.max_logprobs:
-            raise ValueError(
-                f"logprobs={params.logprobs} > max_logprobs={self.config.max_logprobs}"
-            )
+        asked = (("logprobs", params.logprobs), ("prompt_logprobs", params.prompt_logprobs))
+        for name, count in asked:
+            if count is not None and count > self.config.max_logprobs:
+                raise ValueError(f"{name}={count} > max_logprobs={self.config.max_logprobs}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
         request_id = request_id or f"req-{next(self._ids)}"
+        sequences = sequence_ids(request_id, params.n)  # what samples: the children, if any
         if params.structured_output is not None:
-            self.structured.admit(request_id, params.structured_output)
+            for sequence in sequences:
+                self.structured.admit(sequence, params.structured_output)
+        request = Request(
+            request_id, token_ids, params, lora_name=lora_name, tenant=tenant, fan_out=params.n
+        )
+        if params.prompt_logprobs is not None:
+            request.prompt_logprobs = [None]  # the first token has no logprob
         try:
-            self.scheduler.add_request(
-                Request(request_id, token_ids, params, lora_name=lora_name, tenant=tenant)
-            )
+            self.scheduler.add_request(request)
         except BaseException:
-            self.structured.release(request_id)
+            for sequence in sequences:
+                self.structured.release(sequence)
             raise
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        """Drop a request wherever it is; unknown ids are ignored."""
+        """Drop a request wherever it is (a fan-out's id: every child); unknown ids are
+        ignored."""
+        live = self.scheduler.requests.values()
+        sequences = [request_id, *(r.request_id for r in live if r.parent_id == request_id)]
+        request = self.scheduler.get_request(request_id)
+        if request is not None:  # a parent not forked yet: its children's matchers
+            sequences += sequence_ids(request_id, request.fan_out)
         self.scheduler.abort_request(request_id)
-        self.structured.release(request_id)
+        for sequence in sequences:
+            self.structured.release(sequence)
 
     def has_unfinished_requests(self) -> bool:
         """True while any request waits or runs."""
@@ -197,6 +215,7 @@ class Engine:
         launch, sample = runner.last_launch_seconds, runner.last_sample_seconds
         hook_error = call_hook(on_launched)
         result = runner.resolve(handle)
+        self.outputs.record_prompt_logprobs(result)
         self.scheduler.update_from_output(plan, result.sampled)
         self.outputs.sampled(result, outputs)
         self.clock.record(started, scheduled, launch, sample, runner.last_wait_seconds)
@@ -220,7 +239,8 @@ class Engine:
         params: SamplingParams | None = None,
         lora_names: Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts to completion (all queued at once); final outputs in prompt order.
+        """Run prompts to completion (all queued at once); final outputs in prompt order
+        (with `params.n > 1`, prompt-major: prompt i's sequence j at `i * n + j`).
         `lora_names[i]` is prompt i's adapter (None: base model)."""
         names = list(lora_names) if lora_names is not None else [None] * len(prompts)
         if len(names) != len(prompts):
@@ -228,12 +248,13 @@ class Engine:
         ids = [
             self.add_request(p, params, lora_name=n) for p, n in zip(prompts, names, strict=True)
         ]
-        final: dict[str, RequestOutput] = {}
+        final: dict[tuple[str, int], RequestOutput] = {}
         while self.has_unfinished_requests():
             for out in self.step():
                 if out.finished:
-                    final[out.request_id] = out
-        return [final[i] for i in ids]
+                    final[(out.parent_id or out.request_id, out.index)] = out
+        n = params.n if params is not None else 1
+        return [final[(i, j)] for i in ids for j in range(n)]
 
     def capture_cuda_graphs(self, **kwargs: Any) -> list[int]:
         """Capture decode graphs (see `ModelRunner.capture_cuda_graphs`)."""

@@ -75,21 +75,29 @@ class GeneralPath:
         states: dict[str, _RequestState],
         partition: Hashable,
         with_adapters: bool,
+        extra_rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[str]]:
         """Logits `[sampled, vocab]` of a step in `order` (ids and token counts; `states` the
         runner's request states) and the sampled ids: on CUDA through the fused step (replayed
-        from the mixed-step graphs when captured, without adapters), else the model's or the
-        LoRA runtime's forward."""
+        from the mixed-step graphs when captured, without adapters and `extra_rows`), else the
+        model's or the LoRA runtime's forward. `extra_rows`: flattened token indices whose
+        logits follow the sampled rows' (`[sampled + len(extra_rows), vocab]`; prompt
+        logprobs)."""
         if self.fused is not None and self.mixed_attention:  # CUDA: the fused step
-            if not with_adapters and self.mixed_graphs is not None and self.use_mixed_graphs:
+            if (
+                not with_adapters
+                and extra_rows is None
+                and self.mixed_graphs is not None
+                and self.use_mixed_graphs
+            ):
                 replayed = self.mixed_graph_logits(order, states, partition)
                 if replayed is not None:
                     return replayed
-            return self.logits(order, states, self.model, fused_lora=with_adapters)
+            return self.logits(order, states, self.model, with_adapters, extra_rows)
         lora = self.lora
         use_lora = with_adapters and lora is not None and lora.set_batch(order)
         forward = lora.forward if use_lora and lora is not None else self.model
-        return self.logits(order, states, forward)
+        return self.logits(order, states, forward, extra_rows=extra_rows)
 
     def attention(self, flat: FlatBatch) -> MixedPagedAttention:
         """Attention of a flattened step (decode rows in one Triton call on CUDA)."""
@@ -135,10 +143,12 @@ class GeneralPath:
         states: dict[str, _RequestState],
         forward: LoraForward | CausalLM,
         fused_lora: bool | None = None,
+        extra_rows: list[int] | None = None,
     ) -> tuple[torch.Tensor, list[str]]:
         """Flattened tokens of `order` through `forward` (the model, or the LoRA forward after
         `set_batch(order)`); logits `[sampled, vocab]` and the sampled ids. `fused_lora` not
-        None: through the fused CUDA step instead (with per-token LoRA slots when True)."""
+        None: through the fused CUDA step instead (with per-token LoRA slots when True).
+        `extra_rows`: as in `step_logits`."""
         flat = flatten_step(order, states, self.block_size, bool(fused_lora))
         dev = self.device
         attention: MixedPagedAttention | TorchPagedAttention
@@ -150,7 +160,8 @@ class GeneralPath:
             attention = TorchPagedAttention(self.kv_cache, metadata, torch_compute_dtype(dev))
         ids = torch.tensor(flat.tokens, device=dev)
         positions = torch.tensor(flat.positions, device=dev)
-        index = torch.tensor(flat.sample_index, dtype=torch.long, device=dev)
+        rows = flat.sample_index + extra_rows if extra_rows else flat.sample_index
+        index = torch.tensor(rows, dtype=torch.long, device=dev)
         if fused_lora is not None and self.fused is not None:
             assert isinstance(attention, MixedPagedAttention)
             slots = torch.tensor(flat.token_slots, device=dev) if fused_lora else None

@@ -75,6 +75,15 @@ class PagedKVCache:
         """Bytes one block occupies across all layers (K and V)."""
         return self.storage[0].numel() * self.storage.element_size()
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy whole blocks (every layer's K and V) `src -> dst` for each pair, in one
+        gather and one scatter on the device (stream-ordered: after the steps queued before,
+        before those queued after). Sources and destinations must be disjoint."""
+        device = self.storage.device
+        src = torch.tensor([s for s, _ in pairs], dtype=torch.long, device=device)
+        dst = torch.tensor([d for _, d in pairs], dtype=torch.long, device=device)
+        self.storage.index_copy_(0, dst, self.storage.index_select(0, src))
+
     def write(
         self,
         layer: int,

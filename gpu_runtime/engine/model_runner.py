@@ -38,6 +38,7 @@ from gpu_runtime.engine.cuda_graphs import (
 )
 from gpu_runtime.engine.general_step import GeneralPath
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
+from gpu_runtime.engine.prompt_logprobs import prompt_logprobs, prompt_rows
 from gpu_runtime.engine.request_rows import RequestRows
 from gpu_runtime.engine.runner_types import (
     ModelRunnerOutput,
@@ -185,6 +186,8 @@ class ModelRunner:
         started = time.perf_counter()
         self.last_launch_seconds = self.last_sample_seconds = self.last_wait_seconds = 0.0
         self.rows.sync(output)
+        if output.block_copies:  # fan-out children's copy-on-write blocks, before any write
+            self.kv_cache.copy_blocks(output.block_copies)
         result = ModelRunnerOutput()
         handle = StepHandle(self._num_launched, result)
         self._num_launched += 1
@@ -265,7 +268,14 @@ class ModelRunner:
                 "a step launched before the previous one was resolved must be a bucketed "
                 f"decode-only step ({len(order)} rows, decode_only={decode_only})"
             )
-        return self.general.step_logits(order, self.states, partition, with_adapters)
+        wanted = None if decode_only else prompt_rows(order, self.states)
+        if wanted is None:
+            return self.general.step_logits(order, self.states, partition, with_adapters)
+        logits, sampled_ids = self.general.step_logits(
+            order, self.states, partition, with_adapters, wanted.flat_index
+        )
+        result.prompt_logprobs = prompt_logprobs(logits[len(sampled_ids) :], wanted)
+        return logits[: len(sampled_ids)], sampled_ids
 
     def capture_cuda_graphs(
         self,

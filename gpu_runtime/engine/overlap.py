@@ -93,6 +93,7 @@ class OverlappedSteps:
                     if ahead is not None:
                         hook_error = hook_error or call_hook(ahead.launched)
         result = runner.resolve(handle)
+        self.outputs.record_prompt_logprobs(result)  # before a fan-out parent forks
         if overlapped:
             scheduler.replace_last_tokens(result.sampled)
         else:

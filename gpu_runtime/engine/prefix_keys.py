@@ -59,10 +59,14 @@ class PrefixKeys:
         extend_block_hashes(keys.hashes, window, end, size, request.lora_name, offset=start)
 
     def hits(self, request: Request) -> list[int]:
-        """Cached blocks of `request`'s first `(num_tokens - 1) // block_size` blocks, the
-        longest prefix found."""
+        """Cached blocks of `request`'s first `(num_schedulable_tokens - 1) // block_size`
+        blocks, the longest prefix found; none while it still needs prompt logprobs (a cached
+        position is never computed, so its logprob would not exist)."""
+        wanted = request.prompt_logprobs
+        if wanted is not None and len(wanted) < len(request.prompt_token_ids):
+            return []
         keys = self._of(request)
-        limit = (request.num_tokens - 1) // self.block_manager.block_size
+        limit = (request.num_schedulable_tokens - 1) // self.block_manager.block_size
         self._extend(request, keys, limit)
         return self.block_manager.cache.lookup(keys.hashes[:limit])
 

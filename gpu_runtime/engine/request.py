@@ -62,6 +62,12 @@ class SamplingParams:
     min_tokens: int = 0
     """Until this many tokens are generated, eos and `stop_token_ids` cannot be sampled and
     no stop applies (stop strings only once the output is longer than this, as vLLM)."""
+    n: int = 1
+    """Sequences generated from the prompt: its prefix is prefilled once, then forked into `n`
+    children sharing its KV blocks (`Engine.add_request`); each samples independently."""
+    prompt_logprobs: int | None = None
+    """None: none; k >= 0: each prompt token's logprob (but the first's) plus the k most likely,
+    computed in the prefill (`RequestOutput.prompt_logprobs`)."""
     needs_logits_processing: bool = field(init=False, repr=False, compare=False)
     """Derived: a penalty, logit bias, min_p or min_tokens is set (the sampler's slow path)."""
     needs_token_counts: bool = field(init=False, repr=False, compare=False)
@@ -78,6 +84,10 @@ class SamplingParams:
             raise SamplingParamsError(f"top_k={self.top_k} must be >= 0")
         if self.logprobs is not None and self.logprobs < 0:
             raise SamplingParamsError(f"logprobs={self.logprobs} must be >= 0")
+        if self.n < 1:
+            raise SamplingParamsError(f"n={self.n} must be >= 1")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise SamplingParamsError(f"prompt_logprobs={self.prompt_logprobs} must be >= 0")
         if any(not s for s in self.stop):
             raise SamplingParamsError("stop strings must be non-empty")
         if self.stop and not self.detokenize:
@@ -185,6 +195,18 @@ class Request:
     num_cached_tokens: int = 0
     """Prompt tokens found in the prefix cache when the request was first admitted."""
     stop_reason: int | str | None = None
+    fan_out: int = 1
+    """Children this request forks into once every prompt token but the last is cached (its
+    `sampling_params.n` when > 1, see `fanout.py`); 1 for ordinary requests and children."""
+    parent_id: str | None = None
+    """The fan-out parent this request was forked from (None: it was not forked)."""
+    index: int = 0
+    """The child's index under its parent, 0..n-1 (0 when not forked)."""
+    cow_source: int | None = None
+    """A child's copy-on-write source: the parent's last, partially filled prompt block, on
+    which the child holds one reference until the scheduler allocates its own copy."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """Prompt logprobs so far (`SamplingParams.prompt_logprobs`), first entry None."""
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -195,6 +217,13 @@ class Request:
     def num_tokens(self) -> int:
         """Prompt plus generated tokens."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_schedulable_tokens(self) -> int:
+        """Tokens the scheduler computes before the request samples or forks: all known, but
+        for a fan-out parent its last prompt token (each child computes it and samples)."""
+        tokens = len(self.prompt_token_ids) + len(self.output_token_ids)
+        return tokens - 1 if self.fan_out > 1 else tokens
 
 
 @dataclass(frozen=True)
@@ -227,3 +256,10 @@ class RequestOutput:
     then `finished` is True and `finish_reason` is "abort"."""
     num_cached_tokens: int = 0
     """Prompt tokens served from the prefix cache at the request's first admission."""
+    parent_id: str | None = None
+    """For a child of a fan-out (`SamplingParams.n > 1`): the id `add_request` returned."""
+    index: int = 0
+    """The child's index under `parent_id` (0..n-1); 0 when not forked."""
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+    """With `SamplingParams.prompt_logprobs`: one entry per prompt token (the first None),
+    complete on every output once the prompt is computed (the request's own list)."""

@@ -84,6 +84,9 @@ class ModelRunnerOutput:
 
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprob] = field(default_factory=dict)
+    prompt_logprobs: dict[str, list[tuple[int, TokenLogprob]]] = field(default_factory=dict)
+    """Per request asking `prompt_logprobs`: `(position, logprob of the prompt token at
+    position)` for the prompt tokens this step's chunk predicted (position >= 1)."""
     used_cuda_graph: bool = False
     batch_bucket: int = 0
 

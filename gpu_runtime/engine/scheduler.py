@@ -56,6 +56,9 @@ class SchedulerOutput:
     finished_request_ids: set[str] = field(default_factory=set)
     """Requests finished, aborted or preempted since the last step: drop their runner state."""
     preempted_request_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
+    """KV blocks `(src, dst)` the runner copies before the step runs: a fan-out child's own
+    copy of the block it shared with its siblings (copy on write, `fanout.py`)."""
 
     @property
     def total_num_scheduled_tokens(self) -> int:

@@ -5,6 +5,7 @@ here, once per token, before the stop rules: a grammar that has ended stops the 
 
 from __future__ import annotations
 
+from gpu_runtime.engine.fanout import sequence_ids
 from gpu_runtime.engine.request import RequestOutput, RequestStatus
 from gpu_runtime.engine.runner_types import ModelRunnerOutput
 from gpu_runtime.engine.scheduler import Scheduler
@@ -30,7 +31,8 @@ class StepOutputs:
         dropped = self.scheduler.take_rejected()
         if self.structured is not None:
             for r in dropped:
-                self.structured.release(r.request_id)
+                for sequence in {r.request_id, *sequence_ids(r.request_id, r.fan_out)}:
+                    self.structured.release(sequence)
         return [
             RequestOutput(
                 r.request_id,
@@ -41,6 +43,8 @@ class StepOutputs:
                 RequestStatus.FINISHED_ABORTED.value,
                 len(r.prompt_token_ids),
                 error=str(r.stop_reason),
+                parent_id=r.parent_id,
+                index=r.index,
             )
             for r in dropped
         ]
@@ -86,5 +90,21 @@ class StepOutputs:
                     [logprob] if logprob is not None else [],
                     error=error,
                     num_cached_tokens=request.num_cached_tokens,
+                    parent_id=request.parent_id,
+                    index=request.index,
+                    prompt_logprobs=request.prompt_logprobs,
                 )
             )
+
+    def record_prompt_logprobs(self, result: ModelRunnerOutput) -> None:
+        """Append a step's prompt logprobs to their requests' lists; entries of positions a
+        request already holds (recomputed after a preemption) are skipped."""
+        get_request = self.scheduler.get_request
+        for request_id, entries in result.prompt_logprobs.items():
+            request = get_request(request_id)
+            if request is None or request.prompt_logprobs is None:
+                continue
+            held = request.prompt_logprobs
+            for position, entry in entries:  # `entry` is the logprob of token `position`
+                if position == len(held):
+                    held.append(entry)
