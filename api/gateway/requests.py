@@ -58,7 +58,8 @@ class InferenceRequest:
 
 def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
     """The request's routing fields; HarliError (400) for a body that is not a JSON object with
-    a string `model`, or whose `stream`, `stream_options` or token limits have the wrong type."""
+    a string `model`, or whose `stream`, `stream_options`, token limits, `n` or `best_of` have
+    the wrong type. The estimate charges every sequence: `max(n, best_of)` per prompt."""
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError):
@@ -90,10 +91,22 @@ def parse_inference_request(path: str, raw: bytes) -> InferenceRequest:
     if path == DETOKENIZE:
         prompts = body.get("tokens")
     prompt_count = len(body["prompt"]) if path == COMPLETIONS and _is_text_list(prompts) else 1
+    sequences = max(_count_field(body, "n"), _count_field(body, "best_of"))
     estimate = estimate_request_tokens(
-        prompt_chars=_prompt_chars(prompts), max_tokens=completion * prompt_count
+        prompt_chars=_prompt_chars(prompts), max_tokens=completion * prompt_count * sequences
     )
     return InferenceRequest(path, body, model, stream, wants_usage, estimate)
+
+
+def _count_field(body: dict[str, Any], name: str) -> int:
+    """`n` or `best_of`: sequences generated per prompt (1 when absent); HarliError when it is
+    not a positive integer."""
+    value = body.get(name)
+    if value is None:
+        return 1
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise HarliError(f"{name} must be a positive integer", param=name)
+    return value
 
 
 def _is_text_list(value: Any) -> bool:

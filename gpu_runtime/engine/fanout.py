@@ -61,6 +61,7 @@ def waiting_children(parent: Request) -> list[Request]:
             parent_id=parent.request_id,
             index=index,
             prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens,
         )
         for index in range(parent.fan_out)
     ]
@@ -104,6 +105,7 @@ def fork_children(parent: Request, block_manager: BlockManager) -> list[Request]
             index=index,
             cow_source=source,
             prompt_logprobs=parent.prompt_logprobs,
+            num_cached_tokens=parent.num_cached_tokens,
         )
         children.append(child)
     return children

@@ -15,6 +15,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import APIRouter, Depends, Response
@@ -23,10 +24,10 @@ from fastapi.responses import StreamingResponse
 from gpu_runtime.contract.grants import PROMPT_TOKENS_HEADER
 from gpu_runtime.engine.request import RequestOutput
 from gpu_runtime.server.auth import ModelAccess
+from gpu_runtime.server.choices import PromptRun, best, merge_streams
 from gpu_runtime.server.inference import Inference, inference_of, require_access
 from gpu_runtime.server.protocol import ChatCompletionRequest, CompletionRequest, OpenAIError
 from gpu_runtime.server.responses import (
-    Tracked,
     chat_logprobs,
     completion_logprobs,
     sse,
@@ -54,40 +55,57 @@ async def completions(
         texts = body.prompts()
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="prompt") from exc
+    sequences = body.sequences()  # 400 naming best_of before any work
     inference.limits.check_prompt_count(len(texts))  # before loading a model or tokenizing
     lora = await inference.resolve_model(body.model, access)
     try:
         prompts = await inference.encode_prompts(texts)
     except ValueError as exc:
         raise OpenAIError(400, str(exc), param="prompt") from exc
-    params = inference.sampling(body, body.max_tokens or 16, body.logprobs)
+    # best_of ranks candidates by cumulative logprob: the engine reports the sampled ones
+    logprobs = body.logprobs if body.logprobs is not None or sequences == body.n else 0
+    echo_logprobs = body.logprobs if body.echo else None
+    params = inference.sampling(body, body.max_tokens or 16, logprobs, sequences, echo_logprobs)
     created, cid = int(time.time()), f"cmpl-{uuid.uuid4().hex}"
     fingerprint = inference.system_fingerprint()
     _log_user(cid, body.user)
-    tracked = [Tracked(len(ids), time.perf_counter()) for ids in prompts]
+    tokenizer = inference.tokenizer()
+    runs = [
+        PromptRun.start(ids, sequences, _echo_text(tokenizer, text, ids) if body.echo else "")
+        for text, ids in zip(texts, prompts, strict=True)
+    ]
     holdback = max((len(s) for s in params.stop), default=1) - 1
     prompt_tokens = {PROMPT_TOKENS_HEADER: str(sum(len(ids) for ids in prompts))}
+    n = body.n
 
     if not body.stream:
 
-        async def collect(i: int) -> None:
-            async for _ in inference.run_one(prompts[i], params, lora, tracked[i], access):
+        async def collect(run: PromptRun) -> None:
+            async for _ in inference.run_one(run.ids, params, lora, run.sequences, access):
                 pass
-            inference.record(cid, body.model, tracked[i])
+            for seq in run.sequences:
+                inference.record(cid, body.model, seq)
 
-        await asyncio.gather(*(collect(i) for i in range(len(prompts))))
+        await asyncio.gather(*(collect(run) for run in runs))
         choices = [
             {
-                "index": i,
-                "text": t.last.text if t.last else "",
+                "index": i * n + j,
+                "text": run.echo + (seq.last.text if seq.last else ""),
                 "logprobs": (
-                    completion_logprobs(inference.tokenizer(), t.logprobs)
+                    completion_logprobs(
+                        tokenizer,
+                        seq.logprobs,
+                        0,
+                        run.ids if body.echo else None,
+                        run.prompt_logprobs() if body.echo else None,
+                    )
                     if body.logprobs is not None
                     else None
                 ),
-                "finish_reason": t.last.finish_reason if t.last else None,
+                "finish_reason": seq.last.finish_reason if seq.last else None,
             }
-            for i, t in enumerate(tracked)
+            for i, run in enumerate(runs)
+            for j, seq in enumerate(best(run.sequences, n))
         ]
         response.headers.update(prompt_tokens)
         return {
@@ -97,41 +115,40 @@ async def completions(
             "model": body.model,
             "system_fingerprint": fingerprint,
             "choices": choices,
-            "usage": usage(tracked),
+            "usage": usage([run.sequences for run in runs]),
         }
 
     first_outputs = [
-        inference.run_one(prompts[i], params, lora, tracked[i], access) for i in range(len(prompts))
+        inference.run_one(run.ids, params, lora, run.sequences, access) for run in runs
     ]
     # Surface request errors (bad length, unknown adapter) before the stream starts.
     heads = [await anext(gen) for gen in first_outputs]
 
     async def stream() -> AsyncIterator[str]:
-        merged: asyncio.Queue[tuple[int, RequestOutput | None]] = asyncio.Queue()
-
-        async def pump(i: int) -> None:
-            await merged.put((i, heads[i]))
-            async for out in first_outputs[i]:
-                await merged.put((i, out))
-            await merged.put((i, None))
-
-        tasks = [asyncio.create_task(pump(i)) for i in range(len(prompts))]
-        sent = [0] * len(prompts)
-        offsets = [0] * len(prompts)  # characters of each prompt's tokens sent in logprobs
-        open_streams = len(prompts)
-        try:
-            while open_streams:
-                i, out = await merged.get()
+        sent: dict[int, int] = {}  # choice index -> characters sent
+        offsets: dict[int, int] = {}  # choice index -> characters of its tokens' logprobs sent
+        async with aclosing(merge_streams(heads, first_outputs)) as merged:
+            async for i, out in merged:
                 if out is None:
-                    open_streams -= 1
-                    inference.record(cid, body.model, tracked[i])
+                    for seq in runs[i].sequences:
+                        inference.record(cid, body.model, seq)
                     continue
-                text, sent[i] = text_delta(out.text, sent[i], out.finished, holdback)
-                lps = None
-                if body.logprobs is not None and out.new_logprobs:
-                    lps = completion_logprobs(inference.tokenizer(), out.new_logprobs, offsets[i])
-                    offsets[i] += text_length(lps)
-                if text or lps or out.finished:
+                index = i * n + out.index
+                first = index not in sent
+                echo = runs[i].echo if first else ""
+                text, sent[index] = text_delta(out.text, sent.get(index, 0), out.finished, holdback)
+                logprobs = None
+                if body.logprobs is not None and (out.new_logprobs or (first and body.echo)):
+                    echoed = first and body.echo
+                    logprobs = completion_logprobs(
+                        tokenizer,
+                        out.new_logprobs,
+                        offsets.get(index, 0),
+                        runs[i].ids if echoed else None,
+                        out.prompt_logprobs if echoed else None,
+                    )
+                    offsets[index] = offsets.get(index, 0) + text_length(logprobs)
+                if text or echo or logprobs or out.finished:
                     yield sse(
                         {
                             "id": cid,
@@ -141,32 +158,34 @@ async def completions(
                             "system_fingerprint": fingerprint,
                             "choices": [
                                 {
-                                    "index": i,
-                                    "text": text,
-                                    "logprobs": lps,
+                                    "index": index,
+                                    "text": echo + text,
+                                    "logprobs": logprobs,
                                     "finish_reason": out.finish_reason,
                                 }
                             ],
                         }
                     )
-            if body.stream_options and body.stream_options.include_usage:
-                yield sse(
-                    {
-                        "id": cid,
-                        "object": "text_completion",
-                        "created": created,
-                        "model": body.model,
-                        "system_fingerprint": fingerprint,
-                        "choices": [],
-                        "usage": usage(tracked),
-                    }
-                )
-            yield "data: [DONE]\n\n"
-        finally:
-            for task in tasks:
-                task.cancel()
+        if body.stream_options and body.stream_options.include_usage:
+            yield sse(
+                {
+                    "id": cid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": body.model,
+                    "system_fingerprint": fingerprint,
+                    "choices": [],
+                    "usage": usage([run.sequences for run in runs]),
+                }
+            )
+        yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=prompt_tokens)
+
+
+def _echo_text(tokenizer: Any, text: str | list[int], ids: list[int]) -> str:
+    """The prompt as echo returns it: the text sent, or the decoded token ids."""
+    return text if isinstance(text, str) else str(tokenizer.decode(ids))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -195,42 +214,42 @@ async def chat_completions(
     created, cid = int(time.time()), f"chatcmpl-{uuid.uuid4().hex}"
     fingerprint = inference.system_fingerprint()
     _log_user(cid, body.user)
-    tracked = Tracked(len(ids), time.perf_counter())
+    run = PromptRun.start(ids, body.n, "")
     holdback = max((len(s) for s in params.stop), default=1) - 1
     prompt_tokens = {PROMPT_TOKENS_HEADER: str(len(ids))}
-    generator = inference.run_one(ids, params, lora, tracked, access)
+    generator = inference.run_one(ids, params, lora, run.sequences, access)
     head = await anext(generator)
 
     if not body.stream:
-        last = head
-        if not head.finished:
-            async for out in generator:
-                last = out
-        inference.record(cid, body.model, tracked)
+        async for _ in generator:
+            pass
+        for seq in run.sequences:
+            inference.record(cid, body.model, seq)
         response.headers.update(prompt_tokens)
-        message, finish_reason = assistant_message(plan, last.text, last.finish_reason)
+        choices = []
+        for j, seq in enumerate(run.sequences):
+            assert seq.last is not None  # every sequence finished
+            message, finish_reason = assistant_message(plan, seq.last.text, seq.last.finish_reason)
+            logprobs = chat_logprobs(inference.tokenizer(), seq.logprobs) if body.logprobs else None
+            choices.append(
+                {
+                    "index": j,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish_reason,
+                }
+            )
         return {
             "id": cid,
             "object": "chat.completion",
             "created": created,
             "model": body.model,
             "system_fingerprint": fingerprint,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "logprobs": (
-                        chat_logprobs(inference.tokenizer(), tracked.logprobs)
-                        if body.logprobs
-                        else None
-                    ),
-                    "finish_reason": finish_reason,
-                }
-            ],
-            "usage": usage([tracked]),
+            "choices": choices,
+            "usage": usage([run.sequences]),
         }
 
-    def chunk(delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> str:
+    def chunk(index: int, delta: dict[str, Any], finish: str | None, logprobs: Any = None) -> str:
         return sse(
             {
                 "id": cid,
@@ -239,36 +258,41 @@ async def chat_completions(
                 "model": body.model,
                 "system_fingerprint": fingerprint,
                 "choices": [
-                    {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+                    {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
                 ],
             }
         )
 
     async def stream() -> AsyncIterator[str]:
-        tool_stream = ToolCallStream(plan) if plan is not None and plan.parses else None
-        # content stays null in an answer of only calls: its first chunk says no content
-        yield chunk({"role": "assistant", "content": None if tool_stream else ""}, None)
-        sent = 0
+        parses = plan is not None and plan.parses
+        tool_streams = [
+            ToolCallStream(plan) if plan is not None and parses else None for _ in range(body.n)
+        ]
+        for j in range(body.n):
+            # content stays null in an answer of only calls: its first chunk says no content
+            yield chunk(j, {"role": "assistant", "content": None if parses else ""}, None)
+        sent = [0] * body.n
         out: RequestOutput | None = head
         while out is not None:
+            j, tool_stream = out.index, tool_streams[out.index]
             lps = chat_logprobs(inference.tokenizer(), out.new_logprobs) if body.logprobs else None
             if tool_stream is not None:
                 deltas = tool_stream.deltas(out.text, out.finished, holdback)
                 for delta in deltas:
-                    yield chunk(delta, None, lps)
+                    yield chunk(j, delta, None, lps)
                     lps = None
                 if lps:
-                    yield chunk({}, None, lps)
+                    yield chunk(j, {}, None, lps)
             else:
-                text, sent = text_delta(out.text, sent, out.finished, holdback)
+                text, sent[j] = text_delta(out.text, sent[j], out.finished, holdback)
                 if text or lps:
-                    yield chunk({"content": text}, None, lps)
+                    yield chunk(j, {"content": text}, None, lps)
             if out.finished:
                 reason = out.finish_reason
-                yield chunk({}, tool_stream.finish_reason(reason) if tool_stream else reason)
-                break
+                yield chunk(j, {}, tool_stream.finish_reason(reason) if tool_stream else reason)
             out = await anext(generator, None)
-        inference.record(cid, body.model, tracked)
+        for seq in run.sequences:
+            inference.record(cid, body.model, seq)
         if body.stream_options and body.stream_options.include_usage:
             yield sse(
                 {
@@ -278,7 +302,7 @@ async def chat_completions(
                     "model": body.model,
                     "system_fingerprint": fingerprint,
                     "choices": [],
-                    "usage": usage([tracked]),
+                    "usage": usage([run.sequences]),
                 }
             )
         yield "data: [DONE]\n\n"

@@ -113,6 +113,8 @@ class _Submission:
     tenant: str
     loop: asyncio.AbstractEventLoop
     outputs: asyncio.Queue[RequestOutput | BaseException]
+    open_sequences: int = 1
+    """Sequences not finished yet (`params.n` at first: a fan-out's children)."""
 
 
 @dataclass
@@ -168,23 +170,29 @@ class EngineLoop:
         lora_name: str | None = None,
         tenant: str = "",
     ) -> AsyncGenerator[RequestOutput, None]:
-        """Yield the request's outputs step by step until it finishes; aborts it when the
-        consumer stops early. `tenant` is who asked (admission is fair across tenants). Raises
-        ValueError when the engine rejects the request."""
+        """Yield the request's outputs step by step until it finishes (with `params.n > 1`:
+        its n sequences' outputs, told apart by `RequestOutput.index`, until each finished);
+        aborts it when the consumer stops early. `tenant` is who asked (admission is fair
+        across tenants). Raises ValueError when the engine rejects the request."""
         if self._thread is None:
             raise RuntimeError("EngineLoop.start() was not called")
         request_id = f"srv-{next(self._ids)}"
         stream: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
         loop = asyncio.get_running_loop()
-        submission = _Submission(request_id, list(prompt), params, lora_name, tenant, loop, stream)
+        submission = _Submission(
+            request_id, list(prompt), params, lora_name, tenant, loop, stream, params.n
+        )
         self._inbox.put(submission)
         finished = False
+        open_sequences = params.n
         try:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finished
+                if item.finished:
+                    open_sequences -= 1
+                finished = open_sequences == 0
                 yield item
                 if finished:
                     return
@@ -282,9 +290,15 @@ class EngineLoop:
         if self._on_step is not None:
             self._on_step(time.perf_counter() - started)
         for out in outputs:
-            target = self._streams.get(out.request_id)
+            key = out.parent_id or out.request_id  # a fan-out's children share its stream
+            target = self._streams.get(key)
             if target is None:
                 continue
             self._deliver(target, out if out.error is None else ValueError(out.error))
-            if out.finished:
-                del self._streams[out.request_id]
+            if out.error is not None:
+                del self._streams[key]
+                self.driver.abort_request(key)  # its siblings, if any
+            elif out.finished:
+                target.open_sequences -= 1
+                if target.open_sequences == 0:
+                    del self._streams[key]

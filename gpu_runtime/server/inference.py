@@ -156,10 +156,16 @@ class Inference:
         )
 
     def sampling(
-        self, body: _SamplingFields, max_tokens: int, logprobs: int | None
+        self,
+        body: _SamplingFields,
+        max_tokens: int,
+        logprobs: int | None,
+        sequences: int | None = None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """The request's parameters; 400 naming the field for values out of range or token
-        ids outside the vocabulary."""
+        ids outside the vocabulary. `sequences`: how many to generate from each prompt
+        (`body.n` unless given: `best_of`), `prompt_logprobs`: for echo with logprobs."""
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,
@@ -177,6 +183,8 @@ class Inference:
                 min_tokens=body.min_tokens,
                 stop_token_ids=tuple(body.stop_token_ids or ()),
                 ignore_eos=body.ignore_eos,
+                n=sequences or body.n,
+                prompt_logprobs=prompt_logprobs,
             )
             params.check_vocab(self.engine_loop.engine.model_config.vocab_size)
         except SamplingParamsError as exc:
@@ -226,7 +234,7 @@ class Inference:
         return ids
 
     def record(self, rid: str, model: str, tracked: Tracked) -> None:
-        """Record a finished request's latencies (nothing for one that produced no token)."""
+        """Record a finished sequence's latencies (nothing for one that produced no token)."""
         out = tracked.last
         if out is None or tracked.first_token is None:
             return
@@ -251,26 +259,34 @@ class Inference:
         ids: list[int],
         params: SamplingParams,
         lora: str | None,
-        tracked: Tracked,
+        tracked: list[Tracked],
         access: ModelAccess,
     ) -> AsyncIterator[RequestOutput]:
-        """The request's outputs as the engine loop produces them, tracked in `tracked`; the
-        engine queues it under `access.caller`. Its end is counted in `prometheus` under its
-        outcome: the finish reason, `rejected` (the engine refused it), `error` (the engine
-        failed), or `cancelled` (the consumer stopped before it finished)."""
+        """The request's outputs as the engine loop produces them, sequence `out.index`
+        tracked in `tracked[out.index]` (`params.n` of them); the engine queues it under
+        `access.caller`. Its end is counted in `prometheus` under its outcome: the last finish
+        reason, `rejected` (the engine refused it), `error` (the engine failed), or
+        `cancelled` (the consumer stopped before every sequence finished)."""
+        if len(tracked) != params.n:
+            raise ValueError(f"{len(tracked)} trackers for n={params.n}")
         generate = self.engine_loop.generate(ids, params, lora, tenant=access.caller)
         outcome = "cancelled"
+        open_sequences = params.n
         try:
             # closing this generator closes the engine's at once: its request is aborted
             async with aclosing(generate) as outputs:
                 async for out in outputs:
-                    if tracked.first_token is None:
-                        tracked.first_token = time.perf_counter()
-                        self.prometheus.first_token(tracked.first_token - tracked.started)
-                    tracked.last = out
-                    tracked.logprobs.extend(out.new_logprobs)
+                    seq = tracked[out.index]
+                    if seq.first_token is None:
+                        seq.first_token = time.perf_counter()
+                        if all(t.first_token is None or t is seq for t in tracked):
+                            self.prometheus.first_token(seq.first_token - seq.started)
+                    seq.last = out
+                    seq.logprobs.extend(out.new_logprobs)
                     if out.finished:
-                        outcome = out.finish_reason or "stop"
+                        open_sequences -= 1
+                        if open_sequences == 0:
+                            outcome = out.finish_reason or "stop"
                     yield out
         except UnknownAdapterError as exc:
             outcome = "rejected"
@@ -284,18 +300,23 @@ class Inference:
         finally:
             self._count(tracked, lora, access, outcome)
 
-    def _count(self, tracked: Tracked, lora: str | None, access: ModelAccess, outcome: str) -> None:
+    def _count(
+        self, tracked: list[Tracked], lora: str | None, access: ModelAccess, outcome: str
+    ) -> None:
+        """One engine request's end: tokens of all its sequences; TPOT of the longest."""
         now = time.perf_counter()
-        count = len(tracked.last.output_token_ids) if tracked.last is not None else 0
-        first = tracked.first_token
+        counts = [len(t.last.output_token_ids) if t.last is not None else 0 for t in tracked]
+        longest = max(counts)
+        firsts = [t.first_token for t in tracked if t.first_token is not None]
+        first = min(firsts) if firsts else None
         self.prometheus.finished(
             tenant=access.caller,
             adapter=lora or "",
             outcome=outcome,
-            duration_s=now - tracked.started,
-            tpot_s=(now - first) / (count - 1) if first is not None and count > 1 else None,
-            prompt_tokens=tracked.prompt_tokens,
-            completion_tokens=count,
+            duration_s=now - tracked[0].started,
+            tpot_s=(now - first) / (longest - 1) if first is not None and longest > 1 else None,
+            prompt_tokens=tracked[0].prompt_tokens,
+            completion_tokens=sum(counts),
         )
 
 

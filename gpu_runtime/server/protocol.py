@@ -27,18 +27,13 @@ from gpu_runtime.server.chat_protocol import ChatMessage, ToolChoice, ToolDefini
 REQUEST_FIELD_ERROR = "request_field"
 """The pydantic error type of a refused field; its context's `field` is the `param`."""
 
-_FANOUT = "one choice per prompt, the prompt not echoed, for now"
 _STRUCTURED = "no constrained decoding yet"
 
-REFUSED_SAMPLING: Mapping[str, str] = {
-    "n": _FANOUT,
-}
+REFUSED_SAMPLING: Mapping[str, str] = {}
 """Fields of both endpoints refused when set (field -> why)."""
 
 REFUSED_COMPLETION: Mapping[str, str] = {
     **REFUSED_SAMPLING,
-    "best_of": _FANOUT,
-    "echo": _FANOUT,
     "suffix": "insertion after the completion (fill-in-the-middle) is not supported",
 }
 """`CompletionRequest`'s refused fields."""
@@ -126,7 +121,8 @@ class _SamplingFields(StrictBody):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=0)
-    n: int = Field(default=1, ge=1)
+    n: int = Field(default=1, ge=1, le=128)
+    """Choices per prompt (the engine's fan-out: one prefill, n sequences)."""
     seed: int | None = None
     stop: str | list[str] | None = None
     stream: bool = False
@@ -190,8 +186,24 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-    best_of: int | None = Field(default=None, ge=1)
+    """Prepend the prompt to each choice's text (and, with `logprobs`, its tokens' logprobs,
+    the first null)."""
+    best_of: int | None = Field(default=None, ge=1, le=128)
+    """Sequences generated per prompt, of which the `n` with the highest cumulative logprob
+    are returned (at least `n`; not with `stream` when above `n`)."""
     suffix: str | None = None
+
+    def sequences(self) -> int:
+        """Sequences to generate per prompt; 400 naming `best_of` when it is below `n`, or
+        above it on a stream."""
+        best_of = self.n if self.best_of is None else self.best_of
+        if best_of < self.n:
+            raise OpenAIError(400, f"best_of ({best_of}) must be >= n ({self.n})", param="best_of")
+        if self.stream and best_of > self.n:
+            raise OpenAIError(
+                400, f"best_of ({best_of}) > n ({self.n}) cannot be streamed", param="best_of"
+            )
+        return best_of
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt."""

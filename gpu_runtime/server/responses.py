@@ -9,14 +9,15 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 from typing import Any
 
-from gpu_runtime.engine.request import RequestOutput
+from gpu_runtime.engine.request import RequestOutput, TokenLogprob
 
 """Response header of every successful completion: the request's prompt tokens."""
 
 
 @dataclass
 class Tracked:
-    """One prompt's generation: outputs so far and its timings (`time.perf_counter`)."""
+    """One generated sequence (a choice, or a `best_of` candidate): outputs so far and its
+    timings (`time.perf_counter`)."""
 
     prompt_tokens: int
     started: float = field(default_factory=time.perf_counter)
@@ -39,12 +40,17 @@ def text_delta(text: str, sent: int, finished: bool, holdback: int) -> tuple[str
     return text[sent:upto], upto
 
 
-def usage(tracked: list[Tracked]) -> dict[str, Any]:
-    """OpenAI's `usage` over the prompts of one response; `prompt_tokens_details.cached_tokens`
-    counts the prompt tokens the engine's prefix cache served."""
-    prompt = sum(t.prompt_tokens for t in tracked)
+def usage(prompts: list[list[Tracked]]) -> dict[str, Any]:
+    """OpenAI's `usage` of one response, over each prompt's sequences: every prompt counted
+    once, the tokens of every sequence generated (`best_of` candidates not returned
+    included); `prompt_tokens_details.cached_tokens` counts the prompt tokens the engine's
+    prefix cache served (once per prompt)."""
+    prompt = sum(seqs[0].prompt_tokens for seqs in prompts if seqs)
+    tracked = [t for seqs in prompts for t in seqs]
     completion = sum(len(t.last.output_token_ids) for t in tracked if t.last)
-    cached = sum(t.last.num_cached_tokens for t in tracked if t.last)
+    cached = sum(
+        max((t.last.num_cached_tokens for t in seqs if t.last), default=0) for seqs in prompts
+    )
     return {
         "prompt_tokens": prompt,
         "completion_tokens": completion,
@@ -57,16 +63,38 @@ def _token_text(tokenizer: Any, token_id: int) -> str:
     return str(tokenizer.decode([token_id]))
 
 
-def completion_logprobs(tokenizer: Any, items: list[Any], offset: int = 0) -> dict[str, Any]:
+def completion_logprobs(
+    tokenizer: Any,
+    items: list[Any],
+    offset: int = 0,
+    prompt_ids: list[int] | None = None,
+    prompt_logprobs: list[TokenLogprob | None] | None = None,
+) -> dict[str, Any]:
     """`choices[i].logprobs` of a text completion, or of one streamed chunk: `items` are the
     tokens' logprobs (`RequestOutput.new_logprobs`), `offset` the characters of the tokens
     before them (a chunk's `text_offset` continues the previous chunk's), so a stream's chunks
-    concatenated equal the whole response's logprobs."""
-    tokens = [_token_text(tokenizer, lp.token_id) for lp in items]
+    concatenated equal the whole response's logprobs. With echo, the prompt's tokens come
+    first (`prompt_ids`, their `prompt_logprobs`: the first token's logprob and top are null)."""
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    if prompt_ids is not None:
+        if prompt_logprobs is None or len(prompt_logprobs) != len(prompt_ids):
+            raise ValueError("echo with logprobs needs one prompt logprob per prompt token")
+        for token_id, entry in zip(prompt_ids, prompt_logprobs, strict=True):
+            tokens.append(_token_text(tokenizer, token_id))
+            values.append(entry.logprob if entry is not None else None)
+            tops.append(
+                {_token_text(tokenizer, t): v for t, v in entry.top} if entry is not None else None
+            )
+    for lp in items:
+        tokens.append(_token_text(tokenizer, lp.token_id))
+        values.append(lp.logprob)
+        tops.append({_token_text(tokenizer, t): v for t, v in lp.top})
     return {
         "tokens": tokens,
-        "token_logprobs": [lp.logprob for lp in items],
-        "top_logprobs": [{_token_text(tokenizer, t): v for t, v in lp.top} for lp in items],
+        "token_logprobs": values,
+        "top_logprobs": tops,
         "text_offset": list(accumulate((len(t) for t in tokens[:-1]), initial=offset))[
             : len(tokens)
         ],
