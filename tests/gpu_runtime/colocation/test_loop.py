@@ -441,3 +441,20 @@ def test_a_job_paused_at_its_batch_end_runs_only_to_finish_the_batch(
     assert not loop.job_state("job-a").runnable and not loop.has_work()
     loop.resume_job("job-a")
     assert loop.run_iteration().finetune_tokens > 0
+
+
+def test_a_fan_out_times_each_sequence_from_the_request_arrival() -> None:
+    import dataclasses
+
+    from gpu_runtime.engine.fanout import child_id
+
+    loop = HostLoop(_engine(), DecodeOnlyPolicy(), tpot_slo_ms=1e6)
+    parent = loop.add_request(PROMPTS[2], dataclasses.replace(PARAMS, n=3))
+    records = loop.run_until_idle(max_iterations=50)
+    finished = {f.request_id: f for r in records for f in r.finished}
+    assert sorted(finished) == [child_id(parent, i) for i in range(3)]
+    assert all(f.output_tokens == PARAMS.max_tokens and f.ttft_ms for f in finished.values())
+    aborted = loop.add_request(PROMPTS[2], dataclasses.replace(PARAMS, n=2))
+    loop.run_iteration()
+    loop.abort_request(aborted)
+    assert loop.running_requests() == [] and not loop.has_work()

@@ -236,3 +236,23 @@ def test_fixed_shape_decode_steps_apply_adapters(adapter_dirs: dict[str, Path]) 
     assert [o.output_token_ids for o in outputs] == expected
     assert engine.runner.decode.num_static_decode_steps >= GREEDY.max_tokens - 2
     assert runtime._attached == {}
+
+
+def test_fan_out_children_hold_the_adapter_and_match_merged_weights(
+    adapter_dirs: dict[str, Path],
+) -> None:
+    import dataclasses
+
+    from gpu_runtime.engine.fanout import child_id
+
+    prompt = _prompts(5, (10,))[0]
+    expected = _expected(adapter_dirs, [prompt], ["poet"])[0]
+    engine, runtime = _lora_engine(adapter_dirs, num_slots=1)
+    parent = engine.add_request(prompt, dataclasses.replace(GREEDY, n=3), lora_name="poet")
+    engine.step()  # the prefill, then the fork: each child attached, the parent detached
+    assert runtime._attached == {child_id(parent, i): "poet" for i in range(3)}
+    final: dict[int, list[int]] = {}
+    while engine.has_unfinished_requests():
+        final |= {o.index: o.output_token_ids for o in engine.step() if o.finished}
+    assert final == {0: expected, 1: expected, 2: expected}
+    assert _held_slots(runtime) == 0 and runtime._attached == {}

@@ -271,3 +271,29 @@ def test_the_answer_goes_back_into_the_history(served: Served) -> None:
         history: list[Any] = [*ASK, message, result]
         answer = _chat(client, messages=history, tools=[WEATHER, TIME])
         assert answer.choices[0].finish_reason in ("stop", "length", "tool_calls"), family
+
+
+def test_each_of_n_choices_is_held_to_the_call_grammar(served: Served) -> None:
+    """`n` choices of a named tool_choice: one matcher per sequence, each choice a parsed call,
+    and the stream gives each choice the calls of the whole answer."""
+    client, _, _ = served
+    kwargs: dict[str, Any] = {"tools": [WEATHER, TIME], "tool_choice": NAMED, "max_tokens": 200}
+    answer = _chat(client, temperature=1.0, seed=3, n=2, **kwargs)
+    assert [c.index for c in answer.choices] == [0, 1]
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        calls = choice.message.tool_calls
+        assert calls is not None and [c.function.name for c in calls] == ["get_weather"]
+    with client.chat.completions.stream(
+        model=MODEL, messages=ASK, temperature=1.0, seed=3, n=2, **kwargs
+    ) as stream:
+        for _ in stream:
+            pass
+        streamed = stream.get_final_completion().choices
+    assert [
+        [(c.function.name, c.function.arguments) for c in s.message.tool_calls or []]
+        for s in streamed
+    ] == [
+        [(c.function.name, c.function.arguments) for c in a.message.tool_calls or []]
+        for a in answer.choices
+    ]
