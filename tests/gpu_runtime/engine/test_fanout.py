@@ -266,3 +266,19 @@ def test_a_child_preempted_before_its_copy_drops_its_shared_references(
     final = _run(engine)
     assert [final[k.request_id].output_token_ids for k in kids] == [single] * 3
     assert bm.num_free_blocks == 4
+
+
+def test_a_fan_out_starts_on_a_cached_prefix_and_prompt_logprobs_skip_it(
+    tiny_llama: CausalLM,
+) -> None:
+    prompt = _prompt(14)  # 13 tokens prefilled by a parent: 3 full blocks of 4
+    engine = Engine(tiny_llama, _config(enable_prefix_caching=True))
+    single = engine.generate([prompt], GREEDY)[0]
+    outs = engine.generate([prompt], dataclasses.replace(GREEDY, n=2))
+    # a parent leaves its last prompt token and one more to compute: (13 - 1) // 4 blocks hit
+    assert [o.num_cached_tokens for o in outs] == [12, 12]
+    assert [o.output_token_ids for o in outs] == [single.output_token_ids] * 2
+    asked = engine.generate([prompt], dataclasses.replace(GREEDY, n=2, prompt_logprobs=0))
+    assert [o.num_cached_tokens for o in asked] == [0, 0]  # every position computed
+    got = asked[0].prompt_logprobs
+    assert got is not None and len(got) == len(prompt) and all(e is not None for e in got[1:])
