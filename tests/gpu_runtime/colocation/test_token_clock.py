@@ -40,9 +40,11 @@ def test_running_requests_need_enough_tokens_and_the_engine_to_know_them() -> No
         outputs = [_out("long", 1), _out("aborted", 1)] + ([_out("short", 1)] if step < 3 else [])
         clock.time(outputs, emitted=0.01 * (step + 1))
     assert {r.request_id for r in clock.running()} == {"long", "aborted"}
-    known = {"long": SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=40),
+    known = {"long": SimpleNamespace(request_id="long", fan_out=1,
+                                     sampling_params=SimpleNamespace(max_tokens=40),
                                      output_token_ids=[0] * MIN_TOKENS_FOR_TPOT),
-             "short": SimpleNamespace(sampling_params=SimpleNamespace(max_tokens=8),
+             "short": SimpleNamespace(request_id="short", fan_out=1,
+                                      sampling_params=SimpleNamespace(max_tokens=8),
                                       output_token_ids=[0] * 3)}  # fmt: skip
     (view,) = clock.views(known)  # "aborted" is unknown to the engine: dropped
     assert view.tokens == MIN_TOKENS_FOR_TPOT and view.tpot_ms == pytest.approx(10.0)
