@@ -25,21 +25,19 @@ from gpu_runtime.engine import Engine, EngineConfig
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server import BearerKeys, EngineLoop, create_app, static_key_checker
 from gpu_runtime.server.protocol import ChatCompletionRequest, CompletionRequest
+from tests.gpu_runtime.server.choice_checks import CHOICE_CHECKS
 from tests.gpu_runtime.server.field_checks import FIELD_CHECKS, MODEL, Api
 from tests.gpu_runtime.server.sampling_checks import SAMPLING_CHECKS
 from tests.gpu_runtime.server.serving import serve_in_thread
 
 KEY = "sk-fields"
-HONOURED_CHECKS = FIELD_CHECKS | SAMPLING_CHECKS
+HONOURED_CHECKS = FIELD_CHECKS | SAMPLING_CHECKS | CHOICE_CHECKS
 ENDPOINTS: dict[str, type[BaseModel]] = {
     "completions": CompletionRequest,
     "chat": ChatCompletionRequest,
 }
 
 REFUSED_VALUES: dict[str, Any] = {
-    "n": 2,
-    "best_of": 2,
-    "echo": True,
     "suffix": " the end",
     "response_format": {"type": "json_object"},
     "functions": [{"name": "f", "parameters": {}}],
