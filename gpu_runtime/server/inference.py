@@ -33,6 +33,7 @@ from gpu_runtime.server.metrics import MetricsCollector, RequestMetrics
 from gpu_runtime.server.prometheus import ServerMetrics
 from gpu_runtime.server.protocol import OpenAIError, _SamplingFields
 from gpu_runtime.server.responses import Tracked
+from gpu_runtime.structured import StructuredOutputError
 
 logger = logging.getLogger(__name__)
 AdapterLookup = Callable[[str], str | None]
@@ -185,8 +186,13 @@ class Inference:
                 ignore_eos=body.ignore_eos,
                 n=sequences or body.n,
                 prompt_logprobs=prompt_logprobs,
+                structured_output=(
+                    body.response_format.structured_output() if body.response_format else None
+                ),
             )
             params.check_vocab(self.engine_loop.engine.model_config.vocab_size)
+        except StructuredOutputError as exc:
+            raise OpenAIError(400, str(exc), param="response_format") from exc
         except SamplingParamsError as exc:
             raise OpenAIError(400, str(exc), param=_param_of(str(exc))) from exc
         return params
@@ -266,13 +272,18 @@ class Inference:
         tracked in `tracked[out.index]` (`params.n` of them); the engine queues it under
         `access.caller`. Its end is counted in `prometheus` under its outcome: the last finish
         reason, `rejected` (the engine refused it), `error` (the engine failed), or
-        `cancelled` (the consumer stopped before every sequence finished)."""
+        `cancelled` (the consumer stopped before every sequence finished). A structured
+        output's grammar is compiled first, in a worker thread (the engine finds it in its
+        compiler's cache): 400 with param `response_format` when it cannot be."""
         if len(tracked) != params.n:
             raise ValueError(f"{len(tracked)} trackers for n={params.n}")
-        generate = self.engine_loop.generate(ids, params, lora, tenant=access.caller)
         outcome = "cancelled"
         open_sequences = params.n
         try:
+            if params.structured_output is not None:
+                compiler = self.engine_loop.engine.structured.compiler
+                await asyncio.to_thread(compiler.compile, params.structured_output)
+            generate = self.engine_loop.generate(ids, params, lora, tenant=access.caller)
             # closing this generator closes the engine's at once: its request is aborted
             async with aclosing(generate) as outputs:
                 async for out in outputs:
@@ -291,6 +302,9 @@ class Inference:
         except UnknownAdapterError as exc:
             outcome = "rejected"
             raise OpenAIError(404, str(exc), param="model", code="model_not_found") from exc
+        except StructuredOutputError as exc:
+            outcome = "rejected"
+            raise OpenAIError(400, str(exc), param="response_format") from exc
         except ValueError as exc:
             outcome = "rejected"
             raise OpenAIError(400, str(exc)) from exc

@@ -23,11 +23,10 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from gpu_runtime.server.chat_protocol import ChatMessage, ToolChoice, ToolDefinition
+from gpu_runtime.server.response_format import ResponseFormat
 
 REQUEST_FIELD_ERROR = "request_field"
 """The pydantic error type of a refused field; its context's `field` is the `param`."""
-
-_STRUCTURED = "no constrained decoding yet"
 
 REFUSED_SAMPLING: Mapping[str, str] = {}
 """Fields of both endpoints refused when set (field -> why)."""
@@ -40,7 +39,6 @@ REFUSED_COMPLETION: Mapping[str, str] = {
 
 REFUSED_CHAT: Mapping[str, str] = {
     **REFUSED_SAMPLING,
-    "response_format": _STRUCTURED,
     "functions": "the legacy function calling is not supported",
     "function_call": "the legacy function calling is not supported",
     "audio": "only text output is supported",
@@ -139,6 +137,8 @@ class _SamplingFields(StrictBody):
     user: str | None = None
     """Honoured: logged (logger `gpu_runtime.server.completion_routes`, INFO) with the
     response id and the request's `x-request-id`, so abuse reports can name the end user."""
+    response_format: ResponseFormat | None = None
+    """Constrains the output to JSON (an object, or matching a schema): `response_format.py`."""
 
     @field_validator("logit_bias")
     @classmethod
@@ -229,7 +229,6 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     max_completion_tokens: int | None = Field(default=None, ge=1)
-    response_format: dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
     audio: dict[str, Any] | None = None
