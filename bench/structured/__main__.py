@@ -1,0 +1,3 @@
+from bench.structured.run import main
+
+main()
