@@ -122,7 +122,7 @@ def time_decode(
     )
     for _ in range(warmup):
         engine.step()
-    overlapped = runner.num_overlapped_steps
+    overlapped, deferred = runner.num_overlapped_steps, runner.num_deferred_samplings
     masked = engine.structured.num_constrained_steps
     step_ms: list[float] = []
     phases: dict[str, list[float]] = {name: [] for name in StepTimes._fields}
@@ -148,6 +148,7 @@ def time_decode(
         "raw_step_ms": [round(t, 4) for t in step_ms],
         "phases_ms_p50": {k: round(statistics.median(v), 4) for k, v in phases.items()},
         "overlapped_steps": runner.num_overlapped_steps - overlapped,
+        "deferred_samplings": runner.num_deferred_samplings - deferred,
         "masked_steps": engine.structured.num_constrained_steps - masked,
         "grammar_accepts_every_token": accepted,
     }

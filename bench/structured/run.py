@@ -7,10 +7,11 @@ built without downloads (the grammar's costs depend on the vocabulary, not on th
 schema asks for an object holding at least 64 strings, so no constrained row can end inside
 the timed steps; random weights sample garbage, but every constrained row's tokens are checked
 against a fresh matcher of the schema after timing. Rows: ``unconstrained`` (async, the
-baseline), ``structured`` (32 of 64 rows constrained: the engine masks their logits and declines
-the look-ahead step) and ``unconstrained_sync`` (async off: what declining the look-ahead
-costs alone). Beside them, the grammar's compile time and the two per-step costs apart (the
-host's bitmask fill for 32 rows, the masking on the device).
+baseline), ``structured`` (32 of 64 rows constrained: the engine masks their logits; each step
+ahead runs its model early and samples once the matchers hold the previous step's tokens) and
+``unconstrained_sync`` (async off: what losing the step ahead would cost). Beside them, the
+grammar's compile time and the two per-step costs apart (the host's bitmask fill for 32 rows,
+the masking on the device).
 
 Run: `python -m bench.structured` (under 4 minutes on an H200); `--tiny` is a CPU smoke run
 (the tiny model and tokenizer, batch 4 with 2 rows constrained; no figure worth quoting).

@@ -108,6 +108,8 @@ class ModelRunner:
         """Steps launched before the previous step was read back (inputs from the device)."""
         self.num_discarded_steps = 0
         """Launched steps never read back (every request they sampled had finished)."""
+        self.num_deferred_samplings = 0
+        """Steps launched ahead whose sampling was queued later (`sample_deferred`)."""
         self.last_launch_seconds = 0.0
         """Host time of the last `execute` until the model's work is queued (request state,
         input staging and copies, graph replay or eager kernel launches)."""
@@ -176,13 +178,19 @@ class ModelRunner:
         return self.resolve(self.launch(output, partition))
 
     @torch.no_grad()
-    def launch(self, output: SchedulerOutput, partition: Hashable = None) -> StepHandle:
+    def launch(
+        self, output: SchedulerOutput, partition: Hashable = None, defer_sampling: bool = False
+    ) -> StepHandle:
         """Queue one step (model, sampling, copies back) without waiting for the device.
 
         Sampled states count their new token at once (`UNRESOLVED_TOKEN` stands for it on the
         host). While the last launched step is unresolved, the next may be launched only as a
         bucketed decode-only step: rows whose last token is unresolved take it from that step's
-        sampled tensor on the device. `resolve` each handle once, in launch order."""
+        sampled tensor on the device. `resolve` each handle once, in launch order.
+
+        `defer_sampling`: queue the model only; `sample_deferred` queues the sampling later
+        (after the previous step's tokens advanced the grammar matchers whose masks this
+        step's sampling needs), before any other step is launched or resolved."""
         started = time.perf_counter()
         self.last_launch_seconds = self.last_sample_seconds = self.last_wait_seconds = 0.0
         self.rows.sync(output)
@@ -218,10 +226,32 @@ class ModelRunner:
             return handle
         if not decode_only:
             states = [self.states[rid] for rid in sampled_ids]
-        self.readback.queue(handle, logits, sampled_ids, states)
         self.last_launch_seconds = forwarded - started
+        if defer_sampling:
+            stream = torch.cuda.current_stream() if self.device.type == "cuda" else None
+            handle.deferred = (logits, sampled_ids, states, stream)
+            return handle
+        self.readback.queue(handle, logits, sampled_ids, states)
         self.last_sample_seconds = time.perf_counter() - forwarded
         return handle
+
+    @torch.no_grad()
+    def sample_deferred(self, handle: StepHandle) -> None:
+        """Queue the sampling (and copies back) of a step launched with `defer_sampling`, on
+        the stream its model runs on; no-op for a step without deferred sampling."""
+        deferred = handle.deferred
+        if deferred is None:
+            return
+        started = time.perf_counter()
+        handle.deferred = None
+        logits, sampled_ids, states, stream = deferred
+        if stream is None or stream == torch.cuda.current_stream():
+            self.readback.queue(handle, logits, sampled_ids, states)
+        else:
+            with torch.cuda.stream(stream):
+                self.readback.queue(handle, logits, sampled_ids, states)
+        self.num_deferred_samplings += 1
+        self.last_sample_seconds = time.perf_counter() - started
 
     def resolve(self, handle: StepHandle) -> ModelRunnerOutput:
         """Wait for a launched step (its event: later launches keep running) and write its

@@ -35,8 +35,9 @@ class OverlappedSteps:
         clock: StepClock,
         structured: StructuredOutputs | None = None,
     ) -> None:
-        """`structured`: the engine's grammar matchers; a step sampling a constrained request
-        is never followed by one launched ahead (its next mask needs this step's token)."""
+        """`structured`: the engine's grammar matchers. A step ahead that samples a constrained
+        request is launched with its sampling deferred: its model runs while this step is read
+        back and its tokens advance the matchers; then its masked sampling is queued."""
         self.scheduler = scheduler
         self.structured = structured
         self.runner = runner
@@ -87,9 +88,13 @@ class OverlappedSteps:
                 after = scheduler.schedule()
                 outputs += self.outputs.rejected()
                 if not after.is_empty:
-                    following = (after, self._launch_ahead(after, *target))
+                    structured = self.structured
+                    defer = structured is not None and structured.any_constrained(
+                        after.num_scheduled_tokens
+                    )
+                    following = (after, self._launch_ahead(after, *target, defer))
                     launch += runner.last_launch_seconds
-                    sample += runner.last_sample_seconds
+                    sample += 0.0 if defer else runner.last_sample_seconds
                     if ahead is not None:
                         hook_error = hook_error or call_hook(ahead.launched)
         result = runner.resolve(handle)
@@ -100,6 +105,9 @@ class OverlappedSteps:
             scheduler.update_from_output(plan, result.sampled)
         self.outputs.sampled(result, outputs)
         if following is not None:
+            if following[1].deferred is not None:  # the matchers hold this step's tokens now
+                runner.sample_deferred(following[1])
+                sample += runner.last_sample_seconds
             requests = scheduler.requests
             if any(rid in requests for rid in following[0].num_scheduled_tokens):
                 self.in_flight = following
@@ -114,27 +122,26 @@ class OverlappedSteps:
             raise hook_error
         return outputs
 
-    def _launch_ahead(self, plan: SchedulerOutput, partition: Hashable, stream: Any) -> StepHandle:
+    def _launch_ahead(
+        self, plan: SchedulerOutput, partition: Hashable, stream: Any, defer: bool = False
+    ) -> StepHandle:
         """Launch the step ahead on `stream` (None: the current one), ordered after the
-        current stream's work (the step it reads its input tokens from)."""
+        current stream's work (the step it reads its input tokens from); `defer`: its sampling
+        is queued later (`ModelRunner.sample_deferred`)."""
         if stream is None:
-            return self.runner.launch(plan, partition)
+            return self.runner.launch(plan, partition, defer)
         current = torch.cuda.current_stream()
         if stream != current:
             stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            return self.runner.launch(plan, partition)
+            return self.runner.launch(plan, partition, defer)
 
     def _can_overlap(self, plan: SchedulerOutput, handle: StepHandle) -> bool:
         """True when the step after `plan` can be launched before `plan` is read back: the
         runner takes it as a bucketed decode step gathering its inputs on the device, and the
-        scheduler is sure it decodes the same requests whatever `plan` samples, and no request
-        of `plan` is constrained by a grammar. Stop tokens and stop strings are not foreseen:
-        such a request's next step is discarded."""
+        scheduler is sure it decodes the same requests whatever `plan` samples. Stop tokens
+        and stop strings are not foreseen: such a request's next step is discarded."""
         runner = self.runner
         if handle.token_ids is None or not runner.static_decode:
-            return False
-        structured = self.structured
-        if structured is not None and structured.any_constrained(plan.num_scheduled_tokens):
             return False
         return self.scheduler.decode_follows(plan, runner.max_bucket)

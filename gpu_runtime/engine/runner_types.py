@@ -123,6 +123,10 @@ class StepHandle:
     """Host copies of logprobs, top ids, top logprobs (None where not asked)."""
     event: Any = None
     """CUDA event recorded after the copies back (None on CPU)."""
+    deferred: tuple[torch.Tensor, list[str], list[_RequestState], Any] | None = None
+    """A step launched with its sampling deferred (`ModelRunner.launch(defer_sampling=True)`):
+    its logits, the ids and states to sample, and the stream it runs on, until
+    `ModelRunner.sample_deferred` queues the sampling."""
     resolved: bool = False
     device_done: bool = False
     """The host has waited for `event` (resolved, or waited for after a discard)."""

@@ -2,10 +2,11 @@
 applied to the logits on their device.
 
 Bit `t % 32` of word `t // 32` of a row is 1 where token `t` is allowed (xgrammar's layout).
-The host buffers are pinned on CUDA and used in turn (two of them), so a fill never overwrites
-the buffer whose copy to the device the previous step may still have queued; the copy is
-asynchronous and the masking is a few torch ops on the logits' stream, so applying the mask
-adds no host sync.
+The host buffers (bits and row indices) are pinned on CUDA and used in turn (two sets), so a
+fill never overwrites the buffers whose copy to the device the previous step may still have
+queued; the copies are asynchronous and the masking is one Triton launch on CUDA
+(`mask_kernel`) or a few torch ops on the CPU, on the logits' stream: applying the mask adds no
+host sync.
 """
 
 from __future__ import annotations
@@ -28,8 +29,12 @@ class TokenBitmask:
         self._hosts = [
             torch.zeros(max_rows, self.words, dtype=torch.int32, pin_memory=pin) for _ in range(2)
         ]
+        self._host_rows = [
+            torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)
+        ]
         self._parity = 0
         self._device_bits = torch.zeros(max_rows, self.words, dtype=torch.int32, device=device)
+        self._device_rows = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self._shifts = torch.arange(32, dtype=torch.int32, device=device)
 
     def host_rows(self, rows: int) -> torch.Tensor:
@@ -49,12 +54,18 @@ class TokenBitmask:
         count = len(rows)
         bits = self._device_bits[:count]
         bits.copy_(host_bits, non_blocking=True)
+        host_index = self._host_rows[self._parity][:count]
+        host_index.numpy()[:] = rows
+        index = self._device_rows[:count]
+        index.copy_(host_index, non_blocking=True)
+        if self.device.type == "cuda":
+            from gpu_runtime.structured.mask_kernel import apply_bitmask_cuda  # needs Triton
+
+            apply_bitmask_cuda(logits, bits, index)
+            return
         vocab = logits.shape[1]
         # [count, words, 32] -> [count, 32 * words] bools, token t at column t
         allowed = ((bits[:, :, None] >> self._shifts) & 1).bool().view(count, -1)[:, :vocab]
-        index = torch.tensor(rows, dtype=torch.int64)
-        if self.device.type == "cuda":
-            index = index.pin_memory().to(self.device, non_blocking=True)
         picked = logits.index_select(0, index)
         picked.masked_fill_(~allowed, float("-inf"))
         logits.index_copy_(0, index, picked)

@@ -1,7 +1,8 @@
 """Constrained requests through the engine on CPU (tiny model, byte-level BPE tokenizer): greedy
 outputs match their JSON schema, regex or grammar and stop once the grammar has ended;
-unconstrained rows of the same batches keep the tokens they get alone; async scheduling never
-launches a constrained row ahead; preemption keeps each matcher consistent with its output."""
+unconstrained rows of the same batches keep the tokens they get alone; under async scheduling a
+constrained step ahead runs its model early and samples once the matchers hold the previous
+step's tokens; preemption keeps each matcher consistent with its output."""
 
 from __future__ import annotations
 
@@ -68,7 +69,9 @@ def test_json_schema_outputs_match_the_schema_and_stop(
         assert out.output_token_ids[-1] == engine.tokenizer.eos_token_id
         assert _replayed(engine, params, out.output_token_ids)
     assert engine.structured.num_matchers == 0  # released with their requests
-    assert engine.runner.num_overlapped_steps == 0
+    runner = engine.runner
+    assert runner.num_deferred_samplings == runner.num_overlapped_steps
+    assert (runner.num_overlapped_steps > 20) == async_scheduling
 
 
 def test_json_object_regex_grammar_and_structural_tag(tiny_dir: Path) -> None:
@@ -126,28 +129,34 @@ def test_unconstrained_rows_keep_their_tokens_beside_constrained_ones(tiny_dir: 
         jsonschema.validate(json.loads(final[rid].text), SCHEMA)
 
 
-def test_async_scheduling_never_launches_a_constrained_row_ahead(tiny_dir: Path) -> None:
-    """The unconstrained request runs on alone once the constrained one has finished: from then
-    on steps are launched ahead again. Its tokens are those of the synchronous engine."""
+def test_async_steps_ahead_sample_constrained_rows_after_the_matchers_advance(
+    tiny_dir: Path,
+) -> None:
+    """Constrained and free rows together, requests arriving while steps are in flight: steps
+    are launched ahead with their sampling deferred while a constrained row runs, and every
+    request gets the synchronous engine's tokens."""
     free = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
-    constrained = _greedy(StructuredOutputParams("regex", r"[a-c]{3}-[0-9]{2}"))
+    regex = StructuredOutputParams("regex", r"[a-c]{3}-[0-9]{2}")
+    schema = StructuredOutputParams.json_schema(SCHEMA)
+    requests = [(PROMPTS[0], free), (PROMPTS[1], _greedy(regex)), (PROMPTS[2], _greedy(schema))]
     results = []
     for async_scheduling in (False, True):
         engine = Engine.from_directory(tiny_dir, _config(async_scheduling=async_scheduling))
-        a = engine.add_request(PROMPTS[0], free)
-        b = engine.add_request(PROMPTS[1], constrained)
-        final, overlapped_while_constrained = {}, []
-        while engine.has_unfinished_requests():
-            before = engine.runner.num_overlapped_steps
-            constrained_live = engine.structured.is_constrained(b)
+        ids, final, steps = [], {}, 0
+        while len(ids) < len(requests) or engine.has_unfinished_requests():
+            if len(ids) < len(requests) and steps % 3 == 0:
+                ids.append(engine.add_request(*requests[len(ids)]))
             final.update({o.request_id: o for o in engine.step() if o.finished})
-            if constrained_live:
-                overlapped_while_constrained.append(engine.runner.num_overlapped_steps - before)
-        results.append((final[a].output_token_ids, final[b].output_token_ids))
-        assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", final[b].text)
+            steps += 1
+        results.append([final[i].output_token_ids for i in ids])
+        assert re.fullmatch(r"[a-c]{3}-[0-9]{2}", final[ids[1]].text)
+        jsonschema.validate(json.loads(final[ids[2]].text), SCHEMA)
+        runner = engine.runner
         if async_scheduling:
-            assert not any(overlapped_while_constrained)
-            assert engine.runner.num_overlapped_steps > 20
+            assert runner.num_deferred_samplings > 20
+            assert runner.num_overlapped_steps > runner.num_deferred_samplings  # free row alone
+        else:
+            assert runner.num_deferred_samplings == runner.num_overlapped_steps == 0
     assert results[0] == results[1]
 
 
