@@ -142,7 +142,8 @@ def test_async_steps_ahead_sample_constrained_rows_after_the_matchers_advance(
     results = []
     for async_scheduling in (False, True):
         engine = Engine.from_directory(tiny_dir, _config(async_scheduling=async_scheduling))
-        ids, final, steps = [], {}, 0
+        ids: list[str] = []
+        final, steps = {}, 0
         while len(ids) < len(requests) or engine.has_unfinished_requests():
             if len(ids) < len(requests) and steps % 3 == 0:
                 ids.append(engine.add_request(*requests[len(ids)]))
