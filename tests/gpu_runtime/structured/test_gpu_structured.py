@@ -21,9 +21,9 @@ from tests.gpu_runtime.structured.test_engine_structured import PROMPTS, SCHEMA
 pytestmark = pytest.mark.gpu
 
 
-def _engine(tiny_dir: Path) -> Engine:
+def _engine(tiny_dir: Path, async_scheduling: bool = True) -> Engine:
     """The small model (vocab 1,000: ids past the tokenizer's 480 are padding the mask never
-    allows) with the tiny tokenizer, graphs captured, async scheduling on."""
+    allows) with the tiny tokenizer, graphs captured."""
     config = EngineConfig(
         num_kv_blocks=256,
         block_size=16,
@@ -31,7 +31,7 @@ def _engine(tiny_dir: Path) -> Engine:
         max_model_len=256,
         max_num_batched_tokens=64,
         device="cuda",
-        async_scheduling=True,
+        async_scheduling=async_scheduling,
     )
     engine = Engine(small_cuda_model(), config, tokenizer=AutoTokenizer.from_pretrained(tiny_dir))
     assert engine.capture_cuda_graphs() == [8, 4, 2, 1]
@@ -64,7 +64,12 @@ def test_constrained_rows_on_cuda_match_the_schema_beside_untouched_rows(tiny_di
         assert out.finish_reason == "stop", out.text
         jsonschema.validate(json.loads(out.text), SCHEMA)
     assert engine.structured.num_matchers == 0 and engine.structured.num_constrained_steps > 0
-    assert engine.runner.num_overlapped_steps > 0  # the all-free batch ran ahead
+    assert engine.runner.num_deferred_samplings > 0  # constrained steps ran ahead
+    synchronous = _run(
+        _engine(tiny_dir, async_scheduling=False),
+        [(p, free) for p in PROMPTS] + [(p, bound) for p in PROMPTS],
+    )
+    assert [o.output_token_ids for o in synchronous] == [o.output_token_ids for o in mixed]
 
 
 @pytest.mark.parametrize("vocab", [1000, 128256])
