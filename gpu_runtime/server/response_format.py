@@ -6,6 +6,9 @@ to a JSON object; `{"type": "json_schema", "json_schema": {"name", "schema", "st
 "description"}}` to JSON matching `schema`. The output is constrained by a grammar whatever
 `strict` says (`strict: false` asks for no less than `true`). A schema the grammar compiler
 cannot serve is answered 400 with param `response_format` (`Inference.run_one`).
+
+vLLM's own structured-output fields (`structured_outputs`, and its older `guided_*`) are
+refused with a 400 naming the field (`REFUSED_FIELDS`), never accepted and ignored.
 """
 
 from __future__ import annotations
@@ -16,6 +19,28 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpu_runtime.structured import StructuredOutputParams
+
+REFUSED_FIELDS = (
+    "structured_outputs",
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "guided_json_object",
+    "guided_decoding_backend",
+    "guided_whitespace_pattern",
+)
+"""vLLM's structured-output request fields this server does not take (`response_format` does)."""
+
+
+def refuse_vllm_fields(data: Any) -> Any:
+    """A request body's pre-validation check: ValueError naming the first of `REFUSED_FIELDS`
+    it holds."""
+    if isinstance(data, dict):
+        for name in REFUSED_FIELDS:
+            if name in data:
+                raise ValueError(f"{name} is not supported: use response_format")
+    return data
 
 
 class JsonSchemaSpec(BaseModel):

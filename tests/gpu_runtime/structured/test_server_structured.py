@@ -152,3 +152,16 @@ def test_bad_response_formats_are_400_naming_the_field(
         assert message.lower() in str(error["message"]).lower(), error
     assert served[1].structured.num_matchers == 0
     assert not served[1].has_unfinished_requests()
+
+
+@pytest.mark.parametrize("field", ["structured_outputs", "guided_json", "guided_regex"])
+def test_vllm_structured_fields_are_refused_naming_them(
+    served: tuple[str, Engine], field: str
+) -> None:
+    with pytest.raises(openai.BadRequestError) as caught:
+        _client(served[0]).completions.create(
+            model=MODEL, prompt="Hi", max_tokens=4, extra_body={field: {"regex": "a+"}}
+        )
+    error = caught.value.body
+    assert isinstance(error, dict)
+    assert f"{field} is not supported: use response_format" in str(error["message"])
