@@ -9,6 +9,7 @@ step whose inputs it gathers on the device; this step's tokens are then counted 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Hashable
 from typing import Any
@@ -128,13 +129,15 @@ class OverlappedSteps:
         """Launch the step ahead on `stream` (None: the current one), ordered after the
         current stream's work (the step it reads its input tokens from); `defer`: its sampling
         is queued later (`ModelRunner.sample_deferred`)."""
+        runner = self.runner
+        launch = functools.partial(runner.launch, defer_sampling=True) if defer else runner.launch
         if stream is None:
-            return self.runner.launch(plan, partition, defer)
+            return launch(plan, partition)
         current = torch.cuda.current_stream()
         if stream != current:
             stream.wait_stream(current)
         with torch.cuda.stream(stream):
-            return self.runner.launch(plan, partition, defer)
+            return launch(plan, partition)
 
     def _can_overlap(self, plan: SchedulerOutput, handle: StepHandle) -> bool:
         """True when the step after `plan` can be launched before `plan` is read back: the
