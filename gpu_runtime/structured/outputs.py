@@ -105,7 +105,8 @@ class StructuredOutputs:
         """Mask, in place, the logits rows of constrained requests to the tokens their grammar
         allows next; rows of other requests are untouched. logits `[len(row_ids), V]`;
         `row_ids[i]` is row i's request. Each matcher must have accepted every token sampled
-        for its request before (the engine never launches a constrained row ahead)."""
+        for its request before (a step launched ahead over constrained rows defers its
+        sampling until then: `ModelRunner.sample_deferred`)."""
         matchers = self._matchers
         if not matchers:
             return
