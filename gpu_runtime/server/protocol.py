@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pydantic_core import PydanticCustomError
 
 from gpu_runtime.server.chat_protocol import ChatMessage, ToolChoice, ToolDefinition
-from gpu_runtime.server.response_format import ResponseFormat, refuse_vllm_fields
+from gpu_runtime.server.response_format import ResponseFormat
 
 REQUEST_FIELD_ERROR = "request_field"
 """The pydantic error type of a refused field; its context's `field` is the `param`."""
@@ -153,8 +153,6 @@ class _SamplingFields(StrictBody):
     def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
         """`logit_bias` as (token id, bias) pairs."""
         return tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items())
-
-    _refuse_vllm_fields = model_validator(mode="before")(refuse_vllm_fields)
 
     @field_validator("stop")
     @classmethod

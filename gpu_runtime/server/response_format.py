@@ -2,13 +2,14 @@
 takes on both routes) and the structured-output params it asks for.
 
 `{"type": "text"}` (or no field) leaves the output free; `{"type": "json_object"}` constrains it
-to a JSON object; `{"type": "json_schema", "json_schema": {"name", "schema", "strict",
-"description"}}` to JSON matching `schema`. The output is constrained by a grammar whatever
-`strict` says (`strict: false` asks for no less than `true`). A schema the grammar compiler
+to a JSON object; `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}` to
+JSON matching `schema` (`description`, a hint to the model, is refused: nothing would read
+it). The output is constrained by a grammar whatever `strict` says (`strict: false` asks for no
+less than `true`). A schema the grammar compiler
 cannot serve is answered 400 with param `response_format` (`Inference.run_one`).
 
-vLLM's own structured-output fields (`structured_outputs`, and its older `guided_*`) are
-refused with a 400 naming the field (`REFUSED_FIELDS`), never accepted and ignored.
+vLLM's own structured-output fields (`structured_outputs`, its older `guided_*`) are not
+declared: the strict request bodies refuse them by name (`protocol.py`).
 """
 
 from __future__ import annotations
@@ -20,28 +21,6 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from gpu_runtime.structured import StructuredOutputParams
 
-REFUSED_FIELDS = (
-    "structured_outputs",
-    "guided_json",
-    "guided_regex",
-    "guided_choice",
-    "guided_grammar",
-    "guided_json_object",
-    "guided_decoding_backend",
-    "guided_whitespace_pattern",
-)
-"""vLLM's structured-output request fields this server does not take (`response_format` does)."""
-
-
-def refuse_vllm_fields(data: Any) -> Any:
-    """A request body's pre-validation check: ValueError naming the first of `REFUSED_FIELDS`
-    it holds."""
-    if isinstance(data, dict):
-        for name in REFUSED_FIELDS:
-            if name in data:
-                raise ValueError(f"{name} is not supported: use response_format")
-    return data
-
 
 class JsonSchemaSpec(BaseModel):
     """`response_format.json_schema`."""
@@ -49,7 +28,6 @@ class JsonSchemaSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
-    description: str | None = None
     schema_: dict[str, Any] | bool = Field(default=True, alias="schema")
     strict: bool | None = None
 
