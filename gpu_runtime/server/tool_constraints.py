@@ -92,9 +92,18 @@ async def constrain_to_calls(
     """`params` constrained to `plan`'s calls when its tool_choice is ``required`` or named, or
     ``auto`` with a strict function (unchanged otherwise). The grammar is compiled here, in a
     worker thread (the engine then finds it in its compiler's cache), so a large schema never
-    stalls the engine loop; one xgrammar cannot compile is a 400 naming ``tools``."""
+    stalls the engine loop; one xgrammar cannot compile is a 400 naming ``tools``. A request
+    whose ``response_format`` constrains it too is a 400 naming ``response_format``: one answer
+    cannot follow two grammars, and neither is dropped silently."""
     if plan is None or not (plan.constrained or plan.strict_auto):
         return params
+    if params.structured_output is not None:
+        raise OpenAIError(
+            400,
+            "response_format cannot be combined with tool calls that are constrained "
+            "(tool_choice 'required', a named function, or a strict function under 'auto')",
+            param="response_format",
+        )
     constraint = StructuredOutputParams("structural_tag", json.dumps(call_structural_tag(plan)))
     try:
         await asyncio.to_thread(lambda: structured.compiler.compile(constraint))

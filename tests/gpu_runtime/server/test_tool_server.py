@@ -168,6 +168,14 @@ def test_text_parts_are_the_joined_text(served: Served) -> None:
             "tool_choice",
         ),
         ({"tool_choice": "required"}, "tool_choice"),
+        (
+            {
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "response_format": {"type": "json_object"},
+            },
+            "response_format",
+        ),
         ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice"),
         ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {}}}, "tool_choice"),
         ({"messages": [{"role": "user", "content": 5}]}, "messages.0.content"),
