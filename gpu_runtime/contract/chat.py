@@ -112,11 +112,21 @@ def render_chat_text(
     """Render messages to one string with the tokenizer's template, or the fallback."""
     if not has_chat_template(tokenizer):
         return _fallback_render(tokenizer, messages, add_generation_prompt)
+    conversation = [{"role": m.role, "content": m.content} for m in messages]
+    return _apply_template(tokenizer, conversation, add_generation_prompt)
+
+
+def _apply_template(
+    tokenizer: ChatTokenizer,
+    conversation: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    **kwargs: Any,
+) -> str:
+    """The tokenizer's own template over `conversation` as text; ChatTemplateError when it
+    fails or renders something else."""
     try:
         rendered = tokenizer.apply_chat_template(
-            [{"role": m.role, "content": m.content} for m in messages],
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
+            conversation, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs
         )
     except Exception as exc:  # a template error of any kind (jinja raises its own types)
         raise ChatTemplateError(f"chat template failed: {exc}") from exc
@@ -160,18 +170,7 @@ def render_conversation(
     if not has_chat_template(tokenizer):
         return _fallback_conversation(tokenizer, messages, tools, add_generation_prompt)
     kwargs: dict[str, Any] = {"tools": list(tools)} if tools else {}
-    try:
-        rendered = tokenizer.apply_chat_template(
-            [dict(m) for m in messages],
-            tokenize=False,
-            add_generation_prompt=add_generation_prompt,
-            **kwargs,
-        )
-    except Exception as exc:  # a template error of any kind (jinja raises its own types)
-        raise ChatTemplateError(f"chat template failed: {exc}") from exc
-    if not isinstance(rendered, str):
-        raise ChatTemplateError(f"chat template rendered {type(rendered).__name__}, not text")
-    return rendered
+    return _apply_template(tokenizer, [dict(m) for m in messages], add_generation_prompt, **kwargs)
 
 
 def hermes_call_block(name: str, arguments: Mapping[str, Any]) -> str:
