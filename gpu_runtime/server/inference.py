@@ -211,12 +211,23 @@ class Inference:
     ) -> list[int]:
         """The conversation rendered (`contract.chat.render_conversation`: the chat template
         with `tools`, or the fallback) and tokenized, in a worker thread (see
-        `encode_prompts`); 400 when the template refuses the conversation or it holds more
-        tokens than a request may."""
+        `encode_prompts`); 400 when the template refuses the conversation, ignores a message's
+        `name` (the conversation renders the same without it: it would be accepted and
+        dropped), or it holds more tokens than a request may."""
 
         def render() -> list[int]:
             tokenizer = self.tokenizer()
             text = render_conversation(tokenizer, messages, tools)
+            named = [i for i, m in enumerate(messages) if m.get("name")]
+            if named:
+                unnamed = [{k: v for k, v in m.items() if k != "name"} for m in messages]
+                if render_conversation(tokenizer, unnamed, tools) == text:
+                    raise OpenAIError(
+                        400,
+                        "this model's chat template does not render a message's name: "
+                        "leave it out or put it in the content",
+                        param=f"messages.{named[0]}.name",
+                    )
             return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
         try:

@@ -305,3 +305,20 @@ def test_each_of_n_choices_is_held_to_the_call_grammar(served: Served) -> None:
         [(c.function.name, c.function.arguments) for c in a.message.tool_calls or []]
         for a in answer.choices
     ]
+
+
+def test_a_name_the_template_does_not_render_is_a_400(served: Served) -> None:
+    """Llama 3.1's and Qwen2.5's templates leave a message's `name` out: it would be accepted
+    and dropped, so it is refused naming the message; the fallback renders it."""
+    client, _, family = served
+    unnamed = [{"role": "system", "content": "Be brief."}, ASK[0]]
+    named = [unnamed[0], {**ASK[0], "name": "alice"}]
+    if family == "no-template":
+        with_name = _chat(client, messages=named, max_tokens=2).usage.prompt_tokens
+        assert with_name > _chat(client, messages=unnamed, max_tokens=2).usage.prompt_tokens
+        return
+    with pytest.raises(openai.BadRequestError) as caught:
+        _chat(client, messages=named)
+    body: Any = caught.value.body
+    assert body["param"] == "messages.1.name", body
+    assert "does not render a message's name" in body["message"]
