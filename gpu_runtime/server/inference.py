@@ -318,6 +318,15 @@ class Inference:
             raise OpenAIError(400, str(exc), param="response_format") from exc
         except ValueError as exc:
             outcome = "rejected"
+            runtime = self.engine_loop.engine.lora
+            if lora is not None and runtime is not None and not runtime.has(lora):
+                # unloaded between the request's resolution and its admission: as after it
+                raise OpenAIError(
+                    404,
+                    f"The model '{lora}' is no longer served.",
+                    param="model",
+                    code="model_not_found",
+                ) from exc
             raise OpenAIError(400, str(exc)) from exc
         except Exception:
             outcome = "error"
