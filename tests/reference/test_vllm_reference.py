@@ -28,6 +28,7 @@ EXPECTED_REFUSALS = {
     "refuse_max_tokens_past_context": (400, None),
     "unknown_field": (400, "no_such_field"),
     "unknown_message_field": (400, "messages.0.no_such_field"),
+    "message_name": (400, "messages.0.name"),
 }
 """Our status and `param` for each refusal case of the script."""
 
@@ -46,6 +47,10 @@ CONTEXT_PARAM = (
     "prompt + max_tokens past the context: vLLM's 400 names max_tokens, ours names no "
     "param (the engine's check)"
 )
+NAME_NOT_RENDERED = (
+    "a message's name that the chat template does not render: vLLM answers 200 without it, "
+    "ours refuses it, naming messages.<i>.name"
+)
 N_GREEDY = (
     "n=2 under greedy sampling: vLLM refuses it (400 naming no param), ours answers two "
     "equal choices, as OpenAI does"
@@ -57,6 +62,7 @@ _COMMON = {
     ("unknown_field", "keys"): ACCEPTED_AND_IGNORED,
     ("unknown_message_field", "keys"): ACCEPTED_AND_IGNORED,
     ("n", "keys"): N_GREEDY,
+    ("message_name", "keys"): NAME_NOT_RENDERED,
 }
 DOCUMENTED: dict[str, dict[tuple[str, str], str]] = {
     "llama": {
