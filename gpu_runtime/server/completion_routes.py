@@ -34,6 +34,7 @@ from gpu_runtime.server.responses import (
     text_delta,
     text_length,
     usage,
+    usage_chunk,
 )
 from gpu_runtime.server.tool_calls import assistant_message, plan_tools
 from gpu_runtime.server.tool_constraints import constrain_to_calls
@@ -167,17 +168,8 @@ async def completions(
                         }
                     )
         if body.stream_options and body.stream_options.include_usage:
-            yield sse(
-                {
-                    "id": cid,
-                    "object": "text_completion",
-                    "created": created,
-                    "model": body.model,
-                    "system_fingerprint": fingerprint,
-                    "choices": [],
-                    "usage": usage([run.sequences for run in runs]),
-                }
-            )
+            header = (cid, "text_completion", created, body.model, fingerprint)
+            yield usage_chunk(*header, [run.sequences for run in runs])
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=prompt_tokens)
@@ -294,17 +286,8 @@ async def chat_completions(
         for seq in run.sequences:
             inference.record(cid, body.model, seq)
         if body.stream_options and body.stream_options.include_usage:
-            yield sse(
-                {
-                    "id": cid,
-                    "object": "chat.completion.chunk",
-                    "created": created,
-                    "model": body.model,
-                    "system_fingerprint": fingerprint,
-                    "choices": [],
-                    "usage": usage([run.sequences]),
-                }
-            )
+            header = (cid, "chat.completion.chunk", created, body.model, fingerprint)
+            yield usage_chunk(*header, [run.sequences])
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(stream(), media_type="text/event-stream", headers=prompt_tokens)

@@ -121,6 +121,24 @@ def chat_logprobs(tokenizer: Any, items: list[Any]) -> dict[str, Any]:
     }
 
 
+def usage_chunk(
+    cid: str, kind: str, created: int, model: str, fingerprint: str, prompts: list[list[Tracked]]
+) -> str:
+    """The stream's last chunk before `[DONE]` when `stream_options.include_usage` asks for
+    it: no choices, the request's `usage` over `prompts`."""
+    return sse(
+        {
+            "id": cid,
+            "object": kind,
+            "created": created,
+            "model": model,
+            "system_fingerprint": fingerprint,
+            "choices": [],
+            "usage": usage(prompts),
+        }
+    )
+
+
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event."""
     return f"data: {json.dumps(payload)}\n\n"
