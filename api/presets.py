@@ -40,6 +40,8 @@ PRESETS: dict[str, Preset] = {
     "tiny": _preset("tiny", 512),
     "llama3-8b": _preset("llama3-8b", 8192),
     "qwen2.5-7b": _preset("qwen2.5-7b", 32768),
+    "llama3-70b": _preset("llama3-70b", 8192),
+    "qwen2.5-72b": _preset("qwen2.5-72b", 32768),
 }
 
 

@@ -6,6 +6,7 @@ reference models built in tests (through `to_hf_config`).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
@@ -236,59 +237,87 @@ class ModelConfig:
 
     @classmethod
     def preset(cls, name: str) -> ModelConfig:
-        """Named shapes: "tiny" (tests), "llama3-8b", "qwen2.5-7b" (benchmarks)."""
-        if name == "tiny":
-            return cls(
-                architecture="llama",
-                vocab_size=512,
-                hidden_size=64,
-                intermediate_size=128,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=16,
-                rope_theta=10000.0,
-                max_position_embeddings=512,
-                dtype="float32",
-            )
-        if name == "llama3-8b":
-            return cls(
-                architecture="llama",
-                vocab_size=128256,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_hidden_layers=32,
-                num_attention_heads=32,
-                num_key_value_heads=8,
-                head_dim=128,
-                rms_norm_eps=1e-5,
-                rope_theta=500000.0,
-                rope_scaling={
-                    "rope_type": "llama3",
-                    "factor": 8.0,
-                    "low_freq_factor": 1.0,
-                    "high_freq_factor": 4.0,
-                    "original_max_position_embeddings": 8192,
-                },
-                max_position_embeddings=131072,
-                bos_token_id=128000,
-                eos_token_id=[128001, 128009],
-            )
-        if name == "qwen2.5-7b":
-            return cls(
-                architecture="qwen2",
-                vocab_size=152064,
-                hidden_size=3584,
-                intermediate_size=18944,
-                num_hidden_layers=28,
-                num_attention_heads=28,
-                num_key_value_heads=4,
-                head_dim=128,
-                rms_norm_eps=1e-6,
-                rope_theta=1000000.0,
-                max_position_embeddings=32768,
-                attention_bias=True,
-                bos_token_id=151643,
-                eos_token_id=151645,
-            )
-        raise ModelConfigError(f"unknown preset {name!r}; known: tiny, llama3-8b, qwen2.5-7b")
+        """Named shapes: "tiny" (tests); "llama3-8b", "qwen2.5-7b", "llama3-70b" and
+        "qwen2.5-72b" (benchmarks, random weights; the 70B-class ones are served sharded)."""
+        if name not in _PRESETS:
+            known = ", ".join(_PRESETS)
+            raise ModelConfigError(f"unknown preset {name!r}; known: {known}")
+        return cls(**copy.deepcopy(_PRESETS[name]))
+
+
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+_LLAMA3 = dict(
+    architecture="llama",
+    vocab_size=128256,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    rope_scaling=_LLAMA3_ROPE,
+    max_position_embeddings=131072,
+    bos_token_id=128000,
+    eos_token_id=[128001, 128009],
+)
+_QWEN25 = dict(
+    architecture="qwen2",
+    vocab_size=152064,
+    head_dim=128,
+    rms_norm_eps=1e-6,
+    rope_theta=1000000.0,
+    max_position_embeddings=32768,
+    attention_bias=True,
+    bos_token_id=151643,
+    eos_token_id=151645,
+)
+_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": dict(
+        architecture="llama",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        rope_theta=10000.0,
+        max_position_embeddings=512,
+        dtype="float32",
+    ),
+    "llama3-8b": _LLAMA3
+    | dict(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    ),
+    "qwen2.5-7b": _QWEN25
+    | dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+    ),
+    "llama3-70b": _LLAMA3
+    | dict(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),
+    "qwen2.5-72b": _QWEN25
+    | dict(
+        hidden_size=8192,
+        intermediate_size=29568,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+    ),
+}

@@ -13,10 +13,14 @@ def test_presets_have_published_shapes() -> None:
     assert qwen.attention_bias and qwen.num_queries_per_kv == 7
     assert qwen.num_parameters() == 7_615_616_512
     assert llama.kv_bytes_per_token() == 2 * 32 * 8 * 128 * 2
+    # The 70B-class shapes, served sharded: Llama-3-70B's and Qwen2.5-72B's published counts.
+    assert ModelConfig.preset("llama3-70b").num_parameters() == 70_553_706_496
+    qwen72 = ModelConfig.preset("qwen2.5-72b")
+    assert qwen72.num_parameters() == 72_706_203_648 and qwen72.attention_bias
 
 
 def test_hf_round_trip_keeps_every_field() -> None:
-    for name in ("tiny", "llama3-8b", "qwen2.5-7b"):
+    for name in ("tiny", "llama3-8b", "qwen2.5-7b", "llama3-70b", "qwen2.5-72b"):
         config = ModelConfig.preset(name)
         assert ModelConfig.from_hf_config(config.to_hf_config()) == config
 
