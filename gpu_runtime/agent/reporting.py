@@ -105,8 +105,9 @@ def weights_bytes(engine: Engine) -> int:
 
 
 def kv_bytes_per_block(engine: Engine) -> int:
-    """Bytes of K and V of every layer for one block of `block_size` tokens."""
-    config = engine.model_config
+    """Bytes of K and V of every layer for one block of `block_size` tokens on this GPU (the
+    rank's KV heads under tensor parallelism)."""
+    config = engine.runner.model.local_config
     element = 2 if engine.config.device != "cpu" else 4
     return (
         engine.config.block_size

@@ -63,7 +63,7 @@ class FusedDecodeForward:
         self.lora_groups = lora_groups
         self.fuse_lora_expand = fuse_lora_expand
         self.cache = cache
-        config = model.config
+        config = model.local_config  # this rank's heads under tensor parallelism
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim

@@ -113,7 +113,7 @@ class GeneralPath:
             from gpu_runtime.engine.attention.triton_decode import paged_decode_fn
 
             rows = sum(1 for n in flat.query_lens if n == 1)
-            kv_heads = self.model.config.num_key_value_heads
+            kv_heads = self.model.local_config.num_key_value_heads
             decode_fn = paged_decode_fn(self.block_size, rows, kv_heads, self.num_sms)
         return MixedPagedAttention(self.kv_cache, metadata, decode_fn, compute_dtype, varlen_fn)
 

@@ -87,7 +87,7 @@ class ModelRunner:
         weight_dtype = model.model.embed_tokens.weight.dtype
         kv_dtype = torch_dtype(config.kv_dtype) if config.kv_dtype else weight_dtype
         self.kv_cache = PagedKVCache(
-            model.config,
+            model.local_config,
             config.storage_blocks,
             config.block_size,
             kv_dtype,

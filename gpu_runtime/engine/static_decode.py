@@ -122,7 +122,8 @@ class DecodePath:
             seq_lens=self.buf_seq_lens[:bucket],
             block_tables=self.buf_table[:bucket],
         )
-        splits = choose_num_splits(bucket, self.model.config.num_key_value_heads, self.num_sms)
+        kv_heads = self.model.local_config.num_key_value_heads
+        splits = choose_num_splits(bucket, kv_heads, self.num_sms)
         ids, positions = self.buf_ints[0, :bucket], self.buf_ints[1, :bucket]
         return self.fused(ids, positions, metadata, splits, self.buf_ints[4, :bucket])
 
@@ -149,7 +150,8 @@ class DecodePath:
             choose_num_splits,
         )
 
-        splits = choose_num_splits(bucket, self.model.config.num_key_value_heads, self.num_sms)
+        kv_heads = self.model.local_config.num_key_value_heads
+        splits = choose_num_splits(bucket, kv_heads, self.num_sms)
         if self.fused is not None and forward is None:
             return self.fused(
                 self.buf_ints[0, :bucket], self.buf_ints[1, :bucket], metadata, splits

@@ -180,7 +180,7 @@ def build_host_memory(
     device = str(engine_config.device)
     cuda = device.startswith("cuda")
     layout = engine_kv_layout(
-        model.config, block_size=engine_config.block_size, dtype=dtype, page_bytes=1
+        model.local_config, block_size=engine_config.block_size, dtype=dtype, page_bytes=1
     )
     if cuda:
         pool = create_page_pool(
@@ -199,7 +199,7 @@ def build_host_memory(
     try:
         memory = EngineMemory.prepare(
             pool,
-            model.config,
+            model.local_config,
             block_size=engine_config.block_size,
             kv_dtype=dtype,
             max_model_len=engine_config.max_model_len,

@@ -21,8 +21,10 @@ shrink sharing the base GEMM), at the norm (a kernel that also does the residual
 RoPE + attention (dense, paged, fused with the cache write) and at the activation (a kernel
 that also adds the gate|up LoRA expand), and nowhere else. The same seams are where tensor
 parallelism shards a layer: q|k|v and gate|up are column-parallel, attention runs on the local
-heads, o and down are row-parallel and end in a reduction; a sharded ops does that once for
-every path.
+heads, o and down are row-parallel and end in a reduction. The walk itself places the
+collectives (`layer.parallel.copy_in` on the normed stream before q|k|v and gate|up,
+`reduce_out` after o and down; `gpu_runtime.distributed.parallel`), so every path is tensor
+parallel with no change to its ops; at one GPU they are the identity.
 
 Contracts:
 
@@ -55,7 +57,8 @@ import torch
 from torch import nn
 
 from gpu_runtime.contract.model_config import ModelConfig
-from gpu_runtime.model.modules import MLP, Attention, DecoderLayer, RMSNorm
+from gpu_runtime.distributed.parallel import SINGLE, TensorParallel
+from gpu_runtime.model.modules import MLP, Attention, DecoderLayer, RMSNorm, VocabParallelEmbedding
 
 QKV = TypeVar("QKV")
 GateUp = TypeVar("GateUp")
@@ -105,7 +108,7 @@ def pre_attention(
     """Layer `index` up to its attention: `(x, residual)` in, `(ops.qkv of the normed stream,
     residual stream)` out."""
     h, residual = ops.norm(layer.input_layernorm, x, residual)
-    return ops.qkv(index, layer.self_attn, h), residual
+    return ops.qkv(index, layer.self_attn, layer.parallel.copy_in(h)), residual
 
 
 def post_attention(
@@ -117,11 +120,12 @@ def post_attention(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Layer `index` from its attention output `out` `[..., H * D]` on: `(mlp output, residual
     stream before it)`."""
-    x = ops.o(index, layer.self_attn, out)
+    parallel = layer.parallel
+    x = parallel.reduce_out(ops.o(index, layer.self_attn, out))
     h, residual = ops.norm(layer.post_attention_layernorm, x, residual)
     mlp = layer.mlp
-    x = ops.down(index, mlp, ops.silu_and_mul(index, ops.gate_up(index, mlp, h)))
-    return x, residual
+    act = ops.silu_and_mul(index, ops.gate_up(index, mlp, parallel.copy_in(h)))
+    return parallel.reduce_out(ops.down(index, mlp, act)), residual
 
 
 def decoder_layer(
@@ -138,13 +142,25 @@ def decoder_layer(
 
 
 class DecoderStack(nn.Module):
-    """`model.*` of the HF layout: embeddings, layers, final norm; and the walk over them."""
+    """`model.*` of the HF layout: embeddings, layers, final norm; and the walk over them.
 
-    def __init__(self, config: ModelConfig, **factory: Any) -> None:
+    `config` has this rank's shapes; `parallel` and `vocab_start` place it in its
+    tensor-parallel group (the defaults: one GPU, the whole model).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        parallel: TensorParallel = SINGLE,
+        vocab_start: int = 0,
+        **factory: Any,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, **factory)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, parallel, vocab_start, **factory
+        )
         self.layers = nn.ModuleList(
-            DecoderLayer(config, i, **factory) for i in range(config.num_hidden_layers)
+            DecoderLayer(config, i, parallel, **factory) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
 

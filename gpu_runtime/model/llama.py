@@ -17,6 +17,8 @@ import torch
 from torch import nn
 
 from gpu_runtime.contract.model_config import ModelConfig
+from gpu_runtime.distributed.parallel import SINGLE, TensorParallel
+from gpu_runtime.distributed.shard import ShardShape
 from gpu_runtime.model.attention import AttentionFn, DenseCausalAttention
 from gpu_runtime.model.decoder import DecoderStack
 from gpu_runtime.model.module_ops import ModuleOps
@@ -27,6 +29,11 @@ from gpu_runtime.model.rope import rope_inv_freq
 class CausalLM(nn.Module):
     """Llama-family causal LM whose `state_dict` keys equal HF's.
 
+    Under tensor parallelism (`parallel.size > 1`) it is one rank's shard: `config` stays the
+    whole model's, `shard` says which slice of each tensor this rank holds and
+    `local_config` has the shapes of its modules (local heads, KV heads, MLP width, vocabulary
+    rows); the hidden states and `compute_logits` are whole on every rank.
+
     `rope_inv_freq` is a non-persistent buffer; after building on the meta device, call
     `reset_rope(device)` once the module has real storage.
     """
@@ -36,12 +43,16 @@ class CausalLM(nn.Module):
         config: ModelConfig,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        parallel: TensorParallel = SINGLE,
     ) -> None:
         super().__init__()
         self.config = config
+        self.parallel = parallel
+        self.shard = ShardShape.of(config, parallel.size, parallel.rank)
+        local = self.local_config = self.shard.local_config()
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.model = DecoderStack(config, **factory)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False, **factory)
+        self.model = DecoderStack(local, parallel, self.shard.vocab_start, **factory)
+        self.lm_head = nn.Linear(local.hidden_size, local.vocab_size, bias=False, **factory)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         inv = rope_inv_freq(config, "cpu")
@@ -86,8 +97,11 @@ class CausalLM(nn.Module):
         return self.model.run(ModuleOps(cos, sin, attention), input_ids)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """LM head: `[..., hidden] -> [..., vocab]`."""
-        return self.lm_head(hidden_states)
+        """LM head: `[..., hidden] -> [..., vocab]` (the full vocabulary on every rank)."""
+        if self.parallel.size == 1:
+            return self.lm_head(hidden_states)
+        local = self.lm_head(self.parallel.copy_in(hidden_states))
+        return self.parallel.gather_last(local)[..., : self.config.vocab_size].contiguous()
 
     @torch.no_grad()
     def fuse_projections(self) -> None:

@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 from gpu_runtime.contract.model_config import ModelConfig
+from gpu_runtime.distributed.parallel import SINGLE, TensorParallel
 from gpu_runtime.model.llama import CausalLM
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -28,9 +30,14 @@ def torch_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[name]
 
 
-def _empty_model(config: ModelConfig, device: torch.device | str, dtype: torch.dtype) -> CausalLM:
+def _empty_model(
+    config: ModelConfig,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    parallel: TensorParallel = SINGLE,
+) -> CausalLM:
     with torch.device("meta"):
-        model = CausalLM(config, dtype=dtype)
+        model = CausalLM(config, dtype=dtype, parallel=parallel)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
@@ -44,21 +51,43 @@ def build_random_model(
     seed: int = 0,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
+    parallel: TensorParallel = SINGLE,
 ) -> CausalLM:
     """A model with seeded random weights (same seed and device -> same weights).
 
     Linear/embedding weights and biases ~ N(0, 0.02); norm weights ~ N(1, 0.1), so a wrong norm
     shows up in comparisons. Random numbers are drawn on `device` directly (fast on GPU).
+    A tensor-parallel rank draws each whole tensor in turn and keeps its slice, so its shard
+    is exactly the one-GPU model's (one whole tensor at a time is ever held).
     """
     dt = torch_dtype(dtype or config.dtype)
-    model = _empty_model(config, device, dt)
+    model = _empty_model(config, device, dt, parallel)
+    params = dict(model.named_parameters())
     generator = torch.Generator(device=device).manual_seed(seed)
-    for name, param in model.named_parameters():
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
-            param.normal_(1.0, 0.1, generator=generator)
+    for name, shape in _whole_shapes(config, dt).items():
+        whole: torch.Tensor
+        if parallel.size == 1:
+            whole = params[name]
         else:
-            param.normal_(0.0, 0.02, generator=generator)
+            whole = torch.empty(shape, device=device, dtype=dt)
+        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+            whole.normal_(1.0, 0.1, generator=generator)
+        else:
+            whole.normal_(0.0, 0.02, generator=generator)
+        if parallel.size > 1 and model.shard.holds(name):
+            params[name].copy_(model.shard.take(name, whole))
     return model.eval()
+
+
+def _whole_shapes(
+    config: ModelConfig, dtype: torch.dtype, remove_duplicate: bool = True
+) -> dict[str, tuple[int, ...]]:
+    """Every parameter's name and shape in the one-GPU model, in `named_parameters` order
+    (a tied LM head too, without `remove_duplicate`)."""
+    with torch.device("meta"):
+        whole = CausalLM(config, dtype=dtype)
+    named = whole.named_parameters(remove_duplicate=remove_duplicate)
+    return {name: tuple(p.shape) for name, p in named}
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -88,32 +117,40 @@ def load_model(
     directory: str | Path,
     device: torch.device | str = "cpu",
     dtype: torch.dtype | str | None = None,
+    parallel: TensorParallel = SINGLE,
 ) -> CausalLM:
     """Load HF config.json + (sharded) safetensors into a `CausalLM` on `device`.
 
     Every parameter must be present (lm_head may be absent when embeddings are tied); extra
-    tensors other than rotary caches are an error.
+    tensors other than rotary caches are an error. A tensor-parallel rank reads only its
+    slice of each tensor from the files (`ShardShape.take` over a lazy safetensors slice).
     """
     directory = Path(directory)
     config = load_config(directory)
     dt = torch_dtype(dtype or config.dtype)
-    model = _empty_model(config, device, dt)
+    model = _empty_model(config, device, dt, parallel)
     params = dict(model.named_parameters(remove_duplicate=False))
+    whole = _whole_shapes(config, dt, remove_duplicate=False)
     seen: set[str] = set()
     unexpected: list[str] = []
     for shard in _weight_files(directory):
-        for name, tensor in load_file(str(shard), device=str(device)).items():
-            if name not in params:
-                if "rotary_emb" not in name:
-                    unexpected.append(name)
-                continue
-            if tuple(tensor.shape) != tuple(params[name].shape):
-                raise ModelLoadError(
-                    f"{name}: checkpoint shape {tuple(tensor.shape)} != "
-                    f"model shape {tuple(params[name].shape)}"
-                )
-            params[name].copy_(tensor)
-            seen.add(name)
+        with safe_open(str(shard), framework="pt", device="cpu") as tensors:
+            for name in tensors.keys():
+                if not model.shard.holds(name):
+                    seen.add(name)
+                    continue
+                if name not in params:
+                    if "rotary_emb" not in name:
+                        unexpected.append(name)
+                    continue
+                lazy = tensors.get_slice(name)
+                stored = tuple(lazy.get_shape())
+                if stored != whole.get(name):
+                    raise ModelLoadError(
+                        f"{name}: checkpoint shape {stored} != model shape {whole.get(name)}"
+                    )
+                params[name].copy_(model.shard.take(name, lazy))
+                seen.add(name)
     if config.tie_word_embeddings and "model.embed_tokens.weight" in seen:
         seen.add("lm_head.weight")
     missing = sorted(set(params) - seen)

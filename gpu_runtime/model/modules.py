@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gpu_runtime.contract.model_config import ModelConfig
+from gpu_runtime.distributed.parallel import SINGLE, TensorParallel
 
 
 class RMSNorm(nn.Module):
@@ -38,16 +39,20 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    """Self-attention projections (Qwen2: q/k/v biases; Llama: `attention_bias` on all four)."""
+    """Self-attention projections (Qwen2: q/k/v biases; Llama: `attention_bias` on all four).
 
-    def __init__(self, config: ModelConfig, **factory: Any) -> None:
+    `config` has this rank's shapes (`ShardShape.local_config`); `o_bias` is False on the
+    tensor-parallel ranks that do not hold the o projection's bias (it is added once).
+    """
+
+    def __init__(self, config: ModelConfig, o_bias: bool = True, **factory: Any) -> None:
         super().__init__()
         h, d = config.hidden_size, config.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = d
         bias = config.attention_bias
-        o_bias = bias and config.architecture == "llama"
+        o_bias = o_bias and bias and config.architecture == "llama"
         self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias, **factory)
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, **factory)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias, **factory)
@@ -86,12 +91,50 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm attention block and one pre-norm MLP block (`model.layers.<i>.*`)."""
+    """One pre-norm attention block and one pre-norm MLP block (`model.layers.<i>.*`).
 
-    def __init__(self, config: ModelConfig, layer_idx: int, **factory: Any) -> None:
+    `parallel` is the layer's place in its tensor-parallel group: the walk reduces the
+    row-parallel outputs over it (`gpu_runtime.model.decoder`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer_idx: int,
+        parallel: TensorParallel = SINGLE,
+        **factory: Any,
+    ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.self_attn = Attention(config, **factory)
+        self.parallel = parallel
+        self.self_attn = Attention(config, o_bias=parallel.is_driver, **factory)
         self.mlp = MLP(config, **factory)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, **factory)
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding rows `[vocab_start, vocab_start + rows)` of a vocabulary split over
+    `parallel`'s ranks: ids outside the range embed to zero and the ranks' outputs are summed.
+    At size 1 it is `nn.Embedding`."""
+
+    def __init__(
+        self,
+        rows: int,
+        hidden: int,
+        parallel: TensorParallel = SINGLE,
+        vocab_start: int = 0,
+        **factory: Any,
+    ) -> None:
+        super().__init__(rows, hidden, **factory)
+        self.parallel = parallel
+        self.vocab_start = vocab_start
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.parallel.size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.num_embeddings)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside[..., None], 0.0)
+        return self.parallel.reduce_out(out)

@@ -1,0 +1,86 @@
+"""Run a function on every rank of a CPU (gloo) engine group, in spawned processes.
+
+`run_ranks(size, fn, *args)` starts `size` processes, each joining one engine group through
+`init_engine_group` (a `file://` rendezvous in a fresh directory) and calling
+`fn(parallel, *args)`; it returns each rank's result, in rank order, and raises with the
+failing rank's traceback when one fails. `fn` must be importable (a module-level function).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from gpu_runtime.distributed.parallel import TensorParallel
+from gpu_runtime.distributed.world import init_engine_group, leave_engine_group
+
+RANK_TIMEOUT_S = 300.0
+"""A rank that takes longer has deadlocked (the group's collectives time out at this too)."""
+
+
+def _rank_main(
+    rank: int,
+    size: int,
+    init_method: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    results: Any,
+) -> None:
+    torch.set_num_threads(1)
+    try:
+        parallel = init_engine_group(
+            rank=rank,
+            size=size,
+            init_method=init_method,
+            device=torch.device("cpu"),
+            timeout_s=RANK_TIMEOUT_S,
+        )
+        try:
+            results.put((rank, True, fn(parallel, *args)))
+        finally:
+            leave_engine_group(parallel)
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_ranks(size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
+    """`fn(parallel, *args)` on each of `size` gloo ranks; the results in rank order."""
+    context = mp.get_context("spawn")
+    results = context.Queue()
+    with tempfile.TemporaryDirectory() as directory:
+        init_method = f"file://{os.path.join(directory, 'rendezvous')}"
+        processes = [
+            context.Process(target=_rank_main, args=(rank, size, init_method, fn, args, results))
+            for rank in range(size)
+        ]
+        for process in processes:
+            process.start()
+        collected: dict[int, Any] = {}
+        failures: list[str] = []
+        try:
+            for _ in range(size):
+                rank, ok, value = results.get(timeout=RANK_TIMEOUT_S + 60)
+                if ok:
+                    collected[rank] = value
+                else:
+                    failures.append(f"rank {rank}:\n{value}")
+                    break
+        finally:
+            for process in processes:
+                process.join(timeout=30 if not failures else 1)
+                if process.is_alive():
+                    process.kill()
+        if failures:
+            raise AssertionError("\n".join(failures))
+    return [collected[rank] for rank in range(size)]
+
+
+def single(parallel: TensorParallel) -> bool:
+    """A rank function for a smoke check: True on every rank."""
+    return parallel.size >= 1
