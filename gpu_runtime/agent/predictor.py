@@ -29,7 +29,12 @@ from gpu_runtime.colocation import DecodeLatencyModel, DecodeSnapshot, StagedPre
 from gpu_runtime.engine import Engine
 from gpu_runtime.predictor.artifact import ArtifactError, artifact_dir, list_artifacts
 from gpu_runtime.predictor.runtime import LatencyPredictor
-from gpu_runtime.predictor.schema import DecodeIteration, FinetuneQuantum, ModelShape
+from gpu_runtime.predictor.schema import (
+    DecodeIteration,
+    FinetuneQuantum,
+    ModelShape,
+    predictor_model_key,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -89,16 +94,18 @@ def _mape(metrics: dict[str, Any]) -> float | None:
 
 def load_host_predictor(path: Path, *, engine: Engine, base_model: str) -> HostPredictor:
     """Open the artifact at `path`: an artifact directory, or a root holding
-    `<gpu key>/<model>/<version>/`, where the latest version for `base_model` is taken, else
-    the latest one under this GPU trained for the served model's shape (the same model
+    `<gpu key>/<model>/<version>/` (`<model>-tp<t>` for an engine group of t GPUs: predictors
+    are profiled per tensor-parallel degree), where the latest version for `base_model` is
+    taken, else the latest one under this GPU trained for the served model's shape (the same model
     registered under another name). ArtifactError (a RuntimeError) when there is none, or it
     was trained for another model shape."""
     directory = Path(path)
-    shape = ModelShape.from_model_config(engine.model_config, base_model)
+    degree = engine.runner.model.parallel.size
+    shape = ModelShape.from_model_config(engine.model_config, base_model, degree)
     if not (directory / "metadata.json").is_file():
         gpu = device_gpu_key(engine.config.device)
         try:
-            directory = artifact_dir(directory, gpu, base_model)
+            directory = artifact_dir(directory, gpu, predictor_model_key(base_model, degree))
         except ArtifactError:
             same_shape = [
                 meta

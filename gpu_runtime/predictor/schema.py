@@ -37,13 +37,18 @@ class SchemaError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the latency depends on in a served model: its tensor shapes and dtype width.
+    """What the latency depends on in a served model: its tensor shapes, dtype width and the
+    tensor-parallel degree it is served at (a predictor is profiled per degree: an artifact
+    of another degree does not match).
 
     Attributes:
         name: preset or deployment name (``llama3-8b``); informational, not compared.
         hidden_size, intermediate_size, num_hidden_layers, num_attention_heads,
-        num_key_value_heads, head_dim, vocab_size: as in the HF config.
+        num_key_value_heads, head_dim, vocab_size: as in the HF config (the whole model).
         dtype_bytes: bytes per weight/KV element (2 for bf16).
+        tensor_parallel_size: GPUs of the engine group; the byte and FLOP figures below are
+            per GPU (heads, MLP width and vocabulary split; KV heads replicated past their
+            count). Metadata written before the field existed reads as 1.
     """
 
     name: str
@@ -55,6 +60,7 @@ class ModelShape:
     head_dim: int
     vocab_size: int
     dtype_bytes: int = 2
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         for key, value in asdict(self).items():
@@ -62,8 +68,11 @@ class ModelShape:
                 raise SchemaError(f"ModelShape.{key} must be a positive int, got {value!r}")
 
     @classmethod
-    def from_model_config(cls, config: Any, name: str | None = None) -> ModelShape:
-        """From a ``gpu_runtime.model.ModelConfig`` (or anything with the HF field names)."""
+    def from_model_config(
+        cls, config: Any, name: str | None = None, tensor_parallel_size: int = 1
+    ) -> ModelShape:
+        """From a ``gpu_runtime.model.ModelConfig`` (or anything with the HF field names),
+        served at `tensor_parallel_size`."""
         dtype = str(getattr(config, "dtype", "bfloat16")).replace("torch.", "")
         width = {"float32": 4, "float16": 2, "bfloat16": 2}.get(dtype)
         if width is None:
@@ -78,12 +87,14 @@ class ModelShape:
             head_dim=config.head_dim,
             vocab_size=config.vocab_size,
             dtype_bytes=width,
+            tensor_parallel_size=tensor_parallel_size,
         )
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> ModelShape:
         """Inverse of ``as_dict`` (SchemaError on missing or unknown keys)."""
         fields = set(cls.__dataclass_fields__)
+        data = {"tensor_parallel_size": 1, **data}
         missing, unknown = fields - set(data), set(data) - fields
         if missing or unknown:
             raise SchemaError(
@@ -103,25 +114,47 @@ class ModelShape:
 
     @property
     def q_dim(self) -> int:
-        return self.num_attention_heads * self.head_dim
+        """Query width on one GPU of the engine group."""
+        return self.num_attention_heads // self.tensor_parallel_size * self.head_dim
 
     @property
     def kv_dim(self) -> int:
-        return self.num_key_value_heads * self.head_dim
+        """Key (or value) width on one GPU: its KV heads, one replica past their count."""
+        return max(self.num_key_value_heads // self.tensor_parallel_size, 1) * self.head_dim
+
+    @property
+    def local_intermediate_size(self) -> int:
+        """MLP width on one GPU."""
+        return self.intermediate_size // self.tensor_parallel_size
+
+    @property
+    def local_vocab_size(self) -> int:
+        """LM-head rows on one GPU."""
+        return -(-self.vocab_size // self.tensor_parallel_size)
+
+    @property
+    def model_key(self) -> str:
+        """The artifact directory's model part: the name at one GPU, `<name>-tp<t>` at t."""
+        return predictor_model_key(self.name, self.tensor_parallel_size)
 
     @property
     def layer_linear_params(self) -> int:
-        """Weights of one decoder layer's projections (q, k, v, o, gate, up, down)."""
+        """Weights of one decoder layer's projections (q, k, v, o, gate, up, down) on one GPU."""
         h = self.hidden_size
         return (
-            h * self.q_dim + 2 * h * self.kv_dim + self.q_dim * h + 3 * h * self.intermediate_size
+            h * self.q_dim
+            + 2 * h * self.kv_dim
+            + self.q_dim * h
+            + 3 * h * self.local_intermediate_size
         )
 
     @property
     def linear_params(self) -> int:
-        """Weights every token's forward multiplies by: all layers plus the LM head."""
+        """Weights every token's forward multiplies by on one GPU: all layers plus the LM
+        head."""
         return (
-            self.num_hidden_layers * self.layer_linear_params + self.vocab_size * self.hidden_size
+            self.num_hidden_layers * self.layer_linear_params
+            + self.local_vocab_size * self.hidden_size
         )
 
     @property
@@ -212,6 +245,12 @@ class FinetuneQuantum:
             1.0 if self.backward else 0.0,
             self.sm_share,
         ]
+
+
+def predictor_model_key(model: str, tensor_parallel_size: int = 1) -> str:
+    """Where a model's artifacts live under `<root>/<gpu key>/`: its name at one GPU,
+    `<name>-tp<t>` when profiled at tensor-parallel degree t."""
+    return model if tensor_parallel_size == 1 else f"{model}-tp{tensor_parallel_size}"
 
 
 NO_FINETUNE_ROW: tuple[float, ...] = (0.0, 1.0, 1.0, 0.0, 0.0)
