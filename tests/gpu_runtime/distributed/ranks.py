@@ -1,9 +1,10 @@
-"""Run a function on every rank of a CPU (gloo) engine group, in spawned processes.
+"""Run a function on every rank of an engine group, in spawned processes.
 
-`run_ranks(size, fn, *args)` starts `size` processes, each joining one engine group through
-`init_engine_group` (a `file://` rendezvous in a fresh directory) and calling
-`fn(parallel, *args)`; it returns each rank's result, in rank order, and raises with the
-failing rank's traceback when one fails. `fn` must be importable (a module-level function).
+`run_ranks(size, fn, *args, device="cpu")` starts `size` processes, each joining one engine
+group through `init_engine_group` (a `file://` rendezvous in a fresh directory; gloo on CPU,
+NCCL with rank r on `cuda:r` when `device="cuda"`) and calling `fn(parallel, *args)`. It
+returns each rank's result, in rank order, and raises with the failing rank's traceback when
+one fails. `fn` must be importable (a module-level function).
 """
 
 from __future__ import annotations
@@ -28,17 +29,22 @@ def _rank_main(
     rank: int,
     size: int,
     init_method: str,
+    device_kind: str,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     results: Any,
 ) -> None:
     torch.set_num_threads(1)
     try:
+        device = torch.device("cpu")
+        if device_kind == "cuda":
+            torch.cuda.set_device(rank)
+            device = torch.device("cuda", rank)
         parallel = init_engine_group(
             rank=rank,
             size=size,
             init_method=init_method,
-            device=torch.device("cpu"),
+            device=device,
             timeout_s=RANK_TIMEOUT_S,
         )
         try:
@@ -49,14 +55,18 @@ def _rank_main(
         results.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(size: int, fn: Callable[..., Any], *args: Any) -> list[Any]:
-    """`fn(parallel, *args)` on each of `size` gloo ranks; the results in rank order."""
+def run_ranks(size: int, fn: Callable[..., Any], *args: Any, device: str = "cpu") -> list[Any]:
+    """`fn(parallel, *args)` on each of `size` ranks (gloo on CPU, NCCL on `device="cuda"`);
+    the results in rank order (CUDA tensors should be moved to the CPU before returning)."""
     context = mp.get_context("spawn")
     results = context.Queue()
     with tempfile.TemporaryDirectory() as directory:
         init_method = f"file://{os.path.join(directory, 'rendezvous')}"
         processes = [
-            context.Process(target=_rank_main, args=(rank, size, init_method, fn, args, results))
+            context.Process(
+                target=_rank_main,
+                args=(rank, size, init_method, device, fn, args, results),
+            )
             for rank in range(size)
         ]
         for process in processes:
