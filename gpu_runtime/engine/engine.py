@@ -17,14 +17,13 @@ from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
 from gpu_runtime.engine.fanout import sequence_ids
 from gpu_runtime.engine.kv_cache import KVStorageFactory, default_kv_storage
-from gpu_runtime.engine.model_runner import ModelRunner
 from gpu_runtime.engine.overlap import OverlappedSteps
 from gpu_runtime.engine.request import Request, RequestOutput, SamplingParams
 from gpu_runtime.engine.scheduler import AdapterAdmissionError, Scheduler
 from gpu_runtime.engine.step_outputs import StepOutputs
 from gpu_runtime.engine.step_types import StepAhead, StepClock, StepTimes, call_hook
 from gpu_runtime.engine.stopping import StopChecker
-from gpu_runtime.engine.tp_runner import MirroredRunner
+from gpu_runtime.engine.tp_runner import check_engine_parallel, runner_for
 from gpu_runtime.lora.protocol import LoraRuntime
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import load_model, load_tokenizer
@@ -65,18 +64,7 @@ class Engine:
         """`control`: under tensor parallelism (`model` is rank 0's shard of a group of two or
         more), the channel to the followers (`engine_group.start_engine_group` builds both);
         the runner then mirrors its calls to them (`tp_runner.MirroredRunner`)."""
-        parallel = model.parallel
-        if (parallel.size > 1) != (control is not None):
-            raise ValueError(
-                f"a control channel goes with a tensor-parallel model and only then: size "
-                f"{parallel.size}, control {control!r} (start TP engines with start_engine_group)"
-            )
-        if not parallel.is_driver:
-            raise ValueError(f"rank {parallel.rank} is a follower: only rank 0 runs an Engine")
-        if control is not None and lora is not None:
-            raise NotImplementedError(
-                "LoRA adapters are not mirrored to the followers of a tensor-parallel engine"
-            )
+        check_engine_parallel(model, control, lora)
         if config.max_model_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={config.max_model_len} > model max_position_embeddings="
@@ -102,14 +90,7 @@ class Engine:
         )
         """Grammar matchers of constrained requests (`SamplingParams.structured_output`);
         `structured.compiler` compiles a request's grammar ahead, from any thread."""
-        if control is None:
-            self.runner = ModelRunner(
-                model, config, kv_storage_factory, lora=lora, structured=self.structured
-            )
-        else:
-            self.runner = MirroredRunner(
-                model, config, control, kv_storage_factory, lora=lora, structured=self.structured
-            )
+        self.runner = runner_for(model, config, kv_storage_factory, lora, self.structured, control)
         self.stop_checker = StopChecker(tokenizer, eos, config.max_model_len)
         vocab = model.config.vocab_size  # an eos id past the logits could not be masked
         self.runner.sampler.eos_token_ids = tuple(sorted(t for t in set(eos) if 0 <= t < vocab))

@@ -100,3 +100,37 @@ class MirroredRunner(ModelRunner):
         sizes = tuple(batch_sizes) if batch_sizes is not None else None
         self.control.send(CaptureGraphs(sizes, partition, sm_count))
         return super().capture_cuda_graphs(sizes, partition, None, sm_count)
+
+
+def check_engine_parallel(
+    model: CausalLM, control: DriverChannel | None, lora: LoraRuntime | None
+) -> None:
+    """An `Engine` runs rank 0 only, with a control channel exactly when its model is a shard
+    of a group of two or more, and without adapters then (they are not mirrored)."""
+    parallel = model.parallel
+    if (parallel.size > 1) != (control is not None):
+        raise ValueError(
+            f"a control channel goes with a tensor-parallel model and only then: size "
+            f"{parallel.size}, control {control!r} (start TP engines with start_engine_group)"
+        )
+    if not parallel.is_driver:
+        raise ValueError(f"rank {parallel.rank} is a follower: only rank 0 runs an Engine")
+    if control is not None and lora is not None:
+        raise NotImplementedError(
+            "LoRA adapters are not mirrored to the followers of a tensor-parallel engine"
+        )
+
+
+def runner_for(
+    model: CausalLM,
+    config: EngineConfig,
+    kv_storage_factory: KVStorageFactory,
+    lora: LoraRuntime | None,
+    structured: StructuredOutputs | None,
+    control: DriverChannel | None,
+) -> ModelRunner:
+    """The engine's runner: a plain `ModelRunner` without `control` (TP size 1), else a
+    `MirroredRunner` over it."""
+    if control is None:
+        return ModelRunner(model, config, kv_storage_factory, lora=lora, structured=structured)
+    return MirroredRunner(model, config, control, kv_storage_factory, lora, structured)

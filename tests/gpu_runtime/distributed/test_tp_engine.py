@@ -10,6 +10,8 @@ several workloads in turn; the one-GPU reference runs the same workloads in the 
 from __future__ import annotations
 
 import dataclasses
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -24,6 +26,9 @@ from gpu_runtime.engine.sampler import Sampler
 from gpu_runtime.engine.tp_runner import MirroredRunner
 from gpu_runtime.engine.tp_sampling import DriverSampler
 from gpu_runtime.model import build_random_model
+from gpu_runtime.model.loader import load_tokenizer
+from gpu_runtime.model.tiny import build_tiny_model_dir
+from gpu_runtime.structured import StructuredOutputParams
 from tests.gpu_runtime.threads import one_cpu_thread  # noqa: F401
 
 TINY = ModelConfig.preset("tiny")  # 4 query heads, 2 KV heads: replicated at 4 ranks
@@ -212,3 +217,39 @@ def test_a_rank_that_cannot_start_fails_the_start_on_every_rank() -> None:
         EngineGroupError, match="(?s)1 rank.s. failed to start:\nrank 0: .*not mirrored"
     ):
         _group(_config(), 2, lora=object())
+
+
+def test_two_ranks_from_a_directory_with_a_grammar_async(tmp_path: Path) -> None:
+    """Each rank loads its slices of a checkpoint; text prompts through rank 0's tokenizer; a
+    JSON-schema row beside free rows under async scheduling: the step ahead's sampling is
+    deferred until rank 0's matchers hold the previous tokens (mirrored as its own message),
+    and rank 0 alone masks and samples."""
+    directory = build_tiny_model_dir(tmp_path / "tiny", "llama", seed=5)
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    constrained = SamplingParams(
+        max_tokens=30,
+        temperature=0.0,
+        structured_output=StructuredOutputParams.json_schema(schema),
+    )
+    free = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+    prompts = [("A decode engine reads", constrained), ("Hello, world!", free), ("x y", free)]
+    config = _config(async_scheduling=True, max_num_batched_tokens=32, max_model_len=128)
+
+    def run(engine: Engine) -> list[tuple[list[int], str, str | None]]:
+        ids = [engine.add_request(p, params) for p, params in prompts]
+        final = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    final[out.request_id] = (out.output_token_ids, out.text, out.finish_reason)
+        return [final[i] for i in ids]
+
+    want = run(Engine.from_directory(directory, config))
+    source = ModelSource(directory=str(directory))
+    with start_engine_group(
+        source, config, 2, tokenizer=load_tokenizer(directory), cpu_threads=1, timeout_s=120
+    ) as group:
+        got = run(group.engine)
+        assert group.engine.runner.num_deferred_samplings > 0
+    assert got == want
+    assert json.loads(got[0][1])["n"] is not None
