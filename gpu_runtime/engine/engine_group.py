@@ -203,7 +203,7 @@ def start_engine_group(
         process.start()
     parallel: TensorParallel | None = None
     try:
-        device = torch.device(config.device)
+        device = torch.device(rank_device(config.device, 0))  # NCCL needs the index
         if device.type == "cuda":
             torch.cuda.set_device(device)
         parallel = init_engine_group(

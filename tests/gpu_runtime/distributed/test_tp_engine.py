@@ -18,14 +18,18 @@ import pytest
 import torch
 
 from gpu_runtime.contract.model_config import ModelConfig
-from gpu_runtime.distributed.control import EngineGroupError
+from gpu_runtime.distributed.control import DriverChannel, EngineGroupError, FollowerChannel
+from gpu_runtime.distributed.parallel import TensorParallel
 from gpu_runtime.engine import Engine, EngineConfig, SamplingParams
 from gpu_runtime.engine.engine_group import EngineGroup, ModelSource, start_engine_group
 from gpu_runtime.engine.model_runner import ModelRunner
 from gpu_runtime.engine.sampler import Sampler
+from gpu_runtime.engine.scheduler import SchedulerOutput
+from gpu_runtime.engine.tp_follower import Follower
+from gpu_runtime.engine.tp_messages import Launch, Resolve
 from gpu_runtime.engine.tp_runner import MirroredRunner
 from gpu_runtime.engine.tp_sampling import DriverSampler
-from gpu_runtime.model import build_random_model
+from gpu_runtime.model import CausalLM, build_random_model
 from gpu_runtime.model.loader import load_tokenizer
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.structured import StructuredOutputParams
@@ -253,3 +257,20 @@ def test_two_ranks_from_a_directory_with_a_grammar_async(tmp_path: Path) -> None
         assert group.engine.runner.num_deferred_samplings > 0
     assert got == want
     assert json.loads(got[0][1])["n"] is not None
+
+
+def test_a_follower_refuses_a_message_that_shows_divergence() -> None:
+    """A follower checks rank 0's step numbers: a launch numbered otherwise, or a step it does
+    not hold, raises (no collective runs: the plans are empty)."""
+    fake = object()  # never used: nothing below communicates
+    rank1 = TensorParallel(rank=1, size=2, group=fake, finetune_group=fake, control_group=fake)
+    model = CausalLM(MODEL, parallel=rank1)
+    follower = Follower(model, _config(), FollowerChannel(rank1))
+    empty = SchedulerOutput([], [], {})
+    follower.apply(Launch(0, empty))  # step 0, resolved at launch: nothing held
+    with pytest.raises(EngineGroupError, match="launched step 1 for rank 0's step 5"):
+        follower.apply(Launch(5, empty))
+    with pytest.raises(EngineGroupError, match="holds no unresolved step 0"):
+        follower.apply(Resolve(0))
+    with pytest.raises(ValueError, match="only rank 0 runs an Engine"):
+        Engine(model, _config(), control=DriverChannel.__new__(DriverChannel))
