@@ -159,6 +159,10 @@ def _group(config: EngineConfig, size: int, **kw: Any) -> EngineGroup:
 def test_size_one_keeps_the_plain_runner_and_sampler() -> None:
     engine = Engine(build_random_model(MODEL, seed=SEED), _config())
     assert type(engine.runner) is ModelRunner and type(engine.runner.sampler) is Sampler
+    with pytest.raises(ValueError, match="only then: size 1"):
+        Engine(engine.runner.model, _config(), control=DriverChannel.__new__(DriverChannel))
+    with pytest.raises(ValueError, match="2 or more ranks, got size 1"):
+        start_engine_group(ModelSource(config=MODEL), _config(), 1)
 
 
 def test_two_ranks_async_with_prefix_caching_give_the_one_gpu_tokens() -> None:
