@@ -99,6 +99,14 @@ class TensorParallel:
             dist.all_reduce(x, group=self.group)
         return x
 
+    def broadcast_from_driver_(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank 0's `x` written into `x` on every rank, over the decode group (in place; the
+        identity at size 1). The engine's sampled tokens: rank 0 samples, every rank uses them.
+        On CUDA it is queued on the current stream's order without a host sync."""
+        if self.size > 1:
+            dist.broadcast(x, group=self.group, group_src=0)
+        return x
+
     def broadcast_object(self, value: Any) -> Any:
         """Rank 0's `value` on every rank (pickled, over the control group)."""
         if self.size == 1:

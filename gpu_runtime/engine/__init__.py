@@ -4,6 +4,7 @@ from gpu_runtime.engine.block_manager import BlockManager, NoFreeBlocksError
 from gpu_runtime.engine.config import EngineConfig, EngineConfigError
 from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
 from gpu_runtime.engine.engine import Engine, UnknownAdapterError
+from gpu_runtime.engine.engine_group import EngineGroup, ModelSource, start_engine_group
 from gpu_runtime.engine.kv_cache import KVStorageFactory, PagedKVCache, default_kv_storage
 from gpu_runtime.engine.request import (
     Request,
@@ -29,8 +30,10 @@ __all__ = [
     "Engine",
     "EngineConfig",
     "EngineConfigError",
+    "EngineGroup",
     "KVStorageFactory",
     "LoraRuntime",
+    "ModelSource",
     "NoFreeBlocksError",
     "PagedKVCache",
     "Request",
@@ -46,4 +49,5 @@ __all__ = [
     "TokenLogprob",
     "UnknownAdapterError",
     "default_kv_storage",
+    "start_engine_group",
 ]

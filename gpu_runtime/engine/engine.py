@@ -11,18 +11,19 @@ from typing import Any
 
 import torch
 
+from gpu_runtime.distributed.control import DriverChannel
 from gpu_runtime.engine.block_manager import BlockManager
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.continuous_batching import ContinuousBatchingScheduler
 from gpu_runtime.engine.fanout import sequence_ids
 from gpu_runtime.engine.kv_cache import KVStorageFactory, default_kv_storage
-from gpu_runtime.engine.model_runner import ModelRunner
 from gpu_runtime.engine.overlap import OverlappedSteps
 from gpu_runtime.engine.request import Request, RequestOutput, SamplingParams
 from gpu_runtime.engine.scheduler import AdapterAdmissionError, Scheduler
 from gpu_runtime.engine.step_outputs import StepOutputs
 from gpu_runtime.engine.step_types import StepAhead, StepClock, StepTimes, call_hook
 from gpu_runtime.engine.stopping import StopChecker
+from gpu_runtime.engine.tp_runner import check_engine_parallel, runner_for
 from gpu_runtime.lora.protocol import LoraRuntime
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import load_model, load_tokenizer
@@ -58,7 +59,12 @@ class Engine:
         kv_storage_factory: KVStorageFactory = default_kv_storage,
         adapter_resolver: AdapterResolver | None = None,
         lora: LoraRuntime | None = None,
+        control: DriverChannel | None = None,
     ) -> None:
+        """`control`: under tensor parallelism (`model` is rank 0's shard of a group of two or
+        more), the channel to the followers (`engine_group.start_engine_group` builds both);
+        the runner then mirrors its calls to them (`tp_runner.MirroredRunner`)."""
+        check_engine_parallel(model, control, lora)
         if config.max_model_len > model.config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len={config.max_model_len} > model max_position_embeddings="
@@ -84,9 +90,7 @@ class Engine:
         )
         """Grammar matchers of constrained requests (`SamplingParams.structured_output`);
         `structured.compiler` compiles a request's grammar ahead, from any thread."""
-        self.runner = ModelRunner(
-            model, config, kv_storage_factory, lora=lora, structured=self.structured
-        )
+        self.runner = runner_for(model, config, kv_storage_factory, lora, self.structured, control)
         self.stop_checker = StopChecker(tokenizer, eos, config.max_model_len)
         vocab = model.config.vocab_size  # an eos id past the logits could not be masked
         self.runner.sampler.eos_token_ids = tuple(sorted(t for t in set(eos) if 0 <= t < vocab))

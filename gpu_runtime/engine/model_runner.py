@@ -52,6 +52,7 @@ from gpu_runtime.engine.sampler import Sampler
 from gpu_runtime.engine.scheduler import SchedulerOutput
 from gpu_runtime.engine.static_decode import DecodePath
 from gpu_runtime.engine.step_readback import StepReadback
+from gpu_runtime.engine.tp_sampling import sampler_for
 from gpu_runtime.lora.protocol import LoraRuntime
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import torch_dtype
@@ -94,7 +95,9 @@ class ModelRunner:
             self.device,
             kv_storage_factory,
         )
-        self.sampler = Sampler(self.device, config.seed)
+        self.sampler: Sampler = sampler_for(model.parallel, self.device, config.seed)
+        """A plain `Sampler` at TP size 1; under TP rank 0 samples and the others take its
+        tokens (`tp_sampling`)."""
         pin = self.device.type == "cuda"
         self.rows = RequestRows(config, lora, pin)
         self.states = self.rows.states
