@@ -31,7 +31,8 @@ def test_preset_shapes() -> None:
         config = preset.config
         assert config["hidden_size"] % config["num_attention_heads"] == 0
         assert config["num_attention_heads"] % config["num_key_value_heads"] == 0
-    with pytest.raises(KeyError, match="known: llama3-70b, llama3-8b, qwen2.5-72b, qwen2.5-7b, tiny"):
+    known = "known: llama3-70b, llama3-8b, qwen2.5-72b, qwen2.5-7b, tiny"
+    with pytest.raises(KeyError, match=known):
         preset_get("gpt")
 
 

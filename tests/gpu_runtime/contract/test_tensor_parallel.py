@@ -45,8 +45,9 @@ def test_bad_degrees_name_the_shape(preset: str, size: int, message: str) -> Non
 
 
 def test_kv_replication_only_in_whole_copies() -> None:
+    tiny = ModelConfig.preset("tiny")
     config = dataclasses.replace(
-        ModelConfig.preset("tiny"), num_attention_heads=6, num_key_value_heads=3, intermediate_size=96
+        tiny, num_attention_heads=6, num_key_value_heads=3, intermediate_size=96
     )
     assert tensor_parallel_problem(config, 3) is None
     assert "not divisible" in str(tensor_parallel_problem(config, 2))
