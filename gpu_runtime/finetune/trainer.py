@@ -23,6 +23,11 @@ shares: accumulation, optimizer step, step count and history
 (:class:`~gpu_runtime.finetune.tail.OptimizerTail`), and the checkpoints with their validation
 passes (:class:`~gpu_runtime.finetune.checkpointing.Checkpointing`). The package README states
 the whole quantum contract and the checkpoint invariants.
+
+Over a tensor-parallel rank's shard every rank builds the same trainer and runs the same quanta;
+its tree's collectives use the finetune communicator, its tail sums the shared gradients and
+clips by the global norm (:class:`~gpu_runtime.finetune.sharded_gradients.ShardedGradients`),
+and checkpoints are gathered whole (README, "Tensor parallelism").
 """
 
 from __future__ import annotations

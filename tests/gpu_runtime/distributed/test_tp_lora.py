@@ -96,11 +96,18 @@ def _tree_logits(tree: CausalLM) -> torch.Tensor:
     return tree.compute_logits(training_hidden_states(tree, ids, positions))
 
 
-def _train(model: CausalLM, root: Path | None, fused: bool, dropout: float = 0.0) -> LoraTrainer:
+def _train(
+    model: CausalLM,
+    root: Path | None,
+    fused: bool,
+    dropout: float = 0.0,
+    max_layers: int | None = None,
+) -> LoraTrainer:
+    """Train to the end in micro-batches of 2 examples (``max_layers``: layer-sliced quanta)."""
     hparams = _hparams(dropout)
     trainer = LoraTrainer(model, _examples(), hparams, checkpoint_root=root, fused_forward=fused)
     while not trainer.finished:
-        trainer.step_quantum(max_examples=2)
+        trainer.step_quantum(max_examples=2, max_layers=max_layers)
     return trainer
 
 
@@ -113,7 +120,9 @@ def _on_rank(parallel: TensorParallel, work: str, fused: bool) -> dict[str, Any]
     work_dir = Path(work)
     model = _serving(parallel)
     _, served = _served_logits(model, work_dir / "tp1-adapter")
-    trainer = _train(model, work_dir / f"tp{parallel.size}", fused)
+    # at 4 ranks in layer-sliced quanta: the collectives of a micro-batch span several quanta
+    max_layers = None if fused else 1
+    trainer = _train(model, work_dir / f"tp{parallel.size}", fused, max_layers=max_layers)
     result: dict[str, Any] = {
         "served": served,
         "curve": _curve(trainer),
@@ -174,7 +183,8 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request: pytest.FixtureRequest, one_gpu: dict[str, Any]) -> tuple[int, list[Any]]:
-    """Every rank's results at 2 ranks (fused training forward) and at 4 (the peft tree's)."""
+    """Every rank's results at 2 ranks (fused training forward) and at 4 (the peft tree's, in
+    layer-sliced quanta)."""
     size = request.param
     return size, run_ranks(size, _on_rank, str(one_gpu["work"]), size == 2)
 
