@@ -3,9 +3,10 @@
 Files never hold a rank's shard: an adapter is written as one GPU would write it (PEFT format,
 the whole ``lora_A`` and ``lora_B`` of every module) and a checkpoint's optimizer state has the
 whole tensors' shapes too, so both load at any tensor-parallel degree. Writing gathers
-(:func:`whole_adapter_state`, :func:`whole_optimizer_state`: an all-gather over the tree's
-communicator along each tensor's split dimension, in rank order, keeping one copy of a KV head
-held by several ranks; a tensor every rank holds whole is rank 0's), and reading cuts each
+(:func:`whole_adapter_state`, :func:`whole_optimizer_state`: one all-gather of one flat buffer
+over the tree's communicator, each tensor then joined along its split dimension in rank order,
+keeping one copy of a KV head held by several ranks; a tensor every rank holds whole is rank
+0's), and reading cuts each
 rank's slice again (:func:`local_optimizer_state`, and ``ShardShape.take`` for an adapter's
 tensors). Every rank calls the gathers (they are collectives); only rank 0 writes.
 
@@ -32,26 +33,37 @@ def tree_parallel(tree: torch.nn.Module) -> tuple[TensorParallel, ShardShape | N
     return parallel, shard
 
 
-def whole_tensor(
-    parallel: TensorParallel, shard: ShardShape, name: str, local: torch.Tensor
-) -> torch.Tensor:
-    """The whole tensor ``name`` (a HF, peft-live or PEFT-file name) from every rank's slice
-    ``local`` (a collective: every rank calls it, in the same order)."""
-    split = shard.split_of(name)
-    if parallel.size == 1 or split is None:
-        return local
-    parts = [torch.empty_like(local) for _ in range(parallel.size)]
-    dist.all_gather(parts, local.contiguous(), group=parallel.group)
-    kept: list[torch.Tensor] = []
-    starts: set[int] = set()
-    for rank, part in enumerate(parts):
-        rank_split = ShardShape.of(shard.config, shard.size, rank).split_of(name)
-        assert rank_split is not None
-        if rank_split[1] in starts:
-            continue  # another rank's copy of a KV head already kept
-        starts.add(rank_split[1])
-        kept.append(part)
-    return torch.cat(kept, dim=split[0])
+def whole_tensors(
+    parallel: TensorParallel, shard: ShardShape, named: Sequence[tuple[str, torch.Tensor]]
+) -> list[torch.Tensor]:
+    """The whole tensors of ``named`` (HF, peft-live or PEFT-file names -> this rank's slices),
+    in order: a collective every rank calls with the same names, one all-gather of one flat
+    buffer over the tree's communicator for all the split ones (of one dtype)."""
+    split = [(i, name, t) for i, (name, t) in enumerate(named) if shard.split_of(name)]
+    whole = [tensor for _, tensor in named]
+    if parallel.size == 1 or not split:
+        return whole
+    dtypes = {t.dtype for _, _, t in split}
+    if len(dtypes) != 1:
+        raise ValueError(f"tensors to gather have several dtypes {sorted(map(str, dtypes))}")
+    flat = torch.cat([t.reshape(-1) for _, _, t in split])
+    parts = [torch.empty_like(flat) for _ in range(parallel.size)]
+    dist.all_gather(parts, flat, group=parallel.group)
+    ranks = [ShardShape.of(shard.config, shard.size, r) for r in range(shard.size)]
+    offset = 0
+    for index, name, local in split:
+        dim = ranks[0].split_of(name)[0]  # type: ignore[index]
+        kept: list[torch.Tensor] = []
+        starts: set[int] = set()
+        for rank, part in zip(ranks, parts, strict=True):
+            rank_split = rank.split_of(name)
+            assert rank_split is not None
+            if rank_split[1] not in starts:  # a KV head several ranks hold is kept once
+                starts.add(rank_split[1])
+                kept.append(part[offset : offset + local.numel()].view(local.shape))
+        whole[index] = torch.cat(kept, dim=dim)
+        offset += local.numel()
+    return whole
 
 
 def whole_extent(shard: ShardShape, name: str) -> int:
@@ -69,7 +81,8 @@ def whole_adapter_state(
     parallel, shard = tree_parallel(tree)
     if parallel.size == 1 or shard is None:
         return dict(state)
-    return {key: whole_tensor(parallel, shard, key, tensor) for key, tensor in state.items()}
+    named = list(state.items())
+    return dict(zip(state, whole_tensors(parallel, shard, named), strict=True))
 
 
 def whole_optimizer_state(
@@ -81,13 +94,16 @@ def whole_optimizer_state(
     parallel, shard = tree_parallel(tree)
     if parallel.size == 1 or shard is None:
         return state
-    whole: dict[int, dict[str, Any]] = {}
-    for index, per_param in sorted(state["state"].items()):
-        name = names[index]
-        whole[index] = {
-            key: whole_tensor(parallel, shard, name, value) if _is_moment(value) else value
-            for key, value in per_param.items()
-        }
+    slots = [
+        (index, key, names[index], value)
+        for index, per_param in sorted(state["state"].items())
+        for key, value in per_param.items()
+        if _is_moment(value)
+    ]
+    gathered = whole_tensors(parallel, shard, [(name, value) for _, _, name, value in slots])
+    whole: dict[int, dict[str, Any]] = {i: dict(p) for i, p in state["state"].items()}
+    for (index, key, _, _), tensor in zip(slots, gathered, strict=True):
+        whole[index][key] = tensor
     return {"state": whole, "param_groups": state["param_groups"]}
 
 

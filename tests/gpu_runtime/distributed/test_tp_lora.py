@@ -4,10 +4,10 @@ one GPU's, adapters round-trip between degrees.
 One spawned run per degree does all of a rank's work (each spawn costs seconds): serve a
 one-GPU-trained adapter (rslora and an alpha pattern on, all seven projections) beside a base
 request through `MultiLoraRuntime`; train a LoRA job on the same model (clipping active,
-dropout 0), and once more with dropout; resume the first from a mid-run checkpoint; load the
-one-GPU job's final adapter into a training tree. At 4 ranks the tiny model's 2 KV heads are
-replicated (k/v `lora_B` gradients summed over the ranks sharing a head). The tests then
-compare each result with the one-GPU run's in this process.
+dropout 0), once more with dropout, and a DPO job; resume the first from a mid-run
+checkpoint; load the one-GPU job's final adapter into a training tree. At 4 ranks the tiny
+model's 2 KV heads are replicated (k/v `lora_B` gradients summed over the ranks sharing a
+head). The tests then compare each result with the one-GPU run's in this process.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.contract.model_config import ModelConfig
-from gpu_runtime.contract.training_examples import TokenizedExample
+from gpu_runtime.contract.training_examples import PreferencePair, TokenizedExample
 from gpu_runtime.distributed.parallel import SINGLE, TensorParallel
 from gpu_runtime.finetune.checkpoint import (
     ADAPTER_WEIGHTS,
@@ -32,6 +32,7 @@ from gpu_runtime.finetune.checkpoint import (
     load_checkpoint,
     save_adapter,
 )
+from gpu_runtime.finetune.dpo_trainer import DpoTrainer
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
 from gpu_runtime.finetune.loss import training_hidden_states
 from gpu_runtime.finetune.trainer import LoraTrainer
@@ -72,6 +73,27 @@ def _hparams(dropout: float = 0.0) -> Any:
         checkpoint_every_steps=2,
         max_grad_norm=0.02,
     )
+
+
+def _dpo_curve(model: CausalLM) -> list[tuple[float, ...]]:
+    """A DPO job's steps (loss, grad norm, preference metrics): 8 pairs of random rows."""
+    generator = torch.Generator().manual_seed(11)
+    pairs = []
+    for length in (6, 8, 5, 9, 7, 6, 8, 5):
+        prompt = torch.randint(0, CONFIG.vocab_size, (4,), generator=generator).tolist()
+        rows = []
+        for _ in range(2):
+            answer = torch.randint(0, CONFIG.vocab_size, (length,), generator=generator).tolist()
+            rows.append(TokenizedExample(tuple(prompt + answer), tuple([-100] * 4 + answer)))
+        pairs.append(PreferencePair(rows[0], rows[1]))
+    hparams = dataclasses.replace(_hparams(), n_epochs=1, dpo_beta=0.5)
+    trainer = DpoTrainer(model, pairs, hparams)
+    while not trainer.finished:
+        trainer.step_quantum(max_examples=2)
+    return [
+        (step.loss, step.grad_norm, pref.chosen_reward, pref.rejected_reward)
+        for step, pref in zip(trainer.history, trainer.preference_history, strict=True)
+    ]
 
 
 def _serving(parallel: TensorParallel) -> CausalLM:
@@ -128,6 +150,7 @@ def _on_rank(parallel: TensorParallel, work: str, fused: bool) -> dict[str, Any]
         "curve": _curve(trainer),
         "trained_logits": _tree_logits(trainer.model),
         "dropout_curve": _curve(_train(model, None, True, DROPOUT)),
+        "dpo_curve": _dpo_curve(model),
     }
     resumed = LoraTrainer(
         model,
@@ -172,6 +195,7 @@ def one_gpu(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             trained = _tree_logits(trainer.model)
     dropout_curve = _curve(_train(_serving(SINGLE), None, True, DROPOUT))
     return {
+        "dpo_curve": _dpo_curve(_serving(SINGLE)),
         "dropout_curve": dropout_curve,
         "work": work,
         "served": served,
@@ -219,6 +243,17 @@ def test_fused_training_with_dropout_equals_one_gpu(
     for result in results:
         got = torch.tensor(result["dropout_curve"], dtype=torch.float64)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=0)
+
+
+def test_dpo_curve_equals_one_gpu(ranks: tuple[int, list[Any]], one_gpu: Any) -> None:
+    """Loss, grad norm and rewards; a reward is beta times a difference of summed completion
+    log-probabilities (about 60 each here), so its rounding is absolute, about 1e-5."""
+    _, results = ranks
+    want = torch.tensor(one_gpu["dpo_curve"], dtype=torch.float64)
+    assert want.shape == (2, 4)
+    for result in results:
+        got = torch.tensor(result["dpo_curve"], dtype=torch.float64)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
 
 
 def test_saved_adapter_and_moments_are_one_gpu_s(
