@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from gpu_runtime.contract.hparams import LoraSpec, resolve_hyperparameters
 from gpu_runtime.contract.model_config import ModelConfig
@@ -28,14 +28,22 @@ from gpu_runtime.distributed.parallel import SINGLE, TensorParallel
 from gpu_runtime.finetune.checkpoint import (
     ADAPTER_WEIGHTS,
     TRAINER_STATE,
+    CheckpointError,
     load_adapter_weights,
     load_checkpoint,
     save_adapter,
 )
 from gpu_runtime.finetune.dpo_trainer import DpoTrainer
-from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
+from gpu_runtime.finetune.lora import (
+    adapter_parameters,
+    adapter_state_dict,
+    build_training_model,
+    lora_config,
+)
 from gpu_runtime.finetune.loss import training_hidden_states
 from gpu_runtime.finetune.trainer import LoraTrainer
+from gpu_runtime.lora.errors import AdapterConfigError
+from gpu_runtime.lora.host_adapter import HostAdapter
 from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import CausalLM, build_random_model
 from tests.gpu_runtime.distributed.ranks import run_ranks
@@ -166,7 +174,30 @@ def _on_rank(parallel: TensorParallel, work: str, fused: bool) -> dict[str, Any]
     tree = build_training_model(model, SPEC, seed=0)
     load_adapter_weights(tree, work_dir / "tp1" / "step-000004")
     result["tp1_adapter_logits"] = _tree_logits(tree)
+    result["refusals"] = _refusals(tree, work_dir / f"local-{parallel.size}-{parallel.rank}")
     return result
+
+
+def _refusals(tree: CausalLM, directory: Path) -> list[str]:
+    """What loading a file of this rank's slices (not whole tensors) raises, in a training
+    tree and in serving."""
+    directory.mkdir()
+    (directory / "adapter_config.json").write_text(
+        json.dumps(lora_config(SPEC).to_dict(), default=list)
+    )
+    local = {key: value.contiguous() for key, value in adapter_state_dict(tree).items()}
+    save_file(local, str(directory / ADAPTER_WEIGHTS))
+    errors = []
+    for load in (
+        lambda: load_adapter_weights(tree, directory),
+        lambda: HostAdapter.from_directory("local", directory, CONFIG, shard=tree.shard),
+    ):
+        try:
+            load()
+            errors.append("loaded")
+        except (CheckpointError, AdapterConfigError) as exc:
+            errors.append(str(exc))
+    return errors
 
 
 @pytest.fixture(scope="module")
@@ -308,3 +339,13 @@ def test_one_gpu_adapter_loads_into_a_tp_tree(ranks: tuple[int, list[Any]], one_
         torch.testing.assert_close(
             result["tp1_adapter_logits"], one_gpu["trained_logits"], rtol=1e-5, atol=1e-5
         )
+
+
+def test_a_file_of_one_rank_s_slices_is_refused(ranks: tuple[int, list[Any]]) -> None:
+    """Files hold whole tensors: a rank's slices are refused by the trainer and by serving,
+    naming the tensor, rather than loaded as a smaller adapter."""
+    _, results = ranks
+    for result in results:
+        tree_error, serving_error = result["refusals"]
+        assert "is not a whole tensor" in tree_error, tree_error
+        assert "has shape" in serving_error and "expected" in serving_error, serving_error
