@@ -6,9 +6,9 @@ whole tensors' shapes too, so both load at any tensor-parallel degree. Writing g
 (:func:`whole_adapter_state`, :func:`whole_optimizer_state`: one all-gather of one flat buffer
 over the tree's communicator, each tensor then joined along its split dimension in rank order,
 keeping one copy of a KV head held by several ranks; a tensor every rank holds whole is rank
-0's), and reading cuts each
-rank's slice again (:func:`local_optimizer_state`, and ``ShardShape.take`` for an adapter's
-tensors). Every rank calls the gathers (they are collectives); only rank 0 writes.
+0's), and reading cuts each rank's slice again (:func:`local_optimizer_state`, and
+``ShardShape.take`` for an adapter's tensors). Every rank calls the gathers (they are
+collectives); only rank 0 writes.
 
 At one GPU every function returns its input.
 """
@@ -52,7 +52,8 @@ def whole_tensors(
     ranks = [ShardShape.of(shard.config, shard.size, r) for r in range(shard.size)]
     offset = 0
     for index, name, local in split:
-        dim = ranks[0].split_of(name)[0]  # type: ignore[index]
+        own = shard.split_of(name)
+        assert own is not None
         kept: list[torch.Tensor] = []
         starts: set[int] = set()
         for rank, part in zip(ranks, parts, strict=True):
@@ -61,7 +62,7 @@ def whole_tensors(
             if rank_split[1] not in starts:  # a KV head several ranks hold is kept once
                 starts.add(rank_split[1])
                 kept.append(part[offset : offset + local.numel()].view(local.shape))
-        whole[index] = torch.cat(kept, dim=dim)
+        whole[index] = torch.cat(kept, dim=own[0])
         offset += local.numel()
     return whole
 
