@@ -11,7 +11,9 @@ saved and loads into ``PeftModel``); only the forward computation is arranged di
 * LoRA dropout draws **one mask per shared input** (q/k/v share one, gate/up another), where peft
   draws one per module — the same distribution per module, correlated across modules. A layer's
   masks (bool, one byte per element) are drawn before the layer runs and passed in, and the
-  ``1 / (1 - p)`` rescale rides on the ``scaling * B`` matrix;
+  ``1 / (1 - p)`` rescale rides on the ``scaling * B`` matrix. Under tensor parallelism the
+  masks are one GPU's (a row-parallel input's drawn whole, each rank keeping its columns), so
+  training with dropout equals one GPU's too;
 * RMSNorm uses ``torch.nn.functional.rms_norm`` (fused on CUDA), attention SDPA with
   ``enable_gqa`` (no repeated K/V).
 
@@ -137,6 +139,8 @@ class _Group:
 
 LayerGroups = tuple[_Group, _Group, _Group, _Group]
 """One layer's projection groups: ``(qkv, o, gate_up, down)``."""
+_ROW_PARALLEL_GROUPS = (1, 3)
+"""The groups of ``LayerGroups`` whose input is split over tensor-parallel ranks (o, down)."""
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -235,15 +239,21 @@ class FusedTrainingForward:
         """Layer ``index``'s dropout masks for inputs of leading shape ``lead`` (``[B, S]``),
         one per group in ``(qkv, o, gate_up, down)`` order, drawn from the current default
         generators (the trainer swaps its own in); None for a group without dropout, and all
-        None outside train mode."""
+        None outside train mode. On a tensor-parallel rank the row-parallel inputs' (o, down)
+        masks are drawn whole and cut to the rank's columns, so every rank draws what one GPU
+        draws, in the same order, and keeps its part (the masks equal one GPU's)."""
         masks: list[torch.Tensor | None] = []
-        for group in self.layers[index]:
+        size, rank = self.tree.parallel.size, self.tree.parallel.rank
+        for g, group in enumerate(self.layers[index]):
             p = group.dropout
             if not self.tree.training or p <= 0:
                 masks.append(None)
                 continue
-            mask = torch.empty((*lead, group.in_features), dtype=torch.bool, device=device)
-            masks.append(mask.bernoulli_(1.0 - p))
+            width = group.in_features
+            split = size > 1 and g in _ROW_PARALLEL_GROUPS
+            whole = width * size if split else width
+            mask = torch.empty((*lead, whole), dtype=torch.bool, device=device).bernoulli_(1.0 - p)
+            masks.append(mask[..., rank * width : (rank + 1) * width] if split else mask)
         return masks[0], masks[1], masks[2], masks[3]
 
     @property

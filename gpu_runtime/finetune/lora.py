@@ -10,6 +10,14 @@ they have ``requires_grad=False`` and the optimizer only sees adapter parameters
 Adapter parameters are fp32 (master weights for AdamW) whatever the base dtype; on GPU the
 trainer runs under bf16 autocast. ``lora_B`` starts at zero (peft's default init), so step 0
 computes exactly the base model.
+
+Under tensor parallelism the serving model is one rank's shard: the tree is built with the
+serving model's ``parallel.for_finetune()`` (its layers' collectives run on the finetune
+communicator, never decode's) and the serving ``shard``, so peft's layers get the rank's
+shapes: ``lora_B`` of a column-parallel projection has the rank's rows, ``lora_A`` of a
+row-parallel one its columns (:mod:`gpu_runtime.distributed.shard`). Their initial values are
+the rank's slice of what one GPU draws with the same seed: the whole adapter is drawn once
+over a storage-free skeleton of the whole model and each rank keeps its slice.
 """
 
 from __future__ import annotations
@@ -45,9 +53,10 @@ def lora_config(spec: LoraSpec, base_model_name_or_path: str | None = None) -> L
 
 
 def share_base_weights(serving: CausalLM) -> CausalLM:
-    """A fresh ``CausalLM`` tree whose parameters and buffers alias ``serving``'s (frozen)."""
+    """A fresh ``CausalLM`` tree whose parameters and buffers alias ``serving``'s (frozen); on
+    a tensor-parallel rank its collectives run on the finetune communicator."""
     with torch.device("meta"):
-        tree = CausalLM(serving.config)
+        tree = CausalLM(serving.config, parallel=serving.parallel.for_finetune())
     shared: dict[int, nn.Parameter] = {}
     for name, param in serving.named_parameters(remove_duplicate=False):
         # One new Parameter per serving tensor keeps tied embeddings tied.
@@ -72,6 +81,12 @@ def build_training_model(serving: CausalLM, spec: LoraSpec, seed: int) -> Causal
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
         inject_adapter_in_model(lora_config(spec), tree, adapter_name=ADAPTER_NAME)
+    if serving.parallel.size > 1:
+        whole = _one_gpu_initial_adapter(serving, spec, seed)
+        with torch.no_grad():
+            for name, param in tree.named_parameters():
+                if ".lora_" in name:
+                    param.data = serving.shard.take(name, whole[name]).to(param.device).clone()
     for name, param in tree.named_parameters():
         is_adapter = ".lora_" in name
         param.requires_grad_(is_adapter)
@@ -80,6 +95,25 @@ def build_training_model(serving: CausalLM, spec: LoraSpec, seed: int) -> Causal
     tree.train()
     check_shared_weights(serving, tree)
     return tree
+
+
+def _one_gpu_initial_adapter(
+    serving: CausalLM, spec: LoraSpec, seed: int
+) -> dict[str, torch.Tensor]:
+    """The adapter one GPU initialises with ``seed`` (live peft names -> whole tensors, CPU):
+    peft's own injection, with the same draws in the same order, over a skeleton of the whole
+    model whose base weights are stride-0 zeros of the serving dtype (no storage)."""
+    with torch.device("meta"):
+        skeleton = CausalLM(serving.config)
+    dtype = serving.lm_head.weight.dtype
+    for name, param in list(skeleton.named_parameters(remove_duplicate=False)):
+        module_name, _, attr = name.rpartition(".")
+        empty = torch.zeros((), dtype=dtype).expand(param.shape)
+        setattr(skeleton.get_submodule(module_name), attr, nn.Parameter(empty, requires_grad=False))
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        inject_adapter_in_model(lora_config(spec), skeleton, adapter_name=ADAPTER_NAME)
+    return {name: param.detach() for name, param in skeleton.named_parameters() if ".lora_" in name}
 
 
 def base_parameter_name(training_name: str) -> str:
@@ -105,6 +139,11 @@ def check_shared_weights(serving: CausalLM, tree: nn.Module) -> None:
 def adapter_parameters(tree: nn.Module) -> list[nn.Parameter]:
     """The trainable LoRA parameters, in a stable (module) order."""
     return [p for name, p in tree.named_parameters() if ".lora_" in name]
+
+
+def adapter_parameter_names(tree: nn.Module) -> list[str]:
+    """The live names of :func:`adapter_parameters`, in the same order."""
+    return [name for name, _ in tree.named_parameters() if ".lora_" in name]
 
 
 def adapter_state_dict(tree: nn.Module) -> dict[str, torch.Tensor]:

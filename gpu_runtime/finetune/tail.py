@@ -8,7 +8,9 @@ gradients; then it hands back a :class:`~gpu_runtime.finetune.pending.PendingQua
 in :attr:`OptimizerTail.history` and, when the step made a checkpoint due (every
 ``checkpoint_every_steps`` and at the end), asks the trainer to take it
 (:class:`CheckpointHook`). The tail owns the optimizer step count, the loss history and the
-batch accumulators; nothing else writes them.
+batch accumulators; nothing else writes them. On a tensor-parallel rank its ``gradients``
+(:class:`~gpu_runtime.finetune.sharded_gradients.ShardedGradients`) sum the replicated
+gradients over the ranks and clip by the whole adapter's norm before AdamW steps.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from gpu_runtime.finetune.batching import DataStream, MicroBatch, MicroBatchPlan
 from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import QuantumResult, StepRecord, peak_allocated
 from gpu_runtime.finetune.schedule import LrSchedule
+from gpu_runtime.finetune.sharded_gradients import ShardedGradients
 
 
 class CheckpointHook(Protocol):
@@ -54,12 +57,15 @@ class OptimizerTail:
         device: torch.device,
         *,
         token_accuracy: bool,
+        gradients: ShardedGradients | None = None,
     ) -> None:
         """AdamW over ``params`` (fused on CUDA) with ``hparams``' settings, its rate from the
         schedule over ``stream``'s optimizer steps; ``token_accuracy``: the forward counts argmax
         hits into :attr:`batch_correct` (a DPO step has no token targets: its accuracy is the
-        preference metrics', none here)."""
+        preference metrics', none here); ``gradients``: a tensor-parallel rank's reduction and
+        global-norm clipping (None at one GPU)."""
         self.hparams = hparams
+        self.gradients = gradients
         self.stream = stream
         self.params = list(params)
         self.device = device
@@ -203,7 +209,11 @@ class OptimizerTail:
     def optimizer_step(self, learning_rate: float) -> torch.Tensor:
         """Clip, step, zero; returns the pre-clip gradient norm (on device, unsynced)."""
         max_norm = self.hparams.max_grad_norm
-        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm if max_norm > 0 else 1e30)
+        bound = max_norm if max_norm > 0 else 1e30
+        if self.gradients is not None:
+            norm = self.gradients.clip_(self.params, bound)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, bound)
         for group in self.optimizer.param_groups:
             group["lr"] = learning_rate
         self.optimizer.step()

@@ -23,6 +23,11 @@ shares: accumulation, optimizer step, step count and history
 (:class:`~gpu_runtime.finetune.tail.OptimizerTail`), and the checkpoints with their validation
 passes (:class:`~gpu_runtime.finetune.checkpointing.Checkpointing`). The package README states
 the whole quantum contract and the checkpoint invariants.
+
+Over a tensor-parallel rank's shard every rank builds the same trainer and runs the same quanta;
+its tree's collectives use the finetune communicator, its tail sums the shared gradients and
+clips by the global norm (:class:`~gpu_runtime.finetune.sharded_gradients.ShardedGradients`),
+and checkpoints are gathered whole (README, "Tensor parallelism").
 """
 
 from __future__ import annotations
@@ -43,7 +48,11 @@ from gpu_runtime.finetune.fused_forward import FusedTrainingForward
 from gpu_runtime.finetune.graph_policy import CapturePolicy
 from gpu_runtime.finetune.graphed import GraphedQuanta
 from gpu_runtime.finetune.graphs import MicroBatchGraphs
-from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
+from gpu_runtime.finetune.lora import (
+    adapter_parameter_names,
+    adapter_parameters,
+    build_training_model,
+)
 from gpu_runtime.finetune.pending import PendingQuantum
 from gpu_runtime.finetune.quantum import (
     QuantumResult,
@@ -51,6 +60,7 @@ from gpu_runtime.finetune.quantum import (
     TrainerRng,
     swapped_rng,
 )
+from gpu_runtime.finetune.sharded_gradients import ShardedGradients
 from gpu_runtime.finetune.sliced_quanta import LayerSlicedQuanta
 from gpu_runtime.finetune.supervised_loss import SupervisedLoss
 from gpu_runtime.finetune.tail import OptimizerTail
@@ -100,6 +110,10 @@ class LoraTrainer:
         self.device = serving_model.lm_head.weight.device
         self.model = build_training_model(serving_model, hparams.lora, hparams.seed)
         self.params = adapter_parameters(self.model)
+        gradients = None
+        if self.model.parallel.size > 1:
+            named = zip(adapter_parameter_names(self.model), self.params, strict=True)
+            gradients = ShardedGradients(self.model.parallel, self.model.shard, list(named))
         fused = FusedTrainingForward(self.model, serving_model) if fused_forward else None
         self.stream = DataStream(train_examples, hparams.batch_size, hparams.n_epochs, hparams.seed)
         self.rng = TrainerRng(hparams.seed, self.device)
@@ -109,6 +123,7 @@ class LoraTrainer:
             self.params,
             self.device,
             token_accuracy=not self.trains_preferences,
+            gradients=gradients,
         )
         self.optimizer, self.schedule = self.optimizer_tail.optimizer, self.optimizer_tail.schedule
         self.token_loss = SupervisedLoss(

@@ -14,7 +14,9 @@
   memory at once, so no new request acquires it; requests holding its slot keep it until they
   release it, and the slot is then cleared and freed.
 
-The manager holds plain bookkeeping; the tensors live in :class:`StackedLoraWeights`.
+The manager holds plain bookkeeping; the tensors live in :class:`StackedLoraWeights`. On a
+tensor-parallel rank every rank runs the same calls in the same order (the engine's followers
+mirror rank 0's), so slots agree across ranks; each rank's host copy is its own slice.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class AdapterManager:
             self._directories[name],
             self.weights.config,
             pin=self.weights.device.type == "cuda",
+            shard=self.weights.shard if self.weights.shard.size > 1 else None,
         )
         self.disk_loads += 1
         self._host[name] = adapter

@@ -9,6 +9,11 @@ rank and alpha patterns). The tensors of the directory must be exactly the ``lor
 ``lora_B`` of the modules its config targets, with the module's rank and the projection's
 shape: peft would ignore a tensor of an untargeted module and initialise a missing one, so
 either is refused rather than served differently.
+
+On a tensor-parallel rank (``shard`` of size > 1) the file is checked against the whole
+model's shapes, then each tensor is cut to the rank's slice (:meth:`ShardShape.take`, the base
+weights' split: ``B`` rows of column-parallel, ``A`` columns of row-parallel projections, the
+rest whole), so ``weights`` hold the shapes of the rank's projections.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from pathlib import Path
 import torch
 
 from gpu_runtime.contract.footprint import projection_shapes
+from gpu_runtime.distributed.shard import ShardShape
 from gpu_runtime.finetune.checkpoint import read_adapter
 from gpu_runtime.finetune.lora import PEFT_KEY_PREFIX
 from gpu_runtime.lora.adapter_config import AdapterLayout, ProjectionKey, adapter_layout, module_key
@@ -46,15 +52,23 @@ class HostAdapter:
 
     @classmethod
     def from_directory(
-        cls, name: str, directory: str | Path, config: ModelConfig, pin: bool = False
+        cls,
+        name: str,
+        directory: str | Path,
+        config: ModelConfig,
+        pin: bool = False,
+        shard: ShardShape | None = None,
     ) -> HostAdapter:
         """Read a PEFT adapter, resolve its config and check every tensor against it and the
-        model's shapes (:class:`AdapterConfigError` / :class:`UnsupportedAdapterError`, the
-        message prefixed with the adapter's name)."""
+        whole model's shapes (:class:`AdapterConfigError` / :class:`UnsupportedAdapterError`,
+        the message prefixed with the adapter's name); with ``shard`` (a tensor-parallel rank
+        of ``config``), keep that rank's slice of each tensor."""
         raw, tensors = read_adapter(directory)
+        if shard is not None and shard.config != config:
+            raise ValueError(f"shard of {shard.config} does not shard {config}")
         try:
             layout = adapter_layout(raw, config)
-            weights = _weights(layout, tensors, config, str(raw.get("bias", "none")))
+            weights = _weights(layout, tensors, config, str(raw.get("bias", "none")), shard)
         except UnsupportedAdapterError as exc:
             raise UnsupportedAdapterError(f"adapter {name!r}: {exc}") from exc
         except AdapterConfigError as exc:
@@ -65,9 +79,14 @@ class HostAdapter:
 
 
 def _weights(
-    layout: AdapterLayout, tensors: dict[str, torch.Tensor], config: ModelConfig, bias: str
+    layout: AdapterLayout,
+    tensors: dict[str, torch.Tensor],
+    config: ModelConfig,
+    bias: str,
+    shard: ShardShape | None,
 ) -> dict[ProjectionKey, tuple[torch.Tensor, torch.Tensor]]:
-    """Each targeted module's ``(A, scaling * B)`` in fp32; every tensor accounted for."""
+    """Each targeted module's ``(A, scaling * B)`` in fp32, cut to ``shard``'s slice when
+    given; every tensor accounted for."""
     shapes = projection_shapes(config)
     left = dict(tensors)
     weights: dict[ProjectionKey, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -85,6 +104,8 @@ def _weights(
                     f"{key} has shape {tuple(tensor.shape)}, expected {expected} (rank "
                     f"{lora.rank} from r / rank_pattern)"
                 )
+            if shard is not None:
+                tensor = shard.take(key, tensor)
             pair.append(tensor.float())
         a, b = pair
         weights[(layer, module)] = (a.contiguous(), (b * lora.scaling).contiguous())

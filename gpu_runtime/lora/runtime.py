@@ -13,6 +13,11 @@ serving model's own computation (:class:`MultiLoraForward`). The engine:
    (same signature and attention objects as ``CausalLM.forward``) instead of
    ``model(ids, positions, attention)``, then ``model.compute_logits(hidden)`` as usual.
 
+Under tensor parallelism each rank holds one runtime over its shard of the serving model: the
+slots hold each adapter's slice (:mod:`gpu_runtime.lora.stacked`) and every rank must make the
+same calls in the same order (the engine's followers mirror rank 0's), so a request has the
+same slot on every rank.
+
 On CUDA the engine's decode steps instead read :meth:`decode_groups` (the stacked slots) and
 :meth:`slot_of_request` and add the LoRA terms inside the fused, graph-captured decode step.
 """
@@ -61,6 +66,7 @@ class MultiLoraRuntime:
             device=weight.device,
             dtype=weight.dtype,
             serving=serving if share_gemms else None,
+            shard=serving.shard,
         )
         self.manager = AdapterManager(self.weights, max_host_adapters)
         self.forward = MultiLoraForward(serving, self.weights)

@@ -24,6 +24,13 @@ of slot ``s`` keep only their own ``R`` columns, base tokens get exactly ``0``. 
 step are the stacked adapters (``S * R * (in + out)`` per projection): for Llama-3-8B with 8 slots
 of rank 16, 0.22 GB (1.5 % of the weights read per step) on q/k/v/o and 0.67 GB (4.5 %) on all
 projections — the floor of its cost on a memory-bound decode step.
+
+On a tensor-parallel rank (``shard`` of size > 1) the slots have the rank's shapes
+(``shard.local_config()``: q|k|v outputs of its query and KV heads, gate|up of its MLP width,
+o and down inputs of its widths) and hold each adapter's slice
+(:class:`~gpu_runtime.lora.host_adapter.HostAdapter` cuts it): a column-parallel group's term is
+this rank's output columns, a row-parallel group's a partial sum the decoder walk's all-reduce
+adds up with the base output's.
 :class:`gpu_runtime.lora.forward.MultiLoraForward` applies the term inside
 the serving model's forward pass.
 """
@@ -34,6 +41,7 @@ import torch
 
 from gpu_runtime.contract.footprint import projection_shapes
 from gpu_runtime.contract.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
+from gpu_runtime.distributed.shard import ShardShape
 from gpu_runtime.lora.groups import GROUP_MODULES, LoraGroup
 from gpu_runtime.lora.host_adapter import HostAdapter
 from gpu_runtime.model import CausalLM, ModelConfig
@@ -55,20 +63,28 @@ class StackedLoraWeights:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.bfloat16,
         serving: CausalLM | None = None,
+        shard: ShardShape | None = None,
     ) -> None:
-        """With ``serving`` (same config, device and dtype), each group's ``a`` stack is stored
-        as extra rows of the serving model's fused weight
+        """``config`` is the whole model's (adapters are read against it); ``shard`` the
+        tensor-parallel rank's slice of it (default: the whole model, or ``serving``'s).
+        With ``serving`` (same config, shard, device and dtype), each group's ``a`` stack is
+        stored as extra rows of the serving model's fused weight
         (:meth:`CausalLM.reserve_projection_rows`), so the decode step's base GEMM computes the
         shrink too; build finetune trees over ``serving`` only afterwards."""
         if num_slots < 1 or max_rank < 1 or max_tokens < 1:
             raise ValueError(
                 f"num_slots={num_slots}, max_rank={max_rank}, max_tokens={max_tokens} must be >= 1"
             )
+        if shard is None:
+            shard = serving.shard if serving is not None else ShardShape.of(config)
+        if shard.config != config or (serving is not None and serving.shard != shard):
+            raise ValueError("config, shard and serving model must describe one model's shard")
         self.config = config
+        self.shard = shard
         self.num_slots, self.max_rank, self.max_tokens = num_slots, max_rank, max_tokens
         self.target_modules = tuple(target_modules)
         self.device, self.dtype = torch.device(device), dtype
-        self.shapes = projection_shapes(config)
+        self.shapes = projection_shapes(shard.local_config())  # this rank's (in, out)
         width = num_slots * max_rank
         self.a: dict[ProjectionKey, torch.Tensor] = {}
         self.b: dict[ProjectionKey, torch.Tensor] = {}
