@@ -56,6 +56,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+COMPANION_SUFFIXES = (".iterations.json", ".meta.json")
+"""Files a package writes beside its result (per-iteration tables, metadata): not results."""
+
+
+def result_file(out: Path, command: list[str]) -> Path:
+    """The one result file a run wrote under `out` (companions beside it are left out)."""
+    files = sorted(p for p in out.glob("*.json") if not p.name.endswith(COMPANION_SUFFIXES))
+    if len(files) != 1:
+        raise RuntimeError(f"{command} wrote {len(files)} result files, expected one")
+    return files[0]
+
+
 def run_once(tree: Path, package: str, extra: list[str], commit: str) -> dict[str, Any]:
     """One run of `python -m bench.PACKAGE` in `tree`; its result document, with `wall_s`."""
     with tempfile.TemporaryDirectory(prefix="harli-ab-") as out:
@@ -65,10 +77,7 @@ def run_once(tree: Path, package: str, extra: list[str], commit: str) -> dict[st
         start = time.perf_counter()
         subprocess.run(command, cwd=tree, env=env, check=True)
         wall_s = time.perf_counter() - start
-        files = sorted(Path(out).glob("*.json"))
-        if len(files) != 1:
-            raise RuntimeError(f"{command} wrote {len(files)} result files, expected one")
-        document: dict[str, Any] = json.loads(files[0].read_text())
+        document: dict[str, Any] = json.loads(result_file(Path(out), command).read_text())
     document["wall_s"] = round(wall_s, 1)
     return document
 

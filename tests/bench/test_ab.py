@@ -79,3 +79,15 @@ def test_alternating_run_of_a_package_in_two_trees(tmp_path: Path) -> None:
     for ratio in out["ratios"]:
         assert ratio["ratio"] == pytest.approx(ratio["new_mean"] / ratio["old_mean"], rel=1e-3)
     assert stdout.splitlines()[-1] == f"wrote {path}"
+
+
+def test_the_result_file_is_found_beside_its_companions(tmp_path: Path) -> None:
+    from bench.ab.__main__ import result_file
+
+    (tmp_path / "colocate-h200-20261204.json").write_text("{}")
+    (tmp_path / "colocate-h200-20261204.iterations.json").write_text("{}")
+    (tmp_path / "colocate-h200-20261204.meta.json").write_text("{}")
+    assert result_file(tmp_path, ["x"]).name == "colocate-h200-20261204.json"
+    (tmp_path / "other-h200-20261204.json").write_text("{}")
+    with pytest.raises(RuntimeError, match="wrote 2 result files"):
+        result_file(tmp_path, ["x"])
