@@ -276,6 +276,10 @@ class DeploymentsApi(OperatorAPIView):
         slo_attainment_target_pct = serializers.FloatField(
             min_value=0.0, max_value=100.0, default=99.0
         )
+        tensor_parallel_size = serializers.IntegerField(
+            default=1,
+            help_text="GPUs each engine group shards the model over; must suit its shape",
+        )
 
     @extend_schema(
         operation_id="ops_deployments_list", responses={200: LISTS[DeploymentOpsSerializer]}
