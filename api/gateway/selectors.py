@@ -65,8 +65,8 @@ def _candidate(state: HostAgentState) -> HostCandidate:
     serving = state.serving or {}
     groups = list(state.host.engine_groups.all())
     serving_groups = [g for g in groups if g.deployment.base_model.name == state.base_model]
-    chosen = (serving_groups or groups or [None])[0]
-    deployment = chosen.deployment if chosen is not None else None
+    chosen = (serving_groups or groups)[:1]
+    deployment = chosen[0].deployment if chosen else None
     return HostCandidate(
         name=state.host.name,
         base_model=state.base_model,

@@ -79,7 +79,7 @@ def test_memory_is_counted_per_gpu_at_the_groups_degree(
     (command,) = drain_host_queue("h1")
     assert (command["command"], command["engine_group"]) == ("apply_placement", 1)
     event = wide_job.events.get(message="Placed for training")
-    assert event.fleet_detail["text"] == "Placed on host h1, engine group 1 (GPUs 2-3)"
+    assert dict(event.fleet_detail or {})["text"] == "Placed on host h1, engine group 1 (GPUs 2-3)"
 
 
 def test_the_groups_own_harvest_share_decides(
