@@ -1,7 +1,8 @@
 """Engine groups and tensor parallelism: `Deployment.tensor_parallel_size`; `EngineGroup` (a
 deployment on a range of a host's GPUs) replaces `GpuHost.deployment`, each existing host's
-deployment becoming its group 0 at GPU 0 (and its placements that group's); placements, decode
-metrics and the agents' state name their group; per-group and per-GPU metrics."""
+deployment becoming its group 0 at GPU 0 (its placements and decode metrics that group's, its
+agent's last heartbeat that group's entry, so placement need not wait for the next one);
+per-group and per-GPU metrics."""
 
 import django.core.validators
 import django.db.models.deletion
@@ -13,6 +14,7 @@ def hosts_to_groups(apps, schema_editor):  # type: ignore[no-untyped-def]
     EngineGroup = apps.get_model("api", "EngineGroup")
     Placement = apps.get_model("api", "Placement")
     DeploymentMetric = apps.get_model("api", "DeploymentMetric")
+    HostAgentState = apps.get_model("api", "HostAgentState")
     for host in GpuHost.objects.exclude(deployment=None).order_by("pk"):
         group = EngineGroup.objects.create(
             host_id=host.pk, deployment_id=host.deployment_id, index=0, first_gpu=0
@@ -21,6 +23,23 @@ def hosts_to_groups(apps, schema_editor):  # type: ignore[no-untyped-def]
         DeploymentMetric.objects.filter(host_id=host.pk, deployment_id=host.deployment_id).update(
             engine_group=group
         )
+        state = HostAgentState.objects.filter(host_id=host.pk).first()
+        if state is not None:
+            state.engine_groups = [
+                {
+                    "index": 0,
+                    "base_model": state.base_model,
+                    "tensor_parallel_size": 1,
+                    "gpu_indices": [0],
+                    "free_bytes": state.free_bytes,
+                    "free_bytes_per_gpu": state.free_bytes,
+                    "harvestable_tokens_per_s": state.harvestable_tokens_per_s,
+                    "harvest": state.harvest,
+                    "placements": state.placements,
+                    "predictor_version": host.predictor_version,
+                }
+            ]
+            state.save(update_fields=["engine_groups"])
 
 
 def groups_to_hosts(apps, schema_editor):  # type: ignore[no-untyped-def]
@@ -123,8 +142,6 @@ class Migration(migrations.Migration):
                 to="api.enginegroup",
             ),
         ),
-        migrations.RunPython(hosts_to_groups, groups_to_hosts),
-        migrations.RemoveField(model_name="gpuhost", name="deployment"),
         migrations.AddField(
             model_name="hostagentstate", name="engine_groups", field=models.JSONField(default=list)
         ),
@@ -134,6 +151,8 @@ class Migration(migrations.Migration):
         migrations.AddField(
             model_name="hostmetric", name="gpus", field=models.JSONField(default=list)
         ),
+        migrations.RunPython(hosts_to_groups, groups_to_hosts),
+        migrations.RemoveField(model_name="gpuhost", name="deployment"),
         migrations.CreateModel(
             name="EngineGroupMetric",
             fields=[

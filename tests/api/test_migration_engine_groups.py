@@ -1,5 +1,5 @@
 """Migration 0015 moves each host's deployment into its engine group 0 at GPU 0 (its decode
-metrics with it), and back when reversed."""
+metrics and its agent's last heartbeat with it), and back when reversed."""
 
 from __future__ import annotations
 
@@ -34,6 +34,10 @@ def test_each_hosts_deployment_becomes_its_group_0() -> None:
         serving = hosts.create(name="h1", gpu_kind="H200", gpu_memory_bytes=1, gpu_count=8,
                                deployment=deployment)  # fmt: skip
         hosts.create(name="h2", gpu_kind="H200", gpu_memory_bytes=1)
+        old.get_model("api", "HostAgentState").objects.create(
+            host=serving, base_model="tiny", free_bytes=5, harvestable_tokens_per_s=7.0,
+            placements=[3],
+        )  # fmt: skip
         old.get_model("api", "DeploymentMetric").objects.create(
             deployment=deployment, host=serving, ts="2026-12-01T00:00:00Z", tpot_p50_ms=1,
             tpot_p99_ms=2, slo_attainment=1.0,
@@ -46,6 +50,9 @@ def test_each_hosts_deployment_becomes_its_group_0() -> None:
         )  # fmt: skip
         assert new.get_model("api", "Deployment").objects.get().tensor_parallel_size == 1
         assert new.get_model("api", "DeploymentMetric").objects.get().engine_group_id == group.pk
+        (entry,) = new.get_model("api", "HostAgentState").objects.get().engine_groups
+        assert (entry["index"], entry["free_bytes_per_gpu"], entry["placements"]) == (0, 5, [3])
+        assert entry["harvestable_tokens_per_s"] == 7.0
 
         back = _migrate(BEFORE)
         deployments = dict(back.get_model("api", "GpuHost").objects.values_list(
