@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from django.db.models import Count
 from django.utils import timezone
 
 from api.models import (
@@ -63,6 +64,18 @@ def host_engine_groups(*, host: GpuHost, now: datetime | None = None) -> list[En
     for placement in open_placements:
         rows[placement.engine_group_id].placements.append(placement)  # type: ignore[index]
     return list(rows.values())
+
+
+def group_open_placements() -> dict[int, int]:
+    """Open placements per engine group id (one query)."""
+    rows = (
+        Placement.objects.filter(state__in=OPEN_PLACEMENT_STATES)
+        .exclude(engine_group=None)
+        .values("engine_group_id")
+        .annotate(n=Count("id"))
+        .values_list("engine_group_id", "n")
+    )
+    return {int(group): int(n) for group, n in rows}
 
 
 def host_gpu_rows(*, host: GpuHost, metric: HostMetric | None) -> list[dict[str, Any]]:

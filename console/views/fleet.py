@@ -18,13 +18,26 @@ from api.services.fleet import host_drain, host_undrain
 from console import selectors as console_selectors
 from console.access import OperatorJsonView, OperatorView
 from console.live import parts_response, render_parts
-from console.selectors.engine_groups import host_engine_groups, host_gpu_rows
+from console.selectors.engine_groups import (
+    group_open_placements,
+    host_engine_groups,
+    host_gpu_rows,
+)
 from console.views.common import not_found, page_range, render_page
 
 
 def _host_rows(hosts: list[GpuHost], latest: dict[int, HostMetric]) -> list[dict[str, object]]:
-    """Hosts with their newest fresh metric row (or None)."""
-    return [{"host": h, "metric": latest.get(h.pk)} for h in hosts]
+    """Hosts with their newest fresh metric row (or None) and their engine groups, each with
+    its number of open placements (`jobs`)."""
+    jobs = group_open_placements()
+    return [
+        {
+            "host": h,
+            "metric": latest.get(h.pk),
+            "groups": [{"group": g, "jobs": jobs.get(g.pk, 0)} for g in h.engine_groups.all()],
+        }
+        for h in hosts
+    ]
 
 
 PLACEMENTS_SHOWN = 100

@@ -100,7 +100,7 @@ def test_fleet_deployment_and_models_pages_name_the_groups(
 ) -> None:
     client, _ = client_and_job
     fleet = re.sub(r"\s+", " ", client.get("/console/").content.decode())
-    assert "GPUs 0-1 · TP 2" in fleet and "GPU 2" in fleet
+    assert "GPUs 0-1 · TP 2</span>" in fleet and "GPU 2 · 1 job</span>" in fleet
     hosts = re.sub(r"\s+", " ", client.get("/console/hosts/").content.decode())
     assert 'chat-tp2</a> <span class="muted small">GPUs 0-1 · TP 2</span>' in hosts
     deployment = client.get("/console/deployments/chat-tp2/").content.decode()
