@@ -319,7 +319,10 @@ class HostsApi(OperatorAPIView):
         gpu_kind = serializers.CharField()
         gpu_memory_bytes = serializers.IntegerField(min_value=1)
         gpu_count = serializers.IntegerField(min_value=1, default=1)
-        deployment = serializers.CharField(required=False)
+        deployment = serializers.CharField(
+            required=False,
+            help_text="served in engine group 0 from GPU 0 (more: .../engine_groups)",
+        )
 
     @extend_schema(
         operation_id="ops_hosts_list",
