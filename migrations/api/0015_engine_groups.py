@@ -4,12 +4,14 @@ deployment becoming its group 0 at GPU 0 (its placements and decode metrics that
 agent's last heartbeat that group's entry, so placement need not wait for the next one);
 per-group and per-GPU metrics."""
 
+from typing import Any
+
 import django.core.validators
 import django.db.models.deletion
 from django.db import migrations, models
 
 
-def hosts_to_groups(apps, schema_editor):  # type: ignore[no-untyped-def]
+def hosts_to_groups(apps: Any, schema_editor: Any) -> None:
     GpuHost = apps.get_model("api", "GpuHost")
     EngineGroup = apps.get_model("api", "EngineGroup")
     Placement = apps.get_model("api", "Placement")
@@ -42,7 +44,7 @@ def hosts_to_groups(apps, schema_editor):  # type: ignore[no-untyped-def]
             state.save(update_fields=["engine_groups"])
 
 
-def groups_to_hosts(apps, schema_editor):  # type: ignore[no-untyped-def]
+def groups_to_hosts(apps: Any, schema_editor: Any) -> None:
     GpuHost = apps.get_model("api", "GpuHost")
     EngineGroup = apps.get_model("api", "EngineGroup")
     for group in EngineGroup.objects.order_by("host_id", "index"):
