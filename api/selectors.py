@@ -202,7 +202,7 @@ def host_list(*, status: str | None = None) -> QuerySet[GpuHost]:
 def placement_list(
     *, job_id: str | None = None, host: str | None = None, state: str | None = None
 ) -> QuerySet[Placement]:
-    placements = Placement.objects.select_related("job", "host", "engine_group")
+    placements = Placement.objects.select_related("job", "host", "engine_group__deployment")
     if job_id:
         placements = placements.filter(job_id=job_id)
     if host:

@@ -95,10 +95,12 @@ def test_the_host_page_shows_groups_their_jobs_and_gpus(client_and_job: tuple[Cl
     assert _row(page, "data-gpu", 3) == "3 idle 141.0 GiB 12.0 GiB 4.0 GiB 23.0 GiB"
 
 
-def test_fleet_deployment_and_models_pages_name_the_groups(
+def test_fleet_deployment_job_and_models_pages_name_the_groups(
     client_and_job: tuple[Client, str],
 ) -> None:
-    client, _ = client_and_job
+    client, job_id = client_and_job
+    job = re.sub(r"\s+", " ", client.get(f"/console/jobs/{job_id}/").content.decode())
+    assert 'big</a> <span class="muted small">group 1 · GPU 2</span>' in job
     fleet = re.sub(r"\s+", " ", client.get("/console/").content.decode())
     assert "GPUs 0-1 · TP 2</span>" in fleet and "GPU 2 · 1 job</span>" in fleet
     hosts = re.sub(r"\s+", " ", client.get("/console/hosts/").content.decode())
