@@ -193,14 +193,16 @@ def deployment_list() -> QuerySet[Deployment]:
 
 
 def host_list(*, status: str | None = None) -> QuerySet[GpuHost]:
-    hosts = GpuHost.objects.select_related("deployment", "agent_state")
+    hosts = GpuHost.objects.select_related("agent_state").prefetch_related(
+        "engine_groups__deployment"
+    )
     return hosts.filter(status=status) if status else hosts
 
 
 def placement_list(
     *, job_id: str | None = None, host: str | None = None, state: str | None = None
 ) -> QuerySet[Placement]:
-    placements = Placement.objects.select_related("job", "host")
+    placements = Placement.objects.select_related("job", "host", "engine_group__deployment")
     if job_id:
         placements = placements.filter(job_id=job_id)
     if host:

@@ -14,6 +14,7 @@ from api.apis import (
     limits,
     models,
     ops,
+    ops_engine_groups,
     ops_host_adapters,
     ops_usage,
     uploads,
@@ -67,6 +68,16 @@ ops_urlpatterns: list[URLPattern] = [
     path("hosts/<str:name>", ops.HostDetailApi.as_view(), name="host"),
     path("hosts/<str:name>/drain", ops.HostDrainApi.as_view(), name="host-drain"),
     path("hosts/<str:name>/undrain", ops.HostUndrainApi.as_view(), name="host-undrain"),
+    path(
+        "hosts/<str:name>/engine_groups",
+        ops_engine_groups.EngineGroupsApi.as_view(),
+        name="host-engine-groups",
+    ),
+    path(
+        "hosts/<str:name>/engine_groups/<int:index>",
+        ops_engine_groups.EngineGroupDetailApi.as_view(),
+        name="host-engine-group",
+    ),
     path(
         "hosts/<str:name>/adapters",
         ops_host_adapters.HostAdaptersApi.as_view(),

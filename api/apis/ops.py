@@ -276,6 +276,10 @@ class DeploymentsApi(OperatorAPIView):
         slo_attainment_target_pct = serializers.FloatField(
             min_value=0.0, max_value=100.0, default=99.0
         )
+        tensor_parallel_size = serializers.IntegerField(
+            default=1,
+            help_text="GPUs each engine group shards the model over; must suit its shape",
+        )
 
     @extend_schema(
         operation_id="ops_deployments_list", responses={200: LISTS[DeploymentOpsSerializer]}
@@ -315,7 +319,10 @@ class HostsApi(OperatorAPIView):
         gpu_kind = serializers.CharField()
         gpu_memory_bytes = serializers.IntegerField(min_value=1)
         gpu_count = serializers.IntegerField(min_value=1, default=1)
-        deployment = serializers.CharField(required=False)
+        deployment = serializers.CharField(
+            required=False,
+            help_text="served in engine group 0 from GPU 0 (more: .../engine_groups)",
+        )
 
     @extend_schema(
         operation_id="ops_hosts_list",

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
+from drf_spectacular.utils import extend_schema_field
 from rest_framework import serializers
 
 from api.apis.limits import QuotaSerializer
-from api.models import ApiKey, BaseModel, Deployment, FinetuneJob, GpuHost, Placement, Tenant
+from api.models import (
+    ApiKey,
+    BaseModel,
+    Deployment,
+    EngineGroup,
+    FinetuneJob,
+    GpuHost,
+    Placement,
+    Tenant,
+)
 from api.serializers import JobEventSerializer
 
 
@@ -94,12 +104,39 @@ class DeploymentOpsSerializer(serializers.ModelSerializer):
             "tpot_slo_ms",
             "ttft_slo_ms",
             "slo_attainment_target_pct",
+            "tensor_parallel_size",
+            "created_at",
+        ]
+
+
+class EngineGroupOpsSerializer(serializers.ModelSerializer):
+    host = serializers.CharField(source="host.name")
+    deployment = serializers.CharField(source="deployment.name")
+    tensor_parallel_size = serializers.IntegerField(
+        help_text="GPUs the group shards its deployment over"
+    )
+    gpu_indices = serializers.ListField(
+        child=serializers.IntegerField(), help_text="the host's GPUs it drives, in rank order"
+    )
+
+    class Meta:
+        model = EngineGroup
+        fields = [
+            "host",
+            "index",
+            "deployment",
+            "tensor_parallel_size",
+            "first_gpu",
+            "gpu_indices",
             "created_at",
         ]
 
 
 class GpuHostOpsSerializer(serializers.ModelSerializer):
-    deployment = serializers.SerializerMethodField()
+    deployment = serializers.SerializerMethodField(
+        help_text="the deployment of engine group 0 (null: none); all groups: `engine_groups`"
+    )
+    engine_groups = serializers.SerializerMethodField()
     queue_name = serializers.CharField()
     harvestable_tokens_per_s = serializers.SerializerMethodField(
         help_text="The agent's estimate of the finetune tokens/s it can harvest (last heartbeat)."
@@ -117,6 +154,7 @@ class GpuHostOpsSerializer(serializers.ModelSerializer):
             "gpu_count",
             "gpu_memory_bytes",
             "deployment",
+            "engine_groups",
             "status",
             "last_heartbeat_at",
             "predictor_version",
@@ -128,7 +166,15 @@ class GpuHostOpsSerializer(serializers.ModelSerializer):
         ]
 
     def get_deployment(self, host: GpuHost) -> str | None:
-        return host.deployment.name if host.deployment is not None else None
+        groups = list(host.engine_groups.all())
+        return groups[0].deployment.name if groups else None
+
+    @extend_schema_field(EngineGroupOpsSerializer(many=True))
+    def get_engine_groups(self, host: GpuHost) -> list[dict[str, Any]]:
+        groups = list(host.engine_groups.all())
+        for group in groups:
+            group.host = host  # the prefetched rows' host, not another query
+        return list(EngineGroupOpsSerializer(groups, many=True).data)
 
     def get_harvestable_tokens_per_s(self, host: GpuHost) -> float | None:
         state = getattr(host, "agent_state", None)
@@ -142,10 +188,25 @@ class GpuHostOpsSerializer(serializers.ModelSerializer):
 class PlacementOpsSerializer(serializers.ModelSerializer):
     job = serializers.CharField(source="job_id")
     host = serializers.CharField(source="host.name")
+    engine_group = serializers.IntegerField(
+        source="engine_group.index",
+        allow_null=True,
+        default=None,
+        help_text="the index of the host's engine group that trains it (null: none recorded)",
+    )
 
     class Meta:
         model = Placement
-        fields = ["id", "job", "host", "state", "created_at", "started_at", "ended_at"]
+        fields = [
+            "id",
+            "job",
+            "host",
+            "engine_group",
+            "state",
+            "created_at",
+            "started_at",
+            "ended_at",
+        ]
 
 
 class FinetuneJobOpsSerializer(serializers.ModelSerializer):

@@ -46,7 +46,8 @@ def routable_hosts() -> list[HostCandidate]:
     after which a silent host is lost, as routing candidates."""
     fresh_since = timezone.now() - timedelta(seconds=fleet_settings().host_lost_after_s)
     states = (
-        HostAgentState.objects.select_related("host__deployment")
+        HostAgentState.objects.select_related("host")
+        .prefetch_related("host__engine_groups__deployment__base_model")
         .filter(
             host__status=HostStatus.ONLINE,
             draining=False,
@@ -59,8 +60,13 @@ def routable_hosts() -> list[HostCandidate]:
 
 
 def _candidate(state: HostAgentState) -> HostCandidate:
+    """The host as a candidate; its SLO is that of its first engine group serving the base
+    model its agent reports (the first group when none does)."""
     serving = state.serving or {}
-    deployment = state.host.deployment
+    groups = list(state.host.engine_groups.all())
+    serving_groups = [g for g in groups if g.deployment.base_model.name == state.base_model]
+    chosen = (serving_groups or groups)[:1]
+    deployment = chosen[0].deployment if chosen else None
     return HostCandidate(
         name=state.host.name,
         base_model=state.base_model,

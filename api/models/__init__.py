@@ -7,6 +7,7 @@ from api.models.agents import (
     PlacementDecision,
     ProcessedReport,
 )
+from api.models.engine_groups import EngineGroup
 from api.models.finetune import (
     DEFAULT_LORA_TARGET_MODULES,
     OPEN_PLACEMENT_STATES,
@@ -30,6 +31,7 @@ from api.models.idempotency import IdempotencyKey
 from api.models.login import LoginFailure
 from api.models.metrics import (
     DeploymentMetric,
+    EngineGroupMetric,
     HostMetric,
     JobMetric,
     MetricRollup,
@@ -56,6 +58,8 @@ __all__ = [
     "BaseModel",
     "Deployment",
     "DeploymentMetric",
+    "EngineGroup",
+    "EngineGroupMetric",
     "Dtype",
     "EventLevel",
     "EventType",

@@ -38,6 +38,12 @@ class HostAgentState(models.Model):
     """What the gateway routes by (the heartbeat's `serving`, see
     `gpu_runtime.contract.protocol`): running and waiting requests, free KV pages, adapter
     slots and resident adapters, recent TPOT and SLO attainment. Empty until reported."""
+    engine_groups = models.JSONField(default=list)
+    """Per engine group, what placement reads (`api.services.reports.engine_groups`): `index`,
+    `free_bytes_per_gpu` (the least free bytes of its GPUs), `harvestable_tokens_per_s`,
+    `harvest`, `predictor_version`. One entry (index 0) for an agent that reports no groups."""
+    gpus = models.JSONField(default=list)
+    """Per GPU of the host: `index`, `total_bytes`, `free_bytes` (empty when not reported)."""
     reported_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

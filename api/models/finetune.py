@@ -238,10 +238,20 @@ OPEN_PLACEMENT_STATES = (PlacementState.PENDING, PlacementState.ACTIVE)
 
 
 class Placement(models.Model):
-    """A job assigned to a host. At most one open (pending or active) placement per job."""
+    """A job assigned to a host. At most one open (pending or active) placement per job.
+
+    `engine_group` is the host's engine group that trains it (null for placements made before
+    hosts had groups, or whose group an operator removed after the placement closed)."""
 
     job = models.ForeignKey(FinetuneJob, on_delete=models.CASCADE, related_name="placements")
     host = models.ForeignKey(GpuHost, on_delete=models.PROTECT, related_name="placements")
+    engine_group = models.ForeignKey(
+        "api.EngineGroup",
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="placements",
+    )
     state = models.CharField(
         max_length=16, choices=PlacementState.choices, default=PlacementState.PENDING
     )

@@ -5,6 +5,8 @@ from __future__ import annotations
 from django.core.validators import MaxValueValidator, MinValueValidator, RegexValidator
 from django.db import models
 
+from gpu_runtime.contract.tensor_parallel import MAX_TENSOR_PARALLEL_SIZE
+
 # Base model names appear inside model ids (`ft:<base>:...`), so no ':' and no spaces.
 BASE_MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 base_model_name_validator = RegexValidator(
@@ -61,6 +63,9 @@ class Deployment(models.Model):
 
     A decode iteration meets the SLO when its time per output token is at most `tpot_slo_ms`;
     the deployment meets its target when at least `slo_attainment_target_pct` % of them do.
+    Each engine group serving it (`EngineGroup`) shards the model over `tensor_parallel_size`
+    GPUs of its host; the degree must suit the base model's shape
+    (`gpu_runtime.contract.tensor_parallel.tensor_parallel_problem`, checked on create).
     """
 
     name = models.CharField(max_length=64, unique=True, validators=[base_model_name_validator])
@@ -70,11 +75,22 @@ class Deployment(models.Model):
     slo_attainment_target_pct = models.FloatField(
         default=99.0, validators=[MinValueValidator(0.0), MaxValueValidator(100.0)]
     )
+    tensor_parallel_size = models.PositiveSmallIntegerField(
+        default=1,
+        validators=[MinValueValidator(1), MaxValueValidator(MAX_TENSOR_PARALLEL_SIZE)],
+    )
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:
         ordering = ["name"]
         constraints = [
+            models.CheckConstraint(
+                name="deployment_tensor_parallel_size_range",
+                condition=models.Q(
+                    tensor_parallel_size__gte=1,
+                    tensor_parallel_size__lte=MAX_TENSOR_PARALLEL_SIZE,
+                ),
+            ),
             models.CheckConstraint(
                 name="deployment_slos_positive",
                 condition=models.Q(tpot_slo_ms__gt=0, ttft_slo_ms__gt=0),
@@ -99,10 +115,12 @@ class HostStatus(models.TextChoices):
 
 
 class GpuHost(models.Model):
-    """A runtime host: one agent process driving `gpu_count` GPUs of kind `gpu_kind`.
+    """A runtime host: one agent process driving `gpu_count` GPUs of kind `gpu_kind`, each of
+    `gpu_memory_bytes`.
 
-    The host consumes the Celery queue `queue_name`. `deployment` is what it serves (decode);
-    finetune jobs for that deployment's base model can be placed on it. `predictor_version` and
+    The host consumes the Celery queue `queue_name`. What it serves are its engine groups
+    (`engine_groups`, `EngineGroup`): each runs one deployment on a range of its GPUs; finetune
+    jobs of a group's base model can be placed on that group. `predictor_version` and
     `predictor_mape` describe the latency predictor the host loaded (null until it reports one).
     """
 
@@ -110,9 +128,6 @@ class GpuHost(models.Model):
     gpu_kind = models.CharField(max_length=64)
     gpu_count = models.PositiveIntegerField(default=1, validators=[MinValueValidator(1)])
     gpu_memory_bytes = models.BigIntegerField(validators=[MinValueValidator(1)])
-    deployment = models.ForeignKey(
-        Deployment, null=True, blank=True, on_delete=models.SET_NULL, related_name="hosts"
-    )
     status = models.CharField(max_length=16, choices=HostStatus.choices, default=HostStatus.OFFLINE)
     last_heartbeat_at = models.DateTimeField(null=True, blank=True)
     predictor_version = models.CharField(max_length=64, null=True, blank=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from django.db import models
 
+from api.models.engine_groups import EngineGroup
 from api.models.finetune import FinetuneJob
 from api.models.fleet import Deployment, GpuHost
 
@@ -23,10 +24,30 @@ class HostMetric(models.Model):
     finetune_lent_bytes = models.BigIntegerField()
     free_bytes = models.BigIntegerField()
     finetune_tokens_per_s = models.FloatField(default=0.0)
+    gpus = models.JSONField(default=list)
+    """Per GPU: `index`, `total_bytes`, `free_bytes`, `kv_used_bytes`, `finetune_lent_bytes`
+    (the report's `gpus`; empty from an agent that does not send them)."""
 
     class Meta:
         ordering = ["-ts", "-id"]
         indexes = [models.Index(fields=["host", "-ts"]), models.Index(fields=["ts"])]
+
+
+class EngineGroupMetric(models.Model):
+    """One engine group's memory and finetune figures over a reporting window ending at `ts`
+    (sums over its GPUs; `gpus` lists the GPUs' own figures as in `HostMetric.gpus`)."""
+
+    engine_group = models.ForeignKey(EngineGroup, on_delete=models.CASCADE, related_name="metrics")
+    ts = models.DateTimeField()
+    kv_used_bytes = models.BigIntegerField(default=0)
+    finetune_lent_bytes = models.BigIntegerField(default=0)
+    free_bytes = models.BigIntegerField(default=0)
+    finetune_tokens_per_s = models.FloatField(default=0.0)
+    gpus = models.JSONField(default=list)
+
+    class Meta:
+        ordering = ["-ts", "-id"]
+        indexes = [models.Index(fields=["engine_group", "-ts"])]
 
 
 class DeploymentMetric(models.Model):
@@ -41,6 +62,14 @@ class DeploymentMetric(models.Model):
     host = models.ForeignKey(
         GpuHost, null=True, blank=True, on_delete=models.SET_NULL, related_name="deployment_metrics"
     )
+    engine_group = models.ForeignKey(
+        EngineGroup,
+        null=True,
+        blank=True,
+        on_delete=models.SET_NULL,
+        related_name="deployment_metrics",
+    )
+    """The group that decoded (null for rows from before groups, or of a removed group)."""
     ts = models.DateTimeField()
     tpot_p50_ms = models.FloatField()
     tpot_p99_ms = models.FloatField()
@@ -93,7 +122,8 @@ class RollupSeries(models.TextChoices):
 class MetricRollup(models.Model):
     """One minute of one series: sample count, per-field sums and maxima.
 
-    `key` is the host name (host), `<deployment>@<host>` (deployment) or the job id (job);
+    `key` is the host name (host), `<deployment>@<host>` (deployment; `<deployment>@<host>#<n>`
+    for engine group n > 0 of the host) or the job id (job);
     a field's mean over the minute is `sums[field] / samples`.
     """
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +10,11 @@ from django.db import models, transaction
 
 from api.dispatch import host_dispatch
 from api.errors import ConflictError, HarliError, NotFoundError
+from api.model_shapes import base_model_shape, checkpoint_hf_config
 from api.models import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
 from api.presets import PRESETS
+from api.services.engine_groups import engine_group_add
+from gpu_runtime.contract.tensor_parallel import tensor_parallel_problem
 
 
 def _clean(instance: models.Model, *, kind: str) -> None:
@@ -33,15 +35,9 @@ _MODEL_TYPES = {"llama": Architecture.LLAMA, "qwen2": Architecture.QWEN2}
 
 def _read_checkpoint_config(directory: Path) -> tuple[str | None, int | None]:
     """Architecture and context length from `directory/config.json`, where present and known."""
-    config_path = directory / "config.json"
-    if not config_path.is_file():
+    config = checkpoint_hf_config(directory)
+    if config is None:
         return None, None
-    try:
-        config = json.loads(config_path.read_text())
-    except (OSError, ValueError) as exc:
-        raise HarliError(f"Cannot read {config_path}: {exc}", param="checkpoint_dir") from None
-    if not isinstance(config, dict):
-        raise HarliError(f"{config_path} is not a JSON object.", param="checkpoint_dir")
     context = config.get("max_position_embeddings")
     return _MODEL_TYPES.get(str(config.get("model_type"))), context if isinstance(
         context, int
@@ -124,18 +120,54 @@ def deployment_create(
     tpot_slo_ms: float,
     ttft_slo_ms: float,
     slo_attainment_target_pct: float = 99.0,
+    tensor_parallel_size: int = 1,
 ) -> Deployment:
-    """Serve `base_model` under a TPOT/TTFT SLO with an attainment target in percent."""
+    """Serve `base_model` under a TPOT/TTFT SLO with an attainment target in percent, sharded
+    over `tensor_parallel_size` GPUs per engine group.
+
+    The degree must suit the base model's shape (`tensor_parallel_problem`: heads, KV heads and
+    the MLP width divide, or KV heads replicate in whole copies); a degree above 1 needs a known
+    shape (a stored config, or a checkpoint with a config.json). A bad degree is a HarliError
+    (400, param `tensor_parallel_size`) naming the shape; nothing is written.
+    """
+    _check_tensor_parallel(base_model, tensor_parallel_size)
     deployment = Deployment(
         name=name,
         base_model=base_model,
         tpot_slo_ms=tpot_slo_ms,
         ttft_slo_ms=ttft_slo_ms,
         slo_attainment_target_pct=slo_attainment_target_pct,
+        tensor_parallel_size=tensor_parallel_size,
     )
     _clean(deployment, kind="deployment")
     deployment.save()
     return deployment
+
+
+def _check_tensor_parallel(base_model: BaseModel, size: int) -> None:
+    if isinstance(size, bool) or not isinstance(size, int):
+        raise HarliError(
+            f"tensor_parallel_size must be an integer, got {size!r}.", param="tensor_parallel_size"
+        )
+    shape = base_model_shape(base_model)
+    if shape is None:
+        if size == 1:
+            return
+        raise HarliError(
+            f"Cannot shard {base_model.name} at tensor_parallel_size {size}: its shape is "
+            f"unknown (no stored config and no readable config.json in "
+            f"{base_model.checkpoint_dir!r}).",
+            param="tensor_parallel_size",
+        )
+    problem = tensor_parallel_problem(shape, size)
+    if problem is not None:
+        raise HarliError(
+            f"{base_model.name} cannot run at tensor_parallel_size {size}: {problem} "
+            f"(num_attention_heads {shape.num_attention_heads}, num_key_value_heads "
+            f"{shape.num_key_value_heads}, intermediate_size {shape.intermediate_size}).",
+            param="tensor_parallel_size",
+            code="invalid_tensor_parallel_size",
+        )
 
 
 def deployment_get(*, name: str) -> Deployment:
@@ -154,17 +186,22 @@ def host_register(
     gpu_count: int = 1,
     deployment: Deployment | None = None,
 ) -> GpuHost:
-    """Register a runtime host. It starts `offline`; its first heartbeat brings it online."""
+    """Register a runtime host. It starts `offline`; its first heartbeat brings it online.
+
+    With `deployment`, the host serves it in engine group 0 on GPUs 0 ..
+    `deployment.tensor_parallel_size - 1` (more groups: `engine_group_add`); a deployment wider
+    than the host's `gpu_count` is refused and nothing is written."""
     host = GpuHost(
         name=name,
         gpu_kind=gpu_kind,
         gpu_memory_bytes=gpu_memory_bytes,
         gpu_count=gpu_count,
-        deployment=deployment,
         status=HostStatus.OFFLINE,
     )
     _clean(host, kind="host")
     host.save()
+    if deployment is not None:
+        engine_group_add(host=host, deployment=deployment, first_gpu=0)
     return host
 
 

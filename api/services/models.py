@@ -88,10 +88,10 @@ def fine_tuned_model_retire(*, name: str, storage_key: str, base_model_id: int) 
 
 def _unload_everywhere(*, name: str, base_model_id: int) -> list[str]:
     """Send `unload_adapter` for `name` to every host that may serve it: each host of a
-    deployment of its base model, and any other host whose last heartbeat named it. Returns
+    engine group serving its base model, and any other host whose last heartbeat named it. Returns
     the host names, sorted."""
     hosts = set(
-        GpuHost.objects.filter(deployment__base_model_id=base_model_id).values_list(
+        GpuHost.objects.filter(engine_groups__deployment__base_model_id=base_model_id).values_list(
             "name", flat=True
         )
     )

@@ -62,11 +62,19 @@ def placement_command(
     *, placement: Placement, resume: JobCheckpoint | None | object = _LOOKUP
 ) -> dict[str, Any]:
     """apply_placement for `placement`, resuming from the job's latest checkpoint if any
-    (`resume`, when the caller read it already)."""
+    (`resume`, when the caller read it already); `engine_group` names its group when that is
+    not group 0 (what an agent of the one-engine shape trains on)."""
     job = placement.job
     latest = job_checkpoint_latest(job=job) if resume is _LOOKUP else resume
     assert latest is None or isinstance(latest, JobCheckpoint)
-    return {"placement_id": placement.pk, "job": job_spec(job=job, resume=latest)}
+    command: dict[str, Any] = {
+        "placement_id": placement.pk,
+        "job": job_spec(job=job, resume=latest),
+    }
+    group = placement.engine_group
+    if group is not None and group.index:
+        command["engine_group"] = group.index
+    return command
 
 
 def placement_send(*, placement_id: int) -> None:
@@ -82,6 +90,7 @@ def placements_send(*, placement_ids: list[int]) -> list[int]:
     placements = list(
         Placement.objects.select_related(
             "host",
+            "engine_group",
             "job",
             "job__base_model",
             "job__tenant",

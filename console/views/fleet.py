@@ -18,12 +18,26 @@ from api.services.fleet import host_drain, host_undrain
 from console import selectors as console_selectors
 from console.access import OperatorJsonView, OperatorView
 from console.live import parts_response, render_parts
+from console.selectors.engine_groups import (
+    group_open_placements,
+    host_engine_groups,
+    host_gpu_rows,
+)
 from console.views.common import not_found, page_range, render_page
 
 
 def _host_rows(hosts: list[GpuHost], latest: dict[int, HostMetric]) -> list[dict[str, object]]:
-    """Hosts with their newest fresh metric row (or None)."""
-    return [{"host": h, "metric": latest.get(h.pk)} for h in hosts]
+    """Hosts with their newest fresh metric row (or None) and their engine groups, each with
+    its number of open placements (`jobs`)."""
+    jobs = group_open_placements()
+    return [
+        {
+            "host": h,
+            "metric": latest.get(h.pk),
+            "groups": [{"group": g, "jobs": jobs.get(g.pk, 0)} for g in h.engine_groups.all()],
+        }
+        for h in hosts
+    ]
 
 
 PLACEMENTS_SHOWN = 100
@@ -95,7 +109,9 @@ class DeploymentView(OperatorView):
         _, _, since = page_range(request)
         context = {
             "deployment": deployment,
-            "hosts": list(deployment.hosts.order_by("name")),
+            "engine_groups": list(
+                deployment.engine_groups.select_related("host").order_by("host__name", "index")
+            ),
             "parts": render_parts(
                 request,
                 DEPLOYMENT_PARTS,
@@ -133,17 +149,26 @@ class HostsView(OperatorView):
 
 
 class HostView(OperatorView):
-    """One host: memory lent and reclaimed over time, harvested throughput, its placements."""
+    """One host: its engine groups (deployment, GPUs, figures, jobs) and GPUs, memory lent and
+    reclaimed over time, harvested throughput, its placements."""
 
     def get(self, request: HttpRequest, name: str) -> HttpResponse:
-        host = GpuHost.objects.select_related("deployment").filter(name=name).first()
+        host = (
+            GpuHost.objects.select_related("agent_state")
+            .prefetch_related("engine_groups__deployment")
+            .filter(name=name)
+            .first()
+        )
         if host is None:
             return not_found(request, what=f"host {name!r}", section="hosts")
         latest = console_selectors.host_memory_latest()
+        metric = latest.get(host.pk)
         context = {
             "host": host,
             "agent": getattr(host, "agent_state", None),
-            "metric": latest.get(host.pk),
+            "metric": metric,
+            "engine_groups": host_engine_groups(host=host),
+            "gpus": host_gpu_rows(host=host, metric=metric),
             "placements": list(api_selectors.placement_list(host=host.name)[:PLACEMENTS_SHOWN]),
         }
         return render_page(request, "console/host.html", context, section="hosts", ranged=True)

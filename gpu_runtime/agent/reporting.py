@@ -1,5 +1,8 @@
 """What a host reports besides job events: its heartbeat snapshot (with the serving figures
-the gateway routes by) and the interval metrics.
+the gateway routes by) and the interval metrics, each with its per-engine-group and per-GPU
+entries (`gpu_runtime.contract.engine_group_reports`). An agent drives one engine group (index
+0) on GPUs 0 .. tensor_parallel_size - 1; its host-level figures are that group's, split evenly
+over its GPUs for the per-GPU figures (every rank holds the same shard).
 
 Pure functions over the engine and the co-location loop's aggregated interval; the runtime
 calls them on the loop thread and hands the results to the report sender.
@@ -82,9 +85,33 @@ class HostSnapshot:
     draining: bool
     serving: ServingFigures
     predictor: PredictorInfo | None = None
+    tensor_parallel_size: int = 1
+    """GPUs the agent's one engine group shards its model over."""
 
     def heartbeat_fields(self) -> dict[str, Any]:
         """The heartbeat report's fields (see `gpu_runtime.contract.protocol`)."""
+        t = self.tensor_parallel_size
+        gpus = [
+            {"index": i, "total_bytes": self.total_bytes // t, "free_bytes": self.free_bytes // t}
+            for i in range(t)
+        ]
+        group = {
+            "index": 0,
+            "deployment": None,
+            "base_model": self.base_model,
+            "tensor_parallel_size": t,
+            "gpu_indices": list(range(t)),
+            "total_bytes": self.total_bytes,
+            "free_bytes": self.free_bytes,
+            "free_bytes_per_gpu": self.free_bytes // t,
+            "harvestable_tokens_per_s": self.harvest.tokens_per_s,
+            "harvest": self.harvest.as_dict(),
+            "placements": self.placements,
+            "predictor_version": self.predictor.version if self.predictor else None,
+        }
+        return self._host_fields() | {"engine_groups": [group], "gpus": gpus}
+
+    def _host_fields(self) -> dict[str, Any]:
         return {
             "base_model": self.base_model,
             "draining": self.draining,
@@ -117,6 +144,40 @@ def kv_bytes_per_block(engine: Engine) -> int:
         * config.head_dim
         * element
     )
+
+
+def metrics_fields(
+    *,
+    window_s: float,
+    host_metrics: dict[str, Any],
+    deployment_metrics: dict[str, Any] | None,
+    total_bytes: int,
+    tensor_parallel_size: int = 1,
+) -> dict[str, Any]:
+    """A metrics report's fields for an agent with one engine group: the host-level
+    `host_metrics` and `deployment_metrics`, the same figures as group 0's entry, and per-GPU
+    figures (the group's memory split evenly over its GPUs)."""
+    t = tensor_parallel_size
+    memory = ("kv_used_bytes", "finetune_lent_bytes", "free_bytes")
+    per_gpu = {name: int(host_metrics[name]) // t for name in memory}
+    gpus = [{"index": i, "total_bytes": total_bytes // t, **per_gpu} for i in range(t)]
+    group = {
+        "index": 0,
+        "deployment": None,
+        "tensor_parallel_size": t,
+        "gpu_indices": list(range(t)),
+        **{name: int(host_metrics[name]) for name in memory},
+        "finetune_tokens_per_s": host_metrics.get("finetune_tokens_per_s", 0.0),
+        "deployment_metrics": deployment_metrics,
+        "gpus": gpus,
+    }
+    return {
+        "window_s": window_s,
+        "host_metrics": host_metrics,
+        "deployment_metrics": deployment_metrics,
+        "engine_groups": [group],
+        "gpus": gpus,
+    }
 
 
 def deployment_metrics(

@@ -35,6 +35,7 @@ from gpu_runtime.agent.reporting import (
     HostSnapshot,
     deployment_metrics,
     kv_bytes_per_block,
+    metrics_fields,
     serving_figures,
     weights_bytes,
 )
@@ -438,16 +439,20 @@ class HostRuntime:
         # Requests whose tokens fall in a window with no decode timing wait for the next one.
         decoded = interval.tpot_ms_p50 is not None
         requests = self.request_metrics.drain() if decoded and self.request_metrics else []
+        decode = deployment_metrics(
+            interval,
+            requests,
+            self.predictor.info if self.predictor else None,
+            predicted_ms,
+            observed_ms,
+        )
         self.report(
             "metrics",
-            window_s=interval.seconds,
-            host_metrics=host_metrics,
-            deployment_metrics=deployment_metrics(
-                interval,
-                requests,
-                self.predictor.info if self.predictor else None,
-                predicted_ms,
-                observed_ms,
+            **metrics_fields(
+                window_s=interval.seconds,
+                host_metrics=host_metrics,
+                deployment_metrics=decode,
+                total_bytes=self.total_bytes,
             ),
         )
 

@@ -6,7 +6,8 @@ tasks, while an agent consumes its queue with a plain kombu consumer and imports
 
 Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
 
-* `{"command": "apply_placement", "command_id", "placement_id", "job": JobSpec}` — train a job;
+* `{"command": "apply_placement", "command_id", "placement_id", "job": JobSpec,
+  "engine_group" (the index of the engine group that trains it; absent: 0)}` — train a job;
   `job.resume_from` is `{"step", "storage_key"}` when it continues from a checkpoint.
 * `{"command": "pause" | "cancel", "command_id", "placement_id", "job_id"}` — stop training and
   release the job. A pause finishes the optimizer batch in progress, then reports the
@@ -24,7 +25,8 @@ Host queue `host.<NAME>`, task name :data:`HOST_COMMAND_TASK`, one payload dict:
   Sent to every host that may serve it when the deletion commits, and again whenever a
   heartbeat names it; a name the host does not serve is a no-op.
 * `{"command": "load_base_model", "command_id", "base_model", "model_dir" (or null),
-  "preset" (or "")}` — serve another base model (only when idle; sent again until it is).
+  "preset" (or ""), "engine_group" (its index; absent: 0)}` — serve another base model in that
+  engine group (only when idle; sent again until it is).
 * `{"command": "drain", "command_id"}` — accept no new placement; finish what runs.
 * `{"command": "undrain", "command_id"}` — back in service: report `draining` false again.
 
@@ -62,7 +64,9 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
   `kv_total_pages`, `adapter_slots_used` and `adapter_slots_total`, `resident_adapters` (the
   names in GPU slots now), `tpot_p50_ms` and `slo_attainment` (the decode iterations of the
   last :data:`SERVING_WINDOW_S` seconds: median time per output token, and the fraction within
-  the host's TPOT SLO; null when none ran); absent from hosts that do not serve).
+  the host's TPOT SLO; null when none ran); absent from hosts that do not serve), and
+  `engine_groups` and `gpus` (per engine group and per GPU;
+  `gpu_runtime.contract.engine_group_reports`; absent from an agent of the one-engine shape).
 * `job_started`: `placement_id`, `job_id`, `resumed_from_step` (0 for a fresh start),
   `total_steps`, `hyperparameters` (`{"n_epochs", "batch_size", "learning_rate_multiplier"}`,
   what "auto" resolved to on the host).
@@ -90,7 +94,9 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
   `finetune_lent_bytes`, `free_bytes`, `finetune_tokens_per_s`) and `deployment_metrics` (null
   or `tpot_p50_ms`, `tpot_p99_ms`, `ttft_p50_ms`, `ttft_p99_ms`, `slo_attainment`,
   `goodput_tokens_per_s`, `request_rate`, `predicted_iter_ms`, `observed_iter_ms`,
-  `predictor_version`).
+  `predictor_version`), plus `engine_groups` (each with its own `deployment_metrics`) and
+  `gpus` (`gpu_runtime.contract.engine_group_reports`); the host-level figures stay the sums
+  over the host, `deployment_metrics` that of group 0.
 
 Storage keys (:func:`check_job_key`): a `checkpoint`'s `storage_key` is its job's checkpoint
 of that step (`checkpoint_key(job_id, step)` or under it), a `job_succeeded`'s `adapter_key`
@@ -108,6 +114,10 @@ import time
 import uuid
 from typing import Any
 
+from gpu_runtime.contract.engine_group_reports import (
+    EngineGroupReportError,
+    check_engine_group_fields,
+)
 from gpu_runtime.contract.request_id import valid_request_id
 
 HOST_COMMAND_TASK = "harli.agent.command"
@@ -360,6 +370,11 @@ def check_report(message: Any) -> dict[str, Any]:
         )
     _check_fields(message, message["kind"])
     _check_report_keys(message)
+    if message["kind"] in ("heartbeat", "metrics"):
+        try:
+            check_engine_group_fields(message["kind"], message)
+        except EngineGroupReportError as exc:
+            raise ProtocolError(str(exc)) from None
     return message
 
 

@@ -166,6 +166,7 @@ def victim(tiny: object, other_tenant: Tenant) -> Victim:
         "name": tenant.name,
         "job_id": running.id,
         "key_id": str(tenant.users.get().api_keys.get().pk),
+        "index": "0",  # a host's engine group
         "action": "cancel",  # console job actions
         "chart": "loss",  # console chart names
     }

@@ -1,4 +1,5 @@
-"""`manage.py deployments create NAME --base-model M --tpot-slo-ms X --ttft-slo-ms Y | list`."""
+"""`manage.py deployments create NAME --base-model M --tpot-slo-ms X --ttft-slo-ms Y
+[--tensor-parallel-size T] | list`."""
 
 from __future__ import annotations
 
@@ -24,6 +25,12 @@ class Command(NounCommand):
             default=99.0,
             help="share of decode iterations that must meet the TPOT SLO, in %% (default 99)",
         )
+        create.add_argument(
+            "--tensor-parallel-size",
+            type=int,
+            default=1,
+            help="GPUs each engine group shards the model over (1-8; must suit its shape)",
+        )
         subparsers.add_parser("list", help="list deployments")
 
     def action_create(
@@ -34,6 +41,7 @@ class Command(NounCommand):
         tpot_slo_ms: float,
         ttft_slo_ms: float,
         attainment_target_pct: float,
+        tensor_parallel_size: int,
         **_: Any,
     ) -> None:
         deployment = deployment_create(
@@ -42,10 +50,12 @@ class Command(NounCommand):
             tpot_slo_ms=tpot_slo_ms,
             ttft_slo_ms=ttft_slo_ms,
             slo_attainment_target_pct=attainment_target_pct,
+            tensor_parallel_size=tensor_parallel_size,
         )
         self.stdout.write(
             f"Created deployment {deployment.name}: {base_model}, TPOT <= {tpot_slo_ms} ms, "
-            f"TTFT <= {ttft_slo_ms} ms, target {attainment_target_pct}%."
+            f"TTFT <= {ttft_slo_ms} ms, target {attainment_target_pct}%, tensor parallel "
+            f"{deployment.tensor_parallel_size}."
         )
 
     def action_list(self, **_: Any) -> None:
@@ -56,7 +66,8 @@ class Command(NounCommand):
                 d.tpot_slo_ms,
                 d.ttft_slo_ms,
                 d.slo_attainment_target_pct,
+                d.tensor_parallel_size,
             )
             for d in deployment_list()
         ]
-        self.table(["NAME", "BASE MODEL", "TPOT MS", "TTFT MS", "TARGET %"], rows)
+        self.table(["NAME", "BASE MODEL", "TPOT MS", "TTFT MS", "TARGET %", "TP"], rows)

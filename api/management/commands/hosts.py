@@ -1,4 +1,5 @@
-"""`manage.py hosts register NAME ... | drain NAME | undrain NAME | list | key NAME`."""
+"""`manage.py hosts register NAME ... | drain NAME | undrain NAME | list | key NAME |
+groups NAME | add-group NAME --deployment D [--first-gpu N] | remove-group NAME INDEX`."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from django.core.management.base import CommandError
 from api.management.base import NounCommand
 from api.models import HostStatus
 from api.selectors import host_list
+from api.services.engine_groups import engine_group_add, engine_group_remove
 from api.services.fleet import (
     deployment_get,
     host_drain,
@@ -33,7 +35,27 @@ class Command(NounCommand):
             "--gpu-memory-gb", type=float, required=True, help="memory of one GPU, GiB"
         )
         register.add_argument("--gpu-count", type=int, default=1, help="GPUs driven by the host")
-        register.add_argument("--deployment", help="the deployment the host serves")
+        register.add_argument(
+            "--deployment",
+            help="a deployment the host serves (engine group 0 from GPU 0; more: add-group)",
+        )
+        groups = subparsers.add_parser("groups", help="list a host's engine groups")
+        groups.add_argument("name")
+        add = subparsers.add_parser(
+            "add-group", help="serve a deployment in a new engine group of a host"
+        )
+        add.add_argument("name")
+        add.add_argument("--deployment", required=True)
+        add.add_argument(
+            "--first-gpu",
+            type=int,
+            help="its first GPU (default: the lowest free range aligned to the group's size)",
+        )
+        remove = subparsers.add_parser(
+            "remove-group", help="stop serving an engine group (refused while jobs run on it)"
+        )
+        remove.add_argument("name")
+        remove.add_argument("index", type=int)
         drain = subparsers.add_parser("drain", help="stop placing new jobs on a host")
         drain.add_argument("name")
         undrain = subparsers.add_parser(
@@ -73,6 +95,30 @@ class Command(NounCommand):
             f"{host.status}, queue {host.queue_name}."
         )
 
+    def action_groups(self, *, name: str, **_: Any) -> None:
+        host = host_get(name=name)
+        rows = [
+            (g.index, g.deployment.name, g.tensor_parallel_size, g.gpu_range)
+            for g in host.engine_groups.select_related("deployment")
+        ]
+        self.table(["INDEX", "DEPLOYMENT", "TP", "GPUS"], rows)
+
+    def action_add_group(
+        self, *, name: str, deployment: str, first_gpu: int | None, **_: Any
+    ) -> None:
+        group = engine_group_add(
+            host=host_get(name=name),
+            deployment=deployment_get(name=deployment),
+            first_gpu=first_gpu,
+        )
+        self.stdout.write(
+            f"Host {name} serves {deployment} in engine group {group.index} ({group.gpu_range})."
+        )
+
+    def action_remove_group(self, *, name: str, index: int, **_: Any) -> None:
+        engine_group_remove(host=host_get(name=name), index=index)
+        self.stdout.write(f"Removed engine group {index} of host {name}.")
+
     def action_drain(self, *, name: str, **_: Any) -> None:
         host = host_drain(host=host_get(name=name))
         self.stdout.write(f"Host {host.name} is {host.status}.")
@@ -91,7 +137,7 @@ class Command(NounCommand):
                 h.name,
                 f"{h.gpu_count}x {h.gpu_kind}",
                 f"{h.gpu_memory_bytes / GIB:.0f}",
-                h.deployment.name if h.deployment else None,
+                _groups(h),
                 h.status,
                 h.last_heartbeat_at.isoformat(timespec="seconds") if h.last_heartbeat_at else None,
                 h.predictor_version,
@@ -101,10 +147,16 @@ class Command(NounCommand):
             for h in host_list(status=status)
         ]
         self.table(
-            ["NAME", "GPUS", "GIB/GPU", "DEPLOYMENT", "STATUS", "HEARTBEAT", "PREDICTOR", "MAPE",
+            ["NAME", "GPUS", "GIB/GPU", "ENGINE GROUPS", "STATUS", "HEARTBEAT", "PREDICTOR", "MAPE",
              "HARVEST TOK/S"],
             rows,
         )  # fmt: skip
+
+
+def _groups(host: Any) -> str | None:
+    """`deployment@GPUs 0-3, other@GPU 4`: what the host's engine groups serve where."""
+    groups = list(host.engine_groups.all())
+    return ", ".join(f"{g.deployment.name}@{g.gpu_range}" for g in groups) or None
 
 
 def _harvest(host: Any) -> str | None:

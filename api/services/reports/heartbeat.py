@@ -1,7 +1,8 @@
-"""Heartbeats: the host's liveness and agent state, and the commands they call for (stop a
-placement that moved elsewhere, load missing adapters (not those an operator unloaded there) or
-the deployment's base model, unload models that were deleted, drain or undrain to follow the
-host's status); a model a heartbeat names has no recorded load failure any more."""
+"""Heartbeats: the host's liveness and agent state (host-level, per engine group and per GPU),
+and the commands they call for (stop a placement that moved elsewhere, load missing adapters
+(not those an operator unloaded there) or an engine group's deployment's base model, unload
+models that were deleted, drain or undrain to follow the host's status); a model a heartbeat
+names has no recorded load failure any more."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from api.dispatch import host_dispatch
 from api.models import (
     OPEN_PLACEMENT_STATES,
     Adapter,
+    EngineGroup,
     FinetuneJob,
     GpuHost,
     HostAgentState,
@@ -25,6 +27,12 @@ from api.models import (
 )
 from api.services.host_adapters import host_adapter_served, host_adapter_unloaded_names
 from api.services.reports.common import stop_on_commit
+from api.services.reports.engine_groups import (
+    agent_group_state,
+    gpu_figures,
+    host_engine_groups,
+    reported_groups,
+)
 from api.transitions import TERMINAL_STATUSES
 from gpu_runtime.contract.protocol import parse_checkpoint_model
 
@@ -44,6 +52,8 @@ def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
         host.status = HostStatus.DRAINING if draining else HostStatus.ONLINE
         fields.append("status")
     host.save(update_fields=fields)
+    groups = host_engine_groups(host)
+    pairs = reported_groups("heartbeat", host, message, groups)
     HostAgentState.objects.update_or_create(
         host=host,
         defaults={
@@ -57,6 +67,8 @@ def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
             "placements": list(message["placements"]),
             "adapters": list(message.get("adapters", [])),
             "serving": _serving(message.get("serving")),
+            "engine_groups": [agent_group_state(g, entry) for g, entry in pairs],
+            "gpus": gpu_figures(message.get("gpus")),
             "reported_at": now,
         },
     )
@@ -68,9 +80,10 @@ def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     for placement in stale.select_related("job"):
         stop_on_commit(host, placement)
     host_adapter_served(host=host, served=set(message.get("adapters", [])))
-    _offer_missing_adapters(host, set(message.get("adapters", [])))
+    _offer_missing_adapters(host, set(message.get("adapters", [])), bool(groups))
     _retire_deleted_models(host, set(message.get("adapters", [])))
-    _offer_base_model(host, str(message.get("base_model", "")))
+    for group, entry in pairs:
+        _offer_base_model(host, group, str(entry.get("base_model") or ""))
     # The agent follows the host's status: draining, or back in service (`host_undrain`).
     if (host.status == HostStatus.DRAINING) != draining and host.status in (
         HostStatus.ONLINE,
@@ -108,14 +121,16 @@ def _serving(reported: Any) -> dict[str, Any]:
     return serving
 
 
-def _offer_base_model(host: GpuHost, serving: str) -> None:
-    """Send `load_base_model` when the host serves another model than its deployment's."""
-    deployment = host.deployment
-    if deployment is None or deployment.base_model.name == serving:
+def _offer_base_model(host: GpuHost, group: EngineGroup, serving: str) -> None:
+    """Send `load_base_model` when an engine group serves another model than its deployment's
+    (`engine_group` names the group when it is not group 0, which older agents take it for)."""
+    base = group.deployment.base_model
+    if base.name == serving:
         return
-    base = deployment.base_model
-    fields = {"base_model": base.name, "model_dir": base.checkpoint_dir or None,
-              "preset": base.preset}  # fmt: skip
+    fields: dict[str, Any] = {"base_model": base.name, "model_dir": base.checkpoint_dir or None,
+                              "preset": base.preset}  # fmt: skip
+    if group.index:
+        fields["engine_group"] = group.index
     name = host.name
 
     def send() -> None:
@@ -124,13 +139,15 @@ def _offer_base_model(host: GpuHost, serving: str) -> None:
     transaction.on_commit(send)
 
 
-def _offer_missing_adapters(host: GpuHost, served: set[str]) -> None:
-    """Send `load_adapter` for finished adapters of the host's base model it does not serve,
-    except those an operator ordered off it (`api.services.host_adapters`)."""
-    if host.deployment_id is None or host.status != HostStatus.ONLINE:
+def _offer_missing_adapters(host: GpuHost, served: set[str], has_groups: bool) -> None:
+    """Send `load_adapter` for finished adapters of the base models of the host's engine
+    groups it does not serve, except those an operator ordered off it
+    (`api.services.host_adapters`)."""
+    if not has_groups or host.status != HostStatus.ONLINE:
         return
     missing = list(
-        Adapter.objects.filter(base_model__deployments__hosts=host)
+        Adapter.objects.filter(base_model__deployments__engine_groups__host=host)
+        .distinct()
         .exclude(name__in=served)
         .exclude(name__in=host_adapter_unloaded_names(host=host))
         .exclude(path="")

@@ -273,8 +273,9 @@ def job_succeeded_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     name, key, base = job.fine_tuned_model, str(message["adapter_key"]), job.base_model_id
     hosts = list(
         GpuHost.objects.filter(
-            status__in=(HostStatus.ONLINE, HostStatus.DRAINING), deployment__base_model_id=base
-        )
+            status__in=(HostStatus.ONLINE, HostStatus.DRAINING),
+            engine_groups__deployment__base_model_id=base,
+        ).distinct()
     )
 
     def announce() -> None:
