@@ -1,8 +1,9 @@
 """What a host reports besides job events: its heartbeat snapshot (with the serving figures
 the gateway routes by) and the interval metrics, each with its per-engine-group and per-GPU
 entries (`gpu_runtime.contract.engine_group_reports`). An agent drives one engine group (index
-0) on GPUs 0 .. tensor_parallel_size - 1; its host-level figures are that group's, split evenly
-over its GPUs for the per-GPU figures (every rank holds the same shard).
+0) on GPUs 0 .. tensor_parallel_size - 1. Its memory figures are measured on rank 0's GPU; every
+rank holds the same shard and mirrors rank 0's KV pool, so each GPU entry carries rank 0's
+figures and the group's (and the host's) are their sum over the group's GPUs.
 
 Pure functions over the engine and the co-location loop's aggregated interval; the runtime
 calls them on the loop thread and hands the results to the report sender.
@@ -92,7 +93,7 @@ class HostSnapshot:
         """The heartbeat report's fields (see `gpu_runtime.contract.protocol`)."""
         t = self.tensor_parallel_size
         gpus = [
-            {"index": i, "total_bytes": self.total_bytes // t, "free_bytes": self.free_bytes // t}
+            {"index": i, "total_bytes": self.total_bytes, "free_bytes": self.free_bytes}
             for i in range(t)
         ]
         group = {
@@ -101,9 +102,9 @@ class HostSnapshot:
             "base_model": self.base_model,
             "tensor_parallel_size": t,
             "gpu_indices": list(range(t)),
-            "total_bytes": self.total_bytes,
-            "free_bytes": self.free_bytes,
-            "free_bytes_per_gpu": self.free_bytes // t,
+            "total_bytes": self.total_bytes * t,
+            "free_bytes": self.free_bytes * t,
+            "free_bytes_per_gpu": self.free_bytes,
             "harvestable_tokens_per_s": self.harvest.tokens_per_s,
             "harvest": self.harvest.as_dict(),
             "placements": self.placements,
@@ -112,11 +113,12 @@ class HostSnapshot:
         return self._host_fields() | {"engine_groups": [group], "gpus": gpus}
 
     def _host_fields(self) -> dict[str, Any]:
+        t = self.tensor_parallel_size
         return {
             "base_model": self.base_model,
             "draining": self.draining,
-            "total_bytes": self.total_bytes,
-            "free_bytes": self.free_bytes,
+            "total_bytes": self.total_bytes * t,
+            "free_bytes": self.free_bytes * t,
             "harvestable_tokens_per_s": self.harvest.tokens_per_s,
             "harvest": self.harvest.as_dict(),
             "placements": self.placements,
@@ -156,17 +158,19 @@ def metrics_fields(
 ) -> dict[str, Any]:
     """A metrics report's fields for an agent with one engine group: the host-level
     `host_metrics` and `deployment_metrics`, the same figures as group 0's entry, and per-GPU
-    figures (the group's memory split evenly over its GPUs)."""
+    figures. `host_metrics`' memory and `total_bytes` are rank 0's GPU's (every rank mirrors
+    it); the group's and the host's memory figures are their sum over the group's GPUs."""
     t = tensor_parallel_size
     memory = ("kv_used_bytes", "finetune_lent_bytes", "free_bytes")
-    per_gpu = {name: int(host_metrics[name]) // t for name in memory}
-    gpus = [{"index": i, "total_bytes": total_bytes // t, **per_gpu} for i in range(t)]
+    per_gpu = {name: int(host_metrics[name]) for name in memory}
+    gpus = [{"index": i, "total_bytes": total_bytes, **per_gpu} for i in range(t)]
+    host_metrics = host_metrics | {name: per_gpu[name] * t for name in memory}
     group = {
         "index": 0,
         "deployment": None,
         "tensor_parallel_size": t,
         "gpu_indices": list(range(t)),
-        **{name: int(host_metrics[name]) for name in memory},
+        **{name: per_gpu[name] * t for name in memory},
         "finetune_tokens_per_s": host_metrics.get("finetune_tokens_per_s", 0.0),
         "deployment_metrics": deployment_metrics,
         "gpus": gpus,

@@ -417,6 +417,7 @@ class HostRuntime:
             draining=self._draining,
             serving=serving_figures(self._engine, lora, self.tpot_window, self.loop.clock()),
             predictor=self.predictor.info if self.predictor else None,
+            tensor_parallel_size=self._engine.runner.model.parallel.size,
         )
 
     def _send_metrics(self) -> None:
@@ -453,6 +454,7 @@ class HostRuntime:
                 host_metrics=host_metrics,
                 deployment_metrics=decode,
                 total_bytes=self.total_bytes,
+                tensor_parallel_size=self._engine.runner.model.parallel.size,
             ),
         )
 

@@ -33,9 +33,12 @@ def test_the_agents_heartbeat_carries_its_one_group(size: int) -> None:
     assert (group["index"], group["gpu_indices"], group["placements"]) == (
         0, list(range(size)), [7]
     )  # fmt: skip
-    assert group["free_bytes_per_gpu"] == 6 * GIB // size
+    # rank 0's GPU's figures, mirrored on every rank; the group's are their sum
+    assert group["free_bytes_per_gpu"] == 6 * GIB
+    assert (group["free_bytes"], group["total_bytes"]) == (6 * GIB * size, 20 * GIB * size)
     assert [g["index"] for g in message["gpus"]] == list(range(size))
-    assert message["free_bytes"] == 6 * GIB and message["harvestable_tokens_per_s"] == 250.0
+    assert [g["free_bytes"] for g in message["gpus"]] == [6 * GIB] * size
+    assert message["free_bytes"] == 6 * GIB * size and message["harvestable_tokens_per_s"] == 250.0
 
 
 def test_the_agents_metrics_name_group_0_and_its_gpus() -> None:
@@ -43,12 +46,13 @@ def test_the_agents_metrics_name_group_0_and_its_gpus() -> None:
                             total_bytes=20 * GIB, tensor_parallel_size=2)  # fmt: skip
     message = report("metrics", "h1", **fields)
     (group,) = message["engine_groups"]
-    assert (group["free_bytes"], group["deployment_metrics"]) == (6 * GIB, None)
+    assert (group["free_bytes"], group["deployment_metrics"]) == (12 * GIB, None)
+    assert message["host_metrics"]["kv_used_bytes"] == 8 * GIB
     assert message["gpus"] == [
-        {"index": 0, "total_bytes": 10 * GIB, "kv_used_bytes": 2 * GIB,
-         "finetune_lent_bytes": GIB, "free_bytes": 3 * GIB},
-        {"index": 1, "total_bytes": 10 * GIB, "kv_used_bytes": 2 * GIB,
-         "finetune_lent_bytes": GIB, "free_bytes": 3 * GIB},
+        {"index": 0, "total_bytes": 20 * GIB, "kv_used_bytes": 4 * GIB,
+         "finetune_lent_bytes": 2 * GIB, "free_bytes": 6 * GIB},
+        {"index": 1, "total_bytes": 20 * GIB, "kv_used_bytes": 4 * GIB,
+         "finetune_lent_bytes": 2 * GIB, "free_bytes": 6 * GIB},
     ]  # fmt: skip
 
 
