@@ -123,6 +123,11 @@ def candidate_row(
         row["why"] = "agent is draining"
     elif entry is None:
         row["why"] = f"engine group {group.index} not in the host's last heartbeat"
+    elif int(entry.get("tensor_parallel_size", slot.size)) != slot.size:
+        row["why"] = (
+            f"engine group {group.index} runs at tensor_parallel_size "
+            f"{entry.get('tensor_parallel_size')}, its deployment asks {slot.size}"
+        )
     elif free_bytes < need:
         row["why"] = f"free {free_bytes} B < needed {need} B"
         if slot.size > 1:

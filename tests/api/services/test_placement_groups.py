@@ -107,3 +107,17 @@ def test_a_single_gpu_group_is_not_charged_the_sharded_figure(
     assert placement.engine_group.index == 0
     (command,) = drain_host_queue("h1")
     assert "engine_group" not in command  # group 0: what a one-engine agent trains on
+
+
+def test_a_group_its_agent_runs_at_another_degree_gets_no_job(
+    wide_job: FinetuneJob, tiny: BaseModel, django_capture_on_commit_callbacks: Any
+) -> None:
+    four_gpu_host(tp2(tiny))
+    one_gpu = group_entry(0, [0], 8 * GIB, 900.0)  # an agent serving group 0 on one GPU
+    heartbeat("h1", engine_groups=[one_gpu])
+    assert place_now(wide_job, django_capture_on_commit_callbacks) is None
+    event = wide_job.events.order_by("-id").first()
+    assert event is not None
+    assert "engine group 0 runs at tensor_parallel_size 1, its deployment asks 2" in str(
+        event.fleet_detail
+    )
