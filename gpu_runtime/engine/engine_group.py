@@ -4,7 +4,9 @@
 spawn), joins this process to the group as rank 0, has every rank build its shard of the
 model from `source`, and returns an `EngineGroup` whose `engine` is rank 0's ordinary `Engine`
 (scheduler, stop rules, tokenizer, structured outputs), its runner mirrored to the followers
-(`tp_runner`). Followers run `tp_follower.Follower` until `shutdown()`.
+(`tp_runner`). Followers run `tp_follower.Follower` until `shutdown()`. With
+`lora=LoraSettings(...)` every rank builds its adapter runtime over its shard and
+`engine.lora` is rank 0's `MirroredLoraRuntime` (`tp_lora`): register adapters on it.
 
 Rank `r` runs on `cuda:{k + r}` when `config.device` is `cuda:k` (`cuda` is `cuda:0`), or on
 the CPU (gloo) when it is `cpu`. One engine group's rank 0 per process (a process belongs to
@@ -46,7 +48,8 @@ from gpu_runtime.distributed.world import init_engine_group, leave_engine_group
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.engine import Engine
 from gpu_runtime.engine.tp_follower import Follower
-from gpu_runtime.engine.tp_messages import Setup, Shutdown
+from gpu_runtime.engine.tp_lora import MirroredLoraRuntime, follower_lora
+from gpu_runtime.engine.tp_messages import LoraSettings, Setup, Shutdown
 from gpu_runtime.model.llama import CausalLM
 from gpu_runtime.model.loader import build_random_model, load_model
 
@@ -167,6 +170,7 @@ def start_engine_group(
     heartbeat_s: float | None = None,
     join_timeout_s: float = 30.0,
     cpu_threads: int | None = None,
+    lora: LoraSettings | None = None,
     **engine_kwargs: Any,
 ) -> EngineGroup:
     """Start a `size`-rank engine group (see the module docstring); `size` >= 2.
@@ -174,9 +178,12 @@ def start_engine_group(
     `timeout_s`: the collectives' timeout (a hung rank is an error after it); `heartbeat_s`:
     the keep-alive period of an idle group (default a quarter of `timeout_s`, at most 30 s);
     `cpu_threads`: `torch.set_num_threads` of each follower (None: torch's default);
-    `engine_kwargs` go to rank 0's `Engine` (not `lora`: adapters are not mirrored)."""
+    `lora`: the adapter runtime of every rank (None: no adapters); `engine_kwargs` go to rank
+    0's `Engine`."""
     if size < 2:
         raise ValueError(f"an engine group has 2 or more ranks, got size {size}")
+    if lora is not None and not isinstance(lora, LoraSettings):
+        raise TypeError(f"lora= takes LoraSettings (every rank builds its runtime), got {lora!r}")
     context = mp.get_context("spawn")
     errors = context.Queue()
     directory = tempfile.mkdtemp(prefix="harli-engine-group-")
@@ -210,12 +217,17 @@ def start_engine_group(
             rank=0, size=size, init_method=init_method, device=device, timeout_s=timeout_s
         )
         channel = DriverChannel(parallel, heartbeat_s or min(30.0, timeout_s / 4))
-        channel.send(Setup(config))
+        channel.send(Setup(config, lora))
         engine: Engine | None = None
         error = None
         try:
             model = source.build(parallel, config.device)
-            engine = Engine(model, config, tokenizer=tokenizer, control=channel, **engine_kwargs)
+            runtime = None
+            if lora is not None:
+                runtime = MirroredLoraRuntime(model, lora, config.max_num_batched_tokens, channel)
+            engine = Engine(
+                model, config, tokenizer=tokenizer, control=channel, lora=runtime, **engine_kwargs
+            )
         except Exception:
             error = traceback.format_exc()
         channel.gather_ready(error)
@@ -262,7 +274,11 @@ def _follower_main(
             error = None
             try:
                 config = dataclasses.replace(setup.config, device=device)
-                follower = Follower(source.build(parallel, device), config, channel)
+                model = source.build(parallel, device)
+                runtime = None
+                if setup.lora is not None:
+                    runtime = follower_lora(model, setup.lora, config.max_num_batched_tokens)
+                follower = Follower(model, config, channel, lora=runtime)
             except Exception:
                 error = traceback.format_exc()
             channel.gather_ready(error)

@@ -1,9 +1,10 @@
 """A follower rank of a tensor-parallel engine group: its runner, driven by rank 0's messages.
 
 `Follower` holds a plain `ModelRunner` over the rank's model shard, built with rank 0's
-`EngineConfig` (so block counts, buckets and paths agree), and nothing else: no scheduler, no
-stop rules, no tokenizer, no grammar matchers. `run()` applies each message received
-(`tp_messages`) to the runner until `Shutdown`. Its sampler takes rank 0's tokens
+`EngineConfig` (so block counts, buckets and paths agree), with its own LoRA runtime when
+rank 0 serves adapters (`tp_lora`: rank 0's adapter calls are replayed on it), and nothing
+else: no scheduler, no stop rules, no tokenizer, no grammar matchers. `run()` applies each
+message received (`tp_messages`) to the runner until `Shutdown`. Its sampler takes rank 0's tokens
 (`tp_sampling.FollowerSampler`), so its request states hold the same tokens as rank 0's.
 
 The invariant: a follower never decides anything. It makes rank 0's runner calls in rank 0's
@@ -18,26 +19,43 @@ from gpu_runtime.distributed.control import EngineGroupError, FollowerChannel
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.model_runner import ModelRunner
 from gpu_runtime.engine.runner_types import StepHandle
+from gpu_runtime.engine.tp_lora import apply_lora
 from gpu_runtime.engine.tp_messages import (
+    AttachAdapter,
     CaptureGraphs,
+    DetachAdapter,
     Discard,
     Launch,
+    RegisterAdapter,
     Resolve,
     RunnerMessage,
     SampleDeferred,
     Shutdown,
+    UnregisterAdapter,
     WaitForLaunched,
 )
+from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model.llama import CausalLM
+
+_LORA_MESSAGES = (RegisterAdapter, UnregisterAdapter, AttachAdapter, DetachAdapter)
 
 
 class Follower:
     """Rank `model.parallel.rank` (> 0) of an engine group; see the module docstring."""
 
-    def __init__(self, model: CausalLM, config: EngineConfig, channel: FollowerChannel) -> None:
+    def __init__(
+        self,
+        model: CausalLM,
+        config: EngineConfig,
+        channel: FollowerChannel,
+        lora: MultiLoraRuntime | None = None,
+    ) -> None:
+        """`lora`: the rank's runtime over `model` (`tp_lora.follower_lora`) when rank 0 serves
+        adapters."""
         if model.parallel.is_driver:
             raise ValueError("rank 0 drives the engine group; followers are ranks 1..N-1")
-        self.runner = ModelRunner(model, config)
+        self.lora = lora
+        self.runner = ModelRunner(model, config, lora=lora)
         self.channel = channel
         self.num_applied = 0
         """Messages applied so far."""
@@ -71,6 +89,8 @@ class Follower:
             runner.discard(self._handle(message.step, pop=True))
         elif isinstance(message, WaitForLaunched):
             runner.wait_for_launched()
+        elif isinstance(message, _LORA_MESSAGES):
+            apply_lora(self.lora, message, runner.model.parallel.rank)
         elif isinstance(message, CaptureGraphs):
             runner.capture_cuda_graphs(
                 message.batch_sizes, message.partition, sm_count=message.sm_count
