@@ -7,6 +7,10 @@ model from `source`, and returns an `EngineGroup` whose `engine` is rank 0's ord
 (`tp_runner`). Followers run `tp_follower.Follower` until `shutdown()`. With
 `lora=LoraSettings(...)` every rank builds its adapter runtime over its shard and
 `engine.lora` is rank 0's `MirroredLoraRuntime` (`tp_lora`): register adapters on it.
+`follower_sharing(device)` builds each follower's GPU sharing (its split's streams for the
+partitions rank 0 names); `follower_part(follower)` what each follower runs beside its runner
+(the co-location loop's jobs: `gpu_runtime.colocation.tp_follower_jobs`). Both are pickled
+into the spawned followers (module-level callables or picklable objects).
 
 Rank `r` runs on `cuda:{k + r}` when `config.device` is `cuda:k` (`cuda` is `cuda:0`), or on
 the CPU (gloo) when it is `cpu`. One engine group's rank 0 per process (a process belongs to
@@ -31,6 +35,7 @@ import shutil
 import tempfile
 import threading
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +52,7 @@ from gpu_runtime.distributed.parallel import TensorParallel
 from gpu_runtime.distributed.world import init_engine_group, leave_engine_group
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.engine import Engine
-from gpu_runtime.engine.tp_follower import Follower
+from gpu_runtime.engine.tp_follower import Follower, FollowerPartFactory
 from gpu_runtime.engine.tp_lora import MirroredLoraRuntime, follower_lora
 from gpu_runtime.engine.tp_messages import LoraSettings, Setup, Shutdown
 from gpu_runtime.model.llama import CausalLM
@@ -171,6 +176,8 @@ def start_engine_group(
     join_timeout_s: float = 30.0,
     cpu_threads: int | None = None,
     lora: LoraSettings | None = None,
+    follower_sharing: Callable[[str], Any] | None = None,
+    follower_part: FollowerPartFactory | None = None,
     **engine_kwargs: Any,
 ) -> EngineGroup:
     """Start a `size`-rank engine group (see the module docstring); `size` >= 2.
@@ -178,8 +185,8 @@ def start_engine_group(
     `timeout_s`: the collectives' timeout (a hung rank is an error after it); `heartbeat_s`:
     the keep-alive period of an idle group (default a quarter of `timeout_s`, at most 30 s);
     `cpu_threads`: `torch.set_num_threads` of each follower (None: torch's default);
-    `lora`: the adapter runtime of every rank (None: no adapters); `engine_kwargs` go to rank
-    0's `Engine`."""
+    `lora`: the adapter runtime of every rank (None: no adapters); `follower_sharing`,
+    `follower_part`: see the module docstring; `engine_kwargs` go to rank 0's `Engine`."""
     if size < 2:
         raise ValueError(f"an engine group has 2 or more ranks, got size {size}")
     if lora is not None and not isinstance(lora, LoraSettings):
@@ -200,6 +207,8 @@ def start_engine_group(
                 timeout_s,
                 cpu_threads,
                 errors,
+                follower_sharing,
+                follower_part,
             ),
             daemon=True,
             name=f"engine-group-rank-{rank}",
@@ -251,6 +260,8 @@ def _follower_main(
     timeout_s: float,
     cpu_threads: int | None,
     errors: Any,
+    sharing_factory: Callable[[str], Any] | None,
+    part_factory: FollowerPartFactory | None,
 ) -> None:
     """A spawned follower: join, build, report ready, follow; its traceback to `errors`."""
     if cpu_threads is not None:
@@ -278,7 +289,10 @@ def _follower_main(
                 runtime = None
                 if setup.lora is not None:
                     runtime = follower_lora(model, setup.lora, config.max_num_batched_tokens)
-                follower = Follower(model, config, channel, lora=runtime)
+                sharing = None if sharing_factory is None else sharing_factory(device)
+                follower = Follower(model, config, channel, lora=runtime, sharing=sharing)
+                if part_factory is not None:
+                    follower.part = part_factory(follower)
             except Exception:
                 error = traceback.format_exc()
             channel.gather_ready(error)

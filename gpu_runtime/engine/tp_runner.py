@@ -12,8 +12,9 @@ shard of a group of two or more (`Engine(..., control=channel)`); at size 1 the 
 plain `ModelRunner` and none of this exists.
 
 With adapters, the runner's `lora` is rank 0's `tp_lora.MirroredLoraRuntime` (its own calls
-mirrored); `set_batch` runs inside each rank's launch. Not mirrored: a capture on a caller's
-stream (the followers' partitions' streams are theirs).
+mirrored); `set_batch` runs inside each rank's launch. A capture on a caller's stream is
+mirrored only for a partition: rank 0 captures on the stream it passed (its split's decode
+stream), each follower on its own split's (`Follower.decode_stream`).
 """
 
 from __future__ import annotations
@@ -92,13 +93,14 @@ class MirroredRunner(ModelRunner):
         stream: torch.cuda.Stream | None = None,
         sm_count: int | None = None,
     ) -> list[int]:
-        if stream is not None:
+        if stream is not None and partition is None:
             raise NotImplementedError(
-                "a tensor-parallel engine captures on each rank's current stream (stream=None)"
+                "a tensor-parallel engine captures on a stream only for a partition (each "
+                "follower captures on its own split's decode stream)"
             )
         sizes = tuple(batch_sizes) if batch_sizes is not None else None
         self.control.send(CaptureGraphs(sizes, partition, sm_count))
-        return super().capture_cuda_graphs(sizes, partition, None, sm_count)
+        return super().capture_cuda_graphs(sizes, partition, stream, sm_count)
 
 
 def check_engine_parallel(
