@@ -12,8 +12,11 @@ it takes rank 0's job messages and leaves the runner's to the runner. Rules:
   decode_sms)[1]`), else the current one. The main thread goes back to the channel at once:
   decode (main thread, decode communicator) and finetune (worker, finetune communicator) run
   rank 0's work in rank 0's order each, so neither waits on the other.
-* Removal. `RemoveJob` waits until the worker ran every quantum queued before it (the job's
-  in flight among them), then drops the trainer. `PauseJob` is bookkeeping (`paused`).
+* Removal. `RemoveJob` waits until the worker ran the job's queued and in-flight quanta (only
+  the job's: a decode step is not held behind another job's quantum), then drops the
+  trainer. Rank 0 sends it after its own quantum of the job ended, and runs one quantum at a
+  time, so the job's last quantum and every one queued before it here have ended on rank 0:
+  the wait cannot deadlock. `PauseJob` is bookkeeping (`paused`).
 * Failure. A quantum that raises is reported like rank 0's (`reports`, error set) and the
   worker goes on; an order for a job this rank does not hold means the ranks diverged
   (`EngineGroupError`). `close()` (at `Shutdown`) waits for the queue and stops the worker.
@@ -62,13 +65,18 @@ class FollowerJobs:
         self.reports: list[QuantumReport] = []
         """Every quantum this rank ran, in order."""
         self._tasks: queue.Queue[QuantumTask | None] = queue.Queue()
+        self._queued: dict[str, int] = {}  # job id -> its quanta queued or running
+        self._done = threading.Condition()
         self._thread = threading.Thread(target=self._work, name="follower-quanta", daemon=True)
         self._thread.start()
         self._closed = False
 
     def apply(self, message: Any) -> bool:
         if isinstance(message, RunQuantum):
-            self._tasks.put(self._task(message))
+            task = self._task(message)
+            with self._done:
+                self._queued[task.job_id] = self._queued.get(task.job_id, 0) + 1
+            self._tasks.put(task)
         elif isinstance(message, AddJob):
             if message.job_id in self.trainers:
                 raise EngineGroupError(f"job {message.job_id!r} added twice: the ranks diverged")
@@ -76,8 +84,9 @@ class FollowerJobs:
                 message.job_id, message.spec, self.serving
             )
         elif isinstance(message, RemoveJob):
-            self._tasks.join()  # FIFO: the job's queued and in-flight quanta ended
             self._trainer(message.job_id)
+            with self._done:  # the job's quanta only: decode goes on beside another job's
+                self._done.wait_for(lambda: not self._queued.get(message.job_id))
             del self.trainers[message.job_id]
             self.paused.discard(message.job_id)
         elif isinstance(message, PauseJob):
@@ -130,6 +139,9 @@ class FollowerJobs:
                     logger.error("quantum of %s failed: %s", task.job_id, report.error)
                 self.reports.append(report)
             finally:
+                with self._done:
+                    self._queued[task.job_id] -= 1
+                    self._done.notify_all()
                 self._tasks.task_done()
 
 
