@@ -87,6 +87,7 @@ class Follower:
         self.sharing = sharing
         self.part: FollowerPart | None = None
         """Set by the group's part factory, if any."""
+        self._last_stream: Any = None
         self.runner = ModelRunner(model, config, lora=lora)
         self.channel = channel
         self.num_applied = 0
@@ -114,8 +115,17 @@ class Follower:
         return self.sharing.partition(partition)[0]
 
     def _on(self, partition: Hashable) -> AbstractContextManager[Any]:
-        stream = self.decode_stream(partition)
-        return nullcontext() if stream is None else torch.cuda.stream(stream)
+        """Where a launch for `partition` runs: with a sharing, its split's decode stream (the
+        current one for None), ordered after the stream the previous launch ran on (a step
+        launched ahead reads the previous step's tokens and KV)."""
+        if self.sharing is None:
+            return nullcontext()
+        stream = self.decode_stream(partition) or torch.cuda.current_stream()
+        last = self._last_stream
+        if last is not None and last != stream:
+            stream.wait_stream(last)
+        self._last_stream = stream
+        return torch.cuda.stream(stream)
 
     def apply(self, message: RunnerMessage) -> None:
         """Make the runner call `message` names."""
