@@ -2,7 +2,8 @@
 same script of registrations, requests and unregistrations gives exactly the one-GPU engine's
 greedy tokens.
 
-The script (one spawned group runs all of it, async scheduling on): base requests beside two
+The script (one spawned group runs all of it, async scheduling on): an adapter refused at
+registration (on rank 0 only: nothing reaches the followers); base requests beside two
 adapters (one rslora with an alpha pattern over all seven projections, one rank 2 on v and
 down) in mixed batches; with two slots, a third adapter registered while requests run waits for
 a free slot (an eviction: the followers' slots must follow rank 0's); an adapter unregistered
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from gpu_runtime.engine.tp_lora import MirroredLoraRuntime
 from gpu_runtime.engine.tp_messages import LoraSettings
 from gpu_runtime.finetune.checkpoint import save_adapter
 from gpu_runtime.finetune.lora import adapter_parameters, build_training_model
+from gpu_runtime.lora.errors import UnsupportedAdapterError
 from gpu_runtime.lora.runtime import MultiLoraRuntime
 from gpu_runtime.model import build_random_model
 from tests.gpu_runtime.threads import one_cpu_thread  # noqa: F401
@@ -66,6 +69,10 @@ def _write_adapters(root: Path) -> dict[str, Path]:
     raw = json.loads(config_path.read_text())
     raw.update(use_rslora=True, alpha_pattern={"o_proj": 24, r"model\.layers\.1\.mlp\.up_proj": 3})
     config_path.write_text(json.dumps(raw))
+    dirs["dora"] = root / "dora"  # a served model's adapter with an option that is not served
+    shutil.copytree(dirs["narrow"], dirs["dora"])
+    dora_config = dirs["dora"] / "adapter_config.json"
+    dora_config.write_text(json.dumps({**json.loads(dora_config.read_text()), "use_dora": True}))
     return dirs
 
 
@@ -97,6 +104,11 @@ def _run(engine: Engine, lora: MultiLoraRuntime, dirs: dict[str, Path]) -> dict[
 
     lora.register("patterned", dirs["patterned"])
     lora.register("narrow", dirs["narrow"])
+    refused_register = ""
+    try:  # refused on rank 0: nothing is sent, the followers never see it
+        lora.register("dora", dirs["dora"])
+    except UnsupportedAdapterError as exc:
+        refused_register = str(exc)
     mixed = _prompts(1, (5, 9, 3, 12, 7))
     for i, (prompt, name) in enumerate(
         zip(mixed, [None, "patterned", "narrow", "patterned", None], strict=True)
@@ -120,7 +132,12 @@ def _run(engine: Engine, lora: MultiLoraRuntime, dirs: dict[str, Path]) -> dict[
         refused = str(exc)
     add("after", staggered[3], "narrow")
     drain()
-    return {"tokens": tokens, "refused": refused, "names": lora.names()}
+    return {
+        "tokens": tokens,
+        "refused": refused,
+        "refused_register": refused_register,
+        "names": lora.names(),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +155,7 @@ def test_two_ranks_serve_adapters_with_the_one_gpu_tokens(dirs: dict[str, Path])
     assert tokens["mixed-1"] != tokens["same-base"]  # the adapters change the tokens
     assert tokens["mixed-2"] != tokens["mixed-1"]
     assert "'patterned'" in want["refused"] and want["names"] == ["late", "narrow"]
+    assert "use_dora" in want["refused_register"]
     with start_engine_group(
         ModelSource(config=MODEL, seed=SEED), CONFIG, 2, cpu_threads=1, timeout_s=120, lora=SETTINGS
     ) as group:
