@@ -31,6 +31,7 @@ from gpu_runtime.colocation.loop_jobs import LoopJobs
 from gpu_runtime.colocation.planning import IterationPlanner
 from gpu_runtime.colocation.policy import CoLocationPolicy
 from gpu_runtime.colocation.token_clock import TokenClock
+from gpu_runtime.colocation.tp_loop import mirror_loop
 from gpu_runtime.colocation.types import FinishedRequest, IterationRecord, LaunchMode
 from gpu_runtime.engine import Engine, RequestOutput, SamplingParams
 from gpu_runtime.engine.fanout import sequence_ids
@@ -89,10 +90,11 @@ class HostLoop:
         self.clock = clock
         if executor is None:
             executor = (ThreadedExecutor if engine.config.is_cuda else SequentialExecutor)(clock)
-        self.executor = executor
+        # under tensor parallelism quanta and jobs are mirrored to the followers (`tp_loop`)
+        self.executor, self._mirror = mirror_loop(engine, executor, memory)
         self.launch_during_decode = launch_during_decode
         self.jobs = LoopJobs(
-            executor,
+            self.executor,
             memory,
             choose_recompute=choose_recompute,
             release_graph_shapes=release_graph_shapes,
@@ -103,14 +105,14 @@ class HostLoop:
             engine,
             policy,
             self.jobs,
-            executor,
+            self.executor,
             self._tokens,
             tpot_slo_ms=tpot_slo_ms,
             sharing=sharing,
             memory=memory,
             clock=clock,
         )
-        self.ahead = LoopAhead(self.planner, self.jobs, executor, sharing, clock)
+        self.ahead = LoopAhead(self.planner, self.jobs, self.executor, sharing, clock)
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -143,9 +145,16 @@ class HostLoop:
             self._tokens.forget(sequence)
 
     # ---- jobs -------------------------------------------------------------------------------
-    def add_job(self, job_id: str, trainer: LoraTrainer) -> JobState:
-        """Register a finetune job; it runs when the policy gives it quanta."""
-        return self.jobs.add(job_id, trainer)
+    def add_job(self, job_id: str, trainer: LoraTrainer, spec: Any = None) -> JobState:
+        """Register a finetune job; it runs when the policy gives it quanta. Under tensor
+        parallelism `spec` is required: each follower's job factory builds the job's trainer
+        over its shard from it (`tp_follower_jobs`)."""
+        if self._mirror is not None:
+            self._mirror.check_spec(job_id, spec)
+        state = self.jobs.add(job_id, trainer)
+        if self._mirror is not None:
+            self._mirror.added(job_id, spec)
+        return state
 
     def pause_job(self, job_id: str, *, at_batch_end: bool = False) -> None:
         """No new quanta for the job (a quantum in flight completes normally); with
@@ -155,14 +164,22 @@ class HostLoop:
             state.stop_at_batch_end = True
         else:
             state.paused = True
+        if self._mirror is not None:
+            self._mirror.paused(job_id, True)
 
     def resume_job(self, job_id: str) -> None:
         state = self.job_state(job_id)
         state.paused = state.stop_at_batch_end = False
+        if self._mirror is not None:
+            self._mirror.paused(job_id, False)
 
     def remove_job(self, job_id: str) -> LoraTrainer:
-        """Take the job off the loop (waiting for its in-flight quantum); returns its trainer."""
-        return self.jobs.remove(job_id)
+        """Take the job off the loop (waiting for its in-flight quantum, on every rank under
+        tensor parallelism); returns its trainer."""
+        trainer = self.jobs.remove(job_id)
+        if self._mirror is not None:
+            self._mirror.removed(job_id)
+        return trainer
 
     def job_state(self, job_id: str) -> JobState:
         return self.jobs.state(job_id)

@@ -4,7 +4,13 @@
 spawn), joins this process to the group as rank 0, has every rank build its shard of the
 model from `source`, and returns an `EngineGroup` whose `engine` is rank 0's ordinary `Engine`
 (scheduler, stop rules, tokenizer, structured outputs), its runner mirrored to the followers
-(`tp_runner`). Followers run `tp_follower.Follower` until `shutdown()`.
+(`tp_runner`). Followers run `tp_follower.Follower` until `shutdown()`. With
+`lora=LoraSettings(...)` every rank builds its adapter runtime over its shard and
+`engine.lora` is rank 0's `MirroredLoraRuntime` (`tp_lora`): register adapters on it.
+`follower_sharing(device)` builds each follower's GPU sharing (its split's streams for the
+partitions rank 0 names); `follower_part(follower)` what each follower runs beside its runner
+(the co-location loop's jobs: `gpu_runtime.colocation.tp_follower_jobs`). Both are pickled
+into the spawned followers (module-level callables or picklable objects).
 
 Rank `r` runs on `cuda:{k + r}` when `config.device` is `cuda:k` (`cuda` is `cuda:0`), or on
 the CPU (gloo) when it is `cpu`. One engine group's rank 0 per process (a process belongs to
@@ -29,13 +35,12 @@ import shutil
 import tempfile
 import threading
 import traceback
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 
-from gpu_runtime.contract.model_config import ModelConfig
 from gpu_runtime.distributed.control import (
     DriverChannel,
     EngineGroupError,
@@ -45,44 +50,12 @@ from gpu_runtime.distributed.parallel import TensorParallel
 from gpu_runtime.distributed.world import init_engine_group, leave_engine_group
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.engine import Engine
-from gpu_runtime.engine.tp_follower import Follower
-from gpu_runtime.engine.tp_messages import Setup, Shutdown
-from gpu_runtime.model.llama import CausalLM
-from gpu_runtime.model.loader import build_random_model, load_model
+from gpu_runtime.engine.tp_follower import Follower, FollowerPartFactory
+from gpu_runtime.engine.tp_lora import MirroredLoraRuntime, follower_lora
+from gpu_runtime.engine.tp_messages import LoraSettings, Setup, Shutdown
+from gpu_runtime.engine.tp_source import ModelSource, rank_device
 
-
-@dataclass(frozen=True)
-class ModelSource:
-    """Where every rank gets its shard: a HF directory (each rank reads its slices), or a
-    config and seed of random weights (a rank's shard is the one-GPU model's slice)."""
-
-    directory: str | None = None
-    config: ModelConfig | None = None
-    seed: int = 0
-    dtype: str | None = None
-    """Weight dtype name; None: the config's."""
-
-    def __post_init__(self) -> None:
-        if (self.directory is None) == (self.config is None):
-            raise ValueError("a model source is a directory or a config, exactly one")
-
-    def build(self, parallel: TensorParallel, device: str) -> CausalLM:
-        """This rank's shard on `device`."""
-        if self.directory is not None:
-            return load_model(self.directory, device=device, dtype=self.dtype, parallel=parallel)
-        assert self.config is not None
-        model = build_random_model(
-            self.config, seed=self.seed, device=device, dtype=self.dtype, parallel=parallel
-        )
-        return model.eval()
-
-
-def rank_device(device: str, rank: int) -> str:
-    """Rank `rank`'s device when rank 0's is `device` (`cpu`, `cuda`, `cuda:k`)."""
-    if not device.startswith("cuda"):
-        return device
-    first = int(device.partition(":")[2] or 0)
-    return f"cuda:{first + rank}"
+__all__ = ["EngineGroup", "ModelSource", "rank_device", "start_engine_group"]
 
 
 class EngineGroup:
@@ -167,6 +140,9 @@ def start_engine_group(
     heartbeat_s: float | None = None,
     join_timeout_s: float = 30.0,
     cpu_threads: int | None = None,
+    lora: LoraSettings | None = None,
+    follower_sharing: Callable[[str], Any] | None = None,
+    follower_part: FollowerPartFactory | None = None,
     **engine_kwargs: Any,
 ) -> EngineGroup:
     """Start a `size`-rank engine group (see the module docstring); `size` >= 2.
@@ -174,9 +150,12 @@ def start_engine_group(
     `timeout_s`: the collectives' timeout (a hung rank is an error after it); `heartbeat_s`:
     the keep-alive period of an idle group (default a quarter of `timeout_s`, at most 30 s);
     `cpu_threads`: `torch.set_num_threads` of each follower (None: torch's default);
-    `engine_kwargs` go to rank 0's `Engine` (not `lora`: adapters are not mirrored)."""
+    `lora`: the adapter runtime of every rank (None: no adapters); `follower_sharing`,
+    `follower_part`: see the module docstring; `engine_kwargs` go to rank 0's `Engine`."""
     if size < 2:
         raise ValueError(f"an engine group has 2 or more ranks, got size {size}")
+    if lora is not None and not isinstance(lora, LoraSettings):
+        raise TypeError(f"lora= takes LoraSettings (every rank builds its runtime), got {lora!r}")
     context = mp.get_context("spawn")
     errors = context.Queue()
     directory = tempfile.mkdtemp(prefix="harli-engine-group-")
@@ -193,6 +172,8 @@ def start_engine_group(
                 timeout_s,
                 cpu_threads,
                 errors,
+                follower_sharing,
+                follower_part,
             ),
             daemon=True,
             name=f"engine-group-rank-{rank}",
@@ -210,12 +191,17 @@ def start_engine_group(
             rank=0, size=size, init_method=init_method, device=device, timeout_s=timeout_s
         )
         channel = DriverChannel(parallel, heartbeat_s or min(30.0, timeout_s / 4))
-        channel.send(Setup(config))
+        channel.send(Setup(config, lora))
         engine: Engine | None = None
         error = None
         try:
             model = source.build(parallel, config.device)
-            engine = Engine(model, config, tokenizer=tokenizer, control=channel, **engine_kwargs)
+            runtime = None
+            if lora is not None:
+                runtime = MirroredLoraRuntime(model, lora, config.max_num_batched_tokens, channel)
+            engine = Engine(
+                model, config, tokenizer=tokenizer, control=channel, lora=runtime, **engine_kwargs
+            )
         except Exception:
             error = traceback.format_exc()
         channel.gather_ready(error)
@@ -239,6 +225,8 @@ def _follower_main(
     timeout_s: float,
     cpu_threads: int | None,
     errors: Any,
+    sharing_factory: Callable[[str], Any] | None,
+    part_factory: FollowerPartFactory | None,
 ) -> None:
     """A spawned follower: join, build, report ready, follow; its traceback to `errors`."""
     if cpu_threads is not None:
@@ -262,7 +250,14 @@ def _follower_main(
             error = None
             try:
                 config = dataclasses.replace(setup.config, device=device)
-                follower = Follower(source.build(parallel, device), config, channel)
+                model = source.build(parallel, device)
+                runtime = None
+                if setup.lora is not None:
+                    runtime = follower_lora(model, setup.lora, config.max_num_batched_tokens)
+                sharing = None if sharing_factory is None else sharing_factory(device)
+                follower = Follower(model, config, channel, lora=runtime, sharing=sharing)
+                if part_factory is not None:
+                    follower.part = part_factory(follower)
             except Exception:
                 error = traceback.format_exc()
             channel.gather_ready(error)

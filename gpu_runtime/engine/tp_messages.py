@@ -10,18 +10,34 @@ Followers never schedule: every plan they run is one of these.
 from __future__ import annotations
 
 from collections.abc import Hashable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from gpu_runtime.contract.hparams import ATTENTION_PROJECTIONS, MLP_PROJECTIONS
 from gpu_runtime.engine.config import EngineConfig
 from gpu_runtime.engine.scheduler import SchedulerOutput
 
 
 @dataclass(frozen=True)
+class LoraSettings:
+    """The `MultiLoraRuntime` every rank builds over its shard (its keyword arguments;
+    `tp_lora.build_lora`); `max_tokens` None: the engine's `max_num_batched_tokens`."""
+
+    max_tokens: int | None = None
+    num_slots: int = 8
+    max_rank: int = 64
+    target_modules: tuple[str, ...] = field(default=ATTENTION_PROJECTIONS + MLP_PROJECTIONS)
+    max_host_adapters: int = 32
+    share_gemms: bool = True
+
+
+@dataclass(frozen=True)
 class Setup:
     """The first message: the engine config every follower builds its runner with (its own
-    `device` put in), so KV block counts, buckets and paths agree."""
+    `device` put in), so KV block counts, buckets and paths agree; with `lora`, the adapter
+    runtime every rank builds over its shard before its runner."""
 
     config: EngineConfig
+    lora: LoraSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -71,9 +87,46 @@ class CaptureGraphs:
 
 
 @dataclass(frozen=True)
+class RegisterAdapter:
+    """`lora.register(name, directory)` (sent once it succeeded on rank 0)."""
+
+    name: str
+    directory: str
+
+
+@dataclass(frozen=True)
+class UnregisterAdapter:
+    """`lora.unregister(name)` (sent when rank 0's returned True)."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class AttachAdapter:
+    """`lora.attach(request_id, name)`; `slot` is rank 0's (a follower's must equal it)."""
+
+    request_id: str
+    name: str
+    slot: int
+
+
+@dataclass(frozen=True)
+class DetachAdapter:
+    """`lora.detach(request_id)` (sent only for an attached request)."""
+
+    request_id: str
+
+
+LoraMessage = RegisterAdapter | UnregisterAdapter | AttachAdapter | DetachAdapter
+"""The messages a follower applies to its LoRA runtime (`tp_lora.apply_lora`)."""
+
+
+@dataclass(frozen=True)
 class Shutdown:
     """The last message: followers leave their loop and the group."""
 
 
-RunnerMessage = Launch | SampleDeferred | Resolve | Discard | WaitForLaunched | CaptureGraphs
-"""The messages a follower applies to its runner."""
+RunnerMessage = (
+    Launch | SampleDeferred | Resolve | Discard | WaitForLaunched | CaptureGraphs | LoraMessage
+)
+"""The messages a follower applies to its runner (and its LoRA runtime)."""

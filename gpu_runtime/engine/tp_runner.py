@@ -11,8 +11,10 @@ counters, `static_decode`, `max_bucket`) stay local. The engine builds it when i
 shard of a group of two or more (`Engine(..., control=channel)`); at size 1 the engine holds a
 plain `ModelRunner` and none of this exists.
 
-Not mirrored yet: LoRA adapters (the runtime's slots would have to be mirrored too; refused
-here) and a capture on a caller's stream (the followers' partitions' streams are theirs).
+With adapters, the runner's `lora` is rank 0's `tp_lora.MirroredLoraRuntime` (its own calls
+mirrored); `set_batch` runs inside each rank's launch. A capture on a caller's stream is
+mirrored only for a partition: rank 0 captures on the stream it passed (its split's decode
+stream), each follower on its own split's (`Follower.decode_stream`).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from gpu_runtime.engine.kv_cache import KVStorageFactory, default_kv_storage
 from gpu_runtime.engine.model_runner import ModelRunner
 from gpu_runtime.engine.runner_types import ModelRunnerOutput, StepHandle
 from gpu_runtime.engine.scheduler import SchedulerOutput
+from gpu_runtime.engine.tp_lora import MirroredLoraRuntime
 from gpu_runtime.engine.tp_messages import (
     CaptureGraphs,
     Discard,
@@ -54,10 +57,7 @@ class MirroredRunner(ModelRunner):
     ) -> None:
         if not model.parallel.is_driver or model.parallel.size < 2:
             raise ValueError(f"a mirrored runner runs rank 0 of a group, got {model.parallel}")
-        if lora is not None:
-            raise NotImplementedError(
-                "LoRA adapters are not mirrored to the followers of a tensor-parallel engine"
-            )
+        _check_mirrored_lora(lora)
         super().__init__(model, config, kv_storage_factory, lora=lora, structured=structured)
         self.control = control
 
@@ -93,20 +93,21 @@ class MirroredRunner(ModelRunner):
         stream: torch.cuda.Stream | None = None,
         sm_count: int | None = None,
     ) -> list[int]:
-        if stream is not None:
+        if stream is not None and partition is None:
             raise NotImplementedError(
-                "a tensor-parallel engine captures on each rank's current stream (stream=None)"
+                "a tensor-parallel engine captures on a stream only for a partition (each "
+                "follower captures on its own split's decode stream)"
             )
         sizes = tuple(batch_sizes) if batch_sizes is not None else None
         self.control.send(CaptureGraphs(sizes, partition, sm_count))
-        return super().capture_cuda_graphs(sizes, partition, None, sm_count)
+        return super().capture_cuda_graphs(sizes, partition, stream, sm_count)
 
 
 def check_engine_parallel(
     model: CausalLM, control: DriverChannel | None, lora: LoraRuntime | None
 ) -> None:
     """An `Engine` runs rank 0 only, with a control channel exactly when its model is a shard
-    of a group of two or more, and without adapters then (they are not mirrored)."""
+    of a group of two or more, and then only with a mirrored LoRA runtime (or none)."""
     parallel = model.parallel
     if (parallel.size > 1) != (control is not None):
         raise ValueError(
@@ -115,9 +116,15 @@ def check_engine_parallel(
         )
     if not parallel.is_driver:
         raise ValueError(f"rank {parallel.rank} is a follower: only rank 0 runs an Engine")
-    if control is not None and lora is not None:
-        raise NotImplementedError(
-            "LoRA adapters are not mirrored to the followers of a tensor-parallel engine"
+    if control is not None:
+        _check_mirrored_lora(lora)
+
+
+def _check_mirrored_lora(lora: LoraRuntime | None) -> None:
+    if lora is not None and not isinstance(lora, MirroredLoraRuntime):
+        raise TypeError(
+            f"a tensor-parallel engine serves adapters through a MirroredLoraRuntime (start it "
+            f"with start_engine_group(..., lora=LoraSettings(...))), got {type(lora).__name__}"
         )
 
 

@@ -220,11 +220,15 @@ def test_four_ranks_replicated_kv_heads_async_with_preemption() -> None:
     assert [p.exitcode for p in group.processes] == [0, 0, 0]
 
 
+def _refusing_storage(*args: Any) -> Any:
+    raise ValueError("no KV storage on this rank")
+
+
 def test_a_rank_that_cannot_start_fails_the_start_on_every_rank() -> None:
     with pytest.raises(
-        EngineGroupError, match="(?s)1 rank.s. failed to start:\nrank 0: .*not mirrored"
+        EngineGroupError, match="(?s)1 rank.s. failed to start:\nrank 0: .*no KV storage"
     ):
-        _group(_config(), 2, lora=object())
+        _group(_config(), 2, kv_storage_factory=_refusing_storage)
 
 
 def test_two_ranks_from_a_directory_with_a_grammar_async(tmp_path: Path) -> None:
