@@ -2,8 +2,9 @@
 the gateway routes by) and the interval metrics, each with its per-engine-group and per-GPU
 entries (`gpu_runtime.contract.engine_group_reports`). An agent drives one engine group (index
 0) on GPUs 0 .. tensor_parallel_size - 1. Its memory figures are measured on rank 0's GPU; every
-rank holds the same shard and mirrors rank 0's KV pool, so each GPU entry carries rank 0's
-figures and the group's (and the host's) are their sum over the group's GPUs.
+rank holds the same shard and the same KV blocks (rank 0's engine config sizes them; the unified
+pool is refused above one GPU), so each GPU entry carries rank 0's figures and the group's (and
+the host's) are their sum over the group's GPUs.
 
 Pure functions over the engine and the co-location loop's aggregated interval; the runtime
 calls them on the loop thread and hands the results to the report sender.
@@ -158,8 +159,8 @@ def metrics_fields(
 ) -> dict[str, Any]:
     """A metrics report's fields for an agent with one engine group: the host-level
     `host_metrics` and `deployment_metrics`, the same figures as group 0's entry, and per-GPU
-    figures. `host_metrics`' memory and `total_bytes` are rank 0's GPU's (every rank mirrors
-    it); the group's and the host's memory figures are their sum over the group's GPUs."""
+    figures. `host_metrics`' memory and `total_bytes` are rank 0's GPU's (every rank holds the
+    same); the group's and the host's memory figures are their sum over the group's GPUs."""
     t = tensor_parallel_size
     memory = ("kv_used_bytes", "finetune_lent_bytes", "free_bytes")
     per_gpu = {name: int(host_metrics[name]) for name in memory}
