@@ -457,8 +457,10 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    from gpu_runtime.agent.vllm.supervisor import VllmStartError
+
     try:
         status = run_agent(config, stop)
-    except AgentConfigError as exc:
+    except (AgentConfigError, VllmStartError) as exc:
         sys.exit(f"harli agent: {exc}")
     sys.exit(status)

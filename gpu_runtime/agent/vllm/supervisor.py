@@ -11,8 +11,9 @@ output goes to `<state dir>/vllm.log` (appended across restarts). Rules:
 - A watcher thread restarts a process that died while nobody stopped it, after a backoff that
   doubles from `backoff_s` up to `max_backoff_s` (reset once a process served for
   `stable_s`); `restarts` counts them, `state` says "starting", "ready", "restarting",
-  "failed" or "stopped". `on_ready` is called (from the watcher) after each restart is healthy,
-  so the host can load its adapters into the new process.
+  "failed" or "stopped". After a restart, `on_ready` is called (from the watcher) once the new
+  process is healthy and before `state` is "ready" again, so the host loads its adapters into
+  it first.
 - `stop()` sends SIGTERM to the process group, then SIGKILL after `grace_s`; idempotent.
 """
 
@@ -140,6 +141,11 @@ class VllmSupervisor:
         process = self._process
         return process.pid if process is not None else None
 
+    def running(self) -> bool:
+        """Whether a vLLM process of this supervisor is alive now."""
+        process = self._process
+        return process is not None and process.poll() is None
+
     def start(self) -> None:
         """Start vLLM and wait until it is healthy (see the module docstring)."""
         self._stopping.clear()
@@ -147,7 +153,7 @@ class VllmSupervisor:
         self._watcher = threading.Thread(target=self._watch, name="vllm-watch", daemon=True)
         self._watcher.start()
 
-    def _spawn_and_wait(self) -> None:
+    def _spawn_and_wait(self, before_ready: Callable[[], None] | None = None) -> None:
         self.state = "starting"
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as out:
@@ -171,6 +177,11 @@ class VllmSupervisor:
                     f"(log {self.log_path}):\n{log_tail(self.log_path)}"
                 )
             if healthy(self.launch.url):
+                if before_ready is not None:
+                    try:
+                        before_ready()
+                    except Exception:
+                        logger.exception("after the vLLM restart")
                 self.state = "ready"
                 logger.info("vLLM ready at %s (pid %d)", self.launch.url, process.pid)
                 return
@@ -204,15 +215,9 @@ class VllmSupervisor:
             self.restarts += 1
             started = time.monotonic()
             try:
-                self._spawn_and_wait()
+                self._spawn_and_wait(self.on_ready)
             except VllmStartError as exc:
                 logger.error("vLLM restart %d failed: %s", self.restarts, exc)
-                continue
-            if self.on_ready is not None and self.state == "ready":
-                try:
-                    self.on_ready()
-                except Exception:
-                    logger.exception("after the vLLM restart")
 
     def stop(self) -> None:
         """SIGTERM, then SIGKILL after `grace_s`; the watcher ends first."""
