@@ -218,7 +218,8 @@ def _add_engine(p: argparse.ArgumentParser) -> None:
                    help="how long vLLM may take to become healthy")  # fmt: skip
     p.add_argument("--vllm-arg", action="append", default=[], metavar="ARGS",
                    help="more arguments for vLLM's server, split on spaces (repeatable; "
-                   "e.g. '--tensor-parallel-size 2')")  # fmt: skip
+                   "e.g. '--tensor-parallel-size 2'; one flag alone as "
+                   "--vllm-arg=--enforce-eager)")  # fmt: skip
 
 
 def _vllm_bin(value: str | None) -> Path | None:
