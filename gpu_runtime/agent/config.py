@@ -259,12 +259,26 @@ class AgentConfig:
                 f"--engine vllm needs vLLM's executable: --vllm-bin or {VLLM_ENV} (got "
                 f"{self.vllm_bin}; scripts/vllm_env.sh installs one in .venv-vllm)"
             )
+        self.vllm_tensor_parallel_size()  # a bad --tensor-parallel-size is refused here
         if not 0 <= self.vllm_port < 65536:
             raise AgentConfigError(f"vllm_port out of range: {self.vllm_port}")
         if self.vllm_ready_timeout_s <= 0:
             raise AgentConfigError(
                 f"vllm_ready_timeout_s must be > 0, got {self.vllm_ready_timeout_s}"
             )
+
+    def vllm_tensor_parallel_size(self) -> int:
+        """The GPUs vLLM shards the model over: `--tensor-parallel-size N` (or `-tp N`) among
+        `vllm_args`, else 1."""
+        args = list(self.vllm_args)
+        for i, arg in enumerate(args):
+            name, _, value = arg.partition("=")
+            if name in ("--tensor-parallel-size", "-tp"):
+                text = value or (args[i + 1] if i + 1 < len(args) else "")
+                if not text.isdigit() or int(text) < 1:
+                    raise AgentConfigError(f"{name} needs a positive integer, got {text!r}")
+                return int(text)
+        return 1
 
     def capabilities(self, architectures: tuple[str, ...] = ()) -> HostCapabilities:
         """This host's capabilities (`architectures`: the model directory's)."""

@@ -29,7 +29,12 @@ from typing import Any
 from gpu_runtime.agent.adapters import HostAdapters
 from gpu_runtime.agent.config import HostCapabilities
 from gpu_runtime.agent.predictor import HarvestEstimate
-from gpu_runtime.agent.reporting import HostSnapshot, ServingFigures, deployment_metrics
+from gpu_runtime.agent.reporting import (
+    HostSnapshot,
+    ServingFigures,
+    deployment_metrics,
+    metrics_fields,
+)
 from gpu_runtime.agent.vllm.client import VllmApiError, VllmClient
 from gpu_runtime.agent.vllm.figures import interval_metrics, serving_figures, ttft_requests
 from gpu_runtime.agent.vllm.metrics import VllmScrape, parse_scrape
@@ -59,8 +64,11 @@ class VllmHost:
         capabilities: HostCapabilities,
         total_bytes: int,
         tpot_slo_ms: float,
+        tensor_parallel_size: int = 1,
         min_scrape_s: float = 0.5,
     ) -> None:
+        """`total_bytes`: one GPU's (each of the `tensor_parallel_size` GPUs vLLM shards the
+        model over reports it, as `agent.reporting` does for a Harli host)."""
         self.host = host
         self.base_model = base_model
         self.supervisor = supervisor
@@ -70,6 +78,7 @@ class VllmHost:
         self.capabilities = capabilities
         self.total_bytes = total_bytes
         self.tpot_slo_ms = tpot_slo_ms
+        self.tensor_parallel_size = tensor_parallel_size
         self.min_scrape_s = min_scrape_s
         self.draining = False
         self._served: dict[str, Path] = {}
@@ -183,6 +192,7 @@ class VllmHost:
             harvest=NO_HARVEST,
             draining=self.draining,
             serving=serving,
+            tensor_parallel_size=self.tensor_parallel_size,
         )
 
     def metrics_report_fields(self) -> dict[str, Any] | None:
@@ -196,14 +206,12 @@ class VllmHost:
             return None
         interval = interval_metrics(scrape, before, tpot_slo_ms=self.tpot_slo_ms)
         requests = ttft_requests(scrape, before, self.base_model)
-        return {
-            "window_s": interval.seconds,
-            "host_metrics": {
-                "weights_bytes": 0,
-                "kv_used_bytes": 0,
-                "finetune_lent_bytes": 0,
-                "free_bytes": 0,
-                "finetune_tokens_per_s": 0.0,
-            },
-            "deployment_metrics": deployment_metrics(interval, requests, None, None, None),
-        }
+        zeros = {"weights_bytes": 0, "kv_used_bytes": 0, "finetune_lent_bytes": 0,
+                 "free_bytes": 0, "finetune_tokens_per_s": 0.0}  # fmt: skip
+        return metrics_fields(
+            window_s=interval.seconds,
+            host_metrics=zeros,
+            deployment_metrics=deployment_metrics(interval, requests, None, None, None),
+            total_bytes=self.total_bytes,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )

@@ -114,6 +114,7 @@ def start_vllm_host(config: AgentConfig, send: Send, total_bytes: int) -> VllmHo
         capabilities=config.capabilities(model_architectures(config.model_dir)),
         total_bytes=total_bytes,
         tpot_slo_ms=config.tpot_slo_ms,
+        tensor_parallel_size=config.vllm_tensor_parallel_size(),
     )
     supervisor.start()
     try:

@@ -18,6 +18,7 @@ import pytest
 from gpu_runtime.agent.config import AgentConfig
 from gpu_runtime.agent.vllm.run import VllmHostParts, start_vllm_host
 from gpu_runtime.agent.vllm.supervisor import VllmLaunch, VllmStartError, VllmSupervisor
+from gpu_runtime.contract.protocol import check_report, report
 from gpu_runtime.contract.storage import LocalStorage
 from gpu_runtime.model.tiny import build_tiny_model_dir
 from gpu_runtime.server.threaded import free_port
@@ -133,9 +134,12 @@ def test_figures_after_requests(vllm_host: VllmHostParts) -> None:
         assert streamed.status_code == 200
         lines = streamed.iter_lines()
         next(line for line in lines if line.startswith("data:"))
-        running = wait_until(lambda: host.snapshot().serving.running, 60, "a running request")
-        assert running == 1
-        serving = host.snapshot().serving
+        serving = wait_until(
+            lambda: (figures := host.snapshot().serving).running and figures,
+            60,
+            "a request running",
+        )
+        assert serving.running == 1  # the figures of one scrape, taken while it decodes
         assert serving.kv_total_pages > 0 and serving.kv_free_pages < serving.kv_total_pages
         assert any("[DONE]" in line for line in lines)
     fields = host.metrics_report_fields()
@@ -145,9 +149,14 @@ def test_figures_after_requests(vllm_host: VllmHostParts) -> None:
     assert metrics["tpot_p50_ms"] > 0 and metrics["tpot_p99_ms"] >= metrics["tpot_p50_ms"]
     assert metrics["ttft_p50_ms"] > 0 and metrics["request_rate"] > 0
     assert metrics["goodput_tokens_per_s"] >= 0 and 0 <= metrics["slo_attainment"] <= 1
+    check_report(report("metrics", "h1", **fields))  # the control plane's check
+    [group] = fields["engine_groups"]
+    assert group["deployment_metrics"] == metrics and group["tensor_parallel_size"] == 1
     heartbeat = host.snapshot().heartbeat_fields()
+    check_report(report("heartbeat", "h1", server_url=url, **heartbeat))
     assert heartbeat["serving"]["tpot_p50_ms"] > 0 and heartbeat["free_bytes"] == 0
     assert heartbeat["placements"] == [] and heartbeat["serving"]["running"] == 0
+    assert heartbeat["engine_groups"][0]["placements"] == []
 
 
 def test_a_trained_adapter_loads_at_run_time(vllm_host: VllmHostParts, reports: Reports) -> None:

@@ -23,7 +23,12 @@ from kombu.transport import filesystem
 from gpu_runtime.agent.vllm.supervisor import log_tail
 from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 from gpu_runtime.contract.message_auth import message_key, message_sign, message_verify
-from gpu_runtime.contract.protocol import CONTROL_QUEUE, HOST_COMMAND_TASK, host_queue
+from gpu_runtime.contract.protocol import (
+    CONTROL_QUEUE,
+    HOST_COMMAND_TASK,
+    check_report,
+    host_queue,
+)
 from gpu_runtime.contract.storage import LocalStorage
 from gpu_runtime.server.threaded import free_port
 from tests.gpu_runtime.agent.host_server import HOST, KEY, grant, random_adapter
@@ -62,7 +67,7 @@ def next_heartbeat(
         except control.Empty:
             continue
         message.ack()
-        report = message_verify(message.payload[0][0], message_key(KEY))
+        report = check_report(message_verify(message.payload[0][0], message_key(KEY)))
         if report["kind"] == "heartbeat" and expected.items() <= report.items():
             return report
     raise AssertionError(f"no heartbeat with {expected} in time:\n{log_tail(log)}")

@@ -138,10 +138,11 @@ def test_engine_vllm_options(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     base = ["--host", "h1", "--broker", "memory://", "--engine", "vllm"]
     config = parse_args(
         [*base, "--model-dir", str(_model_dir(tmp_path)), "--vllm-bin", str(vllm),
-         "--vllm-arg", "--enforce-eager --tensor-parallel-size 1", "--lora-slots", "3"]
+         "--vllm-arg", "--enforce-eager --tensor-parallel-size 2", "--lora-slots", "3"]
     )  # fmt: skip
     assert config.engine == "vllm" and config.vllm_bin == vllm
-    assert config.vllm_args == ("--enforce-eager", "--tensor-parallel-size", "1")
+    assert config.vllm_args == ("--enforce-eager", "--tensor-parallel-size", "2")
+    assert config.vllm_tensor_parallel_size() == 2
     capabilities = config.capabilities(("LlamaForCausalLM",))
     assert capabilities.as_dict() == {
         "engine": "vllm",
@@ -164,3 +165,9 @@ def test_engine_vllm_refuses_a_missing_executable_or_model(
     with pytest.raises(SystemExit):
         parse_args([*base, "--vllm-bin", "/nope"])
     assert "needs --model-dir" in capsys.readouterr().err
+    vllm = tmp_path / "python"
+    vllm.write_text("")
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--model-dir", str(tmp_path / "model"), "--vllm-bin", str(vllm),
+                    "--vllm-arg=-tp=0"])  # fmt: skip
+    assert "-tp needs a positive integer, got '0'" in capsys.readouterr().err
