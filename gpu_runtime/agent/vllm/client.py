@@ -8,6 +8,8 @@ import urllib.error
 import urllib.request
 from typing import Any
 
+SCRAPE_TIMEOUT_S = 5.0
+
 
 class VllmApiError(RuntimeError):
     """vLLM refused a call; the message holds its status and answer."""
@@ -21,21 +23,28 @@ class VllmClient:
         self._api_key = api_key
         self.timeout_s = timeout_s
 
-    def _call(self, method: str, path: str, body: dict[str, Any] | None = None) -> str:
+    def _call(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> str:
         data = json.dumps(body).encode() if body is not None else None
         request = urllib.request.Request(self.url + path, data=data, method=method)
         request.add_header("Authorization", f"Bearer {self._api_key}")
         if data is not None:
             request.add_header("Content-Type", "application/json")
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as answer:
+            with urllib.request.urlopen(request, timeout=timeout_s or self.timeout_s) as answer:
                 return str(answer.read().decode("utf-8", errors="replace"))
         except urllib.error.HTTPError as exc:
             text = exc.read().decode("utf-8", errors="replace")[:1000]
             raise VllmApiError(f"{method} {path}: {exc.code} {text}") from None
 
     def metrics_text(self) -> str:
-        return self._call("GET", "/metrics")
+        """The Prometheus scrape (5 s at most: heartbeats wait for it)."""
+        return self._call("GET", "/metrics", timeout_s=SCRAPE_TIMEOUT_S)
 
     def load_lora(self, name: str, path: str) -> None:
         """Serve the PEFT directory `path` as `name` (vLLM's `/v1/load_lora_adapter`)."""

@@ -10,7 +10,8 @@ way in and the heartbeat's `server_url` is this app's. Rules:
 - `POST /v1/completions` and `/v1/chat/completions` need a `model` the access allows and the
   host serves (its base model or a loaded adapter); else 404 `model_not_found`, as the Harli
   server answers. The body goes to vLLM unchanged and its answer (streamed or not) comes back
-  as vLLM sent it, with the request's `x-request-id`.
+  as vLLM sent it, with the request's `x-request-id`. While vLLM cannot be reached (it is
+  restarting) the answer is 503 `engine_unavailable`.
 - `GET /v1/models` lists vLLM's models the access allows.
 """
 
@@ -74,7 +75,11 @@ def create_proxy_app(
     @app.get("/v1/models")
     async def models(request: Request) -> JSONResponse:
         granted = await access(request)
-        answer = await client.get("/v1/models", headers=secret)
+        try:
+            answer = await client.get("/v1/models", headers=secret)
+        except httpx.HTTPError:
+            raise OpenAIError(503, "The engine is not available; retry.", "server_error",
+                              code="engine_unavailable") from None  # fmt: skip
         listing = answer.json()
         listing["data"] = [m for m in listing.get("data", []) if granted.allows(str(m["id"]))]
         return JSONResponse(listing, status_code=answer.status_code)
@@ -95,7 +100,12 @@ def create_proxy_app(
             headers[REQUEST_ID] = request_id
         upstream_request = client.build_request("POST", f"/v1/{route}", content=body,
                                                 headers=headers)  # fmt: skip
-        answer = await client.send(upstream_request, stream=True)
+        try:
+            answer = await client.send(upstream_request, stream=True)
+        except httpx.HTTPError as exc:
+            logger.warning("vLLM unreachable for %s: %s", request.url.path, exc)
+            raise OpenAIError(503, "The engine is not available; retry.", "server_error",
+                              code="engine_unavailable") from None  # fmt: skip
         passed_headers = {"content-type": answer.headers.get("content-type", "application/json")}
         if request_id:
             passed_headers[REQUEST_ID] = request_id

