@@ -82,6 +82,8 @@ class VllmHost:
         self.min_scrape_s = min_scrape_s
         self.draining = False
         self._served: dict[str, Path] = {}
+        """Adapters served, by name: replaced whole on a change (never changed in place), so
+        the server's threads read it without a lock."""
         self._commands = threading.Lock()
         self._scrapes: deque[VllmScrape] = deque()
         self._last_metrics: VllmScrape | None = None
@@ -119,7 +121,7 @@ class VllmHost:
             shutil.rmtree(directory, ignore_errors=True)
             self._load_failed(name, storage_key, str(exc))
             return
-        self._served[name] = directory
+        self._served = {**self._served, name: directory}
         logger.info("serving adapter %s from %s", name, storage_key)
 
     def _load_failed(self, name: str, storage_key: str, message: str) -> None:
@@ -128,8 +130,9 @@ class VllmHost:
                          message=f"cannot serve {storage_key}: {message}"[:1000]))  # fmt: skip
 
     def _unload_adapter(self, name: str) -> None:
-        if self._served.pop(name, None) is None:
+        if name not in self._served:
             return
+        self._served = {k: v for k, v in self._served.items() if k != name}
         try:
             self.client.unload_lora(name)
         except (VllmApiError, OSError) as exc:
@@ -145,7 +148,7 @@ class VllmHost:
                     self.client.load_lora(name, str(directory))
                 except (VllmApiError, OSError) as exc:
                     logger.error("adapter %s not reloaded after the vLLM restart: %s", name, exc)
-                    del self._served[name]
+                    self._served = {k: v for k, v in self._served.items() if k != name}
 
     def served_adapters(self) -> list[str]:
         """The adapters vLLM serves for this host now (any thread)."""

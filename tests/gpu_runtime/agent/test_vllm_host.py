@@ -159,7 +159,9 @@ def test_figures_after_requests(vllm_host: VllmHostParts) -> None:
     assert heartbeat["engine_groups"][0]["placements"] == []
 
 
-def test_a_trained_adapter_loads_at_run_time(vllm_host: VllmHostParts, reports: Reports) -> None:
+def test_a_trained_adapter_loads_and_unloads_at_run_time(
+    vllm_host: VllmHostParts, reports: Reports
+) -> None:
     host, url = vllm_host.host, vllm_host.server_url
     both = grant("tiny", ADAPTER)
     assert complete(url, ADAPTER, both).status_code == 404  # not loaded yet
@@ -168,6 +170,12 @@ def test_a_trained_adapter_loads_at_run_time(vllm_host: VllmHostParts, reports: 
     assert (host.adapters.directory(ADAPTER) / "adapter_config.json").is_file()
     tuned, base = text_of(complete(url, ADAPTER, both)), text_of(complete(url, "tiny", both))
     assert tuned != base
+    host.command({"command": "unload_adapter", "name": ADAPTER})
+    assert host.served_adapters() == [] and ADAPTER not in host.client.models()
+    assert not host.adapters.directory(ADAPTER).exists()
+    assert complete(url, ADAPTER, both).status_code == 404
+    host.command({"command": "load_adapter", "name": ADAPTER, "storage_key": ADAPTER_KEY})
+    assert text_of(complete(url, ADAPTER, both)) == tuned  # the same adapter again
     host.command({"command": "load_adapter", "name": "ghost", "storage_key": "adapters/none"})
     failed = reports.wait_for("adapter_load_failed", 5)
     assert failed["name"] == "ghost" and "adapters/none" in failed["message"]
