@@ -39,6 +39,7 @@ from gpu_runtime.agent.config import (
     AgentConfigError,
     env_broker_url,
 )
+from gpu_runtime.agent.vllm.options import add_engine_options, vllm_bin
 from gpu_runtime.contract.broker import broker_transport, broker_transport_options
 from gpu_runtime.contract.hparams import DEFAULT_LORA_MAX_RANK
 from gpu_runtime.contract.log_format import LOG_FORMATS, configure_logging
@@ -138,6 +139,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
         default=DEFAULT_LORA_MAX_RANK,
         help="largest adapter rank served",
     )
+    add_engine_options(p)
     args = p.parse_args(argv)
     bind_host, _, port = args.listen.rpartition(":")
     host_key = _host_key(p, args.host_key_file)
@@ -184,6 +186,11 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             predictor_path=Path(args.predictor) if args.predictor else None,
             lora_max_rank=args.lora_max_rank,
             broker_dir=Path(args.broker_dir) if args.broker_dir else None,
+            engine=args.engine,
+            vllm_bin=vllm_bin(args.vllm_bin) if args.engine == "vllm" else None,
+            vllm_port=args.vllm_port,
+            vllm_ready_timeout_s=args.vllm_ready_timeout_s,
+            vllm_args=tuple(arg for group in args.vllm_arg for arg in group.split()),
         )
     except (AgentConfigError, ValueError) as exc:
         p.error(str(exc))
@@ -273,6 +280,10 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.server.prometheus import ServerMetrics
     from gpu_runtime.server.threaded import ThreadedServer
 
+    if config.engine == "vllm":
+        from gpu_runtime.agent.vllm.agent import run_vllm_agent
+
+        return run_vllm_agent(config, stop, _total_bytes(config))
     if config.host_key is None:
         raise AgentConfigError(
             f"a host key is required (--host-key-file or {HOST_KEY_ENV}; `manage.py hosts key "
@@ -416,8 +427,10 @@ def main(argv: list[str] | None = None) -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    from gpu_runtime.agent.vllm.supervisor import VllmStartError
+
     try:
         status = run_agent(config, stop)
-    except AgentConfigError as exc:
+    except (AgentConfigError, VllmStartError) as exc:
         sys.exit(f"harli agent: {exc}")
     sys.exit(status)

@@ -26,6 +26,31 @@ ADMIN_TOKEN_ENV = "HARLI_HOST_ADMIN_TOKEN"
 """The operator token of the host's adapter routes (the same variable as the stand-alone
 server's, `gpu_runtime.server.adapter_admin`; repeated: this module must not load torch)."""
 _HOST_KEY = re.compile(r"[0-9a-f]{64}")
+ENGINES = ("harli", "vllm")
+VLLM_ENV = "HARLI_VLLM"
+"""The vLLM executable of an `--engine vllm` host (`--vllm-bin` wins)."""
+
+
+@dataclass(frozen=True)
+class HostCapabilities:
+    """What a host can do, by its engine: whether it co-locates finetuning with decode, the
+    model architectures it serves (empty: whatever its engine loads), and its adapter limits.
+    Not in the heartbeat yet (`gpu_runtime.contract.protocol` has no field for it)."""
+
+    engine: str
+    colocation: bool
+    architectures: tuple[str, ...]
+    max_loras: int
+    max_lora_rank: int
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "engine": self.engine,
+            "colocation": self.colocation,
+            "architectures": list(self.architectures),
+            "max_loras": self.max_loras,
+            "max_lora_rank": self.max_lora_rank,
+        }
 
 
 class AgentConfigError(ValueError):
@@ -133,6 +158,19 @@ class AgentConfig:
     reports are kept past it)."""
     outbox_max_bytes: int = DEFAULT_MAX_BYTES
     """Bytes the outbox holds before it refuses progress and metrics reports."""
+    engine: str = "harli"
+    """"harli" (the co-locating engine of this repository) or "vllm" (a vLLM OpenAI server
+    the agent supervises, `gpu_runtime.agent.vllm`: serving and adapters, no finetuning)."""
+    vllm_bin: Path | None = None
+    """vLLM's executable for `engine` "vllm": `<venv>/bin/python` (run as `-m
+    vllm.entrypoints.openai.api_server`) or a `vllm` script (run as `vllm serve`)."""
+    vllm_port: int = 0
+    """vLLM's loopback port (0: a free one)."""
+    vllm_ready_timeout_s: float = 600.0
+    """How long vLLM may take to answer `/health` after a start."""
+    vllm_args: tuple[str, ...] = ()
+    """More arguments for vLLM's server (`--vllm-arg`, repeatable: `--tensor-parallel-size 2`,
+    `--gpu-memory-utilization 0.85`, `--enforce-eager`)."""
 
     def __post_init__(self) -> None:
         checks = [
@@ -206,8 +244,51 @@ class AgentConfig:
         for root in self.adapter_roots:
             if not Path(root).is_absolute() or not Path(root).is_dir():
                 raise AgentConfigError(f"adapter root {str(root)!r} is not an absolute directory")
+        if self.engine not in ENGINES:
+            raise AgentConfigError(f"engine must be one of {list(ENGINES)}, got {self.engine!r}")
+        if self.engine == "vllm":
+            self._check_vllm()
         if self.model_dir is not None and not (Path(self.model_dir) / "config.json").is_file():
             raise AgentConfigError(f"model_dir {self.model_dir} has no config.json")
+
+    def _check_vllm(self) -> None:
+        if self.model_dir is None:
+            raise AgentConfigError("--engine vllm needs --model-dir (vLLM has no built-in model)")
+        if self.vllm_bin is None or not Path(self.vllm_bin).is_file():
+            raise AgentConfigError(
+                f"--engine vllm needs vLLM's executable: --vllm-bin or {VLLM_ENV} (got "
+                f"{self.vllm_bin}; scripts/vllm_env.sh installs one in .venv-vllm)"
+            )
+        self.vllm_tensor_parallel_size()  # a bad --tensor-parallel-size is refused here
+        if not 0 <= self.vllm_port < 65536:
+            raise AgentConfigError(f"vllm_port out of range: {self.vllm_port}")
+        if self.vllm_ready_timeout_s <= 0:
+            raise AgentConfigError(
+                f"vllm_ready_timeout_s must be > 0, got {self.vllm_ready_timeout_s}"
+            )
+
+    def vllm_tensor_parallel_size(self) -> int:
+        """The GPUs vLLM shards the model over: `--tensor-parallel-size N` (or `-tp N`) among
+        `vllm_args`, else 1."""
+        args = list(self.vllm_args)
+        for i, arg in enumerate(args):
+            name, _, value = arg.partition("=")
+            if name in ("--tensor-parallel-size", "-tp"):
+                text = value or (args[i + 1] if i + 1 < len(args) else "")
+                if not text.isdigit() or int(text) < 1:
+                    raise AgentConfigError(f"{name} needs a positive integer, got {text!r}")
+                return int(text)
+        return 1
+
+    def capabilities(self, architectures: tuple[str, ...] = ()) -> HostCapabilities:
+        """This host's capabilities (`architectures`: the model directory's)."""
+        return HostCapabilities(
+            engine=self.engine,
+            colocation=self.engine == "harli",
+            architectures=architectures,
+            max_loras=self.lora_slots,
+            max_lora_rank=self.lora_max_rank,
+        )
 
     def outbox_path(self) -> Path:
         """Where the outbox lives (`outbox_dir`, else under `work_dir`)."""
