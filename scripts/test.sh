@@ -19,7 +19,7 @@ echo "== mypy"; mypy .
 echo "== import layers and cycles"; lint-imports
 echo "== dependency audit"; python scripts/audit.py
 . scripts/vllm_tier.sh
-echo "== pytest on PostgreSQL (every test)"; HARLI_TEST_DB=postgres pytest "$@"
+echo "== pytest on PostgreSQL (every test)"; HARLI_TEST_DB=postgres pytest --durations=20 "$@"
 echo "== pytest on SQLite (the tests that use the database)"
 # Exit status 5: none of the tests named in "$@" uses the database; nothing to run again.
 HARLI_TEST_DB=sqlite pytest "$@" || [ $? -eq 5 ]
