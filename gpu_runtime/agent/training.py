@@ -29,6 +29,7 @@ from gpu_runtime.agent.job_run import (
     upload_adapter,
     upload_checkpoint,
 )
+from gpu_runtime.agent.tp_serving import job_spec_message
 from gpu_runtime.colocation import HostLoop, IterationRecord, QuantumReport
 from gpu_runtime.contract.chat import ChatTokenizer
 from gpu_runtime.contract.footprint import adapter_state_bytes
@@ -119,7 +120,9 @@ class HostJobs:
             )
             return
         run.started_at = time.monotonic()
-        self.loop.add_job(job_id, run.trainer)
+        self.loop.add_job(  # the spec: each engine group follower builds the same trainer
+            job_id, run.trainer, spec=job_spec_message(placement_id, spec, target.base_model_path)
+        )
         self.runs[job_id] = run
         self._jobs_changed()
         self._report(
