@@ -116,6 +116,21 @@ def test_a_tp2_agent_serves_and_trains_like_tp1(
         assert len(losses_two) == len(losses_one) == 6
         assert losses_two == pytest.approx(losses_one, rel=1e-5)
 
+        # a pause at T = 2 stops at the last checkpoint's step (none between quanta)
+        two.command({"command": "apply_placement", "command_id": "c-p", "placement_id": 2,
+                     "job": job_spec("ftjob-p", checkpoint_every_steps=4)})  # fmt: skip
+        progress = two_reports.wait_for("job_progress", timeout=60)
+        while progress["job_id"] != "ftjob-p":
+            progress = two_reports.wait_for("job_progress", timeout=60)
+        two.command({"command": "pause", "command_id": "p", "job_id": "ftjob-p",
+                     "placement_id": 2})  # fmt: skip
+        stopped = two_reports.wait_for("job_stopped", timeout=60)
+        checkpoints = [m["step"] for m in two_reports.seen
+                       if m["kind"] == "checkpoint" and m["job_id"] == "ftjob-p"]  # fmt: skip
+        assert stopped["reason"] == "paused"
+        assert stopped["step"] == (checkpoints[-1] if checkpoints else 0)
+        assert two.runtime.status().placements == []
+
         # the T = 2 adapter is whole: a T = 1 host serves it with the T = 2 host's tokens
         name = "ft:tiny:t1::ftjob-tp2"
         assert two.runtime.status().adapters == [name]
