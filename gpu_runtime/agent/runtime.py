@@ -206,6 +206,11 @@ class HostRuntime:
     def engine(self) -> Engine:
         return self._engine
 
+    @property
+    def engine_group(self) -> Any:
+        """The `EngineGroup` of the engine at tensor-parallel degree > 1, else None."""
+        return self._serving.group
+
     def add_request(
         self,
         prompt: list[int],

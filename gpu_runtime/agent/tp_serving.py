@@ -15,7 +15,8 @@ placement id, the control plane's JobSpec, the base model's directory); each fol
 file read from the object store, hyperparameters resolved, the seed, the resume checkpoint
 cut to the rank's slice) over its shard, in a work directory of its own
 (`<work_dir>/tp-rank-<r>`): rank 0 alone writes checkpoint files. The builder is a picklable
-dataclass (the storage and work directory), pickled into the spawned followers.
+dataclass (the storage, which must pickle: `LocalStorage` does, and the work directory),
+pickled into the spawned followers.
 """
 
 from __future__ import annotations

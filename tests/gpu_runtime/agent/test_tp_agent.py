@@ -89,7 +89,7 @@ def test_a_tp2_agent_serves_and_trains_like_tp1(
     one = make_runtime(tiny_model_dir, storage, tmp_path / "one", one_reports)
     one.loop.start()
     two = make_tp_runtime(tiny_model_dir, storage, tmp_path / "two", two_reports, 2)
-    group = two.runtime._serving.group
+    group = two.runtime.engine_group
     two.loop.start()
     try:
         assert two.runtime.status().tensor_parallel_size == 2
@@ -147,7 +147,7 @@ def test_a_tp2_agent_serves_and_trains_like_tp1(
                      "model_dir": str(tiny_model_dir)})  # fmt: skip
         assert two.runtime.status().base_model == "tiny-b"
         assert not any(process.is_alive() for process in group.processes)
-        group = two.runtime._serving.group
+        group = two.runtime.engine_group
         again, _ = two.generate(None, PROMPT, SCORED)
         assert again.output_token_ids == base_one.output_token_ids
     finally:
