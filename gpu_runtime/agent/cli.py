@@ -57,6 +57,11 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
                    help="HF model directory (default: the tiny built-in model)")  # fmt: skip
     p.add_argument("--device", default=env("HARLI_DEVICE", "cpu"))
     p.add_argument("--dtype", default=None)
+    p.add_argument("--tensor-parallel-size", type=int,
+                   default=int(env("HARLI_TENSOR_PARALLEL_SIZE") or 1),
+                   help="the engine's tensor-parallel degree T: above 1 an engine group on "
+                   "devices 0..T-1 (CPU: T gloo ranks), without the unified memory "
+                   "pool")  # fmt: skip
     p.add_argument("--broker", default=env_broker_url(), help="Celery broker URL")
     p.add_argument("--broker-dir", default=env("HARLI_BROKER_DIR") or None)
     p.add_argument("--storage", default=env("HARLI_STORAGE_DIR", "var/storage"))
@@ -157,6 +162,7 @@ def parse_args(argv: list[str] | None = None) -> AgentConfig:
             model_dir=Path(args.model_dir) if args.model_dir else None,
             device=args.device,
             dtype=args.dtype,
+            tensor_parallel_size=args.tensor_parallel_size,
             control_url=args.control_url,
             host_key=host_key,
             metrics_token=os.environ.get("HARLI_METRICS_TOKEN") or None,
@@ -269,10 +275,12 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     from gpu_runtime.agent.outbox import DiskOutbox
     from gpu_runtime.agent.runtime import HostRuntime, submit_command
     from gpu_runtime.agent.serving import EngineSpec
+    from gpu_runtime.agent.tp_serving import FollowerJobBuilder
     from gpu_runtime.colocation.ahead import ASYNC_SCHEDULING
     from gpu_runtime.contract.message_auth import message_key, message_sign
     from gpu_runtime.contract.protocol import report
     from gpu_runtime.contract.storage import open_storage
+    from gpu_runtime.contract.tensor_parallel import TensorParallelError
     from gpu_runtime.engine import EngineConfig
     from gpu_runtime.model.tiny import build_tiny_model_dir
     from gpu_runtime.server import EngineLoop, MetricsCollector, create_app
@@ -292,6 +300,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
     key = message_key(config.host_key)
     work_dir = config.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
+    storage = open_storage(config.storage)
     model_dir = config.model_dir
     if model_dir is None:
         model_dir = work_dir / "tiny-model"
@@ -314,8 +323,15 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
         memory_pool=config.memory_pool,
         pool_bytes=config.memory_pool_bytes,
         decode_groups=config.decode_groups,
+        tensor_parallel_size=config.tensor_parallel_size,
+        jobs=FollowerJobBuilder(storage, work_dir) if config.tensor_parallel_size > 1 else None,
     )
-    serving = spec.build(model_dir)
+    try:
+        serving = spec.build(model_dir)
+    except TensorParallelError as exc:  # the degree does not divide the model's heads/widths
+        raise AgentConfigError(
+            f"--tensor-parallel-size {config.tensor_parallel_size} for {model_dir}: {exc}"
+        ) from exc
     options = broker_transport_options(config.broker_url, config.broker_dir)
     transport = broker_transport(config.broker_url)
     outbox = DiskOutbox(config.outbox_path(), config.outbox_max_reports, config.outbox_max_bytes)
@@ -337,7 +353,7 @@ def run_agent(config: AgentConfig, stop: threading.Event) -> int:
             build_policy, config.policy, device=config.device, ttft_slo_ms=config.ttft_slo_ms
         ),
         tpot_slo_ms=config.tpot_slo_ms,
-        storage=open_storage(config.storage),
+        storage=storage,
         work_dir=work_dir,
         send=send,
         total_bytes=_total_bytes(config),

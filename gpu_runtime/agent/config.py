@@ -145,6 +145,9 @@ class AgentConfig:
     decode_groups: tuple[int, ...] | None = DEFAULT_DECODE_GROUPS
     """CUDA: decode SM splits (units of the SM granularity) besides the whole device; None:
     every split."""
+    tensor_parallel_size: int = 1
+    """The engine's tensor-parallel degree T: above 1, an engine group on devices 0..T-1 of
+    `device` (CPU: T gloo ranks), with no unified memory pool."""
     predictor_path: Path | None = None
     """Latency predictor artifact (directory or root); None: no predictor."""
     broker_dir: Path | None = None
@@ -226,6 +229,22 @@ class AgentConfig:
             (
                 not (self.memory_pool and self.device == "cpu" and not self.memory_pool_bytes),
                 "a memory pool on the CPU needs its size (--memory-pool-gb)",
+            ),
+            (
+                self.tensor_parallel_size >= 1,
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}",
+            ),
+            (
+                not (self.memory_pool and self.tensor_parallel_size > 1),
+                "--memory-pool on needs --tensor-parallel-size 1: the unified pool's KV "
+                "grow/shrink and finetune lending are not mirrored to an engine group's "
+                f"followers (got --tensor-parallel-size {self.tensor_parallel_size}; use "
+                "--memory-pool auto or off)",
+            ),
+            (
+                not (self.engine == "vllm" and self.tensor_parallel_size > 1),
+                "--engine vllm takes its degree from --vllm-arg '--tensor-parallel-size N', "
+                "not the agent's --tensor-parallel-size",
             ),
             (
                 not self.broker_url.startswith("filesystem://") or self.broker_dir is not None,

@@ -39,6 +39,16 @@ class ServingEngine:
     memory: HostMemory | None
     sharing: Any = None
     """The `gpu_runtime.sharing.GpuSharing` of a CUDA host (None on CPU)."""
+    group: Any = None
+    """At tensor-parallel degree > 1, the `EngineGroup` whose rank 0 `engine` is (its
+    `shutdown()` stops the followers); None at degree 1."""
+
+    def close(self) -> None:
+        """Release the pool and stop the engine group's followers (each when there is one)."""
+        if self.memory is not None:
+            self.memory.close()
+        if self.group is not None:
+            self.group.shutdown()
 
 
 def host_sharing(device: str, decode_groups: tuple[int, ...] | None) -> Any:

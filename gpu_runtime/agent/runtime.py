@@ -140,6 +140,7 @@ class HostRuntime:
         the loop borrows finetune memory from the engine's pool when it has one, and the jobs
         train on it (with the current base model's tokenizer and directory)."""
         engine = self._engine = serving.engine
+        self._serving = serving
         self.host_memory = serving.memory
         self.predictor = None
         if self.predictor_path is not None:
@@ -205,6 +206,11 @@ class HostRuntime:
     def engine(self) -> Engine:
         return self._engine
 
+    @property
+    def engine_group(self) -> Any:
+        """The `EngineGroup` of the engine at tensor-parallel degree > 1, else None."""
+        return self._serving.group
+
     def add_request(
         self,
         prompt: list[int],
@@ -251,9 +257,9 @@ class HostRuntime:
         self.refresh_status()
 
     def close(self) -> None:
+        """Close the loop, then release the pool or stop the engine group's followers."""
         self.loop.close()
-        if self.host_memory is not None:
-            self.host_memory.close()
+        self._serving.close()
 
     def jobs_changed(self) -> None:
         """A job was added to or removed from the loop: the pool lends only while one exists."""
@@ -287,6 +293,12 @@ class HostRuntime:
 
     def _apply_command(self, command: dict[str, Any]) -> None:
         name = command["command"]
+        group = int(command.get("engine_group") or 0)
+        if group != 0 and name in ("apply_placement", "load_base_model"):
+            # not the job's failure: the control plane addressed a group this agent lacks
+            logger.error("dropping %s %s for engine group %s: this agent drives engine group "
+                         "0 only", name, command.get("command_id"), group)  # fmt: skip
+            return
         if name == "apply_placement":
             self.jobs.apply_placement(int(command["placement_id"]), dict(command["job"]))
         elif name in ("pause", "cancel"):
@@ -326,7 +338,8 @@ class HostRuntime:
 
     def _load_base_model(self, name: str, model_dir: str | None, preset: str | None) -> None:
         """Serve another base model. Only on an idle host (no job, no request in flight);
-        otherwise the command is dropped and the control plane sends it again later."""
+        otherwise the command is dropped and the control plane sends it again later. An
+        engine group (tensor parallelism) is shut down and started anew over the new model."""
         if name == self.base_model:
             return
         if self.jobs.runs or self._requests:
@@ -341,16 +354,19 @@ class HostRuntime:
         else:
             logger.error("cannot load base model %s: no model directory given", name)
             return
-        if self.host_memory is not None:  # the new model's weights need the old pool's memory
+        # The new model's weights need the old pool's memory; an engine group's devices (and
+        # this process's torch.distributed world) are the old group's until it shut down.
+        exclusive = self.host_memory is not None or self._serving.group is not None
+        if exclusive:
             self.loop.close()
-            self.host_memory.close()
+            self._serving.close()
         try:
             serving = self.engine_spec.build(directory)
         except Exception:
-            if self.host_memory is not None and self.base_model_path:  # serve the old one again
+            if exclusive and self.base_model_path:  # serve the old one again
                 self._use_engine(self.engine_spec.build(Path(self.base_model_path)))
             raise
-        if self.host_memory is None:
+        if not exclusive:
             self.loop.close()
         self.base_model, self.base_model_path = name, str(directory)
         self.training_tokenizer = host_training_tokenizer(self.storage, name, directory)

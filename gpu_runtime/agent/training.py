@@ -29,6 +29,7 @@ from gpu_runtime.agent.job_run import (
     upload_adapter,
     upload_checkpoint,
 )
+from gpu_runtime.agent.tp_serving import job_spec_message
 from gpu_runtime.colocation import HostLoop, IterationRecord, QuantumReport
 from gpu_runtime.contract.chat import ChatTokenizer
 from gpu_runtime.contract.footprint import adapter_state_bytes
@@ -119,7 +120,9 @@ class HostJobs:
             )
             return
         run.started_at = time.monotonic()
-        self.loop.add_job(job_id, run.trainer)
+        self.loop.add_job(  # the spec: each engine group follower builds the same trainer
+            job_id, run.trainer, spec=job_spec_message(placement_id, spec, target.base_model_path)
+        )
         self.runs[job_id] = run
         self._jobs_changed()
         self._report(
@@ -193,16 +196,25 @@ class HostJobs:
 
     def _finish_pause(self, run: JobRun) -> None:
         """Report the pause's checkpoint (unless the last one reported is at this step) and
-        `job_stopped`, then release the run: a heartbeat that no longer names the placement
-        is sent after both, so the control plane can resume the job from that checkpoint."""
-        if run.checkpointed_step != run.trainer.step:
+        `job_stopped`, then release the run (under tensor parallelism no checkpoint is taken
+        between quanta: it stops at its last checkpoint's step): a heartbeat that no longer
+        names the placement is sent after both, so the control plane can resume the job from
+        that checkpoint."""
+        step = run.trainer.step
+        if run.checkpointed_step != step and self.target.serving_model.parallel.size > 1:
+            # a checkpoint outside a quantum is a collective the followers are not sent
+            logger.warning("job %s paused at step %s under tensor parallelism: it resumes from "
+                           "its checkpoint of step %s", run.job_id, step,
+                           run.checkpointed_step)  # fmt: skip
+            step = run.checkpointed_step
+        elif run.checkpointed_step != step:
             self._report_checkpoint(run, checkpoint_now(run, self.target.base_model_path))
         self._report(
             "job_stopped",
             placement_id=run.placement_id,
             job_id=run.job_id,
             reason="paused",
-            step=run.trainer.step,
+            step=step,
         )
         self.remove(run)
 

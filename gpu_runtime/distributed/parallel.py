@@ -47,6 +47,9 @@ class TensorParallel:
     """The finetune communicator over the same ranks; None at size 1."""
     control_group: Any = field(default=None, compare=False)
     """A gloo group over the same ranks for Python objects; None at size 1."""
+    finetune_control_group: Any = field(default=None, compare=False)
+    """A gloo group for the finetune side's Python objects (a checkpoint's gathers, which run
+    in a quantum while `control_group` carries rank 0's messages); None: `control_group`."""
 
     def __post_init__(self) -> None:
         if not 0 <= self.rank < self.size:
@@ -63,8 +66,9 @@ class TensorParallel:
         """The same ranks, with the finetune communicator as the one collectives use."""
         if self.size == 1:
             return self
+        objects = self.finetune_control_group or self.control_group
         return TensorParallel(
-            self.rank, self.size, self.finetune_group, self.finetune_group, self.control_group
+            self.rank, self.size, self.finetune_group, self.finetune_group, objects, objects
         )
 
     def copy_in(self, x: torch.Tensor) -> torch.Tensor:

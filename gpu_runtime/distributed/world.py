@@ -59,6 +59,12 @@ def init_engine_group(
         group=decode,
         finetune_group=finetune,
         control_group=control or dist.new_group(ranks, backend="gloo", timeout=timeout),
+        # a gloo finetune communicator carries its objects too; beside NCCL, a gloo one
+        finetune_control_group=(
+            finetune
+            if backend == "gloo"
+            else dist.new_group(ranks, backend="gloo", timeout=timeout)
+        ),
     )
 
 
