@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,15 @@ from django.db import models, transaction
 from api.dispatch import host_dispatch
 from api.errors import ConflictError, HarliError, NotFoundError
 from api.model_shapes import base_model_shape, checkpoint_hf_config
-from api.models import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
+from api.models import (
+    Architecture,
+    BaseModel,
+    Deployment,
+    Dtype,
+    Engine,
+    GpuHost,
+    HostStatus,
+)
 from api.presets import PRESETS
 from api.services.engine_groups import engine_group_add
 from gpu_runtime.contract.tensor_parallel import tensor_parallel_problem
@@ -30,18 +39,28 @@ def _clean(instance: models.Model, *, kind: str) -> None:
         raise HarliError(f"Invalid {kind} {field}: {message}", param=param) from None
 
 
-_MODEL_TYPES = {"llama": Architecture.LLAMA, "qwen2": Architecture.QWEN2}
+ARCHITECTURE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def _config_architecture(config: dict[str, Any]) -> str | None:
+    """The config's `model_type` ("mistral"), else its `architectures[0]` less the
+    "ForCausalLM" suffix, lowercased ("MistralForCausalLM" -> "mistral"); None: neither."""
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type:
+        return model_type
+    names = config.get("architectures")
+    if isinstance(names, list) and names and isinstance(names[0], str) and names[0]:
+        return names[0].removesuffix("ForCausalLM").lower() or None
+    return None
 
 
 def _read_checkpoint_config(directory: Path) -> tuple[str | None, int | None]:
-    """Architecture and context length from `directory/config.json`, where present and known."""
+    """Architecture and context length from `directory/config.json`, where present."""
     config = checkpoint_hf_config(directory)
     if config is None:
         return None, None
     context = config.get("max_position_embeddings")
-    return _MODEL_TYPES.get(str(config.get("model_type"))), context if isinstance(
-        context, int
-    ) else None
+    return _config_architecture(config), context if isinstance(context, int) else None
 
 
 @transaction.atomic
@@ -57,7 +76,9 @@ def base_model_register(
     """Register a base model from a local checkpoint directory or a preset (exactly one).
 
     With a preset, architecture and context length default to the preset's; with a checkpoint,
-    both must be given (the runtime reads the rest from the checkpoint's config.json).
+    they default to its config.json's (`model_type`, else `architectures[0]`;
+    `max_position_embeddings`). The architecture may be any name: one Harli's engine does not
+    implement (`Architecture`) can only be served by a vLLM deployment (`deployment_create`).
     """
     if bool(checkpoint_dir) == bool(preset):
         raise HarliError(
@@ -79,10 +100,17 @@ def base_model_register(
         config = dict(spec.config)
         architecture = architecture or spec.architecture
         context_length = context_length or spec.context_length
-    if not architecture or architecture not in Architecture.values:
+    if preset and architecture not in Architecture.values:
         raise HarliError(
-            f"Architecture must be one of {', '.join(Architecture.values)}, got {architecture!r} "
-            "(give it explicitly when the checkpoint's config.json does not name it).",
+            f"A preset's architecture must be one of {', '.join(Architecture.values)}, got "
+            f"{architecture!r}.",
+            param="architecture",
+        )
+    if not architecture or not ARCHITECTURE_NAME.match(architecture):
+        raise HarliError(
+            f"Architecture must be a model type name such as {', '.join(Architecture.values)} "
+            f"or mistral, got {architecture!r} (give it explicitly when the checkpoint's "
+            "config.json does not name it).",
             param="architecture",
         )
     if context_length is None or context_length < 1:
@@ -121,15 +149,20 @@ def deployment_create(
     ttft_slo_ms: float,
     slo_attainment_target_pct: float = 99.0,
     tensor_parallel_size: int = 1,
+    engine: str = Engine.HARLI,
 ) -> Deployment:
     """Serve `base_model` under a TPOT/TTFT SLO with an attainment target in percent, sharded
-    over `tensor_parallel_size` GPUs per engine group.
+    over `tensor_parallel_size` GPUs per engine group, by `engine`'s hosts.
+
+    A Harli deployment of an architecture the engine does not implement is refused (400,
+    param `engine`, code `architecture_needs_vllm`), naming `--engine vllm`.
 
     The degree must suit the base model's shape (`tensor_parallel_problem`: heads, KV heads and
     the MLP width divide, or KV heads replicate in whole copies); a degree above 1 needs a known
     shape (a stored config, or a checkpoint with a config.json). A bad degree is a HarliError
     (400, param `tensor_parallel_size`) naming the shape; nothing is written.
     """
+    _check_engine(base_model, engine)
     _check_tensor_parallel(base_model, tensor_parallel_size)
     deployment = Deployment(
         name=name,
@@ -138,10 +171,26 @@ def deployment_create(
         ttft_slo_ms=ttft_slo_ms,
         slo_attainment_target_pct=slo_attainment_target_pct,
         tensor_parallel_size=tensor_parallel_size,
+        engine=engine,
     )
     _clean(deployment, kind="deployment")
     deployment.save()
     return deployment
+
+
+def _check_engine(base_model: BaseModel, engine: str) -> None:
+    if engine not in Engine.values:
+        raise HarliError(
+            f"engine must be one of {', '.join(Engine.values)}, got {engine!r}.", param="engine"
+        )
+    if engine == Engine.HARLI and base_model.architecture not in Architecture.values:
+        raise HarliError(
+            f"{base_model.name} is a {base_model.architecture} model, which Harli's engine does "
+            f"not implement ({', '.join(Architecture.values)}); it is served by vLLM hosts: "
+            'create the deployment with --engine vllm (API: "engine": "vllm").',
+            param="engine",
+            code="architecture_needs_vllm",
+        )
 
 
 def _check_tensor_parallel(base_model: BaseModel, size: int) -> None:
