@@ -148,8 +148,8 @@ class Command(NounCommand):
             for h in host_list(status=status)
         ]
         self.table(
-            ["NAME", "GPUS", "GIB/GPU", "ENGINE GROUPS", "STATUS", "ENGINE", "HEARTBEAT", "PREDICTOR", "MAPE",
-             "HARVEST TOK/S"],
+            ["NAME", "GPUS", "GIB/GPU", "ENGINE GROUPS", "STATUS", "ENGINE", "HEARTBEAT",
+             "PREDICTOR", "MAPE", "HARVEST TOK/S"],
             rows,
         )  # fmt: skip
 
