@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ from django.db import models, transaction
 
 from api.dispatch import host_dispatch
 from api.errors import ConflictError, HarliError, NotFoundError
-from api.model_shapes import base_model_shape, checkpoint_hf_config
+from api.model_shapes import ARCHITECTURE_NAME, base_model_shape, checkpoint_architecture
 from api.models import (
     Architecture,
     BaseModel,
@@ -39,30 +38,6 @@ def _clean(instance: models.Model, *, kind: str) -> None:
         raise HarliError(f"Invalid {kind} {field}: {message}", param=param) from None
 
 
-ARCHITECTURE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-
-def _config_architecture(config: dict[str, Any]) -> str | None:
-    """The config's `model_type` ("mistral"), else its `architectures[0]` less the
-    "ForCausalLM" suffix, lowercased ("MistralForCausalLM" -> "mistral"); None: neither."""
-    model_type = config.get("model_type")
-    if isinstance(model_type, str) and model_type:
-        return model_type
-    names = config.get("architectures")
-    if isinstance(names, list) and names and isinstance(names[0], str) and names[0]:
-        return names[0].removesuffix("ForCausalLM").lower() or None
-    return None
-
-
-def _read_checkpoint_config(directory: Path) -> tuple[str | None, int | None]:
-    """Architecture and context length from `directory/config.json`, where present."""
-    config = checkpoint_hf_config(directory)
-    if config is None:
-        return None, None
-    context = config.get("max_position_embeddings")
-    return _config_architecture(config), context if isinstance(context, int) else None
-
-
 @transaction.atomic
 def base_model_register(
     *,
@@ -86,7 +61,7 @@ def base_model_register(
         )
     config: dict[str, Any] | None = None
     if checkpoint_dir and (architecture is None or context_length is None):
-        found_architecture, found_context = _read_checkpoint_config(Path(checkpoint_dir))
+        found_architecture, found_context = checkpoint_architecture(Path(checkpoint_dir))
         architecture = architecture or found_architecture
         context_length = context_length or found_context
     if preset:
