@@ -5,6 +5,7 @@ from it, deployment creation the tensor-parallel degrees the shape allows."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +41,29 @@ def base_model_shape(base_model: BaseModel) -> ModelConfig | None:
         return ModelConfig.from_hf_config(hf)
     except (ModelConfigError, KeyError, TypeError, ValueError):
         return None
+
+
+ARCHITECTURE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""What a base model's `architecture` may be: a model type name."""
+
+
+def config_architecture(config: dict[str, Any]) -> str | None:
+    """The config's `model_type` ("mistral"), else its `architectures[0]` less the
+    "ForCausalLM" suffix, lowercased ("MistralForCausalLM" -> "mistral"); None: neither."""
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type:
+        return model_type
+    names = config.get("architectures")
+    if isinstance(names, list) and names and isinstance(names[0], str) and names[0]:
+        return names[0].removesuffix("ForCausalLM").lower() or None
+    return None
+
+
+def checkpoint_architecture(directory: Path) -> tuple[str | None, int | None]:
+    """Architecture (:func:`config_architecture`) and context length from
+    `directory/config.json`, where present."""
+    config = checkpoint_hf_config(directory)
+    if config is None:
+        return None, None
+    context = config.get("max_position_embeddings")
+    return config_architecture(config), context if isinstance(context, int) else None

@@ -28,8 +28,8 @@ from api.apis.ops_serializers import (
 )
 from api.errors import HarliError, NotFoundError
 from api.models import (
-    Architecture,
     Dtype,
+    Engine,
     HostStatus,
     JobStatus,
     PlacementState,
@@ -240,7 +240,11 @@ class BaseModelsApi(OperatorAPIView):
         name = serializers.CharField()
         checkpoint_dir = serializers.CharField(required=False, default="")
         preset = serializers.ChoiceField(choices=sorted(PRESETS), required=False, default="")
-        architecture = serializers.ChoiceField(choices=Architecture.values, required=False)
+        architecture = serializers.CharField(
+            required=False,
+            help_text="the config's model_type (default: the checkpoint's config.json); one "
+            "Harli's engine does not implement is served by vLLM deployments only",
+        )
         dtype = serializers.ChoiceField(choices=Dtype.values, default=Dtype.BFLOAT16)
         context_length = serializers.IntegerField(min_value=1, required=False)
 
@@ -279,6 +283,11 @@ class DeploymentsApi(OperatorAPIView):
         tensor_parallel_size = serializers.IntegerField(
             default=1,
             help_text="GPUs each engine group shards the model over; must suit its shape",
+        )
+        engine = serializers.ChoiceField(
+            choices=Engine.values,
+            default=Engine.HARLI,
+            help_text="what serves it: Harli's engine (trains too) or vLLM (any architecture)",
         )
 
     @extend_schema(

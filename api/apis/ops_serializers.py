@@ -105,6 +105,7 @@ class DeploymentOpsSerializer(serializers.ModelSerializer):
             "ttft_slo_ms",
             "slo_attainment_target_pct",
             "tensor_parallel_size",
+            "engine",
             "created_at",
         ]
 
@@ -144,6 +145,13 @@ class GpuHostOpsSerializer(serializers.ModelSerializer):
     harvest = serializers.SerializerMethodField(
         help_text='How: `source` "predictor" (its latency predictor) or "measured", and inputs.'
     )
+    engine = serializers.SerializerMethodField(
+        help_text='The engine its last heartbeat named, "harli" or "vllm" (null: none yet).'
+    )
+    capabilities = serializers.SerializerMethodField(
+        help_text="What it can do (last heartbeat): colocation (can train), architectures, "
+        "max_loras, max_lora_rank, and engine_state (a vLLM host's server state, restarts)."
+    )
 
     class Meta:
         model = GpuHost
@@ -161,6 +169,8 @@ class GpuHostOpsSerializer(serializers.ModelSerializer):
             "predictor_mape",
             "harvestable_tokens_per_s",
             "harvest",
+            "engine",
+            "capabilities",
             "queue_name",
             "created_at",
         ]
@@ -183,6 +193,17 @@ class GpuHostOpsSerializer(serializers.ModelSerializer):
     def get_harvest(self, host: GpuHost) -> dict[str, Any] | None:
         state = getattr(host, "agent_state", None)
         return dict(state.harvest or {}) if state is not None else None
+
+    def get_engine(self, host: GpuHost) -> str | None:
+        state = getattr(host, "agent_state", None)
+        return str(state.engine) if state is not None and state.reported_at else None
+
+    @extend_schema_field(serializers.DictField())
+    def get_capabilities(self, host: GpuHost) -> dict[str, Any] | None:
+        state = getattr(host, "agent_state", None)
+        if state is None or not state.capabilities:
+            return None
+        return dict(state.capabilities) | {"engine_state": dict(state.engine_state or {})}
 
 
 class PlacementOpsSerializer(serializers.ModelSerializer):

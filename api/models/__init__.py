@@ -26,7 +26,15 @@ from api.models.finetune import (
     Placement,
     PlacementState,
 )
-from api.models.fleet import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
+from api.models.fleet import (
+    Architecture,
+    BaseModel,
+    Deployment,
+    Dtype,
+    Engine,
+    GpuHost,
+    HostStatus,
+)
 from api.models.idempotency import IdempotencyKey
 from api.models.login import LoginFailure
 from api.models.metrics import (
@@ -61,6 +69,7 @@ __all__ = [
     "EngineGroup",
     "EngineGroupMetric",
     "Dtype",
+    "Engine",
     "EventLevel",
     "EventType",
     "File",

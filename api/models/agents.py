@@ -44,6 +44,14 @@ class HostAgentState(models.Model):
     `harvest`, `predictor_version`. One entry (index 0) for an agent that reports no groups."""
     gpus = models.JSONField(default=list)
     """Per GPU of the host: `index`, `total_bytes`, `free_bytes` (empty when not reported)."""
+    engine = models.CharField(max_length=16, default="harli")
+    """The host's engine, "harli" or "vllm" (`gpu_runtime.contract.host_capabilities`)."""
+    capabilities = models.JSONField(default=dict)
+    """What the host can do, defaults filled in (`reported_capabilities`): `colocation`
+    (finetune jobs are placed only where true), `architectures`, `max_loras`, `max_lora_rank`.
+    Empty before the first heartbeat."""
+    engine_state = models.JSONField(default=dict)
+    """The supervised server's `state` and `restarts` (vLLM hosts; empty otherwise)."""
     reported_at = models.DateTimeField(null=True, blank=True)
 
     class Meta:

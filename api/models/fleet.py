@@ -15,8 +15,19 @@ base_model_name_validator = RegexValidator(
 
 
 class Architecture(models.TextChoices):
+    """The architectures Harli's engine implements; a base model served by vLLM hosts may
+    have any other (`BaseModel.architecture`)."""
+
     LLAMA = "llama", "Llama (Llama 3)"
     QWEN2 = "qwen2", "Qwen2 / Qwen2.5"
+
+
+class Engine(models.TextChoices):
+    """What serves a deployment: Harli's engine (serves and co-locates finetuning) or vLLM
+    (serves base models and adapters, trains nothing)."""
+
+    HARLI = "harli", "Harli"
+    VLLM = "vllm", "vLLM"
 
 
 class Dtype(models.TextChoices):
@@ -34,7 +45,9 @@ class BaseModel(models.Model):
     """
 
     name = models.CharField(max_length=64, unique=True, validators=[base_model_name_validator])
-    architecture = models.CharField(max_length=16, choices=Architecture.choices)
+    architecture = models.CharField(max_length=64)
+    """The config's `model_type` ("llama", "qwen2", "mistral", ...): one of `Architecture`
+    for a model Harli's engine serves, any other for one only vLLM hosts serve."""
     checkpoint_dir = models.CharField(max_length=1024, blank=True)
     config = models.JSONField(null=True, blank=True)
     preset = models.CharField(max_length=32, blank=True)
@@ -66,6 +79,7 @@ class Deployment(models.Model):
     Each engine group serving it (`EngineGroup`) shards the model over `tensor_parallel_size`
     GPUs of its host; the degree must suit the base model's shape
     (`gpu_runtime.contract.tensor_parallel.tensor_parallel_problem`, checked on create).
+    `engine` says which engine's hosts serve it.
     """
 
     name = models.CharField(max_length=64, unique=True, validators=[base_model_name_validator])
@@ -79,6 +93,9 @@ class Deployment(models.Model):
         default=1,
         validators=[MinValueValidator(1), MaxValueValidator(MAX_TENSOR_PARALLEL_SIZE)],
     )
+    engine = models.CharField(max_length=16, choices=Engine.choices, default=Engine.HARLI)
+    """What serves it; a Harli deployment's base model must be of an `Architecture`
+    (`api.services.fleet` refuses others on create)."""
     created_at = models.DateTimeField(auto_now_add=True)
 
     class Meta:

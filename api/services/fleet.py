@@ -10,8 +10,16 @@ from django.db import models, transaction
 
 from api.dispatch import host_dispatch
 from api.errors import ConflictError, HarliError, NotFoundError
-from api.model_shapes import base_model_shape, checkpoint_hf_config
-from api.models import Architecture, BaseModel, Deployment, Dtype, GpuHost, HostStatus
+from api.model_shapes import ARCHITECTURE_NAME, base_model_shape, checkpoint_architecture
+from api.models import (
+    Architecture,
+    BaseModel,
+    Deployment,
+    Dtype,
+    Engine,
+    GpuHost,
+    HostStatus,
+)
 from api.presets import PRESETS
 from api.services.engine_groups import engine_group_add
 from gpu_runtime.contract.tensor_parallel import tensor_parallel_problem
@@ -30,20 +38,6 @@ def _clean(instance: models.Model, *, kind: str) -> None:
         raise HarliError(f"Invalid {kind} {field}: {message}", param=param) from None
 
 
-_MODEL_TYPES = {"llama": Architecture.LLAMA, "qwen2": Architecture.QWEN2}
-
-
-def _read_checkpoint_config(directory: Path) -> tuple[str | None, int | None]:
-    """Architecture and context length from `directory/config.json`, where present and known."""
-    config = checkpoint_hf_config(directory)
-    if config is None:
-        return None, None
-    context = config.get("max_position_embeddings")
-    return _MODEL_TYPES.get(str(config.get("model_type"))), context if isinstance(
-        context, int
-    ) else None
-
-
 @transaction.atomic
 def base_model_register(
     *,
@@ -57,7 +51,9 @@ def base_model_register(
     """Register a base model from a local checkpoint directory or a preset (exactly one).
 
     With a preset, architecture and context length default to the preset's; with a checkpoint,
-    both must be given (the runtime reads the rest from the checkpoint's config.json).
+    they default to its config.json's (`model_type`, else `architectures[0]`;
+    `max_position_embeddings`). The architecture may be any name: one Harli's engine does not
+    implement (`Architecture`) can only be served by a vLLM deployment (`deployment_create`).
     """
     if bool(checkpoint_dir) == bool(preset):
         raise HarliError(
@@ -65,7 +61,7 @@ def base_model_register(
         )
     config: dict[str, Any] | None = None
     if checkpoint_dir and (architecture is None or context_length is None):
-        found_architecture, found_context = _read_checkpoint_config(Path(checkpoint_dir))
+        found_architecture, found_context = checkpoint_architecture(Path(checkpoint_dir))
         architecture = architecture or found_architecture
         context_length = context_length or found_context
     if preset:
@@ -79,10 +75,17 @@ def base_model_register(
         config = dict(spec.config)
         architecture = architecture or spec.architecture
         context_length = context_length or spec.context_length
-    if not architecture or architecture not in Architecture.values:
+    if preset and architecture not in Architecture.values:
         raise HarliError(
-            f"Architecture must be one of {', '.join(Architecture.values)}, got {architecture!r} "
-            "(give it explicitly when the checkpoint's config.json does not name it).",
+            f"A preset's architecture must be one of {', '.join(Architecture.values)}, got "
+            f"{architecture!r}.",
+            param="architecture",
+        )
+    if not architecture or not ARCHITECTURE_NAME.match(architecture):
+        raise HarliError(
+            f"Architecture must be a model type name such as {', '.join(Architecture.values)} "
+            f"or mistral, got {architecture!r} (give it explicitly when the checkpoint's "
+            "config.json does not name it).",
             param="architecture",
         )
     if context_length is None or context_length < 1:
@@ -121,15 +124,20 @@ def deployment_create(
     ttft_slo_ms: float,
     slo_attainment_target_pct: float = 99.0,
     tensor_parallel_size: int = 1,
+    engine: str = Engine.HARLI,
 ) -> Deployment:
     """Serve `base_model` under a TPOT/TTFT SLO with an attainment target in percent, sharded
-    over `tensor_parallel_size` GPUs per engine group.
+    over `tensor_parallel_size` GPUs per engine group, by `engine`'s hosts.
+
+    A Harli deployment of an architecture the engine does not implement is refused (400,
+    param `engine`, code `architecture_needs_vllm`), naming `--engine vllm`.
 
     The degree must suit the base model's shape (`tensor_parallel_problem`: heads, KV heads and
     the MLP width divide, or KV heads replicate in whole copies); a degree above 1 needs a known
     shape (a stored config, or a checkpoint with a config.json). A bad degree is a HarliError
     (400, param `tensor_parallel_size`) naming the shape; nothing is written.
     """
+    _check_engine(base_model, engine)
     _check_tensor_parallel(base_model, tensor_parallel_size)
     deployment = Deployment(
         name=name,
@@ -138,10 +146,26 @@ def deployment_create(
         ttft_slo_ms=ttft_slo_ms,
         slo_attainment_target_pct=slo_attainment_target_pct,
         tensor_parallel_size=tensor_parallel_size,
+        engine=engine,
     )
     _clean(deployment, kind="deployment")
     deployment.save()
     return deployment
+
+
+def _check_engine(base_model: BaseModel, engine: str) -> None:
+    if engine not in Engine.values:
+        raise HarliError(
+            f"engine must be one of {', '.join(Engine.values)}, got {engine!r}.", param="engine"
+        )
+    if engine == Engine.HARLI and base_model.architecture not in Architecture.values:
+        raise HarliError(
+            f"{base_model.name} is a {base_model.architecture} model, which Harli's engine does "
+            f"not implement ({', '.join(Architecture.values)}); it is served by vLLM hosts: "
+            'create the deployment with --engine vllm (API: "engine": "vllm").',
+            param="engine",
+            code="architecture_needs_vllm",
+        )
 
 
 def _check_tensor_parallel(base_model: BaseModel, size: int) -> None:

@@ -2,11 +2,13 @@
 
 The candidates are engine groups (`EngineGroup`): a deployment on `tensor_parallel_size` (t)
 GPUs of a host. A group is eligible when its host is `online`, heartbeated within
-`HARLI_HOST_LOST_AFTER_S` and is not draining, its deployment serves the job's base model, and
-each of its GPUs has the job's per-GPU footprint free: the job trains sharded over the group's
-t GPUs, so it needs `finetune_memory_estimate(job, t)` (`gpu_runtime.contract.footprint`,
-sharded at t) on every one of them, against the least free bytes of the group's GPUs that the
-heartbeat reported (`free_bytes_per_gpu`; an agent of the one-engine shape: its free bytes / t).
+`HARLI_HOST_LOST_AFTER_S` and is not draining, can train (its last heartbeat's capabilities say
+`colocation`; a vLLM host's do not: "host cannot train (engine vllm)"), its deployment serves
+the job's base model, and each of its GPUs has the job's per-GPU footprint free: the job trains
+sharded over the group's t GPUs, so it needs `finetune_memory_estimate(job, t)`
+(`gpu_runtime.contract.footprint`, sharded at t) on every one of them, against the least free
+bytes of the group's GPUs that the heartbeat reported (`free_bytes_per_gpu`; an agent of the
+one-engine shape: its free bytes / t).
 Among eligible groups, two things decide:
 
 1. **Harvestable throughput**: the group's `harvestable_tokens_per_s` (its agent's estimate for

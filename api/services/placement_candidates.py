@@ -121,6 +121,8 @@ def candidate_row(
         row["why"] = "no recent heartbeat"
     elif state.draining:
         row["why"] = "agent is draining"
+    elif not (state.capabilities or {}).get("colocation", True):
+        row["why"] = f"host cannot train (engine {state.engine})"
     elif entry is None:
         row["why"] = f"engine group {group.index} not in the host's last heartbeat"
     elif int(entry.get("tensor_parallel_size", slot.size)) != slot.size:

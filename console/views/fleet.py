@@ -27,13 +27,15 @@ from console.views.common import not_found, page_range, render_page
 
 
 def _host_rows(hosts: list[GpuHost], latest: dict[int, HostMetric]) -> list[dict[str, object]]:
-    """Hosts with their newest fresh metric row (or None) and their engine groups, each with
-    its number of open placements (`jobs`)."""
+    """Hosts with their newest fresh metric row (or None), their agent's last heartbeat state
+    (`agent`, None before one: engine and capabilities) and their engine groups, each with its
+    number of open placements (`jobs`)."""
     jobs = group_open_placements()
     return [
         {
             "host": h,
             "metric": latest.get(h.pk),
+            "agent": getattr(h, "agent_state", None),
             "groups": [{"group": g, "jobs": jobs.get(g.pk, 0)} for g in h.engine_groups.all()],
         }
         for h in hosts

@@ -35,7 +35,7 @@ VLLM_ENV = "HARLI_VLLM"
 class HostCapabilities:
     """What a host can do, by its engine: whether it co-locates finetuning with decode, the
     model architectures it serves (empty: whatever its engine loads), and its adapter limits.
-    Not in the heartbeat yet (`gpu_runtime.contract.protocol` has no field for it)."""
+    The heartbeat reports them (`gpu_runtime.contract.host_capabilities`)."""
 
     engine: str
     colocation: bool

@@ -17,6 +17,7 @@ from typing import Any
 
 from gpu_runtime.agent.predictor import HarvestEstimate, PredictorInfo
 from gpu_runtime.colocation import IntervalMetrics, TpotWindow
+from gpu_runtime.contract.host_capabilities import HARLI_ARCHITECTURES
 from gpu_runtime.contract.statistics import percentile
 from gpu_runtime.engine import Engine
 from gpu_runtime.lora.runtime import MultiLoraRuntime
@@ -89,6 +90,12 @@ class HostSnapshot:
     predictor: PredictorInfo | None = None
     tensor_parallel_size: int = 1
     """GPUs the agent's one engine group shards its model over."""
+    engine: str = "harli"
+    capabilities: dict[str, Any] | None = None
+    """The heartbeat's `capabilities` (`gpu_runtime.contract.host_capabilities`); None: a
+    Harli engine's, its adapter slots from `serving` (:func:`harli_capabilities`)."""
+    engine_state: dict[str, Any] | None = None
+    """The supervised server's `{"state", "restarts"}` (vLLM hosts); None: not reported."""
 
     def heartbeat_fields(self) -> dict[str, Any]:
         """The heartbeat report's fields (see `gpu_runtime.contract.protocol`)."""
@@ -127,7 +134,29 @@ class HostSnapshot:
             "predictor_version": self.predictor.version if self.predictor else None,
             "predictor_mape": self.predictor.mape if self.predictor else None,
             "serving": self.serving.as_dict(),
-        }
+        } | self._engine_fields()
+
+    def _engine_fields(self) -> dict[str, Any]:
+        caps = self.capabilities
+        if caps is None:
+            caps = harli_capabilities(self.serving.adapter_slots_total, None)
+        fields: dict[str, Any] = {"engine": self.engine, "capabilities": caps}
+        if self.engine_state is not None:
+            fields["engine_state"] = self.engine_state
+        return fields
+
+
+def harli_capabilities(max_loras: int, max_lora_rank: int | None) -> dict[str, Any]:
+    """A Harli engine host's heartbeat `capabilities`: it co-locates finetuning and serves the
+    architectures the engine implements (`max_lora_rank` left out when None)."""
+    caps: dict[str, Any] = {
+        "colocation": True,
+        "architectures": list(HARLI_ARCHITECTURES),
+        "max_loras": max_loras,
+    }
+    if max_lora_rank is not None:
+        caps["max_lora_rank"] = max_lora_rank
+    return caps
 
 
 def weights_bytes(engine: Engine) -> int:

@@ -34,6 +34,7 @@ from gpu_runtime.agent.predictor import HarvestTracker, HostPredictor, load_host
 from gpu_runtime.agent.reporting import (
     HostSnapshot,
     deployment_metrics,
+    harli_capabilities,
     kv_bytes_per_block,
     metrics_fields,
     serving_figures,
@@ -434,6 +435,7 @@ class HostRuntime:
             serving=serving_figures(self._engine, lora, self.tpot_window, self.loop.clock()),
             predictor=self.predictor.info if self.predictor else None,
             tensor_parallel_size=self._engine.runner.model.parallel.size,
+            capabilities=harli_capabilities(lora.weights.num_slots, lora.weights.max_rank),
         )
 
     def _send_metrics(self) -> None:

@@ -66,7 +66,9 @@ Control queue `control`, task name :data:`HOST_REPORT_TASK`, one payload dict wi
   last :data:`SERVING_WINDOW_S` seconds: median time per output token, and the fraction within
   the host's TPOT SLO; null when none ran); absent from hosts that do not serve), and
   `engine_groups` and `gpus` (per engine group and per GPU;
-  `gpu_runtime.contract.engine_group_reports`; absent from an agent of the one-engine shape).
+  `gpu_runtime.contract.engine_group_reports`; absent from an agent of the one-engine shape),
+  and `engine`, `capabilities` and `engine_state` (what the host can do:
+  `gpu_runtime.contract.host_capabilities`; absent: a Harli host that co-locates).
 * `job_started`: `placement_id`, `job_id`, `resumed_from_step` (0 for a fresh start),
   `total_steps`, `hyperparameters` (`{"n_epochs", "batch_size", "learning_rate_multiplier"}`,
   what "auto" resolved to on the host).
@@ -118,6 +120,7 @@ from gpu_runtime.contract.engine_group_reports import (
     EngineGroupReportError,
     check_engine_group_fields,
 )
+from gpu_runtime.contract.host_capabilities import CapabilityReportError, check_capability_fields
 from gpu_runtime.contract.request_id import valid_request_id
 
 HOST_COMMAND_TASK = "harli.agent.command"
@@ -374,6 +377,11 @@ def check_report(message: Any) -> dict[str, Any]:
         try:
             check_engine_group_fields(message["kind"], message)
         except EngineGroupReportError as exc:
+            raise ProtocolError(str(exc)) from None
+    if message["kind"] == "heartbeat":
+        try:
+            check_capability_fields(message)
+        except CapabilityReportError as exc:
             raise ProtocolError(str(exc)) from None
     return message
 

@@ -75,6 +75,37 @@ def test_hosts_show_the_predictor_and_harvest_estimate_their_agent_reports(ops: 
         assert host["predictor_mape"] == 0.032
         assert host["harvestable_tokens_per_s"] == 9000.0
         assert host["harvest"] == harvest
+        assert host["engine"] == "harli" and host["capabilities"]["colocation"] is True
+    caps = {"colocation": False, "architectures": ["MistralForCausalLM"], "max_loras": 4,
+            "max_lora_rank": 16}  # fmt: skip
+    heartbeat("gpu-0", engine="vllm", capabilities=caps, engine_state={"state": "ready",
+              "restarts": 1})  # fmt: skip
+    detail = ops.get("/api/ops/hosts/gpu-0").json()
+    assert detail["engine"] == "vllm"
+    assert detail["capabilities"] == caps | {"engine_state": {"state": "ready", "restarts": 1}}
+
+
+def test_deployments_of_architectures_only_vllm_serves(ops: ApiClient, tmp_path: Any) -> None:
+    import json
+
+    checkpoint = tmp_path / "mistral"
+    checkpoint.mkdir()
+    (checkpoint / "config.json").write_text(
+        json.dumps({"model_type": "mistral", "max_position_embeddings": 32768})
+    )
+    created = ops.post("/api/ops/basemodels", {"name": "m7", "checkpoint_dir": str(checkpoint)})
+    assert created.status_code == 201, created.content
+    assert created.json()["architecture"] == "mistral"
+    body = {"name": "m-chat", "base_model": "m7", "tpot_slo_ms": 50, "ttft_slo_ms": 500}
+    error = assert_error(ops.post("/api/ops/deployments", body), 400, param="engine")
+    assert error["code"] == "architecture_needs_vllm"
+    assert "--engine vllm" in error["message"]
+    assert ops.get("/api/ops/deployments").json()["data"] == []
+    assert_error(ops.post("/api/ops/deployments", body | {"engine": "tgi"}), 400, param="engine")
+    made = ops.post("/api/ops/deployments", body | {"engine": "vllm"})
+    assert made.status_code == 201, made.content
+    assert made.json()["engine"] == "vllm"
+    assert ops.get("/api/ops/deployments/m-chat").json()["engine"] == "vllm"
 
 
 def test_tenants_and_keys(ops: ApiClient) -> None:

@@ -76,8 +76,29 @@ def test_fleet_commands(tmp_path: Path) -> None:
     run("basemodels", "register", "local-qwen", "--checkpoint", str(checkpoint))
     local = BaseModel.objects.get(name="local-qwen")
     assert (local.architecture, local.context_length, local.config) == ("qwen2", 4096, None)
-    with pytest.raises(CommandError, match="Architecture must be one of"):
+    with pytest.raises(CommandError, match="Architecture must be a model type name"):
         run("basemodels", "register", "bare", "--checkpoint", str(tmp_path / "missing"))
+    mistral = tmp_path / "mistral"
+    mistral.mkdir()
+    (mistral / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["MistralForCausalLM"],
+                "model_type": "mistral",
+                "max_position_embeddings": 32768,
+            }
+        )  # fmt: skip
+    )
+    run("basemodels", "register", "mistral-7b", "--checkpoint", str(mistral))
+    assert BaseModel.objects.get(name="mistral-7b").architecture == "mistral"
+    with pytest.raises(CommandError, match="create the deployment with --engine vllm"):
+        run("deployments", "create", "m-chat", "--base-model", "mistral-7b", "--tpot-slo-ms",
+            "40", "--ttft-slo-ms", "400")  # fmt: skip
+    assert not Deployment.objects.exists()
+    assert "engine vllm" in run("deployments", "create", "m-chat", "--base-model", "mistral-7b",
+                                "--tpot-slo-ms", "40", "--ttft-slo-ms", "400",
+                                "--engine", "vllm")  # fmt: skip
+    Deployment.objects.filter(name="m-chat").delete()
     with pytest.raises(CommandError):
         run("basemodels", "register", "both", "--preset", "tiny", "--checkpoint", "/x")
     assert "local-qwen" in run("basemodels", "list")
@@ -85,6 +106,7 @@ def test_fleet_commands(tmp_path: Path) -> None:
     run("deployments", "create", "chat", "--base-model", "tiny", "--tpot-slo-ms", "40",
         "--ttft-slo-ms", "400")  # fmt: skip
     assert Deployment.objects.get().slo_attainment_target_pct == 99.0
+    assert Deployment.objects.get().engine == "harli"
     with pytest.raises(CommandError, match="No base model"):
         run("deployments", "create", "x", "--base-model", "nope", "--tpot-slo-ms", "1",
             "--ttft-slo-ms", "1")  # fmt: skip
@@ -103,7 +125,10 @@ def test_fleet_commands(tmp_path: Path) -> None:
               predictor_version="v20261130T095333Z", predictor_mape=0.032)  # fmt: skip
     listed = run("hosts", "list").splitlines()
     assert listed[0].split()[-4:] == ["PREDICTOR", "MAPE", "HARVEST", "TOK/S"]
+    assert "ENGINE" in listed[0].split() and " harli " in listed[1]
     assert listed[1].split()[-4:] == ["v20261130T095333Z", "3.2%", "9000", "(predictor)"]
+    heartbeat("gpu-0", engine="vllm", capabilities={"colocation": False})
+    assert "vllm (no training)" in run("hosts", "list").splitlines()[1]
     with pytest.raises(CommandError, match="No host named"):
         run("hosts", "drain", "gpu-9")
     with pytest.raises(CommandError, match="must be positive"):

@@ -26,8 +26,8 @@ class Command(NounCommand):
         )
         register.add_argument(
             "--architecture",
-            choices=Architecture.values,
-            help="required with --checkpoint unless DIR/config.json names it",
+            help="the config's model_type (default: DIR/config.json's); other than "
+            f"{'/'.join(Architecture.values)}: served by vLLM deployments only",
         )
         register.add_argument("--dtype", choices=Dtype.values, default=Dtype.BFLOAT16)
         register.add_argument(

@@ -1,11 +1,12 @@
 """`manage.py deployments create NAME --base-model M --tpot-slo-ms X --ttft-slo-ms Y
-[--tensor-parallel-size T] | list`."""
+[--tensor-parallel-size T] [--engine harli|vllm] | list`."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from api.management.base import NounCommand
+from api.models import Engine
 from api.selectors import deployment_list
 from api.services.fleet import base_model_get, deployment_create
 
@@ -31,6 +32,12 @@ class Command(NounCommand):
             default=1,
             help="GPUs each engine group shards the model over (1-8; must suit its shape)",
         )
+        create.add_argument(
+            "--engine",
+            choices=Engine.values,
+            default=Engine.HARLI,
+            help="what serves it: harli (default; trains too) or vllm (any architecture)",
+        )
         subparsers.add_parser("list", help="list deployments")
 
     def action_create(
@@ -42,6 +49,7 @@ class Command(NounCommand):
         ttft_slo_ms: float,
         attainment_target_pct: float,
         tensor_parallel_size: int,
+        engine: str,
         **_: Any,
     ) -> None:
         deployment = deployment_create(
@@ -51,11 +59,12 @@ class Command(NounCommand):
             ttft_slo_ms=ttft_slo_ms,
             slo_attainment_target_pct=attainment_target_pct,
             tensor_parallel_size=tensor_parallel_size,
+            engine=engine,
         )
         self.stdout.write(
             f"Created deployment {deployment.name}: {base_model}, TPOT <= {tpot_slo_ms} ms, "
             f"TTFT <= {ttft_slo_ms} ms, target {attainment_target_pct}%, tensor parallel "
-            f"{deployment.tensor_parallel_size}."
+            f"{deployment.tensor_parallel_size}, engine {deployment.engine}."
         )
 
     def action_list(self, **_: Any) -> None:
@@ -67,7 +76,8 @@ class Command(NounCommand):
                 d.ttft_slo_ms,
                 d.slo_attainment_target_pct,
                 d.tensor_parallel_size,
+                d.engine,
             )
             for d in deployment_list()
         ]
-        self.table(["NAME", "BASE MODEL", "TPOT MS", "TTFT MS", "TARGET %", "TP"], rows)
+        self.table(["NAME", "BASE MODEL", "TPOT MS", "TTFT MS", "TARGET %", "TP", "ENGINE"], rows)

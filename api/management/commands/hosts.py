@@ -139,6 +139,7 @@ class Command(NounCommand):
                 f"{h.gpu_memory_bytes / GIB:.0f}",
                 _groups(h),
                 h.status,
+                _engine(h),
                 h.last_heartbeat_at.isoformat(timespec="seconds") if h.last_heartbeat_at else None,
                 h.predictor_version,
                 f"{100 * h.predictor_mape:.1f}%" if h.predictor_mape is not None else None,
@@ -147,10 +148,18 @@ class Command(NounCommand):
             for h in host_list(status=status)
         ]
         self.table(
-            ["NAME", "GPUS", "GIB/GPU", "ENGINE GROUPS", "STATUS", "HEARTBEAT", "PREDICTOR", "MAPE",
-             "HARVEST TOK/S"],
+            ["NAME", "GPUS", "GIB/GPU", "ENGINE GROUPS", "STATUS", "ENGINE", "HEARTBEAT",
+             "PREDICTOR", "MAPE", "HARVEST TOK/S"],
             rows,
         )  # fmt: skip
+
+
+def _engine(host: Any) -> str | None:
+    """`harli` or `vllm (no training)`, as its last heartbeat said (None: none yet)."""
+    state = getattr(host, "agent_state", None)
+    if state is None or not state.capabilities:
+        return None
+    return state.engine + ("" if state.capabilities.get("colocation") else " (no training)")
 
 
 def _groups(host: Any) -> str | None:

@@ -2,7 +2,8 @@
 and the commands they call for (stop a placement that moved elsewhere, load missing adapters
 (not those an operator unloaded there) or an engine group's deployment's base model, unload
 models that were deleted, drain or undrain to follow the host's status); a model a heartbeat
-names has no recorded load failure any more."""
+names has no recorded load failure any more. The host's engine and capabilities are kept with
+the agent state (`gpu_runtime.contract.host_capabilities`; absent: a Harli host)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ from api.services.reports.engine_groups import (
     reported_groups,
 )
 from api.transitions import TERMINAL_STATUSES
+from gpu_runtime.contract.host_capabilities import reported_capabilities
 from gpu_runtime.contract.protocol import parse_checkpoint_model
 
 
@@ -54,6 +56,7 @@ def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
     host.save(update_fields=fields)
     groups = host_engine_groups(host)
     pairs = reported_groups("heartbeat", host, message, groups)
+    caps = reported_capabilities(message)
     HostAgentState.objects.update_or_create(
         host=host,
         defaults={
@@ -69,6 +72,9 @@ def heartbeat_apply(*, host: GpuHost, message: dict[str, Any]) -> str:
             "serving": _serving(message.get("serving")),
             "engine_groups": [agent_group_state(g, entry) for g, entry in pairs],
             "gpus": gpu_figures(message.get("gpus")),
+            "engine": caps.pop("engine"),
+            "capabilities": caps,
+            "engine_state": dict(message.get("engine_state") or {}),
             "reported_at": now,
         },
     )

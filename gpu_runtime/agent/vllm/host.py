@@ -156,7 +156,7 @@ class VllmHost:
 
     # ---- reports ----------------------------------------------------------------------------
     def engine_state(self) -> dict[str, Any]:
-        """The supervisor's state and restart count (no heartbeat field holds them yet)."""
+        """The supervisor's state and restart count (the heartbeat's `engine_state`)."""
         return {"state": self.supervisor.state, "restarts": self.supervisor.restarts}
 
     def scrape(self) -> VllmScrape | None:
@@ -196,6 +196,9 @@ class VllmHost:
             draining=self.draining,
             serving=serving,
             tensor_parallel_size=self.tensor_parallel_size,
+            engine=self.capabilities.engine,
+            capabilities={k: v for k, v in self.capabilities.as_dict().items() if k != "engine"},
+            engine_state=self.engine_state(),
         )
 
     def metrics_report_fields(self) -> dict[str, Any] | None:

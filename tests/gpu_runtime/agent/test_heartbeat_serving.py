@@ -9,6 +9,7 @@ from pathlib import Path
 
 from gpu_runtime.agent.runtime import HostRuntime
 from gpu_runtime.agent.serving import lora_runtime
+from gpu_runtime.contract.protocol import check_report, report
 from gpu_runtime.contract.storage import LocalStorage
 from gpu_runtime.engine import SamplingParams
 from tests.gpu_runtime.agent.conftest import Reports, make_runtime
@@ -91,3 +92,19 @@ def test_adapter_slots_and_resident_adapters(
     while runtime.has_work():
         runtime.step()
     assert _serving(runtime) | {"tpot_p50_ms": None, "slo_attainment": None} == IDLE
+
+
+def test_a_harli_host_reports_that_it_colocates_and_its_adapter_limits(
+    tiny_model_dir: Path, storage: LocalStorage, tmp_path: Path, reports: Reports
+) -> None:
+    runtime = make_runtime(tiny_model_dir, storage, tmp_path / "work", reports).runtime
+    fields = runtime.status().heartbeat_fields()
+    check_report(report("heartbeat", "h1", server_url="http://h1/v1", **fields))
+    weights = lora_runtime(runtime.engine).weights
+    assert fields["engine"] == "harli" and "engine_state" not in fields
+    assert fields["capabilities"] == {
+        "colocation": True,
+        "architectures": ["llama", "qwen2"],
+        "max_loras": weights.num_slots,
+        "max_lora_rank": weights.max_rank,
+    }

@@ -157,6 +157,12 @@ def test_figures_after_requests(vllm_host: VllmHostParts) -> None:
     assert heartbeat["serving"]["tpot_p50_ms"] > 0 and heartbeat["free_bytes"] == 0
     assert heartbeat["placements"] == [] and heartbeat["serving"]["running"] == 0
     assert heartbeat["engine_groups"][0]["placements"] == []
+    assert heartbeat["engine"] == "vllm" and heartbeat["engine_state"]["state"] == "ready"
+    assert heartbeat["capabilities"]["colocation"] is False
+    assert (heartbeat["capabilities"]["max_loras"], heartbeat["capabilities"]["max_lora_rank"]) == (
+        2,
+        8,
+    )
 
 
 def test_a_trained_adapter_loads_and_unloads_at_run_time(
