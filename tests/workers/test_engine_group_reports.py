@@ -113,13 +113,14 @@ def test_a_one_engine_report_is_its_hosts_group_0(big: GpuHost) -> None:
 
 
 def test_what_the_agents_report_builder_sends_is_ingested(big: GpuHost) -> None:
+    # the agent's figures are rank 0's GPU's; every rank holds the same, the group the sum
     fields = metrics_fields(window_s=5.0, host_metrics=HOST_METRICS, deployment_metrics=DECODE,
-                            total_bytes=282 * GIB, tensor_parallel_size=2)  # fmt: skip
+                            total_bytes=141 * GIB, tensor_parallel_size=2)  # fmt: skip
     assert _send("metrics", **fields) == "applied"
     (row,) = EngineGroupMetric.objects.all()
     assert row.engine_group.index == 0
     assert [(g["index"], g["free_bytes"], g["total_bytes"]) for g in row.gpus] == [
-        (0, 30 * GIB, 141 * GIB), (1, 30 * GIB, 141 * GIB)
+        (0, 60 * GIB, 141 * GIB), (1, 60 * GIB, 141 * GIB)
     ]  # fmt: skip
 
 
