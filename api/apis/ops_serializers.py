@@ -198,7 +198,7 @@ class GpuHostOpsSerializer(serializers.ModelSerializer):
         state = getattr(host, "agent_state", None)
         return str(state.engine) if state is not None and state.reported_at else None
 
-    @extend_schema_field(serializers.DictField())
+    @extend_schema_field(serializers.DictField(allow_null=True))
     def get_capabilities(self, host: GpuHost) -> dict[str, Any] | None:
         state = getattr(host, "agent_state", None)
         if state is None or not state.capabilities:

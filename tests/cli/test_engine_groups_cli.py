@@ -32,12 +32,12 @@ def _deploy(name: str, size: int) -> str:
 
 def test_deployments_take_a_degree_the_shape_allows() -> None:
     run("basemodels", "register", "tiny", "--preset", "tiny")
-    assert "tensor parallel 2." in _deploy("tiny-tp2", 2)
+    assert "tensor parallel 2, engine harli." in _deploy("tiny-tp2", 2)
     with pytest.raises(CommandError, match="num_attention_heads 4 is not divisible by"):
         _deploy("tiny-tp3", 3)
     assert list(Deployment.objects.values_list("name", flat=True)) == ["tiny-tp2"]
     listing = run("deployments", "list").splitlines()
-    assert listing[0].split()[-1] == "TP" and listing[1].split()[-1] == "2"
+    assert listing[0].split()[-2:] == ["TP", "ENGINE"] and listing[1].split()[-2:] == ["2", "harli"]
 
 
 def test_hosts_serve_groups_that_are_added_listed_and_removed() -> None:
