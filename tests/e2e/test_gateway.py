@@ -128,7 +128,16 @@ def test_fine_tune_and_chat_through_one_base_url(cluster: Cluster, seeded: Tenan
     hosts = _routed_since(cluster, seen, model)
     # The first requests may have loaded the adapter on both hosts, their heartbeats read a
     # moment apart: a host counts as home if a heartbeat before or after these requests named
-    # the adapter resident there.
+    # the adapter resident there (after: every host has reported since they were answered).
+    answered = time.time()
+
+    def reported_since() -> bool:
+        states = list(HostAgentState.objects.all())
+        return len(states) == 2 and all(
+            s.reported_at is not None and s.reported_at.timestamp() > answered for s in states
+        )
+
+    wait_until(reported_since, 10, "a heartbeat of each host after the adapter's requests")
     home = [*home, *resident_on()]
     assert len(hosts) == 4 and set(hosts) <= set(home), (hosts, home)
 
